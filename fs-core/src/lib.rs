@@ -1,0 +1,11 @@
+//! keelfs-core: the filesystem library of keelfs, with the layers under it.
+//!
+//! Layers, bottom up (each looks only down):
+//! - [`bdev`]: block devices driven by a polling caller (io_uring, pmem, RAM,
+//!   fault injection). No call blocks on I/O and nothing here knows about
+//!   reactors.
+//! - [`reactor`]: the per-core, single-threaded polling runtime that drives
+//!   block devices, timers, a lock-free inbox and other pollable sources.
+
+pub mod bdev;
+pub mod reactor;

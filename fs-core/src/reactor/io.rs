@@ -1,0 +1,375 @@
+//! Block I/O as futures on a reactor.
+//!
+//! A [`DeviceChannel`] owns one core's [`IoQueue`]. Each I/O takes its
+//! buffer by value and gives it back on completion, so the memory the
+//! device reads or writes is owned by the channel while in flight: dropping
+//! the future early cannot free memory under the device. This is the safe
+//! face of [`IoQueue::submit`]'s contract.
+//!
+//! When the device queue is full, requests wait in FIFO order and are
+//! submitted as completions free room; exhaustion is never an error.
+
+use std::any::Any;
+use std::cell::RefCell;
+use std::collections::VecDeque;
+use std::future::Future;
+use std::marker::PhantomData;
+use std::os::fd::RawFd;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::task::{Context, Poll, Waker};
+use std::time::Instant;
+
+use crate::bdev::{AlignedBuf, BdevError, Completion, Geometry, IoKind, IoQueue, IoRequest, IoVec, PoolBuf};
+
+use super::{register_poller, Poller, PollerClass};
+
+/// Completions handled per poll; bounds one iteration's work.
+const COMPLETIONS_PER_POLL_MAX: usize = 256;
+
+/// Lets a boxed buffer be turned back into its concrete type.
+pub trait IntoAny: Any {
+    fn into_any(self: Box<Self>) -> Box<dyn Any>;
+}
+
+impl<T: Any> IntoAny for T {
+    fn into_any(self: Box<Self>) -> Box<dyn Any> {
+        self
+    }
+}
+
+/// Memory a device may read or write while the channel owns it.
+///
+/// # Safety
+/// `iovecs` must describe memory that this value owns or keeps alive, that
+/// stays at the same address when the value moves, and that nothing else
+/// accesses while the value is inside the channel.
+pub unsafe trait IoBuffer: IntoAny {
+    fn iovecs(&mut self, out: &mut Vec<IoVec>);
+}
+
+// SAFETY: AlignedBuf owns a heap allocation that does not move with it.
+unsafe impl IoBuffer for AlignedBuf {
+    fn iovecs(&mut self, out: &mut Vec<IoVec>) {
+        out.push(self.iovec());
+    }
+}
+
+// SAFETY: a PoolBuf is the only handle to its part of the pool's region,
+// which its Arc keeps alive.
+unsafe impl IoBuffer for PoolBuf {
+    fn iovecs(&mut self, out: &mut Vec<IoVec>) {
+        out.push(self.iovec());
+    }
+}
+
+// SAFETY: each element owns its own allocation, as above.
+unsafe impl IoBuffer for Vec<AlignedBuf> {
+    fn iovecs(&mut self, out: &mut Vec<IoVec>) {
+        out.extend(self.iter_mut().map(|b| b.iovec()));
+    }
+}
+
+/// The empty buffer of a flush.
+pub struct NoBuffer;
+
+// SAFETY: names no memory.
+unsafe impl IoBuffer for NoBuffer {
+    fn iovecs(&mut self, _out: &mut Vec<IoVec>) {}
+}
+
+enum OpState {
+    Free,
+    Waiting,
+    InFlight,
+    Done(Result<u32, BdevError>),
+}
+
+struct Op {
+    generation: u32,
+    state: OpState,
+    kind: IoKind,
+    offset: u64,
+    buffer: Option<Box<dyn IoBuffer>>,
+    pool_index: Option<u16>,
+    waker: Option<Waker>,
+    /// The future was dropped: free the op when the device is done with it.
+    abandoned: bool,
+}
+
+struct ChannelState {
+    queue: Box<dyn IoQueue>,
+    ops: Vec<Op>,
+    free_ops: Vec<u32>,
+    waiting: VecDeque<u32>,
+    completions: Vec<Completion>,
+    iovecs: Vec<IoVec>,
+    stats: ChannelStats,
+}
+
+/// What a channel has done, for tests and the stats RPC.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ChannelStats {
+    pub submitted: u64,
+    pub completed: u64,
+    pub queue_full_waits: u64,
+    pub in_flight_max: u64,
+}
+
+fn token_of(index: u32, generation: u32) -> u64 {
+    (u64::from(generation) << 32) | u64::from(index)
+}
+
+impl ChannelState {
+    fn alloc_op(&mut self, kind: IoKind, offset: u64, buffer: Box<dyn IoBuffer>, pool_index: Option<u16>) -> (u32, u32) {
+        let index = match self.free_ops.pop() {
+            Some(i) => i,
+            None => {
+                self.ops.push(Op {
+                    generation: 0,
+                    state: OpState::Free,
+                    kind,
+                    offset,
+                    buffer: None,
+                    pool_index: None,
+                    waker: None,
+                    abandoned: false,
+                });
+                (self.ops.len() - 1) as u32
+            }
+        };
+        let op = &mut self.ops[index as usize];
+        debug_assert!(matches!(op.state, OpState::Free));
+        op.generation = op.generation.wrapping_add(1);
+        op.kind = kind;
+        op.offset = offset;
+        op.buffer = Some(buffer);
+        op.pool_index = pool_index;
+        op.waker = None;
+        op.abandoned = false;
+        op.state = OpState::Waiting;
+        (index, op.generation)
+    }
+
+    fn free_op(&mut self, index: u32) {
+        let op = &mut self.ops[index as usize];
+        op.state = OpState::Free;
+        op.buffer = None;
+        op.waker = None;
+        self.free_ops.push(index);
+    }
+
+    /// Hand the op to the device. Returns false if the device is full.
+    fn try_submit(&mut self, index: u32) -> bool {
+        let op = &mut self.ops[index as usize];
+        self.iovecs.clear();
+        if let Some(buffer) = op.buffer.as_mut() {
+            buffer.iovecs(&mut self.iovecs);
+        }
+        let req = IoRequest {
+            token: token_of(index, op.generation),
+            kind: op.kind,
+            offset_bytes: op.offset,
+            iovecs: &self.iovecs,
+            pool_index: op.pool_index,
+        };
+        // SAFETY: the op owns the buffer (an IoBuffer, whose contract keeps
+        // its memory valid and unshared) until the completion arrives: the
+        // buffer is released only in `complete` or after it.
+        match unsafe { self.queue.submit(&req) } {
+            Ok(()) => {
+                op.state = OpState::InFlight;
+                self.stats.submitted += 1;
+                self.stats.in_flight_max = self.stats.in_flight_max.max(self.queue.in_flight() as u64);
+                true
+            }
+            Err(BdevError::QueueFull) => false,
+            Err(e) => {
+                op.state = OpState::Done(Err(e));
+                if let Some(w) = op.waker.take() {
+                    w.wake();
+                }
+                true
+            }
+        }
+    }
+
+    fn complete(&mut self, c: Completion) {
+        let index = (c.token & u64::from(u32::MAX)) as u32;
+        let generation = (c.token >> 32) as u32;
+        let op = &mut self.ops[index as usize];
+        assert_eq!(op.generation, generation, "completion for a recycled op");
+        assert!(matches!(op.state, OpState::InFlight), "completion for an op not in flight");
+        self.stats.completed += 1;
+        if op.abandoned {
+            self.free_op(index);
+            return;
+        }
+        op.state = OpState::Done(c.result);
+        if let Some(w) = op.waker.take() {
+            w.wake();
+        }
+    }
+
+    fn poll_device(&mut self) -> bool {
+        let mut completions = std::mem::take(&mut self.completions);
+        completions.clear();
+        let n = self.queue.poll(&mut completions, COMPLETIONS_PER_POLL_MAX);
+        for c in completions.drain(..) {
+            self.complete(c);
+        }
+        self.completions = completions;
+        let mut resubmitted = false;
+        while let Some(&index) = self.waiting.front() {
+            if !self.try_submit(index) {
+                break;
+            }
+            self.waiting.pop_front();
+            resubmitted = true;
+        }
+        n > 0 || resubmitted
+    }
+}
+
+/// One reactor's asynchronous path to a block device.
+#[derive(Clone)]
+pub struct DeviceChannel {
+    state: Rc<RefCell<ChannelState>>,
+}
+
+struct ChannelPoller {
+    state: Rc<RefCell<ChannelState>>,
+}
+
+impl Poller for ChannelPoller {
+    fn poll(&mut self, _now: Instant) -> bool {
+        self.state.borrow_mut().poll_device()
+    }
+    fn wake_fd(&self) -> Option<RawFd> {
+        self.state.borrow().queue.completion_eventfd()
+    }
+    fn can_sleep(&self) -> bool {
+        let s = self.state.borrow();
+        s.queue.in_flight() == 0 || s.queue.completion_eventfd().is_some()
+    }
+}
+
+impl DeviceChannel {
+    /// Wrap `queue` and register its poller with the current reactor.
+    ///
+    /// # Panics
+    /// Outside a reactor thread.
+    pub fn attach(queue: Box<dyn IoQueue>) -> Self {
+        let (channel, poller) = Self::detached(queue);
+        register_poller(PollerClass::Device, poller);
+        channel
+    }
+
+    /// A channel and the poller that drives it, for callers that register
+    /// pollers themselves.
+    pub fn detached(queue: Box<dyn IoQueue>) -> (Self, Box<dyn Poller>) {
+        let state = Rc::new(RefCell::new(ChannelState {
+            queue,
+            ops: Vec::new(),
+            free_ops: Vec::new(),
+            waiting: VecDeque::new(),
+            completions: Vec::with_capacity(COMPLETIONS_PER_POLL_MAX),
+            iovecs: Vec::new(),
+            stats: ChannelStats::default(),
+        }));
+        (Self { state: Rc::clone(&state) }, Box::new(ChannelPoller { state }))
+    }
+
+    pub fn geometry(&self) -> Geometry {
+        self.state.borrow().queue.geometry()
+    }
+
+    pub fn stats(&self) -> ChannelStats {
+        self.state.borrow().stats
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.state.borrow().queue.in_flight()
+    }
+
+    pub fn read<B: IoBuffer>(&self, offset: u64, buffer: B) -> IoFuture<B> {
+        self.start(IoKind::Read, offset, Box::new(buffer), None)
+    }
+
+    pub fn write<B: IoBuffer>(&self, offset: u64, buffer: B) -> IoFuture<B> {
+        self.start(IoKind::Write, offset, Box::new(buffer), None)
+    }
+
+    /// A read into a registered pool buffer (fixed-buffer I/O on io_uring).
+    pub fn read_pooled(&self, offset: u64, buffer: PoolBuf) -> IoFuture<PoolBuf> {
+        let index = buffer.index();
+        self.start(IoKind::Read, offset, Box::new(buffer), Some(index))
+    }
+
+    pub fn write_pooled(&self, offset: u64, buffer: PoolBuf) -> IoFuture<PoolBuf> {
+        let index = buffer.index();
+        self.start(IoKind::Write, offset, Box::new(buffer), Some(index))
+    }
+
+    pub fn flush(&self) -> IoFuture<NoBuffer> {
+        self.start(IoKind::Flush, 0, Box::new(NoBuffer), None)
+    }
+
+    fn start<B: IoBuffer>(&self, kind: IoKind, offset: u64, buffer: Box<dyn IoBuffer>, pool: Option<u16>) -> IoFuture<B> {
+        let mut s = self.state.borrow_mut();
+        let (index, generation) = s.alloc_op(kind, offset, buffer, pool);
+        // Keep FIFO order: nothing overtakes requests already waiting.
+        if !s.waiting.is_empty() || !s.try_submit(index) {
+            s.waiting.push_back(index);
+            s.stats.queue_full_waits += 1;
+        }
+        IoFuture { state: Rc::clone(&self.state), index, generation, _buffer: PhantomData }
+    }
+}
+
+/// Resolves to the buffer and the I/O's result.
+pub struct IoFuture<B> {
+    state: Rc<RefCell<ChannelState>>,
+    index: u32,
+    generation: u32,
+    _buffer: PhantomData<B>,
+}
+
+impl<B: IoBuffer> Future for IoFuture<B> {
+    type Output = (B, Result<u32, BdevError>);
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut s = self.state.borrow_mut();
+        let op = &mut s.ops[self.index as usize];
+        assert_eq!(op.generation, self.generation, "IoFuture polled after completion");
+        if !matches!(op.state, OpState::Done(_)) {
+            op.waker = Some(cx.waker().clone());
+            return Poll::Pending;
+        }
+        let OpState::Done(result) = std::mem::replace(&mut op.state, OpState::Free) else { unreachable!() };
+        let buffer = op.buffer.take().expect("a finished op still holds its buffer");
+        op.generation = op.generation.wrapping_add(1);
+        s.free_op(self.index);
+        let buffer = *buffer.into_any().downcast::<B>().expect("buffer type matches the future's");
+        Poll::Ready((buffer, result))
+    }
+}
+
+impl<B> Drop for IoFuture<B> {
+    fn drop(&mut self) {
+        let Ok(mut s) = self.state.try_borrow_mut() else { return };
+        let op = &mut s.ops[self.index as usize];
+        if op.generation != self.generation {
+            return; // already completed and taken
+        }
+        match op.state {
+            OpState::InFlight => op.abandoned = true,
+            OpState::Waiting => {
+                s.waiting.retain(|&i| i != self.index);
+                s.free_op(self.index);
+            }
+            OpState::Done(_) => s.free_op(self.index),
+            OpState::Free => {}
+        }
+    }
+}
