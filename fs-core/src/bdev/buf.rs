@@ -110,7 +110,7 @@ impl BufferPool {
 
     pub fn new(count: usize, buffer_bytes: usize, align: usize) -> Self {
         assert!(count > 0 && count <= Self::MAX_BUFFERS);
-        assert!(buffer_bytes > 0 && buffer_bytes % align == 0);
+        assert!(buffer_bytes > 0 && buffer_bytes.is_multiple_of(align));
         let mut memory = AlignedBuf::zeroed(count * buffer_bytes, align);
         // Taken before the buffer is shared so that writes through it carry
         // the allocation's own (mutable) provenance.

@@ -17,7 +17,10 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::{validate_request, BdevError, BlockDevice, Completion, Geometry, IoKind, IoQueue, IoRequest, IoVec, QueueConfig, Token};
+use super::{
+    validate_request, BdevError, BlockDevice, Completion, Geometry, IoKind, IoQueue, IoRequest, IoVec, QueueConfig,
+    Token,
+};
 
 /// A fault to inject. Operations are counted per kind across all queues of
 /// the device, from 0, starting when the rule's device is created.
@@ -37,9 +40,14 @@ pub enum FaultRule {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LogEntry {
-    Write { offset: u64, data: Vec<u8> },
+    Write {
+        offset: u64,
+        data: Vec<u8>,
+    },
     /// A completed flush that made entries `[0, covers)` durable.
-    Flush { covers: usize },
+    Flush {
+        covers: usize,
+    },
 }
 
 /// What happens to one write that no flush covered at the crash.
@@ -48,7 +56,9 @@ pub enum Persist {
     Kept,
     Lost,
     /// Only the first `sectors` logical blocks reached the medium.
-    Torn { sectors: u32 },
+    Torn {
+        sectors: u32,
+    },
 }
 
 /// Every completed write and flush, in completion order.
@@ -177,7 +187,9 @@ impl FaultState {
                 FaultRule::FailRange { kind: k, start, end } => {
                     k == kind && kind != IoKind::Flush && offset < end && offset + len > start
                 }
-                FaultRule::FailRandom { kind: k, permille, .. } => k == kind && splitmix64(rng) % 1000 < u64::from(permille),
+                FaultRule::FailRandom { kind: k, permille, .. } => {
+                    k == kind && splitmix64(rng) % 1000 < u64::from(permille)
+                }
                 FaultRule::TearNthWrite { nth: n, sectors_kept } => {
                     if kind == IoKind::Write && n == nth {
                         action = Action::Tear { sectors_kept };

@@ -202,9 +202,8 @@ fn map_shared(file: &File, len: usize) -> Result<(*mut u8, bool), BdevError> {
     let prot = libc::PROT_READ | libc::PROT_WRITE;
     let fd = file.as_raw_fd();
     // SAFETY: a shared mapping of an open file with no address hint.
-    let sync = unsafe {
-        libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED_VALIDATE | libc::MAP_SYNC, fd, 0)
-    };
+    let sync =
+        unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED_VALIDATE | libc::MAP_SYNC, fd, 0) };
     if sync != libc::MAP_FAILED {
         return Ok((sync.cast(), true));
     }
@@ -285,7 +284,9 @@ impl IoQueue for MappedQueue {
                 if req.kind == IoKind::Write {
                     if let Persistence::Pmem { instruction, .. } = self.persistence {
                         // SAFETY: the written range lies inside the mapping.
-                        unsafe { write_back(self.mapping.base.add(req.offset_bytes as usize), total as usize, instruction) };
+                        unsafe {
+                            write_back(self.mapping.base.add(req.offset_bytes as usize), total as usize, instruction)
+                        };
                     }
                 }
                 Ok(total as u32)

@@ -214,23 +214,24 @@ pub fn validate_request(geometry: &Geometry, req: &IoRequest<'_>) -> Result<u64,
         return Err(BdevError::Empty);
     }
     if req.iovecs.len() > geometry.max_iovecs_per_request as usize {
-        return Err(BdevError::TooManySegments {
-            count: req.iovecs.len(),
-            max: geometry.max_iovecs_per_request,
-        });
+        return Err(BdevError::TooManySegments { count: req.iovecs.len(), max: geometry.max_iovecs_per_request });
     }
     let block = u64::from(geometry.logical_block_size);
-    if req.offset_bytes % block != 0 {
+    if !req.offset_bytes.is_multiple_of(block) {
         return Err(BdevError::MisalignedOffset { offset: req.offset_bytes, block: geometry.logical_block_size });
     }
     let mut total: u64 = 0;
     for v in req.iovecs {
         let addr = v.base as usize;
         if v.len == 0
-            || addr % geometry.memory_alignment as usize != 0
-            || v.len as u64 % block != 0
+            || !addr.is_multiple_of(geometry.memory_alignment as usize)
+            || !(v.len as u64).is_multiple_of(block)
         {
-            return Err(BdevError::MisalignedBuffer { addr, len: v.len, align: geometry.memory_alignment.max(geometry.logical_block_size) });
+            return Err(BdevError::MisalignedBuffer {
+                addr,
+                len: v.len,
+                align: geometry.memory_alignment.max(geometry.logical_block_size),
+            });
         }
         total += v.len as u64;
     }
@@ -273,12 +274,18 @@ mod tests {
         let odd = [IoVec { base: unsafe { buf.as_mut_ptr().add(1) }, len: 512 }];
         assert!(matches!(validate_request(&g, &IoRequest::write(1, 0, &odd)), Err(BdevError::MisalignedBuffer { .. })));
         let short = [IoVec { base: buf.as_mut_ptr(), len: 100 }];
-        assert!(matches!(validate_request(&g, &IoRequest::write(1, 0, &short)), Err(BdevError::MisalignedBuffer { .. })));
+        assert!(matches!(
+            validate_request(&g, &IoRequest::write(1, 0, &short)),
+            Err(BdevError::MisalignedBuffer { .. })
+        ));
         assert!(matches!(
             validate_request(&g, &IoRequest::read(1, (1 << 20) - 512, &ok)),
             Err(BdevError::OutOfRange { .. })
         ));
-        assert!(matches!(validate_request(&g, &IoRequest::read(1, u64::MAX - 511, &ok)), Err(BdevError::OutOfRange { .. })));
+        assert!(matches!(
+            validate_request(&g, &IoRequest::read(1, u64::MAX - 511, &ok)),
+            Err(BdevError::OutOfRange { .. })
+        ));
         assert_eq!(validate_request(&g, &IoRequest::read(1, 0, &[])), Err(BdevError::Empty));
         let many = [ok[0]; 5];
         assert!(matches!(validate_request(&g, &IoRequest::read(1, 0, &many)), Err(BdevError::TooManySegments { .. })));

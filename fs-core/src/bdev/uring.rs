@@ -16,8 +16,8 @@ use std::sync::Arc;
 use io_uring::{opcode, squeue, types, IoUring};
 
 use super::{
-    validate_request, BdevError, BlockDevice, BufferPool, Completion, Geometry, IoKind, IoQueue, IoRequest, QueueConfig,
-    Token, MAX_IOVECS_PER_REQUEST, MAX_REQUEST_BYTES,
+    validate_request, BdevError, BlockDevice, BufferPool, Completion, Geometry, IoKind, IoQueue, IoRequest,
+    QueueConfig, Token, MAX_IOVECS_PER_REQUEST, MAX_REQUEST_BYTES,
 };
 
 /// Transient errors are retried this many times before the request fails.
@@ -240,7 +240,9 @@ impl UringQueue {
         let entry = match (slot.kind, slot.pool_index, iov.len()) {
             (Some(IoKind::Flush), _, _) => opcode::Fsync::new(fd).flags(types::FsyncFlags::DATASYNC).build(),
             (Some(IoKind::Read), Some(index), 1) => {
-                opcode::ReadFixed::new(fd, iov[0].iov_base.cast(), iov[0].iov_len as u32, index).offset(slot.offset).build()
+                opcode::ReadFixed::new(fd, iov[0].iov_base.cast(), iov[0].iov_len as u32, index)
+                    .offset(slot.offset)
+                    .build()
             }
             (Some(IoKind::Write), Some(index), 1) => {
                 opcode::WriteFixed::new(fd, iov[0].iov_base.cast(), iov[0].iov_len as u32, index)

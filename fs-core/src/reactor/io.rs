@@ -121,7 +121,13 @@ fn token_of(index: u32, generation: u32) -> u64 {
 }
 
 impl ChannelState {
-    fn alloc_op(&mut self, kind: IoKind, offset: u64, buffer: Box<dyn IoBuffer>, pool_index: Option<u16>) -> (u32, u32) {
+    fn alloc_op(
+        &mut self,
+        kind: IoKind,
+        offset: u64,
+        buffer: Box<dyn IoBuffer>,
+        pool_index: Option<u16>,
+    ) -> (u32, u32) {
         let index = match self.free_ops.pop() {
             Some(i) => i,
             None => {
@@ -315,7 +321,13 @@ impl DeviceChannel {
         self.start(IoKind::Flush, 0, Box::new(NoBuffer), None)
     }
 
-    fn start<B: IoBuffer>(&self, kind: IoKind, offset: u64, buffer: Box<dyn IoBuffer>, pool: Option<u16>) -> IoFuture<B> {
+    fn start<B: IoBuffer>(
+        &self,
+        kind: IoKind,
+        offset: u64,
+        buffer: Box<dyn IoBuffer>,
+        pool: Option<u16>,
+    ) -> IoFuture<B> {
         let mut s = self.state.borrow_mut();
         let (index, generation) = s.alloc_op(kind, offset, buffer, pool);
         // Keep FIFO order: nothing overtakes requests already waiting.
