@@ -1,1 +1,29 @@
-fn main() {}
+//! keelfs-bench: keelfs's benchmarks, each run side by side with a peer in
+//! the same invocation so that results are ratios, not lone figures.
+
+mod bdev;
+mod fio;
+mod hist;
+mod units;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "keelfs-bench", version, about = "keelfs benchmarks, run side by side with peers")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Drive a block-device backend from one thread (optionally against fio's io_uring engine).
+    Bdev(bdev::BdevArgs),
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Bdev(args) => bdev::run(&args),
+    }
+}
