@@ -8,4 +8,5 @@
 //!   block devices, timers, a lock-free inbox and other pollable sources.
 
 pub mod bdev;
+pub mod fs;
 pub mod reactor;

@@ -37,3 +37,37 @@ pub fn fill_pattern(buf: &mut [u8], seed: u64) {
         *b = (seed.wrapping_mul(31).wrapping_add(i as u64 / 7) ^ (i as u64 >> 9)) as u8;
     }
 }
+
+use std::sync::Arc;
+
+use keelfs_core::bdev::{BlockDevice, MappedDevice, QueueConfig};
+use keelfs_core::fs::fsck::{fsck, FsckReport};
+use keelfs_core::fs::mkfs::{mkfs, MkfsOptions};
+use keelfs_core::fs::{Fs, FsConfig};
+use keelfs_core::reactor::io::DeviceChannel;
+use keelfs_core::reactor::{PollMode, Reactor, ReactorConfig};
+
+pub fn busy_reactor() -> Reactor {
+    Reactor::new(ReactorConfig { mode: PollMode::Busy, ..ReactorConfig::default() }).expect("reactor")
+}
+
+pub fn ram_device(bytes: u64) -> Arc<dyn BlockDevice> {
+    Arc::new(MappedDevice::ram(bytes, 4096).expect("ram device"))
+}
+
+/// A channel to `dev` on the current reactor.
+pub fn channel(dev: &Arc<dyn BlockDevice>) -> DeviceChannel {
+    DeviceChannel::attach(dev.open_queue(QueueConfig { depth: 64, completion_eventfd: false }).expect("queue"))
+}
+
+pub async fn format(dev: &Arc<dyn BlockDevice>) {
+    mkfs(channel(dev), &MkfsOptions { force: true, ..MkfsOptions::default() }).await.expect("mkfs");
+}
+
+pub async fn mount(dev: &Arc<dyn BlockDevice>) -> Fs {
+    Fs::mount(channel(dev), FsConfig::default()).await.expect("mount")
+}
+
+pub async fn check(dev: &Arc<dyn BlockDevice>) -> FsckReport {
+    fsck(channel(dev), |_| {}).await.expect("fsck ran")
+}

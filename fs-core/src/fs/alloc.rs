@@ -1,0 +1,223 @@
+//! Free-space management: the data area is split into allocation groups,
+//! each with its own index of free runs (start -> length), so that cores
+//! allocating in different groups never touch the same structure.
+//!
+//! Allocation prefers the block right after the caller's hint (the end of
+//! the file's previous extent), which is what makes sequential writes
+//! extend one extent instead of producing many.
+
+use std::collections::BTreeMap;
+
+use super::format::BlockRun;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AllocError {
+    #[error("blocks [{start}, +{len}) are claimed twice or lie outside the data area")]
+    Conflict { start: u64, len: u64 },
+}
+
+#[derive(Clone, Debug)]
+struct Group {
+    start: u64,
+    end: u64,
+    free: BTreeMap<u64, u64>,
+    free_blocks: u64,
+}
+
+impl Group {
+    fn insert_free(&mut self, mut start: u64, mut len: u64) {
+        if let Some((&prev, &prev_len)) = self.free.range(..start).next_back() {
+            if prev + prev_len == start {
+                self.free.remove(&prev);
+                start = prev;
+                len += prev_len;
+            }
+        }
+        if let Some(&next_len) = self.free.get(&(start + len)) {
+            self.free.remove(&(start + len));
+            len += next_len;
+        }
+        self.free.insert(start, len);
+    }
+
+    /// Remove [start, start+len) from the free index; it must be free.
+    fn carve(&mut self, start: u64, len: u64) -> bool {
+        let Some((&run, &run_len)) = self.free.range(..=start).next_back() else { return false };
+        if run + run_len < start + len {
+            return false;
+        }
+        self.free.remove(&run);
+        if run < start {
+            self.free.insert(run, start - run);
+        }
+        if start + len < run + run_len {
+            self.free.insert(start + len, run + run_len - (start + len));
+        }
+        self.free_blocks -= len;
+        true
+    }
+
+    /// Up to `want` contiguous blocks, at `hint` if that block is free,
+    /// else the first run at or after it, else the first run.
+    fn alloc(&mut self, want: u64, hint: u64) -> Option<BlockRun> {
+        let at_hint = self.free.range(..=hint).next_back().filter(|(&s, &l)| s <= hint && hint < s + l);
+        let (start, avail) = if let Some((&s, &l)) = at_hint {
+            (hint, s + l - hint)
+        } else if let Some((&s, &l)) = self.free.range(hint..).next() {
+            (s, l)
+        } else {
+            let (&s, &l) = self.free.iter().next()?;
+            (s, l)
+        };
+        let len = want.min(avail);
+        let carved = self.carve(start, len);
+        debug_assert!(carved);
+        Some(BlockRun { start, len })
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Allocator {
+    groups: Vec<Group>,
+    data_start: u64,
+    data_end: u64,
+}
+
+impl Allocator {
+    /// Everything in [data_start, data_end) free, split into `groups`.
+    pub fn new(data_start: u64, data_end: u64, groups: u32) -> Self {
+        assert!(data_start < data_end && groups > 0);
+        let total = data_end - data_start;
+        let per = total.div_ceil(u64::from(groups)).max(1);
+        let mut out = Vec::new();
+        let mut s = data_start;
+        while s < data_end {
+            let e = (s + per).min(data_end);
+            let mut free = BTreeMap::new();
+            free.insert(s, e - s);
+            out.push(Group { start: s, end: e, free, free_blocks: e - s });
+            s = e;
+        }
+        Self { groups: out, data_start, data_end }
+    }
+
+    pub fn group_count(&self) -> usize {
+        self.groups.len()
+    }
+
+    pub fn free_blocks(&self) -> u64 {
+        self.groups.iter().map(|g| g.free_blocks).sum()
+    }
+
+    pub fn total_blocks(&self) -> u64 {
+        self.data_end - self.data_start
+    }
+
+    fn group_of(&self, block: u64) -> Option<usize> {
+        if block < self.data_start || block >= self.data_end {
+            return None;
+        }
+        self.groups.iter().position(|g| g.start <= block && block < g.end)
+    }
+
+    /// Up to `want` contiguous blocks near `hint`, or in group `preferred`.
+    /// Returns fewer blocks when no longer run is free; None when full.
+    pub fn alloc(&mut self, want: u64, hint: Option<u64>, preferred: usize) -> Option<BlockRun> {
+        assert!(want > 0);
+        let first = hint.and_then(|h| self.group_of(h)).unwrap_or(preferred % self.groups.len());
+        let n = self.groups.len();
+        for i in 0..n {
+            let g = (first + i) % n;
+            let group = &mut self.groups[g];
+            if group.free_blocks == 0 {
+                continue;
+            }
+            let h = hint.filter(|_| i == 0).unwrap_or(group.start);
+            if let Some(run) = group.alloc(want, h) {
+                return Some(run);
+            }
+        }
+        None
+    }
+
+    /// Mark a run used (loading an image). A run that is not wholly free is
+    /// a double claim: the image is damaged.
+    pub fn claim(&mut self, run: BlockRun) -> Result<(), AllocError> {
+        let conflict = AllocError::Conflict { start: run.start, len: run.len };
+        let mut at = run.start;
+        while at < run.end() {
+            let g = self.group_of(at).ok_or(conflict.clone())?;
+            let piece = (self.groups[g].end.min(run.end())) - at;
+            if !self.groups[g].carve(at, piece) {
+                return Err(conflict);
+            }
+            at += piece;
+        }
+        Ok(())
+    }
+
+    pub fn free(&mut self, run: BlockRun) {
+        let mut at = run.start;
+        while at < run.end() {
+            let g = self.group_of(at).expect("freed blocks lie in the data area");
+            let group = &mut self.groups[g];
+            let piece = group.end.min(run.end()) - at;
+            debug_assert!(
+                group.free.range(..at + piece).next_back().is_none_or(|(&s, &l)| s + l <= at),
+                "double free of block {at}"
+            );
+            group.insert_free(at, piece);
+            group.free_blocks += piece;
+            at += piece;
+        }
+    }
+
+    /// The free runs, in order (for fsck and tests).
+    pub fn free_runs(&self) -> Vec<BlockRun> {
+        self.groups.iter().flat_map(|g| g.free.iter().map(|(&start, &len)| BlockRun { start, len })).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hinted_allocation_extends_in_place() {
+        let mut a = Allocator::new(10, 1010, 4);
+        let first = a.alloc(1, None, 0).unwrap();
+        assert_eq!(first, BlockRun { start: 10, len: 1 });
+        let mut end = first.end();
+        for _ in 0..100 {
+            let next = a.alloc(1, Some(end), 0).unwrap();
+            assert_eq!(next.start, end, "sequential allocation continues the run");
+            end = next.end();
+        }
+        assert_eq!(a.free_blocks(), 1000 - 101);
+    }
+
+    #[test]
+    fn free_merges_and_claim_detects_double_use() {
+        let mut a = Allocator::new(0, 100, 1);
+        let r1 = a.alloc(10, None, 0).unwrap();
+        let r2 = a.alloc(10, None, 0).unwrap();
+        a.free(r1);
+        a.free(r2);
+        assert_eq!(a.free_runs(), vec![BlockRun { start: 0, len: 100 }]);
+        a.claim(BlockRun { start: 5, len: 5 }).unwrap();
+        assert!(a.claim(BlockRun { start: 8, len: 5 }).is_err());
+        assert!(a.claim(BlockRun { start: 99, len: 5 }).is_err());
+        assert_eq!(a.free_blocks(), 95);
+    }
+
+    #[test]
+    fn allocation_spills_to_other_groups_and_reports_full() {
+        let mut a = Allocator::new(0, 40, 4);
+        let mut got = 0;
+        while let Some(run) = a.alloc(7, None, 2) {
+            got += run.len;
+        }
+        assert_eq!(got, 40);
+        assert_eq!(a.free_blocks(), 0);
+    }
+}

@@ -1,0 +1,287 @@
+//! The keelfs filesystem core.
+//!
+//! Metadata lives in memory ([`state::State`]) and is made durable by a
+//! write-ahead journal of [`record::Record`]s with group commit, plus
+//! periodic checkpoints that write the whole state and let the journal
+//! ring be reused. Data lives in extents on the device; metadata that makes
+//! data visible commits only after that data is durable (ordered mode).
+//! See docs/FORMAT.md for the layout and the crash analysis.
+//!
+//! An [`Fs`] belongs to one reactor: its operations are async functions run
+//! as tasks there, and no thread ever blocks on I/O.
+
+pub mod alloc;
+pub mod codec;
+pub mod error;
+pub mod extent;
+pub mod format;
+pub mod fsck;
+mod journal;
+pub mod mkfs;
+mod ops;
+pub mod record;
+pub mod state;
+pub mod sync;
+
+pub use error::{FsError, FsResult};
+pub use journal::{CHECKPOINT_BLOCK_MAGIC, JOURNAL_TX_MAGIC};
+pub use ops::{Attr, Creds, DirEntry, SetAttr, TimeSet};
+
+use std::cell::{Cell, RefCell};
+use std::collections::{BTreeSet, HashMap};
+use std::rc::Rc;
+use std::time::Duration;
+
+use crate::bdev::{AlignedBuf, Geometry};
+use crate::reactor::io::DeviceChannel;
+use codec::Writer;
+use format::{Superblock, BLOCK_BYTES, BLOCK_SIZE};
+use state::{ApplyMode, State};
+
+/// Settings of a mounted filesystem.
+#[derive(Clone, Debug)]
+pub struct FsConfig {
+    /// Commit the journal at least this often while changes are pending.
+    pub commit_interval: Duration,
+    /// Allocation group this reactor prefers for new files.
+    pub preferred_group: usize,
+}
+
+impl Default for FsConfig {
+    fn default() -> Self {
+        Self { commit_interval: Duration::from_secs(5), preferred_group: 0 }
+    }
+}
+
+/// Counters that prove what the I/O paths did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FsCounters {
+    pub journal_commits: u64,
+    pub journal_blocks_written: u64,
+    pub device_flushes: u64,
+    pub checkpoints: u64,
+    pub data_bytes_written: u64,
+    pub data_bytes_read: u64,
+    pub fsyncs: u64,
+}
+
+/// Per-inode references held by the kernel (lookups) and by open handles.
+#[derive(Clone, Copy, Debug, Default)]
+struct Refs {
+    lookups: u64,
+    opens: u64,
+}
+
+struct Handle {
+    ino: u64,
+    flags: u32,
+}
+
+/// The journal's position and what is waiting to go into it.
+struct JournalState {
+    /// Next logical journal block to write, and the sequence it gets.
+    head: u64,
+    seq: u64,
+    /// Encoded records of operations not yet committed.
+    pending: Writer,
+    /// Operations logged, and how many of them are durable.
+    logged_ops: u64,
+    committed_ops: u64,
+    /// Inodes whose in-memory image differs from the last logged one.
+    dirty: BTreeSet<u64>,
+    /// Data writes completed, and how many were covered by the last flush.
+    data_writes: u64,
+    flushed_data_writes: u64,
+    /// Blocks handed out for data not yet mapped by a record.
+    reserved_unmapped: u64,
+}
+
+pub(crate) struct FsInner {
+    dev: DeviceChannel,
+    geometry: Geometry,
+    config: FsConfig,
+    sb: RefCell<Superblock>,
+    state: RefCell<State>,
+    journal: RefCell<JournalState>,
+    refs: RefCell<HashMap<u64, Refs>>,
+    handles: RefCell<HashMap<u64, Handle>>,
+    next_handle: Cell<u64>,
+    commit_lock: sync::AsyncMutex,
+    ranges: Rc<sync::RangeLocks>,
+    counters: Cell<FsCounters>,
+    unmounted: Cell<bool>,
+    replayed_at_mount: u64,
+}
+
+/// A mounted filesystem. Cheap to clone; all clones share one state.
+#[derive(Clone)]
+pub struct Fs {
+    inner: Rc<FsInner>,
+}
+
+impl FsInner {
+    fn bump(&self, f: impl FnOnce(&mut FsCounters)) {
+        let mut c = self.counters.get();
+        f(&mut c);
+        self.counters.set(c);
+    }
+
+    /// Apply a record to the live state and queue it for the journal.
+    fn log(&self, record: record::Record) -> FsResult<()> {
+        self.state
+            .borrow_mut()
+            .apply(&record, ApplyMode::Live)
+            .map_err(|e| FsError::Corrupt(format!("live change refused: {e}")))?;
+        let mut j = self.journal.borrow_mut();
+        record.encode(&mut j.pending);
+        Ok(())
+    }
+
+    /// Add a new inode. Its image reaches the journal with the other dirty
+    /// inode images, at the start of the next transaction, so that records
+    /// after it (its directory entry) find it at replay.
+    fn create_inode(&self, inode: format::Inode) -> FsResult<()> {
+        let ino = inode.ino;
+        self.state
+            .borrow_mut()
+            .apply(&record::Record::InodeSet(inode), ApplyMode::Live)
+            .map_err(|e| FsError::Corrupt(format!("live change refused: {e}")))?;
+        self.mark_dirty(ino);
+        Ok(())
+    }
+
+    /// Count one operation as logged (its records form one atomic unit:
+    /// a transaction never splits an operation).
+    fn op_done(&self) {
+        self.journal.borrow_mut().logged_ops += 1;
+    }
+
+    fn mark_dirty(&self, ino: u64) {
+        self.journal.borrow_mut().dirty.insert(ino);
+    }
+
+    async fn flush_device(&self) -> FsResult<()> {
+        if !self.geometry.volatile_write_cache {
+            return Ok(());
+        }
+        let (_, result) = self.dev.flush().await;
+        self.bump(|c| c.device_flushes += 1);
+        result?;
+        Ok(())
+    }
+
+    async fn read_blocks(&self, block: u64, count: usize) -> FsResult<AlignedBuf> {
+        let buf = AlignedBuf::zeroed(count * BLOCK_BYTES, BLOCK_BYTES);
+        let (buf, result) = self.dev.read(block * BLOCK_SIZE, buf).await;
+        result?;
+        Ok(buf)
+    }
+
+    async fn write_blocks(&self, block: u64, buf: AlignedBuf) -> FsResult<()> {
+        let (_, result) = self.dev.write(block * BLOCK_SIZE, buf).await;
+        result?;
+        Ok(())
+    }
+}
+
+impl Fs {
+    pub fn geometry(&self) -> Geometry {
+        self.inner.geometry
+    }
+
+    pub fn counters(&self) -> FsCounters {
+        self.inner.counters.get()
+    }
+
+    /// Journal transactions the mount replayed (0 after a clean unmount).
+    pub fn replayed_at_mount(&self) -> u64 {
+        self.inner.replayed_at_mount
+    }
+
+    pub fn superblock(&self) -> Superblock {
+        self.inner.sb.borrow().clone()
+    }
+
+    /// Blocks free for data right now.
+    pub fn free_blocks(&self) -> u64 {
+        self.inner.state.borrow().alloc.free_blocks()
+    }
+
+    /// Extents of a file (for tests and benchmarks of the allocator).
+    pub fn extent_count(&self, ino: u64) -> FsResult<usize> {
+        let state = self.inner.state.borrow();
+        Ok(state.node(ino).ok_or(FsError::NotFound)?.extents.len())
+    }
+
+    /// Commit everything logged so far and make all completed data writes
+    /// durable. Concurrent callers share commits (group commit).
+    pub async fn sync(&self) -> FsResult<()> {
+        journal::sync(&self.inner).await
+    }
+
+    /// Write a checkpoint now (normally triggered by journal usage).
+    pub async fn checkpoint(&self) -> FsResult<()> {
+        journal::checkpoint(&self.inner).await
+    }
+
+    /// Commit, checkpoint and flush; the Fs must not be used afterwards.
+    pub async fn unmount(&self) -> FsResult<()> {
+        self.inner.unmounted.set(true);
+        journal::checkpoint(&self.inner).await
+    }
+
+    /// Mount the filesystem on `dev`: pick the newest valid superblock,
+    /// load its checkpoint, replay the journal, and free orphans.
+    pub async fn mount(dev: DeviceChannel, config: FsConfig) -> FsResult<Fs> {
+        Self::mount_inner(dev, config, true).await
+    }
+
+    async fn mount_inner(dev: DeviceChannel, config: FsConfig, require_root: bool) -> FsResult<Fs> {
+        let loaded = journal::load(&dev, require_root).await?;
+        let fs = Fs {
+            inner: Rc::new(FsInner {
+                geometry: dev.geometry(),
+                dev,
+                config,
+                sb: RefCell::new(loaded.sb),
+                state: RefCell::new(loaded.state),
+                journal: RefCell::new(JournalState {
+                    head: loaded.journal_head,
+                    seq: loaded.journal_seq,
+                    pending: Writer::new(),
+                    logged_ops: 0,
+                    committed_ops: 0,
+                    dirty: BTreeSet::new(),
+                    data_writes: 0,
+                    flushed_data_writes: 0,
+                    reserved_unmapped: 0,
+                }),
+                refs: RefCell::new(HashMap::new()),
+                handles: RefCell::new(HashMap::new()),
+                next_handle: Cell::new(1),
+                commit_lock: sync::AsyncMutex::default(),
+                ranges: Rc::new(sync::RangeLocks::default()),
+                counters: Cell::new(FsCounters::default()),
+                unmounted: Cell::new(false),
+                replayed_at_mount: loaded.replayed,
+            }),
+        };
+        fs.free_orphans()?;
+        journal::start_commit_timer(&fs.inner);
+        Ok(fs)
+    }
+
+    /// Inodes with no links left when the last mount ended (unlinked while
+    /// open, then a crash) are freed now.
+    fn free_orphans(&self) -> FsResult<()> {
+        let orphans: Vec<u64> = {
+            let state = self.inner.state.borrow();
+            state.nodes.values().filter(|n| n.inode.nlink == 0).map(|n| n.inode.ino).collect()
+        };
+        for ino in orphans {
+            self.inner.log(record::Record::InodeFree { ino })?;
+            self.inner.op_done();
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,1206 @@
+//! The operation API, shaped like the FUSE low-level protocol without its
+//! wire format. Namespace operations change only memory and the pending
+//! journal, so they complete without I/O; data operations await the device.
+
+use std::rc::Rc;
+
+use super::extent::Segment;
+use super::format::{
+    BlockRun, Inode, Timespec, BLOCK_BYTES, BLOCK_SIZE, NAME_MAX, ROOT_INO, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG,
+    SYMLINK_MAX, XATTR_NAME_MAX, XATTR_VALUE_MAX,
+};
+use super::record::Record;
+use super::{Fs, FsError, FsInner, FsResult, Handle, Refs};
+use crate::bdev::AlignedBuf;
+
+pub const R_OK: u32 = 4;
+pub const W_OK: u32 = 2;
+pub const X_OK: u32 = 1;
+/// Largest file: 2^52 bytes keeps block arithmetic far from overflow.
+pub const MAX_FILE_BYTES: u64 = 1 << 52;
+const LINK_MAX: u32 = 65_000;
+/// Device requests are split at 1 MiB (256 blocks).
+const IO_BLOCKS_MAX: u64 = 256;
+
+pub const RENAME_NOREPLACE: u32 = 1;
+pub const RENAME_EXCHANGE: u32 = 2;
+pub const XATTR_CREATE: u32 = 1;
+pub const XATTR_REPLACE: u32 = 2;
+pub const FALLOC_FL_KEEP_SIZE: u32 = 0x01;
+pub const FALLOC_FL_PUNCH_HOLE: u32 = 0x02;
+pub const FALLOC_FL_ZERO_RANGE: u32 = 0x10;
+pub const SEEK_DATA: u32 = 3;
+pub const SEEK_HOLE: u32 = 4;
+
+/// Who is asking, as FUSE passes it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Creds {
+    pub uid: u32,
+    pub gid: u32,
+    pub groups: Vec<u32>,
+}
+
+impl Creds {
+    pub fn root() -> Self {
+        Self { uid: 0, gid: 0, groups: Vec::new() }
+    }
+    pub fn user(uid: u32, gid: u32) -> Self {
+        Self { uid, gid, groups: Vec::new() }
+    }
+    fn in_group(&self, gid: u32) -> bool {
+        self.gid == gid || self.groups.contains(&gid)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Attr {
+    pub inode: Inode,
+    /// Allocated space in 512-byte units, as st_blocks.
+    pub blocks_512: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TimeSet {
+    Now,
+    At(Timespec),
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct SetAttr {
+    pub mode: Option<u32>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    pub size: Option<u64>,
+    pub atime: Option<TimeSet>,
+    pub mtime: Option<TimeSet>,
+    pub ctime: Option<Timespec>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DirEntry {
+    pub ino: u64,
+    /// The offset to pass to continue after this entry.
+    pub next_offset: u64,
+    pub file_type: u32,
+    pub name: Vec<u8>,
+    /// Filled by readdirplus, which also counts a lookup for the entry.
+    pub attr: Option<Attr>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StatFs {
+    pub block_size: u32,
+    pub blocks: u64,
+    pub blocks_free: u64,
+    pub files: u64,
+    pub files_free: u64,
+    pub name_max: u32,
+}
+
+fn permitted(inode: &Inode, c: &Creds, mask: u32) -> bool {
+    if c.uid == 0 {
+        return mask & X_OK == 0 || inode.is_dir() || inode.mode & 0o111 != 0;
+    }
+    let bits = if c.uid == inode.uid {
+        (inode.mode >> 6) & 7
+    } else if c.in_group(inode.gid) {
+        (inode.mode >> 3) & 7
+    } else {
+        inode.mode & 7
+    };
+    bits & mask == mask
+}
+
+fn check_name(name: &[u8]) -> FsResult<()> {
+    if name.len() > NAME_MAX {
+        return Err(FsError::NameTooLong);
+    }
+    if name.is_empty() || name == b"." || name == b".." || name.contains(&b'/') || name.contains(&0) {
+        return Err(FsError::Invalid("bad file name"));
+    }
+    Ok(())
+}
+
+fn now() -> Timespec {
+    Timespec::now()
+}
+
+impl FsInner {
+    fn inode(&self, ino: u64) -> FsResult<Inode> {
+        self.state.borrow().node(ino).map(|n| n.inode.clone()).ok_or(FsError::NotFound)
+    }
+
+    fn attr(&self, ino: u64) -> FsResult<Attr> {
+        let state = self.state.borrow();
+        let node = state.node(ino).ok_or(FsError::NotFound)?;
+        Ok(Attr { inode: node.inode.clone(), blocks_512: node.extents.blocks() * (BLOCK_SIZE / 512) })
+    }
+
+    pub(crate) fn update_inode(&self, ino: u64, f: impl FnOnce(&mut Inode)) -> FsResult<()> {
+        let mut state = self.state.borrow_mut();
+        let node = state.node_mut(ino).ok_or(FsError::NotFound)?;
+        f(&mut node.inode);
+        drop(state);
+        self.mark_dirty(ino);
+        Ok(())
+    }
+
+    /// A directory the caller may search, and the inode `name` names in it.
+    fn lookup_in(&self, c: &Creds, parent: u64, name: &[u8]) -> FsResult<Option<u64>> {
+        if name.len() > NAME_MAX {
+            return Err(FsError::NameTooLong);
+        }
+        let state = self.state.borrow();
+        let node = state.node(parent).ok_or(FsError::NotFound)?;
+        let dir = node.dir.as_ref().ok_or(FsError::NotDir)?;
+        if !permitted(&node.inode, c, X_OK) {
+            return Err(FsError::Access);
+        }
+        Ok(match name {
+            b"." => Some(parent),
+            b".." => Some(dir.parent),
+            _ => dir.lookup(name),
+        })
+    }
+
+    /// Checks for adding or removing an entry of `parent`.
+    fn writable_dir(&self, c: &Creds, parent: u64) -> FsResult<Inode> {
+        let inode = self.inode(parent)?;
+        if !inode.is_dir() {
+            return Err(FsError::NotDir);
+        }
+        if !permitted(&inode, c, W_OK | X_OK) {
+            return Err(FsError::Access);
+        }
+        Ok(inode)
+    }
+
+    /// The sticky-directory rule: only the owner of the entry or of the
+    /// directory (or root) may remove or replace it.
+    fn check_sticky(&self, c: &Creds, dir: &Inode, victim: u64) -> FsResult<()> {
+        if dir.mode & libc::S_ISVTX == 0 || c.uid == 0 || c.uid == dir.uid {
+            return Ok(());
+        }
+        if self.inode(victim)?.uid == c.uid {
+            return Ok(());
+        }
+        Err(FsError::Perm)
+    }
+
+    fn add_lookup(&self, ino: u64, n: u64) {
+        self.refs.borrow_mut().entry(ino).or_default().lookups += n;
+    }
+
+    /// Free an inode once nothing names or holds it.
+    fn maybe_free(&self, ino: u64) -> FsResult<()> {
+        let refs = self.refs.borrow().get(&ino).copied().unwrap_or_default();
+        let nlink = match self.state.borrow().node(ino) {
+            Some(n) => n.inode.nlink,
+            None => return Ok(()),
+        };
+        if nlink == 0 && refs.lookups == 0 && refs.opens == 0 && ino != ROOT_INO {
+            self.refs.borrow_mut().remove(&ino);
+            self.journal.borrow_mut().dirty.remove(&ino);
+            self.log(Record::InodeFree { ino })?;
+        }
+        Ok(())
+    }
+
+    fn new_inode(&self, c: &Creds, parent: &Inode, mode: u32, rdev: u32) -> Inode {
+        let ino = {
+            let mut state = self.state.borrow_mut();
+            let ino = state.next_ino;
+            state.next_ino += 1;
+            ino
+        };
+        let mut mode = mode;
+        let gid = if parent.mode & libc::S_ISGID != 0 {
+            if mode & S_IFMT == S_IFDIR {
+                mode |= libc::S_ISGID;
+            }
+            parent.gid
+        } else {
+            c.gid
+        };
+        let t = now();
+        Inode {
+            ino,
+            generation: 1,
+            mode,
+            uid: c.uid,
+            gid,
+            nlink: if mode & S_IFMT == S_IFDIR { 2 } else { 1 },
+            rdev,
+            flags: 0,
+            size: 0,
+            atime: t,
+            mtime: t,
+            ctime: t,
+            btime: t,
+            i_version: 1,
+        }
+    }
+
+    fn add_entry(&self, parent: u64, name: &[u8], ino: u64) -> FsResult<()> {
+        let cookie = {
+            let mut state = self.state.borrow_mut();
+            let dir = state.node_mut(parent).and_then(|n| n.dir.as_mut()).ok_or(FsError::NotDir)?;
+            dir.take_cookie()
+        };
+        self.log(Record::DirentSet { dir: parent, name: name.to_vec(), ino, cookie })
+    }
+
+    fn touch_dir(&self, dir: u64, nlink_delta: i32) -> FsResult<()> {
+        let t = now();
+        self.update_inode(dir, |i| {
+            i.mtime = t;
+            i.ctime = t;
+            i.i_version += 1;
+            i.nlink = i.nlink.saturating_add_signed(nlink_delta);
+        })
+    }
+
+    /// Create an inode and its entry: the common part of mknod, mkdir,
+    /// symlink and create.
+    fn make_node(&self, c: &Creds, parent: u64, name: &[u8], mode: u32, rdev: u32) -> FsResult<Inode> {
+        check_name(name)?;
+        let dir = self.writable_dir(c, parent)?;
+        if self.lookup_in(c, parent, name)?.is_some() {
+            return Err(FsError::Exists);
+        }
+        let is_dir = mode & S_IFMT == S_IFDIR;
+        if is_dir && dir.nlink >= LINK_MAX {
+            return Err(FsError::TooManyLinks);
+        }
+        let inode = self.new_inode(c, &dir, mode, rdev);
+        self.create_inode(inode.clone())?;
+        self.add_entry(parent, name, inode.ino)?;
+        self.touch_dir(parent, i32::from(is_dir))?;
+        self.add_lookup(inode.ino, 1);
+        Ok(inode)
+    }
+}
+
+impl Fs {
+    pub(crate) fn inner(&self) -> &Rc<FsInner> {
+        &self.inner
+    }
+
+    pub async fn lookup(&self, c: &Creds, parent: u64, name: &[u8]) -> FsResult<Attr> {
+        let ino = self.inner.lookup_in(c, parent, name)?.ok_or(FsError::NotFound)?;
+        self.inner.add_lookup(ino, 1);
+        self.inner.attr(ino)
+    }
+
+    /// The kernel dropped `n` references obtained by lookups.
+    pub async fn forget(&self, ino: u64, n: u64) -> FsResult<()> {
+        {
+            let mut refs = self.inner.refs.borrow_mut();
+            let r = refs.entry(ino).or_default();
+            r.lookups = r.lookups.saturating_sub(n);
+        }
+        self.inner.maybe_free(ino)?;
+        self.inner.op_done();
+        Ok(())
+    }
+
+    pub async fn getattr(&self, ino: u64) -> FsResult<Attr> {
+        self.inner.attr(ino)
+    }
+
+    pub async fn mknod(&self, c: &Creds, parent: u64, name: &[u8], mode: u32, rdev: u32) -> FsResult<Attr> {
+        let kind = mode & S_IFMT;
+        let kind = if kind == 0 { S_IFREG } else { kind };
+        if ![S_IFREG, libc::S_IFIFO, libc::S_IFCHR, libc::S_IFBLK, libc::S_IFSOCK].contains(&kind) {
+            return Err(FsError::Invalid("mknod of this file type"));
+        }
+        let inode = self.inner.make_node(c, parent, name, kind | (mode & 0o7777), rdev)?;
+        self.inner.op_done();
+        self.inner.attr(inode.ino)
+    }
+
+    pub async fn mkdir(&self, c: &Creds, parent: u64, name: &[u8], mode: u32) -> FsResult<Attr> {
+        let inode = self.inner.make_node(c, parent, name, S_IFDIR | (mode & 0o7777), 0)?;
+        self.inner.op_done();
+        self.inner.attr(inode.ino)
+    }
+
+    pub async fn symlink(&self, c: &Creds, parent: u64, name: &[u8], target: &[u8]) -> FsResult<Attr> {
+        if target.len() > SYMLINK_MAX {
+            return Err(FsError::NameTooLong);
+        }
+        if target.is_empty() || target.contains(&0) {
+            return Err(FsError::Invalid("symlink target"));
+        }
+        let inode = self.inner.make_node(c, parent, name, S_IFLNK | 0o777, 0)?;
+        self.inner.log(Record::Symlink { ino: inode.ino, target: target.to_vec() })?;
+        self.inner.update_inode(inode.ino, |i| i.size = target.len() as u64)?;
+        self.inner.op_done();
+        self.inner.attr(inode.ino)
+    }
+
+    pub async fn readlink(&self, ino: u64) -> FsResult<Vec<u8>> {
+        let state = self.inner.state.borrow();
+        let node = state.node(ino).ok_or(FsError::NotFound)?;
+        node.symlink.clone().ok_or(FsError::Invalid("not a symlink"))
+    }
+
+    pub async fn link(&self, c: &Creds, ino: u64, new_parent: u64, new_name: &[u8]) -> FsResult<Attr> {
+        check_name(new_name)?;
+        let inode = self.inner.inode(ino)?;
+        if inode.is_dir() {
+            return Err(FsError::Perm);
+        }
+        if inode.nlink >= LINK_MAX {
+            return Err(FsError::TooManyLinks);
+        }
+        self.inner.writable_dir(c, new_parent)?;
+        if self.inner.lookup_in(c, new_parent, new_name)?.is_some() {
+            return Err(FsError::Exists);
+        }
+        self.inner.add_entry(new_parent, new_name, ino)?;
+        let t = now();
+        self.inner.update_inode(ino, |i| {
+            i.nlink += 1;
+            i.ctime = t;
+        })?;
+        self.inner.touch_dir(new_parent, 0)?;
+        self.inner.add_lookup(ino, 1);
+        self.inner.op_done();
+        self.inner.attr(ino)
+    }
+
+    pub async fn unlink(&self, c: &Creds, parent: u64, name: &[u8]) -> FsResult<()> {
+        self.remove_entry(c, parent, name, false)
+    }
+
+    pub async fn rmdir(&self, c: &Creds, parent: u64, name: &[u8]) -> FsResult<()> {
+        self.remove_entry(c, parent, name, true)
+    }
+
+    fn remove_entry(&self, c: &Creds, parent: u64, name: &[u8], want_dir: bool) -> FsResult<()> {
+        if want_dir && name == b"." {
+            return Err(FsError::Invalid("rmdir of '.'"));
+        }
+        if want_dir && name == b".." {
+            return Err(FsError::NotEmpty);
+        }
+        check_name(name)?;
+        let dir = self.inner.writable_dir(c, parent)?;
+        let ino = self.inner.lookup_in(c, parent, name)?.ok_or(FsError::NotFound)?;
+        let victim = self.inner.inode(ino)?;
+        match (want_dir, victim.is_dir()) {
+            (true, false) => return Err(FsError::NotDir),
+            (false, true) => return Err(FsError::IsDir),
+            _ => {}
+        }
+        if want_dir {
+            let state = self.inner.state.borrow();
+            if state.node(ino).and_then(|n| n.dir.as_ref()).is_some_and(|d| !d.is_empty()) {
+                return Err(FsError::NotEmpty);
+            }
+        }
+        self.inner.check_sticky(c, &dir, ino)?;
+        self.inner.log(Record::DirentDelete { dir: parent, name: name.to_vec() })?;
+        let t = now();
+        self.inner.update_inode(ino, |i| {
+            i.nlink = if want_dir { 0 } else { i.nlink.saturating_sub(1) };
+            i.ctime = t;
+        })?;
+        self.inner.touch_dir(parent, if want_dir { -1 } else { 0 })?;
+        self.inner.maybe_free(ino)?;
+        self.inner.op_done();
+        Ok(())
+    }
+
+    pub async fn rename(
+        &self,
+        c: &Creds,
+        parent: u64,
+        name: &[u8],
+        new_parent: u64,
+        new_name: &[u8],
+        flags: u32,
+    ) -> FsResult<()> {
+        if flags & !(RENAME_NOREPLACE | RENAME_EXCHANGE) != 0 || flags == RENAME_NOREPLACE | RENAME_EXCHANGE {
+            return Err(FsError::Invalid("rename flags"));
+        }
+        check_name(name)?;
+        check_name(new_name)?;
+        let src_dir = self.inner.writable_dir(c, parent)?;
+        let dst_dir = self.inner.writable_dir(c, new_parent)?;
+        let ino = self.inner.lookup_in(c, parent, name)?.ok_or(FsError::NotFound)?;
+        let target = self.inner.lookup_in(c, new_parent, new_name)?;
+        let src = self.inner.inode(ino)?;
+        self.inner.check_sticky(c, &src_dir, ino)?;
+        if let Some(t) = target {
+            self.inner.check_sticky(c, &dst_dir, t)?;
+        }
+        if flags & RENAME_EXCHANGE != 0 {
+            let other = target.ok_or(FsError::NotFound)?;
+            return self.exchange(parent, name, ino, new_parent, new_name, other);
+        }
+        if target.is_some() && flags & RENAME_NOREPLACE != 0 {
+            return Err(FsError::Exists);
+        }
+        if target == Some(ino) {
+            return Ok(()); // two names of one inode: POSIX says do nothing
+        }
+        if src.is_dir() {
+            self.check_not_ancestor(ino, new_parent)?;
+            // Moving a directory rewrites its "..": it must be writable.
+            if parent != new_parent && !permitted(&src, c, W_OK) {
+                return Err(FsError::Access);
+            }
+        }
+        if let Some(t) = target {
+            self.check_replace(&src, t)?;
+        }
+        if src.is_dir() && parent != new_parent && target.is_none() && dst_dir.nlink >= LINK_MAX {
+            return Err(FsError::TooManyLinks);
+        }
+        self.inner.log(Record::DirentDelete { dir: parent, name: name.to_vec() })?;
+        if target.is_some() {
+            self.inner.log(Record::DirentDelete { dir: new_parent, name: new_name.to_vec() })?;
+        }
+        self.inner.add_entry(new_parent, new_name, ino)?;
+        let t = now();
+        self.inner.update_inode(ino, |i| i.ctime = t)?;
+        let moved_dir = i32::from(src.is_dir());
+        if let Some(victim) = target {
+            let victim_is_dir = self.inner.inode(victim)?.is_dir();
+            self.inner.update_inode(victim, |i| {
+                i.nlink = if victim_is_dir { 0 } else { i.nlink.saturating_sub(1) };
+                i.ctime = t;
+            })?;
+            self.inner.touch_dir(new_parent, -i32::from(victim_is_dir))?;
+            self.inner.maybe_free(victim)?;
+        }
+        self.inner.touch_dir(parent, -moved_dir)?;
+        self.inner.touch_dir(new_parent, moved_dir)?;
+        self.inner.op_done();
+        Ok(())
+    }
+
+    fn check_replace(&self, src: &Inode, target: u64) -> FsResult<()> {
+        let victim = self.inner.inode(target)?;
+        match (src.is_dir(), victim.is_dir()) {
+            (true, false) => Err(FsError::NotDir),
+            (false, true) => Err(FsError::IsDir),
+            (true, true) => {
+                let state = self.inner.state.borrow();
+                let empty = state.node(target).and_then(|n| n.dir.as_ref()).is_none_or(|d| d.is_empty());
+                if empty {
+                    Ok(())
+                } else {
+                    Err(FsError::NotEmpty)
+                }
+            }
+            (false, false) => Ok(()),
+        }
+    }
+
+    /// A directory cannot move under itself.
+    fn check_not_ancestor(&self, dir: u64, mut at: u64) -> FsResult<()> {
+        let state = self.inner.state.borrow();
+        for _ in 0..state.nodes.len() + 1 {
+            if at == dir {
+                return Err(FsError::Invalid("rename of a directory into itself"));
+            }
+            if at == ROOT_INO {
+                return Ok(());
+            }
+            at = state.node(at).and_then(|n| n.dir.as_ref()).map(|d| d.parent).ok_or(FsError::NotFound)?;
+        }
+        Err(FsError::Corrupt("directory parent chain loops".into()))
+    }
+
+    fn exchange(&self, parent: u64, name: &[u8], a: u64, new_parent: u64, new_name: &[u8], b: u64) -> FsResult<()> {
+        let (ia, ib) = (self.inner.inode(a)?, self.inner.inode(b)?);
+        if ia.is_dir() {
+            self.check_not_ancestor(a, new_parent)?;
+        }
+        if ib.is_dir() {
+            self.check_not_ancestor(b, parent)?;
+        }
+        self.inner.log(Record::DirentDelete { dir: parent, name: name.to_vec() })?;
+        self.inner.log(Record::DirentDelete { dir: new_parent, name: new_name.to_vec() })?;
+        self.inner.add_entry(parent, name, b)?;
+        self.inner.add_entry(new_parent, new_name, a)?;
+        let t = now();
+        self.inner.update_inode(a, |i| i.ctime = t)?;
+        self.inner.update_inode(b, |i| i.ctime = t)?;
+        let delta = i32::from(ia.is_dir()) - i32::from(ib.is_dir());
+        self.inner.touch_dir(parent, -delta)?;
+        self.inner.touch_dir(new_parent, delta)?;
+        self.inner.op_done();
+        Ok(())
+    }
+
+    pub async fn open(&self, c: &Creds, ino: u64, flags: u32) -> FsResult<u64> {
+        let inode = self.inner.inode(ino)?;
+        let mask = match flags as i32 & libc::O_ACCMODE {
+            libc::O_RDONLY => R_OK,
+            libc::O_WRONLY => W_OK,
+            _ => R_OK | W_OK,
+        };
+        if inode.is_dir() && mask & W_OK != 0 {
+            return Err(FsError::IsDir);
+        }
+        if !permitted(&inode, c, mask) {
+            return Err(FsError::Access);
+        }
+        if flags as i32 & libc::O_TRUNC != 0 && mask & W_OK != 0 && inode.is_reg() && inode.size > 0 {
+            self.truncate(ino, 0).await?;
+        }
+        Ok(self.new_handle(ino, flags))
+    }
+
+    fn new_handle(&self, ino: u64, flags: u32) -> u64 {
+        let fh = self.inner.next_handle.get();
+        self.inner.next_handle.set(fh + 1);
+        self.inner.handles.borrow_mut().insert(fh, Handle { ino, flags });
+        self.inner.refs.borrow_mut().entry(ino).or_insert(Refs::default()).opens += 1;
+        fh
+    }
+
+    /// Create and open a regular file. With O_EXCL an existing name is an
+    /// error; without it the existing file is opened.
+    pub async fn create(&self, c: &Creds, parent: u64, name: &[u8], mode: u32, flags: u32) -> FsResult<(Attr, u64)> {
+        if let Some(ino) = self.inner.lookup_in(c, parent, name)? {
+            if flags as i32 & libc::O_EXCL != 0 {
+                return Err(FsError::Exists);
+            }
+            let fh = self.open(c, ino, flags & !(libc::O_CREAT as u32)).await?;
+            self.inner.add_lookup(ino, 1);
+            return Ok((self.inner.attr(ino)?, fh));
+        }
+        let inode = self.inner.make_node(c, parent, name, S_IFREG | (mode & 0o7777), 0)?;
+        self.inner.op_done();
+        let fh = self.new_handle(inode.ino, flags);
+        Ok((self.inner.attr(inode.ino)?, fh))
+    }
+
+    pub async fn release(&self, fh: u64) -> FsResult<()> {
+        let handle = self.inner.handles.borrow_mut().remove(&fh).ok_or(FsError::BadHandle)?;
+        if let Some(r) = self.inner.refs.borrow_mut().get_mut(&handle.ino) {
+            r.opens = r.opens.saturating_sub(1);
+        }
+        self.inner.maybe_free(handle.ino)?;
+        self.inner.op_done();
+        Ok(())
+    }
+
+    /// The inode and open flags of a handle.
+    pub fn handle(&self, fh: u64) -> FsResult<(u64, u32)> {
+        self.inner.handles.borrow().get(&fh).map(|h| (h.ino, h.flags)).ok_or(FsError::BadHandle)
+    }
+
+    pub async fn opendir(&self, c: &Creds, ino: u64) -> FsResult<u64> {
+        let inode = self.inner.inode(ino)?;
+        if !inode.is_dir() {
+            return Err(FsError::NotDir);
+        }
+        if !permitted(&inode, c, R_OK) {
+            return Err(FsError::Access);
+        }
+        Ok(self.new_handle(ino, libc::O_RDONLY as u32 | libc::O_DIRECTORY as u32))
+    }
+
+    pub async fn releasedir(&self, fh: u64) -> FsResult<()> {
+        self.release(fh).await
+    }
+
+    /// Up to `max` entries from `offset` (0 at the start). Offsets are
+    /// per-entry cookies, so they stay valid while the directory changes.
+    pub async fn readdir(&self, ino: u64, offset: u64, max: usize) -> FsResult<Vec<DirEntry>> {
+        self.read_dir(ino, offset, max, false)
+    }
+
+    /// readdir with attributes; each returned entry other than "." and ".."
+    /// counts as a lookup, as in FUSE.
+    pub async fn readdirplus(&self, ino: u64, offset: u64, max: usize) -> FsResult<Vec<DirEntry>> {
+        self.read_dir(ino, offset, max, true)
+    }
+
+    fn read_dir(&self, ino: u64, offset: u64, max: usize, plus: bool) -> FsResult<Vec<DirEntry>> {
+        let mut out = Vec::new();
+        {
+            let state = self.inner.state.borrow();
+            let node = state.node(ino).ok_or(FsError::NotFound)?;
+            let dir = node.dir.as_ref().ok_or(FsError::NotDir)?;
+            let dot = [(1u64, b".".as_slice(), ino), (2, b"..", dir.parent)];
+            let listed = dot.into_iter().filter(|(c, _, _)| *c > offset);
+            let rest = dir.entries_from(offset.max(super::state::FIRST_COOKIE));
+            for (cookie, name, child) in listed.chain(rest).take(max) {
+                let file_type = state.node(child).map_or(0, |n| n.inode.file_type());
+                let next_offset = if cookie <= 2 { cookie } else { cookie + 1 };
+                out.push(DirEntry { ino: child, next_offset, file_type, name: name.to_vec(), attr: None });
+            }
+        }
+        if plus {
+            for e in &mut out {
+                e.attr = Some(self.inner.attr(e.ino)?);
+                if e.name != b"." && e.name != b".." {
+                    self.inner.add_lookup(e.ino, 1);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    pub async fn statfs(&self) -> FsResult<StatFs> {
+        let state = self.inner.state.borrow();
+        Ok(StatFs {
+            block_size: BLOCK_SIZE as u32,
+            blocks: state.alloc.total_blocks(),
+            blocks_free: state.alloc.free_blocks(),
+            files: state.nodes.len() as u64,
+            files_free: u64::from(u32::MAX),
+            name_max: NAME_MAX as u32,
+        })
+    }
+
+    pub async fn access(&self, c: &Creds, ino: u64, mask: u32) -> FsResult<()> {
+        let inode = self.inner.inode(ino)?;
+        if mask == 0 || permitted(&inode, c, mask & 7) {
+            Ok(())
+        } else {
+            Err(FsError::Access)
+        }
+    }
+
+    pub async fn setattr(&self, c: &Creds, ino: u64, set: &SetAttr, via_handle: bool) -> FsResult<Attr> {
+        let inode = self.inner.inode(ino)?;
+        let owner = c.uid == 0 || c.uid == inode.uid;
+        let mut new = inode.clone();
+        if let Some(mode) = set.mode {
+            if !owner {
+                return Err(FsError::Perm);
+            }
+            let mut mode = mode & 0o7777;
+            if c.uid != 0 && !c.in_group(new.gid) {
+                mode &= !libc::S_ISGID;
+            }
+            new.mode = (new.mode & S_IFMT) | mode;
+        }
+        if set.uid.is_some() || set.gid.is_some() {
+            let uid = set.uid.unwrap_or(new.uid);
+            let gid = set.gid.unwrap_or(new.gid);
+            let uid_ok = c.uid == 0 || (uid == new.uid && c.uid == new.uid);
+            let gid_ok = c.uid == 0 || (gid == new.gid && owner) || (c.uid == new.uid && c.in_group(gid));
+            if !uid_ok || !gid_ok {
+                return Err(FsError::Perm);
+            }
+            if !new.is_dir() {
+                new.mode &= !libc::S_ISUID;
+                if new.mode & 0o010 != 0 {
+                    new.mode &= !libc::S_ISGID;
+                }
+            }
+            new.uid = uid;
+            new.gid = gid;
+        }
+        for (want, slot) in [(set.atime, 0), (set.mtime, 1)] {
+            let Some(want) = want else { continue };
+            let t = match want {
+                TimeSet::Now => {
+                    if !owner && !permitted(&inode, c, W_OK) {
+                        return Err(FsError::Access);
+                    }
+                    now()
+                }
+                TimeSet::At(t) => {
+                    if !owner {
+                        return Err(FsError::Perm);
+                    }
+                    t
+                }
+            };
+            if slot == 0 {
+                new.atime = t;
+            } else {
+                new.mtime = t;
+            }
+        }
+        if let Some(size) = set.size {
+            if new.is_dir() {
+                return Err(FsError::IsDir);
+            }
+            if !new.is_reg() {
+                return Err(FsError::Invalid("truncate of a special file"));
+            }
+            if !via_handle && !permitted(&inode, c, W_OK) {
+                return Err(FsError::Access);
+            }
+            self.truncate(ino, size).await?;
+            let after = self.inner.inode(ino)?;
+            new.size = after.size;
+            if set.mtime.is_none() {
+                new.mtime = after.mtime;
+            }
+        }
+        new.ctime = set.ctime.unwrap_or_else(now);
+        new.i_version += 1;
+        self.inner.update_inode(ino, |i| *i = new)?;
+        self.inner.op_done();
+        self.inner.attr(ino)
+    }
+
+    pub async fn setxattr(&self, c: &Creds, ino: u64, name: &[u8], value: &[u8], flags: u32) -> FsResult<()> {
+        self.check_xattr_access(c, ino, name, true)?;
+        if value.len() > XATTR_VALUE_MAX {
+            return Err(FsError::Range);
+        }
+        let exists = self.inner.state.borrow().node(ino).is_some_and(|n| n.xattrs.contains_key(name));
+        if flags & XATTR_CREATE != 0 && exists {
+            return Err(FsError::Exists);
+        }
+        if flags & XATTR_REPLACE != 0 && !exists {
+            return Err(FsError::NoData);
+        }
+        self.inner.log(Record::XattrSet { ino, name: name.to_vec(), value: value.to_vec() })?;
+        let t = now();
+        self.inner.update_inode(ino, |i| i.ctime = t)?;
+        self.inner.op_done();
+        Ok(())
+    }
+
+    pub async fn getxattr(&self, c: &Creds, ino: u64, name: &[u8]) -> FsResult<Vec<u8>> {
+        self.check_xattr_access(c, ino, name, false)?;
+        let state = self.inner.state.borrow();
+        state.node(ino).ok_or(FsError::NotFound)?.xattrs.get(name).cloned().ok_or(FsError::NoData)
+    }
+
+    /// Attribute names, each followed by a NUL, as listxattr returns them.
+    pub async fn listxattr(&self, ino: u64) -> FsResult<Vec<u8>> {
+        let state = self.inner.state.borrow();
+        let node = state.node(ino).ok_or(FsError::NotFound)?;
+        let mut out = Vec::new();
+        for name in node.xattrs.keys() {
+            out.extend_from_slice(name);
+            out.push(0);
+        }
+        Ok(out)
+    }
+
+    pub async fn removexattr(&self, c: &Creds, ino: u64, name: &[u8]) -> FsResult<()> {
+        self.check_xattr_access(c, ino, name, true)?;
+        let exists = self.inner.state.borrow().node(ino).is_some_and(|n| n.xattrs.contains_key(name));
+        if !exists {
+            return Err(FsError::NoData);
+        }
+        self.inner.log(Record::XattrDelete { ino, name: name.to_vec() })?;
+        let t = now();
+        self.inner.update_inode(ino, |i| i.ctime = t)?;
+        self.inner.op_done();
+        Ok(())
+    }
+
+    fn check_xattr_access(&self, c: &Creds, ino: u64, name: &[u8], write: bool) -> FsResult<()> {
+        if name.is_empty() || name.len() > XATTR_NAME_MAX {
+            return Err(if name.is_empty() { FsError::Invalid("empty xattr name") } else { FsError::Range });
+        }
+        let inode = self.inner.inode(ino)?;
+        if name.starts_with(b"trusted.") && c.uid != 0 {
+            return Err(FsError::Perm);
+        }
+        if name.starts_with(b"user.") && !(inode.is_reg() || inode.is_dir()) {
+            return Err(if write { FsError::Perm } else { FsError::NoData });
+        }
+        let mask = if write { W_OK } else { R_OK };
+        if name.starts_with(b"user.") && !permitted(&inode, c, mask) {
+            return Err(FsError::Access);
+        }
+        Ok(())
+    }
+
+    /// Make the file durable. `datasync` may skip metadata that only
+    /// timestamps changed (refined by the data-path issue).
+    pub async fn fsync(&self, ino: u64, _datasync: bool) -> FsResult<()> {
+        self.inner.inode(ino)?;
+        self.sync().await
+    }
+
+    pub async fn fsyncdir(&self, ino: u64, datasync: bool) -> FsResult<()> {
+        self.fsync(ino, datasync).await
+    }
+}
+
+/// Data operations.
+impl Fs {
+    fn require_file(&self, ino: u64) -> FsResult<Inode> {
+        let inode = self.inner.inode(ino)?;
+        if inode.is_dir() {
+            return Err(FsError::IsDir);
+        }
+        if !inode.is_reg() {
+            return Err(FsError::Invalid("data operation on a special file"));
+        }
+        Ok(inode)
+    }
+
+    /// Read one file block's current contents (zeros for holes and
+    /// unwritten extents) into `out`.
+    async fn read_file_block(&self, ino: u64, file_block: u64, out: &mut [u8]) -> FsResult<()> {
+        let seg = {
+            let state = self.inner.state.borrow();
+            state.node(ino).ok_or(FsError::Stale)?.extents.segments(file_block, 1)[0]
+        };
+        match seg {
+            Segment::Mapped(e) if !e.unwritten => {
+                let buf = self.inner.read_blocks(e.disk_block, 1).await?;
+                out.copy_from_slice(&buf);
+                self.inner.bump(|c| c.data_bytes_read += BLOCK_SIZE);
+            }
+            _ => out.fill(0),
+        }
+        Ok(())
+    }
+
+    /// Blocks for `count` file blocks from `file_block`, placed after the
+    /// file's previous extent when that space is free.
+    fn alloc_runs(&self, ino: u64, file_block: u64, count: u64) -> FsResult<Vec<BlockRun>> {
+        let mut state = self.inner.state.borrow_mut();
+        let mut hint = state.node(ino).ok_or(FsError::Stale)?.extents.hint_after(file_block);
+        let mut runs = Vec::new();
+        let mut left = count;
+        while left > 0 {
+            match state.alloc.alloc(left, hint, self.inner.config.preferred_group) {
+                Some(run) => {
+                    left -= run.len;
+                    hint = Some(run.end());
+                    runs.push(run);
+                }
+                None => {
+                    for r in runs {
+                        state.alloc.free(r);
+                    }
+                    return Err(FsError::NoSpace);
+                }
+            }
+        }
+        drop(state);
+        self.inner.journal.borrow_mut().reserved_unmapped += count;
+        Ok(runs)
+    }
+
+    fn unreserve(&self, runs: &[BlockRun], back_to_free: bool) {
+        let total: u64 = runs.iter().map(|r| r.len).sum();
+        self.inner.journal.borrow_mut().reserved_unmapped -= total;
+        if back_to_free {
+            let mut state = self.inner.state.borrow_mut();
+            for r in runs {
+                state.alloc.free(*r);
+            }
+        }
+    }
+
+    pub async fn write(&self, ino: u64, offset: u64, data: &[u8]) -> FsResult<u32> {
+        if data.is_empty() {
+            return Ok(0);
+        }
+        let end = offset.checked_add(data.len() as u64).filter(|&e| e <= MAX_FILE_BYTES).ok_or(FsError::FileTooBig)?;
+        self.require_file(ino)?;
+        let first = offset / BLOCK_SIZE;
+        let last = (end - 1) / BLOCK_SIZE;
+        let nblocks = last - first + 1;
+        let _range = self.inner.ranges.lock(ino, first * BLOCK_SIZE, (last + 1) * BLOCK_SIZE, true).await;
+        let mut image = vec![0u8; (nblocks * BLOCK_SIZE) as usize];
+        let head = (offset % BLOCK_SIZE) as usize;
+        if head != 0 {
+            self.read_file_block(ino, first, &mut image[..BLOCK_BYTES]).await?;
+        }
+        if end % BLOCK_SIZE != 0 && (nblocks > 1 || head == 0) {
+            let at = ((nblocks - 1) * BLOCK_SIZE) as usize;
+            self.read_file_block(ino, last, &mut image[at..]).await?;
+        }
+        image[head..head + data.len()].copy_from_slice(data);
+        let records = self.write_blocks_of(ino, first, &image).await?;
+        for r in records {
+            self.inner.log(r)?;
+        }
+        let t = now();
+        self.inner.update_inode(ino, |i| {
+            i.size = i.size.max(end);
+            i.mtime = t;
+            i.ctime = t;
+            i.i_version += 1;
+        })?;
+        self.inner.op_done();
+        Ok(data.len() as u32)
+    }
+
+    /// Write whole blocks of `image` at `first`: in place where the file
+    /// already has blocks, into new blocks where it has holes. Returns the
+    /// records that map what was written; the caller logs them only now
+    /// that the data is on the device.
+    async fn write_blocks_of(&self, ino: u64, first: u64, image: &[u8]) -> FsResult<Vec<Record>> {
+        let nblocks = image.len() as u64 / BLOCK_SIZE;
+        let segments = {
+            let state = self.inner.state.borrow();
+            state.node(ino).ok_or(FsError::Stale)?.extents.segments(first, nblocks)
+        };
+        let mut targets: Vec<(u64, u64, u64, bool)> = Vec::new(); // (file, disk, len, record?)
+        let mut fresh: Vec<BlockRun> = Vec::new();
+        for seg in segments {
+            match seg {
+                Segment::Mapped(e) => targets.push((e.file_block, e.disk_block, e.len, e.unwritten)),
+                Segment::Hole { file_block, len } => {
+                    let runs = match self.alloc_runs(ino, file_block, len) {
+                        Ok(r) => r,
+                        Err(e) => {
+                            self.unreserve(&fresh, true);
+                            return Err(e);
+                        }
+                    };
+                    let mut fb = file_block;
+                    for r in &runs {
+                        targets.push((fb, r.start, r.len, true));
+                        fb += r.len;
+                    }
+                    fresh.extend(runs);
+                }
+            }
+        }
+        let mut pending = Vec::new();
+        for &(fb, db, len, _) in &targets {
+            let mut done = 0;
+            while done < len {
+                let n = (len - done).min(IO_BLOCKS_MAX);
+                let mut buf = AlignedBuf::zeroed((n * BLOCK_SIZE) as usize, BLOCK_BYTES);
+                let src = ((fb + done - first) * BLOCK_SIZE) as usize;
+                buf.copy_from_slice(&image[src..src + (n * BLOCK_SIZE) as usize]);
+                pending.push(self.inner.dev.write((db + done) * BLOCK_SIZE, buf));
+                done += n;
+            }
+        }
+        let mut failure = None;
+        for f in pending {
+            if let (_, Err(e)) = f.await {
+                failure.get_or_insert(e);
+            }
+        }
+        {
+            let mut j = self.inner.journal.borrow_mut();
+            j.data_writes += 1;
+        }
+        self.inner.bump(|c| c.data_bytes_written += image.len() as u64);
+        if let Some(e) = failure {
+            self.unreserve(&fresh, true);
+            return Err(e.into());
+        }
+        if self.inner.state.borrow().node(ino).is_none() {
+            self.unreserve(&fresh, true);
+            return Err(FsError::Stale);
+        }
+        self.unreserve(&fresh, false);
+        Ok(targets
+            .into_iter()
+            .filter(|t| t.3)
+            .map(|(fb, db, len, _)| Record::ExtentMap { ino, file_block: fb, disk_block: db, len, unwritten: false })
+            .collect())
+    }
+
+    pub async fn read(&self, ino: u64, offset: u64, size: u32) -> FsResult<Vec<u8>> {
+        let inode = self.require_file(ino)?;
+        if offset >= inode.size || size == 0 {
+            return Ok(Vec::new());
+        }
+        let end = (offset + u64::from(size)).min(inode.size);
+        let first = offset / BLOCK_SIZE;
+        let last = (end - 1) / BLOCK_SIZE;
+        let _range = self.inner.ranges.lock(ino, first * BLOCK_SIZE, (last + 1) * BLOCK_SIZE, false).await;
+        let segments = {
+            let state = self.inner.state.borrow();
+            state.node(ino).ok_or(FsError::Stale)?.extents.segments(first, last - first + 1)
+        };
+        let mut image = vec![0u8; ((last - first + 1) * BLOCK_SIZE) as usize];
+        let mut pending = Vec::new();
+        for seg in segments {
+            let Segment::Mapped(e) = seg else { continue };
+            if e.unwritten {
+                continue;
+            }
+            let mut done = 0;
+            while done < e.len {
+                let n = (e.len - done).min(IO_BLOCKS_MAX);
+                let buf = AlignedBuf::zeroed((n * BLOCK_SIZE) as usize, BLOCK_BYTES);
+                let at = ((e.file_block + done - first) * BLOCK_SIZE) as usize;
+                pending.push((at, self.inner.dev.read((e.disk_block + done) * BLOCK_SIZE, buf)));
+                done += n;
+            }
+        }
+        for (at, f) in pending {
+            let (buf, result) = f.await;
+            result?;
+            image[at..at + buf.len()].copy_from_slice(&buf);
+        }
+        let skip = (offset - first * BLOCK_SIZE) as usize;
+        let out = image[skip..skip + (end - offset) as usize].to_vec();
+        self.inner.bump(|c| c.data_bytes_read += out.len() as u64);
+        Ok(out)
+    }
+
+    /// Set the size. Shrinking frees whole blocks past the end and zeroes
+    /// the tail of the last partial block, so a later extension reads
+    /// zeros there.
+    pub(crate) async fn truncate(&self, ino: u64, new_size: u64) -> FsResult<()> {
+        if new_size > MAX_FILE_BYTES {
+            return Err(FsError::FileTooBig);
+        }
+        let old = self.require_file(ino)?.size;
+        let from = old.min(new_size) / BLOCK_SIZE * BLOCK_SIZE;
+        let _range = self.inner.ranges.lock(ino, from, u64::MAX, true).await;
+        if new_size < old {
+            let keep_blocks = new_size.div_ceil(BLOCK_SIZE);
+            self.inner.log(Record::ExtentPunch { ino, file_block: keep_blocks, len: u64::MAX - keep_blocks })?;
+            let tail = (new_size % BLOCK_SIZE) as usize;
+            if tail != 0 {
+                self.zero_in_block(ino, new_size / BLOCK_SIZE, tail, BLOCK_BYTES).await?;
+            }
+        }
+        let t = now();
+        self.inner.update_inode(ino, |i| {
+            i.size = new_size;
+            i.mtime = t;
+            i.ctime = t;
+            i.i_version += 1;
+        })?;
+        self.inner.op_done();
+        Ok(())
+    }
+
+    /// Zero bytes [from, to) of one file block, if it holds written data.
+    async fn zero_in_block(&self, ino: u64, file_block: u64, from: usize, to: usize) -> FsResult<()> {
+        let seg = {
+            let state = self.inner.state.borrow();
+            state.node(ino).ok_or(FsError::Stale)?.extents.segments(file_block, 1)[0]
+        };
+        let Segment::Mapped(e) = seg else { return Ok(()) };
+        if e.unwritten {
+            return Ok(());
+        }
+        let mut buf = self.inner.read_blocks(e.disk_block, 1).await?;
+        buf[from..to].fill(0);
+        self.inner.write_blocks(e.disk_block, buf).await?;
+        self.inner.journal.borrow_mut().data_writes += 1;
+        Ok(())
+    }
+
+    pub async fn fallocate(&self, ino: u64, mode: u32, offset: u64, len: u64) -> FsResult<()> {
+        if len == 0 {
+            return Err(FsError::Invalid("fallocate of zero bytes"));
+        }
+        let end = offset.checked_add(len).filter(|&e| e <= MAX_FILE_BYTES).ok_or(FsError::FileTooBig)?;
+        self.require_file(ino)?;
+        let known = FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE;
+        if mode & !known != 0 {
+            return Err(FsError::Unsupported);
+        }
+        let punch = mode & FALLOC_FL_PUNCH_HOLE != 0;
+        let zero = mode & FALLOC_FL_ZERO_RANGE != 0;
+        if punch && (zero || mode & FALLOC_FL_KEEP_SIZE == 0) {
+            return Err(FsError::Invalid("punch hole needs KEEP_SIZE alone"));
+        }
+        let range_lock = self.inner.ranges.lock(ino, offset / BLOCK_SIZE * BLOCK_SIZE, end.div_ceil(BLOCK_SIZE) * BLOCK_SIZE, true);
+        let _range = range_lock.await;
+        if punch || zero {
+            self.clear_range(ino, offset, end).await?;
+        }
+        if !punch {
+            self.allocate_unwritten(ino, offset / BLOCK_SIZE, end.div_ceil(BLOCK_SIZE))?;
+        }
+        let t = now();
+        let keep = mode & FALLOC_FL_KEEP_SIZE != 0;
+        self.inner.update_inode(ino, |i| {
+            if !keep {
+                i.size = i.size.max(end);
+            }
+            if punch || zero {
+                i.mtime = t;
+            }
+            i.ctime = t;
+            i.i_version += 1;
+        })?;
+        self.inner.op_done();
+        Ok(())
+    }
+
+    /// Make [offset, end) read as zeros: unmap whole blocks, zero edges.
+    async fn clear_range(&self, ino: u64, offset: u64, end: u64) -> FsResult<()> {
+        let first_whole = offset.div_ceil(BLOCK_SIZE);
+        let end_whole = end / BLOCK_SIZE;
+        if first_whole < end_whole {
+            self.inner.log(Record::ExtentPunch { ino, file_block: first_whole, len: end_whole - first_whole })?;
+        }
+        let head_block = offset / BLOCK_SIZE;
+        let tail_block = (end - 1) / BLOCK_SIZE;
+        if offset % BLOCK_SIZE != 0 || (head_block == tail_block && end % BLOCK_SIZE != 0) {
+            let to = if head_block == tail_block { (end - head_block * BLOCK_SIZE) as usize } else { BLOCK_BYTES };
+            self.zero_in_block(ino, head_block, (offset % BLOCK_SIZE) as usize, to).await?;
+        }
+        if tail_block != head_block && end % BLOCK_SIZE != 0 {
+            self.zero_in_block(ino, tail_block, 0, (end % BLOCK_SIZE) as usize).await?;
+        }
+        Ok(())
+    }
+
+    /// Back the holes in file blocks [first, end) with unwritten extents:
+    /// space is reserved and reads still return zeros, with no data I/O.
+    fn allocate_unwritten(&self, ino: u64, first: u64, end: u64) -> FsResult<()> {
+        let holes: Vec<(u64, u64)> = {
+            let state = self.inner.state.borrow();
+            let node = state.node(ino).ok_or(FsError::Stale)?;
+            node.extents
+                .segments(first, end - first)
+                .into_iter()
+                .filter_map(|s| match s {
+                    Segment::Hole { file_block, len } => Some((file_block, len)),
+                    Segment::Mapped(_) => None,
+                })
+                .collect()
+        };
+        for (fb, len) in holes {
+            let runs = self.alloc_runs(ino, fb, len)?;
+            self.unreserve(&runs, false);
+            let mut at = fb;
+            for r in runs {
+                self.inner.log(Record::ExtentMap { ino, file_block: at, disk_block: r.start, len: r.len, unwritten: true })?;
+                at += r.len;
+            }
+        }
+        Ok(())
+    }
+
+    /// SEEK_DATA / SEEK_HOLE. Unwritten extents count as holes.
+    pub async fn lseek(&self, ino: u64, offset: u64, whence: u32) -> FsResult<u64> {
+        let inode = self.require_file(ino)?;
+        if whence != SEEK_DATA && whence != SEEK_HOLE {
+            return Err(FsError::Invalid("lseek whence"));
+        }
+        if offset >= inode.size {
+            return Err(FsError::Nxio);
+        }
+        let first = offset / BLOCK_SIZE;
+        let blocks = inode.size.div_ceil(BLOCK_SIZE) - first;
+        let segments = {
+            let state = self.inner.state.borrow();
+            state.node(ino).ok_or(FsError::Stale)?.extents.segments(first, blocks)
+        };
+        for seg in segments {
+            let (fb, is_data) = match seg {
+                Segment::Mapped(e) => (e.file_block, !e.unwritten),
+                Segment::Hole { file_block, .. } => (file_block, false),
+            };
+            if is_data == (whence == SEEK_DATA) {
+                return Ok((fb * BLOCK_SIZE).max(offset));
+            }
+        }
+        if whence == SEEK_HOLE {
+            Ok(inode.size)
+        } else {
+            Err(FsError::Nxio)
+        }
+    }
+}

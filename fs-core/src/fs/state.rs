@@ -1,0 +1,253 @@
+//! The in-memory metadata: every inode with its extents, xattrs, symlink
+//! target and directory entries, plus free space. All changes go through
+//! [`State::apply`], so the live path, journal replay and checkpoint
+//! loading share one implementation.
+
+use std::collections::{BTreeMap, HashMap};
+
+use super::alloc::Allocator;
+use super::extent::ExtentMap;
+use super::format::{BlockRun, Inode};
+use super::record::Record;
+
+/// A directory's entries. Each entry carries a cookie, assigned once and
+/// never reused in that directory, which is its stable readdir offset.
+#[derive(Clone, Debug, Default)]
+pub struct Directory {
+    pub parent: u64,
+    entries: HashMap<Box<[u8]>, (u64, u64)>,
+    by_cookie: BTreeMap<u64, Box<[u8]>>,
+    next_cookie: u64,
+}
+
+/// Offsets 1 and 2 are "." and ".."; entries start at 3.
+pub const FIRST_COOKIE: u64 = 3;
+
+impl Directory {
+    fn new(parent: u64) -> Self {
+        Self { parent, entries: HashMap::new(), by_cookie: BTreeMap::new(), next_cookie: FIRST_COOKIE }
+    }
+    pub fn lookup(&self, name: &[u8]) -> Option<u64> {
+        self.entries.get(name).map(|&(ino, _)| ino)
+    }
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+    pub fn take_cookie(&mut self) -> u64 {
+        let c = self.next_cookie;
+        self.next_cookie += 1;
+        c
+    }
+    /// Entries with cookie >= `from`, in cookie order: (cookie, name, ino).
+    pub fn entries_from(&self, from: u64) -> impl Iterator<Item = (u64, &[u8], u64)> + '_ {
+        self.by_cookie.range(from..).map(move |(&cookie, name)| (cookie, &name[..], self.entries[name].0))
+    }
+    fn insert(&mut self, name: &[u8], ino: u64, cookie: u64) {
+        if let Some((_, old_cookie)) = self.entries.insert(name.into(), (ino, cookie)) {
+            self.by_cookie.remove(&old_cookie);
+        }
+        self.by_cookie.insert(cookie, name.into());
+        self.next_cookie = self.next_cookie.max(cookie + 1);
+    }
+    fn remove(&mut self, name: &[u8]) -> Option<u64> {
+        let (ino, cookie) = self.entries.remove(name)?;
+        self.by_cookie.remove(&cookie);
+        Some(ino)
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Node {
+    pub inode: Inode,
+    pub extents: ExtentMap,
+    pub xattrs: BTreeMap<Vec<u8>, Vec<u8>>,
+    pub symlink: Option<Vec<u8>>,
+    pub dir: Option<Directory>,
+}
+
+/// Whether a change is made live (freed blocks wait for the commit that
+/// frees them) or replayed from disk (allocator claims and frees at once).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ApplyMode {
+    Live,
+    Replay,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("inconsistent metadata record: {0}")]
+pub struct ApplyError(pub String);
+
+pub struct State {
+    pub nodes: HashMap<u64, Node>,
+    pub next_ino: u64,
+    pub alloc: Allocator,
+    /// Runs freed by changes not yet committed: reusable only after the
+    /// commit, or a crash could leave the old owner pointing at new data.
+    pub pending_free: Vec<BlockRun>,
+}
+
+fn err<T>(msg: String) -> Result<T, ApplyError> {
+    Err(ApplyError(msg))
+}
+
+impl State {
+    pub fn new(alloc: Allocator) -> Self {
+        Self { nodes: HashMap::new(), next_ino: 2, alloc, pending_free: Vec::new() }
+    }
+
+    pub fn node(&self, ino: u64) -> Option<&Node> {
+        self.nodes.get(&ino)
+    }
+
+    pub fn node_mut(&mut self, ino: u64) -> Option<&mut Node> {
+        self.nodes.get_mut(&ino)
+    }
+
+    fn release(&mut self, runs: Vec<BlockRun>, mode: ApplyMode) {
+        for run in runs.into_iter().filter(|r| r.len > 0) {
+            match mode {
+                ApplyMode::Live => self.pending_free.push(run),
+                ApplyMode::Replay => self.alloc.free(run),
+            }
+        }
+    }
+
+    pub fn apply(&mut self, record: &Record, mode: ApplyMode) -> Result<(), ApplyError> {
+        match record {
+            Record::InodeSet(inode) => self.apply_inode_set(inode),
+            Record::InodeFree { ino } => {
+                let Some(node) = self.nodes.remove(ino) else {
+                    return if mode == ApplyMode::Replay { Ok(()) } else { err(format!("free of missing inode {ino}")) };
+                };
+                let runs = node.extents.iter().map(|e| BlockRun { start: e.disk_block, len: e.len }).collect();
+                self.release(runs, mode);
+                Ok(())
+            }
+            Record::DirentSet { dir, name, ino, cookie } => {
+                let Some(d) = self.nodes.get_mut(dir).and_then(|n| n.dir.as_mut()) else {
+                    return err(format!("entry added to {dir}, which is not a directory"));
+                };
+                d.insert(name, *ino, *cookie);
+                if let Some(child) = self.nodes.get_mut(ino).and_then(|n| n.dir.as_mut()) {
+                    child.parent = *dir;
+                }
+                Ok(())
+            }
+            Record::DirentDelete { dir, name } => {
+                let Some(d) = self.nodes.get_mut(dir).and_then(|n| n.dir.as_mut()) else {
+                    return err(format!("entry removed from {dir}, which is not a directory"));
+                };
+                if d.remove(name).is_none() && mode == ApplyMode::Live {
+                    return err(format!("removal of a missing entry in {dir}"));
+                }
+                Ok(())
+            }
+            Record::ExtentMap { ino, file_block, disk_block, len, unwritten } => {
+                self.apply_extent_map(*ino, *file_block, *disk_block, *len, *unwritten, mode)
+            }
+            Record::ExtentPunch { ino, file_block, len } => {
+                let Some(node) = self.nodes.get_mut(ino) else { return err(format!("punch in missing inode {ino}")) };
+                let runs = node.extents.punch(*file_block, *len);
+                self.release(runs, mode);
+                Ok(())
+            }
+            Record::XattrSet { ino, name, value } => {
+                let Some(node) = self.nodes.get_mut(ino) else { return err(format!("xattr on missing inode {ino}")) };
+                node.xattrs.insert(name.clone(), value.clone());
+                Ok(())
+            }
+            Record::XattrDelete { ino, name } => {
+                let Some(node) = self.nodes.get_mut(ino) else { return err(format!("xattr on missing inode {ino}")) };
+                node.xattrs.remove(name);
+                Ok(())
+            }
+            Record::Symlink { ino, target } => {
+                let Some(node) = self.nodes.get_mut(ino) else { return err(format!("symlink on missing inode {ino}")) };
+                node.symlink = Some(target.clone());
+                Ok(())
+            }
+            Record::NextIno { next } => {
+                self.next_ino = self.next_ino.max(*next);
+                Ok(())
+            }
+        }
+    }
+
+    fn apply_inode_set(&mut self, inode: &Inode) -> Result<(), ApplyError> {
+        if inode.ino == 0 {
+            return err("inode number 0".into());
+        }
+        self.next_ino = self.next_ino.max(inode.ino + 1);
+        match self.nodes.get_mut(&inode.ino) {
+            Some(node) => {
+                if node.inode.file_type() != inode.file_type() {
+                    return err(format!("inode {} changed type", inode.ino));
+                }
+                node.inode = inode.clone();
+            }
+            None => {
+                let dir = inode.is_dir().then(|| Directory::new(inode.ino));
+                let node = Node {
+                    inode: inode.clone(),
+                    extents: ExtentMap::default(),
+                    xattrs: BTreeMap::new(),
+                    symlink: None,
+                    dir,
+                };
+                self.nodes.insert(inode.ino, node);
+            }
+        }
+        Ok(())
+    }
+
+    fn apply_extent_map(
+        &mut self,
+        ino: u64,
+        file_block: u64,
+        disk_block: u64,
+        len: u64,
+        unwritten: bool,
+        mode: ApplyMode,
+    ) -> Result<(), ApplyError> {
+        if len == 0 || file_block.checked_add(len).is_none() || disk_block.checked_add(len).is_none() {
+            return err(format!("extent of inode {ino} has a bad length"));
+        }
+        let Some(node) = self.nodes.get_mut(&ino) else { return err(format!("extent for missing inode {ino}")) };
+        if !node.inode.is_reg() {
+            return err(format!("extent for inode {ino}, which is not a regular file"));
+        }
+        let replaced = node.extents.map(file_block, disk_block, len, unwritten);
+        let new = BlockRun { start: disk_block, len };
+        match mode {
+            ApplyMode::Live => {
+                // Only runs outside the new mapping change owner; the rest
+                // is the same blocks changing state (unwritten -> written).
+                let outside = replaced.into_iter().flat_map(|r| subtract(r, new)).collect();
+                self.release(outside, mode);
+            }
+            ApplyMode::Replay => {
+                self.release(replaced, mode);
+                if self.alloc.claim(new).is_err() {
+                    return err(format!("extent of inode {ino} claims blocks [{disk_block}, +{len}) already in use"));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The parts of `a` outside `b`.
+fn subtract(a: BlockRun, b: BlockRun) -> Vec<BlockRun> {
+    let mut out = Vec::new();
+    if a.start < b.start {
+        out.push(BlockRun { start: a.start, len: a.end().min(b.start) - a.start });
+    }
+    if a.end() > b.end() {
+        let s = a.start.max(b.end());
+        out.push(BlockRun { start: s, len: a.end() - s });
+    }
+    out
+}

@@ -1,0 +1,384 @@
+//! The filesystem operation API: POSIX behaviour, persistence across
+//! remounts, and a clean fsck afterwards.
+
+mod common;
+
+use common::{busy_reactor, check, format, mount, ram_device};
+use keelfs_core::fs::format::ROOT_INO;
+use keelfs_core::fs::{Creds, FsError, SetAttr, TimeSet};
+
+const MIB: u64 = 1 << 20;
+
+fn root() -> Creds {
+    Creds::root()
+}
+
+#[test]
+fn files_and_directories_persist_across_remount() {
+    let mut r = busy_reactor();
+    let dev = ram_device(64 * MIB);
+    r.block_on(async move {
+        format(&dev).await;
+        let fs = mount(&dev).await;
+        let c = root();
+        let d = fs.mkdir(&c, ROOT_INO, b"dir", 0o755).await.unwrap();
+        let (f, fh) = fs.create(&c, d.inode.ino, b"file", 0o644, libc::O_RDWR as u32).await.unwrap();
+        let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+        assert_eq!(fs.write(f.inode.ino, 1000, &data).await.unwrap(), data.len() as u32);
+        fs.release(fh).await.unwrap();
+        fs.symlink(&c, d.inode.ino, b"link", b"file").await.unwrap();
+        fs.link(&c, f.inode.ino, ROOT_INO, b"hard").await.unwrap();
+        fs.setxattr(&c, f.inode.ino, b"user.k", b"v", 0).await.unwrap();
+        fs.unmount().await.unwrap();
+        assert!(check(&dev).await.is_clean());
+
+        let fs = mount(&dev).await;
+        assert_eq!(fs.replayed_at_mount(), 0, "a clean unmount leaves nothing to replay");
+        let d = fs.lookup(&c, ROOT_INO, b"dir").await.unwrap();
+        let f = fs.lookup(&c, d.inode.ino, b"file").await.unwrap();
+        assert_eq!(f.inode.size, 101_000);
+        assert_eq!(f.inode.nlink, 2);
+        let back = fs.read(f.inode.ino, 1000, 100_000).await.unwrap();
+        assert!(back == data);
+        let head = fs.read(f.inode.ino, 0, 1000).await.unwrap();
+        assert!(head.iter().all(|&b| b == 0), "the gap before the write reads as zeros");
+        let l = fs.lookup(&c, d.inode.ino, b"link").await.unwrap();
+        assert_eq!(fs.readlink(l.inode.ino).await.unwrap(), b"file");
+        assert_eq!(fs.getxattr(&c, f.inode.ino, b"user.k").await.unwrap(), b"v");
+        let h = fs.lookup(&c, ROOT_INO, b"hard").await.unwrap();
+        assert_eq!(h.inode.ino, f.inode.ino);
+        assert_eq!(fs.getattr(ROOT_INO).await.unwrap().inode.nlink, 3);
+    });
+}
+
+#[test]
+fn synced_changes_survive_without_unmount() {
+    let mut r = busy_reactor();
+    let dev = ram_device(64 * MIB);
+    r.block_on(async move {
+        format(&dev).await;
+        let fs = mount(&dev).await;
+        let c = root();
+        let (f, _) = fs.create(&c, ROOT_INO, b"a", 0o644, libc::O_RDWR as u32).await.unwrap();
+        fs.write(f.inode.ino, 0, b"hello").await.unwrap();
+        fs.fsync(f.inode.ino, false).await.unwrap();
+        fs.mkdir(&c, ROOT_INO, b"unsynced", 0o755).await.unwrap();
+        drop(fs); // no unmount: as after a crash, on a device that lost nothing
+        let fs = mount(&dev).await;
+        assert!(fs.replayed_at_mount() >= 1);
+        let f = fs.lookup(&c, ROOT_INO, b"a").await.unwrap();
+        assert_eq!(fs.read(f.inode.ino, 0, 10).await.unwrap(), b"hello");
+        assert_eq!(fs.lookup(&c, ROOT_INO, b"unsynced").await.err(), Some(FsError::NotFound));
+        fs.unmount().await.unwrap();
+        let report = check(&dev).await;
+        assert!(report.is_clean(), "{report:?}");
+    });
+}
+
+#[test]
+fn namespace_errors_follow_posix() {
+    let mut r = busy_reactor();
+    let dev = ram_device(32 * MIB);
+    r.block_on(async move {
+        format(&dev).await;
+        let fs = mount(&dev).await;
+        let c = root();
+        let d = fs.mkdir(&c, ROOT_INO, b"d", 0o755).await.unwrap().inode.ino;
+        fs.mknod(&c, d, b"f", libc::S_IFREG | 0o644, 0).await.unwrap();
+        assert_eq!(fs.mkdir(&c, ROOT_INO, b"d", 0o755).await.err(), Some(FsError::Exists));
+        assert_eq!(fs.rmdir(&c, ROOT_INO, b"d").await.err(), Some(FsError::NotEmpty));
+        assert_eq!(fs.unlink(&c, ROOT_INO, b"d").await.err(), Some(FsError::IsDir));
+        assert_eq!(fs.rmdir(&c, d, b"f").await.err(), Some(FsError::NotDir));
+        assert_eq!(fs.lookup(&c, d, b"nope").await.err(), Some(FsError::NotFound));
+        assert_eq!(fs.lookup(&c, d, &[b'x'; 256]).await.err(), Some(FsError::NameTooLong));
+        assert_eq!(fs.mkdir(&c, ROOT_INO, b"a/b", 0o755).await.err().map(|e| e.errno()), Some(libc::EINVAL));
+        let f = fs.lookup(&c, d, b"f").await.unwrap().inode.ino;
+        assert_eq!(fs.mkdir(&c, f, b"x", 0o755).await.err(), Some(FsError::NotDir));
+        assert_eq!(fs.link(&c, d, ROOT_INO, b"dlink").await.err(), Some(FsError::Perm));
+        // rename of a directory into its own subtree
+        let sub = fs.mkdir(&c, d, b"sub", 0o755).await.unwrap().inode.ino;
+        assert_eq!(fs.rename(&c, ROOT_INO, b"d", sub, b"x", 0).await.err().map(|e| e.errno()), Some(libc::EINVAL));
+        assert_eq!(fs.lookup(&c, sub, b"..").await.unwrap().inode.ino, d);
+        fs.unmount().await.unwrap();
+        assert!(check(&dev).await.is_clean());
+    });
+}
+
+#[test]
+fn rename_replace_noreplace_and_exchange() {
+    let mut r = busy_reactor();
+    let dev = ram_device(32 * MIB);
+    r.block_on(async move {
+        format(&dev).await;
+        let fs = mount(&dev).await;
+        let c = root();
+        let a = fs.mknod(&c, ROOT_INO, b"a", libc::S_IFREG | 0o644, 0).await.unwrap().inode.ino;
+        let b = fs.mknod(&c, ROOT_INO, b"b", libc::S_IFREG | 0o644, 0).await.unwrap().inode.ino;
+        let d1 = fs.mkdir(&c, ROOT_INO, b"d1", 0o755).await.unwrap().inode.ino;
+        let d2 = fs.mkdir(&c, ROOT_INO, b"d2", 0o755).await.unwrap().inode.ino;
+        assert_eq!(fs.rename(&c, ROOT_INO, b"a", ROOT_INO, b"b", 1).await.err(), Some(FsError::Exists));
+        fs.rename(&c, ROOT_INO, b"a", ROOT_INO, b"b", 2).await.unwrap(); // exchange
+        assert_eq!(fs.lookup(&c, ROOT_INO, b"a").await.unwrap().inode.ino, b);
+        assert_eq!(fs.lookup(&c, ROOT_INO, b"b").await.unwrap().inode.ino, a);
+        fs.rename(&c, ROOT_INO, b"a", ROOT_INO, b"b", 0).await.unwrap(); // replace
+        assert_eq!(fs.lookup(&c, ROOT_INO, b"b").await.unwrap().inode.ino, b);
+        assert_eq!(fs.lookup(&c, ROOT_INO, b"a").await.err(), Some(FsError::NotFound));
+        assert_eq!(fs.getattr(a).await.unwrap().inode.nlink, 0, "replaced file lost its last link");
+        assert_eq!(fs.rename(&c, ROOT_INO, b"b", ROOT_INO, b"d1", 0).await.err(), Some(FsError::IsDir));
+        assert_eq!(fs.rename(&c, ROOT_INO, b"d1", ROOT_INO, b"b", 0).await.err(), Some(FsError::NotDir));
+        fs.rename(&c, ROOT_INO, b"d1", d2, b"moved", 0).await.unwrap();
+        assert_eq!(fs.getattr(ROOT_INO).await.unwrap().inode.nlink, 3);
+        assert_eq!(fs.getattr(d2).await.unwrap().inode.nlink, 3);
+        assert_eq!(fs.lookup(&c, d1, b"..").await.unwrap().inode.ino, d2);
+        // Two lookups named `a` (mknod, then the lookup of "b" after the
+        // exchange): the kernel forgets both before it can be freed.
+        fs.forget(a, 1).await.unwrap();
+        assert!(fs.getattr(a).await.is_ok());
+        fs.forget(a, 1).await.unwrap();
+        assert_eq!(fs.getattr(a).await.err(), Some(FsError::NotFound));
+        fs.unmount().await.unwrap();
+        let report = check(&dev).await;
+        assert!(report.is_clean(), "{report:?}");
+        assert_eq!(report.orphans, 0);
+    });
+}
+
+#[test]
+fn permissions_use_the_callers_credentials() {
+    let mut r = busy_reactor();
+    let dev = ram_device(32 * MIB);
+    r.block_on(async move {
+        format(&dev).await;
+        let fs = mount(&dev).await;
+        let c = root();
+        let alice = Creds::user(1000, 1000);
+        let bob = Creds { uid: 1001, gid: 1001, groups: vec![1000] };
+        let d = fs.mkdir(&c, ROOT_INO, b"home", 0o755).await.unwrap().inode.ino;
+        assert_eq!(fs.mkdir(&alice, d, b"x", 0o755).await.err(), Some(FsError::Access));
+        fs.setattr(&c, d, &SetAttr { uid: Some(1000), gid: Some(1000), ..Default::default() }, false).await.unwrap();
+        let f = fs.mknod(&alice, d, b"f", libc::S_IFREG | 0o640, 0).await.unwrap().inode;
+        assert_eq!((f.uid, f.gid), (1000, 1000));
+        assert!(fs.open(&bob, f.ino, libc::O_RDONLY as u32).await.is_ok(), "group read");
+        assert_eq!(fs.open(&bob, f.ino, libc::O_WRONLY as u32).await.err(), Some(FsError::Access));
+        assert_eq!(fs.setattr(&bob, f.ino, &SetAttr { mode: Some(0o777), ..Default::default() }, false).await.err(), Some(FsError::Perm));
+        assert_eq!(fs.setattr(&alice, f.ino, &SetAttr { uid: Some(0), ..Default::default() }, false).await.err(), Some(FsError::Perm));
+        let times = SetAttr { mtime: Some(TimeSet::Now), ..Default::default() };
+        assert_eq!(fs.setattr(&bob, f.ino, &times, false).await.err(), Some(FsError::Access));
+        // sticky directory: bob may not remove alice's file
+        fs.setattr(&c, d, &SetAttr { mode: Some(0o1777), ..Default::default() }, false).await.unwrap();
+        assert_eq!(fs.unlink(&bob, d, b"f").await.err(), Some(FsError::Perm));
+        fs.unlink(&alice, d, b"f").await.unwrap();
+        assert_eq!(fs.access(&bob, d, 2).await, Ok(()));
+        assert_eq!(fs.getxattr(&alice, d, b"trusted.x").await.err(), Some(FsError::Perm));
+    });
+}
+
+#[test]
+fn readdir_offsets_stay_valid_while_the_directory_changes() {
+    let mut r = busy_reactor();
+    let dev = ram_device(32 * MIB);
+    r.block_on(async move {
+        format(&dev).await;
+        let fs = mount(&dev).await;
+        let c = root();
+        for i in 0..100 {
+            fs.mknod(&c, ROOT_INO, format!("f{i:03}").as_bytes(), libc::S_IFREG | 0o644, 0).await.unwrap();
+        }
+        let first = fs.readdir(ROOT_INO, 0, 30).await.unwrap();
+        assert_eq!(first[0].name, b".");
+        assert_eq!(first[1].name, b"..");
+        let resume = first.last().unwrap().next_offset;
+        // Remove some already listed and some not yet listed; add new ones.
+        for i in [0, 5, 50, 60] {
+            fs.unlink(&c, ROOT_INO, format!("f{i:03}").as_bytes()).await.unwrap();
+        }
+        fs.mknod(&c, ROOT_INO, b"late", libc::S_IFREG | 0o644, 0).await.unwrap();
+        let mut names: Vec<Vec<u8>> = first.iter().map(|e| e.name.clone()).collect();
+        let mut off = resume;
+        loop {
+            let batch = fs.readdir(ROOT_INO, off, 17).await.unwrap();
+            if batch.is_empty() {
+                break;
+            }
+            off = batch.last().unwrap().next_offset;
+            names.extend(batch.into_iter().map(|e| e.name));
+        }
+        let unique: std::collections::HashSet<_> = names.iter().collect();
+        assert_eq!(unique.len(), names.len(), "no entry listed twice");
+        for i in 0..100 {
+            let n = format!("f{i:03}").into_bytes();
+            if ![50, 60].contains(&i) {
+                assert!(names.contains(&n), "entry {i} present throughout was listed");
+            } else {
+                assert!(!names.contains(&n), "entry {i} removed before it was reached is not listed");
+            }
+        }
+        assert!(names.contains(&b"late".to_vec()));
+    });
+}
+
+#[test]
+fn file_unlinked_while_open_is_freed_at_last_release() {
+    let mut r = busy_reactor();
+    let dev = ram_device(32 * MIB);
+    r.block_on(async move {
+        format(&dev).await;
+        let fs = mount(&dev).await;
+        let c = root();
+        let free0 = fs.free_blocks();
+        let (f, fh) = fs.create(&c, ROOT_INO, b"tmp", 0o644, libc::O_RDWR as u32).await.unwrap();
+        fs.write(f.inode.ino, 0, &vec![7u8; 1 << 20]).await.unwrap();
+        fs.unlink(&c, ROOT_INO, b"tmp").await.unwrap();
+        fs.forget(f.inode.ino, 1).await.unwrap();
+        assert_eq!(fs.read(f.inode.ino, 0, 4).await.unwrap(), vec![7u8; 4], "still readable while open");
+        fs.release(fh).await.unwrap();
+        assert_eq!(fs.getattr(f.inode.ino).await.err(), Some(FsError::NotFound));
+        fs.sync().await.unwrap();
+        assert_eq!(fs.free_blocks(), free0, "space came back after the commit");
+    });
+}
+
+#[test]
+fn orphan_left_by_a_crash_is_freed_at_the_next_mount() {
+    let mut r = busy_reactor();
+    let dev = ram_device(32 * MIB);
+    r.block_on(async move {
+        format(&dev).await;
+        let fs = mount(&dev).await;
+        let c = root();
+        let (f, _fh) = fs.create(&c, ROOT_INO, b"tmp", 0o644, libc::O_RDWR as u32).await.unwrap();
+        fs.write(f.inode.ino, 0, &vec![1u8; 65536]).await.unwrap();
+        fs.unlink(&c, ROOT_INO, b"tmp").await.unwrap();
+        fs.sync().await.unwrap();
+        drop(fs); // crash with the file still open
+        let report = check(&dev).await;
+        assert!(report.is_clean(), "{report:?}");
+        assert_eq!(report.orphans, 1);
+        let fs = mount(&dev).await;
+        assert_eq!(fs.getattr(f.inode.ino).await.err(), Some(FsError::NotFound));
+        fs.unmount().await.unwrap();
+        let report = check(&dev).await;
+        assert!(report.is_clean() && report.orphans == 0, "{report:?}");
+    });
+}
+
+#[test]
+fn truncate_fallocate_and_seek() {
+    let mut r = busy_reactor();
+    let dev = ram_device(32 * MIB);
+    r.block_on(async move {
+        format(&dev).await;
+        let fs = mount(&dev).await;
+        let c = root();
+        let (f, _) = fs.create(&c, ROOT_INO, b"f", 0o644, libc::O_RDWR as u32).await.unwrap();
+        let ino = f.inode.ino;
+        fs.write(ino, 0, &vec![0xaa; 20000]).await.unwrap();
+        let shrink = SetAttr { size: Some(5000), ..Default::default() };
+        fs.setattr(&c, ino, &shrink, true).await.unwrap();
+        let grow = SetAttr { size: Some(12000), ..Default::default() };
+        fs.setattr(&c, ino, &grow, true).await.unwrap();
+        let data = fs.read(ino, 0, 20000).await.unwrap();
+        assert_eq!(data.len(), 12000);
+        assert!(data[..5000].iter().all(|&b| b == 0xaa));
+        assert!(data[5000..].iter().all(|&b| b == 0), "bytes past a truncation read as zeros after growing");
+
+        // fallocate: unwritten space reads as zeros and counts as a hole.
+        fs.fallocate(ino, 0, 40960, 40960).await.unwrap();
+        assert_eq!(fs.getattr(ino).await.unwrap().inode.size, 81920);
+        assert!(fs.read(ino, 40960, 4096).await.unwrap().iter().all(|&b| b == 0));
+        assert_eq!(fs.lseek(ino, 0, 3).await.unwrap(), 0);
+        assert_eq!(fs.lseek(ino, 0, 4).await.unwrap(), 8192, "first hole after the data");
+        assert_eq!(fs.lseek(ino, 40960, 3).await.err(), Some(FsError::Nxio), "unwritten is not data");
+        fs.write(ino, 45056, b"x").await.unwrap();
+        assert_eq!(fs.lseek(ino, 40960, 3).await.unwrap(), 45056);
+
+        // punch a hole through written data
+        fs.fallocate(ino, 0x03, 1000, 2000).await.unwrap();
+        let data = fs.read(ino, 0, 5000).await.unwrap();
+        assert!(data[..1000].iter().all(|&b| b == 0xaa) && data[1000..3000].iter().all(|&b| b == 0));
+        assert!(data[3000..5000].iter().all(|&b| b == 0xaa));
+        assert_eq!(fs.fallocate(ino, 0x02, 0, 10).await.err().map(|e| e.errno()), Some(libc::EINVAL));
+        assert_eq!(fs.fallocate(ino, 0x08, 0, 10).await.err(), Some(FsError::Unsupported));
+        fs.unmount().await.unwrap();
+        let report = check(&dev).await;
+        assert!(report.is_clean(), "{report:?}");
+    });
+}
+
+#[test]
+fn xattrs_follow_create_and_replace_flags() {
+    let mut r = busy_reactor();
+    let dev = ram_device(32 * MIB);
+    r.block_on(async move {
+        format(&dev).await;
+        let fs = mount(&dev).await;
+        let c = root();
+        let f = fs.mknod(&c, ROOT_INO, b"f", libc::S_IFREG | 0o644, 0).await.unwrap().inode.ino;
+        assert_eq!(fs.setxattr(&c, f, b"user.a", b"1", 2).await.err(), Some(FsError::NoData));
+        fs.setxattr(&c, f, b"user.a", b"1", 1).await.unwrap();
+        assert_eq!(fs.setxattr(&c, f, b"user.a", b"2", 1).await.err(), Some(FsError::Exists));
+        fs.setxattr(&c, f, b"user.a", b"2", 2).await.unwrap();
+        fs.setxattr(&c, f, b"user.b", b"", 0).await.unwrap();
+        assert_eq!(fs.listxattr(f).await.unwrap(), b"user.a\0user.b\0");
+        fs.removexattr(&c, f, b"user.a").await.unwrap();
+        assert_eq!(fs.getxattr(&c, f, b"user.a").await.err(), Some(FsError::NoData));
+        assert_eq!(fs.setxattr(&c, f, b"user.big", &vec![0; 70000], 0).await.err(), Some(FsError::Range));
+    });
+}
+
+#[test]
+fn filling_the_device_gives_enospc_and_deleting_frees_it() {
+    let mut r = busy_reactor();
+    let dev = ram_device(16 * MIB);
+    r.block_on(async move {
+        format(&dev).await;
+        let fs = mount(&dev).await;
+        let c = root();
+        let chunk = vec![0x5a; 256 << 10];
+        let mut files = Vec::new();
+        let mut hit_enospc = false;
+        'fill: for i in 0..200 {
+            let (f, fh) = fs.create(&c, ROOT_INO, format!("f{i}").as_bytes(), 0o644, 2).await.unwrap();
+            files.push((f.inode.ino, fh));
+            for k in 0..4u64 {
+                match fs.write(f.inode.ino, k * chunk.len() as u64, &chunk).await {
+                    Ok(_) => {}
+                    Err(FsError::NoSpace) => {
+                        hit_enospc = true;
+                        break 'fill;
+                    }
+                    Err(e) => panic!("unexpected error {e}"),
+                }
+            }
+        }
+        assert!(hit_enospc);
+        fs.sync().await.unwrap();
+        let full_free = fs.free_blocks();
+        fs.unmount().await.unwrap();
+        let report = check(&dev).await;
+        assert!(report.is_clean(), "full filesystem is consistent: {report:?}");
+        let fs = mount(&dev).await;
+        for (i, _) in files.iter().enumerate() {
+            fs.unlink(&c, ROOT_INO, format!("f{i}").as_bytes()).await.unwrap();
+        }
+        fs.sync().await.unwrap();
+        assert!(fs.free_blocks() > full_free + 3000, "deleting gave space back");
+        let (f, _) = fs.create(&c, ROOT_INO, b"again", 0o644, 2).await.unwrap();
+        fs.write(f.inode.ino, 0, &chunk).await.unwrap();
+        fs.unmount().await.unwrap();
+        assert!(check(&dev).await.is_clean());
+    });
+}
+
+#[test]
+fn mkfs_refuses_an_existing_filesystem_without_force() {
+    let mut r = busy_reactor();
+    let dev = ram_device(32 * MIB);
+    r.block_on(async move {
+        format(&dev).await;
+        let err = keelfs_core::fs::mkfs::mkfs(common::channel(&dev), &Default::default()).await.unwrap_err();
+        assert!(err.to_string().contains("--force"), "{err}");
+        let report = check(&dev).await;
+        assert!(report.is_clean());
+    });
+}
