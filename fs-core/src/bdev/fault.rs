@@ -253,6 +253,11 @@ impl FaultDevice {
         self.state().log.clone()
     }
 
+    /// Entries logged so far (cheaper than cloning the log).
+    pub fn log_len(&self) -> usize {
+        self.state().log.len()
+    }
+
     /// How many operations a rule has failed or torn.
     pub fn injected(&self) -> u64 {
         self.state().injected
@@ -263,8 +268,10 @@ impl BlockDevice for FaultDevice {
     fn name(&self) -> &str {
         &self.name
     }
+    /// The inner geometry, except that the write cache is always volatile:
+    /// the crash model assumes one, and callers must flush as for one.
     fn geometry(&self) -> Geometry {
-        self.inner.geometry()
+        Geometry { volatile_write_cache: true, ..self.inner.geometry() }
     }
     fn open_queue(&self, config: QueueConfig) -> Result<Box<dyn IoQueue>, BdevError> {
         Ok(Box::new(FaultQueue {
@@ -327,7 +334,7 @@ fn trim_iovecs(iovecs: &[IoVec], mut len: usize) -> Vec<IoVec> {
 
 impl IoQueue for FaultQueue {
     fn geometry(&self) -> Geometry {
-        self.inner.geometry()
+        Geometry { volatile_write_cache: true, ..self.inner.geometry() }
     }
 
     unsafe fn submit(&mut self, req: &IoRequest<'_>) -> Result<(), BdevError> {

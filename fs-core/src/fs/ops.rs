@@ -516,6 +516,9 @@ impl Fs {
     }
 
     fn exchange(&self, parent: u64, name: &[u8], a: u64, new_parent: u64, new_name: &[u8], b: u64) -> FsResult<()> {
+        if a == b {
+            return Ok(()); // one inode under both names: nothing changes
+        }
         let (ia, ib) = (self.inner.inode(a)?, self.inner.inode(b)?);
         if ia.is_dir() {
             self.check_not_ancestor(a, new_parent)?;
@@ -905,7 +908,10 @@ impl Fs {
         let first = offset / BLOCK_SIZE;
         let last = (end - 1) / BLOCK_SIZE;
         let nblocks = last - first + 1;
-        let _range = self.inner.ranges.lock(ino, first * BLOCK_SIZE, (last + 1) * BLOCK_SIZE, true).await;
+        let (_range, old_size) = self.lock_for_write(ino, first, last, end).await?;
+        if end > old_size && old_size / BLOCK_SIZE < first {
+            self.zero_past_eof(ino, old_size).await?;
+        }
         let mut image = vec![0u8; (nblocks * BLOCK_SIZE) as usize];
         let head = (offset % BLOCK_SIZE) as usize;
         if head != 0 {
@@ -914,6 +920,12 @@ impl Fs {
         if end % BLOCK_SIZE != 0 && (nblocks > 1 || head == 0) {
             let at = ((nblocks - 1) * BLOCK_SIZE) as usize;
             self.read_file_block(ino, last, &mut image[at..]).await?;
+        }
+        // Bytes past the old end of file may hold what a truncation left on
+        // the device; they become visible now, so they must be zeros.
+        let image_start = first * BLOCK_SIZE;
+        if old_size < image_start + image.len() as u64 {
+            image[old_size.saturating_sub(image_start) as usize..].fill(0);
         }
         image[head..head + data.len()].copy_from_slice(data);
         let records = self.write_blocks_of(ino, first, &image).await?;
@@ -929,6 +941,27 @@ impl Fs {
         })?;
         self.inner.op_done();
         Ok(data.len() as u32)
+    }
+
+    /// Lock the blocks a write covers. A write that extends the file also
+    /// locks from the block holding the current end of file onwards, since
+    /// it must zero that block's tail. Returns the guard and the size seen
+    /// under it.
+    async fn lock_for_write(&self, ino: u64, first: u64, last: u64, end: u64) -> FsResult<(super::sync::RangeGuard, u64)> {
+        loop {
+            let size = self.inner.inode(ino)?.size;
+            let (start, stop) = if end > size {
+                ((size / BLOCK_SIZE).min(first) * BLOCK_SIZE, u64::MAX)
+            } else {
+                (first * BLOCK_SIZE, (last + 1) * BLOCK_SIZE)
+            };
+            let guard = self.inner.ranges.lock(ino, start, stop, true).await;
+            let now_size = self.inner.inode(ino).map_err(|_| FsError::Stale)?.size;
+            let covered = if end > now_size { (now_size / BLOCK_SIZE).min(first) * BLOCK_SIZE >= start && stop == u64::MAX } else { true };
+            if covered {
+                return Ok((guard, now_size));
+            }
+        }
     }
 
     /// Write whole blocks of `image` at `first`: in place where the file
@@ -1042,9 +1075,10 @@ impl Fs {
         Ok(out)
     }
 
-    /// Set the size. Shrinking frees whole blocks past the end and zeroes
-    /// the tail of the last partial block, so a later extension reads
-    /// zeros there.
+    /// Set the size. Shrinking frees whole blocks past the new end in one
+    /// transaction; the bytes left past the end in the last partial block
+    /// are zeroed only when the file grows over them again, so a crash
+    /// before the shrink commits cannot destroy data still in the file.
     pub(crate) async fn truncate(&self, ino: u64, new_size: u64) -> FsResult<()> {
         if new_size > MAX_FILE_BYTES {
             return Err(FsError::FileTooBig);
@@ -1055,10 +1089,8 @@ impl Fs {
         if new_size < old {
             let keep_blocks = new_size.div_ceil(BLOCK_SIZE);
             self.inner.log(Record::ExtentPunch { ino, file_block: keep_blocks, len: u64::MAX - keep_blocks })?;
-            let tail = (new_size % BLOCK_SIZE) as usize;
-            if tail != 0 {
-                self.zero_in_block(ino, new_size / BLOCK_SIZE, tail, BLOCK_BYTES).await?;
-            }
+        } else {
+            self.zero_past_eof(ino, old).await?;
         }
         let t = now();
         self.inner.update_inode(ino, |i| {
@@ -1069,6 +1101,16 @@ impl Fs {
         })?;
         self.inner.op_done();
         Ok(())
+    }
+
+    /// Zero the bytes past `size` in the block that holds the end of file:
+    /// they are invisible now and are about to become part of the file.
+    async fn zero_past_eof(&self, ino: u64, size: u64) -> FsResult<()> {
+        let tail = (size % BLOCK_SIZE) as usize;
+        if tail == 0 {
+            return Ok(());
+        }
+        self.zero_in_block(ino, size / BLOCK_SIZE, tail, BLOCK_BYTES).await
     }
 
     /// Zero bytes [from, to) of one file block, if it holds written data.
@@ -1107,6 +1149,10 @@ impl Fs {
         let _range = range_lock.await;
         if punch || zero {
             self.clear_range(ino, offset, end).await?;
+        }
+        let old_size = self.inner.inode(ino)?.size;
+        if mode & FALLOC_FL_KEEP_SIZE == 0 && end > old_size {
+            self.zero_past_eof(ino, old_size).await?;
         }
         if !punch {
             self.allocate_unwritten(ino, offset / BLOCK_SIZE, end.div_ceil(BLOCK_SIZE))?;
