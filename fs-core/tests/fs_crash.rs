@@ -9,7 +9,8 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{busy_reactor, channel, check, format, mount};
+use common::{busy_reactor, channel, check, mount};
+use keelfs_core::fs::mkfs::{mkfs, MkfsOptions};
 use keelfs_core::bdev::fault::splitmix64;
 use keelfs_core::bdev::{BlockDevice, FaultDevice, MappedDevice};
 use keelfs_core::fs::format::ROOT_INO;
@@ -28,13 +29,22 @@ struct Recorded<P> {
 /// Format, poison free space with STALE, then run `workload` while
 /// recording. The workload pushes a promise after each sync it makes.
 fn record<P: 'static>(workload: impl AsyncFnOnce(Fs, Arc<FaultDevice>, &mut Vec<(usize, P)>) + 'static) -> Recorded<P> {
+    record_with_journal(0, workload)
+}
+
+/// As `record`, with a journal of `journal_blocks` (0: the default).
+fn record_with_journal<P: 'static>(
+    journal_blocks: u64,
+    workload: impl AsyncFnOnce(Fs, Arc<FaultDevice>, &mut Vec<(usize, P)>) + 'static,
+) -> Recorded<P> {
     let mut r = busy_reactor();
     let ram = Arc::new(MappedDevice::ram(DEVICE_BYTES, 4096).unwrap());
     let fault = Arc::new(FaultDevice::new(ram.clone()));
     let dev: Arc<dyn BlockDevice> = fault.clone();
     let (ram2, fault2) = (ram.clone(), fault.clone());
     r.block_on(async move {
-        format(&dev).await;
+        let options = MkfsOptions { force: true, journal_blocks, ..MkfsOptions::default() };
+        mkfs(channel(&dev), &options).await.unwrap();
         let fs = mount(&dev).await;
         let c = Creds::root();
         let (junk, _) = fs.create(&c, ROOT_INO, b"junk", 0o644, 2).await.unwrap();
@@ -103,14 +113,27 @@ async fn lookup(fs: &Fs, parent: u64, name: &str) -> Option<u64> {
     fs.lookup(&Creds::root(), parent, name.as_bytes()).await.ok().map(|a| a.inode.ino)
 }
 
+type StormPromise = Vec<(String, Vec<(String, Vec<u8>)>)>;
+
 #[test]
 fn create_rename_unlink_storm() {
+    storm(0, 8);
+}
+
+/// A 16-block journal fills every few rounds, so commits wrap the ring
+/// and checkpoints run between them: crashes land inside both.
+#[test]
+fn storm_with_a_tiny_journal_crosses_wraps_and_checkpoints() {
+    storm(16, 24);
+}
+
+fn storm(journal_blocks: u64, rounds: usize) {
     let seed = test_seed();
-    type Promise = Vec<(String, Vec<(String, Vec<u8>)>)>;
-    let rec = record(async move |fs: Fs, _f, promises: &mut Vec<(usize, Promise)>| {
+    type Promise = StormPromise;
+    let rec = record_with_journal(journal_blocks, async move |fs: Fs, _f, promises: &mut Vec<(usize, Promise)>| {
         let c = Creds::root();
         let mut done: Promise = Vec::new();
-        for round in 0..8 {
+        for round in 0..rounds {
             let dname = format!("r{round}");
             let d = fs.mkdir(&c, ROOT_INO, dname.as_bytes(), 0o755).await.unwrap().inode.ino;
             let mut names = Vec::new();
@@ -135,6 +158,10 @@ fn create_rename_unlink_storm() {
             done.push((dname, names));
             fs.sync().await.unwrap();
             promises.push((_f.log_len(), done.clone()));
+        }
+        let checkpoints = fs.counters().checkpoints;
+        if journal_blocks > 0 {
+            assert!(checkpoints >= 2, "the tiny journal forced checkpoints ({checkpoints})");
         }
     });
     check_crashes(&rec, seed, async |fs: &Fs, promised: Option<&Promise>, _next| {

@@ -246,7 +246,16 @@ pub(crate) async fn replay(
         let whole = read_ring(dev, sb, pos, u64::from(h.blocks)).await?;
         let payload = &whole[TX_HEADER_BYTES..TX_HEADER_BYTES + h.payload_len as usize];
         if crc(payload) != h.payload_crc {
-            break; // a torn tail: the commit never completed
+            // A torn tail (the commit never completed) is the end of the
+            // log. A damaged transaction with a valid one after it is not.
+            let next = pos + u64::from(h.blocks);
+            if next - sb.journal_start < sb.journal_blocks {
+                let after = read_ring(dev, sb, next, 1).await?;
+                if decode_tx_header(&after, &sb.uuid, seq + 1).is_some() {
+                    return Err(corrupt(format!("journal transaction {seq} is damaged (checksum mismatch) and later ones exist")));
+                }
+            }
+            break;
         }
         let records = decode_all(payload).map_err(|e| corrupt(format!("journal transaction {seq}: {e}")))?;
         for r in &records {

@@ -213,6 +213,13 @@ impl Fs {
         Ok(state.node(ino).ok_or(FsError::NotFound)?.extents.len())
     }
 
+    /// Overwrite an inode's link count, bypassing every rule: for tests
+    /// that need a damaged image to check fsck against.
+    #[doc(hidden)]
+    pub fn debug_set_nlink(&self, ino: u64, nlink: u32) {
+        let _ = self.inner.update_inode(ino, |i| i.nlink = nlink);
+    }
+
     /// Commit everything logged so far and make all completed data writes
     /// durable. Concurrent callers share commits (group commit).
     pub async fn sync(&self) -> FsResult<()> {
