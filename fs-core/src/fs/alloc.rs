@@ -40,6 +40,10 @@ impl Group {
         self.free.insert(start, len);
     }
 
+    fn is_free(&self, start: u64, len: u64) -> bool {
+        self.free.range(..=start).next_back().is_some_and(|(&run, &run_len)| run + run_len >= start + len)
+    }
+
     /// Remove [start, start+len) from the free index; it must be free.
     fn carve(&mut self, start: u64, len: u64) -> bool {
         let Some((&run, &run_len)) = self.free.range(..=start).next_back() else { return false };
@@ -144,14 +148,21 @@ impl Allocator {
     /// a double claim: the image is damaged.
     pub fn claim(&mut self, run: BlockRun) -> Result<(), AllocError> {
         let conflict = AllocError::Conflict { start: run.start, len: run.len };
+        // Check every piece first, so a refused claim changes nothing.
+        let mut pieces = Vec::new();
         let mut at = run.start;
         while at < run.end() {
             let g = self.group_of(at).ok_or(conflict.clone())?;
             let piece = (self.groups[g].end.min(run.end())) - at;
-            if !self.groups[g].carve(at, piece) {
+            if !self.groups[g].is_free(at, piece) {
                 return Err(conflict);
             }
+            pieces.push((g, at, piece));
             at += piece;
+        }
+        for (g, at, piece) in pieces {
+            let carved = self.groups[g].carve(at, piece);
+            debug_assert!(carved);
         }
         Ok(())
     }
