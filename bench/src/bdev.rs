@@ -17,7 +17,7 @@ use serde_json::json;
 
 use crate::fio::{self, FioJob};
 use crate::hist::Histogram;
-use crate::units::parse_size;
+use keelfs_core::units::parse_size;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Backend {
@@ -92,7 +92,7 @@ struct RoundResult {
 }
 
 pub fn run(args: &BdevArgs) -> anyhow::Result<()> {
-    if args.bs == 0 || args.bs % 512 != 0 || args.bs > 1 << 20 {
+    if args.bs == 0 || !args.bs.is_multiple_of(512) || args.bs > 1 << 20 {
         bail!("--bs must be a multiple of 512 up to 1M, got {}", args.bs);
     }
     if args.iodepth == 0 || args.iodepth > 4096 {

@@ -2,9 +2,9 @@
 //! the same invocation so that results are ratios, not lone figures.
 
 mod bdev;
+mod core;
 mod fio;
 mod hist;
-mod units;
 
 use clap::{Parser, Subcommand};
 
@@ -19,11 +19,14 @@ struct Cli {
 enum Command {
     /// Drive a block-device backend from one thread (optionally against fio's io_uring engine).
     Bdev(bdev::BdevArgs),
+    /// Drive fs-core in process on one reactor.
+    Core(core::CoreArgs),
 }
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Bdev(args) => bdev::run(&args),
+        Command::Core(args) => core::run(&args),
     }
 }

@@ -1,1 +1,71 @@
-fn main() {}
+//! keelfsd: the keelfs daemon and its tools.
+//!
+//! Exit codes: 0 success (fsck: clean); 1 failure (fsck: damage found,
+//! listed); 2 usage error, including a device that cannot be opened.
+
+mod device;
+mod tools;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use keelfs_core::units::parse_size;
+
+#[derive(Parser)]
+#[command(name = "keelfsd", version, about = "keelfs: a userspace filesystem daemon serving VMs over vhost-user-fs")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Create a keelfs filesystem on a file or block device. A missing file
+    /// is created sparse.
+    Mkfs {
+        /// File or block device to format.
+        path: PathBuf,
+        /// Size of a file to create (or grow to), e.g. 8G. Default for a new
+        /// file: 8G.
+        #[arg(long, value_parser = parse_size)]
+        size: Option<u64>,
+        /// Overwrite an existing keelfs filesystem.
+        #[arg(long)]
+        force: bool,
+        /// Journal size, e.g. 64M (default: 1/64 of the device, 1-64 MiB).
+        #[arg(long, value_parser = parse_size)]
+        journal_size: Option<u64>,
+        /// Allocation groups (default 1; one per reactor is the intent).
+        #[arg(long, default_value_t = 1)]
+        allocation_groups: u32,
+    },
+    /// Check a keelfs filesystem; exit 0 when clean, 1 when damaged.
+    Fsck {
+        path: PathBuf,
+        /// Print the report as one JSON object.
+        #[arg(long)]
+        json: bool,
+        /// Fix the simple cases (link counts, dangling entries, a damaged
+        /// superblock copy, free-space counts). Without it nothing is written.
+        #[arg(long)]
+        repair: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Mkfs { path, size, force, journal_size, allocation_groups } => {
+            tools::mkfs(&path, size, force, journal_size, allocation_groups)
+        }
+        Command::Fsck { path, json, repair } => tools::fsck(&path, json, repair),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("keelfsd: {e:#}");
+            ExitCode::from(e.downcast_ref::<tools::UsageError>().map_or(1, |_| 2))
+        }
+    }
+}

@@ -10,3 +10,4 @@
 pub mod bdev;
 pub mod fs;
 pub mod reactor;
+pub mod units;

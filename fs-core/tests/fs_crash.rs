@@ -10,10 +10,10 @@ mod common;
 use std::sync::Arc;
 
 use common::{busy_reactor, channel, check, mount};
-use keelfs_core::fs::mkfs::{mkfs, MkfsOptions};
 use keelfs_core::bdev::fault::splitmix64;
 use keelfs_core::bdev::{BlockDevice, FaultDevice, MappedDevice};
 use keelfs_core::fs::format::ROOT_INO;
+use keelfs_core::fs::mkfs::{mkfs, MkfsOptions};
 use keelfs_core::fs::{Creds, Fs, FsConfig, SetAttr};
 
 const DEVICE_BYTES: u64 = 24 << 20;
@@ -81,7 +81,11 @@ fn test_seed() -> u64 {
 
 /// Rebuild each crash image and hand a mounted Fs to `verify` with the
 /// newest promise the crash must honour.
-fn check_crashes<P: Clone + 'static>(rec: &Recorded<P>, seed: u64, verify: impl AsyncFn(&Fs, Option<&P>, Option<&P>) + Clone + 'static) {
+fn check_crashes<P: Clone + 'static>(
+    rec: &Recorded<P>,
+    seed: u64,
+    verify: impl AsyncFn(&Fs, Option<&P>, Option<&P>) + Clone + 'static,
+) {
     let points = crash_points(rec.log.len(), rec.log.flush_points(), seed, 24);
     assert!(points.len() > 4, "the workload must produce flush points");
     for (i, &at) in points.iter().enumerate() {
@@ -98,7 +102,9 @@ fn check_crashes<P: Clone + 'static>(rec: &Recorded<P>, seed: u64, verify: impl 
         r.block_on(async move {
             let report = check(&dev).await;
             assert!(report.is_clean(), "crash point {at} (#{i}, fate seed {fate_seed}): fsck {report:?}");
-            let fs = Fs::mount(channel(&dev), FsConfig::default()).await.unwrap_or_else(|e| panic!("crash point {at}: mount failed: {e}"));
+            let fs = Fs::mount(channel(&dev), FsConfig::default())
+                .await
+                .unwrap_or_else(|e| panic!("crash point {at}: mount failed: {e}"));
             verify(&fs, promised.as_ref(), next.as_ref()).await;
         });
     }
@@ -294,7 +300,7 @@ fn truncates_with_fsync_land_on_a_synced_state() {
         fs.fsync(ino, false).await.unwrap();
         promises.push((f.log_len(), model.clone()));
         for i in 0..30u8 {
-            if splitmix64(&mut s) % 2 == 0 {
+            if splitmix64(&mut s).is_multiple_of(2) {
                 let size = splitmix64(&mut s) % 200_000;
                 fs.setattr(&c, ino, &SetAttr { size: Some(size), ..Default::default() }, true).await.unwrap();
                 model.resize(size as usize, 0);

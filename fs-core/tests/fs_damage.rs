@@ -83,13 +83,14 @@ fn random_byte_flips_in_metadata_never_panic() {
         let flips = 1 + splitmix64(&mut s) % 4;
         // Flip within the first 512 bytes half the time: headers and small
         // payloads live there, so damage is not mostly in zero padding.
-        let span = if splitmix64(&mut s) % 2 == 0 { 512 } else { 4096 };
+        let span = if splitmix64(&mut s).is_multiple_of(2) { 512 } else { 4096 };
         for _ in 0..flips {
             let at = (block * 4096 + splitmix64(&mut s) % span) as usize;
             damaged[at] ^= 1 << (splitmix64(&mut s) % 8);
         }
         let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| examine(&damaged)));
-        let (clean, mount_error) = outcome.unwrap_or_else(|_| panic!("case {case}: block {block} damage caused a panic"));
+        let (clean, mount_error) =
+            outcome.unwrap_or_else(|_| panic!("case {case}: block {block} damage caused a panic"));
         cases += 1;
         if !clean || mount_error.is_some() {
             detected += 1;
@@ -108,7 +109,8 @@ fn a_damaged_superblock_copy_is_reported_survived_and_repaired() {
     let (image, _) = build_image();
     let mut damaged = image.clone();
     // Damage the newest copy: the older one and its checkpoint still serve.
-    let gens: Vec<u64> = (0..2).map(|slot| Superblock::decode(&image[slot * 4096..(slot + 1) * 4096]).unwrap().generation).collect();
+    let gens: Vec<u64> =
+        (0..2).map(|slot| Superblock::decode(&image[slot * 4096..(slot + 1) * 4096]).unwrap().generation).collect();
     let newest = if gens[0] > gens[1] { 0 } else { 1 };
     damaged[newest * 4096 + 40] ^= 0xff;
     let ram = MappedDevice::ram(BYTES, 4096).unwrap();

@@ -114,7 +114,9 @@ impl Model {
             if from == to {
                 return Ok(());
             }
-            if (src == Node::Dir && to.starts_with(&format!("{from}/"))) || (dst == Node::Dir && from.starts_with(&format!("{to}/"))) {
+            if (src == Node::Dir && to.starts_with(&format!("{from}/")))
+                || (dst == Node::Dir && from.starts_with(&format!("{to}/")))
+            {
                 return Err(libc::EINVAL);
             }
             let (a, b) = (self.subtree(from), self.subtree(to));
@@ -153,7 +155,11 @@ impl Model {
     }
     fn subtree(&self, root: &str) -> Vec<(String, Node)> {
         let prefix = format!("{root}/");
-        self.tree.iter().filter(|(k, _)| *k == root || k.starts_with(&prefix)).map(|(k, v)| (k.clone(), v.clone())).collect()
+        self.tree
+            .iter()
+            .filter(|(k, _)| *k == root || k.starts_with(&prefix))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
     }
     fn link(&mut self, from: &str, to: &str) -> Result<(), i32> {
         match self.tree.get(from).cloned() {

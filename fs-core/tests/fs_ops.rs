@@ -160,8 +160,14 @@ fn permissions_use_the_callers_credentials() {
         assert_eq!((f.uid, f.gid), (1000, 1000));
         assert!(fs.open(&bob, f.ino, libc::O_RDONLY as u32).await.is_ok(), "group read");
         assert_eq!(fs.open(&bob, f.ino, libc::O_WRONLY as u32).await.err(), Some(FsError::Access));
-        assert_eq!(fs.setattr(&bob, f.ino, &SetAttr { mode: Some(0o777), ..Default::default() }, false).await.err(), Some(FsError::Perm));
-        assert_eq!(fs.setattr(&alice, f.ino, &SetAttr { uid: Some(0), ..Default::default() }, false).await.err(), Some(FsError::Perm));
+        assert_eq!(
+            fs.setattr(&bob, f.ino, &SetAttr { mode: Some(0o777), ..Default::default() }, false).await.err(),
+            Some(FsError::Perm)
+        );
+        assert_eq!(
+            fs.setattr(&alice, f.ino, &SetAttr { uid: Some(0), ..Default::default() }, false).await.err(),
+            Some(FsError::Perm)
+        );
         let times = SetAttr { mtime: Some(TimeSet::Now), ..Default::default() };
         assert_eq!(fs.setattr(&bob, f.ino, &times, false).await.err(), Some(FsError::Access));
         // sticky directory: bob may not remove alice's file

@@ -101,7 +101,11 @@ fn check_state(state: &State, sb: &Superblock, recorded_free: u64, report: &mut 
         report.directories += 1;
         for (_, name, child) in dir.entries_from(0) {
             let Some(target) = state.node(child) else {
-                let detail = format!("entry '{}' in directory {} names missing inode {child}", String::from_utf8_lossy(name), node.inode.ino);
+                let detail = format!(
+                    "entry '{}' in directory {} names missing inode {child}",
+                    String::from_utf8_lossy(name),
+                    node.inode.ino
+                );
                 report.problems.push(problem("dangling-entry", detail, true));
                 continue;
             };
@@ -128,7 +132,11 @@ fn check_state(state: &State, sb: &Superblock, recorded_free: u64, report: &mut 
         let mut last_end = 0;
         for e in node.extents.iter() {
             if e.file_block < last_end {
-                report.problems.push(problem("extent-overlap", format!("inode {} has overlapping extents", node.inode.ino), false));
+                report.problems.push(problem(
+                    "extent-overlap",
+                    format!("inode {} has overlapping extents", node.inode.ino),
+                    false,
+                ));
             }
             last_end = e.file_end();
         }
@@ -238,10 +246,14 @@ fn fix_entries_and_links(fs: &Fs, repaired: &mut Vec<String>) -> FsResult<()> {
         let counts: Vec<(u64, u32)> = state
             .nodes
             .values()
-            .filter(|n| !(n.inode.nlink == 0 && !names.contains_key(&n.inode.ino)))
+            .filter(|n| n.inode.nlink != 0 || names.contains_key(&n.inode.ino))
             .map(|n| {
                 let ino = n.inode.ino;
-                let want = if n.inode.is_dir() { 2 + subdirs.get(&ino).copied().unwrap_or(0) } else { names.get(&ino).copied().unwrap_or(0) };
+                let want = if n.inode.is_dir() {
+                    2 + subdirs.get(&ino).copied().unwrap_or(0)
+                } else {
+                    names.get(&ino).copied().unwrap_or(0)
+                };
                 (ino, want)
             })
             .filter(|(ino, want)| state.node(*ino).is_some_and(|n| n.inode.nlink != *want))

@@ -81,7 +81,10 @@ pub(crate) fn choose_superblock(
     for (slot, copy) in copies.into_iter().enumerate() {
         match copy {
             Ok(sb) if sb.total_blocks > capacity_blocks => {
-                problems.push(format!("superblock copy {slot} describes {} blocks, device has {capacity_blocks}", sb.total_blocks));
+                problems.push(format!(
+                    "superblock copy {slot} describes {} blocks, device has {capacity_blocks}",
+                    sb.total_blocks
+                ));
             }
             Ok(sb) => {
                 if best.as_ref().is_none_or(|b| sb.generation > b.generation) {
@@ -115,8 +118,9 @@ pub(crate) async fn load_checkpoint(dev: &DeviceChannel, sb: &Superblock) -> FsR
                 break;
             }
             let block = read_blocks(dev, run.start + b, 1).await?;
-            let chunk = parse_checkpoint_block(&block, sb.checkpoint_seq, index)
-                .map_err(|why| corrupt(format!("checkpoint block {} (device block {}): {why}", index, run.start + b)))?;
+            let chunk = parse_checkpoint_block(&block, sb.checkpoint_seq, index).map_err(|why| {
+                corrupt(format!("checkpoint block {} (device block {}): {why}", index, run.start + b))
+            })?;
             payload.extend_from_slice(chunk);
             index += 1;
         }
@@ -240,7 +244,10 @@ pub(crate) async fn replay(
         let first = read_ring(dev, sb, pos, 1).await?;
         let Some(h) = decode_tx_header(&first, &sb.uuid, seq) else { break };
         let room = sb.journal_blocks - (pos - sb.journal_start);
-        if h.blocks == 0 || u64::from(h.blocks) > room || h.payload_len as usize > h.blocks as usize * BLOCK_BYTES - TX_HEADER_BYTES {
+        if h.blocks == 0
+            || u64::from(h.blocks) > room
+            || h.payload_len as usize > h.blocks as usize * BLOCK_BYTES - TX_HEADER_BYTES
+        {
             break;
         }
         let whole = read_ring(dev, sb, pos, u64::from(h.blocks)).await?;
@@ -252,7 +259,9 @@ pub(crate) async fn replay(
             if next - sb.journal_start < sb.journal_blocks {
                 let after = read_ring(dev, sb, next, 1).await?;
                 if decode_tx_header(&after, &sb.uuid, seq + 1).is_some() {
-                    return Err(corrupt(format!("journal transaction {seq} is damaged (checksum mismatch) and later ones exist")));
+                    return Err(corrupt(format!(
+                        "journal transaction {seq} is damaged (checksum mismatch) and later ones exist"
+                    )));
                 }
             }
             break;
@@ -341,8 +350,14 @@ fn snapshot_state(state: &State) -> Vec<u8> {
             Record::XattrSet { ino, name: name.clone(), value: value.clone() }.encode(&mut w);
         }
         for e in node.extents.iter() {
-            Record::ExtentMap { ino, file_block: e.file_block, disk_block: e.disk_block, len: e.len, unwritten: e.unwritten }
-                .encode(&mut w);
+            Record::ExtentMap {
+                ino,
+                file_block: e.file_block,
+                disk_block: e.disk_block,
+                len: e.len,
+                unwritten: e.unwritten,
+            }
+            .encode(&mut w);
         }
     }
     for &ino in &inos {
@@ -514,10 +529,10 @@ async fn write_checkpoint(fs: &FsInner, snapshot: &[u8], free_at_snapshot: u64) 
         Ok(()) => {
             let mut sb = old.clone();
             sb.generation += 1;
-            let j = fs.journal.borrow();
-            sb.journal_start = j.head;
-            sb.journal_seq = j.seq;
-            drop(j);
+            (sb.journal_start, sb.journal_seq) = {
+                let j = fs.journal.borrow();
+                (j.head, j.seq)
+            };
             sb.checkpoint_seq = seq;
             sb.checkpoint_bytes = payload.len() as u64;
             sb.checkpoint_extents = runs.clone();

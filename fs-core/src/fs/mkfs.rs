@@ -1,6 +1,8 @@
 //! Making a new filesystem.
 
-use super::format::{Inode, Superblock, Timespec, BLOCK_BYTES, BLOCK_SIZE, JOURNAL_FIRST_BLOCK, ROOT_INO, S_IFDIR, SUPERBLOCK_SLOTS};
+use super::format::{
+    Inode, Superblock, Timespec, BLOCK_BYTES, BLOCK_SIZE, JOURNAL_FIRST_BLOCK, ROOT_INO, SUPERBLOCK_SLOTS, S_IFDIR,
+};
 use super::journal;
 use super::{Fs, FsConfig, FsError};
 use crate::bdev::AlignedBuf;
@@ -59,11 +61,8 @@ pub async fn mkfs(dev: DeviceChannel, options: &MkfsOptions) -> Result<Superbloc
         return Err(MkfsError::AlreadyFormatted);
     }
     let total_blocks = capacity / BLOCK_SIZE;
-    let journal_blocks = if options.journal_blocks > 0 {
-        options.journal_blocks
-    } else {
-        (total_blocks / 64).clamp(256, 16384)
-    };
+    let journal_blocks =
+        if options.journal_blocks > 0 { options.journal_blocks } else { (total_blocks / 64).clamp(256, 16384) };
     let sb = Superblock {
         uuid: random_uuid()?,
         features: 0,

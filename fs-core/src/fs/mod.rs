@@ -65,13 +65,6 @@ pub struct FsCounters {
     pub fsyncs: u64,
 }
 
-/// Per-inode references held by the kernel (lookups) and by open handles.
-#[derive(Clone, Copy, Debug, Default)]
-struct Refs {
-    lookups: u64,
-    opens: u64,
-}
-
 struct Handle {
     ino: u64,
     flags: u32,
@@ -103,7 +96,6 @@ pub(crate) struct FsInner {
     sb: RefCell<Superblock>,
     state: RefCell<State>,
     journal: RefCell<JournalState>,
-    refs: RefCell<HashMap<u64, Refs>>,
     handles: RefCell<HashMap<u64, Handle>>,
     next_handle: Cell<u64>,
     commit_lock: sync::AsyncMutex,
@@ -263,7 +255,6 @@ impl Fs {
                     flushed_data_writes: 0,
                     reserved_unmapped: 0,
                 }),
-                refs: RefCell::new(HashMap::new()),
                 handles: RefCell::new(HashMap::new()),
                 next_handle: Cell::new(1),
                 commit_lock: sync::AsyncMutex::default(),

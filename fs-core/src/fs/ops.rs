@@ -6,11 +6,11 @@ use std::rc::Rc;
 
 use super::extent::Segment;
 use super::format::{
-    BlockRun, Inode, Timespec, BLOCK_BYTES, BLOCK_SIZE, NAME_MAX, ROOT_INO, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG,
-    SYMLINK_MAX, XATTR_NAME_MAX, XATTR_VALUE_MAX,
+    BlockRun, Inode, Timespec, BLOCK_BYTES, BLOCK_SIZE, NAME_MAX, ROOT_INO, SYMLINK_MAX, S_IFDIR, S_IFLNK, S_IFMT,
+    S_IFREG, XATTR_NAME_MAX, XATTR_VALUE_MAX,
 };
 use super::record::Record;
-use super::{Fs, FsError, FsInner, FsResult, Handle, Refs};
+use super::{Fs, FsError, FsInner, FsResult, Handle};
 use crate::bdev::AlignedBuf;
 
 pub const R_OK: u32 = 4;
@@ -188,18 +188,18 @@ impl FsInner {
     }
 
     fn add_lookup(&self, ino: u64, n: u64) {
-        self.refs.borrow_mut().entry(ino).or_default().lookups += n;
+        if let Some(node) = self.state.borrow_mut().node_mut(ino) {
+            node.lookups += n;
+        }
     }
 
     /// Free an inode once nothing names or holds it.
     fn maybe_free(&self, ino: u64) -> FsResult<()> {
-        let refs = self.refs.borrow().get(&ino).copied().unwrap_or_default();
-        let nlink = match self.state.borrow().node(ino) {
-            Some(n) => n.inode.nlink,
+        let unreferenced = match self.state.borrow().node(ino) {
+            Some(n) => n.inode.nlink == 0 && n.lookups == 0 && n.opens == 0,
             None => return Ok(()),
         };
-        if nlink == 0 && refs.lookups == 0 && refs.opens == 0 && ino != ROOT_INO {
-            self.refs.borrow_mut().remove(&ino);
+        if unreferenced && ino != ROOT_INO {
             self.journal.borrow_mut().dirty.remove(&ino);
             self.log(Record::InodeFree { ino })?;
         }
@@ -294,10 +294,8 @@ impl Fs {
 
     /// The kernel dropped `n` references obtained by lookups.
     pub async fn forget(&self, ino: u64, n: u64) -> FsResult<()> {
-        {
-            let mut refs = self.inner.refs.borrow_mut();
-            let r = refs.entry(ino).or_default();
-            r.lookups = r.lookups.saturating_sub(n);
+        if let Some(node) = self.inner.state.borrow_mut().node_mut(ino) {
+            node.lookups = node.lookups.saturating_sub(n);
         }
         self.inner.maybe_free(ino)?;
         self.inner.op_done();
@@ -563,7 +561,9 @@ impl Fs {
         let fh = self.inner.next_handle.get();
         self.inner.next_handle.set(fh + 1);
         self.inner.handles.borrow_mut().insert(fh, Handle { ino, flags });
-        self.inner.refs.borrow_mut().entry(ino).or_insert(Refs::default()).opens += 1;
+        if let Some(node) = self.inner.state.borrow_mut().node_mut(ino) {
+            node.opens += 1;
+        }
         fh
     }
 
@@ -586,8 +586,8 @@ impl Fs {
 
     pub async fn release(&self, fh: u64) -> FsResult<()> {
         let handle = self.inner.handles.borrow_mut().remove(&fh).ok_or(FsError::BadHandle)?;
-        if let Some(r) = self.inner.refs.borrow_mut().get_mut(&handle.ino) {
-            r.opens = r.opens.saturating_sub(1);
+        if let Some(node) = self.inner.state.borrow_mut().node_mut(handle.ino) {
+            node.opens = node.opens.saturating_sub(1);
         }
         self.inner.maybe_free(handle.ino)?;
         self.inner.op_done();
@@ -947,7 +947,13 @@ impl Fs {
     /// locks from the block holding the current end of file onwards, since
     /// it must zero that block's tail. Returns the guard and the size seen
     /// under it.
-    async fn lock_for_write(&self, ino: u64, first: u64, last: u64, end: u64) -> FsResult<(super::sync::RangeGuard, u64)> {
+    async fn lock_for_write(
+        &self,
+        ino: u64,
+        first: u64,
+        last: u64,
+        end: u64,
+    ) -> FsResult<(super::sync::RangeGuard, u64)> {
         loop {
             let size = self.inner.inode(ino)?.size;
             let (start, stop) = if end > size {
@@ -957,7 +963,11 @@ impl Fs {
             };
             let guard = self.inner.ranges.lock(ino, start, stop, true).await;
             let now_size = self.inner.inode(ino).map_err(|_| FsError::Stale)?.size;
-            let covered = if end > now_size { (now_size / BLOCK_SIZE).min(first) * BLOCK_SIZE >= start && stop == u64::MAX } else { true };
+            let covered = if end > now_size {
+                (now_size / BLOCK_SIZE).min(first) * BLOCK_SIZE >= start && stop == u64::MAX
+            } else {
+                true
+            };
             if covered {
                 return Ok((guard, now_size));
             }
@@ -1145,7 +1155,8 @@ impl Fs {
         if punch && (zero || mode & FALLOC_FL_KEEP_SIZE == 0) {
             return Err(FsError::Invalid("punch hole needs KEEP_SIZE alone"));
         }
-        let range_lock = self.inner.ranges.lock(ino, offset / BLOCK_SIZE * BLOCK_SIZE, end.div_ceil(BLOCK_SIZE) * BLOCK_SIZE, true);
+        let range_lock =
+            self.inner.ranges.lock(ino, offset / BLOCK_SIZE * BLOCK_SIZE, end.div_ceil(BLOCK_SIZE) * BLOCK_SIZE, true);
         let _range = range_lock.await;
         if punch || zero {
             self.clear_range(ino, offset, end).await?;
@@ -1182,11 +1193,11 @@ impl Fs {
         }
         let head_block = offset / BLOCK_SIZE;
         let tail_block = (end - 1) / BLOCK_SIZE;
-        if offset % BLOCK_SIZE != 0 || (head_block == tail_block && end % BLOCK_SIZE != 0) {
+        if !offset.is_multiple_of(BLOCK_SIZE) || (head_block == tail_block && !end.is_multiple_of(BLOCK_SIZE)) {
             let to = if head_block == tail_block { (end - head_block * BLOCK_SIZE) as usize } else { BLOCK_BYTES };
             self.zero_in_block(ino, head_block, (offset % BLOCK_SIZE) as usize, to).await?;
         }
-        if tail_block != head_block && end % BLOCK_SIZE != 0 {
+        if tail_block != head_block && !end.is_multiple_of(BLOCK_SIZE) {
             self.zero_in_block(ino, tail_block, 0, (end % BLOCK_SIZE) as usize).await?;
         }
         Ok(())
@@ -1212,7 +1223,13 @@ impl Fs {
             self.unreserve(&runs, false);
             let mut at = fb;
             for r in runs {
-                self.inner.log(Record::ExtentMap { ino, file_block: at, disk_block: r.start, len: r.len, unwritten: true })?;
+                self.inner.log(Record::ExtentMap {
+                    ino,
+                    file_block: at,
+                    disk_block: r.start,
+                    len: r.len,
+                    unwritten: true,
+                })?;
                 at += r.len;
             }
         }

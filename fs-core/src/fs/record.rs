@@ -10,18 +10,50 @@ pub enum Record {
     /// The full image of an inode (created or changed).
     InodeSet(Inode),
     /// The inode and everything it owns are gone.
-    InodeFree { ino: u64 },
-    DirentSet { dir: u64, name: Vec<u8>, ino: u64, cookie: u64 },
-    DirentDelete { dir: u64, name: Vec<u8> },
+    InodeFree {
+        ino: u64,
+    },
+    DirentSet {
+        dir: u64,
+        name: Vec<u8>,
+        ino: u64,
+        cookie: u64,
+    },
+    DirentDelete {
+        dir: u64,
+        name: Vec<u8>,
+    },
     /// Map file blocks [file_block, +len) to device blocks [disk_block, +len).
-    ExtentMap { ino: u64, file_block: u64, disk_block: u64, len: u64, unwritten: bool },
+    ExtentMap {
+        ino: u64,
+        file_block: u64,
+        disk_block: u64,
+        len: u64,
+        unwritten: bool,
+    },
     /// Unmap file blocks [file_block, +len); their device blocks are freed.
-    ExtentPunch { ino: u64, file_block: u64, len: u64 },
-    XattrSet { ino: u64, name: Vec<u8>, value: Vec<u8> },
-    XattrDelete { ino: u64, name: Vec<u8> },
-    Symlink { ino: u64, target: Vec<u8> },
+    ExtentPunch {
+        ino: u64,
+        file_block: u64,
+        len: u64,
+    },
+    XattrSet {
+        ino: u64,
+        name: Vec<u8>,
+        value: Vec<u8>,
+    },
+    XattrDelete {
+        ino: u64,
+        name: Vec<u8>,
+    },
+    Symlink {
+        ino: u64,
+        target: Vec<u8>,
+    },
     /// Allocator state carried in a checkpoint: the next inode number.
-    NextIno { next: u64 },
+    NextIno {
+        next: u64,
+    },
 }
 
 const TAG_INODE_SET: u8 = 1;

@@ -3,20 +3,76 @@
 //! [`State::apply`], so the live path, journal replay and checkpoint
 //! loading share one implementation.
 
+use std::borrow::Borrow;
 use std::collections::{BTreeMap, HashMap};
+use std::hash::{Hash, Hasher};
 
 use super::alloc::Allocator;
 use super::extent::ExtentMap;
 use super::format::{BlockRun, Inode};
 use super::record::Record;
 
+/// A directory entry's name. Names up to 22 bytes (nearly all) live inside
+/// the hash table's bucket, so a lookup in a large directory touches one
+/// cache line instead of chasing a pointer to the name.
+#[derive(Clone)]
+pub enum Name {
+    Inline { len: u8, bytes: [u8; 22] },
+    Heap(Box<[u8]>),
+}
+
+impl Name {
+    pub fn new(name: &[u8]) -> Self {
+        if name.len() <= 22 {
+            let mut bytes = [0u8; 22];
+            bytes[..name.len()].copy_from_slice(name);
+            Name::Inline { len: name.len() as u8, bytes }
+        } else {
+            Name::Heap(name.into())
+        }
+    }
+    pub fn as_bytes(&self) -> &[u8] {
+        match self {
+            Name::Inline { len, bytes } => &bytes[..*len as usize],
+            Name::Heap(b) => b,
+        }
+    }
+}
+
+impl std::fmt::Debug for Name {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}", String::from_utf8_lossy(self.as_bytes()))
+    }
+}
+
+// Hash, Eq and Borrow agree with [u8]'s, so the table can be searched with
+// a plain byte slice.
+impl Hash for Name {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.as_bytes().hash(state)
+    }
+}
+impl PartialEq for Name {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_bytes() == other.as_bytes()
+    }
+}
+impl Eq for Name {}
+impl Borrow<[u8]> for Name {
+    fn borrow(&self) -> &[u8] {
+        self.as_bytes()
+    }
+}
+
+const _: () = assert!(std::mem::size_of::<Name>() == 24);
+
 /// A directory's entries. Each entry carries a cookie, assigned once and
 /// never reused in that directory, which is its stable readdir offset.
 #[derive(Clone, Debug, Default)]
 pub struct Directory {
     pub parent: u64,
-    entries: HashMap<Box<[u8]>, (u64, u64)>,
-    by_cookie: BTreeMap<u64, Box<[u8]>>,
+    entries: HashMap<Name, (u64, u64)>,
+    by_cookie: BTreeMap<u64, Name>,
     next_cookie: u64,
 }
 
@@ -43,13 +99,16 @@ impl Directory {
     }
     /// Entries with cookie >= `from`, in cookie order: (cookie, name, ino).
     pub fn entries_from(&self, from: u64) -> impl Iterator<Item = (u64, &[u8], u64)> + '_ {
-        self.by_cookie.range(from..).map(move |(&cookie, name)| (cookie, &name[..], self.entries[name].0))
+        self.by_cookie
+            .range(from..)
+            .map(move |(&cookie, name)| (cookie, name.as_bytes(), self.entries[name.as_bytes()].0))
     }
     fn insert(&mut self, name: &[u8], ino: u64, cookie: u64) {
-        if let Some((_, old_cookie)) = self.entries.insert(name.into(), (ino, cookie)) {
+        let name = Name::new(name);
+        if let Some((_, old_cookie)) = self.entries.insert(name.clone(), (ino, cookie)) {
             self.by_cookie.remove(&old_cookie);
         }
-        self.by_cookie.insert(cookie, name.into());
+        self.by_cookie.insert(cookie, name);
         self.next_cookie = self.next_cookie.max(cookie + 1);
     }
     fn remove(&mut self, name: &[u8]) -> Option<u64> {
@@ -62,6 +121,10 @@ impl Directory {
 #[derive(Clone, Debug)]
 pub struct Node {
     pub inode: Inode,
+    /// Runtime references, never persisted: kernel lookups not yet
+    /// forgotten, and open handles. An unlinked inode lives until both are 0.
+    pub lookups: u64,
+    pub opens: u64,
     pub extents: ExtentMap,
     pub xattrs: BTreeMap<Vec<u8>, Vec<u8>>,
     pub symlink: Option<Vec<u8>>,
@@ -120,7 +183,11 @@ impl State {
             Record::InodeSet(inode) => self.apply_inode_set(inode),
             Record::InodeFree { ino } => {
                 let Some(node) = self.nodes.remove(ino) else {
-                    return if mode == ApplyMode::Replay { Ok(()) } else { err(format!("free of missing inode {ino}")) };
+                    return if mode == ApplyMode::Replay {
+                        Ok(())
+                    } else {
+                        err(format!("free of missing inode {ino}"))
+                    };
                 };
                 let runs = node.extents.iter().map(|e| BlockRun { start: e.disk_block, len: e.len }).collect();
                 self.release(runs, mode);
@@ -192,6 +259,8 @@ impl State {
                 let dir = inode.is_dir().then(|| Directory::new(inode.ino));
                 let node = Node {
                     inode: inode.clone(),
+                    lookups: 0,
+                    opens: 0,
                     extents: ExtentMap::default(),
                     xattrs: BTreeMap::new(),
                     symlink: None,

@@ -1,4 +1,4 @@
-//! Parsing of human sizes such as `4k`, `512M` or `1GiB`.
+//! Parsing of human sizes such as `4k`, `512M` or `1GiB`, shared by the command-line tools.
 
 pub fn parse_size(text: &str) -> Result<u64, String> {
     let t = text.trim();

@@ -1,0 +1,177 @@
+//! `keelfs-bench core`: fs-core driven in process, on one reactor, with no
+//! FUSE or virtqueue in between.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::{Args, ValueEnum};
+use keelfs_core::bdev::fault::splitmix64;
+use keelfs_core::bdev::{BlockDevice, MappedDevice, QueueConfig, UringDevice, UringOptions};
+use keelfs_core::fs::format::ROOT_INO;
+use keelfs_core::fs::mkfs::{mkfs, MkfsOptions};
+use keelfs_core::fs::{Creds, Fs, FsConfig};
+use keelfs_core::reactor::io::DeviceChannel;
+use keelfs_core::reactor::{PollMode, Reactor, ReactorConfig};
+use keelfs_core::units::parse_size;
+use serde_json::json;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Workload {
+    /// Lookup cost in a directory of --entries entries against one of 1,000.
+    Lookup,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Backend {
+    Mem,
+    Uring,
+    Pmem,
+}
+
+#[derive(Args, Debug)]
+pub struct CoreArgs {
+    #[arg(long, value_enum)]
+    workload: Workload,
+    #[arg(long, value_enum, default_value = "mem")]
+    backend: Backend,
+    /// Backing file for uring and pmem (created if missing).
+    #[arg(long, default_value = "/dev/shm/keelfs-bench-core.img")]
+    path: std::path::PathBuf,
+    #[arg(long, value_parser = parse_size, default_value = "2G")]
+    size: u64,
+    /// Entries in the large directory (lookup).
+    #[arg(long, default_value_t = 1_000_000)]
+    entries: u64,
+    /// Lookups measured per directory and round.
+    #[arg(long, default_value_t = 500_000)]
+    lookups: u64,
+    #[arg(long, default_value_t = 3)]
+    rounds: u32,
+    #[arg(long)]
+    json: bool,
+}
+
+fn open_device(args: &CoreArgs) -> anyhow::Result<Arc<dyn BlockDevice>> {
+    if args.backend != Backend::Mem {
+        let f = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&args.path)?;
+        if f.metadata()?.len() < args.size {
+            f.set_len(args.size)?;
+        }
+    }
+    Ok(match args.backend {
+        Backend::Mem => Arc::new(MappedDevice::ram(args.size, 4096)?),
+        Backend::Uring => Arc::new(UringDevice::open(&args.path, UringOptions::default())?),
+        Backend::Pmem => Arc::new(MappedDevice::pmem(&args.path, 4096)?),
+    })
+}
+
+pub fn run(args: &CoreArgs) -> anyhow::Result<()> {
+    if args.entries < 1000 {
+        bail!("--entries must be at least 1000");
+    }
+    let dev = open_device(args).context("opening the device")?;
+    let mut reactor = Reactor::new(ReactorConfig { mode: PollMode::Busy, ..ReactorConfig::default() })?;
+    let queue = dev.open_queue(QueueConfig { depth: 128, completion_eventfd: false })?;
+    let queue2 = dev.open_queue(QueueConfig { depth: 128, completion_eventfd: false })?;
+    let (entries, lookups, rounds) = (args.entries, args.lookups, args.rounds);
+    let line = reactor.block_on(async move {
+        let opts = MkfsOptions { force: true, ..MkfsOptions::default() };
+        mkfs(DeviceChannel::attach(queue), &opts).await?;
+        // No commits during the measurement: lookups are what is measured.
+        let config = FsConfig { commit_interval: Duration::from_secs(3600), ..FsConfig::default() };
+        let fs = Fs::mount(DeviceChannel::attach(queue2), config).await?;
+        lookup_workload(&fs, entries, lookups, rounds).await
+    })?;
+    emit(&line, args.json);
+    Ok(())
+}
+
+fn emit(line: &serde_json::Value, as_json: bool) {
+    if as_json {
+        println!("{line}");
+    } else {
+        println!("{}", serde_json::to_string_pretty(line).expect("JSON value"));
+    }
+}
+
+async fn fill_dir(fs: &Fs, name: &str, entries: u64) -> anyhow::Result<u64> {
+    let c = Creds::root();
+    let dir = fs.mkdir(&c, ROOT_INO, name.as_bytes(), 0o755).await?.inode.ino;
+    for i in 0..entries {
+        fs.mknod(&c, dir, format!("entry-{i:08}").as_bytes(), libc::S_IFREG | 0o644, 0).await?;
+    }
+    Ok(dir)
+}
+
+async fn time_lookups(fs: &Fs, targets: &[(u64, Vec<u8>)]) -> anyhow::Result<f64> {
+    let c = Creds::root();
+    let start = Instant::now();
+    for (dir, name) in targets {
+        let attr = fs.lookup(&c, *dir, name).await?;
+        std::hint::black_box(attr);
+    }
+    Ok(start.elapsed().as_nanos() as f64 / targets.len() as f64)
+}
+
+/// Random (directory, name) pairs over `dirs`, each of `entries` entries.
+fn sample(dirs: &[u64], entries: u64, count: u64, seed: u64) -> Vec<(u64, Vec<u8>)> {
+    let mut s = seed;
+    (0..count)
+        .map(|_| {
+            let d = dirs[(splitmix64(&mut s) % dirs.len() as u64) as usize];
+            (d, format!("entry-{:08}", splitmix64(&mut s) % entries).into_bytes())
+        })
+        .collect()
+}
+
+/// Three lookup mixes, rounds interleaved:
+/// - `large`: random names in one directory of `entries`;
+/// - `small`: random names in one directory of 1,000 (all of it cached);
+/// - `spread`: random names over `entries / 1000` directories of 1,000,
+///   the same number of files as `large` in small directories. It holds
+///   the working set equal, so `large / spread` isolates what directory
+///   size itself costs, while `large / small` also counts the cache
+///   misses that any 1M-file working set pays.
+async fn lookup_workload(fs: &Fs, entries: u64, lookups: u64, rounds: u32) -> anyhow::Result<serde_json::Value> {
+    const SMALL: u64 = 1000;
+    let fill_start = Instant::now();
+    let large = fill_dir(fs, "large", entries).await?;
+    let mut spread_dirs = Vec::new();
+    for d in 0..entries / SMALL {
+        spread_dirs.push(fill_dir(fs, &format!("small-{d}"), SMALL).await?);
+    }
+    let fill_s = fill_start.elapsed().as_secs_f64();
+    let mixes = [
+        sample(&[large], entries, lookups, 1),
+        sample(&spread_dirs[..1], SMALL, lookups, 2),
+        sample(&spread_dirs, SMALL, lookups, 3),
+    ];
+    let mut ns: [Vec<f64>; 3] = Default::default();
+    for _ in 0..rounds.max(1) {
+        for (i, mix) in mixes.iter().enumerate() {
+            ns[i].push(time_lookups(fs, mix).await?);
+        }
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let [mut l, mut s, mut sp] = ns;
+    let (l, s, sp) = (median(&mut l), median(&mut s), median(&mut sp));
+    let r = |x: f64| (x * 1000.0).round() / 1000.0;
+    Ok(json!({
+        "bench": "core",
+        "workload": "lookup",
+        "entries_small": SMALL,
+        "entries_large": entries,
+        "lookups_per_round": lookups,
+        "rounds": rounds,
+        "ns_per_lookup_large": (l * 10.0).round() / 10.0,
+        "ns_per_lookup_small": (s * 10.0).round() / 10.0,
+        "ns_per_lookup_spread": (sp * 10.0).round() / 10.0,
+        "ratio_large_vs_spread": r(l / sp),
+        "ratio_large_vs_small": r(l / s),
+        "files_created_per_s": ((2 * entries) as f64 / fill_s).round(),
+    }))
+}

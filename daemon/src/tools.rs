@@ -1,0 +1,153 @@
+//! mkfs and fsck: tools that run one reactor on the calling thread.
+
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::Context;
+use keelfs_core::bdev::{BlockDevice, QueueConfig};
+use keelfs_core::fs::fsck::{self, FsckReport};
+use keelfs_core::fs::mkfs::{self, MkfsOptions};
+use keelfs_core::reactor::io::DeviceChannel;
+use keelfs_core::reactor::{PollMode, Reactor, ReactorConfig};
+use serde_json::json;
+
+use crate::device;
+
+/// A mistake in how the command was called (exit code 2).
+#[derive(Debug)]
+pub struct UsageError(pub String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UsageError {}
+
+pub const DEFAULT_IMAGE_BYTES: u64 = 8 << 30;
+
+fn run_on_reactor<T: 'static>(
+    dev: Arc<dyn BlockDevice>,
+    job: impl AsyncFnOnce(DeviceChannel) -> T + 'static,
+) -> anyhow::Result<T> {
+    let mut reactor = Reactor::new(ReactorConfig { mode: PollMode::Busy, ..ReactorConfig::default() })?;
+    let queue = dev.open_queue(QueueConfig { depth: 64, completion_eventfd: false })?;
+    Ok(reactor.block_on(async move {
+        let channel = DeviceChannel::attach(queue);
+        job(channel).await
+    }))
+}
+
+/// Create a sparse file of `size` if `path` does not exist, or grow a file
+/// that is smaller than `size`.
+fn prepare_file(path: &Path, size: Option<u64>) -> anyhow::Result<()> {
+    match std::fs::metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let size = size.unwrap_or(DEFAULT_IMAGE_BYTES);
+            let f = std::fs::File::create(path)
+                .map_err(|e| UsageError(format!("cannot create {}: {e}", path.display())))?;
+            f.set_len(size).with_context(|| format!("sizing {}", path.display()))?;
+            eprintln!("keelfsd mkfs: created sparse file {} of {size} bytes", path.display());
+        }
+        Err(e) => return Err(UsageError(format!("cannot open {}: {e}", path.display())).into()),
+        Ok(m) if m.is_file() => {
+            if let Some(size) = size.filter(|&s| s > m.len()) {
+                let f = std::fs::OpenOptions::new().write(true).open(path)?;
+                f.set_len(size)?;
+                eprintln!("keelfsd mkfs: grew {} to {size} bytes", path.display());
+            }
+        }
+        Ok(_) if size.is_some() => {
+            return Err(UsageError("--size applies only to regular files".into()).into());
+        }
+        Ok(_) => {}
+    }
+    Ok(())
+}
+
+pub fn mkfs(
+    path: &Path,
+    size: Option<u64>,
+    force: bool,
+    journal: Option<u64>,
+    groups: u32,
+) -> anyhow::Result<ExitCode> {
+    prepare_file(path, size)?;
+    let dev = device::open(path)?;
+    let options = MkfsOptions {
+        journal_blocks: journal.map_or(0, |j| j / 4096),
+        allocation_groups: groups,
+        force,
+        ..MkfsOptions::default()
+    };
+    eprintln!("keelfsd mkfs: formatting {} ({} bytes)", path.display(), dev.geometry().capacity_bytes);
+    let sb = run_on_reactor(dev, async move |ch| mkfs::mkfs(ch, &options).await)??;
+    let uuid: String = sb.uuid.iter().map(|b| format!("{b:02x}")).collect();
+    println!(
+        "keelfs created on {}: {} blocks of 4096 bytes, journal {} blocks, {} allocation group(s), uuid {uuid}",
+        path.display(),
+        sb.total_blocks,
+        sb.journal_blocks,
+        sb.allocation_groups
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn fsck(path: &Path, as_json: bool, repair: bool) -> anyhow::Result<ExitCode> {
+    let dev = device::open(path)?;
+    let progress = |stage: &str| eprintln!("keelfsd fsck: checking {stage}");
+    let report =
+        run_on_reactor(
+            dev,
+            async move |ch| {
+                if repair {
+                    fsck::repair(ch, progress).await
+                } else {
+                    fsck::fsck(ch, progress).await
+                }
+            },
+        )??;
+    if as_json {
+        println!("{}", report_json(&report));
+    } else {
+        print_report(path, &report);
+    }
+    Ok(if report.is_clean() { ExitCode::SUCCESS } else { ExitCode::from(1) })
+}
+
+fn report_json(r: &FsckReport) -> serde_json::Value {
+    json!({
+        "clean": r.is_clean(),
+        "problems": r.problems.iter().map(|p| json!({"kind": p.kind, "detail": p.detail, "repairable": p.repairable})).collect::<Vec<_>>(),
+        "repaired": r.repaired,
+        "inodes": r.inodes,
+        "directories": r.directories,
+        "data_blocks_used": r.data_blocks_used,
+        "free_blocks": r.free_blocks,
+        "journal_transactions_replayed": r.journal_transactions_replayed,
+        "orphans": r.orphans,
+    })
+}
+
+fn print_report(path: &Path, r: &FsckReport) {
+    for fix in &r.repaired {
+        println!("repaired: {fix}");
+    }
+    for p in &r.problems {
+        let how = if p.repairable { " (--repair fixes this)" } else { "" };
+        println!("damage [{}]: {}{how}", p.kind, p.detail);
+    }
+    println!(
+        "{}: {} — {} inodes, {} directories, {} data blocks used, {} free, {} journal transactions replayed, {} orphans",
+        path.display(),
+        if r.is_clean() { "clean" } else { "DAMAGED" },
+        r.inodes,
+        r.directories,
+        r.data_blocks_used,
+        r.free_blocks,
+        r.journal_transactions_replayed,
+        r.orphans
+    );
+}
