@@ -311,14 +311,29 @@ impl Taken {
 fn take_pending(fs: &FsInner, force_checkpoint: bool) -> Taken {
     let mut j = fs.journal.borrow_mut();
     let mut state = fs.state.borrow_mut();
+    let cache = fs.cache.borrow();
     let mut w = Writer::new();
     // Inode images first, so that entries and extents later in the same
     // transaction find their inodes at replay.
     for ino in std::mem::take(&mut j.dirty) {
-        if let Some(node) = state.node(ino) {
-            Record::InodeSet(node.inode.clone()).encode(&mut w);
+        if let Some(node) = state.node_mut(ino) {
+            let mut image = node.inode.clone();
+            // Buffered data past the cap is not on the device yet; once no
+            // dirty page is left, the cap no longer applies.
+            if let Some(cap) = node.persist_size_cap {
+                if cache.dirty_of(ino, 0, u64::MAX).is_empty() {
+                    node.persist_size_cap = None;
+                } else {
+                    image.size = image.size.min(cap);
+                    j.dirty_later.insert(ino);
+                }
+            }
+            node.datasync_needed = false;
+            Record::InodeSet(image).encode(&mut w);
         }
     }
+    let later = std::mem::take(&mut j.dirty_later);
+    j.dirty.extend(later);
     w.bytes(&std::mem::take(&mut j.pending).buf);
     let frees = std::mem::take(&mut state.pending_free);
     let freed: u64 = frees.iter().map(|r| r.len).sum();
@@ -405,6 +420,21 @@ pub(crate) async fn sync(fs: &Rc<FsInner>) -> FsResult<()> {
         return Ok(());
     }
     commit_locked(fs, false).await
+}
+
+/// Make completed data writes durable without a commit (fdatasync when
+/// only timestamps changed).
+pub(crate) async fn flush_data(fs: &Rc<FsInner>) -> FsResult<()> {
+    fs.bump(|c| c.fsyncs += 1);
+    let data = fs.journal.borrow().data_writes;
+    let _guard = fs.commit_lock.lock().await;
+    if fs.journal.borrow().flushed_data_writes >= data {
+        return Ok(());
+    }
+    fs.flush_device().await?;
+    let mut j = fs.journal.borrow_mut();
+    j.flushed_data_writes = j.flushed_data_writes.max(data);
+    Ok(())
 }
 
 pub(crate) async fn checkpoint(fs: &Rc<FsInner>) -> FsResult<()> {

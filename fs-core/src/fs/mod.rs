@@ -11,7 +11,9 @@
 //! as tasks there, and no thread ever blocks on I/O.
 
 pub mod alloc;
+pub mod cache;
 pub mod codec;
+mod data;
 pub mod error;
 pub mod extent;
 pub mod format;
@@ -45,11 +47,20 @@ pub struct FsConfig {
     pub commit_interval: Duration,
     /// Allocation group this reactor prefers for new files.
     pub preferred_group: usize,
+    /// Page cache size.
+    pub cache_bytes: u64,
+    /// Write dirty pages back at least this often.
+    pub writeback_interval: Duration,
 }
 
 impl Default for FsConfig {
     fn default() -> Self {
-        Self { commit_interval: Duration::from_secs(5), preferred_group: 0 }
+        Self {
+            commit_interval: Duration::from_secs(5),
+            preferred_group: 0,
+            cache_bytes: 256 << 20,
+            writeback_interval: Duration::from_millis(500),
+        }
     }
 }
 
@@ -63,6 +74,15 @@ pub struct FsCounters {
     pub data_bytes_written: u64,
     pub data_bytes_read: u64,
     pub fsyncs: u64,
+    /// Records appended to the pending journal (0 for pure overwrites and
+    /// timestamp updates).
+    pub records_logged: u64,
+    pub direct_overwrites: u64,
+    pub direct_extends: u64,
+    /// Direct writes in flight now, and the most seen at once.
+    pub direct_in_flight: u64,
+    pub direct_in_flight_max: u64,
+    pub writeback_pages: u64,
 }
 
 struct Handle {
@@ -82,11 +102,16 @@ struct JournalState {
     committed_ops: u64,
     /// Inodes whose in-memory image differs from the last logged one.
     dirty: BTreeSet<u64>,
+    /// Inodes logged with a capped size, to log again once written back.
+    dirty_later: BTreeSet<u64>,
     /// Data writes completed, and how many were covered by the last flush.
     data_writes: u64,
     flushed_data_writes: u64,
     /// Blocks handed out for data not yet mapped by a record.
     reserved_unmapped: u64,
+    /// Blocks promised to dirty cached pages over holes (delayed
+    /// allocation): writeback will need them, so nothing else may take them.
+    delalloc_reserved: u64,
 }
 
 pub(crate) struct FsInner {
@@ -99,6 +124,7 @@ pub(crate) struct FsInner {
     handles: RefCell<HashMap<u64, Handle>>,
     next_handle: Cell<u64>,
     commit_lock: sync::AsyncMutex,
+    cache: RefCell<cache::PageCache>,
     ranges: Rc<sync::RangeLocks>,
     counters: Cell<FsCounters>,
     unmounted: Cell<bool>,
@@ -126,6 +152,8 @@ impl FsInner {
             .map_err(|e| FsError::Corrupt(format!("live change refused: {e}")))?;
         let mut j = self.journal.borrow_mut();
         record.encode(&mut j.pending);
+        drop(j);
+        self.bump(|c| c.records_logged += 1);
         Ok(())
     }
 
@@ -146,6 +174,16 @@ impl FsInner {
     /// a transaction never splits an operation).
     fn op_done(&self) {
         self.journal.borrow_mut().logged_ops += 1;
+    }
+
+    fn available_blocks(&self) -> u64 {
+        let free = self.state.borrow().alloc.free_blocks();
+        free.saturating_sub(self.journal.borrow().delalloc_reserved)
+    }
+
+    fn release_delalloc(&self, blocks: u64) {
+        let mut j = self.journal.borrow_mut();
+        j.delalloc_reserved = j.delalloc_reserved.saturating_sub(blocks);
     }
 
     fn mark_dirty(&self, ino: u64) {
@@ -194,9 +232,14 @@ impl Fs {
         self.inner.sb.borrow().clone()
     }
 
-    /// Blocks free for data right now.
+    /// Blocks free for new data right now (delayed-allocation reservations
+    /// excluded).
     pub fn free_blocks(&self) -> u64 {
-        self.inner.state.borrow().alloc.free_blocks()
+        self.inner.available_blocks()
+    }
+
+    pub fn cache_stats(&self) -> cache::CacheStats {
+        self.inner.cache.borrow().stats()
     }
 
     /// Extents of a file (for tests and benchmarks of the allocator).
@@ -215,6 +258,7 @@ impl Fs {
     /// Commit everything logged so far and make all completed data writes
     /// durable. Concurrent callers share commits (group commit).
     pub async fn sync(&self) -> FsResult<()> {
+        self.writeback_all().await?;
         journal::sync(&self.inner).await
     }
 
@@ -225,6 +269,7 @@ impl Fs {
 
     /// Commit, checkpoint and flush; the Fs must not be used afterwards.
     pub async fn unmount(&self) -> FsResult<()> {
+        self.writeback_all().await?;
         self.inner.unmounted.set(true);
         journal::checkpoint(&self.inner).await
     }
@@ -241,7 +286,7 @@ impl Fs {
             inner: Rc::new(FsInner {
                 geometry: dev.geometry(),
                 dev,
-                config,
+                config: config.clone(),
                 sb: RefCell::new(loaded.sb),
                 state: RefCell::new(loaded.state),
                 journal: RefCell::new(JournalState {
@@ -251,12 +296,15 @@ impl Fs {
                     logged_ops: 0,
                     committed_ops: 0,
                     dirty: BTreeSet::new(),
+                    dirty_later: BTreeSet::new(),
                     data_writes: 0,
                     flushed_data_writes: 0,
                     reserved_unmapped: 0,
+                    delalloc_reserved: 0,
                 }),
                 handles: RefCell::new(HashMap::new()),
                 next_handle: Cell::new(1),
+                cache: RefCell::new(cache::PageCache::new(config.cache_bytes)),
                 commit_lock: sync::AsyncMutex::default(),
                 ranges: Rc::new(sync::RangeLocks::default()),
                 counters: Cell::new(FsCounters::default()),
@@ -266,6 +314,7 @@ impl Fs {
         };
         fs.free_orphans()?;
         journal::start_commit_timer(&fs.inner);
+        data::start_writeback_timer(&fs);
         Ok(fs)
     }
 

@@ -4,14 +4,12 @@
 
 use std::rc::Rc;
 
-use super::extent::Segment;
 use super::format::{
-    BlockRun, Inode, Timespec, BLOCK_BYTES, BLOCK_SIZE, NAME_MAX, ROOT_INO, SYMLINK_MAX, S_IFDIR, S_IFLNK, S_IFMT,
-    S_IFREG, XATTR_NAME_MAX, XATTR_VALUE_MAX,
+    Inode, Timespec, BLOCK_SIZE, NAME_MAX, ROOT_INO, SYMLINK_MAX, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG, XATTR_NAME_MAX,
+    XATTR_VALUE_MAX,
 };
 use super::record::Record;
 use super::{Fs, FsError, FsInner, FsResult, Handle};
-use crate::bdev::AlignedBuf;
 
 pub const R_OK: u32 = 4;
 pub const W_OK: u32 = 2;
@@ -19,8 +17,6 @@ pub const X_OK: u32 = 1;
 /// Largest file: 2^52 bytes keeps block arithmetic far from overflow.
 pub const MAX_FILE_BYTES: u64 = 1 << 52;
 const LINK_MAX: u32 = 65_000;
-/// Device requests are split at 1 MiB (256 blocks).
-const IO_BLOCKS_MAX: u64 = 256;
 
 pub const RENAME_NOREPLACE: u32 = 1;
 pub const RENAME_EXCHANGE: u32 = 2;
@@ -126,20 +122,29 @@ fn now() -> Timespec {
 }
 
 impl FsInner {
-    fn inode(&self, ino: u64) -> FsResult<Inode> {
+    pub(crate) fn inode(&self, ino: u64) -> FsResult<Inode> {
         self.state.borrow().node(ino).map(|n| n.inode.clone()).ok_or(FsError::NotFound)
     }
 
-    fn attr(&self, ino: u64) -> FsResult<Attr> {
+    pub(crate) fn attr(&self, ino: u64) -> FsResult<Attr> {
         let state = self.state.borrow();
         let node = state.node(ino).ok_or(FsError::NotFound)?;
         Ok(Attr { inode: node.inode.clone(), blocks_512: node.extents.blocks() * (BLOCK_SIZE / 512) })
     }
 
+    /// Change an inode in memory; its image reaches the journal with the
+    /// next commit (the lazy path: no I/O, no record now). i_version moves
+    /// only if someone read it since its last change.
     pub(crate) fn update_inode(&self, ino: u64, f: impl FnOnce(&mut Inode)) -> FsResult<()> {
         let mut state = self.state.borrow_mut();
         let node = state.node_mut(ino).ok_or(FsError::NotFound)?;
+        let version = node.inode.i_version;
         f(&mut node.inode);
+        node.inode.i_version = version;
+        if node.i_version_queried {
+            node.inode.i_version += 1;
+            node.i_version_queried = false;
+        }
         drop(state);
         self.mark_dirty(ino);
         Ok(())
@@ -200,6 +205,8 @@ impl FsInner {
             None => return Ok(()),
         };
         if unreferenced && ino != ROOT_INO {
+            let released = self.cache.borrow_mut().discard(ino, 0);
+            self.release_delalloc(released);
             self.journal.borrow_mut().dirty.remove(&ino);
             self.log(Record::InodeFree { ino })?;
         }
@@ -255,7 +262,6 @@ impl FsInner {
         self.update_inode(dir, |i| {
             i.mtime = t;
             i.ctime = t;
-            i.i_version += 1;
             i.nlink = i.nlink.saturating_add_signed(nlink_delta);
         })
     }
@@ -304,6 +310,15 @@ impl Fs {
 
     pub async fn getattr(&self, ino: u64) -> FsResult<Attr> {
         self.inner.attr(ino)
+    }
+
+    /// The inode's change counter (statx's change cookie). Reading it
+    /// arms the next change to bump it; unread, changes leave it alone.
+    pub async fn i_version(&self, ino: u64) -> FsResult<u64> {
+        let mut state = self.inner.state.borrow_mut();
+        let node = state.node_mut(ino).ok_or(FsError::NotFound)?;
+        node.i_version_queried = true;
+        Ok(node.inode.i_version)
     }
 
     pub async fn mknod(&self, c: &Creds, parent: u64, name: &[u8], mode: u32, rdev: u32) -> FsResult<Attr> {
@@ -657,7 +672,7 @@ impl Fs {
         Ok(StatFs {
             block_size: BLOCK_SIZE as u32,
             blocks: state.alloc.total_blocks(),
-            blocks_free: state.alloc.free_blocks(),
+            blocks_free: self.inner.available_blocks(),
             files: state.nodes.len() as u64,
             files_free: u64::from(u32::MAX),
             name_max: NAME_MAX as u32,
@@ -744,7 +759,6 @@ impl Fs {
             }
         }
         new.ctime = set.ctime.unwrap_or_else(now);
-        new.i_version += 1;
         self.inner.update_inode(ino, |i| *i = new)?;
         self.inner.op_done();
         self.inner.attr(ino)
@@ -816,454 +830,5 @@ impl Fs {
             return Err(FsError::Access);
         }
         Ok(())
-    }
-
-    /// Make the file durable. `datasync` may skip metadata that only
-    /// timestamps changed (refined by the data-path issue).
-    pub async fn fsync(&self, ino: u64, _datasync: bool) -> FsResult<()> {
-        self.inner.inode(ino)?;
-        self.sync().await
-    }
-
-    pub async fn fsyncdir(&self, ino: u64, datasync: bool) -> FsResult<()> {
-        self.fsync(ino, datasync).await
-    }
-}
-
-/// Data operations.
-impl Fs {
-    fn require_file(&self, ino: u64) -> FsResult<Inode> {
-        let inode = self.inner.inode(ino)?;
-        if inode.is_dir() {
-            return Err(FsError::IsDir);
-        }
-        if !inode.is_reg() {
-            return Err(FsError::Invalid("data operation on a special file"));
-        }
-        Ok(inode)
-    }
-
-    /// Read one file block's current contents (zeros for holes and
-    /// unwritten extents) into `out`.
-    async fn read_file_block(&self, ino: u64, file_block: u64, out: &mut [u8]) -> FsResult<()> {
-        let seg = {
-            let state = self.inner.state.borrow();
-            state.node(ino).ok_or(FsError::Stale)?.extents.segments(file_block, 1)[0]
-        };
-        match seg {
-            Segment::Mapped(e) if !e.unwritten => {
-                let buf = self.inner.read_blocks(e.disk_block, 1).await?;
-                out.copy_from_slice(&buf);
-                self.inner.bump(|c| c.data_bytes_read += BLOCK_SIZE);
-            }
-            _ => out.fill(0),
-        }
-        Ok(())
-    }
-
-    /// Blocks for `count` file blocks from `file_block`, placed after the
-    /// file's previous extent when that space is free.
-    fn alloc_runs(&self, ino: u64, file_block: u64, count: u64) -> FsResult<Vec<BlockRun>> {
-        let mut state = self.inner.state.borrow_mut();
-        let mut hint = state.node(ino).ok_or(FsError::Stale)?.extents.hint_after(file_block);
-        let mut runs = Vec::new();
-        let mut left = count;
-        while left > 0 {
-            match state.alloc.alloc(left, hint, self.inner.config.preferred_group) {
-                Some(run) => {
-                    left -= run.len;
-                    hint = Some(run.end());
-                    runs.push(run);
-                }
-                None => {
-                    for r in runs {
-                        state.alloc.free(r);
-                    }
-                    return Err(FsError::NoSpace);
-                }
-            }
-        }
-        drop(state);
-        self.inner.journal.borrow_mut().reserved_unmapped += count;
-        Ok(runs)
-    }
-
-    fn unreserve(&self, runs: &[BlockRun], back_to_free: bool) {
-        let total: u64 = runs.iter().map(|r| r.len).sum();
-        self.inner.journal.borrow_mut().reserved_unmapped -= total;
-        if back_to_free {
-            let mut state = self.inner.state.borrow_mut();
-            for r in runs {
-                state.alloc.free(*r);
-            }
-        }
-    }
-
-    pub async fn write(&self, ino: u64, offset: u64, data: &[u8]) -> FsResult<u32> {
-        if data.is_empty() {
-            return Ok(0);
-        }
-        let end = offset.checked_add(data.len() as u64).filter(|&e| e <= MAX_FILE_BYTES).ok_or(FsError::FileTooBig)?;
-        self.require_file(ino)?;
-        let first = offset / BLOCK_SIZE;
-        let last = (end - 1) / BLOCK_SIZE;
-        let nblocks = last - first + 1;
-        let (_range, old_size) = self.lock_for_write(ino, first, last, end).await?;
-        if end > old_size && old_size / BLOCK_SIZE < first {
-            self.zero_past_eof(ino, old_size).await?;
-        }
-        let mut image = vec![0u8; (nblocks * BLOCK_SIZE) as usize];
-        let head = (offset % BLOCK_SIZE) as usize;
-        if head != 0 {
-            self.read_file_block(ino, first, &mut image[..BLOCK_BYTES]).await?;
-        }
-        if end % BLOCK_SIZE != 0 && (nblocks > 1 || head == 0) {
-            let at = ((nblocks - 1) * BLOCK_SIZE) as usize;
-            self.read_file_block(ino, last, &mut image[at..]).await?;
-        }
-        // Bytes past the old end of file may hold what a truncation left on
-        // the device; they become visible now, so they must be zeros.
-        let image_start = first * BLOCK_SIZE;
-        if old_size < image_start + image.len() as u64 {
-            image[old_size.saturating_sub(image_start) as usize..].fill(0);
-        }
-        image[head..head + data.len()].copy_from_slice(data);
-        let records = self.write_blocks_of(ino, first, &image).await?;
-        for r in records {
-            self.inner.log(r)?;
-        }
-        let t = now();
-        self.inner.update_inode(ino, |i| {
-            i.size = i.size.max(end);
-            i.mtime = t;
-            i.ctime = t;
-            i.i_version += 1;
-        })?;
-        self.inner.op_done();
-        Ok(data.len() as u32)
-    }
-
-    /// Lock the blocks a write covers. A write that extends the file also
-    /// locks from the block holding the current end of file onwards, since
-    /// it must zero that block's tail. Returns the guard and the size seen
-    /// under it.
-    async fn lock_for_write(
-        &self,
-        ino: u64,
-        first: u64,
-        last: u64,
-        end: u64,
-    ) -> FsResult<(super::sync::RangeGuard, u64)> {
-        loop {
-            let size = self.inner.inode(ino)?.size;
-            let (start, stop) = if end > size {
-                ((size / BLOCK_SIZE).min(first) * BLOCK_SIZE, u64::MAX)
-            } else {
-                (first * BLOCK_SIZE, (last + 1) * BLOCK_SIZE)
-            };
-            let guard = self.inner.ranges.lock(ino, start, stop, true).await;
-            let now_size = self.inner.inode(ino).map_err(|_| FsError::Stale)?.size;
-            let covered = if end > now_size {
-                (now_size / BLOCK_SIZE).min(first) * BLOCK_SIZE >= start && stop == u64::MAX
-            } else {
-                true
-            };
-            if covered {
-                return Ok((guard, now_size));
-            }
-        }
-    }
-
-    /// Write whole blocks of `image` at `first`: in place where the file
-    /// already has blocks, into new blocks where it has holes. Returns the
-    /// records that map what was written; the caller logs them only now
-    /// that the data is on the device.
-    async fn write_blocks_of(&self, ino: u64, first: u64, image: &[u8]) -> FsResult<Vec<Record>> {
-        let nblocks = image.len() as u64 / BLOCK_SIZE;
-        let segments = {
-            let state = self.inner.state.borrow();
-            state.node(ino).ok_or(FsError::Stale)?.extents.segments(first, nblocks)
-        };
-        let mut targets: Vec<(u64, u64, u64, bool)> = Vec::new(); // (file, disk, len, record?)
-        let mut fresh: Vec<BlockRun> = Vec::new();
-        for seg in segments {
-            match seg {
-                Segment::Mapped(e) => targets.push((e.file_block, e.disk_block, e.len, e.unwritten)),
-                Segment::Hole { file_block, len } => {
-                    let runs = match self.alloc_runs(ino, file_block, len) {
-                        Ok(r) => r,
-                        Err(e) => {
-                            self.unreserve(&fresh, true);
-                            return Err(e);
-                        }
-                    };
-                    let mut fb = file_block;
-                    for r in &runs {
-                        targets.push((fb, r.start, r.len, true));
-                        fb += r.len;
-                    }
-                    fresh.extend(runs);
-                }
-            }
-        }
-        let mut pending = Vec::new();
-        for &(fb, db, len, _) in &targets {
-            let mut done = 0;
-            while done < len {
-                let n = (len - done).min(IO_BLOCKS_MAX);
-                let mut buf = AlignedBuf::zeroed((n * BLOCK_SIZE) as usize, BLOCK_BYTES);
-                let src = ((fb + done - first) * BLOCK_SIZE) as usize;
-                buf.copy_from_slice(&image[src..src + (n * BLOCK_SIZE) as usize]);
-                pending.push(self.inner.dev.write((db + done) * BLOCK_SIZE, buf));
-                done += n;
-            }
-        }
-        let mut failure = None;
-        for f in pending {
-            if let (_, Err(e)) = f.await {
-                failure.get_or_insert(e);
-            }
-        }
-        {
-            let mut j = self.inner.journal.borrow_mut();
-            j.data_writes += 1;
-        }
-        self.inner.bump(|c| c.data_bytes_written += image.len() as u64);
-        if let Some(e) = failure {
-            self.unreserve(&fresh, true);
-            return Err(e.into());
-        }
-        if self.inner.state.borrow().node(ino).is_none() {
-            self.unreserve(&fresh, true);
-            return Err(FsError::Stale);
-        }
-        self.unreserve(&fresh, false);
-        Ok(targets
-            .into_iter()
-            .filter(|t| t.3)
-            .map(|(fb, db, len, _)| Record::ExtentMap { ino, file_block: fb, disk_block: db, len, unwritten: false })
-            .collect())
-    }
-
-    pub async fn read(&self, ino: u64, offset: u64, size: u32) -> FsResult<Vec<u8>> {
-        let inode = self.require_file(ino)?;
-        if offset >= inode.size || size == 0 {
-            return Ok(Vec::new());
-        }
-        let end = (offset + u64::from(size)).min(inode.size);
-        let first = offset / BLOCK_SIZE;
-        let last = (end - 1) / BLOCK_SIZE;
-        let _range = self.inner.ranges.lock(ino, first * BLOCK_SIZE, (last + 1) * BLOCK_SIZE, false).await;
-        let segments = {
-            let state = self.inner.state.borrow();
-            state.node(ino).ok_or(FsError::Stale)?.extents.segments(first, last - first + 1)
-        };
-        let mut image = vec![0u8; ((last - first + 1) * BLOCK_SIZE) as usize];
-        let mut pending = Vec::new();
-        for seg in segments {
-            let Segment::Mapped(e) = seg else { continue };
-            if e.unwritten {
-                continue;
-            }
-            let mut done = 0;
-            while done < e.len {
-                let n = (e.len - done).min(IO_BLOCKS_MAX);
-                let buf = AlignedBuf::zeroed((n * BLOCK_SIZE) as usize, BLOCK_BYTES);
-                let at = ((e.file_block + done - first) * BLOCK_SIZE) as usize;
-                pending.push((at, self.inner.dev.read((e.disk_block + done) * BLOCK_SIZE, buf)));
-                done += n;
-            }
-        }
-        for (at, f) in pending {
-            let (buf, result) = f.await;
-            result?;
-            image[at..at + buf.len()].copy_from_slice(&buf);
-        }
-        let skip = (offset - first * BLOCK_SIZE) as usize;
-        let out = image[skip..skip + (end - offset) as usize].to_vec();
-        self.inner.bump(|c| c.data_bytes_read += out.len() as u64);
-        Ok(out)
-    }
-
-    /// Set the size. Shrinking frees whole blocks past the new end in one
-    /// transaction; the bytes left past the end in the last partial block
-    /// are zeroed only when the file grows over them again, so a crash
-    /// before the shrink commits cannot destroy data still in the file.
-    pub(crate) async fn truncate(&self, ino: u64, new_size: u64) -> FsResult<()> {
-        if new_size > MAX_FILE_BYTES {
-            return Err(FsError::FileTooBig);
-        }
-        let old = self.require_file(ino)?.size;
-        let from = old.min(new_size) / BLOCK_SIZE * BLOCK_SIZE;
-        let _range = self.inner.ranges.lock(ino, from, u64::MAX, true).await;
-        if new_size < old {
-            let keep_blocks = new_size.div_ceil(BLOCK_SIZE);
-            self.inner.log(Record::ExtentPunch { ino, file_block: keep_blocks, len: u64::MAX - keep_blocks })?;
-        } else {
-            self.zero_past_eof(ino, old).await?;
-        }
-        let t = now();
-        self.inner.update_inode(ino, |i| {
-            i.size = new_size;
-            i.mtime = t;
-            i.ctime = t;
-            i.i_version += 1;
-        })?;
-        self.inner.op_done();
-        Ok(())
-    }
-
-    /// Zero the bytes past `size` in the block that holds the end of file:
-    /// they are invisible now and are about to become part of the file.
-    async fn zero_past_eof(&self, ino: u64, size: u64) -> FsResult<()> {
-        let tail = (size % BLOCK_SIZE) as usize;
-        if tail == 0 {
-            return Ok(());
-        }
-        self.zero_in_block(ino, size / BLOCK_SIZE, tail, BLOCK_BYTES).await
-    }
-
-    /// Zero bytes [from, to) of one file block, if it holds written data.
-    async fn zero_in_block(&self, ino: u64, file_block: u64, from: usize, to: usize) -> FsResult<()> {
-        let seg = {
-            let state = self.inner.state.borrow();
-            state.node(ino).ok_or(FsError::Stale)?.extents.segments(file_block, 1)[0]
-        };
-        let Segment::Mapped(e) = seg else { return Ok(()) };
-        if e.unwritten {
-            return Ok(());
-        }
-        let mut buf = self.inner.read_blocks(e.disk_block, 1).await?;
-        buf[from..to].fill(0);
-        self.inner.write_blocks(e.disk_block, buf).await?;
-        self.inner.journal.borrow_mut().data_writes += 1;
-        Ok(())
-    }
-
-    pub async fn fallocate(&self, ino: u64, mode: u32, offset: u64, len: u64) -> FsResult<()> {
-        if len == 0 {
-            return Err(FsError::Invalid("fallocate of zero bytes"));
-        }
-        let end = offset.checked_add(len).filter(|&e| e <= MAX_FILE_BYTES).ok_or(FsError::FileTooBig)?;
-        self.require_file(ino)?;
-        let known = FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE;
-        if mode & !known != 0 {
-            return Err(FsError::Unsupported);
-        }
-        let punch = mode & FALLOC_FL_PUNCH_HOLE != 0;
-        let zero = mode & FALLOC_FL_ZERO_RANGE != 0;
-        if punch && (zero || mode & FALLOC_FL_KEEP_SIZE == 0) {
-            return Err(FsError::Invalid("punch hole needs KEEP_SIZE alone"));
-        }
-        let range_lock =
-            self.inner.ranges.lock(ino, offset / BLOCK_SIZE * BLOCK_SIZE, end.div_ceil(BLOCK_SIZE) * BLOCK_SIZE, true);
-        let _range = range_lock.await;
-        if punch || zero {
-            self.clear_range(ino, offset, end).await?;
-        }
-        let old_size = self.inner.inode(ino)?.size;
-        if mode & FALLOC_FL_KEEP_SIZE == 0 && end > old_size {
-            self.zero_past_eof(ino, old_size).await?;
-        }
-        if !punch {
-            self.allocate_unwritten(ino, offset / BLOCK_SIZE, end.div_ceil(BLOCK_SIZE))?;
-        }
-        let t = now();
-        let keep = mode & FALLOC_FL_KEEP_SIZE != 0;
-        self.inner.update_inode(ino, |i| {
-            if !keep {
-                i.size = i.size.max(end);
-            }
-            if punch || zero {
-                i.mtime = t;
-            }
-            i.ctime = t;
-            i.i_version += 1;
-        })?;
-        self.inner.op_done();
-        Ok(())
-    }
-
-    /// Make [offset, end) read as zeros: unmap whole blocks, zero edges.
-    async fn clear_range(&self, ino: u64, offset: u64, end: u64) -> FsResult<()> {
-        let first_whole = offset.div_ceil(BLOCK_SIZE);
-        let end_whole = end / BLOCK_SIZE;
-        if first_whole < end_whole {
-            self.inner.log(Record::ExtentPunch { ino, file_block: first_whole, len: end_whole - first_whole })?;
-        }
-        let head_block = offset / BLOCK_SIZE;
-        let tail_block = (end - 1) / BLOCK_SIZE;
-        if !offset.is_multiple_of(BLOCK_SIZE) || (head_block == tail_block && !end.is_multiple_of(BLOCK_SIZE)) {
-            let to = if head_block == tail_block { (end - head_block * BLOCK_SIZE) as usize } else { BLOCK_BYTES };
-            self.zero_in_block(ino, head_block, (offset % BLOCK_SIZE) as usize, to).await?;
-        }
-        if tail_block != head_block && !end.is_multiple_of(BLOCK_SIZE) {
-            self.zero_in_block(ino, tail_block, 0, (end % BLOCK_SIZE) as usize).await?;
-        }
-        Ok(())
-    }
-
-    /// Back the holes in file blocks [first, end) with unwritten extents:
-    /// space is reserved and reads still return zeros, with no data I/O.
-    fn allocate_unwritten(&self, ino: u64, first: u64, end: u64) -> FsResult<()> {
-        let holes: Vec<(u64, u64)> = {
-            let state = self.inner.state.borrow();
-            let node = state.node(ino).ok_or(FsError::Stale)?;
-            node.extents
-                .segments(first, end - first)
-                .into_iter()
-                .filter_map(|s| match s {
-                    Segment::Hole { file_block, len } => Some((file_block, len)),
-                    Segment::Mapped(_) => None,
-                })
-                .collect()
-        };
-        for (fb, len) in holes {
-            let runs = self.alloc_runs(ino, fb, len)?;
-            self.unreserve(&runs, false);
-            let mut at = fb;
-            for r in runs {
-                self.inner.log(Record::ExtentMap {
-                    ino,
-                    file_block: at,
-                    disk_block: r.start,
-                    len: r.len,
-                    unwritten: true,
-                })?;
-                at += r.len;
-            }
-        }
-        Ok(())
-    }
-
-    /// SEEK_DATA / SEEK_HOLE. Unwritten extents count as holes.
-    pub async fn lseek(&self, ino: u64, offset: u64, whence: u32) -> FsResult<u64> {
-        let inode = self.require_file(ino)?;
-        if whence != SEEK_DATA && whence != SEEK_HOLE {
-            return Err(FsError::Invalid("lseek whence"));
-        }
-        if offset >= inode.size {
-            return Err(FsError::Nxio);
-        }
-        let first = offset / BLOCK_SIZE;
-        let blocks = inode.size.div_ceil(BLOCK_SIZE) - first;
-        let segments = {
-            let state = self.inner.state.borrow();
-            state.node(ino).ok_or(FsError::Stale)?.extents.segments(first, blocks)
-        };
-        for seg in segments {
-            let (fb, is_data) = match seg {
-                Segment::Mapped(e) => (e.file_block, !e.unwritten),
-                Segment::Hole { file_block, .. } => (file_block, false),
-            };
-            if is_data == (whence == SEEK_DATA) {
-                return Ok((fb * BLOCK_SIZE).max(offset));
-            }
-        }
-        if whence == SEEK_HOLE {
-            Ok(inode.size)
-        } else {
-            Err(FsError::Nxio)
-        }
     }
 }

@@ -125,6 +125,19 @@ pub struct Node {
     /// forgotten, and open handles. An unlinked inode lives until both are 0.
     pub lookups: u64,
     pub opens: u64,
+    /// Runtime only: the size to log while buffered data past it is not
+    /// yet written back, so a logged size never covers unwritten data.
+    pub persist_size_cap: Option<u64>,
+    /// Runtime only: direct writes past the end of file in flight
+    /// (start -> end), and the furthest end of those that completed.
+    pub extends_in_flight: BTreeMap<u64, u64>,
+    pub extends_done: u64,
+    /// Runtime only: someone read i_version since it last changed, so the
+    /// next change must bump it (Linux's multigrain rule).
+    pub i_version_queried: bool,
+    /// Runtime only: a change fdatasync must commit (size or block map),
+    /// as opposed to timestamps alone.
+    pub datasync_needed: bool,
     pub extents: ExtentMap,
     pub xattrs: BTreeMap<Vec<u8>, Vec<u8>>,
     pub symlink: Option<Vec<u8>>,
@@ -261,6 +274,11 @@ impl State {
                     inode: inode.clone(),
                     lookups: 0,
                     opens: 0,
+                    persist_size_cap: None,
+                    extends_in_flight: BTreeMap::new(),
+                    extends_done: 0,
+                    i_version_queried: false,
+                    datasync_needed: false,
                     extents: ExtentMap::default(),
                     xattrs: BTreeMap::new(),
                     symlink: None,

@@ -385,3 +385,172 @@ impl<B> Drop for IoFuture<B> {
         }
     }
 }
+
+/// One caller buffer cut into several device requests without copying:
+/// each [`BufferSlice`] names a disjoint sub-range and keeps the buffer
+/// alive. The buffer comes back with [`SharedBuffer::into_inner`] once every
+/// slice is dropped. CPU access to ranges (zeroing, copying) is refused
+/// while a slice covering them is outstanding, so the device and the CPU
+/// never touch the same bytes at once.
+pub struct SharedBuffer<B: IoBuffer> {
+    inner: Rc<SharedInner<B>>,
+}
+
+struct SharedInner<B> {
+    buffer: RefCell<Option<B>>,
+    iovecs: Vec<IoVec>,
+    len: usize,
+    in_flight: RefCell<Vec<(usize, usize)>>,
+}
+
+pub struct BufferSlice {
+    iovecs: Vec<IoVec>,
+    range: (usize, usize),
+    owner: Rc<dyn SliceOwner>,
+}
+
+trait SliceOwner {
+    fn release(&self, range: (usize, usize));
+}
+
+impl<B> SliceOwner for SharedInner<B> {
+    fn release(&self, range: (usize, usize)) {
+        let mut f = self.in_flight.borrow_mut();
+        if let Some(pos) = f.iter().position(|r| *r == range) {
+            f.swap_remove(pos);
+        }
+    }
+}
+
+impl Drop for BufferSlice {
+    fn drop(&mut self) {
+        self.owner.release(self.range);
+    }
+}
+
+// SAFETY: the iovecs name a sub-range of a buffer whose IoBuffer contract
+// keeps its memory fixed and alive; the Rc in `owner` keeps the buffer
+// alive; the SharedBuffer hands out only disjoint live slices and refuses
+// CPU access to ranges a slice covers.
+unsafe impl IoBuffer for BufferSlice {
+    fn iovecs(&mut self, out: &mut Vec<IoVec>) {
+        out.extend_from_slice(&self.iovecs);
+    }
+}
+
+/// The sub-range was already handed out, or is out of bounds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("buffer range [{0}, {1}) overlaps an outstanding slice or the end")]
+pub struct RangeBusy(pub usize, pub usize);
+
+impl<B: IoBuffer> SharedBuffer<B> {
+    pub fn new(mut buffer: B) -> Self {
+        let mut iovecs = Vec::new();
+        buffer.iovecs(&mut iovecs);
+        let len = iovecs.iter().map(|v| v.len).sum();
+        Self {
+            inner: Rc::new(SharedInner {
+                buffer: RefCell::new(Some(buffer)),
+                iovecs,
+                len,
+                in_flight: RefCell::new(Vec::new()),
+            }),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.inner.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.inner.len == 0
+    }
+
+    /// The segments of the whole buffer (for alignment checks).
+    pub fn iovecs(&self) -> &[IoVec] {
+        &self.inner.iovecs
+    }
+
+    fn sub_iovecs(&self, start: usize, len: usize) -> Vec<IoVec> {
+        let mut out = Vec::new();
+        let (mut skip, mut left) = (start, len);
+        for v in &self.inner.iovecs {
+            if left == 0 {
+                break;
+            }
+            if skip >= v.len {
+                skip -= v.len;
+                continue;
+            }
+            let take = (v.len - skip).min(left);
+            out.push(IoVec { base: v.base.wrapping_add(skip), len: take });
+            skip = 0;
+            left -= take;
+        }
+        out
+    }
+
+    fn claim(&self, start: usize, len: usize) -> Result<(), RangeBusy> {
+        let end = start.checked_add(len).filter(|&e| e <= self.inner.len).ok_or(RangeBusy(start, start + len))?;
+        if self.inner.in_flight.borrow().iter().any(|&(s, e)| s < end && start < e) {
+            return Err(RangeBusy(start, end));
+        }
+        Ok(())
+    }
+
+    /// A device-request view of [start, start+len).
+    pub fn slice(&self, start: usize, len: usize) -> Result<BufferSlice, RangeBusy> {
+        self.claim(start, len)?;
+        let range = (start, start + len);
+        self.inner.in_flight.borrow_mut().push(range);
+        let owner: Rc<dyn SliceOwner> = self.inner.clone();
+        Ok(BufferSlice { iovecs: self.sub_iovecs(start, len), range, owner })
+    }
+
+    fn for_each_segment(&self, start: usize, len: usize, mut f: impl FnMut(*mut u8, usize, usize)) {
+        let mut done = 0;
+        for v in self.sub_iovecs(start, len) {
+            f(v.base, v.len, done);
+            done += v.len;
+        }
+    }
+
+    /// Fill [start, start+len) with zeros.
+    pub fn zero(&self, start: usize, len: usize) -> Result<(), RangeBusy> {
+        self.claim(start, len)?;
+        // SAFETY: the range is inside the buffer (claim checked), no device
+        // request covers it (claim checked), and IoBuffer's contract makes
+        // the memory valid and unshared while we own the buffer.
+        self.for_each_segment(start, len, |p, n, _| unsafe { std::ptr::write_bytes(p, 0, n) });
+        Ok(())
+    }
+
+    /// Copy `data` into the buffer at `start`.
+    pub fn copy_in(&self, start: usize, data: &[u8]) -> Result<(), RangeBusy> {
+        self.claim(start, data.len())?;
+        // SAFETY: as in `zero`; `at + n` stays within `data`.
+        self.for_each_segment(start, data.len(), |p, n, at| unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr().add(at), p, n)
+        });
+        Ok(())
+    }
+
+    /// Copy [start, start+out.len()) of the buffer into `out`.
+    pub fn copy_out(&self, start: usize, out: &mut [u8]) -> Result<(), RangeBusy> {
+        self.claim(start, out.len())?;
+        // SAFETY: as in `zero`, reading instead of writing.
+        self.for_each_segment(start, out.len(), |p, n, at| unsafe {
+            std::ptr::copy_nonoverlapping(p, out.as_mut_ptr().add(at), n)
+        });
+        Ok(())
+    }
+
+    /// The buffer, once no slice is outstanding.
+    pub fn into_inner(self) -> Result<B, Self> {
+        if !self.inner.in_flight.borrow().is_empty() {
+            return Err(self);
+        }
+        let taken = self.inner.buffer.borrow_mut().take();
+        Ok(taken.expect("the buffer is taken only once"))
+    }
+}

@@ -1,0 +1,433 @@
+//! The daemon's page cache: 4 KiB pages of file data, bounded, with 2Q
+//! replacement so that a one-pass scan cannot flush the working set.
+//!
+//! 2Q (Johnson and Shasha, 1994): a page seen for the first time enters
+//! A1in, a FIFO of a quarter of the cache. Pages leaving A1in are
+//! remembered (key only) in the ghost list A1out. A page missed again while
+//! its key is in A1out has proven reuse and enters Am, an LRU. A scan only
+//! ever cycles through A1in.
+//!
+//! Dirty pages are never evicted: writeback cleans them first. Memory is
+//! the configured capacity plus about 150 bytes of bookkeeping per page.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+
+pub const PAGE_BYTES: usize = 4096;
+
+pub type PageKey = (u64, u64); // (inode, page index)
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Queue {
+    A1in,
+    Am,
+}
+
+struct Slot {
+    key: PageKey,
+    data: Box<[u8]>,
+    dirty: bool,
+    /// Delayed allocation: a block is reserved for this page's hole.
+    reserved: bool,
+    queue: Queue,
+    /// For Am's lazy LRU: the stamp of this page's newest queue entry.
+    stamp: u64,
+    live: bool,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    pub hits: u64,
+    pub misses: u64,
+    pub evictions: u64,
+    pub pages: u64,
+    pub dirty_pages: u64,
+    pub capacity_pages: u64,
+}
+
+pub struct PageCache {
+    capacity: usize,
+    a1in_target: usize,
+    a1out_max: usize,
+    map: HashMap<PageKey, u32>,
+    slots: Vec<Slot>,
+    free: Vec<u32>,
+    a1in: VecDeque<u32>,
+    am: VecDeque<(u32, u64)>,
+    am_len: usize,
+    a1out: VecDeque<PageKey>,
+    a1out_set: HashSet<PageKey>,
+    by_inode: HashMap<u64, BTreeSet<u64>>,
+    dirty: BTreeMap<u64, BTreeSet<u64>>,
+    dirty_count: usize,
+    stamp: u64,
+    stats: CacheStats,
+}
+
+/// Every page is dirty: write some back before inserting more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheFull;
+
+impl PageCache {
+    pub fn new(capacity_bytes: u64) -> Self {
+        let capacity = ((capacity_bytes as usize) / PAGE_BYTES).max(16);
+        Self {
+            capacity,
+            a1in_target: (capacity / 4).max(1),
+            a1out_max: (capacity / 2).max(1),
+            map: HashMap::with_capacity(capacity),
+            slots: Vec::new(),
+            free: Vec::new(),
+            a1in: VecDeque::new(),
+            am: VecDeque::new(),
+            am_len: 0,
+            a1out: VecDeque::new(),
+            a1out_set: HashSet::new(),
+            by_inode: HashMap::new(),
+            dirty: BTreeMap::new(),
+            dirty_count: 0,
+            stamp: 0,
+            stats: CacheStats { capacity_pages: capacity as u64, ..CacheStats::default() },
+        }
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        CacheStats { pages: self.map.len() as u64, dirty_pages: self.dirty_count as u64, ..self.stats }
+    }
+
+    pub fn capacity_pages(&self) -> usize {
+        self.capacity
+    }
+
+    pub fn dirty_pages(&self) -> usize {
+        self.dirty_count
+    }
+
+    fn touch(&mut self, slot: u32) {
+        let s = &mut self.slots[slot as usize];
+        if s.queue == Queue::Am {
+            self.stamp += 1;
+            s.stamp = self.stamp;
+            self.am.push_back((slot, self.stamp));
+            if self.am.len() > 4 * self.capacity {
+                self.compact_am();
+            }
+        }
+    }
+
+    fn compact_am(&mut self) {
+        let slots = &self.slots;
+        self.am.retain(|&(slot, stamp)| {
+            let s = &slots[slot as usize];
+            s.live && s.queue == Queue::Am && s.stamp == stamp
+        });
+    }
+
+    /// A cached page, counted as a hit or a miss.
+    pub fn get(&mut self, key: PageKey) -> Option<&[u8]> {
+        match self.map.get(&key).copied() {
+            Some(slot) => {
+                self.stats.hits += 1;
+                self.touch(slot);
+                Some(&self.slots[slot as usize].data)
+            }
+            None => {
+                self.stats.misses += 1;
+                None
+            }
+        }
+    }
+
+    pub fn contains(&self, key: PageKey) -> bool {
+        self.map.contains_key(&key)
+    }
+
+    /// A page to modify; the caller marks it dirty.
+    pub fn get_mut(&mut self, key: PageKey) -> Option<&mut [u8]> {
+        let slot = self.map.get(&key).copied()?;
+        self.touch(slot);
+        Some(&mut self.slots[slot as usize].data)
+    }
+
+    /// Add a page holding `data` (replacing a cached copy), evicting a
+    /// clean page if the cache is full.
+    pub fn insert(&mut self, key: PageKey, data: &[u8]) -> Result<&mut [u8], CacheFull> {
+        assert_eq!(data.len(), PAGE_BYTES);
+        if let Some(&slot) = self.map.get(&key) {
+            self.slots[slot as usize].data.copy_from_slice(data);
+            return Ok(&mut self.slots[slot as usize].data);
+        }
+        if self.map.len() >= self.capacity {
+            self.evict_one().ok_or(CacheFull)?;
+        }
+        let queue = if self.a1out_set.remove(&key) { Queue::Am } else { Queue::A1in };
+        let slot = match self.free.pop() {
+            Some(slot) => slot,
+            None => {
+                self.slots.push(Slot {
+                    key,
+                    data: vec![0u8; PAGE_BYTES].into_boxed_slice(),
+                    dirty: false,
+                    reserved: false,
+                    queue,
+                    stamp: 0,
+                    live: false,
+                });
+                (self.slots.len() - 1) as u32
+            }
+        };
+        let s = &mut self.slots[slot as usize];
+        s.key = key;
+        s.data.copy_from_slice(data);
+        s.dirty = false;
+        s.reserved = false;
+        s.queue = queue;
+        s.live = true;
+        match queue {
+            Queue::A1in => self.a1in.push_back(slot),
+            Queue::Am => {
+                self.am_len += 1;
+                self.stamp += 1;
+                s.stamp = self.stamp;
+                self.am.push_back((slot, self.stamp));
+            }
+        }
+        self.map.insert(key, slot);
+        self.by_inode.entry(key.0).or_default().insert(key.1);
+        Ok(&mut self.slots[slot as usize].data)
+    }
+
+    /// Evict one clean page: from A1in while it is over its share, else the
+    /// least recently used page of Am. Returns None if all are dirty.
+    fn evict_one(&mut self) -> Option<()> {
+        let prefer_a1in = self.a1in.len() > self.a1in_target || self.am_len == 0;
+        let order = if prefer_a1in { [Queue::A1in, Queue::Am] } else { [Queue::Am, Queue::A1in] };
+        for q in order {
+            let victim = match q {
+                Queue::A1in => self.pop_clean_a1in(),
+                Queue::Am => self.pop_clean_am(),
+            };
+            if let Some(slot) = victim {
+                self.drop_slot(slot, q == Queue::A1in);
+                self.stats.evictions += 1;
+                return Some(());
+            }
+        }
+        None
+    }
+
+    fn pop_clean_a1in(&mut self) -> Option<u32> {
+        for _ in 0..self.a1in.len() {
+            let slot = self.a1in.pop_front()?;
+            if !self.slots[slot as usize].dirty {
+                return Some(slot);
+            }
+            self.a1in.push_back(slot);
+        }
+        None
+    }
+
+    fn pop_clean_am(&mut self) -> Option<u32> {
+        let mut skipped = Vec::new();
+        let mut found = None;
+        while let Some((slot, stamp)) = self.am.pop_front() {
+            let s = &self.slots[slot as usize];
+            if !s.live || s.queue != Queue::Am || s.stamp != stamp {
+                continue; // a stale entry
+            }
+            if s.dirty {
+                skipped.push((slot, stamp));
+                continue;
+            }
+            found = Some(slot);
+            break;
+        }
+        for e in skipped.into_iter().rev() {
+            self.am.push_front(e);
+        }
+        found
+    }
+
+    fn drop_slot(&mut self, slot: u32, remember: bool) {
+        let s = &mut self.slots[slot as usize];
+        debug_assert!(s.live && !s.dirty);
+        let key = s.key;
+        if s.queue == Queue::Am {
+            self.am_len -= 1;
+        }
+        s.live = false;
+        self.map.remove(&key);
+        if let Some(set) = self.by_inode.get_mut(&key.0) {
+            set.remove(&key.1);
+            if set.is_empty() {
+                self.by_inode.remove(&key.0);
+            }
+        }
+        if remember {
+            self.a1out.push_back(key);
+            self.a1out_set.insert(key);
+            while self.a1out.len() > self.a1out_max {
+                if let Some(old) = self.a1out.pop_front() {
+                    self.a1out_set.remove(&old);
+                }
+            }
+        }
+        self.free.push(slot);
+    }
+
+    pub fn mark_dirty(&mut self, key: PageKey) {
+        let Some(&slot) = self.map.get(&key) else { return };
+        let s = &mut self.slots[slot as usize];
+        if !s.dirty {
+            s.dirty = true;
+            self.dirty_count += 1;
+            self.dirty.entry(key.0).or_default().insert(key.1);
+        }
+    }
+
+    pub fn mark_clean(&mut self, key: PageKey) {
+        let Some(&slot) = self.map.get(&key) else { return };
+        let s = &mut self.slots[slot as usize];
+        if s.dirty {
+            s.dirty = false;
+            self.dirty_count -= 1;
+            if let Some(set) = self.dirty.get_mut(&key.0) {
+                set.remove(&key.1);
+                if set.is_empty() {
+                    self.dirty.remove(&key.0);
+                }
+            }
+        }
+    }
+
+    pub fn is_reserved(&self, key: PageKey) -> bool {
+        self.map.get(&key).is_some_and(|&s| self.slots[s as usize].reserved)
+    }
+
+    pub fn set_reserved(&mut self, key: PageKey) {
+        if let Some(&slot) = self.map.get(&key) {
+            self.slots[slot as usize].reserved = true;
+        }
+    }
+
+    /// Clear the page's reservation; true if it had one.
+    pub fn take_reserved(&mut self, key: PageKey) -> bool {
+        match self.map.get(&key) {
+            Some(&slot) => std::mem::take(&mut self.slots[slot as usize].reserved),
+            None => false,
+        }
+    }
+
+    pub fn is_dirty(&self, key: PageKey) -> bool {
+        self.map.get(&key).is_some_and(|&s| self.slots[s as usize].dirty)
+    }
+
+    /// Dirty page indices of `ino` in [from, to), in order.
+    pub fn dirty_of(&self, ino: u64, from: u64, to: u64) -> Vec<u64> {
+        self.dirty.get(&ino).map(|set| set.range(from..to).copied().collect()).unwrap_or_default()
+    }
+
+    /// Inodes with dirty pages.
+    pub fn dirty_inodes(&self) -> Vec<u64> {
+        self.dirty.keys().copied().collect()
+    }
+
+    /// Drop every cached page of `ino` at or after page `from`, dirty or
+    /// not (the data is gone: truncation or deletion). Returns how many
+    /// block reservations went with them.
+    pub fn discard(&mut self, ino: u64, from: u64) -> u64 {
+        let pages: Vec<u64> = self.by_inode.get(&ino).map(|s| s.range(from..).copied().collect()).unwrap_or_default();
+        let mut released = 0;
+        for page in pages {
+            released += u64::from(self.take_reserved((ino, page)));
+            self.mark_clean((ino, page));
+            if let Some(&slot) = self.map.get(&(ino, page)) {
+                if let Some(pos) = self.a1in.iter().position(|&s| s == slot) {
+                    self.a1in.remove(pos);
+                }
+                self.drop_slot(slot, false);
+            }
+        }
+        released
+    }
+
+    /// Drop clean cached pages of `ino` in [from, to).
+    pub fn discard_clean_range(&mut self, ino: u64, from: u64, to: u64) {
+        let pages: Vec<u64> = self.by_inode.get(&ino).map(|s| s.range(from..to).copied().collect()).unwrap_or_default();
+        for page in pages {
+            if self.is_dirty((ino, page)) {
+                continue;
+            }
+            if let Some(&slot) = self.map.get(&(ino, page)) {
+                if let Some(pos) = self.a1in.iter().position(|&s| s == slot) {
+                    self.a1in.remove(pos);
+                }
+                self.drop_slot(slot, false);
+            }
+        }
+    }
+
+    pub fn has_pages(&self, ino: u64, from: u64, to: u64) -> bool {
+        self.by_inode.get(&ino).is_some_and(|s| s.range(from..to).next().is_some())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn page(v: u8) -> Vec<u8> {
+        vec![v; PAGE_BYTES]
+    }
+
+    #[test]
+    fn bounded_and_dirty_pages_stay() {
+        let mut c = PageCache::new(16 * PAGE_BYTES as u64);
+        for i in 0..16 {
+            c.insert((1, i), &page(i as u8)).unwrap();
+            c.mark_dirty((1, i));
+        }
+        assert_eq!(c.insert((1, 99), &page(0)), Err(CacheFull));
+        c.mark_clean((1, 3));
+        c.insert((1, 99), &page(9)).unwrap();
+        assert!(!c.contains((1, 3)), "the only clean page was evicted");
+        assert_eq!(c.get((1, 5)).unwrap()[0], 5);
+        assert_eq!(c.stats().pages, 16);
+    }
+
+    #[test]
+    fn a_scan_does_not_flush_the_hot_set() {
+        let mut c = PageCache::new(64 * PAGE_BYTES as u64);
+        // Make pages 0..20 hot: seen, evicted to the ghost list by other
+        // traffic, then seen again.
+        for round in 0..6 {
+            for i in 0..20 {
+                if c.get((1, i)).is_none() {
+                    c.insert((1, i), &page(1)).unwrap();
+                }
+            }
+            for i in 0..30 {
+                c.insert((2, round * 1000 + i), &page(2)).unwrap();
+            }
+        }
+        // A long scan of cold pages.
+        for i in 0..10_000 {
+            c.insert((3, i), &page(3)).unwrap();
+        }
+        let hot = (0..20).filter(|&i| c.contains((1, i))).count();
+        assert_eq!(hot, 20, "the scan evicted hot pages");
+    }
+
+    #[test]
+    fn discard_drops_pages_and_dirty_state() {
+        let mut c = PageCache::new(64 * PAGE_BYTES as u64);
+        for i in 0..10 {
+            c.insert((7, i), &page(0)).unwrap();
+            c.mark_dirty((7, i));
+        }
+        c.set_reserved((7, 5));
+        assert_eq!(c.discard(7, 4), 1);
+        assert_eq!(c.dirty_pages(), 4);
+        assert_eq!(c.dirty_of(7, 0, u64::MAX), vec![0, 1, 2, 3]);
+        assert!(!c.contains((7, 4)));
+    }
+}

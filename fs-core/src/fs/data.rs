@@ -1,0 +1,1075 @@
+//! Data operations.
+//!
+//! - Buffered reads and writes go through the page cache. Writes only dirty
+//!   pages (delayed allocation); writeback allocates, writes and logs the
+//!   extents later, in the background, at fsync, or under memory pressure.
+//!   A read that finds every page cached takes no lock at all, so it never
+//!   waits for writers; a read that misses takes a shared range lock.
+//! - Direct reads and writes move data between the caller's buffer (guest
+//!   memory, later) and the device with no copy. An overwrite of written
+//!   blocks takes a *shared* range lock and logs nothing: no transaction,
+//!   no record, only the in-memory mtime. A write into holes or past the
+//!   end allocates unwritten extents, submits at once, and converts the
+//!   extents and advances the size when its own I/O completes, so appends
+//!   never wait for one another.
+
+use std::rc::Rc;
+
+use super::cache::{CacheFull, PAGE_BYTES};
+use super::extent::Segment;
+use super::format::{BlockRun, Inode, Timespec, BLOCK_BYTES, BLOCK_SIZE};
+use super::ops::{
+    FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE, MAX_FILE_BYTES, SEEK_DATA, SEEK_HOLE,
+};
+use super::record::Record;
+use super::{journal, Fs, FsError, FsResult};
+use crate::bdev::AlignedBuf;
+use crate::reactor;
+use crate::reactor::io::{IoBuffer, SharedBuffer};
+
+/// Device requests are split at 1 MiB (256 blocks).
+pub(crate) const IO_BLOCKS_MAX: u64 = 256;
+/// Writers write their own file back once this share of the cache is dirty.
+const DIRTY_THROTTLE_PERCENT: usize = 50;
+
+fn now() -> Timespec {
+    Timespec::now()
+}
+
+fn blocks_of(offset: u64, len: u64) -> (u64, u64) {
+    (offset / BLOCK_SIZE, (offset + len - 1) / BLOCK_SIZE)
+}
+
+/// Write dirty pages back every `writeback_interval`.
+pub(crate) fn start_writeback_timer(fs: &Fs) {
+    let weak = Rc::downgrade(&fs.inner);
+    let interval = fs.inner.config.writeback_interval;
+    reactor::spawn_local(async move {
+        loop {
+            reactor::sleep(interval).await;
+            let Some(inner) = weak.upgrade() else { return };
+            if inner.unmounted.get() {
+                return;
+            }
+            if inner.cache.borrow().dirty_pages() > 0 {
+                let _ = Fs { inner }.writeback_all().await;
+            }
+        }
+    });
+}
+
+/// Shared helpers.
+impl Fs {
+    fn require_file(&self, ino: u64) -> FsResult<Inode> {
+        let inode = self.inner.inode(ino)?;
+        if inode.is_dir() {
+            return Err(FsError::IsDir);
+        }
+        if !inode.is_reg() {
+            return Err(FsError::Invalid("data operation on a special file"));
+        }
+        Ok(inode)
+    }
+
+    fn segments(&self, ino: u64, first: u64, count: u64) -> FsResult<Vec<Segment>> {
+        let state = self.inner.state.borrow();
+        Ok(state.node(ino).ok_or(FsError::Stale)?.extents.segments(first, count))
+    }
+
+    /// One file block as it is on the device (zeros for holes and
+    /// unwritten extents), ignoring the page cache.
+    async fn read_device_block(&self, ino: u64, file_block: u64, out: &mut [u8]) -> FsResult<()> {
+        match self.segments(ino, file_block, 1)?[0] {
+            Segment::Mapped(e) if !e.unwritten => {
+                let buf = self.inner.read_blocks(e.disk_block, 1).await?;
+                out.copy_from_slice(&buf);
+                self.inner.bump(|c| c.data_bytes_read += BLOCK_SIZE);
+            }
+            _ => out.fill(0),
+        }
+        Ok(())
+    }
+
+    /// Blocks for `count` file blocks from `file_block`, placed after the
+    /// file's previous extent when that space is free (extent merging).
+    /// Only writeback (`reserved`) may dip into space promised to dirty
+    /// pages.
+    fn alloc_runs(&self, ino: u64, file_block: u64, count: u64, reserved: bool) -> FsResult<Vec<BlockRun>> {
+        if !reserved && self.inner.available_blocks() < count {
+            return Err(FsError::NoSpace);
+        }
+        let mut state = self.inner.state.borrow_mut();
+        let mut hint = state.node(ino).ok_or(FsError::Stale)?.extents.hint_after(file_block);
+        let mut runs = Vec::new();
+        let mut left = count;
+        while left > 0 {
+            match state.alloc.alloc(left, hint, self.inner.config.preferred_group) {
+                Some(run) => {
+                    left -= run.len;
+                    hint = Some(run.end());
+                    runs.push(run);
+                }
+                None => {
+                    for r in runs {
+                        state.alloc.free(r);
+                    }
+                    return Err(FsError::NoSpace);
+                }
+            }
+        }
+        drop(state);
+        self.inner.journal.borrow_mut().reserved_unmapped += count;
+        Ok(runs)
+    }
+
+    fn unreserve(&self, runs: &[BlockRun], back_to_free: bool) {
+        let total: u64 = runs.iter().map(|r| r.len).sum();
+        self.inner.journal.borrow_mut().reserved_unmapped -= total;
+        if back_to_free {
+            let mut state = self.inner.state.borrow_mut();
+            for r in runs {
+                state.alloc.free(*r);
+            }
+        }
+    }
+
+    /// Lock the blocks a write covers. A write that extends the file also
+    /// locks from the block holding the current end of file when that
+    /// block's tail must be zeroed first. Returns the guard and the size
+    /// seen under it.
+    async fn lock_for_write(
+        &self,
+        ino: u64,
+        first: u64,
+        last: u64,
+        end: u64,
+    ) -> FsResult<(super::sync::RangeGuard, u64)> {
+        loop {
+            let size = self.inner.inode(ino)?.size;
+            let eof_block = size / BLOCK_SIZE;
+            let needs_tail = end > size && size % BLOCK_SIZE != 0 && eof_block < first;
+            let (start, stop) = if needs_tail {
+                (eof_block * BLOCK_SIZE, u64::MAX)
+            } else {
+                (first * BLOCK_SIZE, (last + 1) * BLOCK_SIZE)
+            };
+            let guard = self.inner.ranges.lock(ino, start, stop, true).await;
+            let now_size = self.inner.inode(ino).map_err(|_| FsError::Stale)?.size;
+            let still_needs_tail = end > now_size && now_size % BLOCK_SIZE != 0 && now_size / BLOCK_SIZE < first;
+            if !still_needs_tail || (now_size / BLOCK_SIZE) * BLOCK_SIZE >= start {
+                return Ok((guard, now_size));
+            }
+        }
+    }
+
+    /// Zero the bytes past `size` in the block holding the end of file, on
+    /// the device and in the cache: they are invisible now and about to
+    /// become part of the file.
+    async fn zero_past_eof(&self, ino: u64, size: u64) -> FsResult<()> {
+        let tail = (size % BLOCK_SIZE) as usize;
+        if tail == 0 {
+            return Ok(());
+        }
+        let page = size / BLOCK_SIZE;
+        if let Some(p) = self.inner.cache.borrow_mut().get_mut((ino, page)) {
+            p[tail..].fill(0);
+        }
+        self.zero_in_block(ino, page, tail, BLOCK_BYTES).await
+    }
+
+    /// Zero bytes [from, to) of one file block on the device, if it holds
+    /// written data.
+    async fn zero_in_block(&self, ino: u64, file_block: u64, from: usize, to: usize) -> FsResult<()> {
+        let Segment::Mapped(e) = self.segments(ino, file_block, 1)?[0] else { return Ok(()) };
+        if e.unwritten {
+            return Ok(());
+        }
+        let mut buf = self.inner.read_blocks(e.disk_block, 1).await?;
+        buf[from..to].fill(0);
+        self.inner.write_blocks(e.disk_block, buf).await?;
+        self.inner.journal.borrow_mut().data_writes += 1;
+        Ok(())
+    }
+
+    /// Write whole blocks of `image` at `first`: in place where the file
+    /// already has written blocks, into new blocks where it has holes,
+    /// into unwritten extents where it has those. Returns the records that
+    /// map what was written; the caller logs them now that the data is on
+    /// the device (ordered data).
+    async fn write_image(&self, ino: u64, first: u64, image: &[u8]) -> FsResult<Vec<Record>> {
+        let nblocks = image.len() as u64 / BLOCK_SIZE;
+        let mut targets: Vec<(u64, u64, u64, bool)> = Vec::new(); // (file, disk, len, needs record)
+        let mut fresh: Vec<BlockRun> = Vec::new();
+        for seg in self.segments(ino, first, nblocks)? {
+            match seg {
+                Segment::Mapped(e) => targets.push((e.file_block, e.disk_block, e.len, e.unwritten)),
+                Segment::Hole { file_block, len } => {
+                    let runs = match self.alloc_runs(ino, file_block, len, true) {
+                        Ok(r) => r,
+                        Err(e) => {
+                            self.unreserve(&fresh, true);
+                            return Err(e);
+                        }
+                    };
+                    let mut fb = file_block;
+                    for r in &runs {
+                        targets.push((fb, r.start, r.len, true));
+                        fb += r.len;
+                    }
+                    fresh.extend(runs);
+                }
+            }
+        }
+        let mut pending = Vec::new();
+        for &(fb, db, len, _) in &targets {
+            let mut done = 0;
+            while done < len {
+                let n = (len - done).min(IO_BLOCKS_MAX);
+                let mut buf = AlignedBuf::zeroed((n * BLOCK_SIZE) as usize, BLOCK_BYTES);
+                let src = ((fb + done - first) * BLOCK_SIZE) as usize;
+                buf.copy_from_slice(&image[src..src + (n * BLOCK_SIZE) as usize]);
+                pending.push(self.inner.dev.write((db + done) * BLOCK_SIZE, buf));
+                done += n;
+            }
+        }
+        let mut failure = None;
+        for f in pending {
+            if let (_, Err(e)) = f.await {
+                failure.get_or_insert(e);
+            }
+        }
+        self.inner.journal.borrow_mut().data_writes += 1;
+        self.inner.bump(|c| c.data_bytes_written += image.len() as u64);
+        if let Some(e) = failure {
+            self.unreserve(&fresh, true);
+            return Err(e.into());
+        }
+        if self.inner.state.borrow().node(ino).is_none() {
+            self.unreserve(&fresh, true);
+            return Err(FsError::Stale);
+        }
+        self.unreserve(&fresh, false);
+        Ok(targets
+            .into_iter()
+            .filter(|t| t.3)
+            .map(|(fb, db, len, _)| Record::ExtentMap { ino, file_block: fb, disk_block: db, len, unwritten: false })
+            .collect())
+    }
+
+    fn log_all(&self, records: Vec<Record>) -> FsResult<()> {
+        for r in records {
+            self.inner.log(r)?;
+        }
+        Ok(())
+    }
+
+    fn set_datasync_needed(&self, ino: u64) {
+        if let Some(n) = self.inner.state.borrow_mut().node_mut(ino) {
+            n.datasync_needed = true;
+        }
+    }
+}
+
+/// Buffered I/O through the page cache.
+impl Fs {
+    /// Read through the page cache. Pages already cached are copied out
+    /// without taking any lock; misses are loaded under a shared lock.
+    pub async fn read(&self, ino: u64, offset: u64, size: u32) -> FsResult<Vec<u8>> {
+        let inode = self.require_file(ino)?;
+        if offset >= inode.size || size == 0 {
+            return Ok(Vec::new());
+        }
+        let end = (offset + u64::from(size)).min(inode.size);
+        let (first, last) = blocks_of(offset, end - offset);
+        if let Some(out) = self.copy_cached(ino, offset, end) {
+            self.inner.bump(|c| c.data_bytes_read += out.len() as u64);
+            return Ok(out);
+        }
+        let _range = self.inner.ranges.lock(ino, first * BLOCK_SIZE, (last + 1) * BLOCK_SIZE, false).await;
+        let size_now = self.inner.inode(ino)?.size;
+        let end = end.min(size_now);
+        if offset >= end {
+            return Ok(Vec::new());
+        }
+        let mut out = vec![0u8; (end - offset) as usize];
+        for page in first..=last {
+            let page_start = page * BLOCK_SIZE;
+            if page_start >= end {
+                break;
+            }
+            let data = self.page_for_read(ino, page, size_now).await?;
+            let from = offset.max(page_start);
+            let to = end.min(page_start + BLOCK_SIZE);
+            out[(from - offset) as usize..(to - offset) as usize]
+                .copy_from_slice(&data[(from - page_start) as usize..(to - page_start) as usize]);
+        }
+        self.inner.bump(|c| c.data_bytes_read += out.len() as u64);
+        Ok(out)
+    }
+
+    /// All of [offset, end) from the cache in one synchronous step, or None
+    /// if any page is missing.
+    fn copy_cached(&self, ino: u64, offset: u64, end: u64) -> Option<Vec<u8>> {
+        let (first, last) = blocks_of(offset, end - offset);
+        let mut cache = self.inner.cache.borrow_mut();
+        if !(first..=last).all(|p| cache.contains((ino, p))) {
+            return None;
+        }
+        let mut out = vec![0u8; (end - offset) as usize];
+        for page in first..=last {
+            let page_start = page * BLOCK_SIZE;
+            let data = cache.get((ino, page)).expect("checked above");
+            let from = offset.max(page_start);
+            let to = end.min(page_start + BLOCK_SIZE);
+            out[(from - offset) as usize..(to - offset) as usize]
+                .copy_from_slice(&data[(from - page_start) as usize..(to - page_start) as usize]);
+        }
+        Some(out)
+    }
+
+    /// A page's contents, loading it into the cache on a miss. Bytes past
+    /// `size` are zero in the cached copy.
+    async fn page_for_read(&self, ino: u64, page: u64, size: u64) -> FsResult<Vec<u8>> {
+        if let Some(p) = self.inner.cache.borrow_mut().get((ino, page)) {
+            return Ok(p.to_vec());
+        }
+        let mut data = vec![0u8; PAGE_BYTES];
+        self.read_device_block(ino, page, &mut data).await?;
+        let page_start = page * BLOCK_SIZE;
+        if size < page_start + BLOCK_SIZE {
+            data[size.saturating_sub(page_start) as usize..].fill(0);
+        }
+        let mut cache = self.inner.cache.borrow_mut();
+        if !cache.contains((ino, page)) {
+            // A full cache of dirty pages: serve this read uncached.
+            let _ = cache.insert((ino, page), &data);
+        } else if let Some(p) = cache.get((ino, page)) {
+            return Ok(p.to_vec());
+        }
+        Ok(data)
+    }
+
+    /// Write through the page cache: pages are dirtied, not allocated
+    /// (delayed allocation); writeback allocates and logs them later.
+    pub async fn write(&self, ino: u64, offset: u64, data: &[u8]) -> FsResult<u32> {
+        if data.is_empty() {
+            return Ok(0);
+        }
+        let end = offset.checked_add(data.len() as u64).filter(|&e| e <= MAX_FILE_BYTES).ok_or(FsError::FileTooBig)?;
+        self.require_file(ino)?;
+        let (first, last) = blocks_of(offset, data.len() as u64);
+        let (range, old_size) = self.lock_for_write(ino, first, last, end).await?;
+        if end > old_size && old_size / BLOCK_SIZE < first {
+            self.zero_past_eof(ino, old_size).await?;
+        }
+        // Load the partial edge pages before touching anything, so the
+        // update below happens in one synchronous step.
+        for page in [first, last] {
+            let (ps, pe) = (page * BLOCK_SIZE, (page + 1) * BLOCK_SIZE);
+            let partial = offset > ps || end < pe;
+            if partial && !self.inner.cache.borrow().contains((ino, page)) && ps < old_size {
+                let content = self.page_for_read(ino, page, old_size).await?;
+                self.insert_page(ino, page, &content).await?;
+            }
+        }
+        let to_reserve = self.pages_needing_reservation(ino, first, last)?;
+        self.reserve_delalloc(to_reserve.len() as u64)?;
+        for page in first..=last {
+            let (ps, pe) = (page * BLOCK_SIZE, (page + 1) * BLOCK_SIZE);
+            if !self.inner.cache.borrow().contains((ino, page)) {
+                self.insert_page(ino, page, &[0u8; PAGE_BYTES]).await?;
+            }
+            let mut cache = self.inner.cache.borrow_mut();
+            let p = cache.get_mut((ino, page)).ok_or(FsError::Corrupt("page vanished during a write".into()))?;
+            let from = offset.max(ps);
+            let to = end.min(pe);
+            p[(from - ps) as usize..(to - ps) as usize]
+                .copy_from_slice(&data[(from - offset) as usize..(to - offset) as usize]);
+            cache.mark_dirty((ino, page));
+            if to_reserve.contains(&page) {
+                cache.set_reserved((ino, page));
+            }
+        }
+        let t = now();
+        if end > old_size {
+            if let Some(n) = self.inner.state.borrow_mut().node_mut(ino) {
+                n.persist_size_cap.get_or_insert(old_size);
+                n.datasync_needed = true;
+            }
+        }
+        self.inner.update_inode(ino, |i| {
+            i.size = i.size.max(end);
+            i.mtime = t;
+            i.ctime = t;
+        })?;
+        drop(range);
+        self.throttle(ino).await?;
+        Ok(data.len() as u32)
+    }
+
+    /// Pages of [first, last] over holes that hold no reservation yet:
+    /// writeback will allocate a block for each.
+    fn pages_needing_reservation(&self, ino: u64, first: u64, last: u64) -> FsResult<Vec<u64>> {
+        let cache = self.inner.cache.borrow();
+        let mut out = Vec::new();
+        for seg in self.segments(ino, first, last - first + 1)? {
+            if let Segment::Hole { file_block, len } = seg {
+                out.extend((file_block..file_block + len).filter(|&p| !cache.is_reserved((ino, p))));
+            }
+        }
+        Ok(out)
+    }
+
+    fn reserve_delalloc(&self, blocks: u64) -> FsResult<()> {
+        if blocks == 0 {
+            return Ok(());
+        }
+        if self.inner.available_blocks() < blocks {
+            return Err(FsError::NoSpace);
+        }
+        self.inner.journal.borrow_mut().delalloc_reserved += blocks;
+        Ok(())
+    }
+
+    /// Insert a page, writing this file back if the cache is all dirty.
+    async fn insert_page(&self, ino: u64, page: u64, data: &[u8]) -> FsResult<()> {
+        for _ in 0..2 {
+            if self.inner.cache.borrow_mut().insert((ino, page), data).is_ok() {
+                return Ok(());
+            }
+            self.writeback_all().await?;
+        }
+        Err(FsError::Corrupt(format!("page cache full of dirty pages: {CacheFull:?}")))
+    }
+
+    async fn throttle(&self, ino: u64) -> FsResult<()> {
+        let (dirty, capacity) = {
+            let c = self.inner.cache.borrow();
+            (c.dirty_pages(), c.capacity_pages())
+        };
+        if dirty * 100 > capacity * DIRTY_THROTTLE_PERCENT {
+            self.writeback(ino, 0, u64::MAX).await?;
+        }
+        Ok(())
+    }
+
+    /// Write back the dirty pages of `ino` in [from, to) (page indices).
+    pub(crate) async fn writeback(&self, ino: u64, from: u64, to: u64) -> FsResult<()> {
+        let pages = self.inner.cache.borrow().dirty_of(ino, from, to);
+        let mut i = 0;
+        while i < pages.len() {
+            let mut j = i + 1;
+            while j < pages.len() && pages[j] == pages[j - 1] + 1 && (j - i) < IO_BLOCKS_MAX as usize {
+                j += 1;
+            }
+            self.writeback_run(ino, pages[i], (j - i) as u64).await?;
+            i = j;
+        }
+        let clean = self.inner.cache.borrow().dirty_of(ino, 0, u64::MAX).is_empty();
+        if clean {
+            let capped =
+                self.inner.state.borrow_mut().node_mut(ino).is_some_and(|n| n.persist_size_cap.take().is_some());
+            if capped {
+                self.inner.mark_dirty(ino);
+            }
+        }
+        Ok(())
+    }
+
+    async fn writeback_run(&self, ino: u64, first: u64, count: u64) -> FsResult<()> {
+        let _range = self.inner.ranges.lock(ino, first * BLOCK_SIZE, (first + count) * BLOCK_SIZE, true).await;
+        if self.inner.state.borrow().node(ino).is_none() {
+            return Ok(());
+        }
+        // Snapshot the pages still dirty (a truncate may have dropped some),
+        // as whole contiguous runs.
+        let mut image = Vec::with_capacity((count * BLOCK_SIZE) as usize);
+        let mut run_first = None;
+        let mut runs = Vec::new();
+        let mut released = 0;
+        {
+            let mut cache = self.inner.cache.borrow_mut();
+            for page in first..first + count {
+                let dirty = cache.is_dirty((ino, page));
+                if dirty {
+                    if run_first.is_none() {
+                        run_first = Some(page);
+                    }
+                    image.extend_from_slice(cache.get_mut((ino, page)).expect("dirty page is cached"));
+                    cache.mark_clean((ino, page));
+                    if cache.take_reserved((ino, page)) {
+                        released += 1;
+                    }
+                } else if let Some(f) = run_first.take() {
+                    runs.push((f, std::mem::take(&mut image)));
+                }
+            }
+        }
+        if let Some(f) = run_first {
+            runs.push((f, image));
+        }
+        // The reservations become real allocations in write_image.
+        self.inner.release_delalloc(released);
+        for (f, image) in runs {
+            let pages = image.len() as u64 / BLOCK_SIZE;
+            match self.write_image(ino, f, &image).await {
+                Ok(records) => {
+                    self.log_all(records)?;
+                    self.inner.bump(|c| c.writeback_pages += pages);
+                }
+                Err(e) => {
+                    let mut cache = self.inner.cache.borrow_mut();
+                    for p in f..f + pages {
+                        cache.mark_dirty((ino, p));
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Write back every dirty page.
+    pub async fn writeback_all(&self) -> FsResult<()> {
+        let inodes = self.inner.cache.borrow().dirty_inodes();
+        for ino in inodes {
+            self.writeback(ino, 0, u64::MAX).await?;
+        }
+        Ok(())
+    }
+
+    /// Make the file durable: its dirty pages, then (unless `datasync` and
+    /// only timestamps changed) the journal, then the device cache.
+    pub async fn fsync(&self, ino: u64, datasync: bool) -> FsResult<()> {
+        self.inner.inode(ino)?;
+        self.writeback(ino, 0, u64::MAX).await?;
+        let needed = self.inner.state.borrow().node(ino).is_some_and(|n| n.datasync_needed);
+        if datasync && !needed {
+            return journal::flush_data(&self.inner).await;
+        }
+        journal::sync(&self.inner).await
+    }
+
+    pub async fn fsyncdir(&self, ino: u64, datasync: bool) -> FsResult<()> {
+        self.inner.inode(ino)?;
+        let _ = datasync;
+        journal::sync(&self.inner).await
+    }
+}
+
+/// Direct I/O: the caller's buffer goes to the device without a copy.
+impl Fs {
+    fn direct_aligned<B: IoBuffer>(&self, offset: u64, buf: &SharedBuffer<B>) -> bool {
+        let align = self.inner.geometry.memory_alignment.max(512) as usize;
+        offset % BLOCK_SIZE == 0
+            && buf.len() as u64 % BLOCK_SIZE == 0
+            && !buf.is_empty()
+            && buf.iovecs().iter().all(|v| (v.base as usize) % align == 0 && v.len % 512 == 0)
+    }
+
+    /// Write back and drop cached pages of [first, last] so that direct
+    /// I/O and the cache agree.
+    async fn flush_cache_range(&self, ino: u64, first: u64, last: u64, drop_clean: bool) -> FsResult<()> {
+        let cached = self.inner.cache.borrow().has_pages(ino, first, last + 1);
+        if !cached {
+            return Ok(());
+        }
+        self.writeback(ino, first, last + 1).await?;
+        if drop_clean {
+            self.inner.cache.borrow_mut().discard_clean_range(ino, first, last + 1);
+        }
+        Ok(())
+    }
+
+    /// Direct write of `buf` at `offset`. Returns the buffer and the bytes
+    /// written. Unaligned requests are copied through a bounce buffer.
+    pub async fn write_direct<B: IoBuffer>(&self, ino: u64, offset: u64, buf: B) -> (B, FsResult<u32>) {
+        let shared = SharedBuffer::new(buf);
+        let result = self.write_direct_shared(ino, offset, &shared).await;
+        (into_inner(shared), result)
+    }
+
+    async fn write_direct_shared<B: IoBuffer>(&self, ino: u64, offset: u64, buf: &SharedBuffer<B>) -> FsResult<u32> {
+        let len = buf.len() as u64;
+        if len == 0 {
+            return Ok(0);
+        }
+        let end = offset.checked_add(len).filter(|&e| e <= MAX_FILE_BYTES).ok_or(FsError::FileTooBig)?;
+        self.require_file(ino)?;
+        let (first, last) = blocks_of(offset, len);
+        self.flush_cache_range(ino, first, last, true).await?;
+        if !self.direct_aligned(offset, buf) {
+            let mut bytes = vec![0u8; buf.len()];
+            buf.copy_out(0, &mut bytes).map_err(|_| FsError::Invalid("buffer busy"))?;
+            return self.write_uncached_copy(ino, offset, &bytes).await;
+        }
+        if let Some(n) = self.try_direct_overwrite(ino, offset, end, buf).await? {
+            return Ok(n);
+        }
+        self.direct_extend(ino, offset, end, buf).await
+    }
+
+    /// The overwrite fast path: every block already written and inside the
+    /// file. Shared lock, no allocation, no record. None if not applicable.
+    async fn try_direct_overwrite<B: IoBuffer>(
+        &self,
+        ino: u64,
+        offset: u64,
+        end: u64,
+        buf: &SharedBuffer<B>,
+    ) -> FsResult<Option<u32>> {
+        let (first, last) = blocks_of(offset, end - offset);
+        let all_written = |fs: &Fs| -> FsResult<bool> {
+            let size = fs.inner.inode(ino)?.size;
+            Ok(end <= size.div_ceil(BLOCK_SIZE) * BLOCK_SIZE
+                && fs
+                    .segments(ino, first, last - first + 1)?
+                    .iter()
+                    .all(|s| matches!(s, Segment::Mapped(e) if !e.unwritten)))
+        };
+        if !all_written(self)? {
+            return Ok(None);
+        }
+        let _range = self.inner.ranges.lock(ino, first * BLOCK_SIZE, (last + 1) * BLOCK_SIZE, false).await;
+        if !all_written(self)? {
+            return Ok(None);
+        }
+        let segments = self.segments(ino, first, last - first + 1)?;
+        self.direct_begin();
+        let result = self.submit_segments(buf, first, &segments, true).await;
+        self.direct_end();
+        result?;
+        self.inner.journal.borrow_mut().data_writes += 1;
+        let t = now();
+        self.inner.update_inode(ino, |i| {
+            i.mtime = t;
+            i.ctime = t;
+        })?;
+        self.inner.bump(|c| {
+            c.direct_overwrites += 1;
+            c.data_bytes_written += end - offset;
+        });
+        Ok(Some((end - offset) as u32))
+    }
+
+    fn direct_begin(&self) {
+        self.inner.bump(|c| {
+            c.direct_in_flight += 1;
+            c.direct_in_flight_max = c.direct_in_flight_max.max(c.direct_in_flight);
+        });
+    }
+
+    fn direct_end(&self) {
+        self.inner.bump(|c| c.direct_in_flight -= 1);
+    }
+
+    /// Issue device I/O for every segment: reads or writes of the mapped
+    /// ones, zeros into the buffer for holes and unwritten ones (reads).
+    async fn submit_segments<B: IoBuffer>(
+        &self,
+        buf: &SharedBuffer<B>,
+        first: u64,
+        segments: &[Segment],
+        write: bool,
+    ) -> FsResult<()> {
+        let mut pending = Vec::new();
+        for seg in segments {
+            let (fb, len, disk) = match *seg {
+                Segment::Mapped(e) if write || !e.unwritten => (e.file_block, e.len, Some(e.disk_block)),
+                Segment::Mapped(e) => (e.file_block, e.len, None),
+                Segment::Hole { file_block, len } => (file_block, len, None),
+            };
+            let at = ((fb - first) * BLOCK_SIZE) as usize;
+            let Some(disk) = disk else {
+                buf.zero(at, (len * BLOCK_SIZE) as usize).map_err(|_| FsError::Invalid("buffer busy"))?;
+                continue;
+            };
+            let mut done = 0;
+            while done < len {
+                let n = (len - done).min(IO_BLOCKS_MAX);
+                let slice = buf
+                    .slice(at + (done * BLOCK_SIZE) as usize, (n * BLOCK_SIZE) as usize)
+                    .map_err(|_| FsError::Invalid("buffer busy"))?;
+                let pos = (disk + done) * BLOCK_SIZE;
+                pending.push(if write { self.inner.dev.write(pos, slice) } else { self.inner.dev.read(pos, slice) });
+                done += n;
+            }
+        }
+        let mut failure = None;
+        for f in pending {
+            if let (_, Err(e)) = f.await {
+                failure.get_or_insert(e);
+            }
+        }
+        match failure {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
+    }
+
+    /// A direct write into holes, unwritten extents or past the end:
+    /// allocate unwritten extents, submit at once, convert on completion.
+    async fn direct_extend<B: IoBuffer>(
+        &self,
+        ino: u64,
+        offset: u64,
+        end: u64,
+        buf: &SharedBuffer<B>,
+    ) -> FsResult<u32> {
+        let (first, last) = blocks_of(offset, end - offset);
+        let (_range, old_size) = self.lock_for_write(ino, first, last, end).await?;
+        if end > old_size && old_size / BLOCK_SIZE < first {
+            self.zero_past_eof(ino, old_size).await?;
+        }
+        let mut converted = Vec::new();
+        for seg in self.segments(ino, first, last - first + 1)? {
+            match seg {
+                Segment::Mapped(e) if e.unwritten => converted.push((e.file_block, e.disk_block, e.len)),
+                Segment::Mapped(_) => {}
+                Segment::Hole { file_block, len } => {
+                    let runs = self.alloc_runs(ino, file_block, len, false)?;
+                    self.unreserve(&runs, false);
+                    let mut fb = file_block;
+                    for r in runs {
+                        self.inner.log(Record::ExtentMap {
+                            ino,
+                            file_block: fb,
+                            disk_block: r.start,
+                            len: r.len,
+                            unwritten: true,
+                        })?;
+                        converted.push((fb, r.start, r.len));
+                        fb += r.len;
+                    }
+                }
+            }
+        }
+        if end > old_size {
+            if let Some(n) = self.inner.state.borrow_mut().node_mut(ino) {
+                n.extends_in_flight.insert(offset, end);
+            }
+        }
+        let segments = self.segments(ino, first, last - first + 1)?;
+        self.direct_begin();
+        let result = self.submit_segments(buf, first, &segments, true).await;
+        self.direct_end();
+        self.inner.journal.borrow_mut().data_writes += 1;
+        let new_size = self.finish_extend(ino, offset, end, result.is_ok());
+        result?;
+        for (fb, db, len) in converted {
+            self.inner.log(Record::ExtentMap { ino, file_block: fb, disk_block: db, len, unwritten: false })?;
+        }
+        let t = now();
+        self.inner.update_inode(ino, |i| {
+            i.size = i.size.max(new_size);
+            i.mtime = t;
+            i.ctime = t;
+        })?;
+        self.set_datasync_needed(ino);
+        self.inner.bump(|c| {
+            c.direct_extends += 1;
+            c.data_bytes_written += end - offset;
+        });
+        self.inner.op_done();
+        Ok((end - offset) as u32)
+    }
+
+    /// Retire an extending write and return the size the file may now
+    /// claim: the furthest completed end, but never past the start of an
+    /// earlier extending write still in flight, so the size never covers
+    /// data that is not on the device.
+    fn finish_extend(&self, ino: u64, offset: u64, end: u64, ok: bool) -> u64 {
+        let mut state = self.inner.state.borrow_mut();
+        let Some(n) = state.node_mut(ino) else { return 0 };
+        n.extends_in_flight.remove(&offset);
+        if ok {
+            n.extends_done = n.extends_done.max(end);
+        }
+        let limit = n.extends_in_flight.keys().next().copied().unwrap_or(u64::MAX);
+        n.extends_done.min(limit).max(n.inode.size.min(end))
+    }
+
+    /// Direct read into `buf`. Returns the buffer and the bytes read (short
+    /// at end of file).
+    pub async fn read_direct<B: IoBuffer>(&self, ino: u64, offset: u64, buf: B) -> (B, FsResult<u32>) {
+        let shared = SharedBuffer::new(buf);
+        let result = self.read_direct_shared(ino, offset, &shared).await;
+        (into_inner(shared), result)
+    }
+
+    async fn read_direct_shared<B: IoBuffer>(&self, ino: u64, offset: u64, buf: &SharedBuffer<B>) -> FsResult<u32> {
+        let inode = self.require_file(ino)?;
+        let len = buf.len() as u64;
+        if offset >= inode.size || len == 0 {
+            return Ok(0);
+        }
+        let (first, last) = blocks_of(offset, len);
+        self.flush_cache_range(ino, first, last, false).await?;
+        if !self.direct_aligned(offset, buf) {
+            let data = self.read_uncached_copy(ino, offset, len).await?;
+            buf.copy_in(0, &data).map_err(|_| FsError::Invalid("buffer busy"))?;
+            return Ok(data.len() as u32);
+        }
+        let _range = self.inner.ranges.lock(ino, first * BLOCK_SIZE, (last + 1) * BLOCK_SIZE, false).await;
+        let size = self.inner.inode(ino)?.size;
+        let avail = len.min(size.saturating_sub(offset));
+        if avail == 0 {
+            return Ok(0);
+        }
+        let read_last = (offset + avail - 1) / BLOCK_SIZE;
+        let segments = self.segments(ino, first, read_last - first + 1)?;
+        self.submit_segments(buf, first, &segments, false).await?;
+        // Never hand back what lies past the end of file.
+        let tail_from = avail as usize;
+        let tail_to = ((read_last - first + 1) * BLOCK_SIZE) as usize;
+        if tail_to > tail_from {
+            buf.zero(tail_from, tail_to - tail_from).map_err(|_| FsError::Invalid("buffer busy"))?;
+        }
+        self.inner.bump(|c| c.data_bytes_read += avail);
+        Ok(avail as u32)
+    }
+
+    /// A direct write of unaligned bytes: read-modify-write of the edge
+    /// blocks, bypassing the cache.
+    async fn write_uncached_copy(&self, ino: u64, offset: u64, data: &[u8]) -> FsResult<u32> {
+        let end = offset + data.len() as u64;
+        let (first, last) = blocks_of(offset, data.len() as u64);
+        let (_range, old_size) = self.lock_for_write(ino, first, last, end).await?;
+        if end > old_size && old_size / BLOCK_SIZE < first {
+            self.zero_past_eof(ino, old_size).await?;
+        }
+        let nblocks = last - first + 1;
+        let mut image = vec![0u8; (nblocks * BLOCK_SIZE) as usize];
+        let head = (offset % BLOCK_SIZE) as usize;
+        if head != 0 {
+            self.read_device_block(ino, first, &mut image[..BLOCK_BYTES]).await?;
+        }
+        if end % BLOCK_SIZE != 0 && (nblocks > 1 || head == 0) {
+            let at = ((nblocks - 1) * BLOCK_SIZE) as usize;
+            self.read_device_block(ino, last, &mut image[at..]).await?;
+        }
+        let image_start = first * BLOCK_SIZE;
+        if old_size < image_start + image.len() as u64 {
+            image[old_size.saturating_sub(image_start) as usize..].fill(0);
+        }
+        image[head..head + data.len()].copy_from_slice(data);
+        let records = self.write_image(ino, first, &image).await?;
+        let maps_blocks = !records.is_empty();
+        self.log_all(records)?;
+        let t = now();
+        self.inner.update_inode(ino, |i| {
+            i.size = i.size.max(end);
+            i.mtime = t;
+            i.ctime = t;
+        })?;
+        if maps_blocks || end > old_size {
+            self.set_datasync_needed(ino);
+        }
+        self.inner.op_done();
+        Ok(data.len() as u32)
+    }
+
+    async fn read_uncached_copy(&self, ino: u64, offset: u64, len: u64) -> FsResult<Vec<u8>> {
+        let (first, last) = blocks_of(offset, len);
+        let _range = self.inner.ranges.lock(ino, first * BLOCK_SIZE, (last + 1) * BLOCK_SIZE, false).await;
+        let size = self.inner.inode(ino)?.size;
+        let end = (offset + len).min(size);
+        if offset >= end {
+            return Ok(Vec::new());
+        }
+        let mut out = vec![0u8; (end - offset) as usize];
+        let mut block = vec![0u8; BLOCK_BYTES];
+        for b in first..=((end - 1) / BLOCK_SIZE) {
+            self.read_device_block(ino, b, &mut block).await?;
+            let bs = b * BLOCK_SIZE;
+            let from = offset.max(bs);
+            let to = end.min(bs + BLOCK_SIZE);
+            out[(from - offset) as usize..(to - offset) as usize]
+                .copy_from_slice(&block[(from - bs) as usize..(to - bs) as usize]);
+        }
+        Ok(out)
+    }
+}
+
+fn into_inner<B: IoBuffer>(shared: SharedBuffer<B>) -> B {
+    match shared.into_inner() {
+        Ok(b) => b,
+        // Every slice is awaited before we return, so none can remain.
+        Err(_) => unreachable!("a buffer slice outlived its request"),
+    }
+}
+
+/// Size changes, preallocation and seeking.
+impl Fs {
+    /// Set the size. Shrinking frees whole blocks past the new end in one
+    /// transaction; the bytes left past the end in the last partial block
+    /// are zeroed only when the file grows over them again, so a crash
+    /// before the shrink commits cannot destroy data still in the file.
+    pub(crate) async fn truncate(&self, ino: u64, new_size: u64) -> FsResult<()> {
+        if new_size > MAX_FILE_BYTES {
+            return Err(FsError::FileTooBig);
+        }
+        let old = self.require_file(ino)?.size;
+        let from = old.min(new_size) / BLOCK_SIZE * BLOCK_SIZE;
+        let _range = self.inner.ranges.lock(ino, from, u64::MAX, true).await;
+        let keep_blocks = new_size.div_ceil(BLOCK_SIZE);
+        if new_size < old {
+            let released = self.inner.cache.borrow_mut().discard(ino, keep_blocks);
+            self.inner.release_delalloc(released);
+            if let Some(p) = self.inner.cache.borrow_mut().get_mut((ino, new_size / BLOCK_SIZE)) {
+                p[(new_size % BLOCK_SIZE) as usize..].fill(0);
+            }
+            self.inner.log(Record::ExtentPunch { ino, file_block: keep_blocks, len: u64::MAX - keep_blocks })?;
+        } else {
+            self.zero_past_eof(ino, old).await?;
+        }
+        let t = now();
+        self.inner.update_inode(ino, |i| {
+            i.size = new_size;
+            i.mtime = t;
+            i.ctime = t;
+        })?;
+        if let Some(n) = self.inner.state.borrow_mut().node_mut(ino) {
+            n.persist_size_cap = n.persist_size_cap.map(|c| c.min(new_size));
+            n.datasync_needed = true;
+        }
+        self.inner.op_done();
+        Ok(())
+    }
+
+    pub async fn fallocate(&self, ino: u64, mode: u32, offset: u64, len: u64) -> FsResult<()> {
+        if len == 0 {
+            return Err(FsError::Invalid("fallocate of zero bytes"));
+        }
+        let end = offset.checked_add(len).filter(|&e| e <= MAX_FILE_BYTES).ok_or(FsError::FileTooBig)?;
+        self.require_file(ino)?;
+        let known = FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE;
+        if mode & !known != 0 {
+            return Err(FsError::Unsupported);
+        }
+        let punch = mode & FALLOC_FL_PUNCH_HOLE != 0;
+        let zero = mode & FALLOC_FL_ZERO_RANGE != 0;
+        if punch && (zero || mode & FALLOC_FL_KEEP_SIZE == 0) {
+            return Err(FsError::Invalid("punch hole needs KEEP_SIZE alone"));
+        }
+        let (first, last) = blocks_of(offset, len);
+        // Dirty cached data in the range must reach the device first, so
+        // that clearing below is not undone by a later writeback.
+        self.flush_cache_range(ino, first, last, false).await?;
+        let range_lock = self.inner.ranges.lock(ino, first * BLOCK_SIZE, (last + 1) * BLOCK_SIZE, true);
+        let _range = range_lock.await;
+        if punch || zero {
+            self.clear_range(ino, offset, end).await?;
+        }
+        let old_size = self.inner.inode(ino)?.size;
+        let keep = mode & FALLOC_FL_KEEP_SIZE != 0;
+        if !keep && end > old_size {
+            self.zero_past_eof(ino, old_size).await?;
+        }
+        if !punch {
+            self.allocate_unwritten(ino, offset / BLOCK_SIZE, end.div_ceil(BLOCK_SIZE))?;
+        }
+        let t = now();
+        self.inner.update_inode(ino, |i| {
+            if !keep {
+                i.size = i.size.max(end);
+            }
+            if punch || zero {
+                i.mtime = t;
+            }
+            i.ctime = t;
+        })?;
+        self.set_datasync_needed(ino);
+        self.inner.op_done();
+        Ok(())
+    }
+
+    /// Make [offset, end) read as zeros: unmap whole blocks, zero edges,
+    /// on the device and in the cache.
+    async fn clear_range(&self, ino: u64, offset: u64, end: u64) -> FsResult<()> {
+        let first_whole = offset.div_ceil(BLOCK_SIZE);
+        let end_whole = end / BLOCK_SIZE;
+        if first_whole < end_whole {
+            self.inner.log(Record::ExtentPunch { ino, file_block: first_whole, len: end_whole - first_whole })?;
+        }
+        {
+            let mut cache = self.inner.cache.borrow_mut();
+            for page in offset / BLOCK_SIZE..=(end - 1) / BLOCK_SIZE {
+                if let Some(p) = cache.get_mut((ino, page)) {
+                    let ps = page * BLOCK_SIZE;
+                    let from = offset.max(ps) - ps;
+                    let to = end.min(ps + BLOCK_SIZE) - ps;
+                    p[from as usize..to as usize].fill(0);
+                }
+            }
+        }
+        let head_block = offset / BLOCK_SIZE;
+        let tail_block = (end - 1) / BLOCK_SIZE;
+        if !offset.is_multiple_of(BLOCK_SIZE) || (head_block == tail_block && !end.is_multiple_of(BLOCK_SIZE)) {
+            let to = if head_block == tail_block { (end - head_block * BLOCK_SIZE) as usize } else { BLOCK_BYTES };
+            self.zero_in_block(ino, head_block, (offset % BLOCK_SIZE) as usize, to).await?;
+        }
+        if tail_block != head_block && !end.is_multiple_of(BLOCK_SIZE) {
+            self.zero_in_block(ino, tail_block, 0, (end % BLOCK_SIZE) as usize).await?;
+        }
+        Ok(())
+    }
+
+    /// Back the holes in file blocks [first, end) with unwritten extents:
+    /// space is reserved and reads still return zeros, with no data I/O.
+    fn allocate_unwritten(&self, ino: u64, first: u64, end: u64) -> FsResult<()> {
+        let holes: Vec<(u64, u64)> = self
+            .segments(ino, first, end - first)?
+            .into_iter()
+            .filter_map(|s| match s {
+                Segment::Hole { file_block, len } => Some((file_block, len)),
+                Segment::Mapped(_) => None,
+            })
+            .collect();
+        for (fb, len) in holes {
+            let runs = self.alloc_runs(ino, fb, len, false)?;
+            self.unreserve(&runs, false);
+            let mut at = fb;
+            for r in runs {
+                self.inner.log(Record::ExtentMap {
+                    ino,
+                    file_block: at,
+                    disk_block: r.start,
+                    len: r.len,
+                    unwritten: true,
+                })?;
+                at += r.len;
+            }
+        }
+        Ok(())
+    }
+
+    /// SEEK_DATA / SEEK_HOLE. Unwritten extents count as holes; dirty
+    /// cached pages count as data.
+    pub async fn lseek(&self, ino: u64, offset: u64, whence: u32) -> FsResult<u64> {
+        let inode = self.require_file(ino)?;
+        if whence != SEEK_DATA && whence != SEEK_HOLE {
+            return Err(FsError::Invalid("lseek whence"));
+        }
+        if offset >= inode.size {
+            return Err(FsError::Nxio);
+        }
+        self.writeback(ino, 0, u64::MAX).await?;
+        let first = offset / BLOCK_SIZE;
+        let blocks = inode.size.div_ceil(BLOCK_SIZE) - first;
+        for seg in self.segments(ino, first, blocks)? {
+            let (fb, is_data) = match seg {
+                Segment::Mapped(e) => (e.file_block, !e.unwritten),
+                Segment::Hole { file_block, .. } => (file_block, false),
+            };
+            if is_data == (whence == SEEK_DATA) {
+                return Ok((fb * BLOCK_SIZE).max(offset));
+            }
+        }
+        if whence == SEEK_HOLE {
+            Ok(inode.size)
+        } else {
+            Err(FsError::Nxio)
+        }
+    }
+}
