@@ -38,6 +38,8 @@ pub const CHECKPOINT_BLOCK_MAGIC: u32 = u32::from_le_bytes(*b"KFCP");
 const TX_HEADER_BYTES: usize = 64;
 const CP_HEADER_BYTES: usize = 24;
 const CP_PAYLOAD_PER_BLOCK: usize = BLOCK_BYTES - CP_HEADER_BYTES;
+/// Largest single read while loading (1 MiB, the device request limit).
+const READ_BLOCKS_MAX: u64 = 256;
 
 /// Everything a mount (or fsck) learns from the device.
 pub(crate) struct Loaded {
@@ -220,7 +222,7 @@ async fn read_ring(dev: &DeviceChannel, sb: &Superblock, logical: u64, count: u6
     let mut at = logical;
     while at < logical + count {
         let ring_off = at % sb.journal_blocks;
-        let n = (sb.journal_blocks - ring_off).min(logical + count - at);
+        let n = (sb.journal_blocks - ring_off).min(logical + count - at).min(READ_BLOCKS_MAX);
         let buf = read_blocks(dev, ring_block(sb, at), n as usize).await?;
         out.extend_from_slice(&buf);
         at += n;
@@ -502,10 +504,9 @@ async fn write_transaction(fs: &FsInner, taken: &Taken) -> FsResult<()> {
         let mut b = AlignedBuf::zeroed((blocks - first) as usize * BLOCK_BYTES, BLOCK_BYTES);
         a.copy_from_slice(&buf[..first as usize * BLOCK_BYTES]);
         b.copy_from_slice(&buf[first as usize * BLOCK_BYTES..]);
-        let fa = fs.dev.write(ring_block(&sb, head) * BLOCK_SIZE, a);
-        let fb = fs.dev.write(JOURNAL_FIRST_BLOCK * BLOCK_SIZE, b);
-        fa.await.1?;
-        fb.await.1?;
+        let (ra, rb) = (fs.write_blocks(ring_block(&sb, head), a), fs.write_blocks(JOURNAL_FIRST_BLOCK, b));
+        ra.await?;
+        rb.await?;
     }
     fs.flush_device().await?;
     let mut j = fs.journal.borrow_mut();

@@ -207,10 +207,31 @@ impl FsInner {
         Ok(buf)
     }
 
+    /// Write whole blocks, split into requests the device accepts, all in
+    /// flight together.
     async fn write_blocks(&self, block: u64, buf: AlignedBuf) -> FsResult<()> {
-        let (_, result) = self.dev.write(block * BLOCK_SIZE, buf).await;
-        result?;
-        Ok(())
+        let max = self.geometry.max_request_bytes as usize;
+        if buf.len() <= max {
+            let (_, result) = self.dev.write(block * BLOCK_SIZE, buf).await;
+            result?;
+            return Ok(());
+        }
+        let mut pending = Vec::new();
+        for (i, chunk) in buf.chunks(max).enumerate() {
+            let mut part = AlignedBuf::zeroed(chunk.len(), BLOCK_BYTES);
+            part.copy_from_slice(chunk);
+            pending.push(self.dev.write((block * BLOCK_SIZE) + (i * max) as u64, part));
+        }
+        let mut failure = None;
+        for f in pending {
+            if let (_, Err(e)) = f.await {
+                failure.get_or_insert(e);
+            }
+        }
+        match failure {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
     }
 }
 

@@ -1,0 +1,372 @@
+//! The data paths and the five seed behaviours, proven with counters and
+//! with a device that holds write completions to expose concurrency.
+
+mod common;
+
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{busy_reactor, channel, fill_pattern, format, mount, ram_device, yield_now, Gate, GateDevice};
+use keelfs_core::bdev::{AlignedBuf, BlockDevice};
+use keelfs_core::fs::format::ROOT_INO;
+use keelfs_core::fs::{Creds, Fs, FsConfig};
+use keelfs_core::reactor;
+
+const MIB: u64 = 1 << 20;
+
+fn quiet_config() -> FsConfig {
+    // No timer commits or writeback during a measurement.
+    FsConfig {
+        commit_interval: Duration::from_secs(3600),
+        writeback_interval: Duration::from_secs(3600),
+        ..FsConfig::default()
+    }
+}
+
+async fn quiet_mount(dev: &Arc<dyn BlockDevice>) -> Fs {
+    Fs::mount(channel(dev), quiet_config()).await.unwrap()
+}
+
+fn block(seed: u64, len: usize) -> AlignedBuf {
+    let mut b = AlignedBuf::zeroed(len, 4096);
+    fill_pattern(&mut b, seed);
+    b
+}
+
+async fn new_file(fs: &Fs, name: &str) -> u64 {
+    fs.create(&Creds::root(), ROOT_INO, name.as_bytes(), 0o644, 2).await.unwrap().0.inode.ino
+}
+
+#[test]
+fn direct_overwrite_starts_no_transaction() {
+    let mut r = busy_reactor();
+    let dev = ram_device(64 * MIB);
+    r.block_on(async move {
+        format(&dev).await;
+        let fs = quiet_mount(&dev).await;
+        let ino = new_file(&fs, "f").await;
+        let (_, n) = fs.write_direct(ino, 0, block(1, 1 << 20)).await;
+        assert_eq!(n, Ok(1 << 20));
+        fs.sync().await.unwrap();
+        let before = fs.counters();
+        let mtime0 = fs.getattr(ino).await.unwrap().inode.mtime;
+        for i in 0..100u64 {
+            let (_, n) = fs.write_direct(ino, (i % 256) * 4096, block(i + 10, 4096)).await;
+            assert_eq!(n, Ok(4096));
+        }
+        let after = fs.counters();
+        assert_eq!(after.direct_overwrites - before.direct_overwrites, 100);
+        assert_eq!(after.records_logged, before.records_logged, "an overwrite logs no record");
+        assert_eq!(after.journal_commits, before.journal_commits, "and writes no journal");
+        assert_eq!(after.device_flushes, before.device_flushes);
+        assert!(fs.getattr(ino).await.unwrap().inode.mtime >= mtime0, "mtime moves in memory");
+        let (back, n) = fs.read_direct(ino, 99 * 4096, AlignedBuf::zeroed(4096, 4096)).await;
+        assert_eq!(n, Ok(4096));
+        assert!(back[..] == block(109, 4096)[..]);
+    });
+}
+
+#[test]
+fn disjoint_direct_overwrites_are_in_flight_together() {
+    let mut r = busy_reactor();
+    let gate = Arc::new(Gate::default());
+    let dev: Arc<dyn BlockDevice> = Arc::new(GateDevice { inner: ram_device(64 * MIB), gate: gate.clone() });
+    r.block_on(async move {
+        format(&dev).await;
+        let fs = quiet_mount(&dev).await;
+        let ino = new_file(&fs, "f").await;
+        fs.write_direct(ino, 0, block(1, 1 << 20)).await.1.unwrap();
+        fs.sync().await.unwrap();
+        gate.held_max.store(0, Ordering::SeqCst);
+        gate.closed.store(true, Ordering::SeqCst);
+        let done = Rc::new(Cell::new(0));
+        for i in 0..8u64 {
+            let (fs, done) = (fs.clone(), done.clone());
+            reactor::spawn_local(async move {
+                fs.write_direct(ino, i * 65536, block(i, 65536)).await.1.unwrap();
+                done.set(done.get() + 1);
+            });
+        }
+        // Barrier: all eight must reach the device while none has completed.
+        for _ in 0..10_000 {
+            if gate.held.load(Ordering::SeqCst) == 8 {
+                break;
+            }
+            yield_now().await;
+        }
+        assert_eq!(gate.held.load(Ordering::SeqCst), 8, "disjoint overwrites were serialised");
+        assert_eq!(done.get(), 0);
+        gate.closed.store(false, Ordering::SeqCst);
+        while done.get() < 8 {
+            yield_now().await;
+        }
+        assert_eq!(fs.counters().direct_in_flight_max, 8);
+    });
+}
+
+#[test]
+fn thirty_two_appends_are_in_flight_at_once_and_size_never_covers_unwritten_data() {
+    let mut r = busy_reactor();
+    let gate = Arc::new(Gate::default());
+    let dev: Arc<dyn BlockDevice> = Arc::new(GateDevice { inner: ram_device(64 * MIB), gate: gate.clone() });
+    r.block_on(async move {
+        format(&dev).await;
+        let fs = quiet_mount(&dev).await;
+        let ino = new_file(&fs, "log").await;
+        gate.closed.store(true, Ordering::SeqCst);
+        gate.lifo.store(true, Ordering::SeqCst); // complete the last append first
+        gate.trickle.store(1, Ordering::SeqCst);
+        let completed: Rc<RefCell<Vec<u64>>> = Rc::default();
+        for i in 0..32u64 {
+            let (fs, completed) = (fs.clone(), completed.clone());
+            reactor::spawn_local(async move {
+                let (_, n) = fs.write_direct(ino, i * 4096, block(i, 4096)).await;
+                assert_eq!(n, Ok(4096));
+                completed.borrow_mut().push(i);
+            });
+        }
+        for _ in 0..10_000 {
+            if gate.held.load(Ordering::SeqCst) == 32 {
+                break;
+            }
+            yield_now().await;
+        }
+        assert_eq!(gate.held.load(Ordering::SeqCst), 32, "appends waited for one another");
+        assert_eq!(fs.getattr(ino).await.unwrap().inode.size, 0, "no append has completed");
+        assert_eq!(fs.read(ino, 0, 4096).await.unwrap(), b"", "nothing is visible yet");
+        gate.closed.store(false, Ordering::SeqCst);
+        while completed.borrow().len() < 32 {
+            let size = fs.getattr(ino).await.unwrap().inode.size;
+            let done = completed.borrow().clone();
+            let prefix = (0..32u64).take_while(|i| done.contains(i)).count() as u64 * 4096;
+            assert!(size <= prefix, "size {size} covers appends still in flight (done prefix {prefix})");
+            yield_now().await;
+        }
+        assert_eq!(fs.getattr(ino).await.unwrap().inode.size, 32 * 4096);
+        assert_eq!(fs.counters().direct_in_flight_max, 32);
+        for i in 0..32u64 {
+            let (b, n) = fs.read_direct(ino, i * 4096, AlignedBuf::zeroed(4096, 4096)).await;
+            assert_eq!(n, Ok(4096));
+            assert!(b[..] == block(i, 4096)[..], "append {i}");
+        }
+        assert_eq!(fs.extent_count(ino).unwrap(), 1, "32 appends merged into one extent");
+    });
+}
+
+#[test]
+fn sequential_page_writes_merge_into_few_extents() {
+    let mut r = busy_reactor();
+    let dev = ram_device(256 * MIB);
+    r.block_on(async move {
+        format(&dev).await;
+        let fs = quiet_mount(&dev).await;
+        let buffered = new_file(&fs, "buffered").await;
+        let direct = new_file(&fs, "direct").await;
+        let page = vec![7u8; 4096];
+        for i in 0..(64 * MIB / 4096) {
+            fs.write(buffered, i * 4096, &page).await.unwrap();
+            fs.write_direct(direct, i * 4096, block(i, 4096)).await.1.unwrap();
+        }
+        fs.sync().await.unwrap();
+        // Interleaved writers of two files still get contiguous extents each.
+        assert!(fs.extent_count(buffered).unwrap() <= 8, "buffered: {} extents", fs.extent_count(buffered).unwrap());
+        assert!(fs.extent_count(direct).unwrap() <= 8, "direct: {} extents", fs.extent_count(direct).unwrap());
+    });
+}
+
+#[test]
+fn one_byte_writes_touch_no_journal_between_commits() {
+    let mut r = busy_reactor();
+    let dev = ram_device(64 * MIB);
+    r.block_on(async move {
+        format(&dev).await;
+        let fs = quiet_mount(&dev).await;
+        let ino = new_file(&fs, "bytes").await;
+        fs.write(ino, 0, b"x").await.unwrap();
+        fs.sync().await.unwrap();
+        let before = fs.counters();
+        for i in 1..20_000u64 {
+            fs.write(ino, i, b"y").await.unwrap();
+        }
+        let after = fs.counters();
+        assert_eq!(after.journal_commits, before.journal_commits, "no commit between commits");
+        assert_eq!(after.journal_blocks_written, before.journal_blocks_written);
+        assert_eq!(after.records_logged, before.records_logged, "no record, so no transaction to allocate");
+        assert_eq!(fs.getattr(ino).await.unwrap().inode.size, 20_000);
+        fs.sync().await.unwrap();
+        assert!(fs.counters().journal_commits > after.journal_commits, "the next commit persists them");
+    });
+}
+
+#[test]
+fn concurrent_fsyncs_share_device_flushes() {
+    let mut r = busy_reactor();
+    let dev = ram_device(64 * MIB);
+    let fault = Arc::new(keelfs_core::bdev::FaultDevice::new(dev));
+    let dev: Arc<dyn BlockDevice> = fault; // volatile cache: flushes are real
+    r.block_on(async move {
+        format(&dev).await;
+        let fs = quiet_mount(&dev).await;
+        let mut files = Vec::new();
+        for i in 0..32 {
+            files.push(new_file(&fs, &format!("f{i}")).await);
+        }
+        fs.sync().await.unwrap();
+        let before = fs.counters();
+        let done = Rc::new(Cell::new(0));
+        for &ino in &files {
+            let (fs, done) = (fs.clone(), done.clone());
+            reactor::spawn_local(async move {
+                fs.write(ino, 0, &[1u8; 8192]).await.unwrap();
+                fs.fsync(ino, false).await.unwrap();
+                done.set(done.get() + 1);
+            });
+        }
+        while done.get() < 32 {
+            yield_now().await;
+        }
+        let after = fs.counters();
+        let flushes = after.device_flushes - before.device_flushes;
+        let fsyncs = after.fsyncs - before.fsyncs;
+        eprintln!(
+            "32 concurrent fsyncs: {fsyncs} fsync calls, {flushes} device flushes, {} commits",
+            after.journal_commits - before.journal_commits
+        );
+        assert!(flushes <= 8, "32 fsyncs cost {flushes} device flushes");
+    });
+}
+
+#[test]
+fn fdatasync_skips_the_commit_when_only_timestamps_changed() {
+    let mut r = busy_reactor();
+    let dev: Arc<dyn BlockDevice> = Arc::new(keelfs_core::bdev::FaultDevice::new(ram_device(64 * MIB)));
+    r.block_on(async move {
+        format(&dev).await;
+        let fs = quiet_mount(&dev).await;
+        let ino = new_file(&fs, "f").await;
+        fs.write_direct(ino, 0, block(1, 65536)).await.1.unwrap();
+        fs.fsync(ino, false).await.unwrap();
+        let before = fs.counters();
+        fs.write_direct(ino, 4096, block(2, 4096)).await.1.unwrap();
+        fs.fsync(ino, true).await.unwrap();
+        let after = fs.counters();
+        assert_eq!(after.journal_commits, before.journal_commits, "fdatasync after an overwrite commits nothing");
+        assert_eq!(after.device_flushes, before.device_flushes + 1, "but flushes the data");
+        fs.write_direct(ino, 65536, block(3, 4096)).await.1.unwrap();
+        fs.fsync(ino, true).await.unwrap();
+        assert_eq!(fs.counters().journal_commits, after.journal_commits + 1, "an append needs its size committed");
+    });
+}
+
+#[test]
+fn i_version_moves_only_when_observed() {
+    let mut r = busy_reactor();
+    let dev = ram_device(64 * MIB);
+    r.block_on(async move {
+        format(&dev).await;
+        let fs = quiet_mount(&dev).await;
+        let ino = new_file(&fs, "f").await;
+        let v0 = fs.getattr(ino).await.unwrap().inode.i_version;
+        fs.write(ino, 0, b"a").await.unwrap();
+        fs.write(ino, 1, b"b").await.unwrap();
+        assert_eq!(fs.getattr(ino).await.unwrap().inode.i_version, v0, "unobserved changes leave it");
+        let seen = fs.i_version(ino).await.unwrap();
+        fs.write(ino, 2, b"c").await.unwrap();
+        fs.write(ino, 3, b"d").await.unwrap();
+        assert_eq!(fs.i_version(ino).await.unwrap(), seen + 1, "one bump after an observation");
+        fs.write(ino, 4, b"e").await.unwrap();
+        assert_eq!(fs.getattr(ino).await.unwrap().inode.i_version, seen + 2);
+    });
+}
+
+#[test]
+fn cached_reads_never_wait_for_a_write_to_another_range() {
+    let mut r = busy_reactor();
+    let gate = Arc::new(Gate::default());
+    let dev: Arc<dyn BlockDevice> = Arc::new(GateDevice { inner: ram_device(64 * MIB), gate: gate.clone() });
+    r.block_on(async move {
+        format(&dev).await;
+        let fs = quiet_mount(&dev).await;
+        let ino = new_file(&fs, "shared").await;
+        fs.write(ino, 0, &vec![3u8; 1 << 20]).await.unwrap();
+        fs.sync().await.unwrap();
+        let _ = fs.read(ino, 0, 65536).await.unwrap(); // cached
+        gate.closed.store(true, Ordering::SeqCst);
+        // A write that extends the file holds its range while its I/O is stuck.
+        let writer_done = Rc::new(Cell::new(false));
+        {
+            let (fs, done) = (fs.clone(), writer_done.clone());
+            reactor::spawn_local(async move {
+                fs.write_direct(ino, 1 << 20, block(9, 65536)).await.1.unwrap();
+                done.set(true);
+            });
+        }
+        while gate.held.load(Ordering::SeqCst) == 0 {
+            yield_now().await;
+        }
+        for _ in 0..100 {
+            let data = fs.read(ino, 4096, 8192).await.unwrap();
+            assert_eq!(data, vec![3u8; 8192]);
+        }
+        assert!(!writer_done.get(), "reads completed while the write was still in flight");
+        gate.closed.store(false, Ordering::SeqCst);
+        while !writer_done.get() {
+            yield_now().await;
+        }
+    });
+}
+
+#[test]
+fn page_cache_stays_within_its_size_and_direct_io_sees_buffered_data() {
+    let mut r = busy_reactor();
+    let dev = ram_device(128 * MIB);
+    r.block_on(async move {
+        format(&dev).await;
+        let config = FsConfig { cache_bytes: 4 * MIB, ..quiet_config() };
+        let fs = Fs::mount(channel(&dev), config).await.unwrap();
+        let ino = new_file(&fs, "big").await;
+        let mut expect = vec![0u8; (32 * MIB) as usize];
+        fill_pattern(&mut expect, 5);
+        for (i, chunk) in expect.chunks(100_000).enumerate() {
+            fs.write(ino, i as u64 * 100_000, chunk).await.unwrap();
+            let stats = fs.cache_stats();
+            assert!(stats.pages <= stats.capacity_pages, "cache grew to {} pages", stats.pages);
+        }
+        // Direct reads see buffered data not yet written back.
+        let (b, n) = fs.read_direct(ino, 31 * MIB, AlignedBuf::zeroed(65536, 4096)).await;
+        assert_eq!(n, Ok(65536));
+        assert!(b[..] == expect[(31 * MIB) as usize..(31 * MIB) as usize + 65536]);
+        // Buffered reads see direct writes.
+        fs.write_direct(ino, 0, block(77, 8192)).await.1.unwrap();
+        assert!(fs.read(ino, 0, 8192).await.unwrap()[..] == block(77, 8192)[..]);
+        let all = fs.read(ino, 8192, (32 * MIB - 8192) as u32).await.unwrap();
+        assert!(all[..] == expect[8192..]);
+        assert!(fs.cache_stats().evictions > 0);
+    });
+}
+
+#[test]
+fn unaligned_direct_io_is_correct_through_a_bounce_buffer() {
+    let mut r = busy_reactor();
+    let dev = ram_device(64 * MIB);
+    r.block_on(async move {
+        format(&dev).await;
+        let fs = quiet_mount(&dev).await;
+        let ino = new_file(&fs, "f").await;
+        fs.write(ino, 0, &vec![1u8; 10000]).await.unwrap();
+        let (_, n) = fs.write_direct(ino, 100, vec![AlignedBuf::zeroed(512, 512)]).await;
+        assert_eq!(n, Ok(512));
+        let data = fs.read(ino, 0, 10000).await.unwrap();
+        assert!(
+            data[..100].iter().all(|&b| b == 1)
+                && data[100..612].iter().all(|&b| b == 0)
+                && data[612..].iter().all(|&b| b == 1)
+        );
+        let (b, n) = fs.read_direct(ino, 8192, AlignedBuf::zeroed(8192, 4096)).await;
+        assert_eq!(n, Ok(10000 - 8192), "short at end of file");
+        assert!(b[..1808].iter().all(|&x| x == 1) && b[1808..].iter().all(|&x| x == 0), "nothing past EOF is returned");
+    });
+}
