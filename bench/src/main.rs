@@ -3,6 +3,7 @@
 
 mod bdev;
 mod core;
+mod core_io;
 mod fio;
 mod hist;
 

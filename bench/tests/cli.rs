@@ -52,3 +52,33 @@ fn bad_arguments_fail_with_a_message() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown size suffix"));
     let _ = std::fs::remove_file(&path);
 }
+
+#[test]
+fn core_workloads_print_their_figures() {
+    let cases: &[(&[&str], &[&str])] = &[
+        (&["--workload", "dio-overwrite", "--file-size", "16M", "--threads", "2"], &["iops", "direct_overwrites"]),
+        (&["--workload", "aio-append", "--file-size", "64M", "--iodepth", "8"], &["iops", "direct_in_flight_max"]),
+        (&["--workload", "buffered-randrw", "--file-size", "16M"], &["read_only_iops", "mixed_read_iops", "mixed_read_ratio"]),
+        (&["--workload", "fsync-storm", "--threads", "8"], &["fsyncs", "device_flushes"]),
+        (&["--workload", "lookup", "--entries", "2000", "--lookups", "1000", "--rounds", "1"], &["ns_per_lookup_large"]),
+    ];
+    for (args, keys) in cases {
+        let out = bench()
+            .args(["core", "--backend", "mem", "--size", "256M", "--seconds", "1", "--json"])
+            .args(*args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        for key in *keys {
+            assert!(v[key].as_f64().is_some(), "{args:?}: {key} missing in {v}");
+        }
+        if args[1] == "dio-overwrite" {
+            assert_eq!(v["during_run"]["records_logged"], 0, "overwrites logged records: {v}");
+            assert!(v["direct_overwrites"].as_u64().unwrap() > 0);
+        }
+        if args[1] == "aio-append" {
+            assert_eq!(v["direct_in_flight_max"], 8);
+        }
+    }
+}

@@ -24,7 +24,6 @@ enum Queue {
 
 struct Slot {
     key: PageKey,
-    data: Box<[u8]>,
     dirty: bool,
     /// Delayed allocation: a block is reserved for this page's hole.
     reserved: bool,
@@ -46,6 +45,10 @@ pub struct CacheStats {
 
 pub struct PageCache {
     capacity: usize,
+    /// Page data, slot i at [i * PAGE_BYTES, (i + 1) * PAGE_BYTES): one
+    /// allocation made up front (calloc'd, so untouched pages cost no
+    /// memory), no per-page allocation or fragmentation.
+    arena: Vec<u8>,
     a1in_target: usize,
     a1out_max: usize,
     map: HashMap<PageKey, u32>,
@@ -72,6 +75,7 @@ impl PageCache {
         let capacity = ((capacity_bytes as usize) / PAGE_BYTES).max(16);
         Self {
             capacity,
+            arena: vec![0u8; capacity * PAGE_BYTES],
             a1in_target: (capacity / 4).max(1),
             a1out_max: (capacity / 2).max(1),
             map: HashMap::with_capacity(capacity),
@@ -128,7 +132,7 @@ impl PageCache {
             Some(slot) => {
                 self.stats.hits += 1;
                 self.touch(slot);
-                Some(&self.slots[slot as usize].data)
+                Some(self.page(slot))
             }
             None => {
                 self.stats.misses += 1;
@@ -145,7 +149,7 @@ impl PageCache {
     pub fn get_mut(&mut self, key: PageKey) -> Option<&mut [u8]> {
         let slot = self.map.get(&key).copied()?;
         self.touch(slot);
-        Some(&mut self.slots[slot as usize].data)
+        Some(self.page_mut(slot))
     }
 
     /// Add a page holding `data` (replacing a cached copy), evicting a
@@ -153,8 +157,8 @@ impl PageCache {
     pub fn insert(&mut self, key: PageKey, data: &[u8]) -> Result<&mut [u8], CacheFull> {
         assert_eq!(data.len(), PAGE_BYTES);
         if let Some(&slot) = self.map.get(&key) {
-            self.slots[slot as usize].data.copy_from_slice(data);
-            return Ok(&mut self.slots[slot as usize].data);
+            self.page_mut(slot).copy_from_slice(data);
+            return Ok(self.page_mut(slot));
         }
         if self.map.len() >= self.capacity {
             self.evict_one().ok_or(CacheFull)?;
@@ -163,21 +167,14 @@ impl PageCache {
         let slot = match self.free.pop() {
             Some(slot) => slot,
             None => {
-                self.slots.push(Slot {
-                    key,
-                    data: vec![0u8; PAGE_BYTES].into_boxed_slice(),
-                    dirty: false,
-                    reserved: false,
-                    queue,
-                    stamp: 0,
-                    live: false,
-                });
+                assert!(self.slots.len() < self.capacity, "slots never outnumber the arena");
+                self.slots.push(Slot { key, dirty: false, reserved: false, queue, stamp: 0, live: false });
                 (self.slots.len() - 1) as u32
             }
         };
+        self.page_mut(slot).copy_from_slice(data);
         let s = &mut self.slots[slot as usize];
         s.key = key;
-        s.data.copy_from_slice(data);
         s.dirty = false;
         s.reserved = false;
         s.queue = queue;
@@ -193,7 +190,17 @@ impl PageCache {
         }
         self.map.insert(key, slot);
         self.by_inode.entry(key.0).or_default().insert(key.1);
-        Ok(&mut self.slots[slot as usize].data)
+        Ok(self.page_mut(slot))
+    }
+
+    fn page(&self, slot: u32) -> &[u8] {
+        let at = slot as usize * PAGE_BYTES;
+        &self.arena[at..at + PAGE_BYTES]
+    }
+
+    fn page_mut(&mut self, slot: u32) -> &mut [u8] {
+        let at = slot as usize * PAGE_BYTES;
+        &mut self.arena[at..at + PAGE_BYTES]
     }
 
     /// Evict one clean page: from A1in while it is over its share, else the

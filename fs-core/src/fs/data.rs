@@ -187,7 +187,9 @@ impl Fs {
         let mut buf = self.inner.read_blocks(e.disk_block, 1).await?;
         buf[from..to].fill(0);
         self.inner.write_blocks(e.disk_block, buf).await?;
-        self.inner.journal.borrow_mut().data_writes += 1;
+        let mut j = self.inner.journal.borrow_mut();
+        j.data_writes += 1;
+        j.exposes_data = true;
         Ok(())
     }
 
@@ -561,10 +563,10 @@ impl Fs {
 impl Fs {
     fn direct_aligned<B: IoBuffer>(&self, offset: u64, buf: &SharedBuffer<B>) -> bool {
         let align = self.inner.geometry.memory_alignment.max(512) as usize;
-        offset % BLOCK_SIZE == 0
-            && buf.len() as u64 % BLOCK_SIZE == 0
+        offset.is_multiple_of(BLOCK_SIZE)
+            && (buf.len() as u64).is_multiple_of(BLOCK_SIZE)
             && !buf.is_empty()
-            && buf.iovecs().iter().all(|v| (v.base as usize) % align == 0 && v.len % 512 == 0)
+            && buf.iovecs().iter().all(|v| (v.base as usize).is_multiple_of(align) && v.len % 512 == 0)
     }
 
     /// Write back and drop cached pages of [first, last] so that direct
@@ -770,7 +772,6 @@ impl Fs {
             c.direct_extends += 1;
             c.data_bytes_written += end - offset;
         });
-        self.inner.op_done();
         Ok((end - offset) as u32)
     }
 
@@ -844,7 +845,7 @@ impl Fs {
         if head != 0 {
             self.read_device_block(ino, first, &mut image[..BLOCK_BYTES]).await?;
         }
-        if end % BLOCK_SIZE != 0 && (nblocks > 1 || head == 0) {
+        if !end.is_multiple_of(BLOCK_SIZE) && (nblocks > 1 || head == 0) {
             let at = ((nblocks - 1) * BLOCK_SIZE) as usize;
             self.read_device_block(ino, last, &mut image[at..]).await?;
         }
@@ -865,7 +866,6 @@ impl Fs {
         if maps_blocks || end > old_size {
             self.set_datasync_needed(ino);
         }
-        self.inner.op_done();
         Ok(data.len() as u32)
     }
 
@@ -933,7 +933,6 @@ impl Fs {
             n.persist_size_cap = n.persist_size_cap.map(|c| c.min(new_size));
             n.datasync_needed = true;
         }
-        self.inner.op_done();
         Ok(())
     }
 
@@ -980,7 +979,6 @@ impl Fs {
             i.ctime = t;
         })?;
         self.set_datasync_needed(ino);
-        self.inner.op_done();
         Ok(())
     }
 

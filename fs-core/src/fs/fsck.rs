@@ -268,6 +268,5 @@ fn fix_entries_and_links(fs: &Fs, repaired: &mut Vec<String>) -> FsResult<()> {
         inner.update_inode(ino, |i| i.nlink = want)?;
         repaired.push(format!("set link count of inode {ino} to {want}"));
     }
-    inner.op_done();
     Ok(())
 }

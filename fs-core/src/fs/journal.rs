@@ -296,6 +296,8 @@ pub(crate) async fn load(dev: &DeviceChannel, require_root: bool) -> FsResult<Lo
 /// What one commit takes from the live state, in one synchronous step.
 struct Taken {
     payload: Vec<u8>,
+    /// The records expose newly written data: flush it before them.
+    exposes_data: bool,
     ops: u64,
     data_writes: u64,
     frees: Vec<BlockRun>,
@@ -344,7 +346,8 @@ fn take_pending(fs: &FsInner, force_checkpoint: bool) -> Taken {
     let used = j.head - fs.sb.borrow().journal_start;
     let fits = used + tx_blocks <= fs.sb.borrow().journal_blocks;
     let snapshot = (force_checkpoint || !fits).then(|| snapshot_state(&state));
-    Taken { payload: w.buf, ops: j.logged_ops, data_writes: j.data_writes, frees, free_after, snapshot }
+    let exposes_data = std::mem::take(&mut j.exposes_data);
+    Taken { payload: w.buf, exposes_data, ops: j.logged_ops, data_writes: j.data_writes, frees, free_after, snapshot }
 }
 
 fn tx_blocks_for(payload: usize) -> u64 {
@@ -416,7 +419,7 @@ pub(crate) async fn sync(fs: &Rc<FsInner>) -> FsResult<()> {
     let _guard = fs.commit_lock.lock().await;
     let satisfied = {
         let j = fs.journal.borrow();
-        j.committed_ops >= ops && j.flushed_data_writes >= data && j.dirty.is_empty() && j.pending.buf.is_empty()
+        j.committed_ops >= ops && j.flushed_data_writes >= data
     };
     if satisfied {
         return Ok(());
@@ -455,7 +458,10 @@ async fn commit_locked(fs: &Rc<FsInner>, force_checkpoint: bool) -> FsResult<()>
         return Ok(());
     }
     let result = async {
-        if data_unflushed {
+        // Ordered data: what the records expose must be durable first. Data
+        // that only overwrote blocks already visible needs no such order;
+        // the flush after the transaction makes it durable too.
+        if data_unflushed && (taken.exposes_data || taken.snapshot.is_some()) {
             fs.flush_device().await?;
         }
         match &taken.snapshot {
@@ -471,6 +477,7 @@ async fn commit_locked(fs: &Rc<FsInner>, force_checkpoint: bool) -> FsResult<()>
             Ok(())
         }
         Err(e) => {
+            fs.journal.borrow_mut().exposes_data |= taken.exposes_data;
             restore(fs, taken);
             Err(e)
         }

@@ -105,7 +105,6 @@ pub async fn mkfs(dev: DeviceChannel, options: &MkfsOptions) -> Result<Superbloc
         i_version: 1,
     };
     fs.inner.create_inode(root)?;
-    fs.inner.op_done();
     fs.unmount().await?;
     Ok(fs.superblock())
 }

@@ -97,13 +97,20 @@ struct JournalState {
     seq: u64,
     /// Encoded records of operations not yet committed.
     pending: Writer,
-    /// Operations logged, and how many of them are durable.
+    /// Changes made (records logged and inodes dirtied), and how many of
+    /// them the last commit made durable: an fsync waits until the commit
+    /// count passes the change count it saw, which lets one commit serve
+    /// every fsync that arrived while another was running.
     logged_ops: u64,
     committed_ops: u64,
     /// Inodes whose in-memory image differs from the last logged one.
     dirty: BTreeSet<u64>,
     /// Inodes logged with a capped size, to log again once written back.
     dirty_later: BTreeSet<u64>,
+    /// Pending records make newly written data visible (an extent mapped
+    /// written, or a zeroed tail): that data must be durable before the
+    /// transaction, so the commit flushes first.
+    exposes_data: bool,
     /// Data writes completed, and how many were covered by the last flush.
     data_writes: u64,
     flushed_data_writes: u64,
@@ -152,6 +159,10 @@ impl FsInner {
             .map_err(|e| FsError::Corrupt(format!("live change refused: {e}")))?;
         let mut j = self.journal.borrow_mut();
         record.encode(&mut j.pending);
+        j.logged_ops += 1;
+        if let record::Record::ExtentMap { unwritten: false, .. } = record {
+            j.exposes_data = true;
+        }
         drop(j);
         self.bump(|c| c.records_logged += 1);
         Ok(())
@@ -170,12 +181,6 @@ impl FsInner {
         Ok(())
     }
 
-    /// Count one operation as logged (its records form one atomic unit:
-    /// a transaction never splits an operation).
-    fn op_done(&self) {
-        self.journal.borrow_mut().logged_ops += 1;
-    }
-
     fn available_blocks(&self) -> u64 {
         let free = self.state.borrow().alloc.free_blocks();
         free.saturating_sub(self.journal.borrow().delalloc_reserved)
@@ -187,7 +192,9 @@ impl FsInner {
     }
 
     fn mark_dirty(&self, ino: u64) {
-        self.journal.borrow_mut().dirty.insert(ino);
+        let mut j = self.journal.borrow_mut();
+        j.dirty.insert(ino);
+        j.logged_ops += 1;
     }
 
     async fn flush_device(&self) -> FsResult<()> {
@@ -318,6 +325,7 @@ impl Fs {
                     committed_ops: 0,
                     dirty: BTreeSet::new(),
                     dirty_later: BTreeSet::new(),
+                    exposes_data: false,
                     data_writes: 0,
                     flushed_data_writes: 0,
                     reserved_unmapped: 0,
@@ -348,7 +356,6 @@ impl Fs {
         };
         for ino in orphans {
             self.inner.log(record::Record::InodeFree { ino })?;
-            self.inner.op_done();
         }
         Ok(())
     }

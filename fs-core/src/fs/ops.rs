@@ -304,7 +304,6 @@ impl Fs {
             node.lookups = node.lookups.saturating_sub(n);
         }
         self.inner.maybe_free(ino)?;
-        self.inner.op_done();
         Ok(())
     }
 
@@ -328,13 +327,11 @@ impl Fs {
             return Err(FsError::Invalid("mknod of this file type"));
         }
         let inode = self.inner.make_node(c, parent, name, kind | (mode & 0o7777), rdev)?;
-        self.inner.op_done();
         self.inner.attr(inode.ino)
     }
 
     pub async fn mkdir(&self, c: &Creds, parent: u64, name: &[u8], mode: u32) -> FsResult<Attr> {
         let inode = self.inner.make_node(c, parent, name, S_IFDIR | (mode & 0o7777), 0)?;
-        self.inner.op_done();
         self.inner.attr(inode.ino)
     }
 
@@ -348,7 +345,6 @@ impl Fs {
         let inode = self.inner.make_node(c, parent, name, S_IFLNK | 0o777, 0)?;
         self.inner.log(Record::Symlink { ino: inode.ino, target: target.to_vec() })?;
         self.inner.update_inode(inode.ino, |i| i.size = target.len() as u64)?;
-        self.inner.op_done();
         self.inner.attr(inode.ino)
     }
 
@@ -379,7 +375,6 @@ impl Fs {
         })?;
         self.inner.touch_dir(new_parent, 0)?;
         self.inner.add_lookup(ino, 1);
-        self.inner.op_done();
         self.inner.attr(ino)
     }
 
@@ -422,7 +417,6 @@ impl Fs {
         })?;
         self.inner.touch_dir(parent, if want_dir { -1 } else { 0 })?;
         self.inner.maybe_free(ino)?;
-        self.inner.op_done();
         Ok(())
     }
 
@@ -491,7 +485,6 @@ impl Fs {
         }
         self.inner.touch_dir(parent, -moved_dir)?;
         self.inner.touch_dir(new_parent, moved_dir)?;
-        self.inner.op_done();
         Ok(())
     }
 
@@ -549,7 +542,6 @@ impl Fs {
         let delta = i32::from(ia.is_dir()) - i32::from(ib.is_dir());
         self.inner.touch_dir(parent, -delta)?;
         self.inner.touch_dir(new_parent, delta)?;
-        self.inner.op_done();
         Ok(())
     }
 
@@ -594,7 +586,6 @@ impl Fs {
             return Ok((self.inner.attr(ino)?, fh));
         }
         let inode = self.inner.make_node(c, parent, name, S_IFREG | (mode & 0o7777), 0)?;
-        self.inner.op_done();
         let fh = self.new_handle(inode.ino, flags);
         Ok((self.inner.attr(inode.ino)?, fh))
     }
@@ -605,7 +596,6 @@ impl Fs {
             node.opens = node.opens.saturating_sub(1);
         }
         self.inner.maybe_free(handle.ino)?;
-        self.inner.op_done();
         Ok(())
     }
 
@@ -760,7 +750,6 @@ impl Fs {
         }
         new.ctime = set.ctime.unwrap_or_else(now);
         self.inner.update_inode(ino, |i| *i = new)?;
-        self.inner.op_done();
         self.inner.attr(ino)
     }
 
@@ -779,7 +768,6 @@ impl Fs {
         self.inner.log(Record::XattrSet { ino, name: name.to_vec(), value: value.to_vec() })?;
         let t = now();
         self.inner.update_inode(ino, |i| i.ctime = t)?;
-        self.inner.op_done();
         Ok(())
     }
 
@@ -810,7 +798,6 @@ impl Fs {
         self.inner.log(Record::XattrDelete { ino, name: name.to_vec() })?;
         let t = now();
         self.inner.update_inode(ino, |i| i.ctime = t)?;
-        self.inner.op_done();
         Ok(())
     }
 

@@ -1,0 +1,337 @@
+//! The I/O workloads of `keelfs-bench core`: the five seed behaviours,
+//! driven in process as concurrent tasks on one reactor.
+
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use keelfs_core::bdev::fault::splitmix64;
+use keelfs_core::bdev::AlignedBuf;
+use keelfs_core::fs::format::ROOT_INO;
+use keelfs_core::fs::{Creds, Fs, FsCounters};
+use keelfs_core::reactor;
+use serde_json::{json, Value};
+
+use crate::core::Params;
+use crate::hist::Histogram;
+
+/// Let the reactor's other tasks run: cache hits complete without
+/// suspending, so a benchmark loop must yield explicitly to stay fair.
+async fn yield_now() {
+    let mut yielded = false;
+    std::future::poll_fn(|cx| {
+        if yielded {
+            return std::task::Poll::Ready(());
+        }
+        yielded = true;
+        cx.waker().wake_by_ref();
+        std::task::Poll::Pending
+    })
+    .await
+}
+
+async fn create(fs: &Fs, name: &str) -> anyhow::Result<u64> {
+    Ok(fs.create(&Creds::root(), ROOT_INO, name.as_bytes(), 0o644, 2).await?.0.inode.ino)
+}
+
+/// Fill `ino` with `size` bytes through direct 1 MiB writes, then sync.
+async fn preallocate(fs: &Fs, ino: u64, size: u64) -> anyhow::Result<()> {
+    let mut off = 0;
+    while off < size {
+        let len = (size - off).min(1 << 20);
+        let mut buf = AlignedBuf::zeroed(len as usize, 4096);
+        buf.fill(0x5a);
+        fs.write_direct(ino, off, buf).await.1?;
+        off += len;
+    }
+    fs.sync().await?;
+    Ok(())
+}
+
+#[derive(Default)]
+struct Tally {
+    ops: Cell<u64>,
+    hist: RefCell<Option<Histogram>>,
+}
+
+impl Tally {
+    fn new() -> Rc<Self> {
+        Rc::new(Tally { ops: Cell::new(0), hist: RefCell::new(Some(Histogram::new())) })
+    }
+    fn record(&self, started: Instant) {
+        self.ops.set(self.ops.get() + 1);
+        if let Some(h) = self.hist.borrow_mut().as_mut() {
+            h.record(started.elapsed().as_nanos() as u64);
+        }
+    }
+    fn latency(&self) -> (f64, f64) {
+        let h = self.hist.borrow();
+        let h = h.as_ref().expect("histogram");
+        (h.quantile(0.5) as f64 / 1000.0, h.quantile(0.99) as f64 / 1000.0)
+    }
+}
+
+/// Run `tasks` until `deadline`; each calls `op(task, iteration)`, which
+/// returns false to stop early.
+async fn run_tasks<F, Fut>(tasks: u32, duration: Duration, op: F) -> anyhow::Result<(Rc<Tally>, f64)>
+where
+    F: Fn(u32, u64) -> Fut + Clone + 'static,
+    Fut: std::future::Future<Output = anyhow::Result<bool>> + 'static,
+{
+    let tally = Tally::new();
+    let finished = Rc::new(Cell::new(0u32));
+    let failure: Rc<RefCell<Option<anyhow::Error>>> = Rc::default();
+    let start = Instant::now();
+    let deadline = start + duration;
+    for t in 0..tasks {
+        let (op, tally, finished, failure) = (op.clone(), tally.clone(), finished.clone(), failure.clone());
+        reactor::spawn_local(async move {
+            let mut i = 0;
+            while Instant::now() < deadline {
+                let began = Instant::now();
+                match op(t, i).await {
+                    Ok(true) => tally.record(began),
+                    Ok(false) => break,
+                    Err(e) => {
+                        failure.borrow_mut().get_or_insert(e);
+                        break;
+                    }
+                }
+                i += 1;
+                yield_now().await;
+            }
+            finished.set(finished.get() + 1);
+        });
+    }
+    while finished.get() < tasks {
+        reactor::sleep(Duration::from_millis(1)).await;
+    }
+    if let Some(e) = failure.borrow_mut().take() {
+        return Err(e);
+    }
+    Ok((tally, start.elapsed().as_secs_f64()))
+}
+
+fn delta(a: FsCounters, b: FsCounters) -> Value {
+    json!({
+        "journal_commits": b.journal_commits - a.journal_commits,
+        "journal_blocks_written": b.journal_blocks_written - a.journal_blocks_written,
+        "records_logged": b.records_logged - a.records_logged,
+        "device_flushes": b.device_flushes - a.device_flushes,
+    })
+}
+
+fn round2(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
+}
+
+pub async fn dio_overwrite(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
+    let ino = create(fs, "dio").await?;
+    preallocate(fs, ino, p.file_size).await?;
+    let blocks = p.file_size / 4096;
+    let before = fs.counters();
+    let fs2 = fs.clone();
+    let (tally, secs) = run_tasks(p.threads, p.seconds, move |t, i| {
+        let fs = fs2.clone();
+        async move {
+            let mut s = (u64::from(t) << 40) ^ i;
+            let off = (splitmix64(&mut s) % blocks) * 4096;
+            let mut buf = AlignedBuf::zeroed(4096, 4096);
+            buf[0] = i as u8;
+            fs.write_direct(ino, off, buf).await.1?;
+            Ok(true)
+        }
+    })
+    .await?;
+    let after = fs.counters();
+    let (p50, p99) = tally.latency();
+    Ok(json!({
+        "bench": "core", "workload": "dio-overwrite", "threads": p.threads,
+        "iops": (tally.ops.get() as f64 / secs).round(),
+        "lat_us_p50": p50, "lat_us_p99": p99,
+        "direct_overwrites": after.direct_overwrites - before.direct_overwrites,
+        "direct_in_flight_max": after.direct_in_flight_max,
+        "during_run": delta(before, after),
+    }))
+}
+
+pub async fn aio_append(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
+    let ino = create(fs, "append").await?;
+    let next = Rc::new(Cell::new(0u64));
+    let limit = p.file_size;
+    let before = fs.counters();
+    let (fs2, next2) = (fs.clone(), next.clone());
+    let (tally, secs) = run_tasks(p.iodepth, p.seconds, move |_, _| {
+        let (fs, next) = (fs2.clone(), next2.clone());
+        async move {
+            let off = next.get();
+            if off + 4096 > limit {
+                return Ok(false); // the file is full: stop
+            }
+            next.set(off + 4096);
+            fs.write_direct(ino, off, AlignedBuf::zeroed(4096, 4096)).await.1?;
+            Ok(true)
+        }
+    })
+    .await?;
+    let after = fs.counters();
+    let (p50, p99) = tally.latency();
+    Ok(json!({
+        "bench": "core", "workload": "aio-append", "iodepth": p.iodepth,
+        "iops": (tally.ops.get() as f64 / secs).round(),
+        "lat_us_p50": p50, "lat_us_p99": p99,
+        "direct_in_flight_max": after.direct_in_flight_max,
+        "file_bytes": fs.getattr(ino).await?.inode.size,
+        "extents": fs.extent_count(ino)?,
+        "during_run": delta(before, after),
+    }))
+}
+
+pub async fn buffered_randrw(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
+    let ino = create(fs, "randrw").await?;
+    preallocate(fs, ino, p.file_size).await?;
+    let pages = p.file_size / 8192;
+    let read_op = {
+        let fs = fs.clone();
+        move |t: u32, i: u64| {
+            let fs = fs.clone();
+            async move {
+                let mut s = (u64::from(t) << 40) ^ i ^ 0xabc;
+                let off = (splitmix64(&mut s) % pages) * 8192;
+                std::hint::black_box(fs.read(ino, off, 8192).await?);
+                Ok(true)
+            }
+        }
+    };
+    // Readers alone, to warm the cache and to measure them undisturbed.
+    let _ = run_tasks(2, p.seconds, read_op.clone()).await?;
+    let (alone, alone_secs) = run_tasks(2, p.seconds, read_op.clone()).await?;
+    let read_only_iops = alone.ops.get() as f64 / alone_secs;
+    // Readers and writers together.
+    let data = Rc::new(vec![0x77u8; 8192]);
+    let writers_ops = Rc::new(Cell::new(0u64));
+    let (fs_w, data_w, wops) = (fs.clone(), data.clone(), writers_ops.clone());
+    let write_op = move |t: u32, i: u64| {
+        let (fs, data, wops) = (fs_w.clone(), data_w.clone(), wops.clone());
+        async move {
+            let mut s = (u64::from(t) << 40) ^ i ^ 0xdef;
+            let off = (splitmix64(&mut s) % pages) * 8192;
+            fs.write(ino, off, &data).await?;
+            wops.set(wops.get() + 1);
+            Ok(true)
+        }
+    };
+    let start = Instant::now();
+    let writers = {
+        let seconds = p.seconds;
+        let done: Rc<Cell<Option<anyhow::Result<()>>>> = Rc::default();
+        let d = done.clone();
+        reactor::spawn_local(async move {
+            d.set(Some(run_tasks(2, seconds, write_op).await.map(|_| ())));
+        });
+        done
+    };
+    let (mixed, mixed_secs) = run_tasks(2, p.seconds, read_op).await?;
+    loop {
+        if let Some(result) = writers.take() {
+            result?;
+            break;
+        }
+        reactor::sleep(Duration::from_millis(1)).await;
+    }
+    let write_secs = start.elapsed().as_secs_f64();
+    let mixed_read_iops = mixed.ops.get() as f64 / mixed_secs;
+    let stats = fs.cache_stats();
+    Ok(json!({
+        "bench": "core", "workload": "buffered-randrw", "readers": 2, "writers": 2, "bs": 8192,
+        "file_bytes": p.file_size,
+        "read_only_iops": read_only_iops.round(),
+        "mixed_read_iops": mixed_read_iops.round(),
+        "mixed_write_iops": (writers_ops.get() as f64 / write_secs).round(),
+        "mixed_read_ratio": round2(mixed_read_iops / read_only_iops),
+        "cache_hits": stats.hits, "cache_misses": stats.misses, "cache_pages": stats.pages,
+        "cache_capacity_pages": stats.capacity_pages,
+    }))
+}
+
+pub async fn byte_writes(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
+    let ino = create(fs, "bytes").await?;
+    fs.write(ino, 0, b"x").await?;
+    fs.sync().await?;
+    let count = 2_000_000u64;
+    let before = fs.counters();
+    let start = Instant::now();
+    for i in 1..count {
+        fs.write(ino, i, b"y").await?;
+    }
+    let ns = start.elapsed().as_nanos() as f64 / (count - 1) as f64;
+    let after = fs.counters();
+    let _ = p;
+    Ok(json!({
+        "bench": "core", "workload": "byte-writes", "writes": count - 1,
+        "ns_per_write": round2(ns),
+        "journal_writes": after.journal_blocks_written - before.journal_blocks_written,
+        "during_run": delta(before, after),
+    }))
+}
+
+pub async fn seq_extents(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
+    let size = 1u64 << 30;
+    let buffered = create(fs, "seq-buffered").await?;
+    let direct = create(fs, "seq-direct").await?;
+    let page = vec![0x33u8; 4096];
+    let start = Instant::now();
+    for i in 0..size / 4096 {
+        fs.write(buffered, i * 4096, &page).await?;
+    }
+    fs.sync().await?;
+    let buffered_secs = start.elapsed().as_secs_f64();
+    let start = Instant::now();
+    for i in 0..size / 4096 {
+        fs.write_direct(direct, i * 4096, AlignedBuf::zeroed(4096, 4096)).await.1?;
+    }
+    fs.sync().await?;
+    let direct_secs = start.elapsed().as_secs_f64();
+    let _ = p;
+    Ok(json!({
+        "bench": "core", "workload": "seq-extents", "bytes": size, "write_bytes": 4096,
+        "extents_buffered": fs.extent_count(buffered)?,
+        "extents_direct": fs.extent_count(direct)?,
+        "extents": fs.extent_count(buffered)?.max(fs.extent_count(direct)?),
+        "buffered_mib_s": round2(1024.0 / buffered_secs),
+        "direct_mib_s": round2(1024.0 / direct_secs),
+    }))
+}
+
+pub async fn fsync_storm(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
+    let mut files = Vec::new();
+    for i in 0..p.threads {
+        files.push(create(fs, &format!("storm-{i}")).await?);
+    }
+    fs.sync().await?;
+    let before = fs.counters();
+    let files = Rc::new(files);
+    let (fs2, files2) = (fs.clone(), files.clone());
+    let (tally, secs) = run_tasks(p.threads, p.seconds, move |t, i| {
+        let (fs, files) = (fs2.clone(), files2.clone());
+        async move {
+            let ino = files[t as usize];
+            fs.write(ino, (i % 64) * 4096, &[t as u8; 4096]).await?;
+            fs.fsync(ino, false).await?;
+            Ok(true)
+        }
+    })
+    .await?;
+    let after = fs.counters();
+    let (p50, p99) = tally.latency();
+    let fsyncs = after.fsyncs - before.fsyncs;
+    let flushes = after.device_flushes - before.device_flushes;
+    Ok(json!({
+        "bench": "core", "workload": "fsync-storm", "threads": p.threads,
+        "fsyncs": fsyncs, "device_flushes": flushes,
+        "journal_commits": after.journal_commits - before.journal_commits,
+        "fsyncs_per_flush": round2(fsyncs as f64 / flushes.max(1) as f64),
+        "fsync_per_s": (tally.ops.get() as f64 / secs).round(),
+        "lat_us_p50": p50, "lat_us_p99": p99,
+    }))
+}
