@@ -13,7 +13,7 @@ run() { rm -f $img; $b "$@" | tee -a "$out"; }
 uring() { run --backend uring "$@"; }
 uring --workload dio-overwrite --size 2G --file-size 256M --threads 4 --seconds 5
 uring --workload aio-append --size 4G --file-size 3G --iodepth 32 --seconds 5
-uring --workload buffered-randrw --size 2G --file-size 512M --seconds 5
+uring --workload buffered-randrw --size 2G --file-size 512M --seconds 3 --rounds 5
 uring --workload byte-writes --size 1G
 uring --workload seq-extents --size 4G
 uring --workload fsync-storm --size 1G --threads 32 --seconds 5

@@ -203,11 +203,9 @@ pub async fn buffered_randrw(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
             }
         }
     };
-    // Readers alone, to warm the cache and to measure them undisturbed.
+    // Warm the cache, then alternate readers-alone and readers-with-writers
+    // phases, so that both see the same machine noise.
     let _ = run_tasks(2, p.seconds, read_op.clone()).await?;
-    let (alone, alone_secs) = run_tasks(2, p.seconds, read_op.clone()).await?;
-    let read_only_iops = alone.ops.get() as f64 / alone_secs;
-    // Readers and writers together.
     let data = Rc::new(vec![0x77u8; 8192]);
     let writers_ops = Rc::new(Cell::new(0u64));
     let (fs_w, data_w, wops) = (fs.clone(), data.clone(), writers_ops.clone());
@@ -221,34 +219,54 @@ pub async fn buffered_randrw(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
             Ok(true)
         }
     };
-    let start = Instant::now();
-    let writers = {
-        let seconds = p.seconds;
-        let done: Rc<Cell<Option<anyhow::Result<()>>>> = Rc::default();
-        let d = done.clone();
-        reactor::spawn_local(async move {
-            d.set(Some(run_tasks(2, seconds, write_op).await.map(|_| ())));
-        });
-        done
-    };
-    let (mixed, mixed_secs) = run_tasks(2, p.seconds, read_op).await?;
-    loop {
-        if let Some(result) = writers.take() {
-            result?;
-            break;
+    let (mut alone_iops, mut mixed_iops, mut write_iops) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut mixed_reads, mut shared_waits) = (0u64, 0u64);
+    for _ in 0..p.rounds.max(1) {
+        let (alone, alone_secs) = run_tasks(2, p.seconds, read_op.clone()).await?;
+        alone_iops.push(alone.ops.get() as f64 / alone_secs);
+        writers_ops.set(0);
+        let start = Instant::now();
+        let writers: Rc<Cell<Option<anyhow::Result<()>>>> = Rc::default();
+        {
+            let (done, seconds, write_op) = (writers.clone(), p.seconds, write_op.clone());
+            reactor::spawn_local(async move {
+                done.set(Some(run_tasks(2, seconds, write_op).await.map(|_| ())));
+            });
         }
-        reactor::sleep(Duration::from_millis(1)).await;
+        let waits_before = fs.range_lock_waits().0;
+        let (mixed, mixed_secs) = run_tasks(2, p.seconds, read_op.clone()).await?;
+        shared_waits += fs.range_lock_waits().0 - waits_before;
+        mixed_reads += mixed.ops.get();
+        loop {
+            if let Some(result) = writers.take() {
+                result?;
+                break;
+            }
+            reactor::sleep(Duration::from_millis(1)).await;
+        }
+        mixed_iops.push(mixed.ops.get() as f64 / mixed_secs);
+        write_iops.push(writers_ops.get() as f64 / start.elapsed().as_secs_f64());
     }
-    let write_secs = start.elapsed().as_secs_f64();
-    let mixed_read_iops = mixed.ops.get() as f64 / mixed_secs;
+    let ratios: Vec<f64> = mixed_iops.iter().zip(&alone_iops).map(|(m, a)| m / a).collect();
+    let median = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (read_only_iops, mixed_read_iops) = (median(&alone_iops), median(&mixed_iops));
     let stats = fs.cache_stats();
     Ok(json!({
         "bench": "core", "workload": "buffered-randrw", "readers": 2, "writers": 2, "bs": 8192,
         "file_bytes": p.file_size,
+        "rounds": p.rounds,
         "read_only_iops": read_only_iops.round(),
         "mixed_read_iops": mixed_read_iops.round(),
-        "mixed_write_iops": (writers_ops.get() as f64 / write_secs).round(),
-        "mixed_read_ratio": round2(mixed_read_iops / read_only_iops),
+        "mixed_write_iops": median(&write_iops).round(),
+        "mixed_read_ratio": round2(median(&ratios)),
+        "mixed_read_ratio_per_round": ratios.iter().map(|r| round2(*r)).collect::<Vec<_>>(),
+        "mixed_reads": mixed_reads,
+        "mixed_read_lock_waits": shared_waits,
+        "mixed_total_ops_vs_read_only": round2((mixed_read_iops + median(&write_iops)) / read_only_iops),
         "cache_hits": stats.hits, "cache_misses": stats.misses, "cache_pages": stats.pages,
         "cache_capacity_pages": stats.capacity_pages,
     }))

@@ -58,9 +58,15 @@ fn core_workloads_print_their_figures() {
     let cases: &[(&[&str], &[&str])] = &[
         (&["--workload", "dio-overwrite", "--file-size", "16M", "--threads", "2"], &["iops", "direct_overwrites"]),
         (&["--workload", "aio-append", "--file-size", "64M", "--iodepth", "8"], &["iops", "direct_in_flight_max"]),
-        (&["--workload", "buffered-randrw", "--file-size", "16M"], &["read_only_iops", "mixed_read_iops", "mixed_read_ratio"]),
+        (
+            &["--workload", "buffered-randrw", "--file-size", "16M"],
+            &["read_only_iops", "mixed_read_iops", "mixed_read_ratio"],
+        ),
         (&["--workload", "fsync-storm", "--threads", "8"], &["fsyncs", "device_flushes"]),
-        (&["--workload", "lookup", "--entries", "2000", "--lookups", "1000", "--rounds", "1"], &["ns_per_lookup_large"]),
+        (
+            &["--workload", "lookup", "--entries", "2000", "--lookups", "1000", "--rounds", "1"],
+            &["ns_per_lookup_large"],
+        ),
     ];
     for (args, keys) in cases {
         let out = bench()

@@ -106,6 +106,11 @@ impl PageCache {
         self.dirty_count
     }
 
+    /// Pages that can be inserted without evicting a dirty one.
+    pub fn clean_or_free_slots(&self) -> usize {
+        self.capacity - self.dirty_count
+    }
+
     fn touch(&mut self, slot: u32) {
         let s = &mut self.slots[slot as usize];
         if s.queue == Queue::Am {

@@ -29,6 +29,9 @@ use crate::reactor::io::{IoBuffer, SharedBuffer};
 
 /// Device requests are split at 1 MiB (256 blocks).
 pub(crate) const IO_BLOCKS_MAX: u64 = 256;
+/// The range lock that serialises writeback of one file: far past any
+/// file offset (MAX_FILE_BYTES), so only truncation and writeback take it.
+const WRITEBACK_TOKEN: u64 = u64::MAX - 1;
 /// Writers write their own file back once this share of the cache is dirty.
 const DIRTY_THROTTLE_PERCENT: usize = 50;
 
@@ -293,17 +296,32 @@ impl Fs {
         if offset >= end {
             return Ok(Vec::new());
         }
+        let last = (end - 1) / BLOCK_SIZE;
+        // Pages cached now may be evicted while we wait for others: keep
+        // every loaded page's copy and loop until nothing is missing, then
+        // assemble in one synchronous step.
+        let mut loaded: Vec<(u64, Vec<u8>)> = Vec::new();
+        for _ in 0..8 {
+            let fresh = self.load_missing_pages(ino, first, last, size_now, &loaded).await?;
+            if fresh.is_empty() {
+                break;
+            }
+            loaded.extend(fresh);
+        }
         let mut out = vec![0u8; (end - offset) as usize];
         for page in first..=last {
             let page_start = page * BLOCK_SIZE;
-            if page_start >= end {
-                break;
-            }
-            let data = self.page_for_read(ino, page, size_now).await?;
             let from = offset.max(page_start);
             let to = end.min(page_start + BLOCK_SIZE);
-            out[(from - offset) as usize..(to - offset) as usize]
-                .copy_from_slice(&data[(from - page_start) as usize..(to - page_start) as usize]);
+            let dst = &mut out[(from - offset) as usize..(to - offset) as usize];
+            let src = (from - page_start) as usize..(to - page_start) as usize;
+            match self.inner.cache.borrow_mut().get((ino, page)) {
+                Some(p) => dst.copy_from_slice(&p[src]),
+                None => {
+                    let (_, p) = loaded.iter().rev().find(|(p, _)| *p == page).ok_or(FsError::Stale)?;
+                    dst.copy_from_slice(&p[src]);
+                }
+            }
         }
         self.inner.bump(|c| c.data_bytes_read += out.len() as u64);
         Ok(out)
@@ -327,6 +345,78 @@ impl Fs {
                 .copy_from_slice(&data[(from - page_start) as usize..(to - page_start) as usize]);
         }
         Some(out)
+    }
+
+    /// Load every uncached page of [first, last] with as few device reads
+    /// as possible: runs of pages on consecutive device blocks become one
+    /// request, and all requests are in flight together.
+    /// Returns a copy of each page it loaded; pages in `have` are skipped.
+    async fn load_missing_pages(
+        &self,
+        ino: u64,
+        first: u64,
+        last: u64,
+        size: u64,
+        have: &[(u64, Vec<u8>)],
+    ) -> FsResult<Vec<(u64, Vec<u8>)>> {
+        let missing: Vec<u64> = {
+            let cache = self.inner.cache.borrow();
+            (first..=last).filter(|&p| !cache.contains((ino, p)) && !have.iter().any(|(h, _)| *h == p)).collect()
+        };
+        let mut out = Vec::new();
+        if missing.is_empty() {
+            return Ok(out);
+        }
+        // (first page, device block or None for zeros, pages)
+        let mut runs: Vec<(u64, Option<u64>, u64)> = Vec::new();
+        for &page in &missing {
+            let disk = match self.segments(ino, page, 1)?[0] {
+                Segment::Mapped(e) if !e.unwritten => Some(e.disk_block),
+                _ => None,
+            };
+            match runs.last_mut() {
+                Some((p0, Some(d0), n)) if disk == Some(*d0 + *n) && page == *p0 + *n && *n < IO_BLOCKS_MAX => *n += 1,
+                Some((p0, None, n)) if disk.is_none() && page == *p0 + *n => *n += 1,
+                _ => runs.push((page, disk, 1)),
+            }
+        }
+        let mut pending = Vec::new();
+        for &(page, disk, n) in &runs {
+            if let Some(d) = disk {
+                let buf = AlignedBuf::zeroed((n * BLOCK_SIZE) as usize, BLOCK_BYTES);
+                pending.push((page, n, Some(self.inner.dev.read(d * BLOCK_SIZE, buf))));
+            } else {
+                pending.push((page, n, None));
+            }
+        }
+        for (page, n, read) in pending {
+            let data = match read {
+                Some(f) => {
+                    let (buf, result) = f.await;
+                    result?;
+                    self.inner.bump(|c| c.data_bytes_read += n * BLOCK_SIZE);
+                    Some(buf)
+                }
+                None => None,
+            };
+            for k in 0..n {
+                let mut content = [0u8; PAGE_BYTES];
+                if let Some(buf) = &data {
+                    content.copy_from_slice(&buf[(k * BLOCK_SIZE) as usize..((k + 1) * BLOCK_SIZE) as usize]);
+                }
+                let page_start = (page + k) * BLOCK_SIZE;
+                if size < page_start + BLOCK_SIZE {
+                    content[size.saturating_sub(page_start) as usize..].fill(0);
+                }
+                let mut cache = self.inner.cache.borrow_mut();
+                if !cache.contains((ino, page + k)) {
+                    // A cache full of dirty pages keeps only our copy.
+                    let _ = cache.insert((ino, page + k), &content);
+                }
+                out.push((page + k, content.to_vec()));
+            }
+        }
+        Ok(out)
     }
 
     /// A page's contents, loading it into the cache on a miss. Bytes past
@@ -360,53 +450,98 @@ impl Fs {
         let end = offset.checked_add(data.len() as u64).filter(|&e| e <= MAX_FILE_BYTES).ok_or(FsError::FileTooBig)?;
         self.require_file(ino)?;
         let (first, last) = blocks_of(offset, data.len() as u64);
-        let (range, old_size) = self.lock_for_write(ino, first, last, end).await?;
-        if end > old_size && old_size / BLOCK_SIZE < first {
-            self.zero_past_eof(ino, old_size).await?;
-        }
-        // Load the partial edge pages before touching anything, so the
-        // update below happens in one synchronous step.
-        for page in [first, last] {
-            let (ps, pe) = (page * BLOCK_SIZE, (page + 1) * BLOCK_SIZE);
-            let partial = offset > ps || end < pe;
-            if partial && !self.inner.cache.borrow().contains((ino, page)) && ps < old_size {
-                let content = self.page_for_read(ino, page, old_size).await?;
-                self.insert_page(ino, page, &content).await?;
+        loop {
+            // Room is made before any lock is held: writeback takes locks.
+            self.make_room(last - first + 1).await?;
+            let (range, old_size) = self.lock_for_write(ino, first, last, end).await?;
+            if end > old_size && old_size / BLOCK_SIZE < first {
+                self.zero_past_eof(ino, old_size).await?;
             }
+            // Partial edge pages are read first and kept here, so that the
+            // update below is one synchronous step even if they are evicted
+            // while we wait.
+            let mut edges: Vec<(u64, Vec<u8>)> = Vec::new();
+            for page in [first, last] {
+                let (ps, pe) = (page * BLOCK_SIZE, (page + 1) * BLOCK_SIZE);
+                let partial = offset > ps || end < pe;
+                if partial && ps < old_size && !edges.iter().any(|(p, _)| *p == page) {
+                    edges.push((page, self.page_for_read(ino, page, old_size).await?));
+                }
+            }
+            let to_reserve = self.pages_needing_reservation(ino, first, last)?;
+            self.reserve_delalloc(to_reserve.len() as u64)?;
+            if self.apply_write(ino, offset, data, &edges, &to_reserve).is_err() {
+                // Other tasks filled the cache with dirty pages meanwhile:
+                // undo the reservation and start over (rewriting the same
+                // bytes is harmless).
+                self.inner.release_delalloc(to_reserve.len() as u64);
+                drop(range);
+                continue;
+            }
+            let t = now();
+            if end > old_size {
+                if let Some(n) = self.inner.state.borrow_mut().node_mut(ino) {
+                    n.persist_size_cap.get_or_insert(old_size);
+                    n.datasync_needed = true;
+                }
+            }
+            self.inner.update_inode(ino, |i| {
+                i.size = i.size.max(end);
+                i.mtime = t;
+                i.ctime = t;
+            })?;
+            drop(range);
+            self.throttle(ino).await?;
+            return Ok(data.len() as u32);
         }
-        let to_reserve = self.pages_needing_reservation(ino, first, last)?;
-        self.reserve_delalloc(to_reserve.len() as u64)?;
+    }
+
+    /// Copy `data` into the cached pages of its range, creating them from
+    /// `edges` or zeros, and mark them dirty: all in one synchronous step.
+    /// Fails, changing nothing, if there are not enough clean slots.
+    fn apply_write(
+        &self,
+        ino: u64,
+        offset: u64,
+        data: &[u8],
+        edges: &[(u64, Vec<u8>)],
+        reserve: &[u64],
+    ) -> Result<(), CacheFull> {
+        let end = offset + data.len() as u64;
+        let (first, last) = blocks_of(offset, data.len() as u64);
+        let mut cache = self.inner.cache.borrow_mut();
+        let absent = (first..=last).filter(|&p| !cache.contains((ino, p))).count();
+        if absent > cache.clean_or_free_slots() {
+            return Err(CacheFull);
+        }
         for page in first..=last {
-            let (ps, pe) = (page * BLOCK_SIZE, (page + 1) * BLOCK_SIZE);
-            if !self.inner.cache.borrow().contains((ino, page)) {
-                self.insert_page(ino, page, &[0u8; PAGE_BYTES]).await?;
+            if !cache.contains((ino, page)) {
+                let content = edges.iter().find(|(p, _)| *p == page).map_or(&[0u8; PAGE_BYTES][..], |(_, c)| &c[..]);
+                cache.insert((ino, page), content)?;
             }
-            let mut cache = self.inner.cache.borrow_mut();
-            let p = cache.get_mut((ino, page)).ok_or(FsError::Corrupt("page vanished during a write".into()))?;
+            let (ps, pe) = (page * BLOCK_SIZE, (page + 1) * BLOCK_SIZE);
+            let p = cache.get_mut((ino, page)).ok_or(CacheFull)?;
             let from = offset.max(ps);
             let to = end.min(pe);
             p[(from - ps) as usize..(to - ps) as usize]
                 .copy_from_slice(&data[(from - offset) as usize..(to - offset) as usize]);
             cache.mark_dirty((ino, page));
-            if to_reserve.contains(&page) {
+            if reserve.contains(&page) {
                 cache.set_reserved((ino, page));
             }
         }
-        let t = now();
-        if end > old_size {
-            if let Some(n) = self.inner.state.borrow_mut().node_mut(ino) {
-                n.persist_size_cap.get_or_insert(old_size);
-                n.datasync_needed = true;
+        Ok(())
+    }
+
+    /// Write back until `pages` more pages fit without evicting dirty ones.
+    async fn make_room(&self, pages: u64) -> FsResult<()> {
+        for _ in 0..4 {
+            if self.inner.cache.borrow().clean_or_free_slots() as u64 > pages {
+                return Ok(());
             }
+            self.writeback_all().await?;
         }
-        self.inner.update_inode(ino, |i| {
-            i.size = i.size.max(end);
-            i.mtime = t;
-            i.ctime = t;
-        })?;
-        drop(range);
-        self.throttle(ino).await?;
-        Ok(data.len() as u32)
+        Err(FsError::Corrupt("the page cache is too small for this write".into()))
     }
 
     /// Pages of [first, last] over holes that hold no reservation yet:
@@ -431,17 +566,6 @@ impl Fs {
         }
         self.inner.journal.borrow_mut().delalloc_reserved += blocks;
         Ok(())
-    }
-
-    /// Insert a page, writing this file back if the cache is all dirty.
-    async fn insert_page(&self, ino: u64, page: u64, data: &[u8]) -> FsResult<()> {
-        for _ in 0..2 {
-            if self.inner.cache.borrow_mut().insert((ino, page), data).is_ok() {
-                return Ok(());
-            }
-            self.writeback_all().await?;
-        }
-        Err(FsError::Corrupt(format!("page cache full of dirty pages: {CacheFull:?}")))
     }
 
     async fn throttle(&self, ino: u64) -> FsResult<()> {
@@ -479,7 +603,11 @@ impl Fs {
     }
 
     async fn writeback_run(&self, ino: u64, first: u64, count: u64) -> FsResult<()> {
-        let _range = self.inner.ranges.lock(ino, first * BLOCK_SIZE, (first + count) * BLOCK_SIZE, true).await;
+        // One writeback per file at a time (two could allocate the same
+        // hole), holding a token range past any data; and a *shared* lock
+        // on the pages: writers of them wait, readers never do.
+        let _token = self.inner.ranges.lock(ino, WRITEBACK_TOKEN, u64::MAX, true).await;
+        let _range = self.inner.ranges.lock(ino, first * BLOCK_SIZE, (first + count) * BLOCK_SIZE, false).await;
         if self.inner.state.borrow().node(ino).is_none() {
             return Ok(());
         }

@@ -266,6 +266,11 @@ impl Fs {
         self.inner.available_blocks()
     }
 
+    /// Range-lock acquisitions that had to wait: (shared, exclusive).
+    pub fn range_lock_waits(&self) -> (u64, u64) {
+        self.inner.ranges.waits()
+    }
+
     pub fn cache_stats(&self) -> cache::CacheStats {
         self.inner.cache.borrow().stats()
     }

@@ -68,6 +68,9 @@ impl Drop for MutexGuard<'_> {
 pub struct RangeLocks {
     files: RefCell<HashMap<u64, FileLocks>>,
     next_id: std::cell::Cell<u64>,
+    /// Acquisitions that had to wait, shared and exclusive.
+    shared_waits: std::cell::Cell<u64>,
+    exclusive_waits: std::cell::Cell<u64>,
 }
 
 #[derive(Default)]
@@ -101,7 +104,12 @@ impl RangeLocks {
         assert!(start < end, "empty lock range");
         let id = self.next_id.get();
         self.next_id.set(id + 1);
-        RangeLockFuture { locks: Rc::clone(self), ino, held: Held { id, start, end, exclusive } }
+        RangeLockFuture { locks: Rc::clone(self), ino, held: Held { id, start, end, exclusive }, counted: false }
+    }
+
+    /// (shared, exclusive) acquisitions that had to wait so far.
+    pub fn waits(&self) -> (u64, u64) {
+        (self.shared_waits.get(), self.exclusive_waits.get())
     }
 
     /// Holds currently granted on `ino` (for tests).
@@ -114,16 +122,23 @@ struct RangeLockFuture {
     locks: Rc<RangeLocks>,
     ino: u64,
     held: Held,
+    counted: bool,
 }
 
 impl Future for RangeLockFuture {
     type Output = RangeGuard;
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<RangeGuard> {
-        let mut files = self.locks.files.borrow_mut();
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<RangeGuard> {
+        let locks = Rc::clone(&self.locks);
+        let mut files = locks.files.borrow_mut();
         let file = files.entry(self.ino).or_default();
         let h = self.held;
         if file.held.iter().any(|o| o.conflicts(h.start, h.end, h.exclusive)) {
             file.waiters.push(cx.waker().clone());
+            if !self.counted {
+                self.counted = true;
+                let c = if h.exclusive { &locks.exclusive_waits } else { &locks.shared_waits };
+                c.set(c.get() + 1);
+            }
             return Poll::Pending;
         }
         file.held.push(h);
