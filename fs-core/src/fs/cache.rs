@@ -146,6 +146,11 @@ impl PageCache {
         }
     }
 
+    /// Count lookups that found a page missing without calling `get`.
+    pub fn note_misses(&mut self, n: u64) {
+        self.stats.misses += n;
+    }
+
     pub fn contains(&self, key: PageKey) -> bool {
         self.map.contains_key(&key)
     }

@@ -367,6 +367,7 @@ impl Fs {
         if missing.is_empty() {
             return Ok(out);
         }
+        self.inner.cache.borrow_mut().note_misses(missing.len() as u64);
         // (first page, device block or None for zeros, pages)
         let mut runs: Vec<(u64, Option<u64>, u64)> = Vec::new();
         for &page in &missing {
