@@ -15,21 +15,6 @@ use serde_json::{json, Value};
 use crate::core::Params;
 use crate::hist::Histogram;
 
-/// Let the reactor's other tasks run: cache hits complete without
-/// suspending, so a benchmark loop must yield explicitly to stay fair.
-async fn yield_now() {
-    let mut yielded = false;
-    std::future::poll_fn(|cx| {
-        if yielded {
-            return std::task::Poll::Ready(());
-        }
-        yielded = true;
-        cx.waker().wake_by_ref();
-        std::task::Poll::Pending
-    })
-    .await
-}
-
 async fn create(fs: &Fs, name: &str) -> anyhow::Result<u64> {
     Ok(fs.create(&Creds::root(), ROOT_INO, name.as_bytes(), 0o644, 2).await?.0.inode.ino)
 }
@@ -98,7 +83,7 @@ where
                     }
                 }
                 i += 1;
-                yield_now().await;
+                reactor::yield_now().await;
             }
             finished.set(finished.get() + 1);
         });

@@ -259,7 +259,7 @@ fn direct_appends_with_fsync_never_show_stale_data() {
                 size += len;
             }
             while done.get() < 4 {
-                common::yield_now().await;
+                keelfs_core::reactor::yield_now().await;
             }
             fs.fsync(ino, true).await.unwrap();
             promises.push((f.log_len(), size));

@@ -231,28 +231,14 @@ fn a_task_waiting_on_io_never_stalls_the_others() {
         for _ in 0..1000 {
             p.set(p.get() + 1);
             reactor::sleep(Duration::ZERO).await;
-            YieldNow(false).await;
+            reactor::yield_now().await;
         }
         g.set(true);
         while !done.get() {
-            YieldNow(false).await;
+            reactor::yield_now().await;
         }
     });
     assert!(io_done.get());
-}
-
-/// Yield once to the executor.
-struct YieldNow(bool);
-impl std::future::Future for YieldNow {
-    type Output = ();
-    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
-        if self.0 {
-            return std::task::Poll::Ready(());
-        }
-        self.0 = true;
-        cx.waker().wake_by_ref();
-        std::task::Poll::Pending
-    }
 }
 
 #[test]
@@ -278,7 +264,7 @@ fn channel_queues_requests_beyond_device_depth_and_completes_them_all() {
     let d2 = Rc::clone(&done);
     r.block_on(async move {
         while d2.get() < 64 {
-            YieldNow(false).await;
+            reactor::yield_now().await;
         }
         let (_, flushed) = c2.flush().await;
         assert_eq!(flushed, Ok(0));
@@ -311,7 +297,7 @@ fn dropping_an_io_future_in_flight_is_safe() {
             drop(c.write(i * 4096, AlignedBuf::zeroed(4096, 4096)));
         }
         while c.in_flight() > 0 {
-            YieldNow(false).await;
+            reactor::yield_now().await;
         }
         let (_, result) = c.read(0, AlignedBuf::zeroed(4096, 4096)).await;
         assert_eq!(result, Ok(4096));

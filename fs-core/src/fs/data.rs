@@ -25,7 +25,7 @@ use super::record::Record;
 use super::{journal, Fs, FsError, FsResult};
 use crate::bdev::AlignedBuf;
 use crate::reactor;
-use crate::reactor::io::{IoBuffer, SharedBuffer};
+use crate::reactor::io::{await_all, IoBuffer, SharedBuffer};
 
 /// Device requests are split at 1 MiB (256 blocks).
 pub(crate) const IO_BLOCKS_MAX: u64 = 256;
@@ -237,15 +237,10 @@ impl Fs {
                 done += n;
             }
         }
-        let mut failure = None;
-        for f in pending {
-            if let (_, Err(e)) = f.await {
-                failure.get_or_insert(e);
-            }
-        }
+        let result = await_all(pending).await;
         self.inner.journal.borrow_mut().data_writes += 1;
         self.inner.bump(|c| c.data_bytes_written += image.len() as u64);
-        if let Some(e) = failure {
+        if let Err(e) = result {
             self.unreserve(&fresh, true);
             return Err(e.into());
         }
@@ -826,16 +821,8 @@ impl Fs {
                 done += n;
             }
         }
-        let mut failure = None;
-        for f in pending {
-            if let (_, Err(e)) = f.await {
-                failure.get_or_insert(e);
-            }
-        }
-        match failure {
-            Some(e) => Err(e.into()),
-            None => Ok(()),
-        }
+        await_all(pending).await?;
+        Ok(())
     }
 
     /// A direct write into holes, unwritten extents or past the end:

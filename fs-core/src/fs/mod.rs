@@ -35,7 +35,7 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use crate::bdev::{AlignedBuf, Geometry};
-use crate::reactor::io::DeviceChannel;
+use crate::reactor::io::{await_all, DeviceChannel};
 use codec::Writer;
 use format::{Superblock, BLOCK_BYTES, BLOCK_SIZE};
 use state::{ApplyMode, State};
@@ -229,16 +229,8 @@ impl FsInner {
             part.copy_from_slice(chunk);
             pending.push(self.dev.write((block * BLOCK_SIZE) + (i * max) as u64, part));
         }
-        let mut failure = None;
-        for f in pending {
-            if let (_, Err(e)) = f.await {
-                failure.get_or_insert(e);
-            }
-        }
-        match failure {
-            Some(e) => Err(e.into()),
-            None => Ok(()),
-        }
+        await_all(pending).await?;
+        Ok(())
     }
 }
 

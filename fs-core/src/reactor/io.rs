@@ -386,6 +386,19 @@ impl<B> Drop for IoFuture<B> {
     }
 }
 
+/// Wait for every request of a batch (they are already in flight: requests
+/// start when created) and report the first failure. Every request is
+/// awaited even after a failure, so no buffer is given up early.
+pub async fn await_all<B: IoBuffer>(batch: Vec<IoFuture<B>>) -> Result<(), BdevError> {
+    let mut failure = None;
+    for f in batch {
+        if let (_, Err(e)) = f.await {
+            failure.get_or_insert(e);
+        }
+    }
+    failure.map_or(Ok(()), Err)
+}
+
 /// One caller buffer cut into several device requests without copying:
 /// each [`BufferSlice`] names a disjoint sub-range and keeps the buffer
 /// alive. The buffer comes back with [`SharedBuffer::into_inner`] once every

@@ -311,6 +311,22 @@ pub fn sleep(duration: Duration) -> Sleep {
     sleep_until(now() + duration)
 }
 
+/// Let the reactor's other woken tasks run before this one continues. A
+/// loop whose awaits can all complete at once (cache hits) needs it to
+/// stay fair.
+pub async fn yield_now() {
+    let mut yielded = false;
+    std::future::poll_fn(|cx| {
+        if yielded {
+            return Poll::Ready(());
+        }
+        yielded = true;
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    })
+    .await
+}
+
 pub struct Sleep {
     deadline: Instant,
 }

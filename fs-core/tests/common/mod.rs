@@ -168,17 +168,3 @@ impl IoQueue for GateQueue {
         self.inner.in_flight() + self.held.len()
     }
 }
-
-/// Let the other tasks of this reactor run once.
-pub async fn yield_now() {
-    let mut yielded = false;
-    std::future::poll_fn(|cx| {
-        if yielded {
-            return std::task::Poll::Ready(());
-        }
-        yielded = true;
-        cx.waker().wake_by_ref();
-        std::task::Poll::Pending
-    })
-    .await
-}
