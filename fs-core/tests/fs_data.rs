@@ -9,11 +9,12 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{busy_reactor, channel, fill_pattern, format, ram_device, yield_now, Gate, GateDevice};
+use common::{busy_reactor, channel, fill_pattern, format, ram_device, Gate, GateDevice};
 use keelfs_core::bdev::{AlignedBuf, BlockDevice};
 use keelfs_core::fs::format::ROOT_INO;
 use keelfs_core::fs::{Creds, Fs, FsConfig};
 use keelfs_core::reactor;
+use keelfs_core::reactor::yield_now;
 
 const MIB: u64 = 1 << 20;
 
