@@ -39,6 +39,19 @@ fn now() -> Timespec {
     Timespec::now()
 }
 
+/// Copy the part of `page` that falls in `out` (which starts at file
+/// offset `offset`).
+fn copy_page_part(page_data: &[u8], page: u64, offset: u64, out: &mut [u8]) {
+    let page_start = page * BLOCK_SIZE;
+    let end = offset + out.len() as u64;
+    let from = offset.max(page_start);
+    let to = end.min(page_start + BLOCK_SIZE);
+    if from < to {
+        out[(from - offset) as usize..(to - offset) as usize]
+            .copy_from_slice(&page_data[(from - page_start) as usize..(to - page_start) as usize]);
+    }
+}
+
 fn blocks_of(offset: u64, len: u64) -> (u64, u64) {
     (offset / BLOCK_SIZE, (offset + len - 1) / BLOCK_SIZE)
 }
@@ -201,8 +214,9 @@ impl Fs {
     /// into unwritten extents where it has those. Returns the records that
     /// map what was written; the caller logs them now that the data is on
     /// the device (ordered data).
-    async fn write_image(&self, ino: u64, first: u64, image: &[u8]) -> FsResult<Vec<Record>> {
+    async fn write_image(&self, ino: u64, first: u64, image: AlignedBuf) -> FsResult<Vec<Record>> {
         let nblocks = image.len() as u64 / BLOCK_SIZE;
+        let image_bytes = image.len() as u64;
         let mut targets: Vec<(u64, u64, u64, bool)> = Vec::new(); // (file, disk, len, needs record)
         let mut fresh: Vec<BlockRun> = Vec::new();
         for seg in self.segments(ino, first, nblocks)? {
@@ -225,21 +239,23 @@ impl Fs {
                 }
             }
         }
+        // The image goes to the device in slices, without another copy.
+        let image = SharedBuffer::new(image);
         let mut pending = Vec::new();
         for &(fb, db, len, _) in &targets {
             let mut done = 0;
             while done < len {
                 let n = (len - done).min(IO_BLOCKS_MAX);
-                let mut buf = AlignedBuf::zeroed((n * BLOCK_SIZE) as usize, BLOCK_BYTES);
                 let src = ((fb + done - first) * BLOCK_SIZE) as usize;
-                buf.copy_from_slice(&image[src..src + (n * BLOCK_SIZE) as usize]);
-                pending.push(self.inner.dev.write((db + done) * BLOCK_SIZE, buf));
+                let slice = image.slice(src, (n * BLOCK_SIZE) as usize).map_err(|_| FsError::Invalid("image busy"))?;
+                pending.push(self.inner.dev.write((db + done) * BLOCK_SIZE, slice));
                 done += n;
             }
         }
         let result = await_all(pending).await;
+        drop(image);
         self.inner.journal.borrow_mut().data_writes += 1;
-        self.inner.bump(|c| c.data_bytes_written += image.len() as u64);
+        self.inner.bump(|c| c.data_bytes_written += image_bytes);
         if let Err(e) = result {
             self.unreserve(&fresh, true);
             return Err(e.into());
@@ -291,33 +307,24 @@ impl Fs {
         if offset >= end {
             return Ok(Vec::new());
         }
+        // Copy what is cached now, in one synchronous step; then load the
+        // rest, copying each page into the result as it arrives. The shared
+        // lock keeps writers of the range out meanwhile.
         let last = (end - 1) / BLOCK_SIZE;
-        // Pages cached now may be evicted while we wait for others: keep
-        // every loaded page's copy and loop until nothing is missing, then
-        // assemble in one synchronous step.
-        let mut loaded: Vec<(u64, Vec<u8>)> = Vec::new();
-        for _ in 0..8 {
-            let fresh = self.load_missing_pages(ino, first, last, size_now, &loaded).await?;
-            if fresh.is_empty() {
-                break;
-            }
-            loaded.extend(fresh);
-        }
         let mut out = vec![0u8; (end - offset) as usize];
-        for page in first..=last {
-            let page_start = page * BLOCK_SIZE;
-            let from = offset.max(page_start);
-            let to = end.min(page_start + BLOCK_SIZE);
-            let dst = &mut out[(from - offset) as usize..(to - offset) as usize];
-            let src = (from - page_start) as usize..(to - page_start) as usize;
-            match self.inner.cache.borrow_mut().get((ino, page)) {
-                Some(p) => dst.copy_from_slice(&p[src]),
-                None => {
-                    let (_, p) = loaded.iter().rev().find(|(p, _)| *p == page).ok_or(FsError::Stale)?;
-                    dst.copy_from_slice(&p[src]);
-                }
-            }
-        }
+        let missing: Vec<u64> = {
+            let mut cache = self.inner.cache.borrow_mut();
+            (first..=last)
+                .filter(|&page| match cache.get((ino, page)) {
+                    Some(p) => {
+                        copy_page_part(p, page, offset, &mut out);
+                        false
+                    }
+                    None => true,
+                })
+                .collect()
+        };
+        self.load_pages_into(ino, &missing, size_now, offset, &mut out).await?;
         self.inner.bump(|c| c.data_bytes_read += out.len() as u64);
         Ok(out)
     }
@@ -342,30 +349,18 @@ impl Fs {
         Some(out)
     }
 
-    /// Load every uncached page of [first, last] with as few device reads
-    /// as possible: runs of pages on consecutive device blocks become one
-    /// request, and all requests are in flight together.
-    /// Returns a copy of each page it loaded; pages in `have` are skipped.
-    async fn load_missing_pages(
-        &self,
-        ino: u64,
-        first: u64,
-        last: u64,
-        size: u64,
-        have: &[(u64, Vec<u8>)],
-    ) -> FsResult<Vec<(u64, Vec<u8>)>> {
-        let missing: Vec<u64> = {
-            let cache = self.inner.cache.borrow();
-            (first..=last).filter(|&p| !cache.contains((ino, p)) && !have.iter().any(|(h, _)| *h == p)).collect()
-        };
-        let mut out = Vec::new();
-        if missing.is_empty() {
-            return Ok(out);
+    /// Load `pages` (sorted) with as few device reads as possible (runs on
+    /// consecutive device blocks become one request, all in flight
+    /// together), cache them, and copy their part of [offset, ..) into
+    /// `out`.
+    async fn load_pages_into(&self, ino: u64, pages: &[u64], size: u64, offset: u64, out: &mut [u8]) -> FsResult<()> {
+        if pages.is_empty() {
+            return Ok(());
         }
-        self.inner.cache.borrow_mut().note_misses(missing.len() as u64);
+        self.inner.cache.borrow_mut().note_misses(pages.len() as u64);
         // (first page, device block or None for zeros, pages)
         let mut runs: Vec<(u64, Option<u64>, u64)> = Vec::new();
-        for &page in &missing {
+        for &page in pages {
             let disk = match self.segments(ino, page, 1)?[0] {
                 Segment::Mapped(e) if !e.unwritten => Some(e.disk_block),
                 _ => None,
@@ -378,13 +373,13 @@ impl Fs {
         }
         let mut pending = Vec::new();
         for &(page, disk, n) in &runs {
-            if let Some(d) = disk {
+            let read = disk.map(|d| {
                 let buf = AlignedBuf::zeroed((n * BLOCK_SIZE) as usize, BLOCK_BYTES);
-                pending.push((page, n, Some(self.inner.dev.read(d * BLOCK_SIZE, buf))));
-            } else {
-                pending.push((page, n, None));
-            }
+                self.inner.dev.read(d * BLOCK_SIZE, buf)
+            });
+            pending.push((page, n, read));
         }
+        const ZEROS: [u8; PAGE_BYTES] = [0u8; PAGE_BYTES];
         for (page, n, read) in pending {
             let data = match read {
                 Some(f) => {
@@ -395,24 +390,22 @@ impl Fs {
                 }
                 None => None,
             };
+            let mut cache = self.inner.cache.borrow_mut();
             for k in 0..n {
-                let mut content = [0u8; PAGE_BYTES];
+                let mut content = ZEROS;
                 if let Some(buf) = &data {
                     content.copy_from_slice(&buf[(k * BLOCK_SIZE) as usize..((k + 1) * BLOCK_SIZE) as usize]);
                 }
                 let page_start = (page + k) * BLOCK_SIZE;
-                if size < page_start + BLOCK_SIZE {
-                    content[size.saturating_sub(page_start) as usize..].fill(0);
-                }
-                let mut cache = self.inner.cache.borrow_mut();
+                content[size.saturating_sub(page_start).min(BLOCK_SIZE) as usize..].fill(0);
+                copy_page_part(&content, page + k, offset, out);
                 if !cache.contains((ino, page + k)) {
-                    // A cache full of dirty pages keeps only our copy.
+                    // A cache full of dirty pages just does not keep it.
                     let _ = cache.insert((ino, page + k), &content);
                 }
-                out.push((page + k, content.to_vec()));
             }
         }
-        Ok(out)
+        Ok(())
     }
 
     /// A page's contents, loading it into the cache on a miss. Bytes past
@@ -609,36 +602,41 @@ impl Fs {
         }
         // Snapshot the pages still dirty (a truncate may have dropped some),
         // as whole contiguous runs.
-        let mut image = Vec::with_capacity((count * BLOCK_SIZE) as usize);
-        let mut run_first = None;
-        let mut runs = Vec::new();
-        let mut released = 0;
+        // Runs of pages still dirty (a truncate may have dropped some).
+        let mut runs: Vec<(u64, u64)> = Vec::new();
         {
-            let mut cache = self.inner.cache.borrow_mut();
+            let cache = self.inner.cache.borrow();
             for page in first..first + count {
-                let dirty = cache.is_dirty((ino, page));
-                if dirty {
-                    if run_first.is_none() {
-                        run_first = Some(page);
-                    }
-                    image.extend_from_slice(cache.get_mut((ino, page)).expect("dirty page is cached"));
-                    cache.mark_clean((ino, page));
-                    if cache.take_reserved((ino, page)) {
-                        released += 1;
-                    }
-                } else if let Some(f) = run_first.take() {
-                    runs.push((f, std::mem::take(&mut image)));
+                if !cache.is_dirty((ino, page)) {
+                    continue;
+                }
+                match runs.last_mut() {
+                    Some((f, n)) if *f + *n == page => *n += 1,
+                    _ => runs.push((page, 1)),
                 }
             }
         }
-        if let Some(f) = run_first {
-            runs.push((f, image));
+        let mut released = 0;
+        let mut images = Vec::with_capacity(runs.len());
+        {
+            let mut cache = self.inner.cache.borrow_mut();
+            for &(f, n) in &runs {
+                let mut image = AlignedBuf::zeroed((n * BLOCK_SIZE) as usize, BLOCK_BYTES);
+                for page in f..f + n {
+                    let at = ((page - f) * BLOCK_SIZE) as usize;
+                    image[at..at + PAGE_BYTES].copy_from_slice(cache.get_mut((ino, page)).expect("dirty page is cached"));
+                    cache.mark_clean((ino, page));
+                    released += u64::from(cache.take_reserved((ino, page)));
+                }
+                images.push((f, image));
+            }
         }
+        let runs = images;
         // The reservations become real allocations in write_image.
         self.inner.release_delalloc(released);
         for (f, image) in runs {
             let pages = image.len() as u64 / BLOCK_SIZE;
-            match self.write_image(ino, f, &image).await {
+            match self.write_image(ino, f, image).await {
                 Ok(records) => {
                     self.log_all(records)?;
                     self.inner.bump(|c| c.writeback_pages += pages);
@@ -956,7 +954,7 @@ impl Fs {
             self.zero_past_eof(ino, old_size).await?;
         }
         let nblocks = last - first + 1;
-        let mut image = vec![0u8; (nblocks * BLOCK_SIZE) as usize];
+        let mut image = AlignedBuf::zeroed((nblocks * BLOCK_SIZE) as usize, BLOCK_BYTES);
         let head = (offset % BLOCK_SIZE) as usize;
         if head != 0 {
             self.read_device_block(ino, first, &mut image[..BLOCK_BYTES]).await?;
@@ -970,7 +968,7 @@ impl Fs {
             image[old_size.saturating_sub(image_start) as usize..].fill(0);
         }
         image[head..head + data.len()].copy_from_slice(data);
-        let records = self.write_image(ino, first, &image).await?;
+        let records = self.write_image(ino, first, image).await?;
         let maps_blocks = !records.is_empty();
         self.log_all(records)?;
         let t = now();
