@@ -339,12 +339,7 @@ impl Fs {
         }
         let mut out = vec![0u8; (end - offset) as usize];
         for page in first..=last {
-            let page_start = page * BLOCK_SIZE;
-            let data = cache.get((ino, page)).expect("checked above");
-            let from = offset.max(page_start);
-            let to = end.min(page_start + BLOCK_SIZE);
-            out[(from - offset) as usize..(to - offset) as usize]
-                .copy_from_slice(&data[(from - page_start) as usize..(to - page_start) as usize]);
+            copy_page_part(cache.get((ino, page)).expect("checked above"), page, offset, &mut out);
         }
         Some(out)
     }
@@ -624,7 +619,8 @@ impl Fs {
                 let mut image = AlignedBuf::zeroed((n * BLOCK_SIZE) as usize, BLOCK_BYTES);
                 for page in f..f + n {
                     let at = ((page - f) * BLOCK_SIZE) as usize;
-                    image[at..at + PAGE_BYTES].copy_from_slice(cache.get_mut((ino, page)).expect("dirty page is cached"));
+                    image[at..at + PAGE_BYTES]
+                        .copy_from_slice(cache.get_mut((ino, page)).expect("dirty page is cached"));
                     cache.mark_clean((ino, page));
                     released += u64::from(cache.take_reserved((ino, page)));
                 }
