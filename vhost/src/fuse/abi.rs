@@ -1,0 +1,458 @@
+//! The FUSE wire protocol (linux/fuse.h, protocol 7.31 and later): the
+//! structures Linux sends and expects, parsed from untrusted bytes.
+//!
+//! Nothing here trusts the input: every read is bounds-checked, every
+//! length is validated against the bytes actually present, and a bad
+//! request is a [`ParseError`], never a panic. All integers are
+//! little-endian, as on every architecture keelfs runs on.
+
+/// The protocol version keelfs speaks.
+pub const KERNEL_VERSION: u32 = 7;
+pub const KERNEL_MINOR_VERSION: u32 = 38;
+/// The oldest minor version keelfs accepts (Linux 5.4-era kernels).
+pub const MIN_MINOR_VERSION: u32 = 31;
+
+pub const IN_HEADER_BYTES: usize = 40;
+pub const OUT_HEADER_BYTES: usize = 16;
+pub const ATTR_BYTES: usize = 88;
+pub const ENTRY_OUT_BYTES: usize = 40 + ATTR_BYTES;
+pub const ATTR_OUT_BYTES: usize = 16 + ATTR_BYTES;
+pub const INIT_OUT_BYTES: usize = 64;
+pub const NAME_MAX: usize = 255;
+
+/// Request opcodes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum Opcode {
+    Lookup = 1,
+    Forget = 2,
+    Getattr = 3,
+    Setattr = 4,
+    Readlink = 5,
+    Symlink = 6,
+    Mknod = 8,
+    Mkdir = 9,
+    Unlink = 10,
+    Rmdir = 11,
+    Rename = 12,
+    Link = 13,
+    Open = 14,
+    Read = 15,
+    Write = 16,
+    Statfs = 17,
+    Release = 18,
+    Fsync = 20,
+    Setxattr = 21,
+    Getxattr = 22,
+    Listxattr = 23,
+    Removexattr = 24,
+    Flush = 25,
+    Init = 26,
+    Opendir = 27,
+    Readdir = 28,
+    Releasedir = 29,
+    Fsyncdir = 30,
+    Getlk = 31,
+    Setlk = 32,
+    Setlkw = 33,
+    Access = 34,
+    Create = 35,
+    Interrupt = 36,
+    Bmap = 37,
+    Destroy = 38,
+    Ioctl = 39,
+    Poll = 40,
+    NotifyReply = 41,
+    BatchForget = 42,
+    Fallocate = 43,
+    Readdirplus = 44,
+    Rename2 = 45,
+    Lseek = 46,
+    CopyFileRange = 47,
+    SetupMapping = 48,
+    RemoveMapping = 49,
+    Syncfs = 50,
+    Tmpfile = 51,
+    Statx = 52,
+}
+
+impl Opcode {
+    pub fn from_u32(v: u32) -> Option<Self> {
+        use Opcode::*;
+        const ALL: [Opcode; 50] = [
+            Lookup,
+            Forget,
+            Getattr,
+            Setattr,
+            Readlink,
+            Symlink,
+            Mknod,
+            Mkdir,
+            Unlink,
+            Rmdir,
+            Rename,
+            Link,
+            Open,
+            Read,
+            Write,
+            Statfs,
+            Release,
+            Fsync,
+            Setxattr,
+            Getxattr,
+            Listxattr,
+            Removexattr,
+            Flush,
+            Init,
+            Opendir,
+            Readdir,
+            Releasedir,
+            Fsyncdir,
+            Getlk,
+            Setlk,
+            Setlkw,
+            Access,
+            Create,
+            Interrupt,
+            Bmap,
+            Destroy,
+            Ioctl,
+            Poll,
+            NotifyReply,
+            BatchForget,
+            Fallocate,
+            Readdirplus,
+            Rename2,
+            Lseek,
+            CopyFileRange,
+            SetupMapping,
+            RemoveMapping,
+            Syncfs,
+            Tmpfile,
+            Statx,
+        ];
+        ALL.into_iter().find(|op| *op as u32 == v)
+    }
+}
+
+/// INIT flags (fuse_init_in/out.flags, and flags2 shifted by 32).
+pub mod init_flags {
+    pub const ASYNC_READ: u64 = 1 << 0;
+    pub const POSIX_LOCKS: u64 = 1 << 1;
+    pub const ATOMIC_O_TRUNC: u64 = 1 << 3;
+    pub const EXPORT_SUPPORT: u64 = 1 << 4;
+    pub const BIG_WRITES: u64 = 1 << 5;
+    pub const DONT_MASK: u64 = 1 << 6;
+    pub const FLOCK_LOCKS: u64 = 1 << 10;
+    pub const AUTO_INVAL_DATA: u64 = 1 << 12;
+    pub const DO_READDIRPLUS: u64 = 1 << 13;
+    pub const READDIRPLUS_AUTO: u64 = 1 << 14;
+    pub const ASYNC_DIO: u64 = 1 << 15;
+    pub const WRITEBACK_CACHE: u64 = 1 << 16;
+    pub const PARALLEL_DIROPS: u64 = 1 << 18;
+    pub const HANDLE_KILLPRIV: u64 = 1 << 19;
+    pub const POSIX_ACL: u64 = 1 << 20;
+    pub const MAX_PAGES: u64 = 1 << 22;
+    pub const CACHE_SYMLINKS: u64 = 1 << 23;
+    pub const EXPLICIT_INVAL_DATA: u64 = 1 << 25;
+    pub const MAP_ALIGNMENT: u64 = 1 << 26;
+    pub const INIT_EXT: u64 = 1 << 30;
+    pub const INIT_RESERVED: u64 = 1 << 31;
+    pub const SECURITY_CTX: u64 = 1 << 32;
+    pub const HAS_INODE_DAX: u64 = 1 << 33;
+    pub const CREATE_SUPP_GROUP: u64 = 1 << 34;
+    pub const HAS_EXPIRE_ONLY: u64 = 1 << 35;
+    pub const DIRECT_IO_ALLOW_MMAP: u64 = 1 << 36;
+    pub const SETXATTR_EXT: u64 = 1 << 29;
+    pub const HANDLE_KILLPRIV_V2: u64 = 1 << 28;
+}
+
+/// fuse_open_out.open_flags.
+pub mod open_flags {
+    pub const DIRECT_IO: u32 = 1 << 0;
+    pub const KEEP_CACHE: u32 = 1 << 1;
+    pub const NONSEEKABLE: u32 = 1 << 2;
+    pub const CACHE_DIR: u32 = 1 << 3;
+    pub const STREAM: u32 = 1 << 4;
+    pub const NOFLUSH: u32 = 1 << 5;
+    pub const PARALLEL_DIRECT_WRITES: u32 = 1 << 6;
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ParseError {
+    #[error("request is {have} bytes, its {what} needs {need}")]
+    Short { what: &'static str, need: usize, have: usize },
+    #[error("header length {claimed} does not match the {actual} bytes received")]
+    LengthMismatch { claimed: u32, actual: usize },
+    #[error("unknown opcode {0}")]
+    UnknownOpcode(u32),
+    #[error("name is empty, too long, or contains '/' or NUL")]
+    BadName,
+    #[error("string is not NUL-terminated")]
+    Unterminated,
+    #[error("{0}")]
+    Invalid(&'static str),
+}
+
+impl ParseError {
+    /// The errno the reply carries.
+    pub fn errno(&self) -> i32 {
+        match self {
+            ParseError::UnknownOpcode(_) => libc::ENOSYS,
+            ParseError::BadName => libc::EINVAL,
+            ParseError::Short { .. }
+            | ParseError::LengthMismatch { .. }
+            | ParseError::Unterminated
+            | ParseError::Invalid(_) => libc::EINVAL,
+        }
+    }
+}
+
+/// A bounds-checked little-endian reader over request bytes.
+pub struct Cursor<'a> {
+    buf: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Cursor<'a> {
+    pub fn new(buf: &'a [u8]) -> Self {
+        Self { buf, at: 0 }
+    }
+    pub fn remaining(&self) -> &'a [u8] {
+        &self.buf[self.at..]
+    }
+    pub fn take(&mut self, n: usize, what: &'static str) -> Result<&'a [u8], ParseError> {
+        let have = self.buf.len() - self.at;
+        if have < n {
+            return Err(ParseError::Short { what, need: n, have });
+        }
+        let s = &self.buf[self.at..self.at + n];
+        self.at += n;
+        Ok(s)
+    }
+    pub fn u16(&mut self, what: &'static str) -> Result<u16, ParseError> {
+        Ok(u16::from_le_bytes(self.take(2, what)?.try_into().expect("2 bytes")))
+    }
+    pub fn u32(&mut self, what: &'static str) -> Result<u32, ParseError> {
+        Ok(u32::from_le_bytes(self.take(4, what)?.try_into().expect("4 bytes")))
+    }
+    pub fn u64(&mut self, what: &'static str) -> Result<u64, ParseError> {
+        Ok(u64::from_le_bytes(self.take(8, what)?.try_into().expect("8 bytes")))
+    }
+    /// A NUL-terminated string (the NUL is consumed, not returned).
+    pub fn cstr(&mut self) -> Result<&'a [u8], ParseError> {
+        let rest = self.remaining();
+        let nul = rest.iter().position(|&b| b == 0).ok_or(ParseError::Unterminated)?;
+        self.at += nul + 1;
+        Ok(&rest[..nul])
+    }
+    /// A NUL-terminated directory-entry name, validated.
+    pub fn name(&mut self) -> Result<&'a [u8], ParseError> {
+        let name = self.cstr()?;
+        if name.is_empty() || name.len() > NAME_MAX || name.contains(&b'/') {
+            return Err(ParseError::BadName);
+        }
+        Ok(name)
+    }
+}
+
+/// fuse_in_header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InHeader {
+    pub len: u32,
+    pub opcode: u32,
+    pub unique: u64,
+    pub nodeid: u64,
+    pub uid: u32,
+    pub gid: u32,
+    pub pid: u32,
+    pub total_extlen: u16,
+}
+
+impl InHeader {
+    /// Parse the header and check its length against the request: the
+    /// first thing done with any request.
+    pub fn parse(request: &[u8]) -> Result<(Self, &[u8]), ParseError> {
+        let mut c = Cursor::new(request);
+        let h = InHeader {
+            len: c.u32("in_header.len")?,
+            opcode: c.u32("in_header.opcode")?,
+            unique: c.u64("in_header.unique")?,
+            nodeid: c.u64("in_header.nodeid")?,
+            uid: c.u32("in_header.uid")?,
+            gid: c.u32("in_header.gid")?,
+            pid: c.u32("in_header.pid")?,
+            total_extlen: c.u16("in_header.total_extlen")?,
+        };
+        c.u16("in_header.padding")?;
+        if h.len as usize != request.len() {
+            return Err(ParseError::LengthMismatch { claimed: h.len, actual: request.len() });
+        }
+        let ext = usize::from(h.total_extlen) * 8;
+        let body = c.remaining();
+        if ext > body.len() {
+            return Err(ParseError::Short { what: "request extensions", need: ext, have: body.len() });
+        }
+        Ok((h, &body[..body.len() - ext]))
+    }
+}
+
+/// fuse_attr, as replies carry it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Attr {
+    pub ino: u64,
+    pub size: u64,
+    pub blocks: u64,
+    pub atime: u64,
+    pub mtime: u64,
+    pub ctime: u64,
+    pub atimensec: u32,
+    pub mtimensec: u32,
+    pub ctimensec: u32,
+    pub mode: u32,
+    pub nlink: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub rdev: u32,
+    pub blksize: u32,
+    pub flags: u32,
+}
+
+/// Building replies: fixed-size little-endian fields appended in order.
+#[derive(Default)]
+pub struct Reply {
+    pub bytes: Vec<u8>,
+}
+
+impl Reply {
+    pub fn u16(&mut self, v: u16) -> &mut Self {
+        self.bytes.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    pub fn u32(&mut self, v: u32) -> &mut Self {
+        self.bytes.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    pub fn u64(&mut self, v: u64) -> &mut Self {
+        self.bytes.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    pub fn raw(&mut self, v: &[u8]) -> &mut Self {
+        self.bytes.extend_from_slice(v);
+        self
+    }
+    pub fn attr(&mut self, a: &Attr) -> &mut Self {
+        self.u64(a.ino).u64(a.size).u64(a.blocks).u64(a.atime).u64(a.mtime).u64(a.ctime);
+        self.u32(a.atimensec).u32(a.mtimensec).u32(a.ctimensec).u32(a.mode).u32(a.nlink);
+        self.u32(a.uid).u32(a.gid).u32(a.rdev).u32(a.blksize).u32(a.flags)
+    }
+    /// fuse_entry_out.
+    pub fn entry(&mut self, nodeid: u64, generation: u64, valid_ns: u64, attr: &Attr) -> &mut Self {
+        let (s, ns) = (valid_ns / 1_000_000_000, (valid_ns % 1_000_000_000) as u32);
+        self.u64(nodeid).u64(generation).u64(s).u64(s).u32(ns).u32(ns).attr(attr)
+    }
+    /// fuse_attr_out.
+    pub fn attr_out(&mut self, valid_ns: u64, attr: &Attr) -> &mut Self {
+        self.u64(valid_ns / 1_000_000_000).u32((valid_ns % 1_000_000_000) as u32).u32(0).attr(attr)
+    }
+    /// The whole reply: fuse_out_header then this body.
+    pub fn finish(&self, unique: u64, error: i32) -> Vec<u8> {
+        let body: &[u8] = if error == 0 { &self.bytes } else { &[] };
+        let mut out = Vec::with_capacity(OUT_HEADER_BYTES + body.len());
+        out.extend_from_slice(&((OUT_HEADER_BYTES + body.len()) as u32).to_le_bytes());
+        out.extend_from_slice(&error.to_le_bytes());
+        out.extend_from_slice(&unique.to_le_bytes());
+        out.extend_from_slice(body);
+        out
+    }
+}
+
+/// An error reply: a bare header carrying -errno.
+pub fn error_reply(unique: u64, errno: i32) -> Vec<u8> {
+    Reply::default().finish(unique, -errno.abs())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(len: u32, opcode: u32, extlen: u16) -> Vec<u8> {
+        let mut r = Reply::default();
+        r.u32(len).u32(opcode).u64(7).u64(1).u32(1000).u32(1000).u32(42).u16(extlen).u16(0);
+        r.bytes
+    }
+
+    #[test]
+    fn header_parses_and_checks_its_length() {
+        let mut req = header(40 + 6, Opcode::Lookup as u32, 0);
+        req.extend_from_slice(b"hello\0");
+        let (h, body) = InHeader::parse(&req).unwrap();
+        assert_eq!((h.opcode, h.unique, h.nodeid, h.uid), (1, 7, 1, 1000));
+        assert_eq!(Cursor::new(body).name().unwrap(), b"hello");
+        let mut lying = header(100, 1, 0);
+        lying.extend_from_slice(b"x\0");
+        assert!(matches!(InHeader::parse(&lying), Err(ParseError::LengthMismatch { .. })));
+        assert!(matches!(InHeader::parse(&req[..20]), Err(ParseError::Short { .. })));
+        let ext = header(40, 1, 3);
+        assert!(matches!(InHeader::parse(&ext), Err(ParseError::Short { .. })));
+    }
+
+    #[test]
+    fn names_are_validated() {
+        assert_eq!(Cursor::new(b"a/b\0").name(), Err(ParseError::BadName));
+        assert_eq!(Cursor::new(b"\0").name(), Err(ParseError::BadName));
+        assert_eq!(Cursor::new(b"abc").name(), Err(ParseError::Unterminated));
+        let long = [vec![b'x'; 256], vec![0]].concat();
+        assert_eq!(Cursor::new(&long).name(), Err(ParseError::BadName));
+        let ok = [vec![b'x'; 255], vec![0]].concat();
+        assert_eq!(Cursor::new(&ok).name().unwrap().len(), 255);
+    }
+
+    #[test]
+    fn opcodes_round_trip_and_unknown_ones_are_refused() {
+        for v in 0..100 {
+            if let Some(op) = Opcode::from_u32(v) {
+                assert_eq!(op as u32, v);
+            }
+        }
+        assert_eq!(Opcode::from_u32(7), None, "7 is unused in the protocol");
+        assert_eq!(Opcode::from_u32(4096), None);
+        assert_eq!(ParseError::UnknownOpcode(4096).errno(), libc::ENOSYS);
+    }
+
+    #[test]
+    fn replies_have_the_kernel_sizes() {
+        let mut r = Reply::default();
+        r.attr(&Attr::default());
+        assert_eq!(r.bytes.len(), ATTR_BYTES);
+        let mut e = Reply::default();
+        e.entry(2, 1, 1_500_000_000, &Attr::default());
+        assert_eq!(e.bytes.len(), ENTRY_OUT_BYTES);
+        let mut a = Reply::default();
+        a.attr_out(0, &Attr::default());
+        assert_eq!(a.bytes.len(), ATTR_OUT_BYTES);
+        let reply = e.finish(9, 0);
+        assert_eq!(u32::from_le_bytes(reply[..4].try_into().unwrap()) as usize, OUT_HEADER_BYTES + ENTRY_OUT_BYTES);
+        let err = error_reply(9, libc::ENOENT);
+        assert_eq!(err.len(), OUT_HEADER_BYTES);
+        assert_eq!(i32::from_le_bytes(err[4..8].try_into().unwrap()), -libc::ENOENT);
+    }
+
+    #[test]
+    fn arbitrary_bytes_never_panic_the_parser() {
+        let mut state = 0x1234_5678u64;
+        for len in 0..200usize {
+            let bytes: Vec<u8> = (0..len)
+                .map(|_| {
+                    state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    (state >> 33) as u8
+                })
+                .collect();
+            if let Ok((_, body)) = InHeader::parse(&bytes) {
+                let mut c = Cursor::new(body);
+                let _ = c.name();
+                let _ = c.u64("x");
+            }
+        }
+    }
+}
