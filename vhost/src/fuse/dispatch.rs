@@ -1,0 +1,371 @@
+//! One FUSE dispatcher over fs-core, shared by the virtio-fs backend and
+//! the /dev/fuse transport: request bytes in, reply bytes out.
+
+use std::cell::Cell;
+use std::time::Duration;
+
+use keelfs_core::bdev::AlignedBuf;
+use keelfs_core::fs::format::Timespec;
+use keelfs_core::fs::{Attr as FsAttr, Creds, Fs, FsError, SetAttr, TimeSet};
+
+use super::abi::{
+    error_reply, init_flags as f, open_flags, Attr, InHeader, Reply, KERNEL_MINOR_VERSION, KERNEL_VERSION,
+    MIN_MINOR_VERSION,
+};
+use super::request::{fattr, parse, Request, SetattrIn};
+
+#[derive(Clone, Debug)]
+pub struct SessionConfig {
+    pub entry_timeout: Duration,
+    pub attr_timeout: Duration,
+    pub max_write: u32,
+    /// Let the guest cache writes (the `always` cache mode).
+    pub writeback_cache: bool,
+}
+
+impl Default for SessionConfig {
+    fn default() -> Self {
+        Self {
+            entry_timeout: Duration::from_secs(1),
+            attr_timeout: Duration::from_secs(1),
+            max_write: 1 << 20,
+            writeback_cache: false,
+        }
+    }
+}
+
+/// What keelfs implements and therefore offers at INIT.
+const OFFERED: u64 = f::ASYNC_READ
+    | f::ATOMIC_O_TRUNC
+    | f::BIG_WRITES
+    | f::DO_READDIRPLUS
+    | f::READDIRPLUS_AUTO
+    | f::ASYNC_DIO
+    | f::PARALLEL_DIROPS
+    | f::MAX_PAGES
+    | f::SETXATTR_EXT
+    | f::INIT_EXT;
+
+pub struct Session {
+    fs: Fs,
+    config: SessionConfig,
+    initialized: Cell<bool>,
+    flags: Cell<u64>,
+}
+
+fn errno_of(e: &FsError) -> i32 {
+    e.errno()
+}
+
+fn to_abi_attr(a: &FsAttr) -> Attr {
+    let i = &a.inode;
+    Attr {
+        ino: i.ino,
+        size: i.size,
+        blocks: a.blocks_512,
+        atime: i.atime.sec as u64,
+        mtime: i.mtime.sec as u64,
+        ctime: i.ctime.sec as u64,
+        atimensec: i.atime.nsec,
+        mtimensec: i.mtime.nsec,
+        ctimensec: i.ctime.nsec,
+        mode: i.mode,
+        nlink: i.nlink,
+        uid: i.uid,
+        gid: i.gid,
+        rdev: i.rdev,
+        blksize: 4096,
+        flags: 0,
+    }
+}
+
+type Outcome = Result<Option<Reply>, i32>;
+
+impl Session {
+    pub fn new(fs: Fs, config: SessionConfig) -> Self {
+        Self { fs, config, initialized: Cell::new(false), flags: Cell::new(0) }
+    }
+
+    pub fn fs(&self) -> &Fs {
+        &self.fs
+    }
+
+    /// Handle one request. None means FUSE expects no reply (FORGET,
+    /// BATCH_FORGET, INTERRUPT, or bytes too broken to name a request).
+    pub async fn handle(&self, request: &[u8]) -> Option<Vec<u8>> {
+        let (header, body) = match InHeader::parse(request) {
+            Ok(parsed) => parsed,
+            Err(e) => {
+                let unique = request.get(8..16)?.try_into().ok().map(u64::from_le_bytes)?;
+                return Some(error_reply(unique, e.errno()));
+            }
+        };
+        let req = match parse(&header, body, self.flags.get() & f::SETXATTR_EXT != 0) {
+            Ok(r) => r,
+            Err(e) => return Some(error_reply(header.unique, e.errno())),
+        };
+        if matches!(req, Request::Forget { .. } | Request::BatchForget { .. } | Request::Interrupt { .. }) {
+            self.forget(&header, &req).await;
+            return None;
+        }
+        if !self.initialized.get() && !matches!(req, Request::Init { .. }) {
+            return Some(error_reply(header.unique, libc::EIO));
+        }
+        Some(match self.dispatch(&header, req).await {
+            Ok(Some(reply)) => reply.finish(header.unique, 0),
+            Ok(None) => Reply::default().finish(header.unique, 0),
+            Err(errno) => error_reply(header.unique, errno),
+        })
+    }
+
+    async fn forget(&self, header: &InHeader, req: &Request<'_>) {
+        match req {
+            Request::Forget { nlookup } => {
+                let _ = self.fs.forget(header.nodeid, *nlookup).await;
+            }
+            Request::BatchForget { items } => {
+                for &(ino, n) in items {
+                    let _ = self.fs.forget(ino, n).await;
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn valid_ns(d: Duration) -> u64 {
+        d.as_nanos() as u64
+    }
+
+    fn entry(&self, a: &FsAttr) -> Reply {
+        let mut r = Reply::default();
+        r.entry(a.inode.ino, a.inode.generation, Self::valid_ns(self.config.entry_timeout), &to_abi_attr(a));
+        r
+    }
+
+    fn attr(&self, a: &FsAttr) -> Reply {
+        let mut r = Reply::default();
+        r.attr_out(Self::valid_ns(self.config.attr_timeout), &to_abi_attr(a));
+        r
+    }
+
+    fn init(&self, major: u32, minor: u32, max_readahead: u32, kernel_flags: u64) -> Outcome {
+        if major < KERNEL_VERSION || (major == KERNEL_VERSION && minor < MIN_MINOR_VERSION) {
+            return Err(libc::EPROTO);
+        }
+        let mut offered = OFFERED;
+        if self.config.writeback_cache {
+            offered |= f::WRITEBACK_CACHE;
+        }
+        let flags = kernel_flags & offered;
+        self.flags.set(flags);
+        self.initialized.set(true);
+        let mut r = Reply::default();
+        r.u32(KERNEL_VERSION).u32(KERNEL_MINOR_VERSION.min(if major > KERNEL_VERSION {
+            KERNEL_MINOR_VERSION
+        } else {
+            minor
+        }));
+        r.u32(max_readahead).u32(flags as u32);
+        r.u16(256).u16(192); // max_background, congestion_threshold
+        r.u32(self.config.max_write).u32(1); // max_write, time_gran (ns)
+        r.u16((self.config.max_write / 4096) as u16).u16(0); // max_pages, map_alignment
+        r.u32((flags >> 32) as u32).u32(0); // flags2, max_stack_depth
+        r.raw(&[0u8; 24]);
+        Ok(Some(r))
+    }
+
+    async fn dispatch(&self, h: &InHeader, req: Request<'_>) -> Outcome {
+        let c = Creds { uid: h.uid, gid: h.gid, groups: Vec::new() };
+        let fs = &self.fs;
+        let ino = h.nodeid;
+        let e = |err: FsError| errno_of(&err);
+        match req {
+            Request::Init { major, minor, max_readahead, flags } => self.init(major, minor, max_readahead, flags),
+            Request::Destroy => Ok(None),
+            Request::Lookup { name } => Ok(Some(self.entry(&fs.lookup(&c, ino, name).await.map_err(e)?))),
+            Request::Getattr => Ok(Some(self.attr(&fs.getattr(ino).await.map_err(e)?))),
+            Request::Setattr(s) => {
+                let a = fs.setattr(&c, ino, &to_setattr(&s), s.valid & fattr::FH != 0).await.map_err(e)?;
+                Ok(Some(self.attr(&a)))
+            }
+            Request::Readlink => {
+                let mut r = Reply::default();
+                r.raw(&fs.readlink(ino).await.map_err(e)?);
+                Ok(Some(r))
+            }
+            Request::Symlink { name, target } => {
+                Ok(Some(self.entry(&fs.symlink(&c, ino, name, target).await.map_err(e)?)))
+            }
+            Request::Mknod { mode, rdev, name, .. } => {
+                Ok(Some(self.entry(&fs.mknod(&c, ino, name, mode, rdev).await.map_err(e)?)))
+            }
+            Request::Mkdir { mode, name, .. } => Ok(Some(self.entry(&fs.mkdir(&c, ino, name, mode).await.map_err(e)?))),
+            Request::Unlink { name } => fs.unlink(&c, ino, name).await.map(|_| None).map_err(e),
+            Request::Rmdir { name } => fs.rmdir(&c, ino, name).await.map(|_| None).map_err(e),
+            Request::Rename { newdir, flags, name, newname } => {
+                fs.rename(&c, ino, name, newdir, newname, flags).await.map(|_| None).map_err(e)
+            }
+            Request::Link { oldnodeid, newname } => {
+                Ok(Some(self.entry(&fs.link(&c, oldnodeid, ino, newname).await.map_err(e)?)))
+            }
+            Request::Open { flags } => {
+                let fh = fs.open(&c, ino, flags).await.map_err(e)?;
+                Ok(Some(open_out(fh, flags)))
+            }
+            Request::Opendir { .. } => {
+                let fh = fs.opendir(&c, ino).await.map_err(e)?;
+                Ok(Some(open_out(fh, 0)))
+            }
+            Request::Create { flags, mode, name, .. } => {
+                let (a, fh) = fs.create(&c, ino, name, mode, flags).await.map_err(e)?;
+                let mut r = self.entry(&a);
+                r.raw(&open_out(fh, flags).bytes);
+                Ok(Some(r))
+            }
+            Request::Read { fh, offset, size } => self.read(fh, ino, offset, size).await,
+            Request::Write { fh, offset, data } => self.write(fh, ino, offset, data).await,
+            Request::Readdir { offset, size, plus, .. } => self.readdir(&c, ino, offset, size, plus).await,
+            Request::Statfs => {
+                let s = fs.statfs().await.map_err(e)?;
+                let mut r = Reply::default();
+                r.u64(s.blocks).u64(s.blocks_free).u64(s.blocks_free).u64(s.files).u64(s.files_free);
+                r.u32(s.block_size).u32(s.name_max).u32(s.block_size).u32(0).raw(&[0u8; 24]);
+                Ok(Some(r))
+            }
+            Request::Release { fh } | Request::Releasedir { fh } => fs.release(fh).await.map(|_| None).map_err(e),
+            Request::Flush { .. } => Ok(None),
+            Request::Fsync { datasync, dir, .. } => {
+                let r = if dir { fs.fsyncdir(ino, datasync).await } else { fs.fsync(ino, datasync).await };
+                r.map(|_| None).map_err(e)
+            }
+            Request::Setxattr { flags, name, value } => {
+                fs.setxattr(&c, ino, name, value, flags).await.map(|_| None).map_err(e)
+            }
+            Request::Getxattr { size, name } => sized(size, fs.getxattr(&c, ino, name).await.map_err(e)?),
+            Request::Listxattr { size } => sized(size, fs.listxattr(ino).await.map_err(e)?),
+            Request::Removexattr { name } => fs.removexattr(&c, ino, name).await.map(|_| None).map_err(e),
+            Request::Access { mask } => fs.access(&c, ino, mask).await.map(|_| None).map_err(e),
+            Request::Fallocate { offset, length, mode, .. } => {
+                fs.fallocate(ino, mode, offset, length).await.map(|_| None).map_err(e)
+            }
+            Request::Lseek { offset, whence, .. } => {
+                let at = match whence {
+                    3 | 4 => fs.lseek(ino, offset, whence).await.map_err(e)?,
+                    _ => return Err(libc::EINVAL),
+                };
+                let mut r = Reply::default();
+                r.u64(at);
+                Ok(Some(r))
+            }
+            Request::Syncfs => fs.sync().await.map(|_| None).map_err(e),
+            Request::Unsupported(_) => Err(libc::ENOSYS),
+            Request::Forget { .. } | Request::BatchForget { .. } | Request::Interrupt { .. } => Ok(None),
+        }
+    }
+
+    async fn read(&self, fh: u64, ino: u64, offset: u64, size: u32) -> Outcome {
+        let (_, flags) = self.fs.handle(fh).map_err(|e| e.errno())?;
+        let size = size.min(self.config.max_write);
+        let data = if flags as i32 & libc::O_DIRECT != 0 {
+            let buf = AlignedBuf::zeroed((size as usize).div_ceil(4096).max(1) * 4096, 4096);
+            let (buf, n) = self.fs.read_direct(ino, offset, buf).await;
+            buf[..n.map_err(|e| e.errno())? as usize].to_vec()
+        } else {
+            self.fs.read(ino, offset, size).await.map_err(|e| e.errno())?
+        };
+        let mut r = Reply::default();
+        r.raw(&data[..data.len().min(size as usize)]);
+        Ok(Some(r))
+    }
+
+    async fn write(&self, fh: u64, ino: u64, offset: u64, data: &[u8]) -> Outcome {
+        let (_, flags) = self.fs.handle(fh).map_err(|e| e.errno())?;
+        if data.len() > self.config.max_write as usize {
+            return Err(libc::EINVAL);
+        }
+        // O_DIRECT handles bypass the page cache. The copy out of the
+        // request goes away once guest memory is handed over directly.
+        let n = if flags as i32 & libc::O_DIRECT != 0 && !data.is_empty() {
+            let mut buf = AlignedBuf::zeroed(data.len(), 4096);
+            buf.copy_from_slice(data);
+            self.fs.write_direct(ino, offset, buf).await.1
+        } else {
+            self.fs.write(ino, offset, data).await
+        }
+        .map_err(|e| e.errno())?;
+        let mut r = Reply::default();
+        r.u32(n).u32(0);
+        Ok(Some(r))
+    }
+
+    async fn readdir(&self, c: &Creds, ino: u64, offset: u64, size: u32, plus: bool) -> Outcome {
+        let entries = self.fs.readdir(ino, offset, 4096).await.map_err(|e| e.errno())?;
+        let mut r = Reply::default();
+        for ent in entries {
+            let namelen = ent.name.len();
+            let dirent_len = (24 + namelen).div_ceil(8) * 8;
+            let need = dirent_len + if plus { super::abi::ENTRY_OUT_BYTES } else { 0 };
+            if r.bytes.len() + need > size as usize {
+                break;
+            }
+            if plus {
+                let dots = ent.name == b"." || ent.name == b"..";
+                if dots {
+                    // No lookup reference for "." and "..": a zeroed entry.
+                    r.raw(&[0u8; super::abi::ENTRY_OUT_BYTES]);
+                } else {
+                    let a = self.fs.lookup(c, ino, &ent.name).await.map_err(|e| e.errno())?;
+                    r.raw(&self.entry(&a).bytes);
+                }
+            }
+            r.u64(ent.ino).u64(ent.next_offset).u32(namelen as u32).u32(ent.file_type >> 12);
+            r.raw(&ent.name);
+            r.raw(&[0u8; 8][..dirent_len - 24 - namelen]);
+        }
+        Ok(Some(r))
+    }
+}
+
+fn open_out(fh: u64, flags: u32) -> Reply {
+    let mut open = 0;
+    if flags as i32 & libc::O_DIRECT != 0 {
+        open |= open_flags::DIRECT_IO | open_flags::PARALLEL_DIRECT_WRITES;
+    }
+    let mut r = Reply::default();
+    r.u64(fh).u32(open).u32(0);
+    r
+}
+
+/// getxattr/listxattr: a size query, the value, or ERANGE.
+fn sized(size: u32, value: Vec<u8>) -> Outcome {
+    let mut r = Reply::default();
+    if size == 0 {
+        r.u32(value.len() as u32).u32(0);
+    } else if (size as usize) < value.len() {
+        return Err(libc::ERANGE);
+    } else {
+        r.raw(&value);
+    }
+    Ok(Some(r))
+}
+
+fn to_setattr(s: &SetattrIn) -> SetAttr {
+    let time = |set: bool, now: bool, sec: u64, nsec: u32| {
+        if now {
+            Some(TimeSet::Now)
+        } else if set {
+            Some(TimeSet::At(Timespec { sec: sec as i64, nsec }))
+        } else {
+            None
+        }
+    };
+    SetAttr {
+        mode: (s.valid & fattr::MODE != 0).then_some(s.mode),
+        uid: (s.valid & fattr::UID != 0).then_some(s.uid),
+        gid: (s.valid & fattr::GID != 0).then_some(s.gid),
+        size: (s.valid & fattr::SIZE != 0).then_some(s.size),
+        atime: time(s.valid & fattr::ATIME != 0, s.valid & fattr::ATIME_NOW != 0, s.atime, s.atimensec),
+        mtime: time(s.valid & fattr::MTIME != 0, s.valid & fattr::MTIME_NOW != 0, s.mtime, s.mtimensec),
+        ctime: (s.valid & fattr::CTIME != 0).then_some(Timespec { sec: s.ctime as i64, nsec: s.ctimensec }),
+    }
+}

@@ -1,0 +1,349 @@
+//! FUSE requests decoded into typed values. Every field is read through
+//! the bounds-checked [`Cursor`]; anything malformed is a [`ParseError`].
+
+use super::abi::{Cursor, InHeader, Opcode, ParseError};
+
+/// fuse_setattr_in.valid bits.
+pub mod fattr {
+    pub const MODE: u32 = 1 << 0;
+    pub const UID: u32 = 1 << 1;
+    pub const GID: u32 = 1 << 2;
+    pub const SIZE: u32 = 1 << 3;
+    pub const ATIME: u32 = 1 << 4;
+    pub const MTIME: u32 = 1 << 5;
+    pub const FH: u32 = 1 << 6;
+    pub const ATIME_NOW: u32 = 1 << 7;
+    pub const MTIME_NOW: u32 = 1 << 8;
+    pub const CTIME: u32 = 1 << 10;
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SetattrIn {
+    pub valid: u32,
+    pub fh: u64,
+    pub size: u64,
+    pub atime: u64,
+    pub mtime: u64,
+    pub ctime: u64,
+    pub atimensec: u32,
+    pub mtimensec: u32,
+    pub ctimensec: u32,
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Request<'a> {
+    Init {
+        major: u32,
+        minor: u32,
+        max_readahead: u32,
+        flags: u64,
+    },
+    Destroy,
+    Lookup {
+        name: &'a [u8],
+    },
+    Forget {
+        nlookup: u64,
+    },
+    BatchForget {
+        items: Vec<(u64, u64)>,
+    },
+    Getattr,
+    Setattr(SetattrIn),
+    Readlink,
+    Symlink {
+        name: &'a [u8],
+        target: &'a [u8],
+    },
+    Mknod {
+        mode: u32,
+        rdev: u32,
+        umask: u32,
+        name: &'a [u8],
+    },
+    Mkdir {
+        mode: u32,
+        umask: u32,
+        name: &'a [u8],
+    },
+    Unlink {
+        name: &'a [u8],
+    },
+    Rmdir {
+        name: &'a [u8],
+    },
+    Rename {
+        newdir: u64,
+        flags: u32,
+        name: &'a [u8],
+        newname: &'a [u8],
+    },
+    Link {
+        oldnodeid: u64,
+        newname: &'a [u8],
+    },
+    Open {
+        flags: u32,
+    },
+    Opendir {
+        flags: u32,
+    },
+    Create {
+        flags: u32,
+        mode: u32,
+        umask: u32,
+        name: &'a [u8],
+    },
+    Read {
+        fh: u64,
+        offset: u64,
+        size: u32,
+    },
+    Write {
+        fh: u64,
+        offset: u64,
+        data: &'a [u8],
+    },
+    Readdir {
+        fh: u64,
+        offset: u64,
+        size: u32,
+        plus: bool,
+    },
+    Statfs,
+    Release {
+        fh: u64,
+    },
+    Releasedir {
+        fh: u64,
+    },
+    Flush {
+        fh: u64,
+    },
+    Fsync {
+        fh: u64,
+        datasync: bool,
+        dir: bool,
+    },
+    Setxattr {
+        flags: u32,
+        name: &'a [u8],
+        value: &'a [u8],
+    },
+    Getxattr {
+        size: u32,
+        name: &'a [u8],
+    },
+    Listxattr {
+        size: u32,
+    },
+    Removexattr {
+        name: &'a [u8],
+    },
+    Access {
+        mask: u32,
+    },
+    Interrupt {
+        unique: u64,
+    },
+    Fallocate {
+        fh: u64,
+        offset: u64,
+        length: u64,
+        mode: u32,
+    },
+    Lseek {
+        fh: u64,
+        offset: u64,
+        whence: u32,
+    },
+    Syncfs,
+    /// A known opcode keelfs does not implement: the reply is ENOSYS.
+    Unsupported(Opcode),
+}
+
+/// Largest batch of forgets accepted in one request.
+const BATCH_FORGET_MAX: u32 = 1 << 16;
+
+/// Decode a request body. `setxattr_ext` says whether the extended
+/// fuse_setxattr_in was negotiated.
+pub fn parse<'a>(header: &InHeader, body: &'a [u8], setxattr_ext: bool) -> Result<Request<'a>, ParseError> {
+    let op = Opcode::from_u32(header.opcode).ok_or(ParseError::UnknownOpcode(header.opcode))?;
+    let mut c = Cursor::new(body);
+    let r = match op {
+        Opcode::Init => {
+            let major = c.u32("init.major")?;
+            let minor = c.u32("init.minor")?;
+            let max_readahead = c.u32("init.max_readahead")?;
+            let flags = u64::from(c.u32("init.flags")?);
+            // flags2 exists from 7.36 on.
+            let flags2 = if minor >= 36 { u64::from(c.u32("init.flags2")?) } else { 0 };
+            Request::Init { major, minor, max_readahead, flags: flags | (flags2 << 32) }
+        }
+        Opcode::Destroy => Request::Destroy,
+        Opcode::Lookup => Request::Lookup { name: c.name()? },
+        Opcode::Forget => Request::Forget { nlookup: c.u64("forget.nlookup")? },
+        Opcode::BatchForget => {
+            let count = c.u32("batch_forget.count")?;
+            c.u32("batch_forget.dummy")?;
+            if count > BATCH_FORGET_MAX {
+                return Err(ParseError::Invalid("batch forget count too large"));
+            }
+            let mut items = Vec::with_capacity(count as usize);
+            for _ in 0..count {
+                items.push((c.u64("forget_one.nodeid")?, c.u64("forget_one.nlookup")?));
+            }
+            Request::BatchForget { items }
+        }
+        Opcode::Getattr => Request::Getattr,
+        Opcode::Setattr => Request::Setattr(parse_setattr(&mut c)?),
+        Opcode::Readlink => Request::Readlink,
+        Opcode::Symlink => {
+            let name = c.name()?;
+            let target = c.cstr()?;
+            Request::Symlink { name, target }
+        }
+        Opcode::Mknod => {
+            let (mode, rdev, umask) = (c.u32("mknod.mode")?, c.u32("mknod.rdev")?, c.u32("mknod.umask")?);
+            c.u32("mknod.padding")?;
+            Request::Mknod { mode, rdev, umask, name: c.name()? }
+        }
+        Opcode::Mkdir => {
+            let (mode, umask) = (c.u32("mkdir.mode")?, c.u32("mkdir.umask")?);
+            Request::Mkdir { mode, umask, name: c.name()? }
+        }
+        Opcode::Unlink => Request::Unlink { name: c.name()? },
+        Opcode::Rmdir => Request::Rmdir { name: c.name()? },
+        Opcode::Rename => {
+            let newdir = c.u64("rename.newdir")?;
+            Request::Rename { newdir, flags: 0, name: c.name()?, newname: c.name()? }
+        }
+        Opcode::Rename2 => {
+            let newdir = c.u64("rename2.newdir")?;
+            let flags = c.u32("rename2.flags")?;
+            c.u32("rename2.padding")?;
+            Request::Rename { newdir, flags, name: c.name()?, newname: c.name()? }
+        }
+        Opcode::Link => {
+            let oldnodeid = c.u64("link.oldnodeid")?;
+            Request::Link { oldnodeid, newname: c.name()? }
+        }
+        Opcode::Open | Opcode::Opendir => {
+            let flags = c.u32("open.flags")?;
+            c.u32("open.open_flags")?;
+            if op == Opcode::Open {
+                Request::Open { flags }
+            } else {
+                Request::Opendir { flags }
+            }
+        }
+        Opcode::Create => {
+            let (flags, mode, umask) = (c.u32("create.flags")?, c.u32("create.mode")?, c.u32("create.umask")?);
+            c.u32("create.open_flags")?;
+            Request::Create { flags, mode, umask, name: c.name()? }
+        }
+        Opcode::Read | Opcode::Readdir | Opcode::Readdirplus => {
+            let (fh, offset, size) = parse_read_in(&mut c)?;
+            match op {
+                Opcode::Read => Request::Read { fh, offset, size },
+                _ => Request::Readdir { fh, offset, size, plus: op == Opcode::Readdirplus },
+            }
+        }
+        Opcode::Write => {
+            let fh = c.u64("write.fh")?;
+            let offset = c.u64("write.offset")?;
+            let size = c.u32("write.size")?;
+            c.take(4 + 8 + 4 + 4, "write_in")?;
+            let data = c.take(size as usize, "write data")?;
+            Request::Write { fh, offset, data }
+        }
+        Opcode::Statfs => Request::Statfs,
+        Opcode::Release | Opcode::Releasedir => {
+            let fh = c.u64("release.fh")?;
+            c.take(16, "release_in")?;
+            if op == Opcode::Release {
+                Request::Release { fh }
+            } else {
+                Request::Releasedir { fh }
+            }
+        }
+        Opcode::Flush => {
+            let fh = c.u64("flush.fh")?;
+            c.take(16, "flush_in")?;
+            Request::Flush { fh }
+        }
+        Opcode::Fsync | Opcode::Fsyncdir => {
+            let fh = c.u64("fsync.fh")?;
+            let flags = c.u32("fsync.flags")?;
+            c.u32("fsync.padding")?;
+            Request::Fsync { fh, datasync: flags & 1 != 0, dir: op == Opcode::Fsyncdir }
+        }
+        Opcode::Setxattr => {
+            let size = c.u32("setxattr.size")?;
+            let flags = c.u32("setxattr.flags")?;
+            if setxattr_ext {
+                c.take(8, "setxattr ext")?;
+            }
+            let name = c.cstr()?;
+            let value = c.take(size as usize, "xattr value")?;
+            Request::Setxattr { flags, name, value }
+        }
+        Opcode::Getxattr => {
+            let size = c.u32("getxattr.size")?;
+            c.u32("getxattr.padding")?;
+            Request::Getxattr { size, name: c.cstr()? }
+        }
+        Opcode::Listxattr => {
+            let size = c.u32("listxattr.size")?;
+            c.u32("listxattr.padding")?;
+            Request::Listxattr { size }
+        }
+        Opcode::Removexattr => Request::Removexattr { name: c.cstr()? },
+        Opcode::Access => {
+            let mask = c.u32("access.mask")?;
+            Request::Access { mask }
+        }
+        Opcode::Interrupt => Request::Interrupt { unique: c.u64("interrupt.unique")? },
+        Opcode::Fallocate => {
+            let (fh, offset, length) = (c.u64("fallocate.fh")?, c.u64("fallocate.offset")?, c.u64("fallocate.length")?);
+            Request::Fallocate { fh, offset, length, mode: c.u32("fallocate.mode")? }
+        }
+        Opcode::Lseek => {
+            let (fh, offset) = (c.u64("lseek.fh")?, c.u64("lseek.offset")?);
+            Request::Lseek { fh, offset, whence: c.u32("lseek.whence")? }
+        }
+        Opcode::Syncfs => Request::Syncfs,
+        other => Request::Unsupported(other),
+    };
+    Ok(r)
+}
+
+fn parse_read_in(c: &mut Cursor<'_>) -> Result<(u64, u64, u32), ParseError> {
+    let fh = c.u64("read.fh")?;
+    let offset = c.u64("read.offset")?;
+    let size = c.u32("read.size")?;
+    c.take(4 + 8 + 4 + 4, "read_in")?;
+    Ok((fh, offset, size))
+}
+
+fn parse_setattr(c: &mut Cursor<'_>) -> Result<SetattrIn, ParseError> {
+    let valid = c.u32("setattr.valid")?;
+    c.u32("setattr.padding")?;
+    let fh = c.u64("setattr.fh")?;
+    let size = c.u64("setattr.size")?;
+    c.u64("setattr.lock_owner")?;
+    let (atime, mtime, ctime) = (c.u64("setattr.atime")?, c.u64("setattr.mtime")?, c.u64("setattr.ctime")?);
+    let (atimensec, mtimensec, ctimensec) =
+        (c.u32("setattr.atimensec")?, c.u32("setattr.mtimensec")?, c.u32("setattr.ctimensec")?);
+    let mode = c.u32("setattr.mode")?;
+    c.u32("setattr.unused4")?;
+    let (uid, gid) = (c.u32("setattr.uid")?, c.u32("setattr.gid")?);
+    c.u32("setattr.unused5")?;
+    if atimensec >= 1_000_000_000 || mtimensec >= 1_000_000_000 || ctimensec >= 1_000_000_000 {
+        return Err(ParseError::Invalid("nanoseconds out of range"));
+    }
+    Ok(SetattrIn { valid, fh, size, atime, mtime, ctime, atimensec, mtimensec, ctimensec, mode, uid, gid })
+}

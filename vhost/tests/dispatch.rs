@@ -1,0 +1,179 @@
+//! The FUSE dispatcher over fs-core, driven with request bytes as a kernel
+//! would send them, including malformed and hostile ones.
+
+use std::sync::Arc;
+
+use keelfs_core::bdev::{BlockDevice, MappedDevice, QueueConfig};
+use keelfs_core::fs::mkfs::{mkfs, MkfsOptions};
+use keelfs_core::fs::{Fs, FsConfig};
+use keelfs_core::reactor::io::DeviceChannel;
+use keelfs_core::reactor::{PollMode, Reactor, ReactorConfig};
+use keelfs_vhost::fuse::abi::{Opcode, Reply};
+use keelfs_vhost::fuse::dispatch::{Session, SessionConfig};
+
+fn request(opcode: u32, unique: u64, nodeid: u64, body: &[u8]) -> Vec<u8> {
+    let mut r = Reply::default();
+    r.u32(40 + body.len() as u32).u32(opcode).u64(unique).u64(nodeid).u32(0).u32(0).u32(1).u16(0).u16(0);
+    r.raw(body);
+    r.bytes
+}
+
+/// (error, body) of a reply, after checking its header.
+fn reply(bytes: &[u8], unique: u64) -> (i32, Vec<u8>) {
+    assert!(bytes.len() >= 16);
+    assert_eq!(u32::from_le_bytes(bytes[..4].try_into().unwrap()) as usize, bytes.len());
+    assert_eq!(u64::from_le_bytes(bytes[8..16].try_into().unwrap()), unique);
+    (i32::from_le_bytes(bytes[4..8].try_into().unwrap()), bytes[16..].to_vec())
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().unwrap())
+}
+
+fn init_body() -> Vec<u8> {
+    let mut r = Reply::default();
+    r.u32(7).u32(38).u32(128 << 10).u32(u32::MAX).u32(0).raw(&[0u8; 44]);
+    r.bytes
+}
+
+fn with_session(test: impl AsyncFnOnce(Session) + 'static) {
+    let mut reactor = Reactor::new(ReactorConfig { mode: PollMode::Busy, ..ReactorConfig::default() }).unwrap();
+    let dev: Arc<dyn BlockDevice> = Arc::new(MappedDevice::ram(64 << 20, 4096).unwrap());
+    reactor.block_on(async move {
+        let ch = || DeviceChannel::attach(dev.open_queue(QueueConfig::default()).unwrap());
+        mkfs(ch(), &MkfsOptions { force: true, ..MkfsOptions::default() }).await.unwrap();
+        let fs = Fs::mount(ch(), FsConfig::default()).await.unwrap();
+        test(Session::new(fs, SessionConfig::default())).await;
+    });
+}
+
+fn named(prefix: &[u8], name: &str) -> Vec<u8> {
+    [prefix, name.as_bytes(), b"\0"].concat()
+}
+
+#[test]
+fn init_comes_first_and_negotiates_only_what_is_implemented() {
+    with_session(async |s: Session| {
+        let early = s.handle(&request(Opcode::Getattr as u32, 1, 1, &[0u8; 16])).await.unwrap();
+        assert_eq!(reply(&early, 1).0, -libc::EIO);
+        let init = s.handle(&request(Opcode::Init as u32, 2, 0, &init_body())).await.unwrap();
+        let (err, body) = reply(&init, 2);
+        assert_eq!(err, 0);
+        assert_eq!(body.len(), 64);
+        assert_eq!(u32::from_le_bytes(body[..4].try_into().unwrap()), 7);
+        let flags = u32::from_le_bytes(body[12..16].try_into().unwrap());
+        assert_ne!(flags & (1 << 15), 0, "ASYNC_DIO offered");
+        assert_eq!(flags & (1 << 16), 0, "no WRITEBACK_CACHE unless configured");
+        assert_eq!(flags & (1 << 1), 0, "no POSIX locks: not implemented");
+        assert_eq!(u32::from_le_bytes(body[20..24].try_into().unwrap()), 1 << 20, "max_write 1 MiB");
+        let old = s
+            .handle(&request(Opcode::Init as u32, 3, 0, &{
+                let mut b = init_body();
+                b[4] = 20;
+                b
+            }))
+            .await
+            .unwrap();
+        assert_eq!(reply(&old, 3).0, -libc::EPROTO);
+    });
+}
+
+#[test]
+fn namespace_and_data_round_trip() {
+    with_session(async |s: Session| {
+        s.handle(&request(Opcode::Init as u32, 1, 0, &init_body())).await.unwrap();
+        let mkdir = s
+            .handle(&request(
+                Opcode::Mkdir as u32,
+                2,
+                1,
+                &named(&[0o755u32.to_le_bytes(), 0u32.to_le_bytes()].concat(), "dir"),
+            ))
+            .await
+            .unwrap();
+        let (err, body) = reply(&mkdir, 2);
+        assert_eq!(err, 0);
+        let dir = u64_at(&body, 0);
+        let lookup = s.handle(&request(Opcode::Lookup as u32, 3, 1, b"dir\0")).await.unwrap();
+        assert_eq!(u64_at(&reply(&lookup, 3).1, 0), dir);
+        let create_in = [libc::O_RDWR as u32, 0o644, 0, 0].map(u32::to_le_bytes).concat();
+        let created = s.handle(&request(Opcode::Create as u32, 4, dir, &named(&create_in, "f"))).await.unwrap();
+        let (err, body) = reply(&created, 4);
+        assert_eq!(err, 0);
+        let (ino, fh) = (u64_at(&body, 0), u64_at(&body, 128));
+        let mut write_in = Reply::default();
+        write_in.u64(fh).u64(0).u32(11).u32(0).u64(0).u32(0).u32(0).raw(b"hello world");
+        let written = s.handle(&request(Opcode::Write as u32, 5, ino, &write_in.bytes)).await.unwrap();
+        let (err, body) = reply(&written, 5);
+        assert_eq!((err, u32::from_le_bytes(body[..4].try_into().unwrap())), (0, 11));
+        let mut read_in = Reply::default();
+        read_in.u64(fh).u64(6).u32(100).u32(0).u64(0).u32(0).u32(0);
+        let read = s.handle(&request(Opcode::Read as u32, 6, ino, &read_in.bytes)).await.unwrap();
+        assert_eq!(reply(&read, 6), (0, b"world".to_vec()));
+        let mut rd = Reply::default();
+        rd.u64(0).u64(0).u32(4096).u32(0).u64(0).u32(0).u32(0);
+        let listing = s.handle(&request(Opcode::Readdir as u32, 7, dir, &rd.bytes)).await.unwrap();
+        let (err, body) = reply(&listing, 7);
+        assert_eq!(err, 0);
+        let names: Vec<String> = {
+            let mut at = 0;
+            let mut v = Vec::new();
+            while at < body.len() {
+                let len = u32::from_le_bytes(body[at + 16..at + 20].try_into().unwrap()) as usize;
+                v.push(String::from_utf8(body[at + 24..at + 24 + len].to_vec()).unwrap());
+                at += (24 + len).div_ceil(8) * 8;
+            }
+            v
+        };
+        assert_eq!(names, vec![".", "..", "f"]);
+        let gone = s.handle(&request(Opcode::Lookup as u32, 8, dir, b"nope\0")).await.unwrap();
+        assert_eq!(reply(&gone, 8).0, -libc::ENOENT);
+        assert!(
+            s.handle(&request(Opcode::Forget as u32, 9, ino, &1u64.to_le_bytes())).await.is_none(),
+            "FORGET has no reply"
+        );
+    });
+}
+
+#[test]
+fn hostile_requests_get_errors_and_the_session_lives_on() {
+    with_session(async |s: Session| {
+        s.handle(&request(Opcode::Init as u32, 1, 0, &init_body())).await.unwrap();
+        let unknown = s.handle(&request(4096, 2, 1, &[])).await.unwrap();
+        assert_eq!(reply(&unknown, 2).0, -libc::ENOSYS);
+        let getlk = s.handle(&request(Opcode::Getlk as u32, 3, 1, &[0u8; 64])).await.unwrap();
+        assert_eq!(reply(&getlk, 3).0, -libc::ENOSYS, "an unimplemented op answers ENOSYS");
+        let mut lying = request(Opcode::Lookup as u32, 4, 1, b"x\0");
+        lying[0] = 200;
+        assert_eq!(reply(&s.handle(&lying).await.unwrap(), 4).0, -libc::EINVAL);
+        let slash = s.handle(&request(Opcode::Lookup as u32, 5, 1, b"a/b\0")).await.unwrap();
+        assert_eq!(reply(&slash, 5).0, -libc::EINVAL);
+        let unterminated = s.handle(&request(Opcode::Lookup as u32, 6, 1, b"abc")).await.unwrap();
+        assert_eq!(reply(&unterminated, 6).0, -libc::EINVAL);
+        let short_write = s.handle(&request(Opcode::Write as u32, 7, 1, &[0u8; 10])).await.unwrap();
+        assert_eq!(reply(&short_write, 7).0, -libc::EINVAL);
+        let mut huge = Reply::default();
+        huge.u64(1).u64(0).u32(u32::MAX).u32(0).u64(0).u32(0).u32(0);
+        let claims_more = s.handle(&request(Opcode::Write as u32, 8, 1, &huge.bytes)).await.unwrap();
+        assert_eq!(reply(&claims_more, 8).0, -libc::EINVAL, "a write claiming more data than sent");
+        let bogus_node = s.handle(&request(Opcode::Getattr as u32, 9, 999_999, &[0u8; 16])).await.unwrap();
+        assert_eq!(reply(&bogus_node, 9).0, -libc::ENOENT);
+        let mut bad_fh = Reply::default();
+        bad_fh.u64(12345).u64(0).u32(10).u32(0).u64(0).u32(0).u32(0);
+        let read_bad = s.handle(&request(Opcode::Read as u32, 10, 1, &bad_fh.bytes)).await.unwrap();
+        assert_eq!(reply(&read_bad, 10).0, -libc::EBADF);
+        assert!(s.handle(&[1, 2, 3]).await.is_none(), "too short to name a request: dropped");
+        let mut state = 7u64;
+        for len in 0..300usize {
+            let junk: Vec<u8> = (0..len)
+                .map(|_| {
+                    state = state.wrapping_mul(6364136223846793005).wrapping_add(1);
+                    (state >> 40) as u8
+                })
+                .collect();
+            let _ = s.handle(&junk).await;
+        }
+        let fine = s.handle(&request(Opcode::Getattr as u32, 11, 1, &[0u8; 16])).await.unwrap();
+        assert_eq!(reply(&fine, 11).0, 0, "still serving after all that");
+    });
+}
