@@ -2,12 +2,13 @@
 //! /dev/fuse transport over keelfs-core.
 //!
 //! So far: the wire protocol ([`fuse::abi`]), typed requests
-//! ([`fuse::request`]) and the dispatcher over fs-core
-//! ([`fuse::dispatch`]). The vhost-user backend and the /dev/fuse
-//! transport are the next steps (issue 5).
+//! ([`fuse::request`]), the dispatcher over fs-core ([`fuse::dispatch`])
+//! and the /dev/fuse transport ([`fuse::dev_fuse`]). The vhost-user
+//! backend is the next step (issue 5).
 
 pub mod fuse {
     pub mod abi;
+    pub mod dev_fuse;
     pub mod dispatch;
     pub mod request;
 }

@@ -182,9 +182,16 @@ impl ReactorHandle {
 pub trait Poller {
     /// Make progress without blocking; report whether there was work.
     fn poll(&mut self, now: Instant) -> bool;
-    /// An eventfd that fires when this source has work, for sleeping.
+    /// An fd that becomes readable when this source has work, for
+    /// sleeping: an eventfd (reset by the reactor) unless
+    /// [`Poller::wake_fd_is_eventfd`] says otherwise.
     fn wake_fd(&self) -> Option<RawFd> {
         None
+    }
+    /// False for an fd the poller reads itself (/dev/fuse, a socket): the
+    /// reactor then never reads from it.
+    fn wake_fd_is_eventfd(&self) -> bool {
+        true
     }
     /// False while the source could make progress without signalling its
     /// wake_fd, so that the reactor must keep polling rather than sleep.
@@ -383,7 +390,7 @@ impl Reactor {
             stats: ReactorStats::default(),
         });
         let epoll = sys::Epoll::new()?;
-        epoll.add(shared.wake_fd.raw())?;
+        epoll.add(shared.wake_fd.raw(), true)?;
         let local = Rc::new(Local {
             shared,
             now: Cell::new(Instant::now()),
@@ -528,7 +535,7 @@ impl Reactor {
             if let Some(fd) = poller.wake_fd() {
                 // An fd that cannot be watched only costs us sleep: the
                 // poller still runs every iteration.
-                let _ = self.epoll.add(fd);
+                let _ = self.epoll.add(fd, poller.wake_fd_is_eventfd());
             }
             match class {
                 PollerClass::Device => self.device_pollers.push(poller),

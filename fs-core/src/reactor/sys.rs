@@ -43,6 +43,9 @@ pub fn drain_eventfd(fd: RawFd) {
 
 pub struct Epoll(OwnedFd);
 
+/// Marks an epoll entry whose fd is an eventfd to reset after waking.
+const DRAIN_BIT: u64 = 1 << 63;
+
 impl Epoll {
     pub fn new() -> io::Result<Self> {
         // SAFETY: epoll_create1 takes no pointers.
@@ -55,10 +58,11 @@ impl Epoll {
     }
 
     /// Watch `fd` for readability, edge-triggered: every signal after the
-    /// last wait produces one wake-up, so the counter need not be drained
-    /// for correctness.
-    pub fn add(&self, fd: RawFd) -> io::Result<()> {
-        let mut event = libc::epoll_event { events: (libc::EPOLLIN | libc::EPOLLET) as u32, u64: fd as u64 };
+    /// last wait produces one wake-up. An eventfd (`drain`) has its counter
+    /// reset after a wake-up; any other fd is left for its poller to read.
+    pub fn add(&self, fd: RawFd, drain: bool) -> io::Result<()> {
+        let data = fd as u64 | if drain { DRAIN_BIT } else { 0 };
+        let mut event = libc::epoll_event { events: (libc::EPOLLIN | libc::EPOLLET) as u32, u64: data };
         // SAFETY: event is a valid epoll_event for the duration of the call.
         if unsafe { libc::epoll_ctl(self.0.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut event) } != 0 {
             return Err(io::Error::last_os_error());
@@ -78,7 +82,9 @@ impl Epoll {
         // SAFETY: events is a live array of EVENTS_MAX entries.
         let n = unsafe { libc::epoll_wait(self.0.as_raw_fd(), events.as_mut_ptr(), EVENTS_MAX as i32, ms) };
         for event in events.iter().take(n.max(0) as usize) {
-            drain_eventfd(event.u64 as RawFd);
+            if event.u64 & DRAIN_BIT != 0 {
+                drain_eventfd((event.u64 & !DRAIN_BIT) as RawFd);
+            }
         }
     }
 }

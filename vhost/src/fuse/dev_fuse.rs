@@ -1,0 +1,140 @@
+//! The /dev/fuse transport: mount keelfs on the host and serve the
+//! kernel's requests from a reactor with the same dispatcher the
+//! virtio-fs backend uses.
+
+use std::ffi::CString;
+use std::fs::File;
+use std::io::{ErrorKind, Read, Write};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::time::Instant;
+
+use keelfs_core::reactor::{self, Poller, PollerClass};
+
+use super::dispatch::Session;
+
+/// Requests read per poll: bounds one reactor iteration.
+const REQUESTS_PER_POLL_MAX: usize = 32;
+/// Large enough for a 1 MiB write plus its headers, as the kernel requires.
+const REQUEST_BUFFER_BYTES: usize = (1 << 20) + 4096;
+
+/// A mounted /dev/fuse session; unmounted on drop.
+pub struct FuseMount {
+    device: File,
+    mountpoint: PathBuf,
+    mounted: std::cell::Cell<bool>,
+}
+
+impl FuseMount {
+    /// Open /dev/fuse and mount it at `mountpoint` (needs CAP_SYS_ADMIN).
+    pub fn mount(mountpoint: &Path, fsname: &str) -> std::io::Result<Rc<Self>> {
+        let device = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+            .open("/dev/fuse")?;
+        let options = format!("fd={},rootmode=40000,user_id=0,group_id=0,allow_other", device.as_raw_fd());
+        let (src, target, fstype, data) = (
+            CString::new(fsname)?,
+            CString::new(mountpoint.as_os_str().as_bytes())?,
+            CString::new(format!("fuse.{fsname}"))?,
+            CString::new(options)?,
+        );
+        // SAFETY: every pointer is a NUL-terminated string that outlives
+        // the call; mount(2) copies them.
+        let rc = unsafe {
+            libc::mount(
+                src.as_ptr(),
+                target.as_ptr(),
+                fstype.as_ptr(),
+                libc::MS_NOSUID | libc::MS_NODEV,
+                data.as_ptr().cast(),
+            )
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Rc::new(Self { device, mountpoint: mountpoint.to_path_buf(), mounted: std::cell::Cell::new(true) }))
+    }
+
+    pub fn fd(&self) -> RawFd {
+        self.device.as_raw_fd()
+    }
+
+    /// Detach the mount; the kernel then ends the session.
+    pub fn unmount(&self) -> std::io::Result<()> {
+        if !self.mounted.replace(false) {
+            return Ok(());
+        }
+        let target = CString::new(self.mountpoint.as_os_str().as_bytes())?;
+        // SAFETY: a NUL-terminated path that outlives the call.
+        if unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+}
+
+impl Drop for FuseMount {
+    fn drop(&mut self) {
+        let _ = self.unmount();
+    }
+}
+
+/// Serve `mount` with `session` on the current reactor.
+pub fn serve(session: Rc<Session>, mount: Rc<FuseMount>) {
+    let poller = DevFusePoller { session, mount, buf: vec![0u8; REQUEST_BUFFER_BYTES], closed: false };
+    reactor::register_poller(PollerClass::Source, Box::new(poller));
+}
+
+struct DevFusePoller {
+    session: Rc<Session>,
+    mount: Rc<FuseMount>,
+    buf: Vec<u8>,
+    closed: bool,
+}
+
+impl Poller for DevFusePoller {
+    fn poll(&mut self, _now: Instant) -> bool {
+        if self.closed {
+            return false;
+        }
+        let mut busy = false;
+        for _ in 0..REQUESTS_PER_POLL_MAX {
+            match (&self.mount.device).read(&mut self.buf) {
+                Ok(0) => break,
+                Ok(n) => {
+                    busy = true;
+                    let request = self.buf[..n].to_vec();
+                    let (session, mount) = (Rc::clone(&self.session), Rc::clone(&self.mount));
+                    reactor::spawn_local(async move {
+                        if let Some(reply) = session.handle(&request).await {
+                            // ENOENT: the kernel gave up on the request
+                            // (interrupted); nothing else to do.
+                            let _ = (&mount.device).write_all(&reply);
+                        }
+                    });
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) || e.kind() == ErrorKind::Interrupted => continue,
+                Err(_) => {
+                    // ENODEV after unmount, or a broken session: stop.
+                    self.closed = true;
+                    break;
+                }
+            }
+        }
+        busy
+    }
+
+    fn wake_fd(&self) -> Option<RawFd> {
+        (!self.closed).then(|| self.mount.fd())
+    }
+
+    fn wake_fd_is_eventfd(&self) -> bool {
+        false
+    }
+}
