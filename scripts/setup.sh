@@ -16,4 +16,11 @@ if ! command -v cargo >/dev/null; then
   echo "setup: cargo is missing; install a Rust toolchain (rustup) first" >&2
   exit 1
 fi
+
+# The POSIX suites run against a host mount of keelfs.
+export PATH="$HOME/.cargo/bin:$PATH"
+command -v pjdfstest >/dev/null || cargo install --quiet pjdfstest
+command -v fsx >/dev/null || cargo install --quiet fsx
+# pjdfstest switches to these users.
+getent passwd tests >/dev/null || printf 'tests:x:::pjdfstest dummy user:/:/usr/sbin/nologin\n' | newusers
 echo "setup: ok (fio $(fio --version), $(cargo --version))"

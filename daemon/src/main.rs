@@ -4,6 +4,8 @@
 //! listed); 2 usage error, including a device that cannot be opened.
 
 mod device;
+mod serve;
+mod signals;
 mod tools;
 
 use std::path::PathBuf;
@@ -40,6 +42,19 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         allocation_groups: u32,
     },
+    /// Serve a keelfs filesystem (so far: on the host through /dev/fuse).
+    Serve {
+        /// File or block device holding the filesystem (default:
+        /// ./keelfs-data/keelfs.img, created and formatted on first run).
+        #[arg(long)]
+        device: Option<PathBuf>,
+        /// Mount on the host at this directory through /dev/fuse.
+        #[arg(long)]
+        fuse_mount: Option<PathBuf>,
+        /// vhost-user-fs socket for guests (not built yet).
+        #[arg(long)]
+        socket: Option<PathBuf>,
+    },
     /// Check a keelfs filesystem; exit 0 when clean, 1 when damaged.
     Fsck {
         path: PathBuf,
@@ -60,6 +75,7 @@ fn main() -> ExitCode {
             tools::mkfs(&path, size, force, journal_size, allocation_groups)
         }
         Command::Fsck { path, json, repair } => tools::fsck(&path, json, repair),
+        Command::Serve { device, fuse_mount, socket } => serve::serve(serve::ServeArgs { device, fuse_mount, socket }),
     };
     match result {
         Ok(code) => code,

@@ -186,8 +186,10 @@ pub enum ParseError {
     LengthMismatch { claimed: u32, actual: usize },
     #[error("unknown opcode {0}")]
     UnknownOpcode(u32),
-    #[error("name is empty, too long, or contains '/' or NUL")]
+    #[error("name is empty or contains '/'")]
     BadName,
+    #[error("name longer than 255 bytes")]
+    NameTooLong,
     #[error("string is not NUL-terminated")]
     Unterminated,
     #[error("{0}")]
@@ -200,6 +202,7 @@ impl ParseError {
         match self {
             ParseError::UnknownOpcode(_) => libc::ENOSYS,
             ParseError::BadName => libc::EINVAL,
+            ParseError::NameTooLong => libc::ENAMETOOLONG,
             ParseError::Short { .. }
             | ParseError::LengthMismatch { .. }
             | ParseError::Unterminated
@@ -249,7 +252,10 @@ impl<'a> Cursor<'a> {
     /// A NUL-terminated directory-entry name, validated.
     pub fn name(&mut self) -> Result<&'a [u8], ParseError> {
         let name = self.cstr()?;
-        if name.is_empty() || name.len() > NAME_MAX || name.contains(&b'/') {
+        if name.len() > NAME_MAX {
+            return Err(ParseError::NameTooLong);
+        }
+        if name.is_empty() || name.contains(&b'/') {
             return Err(ParseError::BadName);
         }
         Ok(name)
@@ -403,7 +409,8 @@ mod tests {
         assert_eq!(Cursor::new(b"\0").name(), Err(ParseError::BadName));
         assert_eq!(Cursor::new(b"abc").name(), Err(ParseError::Unterminated));
         let long = [vec![b'x'; 256], vec![0]].concat();
-        assert_eq!(Cursor::new(&long).name(), Err(ParseError::BadName));
+        assert_eq!(Cursor::new(&long).name(), Err(ParseError::NameTooLong));
+        assert_eq!(ParseError::NameTooLong.errno(), libc::ENAMETOOLONG);
         let ok = [vec![b'x'; 255], vec![0]].concat();
         assert_eq!(Cursor::new(&ok).name().unwrap().len(), 255);
     }
