@@ -198,6 +198,20 @@ fn append_byte(offset: u64) -> u8 {
     (offset % 251) as u8
 }
 
+/// After a crash the log file keeps at least what was synced, and every
+/// byte it has is the one appended there: nothing stale, nothing torn in.
+async fn verify_appends(fs: &Fs, promised: Option<&u64>) {
+    let Some(ino) = lookup(fs, ROOT_INO, "log").await else {
+        assert!(promised.is_none(), "fsynced file lost");
+        return;
+    };
+    let data = read_all(fs, ino).await;
+    assert!(data.len() as u64 >= promised.copied().unwrap_or(0), "synced length lost");
+    for (o, &b) in data.iter().enumerate() {
+        assert_eq!(b, append_byte(o as u64), "byte {o} of {} is not what was appended", data.len());
+    }
+}
+
 #[test]
 fn appends_with_fsync_never_show_stale_data() {
     let seed = test_seed();
@@ -218,17 +232,7 @@ fn appends_with_fsync_never_show_stale_data() {
             }
         }
     });
-    check_crashes(&rec, seed, async |fs: &Fs, promised: Option<&u64>, _next| {
-        let Some(ino) = lookup(fs, ROOT_INO, "log").await else {
-            assert!(promised.is_none(), "fsynced file lost");
-            return;
-        };
-        let data = read_all(fs, ino).await;
-        assert!(data.len() as u64 >= promised.copied().unwrap_or(0), "fsynced length lost");
-        for (o, &b) in data.iter().enumerate() {
-            assert_eq!(b, append_byte(o as u64), "byte {o} of {} is not what was appended", data.len());
-        }
-    });
+    check_crashes(&rec, seed, async |fs: &Fs, promised: Option<&u64>, _next| verify_appends(fs, promised).await);
 }
 
 /// The same append workload through direct I/O: unwritten extents are
@@ -265,17 +269,7 @@ fn direct_appends_with_fsync_never_show_stale_data() {
             promises.push((f.log_len(), size));
         }
     });
-    check_crashes(&rec, seed, async |fs: &Fs, promised: Option<&u64>, _next| {
-        let Some(ino) = lookup(fs, ROOT_INO, "log").await else {
-            assert!(promised.is_none(), "fsynced file lost");
-            return;
-        };
-        let data = read_all(fs, ino).await;
-        assert!(data.len() as u64 >= promised.copied().unwrap_or(0), "fdatasynced length lost");
-        for (o, &b) in data.iter().enumerate() {
-            assert_eq!(b, append_byte(o as u64), "byte {o} of {} is not what was appended", data.len());
-        }
-    });
+    check_crashes(&rec, seed, async |fs: &Fs, promised: Option<&u64>, _next| verify_appends(fs, promised).await);
 }
 
 /// Direct overwrites: no journal at all, only the device and its flushes.

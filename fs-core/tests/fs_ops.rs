@@ -3,8 +3,12 @@
 
 mod common;
 
-use common::{busy_reactor, check, format, mount, ram_device};
+use std::sync::Arc;
+
+use common::{busy_reactor, check, format, mount, ram_device, with_fs};
+use keelfs_core::bdev::BlockDevice;
 use keelfs_core::fs::format::ROOT_INO;
+use keelfs_core::fs::Fs;
 use keelfs_core::fs::{Creds, FsError, SetAttr, TimeSet};
 
 const MIB: u64 = 1 << 20;
@@ -15,11 +19,7 @@ fn root() -> Creds {
 
 #[test]
 fn files_and_directories_persist_across_remount() {
-    let mut r = busy_reactor();
-    let dev = ram_device(64 * MIB);
-    r.block_on(async move {
-        format(&dev).await;
-        let fs = mount(&dev).await;
+    with_fs(64 * MIB, async |fs: Fs, dev: Arc<dyn BlockDevice>| {
         let c = root();
         let d = fs.mkdir(&c, ROOT_INO, b"dir", 0o755).await.unwrap();
         let (f, fh) = fs.create(&c, d.inode.ino, b"file", 0o644, libc::O_RDWR as u32).await.unwrap();
@@ -53,11 +53,7 @@ fn files_and_directories_persist_across_remount() {
 
 #[test]
 fn synced_changes_survive_without_unmount() {
-    let mut r = busy_reactor();
-    let dev = ram_device(64 * MIB);
-    r.block_on(async move {
-        format(&dev).await;
-        let fs = mount(&dev).await;
+    with_fs(64 * MIB, async |fs: Fs, dev: Arc<dyn BlockDevice>| {
         let c = root();
         let (f, _) = fs.create(&c, ROOT_INO, b"a", 0o644, libc::O_RDWR as u32).await.unwrap();
         fs.write(f.inode.ino, 0, b"hello").await.unwrap();
@@ -77,11 +73,7 @@ fn synced_changes_survive_without_unmount() {
 
 #[test]
 fn namespace_errors_follow_posix() {
-    let mut r = busy_reactor();
-    let dev = ram_device(32 * MIB);
-    r.block_on(async move {
-        format(&dev).await;
-        let fs = mount(&dev).await;
+    with_fs(32 * MIB, async |fs: Fs, dev: Arc<dyn BlockDevice>| {
         let c = root();
         let d = fs.mkdir(&c, ROOT_INO, b"d", 0o755).await.unwrap().inode.ino;
         fs.mknod(&c, d, b"f", libc::S_IFREG | 0o644, 0).await.unwrap();
@@ -106,11 +98,7 @@ fn namespace_errors_follow_posix() {
 
 #[test]
 fn rename_replace_noreplace_and_exchange() {
-    let mut r = busy_reactor();
-    let dev = ram_device(32 * MIB);
-    r.block_on(async move {
-        format(&dev).await;
-        let fs = mount(&dev).await;
+    with_fs(32 * MIB, async |fs: Fs, dev: Arc<dyn BlockDevice>| {
         let c = root();
         let a = fs.mknod(&c, ROOT_INO, b"a", libc::S_IFREG | 0o644, 0).await.unwrap().inode.ino;
         let b = fs.mknod(&c, ROOT_INO, b"b", libc::S_IFREG | 0o644, 0).await.unwrap().inode.ino;
@@ -145,11 +133,7 @@ fn rename_replace_noreplace_and_exchange() {
 
 #[test]
 fn permissions_use_the_callers_credentials() {
-    let mut r = busy_reactor();
-    let dev = ram_device(32 * MIB);
-    r.block_on(async move {
-        format(&dev).await;
-        let fs = mount(&dev).await;
+    with_fs(32 * MIB, async |fs: Fs, _dev: Arc<dyn BlockDevice>| {
         let c = root();
         let alice = Creds::user(1000, 1000);
         let bob = Creds { uid: 1001, gid: 1001, groups: vec![1000] };
@@ -181,11 +165,7 @@ fn permissions_use_the_callers_credentials() {
 
 #[test]
 fn readdir_offsets_stay_valid_while_the_directory_changes() {
-    let mut r = busy_reactor();
-    let dev = ram_device(32 * MIB);
-    r.block_on(async move {
-        format(&dev).await;
-        let fs = mount(&dev).await;
+    with_fs(32 * MIB, async |fs: Fs, _dev: Arc<dyn BlockDevice>| {
         let c = root();
         for i in 0..100 {
             fs.mknod(&c, ROOT_INO, format!("f{i:03}").as_bytes(), libc::S_IFREG | 0o644, 0).await.unwrap();
@@ -225,11 +205,7 @@ fn readdir_offsets_stay_valid_while_the_directory_changes() {
 
 #[test]
 fn file_unlinked_while_open_is_freed_at_last_release() {
-    let mut r = busy_reactor();
-    let dev = ram_device(32 * MIB);
-    r.block_on(async move {
-        format(&dev).await;
-        let fs = mount(&dev).await;
+    with_fs(32 * MIB, async |fs: Fs, _dev: Arc<dyn BlockDevice>| {
         let c = root();
         let free0 = fs.free_blocks();
         let (f, fh) = fs.create(&c, ROOT_INO, b"tmp", 0o644, libc::O_RDWR as u32).await.unwrap();
@@ -246,11 +222,7 @@ fn file_unlinked_while_open_is_freed_at_last_release() {
 
 #[test]
 fn orphan_left_by_a_crash_is_freed_at_the_next_mount() {
-    let mut r = busy_reactor();
-    let dev = ram_device(32 * MIB);
-    r.block_on(async move {
-        format(&dev).await;
-        let fs = mount(&dev).await;
+    with_fs(32 * MIB, async |fs: Fs, dev: Arc<dyn BlockDevice>| {
         let c = root();
         let (f, _fh) = fs.create(&c, ROOT_INO, b"tmp", 0o644, libc::O_RDWR as u32).await.unwrap();
         fs.write(f.inode.ino, 0, &vec![1u8; 65536]).await.unwrap();
@@ -270,11 +242,7 @@ fn orphan_left_by_a_crash_is_freed_at_the_next_mount() {
 
 #[test]
 fn truncate_fallocate_and_seek() {
-    let mut r = busy_reactor();
-    let dev = ram_device(32 * MIB);
-    r.block_on(async move {
-        format(&dev).await;
-        let fs = mount(&dev).await;
+    with_fs(32 * MIB, async |fs: Fs, dev: Arc<dyn BlockDevice>| {
         let c = root();
         let (f, _) = fs.create(&c, ROOT_INO, b"f", 0o644, libc::O_RDWR as u32).await.unwrap();
         let ino = f.inode.ino;
@@ -313,11 +281,7 @@ fn truncate_fallocate_and_seek() {
 
 #[test]
 fn xattrs_follow_create_and_replace_flags() {
-    let mut r = busy_reactor();
-    let dev = ram_device(32 * MIB);
-    r.block_on(async move {
-        format(&dev).await;
-        let fs = mount(&dev).await;
+    with_fs(32 * MIB, async |fs: Fs, _dev: Arc<dyn BlockDevice>| {
         let c = root();
         let f = fs.mknod(&c, ROOT_INO, b"f", libc::S_IFREG | 0o644, 0).await.unwrap().inode.ino;
         assert_eq!(fs.setxattr(&c, f, b"user.a", b"1", 2).await.err(), Some(FsError::NoData));
@@ -334,11 +298,7 @@ fn xattrs_follow_create_and_replace_flags() {
 
 #[test]
 fn filling_the_device_gives_enospc_and_deleting_frees_it() {
-    let mut r = busy_reactor();
-    let dev = ram_device(16 * MIB);
-    r.block_on(async move {
-        format(&dev).await;
-        let fs = mount(&dev).await;
+    with_fs(16 * MIB, async |fs: Fs, dev: Arc<dyn BlockDevice>| {
         let c = root();
         let chunk = vec![0x5a; 256 << 10];
         let mut files = Vec::new();

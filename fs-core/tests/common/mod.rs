@@ -168,3 +168,15 @@ impl IoQueue for GateQueue {
         self.inner.in_flight() + self.held.len()
     }
 }
+
+/// Run `test` on a reactor with a freshly formatted and mounted filesystem
+/// on a RAM device of `bytes`.
+pub fn with_fs(bytes: u64, test: impl AsyncFnOnce(Fs, Arc<dyn BlockDevice>) + 'static) {
+    let mut r = busy_reactor();
+    let dev = ram_device(bytes);
+    r.block_on(async move {
+        format(&dev).await;
+        let fs = mount(&dev).await;
+        test(fs, dev).await;
+    });
+}
