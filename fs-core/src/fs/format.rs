@@ -221,6 +221,28 @@ pub struct Inode {
 impl Inode {
     pub const ENCODED_BYTES: usize = 8 * 4 + 4 * 6 + 12 * 4;
 
+    /// A new, empty inode created now: a directory starts with two links
+    /// ("." and its entry), anything else with one.
+    pub fn new(ino: u64, mode: u32, uid: u32, gid: u32, rdev: u32) -> Self {
+        let t = Timespec::now();
+        Inode {
+            ino,
+            generation: 1,
+            mode,
+            uid,
+            gid,
+            nlink: if mode & S_IFMT == S_IFDIR { 2 } else { 1 },
+            rdev,
+            flags: 0,
+            size: 0,
+            atime: t,
+            mtime: t,
+            ctime: t,
+            btime: t,
+            i_version: 1,
+        }
+    }
+
     pub fn is_dir(&self) -> bool {
         self.mode & S_IFMT == S_IFDIR
     }

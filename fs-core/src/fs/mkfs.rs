@@ -1,7 +1,7 @@
 //! Making a new filesystem.
 
 use super::format::{
-    Inode, Superblock, Timespec, BLOCK_BYTES, BLOCK_SIZE, JOURNAL_FIRST_BLOCK, ROOT_INO, SUPERBLOCK_SLOTS, S_IFDIR,
+    Inode, Superblock, BLOCK_BYTES, BLOCK_SIZE, JOURNAL_FIRST_BLOCK, ROOT_INO, SUPERBLOCK_SLOTS, S_IFDIR,
 };
 use super::journal;
 use super::{Fs, FsConfig, FsError};
@@ -87,23 +87,7 @@ pub async fn mkfs(dev: DeviceChannel, options: &MkfsOptions) -> Result<Superbloc
         r.map_err(FsError::from)?;
     }
     let fs = Fs::mount_inner(dev, FsConfig::default(), false).await?;
-    let t = Timespec::now();
-    let root = Inode {
-        ino: ROOT_INO,
-        generation: 1,
-        mode: S_IFDIR | 0o755,
-        uid: options.root_uid,
-        gid: options.root_gid,
-        nlink: 2,
-        rdev: 0,
-        flags: 0,
-        size: 0,
-        atime: t,
-        mtime: t,
-        ctime: t,
-        btime: t,
-        i_version: 1,
-    };
+    let root = Inode::new(ROOT_INO, S_IFDIR | 0o755, options.root_uid, options.root_gid, 0);
     fs.inner.create_inode(root)?;
     fs.unmount().await?;
     Ok(fs.superblock())

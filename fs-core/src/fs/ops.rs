@@ -229,23 +229,7 @@ impl FsInner {
         } else {
             c.gid
         };
-        let t = now();
-        Inode {
-            ino,
-            generation: 1,
-            mode,
-            uid: c.uid,
-            gid,
-            nlink: if mode & S_IFMT == S_IFDIR { 2 } else { 1 },
-            rdev,
-            flags: 0,
-            size: 0,
-            atime: t,
-            mtime: t,
-            ctime: t,
-            btime: t,
-            i_version: 1,
-        }
+        Inode::new(ino, mode, c.uid, gid, rdev)
     }
 
     fn add_entry(&self, parent: u64, name: &[u8], ino: u64) -> FsResult<()> {
