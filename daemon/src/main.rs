@@ -54,6 +54,9 @@ enum Command {
         /// vhost-user-fs socket for guests (not built yet).
         #[arg(long)]
         socket: Option<PathBuf>,
+        /// What clients may cache: none, auto or always (as virtiofsd).
+        #[arg(long, value_enum, default_value = "auto")]
+        cache: serve::Cache,
     },
     /// Check a keelfs filesystem; exit 0 when clean, 1 when damaged.
     Fsck {
@@ -75,7 +78,9 @@ fn main() -> ExitCode {
             tools::mkfs(&path, size, force, journal_size, allocation_groups)
         }
         Command::Fsck { path, json, repair } => tools::fsck(&path, json, repair),
-        Command::Serve { device, fuse_mount, socket } => serve::serve(serve::ServeArgs { device, fuse_mount, socket }),
+        Command::Serve { device, fuse_mount, socket, cache } => {
+            serve::serve(serve::ServeArgs { device, fuse_mount, socket, cache })
+        }
     };
     match result {
         Ok(code) => code,

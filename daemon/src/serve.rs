@@ -14,7 +14,7 @@ use keelfs_core::fs::{Fs, FsConfig};
 use keelfs_core::reactor::io::DeviceChannel;
 use keelfs_core::reactor::{PollMode, Reactor, ReactorConfig};
 use keelfs_vhost::fuse::dev_fuse::{serve as serve_fuse, FuseMount};
-use keelfs_vhost::fuse::dispatch::{Session, SessionConfig};
+use keelfs_vhost::fuse::dispatch::{CacheMode, Session};
 
 use crate::signals::{block_termination_signals, Shutdown};
 use crate::{device, tools};
@@ -25,6 +25,24 @@ pub struct ServeArgs {
     pub device: Option<PathBuf>,
     pub fuse_mount: Option<PathBuf>,
     pub socket: Option<PathBuf>,
+    pub cache: Cache,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Cache {
+    None,
+    Auto,
+    Always,
+}
+
+impl From<Cache> for CacheMode {
+    fn from(c: Cache) -> Self {
+        match c {
+            Cache::None => CacheMode::None,
+            Cache::Auto => CacheMode::Auto,
+            Cache::Always => CacheMode::Always,
+        }
+    }
 }
 
 /// The embedded default image, created and formatted on first use.
@@ -51,6 +69,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         None => default_device()?,
     };
     let mountpoint = args.fuse_mount.expect("checked above");
+    let session_config = CacheMode::from(args.cache).session_config();
     let dev = device::open(&path)?;
     let mut reactor = Reactor::new(ReactorConfig { mode: PollMode::ADAPTIVE_DEFAULT, ..ReactorConfig::default() })?;
     let queue = dev.open_queue(QueueConfig { depth: 256, completion_eventfd: true })?;
@@ -59,7 +78,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         let fs = Fs::mount(DeviceChannel::attach(queue), FsConfig::default())
             .await
             .with_context(|| format!("mounting keelfs on {}", path.display()))?;
-        let session = Rc::new(Session::new(fs.clone(), SessionConfig::default()));
+        let session = Rc::new(Session::new(fs.clone(), session_config));
         let mount = FuseMount::mount(&mountpoint, "keelfs")
             .with_context(|| format!("mounting {} through /dev/fuse", mountpoint.display()))?;
         serve_fuse(session, mount.clone());

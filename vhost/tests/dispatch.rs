@@ -37,13 +37,17 @@ fn init_body() -> Vec<u8> {
 }
 
 fn with_session(test: impl AsyncFnOnce(Session) + 'static) {
+    with_session_config(SessionConfig::default(), test)
+}
+
+fn with_session_config(config: SessionConfig, test: impl AsyncFnOnce(Session) + 'static) {
     let mut reactor = Reactor::new(ReactorConfig { mode: PollMode::Busy, ..ReactorConfig::default() }).unwrap();
     let dev: Arc<dyn BlockDevice> = Arc::new(MappedDevice::ram(64 << 20, 4096).unwrap());
     reactor.block_on(async move {
         let ch = || DeviceChannel::attach(dev.open_queue(QueueConfig::default()).unwrap());
         mkfs(ch(), &MkfsOptions { force: true, ..MkfsOptions::default() }).await.unwrap();
         let fs = Fs::mount(ch(), FsConfig::default()).await.unwrap();
-        test(Session::new(fs, SessionConfig::default())).await;
+        test(Session::new(fs, config)).await;
     });
 }
 
@@ -175,5 +179,43 @@ fn hostile_requests_get_errors_and_the_session_lives_on() {
         }
         let fine = s.handle(&request(Opcode::Getattr as u32, 11, 1, &[0u8; 16])).await.unwrap();
         assert_eq!(reply(&fine, 11).0, 0, "still serving after all that");
+    });
+}
+
+/// (entry timeout seconds, open flags) after INIT, CREATE and OPEN.
+async fn cache_behaviour(s: &Session) -> (u64, u32, u32) {
+    s.handle(&request(Opcode::Init as u32, 1, 0, &init_body())).await.unwrap();
+    let create_in = [libc::O_RDWR as u32, 0o644, 0, 0].map(u32::to_le_bytes).concat();
+    let created = s.handle(&request(Opcode::Create as u32, 2, 1, &named(&create_in, "f"))).await.unwrap();
+    let (err, body) = reply(&created, 2);
+    assert_eq!(err, 0);
+    let entry_valid = u64_at(&body, 16);
+    let create_flags = u32::from_le_bytes(body[136..140].try_into().unwrap());
+    let open_in = [libc::O_RDONLY as u32, 0].map(u32::to_le_bytes).concat();
+    let opened = s.handle(&request(Opcode::Open as u32, 3, u64_at(&body, 0), &open_in)).await.unwrap();
+    let (err, body) = reply(&opened, 3);
+    assert_eq!(err, 0);
+    (entry_valid, create_flags, u32::from_le_bytes(body[8..12].try_into().unwrap()))
+}
+
+#[test]
+fn cache_modes_set_timeouts_and_open_flags() {
+    use keelfs_vhost::fuse::abi::open_flags::{DIRECT_IO, KEEP_CACHE};
+    use keelfs_vhost::fuse::dispatch::CacheMode;
+    with_session_config(CacheMode::None.session_config(), async |s: Session| {
+        let (valid, create, open) = cache_behaviour(&s).await;
+        assert_eq!(valid, 0, "none: nothing cached");
+        assert_ne!(create & DIRECT_IO, 0);
+        assert_ne!(open & DIRECT_IO, 0, "none: every open is direct");
+    });
+    with_session_config(CacheMode::Auto.session_config(), async |s: Session| {
+        let (valid, _, open) = cache_behaviour(&s).await;
+        assert_eq!(valid, 1);
+        assert_eq!(open & (DIRECT_IO | KEEP_CACHE), 0, "auto: page cache, dropped at open");
+    });
+    with_session_config(CacheMode::Always.session_config(), async |s: Session| {
+        let (valid, _, open) = cache_behaviour(&s).await;
+        assert_eq!(valid, 86_400);
+        assert_ne!(open & KEEP_CACHE, 0);
     });
 }

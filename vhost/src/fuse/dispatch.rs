@@ -21,16 +21,44 @@ pub struct SessionConfig {
     pub max_write: u32,
     /// Let the guest cache writes (the `always` cache mode).
     pub writeback_cache: bool,
+    /// What the client may cache, as virtiofsd's `--cache`.
+    pub cache: CacheMode,
+}
+
+/// How much the client (guest or host kernel) may cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheMode {
+    /// Nothing: every open is direct I/O and names and attributes are
+    /// revalidated on every use (timeouts 0).
+    None,
+    /// Names and attributes for 1 s; data cached until a change is seen.
+    Auto,
+    /// Names and attributes for a day, file data kept across opens, and
+    /// writeback caching in the client.
+    Always,
+}
+
+impl CacheMode {
+    /// Session settings for this mode.
+    pub fn session_config(self) -> SessionConfig {
+        let timeout = match self {
+            CacheMode::None => Duration::ZERO,
+            CacheMode::Auto => Duration::from_secs(1),
+            CacheMode::Always => Duration::from_secs(86_400),
+        };
+        SessionConfig {
+            entry_timeout: timeout,
+            attr_timeout: timeout,
+            max_write: 1 << 20,
+            writeback_cache: self == CacheMode::Always,
+            cache: self,
+        }
+    }
 }
 
 impl Default for SessionConfig {
     fn default() -> Self {
-        Self {
-            entry_timeout: Duration::from_secs(1),
-            attr_timeout: Duration::from_secs(1),
-            max_write: 1 << 20,
-            writeback_cache: false,
-        }
+        CacheMode::Auto.session_config()
     }
 }
 
@@ -210,16 +238,16 @@ impl Session {
             }
             Request::Open { flags } => {
                 let fh = fs.open(&c, ino, flags).await.map_err(e)?;
-                Ok(Some(open_out(fh, flags)))
+                Ok(Some(open_out(fh, flags, self.config.cache)))
             }
             Request::Opendir { .. } => {
                 let fh = fs.opendir(&c, ino).await.map_err(e)?;
-                Ok(Some(open_out(fh, 0)))
+                Ok(Some(open_out(fh, 0, CacheMode::Auto)))
             }
             Request::Create { flags, mode, name, .. } => {
                 let (a, fh) = fs.create(&c, ino, name, mode, flags).await.map_err(e)?;
                 let mut r = self.entry(&a);
-                r.raw(&open_out(fh, flags).bytes);
+                r.raw(&open_out(fh, flags, self.config.cache).bytes);
                 Ok(Some(r))
             }
             Request::Read { fh, offset, size } => self.read(fh, ino, offset, size).await,
@@ -326,10 +354,13 @@ impl Session {
     }
 }
 
-fn open_out(fh: u64, flags: u32) -> Reply {
+fn open_out(fh: u64, flags: u32, cache: CacheMode) -> Reply {
     let mut open = 0;
-    if flags as i32 & libc::O_DIRECT != 0 {
+    if flags as i32 & libc::O_DIRECT != 0 || cache == CacheMode::None {
         open |= open_flags::DIRECT_IO | open_flags::PARALLEL_DIRECT_WRITES;
+    }
+    if cache == CacheMode::Always {
+        open |= open_flags::KEEP_CACHE;
     }
     let mut r = Reply::default();
     r.u64(fh).u32(open).u32(0);
