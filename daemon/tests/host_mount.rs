@@ -29,10 +29,15 @@ struct Served {
 }
 
 impl Served {
-    fn start(image: &Path, mountpoint: &Path) -> Self {
+    fn start(image: &Path, mountpoint: &Path, cache: &str) -> Self {
         std::fs::create_dir_all(mountpoint).unwrap();
-        let child =
-            keelfsd().args(["serve", "--device"]).arg(image).arg("--fuse-mount").arg(mountpoint).spawn().unwrap();
+        let child = keelfsd()
+            .args(["serve", "--cache", cache, "--device"])
+            .arg(image)
+            .arg("--fuse-mount")
+            .arg(mountpoint)
+            .spawn()
+            .unwrap();
         let deadline = Instant::now() + Duration::from_secs(30);
         while !is_mounted(mountpoint) {
             assert!(Instant::now() < deadline, "keelfsd did not mount {}", mountpoint.display());
@@ -80,6 +85,17 @@ allow_remount = false
 entries = [["nobody", "nogroup"], ["tests", "tests"]]
 "#;
 
+fn run_fsx(file: &Path, seed: &str) {
+    let fsx = Command::new(tool("fsx"))
+        .args(["-N", "20000", "-S", seed, "-P"])
+        .arg(std::env::temp_dir())
+        .arg(file)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&fsx.stdout).to_string() + &String::from_utf8_lossy(&fsx.stderr);
+    assert!(fsx.status.success() && text.contains("All operations completed A-OK"), "fsx on {file:?} failed:\n{text}");
+}
+
 #[test]
 fn pjdfstest_and_fsx_pass_on_a_host_mount() {
     let base = if Path::new("/dev/shm").is_dir() { PathBuf::from("/dev/shm") } else { std::env::temp_dir() };
@@ -87,7 +103,7 @@ fn pjdfstest_and_fsx_pass_on_a_host_mount() {
     let mountpoint = std::env::temp_dir().join(format!("keelfsd-suites-mnt-{}", std::process::id()));
     let _ = std::fs::remove_file(&image);
     assert!(keelfsd().arg("mkfs").arg(&image).args(["--size", "1G"]).status().unwrap().success());
-    let served = Served::start(&image, &mountpoint);
+    let served = Served::start(&image, &mountpoint, "auto");
 
     let work = mountpoint.join("pjd");
     std::fs::create_dir(&work).unwrap();
@@ -110,19 +126,17 @@ fn pjdfstest_and_fsx_pass_on_a_host_mount() {
     assert!(passed >= 350, "only {passed} pjdfstest cases ran and passed");
 
     // fsx in the default cache mode: pread/pwrite, mmap reads and writes,
-    // truncates, fallocate, fsync.
-    let fsx = Command::new(tool("fsx"))
-        .args(["-N", "20000", "-S", "7", "-P"])
-        .arg(std::env::temp_dir())
-        .arg(mountpoint.join("fsxfile"))
-        .output()
-        .unwrap();
-    let fsx_text = String::from_utf8_lossy(&fsx.stdout).to_string() + &String::from_utf8_lossy(&fsx.stderr);
-    assert!(fsx.status.success() && fsx_text.contains("All operations completed A-OK"), "fsx failed:\n{fsx_text}");
-
+    // truncates, fallocate, fsync, all through the page caches.
+    run_fsx(&mountpoint.join("fsx-cached"), "7");
     let status = served.stop();
     assert!(status.success(), "keelfsd exit after SIGTERM: {status}");
     assert!(!is_mounted(&mountpoint), "unmounted at shutdown");
+
+    // And with --cache none, where every open is direct I/O: keelfs's
+    // direct paths (aligned and bounced), mmap allowed on direct files.
+    let served = Served::start(&image, &mountpoint, "none");
+    run_fsx(&mountpoint.join("fsx-direct"), "8");
+    assert!(served.stop().success());
     let check = keelfsd().arg("fsck").arg(&image).output().unwrap();
     assert_eq!(check.status.code(), Some(0), "{}", String::from_utf8_lossy(&check.stdout));
     let _ = std::fs::remove_file(&image);

@@ -72,6 +72,7 @@ const OFFERED: u64 = f::ASYNC_READ
     | f::PARALLEL_DIROPS
     | f::MAX_PAGES
     | f::SETXATTR_EXT
+    | f::DIRECT_IO_ALLOW_MMAP
     | f::INIT_EXT;
 
 pub struct Session {
