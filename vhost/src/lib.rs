@@ -3,8 +3,11 @@
 //!
 //! So far: the wire protocol ([`fuse::abi`]), typed requests
 //! ([`fuse::request`]), the dispatcher over fs-core ([`fuse::dispatch`])
-//! and the /dev/fuse transport ([`fuse::dev_fuse`]). The vhost-user
-//! backend is the next step (issue 5).
+//! and the /dev/fuse transport ([`fuse::dev_fuse`]), and serving requests
+//! from virtqueue descriptor chains ([`virtio`]). Wiring that to the
+//! vhost-user protocol (vhost-user-backend) is the next step (issue 5).
+
+pub mod virtio;
 
 pub mod fuse {
     pub mod abi;
