@@ -300,22 +300,29 @@ fn direct_overwrites_with_fsync_keep_a_synced_or_newer_version() {
             }
         }
     });
-    check_crashes(&rec, seed, async |fs: &Fs, promised: Option<&Vec<u64>>, _next| {
-        let Some(promised) = promised else { return };
-        let ino = lookup(fs, ROOT_INO, "db").await.expect("fsynced file exists");
-        let data = read_all(fs, ino).await;
-        for b in 0..BLOCKS {
-            for sector in 0..8u64 {
-                let at = (b * 4096 + sector * 512) as usize;
-                let generation = u64::from_le_bytes(data[at + 8..at + 16].try_into().unwrap());
-                assert!(generation >= promised[b as usize], "block {b} went back to generation {generation}");
-                assert_eq!(
-                    &data[at..at + 512],
-                    &sector_image(b, generation)[sector as usize * 512..(sector as usize + 1) * 512]
-                );
-            }
-        }
+    check_crashes(&rec, seed, async move |fs: &Fs, promised: Option<&Vec<u64>>, _next| {
+        verify_overwrites(fs, promised, BLOCKS).await
     });
+}
+
+/// Every sector of the "db" file holds its own block's data at the synced
+/// generation or a newer one: never another block's, never older.
+async fn verify_overwrites(fs: &Fs, promised: Option<&Vec<u64>>, blocks: u64) {
+    let Some(promised) = promised else { return };
+    let ino = lookup(fs, ROOT_INO, "db").await.expect("fsynced file exists");
+    let data = read_all(fs, ino).await;
+    assert_eq!(data.len() as u64, blocks * 4096);
+    for b in 0..blocks {
+        for sector in 0..8u64 {
+            let at = (b * 4096 + sector * 512) as usize;
+            let s = &data[at..at + 512];
+            let blk = u64::from_le_bytes(s[..8].try_into().unwrap());
+            let generation = u64::from_le_bytes(s[8..16].try_into().unwrap());
+            assert_eq!(blk, b, "sector {sector} of block {b} holds another block's data");
+            assert!(generation >= promised[b as usize], "block {b} went back to generation {generation}");
+            assert_eq!(s, &sector_image(b, generation)[sector as usize * 512..(sector as usize + 1) * 512]);
+        }
+    }
 }
 
 fn sector_image(block: u64, generation: u64) -> Vec<u8> {
@@ -356,22 +363,8 @@ fn overwrites_with_fsync_keep_a_synced_or_newer_version_of_every_sector() {
             }
         }
     });
-    check_crashes(&rec, seed, async |fs: &Fs, promised: Option<&Vec<u64>>, _next| {
-        let Some(promised) = promised else { return };
-        let ino = lookup(fs, ROOT_INO, "db").await.expect("fsynced file exists");
-        let data = read_all(fs, ino).await;
-        assert_eq!(data.len() as u64, BLOCKS * 4096);
-        for b in 0..BLOCKS {
-            for sector in 0..8u64 {
-                let at = (b * 4096 + sector * 512) as usize;
-                let s = &data[at..at + 512];
-                let blk = u64::from_le_bytes(s[..8].try_into().unwrap());
-                let generation = u64::from_le_bytes(s[8..16].try_into().unwrap());
-                assert_eq!(blk, b, "sector {sector} of block {b} holds another block's data");
-                assert!(generation >= promised[b as usize], "block {b} went back to generation {generation}");
-                assert_eq!(s, &sector_image(b, generation)[sector as usize * 512..(sector as usize + 1) * 512]);
-            }
-        }
+    check_crashes(&rec, seed, async move |fs: &Fs, promised: Option<&Vec<u64>>, _next| {
+        verify_overwrites(fs, promised, BLOCKS).await
     });
 }
 

@@ -31,6 +31,15 @@ async fn quiet_mount(dev: &Arc<dyn BlockDevice>) -> Fs {
     Fs::mount(channel(dev), quiet_config()).await.unwrap()
 }
 
+/// Run `test` on a reactor with `dev` freshly formatted and mounted quietly.
+fn with_quiet_fs(dev: Arc<dyn BlockDevice>, test: impl AsyncFnOnce(Fs) + 'static) {
+    let mut r = busy_reactor();
+    r.block_on(async move {
+        format(&dev).await;
+        test(quiet_mount(&dev).await).await;
+    });
+}
+
 fn block(seed: u64, len: usize) -> AlignedBuf {
     let mut b = AlignedBuf::zeroed(len, 4096);
     fill_pattern(&mut b, seed);
@@ -43,11 +52,8 @@ async fn new_file(fs: &Fs, name: &str) -> u64 {
 
 #[test]
 fn direct_overwrite_starts_no_transaction() {
-    let mut r = busy_reactor();
     let dev = ram_device(64 * MIB);
-    r.block_on(async move {
-        format(&dev).await;
-        let fs = quiet_mount(&dev).await;
+    with_quiet_fs(dev, async move |fs: Fs| {
         let ino = new_file(&fs, "f").await;
         let (_, n) = fs.write_direct(ino, 0, block(1, 1 << 20)).await;
         assert_eq!(n, Ok(1 << 20));
@@ -72,12 +78,9 @@ fn direct_overwrite_starts_no_transaction() {
 
 #[test]
 fn disjoint_direct_overwrites_are_in_flight_together() {
-    let mut r = busy_reactor();
     let gate = Arc::new(Gate::default());
     let dev: Arc<dyn BlockDevice> = Arc::new(GateDevice { inner: ram_device(64 * MIB), gate: gate.clone() });
-    r.block_on(async move {
-        format(&dev).await;
-        let fs = quiet_mount(&dev).await;
+    with_quiet_fs(dev, async move |fs: Fs| {
         let ino = new_file(&fs, "f").await;
         fs.write_direct(ino, 0, block(1, 1 << 20)).await.1.unwrap();
         fs.sync().await.unwrap();
@@ -110,12 +113,9 @@ fn disjoint_direct_overwrites_are_in_flight_together() {
 
 #[test]
 fn thirty_two_appends_are_in_flight_at_once_and_size_never_covers_unwritten_data() {
-    let mut r = busy_reactor();
     let gate = Arc::new(Gate::default());
     let dev: Arc<dyn BlockDevice> = Arc::new(GateDevice { inner: ram_device(64 * MIB), gate: gate.clone() });
-    r.block_on(async move {
-        format(&dev).await;
-        let fs = quiet_mount(&dev).await;
+    with_quiet_fs(dev, async move |fs: Fs| {
         let ino = new_file(&fs, "log").await;
         gate.closed.store(true, Ordering::SeqCst);
         gate.lifo.store(true, Ordering::SeqCst); // complete the last append first
@@ -159,11 +159,8 @@ fn thirty_two_appends_are_in_flight_at_once_and_size_never_covers_unwritten_data
 
 #[test]
 fn sequential_page_writes_merge_into_few_extents() {
-    let mut r = busy_reactor();
     let dev = ram_device(256 * MIB);
-    r.block_on(async move {
-        format(&dev).await;
-        let fs = quiet_mount(&dev).await;
+    with_quiet_fs(dev, async move |fs: Fs| {
         let buffered = new_file(&fs, "buffered").await;
         let direct = new_file(&fs, "direct").await;
         let page = vec![7u8; 4096];
@@ -180,11 +177,8 @@ fn sequential_page_writes_merge_into_few_extents() {
 
 #[test]
 fn one_byte_writes_touch_no_journal_between_commits() {
-    let mut r = busy_reactor();
     let dev = ram_device(64 * MIB);
-    r.block_on(async move {
-        format(&dev).await;
-        let fs = quiet_mount(&dev).await;
+    with_quiet_fs(dev, async move |fs: Fs| {
         let ino = new_file(&fs, "bytes").await;
         fs.write(ino, 0, b"x").await.unwrap();
         fs.sync().await.unwrap();
@@ -204,13 +198,10 @@ fn one_byte_writes_touch_no_journal_between_commits() {
 
 #[test]
 fn concurrent_fsyncs_share_device_flushes() {
-    let mut r = busy_reactor();
     let dev = ram_device(64 * MIB);
     let fault = Arc::new(keelfs_core::bdev::FaultDevice::new(dev));
     let dev: Arc<dyn BlockDevice> = fault; // volatile cache: flushes are real
-    r.block_on(async move {
-        format(&dev).await;
-        let fs = quiet_mount(&dev).await;
+    with_quiet_fs(dev, async move |fs: Fs| {
         let mut files = Vec::new();
         for i in 0..32 {
             files.push(new_file(&fs, &format!("f{i}")).await);
@@ -242,11 +233,8 @@ fn concurrent_fsyncs_share_device_flushes() {
 
 #[test]
 fn fdatasync_skips_the_commit_when_only_timestamps_changed() {
-    let mut r = busy_reactor();
     let dev: Arc<dyn BlockDevice> = Arc::new(keelfs_core::bdev::FaultDevice::new(ram_device(64 * MIB)));
-    r.block_on(async move {
-        format(&dev).await;
-        let fs = quiet_mount(&dev).await;
+    with_quiet_fs(dev, async move |fs: Fs| {
         let ino = new_file(&fs, "f").await;
         fs.write_direct(ino, 0, block(1, 65536)).await.1.unwrap();
         fs.fsync(ino, false).await.unwrap();
@@ -264,11 +252,8 @@ fn fdatasync_skips_the_commit_when_only_timestamps_changed() {
 
 #[test]
 fn i_version_moves_only_when_observed() {
-    let mut r = busy_reactor();
     let dev = ram_device(64 * MIB);
-    r.block_on(async move {
-        format(&dev).await;
-        let fs = quiet_mount(&dev).await;
+    with_quiet_fs(dev, async move |fs: Fs| {
         let ino = new_file(&fs, "f").await;
         let v0 = fs.getattr(ino).await.unwrap().inode.i_version;
         fs.write(ino, 0, b"a").await.unwrap();
@@ -285,12 +270,9 @@ fn i_version_moves_only_when_observed() {
 
 #[test]
 fn cached_reads_never_wait_for_a_write_to_another_range() {
-    let mut r = busy_reactor();
     let gate = Arc::new(Gate::default());
     let dev: Arc<dyn BlockDevice> = Arc::new(GateDevice { inner: ram_device(64 * MIB), gate: gate.clone() });
-    r.block_on(async move {
-        format(&dev).await;
-        let fs = quiet_mount(&dev).await;
+    with_quiet_fs(dev, async move |fs: Fs| {
         let ino = new_file(&fs, "shared").await;
         fs.write(ino, 0, &vec![3u8; 1 << 20]).await.unwrap();
         fs.sync().await.unwrap();
@@ -351,11 +333,8 @@ fn page_cache_stays_within_its_size_and_direct_io_sees_buffered_data() {
 
 #[test]
 fn unaligned_direct_io_is_correct_through_a_bounce_buffer() {
-    let mut r = busy_reactor();
     let dev = ram_device(64 * MIB);
-    r.block_on(async move {
-        format(&dev).await;
-        let fs = quiet_mount(&dev).await;
+    with_quiet_fs(dev, async move |fs: Fs| {
         let ino = new_file(&fs, "f").await;
         fs.write(ino, 0, &vec![1u8; 10000]).await.unwrap();
         let (_, n) = fs.write_direct(ino, 100, vec![AlignedBuf::zeroed(512, 512)]).await;

@@ -8,14 +8,11 @@ use keelfs_core::fs::mkfs::{mkfs, MkfsOptions};
 use keelfs_core::fs::{Fs, FsConfig};
 use keelfs_core::reactor::io::DeviceChannel;
 use keelfs_core::reactor::{PollMode, Reactor, ReactorConfig};
-use keelfs_vhost::fuse::abi::{Opcode, Reply};
+use keelfs_vhost::fuse::abi::{encode_request, Opcode, Reply};
 use keelfs_vhost::fuse::dispatch::{Session, SessionConfig};
 
 fn request(opcode: u32, unique: u64, nodeid: u64, body: &[u8]) -> Vec<u8> {
-    let mut r = Reply::default();
-    r.u32(40 + body.len() as u32).u32(opcode).u64(unique).u64(nodeid).u32(0).u32(0).u32(1).u16(0).u16(0);
-    r.raw(body);
-    r.bytes
+    encode_request(opcode, unique, nodeid, 0, 0, body)
 }
 
 /// (error, body) of a reply, after checking its header.

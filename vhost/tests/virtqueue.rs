@@ -8,7 +8,7 @@ use keelfs_core::fs::mkfs::{mkfs, MkfsOptions};
 use keelfs_core::fs::{Fs, FsConfig};
 use keelfs_core::reactor::io::DeviceChannel;
 use keelfs_core::reactor::{PollMode, Reactor, ReactorConfig};
-use keelfs_vhost::fuse::abi::{Opcode, Reply};
+use keelfs_vhost::fuse::abi::{encode_request, Opcode, Reply};
 use keelfs_vhost::fuse::dispatch::{Session, SessionConfig};
 use keelfs_vhost::virtio::{serve_chain, serve_queue, ChainOutcome, REQUEST_BYTES_MAX};
 use virtio_queue::desc::{split::Descriptor, RawDescriptor};
@@ -22,10 +22,7 @@ const REQ: u64 = 0x10_0000;
 const REPLY: u64 = 0x20_0000;
 
 fn request(opcode: u32, unique: u64, nodeid: u64, body: &[u8]) -> Vec<u8> {
-    let mut r = Reply::default();
-    r.u32(40 + body.len() as u32).u32(opcode).u64(unique).u64(nodeid).u32(0).u32(0).u32(1).u16(0).u16(0);
-    r.raw(body);
-    r.bytes
+    encode_request(opcode, unique, nodeid, 0, 0, body)
 }
 
 fn init_request(unique: u64) -> Vec<u8> {

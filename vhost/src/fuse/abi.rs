@@ -373,6 +373,15 @@ impl Reply {
     }
 }
 
+/// A request as the kernel sends it: fuse_in_header, then `body`. For
+/// test frontends and load generators.
+pub fn encode_request(opcode: u32, unique: u64, nodeid: u64, uid: u32, gid: u32, body: &[u8]) -> Vec<u8> {
+    let mut r = Reply::default();
+    r.u32((IN_HEADER_BYTES + body.len()) as u32).u32(opcode).u64(unique).u64(nodeid);
+    r.u32(uid).u32(gid).u32(0).u16(0).u16(0).raw(body);
+    r.bytes
+}
+
 /// An error reply: a bare header carrying -errno.
 pub fn error_reply(unique: u64, errno: i32) -> Vec<u8> {
     Reply::default().finish(unique, -errno.abs())
