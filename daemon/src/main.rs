@@ -42,7 +42,9 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         allocation_groups: u32,
     },
-    /// Serve a keelfs filesystem (so far: on the host through /dev/fuse).
+    /// Serve a keelfs filesystem to QEMU guests over vhost-user-fs, and/or
+    /// on the host through /dev/fuse. With no flags: the embedded default
+    /// image and socket under ./keelfs-data/.
     Serve {
         /// File or block device holding the filesystem (default:
         /// ./keelfs-data/keelfs.img, created and formatted on first run).
@@ -51,9 +53,18 @@ enum Command {
         /// Mount on the host at this directory through /dev/fuse.
         #[arg(long)]
         fuse_mount: Option<PathBuf>,
-        /// vhost-user-fs socket for guests (not built yet).
+        /// vhost-user-fs socket for guests (default ./keelfs-data/keelfs.sock
+        /// unless --fuse-mount alone is given).
         #[arg(long)]
         socket: Option<PathBuf>,
+        /// The tag guests mount (`mount -t virtiofs TAG /mnt`); QEMU's
+        /// vhost-user-fs-pci device carries it, so it only shapes the
+        /// printed QEMU arguments.
+        #[arg(long, default_value = "keelfs")]
+        tag: String,
+        /// virtio-fs request queues (QEMU's num-request-queues).
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=63))]
+        queues: u16,
         /// What clients may cache: none, auto or always (as virtiofsd).
         #[arg(long, value_enum, default_value = "auto")]
         cache: serve::Cache,
@@ -78,8 +89,8 @@ fn main() -> ExitCode {
             tools::mkfs(&path, size, force, journal_size, allocation_groups)
         }
         Command::Fsck { path, json, repair } => tools::fsck(&path, json, repair),
-        Command::Serve { device, fuse_mount, socket, cache } => {
-            serve::serve(serve::ServeArgs { device, fuse_mount, socket, cache })
+        Command::Serve { device, fuse_mount, socket, tag, queues, cache } => {
+            serve::serve(serve::ServeArgs { device, fuse_mount, socket, tag, queues: usize::from(queues), cache })
         }
     };
     match result {

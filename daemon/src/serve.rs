@@ -1,8 +1,8 @@
 //! `keelfsd serve`: mount the filesystem on a reactor and serve it.
 //!
-//! Built so far: the host mount through /dev/fuse (`--fuse-mount DIR`).
-//! The vhost-user-fs socket for guests is issue 5's next step; until it
-//! exists `serve` says so instead of pretending.
+//! Guests attach over a vhost-user-fs socket; the host can mount the same
+//! filesystem through /dev/fuse (`--fuse-mount DIR`). Both go through the
+//! one FUSE dispatcher, on the reactor that owns the filesystem.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -15,6 +15,7 @@ use keelfs_core::reactor::io::DeviceChannel;
 use keelfs_core::reactor::{PollMode, Reactor, ReactorConfig};
 use keelfs_vhost::fuse::dev_fuse::{serve as serve_fuse, FuseMount};
 use keelfs_vhost::fuse::dispatch::{CacheMode, Session};
+use keelfs_vhost::vhost_user::VhostUserServer;
 
 use crate::signals::{block_termination_signals, Shutdown};
 use crate::{device, tools};
@@ -25,6 +26,8 @@ pub struct ServeArgs {
     pub device: Option<PathBuf>,
     pub fuse_mount: Option<PathBuf>,
     pub socket: Option<PathBuf>,
+    pub tag: String,
+    pub queues: usize,
     pub cache: Cache,
 }
 
@@ -58,17 +61,25 @@ fn default_device() -> anyhow::Result<PathBuf> {
 
 pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     block_termination_signals().context("blocking SIGTERM/SIGINT")?;
-    if args.socket.is_some() || args.fuse_mount.is_none() {
-        bail!(tools::UsageError(
-            "the vhost-user-fs socket is not built yet (issue 5); serve the filesystem on the host with --fuse-mount DIR"
-                .into()
-        ));
-    }
     let path = match args.device {
         Some(p) => p,
         None => default_device()?,
     };
-    let mountpoint = args.fuse_mount.expect("checked above");
+    // A host mount alone needs no socket; otherwise guests get one.
+    let socket = match (args.socket, &args.fuse_mount) {
+        (Some(s), _) => Some(s),
+        (None, Some(_)) => None,
+        (None, None) => {
+            std::fs::create_dir_all(DEFAULT_DIR).with_context(|| format!("creating {DEFAULT_DIR}"))?;
+            Some(Path::new(DEFAULT_DIR).join("keelfs.sock"))
+        }
+    };
+    if let Some(dir) = socket.as_ref().and_then(|s| s.parent()).filter(|d| !d.as_os_str().is_empty()) {
+        if !dir.is_dir() {
+            bail!(tools::UsageError(format!("socket directory {} does not exist", dir.display())));
+        }
+    }
+    let (tag, queues) = (args.tag, args.queues);
     let session_config = CacheMode::from(args.cache).session_config();
     let dev = device::open(&path)?;
     let mut reactor = Reactor::new(ReactorConfig { mode: PollMode::ADAPTIVE_DEFAULT, ..ReactorConfig::default() })?;
@@ -78,17 +89,50 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         let fs = Fs::mount(DeviceChannel::attach(queue), FsConfig::default())
             .await
             .with_context(|| format!("mounting keelfs on {}", path.display()))?;
-        let session = Rc::new(Session::new(fs.clone(), session_config));
-        let mount = FuseMount::mount(&mountpoint, "keelfs")
-            .with_context(|| format!("mounting {} through /dev/fuse", mountpoint.display()))?;
-        serve_fuse(session, mount.clone());
-        eprintln!("keelfsd: serving {} at {}", path.display(), mountpoint.display());
+        let server = match &socket {
+            Some(socket) => {
+                let server = VhostUserServer::start(fs.clone(), session_config.clone(), socket, queues)
+                    .context("starting the vhost-user-fs device")?;
+                eprintln!("keelfsd: serving {} to guests on {}", path.display(), socket.display());
+                eprintln!("{}", qemu_arguments(socket, &tag, queues));
+                Some(server)
+            }
+            None => None,
+        };
+        let mount = match &args.fuse_mount {
+            Some(mountpoint) => {
+                let mount = FuseMount::mount(mountpoint, "keelfs")
+                    .with_context(|| format!("mounting {} through /dev/fuse", mountpoint.display()))?;
+                serve_fuse(Rc::new(Session::new(fs.clone(), session_config.clone())), mount.clone());
+                eprintln!("keelfsd: serving {} at {}", path.display(), mountpoint.display());
+                Some(mount)
+            }
+            None => None,
+        };
         shutdown.wait().await;
-        mount.unmount().context("unmounting")?;
+        if let Some(server) = server {
+            server.stop().await;
+        }
+        if let Some(mount) = mount {
+            mount.unmount().context("unmounting")?;
+        }
         fs.unmount().await.context("committing and checkpointing")?;
         eprintln!("keelfsd: clean shutdown");
         anyhow::Ok(())
     });
     result?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// What to add to a QEMU command line to attach a guest to `socket`.
+fn qemu_arguments(socket: &Path, tag: &str, queues: usize) -> String {
+    let socket = std::fs::canonicalize(socket).unwrap_or_else(|_| socket.to_owned());
+    format!(
+        "keelfsd: attach a VM with these QEMU arguments (guest memory must be shared; size= is the VM's -m):\n  \
+         -object memory-backend-memfd,id=mem,size=4G,share=on -numa node,memdev=mem \\\n  \
+         -chardev socket,id=keelfs0,path={} \\\n  \
+         -device vhost-user-fs-pci,chardev=keelfs0,tag={tag},queue-size=1024,num-request-queues={queues}\n\
+         keelfsd: then in the guest: mount -t virtiofs {tag} /mnt",
+        socket.display()
+    )
 }

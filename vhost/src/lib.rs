@@ -7,6 +7,8 @@
 //! from virtqueue descriptor chains ([`virtio`]). Wiring that to the
 //! vhost-user protocol (vhost-user-backend) is the next step (issue 5).
 
+pub mod frontend;
+pub mod vhost_user;
 pub mod virtio;
 
 pub mod fuse {

@@ -9,6 +9,7 @@
 //! daemon.
 
 use std::io::{Read, Write};
+use std::ops::Deref;
 
 use virtio_queue::{DescriptorChain, Queue, QueueT};
 use vm_memory::GuestMemoryMmap;
@@ -32,12 +33,19 @@ pub enum ChainOutcome {
 
 /// Serve one chain. Returns its head index, the bytes written into it (for
 /// the used ring) and what happened.
-pub async fn serve_chain(
-    session: &Session,
-    chain: DescriptorChain<&GuestMemoryMmap>,
-    mem: &GuestMemoryMmap,
-) -> (u16, u32, ChainOutcome) {
+/// The chain keeps its guest memory (`M`, an `Arc` of the table on the
+/// device path) alive until the reply is written, whatever the frontend
+/// does to the memory table meanwhile.
+pub async fn serve_chain<M>(session: &Session, chain: DescriptorChain<M>) -> (u16, u32, ChainOutcome)
+where
+    M: Deref<Target = GuestMemoryMmap> + Clone,
+{
     let head = chain.head_index();
+    if revisits_a_descriptor(&chain) {
+        return (head, 0, ChainOutcome::Dropped("descriptor chain loops"));
+    }
+    let keep = chain.clone();
+    let mem = keep.memory();
     let (Ok(mut reader), Ok(mut writer)) = (chain.clone().reader(mem), chain.writer(mem)) else {
         return (head, 0, ChainOutcome::Dropped("descriptor outside guest memory or malformed chain"));
     };
@@ -75,12 +83,39 @@ pub async fn serve_chain(
     }
 }
 
+/// True if the chain's direct descriptors name one index twice. The
+/// queue's iterator already stops after as many descriptors as the ring
+/// holds; this catches the loop itself, so that a looping chain is refused
+/// rather than served through the same buffer over and over.
+fn revisits_a_descriptor<M>(chain: &DescriptorChain<M>) -> bool
+where
+    M: Deref<Target = GuestMemoryMmap> + Clone,
+{
+    let mut seen = [0u64; 1024 / 64];
+    let mut index = chain.head_index();
+    for descriptor in chain.clone() {
+        if descriptor.refers_to_indirect_table() {
+            return false; // the rest lives in a table the iterator bounds
+        }
+        let (word, bit) = (usize::from(index / 64) % seen.len(), 1u64 << (index % 64));
+        if seen[word] & bit != 0 {
+            return true;
+        }
+        seen[word] |= bit;
+        if !descriptor.has_next() {
+            return false;
+        }
+        index = descriptor.next();
+    }
+    false
+}
+
 /// Serve every chain available on `queue`, in order, returning their
 /// outcomes. The caller signals the guest afterwards if the queue says so.
 pub async fn serve_queue(session: &Session, queue: &mut Queue, mem: &GuestMemoryMmap) -> Vec<ChainOutcome> {
     let mut outcomes = Vec::new();
     while let Some(chain) = queue.pop_descriptor_chain(mem) {
-        let (head, written, outcome) = serve_chain(session, chain, mem).await;
+        let (head, written, outcome) = serve_chain(session, chain).await;
         if queue.add_used(mem, head, written).is_err() {
             outcomes.push(ChainOutcome::Dropped("used ring not writable"));
             break;

@@ -87,37 +87,37 @@ fn hostile_chains_are_answered_or_dropped_and_serving_goes_on() {
         let init = init_request(1);
         mem.write_slice(&init, GuestAddress(REQ)).unwrap();
         let chain = mq.build_desc_chain(&[desc(REQ, init.len() as u32, 0, 0), desc(REPLY, 4096, WRITE, 0)]).unwrap();
-        assert_eq!(serve_chain(&s, chain, &mem).await.2, ChainOutcome::Replied(80));
+        assert_eq!(serve_chain(&s, chain).await.2, ChainOutcome::Replied(80));
 
         // A descriptor pointing past the end of guest memory.
         let outside = mq.build_desc_chain(&[desc(0xFFFF_0000, 64, 0, 0), desc(REPLY, 4096, WRITE, 0)]).unwrap();
-        assert!(matches!(serve_chain(&s, outside, &mem).await.2, ChainOutcome::Dropped(_)));
+        assert!(matches!(serve_chain(&s, outside).await.2, ChainOutcome::Dropped(_)));
         // A writable descriptor outside guest memory.
         let bad_reply =
             mq.build_desc_chain(&[desc(REQ, init.len() as u32, 0, 0), desc(0xFFFF_0000, 64, WRITE, 0)]).unwrap();
-        assert!(matches!(serve_chain(&s, bad_reply, &mem).await.2, ChainOutcome::Dropped(_)));
+        assert!(matches!(serve_chain(&s, bad_reply).await.2, ChainOutcome::Dropped(_)));
         // Too short to be a request.
         let short = mq.build_desc_chain(&[desc(REQ, 10, 0, 0), desc(REPLY, 4096, WRITE, 0)]).unwrap();
-        assert!(matches!(serve_chain(&s, short, &mem).await.2, ChainOutcome::Dropped(_)));
+        assert!(matches!(serve_chain(&s, short).await.2, ChainOutcome::Dropped(_)));
         // A request longer than the protocol allows gets E2BIG.
         let huge = request(Opcode::Getattr as u32, 9, 1, &[0u8; 16]);
         mem.write_slice(&huge, GuestAddress(REQ)).unwrap();
         let long = mq
             .build_desc_chain(&[desc(REQ, (REQUEST_BYTES_MAX + 1) as u32, 0, 0), desc(REPLY, 4096, WRITE, 0)])
             .unwrap();
-        assert_eq!(serve_chain(&s, long, &mem).await.2, ChainOutcome::Replied(16));
+        assert_eq!(serve_chain(&s, long).await.2, ChainOutcome::Replied(16));
         assert_eq!(reply_error(&mem, REPLY), -libc::E2BIG);
         // No room for the reply: an error header when that fits.
         let getattr = request(Opcode::Getattr as u32, 10, 1, &[0u8; 16]);
         mem.write_slice(&getattr, GuestAddress(REQ)).unwrap();
         let tight = mq.build_desc_chain(&[desc(REQ, getattr.len() as u32, 0, 0), desc(REPLY, 20, WRITE, 0)]).unwrap();
-        assert_eq!(serve_chain(&s, tight, &mem).await.2, ChainOutcome::Replied(16));
+        assert_eq!(serve_chain(&s, tight).await.2, ChainOutcome::Replied(16));
         assert_eq!(reply_error(&mem, REPLY), -libc::EIO);
         let none = mq.build_desc_chain(&[desc(REQ, getattr.len() as u32, 0, 0), desc(REPLY, 8, WRITE, 0)]).unwrap();
-        assert!(matches!(serve_chain(&s, none, &mem).await.2, ChainOutcome::Dropped(_)));
+        assert!(matches!(serve_chain(&s, none).await.2, ChainOutcome::Dropped(_)));
         // Still serving.
         let ok = mq.build_desc_chain(&[desc(REQ, getattr.len() as u32, 0, 0), desc(REPLY, 4096, WRITE, 0)]).unwrap();
-        assert!(matches!(serve_chain(&s, ok, &mem).await.2, ChainOutcome::Replied(_)));
+        assert!(matches!(serve_chain(&s, ok).await.2, ChainOutcome::Replied(_)));
         assert_eq!(reply_error(&mem, REPLY), 0);
     });
 }

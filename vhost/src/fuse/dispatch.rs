@@ -209,7 +209,14 @@ impl Session {
         let ino = h.nodeid;
         let e = |err: FsError| errno_of(&err);
         match req {
-            Request::Init { major, minor, max_readahead, flags } => self.init(major, minor, max_readahead, flags),
+            Request::Init { major, minor, max_readahead, flags } => {
+                if self.initialized.get() {
+                    // A rebooted guest starts over on the same connection:
+                    // the references its previous kernel held are gone.
+                    fs.forget_all().await.map_err(e)?;
+                }
+                self.init(major, minor, max_readahead, flags)
+            }
             Request::Destroy => Ok(None),
             Request::Lookup { name } => Ok(Some(self.entry(&fs.lookup(&c, ino, name).await.map_err(e)?))),
             Request::Getattr => Ok(Some(self.attr(&fs.getattr(ino).await.map_err(e)?))),

@@ -1,0 +1,486 @@
+//! A vhost-user-fs frontend that plays VMM and guest driver at once, for
+//! tests and for keelfs-bench's load generator.
+//!
+//! It owns memfd-backed "guest memory", speaks the vhost-user protocol
+//! through the vhost crate's frontend, lays out split virtqueues in that
+//! memory, and drives them as a guest's virtio-fs driver would: FUSE
+//! requests go into descriptor chains, replies come back through the used
+//! ring. Hostile chains can be built descriptor by descriptor.
+//!
+//! Memory layout, per queue `q` (guest physical addresses):
+//! `q * queue_span`: descriptor table, then the available ring, then the
+//! used ring, then `slots` request/reply buffer pairs of `slot_bytes` each.
+//! Slot `i` always uses descriptors `2i` (request) and `2i + 1` (reply);
+//! descriptors from `2 * slots` up are free for hand-built chains.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::path::Path;
+use std::sync::atomic::{fence, Ordering};
+use std::time::{Duration, Instant};
+
+use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost::vhost_user::{Frontend, VhostUserFrontend};
+use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
+use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::fuse::abi::{encode_request, Opcode, Reply, OUT_HEADER_BYTES};
+
+const VIRTIO_F_VERSION_1: u64 = 1 << 32;
+const VIRTIO_RING_F_EVENT_IDX: u64 = 1 << 29;
+const VRING_USED_F_NO_NOTIFY: u16 = 1;
+
+/// Descriptor flags, as the virtio spec numbers them.
+pub const DESC_NEXT: u16 = 1;
+pub const DESC_WRITE: u16 = 2;
+pub const DESC_INDIRECT: u16 = 4;
+
+#[derive(Debug, thiserror::Error)]
+pub enum FrontendError {
+    #[error("vhost-user: {0}")]
+    Vhost(#[from] vhost::Error),
+    #[error("guest memory: {0}")]
+    Memory(String),
+    #[error("{0}")]
+    Io(#[from] io::Error),
+    #[error("no reply on queue {queue} within {timeout:?}")]
+    Timeout { queue: usize, timeout: Duration },
+    #[error("queue {0} has no free request slot")]
+    Full(usize),
+    #[error("a {0}-byte request does not fit a {1}-byte slot")]
+    TooLarge(usize, usize),
+    #[error("backend lacks a required feature: {0}")]
+    Feature(&'static str),
+}
+
+pub type FrontendResult<T> = Result<T, FrontendError>;
+
+#[derive(Clone, Debug)]
+pub struct FrontendConfig {
+    /// Request queues (the high-priority queue comes on top).
+    pub request_queues: usize,
+    pub queue_size: u16,
+    /// In-flight requests per queue.
+    pub slots: u16,
+    /// Bytes for a request, and again for its reply, per slot.
+    pub slot_bytes: u64,
+    /// Offer EVENT_IDX (negotiated only if the backend has it too).
+    pub event_idx: bool,
+}
+
+impl Default for FrontendConfig {
+    fn default() -> Self {
+        Self { request_queues: 1, queue_size: 256, slots: 32, slot_bytes: 132 << 10, event_idx: true }
+    }
+}
+
+/// A descriptor written verbatim, for hand-built (possibly hostile)
+/// chains. `next` counts from the first descriptor of the chain.
+#[derive(Clone, Copy, Debug)]
+pub struct RawDesc {
+    pub addr: u64,
+    pub len: u32,
+    pub flags: u16,
+    pub next: u16,
+}
+
+/// A used-ring entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Used {
+    pub head: u16,
+    pub len: u32,
+}
+
+struct Ring {
+    size: u16,
+    desc: u64,
+    avail: u64,
+    used: u64,
+    buffers: u64,
+    kick: EventFd,
+    call: EventFd,
+    free_slots: Vec<u16>,
+    next_avail: u16,
+    last_used: u16,
+}
+
+pub struct FsFrontend {
+    frontend: Frontend,
+    mem: GuestMemoryMmap,
+    _memfd: File,
+    config: FrontendConfig,
+    rings: Vec<Ring>,
+    event_idx: bool,
+    unique: u64,
+}
+
+fn memfd(bytes: u64) -> io::Result<File> {
+    // SAFETY: the name is a NUL-terminated literal and the flags are valid;
+    // the call has no other inputs.
+    let fd = unsafe { libc::memfd_create(c"keelfs-guest-memory".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: memfd_create just returned this fd, so nothing else owns it.
+    let file = unsafe { File::from_raw_fd(fd) };
+    file.set_len(bytes)?;
+    Ok(file)
+}
+
+const fn align(x: u64, to: u64) -> u64 {
+    x.div_ceil(to) * to
+}
+
+impl FsFrontend {
+    /// Connect to a vhost-user-fs backend at `socket` and bring up its
+    /// queues, as QEMU does when a guest's driver starts.
+    pub fn connect(socket: &Path, config: FrontendConfig) -> FrontendResult<Self> {
+        assert!(config.slots > 0 && u32::from(config.slots) * 4 <= u32::from(config.queue_size));
+        assert!(config.queue_size.is_power_of_two());
+        let queues = config.request_queues + 1;
+        let q = u64::from(config.queue_size);
+        let rings_bytes = align(16 * q, 4096) + align(6 + 2 * q, 4096) + align(6 + 8 * q, 4096);
+        let queue_span = align(rings_bytes + u64::from(config.slots) * 2 * config.slot_bytes, 1 << 20);
+        let mem_bytes = queue_span * queues as u64;
+
+        let file = memfd(mem_bytes)?;
+        let mem = GuestMemoryMmap::<()>::from_ranges_with_files([(
+            GuestAddress(0),
+            mem_bytes as usize,
+            Some(FileOffset::new(file.try_clone()?, 0)),
+        )])
+        .map_err(|e| FrontendError::Memory(e.to_string()))?;
+        let host_base = mem.get_host_address(GuestAddress(0)).map_err(|e| FrontendError::Memory(e.to_string()))? as u64;
+
+        let mut frontend = Frontend::connect(socket, queues as u64)?;
+        frontend.set_owner()?;
+        let offered = frontend.get_features()?;
+        if offered & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() == 0 {
+            return Err(FrontendError::Feature("VHOST_USER_F_PROTOCOL_FEATURES"));
+        }
+        let mut wanted = VIRTIO_F_VERSION_1 | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
+        if config.event_idx {
+            wanted |= VIRTIO_RING_F_EVENT_IDX;
+        }
+        let features = offered & wanted;
+        let protocol = frontend.get_protocol_features()?;
+        if queues > 1 && !protocol.contains(VhostUserProtocolFeatures::MQ) {
+            return Err(FrontendError::Feature("VHOST_USER_PROTOCOL_F_MQ"));
+        }
+        frontend.set_protocol_features(protocol & VhostUserProtocolFeatures::MQ)?;
+        if (frontend.get_queue_num()? as usize) < queues {
+            return Err(FrontendError::Feature("enough queues"));
+        }
+        frontend.set_features(features)?;
+        frontend.set_mem_table(&[VhostUserMemoryRegionInfo {
+            guest_phys_addr: 0,
+            memory_size: mem_bytes,
+            userspace_addr: host_base,
+            mmap_offset: 0,
+            mmap_handle: file.as_raw_fd(),
+        }])?;
+
+        let mut rings = Vec::with_capacity(queues);
+        for index in 0..queues {
+            let base = index as u64 * queue_span;
+            let desc = base;
+            let avail = desc + align(16 * q, 4096);
+            let used = avail + align(6 + 2 * q, 4096);
+            let ring = Ring {
+                size: config.queue_size,
+                desc,
+                avail,
+                used,
+                buffers: base + rings_bytes,
+                kick: EventFd::new(EFD_NONBLOCK)?,
+                call: EventFd::new(EFD_NONBLOCK)?,
+                free_slots: (0..config.slots).rev().collect(),
+                next_avail: 0,
+                last_used: 0,
+            };
+            frontend.set_vring_num(index, config.queue_size)?;
+            frontend.set_vring_addr(
+                index,
+                &VringConfigData {
+                    queue_max_size: config.queue_size,
+                    queue_size: config.queue_size,
+                    flags: 0,
+                    desc_table_addr: host_base + desc,
+                    used_ring_addr: host_base + used,
+                    avail_ring_addr: host_base + avail,
+                    log_addr: None,
+                },
+            )?;
+            frontend.set_vring_base(index, 0)?;
+            frontend.set_vring_call(index, &ring.call)?;
+            frontend.set_vring_kick(index, &ring.kick)?;
+            frontend.set_vring_enable(index, true)?;
+            rings.push(ring);
+        }
+        Ok(Self {
+            frontend,
+            mem,
+            _memfd: file,
+            config,
+            rings,
+            event_idx: features & VIRTIO_RING_F_EVENT_IDX != 0,
+            unique: 0,
+        })
+    }
+
+    pub fn memory(&self) -> &GuestMemoryMmap {
+        &self.mem
+    }
+
+    /// Bytes of guest memory: addresses at or past this are outside it.
+    pub fn memory_size(&self) -> u64 {
+        self.mem.iter().map(|r| r.len()).sum()
+    }
+
+    pub fn event_idx(&self) -> bool {
+        self.event_idx
+    }
+
+    /// Queues, the high-priority one (index 0) included.
+    pub fn queues(&self) -> usize {
+        self.rings.len()
+    }
+
+    fn slot_addr(&self, queue: usize, slot: u16) -> (u64, u64) {
+        let base = self.rings[queue].buffers + u64::from(slot) * 2 * self.config.slot_bytes;
+        (base, base + self.config.slot_bytes)
+    }
+
+    fn write_desc(&self, queue: usize, index: u16, d: RawDesc) -> FrontendResult<()> {
+        let at = self.rings[queue].desc + 16 * u64::from(index);
+        let mut raw = [0u8; 16];
+        raw[..8].copy_from_slice(&d.addr.to_le_bytes());
+        raw[8..12].copy_from_slice(&d.len.to_le_bytes());
+        raw[12..14].copy_from_slice(&d.flags.to_le_bytes());
+        raw[14..].copy_from_slice(&d.next.to_le_bytes());
+        self.mem.write_slice(&raw, GuestAddress(at)).map_err(|e| FrontendError::Memory(e.to_string()))
+    }
+
+    fn mem_err(e: vm_memory::GuestMemoryError) -> FrontendError {
+        FrontendError::Memory(e.to_string())
+    }
+
+    /// Make `head` available and kick the backend if it wants kicks.
+    fn publish(&mut self, queue: usize, head: u16) -> FrontendResult<()> {
+        let ring = &self.rings[queue];
+        let (size, avail, used, old) = (ring.size, ring.avail, ring.used, ring.next_avail);
+        let slot = avail + 4 + 2 * u64::from(old % size);
+        self.mem.write_obj(head, GuestAddress(slot)).map_err(Self::mem_err)?;
+        let new = old.wrapping_add(1);
+        // The entry must be visible before the index that covers it.
+        fence(Ordering::Release);
+        self.mem.store(new, GuestAddress(avail + 2), Ordering::Release).map_err(Self::mem_err)?;
+        self.rings[queue].next_avail = new;
+        fence(Ordering::SeqCst);
+        let kick = if self.event_idx {
+            let avail_event: u16 = self
+                .mem
+                .load(GuestAddress(used + 4 + 8 * u64::from(size)), Ordering::Acquire)
+                .map_err(Self::mem_err)?;
+            // virtio's vring_need_event: did we pass the index it waits for?
+            new.wrapping_sub(avail_event).wrapping_sub(1) < new.wrapping_sub(old)
+        } else {
+            let flags: u16 = self.mem.load(GuestAddress(used), Ordering::Acquire).map_err(Self::mem_err)?;
+            flags & VRING_USED_F_NO_NOTIFY == 0
+        };
+        if kick {
+            self.rings[queue].kick.write(1)?;
+        }
+        Ok(())
+    }
+
+    /// Put `request` into a free slot of `queue`, with `reply_capacity`
+    /// bytes for the answer, and make it available. Returns the chain head.
+    pub fn submit(&mut self, queue: usize, request: &[u8], reply_capacity: u32) -> FrontendResult<u16> {
+        let slot_bytes = self.config.slot_bytes;
+        if request.len() as u64 > slot_bytes || u64::from(reply_capacity) > slot_bytes {
+            return Err(FrontendError::TooLarge(request.len().max(reply_capacity as usize), slot_bytes as usize));
+        }
+        let slot = self.rings[queue].free_slots.pop().ok_or(FrontendError::Full(queue))?;
+        let (req_addr, reply_addr) = self.slot_addr(queue, slot);
+        self.mem.write_slice(request, GuestAddress(req_addr)).map_err(Self::mem_err)?;
+        let head = 2 * slot;
+        self.write_desc(
+            queue,
+            head,
+            RawDesc { addr: req_addr, len: request.len() as u32, flags: DESC_NEXT, next: head + 1 },
+        )?;
+        self.write_desc(
+            queue,
+            head + 1,
+            RawDesc { addr: reply_addr, len: reply_capacity, flags: DESC_WRITE, next: 0 },
+        )?;
+        self.publish(queue, head)?;
+        Ok(head)
+    }
+
+    /// First descriptor index free for hand-built chains.
+    pub fn raw_base(&self) -> u16 {
+        2 * self.config.slots
+    }
+
+    /// Address of a scratch area of `slot_bytes` that hand-built chains
+    /// may point at (the request half of the last slot, which `submit`
+    /// hands out last).
+    pub fn scratch(&self, queue: usize) -> u64 {
+        self.slot_addr(queue, self.config.slots - 1).0
+    }
+
+    /// Write `descs` verbatim from [`Self::raw_base`] on (their `next`
+    /// fields relative to it) and make the first available. Wait for it
+    /// before building another.
+    pub fn submit_raw(&mut self, queue: usize, descs: &[RawDesc]) -> FrontendResult<u16> {
+        let base = self.raw_base();
+        assert!(usize::from(base) + descs.len() <= usize::from(self.rings[queue].size));
+        for (i, d) in descs.iter().enumerate() {
+            let next = if d.flags & DESC_NEXT != 0 { base.wrapping_add(d.next) } else { d.next };
+            self.write_desc(queue, base + i as u16, RawDesc { next, ..*d })?;
+        }
+        self.publish(queue, base)?;
+        Ok(base)
+    }
+
+    /// Publish a head index as is, even one that names no descriptor.
+    pub fn submit_head(&mut self, queue: usize, head: u16) -> FrontendResult<()> {
+        self.publish(queue, head)
+    }
+
+    /// Used entries that arrived since the last call. Slots of finished
+    /// `submit`s become free again.
+    pub fn poll(&mut self, queue: usize) -> FrontendResult<Vec<Used>> {
+        let ring = &self.rings[queue];
+        let used_idx: u16 = self.mem.load(GuestAddress(ring.used + 2), Ordering::Acquire).map_err(Self::mem_err)?;
+        let mut out = Vec::new();
+        let mut next = ring.last_used;
+        while next != used_idx {
+            let at = ring.used + 4 + 8 * u64::from(next % ring.size);
+            let id: u32 = self.mem.read_obj(GuestAddress(at)).map_err(Self::mem_err)?;
+            let len: u32 = self.mem.read_obj(GuestAddress(at + 4)).map_err(Self::mem_err)?;
+            out.push(Used { head: id as u16, len });
+            next = next.wrapping_add(1);
+        }
+        let (avail, size) = (ring.avail, ring.size);
+        self.rings[queue].last_used = used_idx;
+        // Ask to be signalled at the very next completion.
+        self.mem
+            .store(used_idx, GuestAddress(avail + 4 + 2 * u64::from(size)), Ordering::Release)
+            .map_err(Self::mem_err)?;
+        for used in &out {
+            if used.head < self.raw_base() && used.head % 2 == 0 {
+                self.rings[queue].free_slots.push(used.head / 2);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Wait until at least one used entry arrives.
+    pub fn wait(&mut self, queue: usize, timeout: Duration) -> FrontendResult<Vec<Used>> {
+        let deadline = Instant::now() + timeout;
+        let mut spins = 0u32;
+        loop {
+            let used = self.poll(queue)?;
+            if !used.is_empty() {
+                let _ = self.rings[queue].call.read();
+                return Ok(used);
+            }
+            if Instant::now() >= deadline {
+                return Err(FrontendError::Timeout { queue, timeout });
+            }
+            spins += 1;
+            if spins < 200 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+    }
+
+    /// How many times the backend signalled `queue` since the last look.
+    pub fn take_signals(&mut self, queue: usize) -> u64 {
+        self.rings[queue].call.read().unwrap_or(0)
+    }
+
+    /// The reply bytes of a finished `submit` (head and used length).
+    pub fn reply(&self, queue: usize, used: Used) -> FrontendResult<Vec<u8>> {
+        let (_, reply_addr) = self.slot_addr(queue, used.head / 2);
+        let len = (used.len as u64).min(self.config.slot_bytes) as usize;
+        let mut out = vec![0u8; len];
+        self.mem.read_slice(&mut out, GuestAddress(reply_addr)).map_err(Self::mem_err)?;
+        Ok(out)
+    }
+
+    pub fn next_unique(&mut self) -> u64 {
+        self.unique += 1;
+        self.unique
+    }
+
+    /// One FUSE request, synchronously: (error, reply body). `error` is the
+    /// positive errno, 0 on success.
+    pub fn fuse(&mut self, queue: usize, opcode: Opcode, nodeid: u64, body: &[u8]) -> FrontendResult<(i32, Vec<u8>)> {
+        self.fuse_raw(queue, opcode as u32, nodeid, body)
+    }
+
+    /// [`Self::fuse`] with any opcode number, unknown ones included.
+    pub fn fuse_raw(&mut self, queue: usize, opcode: u32, nodeid: u64, body: &[u8]) -> FrontendResult<(i32, Vec<u8>)> {
+        let unique = self.next_unique();
+        let request = encode_request(opcode, unique, nodeid, 0, 0, body);
+        self.exchange(queue, unique, &request)
+    }
+
+    /// Send a request already encoded (with `unique` in its header) and
+    /// wait for its reply: (positive errno or 0, reply body).
+    pub fn exchange(&mut self, queue: usize, unique: u64, request: &[u8]) -> FrontendResult<(i32, Vec<u8>)> {
+        let capacity = self.config.slot_bytes as u32;
+        let head = self.submit(queue, request, capacity)?;
+        let used = self.wait_for(queue, head, Duration::from_secs(30))?;
+        let reply = self.reply(queue, used)?;
+        if reply.len() < OUT_HEADER_BYTES {
+            return Err(FrontendError::Memory(format!("short reply: {} bytes", reply.len())));
+        }
+        let error = -i32::from_le_bytes(reply[4..8].try_into().expect("4 bytes"));
+        let echoed = u64::from_le_bytes(reply[8..16].try_into().expect("8 bytes"));
+        if echoed != unique {
+            return Err(FrontendError::Memory(format!("reply for request {echoed}, expected {unique}")));
+        }
+        Ok((error, reply[OUT_HEADER_BYTES..].to_vec()))
+    }
+
+    /// Wait for the chain headed by `head`, setting aside nothing: other
+    /// completions that arrive meanwhile are dropped, so use this only
+    /// with one request in flight.
+    pub fn wait_for(&mut self, queue: usize, head: u16, timeout: Duration) -> FrontendResult<Used> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if let Some(used) = self.wait(queue, left)?.into_iter().find(|u| u.head == head) {
+                return Ok(used);
+            }
+        }
+    }
+
+    /// FUSE_INIT as Linux 6.12 sends it; returns the flags the backend
+    /// granted.
+    pub fn init(&mut self, flags: u64) -> FrontendResult<u64> {
+        let mut body = Reply::default();
+        body.u32(7).u32(38).u32(128 << 10).u32(flags as u32).u32((flags >> 32) as u32).raw(&[0u8; 44]);
+        let (error, reply) = self.fuse(1, Opcode::Init, 0, &body.bytes)?;
+        if error != 0 || reply.len() < 28 {
+            return Err(FrontendError::Memory(format!("FUSE_INIT failed: errno {error}")));
+        }
+        let low = u32::from_le_bytes(reply[12..16].try_into().expect("4 bytes"));
+        let high = if reply.len() >= 36 { u32::from_le_bytes(reply[32..36].try_into().expect("4 bytes")) } else { 0 };
+        Ok(u64::from(low) | (u64::from(high) << 32))
+    }
+
+    /// Stop a queue as QEMU does at VM reset; returns its next avail index.
+    pub fn stop_queue(&mut self, queue: usize) -> FrontendResult<u32> {
+        Ok(self.frontend.get_vring_base(queue)?)
+    }
+}

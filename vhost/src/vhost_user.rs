@@ -1,0 +1,548 @@
+//! The virtio-fs device over vhost-user.
+//!
+//! Two sides meet here:
+//! - vhost-user threads (vhost-user-backend's connection and epoll
+//!   threads) speak the control protocol and notice guest kicks. They own
+//!   nothing of the filesystem: a kick only sets a bit and rings the
+//!   owning reactor's doorbell (an eventfd), and control events travel
+//!   over a lock-free channel.
+//! - The reactor that owns the filesystem owns every virtqueue: it pops
+//!   descriptor chains, runs each request as a task, and returns finished
+//!   chains to the used ring in batches, signalling the guest only when
+//!   EVENT_IDX says it wants to hear. While requests keep coming it polls
+//!   the rings with guest notifications off; after a short idle spell it
+//!   turns them back on and sleeps until the next kick.
+//!
+//! One listener thread accepts one frontend at a time and goes back to
+//! accepting when it leaves, so a VM restart needs no daemon restart.
+
+use std::cell::{Cell, RefCell};
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender, SyncSender};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use keelfs_core::fs::Fs;
+use keelfs_core::reactor::{self, Poller, PollerClass};
+use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost::vhost_user::Listener;
+use vhost_user_backend::{ShutdownHandle, VhostUserBackend, VhostUserDaemon, VringRwLock, VringT};
+use virtio_queue::QueueT;
+use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::event::{new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::fuse::dispatch::{Session, SessionConfig};
+use crate::virtio::{serve_chain, ChainOutcome};
+
+const VIRTIO_F_VERSION_1: u64 = 1 << 32;
+const VIRTIO_RING_F_INDIRECT_DESC: u64 = 1 << 28;
+const VIRTIO_RING_F_EVENT_IDX: u64 = 1 << 29;
+
+/// Queue 0 carries FORGET, BATCH_FORGET and INTERRUPT; the rest carry
+/// requests.
+pub const HIPRIO_QUEUE: usize = 0;
+/// Largest ring a frontend may set up (QEMU's `queue-size` maximum).
+pub const QUEUE_SIZE_MAX: usize = 1024;
+/// Request queues one device may have: kicks travel as bits of a u64.
+pub const REQUEST_QUEUES_MAX: usize = 63;
+/// Chains popped from one queue per reactor iteration, so that one busy
+/// queue cannot starve the others or the device completions.
+const POP_BATCH: usize = 64;
+/// How long a queue stays in polling mode with nothing available before
+/// the guest is asked to kick again.
+const POLL_IDLE: Duration = Duration::from_micros(200);
+/// How long GET_VRING_BASE waits for the requests of a stopping queue.
+const STOP_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, thiserror::Error)]
+pub enum VhostUserError {
+    #[error("request queues must be between 1 and {REQUEST_QUEUES_MAX}, not {0}")]
+    QueueCount(usize),
+    #[error("cannot listen on vhost-user socket {path}: {source}")]
+    Listen { path: PathBuf, source: vhost::vhost_user::Error },
+    #[error("cannot create the doorbell eventfd: {0}")]
+    EventFd(io::Error),
+    #[error("cannot start the vhost-user listener thread: {0}")]
+    Thread(io::Error),
+}
+
+/// What one frontend connection shares between the vhost-user threads and
+/// the reactor.
+struct Connection {
+    /// The vrings, learnt from the first kick (vhost-user-backend hands
+    /// them to `handle_event` only).
+    vrings: OnceLock<Vec<VringRwLock>>,
+    /// One bit per queue kicked since the reactor last looked.
+    kicks: AtomicU64,
+    /// Guest memory; the vhost-user handler swaps in each new table.
+    mem: GuestMemoryAtomic<GuestMemoryMmap>,
+}
+
+enum Control {
+    Connected(Arc<Connection>),
+    /// GET_VRING_BASE: stop popping, finish what is in flight, then say so.
+    StopQueue {
+        index: usize,
+        done: SyncSender<()>,
+    },
+    /// The frontend left: drop its requests' replies and its references.
+    Disconnected {
+        done: SyncSender<()>,
+    },
+}
+
+/// How the vhost-user threads reach the reactor: a channel and an eventfd
+/// the reactor sleeps on.
+#[derive(Clone)]
+struct Doorbell {
+    control: Sender<Control>,
+    wake: Arc<EventFd>,
+}
+
+impl Doorbell {
+    fn send(&self, control: Control) -> bool {
+        let delivered = self.control.send(control).is_ok();
+        self.ring();
+        delivered
+    }
+
+    fn ring(&self) {
+        // EAGAIN means the counter is already non-zero: the reactor will
+        // wake anyway.
+        let _ = self.wake.write(1);
+    }
+
+    /// Send and wait for the reactor's answer; false if it is gone or
+    /// does not answer in time.
+    fn call(&self, make: impl FnOnce(SyncSender<()>) -> Control, timeout: Duration) -> bool {
+        let (done, answered) = mpsc::sync_channel(1);
+        self.send(make(done)) && answered.recv_timeout(timeout).is_ok()
+    }
+}
+
+#[derive(Clone)]
+struct FsBackend {
+    queues: usize,
+    connection: Arc<Connection>,
+    doorbell: Doorbell,
+}
+
+impl VhostUserBackend for FsBackend {
+    type Bitmap = ();
+    type Vring = VringRwLock;
+
+    fn num_queues(&self) -> usize {
+        self.queues
+    }
+
+    fn max_queue_size(&self) -> usize {
+        QUEUE_SIZE_MAX
+    }
+
+    fn features(&self) -> u64 {
+        VIRTIO_F_VERSION_1
+            | VIRTIO_RING_F_INDIRECT_DESC
+            | VIRTIO_RING_F_EVENT_IDX
+            | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
+    }
+
+    fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        VhostUserProtocolFeatures::MQ
+            | VhostUserProtocolFeatures::REPLY_ACK
+            | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+    }
+
+    fn set_event_idx(&self, _enabled: bool) {
+        // The handler sets it on every vring; the reactor asks the vring.
+    }
+
+    fn update_memory(&self, _mem: GuestMemoryAtomic<GuestMemoryMmap>) -> io::Result<()> {
+        // The atomic is the one the reactor already holds; in-flight
+        // requests keep the old table mapped until they finish.
+        Ok(())
+    }
+
+    fn exit_event(&self, _thread: usize) -> Option<(EventConsumer, EventNotifier)> {
+        // Without one the epoll worker can never leave, and dropping the
+        // connection's handler (which joins it) would hang.
+        new_event_consumer_and_notifier(EventFlag::NONBLOCK | EventFlag::CLOEXEC).ok()
+    }
+
+    fn stop_vring(&self, index: u32) -> io::Result<()> {
+        let index = index as usize;
+        if self.doorbell.call(|done| Control::StopQueue { index, done }, STOP_TIMEOUT) {
+            Ok(())
+        } else {
+            Err(io::Error::new(io::ErrorKind::TimedOut, format!("queue {index}: in-flight requests did not finish")))
+        }
+    }
+
+    fn handle_event(
+        &self,
+        device_event: u16,
+        evset: EventSet,
+        vrings: &[VringRwLock],
+        _thread: usize,
+    ) -> io::Result<()> {
+        let index = usize::from(device_event);
+        if evset != EventSet::IN || index >= self.queues {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("unexpected event {device_event}")));
+        }
+        // One epoll thread serves every queue, so it sees all the vrings.
+        debug_assert_eq!(vrings.len(), self.queues);
+        let _ = self.connection.vrings.set(vrings.to_vec());
+        self.connection.kicks.fetch_or(1 << index, Ordering::AcqRel);
+        self.doorbell.ring();
+        Ok(())
+    }
+}
+
+/// Counters of the device, read on its reactor.
+#[derive(Debug, Default)]
+pub struct DeviceStats {
+    pub connections: Cell<u64>,
+    pub chains: Cell<u64>,
+    pub replies: Cell<u64>,
+    pub no_reply: Cell<u64>,
+    pub dropped: Cell<u64>,
+    pub last_drop: Cell<Option<&'static str>>,
+    pub signals: Cell<u64>,
+    pub kicks: Cell<u64>,
+    pub in_flight_max: Cell<usize>,
+}
+
+/// A running vhost-user-fs export: the listener thread and, on the
+/// reactor that created it, the queue poller.
+pub struct VhostUserServer {
+    socket: PathBuf,
+    stopping: Arc<AtomicBool>,
+    finished: Arc<AtomicBool>,
+    active: Arc<Mutex<Option<ShutdownHandle>>>,
+    thread: Option<JoinHandle<()>>,
+    stats: Rc<DeviceStats>,
+}
+
+impl VhostUserServer {
+    /// Listen on `socket` and serve `fs` to one frontend at a time. Must be
+    /// called on the reactor that owns `fs`: its queues are polled there.
+    pub fn start(fs: Fs, config: SessionConfig, socket: &Path, request_queues: usize) -> Result<Self, VhostUserError> {
+        if request_queues == 0 || request_queues > REQUEST_QUEUES_MAX {
+            return Err(VhostUserError::QueueCount(request_queues));
+        }
+        let queues = request_queues + 1;
+        let wake = Arc::new(EventFd::new(EFD_NONBLOCK).map_err(VhostUserError::EventFd)?);
+        let (control, control_rx) = mpsc::channel();
+        let doorbell = Doorbell { control, wake: wake.clone() };
+        let mut listener =
+            Listener::new(socket, true).map_err(|source| VhostUserError::Listen { path: socket.to_owned(), source })?;
+        let stats = Rc::new(DeviceStats::default());
+        let poller = QueuePoller {
+            session: Rc::new(Session::new(fs.clone(), config.clone())),
+            fs,
+            config,
+            control: control_rx,
+            wake,
+            connection: None,
+            queues: (0..queues).map(|_| QueueState::default()).collect(),
+            disconnects: Vec::new(),
+            stats: stats.clone(),
+        };
+        reactor::register_poller(PollerClass::Source, Box::new(poller));
+
+        let stopping = Arc::new(AtomicBool::new(false));
+        let finished = Arc::new(AtomicBool::new(false));
+        let active = Arc::new(Mutex::new(None));
+        let thread = {
+            let (stopping, finished, active) = (stopping.clone(), finished.clone(), active.clone());
+            std::thread::Builder::new()
+                .name("vhost-user-listen".into())
+                .spawn(move || {
+                    accept_loop(&mut listener, queues, &doorbell, &stopping, &active);
+                    finished.store(true, Ordering::Release);
+                    doorbell.ring();
+                })
+                .map_err(VhostUserError::Thread)?
+        };
+        Ok(Self { socket: socket.to_owned(), stopping, finished, active, thread: Some(thread), stats })
+    }
+
+    pub fn stats(&self) -> &DeviceStats {
+        &self.stats
+    }
+
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// Disconnect the frontend, stop accepting, and wait (without blocking
+    /// the reactor) until the device has drained its requests.
+    pub async fn stop(mut self) {
+        self.stopping.store(true, Ordering::Release);
+        if let Some(handle) = self.active.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            handle.shutdown();
+        }
+        // Wake a listener blocked in accept: it sees `stopping` and leaves.
+        let _ = UnixStream::connect(&self.socket);
+        while !self.finished.load(Ordering::Acquire) {
+            reactor::sleep(Duration::from_millis(1)).await;
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
+fn accept_loop(
+    listener: &mut Listener,
+    queues: usize,
+    doorbell: &Doorbell,
+    stopping: &AtomicBool,
+    active: &Mutex<Option<ShutdownHandle>>,
+) {
+    while !stopping.load(Ordering::Acquire) {
+        let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
+        let connection = Arc::new(Connection { vrings: OnceLock::new(), kicks: AtomicU64::new(0), mem: mem.clone() });
+        let backend = FsBackend { queues, connection: connection.clone(), doorbell: doorbell.clone() };
+        let mut daemon = match VhostUserDaemon::new("keelfs".into(), backend, mem) {
+            Ok(daemon) => daemon,
+            Err(e) => {
+                eprintln!("keelfs: vhost-user: {e}");
+                return;
+            }
+        };
+        if !doorbell.send(Control::Connected(connection)) {
+            return; // the reactor is gone
+        }
+        match daemon.start(listener) {
+            Ok(()) if !stopping.load(Ordering::Acquire) => {
+                *active.lock().unwrap_or_else(|e| e.into_inner()) = daemon.shutdown_handle();
+                if let Err(e) = daemon.wait() {
+                    eprintln!("keelfs: vhost-user frontend left: {e}");
+                }
+                *active.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            }
+            Ok(()) => daemon.request_shutdown(),
+            Err(e) => eprintln!("keelfs: vhost-user accept: {e}"),
+        }
+        for handler in daemon.get_epoll_handlers() {
+            handler.send_exit_event();
+        }
+        // Wait for the reactor to drop the connection's requests before
+        // accepting the next frontend, so that two never mix.
+        if !doorbell.call(|done| Control::Disconnected { done }, Duration::from_secs(3600)) {
+            return;
+        }
+    }
+}
+
+#[derive(Default)]
+struct QueueState {
+    /// Notifications are off and the ring is checked every iteration.
+    polling: bool,
+    idle_since: Option<Instant>,
+    in_flight: Rc<Cell<usize>>,
+    /// Finished chains waiting for the used ring: (head, bytes written).
+    completed: Rc<RefCell<Vec<(u16, u32)>>>,
+    stop_waiters: Vec<SyncSender<()>>,
+}
+
+struct QueuePoller {
+    fs: Fs,
+    config: SessionConfig,
+    session: Rc<Session>,
+    control: Receiver<Control>,
+    wake: Arc<EventFd>,
+    connection: Option<Arc<Connection>>,
+    queues: Vec<QueueState>,
+    disconnects: Vec<SyncSender<()>>,
+    stats: Rc<DeviceStats>,
+}
+
+impl QueuePoller {
+    fn handle_control(&mut self, control: Control) {
+        match control {
+            Control::Connected(connection) => {
+                self.stats.connections.set(self.stats.connections.get() + 1);
+                self.connection = Some(connection);
+            }
+            Control::StopQueue { index, done } => match self.queues.get_mut(index) {
+                Some(queue) => {
+                    queue.polling = false;
+                    queue.stop_waiters.push(done);
+                }
+                None => {
+                    let _ = done.send(());
+                }
+            },
+            Control::Disconnected { done } => {
+                self.connection = None;
+                for queue in &mut self.queues {
+                    queue.polling = false;
+                }
+                self.disconnects.push(done);
+            }
+        }
+    }
+
+    /// Return finished chains to the used ring and signal the guest once
+    /// for the batch, if it asked to be told.
+    fn complete(&mut self, index: usize) -> bool {
+        let queue = &self.queues[index];
+        if queue.completed.borrow().is_empty() {
+            return false;
+        }
+        let finished = std::mem::take(&mut *queue.completed.borrow_mut());
+        let Some(vring) = self.connection.as_ref().and_then(|c| c.vrings.get()).and_then(|v| v.get(index)) else {
+            return true; // the frontend is gone: nobody to tell
+        };
+        for (head, written) in finished {
+            if vring.add_used(head, written).is_err() {
+                self.stats.dropped.set(self.stats.dropped.get() + 1);
+                self.stats.last_drop.set(Some("used ring not writable"));
+            }
+        }
+        if vring.needs_notification().unwrap_or(true) {
+            self.stats.signals.set(self.stats.signals.get() + 1);
+            let _ = vring.signal_used_queue();
+        }
+        true
+    }
+
+    /// Pop up to a batch of chains from queue `index` and start a task for
+    /// each.
+    fn pop(&mut self, index: usize, now: Instant) -> bool {
+        let Some(connection) = self.connection.clone() else { return false };
+        let Some(vring) = connection.vrings.get().and_then(|v| v.get(index)) else { return false };
+        let mem = connection.mem.memory().into_inner();
+        let mut popped = 0;
+        {
+            let mut state = vring.get_mut();
+            if !state.get_queue().ready() || !state.is_enabled() {
+                self.queues[index].polling = false;
+                return false;
+            }
+            while popped < POP_BATCH {
+                let Some(chain) = state.get_queue_mut().pop_descriptor_chain(mem.clone()) else { break };
+                popped += 1;
+                let queue = &self.queues[index];
+                let (session, in_flight, completed, stats) =
+                    (self.session.clone(), queue.in_flight.clone(), queue.completed.clone(), self.stats.clone());
+                in_flight.set(in_flight.get() + 1);
+                stats.in_flight_max.set(stats.in_flight_max.get().max(in_flight.get()));
+                stats.chains.set(stats.chains.get() + 1);
+                reactor::spawn_local(async move {
+                    let (head, written, outcome) = serve_chain(&session, chain).await;
+                    match outcome {
+                        ChainOutcome::Replied(_) => stats.replies.set(stats.replies.get() + 1),
+                        ChainOutcome::NoReply => stats.no_reply.set(stats.no_reply.get() + 1),
+                        ChainOutcome::Dropped(why) => {
+                            stats.dropped.set(stats.dropped.get() + 1);
+                            stats.last_drop.set(Some(why));
+                        }
+                    }
+                    completed.borrow_mut().push((head, written));
+                    in_flight.set(in_flight.get() - 1);
+                });
+            }
+        }
+        let queue = &mut self.queues[index];
+        if popped > 0 {
+            queue.idle_since = None;
+            return true;
+        }
+        match queue.idle_since {
+            None => queue.idle_since = Some(now),
+            Some(since) if now.duration_since(since) >= POLL_IDLE => {
+                // Ask for kicks again; true means something slipped in
+                // meanwhile, so keep polling.
+                queue.idle_since = None;
+                queue.polling = matches!(vring.enable_notification(), Ok(true));
+            }
+            Some(_) => {}
+        }
+        false
+    }
+
+    fn finish_disconnects(&mut self) -> bool {
+        if self.disconnects.is_empty() || self.queues.iter().any(|q| q.in_flight.get() > 0) {
+            return false;
+        }
+        for queue in &mut self.queues {
+            queue.completed.borrow_mut().clear();
+            queue.idle_since = None;
+            for waiter in queue.stop_waiters.drain(..) {
+                let _ = waiter.send(());
+            }
+        }
+        // The next frontend gets a fresh session; this one's references go.
+        self.session = Rc::new(Session::new(self.fs.clone(), self.config.clone()));
+        let (fs, waiters) = (self.fs.clone(), std::mem::take(&mut self.disconnects));
+        reactor::spawn_local(async move {
+            if let Err(e) = fs.forget_all().await {
+                eprintln!("keelfs: dropping a departed frontend's references: {e}");
+            }
+            for waiter in waiters {
+                let _ = waiter.send(());
+            }
+        });
+        true
+    }
+}
+
+impl Poller for QueuePoller {
+    fn poll(&mut self, now: Instant) -> bool {
+        let mut busy = false;
+        while let Ok(control) = self.control.try_recv() {
+            self.handle_control(control);
+            busy = true;
+        }
+        if let Some(connection) = &self.connection {
+            let kicks = connection.kicks.swap(0, Ordering::AcqRel);
+            if kicks != 0 && connection.vrings.get().is_some() {
+                busy = true;
+                let vrings = connection.vrings.get().expect("checked");
+                for (index, queue) in self.queues.iter_mut().enumerate() {
+                    if kicks & (1 << index) != 0 && queue.stop_waiters.is_empty() {
+                        self.stats.kicks.set(self.stats.kicks.get() + 1);
+                        if !queue.polling {
+                            queue.polling = true;
+                            queue.idle_since = None;
+                            let _ = vrings[index].disable_notification();
+                        }
+                    }
+                }
+            }
+        }
+        for index in 0..self.queues.len() {
+            busy |= self.complete(index);
+            let queue = &mut self.queues[index];
+            if !queue.stop_waiters.is_empty() && queue.in_flight.get() == 0 {
+                for waiter in queue.stop_waiters.drain(..) {
+                    let _ = waiter.send(());
+                }
+            }
+            if self.queues[index].polling {
+                busy |= self.pop(index, now);
+            }
+        }
+        busy |= self.finish_disconnects();
+        busy
+    }
+
+    fn wake_fd(&self) -> Option<RawFd> {
+        Some(self.wake.as_raw_fd())
+    }
+
+    fn can_sleep(&self) -> bool {
+        self.queues.iter().all(|q| !q.polling && q.completed.borrow().is_empty())
+    }
+}

@@ -1,0 +1,372 @@
+//! The vhost-user-fs device driven over its socket by the test-side
+//! frontend (keelfs_vhost::frontend): memfd guest memory, real vhost-user
+//! messages, split rings laid out by hand, hostile chains included.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use keelfs_core::bdev::{BlockDevice, MappedDevice, QueueConfig};
+use keelfs_core::fs::mkfs::{mkfs, MkfsOptions};
+use keelfs_core::fs::{Fs, FsConfig};
+use keelfs_core::reactor::io::DeviceChannel;
+use keelfs_core::reactor::{self, Reactor, ReactorConfig};
+use keelfs_vhost::frontend::{FrontendConfig, FrontendError, FsFrontend, RawDesc, DESC_NEXT, DESC_WRITE};
+use keelfs_vhost::fuse::abi::{encode_request, init_flags as f, Opcode, Reply, ENTRY_OUT_BYTES};
+use keelfs_vhost::fuse::dispatch::SessionConfig;
+use keelfs_vhost::vhost_user::VhostUserServer;
+use vm_memory::{Bytes, GuestAddress};
+
+const TIMEOUT: Duration = Duration::from_secs(20);
+
+/// keelfsd's device side on its own reactor thread, over a RAM disk.
+struct Daemon {
+    socket: PathBuf,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    _dir: TempDir,
+}
+
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+impl Daemon {
+    fn start(request_queues: usize) -> Self {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "keelfs-vu-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let socket = dir.join("fs.sock");
+        let stop = Arc::new(AtomicBool::new(false));
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let thread = {
+            let (socket, stop) = (socket.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut reactor = Reactor::new(ReactorConfig::default()).unwrap();
+                let dev: Arc<dyn BlockDevice> = Arc::new(MappedDevice::ram(64 << 20, 4096).unwrap());
+                reactor.block_on(async move {
+                    let ch = || DeviceChannel::attach(dev.open_queue(QueueConfig::default()).unwrap());
+                    mkfs(ch(), &MkfsOptions { force: true, ..MkfsOptions::default() }).await.unwrap();
+                    // Quick commits, so that freed blocks (usable once the free is
+                    // committed) come back within the test.
+                    let config = FsConfig { commit_interval: Duration::from_millis(50), ..FsConfig::default() };
+                    let fs = Fs::mount(ch(), config).await.unwrap();
+                    let server =
+                        VhostUserServer::start(fs.clone(), SessionConfig::default(), &socket, request_queues).unwrap();
+                    ready_tx.send(()).unwrap();
+                    while !stop.load(Ordering::Acquire) {
+                        reactor::sleep(Duration::from_millis(2)).await;
+                    }
+                    server.stop().await;
+                    fs.unmount().await.unwrap();
+                });
+            })
+        };
+        ready_rx.recv_timeout(TIMEOUT).expect("daemon started");
+        Self { socket, stop, thread: Some(thread), _dir: TempDir(dir) }
+    }
+
+    fn connect(&self, request_queues: usize) -> FsFrontend {
+        FsFrontend::connect(&self.socket, FrontendConfig { request_queues, ..FrontendConfig::default() }).unwrap()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            t.join().expect("daemon thread exits cleanly");
+        }
+    }
+}
+
+fn named(name: &str) -> Vec<u8> {
+    let mut b = name.as_bytes().to_vec();
+    b.push(0);
+    b
+}
+
+/// CREATE `name` in the root: (nodeid, fh).
+fn create(fe: &mut FsFrontend, queue: usize, name: &str) -> (u64, u64) {
+    let mut body = Reply::default();
+    body.u32(libc::O_RDWR as u32).u32(0o100644).u32(0).u32(0).raw(&named(name));
+    let (err, reply) = fe.fuse(queue, Opcode::Create, 1, &body.bytes).unwrap();
+    assert_eq!(err, 0, "create {name}");
+    let nodeid = u64::from_le_bytes(reply[..8].try_into().unwrap());
+    let fh = u64::from_le_bytes(reply[ENTRY_OUT_BYTES..ENTRY_OUT_BYTES + 8].try_into().unwrap());
+    (nodeid, fh)
+}
+
+fn io_body(fh: u64, offset: u64, size: u32) -> Reply {
+    let mut b = Reply::default();
+    b.u64(fh).u64(offset).u32(size).u32(0).u64(0).u32(0).u32(0);
+    b
+}
+
+fn write(fe: &mut FsFrontend, queue: usize, nodeid: u64, fh: u64, offset: u64, data: &[u8]) -> i32 {
+    let mut body = io_body(fh, offset, data.len() as u32);
+    body.raw(data);
+    let (err, reply) = fe.fuse(queue, Opcode::Write, nodeid, &body.bytes).unwrap();
+    if err == 0 {
+        assert_eq!(u32::from_le_bytes(reply[..4].try_into().unwrap()) as usize, data.len());
+    }
+    err
+}
+
+fn read(fe: &mut FsFrontend, queue: usize, nodeid: u64, fh: u64, offset: u64, size: u32) -> Vec<u8> {
+    let (err, reply) = fe.fuse(queue, Opcode::Read, nodeid, &io_body(fh, offset, size).bytes).unwrap();
+    assert_eq!(err, 0);
+    reply
+}
+
+fn statfs_free(fe: &mut FsFrontend) -> u64 {
+    let (err, reply) = fe.fuse(1, Opcode::Statfs, 1, &[]).unwrap();
+    assert_eq!(err, 0);
+    u64::from_le_bytes(reply[8..16].try_into().unwrap())
+}
+
+#[test]
+fn requests_over_vhost_user_reach_the_filesystem() {
+    let daemon = Daemon::start(1);
+    let mut fe = daemon.connect(1);
+    assert!(fe.event_idx(), "EVENT_IDX is offered and negotiated");
+    let granted = fe.init(f::ASYNC_READ | f::PARALLEL_DIROPS | f::MAX_PAGES | f::INIT_EXT).unwrap();
+    assert_ne!(granted & f::PARALLEL_DIROPS, 0);
+    assert_eq!(fe.fuse(1, Opcode::Lookup, 1, &named("absent")).unwrap().0, libc::ENOENT);
+
+    let (nodeid, fh) = create(&mut fe, 1, "hello");
+    let data: Vec<u8> = (0..100_000u32).map(|i| (i * 7 + 3) as u8).collect();
+    assert_eq!(write(&mut fe, 1, nodeid, fh, 4096, &data), 0);
+    assert_eq!(read(&mut fe, 1, nodeid, fh, 4096, data.len() as u32), data);
+    assert_eq!(read(&mut fe, 1, nodeid, fh, 0, 4096), vec![0u8; 4096], "the hole before reads as zeros");
+
+    // Many requests in flight at once on one queue, each answered.
+    let mut heads = Vec::new();
+    for i in 0..24u64 {
+        let unique = 1000 + i;
+        let req = encode_request(Opcode::Getattr as u32, unique, nodeid, 0, 0, &[0u8; 16]);
+        heads.push(fe.submit(1, &req, 4096).unwrap());
+    }
+    let mut done = Vec::new();
+    while done.len() < heads.len() {
+        done.extend(fe.wait(1, TIMEOUT).unwrap());
+    }
+    done.sort_by_key(|u| u.head);
+    heads.sort();
+    assert_eq!(done.iter().map(|u| u.head).collect::<Vec<_>>(), heads);
+    for used in done {
+        let reply = fe.reply(1, used).unwrap();
+        assert_eq!(i32::from_le_bytes(reply[4..8].try_into().unwrap()), 0, "getattr succeeded");
+    }
+}
+
+#[test]
+fn two_request_queues_serve_one_filesystem() {
+    let daemon = Daemon::start(2);
+    let mut fe = daemon.connect(2);
+    assert_eq!(fe.queues(), 3);
+    fe.init(f::INIT_EXT).unwrap();
+    let (nodeid, fh) = create(&mut fe, 1, "shared");
+    assert_eq!(write(&mut fe, 2, nodeid, fh, 0, b"written through queue 2"), 0);
+    assert_eq!(read(&mut fe, 1, nodeid, fh, 0, 64), b"written through queue 2");
+    // FORGET on the high-priority queue expects no reply: the chain comes
+    // back used with nothing written.
+    let mut forget = Reply::default();
+    forget.u64(1);
+    let req = encode_request(Opcode::Forget as u32, 99, nodeid, 0, 0, &forget.bytes);
+    let head = fe.submit(0, &req, 64).unwrap();
+    let used = fe.wait_for(0, head, TIMEOUT).unwrap();
+    assert_eq!(used.len, 0);
+}
+
+#[test]
+fn hostile_requests_get_errors_and_the_daemon_lives_on() {
+    let daemon = Daemon::start(2);
+    let mut fe = daemon.connect(2);
+    fe.init(f::INIT_EXT).unwrap();
+    let (nodeid, fh) = create(&mut fe, 1, "victim");
+    assert_eq!(write(&mut fe, 1, nodeid, fh, 0, b"intact"), 0);
+
+    // Protocol-level garbage: each earns an errno.
+    assert_eq!(fe.fuse_raw(1, 7, 1, &[]).unwrap().0, libc::ENOSYS, "opcode 7 does not exist");
+    assert_eq!(fe.fuse_raw(1, 9999, 1, &[]).unwrap().0, libc::ENOSYS, "unknown opcode");
+    assert_eq!(fe.fuse(1, Opcode::Getattr, 0xdead_beef, &[0u8; 16]).unwrap().0, libc::ENOENT, "bogus nodeid");
+    assert_eq!(write(&mut fe, 1, nodeid, 0xbad_f00d, 0, b"x"), libc::EBADF, "bogus file handle");
+    let long = "n".repeat(300);
+    assert_eq!(fe.fuse(1, Opcode::Lookup, 1, &named(&long)).unwrap().0, libc::ENAMETOOLONG);
+    assert_eq!(fe.fuse(1, Opcode::Lookup, 1, b"no-nul").unwrap().0, libc::EINVAL, "name without NUL");
+    assert_eq!(fe.fuse(1, Opcode::Lookup, 1, b"a/b\0").unwrap().0, libc::EINVAL, "name with a slash");
+    // A header whose length field disagrees with the chain.
+    let unique = fe.next_unique();
+    let mut lying = encode_request(Opcode::Getattr as u32, unique, nodeid, 0, 0, &[0u8; 16]);
+    lying[..4].copy_from_slice(&4096u32.to_le_bytes());
+    assert_ne!(fe.exchange(1, unique, &lying).unwrap().0, 0, "wrong length");
+    // A write whose size field claims more data than it carries.
+    let mut short = io_body(fh, 0, 1 << 20);
+    short.raw(b"tiny");
+    assert_ne!(fe.fuse(1, Opcode::Write, nodeid, &short.bytes).unwrap().0, 0);
+
+    // Descriptor-level attacks, one at a time; each chain comes back used
+    // with nothing written, and the queue keeps working.
+    let outside = fe.memory_size() + 4096;
+    let scratch = fe.scratch(1);
+    let req = encode_request(Opcode::Getattr as u32, 4242, nodeid, 0, 0, &[0u8; 16]);
+    fe.memory().write_slice(&req, GuestAddress(scratch)).unwrap();
+    let attacks: Vec<(&str, Vec<RawDesc>)> = vec![
+        (
+            "request outside guest memory",
+            vec![
+                RawDesc { addr: outside, len: 64, flags: DESC_NEXT, next: 1 },
+                RawDesc { addr: scratch + 4096, len: 4096, flags: DESC_WRITE, next: 0 },
+            ],
+        ),
+        (
+            "reply outside guest memory",
+            vec![
+                RawDesc { addr: scratch, len: req.len() as u32, flags: DESC_NEXT, next: 1 },
+                RawDesc { addr: outside, len: 4096, flags: DESC_WRITE, next: 0 },
+            ],
+        ),
+        (
+            "buffer straddling the end of memory",
+            vec![
+                RawDesc { addr: scratch, len: req.len() as u32, flags: DESC_NEXT, next: 1 },
+                RawDesc { addr: fe.memory_size() - 8, len: 4096, flags: DESC_WRITE, next: 0 },
+            ],
+        ),
+        (
+            "a chain that loops",
+            vec![
+                RawDesc { addr: scratch, len: req.len() as u32, flags: DESC_NEXT, next: 1 },
+                RawDesc { addr: scratch + 4096, len: 64, flags: DESC_NEXT | DESC_WRITE, next: 1 },
+            ],
+        ),
+        (
+            "next pointing past the table",
+            vec![RawDesc { addr: scratch, len: req.len() as u32, flags: DESC_NEXT, next: 4000 }],
+        ),
+        ("no room for any reply", vec![RawDesc { addr: scratch, len: req.len() as u32, flags: 0, next: 0 }]),
+        (
+            "a request shorter than a header",
+            vec![
+                RawDesc { addr: scratch, len: 8, flags: DESC_NEXT, next: 1 },
+                RawDesc { addr: scratch + 4096, len: 4096, flags: DESC_WRITE, next: 0 },
+            ],
+        ),
+        (
+            "a reply buffer that is too small",
+            vec![
+                RawDesc { addr: scratch, len: req.len() as u32, flags: DESC_NEXT, next: 1 },
+                RawDesc { addr: scratch + 4096, len: 8, flags: DESC_WRITE, next: 0 },
+            ],
+        ),
+        (
+            "an over-long request",
+            vec![
+                RawDesc { addr: scratch, len: 2 << 20, flags: DESC_NEXT, next: 1 },
+                RawDesc { addr: scratch + 4096, len: 4096, flags: DESC_WRITE, next: 0 },
+            ],
+        ),
+    ];
+    for (what, chain) in attacks {
+        let head = fe.submit_raw(1, &chain).unwrap();
+        match fe.wait_for(1, head, TIMEOUT) {
+            Ok(used) => assert!(used.len <= 16, "{what}: at most an error header comes back, got {}", used.len),
+            Err(FrontendError::Timeout { .. }) => panic!("{what}: the chain never came back"),
+            Err(e) => panic!("{what}: {e}"),
+        }
+        assert_eq!(read(&mut fe, 1, nodeid, fh, 0, 6), b"intact", "after {what}, the queue still works");
+    }
+
+    // A head index past the ring breaks queue 2 for good (the guest's own
+    // loss), but the daemon and the other queues carry on.
+    fe.submit_head(2, 60_000).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(read(&mut fe, 1, nodeid, fh, 0, 6), b"intact");
+}
+
+#[test]
+fn a_new_frontend_after_a_disconnect_finds_the_data_and_the_old_references_gone() {
+    let daemon = Daemon::start(1);
+    let free_at_start;
+    {
+        let mut fe = daemon.connect(1);
+        fe.init(f::INIT_EXT).unwrap();
+        free_at_start = statfs_free(&mut fe);
+        let (nodeid, fh) = create(&mut fe, 1, "keep");
+        assert_eq!(write(&mut fe, 1, nodeid, fh, 0, b"survives a VM restart"), 0);
+        // An unlinked file held open by the departing guest.
+        let (orphan, orphan_fh) = create(&mut fe, 1, "orphan");
+        assert_eq!(write(&mut fe, 1, orphan, orphan_fh, 0, &vec![1u8; 128 << 10]), 0);
+        assert_eq!(fe.fuse(1, Opcode::Unlink, 1, &named("orphan")).unwrap().0, 0);
+        let mut fsync = Reply::default();
+        fsync.u64(orphan_fh).u32(0).u32(0);
+        assert_eq!(fe.fuse(1, Opcode::Fsync, orphan, &fsync.bytes).unwrap().0, 0);
+        assert!(statfs_free(&mut fe) < free_at_start, "the open orphan holds its blocks");
+    } // the frontend disconnects without releasing anything
+
+    let mut fe = connect_retrying(&daemon.socket);
+    fe.init(f::INIT_EXT).unwrap();
+    let (err, entry) = fe.fuse(1, Opcode::Lookup, 1, &named("keep")).unwrap();
+    assert_eq!(err, 0);
+    let nodeid = u64::from_le_bytes(entry[..8].try_into().unwrap());
+    let mut open = Reply::default();
+    open.u32(libc::O_RDONLY as u32).u32(0);
+    let (err, reply) = fe.fuse(1, Opcode::Open, nodeid, &open.bytes).unwrap();
+    assert_eq!(err, 0);
+    let fh = u64::from_le_bytes(reply[..8].try_into().unwrap());
+    assert_eq!(read(&mut fe, 1, nodeid, fh, 0, 64), b"survives a VM restart");
+    assert_eq!(fe.fuse(1, Opcode::Lookup, 1, &named("orphan")).unwrap().0, libc::ENOENT);
+    // Freed blocks become usable once the free commits.
+    let mut free_now = 0;
+    for _ in 0..100 {
+        free_now = statfs_free(&mut fe);
+        if free_now + 1 >= free_at_start {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(free_now + 1, free_at_start, "all but the kept file's block came back");
+}
+
+#[test]
+fn a_queue_stop_waits_for_its_requests() {
+    let daemon = Daemon::start(1);
+    let mut fe = daemon.connect(1);
+    fe.init(f::INIT_EXT).unwrap();
+    let (nodeid, fh) = create(&mut fe, 1, "busy");
+    let mut heads = Vec::new();
+    for i in 0..16u64 {
+        let mut body = io_body(fh, i * 65536, 65536);
+        body.raw(&vec![i as u8; 65536]);
+        let unique = fe.next_unique();
+        let req = encode_request(Opcode::Write as u32, unique, nodeid, 0, 0, &body.bytes);
+        heads.push(fe.submit(1, &req, 4096).unwrap());
+    }
+    // GET_VRING_BASE returns only once every accepted request is done, so
+    // every head is in the used ring by then.
+    let next_avail = fe.stop_queue(1).unwrap();
+    assert_eq!(next_avail, 16 + 2, "init, create, then 16 writes were taken");
+    let used = fe.poll(1).unwrap();
+    assert_eq!(used.len(), 16, "all in-flight writes completed before the stop returned");
+    assert!(used.iter().all(|u| u.len == 24), "each got a write reply");
+}
+
+fn connect_retrying(socket: &Path) -> FsFrontend {
+    for _ in 0..200 {
+        match FsFrontend::connect(socket, FrontendConfig::default()) {
+            Ok(fe) => return fe,
+            Err(_) => std::thread::sleep(Duration::from_millis(10)),
+        }
+    }
+    panic!("could not reconnect to {}", socket.display());
+}
