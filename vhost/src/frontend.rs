@@ -10,8 +10,10 @@
 //! Memory layout, per queue `q` (guest physical addresses):
 //! `q * queue_span`: descriptor table, then the available ring, then the
 //! used ring, then `slots` request/reply buffer pairs of `slot_bytes` each.
-//! Slot `i` always uses descriptors `2i` (request) and `2i + 1` (reply);
-//! descriptors from `2 * slots` up are free for hand-built chains.
+//! Slot `i` always uses descriptors `4i` to `4i + 3` (request header,
+//! request data, reply header, reply data); descriptors from `4 * slots`
+//! up are free for hand-built chains. Data buffers start one page into
+//! their half of the slot, page-aligned, as a guest's O_DIRECT pages are.
 
 use std::fs::File;
 use std::io;
@@ -137,7 +139,8 @@ impl FsFrontend {
     /// Connect to a vhost-user-fs backend at `socket` and bring up its
     /// queues, as QEMU does when a guest's driver starts.
     pub fn connect(socket: &Path, config: FrontendConfig) -> FrontendResult<Self> {
-        assert!(config.slots > 0 && u32::from(config.slots) * 4 <= u32::from(config.queue_size));
+        assert!(config.slots > 0 && u32::from(config.slots) * 8 <= u32::from(config.queue_size));
+        assert!(config.slot_bytes.is_multiple_of(4096) && config.slot_bytes > 4096);
         assert!(config.queue_size.is_power_of_two());
         let queues = config.request_queues + 1;
         let q = u64::from(config.queue_size);
@@ -306,7 +309,7 @@ impl FsFrontend {
         let slot = self.rings[queue].free_slots.pop().ok_or(FrontendError::Full(queue))?;
         let (req_addr, reply_addr) = self.slot_addr(queue, slot);
         self.mem.write_slice(request, GuestAddress(req_addr)).map_err(Self::mem_err)?;
-        let head = 2 * slot;
+        let head = 4 * slot;
         self.write_desc(
             queue,
             head,
@@ -323,7 +326,63 @@ impl FsFrontend {
 
     /// First descriptor index free for hand-built chains.
     pub fn raw_base(&self) -> u16 {
-        2 * self.config.slots
+        4 * self.config.slots
+    }
+
+    /// A request laid out as Linux's virtio-fs driver lays out I/O: the
+    /// header (with its fuse_*_in) in one buffer, write data in its own
+    /// page-aligned buffer, a 16-byte reply header, then a page-aligned
+    /// buffer of `read_len` bytes for read data.
+    pub fn submit_split(
+        &mut self,
+        queue: usize,
+        header: &[u8],
+        write_data: &[u8],
+        read_len: u32,
+    ) -> FrontendResult<u16> {
+        let room = self.config.slot_bytes - 4096;
+        if header.len() > 4096 || write_data.len() as u64 > room || u64::from(read_len) > room {
+            return Err(FrontendError::TooLarge(header.len() + write_data.len().max(read_len as usize), room as usize));
+        }
+        let slot = self.rings[queue].free_slots.pop().ok_or(FrontendError::Full(queue))?;
+        let (req, reply) = self.slot_addr(queue, slot);
+        self.mem.write_slice(header, GuestAddress(req)).map_err(Self::mem_err)?;
+        self.mem.write_slice(write_data, GuestAddress(req + 4096)).map_err(Self::mem_err)?;
+        let head = 4 * slot;
+        let mut descs = vec![RawDesc { addr: req, len: header.len() as u32, flags: 0, next: 0 }];
+        if !write_data.is_empty() {
+            descs.push(RawDesc { addr: req + 4096, len: write_data.len() as u32, flags: 0, next: 0 });
+        }
+        if read_len > 0 {
+            descs.push(RawDesc { addr: reply, len: OUT_HEADER_BYTES as u32, flags: DESC_WRITE, next: 0 });
+            descs.push(RawDesc { addr: reply + 4096, len: read_len, flags: DESC_WRITE, next: 0 });
+        } else {
+            descs.push(RawDesc { addr: reply, len: 4096, flags: DESC_WRITE, next: 0 });
+        }
+        let last = descs.len() - 1;
+        for (i, d) in descs.into_iter().enumerate() {
+            let index = head + i as u16;
+            let (flags, next) = if i < last { (d.flags | DESC_NEXT, index + 1) } else { (d.flags, 0) };
+            self.write_desc(queue, index, RawDesc { flags, next, ..d })?;
+        }
+        self.publish(queue, head)?;
+        Ok(head)
+    }
+
+    /// The read data of a finished [`Self::submit_split`]: `len` bytes.
+    pub fn read_data(&self, queue: usize, used: Used, len: usize) -> FrontendResult<Vec<u8>> {
+        let (_, reply) = self.slot_addr(queue, used.head / 4);
+        let mut out = vec![0u8; len];
+        self.mem.read_slice(&mut out, GuestAddress(reply + 4096)).map_err(Self::mem_err)?;
+        Ok(out)
+    }
+
+    /// Fill the read-data buffer of the slot that `submit_split` will use
+    /// next, so that a test can see which bytes the backend wrote.
+    pub fn poison_next_read(&self, queue: usize, byte: u8, len: usize) -> FrontendResult<()> {
+        let slot = *self.rings[queue].free_slots.last().ok_or(FrontendError::Full(queue))?;
+        let (_, reply) = self.slot_addr(queue, slot);
+        self.mem.write_slice(&vec![byte; len], GuestAddress(reply + 4096)).map_err(Self::mem_err)
     }
 
     /// Address of a scratch area of `slot_bytes` that hand-built chains
@@ -373,8 +432,8 @@ impl FsFrontend {
             .store(used_idx, GuestAddress(avail + 4 + 2 * u64::from(size)), Ordering::Release)
             .map_err(Self::mem_err)?;
         for used in &out {
-            if used.head < self.raw_base() && used.head % 2 == 0 {
-                self.rings[queue].free_slots.push(used.head / 2);
+            if used.head < self.raw_base() && used.head % 4 == 0 {
+                self.rings[queue].free_slots.push(used.head / 4);
             }
         }
         Ok(out)
@@ -409,7 +468,7 @@ impl FsFrontend {
 
     /// The reply bytes of a finished `submit` (head and used length).
     pub fn reply(&self, queue: usize, used: Used) -> FrontendResult<Vec<u8>> {
-        let (_, reply_addr) = self.slot_addr(queue, used.head / 2);
+        let (_, reply_addr) = self.slot_addr(queue, used.head / 4);
         let len = (used.len as u64).min(self.config.slot_bytes) as usize;
         let mut out = vec![0u8; len];
         self.mem.read_slice(&mut out, GuestAddress(reply_addr)).map_err(Self::mem_err)?;

@@ -8,6 +8,7 @@
 //! vhost-user protocol (vhost-user-backend) is the next step (issue 5).
 
 pub mod frontend;
+pub mod guest_io;
 pub mod vhost_user;
 pub mod virtio;
 

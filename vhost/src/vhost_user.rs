@@ -40,7 +40,7 @@ use vmm_sys_util::event::{new_event_consumer_and_notifier, EventConsumer, EventF
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::fuse::dispatch::{Session, SessionConfig};
-use crate::virtio::{serve_chain, ChainOutcome};
+use crate::virtio::{serve_chain_zero_copy, ChainOutcome};
 
 const VIRTIO_F_VERSION_1: u64 = 1 << 32;
 const VIRTIO_RING_F_INDIRECT_DESC: u64 = 1 << 28;
@@ -211,6 +211,9 @@ pub struct DeviceStats {
     pub connections: Cell<u64>,
     pub chains: Cell<u64>,
     pub replies: Cell<u64>,
+    /// Replies to direct reads and writes whose data moved between guest
+    /// pages and the device with no copy.
+    pub zero_copy: Cell<u64>,
     pub no_reply: Cell<u64>,
     pub dropped: Cell<u64>,
     pub last_drop: Cell<Option<&'static str>>,
@@ -434,15 +437,24 @@ impl QueuePoller {
                 let Some(chain) = state.get_queue_mut().pop_descriptor_chain(mem.clone()) else { break };
                 popped += 1;
                 let queue = &self.queues[index];
-                let (session, in_flight, completed, stats) =
-                    (self.session.clone(), queue.in_flight.clone(), queue.completed.clone(), self.stats.clone());
+                let (session, in_flight, completed, stats, mem) = (
+                    self.session.clone(),
+                    queue.in_flight.clone(),
+                    queue.completed.clone(),
+                    self.stats.clone(),
+                    mem.clone(),
+                );
                 in_flight.set(in_flight.get() + 1);
                 stats.in_flight_max.set(stats.in_flight_max.get().max(in_flight.get()));
                 stats.chains.set(stats.chains.get() + 1);
                 reactor::spawn_local(async move {
-                    let (head, written, outcome) = serve_chain(&session, chain).await;
+                    let (head, written, outcome) = serve_chain_zero_copy(&session, chain, mem).await;
                     match outcome {
                         ChainOutcome::Replied(_) => stats.replies.set(stats.replies.get() + 1),
+                        ChainOutcome::Direct(_) => {
+                            stats.replies.set(stats.replies.get() + 1);
+                            stats.zero_copy.set(stats.zero_copy.get() + 1);
+                        }
                         ChainOutcome::NoReply => stats.no_reply.set(stats.no_reply.get() + 1),
                         ChainOutcome::Dropped(why) => {
                             stats.dropped.set(stats.dropped.get() + 1);

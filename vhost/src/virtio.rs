@@ -11,11 +11,14 @@
 use std::io::{Read, Write};
 use std::ops::Deref;
 
-use virtio_queue::{DescriptorChain, Queue, QueueT};
+use std::sync::Arc;
+
+use virtio_queue::{DescriptorChain, Queue, QueueT, Writer};
 use vm_memory::GuestMemoryMmap;
 
-use crate::fuse::abi::{error_reply, IN_HEADER_BYTES, OUT_HEADER_BYTES};
+use crate::fuse::abi::{error_reply, Opcode, IN_HEADER_BYTES, OUT_HEADER_BYTES};
 use crate::fuse::dispatch::Session;
+use crate::guest_io::GuestBuffer;
 
 /// Largest request a chain may carry: a 1 MiB write and its headers.
 pub const REQUEST_BYTES_MAX: usize = (1 << 20) + 4096;
@@ -25,6 +28,9 @@ pub const REQUEST_BYTES_MAX: usize = (1 << 20) + 4096;
 pub enum ChainOutcome {
     /// The reply was written: this many bytes.
     Replied(u32),
+    /// Replied, with the data moved between guest pages and the device
+    /// with no copy in between (direct I/O).
+    Direct(u32),
     /// FUSE expects no reply (FORGET and friends).
     NoReply,
     /// The chain could not be read or answered.
@@ -33,41 +39,77 @@ pub enum ChainOutcome {
 
 /// Serve one chain. Returns its head index, the bytes written into it (for
 /// the used ring) and what happened.
-/// The chain keeps its guest memory (`M`, an `Arc` of the table on the
-/// device path) alive until the reply is written, whatever the frontend
-/// does to the memory table meanwhile.
+/// The chain keeps its guest memory (`M`) alive until the reply is
+/// written. Every request's bytes are copied out of the chain; see
+/// [`serve_chain_zero_copy`] for the device path.
 pub async fn serve_chain<M>(session: &Session, chain: DescriptorChain<M>) -> (u16, u32, ChainOutcome)
 where
     M: Deref<Target = GuestMemoryMmap> + Clone,
 {
+    serve(session, chain, None).await
+}
+
+/// [`serve_chain`], except that reads and writes on O_DIRECT handles move
+/// data straight between the guest's pages and the device. `mem` is the
+/// table the chain was popped against; the I/O holds it.
+pub async fn serve_chain_zero_copy<M>(
+    session: &Session,
+    chain: DescriptorChain<M>,
+    mem: Arc<GuestMemoryMmap>,
+) -> (u16, u32, ChainOutcome)
+where
+    M: Deref<Target = GuestMemoryMmap> + Clone,
+{
+    serve(session, chain, Some(mem)).await
+}
+
+async fn serve<M>(
+    session: &Session,
+    chain: DescriptorChain<M>,
+    direct: Option<Arc<GuestMemoryMmap>>,
+) -> (u16, u32, ChainOutcome)
+where
+    M: Deref<Target = GuestMemoryMmap> + Clone,
+{
     let head = chain.head_index();
-    if revisits_a_descriptor(&chain) {
-        return (head, 0, ChainOutcome::Dropped("descriptor chain loops"));
+    if truncated(&chain) {
+        return (head, 0, ChainOutcome::Dropped("descriptor chain loops, overruns the ring or ends in NEXT"));
     }
     let keep = chain.clone();
     let mem = keep.memory();
-    let (Ok(mut reader), Ok(mut writer)) = (chain.clone().reader(mem), chain.writer(mem)) else {
+    let (Ok(mut reader), Ok(mut writer)) = (chain.clone().reader(mem), chain.clone().writer(mem)) else {
         return (head, 0, ChainOutcome::Dropped("descriptor outside guest memory or malformed chain"));
     };
     let len = reader.available_bytes();
     if len < IN_HEADER_BYTES {
         return (head, 0, ChainOutcome::Dropped("request shorter than a FUSE header"));
     }
+    let mut prefix = [0u8; IN_HEADER_BYTES + IO_IN_BYTES];
+    let prefix_len = len.min(prefix.len());
+    if reader.read_exact(&mut prefix[..prefix_len]).is_err() {
+        return (head, 0, ChainOutcome::Dropped("unreadable request"));
+    }
+    let unique = u64::from_le_bytes(prefix[8..16].try_into().expect("8 bytes"));
     let reply = if len > REQUEST_BYTES_MAX {
-        let mut header = [0u8; IN_HEADER_BYTES];
-        if reader.read_exact(&mut header).is_err() {
-            return (head, 0, ChainOutcome::Dropped("unreadable request"));
-        }
-        let unique = u64::from_le_bytes(header[8..16].try_into().expect("8 bytes"));
         Some(error_reply(unique, libc::E2BIG))
     } else {
+        if let Some(mem) = direct.filter(|_| prefix_len == prefix.len()) {
+            if let Some(done) = serve_direct(session, &chain, &prefix, len, mem, &mut writer).await {
+                return (head, done.0, done.1);
+            }
+        }
         let mut request = vec![0u8; len];
-        if reader.read_exact(&mut request).is_err() {
+        request[..prefix_len].copy_from_slice(&prefix[..prefix_len]);
+        if reader.read_exact(&mut request[prefix_len..]).is_err() {
             return (head, 0, ChainOutcome::Dropped("unreadable request"));
         }
         session.handle(&request).await
     };
-    let Some(mut reply) = reply else { return (head, 0, ChainOutcome::NoReply) };
+    let Some(reply) = reply else { return (head, 0, ChainOutcome::NoReply) };
+    write_reply(head, reply, &mut writer)
+}
+
+fn write_reply(head: u16, mut reply: Vec<u8>, writer: &mut Writer<'_>) -> (u16, u32, ChainOutcome) {
     if reply.len() > writer.available_bytes() {
         // The guest gave too little room: say so if even a header fits.
         let unique = u64::from_le_bytes(reply[8..16].try_into().expect("replies have a header"));
@@ -83,31 +125,100 @@ where
     }
 }
 
-/// True if the chain's direct descriptors name one index twice. The
-/// queue's iterator already stops after as many descriptors as the ring
-/// holds; this catches the loop itself, so that a looping chain is refused
-/// rather than served through the same buffer over and over.
-fn revisits_a_descriptor<M>(chain: &DescriptorChain<M>) -> bool
+/// fuse_read_in and fuse_write_in are both 40 bytes.
+const IO_IN_BYTES: usize = 40;
+
+fn le_u32(b: &[u8]) -> u32 {
+    u32::from_le_bytes(b[..4].try_into().expect("4 bytes"))
+}
+
+fn le_u64(b: &[u8]) -> u64 {
+    u64::from_le_bytes(b[..8].try_into().expect("8 bytes"))
+}
+
+/// READ or WRITE on an O_DIRECT handle, with the guest's data buffers as
+/// the device I/O memory. None when the request is anything else, or is
+/// odd in any way: the copying path then serves it, errors included.
+async fn serve_direct<M>(
+    session: &Session,
+    chain: &DescriptorChain<M>,
+    prefix: &[u8; IN_HEADER_BYTES + IO_IN_BYTES],
+    len: usize,
+    mem: Arc<GuestMemoryMmap>,
+    writer: &mut Writer<'_>,
+) -> Option<(u32, ChainOutcome)>
 where
     M: Deref<Target = GuestMemoryMmap> + Clone,
 {
-    let mut seen = [0u64; 1024 / 64];
-    let mut index = chain.head_index();
-    for descriptor in chain.clone() {
-        if descriptor.refers_to_indirect_table() {
-            return false; // the rest lives in a table the iterator bounds
-        }
-        let (word, bit) = (usize::from(index / 64) % seen.len(), 1u64 << (index % 64));
-        if seen[word] & bit != 0 {
-            return true;
-        }
-        seen[word] |= bit;
-        if !descriptor.has_next() {
-            return false;
-        }
-        index = descriptor.next();
+    let (declared, opcode, unique, nodeid) =
+        (le_u32(&prefix[0..]) as usize, le_u32(&prefix[4..]), le_u64(&prefix[8..]), le_u64(&prefix[16..]));
+    let body = &prefix[IN_HEADER_BYTES..];
+    let (fh, offset, size) = (le_u64(&body[0..]), le_u64(&body[8..]), le_u32(&body[16..]) as usize);
+    let is_write = opcode == Opcode::Write as u32;
+    if declared != len
+        || !(is_write || opcode == Opcode::Read as u32)
+        || size == 0
+        || size > REQUEST_BYTES_MAX - 4096
+        || !session.direct_file(fh, nodeid)
+    {
+        return None;
     }
-    false
+    let (mut readable, mut writable) = (Vec::new(), Vec::new());
+    for d in chain.clone() {
+        if d.is_write_only() {
+            writable.push((d.addr().0, d.len()));
+        } else if writable.is_empty() {
+            readable.push((d.addr().0, d.len()));
+        } else {
+            return None; // readable after writable: let the copying path refuse it
+        }
+    }
+    if is_write {
+        if len != prefix.len() + size || writer.available_bytes() < OUT_HEADER_BYTES + 8 {
+            return None;
+        }
+        let data = GuestBuffer::new(mem, &readable, prefix.len(), size)?;
+        let reply = session.write_direct_from(unique, nodeid, offset, data).await;
+        let (_, written, outcome) = write_reply(0, reply, writer);
+        let outcome = if let ChainOutcome::Replied(n) = outcome { ChainOutcome::Direct(n) } else { outcome };
+        return Some((written, outcome));
+    }
+    if len != prefix.len() || writer.available_bytes() < OUT_HEADER_BYTES + size {
+        return None;
+    }
+    let into = GuestBuffer::new(mem, &writable, OUT_HEADER_BYTES, size)?;
+    let (into, result) = session.read_direct_into(nodeid, offset, into).await;
+    let header = match result {
+        Ok(n) => {
+            into.zero_from(n as usize);
+            let mut h = Vec::with_capacity(OUT_HEADER_BYTES);
+            h.extend_from_slice(&((OUT_HEADER_BYTES as u32) + n).to_le_bytes());
+            h.extend_from_slice(&0i32.to_le_bytes());
+            h.extend_from_slice(&unique.to_le_bytes());
+            h
+        }
+        Err(errno) => {
+            let (_, written, outcome) = write_reply(0, error_reply(unique, errno), writer);
+            return Some((written, outcome));
+        }
+    };
+    let total = le_u32(&header) as usize;
+    match writer.write_all(&header) {
+        Ok(()) => Some((total as u32, ChainOutcome::Direct(total as u32))),
+        Err(_) => Some((0, ChainOutcome::Dropped("unwritable reply buffer"))),
+    }
+}
+
+/// True if the chain ends on a descriptor that still says "next": the
+/// queue's iterator stopped early because the chain loops, is longer than
+/// the ring (or its indirect table), or points past it. A well-formed
+/// chain's last descriptor never has NEXT, so such chains are refused
+/// rather than served through whatever prefix was walked.
+fn truncated<M>(chain: &DescriptorChain<M>) -> bool
+where
+    M: Deref<Target = GuestMemoryMmap> + Clone,
+{
+    chain.clone().last().is_none_or(|last| last.has_next())
 }
 
 /// Serve every chain available on `queue`, in order, returning their

@@ -7,6 +7,7 @@ use std::time::Duration;
 use keelfs_core::bdev::AlignedBuf;
 use keelfs_core::fs::format::Timespec;
 use keelfs_core::fs::{Attr as FsAttr, Creds, Fs, FsError, SetAttr, TimeSet};
+use keelfs_core::reactor::io::IoBuffer;
 
 use super::abi::{
     error_reply, init_flags as f, open_flags, Attr, InHeader, Reply, KERNEL_MINOR_VERSION, KERNEL_VERSION,
@@ -299,6 +300,35 @@ impl Session {
         }
     }
 
+    /// True when `fh` is an O_DIRECT handle of `nodeid` in a live session:
+    /// its reads and writes may then move straight between the client's
+    /// memory and the device ([`Self::write_direct_from`],
+    /// [`Self::read_direct_into`]).
+    pub fn direct_file(&self, fh: u64, nodeid: u64) -> bool {
+        self.initialized.get()
+            && self.fs.handle(fh).is_ok_and(|(ino, flags)| ino == nodeid && flags as i32 & libc::O_DIRECT != 0)
+    }
+
+    /// FUSE_WRITE on a direct handle with the data already in I/O memory
+    /// (guest pages). Returns the whole reply.
+    pub async fn write_direct_from<B: IoBuffer>(&self, unique: u64, ino: u64, offset: u64, data: B) -> Vec<u8> {
+        match self.fs.write_direct(ino, offset, data).await.1 {
+            Ok(n) => {
+                let mut r = Reply::default();
+                r.u32(n).u32(0);
+                r.finish(unique, 0)
+            }
+            Err(e) => error_reply(unique, e.errno()),
+        }
+    }
+
+    /// FUSE_READ on a direct handle into I/O memory (guest pages): the
+    /// bytes read, or an errno.
+    pub async fn read_direct_into<B: IoBuffer>(&self, ino: u64, offset: u64, into: B) -> (B, Result<u32, i32>) {
+        let (buf, n) = self.fs.read_direct(ino, offset, into).await;
+        (buf, n.map_err(|e| e.errno()))
+    }
+
     async fn read(&self, fh: u64, ino: u64, offset: u64, size: u32) -> Outcome {
         let (_, flags) = self.fs.handle(fh).map_err(|e| e.errno())?;
         let size = size.min(self.config.max_write);
@@ -319,8 +349,8 @@ impl Session {
         if data.len() > self.config.max_write as usize {
             return Err(libc::EINVAL);
         }
-        // O_DIRECT handles bypass the page cache. The copy out of the
-        // request goes away once guest memory is handed over directly.
+        // O_DIRECT handles bypass the page cache. (The virtio-fs path
+        // hands guest pages over directly and never gets here for them.)
         let n = if flags as i32 & libc::O_DIRECT != 0 && !data.is_empty() {
             let mut buf = AlignedBuf::zeroed(data.len(), 4096);
             buf.copy_from_slice(data);

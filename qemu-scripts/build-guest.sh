@@ -1,0 +1,283 @@
+#!/usr/bin/env bash
+# Builds the QEMU guest for keelfs's end-to-end tests from Debian packages:
+# the Linux 6.12 kernel of bookworm-backports, and an initramfs holding
+# busybox-static, the virtio / virtio-fs kernel modules (decompressed; the
+# ones Debian builds into the kernel are skipped), fio with its shared
+# libraries and an /init that runs a test script passed in by run-guest.sh.
+# The guest needs no network at runtime.
+#
+# The result is cached in the output directory and rebuilt only when its
+# inputs change (kernel version, package versions, this script).
+set -euo pipefail
+
+script_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+self="$script_dir/$(basename "${BASH_SOURCE[0]}")"
+prog=build-guest.sh
+
+usage() {
+  cat <<EOF
+Usage: qemu-scripts/$prog [--out DIR] [--kernel VERSION] [--force] [--quiet]
+
+Builds (or reuses) a guest kernel + initramfs for qemu-scripts/run-guest.sh.
+
+Options:
+  --out DIR         Output directory (default: qemu-scripts/.guest)
+  --kernel VERSION  Kernel release to use, e.g. 6.12.95+deb12-amd64
+                    (default: the newest installed /boot/vmlinuz-6.12.*;
+                    when none is installed, linux-image-amd64 is installed
+                    from bookworm-backports, which needs root and network)
+  --force           Rebuild even when the cached guest is up to date
+  --quiet           Print nothing when the cached guest is up to date
+  -h, --help        Show this help
+
+Output files in DIR:
+  vmlinuz           the kernel
+  initramfs.cpio.gz the initramfs (busybox, modules, fio, /init)
+  kernel-version    the kernel release
+  inputs            what the cache key was computed from
+  inputs.sha256     the cache key
+
+Guest /init: mounts proc, sysfs, devtmpfs, tmpfs; loads the modules; then,
+when an initramfs layer added /keelfs/script, runs it (with KEELFS_TAG from
+the kernel command line option keelfs.tag=, default keelfs), prints
+"KEELFS-GUEST-EXIT=<status>" on the console and powers off; without a
+script it starts an interactive shell on the console.
+EOF
+}
+
+die() { echo "$prog: error: $*" >&2; exit 1; }
+log() { echo "$prog: $*" >&2; }
+
+out="$script_dir/.guest"
+kver=""
+force=0
+quiet=0
+while (($#)); do
+  case "$1" in
+    --out) (($# >= 2)) || die "--out needs a directory"; out=$2; shift 2 ;;
+    --out=*) out=${1#*=}; shift ;;
+    --kernel) (($# >= 2)) || die "--kernel needs a version"; kver=$2; shift 2 ;;
+    --kernel=*) kver=${1#*=}; shift ;;
+    --force) force=1; shift ;;
+    --quiet) quiet=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) die "unknown argument '$1' (see --help)" ;;
+  esac
+done
+
+# Modules the guest needs, in load order. Debian's 6.12 kernel builds most of
+# them in (modules.builtin); those are skipped.
+wanted_modules=(virtio_ring virtio virtio_pci_modern_dev virtio_pci_legacy_dev
+  virtio_pci fuse virtiofs)
+# Guest binaries besides busybox (their shared libraries come along).
+guest_bins=(/usr/bin/fio)
+
+# ---------------------------------------------------------------- packages --
+apt_install() {
+  [[ $(id -u) == 0 ]] || die "missing packages ($*); run as root or install them: apt-get install $*"
+  log "installing $* (apt-get)"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq || die "apt-get update failed"
+  apt-get install -y -qq "$@" >/dev/null || die "apt-get install $* failed"
+}
+
+pkg_version() { dpkg-query -W -f='${Status} ${Version}\n' "$1" 2>/dev/null | awk '$3 == "installed" {print $4}'; }
+
+need=()
+[[ -x /bin/busybox && -n $(pkg_version busybox-static) ]] || need+=(busybox-static)
+[[ -x /usr/bin/fio ]] || need+=(fio)
+command -v cpio >/dev/null || need+=(cpio)
+command -v xz >/dev/null || need+=(xz-utils)
+command -v zstd >/dev/null || need+=(zstd)
+command -v gzip >/dev/null || need+=(gzip)
+((${#need[@]} == 0)) || apt_install "${need[@]}"
+/bin/busybox --list 2>/dev/null | grep -qx sh || die "/bin/busybox is not the static busybox with a shell (install busybox-static)"
+file_is_static() { ! ldd "$1" >/dev/null 2>&1; }
+file_is_static /bin/busybox || die "/bin/busybox is dynamically linked; install busybox-static"
+
+latest_612() {
+  compgen -G '/boot/vmlinuz-6.12.*' >/dev/null || return 0
+  printf '%s\n' /boot/vmlinuz-6.12.* | sed 's|^/boot/vmlinuz-||' | sort -V | tail -n1
+}
+
+if [[ -z $kver ]]; then
+  kver=$(latest_612)
+  if [[ -z $kver ]]; then
+    [[ $(id -u) == 0 ]] || die "no /boot/vmlinuz-6.12.* installed; as root this script would install it from bookworm-backports"
+    log "no 6.12 kernel installed; installing linux-image-amd64 from bookworm-backports"
+    if ! grep -rqs '^deb .*bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d/; then
+      echo 'deb http://deb.debian.org/debian bookworm-backports main' >/etc/apt/sources.list.d/bookworm-backports.list
+    fi
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq || die "apt-get update failed"
+    apt-get install -y -qq -t bookworm-backports linux-image-amd64 >/dev/null || die "installing linux-image-amd64 from bookworm-backports failed"
+    kver=$(latest_612)
+    [[ -n $kver ]] || die "linux-image-amd64 from bookworm-backports did not install a 6.12 kernel (see /boot)"
+  fi
+fi
+vmlinuz=/boot/vmlinuz-$kver
+moddir=/lib/modules/$kver
+[[ -r $vmlinuz ]] || die "kernel $vmlinuz not found or not readable"
+[[ -r $moddir/modules.dep ]] || die "$moddir/modules.dep not found (kernel modules for $kver missing?)"
+
+# --------------------------------------------------------------- cache key --
+kpkg=$(dpkg-query -S "$vmlinuz" 2>/dev/null | cut -d: -f1 | head -n1 || true)
+inputs=$(
+  echo "kernel=$kver"
+  echo "kernel-package=${kpkg:-none} $( [[ -n $kpkg ]] && pkg_version "$kpkg")"
+  echo "vmlinuz-sha256=$(sha256sum "$vmlinuz" | cut -d' ' -f1)"
+  echo "busybox-static=$(pkg_version busybox-static)"
+  echo "fio=$(pkg_version fio)"
+  for b in "${guest_bins[@]}"; do echo "bin $b=$(sha256sum "$b" | cut -d' ' -f1)"; done
+  echo "modules=${wanted_modules[*]}"
+  echo "script-sha256=$(sha256sum "$self" | cut -d' ' -f1)"
+)
+key=$(printf '%s\n' "$inputs" | sha256sum | cut -d' ' -f1)
+
+if ((!force)) && [[ -f $out/inputs.sha256 && -f $out/vmlinuz && -f $out/initramfs.cpio.gz ]] &&
+  [[ $(cat "$out/inputs.sha256") == "$key" ]]; then
+  ((quiet)) || log "guest in $out is up to date (kernel $kver)"
+  exit 0
+fi
+
+# ------------------------------------------------------------------- build --
+log "building guest in $out (kernel $kver)"
+mkdir -p "$out"
+work=$(mktemp -d "$out/.build.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+root=$work/root
+mkdir -p "$root"/{bin,sbin,etc,proc,sys,dev,tmp,mnt,root,run,lib/modules,keelfs,usr/bin,usr/sbin}
+chmod 1777 "$root/tmp"
+
+cp /bin/busybox "$root/bin/busybox"
+# The kernel opens /dev/console before /init runs (its built-in initramfs
+# normally has one too).
+if [[ $(id -u) == 0 ]]; then
+  mknod -m 600 "$root/dev/console" c 5 1
+  mknod -m 666 "$root/dev/null" c 1 3
+fi
+
+# Copies a file (following symlinks) to the same path under $root.
+copy_same_path() {
+  local src=$1
+  mkdir -p "$root$(dirname "$src")"
+  cp -L "$src" "$root$src"
+}
+
+# Binaries and the shared libraries ldd names; keep the loader's paths.
+for b in "${guest_bins[@]}"; do
+  [[ -x $b ]] || die "guest binary $b missing"
+  copy_same_path "$b"
+  libs=$(ldd "$b" | awk '/=> \// {print $3} /^[[:space:]]*\// {print $1}') ||
+    die "ldd $b failed"
+  for l in $libs; do
+    [[ -e $root$l ]] || copy_same_path "$l"
+  done
+done
+# The loader is looked up through /lib64 as well as its canonical path.
+if [[ -e /lib64/ld-linux-x86-64.so.2 && ! -e $root/lib64/ld-linux-x86-64.so.2 ]]; then
+  copy_same_path /lib64/ld-linux-x86-64.so.2
+fi
+
+# Modules: skip built-ins, add dependencies from modules.dep, decompress.
+declare -A seen=()
+load_order=()
+add_module_file() { # $1: path relative to $moddir, as in modules.dep
+  local rel=$1 name dep deps
+  name=$(basename "$rel"); name=${name%%.ko*}
+  [[ -z ${seen[$name]:-} ]] || return 0
+  deps=$(awk -v m="$rel:" '$1 == m {for (i = 2; i <= NF; i++) print $i}' "$moddir/modules.dep")
+  # modules.dep lists dependencies with the deepest last: load in reverse.
+  for dep in $(printf '%s\n' $deps | tac); do add_module_file "$dep"; done
+  seen[$name]=1
+  local src=$moddir/$rel dst=$root/lib/modules/$name.ko
+  case "$rel" in
+    *.ko.xz) xz -dc "$src" >"$dst" ;;
+    *.ko.zst) zstd -qdc "$src" >"$dst" ;;
+    *.ko.gz) gzip -dc "$src" >"$dst" ;;
+    *.ko) cp "$src" "$dst" ;;
+    *) die "unknown module file type: $rel" ;;
+  esac
+  load_order+=("$name")
+}
+builtin_list=()
+for m in "${wanted_modules[@]}"; do
+  # Module names may use - or _ interchangeably.
+  pat=${m//[-_]/[-_]}
+  if [[ -r $moddir/modules.builtin ]] && grep -Eq "/${pat}\.ko\$" "$moddir/modules.builtin"; then
+    builtin_list+=("$m")
+    continue
+  fi
+  rel=$(awk -F: '{print $1}' "$moddir/modules.dep" | grep -E "/${pat}\.ko(\.xz|\.zst|\.gz)?\$" | head -n1 || true)
+  [[ -n $rel ]] || die "module $m is neither built into $kver nor in $moddir/modules.dep"
+  add_module_file "$rel"
+done
+printf '%s\n' "${load_order[@]}" >"$root/lib/modules/load-order"
+log "modules: built in: ${builtin_list[*]:-none}; loaded by /init: ${load_order[*]:-none}"
+
+cat >"$root/etc/passwd" <<'EOF'
+root:x:0:0:root:/root:/bin/sh
+EOF
+cat >"$root/etc/group" <<'EOF'
+root:x:0:
+EOF
+echo keelfs-guest >"$root/etc/hostname"
+printf '%s\n' "$inputs" >"$root/etc/keelfs-guest-inputs"
+
+cat >"$root/init" <<'EOF'
+#!/bin/busybox sh
+# keelfs test guest init (generated by qemu-scripts/build-guest.sh).
+/bin/busybox --install -s /bin
+export PATH=/bin:/sbin:/usr/bin:/usr/sbin
+export HOME=/root TERM=${TERM:-linux}
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+mkdir -p /dev/pts /dev/shm
+mount -t devpts devpts /dev/pts
+mount -t tmpfs tmpfs /dev/shm
+mount -t tmpfs tmpfs /tmp
+mount -t tmpfs tmpfs /run
+hostname keelfs-guest
+
+for m in $(cat /lib/modules/load-order); do
+  insmod /lib/modules/$m.ko || echo "init: insmod $m failed" >&2
+done
+
+KEELFS_TAG=keelfs
+for arg in $(cat /proc/cmdline); do
+  case "$arg" in
+    keelfs.tag=*) KEELFS_TAG=${arg#keelfs.tag=} ;;
+  esac
+done
+export KEELFS_TAG
+
+if [ -f /keelfs/script ]; then
+  echo "KEELFS-GUEST-START"
+  cd /root
+  /bin/sh /keelfs/script </dev/null
+  rc=$?
+  cd /
+  sync
+  echo
+  echo "KEELFS-GUEST-EXIT=$rc"
+else
+  echo "keelfs guest: interactive shell (tag '$KEELFS_TAG': mount -t virtiofs $KEELFS_TAG /mnt); exit powers off"
+  setsid cttyhack /bin/sh -l
+fi
+poweroff -f
+EOF
+chmod 755 "$root/init"
+
+(cd "$root" && find . -print0 | LC_ALL=C sort -z |
+  cpio --null -o -H newc -R 0:0 --quiet) | gzip -6 >"$work/initramfs.cpio.gz"
+cp "$vmlinuz" "$work/vmlinuz"
+echo "$kver" >"$work/kernel-version"
+printf '%s\n' "$inputs" >"$work/inputs"
+rm -f "$out/inputs.sha256"
+for f in vmlinuz initramfs.cpio.gz kernel-version inputs; do
+  mv -f "$work/$f" "$out/$f"
+done
+# Written last: the cache key marks a complete build.
+echo "$key" >"$out/inputs.sha256"
+log "done: $out/vmlinuz, $out/initramfs.cpio.gz ($(du -h "$out/initramfs.cpio.gz" | cut -f1))"

@@ -1,0 +1,244 @@
+#!/usr/bin/env bash
+# Boots the keelfs test guest (built by build-guest.sh) under QEMU with a
+# vhost-user-fs device connected to a running `keelfsd serve --socket PATH`.
+# With --script, runs that shell script inside the guest, prints the guest's
+# console output and exits with the script's exit status; with --interactive,
+# gives a shell on the console.
+set -euo pipefail
+
+script_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+prog=run-guest.sh
+
+usage() {
+  cat <<EOF
+Usage: qemu-scripts/$prog --socket PATH [options] (--script FILE | --interactive)
+
+Boots the keelfs test guest against keelfsd's vhost-user-fs socket. The guest
+kernel and initramfs come from qemu-scripts/build-guest.sh (run automatically;
+cached). Inside the guest: mount -t virtiofs "\$KEELFS_TAG" /mnt.
+
+Options:
+  --socket PATH      keelfsd's vhost-user-fs socket (keelfsd serve --socket)
+  --tag T            virtio-fs tag (default: keelfs); the guest sees it as
+                     \$KEELFS_TAG
+  --queues N         virtio-fs request queues, num-request-queues (default: 1);
+                     match keelfsd serve --queues N
+  --mem SIZE         guest memory, e.g. 1G, 512M (default: 1G)
+  --smp N            guest CPUs (default: 2)
+  --script FILE      run FILE with /bin/sh (busybox) in the guest, then power
+                     off; exit with its status
+  --add FILE         also put FILE in the guest as /keelfs/files/NAME
+                     (repeatable; with --script)
+  --interactive      shell on the console (quit QEMU: Ctrl-A X)
+  --timeout SECS     give up after SECS (default: 900 with --script, none
+                     with --interactive; 0 = none)
+  --accel A          auto, kvm or tcg (default: auto: KVM when a quick probe
+                     boots, else TCG)
+  --log FILE         also keep the raw console output in FILE
+  --append ARGS      extra kernel command line arguments
+  --verbose          show kernel boot messages (no "quiet")
+  --guest-dir DIR    guest built by build-guest.sh --out DIR
+                     (default: qemu-scripts/.guest)
+  --qemu-arg ARG     extra QEMU argument (repeatable)
+  -h, --help         show this help
+
+Exit status (with --script): the script's exit status, read from the
+"KEELFS-GUEST-EXIT=<status>" line the guest prints before powering off;
+124 when the timeout passed, 125 when QEMU ended without that line,
+2 for usage errors.
+
+Example:
+  keelfsd serve --device /tmp/k.img --socket /tmp/k.sock --queues 2 &
+  qemu-scripts/$prog --socket /tmp/k.sock --queues 2 --script test.sh
+EOF
+}
+
+die() { echo "$prog: error: $*" >&2; exit 2; }
+log() { echo "$prog: $*" >&2; }
+
+socket=""
+tag=keelfs
+queues=1
+mem=1G
+smp=2
+script=""
+interactive=0
+timeout=""
+accel=auto
+logfile=""
+append_extra=""
+verbose=0
+guest_dir="$script_dir/.guest"
+qemu_extra=()
+add_files=()
+
+need_arg() { (($2 >= 2)) || die "$1 needs a value (see --help)"; }
+while (($#)); do
+  case "$1" in
+    --socket) need_arg "$1" $#; socket=$2; shift 2 ;;
+    --tag) need_arg "$1" $#; tag=$2; shift 2 ;;
+    --queues) need_arg "$1" $#; queues=$2; shift 2 ;;
+    --mem) need_arg "$1" $#; mem=$2; shift 2 ;;
+    --smp) need_arg "$1" $#; smp=$2; shift 2 ;;
+    --script) need_arg "$1" $#; script=$2; shift 2 ;;
+    --add) need_arg "$1" $#; add_files+=("$2"); shift 2 ;;
+    --interactive) interactive=1; shift ;;
+    --timeout) need_arg "$1" $#; timeout=$2; shift 2 ;;
+    --accel) need_arg "$1" $#; accel=$2; shift 2 ;;
+    --log) need_arg "$1" $#; logfile=$2; shift 2 ;;
+    --append) need_arg "$1" $#; append_extra=$2; shift 2 ;;
+    --verbose) verbose=1; shift ;;
+    --guest-dir) need_arg "$1" $#; guest_dir=$2; shift 2 ;;
+    --qemu-arg) need_arg "$1" $#; qemu_extra+=("$2"); shift 2 ;;
+    -h|--help) usage; exit 0 ;;
+    *) die "unknown argument '$1' (see --help)" ;;
+  esac
+done
+
+[[ -n $socket ]] || die "--socket PATH is required (the socket of keelfsd serve --socket)"
+[[ -S $socket ]] || die "$socket is not a socket; is 'keelfsd serve --socket $socket' running?"
+[[ $tag =~ ^[A-Za-z0-9._-]{1,36}$ ]] || die "--tag '$tag': use up to 36 of A-Z a-z 0-9 . _ -"
+[[ $queues =~ ^[1-9][0-9]*$ ]] || die "--queues '$queues' is not a positive integer"
+[[ $smp =~ ^[1-9][0-9]*$ ]] || die "--smp '$smp' is not a positive integer"
+[[ $mem =~ ^[1-9][0-9]*[MG]$ ]] || die "--mem '$mem': give a size like 512M or 1G"
+if [[ -n $script && $interactive == 1 ]]; then
+  die "--script and --interactive exclude each other"
+elif [[ -z $script && $interactive == 0 ]]; then
+  die "give --script FILE or --interactive"
+fi
+if [[ -n $script ]]; then
+  [[ -f $script && -r $script ]] || die "--script $script: no such readable file"
+fi
+((${#add_files[@]} == 0 || interactive == 0)) || die "--add works with --script only"
+for f in "${add_files[@]}"; do [[ -f $f && -r $f ]] || die "--add $f: no such readable file"; done
+if [[ -z $timeout ]]; then
+  if ((interactive)); then timeout=0; else timeout=900; fi
+fi
+[[ $timeout =~ ^[0-9]+$ ]] || die "--timeout '$timeout' is not a number of seconds"
+case "$accel" in auto|kvm|tcg) ;; *) die "--accel must be auto, kvm or tcg" ;; esac
+command -v qemu-system-x86_64 >/dev/null || die "qemu-system-x86_64 not found (apt-get install -t bookworm-backports qemu-system-x86)"
+
+# Guest kernel + initramfs (cached; quick when up to date).
+"$script_dir/build-guest.sh" --out "$guest_dir" --quiet || { echo "$prog: error: building the guest failed" >&2; exit 2; }
+kernel=$guest_dir/vmlinuz
+base_initrd=$guest_dir/initramfs.cpio.gz
+
+# KVM when it actually runs a guest: some hosts have /dev/kvm but abort on
+# the first vCPU register load. A guest still running after 2 s is good.
+kvm_works() {
+  [[ -r /dev/kvm && -w /dev/kvm ]] || return 1
+  local rc=0
+  # (In a subshell so that bash's "Aborted" notice stays quiet.)
+  (timeout 2 qemu-system-x86_64 -machine q35,accel=kvm -cpu host -m 64 -nodefaults \
+    -display none -monitor none -serial none -no-reboot >/dev/null 2>&1; exit $?) 2>/dev/null || rc=$?
+  ((rc == 124))
+}
+if [[ $accel == auto ]]; then
+  if kvm_works; then accel=kvm; else accel=tcg; fi
+fi
+if [[ $accel == kvm ]]; then cpu=host; else cpu=max; fi
+
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/keelfs-guest.XXXXXX")
+qpid=""
+cleanup() {
+  if [[ -n $qpid ]] && kill -0 "$qpid" 2>/dev/null; then
+    kill -TERM "$qpid" 2>/dev/null || true
+  fi
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+trap 'log "interrupted"; exit 130' INT TERM
+
+cmdline="console=ttyS0 panic=-1 keelfs.tag=$tag"
+((verbose)) || cmdline+=" quiet"
+[[ -z $append_extra ]] || cmdline+=" $append_extra"
+
+initrd=$base_initrd
+if [[ -n $script ]]; then
+  # A second cpio layer with the script, appended to the base initramfs
+  # (the kernel unpacks concatenated archives in order).
+  mkdir -p "$tmp/layer/keelfs/files"
+  cp "$script" "$tmp/layer/keelfs/script"
+  chmod 755 "$tmp/layer/keelfs/script"
+  for f in "${add_files[@]}"; do cp "$f" "$tmp/layer/keelfs/files/"; done
+  (cd "$tmp/layer" && find . | LC_ALL=C sort | cpio -o -H newc -R 0:0 --quiet) |
+    gzip -1 >"$tmp/layer.cpio.gz"
+  cat "$base_initrd" "$tmp/layer.cpio.gz" >"$tmp/initrd"
+  initrd=$tmp/initrd
+fi
+
+qemu=(qemu-system-x86_64
+  -machine "q35,accel=$accel" -cpu "$cpu" -smp "$smp" -m "$mem"
+  -object "memory-backend-memfd,id=mem,size=$mem,share=on" -numa node,memdev=mem
+  -chardev "socket,id=char0,path=$socket"
+  -device "vhost-user-fs-pci,chardev=char0,tag=$tag,queue-size=1024,num-request-queues=$queues"
+  -kernel "$kernel" -initrd "$initrd" -append "$cmdline"
+  -nodefaults -display none -nic none -no-reboot
+  "${qemu_extra[@]}")
+
+log "booting: accel=$accel cpu=$cpu smp=$smp mem=$mem queues=$queues tag=$tag socket=$socket"
+
+if ((interactive)); then
+  log "interactive console; quit QEMU with Ctrl-A X; 'exit' powers the guest off"
+  qemu+=(-serial mon:stdio)
+  rc=0
+  if ((timeout > 0)); then
+    timeout --foreground "$timeout" "${qemu[@]}" || rc=$?
+  else
+    "${qemu[@]}" || rc=$?
+  fi
+  exit "$rc"
+fi
+
+console=$tmp/console.log
+: >"$console"
+qemu+=(-chardev "file,id=con,path=$console,append=on" -serial chardev:con)
+start=$SECONDS
+"${qemu[@]}" </dev/null 2>"$tmp/qemu.err" &
+qpid=$!
+# Stream the console while QEMU runs (tail stops after QEMU exits).
+tail -n +1 -f --pid="$qpid" "$console" | sed -u 's/\r$//' &
+tailpid=$!
+
+marker_re='KEELFS-GUEST-EXIT=[0-9]+'
+timed_out=0
+marker_at=""
+while kill -0 "$qpid" 2>/dev/null; do
+  if [[ -z $marker_at ]] && grep -aEq "$marker_re" "$console"; then
+    marker_at=$SECONDS
+  fi
+  if [[ -n $marker_at ]] && ((SECONDS - marker_at > 30)); then
+    log "the guest reported its exit status but did not power off in 30 s; stopping QEMU"
+    kill -TERM "$qpid" 2>/dev/null || true
+    break
+  fi
+  if ((timeout > 0 && SECONDS - start >= timeout)); then
+    timed_out=1
+    kill -TERM "$qpid" 2>/dev/null || true
+    break
+  fi
+  sleep 0.5
+done
+qrc=0
+wait "$qpid" || qrc=$?
+qpid=""
+wait "$tailpid" 2>/dev/null || true
+elapsed=$((SECONDS - start))
+[[ -z $logfile ]] || cp "$console" "$logfile"
+
+status=$(grep -aoE "$marker_re" "$console" | tail -n1 | cut -d= -f2 || true)
+if [[ -n $status ]]; then
+  if ((qrc != 0)) && [[ -s $tmp/qemu.err ]]; then
+    log "QEMU exited with status $qrc:"; sed 's/^/  qemu: /' "$tmp/qemu.err" >&2
+  fi
+  log "guest script exited with status $status (${elapsed}s, accel=$accel)"
+  exit "$status"
+fi
+if ((timed_out)); then
+  log "error: timed out after ${timeout}s without the guest's exit status (KEELFS-GUEST-EXIT); QEMU stopped"
+  [[ ! -s $tmp/qemu.err ]] || sed 's/^/  qemu: /' "$tmp/qemu.err" >&2
+  exit 124
+fi
+log "error: QEMU exited (status $qrc) after ${elapsed}s without the guest's exit status (KEELFS-GUEST-EXIT); guest crashed, panicked or was never started"
+[[ ! -s $tmp/qemu.err ]] || sed 's/^/  qemu: /' "$tmp/qemu.err" >&2
+exit 125

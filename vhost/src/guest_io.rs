@@ -1,0 +1,100 @@
+//! Direct I/O between guest memory and the device, with no copy in
+//! between: the guest's data pages become the iovecs of the device I/O.
+//!
+//! This is the one module of keelfs-vhost that hands raw guest addresses
+//! to the block layer.
+
+use std::ops::Deref;
+
+use keelfs_core::bdev::{IoVec, MAX_IOVECS_PER_REQUEST};
+use keelfs_core::reactor::io::IoBuffer;
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+
+/// Part of a descriptor chain's buffers, as device I/O memory. Holds the
+/// guest memory table it was resolved against, so that the mapping
+/// outlives the I/O whatever the frontend does to the table meanwhile.
+pub struct GuestBuffer<M> {
+    mem: M,
+    /// Guest ranges, for the safe accessors.
+    ranges: Vec<(u64, usize)>,
+    iovecs: Vec<IoVec>,
+    len: usize,
+}
+
+impl<M: Deref<Target = GuestMemoryMmap>> GuestBuffer<M> {
+    /// The `take` bytes that follow the first `skip` bytes of `buffers`
+    /// (guest address, length). None when a piece lies outside guest
+    /// memory or across two regions, when the buffers are shorter than
+    /// `skip + take`, or when they need more iovecs than one device
+    /// request carries; the caller then copies instead.
+    pub fn new(mem: M, buffers: &[(u64, u32)], skip: usize, take: usize) -> Option<Self> {
+        let (mut skip, mut left) = (skip, take);
+        let mut ranges: Vec<(u64, usize)> = Vec::new();
+        let mut iovecs: Vec<IoVec> = Vec::new();
+        for &(addr, len) in buffers {
+            if left == 0 {
+                break;
+            }
+            let len = len as usize;
+            if skip >= len {
+                skip -= len;
+                continue;
+            }
+            let start = addr.checked_add(skip as u64)?;
+            let n = (len - skip).min(left);
+            skip = 0;
+            let slice = mem.get_slice(GuestAddress(start), n).ok()?;
+            let base = slice.ptr_guard_mut().as_ptr();
+            left -= n;
+            match iovecs.last_mut() {
+                // Guest pages that sit next to each other in host memory
+                // make one segment.
+                Some(last) if last.base.wrapping_add(last.len) == base => last.len += n,
+                _ => iovecs.push(IoVec { base, len: n }),
+            }
+            ranges.push((start, n));
+        }
+        if left != 0 || iovecs.len() > MAX_IOVECS_PER_REQUEST as usize {
+            return None;
+        }
+        Some(Self { mem, ranges, iovecs, len: take })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Zero the buffer from byte `from` on: a short read must not leave
+    /// bytes past the file's end (or the guest's own old data) looking
+    /// like file content.
+    pub fn zero_from(&self, from: usize) {
+        let mut at = 0usize;
+        let zeros = [0u8; 4096];
+        for &(addr, len) in &self.ranges {
+            let (start, end) = (at.max(from), at + len);
+            let mut pos = start;
+            while pos < end {
+                let n = (end - pos).min(zeros.len());
+                let _ = self.mem.write_slice(&zeros[..n], GuestAddress(addr + (pos - at) as u64));
+                pos += n;
+            }
+            at = end;
+        }
+    }
+}
+
+// SAFETY: every iovec was resolved by vm-memory to lie inside one region
+// of the guest memory table that `mem` keeps mapped (an Arc of the table
+// on the device path), and guest mappings never move. The guest may touch
+// those pages while the I/O runs, as it may with any DMA-capable device;
+// keelfs itself never forms Rust references to them, only hands the
+// addresses to the kernel (io_uring) or to volatile-safe copies.
+unsafe impl<M: Deref<Target = GuestMemoryMmap> + 'static> IoBuffer for GuestBuffer<M> {
+    fn iovecs(&mut self, out: &mut Vec<IoVec>) {
+        out.extend_from_slice(&self.iovecs);
+    }
+}
