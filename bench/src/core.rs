@@ -72,6 +72,11 @@ pub struct CoreArgs {
     /// File size for the I/O workloads.
     #[arg(long, value_parser = parse_size, default_value = "256M")]
     file_size: u64,
+    /// uring backend: a kernel submission thread (SQPOLL) that idles
+    /// after this many milliseconds, so that device submissions (and, on a
+    /// tmpfs-backed file, their copies) run on another core.
+    #[arg(long)]
+    sqpoll_idle_ms: Option<u32>,
     #[arg(long)]
     json: bool,
 }
@@ -85,7 +90,9 @@ fn open_device(args: &CoreArgs) -> anyhow::Result<Arc<dyn BlockDevice>> {
     }
     Ok(match args.backend {
         Backend::Mem => Arc::new(MappedDevice::ram(args.size, 4096)?),
-        Backend::Uring => Arc::new(UringDevice::open(&args.path, UringOptions::default())?),
+        Backend::Uring => {
+            Arc::new(UringDevice::open(&args.path, UringOptions { sqpoll_idle_ms: args.sqpoll_idle_ms })?)
+        }
         Backend::Pmem => Arc::new(MappedDevice::pmem(&args.path, 4096)?),
     })
 }
@@ -130,6 +137,10 @@ pub fn run(args: &CoreArgs) -> anyhow::Result<()> {
         line["cache_capacity_mib"] = json!(FsConfig::default().cache_bytes >> 20);
         anyhow::Ok(line)
     })?;
+    let mut line = line;
+    if let Some(ms) = args.sqpoll_idle_ms {
+        line["sqpoll_idle_ms"] = json!(ms);
+    }
     emit(&line, args.json);
     Ok(())
 }

@@ -379,13 +379,7 @@ fn a_queue_stop_waits_for_its_requests() {
 }
 
 fn connect_retrying(socket: &Path) -> FsFrontend {
-    for _ in 0..200 {
-        match FsFrontend::connect(socket, FrontendConfig::default()) {
-            Ok(fe) => return fe,
-            Err(_) => std::thread::sleep(Duration::from_millis(10)),
-        }
-    }
-    panic!("could not reconnect to {}", socket.display());
+    connect_retrying_with(socket, 1)
 }
 
 fn fuse_status(reply: &[u8]) -> (u32, i32) {
@@ -448,4 +442,40 @@ fn direct_io_moves_data_between_guest_pages_and_the_device() {
     assert_eq!(fe.read_data(1, used, 9).unwrap(), b"unaligned");
     drop(fe);
     assert!(daemon.stop() >= 6, "the direct requests took the zero-copy path");
+}
+
+#[test]
+fn a_frontend_that_leaves_with_requests_in_flight_does_not_hurt_the_next() {
+    let daemon = Daemon::start(2);
+    for round in 0..3 {
+        let mut fe = connect_retrying_with(&daemon.socket, 2);
+        fe.init(f::INIT_EXT).unwrap();
+        let (nodeid, fh) = create(&mut fe, 1, &format!("round{round}"));
+        for i in 0..16u64 {
+            let mut body = io_body(fh, i * 65536, 65536);
+            body.raw(&vec![round as u8; 65536]);
+            let unique = fe.next_unique();
+            let req = encode_request(Opcode::Write as u32, unique, nodeid, 0, 0, &body.bytes);
+            fe.submit(1 + (i as usize % 2), &req, 4096).unwrap();
+        }
+        // Gone without waiting: the daemon finishes or drops those writes.
+    }
+    let mut fe = connect_retrying_with(&daemon.socket, 2);
+    fe.init(f::INIT_EXT).unwrap();
+    for round in 0..3 {
+        assert_eq!(fe.fuse(1, Opcode::Lookup, 1, &named(&format!("round{round}"))).unwrap().0, 0);
+    }
+    let (nodeid, fh) = create(&mut fe, 2, "after");
+    assert_eq!(write(&mut fe, 2, nodeid, fh, 0, b"still serving"), 0);
+    assert_eq!(read(&mut fe, 1, nodeid, fh, 0, 13), b"still serving");
+}
+
+fn connect_retrying_with(socket: &Path, request_queues: usize) -> FsFrontend {
+    for _ in 0..200 {
+        match FsFrontend::connect(socket, FrontendConfig { request_queues, ..FrontendConfig::default() }) {
+            Ok(fe) => return fe,
+            Err(_) => std::thread::sleep(Duration::from_millis(10)),
+        }
+    }
+    panic!("could not reconnect to {}", socket.display());
 }
