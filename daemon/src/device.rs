@@ -4,7 +4,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Context;
-use keelfs_core::bdev::{BlockDevice, UringDevice, UringOptions};
+use keelfs_core::bdev::{BlockDevice, MappedDevice, UringDevice, UringOptions};
+
+use crate::config::BackendName;
 
 use crate::tools::UsageError;
 
@@ -17,4 +19,24 @@ pub fn open(path: &Path) -> anyhow::Result<Arc<dyn BlockDevice>> {
     let dev = UringDevice::open(path, UringOptions::default())
         .with_context(|| format!("opening {} with io_uring and O_DIRECT", path.display()))?;
     Ok(Arc::new(dev))
+}
+
+/// Open an export's device with the backend its config names.
+pub fn open_backend(
+    path: &Path,
+    backend: BackendName,
+    sqpoll_idle_ms: Option<u32>,
+) -> anyhow::Result<Arc<dyn BlockDevice>> {
+    match backend {
+        BackendName::Uring if sqpoll_idle_ms.is_none() => open(path),
+        BackendName::Uring => {
+            let dev = UringDevice::open(path, UringOptions { sqpoll_idle_ms })
+                .with_context(|| format!("opening {} with io_uring (SQPOLL) and O_DIRECT", path.display()))?;
+            Ok(Arc::new(dev))
+        }
+        BackendName::Pmem => {
+            let dev = MappedDevice::pmem(path, 4096).with_context(|| format!("mapping {} as pmem", path.display()))?;
+            Ok(Arc::new(dev))
+        }
+    }
 }

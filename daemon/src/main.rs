@@ -3,7 +3,9 @@
 //! Exit codes: 0 success (fsck: clean); 1 failure (fsck: damage found,
 //! listed); 2 usage error, including a device that cannot be opened.
 
+mod config;
 mod device;
+mod rpc;
 mod serve;
 mod signals;
 mod tools;
@@ -42,10 +44,16 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         allocation_groups: u32,
     },
-    /// Serve a keelfs filesystem to QEMU guests over vhost-user-fs, and/or
-    /// on the host through /dev/fuse. With no flags: the embedded default
-    /// image and socket under ./keelfs-data/.
+    /// Serve keelfs filesystems to QEMU guests over vhost-user-fs, and/or on
+    /// the host through /dev/fuse. With no config and no flags: the embedded
+    /// default image and socket under ./keelfs-data/. Flags override the
+    /// config file; those that describe an export apply to its first one.
+    /// SIGTERM or SIGINT drains requests, commits, flushes and exits 0; a
+    /// second signal exits at once with 1.
     Serve {
+        /// TOML config file (see keelfsd.example.toml).
+        #[arg(long)]
+        config: Option<PathBuf>,
         /// File or block device holding the filesystem (default:
         /// ./keelfs-data/keelfs.img, created and formatted on first run).
         #[arg(long)]
@@ -57,17 +65,33 @@ enum Command {
         /// unless --fuse-mount alone is given).
         #[arg(long)]
         socket: Option<PathBuf>,
-        /// The tag guests mount (`mount -t virtiofs TAG /mnt`); QEMU's
-        /// vhost-user-fs-pci device carries it, so it only shapes the
-        /// printed QEMU arguments.
-        #[arg(long, default_value = "keelfs")]
-        tag: String,
-        /// virtio-fs request queues (QEMU's num-request-queues).
-        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=63))]
-        queues: u16,
-        /// What clients may cache: none, auto or always (as virtiofsd).
-        #[arg(long, value_enum, default_value = "auto")]
-        cache: serve::Cache,
+        /// The tag guests mount (`mount -t virtiofs TAG /mnt`; default
+        /// keelfs). QEMU's vhost-user-fs-pci device carries it, so here it
+        /// names the export and shapes the printed QEMU arguments.
+        #[arg(long)]
+        tag: Option<String>,
+        /// virtio-fs request queues (QEMU's num-request-queues; default 1).
+        #[arg(long, value_parser = clap::value_parser!(u16).range(1..=63))]
+        queues: Option<u16>,
+        /// What clients may cache: none, auto (default) or always, as
+        /// virtiofsd's --cache.
+        #[arg(long, value_enum)]
+        cache: Option<serve::Cache>,
+        /// Reactor threads, one per core (default 1, or the config's).
+        #[arg(long, value_parser = clap::value_parser!(u16).range(1..=64))]
+        reactors: Option<u16>,
+        /// Unix socket for `keelfsd stats`.
+        #[arg(long)]
+        rpc: Option<PathBuf>,
+        /// Check the config and flags, print what would be served, and exit.
+        #[arg(long)]
+        check: bool,
+    },
+    /// Print a running daemon's counters as JSON.
+    Stats {
+        /// The daemon's RPC socket (serve --rpc, or rpc_socket in its config).
+        #[arg(long)]
+        rpc: PathBuf,
     },
     /// Check a keelfs filesystem; exit 0 when clean, 1 when damaged.
     Fsck {
@@ -89,9 +113,26 @@ fn main() -> ExitCode {
             tools::mkfs(&path, size, force, journal_size, allocation_groups)
         }
         Command::Fsck { path, json, repair } => tools::fsck(&path, json, repair),
-        Command::Serve { device, fuse_mount, socket, tag, queues, cache } => {
-            serve::serve(serve::ServeArgs { device, fuse_mount, socket, tag, queues: usize::from(queues), cache })
+        Command::Serve { config, device, fuse_mount, socket, tag, queues, cache, reactors, rpc, check } => {
+            serve::serve(serve::ServeArgs {
+                config,
+                device,
+                fuse_mount,
+                socket,
+                tag,
+                queues: queues.map(usize::from),
+                cache,
+                reactors: reactors.map(usize::from),
+                rpc,
+                check,
+            })
         }
+        Command::Stats { rpc } => rpc::query(&rpc).map(|json| {
+            use std::io::Write;
+            // A closed pipe (| head) is the reader's choice, not an error.
+            let _ = writeln!(std::io::stdout(), "{json}");
+            ExitCode::SUCCESS
+        }),
     };
     match result {
         Ok(code) => code,

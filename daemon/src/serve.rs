@@ -1,34 +1,52 @@
-//! `keelfsd serve`: mount the filesystem on a reactor and serve it.
+//! `keelfsd serve`: reactors, exports, and their lifecycle.
 //!
-//! Guests attach over a vhost-user-fs socket; the host can mount the same
-//! filesystem through /dev/fuse (`--fuse-mount DIR`). Both go through the
-//! one FUSE dispatcher, on the reactor that owns the filesystem.
+//! One reactor per configured CPU (or count). Each export (a filesystem on
+//! its own device, served on a vhost-user-fs socket and/or a /dev/fuse
+//! mount) is owned by one reactor: its filesystem, its device queue and
+//! every one of its virtqueues live there, and exports are spread over the
+//! reactors round-robin. The main thread owns nothing on an I/O path: it
+//! starts the reactors, waits for signals, and talks to reactors only
+//! through their lock-free inboxes.
 
+use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::rc::Rc;
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::Arc;
+use std::task::Waker;
+use std::time::Duration;
 
 use anyhow::{bail, Context};
-use keelfs_core::bdev::QueueConfig;
+use keelfs_core::bdev::{BlockDevice, QueueConfig};
 use keelfs_core::fs::{Fs, FsConfig};
 use keelfs_core::reactor::io::DeviceChannel;
-use keelfs_core::reactor::{PollMode, Reactor, ReactorConfig};
+use keelfs_core::reactor::{self, PollMode, Reactor, ReactorConfig, ReactorHandle};
 use keelfs_vhost::fuse::dev_fuse::{serve as serve_fuse, FuseMount};
 use keelfs_vhost::fuse::dispatch::{CacheMode, Session};
+use keelfs_vhost::fuse::stats::OpStats;
 use keelfs_vhost::vhost_user::VhostUserServer;
+use serde_json::{json, Value};
 
-use crate::signals::{block_termination_signals, Shutdown};
-use crate::{device, tools};
+use crate::config::{self, Config, Export, PollModeName};
+use crate::signals::{block_termination_signals, Signals};
+use crate::{device, rpc, tools};
 
 pub const DEFAULT_DIR: &str = "keelfs-data";
 
+/// Command-line flags; each one given overrides the config file.
+#[derive(Default)]
 pub struct ServeArgs {
+    pub config: Option<PathBuf>,
     pub device: Option<PathBuf>,
     pub fuse_mount: Option<PathBuf>,
     pub socket: Option<PathBuf>,
-    pub tag: String,
-    pub queues: usize,
-    pub cache: Cache,
+    pub tag: Option<String>,
+    pub queues: Option<usize>,
+    pub cache: Option<Cache>,
+    pub reactors: Option<usize>,
+    pub rpc: Option<PathBuf>,
+    pub check: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -59,79 +77,471 @@ fn default_device() -> anyhow::Result<PathBuf> {
     Ok(image)
 }
 
-pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
-    block_termination_signals().context("blocking SIGTERM/SIGINT")?;
-    let path = match args.device {
-        Some(p) => p,
-        None => default_device()?,
+/// The config file (or the defaults), with the flags applied on top.
+/// Flags that describe an export apply to the first one, and create it
+/// when the file names none.
+fn resolve(args: ServeArgs) -> anyhow::Result<Config> {
+    let mut config = match &args.config {
+        Some(path) => config::load(path).map_err(|e| tools::UsageError(e.to_string()))?,
+        None => Config::default(),
     };
-    // A host mount alone needs no socket; otherwise guests get one.
-    let socket = match (args.socket, &args.fuse_mount) {
-        (Some(s), _) => Some(s),
-        (None, Some(_)) => None,
-        (None, None) => {
-            std::fs::create_dir_all(DEFAULT_DIR).with_context(|| format!("creating {DEFAULT_DIR}"))?;
-            Some(Path::new(DEFAULT_DIR).join("keelfs.sock"))
+    if let Some(n) = args.reactors {
+        config.reactors = vec![None; n];
+    }
+    if args.rpc.is_some() {
+        config.rpc_socket = args.rpc;
+    }
+    let flags_shape_an_export = args.device.is_some()
+        || args.socket.is_some()
+        || args.fuse_mount.is_some()
+        || args.tag.is_some()
+        || args.queues.is_some()
+        || args.cache.is_some();
+    if config.exports.is_empty() || flags_shape_an_export {
+        if config.exports.is_empty() {
+            config.exports.push(Export::new("keelfs", PathBuf::new()));
         }
-    };
-    if let Some(dir) = socket.as_ref().and_then(|s| s.parent()).filter(|d| !d.as_os_str().is_empty()) {
-        if !dir.is_dir() {
-            bail!(tools::UsageError(format!("socket directory {} does not exist", dir.display())));
+        let export = &mut config.exports[0];
+        if let Some(tag) = args.tag {
+            export.tag = tag;
+        }
+        if let Some(device) = args.device {
+            export.device = device;
+        }
+        if let Some(socket) = args.socket {
+            export.socket = Some(socket);
+        }
+        if let Some(mount) = args.fuse_mount {
+            export.fuse_mount = Some(mount);
+        }
+        if let Some(queues) = args.queues {
+            export.request_queues = queues;
+        }
+        if let Some(cache) = args.cache {
+            export.cache = cache;
+        }
+        if export.device.as_os_str().is_empty() {
+            export.device = default_device()?;
+        }
+        if export.socket.is_none() && export.fuse_mount.is_none() {
+            std::fs::create_dir_all(DEFAULT_DIR).with_context(|| format!("creating {DEFAULT_DIR}"))?;
+            export.socket = Some(Path::new(DEFAULT_DIR).join("keelfs.sock"));
         }
     }
-    let (tag, queues) = (args.tag, args.queues);
-    let session_config = CacheMode::from(args.cache).session_config();
-    let dev = device::open(&path)?;
-    let mut reactor = Reactor::new(ReactorConfig { mode: PollMode::ADAPTIVE_DEFAULT, ..ReactorConfig::default() })?;
-    let queue = dev.open_queue(QueueConfig { depth: 256, completion_eventfd: true })?;
-    let result = reactor.block_on(async move {
-        let shutdown = Shutdown::install().context("installing the signal handler")?;
-        let fs = Fs::mount(DeviceChannel::attach(queue), FsConfig::default())
-            .await
-            .with_context(|| format!("mounting keelfs on {}", path.display()))?;
-        let server = match &socket {
-            Some(socket) => {
-                let server = VhostUserServer::start(fs.clone(), session_config.clone(), socket, queues)
-                    .context("starting the vhost-user-fs device")?;
-                eprintln!("keelfsd: serving {} to guests on {}", path.display(), socket.display());
-                eprintln!("{}", qemu_arguments(socket, &tag, queues));
-                Some(server)
+    Ok(config)
+}
+
+fn init_logging(config: &Config) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&config.log));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_target(false)
+        .try_init();
+}
+
+/// What export tasks tell the main thread.
+enum Event {
+    Ready { tag: String, reactor: usize, socket: Option<PathBuf>, queues: usize },
+    Failed { tag: String, error: String },
+    Stopped { tag: String, error: Option<String> },
+}
+
+pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
+    block_termination_signals().context("blocking SIGTERM/SIGINT")?;
+    let signals = Signals::new().context("opening a signalfd")?;
+    let check = args.check;
+    let config = resolve(args)?;
+    if check {
+        println!("reactors: {:?}, poll mode {:?}, rpc {:?}", config.reactors, config.poll_mode, config.rpc_socket);
+        for e in &config.exports {
+            println!(
+                "export {}: {:?} device {} socket {:?} fuse_mount {:?} cache {:?} queues {} page cache {} MiB",
+                e.tag,
+                e.backend,
+                e.device.display(),
+                e.socket,
+                e.fuse_mount,
+                e.cache,
+                e.request_queues,
+                e.page_cache_bytes >> 20
+            );
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    for export in &config.exports {
+        if let Some(dir) = export.socket.as_ref().and_then(|s| s.parent()).filter(|d| !d.as_os_str().is_empty()) {
+            if !dir.is_dir() {
+                bail!(tools::UsageError(format!("socket directory {} does not exist", dir.display())));
             }
-            None => None,
-        };
-        let mount = match &args.fuse_mount {
-            Some(mountpoint) => {
-                let mount = FuseMount::mount(mountpoint, "keelfs")
-                    .with_context(|| format!("mounting {} through /dev/fuse", mountpoint.display()))?;
-                serve_fuse(Rc::new(Session::new(fs.clone(), session_config.clone())), mount.clone());
-                eprintln!("keelfsd: serving {} at {}", path.display(), mountpoint.display());
+        }
+    }
+    init_logging(&config);
+
+    let mut devices = Vec::new();
+    for export in &config.exports {
+        devices.push(device::open_backend(&export.device, export.backend, export.sqpoll_idle_ms)?);
+    }
+    let mode = match config.poll_mode {
+        PollModeName::Busy => PollMode::Busy,
+        PollModeName::Adaptive => PollMode::ADAPTIVE_DEFAULT,
+        PollModeName::Interrupt => PollMode::Interrupt,
+    };
+    let (events, event_rx) = mpsc::channel();
+    let reactor_count = config.reactors.len();
+    let mut reactors: Vec<(ReactorHandle, std::thread::JoinHandle<()>)> = Vec::new();
+    let mut assigned: Vec<Vec<(Export, Arc<dyn BlockDevice>)>> = vec![Vec::new(); reactor_count];
+    for (i, (export, dev)) in config.exports.iter().zip(devices).enumerate() {
+        assigned[i % reactor_count].push((export.clone(), dev));
+    }
+    for (id, (cpu, exports)) in config.reactors.iter().zip(assigned).enumerate() {
+        let (events, commit_interval) = (events.clone(), config.commit_interval);
+        let reactor_config = ReactorConfig { id, cpu: *cpu, mode, ..ReactorConfig::default() };
+        let spawned = Reactor::spawn(reactor_config, move || {
+            for (export, dev) in exports {
+                reactor::spawn_local(run_export(id, export, dev, commit_interval, events.clone()));
+            }
+        })
+        .with_context(|| format!("starting reactor {id}"))?;
+        reactors.push(spawned);
+    }
+    drop(events);
+    let handles: Vec<ReactorHandle> = reactors.iter().map(|(h, _)| h.clone()).collect();
+
+    let mut failure = None;
+    for _ in 0..config.exports.len() {
+        match event_rx.recv() {
+            Ok(Event::Ready { tag, reactor, socket, queues }) => {
+                tracing::info!("export {tag} ready on reactor {reactor}");
+                if let Some(socket) = socket {
+                    eprintln!("{}", qemu_arguments(&socket, &tag, queues));
+                }
+            }
+            Ok(Event::Failed { tag, error }) => {
+                failure = Some(format!("export {tag}: {error}"));
+                break;
+            }
+            Ok(Event::Stopped { .. }) | Err(_) => {
+                failure = Some("a reactor stopped during start-up".into());
+                break;
+            }
+        }
+    }
+    let rpc = match (&failure, &config.rpc_socket) {
+        (None, Some(path)) => Some(rpc::RpcServer::start(path, handles.clone()).context("starting the stats RPC")?),
+        _ => None,
+    };
+    if failure.is_none() {
+        eprintln!("keelfsd: ready ({} export(s) on {reactor_count} reactor(s))", config.exports.len());
+        signals.wait(None);
+        eprintln!("keelfsd: shutting down (a second signal forces the exit)");
+    }
+    let result = shut_down(&handles, &event_rx, &signals, config.exports.len());
+    drop(rpc);
+    for (handle, thread) in reactors {
+        handle.stop();
+        let _ = thread.join();
+    }
+    if let Some(failure) = failure {
+        bail!(failure);
+    }
+    result?;
+    eprintln!("keelfsd: clean shutdown");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Ask every reactor to stop its exports, then wait for them, exiting at
+/// once on a second signal.
+fn shut_down(
+    handles: &[ReactorHandle],
+    events: &Receiver<Event>,
+    signals: &Signals,
+    exports: usize,
+) -> anyhow::Result<()> {
+    for handle in handles {
+        // A full inbox only delays the message.
+        let mut message: Box<dyn FnOnce() + Send> = Box::new(request_local_shutdown);
+        loop {
+            match handle.send_boxed(message) {
+                Ok(()) => break,
+                Err(reactor::SendError::Full(m)) => {
+                    message = m;
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(reactor::SendError::Stopped(_)) => break,
+            }
+        }
+    }
+    let mut errors = Vec::new();
+    let mut stopped = 0;
+    while stopped < exports {
+        if signals.wait(Some(Duration::from_millis(0))).is_some() {
+            eprintln!("keelfsd: second signal, exiting without a clean shutdown");
+            std::process::exit(1);
+        }
+        match events.recv_timeout(Duration::from_millis(100)) {
+            Ok(Event::Stopped { tag, error }) => {
+                stopped += 1;
+                if let Some(e) = error {
+                    errors.push(format!("export {tag}: {e}"));
+                }
+            }
+            Ok(Event::Failed { .. }) => stopped += 1,
+            Ok(Event::Ready { .. }) => {}
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        bail!(errors.join("; "))
+    }
+}
+
+/// What one reactor knows locally: its exports, for stats, and whether
+/// shutdown was asked for.
+#[derive(Default)]
+struct Local {
+    shutdown: bool,
+    waiters: Vec<Waker>,
+    exports: Vec<LocalExport>,
+}
+
+struct LocalExport {
+    tag: String,
+    fs: Fs,
+    server: Option<Rc<VhostUserServer>>,
+    fuse_stats: Option<Rc<OpStats>>,
+}
+
+thread_local! {
+    static LOCAL: RefCell<Local> = RefCell::new(Local::default());
+}
+
+fn request_local_shutdown() {
+    LOCAL.with(|l| {
+        let mut l = l.borrow_mut();
+        l.shutdown = true;
+        for w in l.waiters.drain(..) {
+            w.wake();
+        }
+    });
+}
+
+async fn local_shutdown() {
+    std::future::poll_fn(|cx| {
+        LOCAL.with(|l| {
+            let mut l = l.borrow_mut();
+            if l.shutdown {
+                std::task::Poll::Ready(())
+            } else {
+                l.waiters.push(cx.waker().clone());
+                std::task::Poll::Pending
+            }
+        })
+    })
+    .await
+}
+
+async fn run_export(
+    reactor_id: usize,
+    export: Export,
+    dev: Arc<dyn BlockDevice>,
+    commit_interval: Duration,
+    events: Sender<Event>,
+) {
+    let tag = export.tag.clone();
+    let fs = match mount(reactor_id, &export, &dev, commit_interval).await {
+        Ok(fs) => fs,
+        Err(e) => {
+            let _ = events.send(Event::Failed { tag, error: format!("{e:#}") });
+            return;
+        }
+    };
+    let session_config = CacheMode::from(export.cache).session_config();
+    let server = match &export.socket {
+        Some(socket) => {
+            match VhostUserServer::start(fs.clone(), session_config.clone(), socket, export.request_queues) {
+                Ok(server) => {
+                    if let Err(e) = apply_socket_access(socket, &export) {
+                        let _ = events.send(Event::Failed { tag, error: format!("{e:#}") });
+                        server.stop().await;
+                        let _ = fs.unmount().await;
+                        return;
+                    }
+                    Some(Rc::new(server))
+                }
+                Err(e) => {
+                    let _ =
+                        events.send(Event::Failed { tag, error: format!("starting the vhost-user-fs device: {e}") });
+                    let _ = fs.unmount().await;
+                    return;
+                }
+            }
+        }
+        None => None,
+    };
+    let mut fuse_stats = None;
+    let mount = match &export.fuse_mount {
+        Some(dir) => match FuseMount::mount(dir, "keelfs") {
+            Ok(mount) => {
+                let session = Rc::new(Session::new(fs.clone(), session_config.clone()));
+                fuse_stats = Some(session.stats().clone());
+                serve_fuse(session, mount.clone());
                 Some(mount)
             }
-            None => None,
-        };
-        shutdown.wait().await;
-        if let Some(server) = server {
-            server.stop().await;
-        }
-        if let Some(mount) = mount {
-            mount.unmount().context("unmounting")?;
-        }
-        fs.unmount().await.context("committing and checkpointing")?;
-        eprintln!("keelfsd: clean shutdown");
-        anyhow::Ok(())
+            Err(e) => {
+                let _ = events
+                    .send(Event::Failed { tag, error: format!("mounting {} through /dev/fuse: {e}", dir.display()) });
+                if let Some(server) = server.and_then(|s| Rc::try_unwrap(s).ok()) {
+                    server.stop().await;
+                }
+                let _ = fs.unmount().await;
+                return;
+            }
+        },
+        None => None,
+    };
+    LOCAL.with(|l| {
+        l.borrow_mut().exports.push(LocalExport {
+            tag: tag.clone(),
+            fs: fs.clone(),
+            server: server.clone(),
+            fuse_stats,
+        })
     });
-    result?;
-    Ok(ExitCode::SUCCESS)
+    let _ = events.send(Event::Ready {
+        tag: tag.clone(),
+        reactor: reactor_id,
+        socket: export.socket.clone(),
+        queues: export.request_queues,
+    });
+
+    local_shutdown().await;
+    LOCAL.with(|l| l.borrow_mut().exports.retain(|e| e.tag != tag));
+    // Stop taking requests and drain the ones in flight, then commit,
+    // checkpoint and flush.
+    if let Some(server) = server.and_then(|s| Rc::try_unwrap(s).ok()) {
+        server.stop().await;
+    }
+    let mut error = None;
+    if let Some(mount) = mount {
+        if let Err(e) = mount.unmount() {
+            error = Some(format!("unmounting: {e}"));
+        }
+    }
+    if let Err(e) = fs.unmount().await {
+        error = Some(format!("committing and checkpointing: {e}"));
+    }
+    let _ = events.send(Event::Stopped { tag, error });
+}
+
+async fn mount(
+    reactor_id: usize,
+    export: &Export,
+    dev: &Arc<dyn BlockDevice>,
+    commit_interval: Duration,
+) -> anyhow::Result<Fs> {
+    let queue = dev.open_queue(QueueConfig { depth: 256, completion_eventfd: true })?;
+    let config = FsConfig {
+        commit_interval,
+        preferred_group: reactor_id,
+        cache_bytes: export.page_cache_bytes,
+        ..FsConfig::default()
+    };
+    Fs::mount(DeviceChannel::attach(queue), config)
+        .await
+        .with_context(|| format!("mounting keelfs on {}", export.device.display()))
+}
+
+fn apply_socket_access(socket: &Path, export: &Export) -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    if let Some((uid, gid)) = export.socket_owner {
+        std::os::unix::fs::chown(socket, Some(uid), Some(gid))
+            .with_context(|| format!("chown {uid}:{gid} {}", socket.display()))?;
+    }
+    if let Some(mode) = export.socket_mode {
+        std::fs::set_permissions(socket, std::fs::Permissions::from_mode(mode))
+            .with_context(|| format!("chmod {mode:o} {}", socket.display()))?;
+    }
+    Ok(())
+}
+
+/// This reactor's exports as JSON, for the stats RPC.
+pub fn local_stats() -> Vec<Value> {
+    LOCAL.with(|l| {
+        l.borrow()
+            .exports
+            .iter()
+            .map(|e| {
+                let c = e.fs.counters();
+                let cache = e.fs.cache_stats();
+                let mut ops = serde_json::Map::new();
+                let mut add = |stats: &OpStats| {
+                    for op in stats.snapshot() {
+                        ops.insert(
+                            op.op.clone(),
+                            json!({"requests": op.requests, "errors": op.errors, "bytes": op.bytes,
+                                   "p50_us": op.p50_us, "p99_us": op.p99_us}),
+                        );
+                    }
+                };
+                let mut device = Value::Null;
+                if let Some(server) = &e.server {
+                    add(server.op_stats());
+                    let d = server.stats();
+                    device = json!({
+                        "socket": server.socket(),
+                        "connections": d.connections.get(), "chains": d.chains.get(),
+                        "replies": d.replies.get(), "zero_copy": d.zero_copy.get(),
+                        "no_reply": d.no_reply.get(), "dropped": d.dropped.get(),
+                        "last_drop": d.last_drop.get(), "kicks": d.kicks.get(),
+                        "signals": d.signals.get(), "in_flight": server.in_flight(),
+                        "in_flight_max": d.in_flight_max.get(),
+                    });
+                }
+                let fuse = e.fuse_stats.as_ref().map(|s| {
+                    let mut fuse_ops = serde_json::Map::new();
+                    for op in s.snapshot() {
+                        fuse_ops.insert(
+                            op.op.clone(),
+                            json!({"requests": op.requests, "errors": op.errors,
+                            "bytes": op.bytes, "p50_us": op.p50_us, "p99_us": op.p99_us}),
+                        );
+                    }
+                    Value::Object(fuse_ops)
+                });
+                json!({
+                    "tag": e.tag,
+                    "virtio_fs": device,
+                    "ops": ops,
+                    "fuse_mount_ops": fuse,
+                    "fs": {
+                        "journal_commits": c.journal_commits, "journal_blocks_written": c.journal_blocks_written,
+                        "device_flushes": c.device_flushes, "checkpoints": c.checkpoints,
+                        "fsyncs": c.fsyncs, "data_bytes_read": c.data_bytes_read,
+                        "data_bytes_written": c.data_bytes_written, "direct_overwrites": c.direct_overwrites,
+                        "direct_in_flight": c.direct_in_flight, "direct_in_flight_max": c.direct_in_flight_max,
+                    },
+                    "cache": {"hits": cache.hits, "misses": cache.misses, "pages": cache.pages,
+                              "capacity_pages": cache.capacity_pages},
+                })
+            })
+            .collect()
+    })
 }
 
 /// What to add to a QEMU command line to attach a guest to `socket`.
 fn qemu_arguments(socket: &Path, tag: &str, queues: usize) -> String {
     let socket = std::fs::canonicalize(socket).unwrap_or_else(|_| socket.to_owned());
     format!(
-        "keelfsd: attach a VM with these QEMU arguments (guest memory must be shared; size= is the VM's -m):\n  \
+        "keelfsd: export {tag}: attach a VM with these QEMU arguments (guest memory must be shared; size= is the VM's -m):\n  \
          -object memory-backend-memfd,id=mem,size=4G,share=on -numa node,memdev=mem \\\n  \
-         -chardev socket,id=keelfs0,path={} \\\n  \
-         -device vhost-user-fs-pci,chardev=keelfs0,tag={tag},queue-size=1024,num-request-queues={queues}\n\
+         -chardev socket,id={tag}-fs,path={} \\\n  \
+         -device vhost-user-fs-pci,chardev={tag}-fs,tag={tag},queue-size=1024,num-request-queues={queues}\n\
          keelfsd: then in the guest: mount -t virtiofs {tag} /mnt",
         socket.display()
     )

@@ -1,27 +1,11 @@
-//! SIGTERM and SIGINT as a reactor event: the signals are blocked in every
-//! thread and read from a signalfd that the reactor polls, so shutdown
-//! runs as an ordinary task. A second signal forces the exit.
+//! SIGTERM and SIGINT, read on the main thread from a signalfd. The
+//! signals are blocked in every thread (main blocks them before starting
+//! any), so no handler runs asynchronously; the main thread turns the first
+//! signal into shutdown messages for the reactors, and a second one into an
+//! immediate exit.
 
-use std::cell::RefCell;
-use std::future::poll_fn;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::rc::Rc;
-use std::task::{Poll, Waker};
-use std::time::Instant;
-
-use keelfs_core::reactor::{self, Poller, PollerClass};
-
-#[derive(Default)]
-struct State {
-    received: u32,
-    waker: Option<Waker>,
-}
-
-/// Resolves when SIGTERM or SIGINT arrives.
-#[derive(Clone)]
-pub struct Shutdown {
-    state: Rc<RefCell<State>>,
-}
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::time::Duration;
 
 fn signal_set() -> libc::sigset_t {
     // SAFETY: sigset_t is plain data; sigemptyset/sigaddset initialise it.
@@ -46,9 +30,13 @@ pub fn block_termination_signals() -> std::io::Result<()> {
     Ok(())
 }
 
-impl Shutdown {
-    /// Register the signalfd poller on the current reactor.
-    pub fn install() -> std::io::Result<Self> {
+/// The termination signals as a file descriptor.
+pub struct Signals {
+    fd: OwnedFd,
+}
+
+impl Signals {
+    pub fn new() -> std::io::Result<Self> {
         let set = signal_set();
         // SAFETY: a valid signal set; -1 asks for a new fd.
         let fd = unsafe { libc::signalfd(-1, &set, libc::SFD_NONBLOCK | libc::SFD_CLOEXEC) };
@@ -56,57 +44,21 @@ impl Shutdown {
             return Err(std::io::Error::last_os_error());
         }
         // SAFETY: the fd is new and owned by nobody else.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        let state = Rc::new(RefCell::new(State::default()));
-        reactor::register_poller(PollerClass::Source, Box::new(SignalPoller { fd, state: state.clone() }));
-        Ok(Self { state })
+        Ok(Self { fd: unsafe { OwnedFd::from_raw_fd(fd) } })
     }
 
-    pub async fn wait(&self) {
-        poll_fn(|cx| {
-            let mut s = self.state.borrow_mut();
-            if s.received > 0 {
-                Poll::Ready(())
-            } else {
-                s.waker = Some(cx.waker().clone());
-                Poll::Pending
-            }
-        })
-        .await
-    }
-}
-
-struct SignalPoller {
-    fd: OwnedFd,
-    state: Rc<RefCell<State>>,
-}
-
-impl Poller for SignalPoller {
-    fn poll(&mut self, _now: Instant) -> bool {
+    /// Wait up to `timeout` (forever if None) for a signal; its number.
+    pub fn wait(&self, timeout: Option<Duration>) -> Option<i32> {
+        let mut pfd = libc::pollfd { fd: self.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        let ms = timeout.map_or(-1, |t| t.as_millis().min(i32::MAX as u128) as i32);
+        // SAFETY: one valid pollfd.
+        let ready = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if ready <= 0 {
+            return None;
+        }
         let mut info = [0u8; 128]; // sizeof(struct signalfd_siginfo)
                                    // SAFETY: reads at most 128 bytes into a live buffer.
         let n = unsafe { libc::read(self.fd.as_raw_fd(), info.as_mut_ptr().cast(), info.len()) };
-        if n <= 0 {
-            return false;
-        }
-        let mut s = self.state.borrow_mut();
-        s.received += 1;
-        if s.received > 1 {
-            eprintln!("keelfsd: second signal, exiting without a clean shutdown");
-            std::process::exit(1);
-        }
-        eprintln!("keelfsd: shutting down (a second signal forces the exit)");
-        if let Some(w) = s.waker.take() {
-            w.wake();
-        }
-        true
-    }
-
-    fn wake_fd(&self) -> Option<RawFd> {
-        Some(self.fd.as_raw_fd())
-    }
-
-    fn wake_fd_is_eventfd(&self) -> bool {
-        false
+        (n == 128).then(|| i32::from_le_bytes(info[..4].try_into().expect("4 bytes")))
     }
 }

@@ -4,8 +4,7 @@
 //! user pjdfstest needs.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
-use std::time::{Duration, Instant};
+use std::process::Command;
 
 fn tool(name: &str) -> PathBuf {
     let in_path = std::env::var_os("PATH")
@@ -19,55 +18,21 @@ fn tool(name: &str) -> PathBuf {
         .unwrap_or_else(|| panic!("{name} is not installed: run scripts/setup.sh"))
 }
 
-fn keelfsd() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_keelfsd"))
-}
+mod common;
+use common::{is_mounted, keelfsd, Served};
 
-struct Served {
-    child: Child,
-    mountpoint: PathBuf,
-}
-
-impl Served {
-    fn start(image: &Path, mountpoint: &Path, cache: &str) -> Self {
-        std::fs::create_dir_all(mountpoint).unwrap();
-        let child = keelfsd()
-            .args(["serve", "--cache", cache, "--device"])
-            .arg(image)
-            .arg("--fuse-mount")
-            .arg(mountpoint)
-            .spawn()
-            .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while !is_mounted(mountpoint) {
-            assert!(Instant::now() < deadline, "keelfsd did not mount {}", mountpoint.display());
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Served { child, mountpoint: mountpoint.to_path_buf() }
-    }
-
-    /// SIGTERM, and the exit status.
-    fn stop(mut self) -> std::process::ExitStatus {
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        self.child.wait().unwrap()
-    }
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        if is_mounted(&self.mountpoint) {
-            let _ = Command::new("umount").arg("-l").arg(&self.mountpoint).status();
-        }
-    }
-}
-
-fn is_mounted(dir: &Path) -> bool {
-    std::fs::read_to_string("/proc/self/mounts")
-        .unwrap_or_default()
-        .lines()
-        .any(|l| l.split_whitespace().nth(1) == Some(dir.to_str().unwrap()))
+fn serve(image: &Path, mountpoint: &Path, cache: &str) -> Served {
+    Served::start(
+        &[
+            "--cache".as_ref(),
+            cache.as_ref(),
+            "--device".as_ref(),
+            image.as_os_str(),
+            "--fuse-mount".as_ref(),
+            mountpoint.as_os_str(),
+        ],
+        &[mountpoint],
+    )
 }
 
 const PJDFSTEST_CONFIG: &str = r#"
@@ -103,7 +68,7 @@ fn pjdfstest_and_fsx_pass_on_a_host_mount() {
     let mountpoint = std::env::temp_dir().join(format!("keelfsd-suites-mnt-{}", std::process::id()));
     let _ = std::fs::remove_file(&image);
     assert!(keelfsd().arg("mkfs").arg(&image).args(["--size", "1G"]).status().unwrap().success());
-    let served = Served::start(&image, &mountpoint, "auto");
+    let served = serve(&image, &mountpoint, "auto");
 
     let work = mountpoint.join("pjd");
     std::fs::create_dir(&work).unwrap();
@@ -134,7 +99,7 @@ fn pjdfstest_and_fsx_pass_on_a_host_mount() {
 
     // And with --cache none, where every open is direct I/O: keelfs's
     // direct paths (aligned and bounced), mmap allowed on direct files.
-    let served = Served::start(&image, &mountpoint, "none");
+    let served = serve(&image, &mountpoint, "none");
     run_fsx(&mountpoint.join("fsx-direct"), "8");
     assert!(served.stop().success());
     let check = keelfsd().arg("fsck").arg(&image).output().unwrap();

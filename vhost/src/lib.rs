@@ -17,4 +17,5 @@ pub mod fuse {
     pub mod dev_fuse;
     pub mod dispatch;
     pub mod request;
+    pub mod stats;
 }

@@ -40,6 +40,7 @@ use vmm_sys_util::event::{new_event_consumer_and_notifier, EventConsumer, EventF
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::fuse::dispatch::{Session, SessionConfig};
+use crate::fuse::stats::OpStats;
 use crate::virtio::{serve_chain_zero_copy, ChainOutcome};
 
 const VIRTIO_F_VERSION_1: u64 = 1 << 32;
@@ -231,6 +232,8 @@ pub struct VhostUserServer {
     active: Arc<Mutex<Option<ShutdownHandle>>>,
     thread: Option<JoinHandle<()>>,
     stats: Rc<DeviceStats>,
+    op_stats: Rc<OpStats>,
+    in_flight: Vec<Rc<Cell<usize>>>,
 }
 
 impl VhostUserServer {
@@ -247,14 +250,17 @@ impl VhostUserServer {
         let mut listener =
             Listener::new(socket, true).map_err(|source| VhostUserError::Listen { path: socket.to_owned(), source })?;
         let stats = Rc::new(DeviceStats::default());
+        let op_stats = Rc::new(OpStats::default());
+        let in_flight: Vec<Rc<Cell<usize>>> = (0..queues).map(|_| Rc::default()).collect();
         let poller = QueuePoller {
-            session: Rc::new(Session::new(fs.clone(), config.clone())),
+            session: Rc::new(Session::with_stats(fs.clone(), config.clone(), op_stats.clone())),
+            op_stats: op_stats.clone(),
             fs,
             config,
             control: control_rx,
             wake,
             connection: None,
-            queues: (0..queues).map(|_| QueueState::default()).collect(),
+            queues: in_flight.iter().map(|c| QueueState { in_flight: c.clone(), ..QueueState::default() }).collect(),
             disconnects: Vec::new(),
             stats: stats.clone(),
         };
@@ -274,11 +280,30 @@ impl VhostUserServer {
                 })
                 .map_err(VhostUserError::Thread)?
         };
-        Ok(Self { socket: socket.to_owned(), stopping, finished, active, thread: Some(thread), stats })
+        Ok(Self {
+            socket: socket.to_owned(),
+            stopping,
+            finished,
+            active,
+            thread: Some(thread),
+            stats,
+            op_stats,
+            in_flight,
+        })
     }
 
     pub fn stats(&self) -> &DeviceStats {
         &self.stats
+    }
+
+    /// Per-opcode counters across every frontend this server has had.
+    pub fn op_stats(&self) -> &Rc<OpStats> {
+        &self.op_stats
+    }
+
+    /// Requests being served right now, per queue (queue 0 first).
+    pub fn in_flight(&self) -> Vec<usize> {
+        self.in_flight.iter().map(|c| c.get()).collect()
     }
 
     pub fn socket(&self) -> &Path {
@@ -362,6 +387,7 @@ struct QueuePoller {
     fs: Fs,
     config: SessionConfig,
     session: Rc<Session>,
+    op_stats: Rc<OpStats>,
     control: Receiver<Control>,
     wake: Arc<EventFd>,
     connection: Option<Arc<Connection>>,
@@ -496,7 +522,7 @@ impl QueuePoller {
             }
         }
         // The next frontend gets a fresh session; this one's references go.
-        self.session = Rc::new(Session::new(self.fs.clone(), self.config.clone()));
+        self.session = Rc::new(Session::with_stats(self.fs.clone(), self.config.clone(), self.op_stats.clone()));
         let (fs, waiters) = (self.fs.clone(), std::mem::take(&mut self.disconnects));
         reactor::spawn_local(async move {
             if let Err(e) = fs.forget_all().await {

@@ -155,6 +155,7 @@ where
     let body = &prefix[IN_HEADER_BYTES..];
     let (fh, offset, size) = (le_u64(&body[0..]), le_u64(&body[8..]), le_u32(&body[16..]) as usize);
     let is_write = opcode == Opcode::Write as u32;
+    let started = std::time::Instant::now();
     if declared != len
         || !(is_write || opcode == Opcode::Read as u32)
         || size == 0
@@ -179,6 +180,8 @@ where
         }
         let data = GuestBuffer::new(mem, &readable, prefix.len(), size)?;
         let reply = session.write_direct_from(unique, nodeid, offset, data).await;
+        let failed = reply.get(4..8).is_some_and(|e| e != [0u8; 4]);
+        session.record(opcode, len + reply.len(), failed, started);
         let (_, written, outcome) = write_reply(0, reply, writer);
         let outcome = if let ChainOutcome::Replied(n) = outcome { ChainOutcome::Direct(n) } else { outcome };
         return Some((written, outcome));
@@ -188,6 +191,8 @@ where
     }
     let into = GuestBuffer::new(mem, &writable, OUT_HEADER_BYTES, size)?;
     let (into, result) = session.read_direct_into(nodeid, offset, into).await;
+    let moved = result.as_ref().map_or(0, |&n| n as usize);
+    session.record(opcode, len + OUT_HEADER_BYTES + moved, result.is_err(), started);
     let header = match result {
         Ok(n) => {
             into.zero_from(n as usize);

@@ -2,7 +2,8 @@
 //! the /dev/fuse transport: request bytes in, reply bytes out.
 
 use std::cell::Cell;
-use std::time::Duration;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
 
 use keelfs_core::bdev::AlignedBuf;
 use keelfs_core::fs::format::Timespec;
@@ -14,6 +15,7 @@ use super::abi::{
     MIN_MINOR_VERSION,
 };
 use super::request::{fattr, parse, Request, SetattrIn};
+use super::stats::OpStats;
 
 #[derive(Clone, Debug)]
 pub struct SessionConfig {
@@ -79,6 +81,7 @@ const OFFERED: u64 = f::ASYNC_READ
 pub struct Session {
     fs: Fs,
     config: SessionConfig,
+    stats: Rc<OpStats>,
     initialized: Cell<bool>,
     flags: Cell<u64>,
 }
@@ -113,7 +116,23 @@ type Outcome = Result<Option<Reply>, i32>;
 
 impl Session {
     pub fn new(fs: Fs, config: SessionConfig) -> Self {
-        Self { fs, config, initialized: Cell::new(false), flags: Cell::new(0) }
+        Self::with_stats(fs, config, Rc::default())
+    }
+
+    /// A session that counts into `stats`, which may outlive it (a
+    /// reconnecting guest gets a new session and keeps the counters).
+    pub fn with_stats(fs: Fs, config: SessionConfig, stats: Rc<OpStats>) -> Self {
+        Self { fs, config, stats, initialized: Cell::new(false), flags: Cell::new(0) }
+    }
+
+    pub fn stats(&self) -> &Rc<OpStats> {
+        &self.stats
+    }
+
+    /// Count a request served outside [`Self::handle`] (the zero-copy
+    /// path): its opcode, bytes moved, whether it failed, and its latency.
+    pub fn record(&self, opcode: u32, bytes: usize, failed: bool, started: Instant) {
+        self.stats.record(opcode, bytes, failed, started.elapsed());
     }
 
     pub fn fs(&self) -> &Fs {
@@ -123,6 +142,18 @@ impl Session {
     /// Handle one request. None means FUSE expects no reply (FORGET,
     /// BATCH_FORGET, INTERRUPT, or bytes too broken to name a request).
     pub async fn handle(&self, request: &[u8]) -> Option<Vec<u8>> {
+        let started = Instant::now();
+        let reply = self.handle_unrecorded(request).await;
+        if let Some(opcode) = request.get(4..8) {
+            let opcode = u32::from_le_bytes(opcode.try_into().expect("4 bytes"));
+            let failed = reply.as_ref().is_some_and(|r| r.get(4..8).is_some_and(|e| e != [0u8; 4]));
+            let bytes = request.len() + reply.as_ref().map_or(0, Vec::len);
+            self.record(opcode, bytes, failed, started);
+        }
+        reply
+    }
+
+    async fn handle_unrecorded(&self, request: &[u8]) -> Option<Vec<u8>> {
         let (header, body) = match InHeader::parse(request) {
             Ok(parsed) => parsed,
             Err(e) => {

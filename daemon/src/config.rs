@@ -1,0 +1,432 @@
+//! keelfsd's TOML config: reactors, devices, exports, journal, logging and
+//! the RPC socket. `keelfsd.example.toml` at the repository root documents
+//! every key. Errors name the file, line and column.
+
+use std::collections::HashSet;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use keelfs_core::units::parse_size;
+use serde::Deserialize;
+use toml::Spanned;
+
+use crate::serve::Cache;
+
+/// Request queues one export may have (kicks travel as bits of a u64).
+pub const REQUEST_QUEUES_MAX: u16 = 63;
+
+#[derive(Debug, thiserror::Error)]
+#[error("{file}:{line}:{column}: {message}")]
+pub struct ConfigError {
+    pub file: String,
+    pub line: usize,
+    pub column: usize,
+    pub message: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    #[serde(default)]
+    daemon: RawDaemon,
+    #[serde(default, rename = "device")]
+    devices: Vec<Spanned<RawDevice>>,
+    #[serde(default, rename = "export")]
+    exports: Vec<Spanned<RawExport>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDaemon {
+    reactors: Option<Spanned<RawReactors>>,
+    poll_mode: Option<PollModeName>,
+    rpc_socket: Option<PathBuf>,
+    log: Option<String>,
+    commit_interval_ms: Option<Spanned<u64>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum RawReactors {
+    Count(usize),
+    Cpus(Vec<usize>),
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PollModeName {
+    Busy,
+    #[default]
+    Adaptive,
+    Interrupt,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendName {
+    #[default]
+    Uring,
+    Pmem,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDevice {
+    name: Spanned<String>,
+    #[serde(default)]
+    backend: BackendName,
+    path: PathBuf,
+    sqpoll_idle_ms: Option<u32>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawExport {
+    tag: Spanned<String>,
+    device: Spanned<String>,
+    socket: Option<Spanned<PathBuf>>,
+    socket_owner: Option<Spanned<String>>,
+    socket_mode: Option<Spanned<String>>,
+    #[serde(default)]
+    cache: Option<CacheName>,
+    request_queues: Option<Spanned<u16>>,
+    page_cache: Option<Spanned<String>>,
+    fuse_mount: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum CacheName {
+    None,
+    Auto,
+    Always,
+}
+
+/// A validated config.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    /// One entry per reactor: the CPU it is pinned to, if a list was given.
+    pub reactors: Vec<Option<usize>>,
+    pub poll_mode: PollModeName,
+    pub rpc_socket: Option<PathBuf>,
+    /// A tracing filter (`info`, `keelfs=debug`, ...); RUST_LOG wins.
+    pub log: String,
+    pub commit_interval: Duration,
+    pub exports: Vec<Export>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Export {
+    pub tag: String,
+    pub device: PathBuf,
+    pub backend: BackendName,
+    pub sqpoll_idle_ms: Option<u32>,
+    pub socket: Option<PathBuf>,
+    /// uid and gid to chown the socket to.
+    pub socket_owner: Option<(u32, u32)>,
+    pub socket_mode: Option<u32>,
+    pub cache: Cache,
+    pub request_queues: usize,
+    pub page_cache_bytes: u64,
+    pub fuse_mount: Option<PathBuf>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            reactors: vec![None],
+            poll_mode: PollModeName::Adaptive,
+            rpc_socket: None,
+            log: "info".into(),
+            commit_interval: Duration::from_secs(5),
+            exports: Vec::new(),
+        }
+    }
+}
+
+impl Export {
+    pub fn new(tag: &str, device: PathBuf) -> Self {
+        Self {
+            tag: tag.into(),
+            device,
+            backend: BackendName::Uring,
+            sqpoll_idle_ms: None,
+            socket: None,
+            socket_owner: None,
+            socket_mode: None,
+            cache: Cache::Auto,
+            request_queues: 1,
+            page_cache_bytes: 256 << 20,
+            fuse_mount: None,
+        }
+    }
+}
+
+/// 1-based line and column of a byte offset.
+fn line_column(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let column = before.rfind('\n').map_or(before.len(), |nl| before.len() - nl - 1) + 1;
+    (line, column)
+}
+
+struct Source<'a> {
+    file: &'a str,
+    text: &'a str,
+}
+
+impl Source<'_> {
+    fn error(&self, span: Range<usize>, message: impl Into<String>) -> ConfigError {
+        let (line, column) = line_column(self.text, span.start);
+        ConfigError { file: self.file.into(), line, column, message: message.into() }
+    }
+}
+
+pub fn load(path: &Path) -> Result<Config, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+        file: path.display().to_string(),
+        line: 0,
+        column: 0,
+        message: format!("cannot read: {e}"),
+    })?;
+    parse(&path.display().to_string(), &text)
+}
+
+/// Parse and validate `text`, naming `file` in errors.
+pub fn parse(file: &str, text: &str) -> Result<Config, ConfigError> {
+    let src = Source { file, text };
+    let raw: RawConfig = toml::from_str(text).map_err(|e| {
+        let span = e.span().unwrap_or(0..0);
+        src.error(span, e.message().trim_end().to_string())
+    })?;
+    let mut config = Config::default();
+
+    if let Some(reactors) = &raw.daemon.reactors {
+        config.reactors = match reactors.get_ref() {
+            RawReactors::Count(0) => return Err(src.error(reactors.span(), "reactors must be at least 1")),
+            RawReactors::Count(n) if *n > 64 => return Err(src.error(reactors.span(), "at most 64 reactors")),
+            RawReactors::Count(n) => vec![None; *n],
+            RawReactors::Cpus(cpus) if cpus.is_empty() => {
+                return Err(src.error(reactors.span(), "the CPU list is empty"))
+            }
+            RawReactors::Cpus(cpus) => {
+                let unique: HashSet<_> = cpus.iter().collect();
+                if unique.len() != cpus.len() {
+                    return Err(src.error(reactors.span(), "a CPU appears twice in the list"));
+                }
+                cpus.iter().map(|&c| Some(c)).collect()
+            }
+        };
+    }
+    config.poll_mode = raw.daemon.poll_mode.unwrap_or_default();
+    config.rpc_socket = raw.daemon.rpc_socket;
+    if let Some(log) = raw.daemon.log {
+        config.log = log;
+    }
+    if let Some(ms) = &raw.daemon.commit_interval_ms {
+        if *ms.get_ref() == 0 {
+            return Err(src.error(ms.span(), "commit_interval_ms must be at least 1"));
+        }
+        config.commit_interval = Duration::from_millis(*ms.get_ref());
+    }
+
+    let mut device_names = HashSet::new();
+    for device in &raw.devices {
+        let name = &device.get_ref().name;
+        if !device_names.insert(name.get_ref().clone()) {
+            return Err(src.error(name.span(), format!("device \"{}\" is defined twice", name.get_ref())));
+        }
+    }
+    let (mut tags, mut sockets, mut used_devices) = (HashSet::new(), HashSet::new(), HashSet::new());
+    for spanned in &raw.exports {
+        let e = spanned.get_ref();
+        let tag = e.tag.get_ref();
+        if tag.is_empty() || tag.len() > 36 {
+            return Err(src.error(e.tag.span(), "a tag is 1 to 36 bytes (virtio-fs's limit)"));
+        }
+        if !tags.insert(tag.clone()) {
+            return Err(src.error(e.tag.span(), format!("tag \"{tag}\" is exported twice")));
+        }
+        let device =
+            raw.devices.iter().map(Spanned::get_ref).find(|d| d.name.get_ref() == e.device.get_ref()).ok_or_else(
+                || src.error(e.device.span(), format!("no [[device]] is named \"{}\"", e.device.get_ref())),
+            )?;
+        if !used_devices.insert(e.device.get_ref().clone()) {
+            return Err(src.error(
+                e.device.span(),
+                format!("device \"{}\" is already exported: one filesystem per device", e.device.get_ref()),
+            ));
+        }
+        let mut export = Export::new(tag, device.path.clone());
+        export.backend = device.backend;
+        export.sqpoll_idle_ms = device.sqpoll_idle_ms;
+        if let Some(socket) = &e.socket {
+            if !sockets.insert(socket.get_ref().clone()) {
+                return Err(src.error(socket.span(), "two exports share this socket"));
+            }
+            export.socket = Some(socket.get_ref().clone());
+        }
+        if e.socket.is_none() && e.fuse_mount.is_none() {
+            return Err(src.error(spanned.span(), format!("export \"{tag}\" has neither a socket nor a fuse_mount")));
+        }
+        if let Some(owner) = &e.socket_owner {
+            export.socket_owner = Some(resolve_owner(owner.get_ref()).map_err(|m| src.error(owner.span(), m))?);
+        }
+        if let Some(mode) = &e.socket_mode {
+            let parsed = u32::from_str_radix(mode.get_ref().trim_start_matches("0o"), 8)
+                .ok()
+                .filter(|m| *m <= 0o777)
+                .ok_or_else(|| src.error(mode.span(), "socket_mode is an octal string such as \"0660\""))?;
+            export.socket_mode = Some(parsed);
+        }
+        if let Some(cache) = e.cache {
+            export.cache = match cache {
+                CacheName::None => Cache::None,
+                CacheName::Auto => Cache::Auto,
+                CacheName::Always => Cache::Always,
+            };
+        }
+        if let Some(queues) = &e.request_queues {
+            let n = *queues.get_ref();
+            if n == 0 || n > REQUEST_QUEUES_MAX {
+                return Err(src.error(queues.span(), format!("request_queues must be 1 to {REQUEST_QUEUES_MAX}")));
+            }
+            export.request_queues = usize::from(n);
+        }
+        if let Some(size) = &e.page_cache {
+            let bytes = parse_size(size.get_ref()).map_err(|m| src.error(size.span(), m))?;
+            if bytes < 1 << 20 {
+                return Err(src.error(size.span(), "page_cache must be at least 1M"));
+            }
+            export.page_cache_bytes = bytes;
+        }
+        export.fuse_mount = e.fuse_mount.clone();
+        config.exports.push(export);
+    }
+    Ok(config)
+}
+
+/// "user" or "user:group", by name or number.
+fn resolve_owner(text: &str) -> Result<(u32, u32), String> {
+    let (user, group) = match text.split_once(':') {
+        Some((u, g)) => (u, Some(g)),
+        None => (text, None),
+    };
+    let passwd = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
+    let (uid, primary_gid) = match user.parse::<u32>() {
+        Ok(uid) => (uid, uid),
+        Err(_) => passwd
+            .lines()
+            .map(|l| l.split(':').collect::<Vec<_>>())
+            .find(|f| f.len() > 3 && f[0] == user)
+            .and_then(|f| Some((f[2].parse().ok()?, f[3].parse().ok()?)))
+            .ok_or_else(|| format!("no user \"{user}\""))?,
+    };
+    let gid = match group {
+        None => primary_gid,
+        Some(g) => match g.parse::<u32>() {
+            Ok(gid) => gid,
+            Err(_) => std::fs::read_to_string("/etc/group")
+                .unwrap_or_default()
+                .lines()
+                .map(|l| l.split(':').collect::<Vec<_>>())
+                .find(|f| f.len() > 2 && f[0] == g)
+                .and_then(|f| f[2].parse().ok())
+                .ok_or_else(|| format!("no group \"{g}\""))?,
+        },
+    };
+    Ok((uid, gid))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+[daemon]
+reactors = [0, 1]
+poll_mode = "busy"
+rpc_socket = "/run/keelfsd/rpc.sock"
+log = "debug"
+commit_interval_ms = 250
+
+[[device]]
+name = "fast"
+path = "/dev/shm/fast.img"
+
+[[device]]
+name = "pm"
+backend = "pmem"
+path = "/dev/shm/pm.img"
+
+[[export]]
+tag = "vm1"
+device = "fast"
+socket = "/run/keelfsd/vm1.sock"
+socket_owner = "0:0"
+socket_mode = "0660"
+cache = "none"
+request_queues = 2
+page_cache = "64M"
+
+[[export]]
+tag = "host"
+device = "pm"
+fuse_mount = "/mnt/keelfs"
+"#;
+
+    #[test]
+    fn a_full_config_parses_into_what_it_says() {
+        let c = parse("good.toml", GOOD).unwrap();
+        assert_eq!(c.reactors, vec![Some(0), Some(1)]);
+        assert_eq!(c.poll_mode, PollModeName::Busy);
+        assert_eq!(c.rpc_socket.as_deref(), Some(Path::new("/run/keelfsd/rpc.sock")));
+        assert_eq!(c.log, "debug");
+        assert_eq!(c.commit_interval, Duration::from_millis(250));
+        assert_eq!(c.exports.len(), 2);
+        let vm1 = &c.exports[0];
+        assert_eq!(
+            (vm1.tag.as_str(), vm1.device.as_path(), vm1.request_queues, vm1.cache),
+            ("vm1", Path::new("/dev/shm/fast.img"), 2, Cache::None)
+        );
+        assert_eq!((vm1.socket_owner, vm1.socket_mode, vm1.page_cache_bytes), (Some((0, 0)), Some(0o660), 64 << 20));
+        let host = &c.exports[1];
+        assert_eq!(
+            (host.backend, host.socket.as_ref(), host.fuse_mount.as_deref()),
+            (BackendName::Pmem, None, Some(Path::new("/mnt/keelfs")))
+        );
+    }
+
+    #[test]
+    fn an_empty_file_means_the_defaults() {
+        let c = parse("empty.toml", "").unwrap();
+        assert_eq!(c, Config::default());
+    }
+
+    fn error_of(text: &str) -> String {
+        parse("bad.toml", text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn errors_name_the_file_line_and_column() {
+        assert_eq!(error_of("[daemon]\nreactors = 0\n"), "bad.toml:2:12: reactors must be at least 1");
+        assert_eq!(
+            error_of("[daemon]\npoll_mode = \"spin\"\n"),
+            "bad.toml:2:13: unknown variant `spin`, expected one of `busy`, `adaptive`, `interrupt`"
+        );
+        assert_eq!(error_of("[daemon]\nreactor = 2\n"), "bad.toml:2:1: unknown field `reactor`, expected one of `reactors`, `poll_mode`, `rpc_socket`, `log`, `commit_interval_ms`");
+        assert_eq!(
+            error_of("[[export]]\ntag = \"a\"\ndevice = \"nope\"\nsocket = \"/s\"\n"),
+            "bad.toml:3:10: no [[device]] is named \"nope\""
+        );
+        let two = "[[device]]\nname = \"d\"\npath = \"/x\"\n[[export]]\ntag = \"a\"\ndevice = \"d\"\nsocket = \"/s\"\n\
+                   [[export]]\ntag = \"b\"\ndevice = \"d\"\nsocket = \"/t\"\n";
+        assert_eq!(error_of(two), "bad.toml:10:10: device \"d\" is already exported: one filesystem per device");
+        let mode = "[[device]]\nname = \"d\"\npath = \"/x\"\n[[export]]\ntag = \"a\"\ndevice = \"d\"\nsocket = \"/s\"\nsocket_mode = \"rw\"\n";
+        assert_eq!(error_of(mode), "bad.toml:8:15: socket_mode is an octal string such as \"0660\"");
+        let queues = "[[device]]\nname = \"d\"\npath = \"/x\"\n[[export]]\ntag = \"a\"\ndevice = \"d\"\nsocket = \"/s\"\nrequest_queues = 64\n";
+        assert_eq!(error_of(queues), "bad.toml:8:18: request_queues must be 1 to 63");
+        assert_eq!(error_of("[daemon\n"), "bad.toml:1:8: invalid table header\nexpected `.`, `]`");
+    }
+}

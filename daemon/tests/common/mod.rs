@@ -1,0 +1,100 @@
+//! Running keelfsd as a child process, shared by the daemon's tests.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub fn keelfsd() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_keelfsd"))
+}
+
+pub fn is_mounted(dir: &Path) -> bool {
+    let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_owned());
+    std::fs::read_to_string("/proc/self/mounts")
+        .unwrap_or_default()
+        .lines()
+        .any(|l| l.split_whitespace().nth(1) == dir.to_str())
+}
+
+/// A scratch directory under the system temp dir, removed on drop.
+pub struct Scratch(pub PathBuf);
+
+impl Scratch {
+    pub fn new(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("keelfsd-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Scratch(dir)
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+pub fn mkfs(image: &Path, size: &str) {
+    let out = keelfsd().arg("mkfs").arg(image).args(["--size", size]).output().unwrap();
+    assert!(out.status.success(), "mkfs: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// fsck's exit code and its report.
+pub fn fsck(image: &Path) -> (i32, String) {
+    let out = keelfsd().arg("fsck").arg(image).output().unwrap();
+    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).to_string())
+}
+
+/// A running `keelfsd serve`, with the host mounts it is expected to make.
+pub struct Served {
+    pub child: Child,
+    pub mounts: Vec<PathBuf>,
+}
+
+impl Served {
+    /// Start `keelfsd serve ARGS` and wait until every dir in `mounts` is
+    /// mounted.
+    pub fn start(args: &[&std::ffi::OsStr], mounts: &[&Path]) -> Self {
+        for m in mounts {
+            std::fs::create_dir_all(m).unwrap();
+        }
+        let child = keelfsd().arg("serve").args(args).stdout(Stdio::null()).spawn().unwrap();
+        let served = Served { child, mounts: mounts.iter().map(|m| m.to_path_buf()).collect() };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        for m in mounts {
+            while !is_mounted(m) {
+                assert!(Instant::now() < deadline, "keelfsd did not mount {}", m.display());
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        served
+    }
+
+    pub fn signal(&self, signal: i32) {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(self.child.id() as i32, signal) };
+    }
+
+    /// SIGTERM, and the exit status.
+    pub fn stop(mut self) -> std::process::ExitStatus {
+        self.signal(libc::SIGTERM);
+        self.child.wait().unwrap()
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        for m in &self.mounts {
+            if is_mounted(m) {
+                let _ = Command::new("umount").arg("-l").arg(m).status();
+            }
+        }
+    }
+}

@@ -1,0 +1,177 @@
+//! keelfsd as an operator runs it: config files, clean shutdown and
+//! restart, kill -9 under load, several exports from one daemon, and the
+//! stats RPC.
+
+mod common;
+
+use std::ffi::OsStr;
+use std::io::Write;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{fsck, is_mounted, keelfsd, mkfs, Scratch, Served};
+
+fn os(s: &str) -> &OsStr {
+    OsStr::new(s)
+}
+
+#[test]
+fn a_bad_config_is_one_line_naming_file_line_and_column() {
+    let dir = Scratch::new("badconfig");
+    let config = dir.path("bad.toml");
+    std::fs::write(&config, "[daemon]\nreactors = 0\n").unwrap();
+    let out = keelfsd().arg("serve").arg("--config").arg(&config).output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "a config error is a usage error");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(stderr.trim(), format!("keelfsd: {}:2:12: reactors must be at least 1", config.display()));
+
+    std::fs::write(&config, "[[export]]\ntag = \"a\"\ndevice = \"missing\"\nsocket = \"/tmp/x.sock\"\n").unwrap();
+    let out = keelfsd().arg("serve").arg("--config").arg(&config).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("bad.toml:3:10: no [[device]] is named \"missing\""));
+}
+
+#[test]
+fn sigterm_leaves_a_clean_filesystem_that_a_restart_serves() {
+    let dir = Scratch::new("restart");
+    let (image, mnt) = (dir.path("fs.img"), dir.path("mnt"));
+    mkfs(&image, "256M");
+    let args = [os("--device"), image.as_os_str(), os("--fuse-mount"), mnt.as_os_str()];
+    let served = Served::start(&args, &[&mnt]);
+    std::fs::create_dir(mnt.join("d")).unwrap();
+    for i in 0..20 {
+        std::fs::write(mnt.join("d").join(format!("f{i}")), format!("file {i}").repeat(100)).unwrap();
+    }
+    let status = served.stop();
+    assert!(status.success(), "exit after SIGTERM: {status}");
+    assert!(!is_mounted(&mnt));
+    let (code, report) = fsck(&image);
+    assert_eq!(code, 0, "{report}");
+
+    let served = Served::start(&args, &[&mnt]);
+    for i in 0..20 {
+        assert_eq!(
+            std::fs::read_to_string(mnt.join("d").join(format!("f{i}"))).unwrap(),
+            format!("file {i}").repeat(100)
+        );
+    }
+    assert!(served.stop().success());
+}
+
+/// A file's name and the bytes fsync made durable.
+type SyncedFile = (String, Vec<u8>);
+
+#[test]
+fn kill_9_under_a_write_load_loses_no_fsynced_file() {
+    let dir = Scratch::new("kill9");
+    let (image, mnt) = (dir.path("fs.img"), dir.path("mnt"));
+    mkfs(&image, "256M");
+    let args = [os("--device"), image.as_os_str(), os("--fuse-mount"), mnt.as_os_str()];
+    let mut served = Served::start(&args, &[&mnt]);
+
+    let synced: Arc<Mutex<Vec<SyncedFile>>> = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers: Vec<_> = (0..2)
+        .map(|w| {
+            let (mnt, synced, stop) = (mnt.clone(), synced.clone(), stop.clone());
+            std::thread::spawn(move || {
+                for i in 0.. {
+                    if stop.load(Ordering::Acquire) {
+                        break;
+                    }
+                    let name = format!("w{w}-{i}");
+                    let data: Vec<u8> = (0..(4096 + i * 977 % 20_000)).map(|b| (b * 31 + i + w) as u8).collect();
+                    let Ok(mut f) = std::fs::File::create(mnt.join(&name)) else { break };
+                    if f.write_all(&data).is_err() || f.sync_all().is_err() {
+                        break; // the daemon is gone
+                    }
+                    // Unsynced churn too, which may or may not survive.
+                    let _ = std::fs::write(mnt.join(format!("scratch{w}")), &data[..100]);
+                    synced.lock().unwrap().push((name, data));
+                }
+            })
+        })
+        .collect();
+    while synced.lock().unwrap().len() < 40 {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    served.signal(libc::SIGKILL);
+    let _ = served.child.wait();
+    stop.store(true, Ordering::Release);
+    let _ = std::process::Command::new("umount").arg("-l").arg(&mnt).status();
+    for w in writers {
+        let _ = w.join();
+    }
+    drop(served);
+    let synced = synced.lock().unwrap().clone();
+    assert!(synced.len() >= 40);
+
+    // fsck replays the journal in memory and must find nothing wrong.
+    let (code, report) = fsck(&image);
+    assert_eq!(code, 0, "after kill -9: {report}");
+    let served = Served::start(&args, &[&mnt]);
+    for (name, data) in &synced {
+        let got = std::fs::read(mnt.join(name)).unwrap_or_else(|e| panic!("fsynced {name} lost: {e}"));
+        assert!(got == *data, "fsynced {name} differs");
+    }
+    assert!(served.stop().success());
+    let (code, report) = fsck(&image);
+    assert_eq!(code, 0, "after the restart: {report}");
+}
+
+#[test]
+fn two_exports_from_one_daemon_stay_apart_and_report_stats() {
+    let dir = Scratch::new("exports");
+    let (a, b) = (dir.path("a.img"), dir.path("b.img"));
+    mkfs(&a, "256M");
+    mkfs(&b, "256M");
+    let (ma, mb, rpc) = (dir.path("ma"), dir.path("mb"), dir.path("rpc.sock"));
+    let config = dir.path("keelfsd.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[daemon]\nreactors = 2\nrpc_socket = \"{}\"\n\
+             [[device]]\nname = \"a\"\npath = \"{}\"\n[[device]]\nname = \"b\"\npath = \"{}\"\n\
+             [[export]]\ntag = \"alpha\"\ndevice = \"a\"\nfuse_mount = \"{}\"\n\
+             [[export]]\ntag = \"beta\"\ndevice = \"b\"\nfuse_mount = \"{}\"\ncache = \"none\"\n",
+            rpc.display(),
+            a.display(),
+            b.display(),
+            ma.display(),
+            mb.display()
+        ),
+    )
+    .unwrap();
+    let served = Served::start(&[os("--config"), config.as_os_str()], &[&ma, &mb]);
+    std::fs::write(ma.join("only-in-alpha"), b"alpha").unwrap();
+    std::fs::write(mb.join("only-in-beta"), b"beta").unwrap();
+    assert!(!mb.join("only-in-alpha").exists() && !ma.join("only-in-beta").exists());
+    assert_eq!(std::fs::read(mb.join("only-in-beta")).unwrap(), b"beta");
+
+    let out = keelfsd().arg("stats").arg("--rpc").arg(&rpc).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let reactors = stats["reactors"].as_array().unwrap();
+    assert_eq!(reactors.len(), 2);
+    assert!(reactors.iter().all(|r| r["answered"] == true && r["busy_share"].as_f64().is_some()));
+    let exports = stats["exports"].as_array().unwrap();
+    let by_tag = |t: &str| exports.iter().find(|e| e["tag"] == t).unwrap_or_else(|| panic!("no {t} in {stats}"));
+    let (alpha, beta) = (by_tag("alpha"), by_tag("beta"));
+    assert_ne!(alpha["reactor"], beta["reactor"], "exports are spread over the reactors");
+    for e in [alpha, beta] {
+        let creates = &e["fuse_mount_ops"]["create"];
+        assert_eq!(creates["requests"], 1, "{e}");
+        assert!(creates["p99_us"].as_f64().unwrap() > 0.0);
+        assert!(e["fs"]["journal_commits"].as_u64().is_some());
+        assert!(e["cache"]["hits"].as_u64().is_some());
+    }
+
+    assert!(served.stop().success());
+    for image in [&a, &b] {
+        let (code, report) = fsck(image);
+        assert_eq!(code, 0, "{report}");
+    }
+    assert!(!Path::new(&rpc).exists(), "the RPC socket goes away at shutdown");
+}

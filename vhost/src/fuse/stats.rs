@@ -1,0 +1,153 @@
+//! Per-opcode counters of a FUSE session: requests, errors, bytes and a
+//! latency histogram. Kept outside the session so that they outlive
+//! reconnects; read on the session's reactor (no atomics, no locks).
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use super::abi::Opcode;
+
+/// Log-linear latency buckets: 8 per power of two of nanoseconds, so a
+/// quantile is off by at most 1/8 of its value.
+const SUB_BUCKETS: u32 = 8;
+const BUCKETS: usize = 64 * SUB_BUCKETS as usize;
+
+#[derive(Clone)]
+pub struct LatencyHistogram {
+    counts: Box<[u64; BUCKETS]>,
+    total: u64,
+}
+
+impl Default for LatencyHistogram {
+    fn default() -> Self {
+        Self { counts: Box::new([0; BUCKETS]), total: 0 }
+    }
+}
+
+fn bucket_of(ns: u64) -> usize {
+    if ns < u64::from(SUB_BUCKETS) {
+        return ns as usize;
+    }
+    let power = 63 - ns.leading_zeros(); // ns >= 8, so power >= 3
+    let sub = (ns >> (power - 3)) & u64::from(SUB_BUCKETS - 1);
+    (power * SUB_BUCKETS + sub as u32) as usize
+}
+
+/// The smallest value that falls in `bucket`.
+fn bucket_floor(bucket: usize) -> u64 {
+    let (power, sub) = (bucket as u32 / SUB_BUCKETS, bucket as u64 % u64::from(SUB_BUCKETS));
+    if power < 3 {
+        return bucket as u64;
+    }
+    (1u64 << power) + (sub << (power - 3))
+}
+
+impl LatencyHistogram {
+    pub fn record(&mut self, latency: Duration) {
+        let ns = u64::try_from(latency.as_nanos()).unwrap_or(u64::MAX);
+        self.counts[bucket_of(ns).min(BUCKETS - 1)] += 1;
+        self.total += 1;
+    }
+
+    pub fn count(&self) -> u64 {
+        self.total
+    }
+
+    /// The `q` quantile (0..=1) in nanoseconds, as its bucket's floor.
+    pub fn quantile_ns(&self, q: f64) -> u64 {
+        if self.total == 0 {
+            return 0;
+        }
+        let rank = ((self.total as f64 * q).ceil() as u64).clamp(1, self.total);
+        let mut seen = 0;
+        for (bucket, &n) in self.counts.iter().enumerate() {
+            seen += n;
+            if seen >= rank {
+                return bucket_floor(bucket);
+            }
+        }
+        bucket_floor(BUCKETS - 1)
+    }
+}
+
+#[derive(Clone, Default)]
+pub struct OpCounter {
+    pub requests: u64,
+    pub errors: u64,
+    /// Request plus reply bytes, data included.
+    pub bytes: u64,
+    pub latency: LatencyHistogram,
+}
+
+/// A snapshot line: one opcode.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OpSnapshot {
+    pub op: String,
+    pub requests: u64,
+    pub errors: u64,
+    pub bytes: u64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+}
+
+#[derive(Default)]
+pub struct OpStats {
+    ops: RefCell<BTreeMap<u32, OpCounter>>,
+}
+
+impl OpStats {
+    pub fn record(&self, opcode: u32, bytes: usize, failed: bool, latency: Duration) {
+        let mut ops = self.ops.borrow_mut();
+        let c = ops.entry(opcode).or_default();
+        c.requests += 1;
+        c.errors += u64::from(failed);
+        c.bytes += bytes as u64;
+        c.latency.record(latency);
+    }
+
+    pub fn snapshot(&self) -> Vec<OpSnapshot> {
+        self.ops
+            .borrow()
+            .iter()
+            .map(|(&code, c)| OpSnapshot {
+                op: Opcode::from_u32(code)
+                    .map_or_else(|| format!("opcode_{code}"), |o| format!("{o:?}").to_lowercase()),
+                requests: c.requests,
+                errors: c.errors,
+                bytes: c.bytes,
+                p50_us: c.latency.quantile_ns(0.5) as f64 / 1000.0,
+                p99_us: c.latency.quantile_ns(0.99) as f64 / 1000.0,
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_are_ordered_and_tight() {
+        let mut last = 0;
+        for ns in [0u64, 1, 7, 8, 9, 15, 16, 100, 1000, 12_345, 1 << 20, 1 << 40] {
+            let b = bucket_of(ns);
+            assert!(b >= last, "{ns}");
+            last = b;
+            let floor = bucket_floor(b);
+            assert!(floor <= ns && ns - floor <= ns / 8, "{ns} in bucket floored at {floor}");
+        }
+    }
+
+    #[test]
+    fn quantiles_follow_the_data() {
+        let mut h = LatencyHistogram::default();
+        for us in 1..=100u64 {
+            h.record(Duration::from_micros(us));
+        }
+        let p50 = h.quantile_ns(0.5);
+        let p99 = h.quantile_ns(0.99);
+        assert!((44_000..=50_000).contains(&p50), "{p50}");
+        assert!((87_000..=99_000).contains(&p99), "{p99}");
+    }
+}
