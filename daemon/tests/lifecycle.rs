@@ -175,3 +175,37 @@ fn two_exports_from_one_daemon_stay_apart_and_report_stats() {
     }
     assert!(!Path::new(&rpc).exists(), "the RPC socket goes away at shutdown");
 }
+
+/// utime + stime of a process, in clock ticks.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after_name = &stat[stat.rfind(')').unwrap() + 2..];
+    let fields: Vec<&str> = after_name.split_whitespace().collect();
+    fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+}
+
+#[test]
+fn an_idle_adaptive_daemon_uses_almost_no_cpu() {
+    let dir = Scratch::new("idle");
+    let (image, mnt, socket) = (dir.path("fs.img"), dir.path("mnt"), dir.path("fs.sock"));
+    mkfs(&image, "256M");
+    let args = [
+        os("--device"),
+        image.as_os_str(),
+        os("--fuse-mount"),
+        mnt.as_os_str(),
+        os("--socket"),
+        socket.as_os_str(),
+        os("--reactors"),
+        os("2"),
+    ];
+    let served = Served::start(&args, &[&mnt]);
+    std::fs::write(mnt.join("f"), b"some work first").unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let before = cpu_ticks(served.child.id());
+    std::thread::sleep(Duration::from_secs(2));
+    let used = cpu_ticks(served.child.id()) - before;
+    // Ticks are 10 ms: two busy-polling reactors would show ~400.
+    assert!(used <= 4, "idle daemon used {used} ticks of CPU in 2 s");
+    assert!(served.stop().success());
+}
