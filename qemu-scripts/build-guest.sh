@@ -88,7 +88,6 @@ need=()
 [[ -x /usr/bin/fio ]] || need+=(fio)
 command -v cpio >/dev/null || need+=(cpio)
 command -v xz >/dev/null || need+=(xz-utils)
-command -v zstd >/dev/null || need+=(zstd)
 command -v gzip >/dev/null || need+=(gzip)
 ((${#need[@]} == 0)) || apt_install "${need[@]}"
 /bin/busybox --list 2>/dev/null | grep -qx sh || die "/bin/busybox is not the static busybox with a shell (install busybox-static)"
@@ -105,7 +104,9 @@ if [[ -z $kver ]]; then
   if [[ -z $kver ]]; then
     [[ $(id -u) == 0 ]] || die "no /boot/vmlinuz-6.12.* installed; as root this script would install it from bookworm-backports"
     log "no 6.12 kernel installed; installing linux-image-amd64 from bookworm-backports"
-    if ! grep -rqs '^deb .*bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d/; then
+    # One-line (deb ...) or deb822 (Suites: ...) sources.
+    if ! grep -rqsE '^(deb .*[[:space:]]bookworm-backports|Suites:.*[[:space:]]bookworm-backports)' \
+      /etc/apt/sources.list /etc/apt/sources.list.d/; then
       echo 'deb http://deb.debian.org/debian bookworm-backports main' >/etc/apt/sources.list.d/bookworm-backports.list
     fi
     export DEBIAN_FRONTEND=noninteractive
@@ -134,6 +135,11 @@ inputs=$(
 )
 key=$(printf '%s\n' "$inputs" | sha256sum | cut -d' ' -f1)
 
+# One build at a time per output directory (run-guest.sh calls this script).
+mkdir -p "$out" || die "cannot create $out"
+exec 9>"$out/.lock"
+flock 9 || die "cannot lock $out/.lock"
+
 if ((!force)) && [[ -f $out/inputs.sha256 && -f $out/vmlinuz && -f $out/initramfs.cpio.gz ]] &&
   [[ $(cat "$out/inputs.sha256") == "$key" ]]; then
   ((quiet)) || log "guest in $out is up to date (kernel $kver)"
@@ -142,7 +148,6 @@ fi
 
 # ------------------------------------------------------------------- build --
 log "building guest in $out (kernel $kver)"
-mkdir -p "$out"
 work=$(mktemp -d "$out/.build.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 root=$work/root
@@ -188,12 +193,15 @@ add_module_file() { # $1: path relative to $moddir, as in modules.dep
   [[ -z ${seen[$name]:-} ]] || return 0
   deps=$(awk -v m="$rel:" '$1 == m {for (i = 2; i <= NF; i++) print $i}' "$moddir/modules.dep")
   # modules.dep lists dependencies with the deepest last: load in reverse.
-  for dep in $(printf '%s\n' $deps | tac); do add_module_file "$dep"; done
+  if [[ -n $deps ]]; then
+    for dep in $(tac <<<"$deps"); do add_module_file "$dep"; done
+  fi
   seen[$name]=1
   local src=$moddir/$rel dst=$root/lib/modules/$name.ko
   case "$rel" in
     *.ko.xz) xz -dc "$src" >"$dst" ;;
-    *.ko.zst) zstd -qdc "$src" >"$dst" ;;
+    *.ko.zst) command -v zstd >/dev/null || die "$rel needs zstd (apt-get install zstd)"
+      zstd -qdc "$src" >"$dst" ;;
     *.ko.gz) gzip -dc "$src" >"$dst" ;;
     *.ko) cp "$src" "$dst" ;;
     *) die "unknown module file type: $rel" ;;

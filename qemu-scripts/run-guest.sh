@@ -140,6 +140,7 @@ if [[ $accel == kvm ]]; then cpu=host; else cpu=max; fi
 
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/keelfs-guest.XXXXXX")
 qpid=""
+# shellcheck disable=SC2317  # invoked by the EXIT trap
 cleanup() {
   if [[ -n $qpid ]] && kill -0 "$qpid" 2>/dev/null; then
     kill -TERM "$qpid" 2>/dev/null || true
@@ -169,7 +170,7 @@ fi
 
 qemu=(qemu-system-x86_64
   -machine "q35,accel=$accel" -cpu "$cpu" -smp "$smp" -m "$mem"
-  -object "memory-backend-memfd,id=mem,size=$mem,share=on" -numa node,memdev=mem
+  -object "memory-backend-memfd,id=mem,size=$mem,share=on" -numa "node,memdev=mem"
   -chardev "socket,id=char0,path=$socket"
   -device "vhost-user-fs-pci,chardev=char0,tag=$tag,queue-size=1024,num-request-queues=$queues"
   -kernel "$kernel" -initrd "$initrd" -append "$cmdline"
@@ -239,6 +240,8 @@ if ((timed_out)); then
   [[ ! -s $tmp/qemu.err ]] || sed 's/^/  qemu: /' "$tmp/qemu.err" >&2
   exit 124
 fi
-log "error: QEMU exited (status $qrc) after ${elapsed}s without the guest's exit status (KEELFS-GUEST-EXIT); guest crashed, panicked or was never started"
+why="the guest crashed, panicked or never started"
+grep -aq 'Kernel panic' "$console" && why="the guest kernel panicked (see the console output above)"
+log "error: QEMU exited (status $qrc) after ${elapsed}s without the guest's exit status (KEELFS-GUEST-EXIT): $why"
 [[ ! -s $tmp/qemu.err ]] || sed 's/^/  qemu: /' "$tmp/qemu.err" >&2
 exit 125
