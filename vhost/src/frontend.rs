@@ -396,7 +396,12 @@ impl FsFrontend {
     /// fields relative to it) and make the first available. Wait for it
     /// before building another.
     pub fn submit_raw(&mut self, queue: usize, descs: &[RawDesc]) -> FrontendResult<u16> {
-        let base = self.raw_base();
+        self.submit_raw_at(queue, self.raw_base(), descs)
+    }
+
+    /// [`Self::submit_raw`] from descriptor `base` on, which may be a slot's
+    /// (only while that slot is idle).
+    pub fn submit_raw_at(&mut self, queue: usize, base: u16, descs: &[RawDesc]) -> FrontendResult<u16> {
         assert!(usize::from(base) + descs.len() <= usize::from(self.rings[queue].size));
         for (i, d) in descs.iter().enumerate() {
             let next = if d.flags & DESC_NEXT != 0 { base.wrapping_add(d.next) } else { d.next };
@@ -404,6 +409,21 @@ impl FsFrontend {
         }
         self.publish(queue, base)?;
         Ok(base)
+    }
+
+    /// Write `descs` as an indirect descriptor table at guest address `at`
+    /// (their `next` fields index the table); returns the descriptor that
+    /// points at it.
+    pub fn write_indirect_table(&self, at: u64, descs: &[RawDesc]) -> FrontendResult<RawDesc> {
+        for (i, d) in descs.iter().enumerate() {
+            let mut raw = [0u8; 16];
+            raw[..8].copy_from_slice(&d.addr.to_le_bytes());
+            raw[8..12].copy_from_slice(&d.len.to_le_bytes());
+            raw[12..14].copy_from_slice(&d.flags.to_le_bytes());
+            raw[14..].copy_from_slice(&d.next.to_le_bytes());
+            self.mem.write_slice(&raw, GuestAddress(at + 16 * i as u64)).map_err(Self::mem_err)?;
+        }
+        Ok(RawDesc { addr: at, len: 16 * descs.len() as u32, flags: DESC_INDIRECT, next: 0 })
     }
 
     /// Publish a head index as is, even one that names no descriptor.
