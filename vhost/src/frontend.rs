@@ -113,8 +113,21 @@ pub struct FsFrontend {
     mem: GuestMemoryMmap,
     _memfd: File,
     config: FrontendConfig,
-    rings: Vec<Ring>,
+    drivers: Vec<Option<QueueDriver>>,
     event_idx: bool,
+    unique: u64,
+}
+
+/// One virtqueue as a guest driver runs it. It can move to another
+/// thread ([`FsFrontend::take_queue`]); the guest memory stays mapped as
+/// long as any driver or the frontend holds it.
+pub struct QueueDriver {
+    index: usize,
+    mem: GuestMemoryMmap,
+    ring: Ring,
+    event_idx: bool,
+    slot_bytes: u64,
+    slots: u16,
     unique: u64,
 }
 
@@ -185,7 +198,7 @@ impl FsFrontend {
             mmap_handle: file.as_raw_fd(),
         }])?;
 
-        let mut rings = Vec::with_capacity(queues);
+        let mut drivers = Vec::with_capacity(queues);
         for index in 0..queues {
             let base = index as u64 * queue_span;
             let desc = base;
@@ -220,16 +233,24 @@ impl FsFrontend {
             frontend.set_vring_call(index, &ring.call)?;
             frontend.set_vring_kick(index, &ring.kick)?;
             frontend.set_vring_enable(index, true)?;
-            rings.push(ring);
+            drivers.push(Some(QueueDriver {
+                index,
+                mem: mem.clone(),
+                ring,
+                event_idx: features & VIRTIO_RING_F_EVENT_IDX != 0,
+                slot_bytes: config.slot_bytes,
+                slots: config.slots,
+                unique: (index as u64) << 48,
+            }));
         }
         Ok(Self {
             frontend,
             mem,
             _memfd: file,
             config,
-            rings,
+            drivers,
             event_idx: features & VIRTIO_RING_F_EVENT_IDX != 0,
-            unique: 0,
+            unique: 1 << 60,
         })
     }
 
@@ -248,16 +269,124 @@ impl FsFrontend {
 
     /// Queues, the high-priority one (index 0) included.
     pub fn queues(&self) -> usize {
-        self.rings.len()
+        self.drivers.len()
     }
 
-    fn slot_addr(&self, queue: usize, slot: u16) -> (u64, u64) {
-        let base = self.rings[queue].buffers + u64::from(slot) * 2 * self.config.slot_bytes;
-        (base, base + self.config.slot_bytes)
+    fn driver(&self, queue: usize) -> &QueueDriver {
+        self.drivers[queue].as_ref().unwrap_or_else(|| panic!("queue {queue} was taken by take_queue"))
     }
 
-    fn write_desc(&self, queue: usize, index: u16, d: RawDesc) -> FrontendResult<()> {
-        let at = self.rings[queue].desc + 16 * u64::from(index);
+    fn driver_mut(&mut self, queue: usize) -> &mut QueueDriver {
+        self.drivers[queue].as_mut().unwrap_or_else(|| panic!("queue {queue} was taken by take_queue"))
+    }
+
+    /// Hand queue `queue` to its own thread (a load generator's worker).
+    pub fn take_queue(&mut self, queue: usize) -> QueueDriver {
+        self.drivers[queue].take().unwrap_or_else(|| panic!("queue {queue} was already taken"))
+    }
+
+    pub fn submit(&mut self, queue: usize, request: &[u8], reply_capacity: u32) -> FrontendResult<u16> {
+        self.driver_mut(queue).submit(request, reply_capacity)
+    }
+
+    pub fn raw_base(&self) -> u16 {
+        4 * self.config.slots
+    }
+
+    pub fn submit_split(&mut self, queue: usize, header: &[u8], write_data: &[u8], read_len: u32) -> FrontendResult<u16> {
+        self.driver_mut(queue).submit_split(header, write_data, read_len)
+    }
+
+    pub fn read_data(&self, queue: usize, used: Used, len: usize) -> FrontendResult<Vec<u8>> {
+        self.driver(queue).read_data(used, len)
+    }
+
+    pub fn poison_next_read(&self, queue: usize, byte: u8, len: usize) -> FrontendResult<()> {
+        self.driver(queue).poison_next_read(byte, len)
+    }
+
+    pub fn scratch(&self, queue: usize) -> u64 {
+        self.driver(queue).scratch()
+    }
+
+    pub fn submit_raw(&mut self, queue: usize, descs: &[RawDesc]) -> FrontendResult<u16> {
+        self.driver_mut(queue).submit_raw(descs)
+    }
+
+    pub fn submit_raw_at(&mut self, queue: usize, base: u16, descs: &[RawDesc]) -> FrontendResult<u16> {
+        self.driver_mut(queue).submit_raw_at(base, descs)
+    }
+
+    pub fn write_indirect_table(&self, at: u64, descs: &[RawDesc]) -> FrontendResult<RawDesc> {
+        let any = self.drivers.iter().flatten().next().expect("a queue");
+        any.write_indirect_table(at, descs)
+    }
+
+    pub fn submit_head(&mut self, queue: usize, head: u16) -> FrontendResult<()> {
+        self.driver_mut(queue).submit_head(head)
+    }
+
+    pub fn poll(&mut self, queue: usize) -> FrontendResult<Vec<Used>> {
+        self.driver_mut(queue).poll()
+    }
+
+    pub fn wait(&mut self, queue: usize, timeout: Duration) -> FrontendResult<Vec<Used>> {
+        self.driver_mut(queue).wait(timeout)
+    }
+
+    pub fn take_signals(&mut self, queue: usize) -> u64 {
+        self.driver_mut(queue).take_signals()
+    }
+
+    pub fn reply(&self, queue: usize, used: Used) -> FrontendResult<Vec<u8>> {
+        self.driver(queue).reply(used)
+    }
+
+    /// A request id for requests built by hand (drivers number their own).
+    pub fn next_unique(&mut self) -> u64 {
+        self.unique += 1;
+        self.unique
+    }
+
+    pub fn fuse(&mut self, queue: usize, opcode: Opcode, nodeid: u64, body: &[u8]) -> FrontendResult<(i32, Vec<u8>)> {
+        self.driver_mut(queue).fuse(opcode, nodeid, body)
+    }
+
+    pub fn fuse_raw(&mut self, queue: usize, opcode: u32, nodeid: u64, body: &[u8]) -> FrontendResult<(i32, Vec<u8>)> {
+        self.driver_mut(queue).fuse_raw(opcode, nodeid, body)
+    }
+
+    pub fn exchange(&mut self, queue: usize, unique: u64, request: &[u8]) -> FrontendResult<(i32, Vec<u8>)> {
+        self.driver_mut(queue).exchange(unique, request)
+    }
+
+    pub fn wait_for(&mut self, queue: usize, head: u16, timeout: Duration) -> FrontendResult<Used> {
+        self.driver_mut(queue).wait_for(head, timeout)
+    }
+
+    /// FUSE_INIT on the first request queue; the flags granted.
+    pub fn init(&mut self, flags: u64) -> FrontendResult<u64> {
+        self.driver_mut(1).init(flags)
+    }
+
+    /// Stop a queue as QEMU does at VM reset; returns its next avail index.
+    pub fn stop_queue(&mut self, queue: usize) -> FrontendResult<u32> {
+        Ok(self.frontend.get_vring_base(queue)?)
+    }
+}
+
+impl QueueDriver {
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    fn slot_addr(&self, slot: u16) -> (u64, u64) {
+        let base = self.ring.buffers + u64::from(slot) * 2 * self.slot_bytes;
+        (base, base + self.slot_bytes)
+    }
+
+    fn write_desc(&self, index: u16, d: RawDesc) -> FrontendResult<()> {
+        let at = self.ring.desc + 16 * u64::from(index);
         let mut raw = [0u8; 16];
         raw[..8].copy_from_slice(&d.addr.to_le_bytes());
         raw[8..12].copy_from_slice(&d.len.to_le_bytes());
@@ -271,8 +400,8 @@ impl FsFrontend {
     }
 
     /// Make `head` available and kick the backend if it wants kicks.
-    fn publish(&mut self, queue: usize, head: u16) -> FrontendResult<()> {
-        let ring = &self.rings[queue];
+    fn publish(&mut self, head: u16) -> FrontendResult<()> {
+        let ring = &self.ring;
         let (size, avail, used, old) = (ring.size, ring.avail, ring.used, ring.next_avail);
         let slot = avail + 4 + 2 * u64::from(old % size);
         self.mem.write_obj(head, GuestAddress(slot)).map_err(Self::mem_err)?;
@@ -280,7 +409,7 @@ impl FsFrontend {
         // The entry must be visible before the index that covers it.
         fence(Ordering::Release);
         self.mem.store(new, GuestAddress(avail + 2), Ordering::Release).map_err(Self::mem_err)?;
-        self.rings[queue].next_avail = new;
+        self.ring.next_avail = new;
         fence(Ordering::SeqCst);
         let kick = if self.event_idx {
             let avail_event: u16 = self
@@ -294,39 +423,37 @@ impl FsFrontend {
             flags & VRING_USED_F_NO_NOTIFY == 0
         };
         if kick {
-            self.rings[queue].kick.write(1)?;
+            self.ring.kick.write(1)?;
         }
         Ok(())
     }
 
     /// Put `request` into a free slot of `queue`, with `reply_capacity`
     /// bytes for the answer, and make it available. Returns the chain head.
-    pub fn submit(&mut self, queue: usize, request: &[u8], reply_capacity: u32) -> FrontendResult<u16> {
-        let slot_bytes = self.config.slot_bytes;
+    pub fn submit(&mut self, request: &[u8], reply_capacity: u32) -> FrontendResult<u16> {
+        let slot_bytes = self.slot_bytes;
         if request.len() as u64 > slot_bytes || u64::from(reply_capacity) > slot_bytes {
             return Err(FrontendError::TooLarge(request.len().max(reply_capacity as usize), slot_bytes as usize));
         }
-        let slot = self.rings[queue].free_slots.pop().ok_or(FrontendError::Full(queue))?;
-        let (req_addr, reply_addr) = self.slot_addr(queue, slot);
+        let slot = self.ring.free_slots.pop().ok_or(FrontendError::Full(self.index))?;
+        let (req_addr, reply_addr) = self.slot_addr(slot);
         self.mem.write_slice(request, GuestAddress(req_addr)).map_err(Self::mem_err)?;
         let head = 4 * slot;
         self.write_desc(
-            queue,
             head,
             RawDesc { addr: req_addr, len: request.len() as u32, flags: DESC_NEXT, next: head + 1 },
         )?;
         self.write_desc(
-            queue,
             head + 1,
             RawDesc { addr: reply_addr, len: reply_capacity, flags: DESC_WRITE, next: 0 },
         )?;
-        self.publish(queue, head)?;
+        self.publish(head)?;
         Ok(head)
     }
 
     /// First descriptor index free for hand-built chains.
     pub fn raw_base(&self) -> u16 {
-        4 * self.config.slots
+        4 * self.slots
     }
 
     /// A request laid out as Linux's virtio-fs driver lays out I/O: the
@@ -335,17 +462,16 @@ impl FsFrontend {
     /// buffer of `read_len` bytes for read data.
     pub fn submit_split(
         &mut self,
-        queue: usize,
         header: &[u8],
         write_data: &[u8],
         read_len: u32,
     ) -> FrontendResult<u16> {
-        let room = self.config.slot_bytes - 4096;
+        let room = self.slot_bytes - 4096;
         if header.len() > 4096 || write_data.len() as u64 > room || u64::from(read_len) > room {
             return Err(FrontendError::TooLarge(header.len() + write_data.len().max(read_len as usize), room as usize));
         }
-        let slot = self.rings[queue].free_slots.pop().ok_or(FrontendError::Full(queue))?;
-        let (req, reply) = self.slot_addr(queue, slot);
+        let slot = self.ring.free_slots.pop().ok_or(FrontendError::Full(self.index))?;
+        let (req, reply) = self.slot_addr(slot);
         self.mem.write_slice(header, GuestAddress(req)).map_err(Self::mem_err)?;
         self.mem.write_slice(write_data, GuestAddress(req + 4096)).map_err(Self::mem_err)?;
         let head = 4 * slot;
@@ -363,15 +489,15 @@ impl FsFrontend {
         for (i, d) in descs.into_iter().enumerate() {
             let index = head + i as u16;
             let (flags, next) = if i < last { (d.flags | DESC_NEXT, index + 1) } else { (d.flags, 0) };
-            self.write_desc(queue, index, RawDesc { flags, next, ..d })?;
+            self.write_desc(index, RawDesc { flags, next, ..d })?;
         }
-        self.publish(queue, head)?;
+        self.publish(head)?;
         Ok(head)
     }
 
     /// The read data of a finished [`Self::submit_split`]: `len` bytes.
-    pub fn read_data(&self, queue: usize, used: Used, len: usize) -> FrontendResult<Vec<u8>> {
-        let (_, reply) = self.slot_addr(queue, used.head / 4);
+    pub fn read_data(&self, used: Used, len: usize) -> FrontendResult<Vec<u8>> {
+        let (_, reply) = self.slot_addr(used.head / 4);
         let mut out = vec![0u8; len];
         self.mem.read_slice(&mut out, GuestAddress(reply + 4096)).map_err(Self::mem_err)?;
         Ok(out)
@@ -379,35 +505,35 @@ impl FsFrontend {
 
     /// Fill the read-data buffer of the slot that `submit_split` will use
     /// next, so that a test can see which bytes the backend wrote.
-    pub fn poison_next_read(&self, queue: usize, byte: u8, len: usize) -> FrontendResult<()> {
-        let slot = *self.rings[queue].free_slots.last().ok_or(FrontendError::Full(queue))?;
-        let (_, reply) = self.slot_addr(queue, slot);
+    pub fn poison_next_read(&self, byte: u8, len: usize) -> FrontendResult<()> {
+        let slot = *self.ring.free_slots.last().ok_or(FrontendError::Full(self.index))?;
+        let (_, reply) = self.slot_addr(slot);
         self.mem.write_slice(&vec![byte; len], GuestAddress(reply + 4096)).map_err(Self::mem_err)
     }
 
     /// Address of a scratch area of `slot_bytes` that hand-built chains
     /// may point at (the request half of the last slot, which `submit`
     /// hands out last).
-    pub fn scratch(&self, queue: usize) -> u64 {
-        self.slot_addr(queue, self.config.slots - 1).0
+    pub fn scratch(&self) -> u64 {
+        self.slot_addr(self.slots - 1).0
     }
 
     /// Write `descs` verbatim from [`Self::raw_base`] on (their `next`
     /// fields relative to it) and make the first available. Wait for it
     /// before building another.
-    pub fn submit_raw(&mut self, queue: usize, descs: &[RawDesc]) -> FrontendResult<u16> {
-        self.submit_raw_at(queue, self.raw_base(), descs)
+    pub fn submit_raw(&mut self, descs: &[RawDesc]) -> FrontendResult<u16> {
+        self.submit_raw_at(self.raw_base(), descs)
     }
 
     /// [`Self::submit_raw`] from descriptor `base` on, which may be a slot's
     /// (only while that slot is idle).
-    pub fn submit_raw_at(&mut self, queue: usize, base: u16, descs: &[RawDesc]) -> FrontendResult<u16> {
-        assert!(usize::from(base) + descs.len() <= usize::from(self.rings[queue].size));
+    pub fn submit_raw_at(&mut self, base: u16, descs: &[RawDesc]) -> FrontendResult<u16> {
+        assert!(usize::from(base) + descs.len() <= usize::from(self.ring.size));
         for (i, d) in descs.iter().enumerate() {
             let next = if d.flags & DESC_NEXT != 0 { base.wrapping_add(d.next) } else { d.next };
-            self.write_desc(queue, base + i as u16, RawDesc { next, ..*d })?;
+            self.write_desc(base + i as u16, RawDesc { next, ..*d })?;
         }
-        self.publish(queue, base)?;
+        self.publish(base)?;
         Ok(base)
     }
 
@@ -427,14 +553,14 @@ impl FsFrontend {
     }
 
     /// Publish a head index as is, even one that names no descriptor.
-    pub fn submit_head(&mut self, queue: usize, head: u16) -> FrontendResult<()> {
-        self.publish(queue, head)
+    pub fn submit_head(&mut self, head: u16) -> FrontendResult<()> {
+        self.publish(head)
     }
 
     /// Used entries that arrived since the last call. Slots of finished
     /// `submit`s become free again.
-    pub fn poll(&mut self, queue: usize) -> FrontendResult<Vec<Used>> {
-        let ring = &self.rings[queue];
+    pub fn poll(&mut self) -> FrontendResult<Vec<Used>> {
+        let ring = &self.ring;
         let used_idx: u16 = self.mem.load(GuestAddress(ring.used + 2), Ordering::Acquire).map_err(Self::mem_err)?;
         let mut out = Vec::new();
         let mut next = ring.last_used;
@@ -446,31 +572,31 @@ impl FsFrontend {
             next = next.wrapping_add(1);
         }
         let (avail, size) = (ring.avail, ring.size);
-        self.rings[queue].last_used = used_idx;
+        self.ring.last_used = used_idx;
         // Ask to be signalled at the very next completion.
         self.mem
             .store(used_idx, GuestAddress(avail + 4 + 2 * u64::from(size)), Ordering::Release)
             .map_err(Self::mem_err)?;
         for used in &out {
             if used.head < self.raw_base() && used.head % 4 == 0 {
-                self.rings[queue].free_slots.push(used.head / 4);
+                self.ring.free_slots.push(used.head / 4);
             }
         }
         Ok(out)
     }
 
     /// Wait until at least one used entry arrives.
-    pub fn wait(&mut self, queue: usize, timeout: Duration) -> FrontendResult<Vec<Used>> {
+    pub fn wait(&mut self, timeout: Duration) -> FrontendResult<Vec<Used>> {
         let deadline = Instant::now() + timeout;
         let mut spins = 0u32;
         loop {
-            let used = self.poll(queue)?;
+            let used = self.poll()?;
             if !used.is_empty() {
-                let _ = self.rings[queue].call.read();
+                let _ = self.ring.call.read();
                 return Ok(used);
             }
             if Instant::now() >= deadline {
-                return Err(FrontendError::Timeout { queue, timeout });
+                return Err(FrontendError::Timeout { queue: self.index, timeout });
             }
             spins += 1;
             if spins < 200 {
@@ -482,14 +608,14 @@ impl FsFrontend {
     }
 
     /// How many times the backend signalled `queue` since the last look.
-    pub fn take_signals(&mut self, queue: usize) -> u64 {
-        self.rings[queue].call.read().unwrap_or(0)
+    pub fn take_signals(&mut self) -> u64 {
+        self.ring.call.read().unwrap_or(0)
     }
 
     /// The reply bytes of a finished `submit` (head and used length).
-    pub fn reply(&self, queue: usize, used: Used) -> FrontendResult<Vec<u8>> {
-        let (_, reply_addr) = self.slot_addr(queue, used.head / 4);
-        let len = (used.len as u64).min(self.config.slot_bytes) as usize;
+    pub fn reply(&self, used: Used) -> FrontendResult<Vec<u8>> {
+        let (_, reply_addr) = self.slot_addr(used.head / 4);
+        let len = (used.len as u64).min(self.slot_bytes) as usize;
         let mut out = vec![0u8; len];
         self.mem.read_slice(&mut out, GuestAddress(reply_addr)).map_err(Self::mem_err)?;
         Ok(out)
@@ -502,24 +628,24 @@ impl FsFrontend {
 
     /// One FUSE request, synchronously: (error, reply body). `error` is the
     /// positive errno, 0 on success.
-    pub fn fuse(&mut self, queue: usize, opcode: Opcode, nodeid: u64, body: &[u8]) -> FrontendResult<(i32, Vec<u8>)> {
-        self.fuse_raw(queue, opcode as u32, nodeid, body)
+    pub fn fuse(&mut self, opcode: Opcode, nodeid: u64, body: &[u8]) -> FrontendResult<(i32, Vec<u8>)> {
+        self.fuse_raw(opcode as u32, nodeid, body)
     }
 
     /// [`Self::fuse`] with any opcode number, unknown ones included.
-    pub fn fuse_raw(&mut self, queue: usize, opcode: u32, nodeid: u64, body: &[u8]) -> FrontendResult<(i32, Vec<u8>)> {
+    pub fn fuse_raw(&mut self, opcode: u32, nodeid: u64, body: &[u8]) -> FrontendResult<(i32, Vec<u8>)> {
         let unique = self.next_unique();
         let request = encode_request(opcode, unique, nodeid, 0, 0, body);
-        self.exchange(queue, unique, &request)
+        self.exchange(unique, &request)
     }
 
     /// Send a request already encoded (with `unique` in its header) and
     /// wait for its reply: (positive errno or 0, reply body).
-    pub fn exchange(&mut self, queue: usize, unique: u64, request: &[u8]) -> FrontendResult<(i32, Vec<u8>)> {
-        let capacity = self.config.slot_bytes as u32;
-        let head = self.submit(queue, request, capacity)?;
-        let used = self.wait_for(queue, head, Duration::from_secs(30))?;
-        let reply = self.reply(queue, used)?;
+    pub fn exchange(&mut self, unique: u64, request: &[u8]) -> FrontendResult<(i32, Vec<u8>)> {
+        let capacity = self.slot_bytes as u32;
+        let head = self.submit(request, capacity)?;
+        let used = self.wait_for(head, Duration::from_secs(30))?;
+        let reply = self.reply(used)?;
         if reply.len() < OUT_HEADER_BYTES {
             return Err(FrontendError::Memory(format!("short reply: {} bytes", reply.len())));
         }
@@ -534,11 +660,11 @@ impl FsFrontend {
     /// Wait for the chain headed by `head`, setting aside nothing: other
     /// completions that arrive meanwhile are dropped, so use this only
     /// with one request in flight.
-    pub fn wait_for(&mut self, queue: usize, head: u16, timeout: Duration) -> FrontendResult<Used> {
+    pub fn wait_for(&mut self, head: u16, timeout: Duration) -> FrontendResult<Used> {
         let deadline = Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            if let Some(used) = self.wait(queue, left)?.into_iter().find(|u| u.head == head) {
+            if let Some(used) = self.wait(left)?.into_iter().find(|u| u.head == head) {
                 return Ok(used);
             }
         }
@@ -549,7 +675,7 @@ impl FsFrontend {
     pub fn init(&mut self, flags: u64) -> FrontendResult<u64> {
         let mut body = Reply::default();
         body.u32(7).u32(38).u32(128 << 10).u32(flags as u32).u32((flags >> 32) as u32).raw(&[0u8; 44]);
-        let (error, reply) = self.fuse(1, Opcode::Init, 0, &body.bytes)?;
+        let (error, reply) = self.fuse(Opcode::Init, 0, &body.bytes)?;
         if error != 0 || reply.len() < 28 {
             return Err(FrontendError::Memory(format!("FUSE_INIT failed: errno {error}")));
         }
@@ -558,8 +684,4 @@ impl FsFrontend {
         Ok(u64::from(low) | (u64::from(high) << 32))
     }
 
-    /// Stop a queue as QEMU does at VM reset; returns its next avail index.
-    pub fn stop_queue(&mut self, queue: usize) -> FrontendResult<u32> {
-        Ok(self.frontend.get_vring_base(queue)?)
-    }
 }
