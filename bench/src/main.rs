@@ -6,6 +6,7 @@ mod core;
 mod core_io;
 mod fio;
 mod hist;
+mod vhost;
 
 use clap::{Parser, Subcommand};
 
@@ -22,6 +23,8 @@ enum Command {
     Bdev(bdev::BdevArgs),
     /// Drive fs-core in process on one reactor.
     Core(core::CoreArgs),
+    /// Drive any vhost-user-fs daemon (keelfsd, virtiofsd) over its socket.
+    Vhost(vhost::VhostArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -29,5 +32,6 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Bdev(args) => bdev::run(&args),
         Command::Core(args) => core::run(&args),
+        Command::Vhost(args) => vhost::run(&args),
     }
 }

@@ -88,3 +88,67 @@ fn core_workloads_print_their_figures() {
         }
     }
 }
+
+/// The vhost load generator against an in-process keelfs vhost-user-fs
+/// device: every workload runs and reports the promised fields.
+#[test]
+fn vhost_drives_a_vhost_user_fs_daemon_and_reports_iops_and_latency() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    use keelfs_core::bdev::{BlockDevice, MappedDevice, QueueConfig};
+    use keelfs_core::fs::mkfs::{mkfs, MkfsOptions};
+    use keelfs_core::fs::{Fs, FsConfig};
+    use keelfs_core::reactor::io::DeviceChannel;
+    use keelfs_core::reactor::{self, Reactor, ReactorConfig};
+    use keelfs_vhost::fuse::dispatch::SessionConfig;
+    use keelfs_vhost::vhost_user::VhostUserServer;
+
+    let socket = scratch("vhost.sock");
+    let stop = Arc::new(AtomicBool::new(false));
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let daemon = {
+        let (socket, stop) = (socket.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut reactor = Reactor::new(ReactorConfig::default()).unwrap();
+            let dev: Arc<dyn BlockDevice> = Arc::new(MappedDevice::ram(256 << 20, 4096).unwrap());
+            reactor.block_on(async move {
+                let ch = || DeviceChannel::attach(dev.open_queue(QueueConfig::default()).unwrap());
+                mkfs(ch(), &MkfsOptions { force: true, ..MkfsOptions::default() }).await.unwrap();
+                let fs = Fs::mount(ch(), FsConfig::default()).await.unwrap();
+                let server = VhostUserServer::start(fs.clone(), SessionConfig::default(), &socket, 2).unwrap();
+                ready_tx.send(()).unwrap();
+                while !stop.load(Ordering::Acquire) {
+                    reactor::sleep(std::time::Duration::from_millis(2)).await;
+                }
+                server.stop().await;
+                fs.unmount().await.unwrap();
+            });
+        })
+    };
+    ready_rx.recv().unwrap();
+    for (workload, threads) in [
+        ("dio-overwrite", "2"),
+        ("dio-randrw", "1"),
+        ("aio-append", "1"),
+        ("buffered-randrw", "1"),
+        ("byte-writes", "1"),
+    ] {
+        let out = bench()
+            .args(["vhost", "--workload", workload, "--threads", threads, "--iodepth", "4", "--seconds", "1"])
+            .args(["--file-size", "4M", "--json", "--socket"])
+            .arg(&socket)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{workload}: {}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        for key in ["iops", "read_iops", "write_iops", "mib_s", "lat_us_p50", "lat_us_p99"] {
+            assert!(v[key].as_f64().is_some(), "{workload}: {key} missing in {v}");
+        }
+        assert!(v["iops"].as_f64().unwrap() > 0.0, "{workload}: {v}");
+        let mixed = matches!(workload, "dio-randrw" | "buffered-randrw");
+        assert_eq!(v["read_iops"].as_f64().unwrap() > 0.0, mixed, "{workload}: {v}");
+    }
+    stop.store(true, Ordering::Release);
+    daemon.join().unwrap();
+}

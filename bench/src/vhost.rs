@@ -1,0 +1,352 @@
+//! `keelfs-bench vhost`: a host-side load generator that speaks
+//! vhost-user-fs directly, acting as VMM and guest driver at once, so that
+//! keelfsd and virtiofsd can be measured at full speed rather than through
+//! a TCG guest. Built on keelfs-vhost's test frontend: memfd guest memory,
+//! the vhost crate's frontend, one worker thread per request queue, each
+//! keeping `iodepth` FUSE requests in flight.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::{Args, ValueEnum};
+use keelfs_vhost::frontend::{FrontendConfig, FsFrontend, QueueDriver, Used};
+use keelfs_vhost::fuse::abi::{encode_request, init_flags as f, Opcode, Reply, ENTRY_OUT_BYTES, OUT_HEADER_BYTES};
+use serde_json::json;
+
+use crate::hist::Histogram;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Workload {
+    /// 4k random writes through O_DIRECT handles to preallocated files.
+    DioOverwrite,
+    /// Seed 000's 50/50 mix of 4k random reads and writes, O_DIRECT.
+    DioRandrw,
+    /// 4k O_DIRECT writes at the end of a growing file.
+    AioAppend,
+    /// Seed 004: 8k random reads and writes, buffered, on one file: half
+    /// the requests in flight are reads, half writes.
+    BufferedRandrw,
+    /// Seed 003: 1-byte buffered appends.
+    ByteWrites,
+}
+
+#[derive(Args, Debug)]
+pub struct VhostArgs {
+    /// The vhost-user-fs socket of the daemon under test.
+    #[arg(long)]
+    socket: PathBuf,
+    #[arg(long, value_enum)]
+    workload: Workload,
+    /// Worker threads, each driving its own request queue.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Requests in flight per thread.
+    #[arg(long, default_value_t = 32)]
+    iodepth: usize,
+    /// Request queues to ask for (at least --threads).
+    #[arg(long)]
+    queues: Option<usize>,
+    #[arg(long, default_value_t = 5)]
+    seconds: u64,
+    /// Bytes per file (overwrite and randrw workloads).
+    #[arg(long, value_parser = keelfs_core::units::parse_size, default_value = "64M")]
+    file_size: u64,
+    /// The daemon's pid, to report its CPU time per operation.
+    #[arg(long)]
+    daemon_pid: Option<u32>,
+    /// A label for the JSON line (the system under test).
+    #[arg(long, default_value = "")]
+    label: String,
+    #[arg(long)]
+    json: bool,
+}
+
+/// utime + stime of a process, in nanoseconds.
+fn cpu_ns(pid: u32) -> anyhow::Result<u64> {
+    let stat =
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).with_context(|| format!("reading /proc/{pid}/stat"))?;
+    let rest = &stat[stat.rfind(')').context("malformed stat")? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = fields[11].parse::<u64>()? + fields[12].parse::<u64>()?;
+    // SAFETY: sysconf has no memory effects.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    Ok(ticks * 1_000_000_000 / hz)
+}
+
+fn splitmix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+fn io_in(fh: u64, offset: u64, size: u32) -> Reply {
+    let mut b = Reply::default();
+    b.u64(fh).u64(offset).u32(size).u32(0).u64(0).u32(0).u32(0);
+    b
+}
+
+/// A FUSE_WRITE header whose length covers `len` bytes of data carried in
+/// a separate buffer.
+fn write_header(unique: u64, nodeid: u64, fh: u64, offset: u64, len: usize) -> Vec<u8> {
+    let mut h = encode_request(Opcode::Write as u32, unique, nodeid, 0, 0, &io_in(fh, offset, len as u32).bytes);
+    let total = (h.len() + len) as u32;
+    h[..4].copy_from_slice(&total.to_le_bytes());
+    h
+}
+
+fn check(err: i32, what: &str) -> anyhow::Result<()> {
+    if err != 0 {
+        bail!("{what}: {}", std::io::Error::from_raw_os_error(err));
+    }
+    Ok(())
+}
+
+/// CREATE (or truncate) `name` in the root; (nodeid, fh).
+fn create(q: &mut QueueDriver, name: &str, flags: i32) -> anyhow::Result<(u64, u64)> {
+    let mut body = Reply::default();
+    let mut n = name.as_bytes().to_vec();
+    n.push(0);
+    body.u32((libc::O_RDWR | libc::O_TRUNC | flags) as u32).u32(0o100644).u32(0o022).u32(0).raw(&n);
+    let (err, reply) = q.fuse(Opcode::Create, 1, &body.bytes)?;
+    check(err, &format!("create {name}"))?;
+    if reply.len() < ENTRY_OUT_BYTES + 16 {
+        bail!("create {name}: short reply");
+    }
+    let nodeid = u64::from_le_bytes(reply[..8].try_into()?);
+    let fh = u64::from_le_bytes(reply[ENTRY_OUT_BYTES..ENTRY_OUT_BYTES + 8].try_into()?);
+    Ok((nodeid, fh))
+}
+
+/// Write the whole file once, so that later writes overwrite written blocks.
+fn fill(q: &mut QueueDriver, nodeid: u64, fh: u64, bytes: u64) -> anyhow::Result<()> {
+    const CHUNK: usize = 64 << 10;
+    let data = vec![0x5au8; CHUNK];
+    let mut offset = 0;
+    while offset < bytes {
+        let unique = q.next_unique();
+        let head = q.submit_split(&write_header(unique, nodeid, fh, offset, CHUNK), &data, 0)?;
+        let used = q.wait_for(head, Duration::from_secs(30))?;
+        let reply = q.reply(used)?;
+        check(-i32::from_le_bytes(reply[4..8].try_into()?), "filling the file")?;
+        offset += CHUNK as u64;
+    }
+    Ok(())
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Read,
+    Write,
+}
+
+struct WorkerResult {
+    reads: u64,
+    writes: u64,
+    bytes: u64,
+    latency: Histogram,
+}
+
+struct Target {
+    nodeid: u64,
+    fh: u64,
+}
+
+fn worker(mut q: QueueDriver, args: &WorkerArgs, target: Target) -> anyhow::Result<WorkerResult> {
+    let bs: usize = match args.workload {
+        Workload::BufferedRandrw => 8192,
+        Workload::ByteWrites => 1,
+        _ => 4096,
+    };
+    let data = vec![0xa5u8; bs];
+    let blocks = (args.file_size / bs as u64).max(1);
+    let mut rng = 0x1234_5678 ^ (q.index() as u64) << 32;
+    let mut mix = 0x8765_4321 ^ (q.index() as u64) << 32;
+    let mut append_at = 0u64;
+    let mut in_flight: HashMap<u16, (Kind, Instant)> = HashMap::new();
+    let mut result = WorkerResult { reads: 0, writes: 0, bytes: 0, latency: Histogram::new() };
+    let (mut issued_reads, mut issued_writes) = (0usize, 0usize);
+    let deadline = Instant::now() + Duration::from_secs(args.seconds);
+    let mut submit =
+        |q: &mut QueueDriver, kind: Kind, in_flight: &mut HashMap<u16, (Kind, Instant)>| -> anyhow::Result<()> {
+            let offset = match args.workload {
+                Workload::AioAppend | Workload::ByteWrites => {
+                    let at = append_at;
+                    append_at += bs as u64;
+                    at
+                }
+                _ => (splitmix(&mut rng) % blocks) * bs as u64,
+            };
+            let unique = q.next_unique();
+            let head = match kind {
+                Kind::Write => q.submit_split(&write_header(unique, target.nodeid, target.fh, offset, bs), &data, 0)?,
+                Kind::Read => {
+                    let h = encode_request(
+                        Opcode::Read as u32,
+                        unique,
+                        target.nodeid,
+                        0,
+                        0,
+                        &io_in(target.fh, offset, bs as u32).bytes,
+                    );
+                    q.submit_split(&h, &[], bs as u32)?
+                }
+            };
+            in_flight.insert(head, (kind, Instant::now()));
+            Ok(())
+        };
+    loop {
+        let running = Instant::now() < deadline;
+        while running && in_flight.len() < args.iodepth {
+            let kind = match args.workload {
+                Workload::DioRandrw => {
+                    if splitmix(&mut mix) & 1 == 0 {
+                        Kind::Read
+                    } else {
+                        Kind::Write
+                    }
+                }
+                // Half the slots read, half write: two streams of each at
+                // the default depth of 4.
+                Workload::BufferedRandrw => {
+                    if issued_reads <= issued_writes {
+                        Kind::Read
+                    } else {
+                        Kind::Write
+                    }
+                }
+                _ => Kind::Write,
+            };
+            match kind {
+                Kind::Read => issued_reads += 1,
+                Kind::Write => issued_writes += 1,
+            }
+            submit(&mut q, kind, &mut in_flight)?;
+        }
+        if !running && in_flight.is_empty() {
+            break;
+        }
+        for Used { head, len } in q.poll()? {
+            let Some((kind, started)) = in_flight.remove(&head) else { bail!("unexpected head {head}") };
+            match kind {
+                Kind::Read => issued_reads -= 1,
+                Kind::Write => issued_writes -= 1,
+            }
+            let reply = q.reply(Used { head, len: len.min(OUT_HEADER_BYTES as u32) })?;
+            if reply.len() < OUT_HEADER_BYTES {
+                bail!("a reply shorter than its header ({len} bytes)");
+            }
+            check(-i32::from_le_bytes(reply[4..8].try_into()?), "I/O")?;
+            if Instant::now() <= deadline {
+                result.latency.record(started.elapsed().as_nanos() as u64);
+                result.bytes += bs as u64;
+                match kind {
+                    Kind::Read => result.reads += 1,
+                    Kind::Write => result.writes += 1,
+                }
+            }
+        }
+    }
+    Ok(result)
+}
+
+struct WorkerArgs {
+    workload: Workload,
+    iodepth: usize,
+    seconds: u64,
+    file_size: u64,
+}
+
+pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
+    if args.threads == 0 || args.iodepth == 0 {
+        bail!("--threads and --iodepth must be at least 1");
+    }
+    let queues = args.queues.unwrap_or(args.threads);
+    if queues < args.threads {
+        bail!("each thread drives its own queue: --queues must be at least --threads");
+    }
+    let slots = (args.iodepth as u16).next_power_of_two().max(4);
+    let config = FrontendConfig {
+        request_queues: queues,
+        queue_size: (slots * 8).max(256),
+        slots,
+        slot_bytes: 128 << 10,
+        event_idx: true,
+    };
+    let mut fe = FsFrontend::connect(&args.socket, config)
+        .with_context(|| format!("connecting to {}", args.socket.display()))?;
+    fe.init(f::ASYNC_READ | f::BIG_WRITES | f::MAX_PAGES | f::PARALLEL_DIROPS | f::INIT_EXT)?;
+    let direct = match args.workload {
+        Workload::DioOverwrite | Workload::DioRandrw | Workload::AioAppend => libc::O_DIRECT,
+        _ => 0,
+    };
+    let mut drivers: Vec<QueueDriver> = (1..=args.threads).map(|q| fe.take_queue(q)).collect();
+    let mut targets = Vec::new();
+    for (t, q) in drivers.iter_mut().enumerate() {
+        let shared = args.workload == Workload::BufferedRandrw;
+        let name = if shared { "bench-shared".to_string() } else { format!("bench-{t}") };
+        let (nodeid, fh) = create(q, &name, direct)?;
+        if matches!(args.workload, Workload::DioOverwrite | Workload::DioRandrw | Workload::BufferedRandrw)
+            && (!shared || t == 0)
+        {
+            fill(q, nodeid, fh, args.file_size)?;
+        }
+        targets.push(Target { nodeid, fh });
+    }
+    let cpu_before = args.daemon_pid.map(cpu_ns).transpose()?;
+    let started = Instant::now();
+    let worker_args =
+        WorkerArgs { workload: args.workload, iodepth: args.iodepth, seconds: args.seconds, file_size: args.file_size };
+    let results: Vec<anyhow::Result<WorkerResult>> = std::thread::scope(|s| {
+        let handles: Vec<_> = drivers
+            .into_iter()
+            .zip(targets)
+            .map(|(q, target)| {
+                let worker_args = &worker_args;
+                s.spawn(move || worker(q, worker_args, target))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("worker thread")).collect()
+    });
+    let secs = started.elapsed().as_secs_f64().min(args.seconds as f64).max(1e-9);
+    let cpu_after = args.daemon_pid.map(cpu_ns).transpose()?;
+    let mut latency = Histogram::new();
+    let (mut reads, mut writes, mut bytes) = (0, 0, 0);
+    for r in results {
+        let r = r?;
+        reads += r.reads;
+        writes += r.writes;
+        bytes += r.bytes;
+        latency.merge(&r.latency);
+    }
+    let ops = reads + writes;
+    let mut line = json!({
+        "bench": "vhost",
+        "label": args.label,
+        "workload": format!("{:?}", args.workload),
+        "threads": args.threads,
+        "queues": queues,
+        "iodepth": args.iodepth,
+        "seconds": args.seconds,
+        "iops": (ops as f64 / secs).round(),
+        "read_iops": (reads as f64 / secs).round(),
+        "write_iops": (writes as f64 / secs).round(),
+        "mib_s": ((bytes as f64 / secs / (1 << 20) as f64) * 100.0).round() / 100.0,
+        "lat_us_p50": latency.quantile(0.5) as f64 / 1000.0,
+        "lat_us_p99": latency.quantile(0.99) as f64 / 1000.0,
+    });
+    if let (Some(before), Some(after)) = (cpu_before, cpu_after) {
+        line["daemon_cpu_us_per_op"] =
+            json!(((after - before) as f64 / 1000.0 / ops.max(1) as f64 * 100.0).round() / 100.0);
+        line["daemon_cpu_share"] = json!(((after - before) as f64 / 1e9 / secs * 100.0).round() / 100.0);
+    }
+    if args.json {
+        println!("{line}");
+    } else {
+        println!("{}", serde_json::to_string_pretty(&line)?);
+    }
+    Ok(())
+}
