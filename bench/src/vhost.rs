@@ -181,6 +181,9 @@ fn worker(mut q: QueueDriver, args: &WorkerArgs, target: Target) -> anyhow::Resu
                 _ => (splitmix(&mut rng) % blocks) * bs as u64,
             };
             let unique = q.next_unique();
+            // Latency starts before the kick: a daemon may serve the
+            // request while the kick's syscall is still returning.
+            let started = Instant::now();
             let head = match kind {
                 Kind::Write => q.submit_split(&write_header(unique, target.nodeid, target.fh, offset, bs), &data, 0)?,
                 Kind::Read => {
@@ -195,7 +198,7 @@ fn worker(mut q: QueueDriver, args: &WorkerArgs, target: Target) -> anyhow::Resu
                     q.submit_split(&h, &[], bs as u32)?
                 }
             };
-            in_flight.insert(head, (kind, Instant::now()));
+            in_flight.insert(head, (kind, started));
             Ok(())
         };
     loop {

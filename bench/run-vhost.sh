@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# The seed workloads through vhost-user-fs, keelfsd and virtiofsd side by
+# side (issue 8), driven by `keelfs-bench vhost` (no guest: the load
+# generator is the VMM and the driver). Each round runs every system once
+# per workload, interleaved, so that both see the same machine noise.
+#
+#   keelfsd   io_uring backend on a RAM-backed image in /dev/shm
+#   keelfsd-pmem  pmem backend on a /dev/shm file
+#   virtiofsd ext4 on a loop device over an equal RAM-backed image,
+#             --cache never (direct) or auto (buffered workloads),
+#             --allow-direct-io so that O_DIRECT reaches ext4
+#
+# Usage: bench/run-vhost.sh [--rounds N] [--seconds N] [OUT.json]
+# Needs: virtiofsd (`cargo install virtiofsd`), root (loop devices).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rounds=3 seconds=5
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --rounds) rounds=$2; shift 2 ;;
+    --seconds) seconds=$2; shift 2 ;;
+    *) break ;;
+  esac
+done
+out=${1:-bench/results/vhost-$(date +%F).json}
+virtiofsd=$(command -v virtiofsd || echo "$HOME/.cargo/bin/virtiofsd")
+[[ -x $virtiofsd ]] || { echo "run-vhost: virtiofsd is missing: cargo install virtiofsd" >&2; exit 2; }
+cargo build --release -q -p keelfsd -p keelfs-bench
+keelfsd=$PWD/target/release/keelfsd
+bench=$PWD/target/release/keelfs-bench
+work=$(mktemp -d /dev/shm/keelfs-vhost-bench.XXXXXX)
+loopdev=
+daemon_pid=
+cleanup() {
+  [[ -n $daemon_pid ]] && kill -TERM "$daemon_pid" 2>/dev/null && wait "$daemon_pid" 2>/dev/null || true
+  mountpoint -q "$work/ext4" && umount "$work/ext4"
+  [[ -n $loopdev ]] && losetup -d "$loopdev"
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+size=2G
+"$keelfsd" mkfs "$work/keelfs.img" --size $size --force >/dev/null 2>&1
+"$keelfsd" mkfs "$work/keelfs-pmem.img" --size $size --force >/dev/null 2>&1
+truncate -s $size "$work/ext4.img"
+mkfs.ext4 -q -F "$work/ext4.img"
+loopdev=$(losetup -f --show "$work/ext4.img")
+mkdir -p "$work/ext4"
+mount "$loopdev" "$work/ext4"
+
+wait_socket() {
+  for _ in $(seq 200); do [[ -S $1 ]] && return 0; sleep 0.05; done
+  echo "run-vhost: $1 never appeared" >&2
+  return 1
+}
+
+# start SYSTEM CACHE: sets daemon_pid and socket
+start() {
+  local sys=$1 cache=$2
+  socket=$work/$sys.sock
+  rm -f "$socket"
+  case $sys in
+    keelfsd) "$keelfsd" serve --device "$work/keelfs.img" --socket "$socket" --queues 2 --cache "$cache" 2>"$work/$sys.log" & ;;
+    keelfsd-pmem) "$keelfsd" serve --config <(printf '[[device]]\nname="p"\nbackend="pmem"\npath="%s"\n[[export]]\ntag="p"\ndevice="p"\nsocket="%s"\nrequest_queues=2\ncache="%s"\n' "$work/keelfs-pmem.img" "$socket" "$cache") 2>"$work/$sys.log" & ;;
+    virtiofsd) "$virtiofsd" --socket-path "$socket" --shared-dir "$work/ext4" --cache "$cache" --sandbox none --allow-direct-io 2>"$work/$sys.log" & ;;
+  esac
+  daemon_pid=$!
+  wait_socket "$socket"
+}
+
+stop() {
+  kill -TERM "$daemon_pid" 2>/dev/null || true
+  wait "$daemon_pid" 2>/dev/null || true
+  daemon_pid=
+}
+
+# workload, bench flags, keelfsd cache mode, virtiofsd cache mode
+workloads=(
+  "dio-overwrite|--threads 1 --iodepth 32|none|never"
+  "dio-randrw|--threads 1 --iodepth 32|none|never"
+  "aio-append|--threads 1 --iodepth 32|none|never"
+  "buffered-randrw|--threads 1 --iodepth 4|auto|auto"
+  "byte-writes|--threads 1 --iodepth 1|auto|auto"
+)
+: >"$out"
+for round in $(seq "$rounds"); do
+  for line in "${workloads[@]}"; do
+    IFS='|' read -r workload flags kcache vcache <<<"$line"
+    for sys in keelfsd keelfsd-pmem virtiofsd; do
+      cache=$kcache; [[ $sys == virtiofsd ]] && cache=$vcache
+      start "$sys" "$cache"
+      # shellcheck disable=SC2086
+      "$bench" vhost --socket "$socket" --workload "$workload" $flags --seconds "$seconds" \
+        --file-size 256M --daemon-pid "$daemon_pid" --label "$sys" --json |
+        sed "s/^{/{\"round\":$round,/" | tee -a "$out"
+      stop
+    done
+  done
+done
+echo "run-vhost: results in $out" >&2
