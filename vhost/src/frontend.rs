@@ -293,7 +293,13 @@ impl FsFrontend {
         4 * self.config.slots
     }
 
-    pub fn submit_split(&mut self, queue: usize, header: &[u8], write_data: &[u8], read_len: u32) -> FrontendResult<u16> {
+    pub fn submit_split(
+        &mut self,
+        queue: usize,
+        header: &[u8],
+        write_data: &[u8],
+        read_len: u32,
+    ) -> FrontendResult<u16> {
         self.driver_mut(queue).submit_split(header, write_data, read_len)
     }
 
@@ -439,14 +445,8 @@ impl QueueDriver {
         let (req_addr, reply_addr) = self.slot_addr(slot);
         self.mem.write_slice(request, GuestAddress(req_addr)).map_err(Self::mem_err)?;
         let head = 4 * slot;
-        self.write_desc(
-            head,
-            RawDesc { addr: req_addr, len: request.len() as u32, flags: DESC_NEXT, next: head + 1 },
-        )?;
-        self.write_desc(
-            head + 1,
-            RawDesc { addr: reply_addr, len: reply_capacity, flags: DESC_WRITE, next: 0 },
-        )?;
+        self.write_desc(head, RawDesc { addr: req_addr, len: request.len() as u32, flags: DESC_NEXT, next: head + 1 })?;
+        self.write_desc(head + 1, RawDesc { addr: reply_addr, len: reply_capacity, flags: DESC_WRITE, next: 0 })?;
         self.publish(head)?;
         Ok(head)
     }
@@ -460,12 +460,7 @@ impl QueueDriver {
     /// header (with its fuse_*_in) in one buffer, write data in its own
     /// page-aligned buffer, a 16-byte reply header, then a page-aligned
     /// buffer of `read_len` bytes for read data.
-    pub fn submit_split(
-        &mut self,
-        header: &[u8],
-        write_data: &[u8],
-        read_len: u32,
-    ) -> FrontendResult<u16> {
+    pub fn submit_split(&mut self, header: &[u8], write_data: &[u8], read_len: u32) -> FrontendResult<u16> {
         let room = self.slot_bytes - 4096;
         if header.len() > 4096 || write_data.len() as u64 > room || u64::from(read_len) > room {
             return Err(FrontendError::TooLarge(header.len() + write_data.len().max(read_len as usize), room as usize));
@@ -683,5 +678,4 @@ impl QueueDriver {
         let high = if reply.len() >= 36 { u32::from_le_bytes(reply[32..36].try_into().expect("4 bytes")) } else { 0 };
         Ok(u64::from(low) | (u64::from(high) << 32))
     }
-
 }
