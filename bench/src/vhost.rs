@@ -326,6 +326,11 @@ pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
         latency.merge(&r.latency);
     }
     let ops = reads + writes;
+    let percentiles: serde_json::Map<String, serde_json::Value> =
+        [1.0, 5.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0, 95.0, 99.0, 99.9]
+            .iter()
+            .map(|p: &f64| (format!("{p:.6}"), json!(latency.quantile(p / 100.0) as f64 / 1000.0)))
+            .collect();
     let mut line = json!({
         "bench": "vhost",
         "label": args.label,
@@ -340,6 +345,7 @@ pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
         "mib_s": ((bytes as f64 / secs / (1 << 20) as f64) * 100.0).round() / 100.0,
         "lat_us_p50": latency.quantile(0.5) as f64 / 1000.0,
         "lat_us_p99": latency.quantile(0.99) as f64 / 1000.0,
+        "lat_us_percentiles": percentiles,
     });
     if let (Some(before), Some(after)) = (cpu_before, cpu_after) {
         line["daemon_cpu_us_per_op"] =
