@@ -3,7 +3,9 @@
 # the Linux 6.12 kernel of bookworm-backports, and an initramfs holding
 # busybox-static, the virtio / virtio-fs kernel modules (decompressed; the
 # ones Debian builds into the kernel are skipped), fio with its shared
-# libraries and an /init that runs a test script passed in by run-guest.sh.
+# libraries, fsx (cargo install fsx), an O_DIRECT shim for it (fsx-odirect.c,
+# compiled with cc) and setfattr/getfattr (package attr) when the host has
+# them, and an /init that runs a test script passed in by run-guest.sh.
 # The guest needs no network at runtime.
 #
 # The result is cached in the output directory and rebuilt only when its
@@ -32,7 +34,9 @@ Options:
 
 Output files in DIR:
   vmlinuz           the kernel
-  initramfs.cpio.gz the initramfs (busybox, modules, fio, /init)
+  initramfs.cpio.gz the initramfs (busybox, modules, fio, /init; fsx,
+                    /usr/lib/fsx-odirect.so, setfattr and getfattr when the
+                    host has them; the shim needs cc)
   kernel-version    the kernel release
   inputs            what the cache key was computed from
   inputs.sha256     the cache key
@@ -69,8 +73,22 @@ done
 # them in (modules.builtin); those are skipped.
 wanted_modules=(virtio_ring virtio virtio_pci_modern_dev virtio_pci_legacy_dev
   virtio_pci fuse virtiofs)
-# Guest binaries besides busybox (their shared libraries come along).
+# Guest binaries besides busybox (their shared libraries come along), each
+# put at the same path in the guest. fio is required.
 guest_bins=(/usr/bin/fio)
+# Optional tools the guest tests use when present, put in the guest's
+# /usr/bin: fsx (cargo install fsx) for guest-tests/fsx.sh, setfattr and
+# getfattr (Debian package attr) for the xattr part of namespace.sh.
+optional_bins=()
+fsx_bin=$(PATH="${CARGO_HOME:-$HOME/.cargo}/bin:$PATH" command -v fsx || true)
+for b in "$fsx_bin" /usr/bin/setfattr /usr/bin/getfattr; do
+  [[ -n $b && -x $b ]] && optional_bins+=("$b")
+done
+# fsx has no O_DIRECT option: fsx-odirect.c is an LD_PRELOAD shim that adds
+# O_DIRECT to its opens of one file; built when fsx and a C compiler are here.
+shim_src=$script_dir/fsx-odirect.c
+build_shim=0
+[[ -n $fsx_bin && -r $shim_src ]] && command -v cc >/dev/null && build_shim=1
 
 # ---------------------------------------------------------------- packages --
 apt_install() {
@@ -129,8 +147,9 @@ inputs=$(
   echo "vmlinuz-sha256=$(sha256sum "$vmlinuz" | cut -d' ' -f1)"
   echo "busybox-static=$(pkg_version busybox-static)"
   echo "fio=$(pkg_version fio)"
-  for b in "${guest_bins[@]}"; do echo "bin $b=$(sha256sum "$b" | cut -d' ' -f1)"; done
+  for b in "${guest_bins[@]}" "${optional_bins[@]}"; do echo "bin $b=$(sha256sum "$b" | cut -d' ' -f1)"; done
   echo "modules=${wanted_modules[*]}"
+  ((build_shim == 0)) || echo "fsx-odirect.c=$(sha256sum "$shim_src" | cut -d' ' -f1)"
   echo "script-sha256=$(sha256sum "$self" | cut -d' ' -f1)"
 )
 key=$(printf '%s\n' "$inputs" | sha256sum | cut -d' ' -f1)
@@ -169,16 +188,32 @@ copy_same_path() {
   cp -L "$src" "$root$src"
 }
 
-# Binaries and the shared libraries ldd names; keep the loader's paths.
-for b in "${guest_bins[@]}"; do
-  [[ -x $b ]] || die "guest binary $b missing"
-  copy_same_path "$b"
-  libs=$(ldd "$b" | awk '/=> \// {print $3} /^[[:space:]]*\// {print $1}') ||
-    die "ldd $b failed"
+# The shared libraries ldd names for binary $1; keep the loader's paths.
+copy_libs() {
+  local l libs
+  file_is_static "$1" && return 0
+  libs=$(ldd "$1" | awk '/=> \// {print $3} /^[[:space:]]*\// {print $1}') ||
+    die "ldd $1 failed"
   for l in $libs; do
     [[ -e $root$l ]] || copy_same_path "$l"
   done
+}
+for b in "${guest_bins[@]}"; do
+  [[ -x $b ]] || die "guest binary $b missing"
+  copy_same_path "$b"
+  copy_libs "$b"
 done
+for b in "${optional_bins[@]}"; do
+  cp -L "$b" "$root/usr/bin/$(basename "$b")"
+  copy_libs "$b"
+done
+if ((build_shim)); then
+  mkdir -p "$root/usr/lib"
+  cc -shared -fPIC -O2 -Wall -o "$root/usr/lib/fsx-odirect.so" "$shim_src" -ldl ||
+    die "compiling $shim_src failed"
+  optional_bins+=(/usr/lib/fsx-odirect.so)
+fi
+log "optional tools: ${optional_bins[*]:-none} (fsx: cargo install fsx; setfattr/getfattr: apt-get install attr; fsx-odirect.so: cc)"
 # The loader is looked up through /lib64 as well as its canonical path.
 if [[ -e /lib64/ld-linux-x86-64.so.2 && ! -e $root/lib64/ld-linux-x86-64.so.2 ]]; then
   copy_same_path /lib64/ld-linux-x86-64.so.2

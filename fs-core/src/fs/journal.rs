@@ -336,6 +336,9 @@ fn take_pending(fs: &FsInner, force_checkpoint: bool) -> Taken {
             Record::InodeSet(image).encode(&mut w);
         }
     }
+    for image in std::mem::take(&mut j.freed_images) {
+        Record::InodeSet(image).encode(&mut w);
+    }
     let later = std::mem::take(&mut j.dirty_later);
     j.dirty.extend(later);
     w.bytes(&std::mem::take(&mut j.pending).buf);

@@ -107,6 +107,11 @@ struct JournalState {
     dirty: BTreeSet<u64>,
     /// Inodes logged with a capped size, to log again once written back.
     dirty_later: BTreeSet<u64>,
+    /// Images of dirty inodes freed before the commit. Records already
+    /// pending may name them (an entry added to a directory that was then
+    /// removed), so the transaction still carries their image up front,
+    /// then the records, then the free.
+    freed_images: Vec<format::Inode>,
     /// Pending records make newly written data visible (an extent mapped
     /// written, or a zeroed tail): that data must be durable before the
     /// transaction, so the commit flushes first.
@@ -322,6 +327,7 @@ impl Fs {
                     committed_ops: 0,
                     dirty: BTreeSet::new(),
                     dirty_later: BTreeSet::new(),
+                    freed_images: Vec::new(),
                     exposes_data: false,
                     data_writes: 0,
                     flushed_data_writes: 0,

@@ -207,7 +207,14 @@ impl FsInner {
         if unreferenced && ino != ROOT_INO {
             let released = self.cache.borrow_mut().discard(ino, 0);
             self.release_delalloc(released);
-            self.journal.borrow_mut().dirty.remove(&ino);
+            let image = self.state.borrow().node(ino).map(|n| n.inode.clone());
+            {
+                let mut j = self.journal.borrow_mut();
+                j.dirty_later.remove(&ino);
+                if j.dirty.remove(&ino) {
+                    j.freed_images.extend(image);
+                }
+            }
             self.log(Record::InodeFree { ino })?;
         }
         Ok(())
@@ -670,8 +677,10 @@ impl Fs {
             block_size: BLOCK_SIZE as u32,
             blocks: state.alloc.total_blocks(),
             blocks_free: self.inner.available_blocks(),
-            files: state.nodes.len() as u64,
-            files_free: u64::from(u32::MAX),
+            // Inode numbers are not preallocated: the limit is what a
+            // 32-bit ino_t client can name. Total = in use + free.
+            files: u64::from(u32::MAX),
+            files_free: u64::from(u32::MAX).saturating_sub(state.nodes.len() as u64),
             name_max: NAME_MAX as u32,
         })
     }

@@ -1,0 +1,394 @@
+#!/usr/bin/env bash
+# keelfs's end-to-end suite, driven from the host: for each request-queue
+# count, a fresh image, keelfsd serving it over vhost-user-fs, and a QEMU
+# guest per test script (qemu-scripts/guest-tests/); then SIGTERM (the
+# daemon must exit 0), fsck, a restart on the same image and a second guest
+# that checks what the first wrote, SIGTERM and fsck again. Prints a summary
+# table and exits non-zero when anything failed.
+set -euo pipefail
+
+script_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+repo=$(cd "$script_dir/.." && pwd)
+tests_dir=$script_dir/guest-tests
+prog=run-e2e.sh
+all_tests=(namespace fio-seeds fsx stress persist crash)
+default_tests=(namespace fio-seeds fsx stress persist)
+
+usage() {
+  cat <<EOF
+Usage: qemu-scripts/$prog [options]
+
+Runs the guest end-to-end suite against keelfsd. For each queue count N in
+--queues-list:
+  1. keelfsd mkfs IMG; keelfsd serve --device IMG --socket SOCK --queues N
+  2. one guest boot (run-guest.sh --queues N) per test:
+       namespace  guest-tests/namespace.sh   namespace operations
+       fio-seeds  guest-tests/fio-seeds.sh   fio + crc32c verify, seed paths
+       fsx        guest-tests/fsx.sh         fsx buffered, mmap, O_DIRECT
+       stress     guest-tests/stress.sh      4 processes, namespace + data
+       persist    guest-tests/persist-write.sh (checks after umount + mount)
+  3. SIGTERM: keelfsd must exit 0; keelfsd fsck IMG must exit 0
+  4. (persist) keelfsd serve again on IMG; a guest runs
+     guest-tests/persist-check.sh; SIGTERM, exit 0, fsck again
+  5. (crash, only with --with-crash or --only crash) on a second image:
+     SIGKILL keelfsd in the middle of stress.sh; fsck must exit 0 (journal
+     replay); keelfsd must start again; a guest runs
+     guest-tests/crash-check.sh; SIGTERM, exit 0, fsck again
+
+Options:
+  --keelfsd PATH       keelfsd binary (default: target/release/keelfsd, else
+                       target/debug/keelfsd); copied into the work directory
+                       first, so a rebuild during the run does not matter
+  --workdir DIR        work directory for images, sockets and logs (default:
+                       a new directory in /dev/shm, else in \$TMPDIR or /tmp,
+                       removed after a passing run unless --keep)
+  --queues-list "N.."  request-queue counts to run (default: "1 2")
+  --only NAMES         run only these tests (comma or space separated, from:
+                       ${all_tests[*]}); repeatable
+  --with-crash         add the crash test to the default set
+                       (${default_tests[*]})
+  --crash-after SECS   crash test: SIGKILL this long after the stress workers
+                       start (default: 8)
+  --image-size SIZE    image size for keelfsd mkfs (default: 4G; sparse)
+  --timeout SECS       per guest boot (default: 600)
+  --keep               keep the work directory (images, logs) after a pass
+  --verbose            stream the guests' consoles (default: only on failure,
+                       the log tail)
+  -h, --help           show this help
+
+Logs: WORKDIR/logs/q<N>-<test>.log (guest console and run-guest.sh),
+WORKDIR/q<N>/daemon-<k>.log (keelfsd stdout/stderr), fsck output in
+WORKDIR/logs/q<N>-fsck-<k>.log.
+EOF
+}
+
+die() { echo "$prog: error: $*" >&2; exit 2; }
+log() { echo "$prog: $*" >&2; }
+
+keelfsd_src=""
+workdir=""
+queues_list="1 2"
+only=()
+image_size=4G
+timeout=600
+keep=0
+verbose=0
+with_crash=0
+crash_after=8
+need_arg() { (($2 >= 2)) || die "$1 needs a value (see --help)"; }
+while (($#)); do
+  case "$1" in
+    --keelfsd) need_arg "$1" $#; keelfsd_src=$2; shift 2 ;;
+    --workdir) need_arg "$1" $#; workdir=$2; shift 2 ;;
+    --queues-list) need_arg "$1" $#; queues_list=$2; shift 2 ;;
+    --only) need_arg "$1" $#; read -r -a more <<<"${2//,/ }"; only+=("${more[@]}"); shift 2 ;;
+    --image-size) need_arg "$1" $#; image_size=$2; shift 2 ;;
+    --timeout) need_arg "$1" $#; timeout=$2; shift 2 ;;
+    --keep) keep=1; shift ;;
+    --with-crash) with_crash=1; shift ;;
+    --crash-after) need_arg "$1" $#; crash_after=$2; shift 2 ;;
+    --verbose) verbose=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) die "unknown argument '$1' (see --help)" ;;
+  esac
+done
+
+for q in $queues_list; do [[ $q =~ ^[1-9][0-9]*$ ]] || die "--queues-list: '$q' is not a positive integer"; done
+[[ -n ${queues_list// /} ]] || die "--queues-list is empty"
+[[ $timeout =~ ^[0-9]+$ ]] || die "--timeout '$timeout' is not a number of seconds"
+for t in "${only[@]}"; do
+  [[ " ${all_tests[*]} " == *" $t "* ]] || die "--only: unknown test '$t' (tests: ${all_tests[*]})"
+done
+[[ $crash_after =~ ^[0-9]+$ ]] || die "--crash-after '$crash_after' is not a number of seconds"
+((${#only[@]})) || only=("${default_tests[@]}")
+((with_crash == 0)) || only+=(crash)
+selected() { [[ " ${only[*]} " == *" $1 "* ]]; }
+
+if [[ -z $keelfsd_src ]]; then
+  for c in "$repo/target/release/keelfsd" "$repo/target/debug/keelfsd"; do
+    [[ -x $c ]] && { keelfsd_src=$c; break; }
+  done
+  [[ -n $keelfsd_src ]] || die "no keelfsd in target/release or target/debug: build it (cargo build --release) or pass --keelfsd PATH"
+fi
+[[ -x $keelfsd_src ]] || die "--keelfsd $keelfsd_src: not an executable"
+command -v qemu-system-x86_64 >/dev/null || die "qemu-system-x86_64 not found (scripts/setup.sh installs it)"
+
+auto_workdir=0
+if [[ -z $workdir ]]; then
+  parent=${TMPDIR:-/tmp}
+  [[ -d /dev/shm && -w /dev/shm ]] && parent=/dev/shm
+  workdir=$(mktemp -d "$parent/keelfs-e2e.XXXXXX")
+  auto_workdir=1
+else
+  mkdir -p "$workdir" || die "cannot create --workdir $workdir"
+  workdir=$(cd "$workdir" && pwd)
+fi
+mkdir -p "$workdir/logs"
+keelfsd=$workdir/keelfsd
+cp "$keelfsd_src" "$keelfsd"
+
+# ------------------------------------------------------------ processes --
+daemon_pid=""
+guest_pid=""
+# shellcheck disable=SC2317  # invoked by traps
+cleanup() {
+  if [[ -n $guest_pid ]] && kill -0 "$guest_pid" 2>/dev/null; then
+    kill -TERM "$guest_pid" 2>/dev/null || true
+    wait "$guest_pid" 2>/dev/null || true
+  fi
+  if [[ -n $daemon_pid ]] && kill -0 "$daemon_pid" 2>/dev/null; then
+    kill -TERM "$daemon_pid" 2>/dev/null || true
+    for _ in $(seq 1 50); do kill -0 "$daemon_pid" 2>/dev/null || break; sleep 0.2; done
+    kill -KILL "$daemon_pid" 2>/dev/null || true
+    wait "$daemon_pid" 2>/dev/null || true
+  fi
+}
+trap cleanup EXIT
+trap 'log "interrupted"; exit 130' INT TERM
+
+# ------------------------------------------------------------ results --
+rows=()
+nfail=0
+# record TEST QUEUES RESULT SECONDS [NOTE]
+record() {
+  rows+=("$(printf '%-26s %-6s %-6s %7s  %s' "$1" "$2" "$3" "$4" "${5:-}")")
+  [[ $3 == PASS ]] || nfail=$((nfail + 1))
+  printf '%s: %-26s queues=%s %s (%ss)%s\n' "$prog" "$1" "$2" "$3" "$4" "${5:+ $5}" >&2
+}
+daemon_tail() { # LOG
+  echo "----- keelfsd log tail ($1):"
+  tail -n 30 "$1" | sed 's/^/  | /'
+}
+
+# start_daemon IMG SOCK QUEUES LOG: starts keelfsd, waits for its socket.
+start_daemon() {
+  local img=$1 sock=$2 q=$3 dlog=$4
+  rm -f "$sock"
+  "$keelfsd" serve --device "$img" --socket "$sock" --queues "$q" >"$dlog" 2>&1 &
+  daemon_pid=$!
+  for _ in $(seq 1 150); do
+    [[ -S $sock ]] && return 0
+    kill -0 "$daemon_pid" 2>/dev/null || break
+    sleep 0.2
+  done
+  local st=0
+  if kill -0 "$daemon_pid" 2>/dev/null; then
+    kill -KILL "$daemon_pid"; wait "$daemon_pid" 2>/dev/null || true
+    echo "keelfsd did not create $sock within 30 s"
+  else
+    wait "$daemon_pid" || st=$?
+    echo "keelfsd exited with status $st before creating $sock"
+  fi
+  daemon_pid=""
+  daemon_tail "$dlog"
+  return 1
+}
+
+# stop_daemon QUEUES LOG LABEL: SIGTERM, wait up to 60 s; must exit 0.
+stop_daemon() {
+  local q=$1 dlog=$2 label=$3 t0=$SECONDS st=0
+  if [[ -z $daemon_pid ]]; then
+    record "$label" "$q" FAIL 0 "keelfsd was not running"
+    return 1
+  fi
+  kill -TERM "$daemon_pid" 2>/dev/null || true
+  for _ in $(seq 1 300); do kill -0 "$daemon_pid" 2>/dev/null || break; sleep 0.2; done
+  if kill -0 "$daemon_pid" 2>/dev/null; then
+    kill -KILL "$daemon_pid" 2>/dev/null || true
+    wait "$daemon_pid" 2>/dev/null || true
+    daemon_pid=""
+    record "$label" "$q" FAIL $((SECONDS - t0)) "keelfsd still running 60 s after SIGTERM (killed)"
+    daemon_tail "$dlog"
+    return 1
+  fi
+  wait "$daemon_pid" || st=$?
+  daemon_pid=""
+  if ((st == 0)); then
+    record "$label" "$q" PASS $((SECONDS - t0))
+  else
+    record "$label" "$q" FAIL $((SECONDS - t0)) "keelfsd exited $st after SIGTERM"
+    daemon_tail "$dlog"
+    return 1
+  fi
+}
+
+# run_fsck IMG QUEUES K
+run_fsck() {
+  local img=$1 q=$2 k=$3 t0=$SECONDS st=0 flog="$workdir/logs/q$2-fsck-$3.log"
+  "$keelfsd" fsck "$img" >"$flog" 2>&1 || st=$?
+  if ((st == 0)); then
+    record "fsck ($k)" "$q" PASS $((SECONDS - t0)) "$(grep -m1 'clean' "$flog" | sed 's/^[^:]*: //')"
+  else
+    record "fsck ($k)" "$q" FAIL $((SECONDS - t0)) "keelfsd fsck exited $st"
+    sed 's/^/  | /' "$flog" | tail -n 40
+  fi
+}
+
+# run_test NAME QUEUES SOCK SCRIPT [run-guest.sh args...]
+run_test() {
+  local name=$1 q=$2 sock=$3 script=$4 t0=$SECONDS st=0 note=""
+  shift 4
+  local glog="$workdir/logs/q$q-$name.log"
+  if [[ -z $daemon_pid ]] || ! kill -0 "$daemon_pid" 2>/dev/null; then
+    record "$name" "$q" FAIL 0 "keelfsd is not running"
+    return 1
+  fi
+  log "q=$q $name: guest running $(basename "$script") (log: $glog)"
+  if ((verbose)); then
+    "$script_dir/run-guest.sh" --socket "$sock" --queues "$q" --timeout "$timeout" \
+      --script "$script" "$@" > >(tee "$glog") 2>&1 &
+  else
+    "$script_dir/run-guest.sh" --socket "$sock" --queues "$q" --timeout "$timeout" \
+      --script "$script" "$@" >"$glog" 2>&1 &
+  fi
+  guest_pid=$!
+  wait "$guest_pid" || st=$?
+  guest_pid=""
+  case $st in
+    0) ;;
+    124) note="guest timed out after ${timeout}s" ;;
+    125) note="QEMU ended without the guest's exit status (crash or panic)" ;;
+    *) note="guest script exited $st: $(grep -a '^FAIL' "$glog" | head -n 3 | tr -d '\r' | paste -sd';' - || true)" ;;
+  esac
+  if ! kill -0 "$daemon_pid" 2>/dev/null; then
+    local dst=0
+    wait "$daemon_pid" || dst=$?
+    daemon_pid=""
+    note="keelfsd died during the test (exit status $dst); $note"
+    ((st != 0)) || st=1
+  fi
+  if ((st == 0)); then
+    record "$name" "$q" PASS $((SECONDS - t0))
+  else
+    record "$name" "$q" FAIL $((SECONDS - t0)) "$note"
+    echo "----- guest log tail ($glog):"
+    grep -a -v '^PASS' "$glog" | tail -n 50 | sed 's/^/  | /'
+    daemon_tail "$current_dlog"
+    return 1
+  fi
+}
+
+# run_crash QUEUES DIR: SIGKILL keelfsd under stress.sh, then fsck, restart,
+# crash-check.sh, SIGTERM, fsck.
+run_crash() {
+  local q=$1 dir=$2 img=$2/crash.img sock=$2/crash.sock t0=$SECONDS
+  local glog="$workdir/logs/q$q-crash-load.log" started=0
+  rm -f "$img"
+  if ! "$keelfsd" mkfs "$img" --size "$image_size" >"$workdir/logs/q$q-crash-mkfs.log" 2>&1; then
+    record "crash: mkfs" "$q" FAIL 0 "see $workdir/logs/q$q-crash-mkfs.log"
+    return 1
+  fi
+  current_dlog=$dir/daemon-crash-1.log
+  start_daemon "$img" "$sock" "$q" "$current_dlog" || { record "crash: keelfsd start" "$q" FAIL 0; return 1; }
+  log "q=$q crash: guest running stress.sh; SIGKILL to keelfsd ${crash_after}s after the workers start (log: $glog)"
+  "$script_dir/run-guest.sh" --socket "$sock" --queues "$q" --timeout "$timeout" \
+    --script "$tests_dir/stress.sh" >"$glog" 2>&1 &
+  guest_pid=$!
+  for _ in $(seq 1 600); do
+    grep -aq '^=== .* workers x' "$glog" && { started=1; break; }
+    kill -0 "$guest_pid" 2>/dev/null || break
+    sleep 0.2
+  done
+  ((started == 0)) || sleep "$crash_after"
+  kill -KILL "$daemon_pid" 2>/dev/null || true
+  wait "$daemon_pid" 2>/dev/null || true
+  daemon_pid=""
+  # The guest hangs on its lost device: stop it.
+  kill -TERM "$guest_pid" 2>/dev/null || true
+  wait "$guest_pid" 2>/dev/null || true
+  guest_pid=""
+  if ((started)); then
+    record "crash: SIGKILL mid-stress" "$q" PASS $((SECONDS - t0)) "killed ${crash_after}s after the workers started"
+  else
+    record "crash: SIGKILL mid-stress" "$q" FAIL $((SECONDS - t0)) "the stress workers never started (see $glog)"
+  fi
+  run_fsck "$img" "$q" crash
+  current_dlog=$dir/daemon-crash-2.log
+  t0=$SECONDS
+  if ! start_daemon "$img" "$sock" "$q" "$current_dlog"; then
+    record "crash: keelfsd restart" "$q" FAIL $((SECONDS - t0)) "$(tail -n 1 "$current_dlog")"
+    return 1
+  fi
+  record "crash: keelfsd restart" "$q" PASS $((SECONDS - t0))
+  run_test crash-check "$q" "$sock" "$tests_dir/crash-check.sh" || true
+  stop_daemon "$q" "$current_dlog" "keelfsd SIGTERM (crash)" || true
+  run_fsck "$img" "$q" crash-2
+  ((nfail > 0 || keep)) || rm -f "$img"
+}
+
+# ------------------------------------------------------------ the run --
+suite_t0=$SECONDS
+log "keelfsd: $keelfsd_src (copied to $keelfsd)"
+log "work directory: $workdir"
+log "queues: $queues_list; tests: ${only[*]}"
+"$script_dir/build-guest.sh" --quiet || die "building the guest failed"
+log "guest: kernel $(cat "$script_dir/.guest/kernel-version"), $(qemu-system-x86_64 --version | head -n1)"
+
+current_dlog=""
+for q in $queues_list; do
+  dir=$workdir/q$q
+  mkdir -p "$dir"
+  img=$dir/keelfs.img
+  sock=$dir/keelfs.sock
+  rm -f "$img"
+  if ! "$keelfsd" mkfs "$img" --size "$image_size" >"$workdir/logs/q$q-mkfs.log" 2>&1; then
+    record mkfs "$q" FAIL 0 "keelfsd mkfs failed (see $workdir/logs/q$q-mkfs.log)"
+    cat "$workdir/logs/q$q-mkfs.log"
+    continue
+  fi
+  current_dlog=$dir/daemon-1.log
+  if ! start_daemon "$img" "$sock" "$q" "$current_dlog"; then
+    record "keelfsd start" "$q" FAIL 0 "see $current_dlog"
+    continue
+  fi
+  for t in namespace fio-seeds fsx stress; do
+    selected "$t" || continue
+    run_test "$t" "$q" "$sock" "$tests_dir/$t.sh" || true
+  done
+  if selected persist; then
+    run_test persist-write "$q" "$sock" "$tests_dir/persist-write.sh" \
+      --add "$tests_dir/persist-check.sh" || true
+    grep -a -o 'PERSIST-MANIFEST-MD5=[0-9a-f]*' "$workdir/logs/q$q-persist-write.log" |
+      tail -n 1 >"$dir/persist-expected" || true
+  fi
+  stop_daemon "$q" "$current_dlog" "keelfsd SIGTERM (1)" || true
+  run_fsck "$img" "$q" 1
+  if selected persist; then
+    current_dlog=$dir/daemon-2.log
+    if start_daemon "$img" "$sock" "$q" "$current_dlog"; then
+      add=()
+      [[ -s $dir/persist-expected ]] && add=(--add "$dir/persist-expected")
+      run_test persist-check-restart "$q" "$sock" "$tests_dir/persist-check.sh" "${add[@]}" || true
+      stop_daemon "$q" "$current_dlog" "keelfsd SIGTERM (2)" || true
+      run_fsck "$img" "$q" 2
+    else
+      record "keelfsd restart" "$q" FAIL 0 "see $current_dlog"
+    fi
+  fi
+  if selected crash; then
+    run_crash "$q" "$dir" || true
+  fi
+  if grep -aq 'panicked' "$dir"/daemon-*.log; then
+    record "keelfsd log" "$q" FAIL 0 "a panic in $dir/daemon-*.log"
+    grep -a -A5 'panicked' "$dir"/daemon-*.log | head -n 30
+  fi
+  # The image is only worth keeping when something failed.
+  ((nfail > 0 || keep)) || rm -f "$img"
+done
+
+total=$((SECONDS - suite_t0))
+echo
+echo "keelfs e2e summary (keelfsd: $keelfsd_src)"
+printf '%-26s %-6s %-6s %7s  %s\n' TEST QUEUES RESULT SECONDS NOTE
+printf '%s\n' "${rows[@]}"
+echo "total wall time: ${total}s ($((total / 60))m$((total % 60))s)"
+echo "e2e: $((${#rows[@]} - nfail)) passed, $nfail failed"
+if ((nfail > 0)); then
+  echo "logs and images kept in $workdir"
+  exit 1
+fi
+if ((auto_workdir && !keep)); then
+  rm -rf "$workdir"
+else
+  echo "logs in $workdir"
+fi
