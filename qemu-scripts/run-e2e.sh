@@ -12,7 +12,7 @@ repo=$(cd "$script_dir/.." && pwd)
 tests_dir=$script_dir/guest-tests
 prog=run-e2e.sh
 all_tests=(namespace fio-seeds fsx stress persist crash)
-default_tests=(namespace fio-seeds fsx stress persist)
+default_tests=(namespace fio-seeds fsx stress persist crash)
 
 usage() {
   cat <<EOF
@@ -30,7 +30,7 @@ Runs the guest end-to-end suite against keelfsd. For each queue count N in
   3. SIGTERM: keelfsd must exit 0; keelfsd fsck IMG must exit 0
   4. (persist) keelfsd serve again on IMG; a guest runs
      guest-tests/persist-check.sh; SIGTERM, exit 0, fsck again
-  5. (crash, only with --with-crash or --only crash) on a second image:
+  5. (crash) on a second image:
      SIGKILL keelfsd in the middle of stress.sh; fsck must exit 0 (journal
      replay); keelfsd must start again; a guest runs
      guest-tests/crash-check.sh; SIGTERM, exit 0, fsck again
@@ -45,7 +45,7 @@ Options:
   --queues-list "N.."  request-queue counts to run (default: "1 2")
   --only NAMES         run only these tests (comma or space separated, from:
                        ${all_tests[*]}); repeatable
-  --with-crash         add the crash test to the default set
+  --with-crash         (kept for compatibility; crash is in the default set
                        (${default_tests[*]})
   --crash-after SECS   crash test: SIGKILL this long after the stress workers
                        start (default: 8)
