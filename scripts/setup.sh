@@ -13,6 +13,8 @@ installed busybox-static || need_apt+=(busybox-static)
 command -v cpio >/dev/null || need_apt+=(cpio)
 command -v xz >/dev/null || need_apt+=(xz-utils)
 command -v setfattr >/dev/null || need_apt+=(attr)
+# The kernel peers of bench/run-seeds.sh.
+command -v mkfs.xfs >/dev/null || need_apt+=(xfsprogs)
 # ... and QEMU 10 and Linux 6.12 from bookworm-backports (bookworm's QEMU 7.2
 # and Linux 6.1 lack multi-queue virtio-fs).
 need_bpo=()
