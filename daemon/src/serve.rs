@@ -496,7 +496,7 @@ pub fn local_stats() -> Vec<Value> {
                     device = json!({
                         "socket": server.socket(),
                         "connections": d.connections.get(), "chains": d.chains.get(),
-                        "replies": d.replies.get(), "zero_copy": d.zero_copy.get(),
+                        "replies": d.replies.get(), "zero_copy": d.zero_copy.get(), "one_copy": d.one_copy.get(),
                         "no_reply": d.no_reply.get(), "dropped": d.dropped.get(),
                         "last_drop": d.last_drop.get(), "kicks": d.kicks.get(),
                         "signals": d.signals.get(), "in_flight": server.in_flight(),

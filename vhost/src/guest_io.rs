@@ -2,11 +2,14 @@
 //! between: the guest's data pages become the iovecs of the device I/O.
 //!
 //! This is the one module of keelfs-vhost that hands raw guest addresses
-//! to the block layer.
+//! to the block layer. The same buffers serve buffered I/O as a copy
+//! source or sink, so that guest data is copied once, to or from the page
+//! cache.
 
 use std::ops::Deref;
 
 use keelfs_core::bdev::{IoVec, MAX_IOVECS_PER_REQUEST};
+use keelfs_core::fs::{ReadSink, WriteSource};
 use keelfs_core::reactor::io::IoBuffer;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 
@@ -83,6 +86,43 @@ impl<M: Deref<Target = GuestMemoryMmap>> GuestBuffer<M> {
                 pos += n;
             }
             at = end;
+        }
+    }
+}
+
+impl<M: Deref<Target = GuestMemoryMmap>> GuestBuffer<M> {
+    /// The guest ranges covering bytes [at, at + len) of the buffer.
+    fn pieces(&self, at: usize, len: usize) -> impl Iterator<Item = (u64, usize, usize)> + '_ {
+        let mut base = 0usize;
+        self.ranges.iter().filter_map(move |&(addr, n)| {
+            let (start, end) = (base, base + n);
+            base = end;
+            let (from, to) = (at.max(start), (at + len).min(end));
+            (from < to).then(|| (addr + (from - start) as u64, from - at, to - from))
+        })
+    }
+}
+
+/// Buffered writes copy straight from the guest's pages into the page
+/// cache, through vm-memory's volatile-safe accessors.
+impl<M: Deref<Target = GuestMemoryMmap>> WriteSource for GuestBuffer<M> {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn copy_to(&self, at: usize, dst: &mut [u8]) {
+        for (addr, into, n) in self.pieces(at, dst.len()) {
+            // The ranges were resolved against this table at construction.
+            let _ = self.mem.read_slice(&mut dst[into..into + n], GuestAddress(addr));
+        }
+    }
+}
+
+/// Buffered reads copy straight from the page cache into the guest's pages.
+impl<M: Deref<Target = GuestMemoryMmap>> ReadSink for GuestBuffer<M> {
+    fn copy_from(&self, at: usize, src: &[u8]) {
+        for (addr, from, n) in self.pieces(at, src.len()) {
+            let _ = self.mem.write_slice(&src[from..from + n], GuestAddress(addr));
         }
     }
 }

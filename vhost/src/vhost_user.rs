@@ -215,6 +215,9 @@ pub struct DeviceStats {
     /// Replies to direct reads and writes whose data moved between guest
     /// pages and the device with no copy.
     pub zero_copy: Cell<u64>,
+    /// Replies to buffered reads and writes whose data was copied once,
+    /// between guest pages and the page cache.
+    pub one_copy: Cell<u64>,
     pub no_reply: Cell<u64>,
     pub dropped: Cell<u64>,
     pub last_drop: Cell<Option<&'static str>>,
@@ -484,6 +487,10 @@ impl QueuePoller {
                         ChainOutcome::Direct(_) => {
                             stats.replies.set(stats.replies.get() + 1);
                             stats.zero_copy.set(stats.zero_copy.get() + 1);
+                        }
+                        ChainOutcome::OneCopy(_) => {
+                            stats.replies.set(stats.replies.get() + 1);
+                            stats.one_copy.set(stats.one_copy.get() + 1);
                         }
                         ChainOutcome::NoReply => stats.no_reply.set(stats.no_reply.get() + 1),
                         ChainOutcome::Dropped(why) => {

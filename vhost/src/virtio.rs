@@ -31,6 +31,9 @@ pub enum ChainOutcome {
     /// Replied, with the data moved between guest pages and the device
     /// with no copy in between (direct I/O).
     Direct(u32),
+    /// Replied to a buffered read or write whose data was copied once,
+    /// between guest pages and the page cache.
+    OneCopy(u32),
     /// FUSE expects no reply (FORGET and friends).
     NoReply,
     /// The chain could not be read or answered.
@@ -136,9 +139,11 @@ fn le_u64(b: &[u8]) -> u64 {
     u64::from_le_bytes(b[..8].try_into().expect("8 bytes"))
 }
 
-/// READ or WRITE on an O_DIRECT handle, with the guest's data buffers as
-/// the device I/O memory. None when the request is anything else, or is
-/// odd in any way: the copying path then serves it, errors included.
+/// READ or WRITE with the guest's data buffers used in place: on an
+/// O_DIRECT handle as the device I/O memory (no copy), on a buffered one as
+/// the source or sink of the one copy to or from the page cache. None when
+/// the request is anything else, or is odd in any way: the copying path
+/// then serves it, errors included.
 async fn serve_direct<M>(
     session: &Session,
     chain: &DescriptorChain<M>,
@@ -156,13 +161,12 @@ where
     let (fh, offset, size) = (le_u64(&body[0..]), le_u64(&body[8..]), le_u32(&body[16..]) as usize);
     let is_write = opcode == Opcode::Write as u32;
     let started = std::time::Instant::now();
-    if declared != len
-        || !(is_write || opcode == Opcode::Read as u32)
-        || size == 0
-        || size > REQUEST_BYTES_MAX - 4096
-        || !session.direct_file(fh, nodeid)
-    {
+    if declared != len || !(is_write || opcode == Opcode::Read as u32) || size == 0 || size > REQUEST_BYTES_MAX - 4096 {
         return None;
+    }
+    let direct = session.direct_file(fh, nodeid);
+    if !direct && !session.buffered_file(fh, nodeid) {
+        return None; // a bad handle: the copying path says EBADF
     }
     let (mut readable, mut writable) = (Vec::new(), Vec::new());
     for d in chain.clone() {
@@ -179,18 +183,31 @@ where
             return None;
         }
         let data = GuestBuffer::new(mem, &readable, prefix.len(), size)?;
-        let reply = session.write_direct_from(unique, nodeid, offset, data).await;
+        let reply = if direct {
+            session.write_direct_from(unique, nodeid, offset, data).await
+        } else {
+            session.write_buffered_from(unique, nodeid, offset, &data).await
+        };
         let failed = reply.get(4..8).is_some_and(|e| e != [0u8; 4]);
         session.record(opcode, len + reply.len(), failed, started);
         let (_, written, outcome) = write_reply(0, reply, writer);
-        let outcome = if let ChainOutcome::Replied(n) = outcome { ChainOutcome::Direct(n) } else { outcome };
+        let outcome = match outcome {
+            ChainOutcome::Replied(n) if direct => ChainOutcome::Direct(n),
+            ChainOutcome::Replied(n) => ChainOutcome::OneCopy(n),
+            other => other,
+        };
         return Some((written, outcome));
     }
     if len != prefix.len() || writer.available_bytes() < OUT_HEADER_BYTES + size {
         return None;
     }
     let into = GuestBuffer::new(mem, &writable, OUT_HEADER_BYTES, size)?;
-    let (into, result) = session.read_direct_into(nodeid, offset, into).await;
+    let (into, result) = if direct {
+        session.read_direct_into(nodeid, offset, into).await
+    } else {
+        let result = session.read_buffered_into(nodeid, offset, size as u32, &into).await;
+        (into, result)
+    };
     let moved = result.as_ref().map_or(0, |&n| n as usize);
     session.record(opcode, len + OUT_HEADER_BYTES + moved, result.is_err(), started);
     let header = match result {
@@ -209,7 +226,8 @@ where
     };
     let total = le_u32(&header) as usize;
     match writer.write_all(&header) {
-        Ok(()) => Some((total as u32, ChainOutcome::Direct(total as u32))),
+        Ok(()) if direct => Some((total as u32, ChainOutcome::Direct(total as u32))),
+        Ok(()) => Some((total as u32, ChainOutcome::OneCopy(total as u32))),
         Err(_) => Some((0, ChainOutcome::Dropped("unwritable reply buffer"))),
     }
 }

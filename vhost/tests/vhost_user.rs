@@ -25,8 +25,8 @@ const TIMEOUT: Duration = Duration::from_secs(20);
 struct Daemon {
     socket: PathBuf,
     stop: Arc<AtomicBool>,
-    /// The device's zero-copy reply count, sent at shutdown.
-    zero_copy: std::sync::mpsc::Receiver<u64>,
+    /// The device's zero-copy and one-copy reply counts, sent at shutdown.
+    zero_copy: std::sync::mpsc::Receiver<(u64, u64)>,
     thread: Option<std::thread::JoinHandle<()>>,
     _dir: TempDir,
 }
@@ -70,7 +70,7 @@ impl Daemon {
                     while !stop.load(Ordering::Acquire) {
                         reactor::sleep(Duration::from_millis(2)).await;
                     }
-                    let _ = zero_copy_tx.send(server.stats().zero_copy.get());
+                    let _ = zero_copy_tx.send((server.stats().zero_copy.get(), server.stats().one_copy.get()));
                     server.stop().await;
                     fs.unmount().await.unwrap();
                 });
@@ -86,8 +86,9 @@ impl Daemon {
 }
 
 impl Daemon {
-    /// Shut down; returns how many replies moved data with no copy.
-    fn stop(mut self) -> u64 {
+    /// Shut down; returns how many replies moved data with no copy, and
+    /// how many with one.
+    fn stop(mut self) -> (u64, u64) {
         self.stop.store(true, Ordering::Release);
         if let Some(t) = self.thread.take() {
             t.join().expect("daemon thread exits cleanly");
@@ -442,7 +443,7 @@ fn direct_io_moves_data_between_guest_pages_and_the_device() {
     assert_eq!(len, 16 + 9);
     assert_eq!(fe.read_data(1, used, 9).unwrap(), b"unaligned");
     drop(fe);
-    assert!(daemon.stop() >= 6, "the direct requests took the zero-copy path");
+    assert!(daemon.stop().0 >= 6, "the direct requests took the zero-copy path");
 }
 
 #[test]
@@ -515,4 +516,46 @@ fn indirect_descriptor_tables_are_served_whatever_the_head_index() {
         fe.memory().read_slice(&mut got, GuestAddress(reply_at + 4096)).unwrap();
         assert_eq!(got, data, "head {head}");
     }
+}
+
+#[test]
+fn buffered_io_copies_once_between_guest_pages_and_the_cache() {
+    let daemon = Daemon::start(1);
+    let mut fe = daemon.connect(1);
+    fe.init(f::INIT_EXT).unwrap();
+    let (nodeid, fh) = create(&mut fe, 1, "buffered");
+    let io = |fe: &mut FsFrontend, opcode: Opcode, offset: u64, data: &[u8], read_len: u32| {
+        let unique = fe.next_unique();
+        let size = if data.is_empty() { read_len } else { data.len() as u32 };
+        let mut header = encode_request(opcode as u32, unique, nodeid, 0, 0, &io_body(fh, offset, size).bytes);
+        let total = (header.len() + data.len()) as u32;
+        header[..4].copy_from_slice(&total.to_le_bytes());
+        let head = fe.submit_split(1, &header, data, read_len).unwrap();
+        let used = fe.wait_for(1, head, TIMEOUT).unwrap();
+        (used, fuse_status(&fe.reply(1, used).unwrap()))
+    };
+    // Unaligned pieces crossing pages, then reads of cached and of partly
+    // cached ranges.
+    let a: Vec<u8> = (0..10_000u32).map(|i| (i % 241) as u8).collect();
+    assert_eq!(io(&mut fe, Opcode::Write, 3000, &a, 0).1, (24, 0));
+    let b = vec![0x33u8; 5000];
+    assert_eq!(io(&mut fe, Opcode::Write, 9000, &b, 0).1, (24, 0));
+    let mut expected = vec![0u8; 14_000];
+    expected[3000..13_000].copy_from_slice(&a);
+    expected[9000..14_000].copy_from_slice(&b);
+    for (offset, len) in [(0u64, 14_000u32), (2999, 3), (4096, 4096), (13_500, 4096)] {
+        fe.poison_next_read(1, 0xee, len as usize).unwrap();
+        let (used, (reply_len, err)) = io(&mut fe, Opcode::Read, offset, &[], len);
+        assert_eq!(err, 0);
+        let want = &expected[offset as usize..(offset as usize + len as usize).min(expected.len())];
+        assert_eq!(reply_len as usize, 16 + want.len(), "read at {offset}");
+        assert_eq!(fe.read_data(1, used, want.len()).unwrap(), want, "read at {offset}");
+    }
+    // The same bytes through a request laid out in two buffers (header and
+    // data together, reply header and data together).
+    assert_eq!(read(&mut fe, 1, nodeid, fh, 0, 14_000), expected);
+    drop(fe);
+    let (zero_copy, one_copy) = daemon.stop();
+    assert_eq!(zero_copy, 0, "no direct handle was used");
+    assert!(one_copy >= 6, "the split requests were copied once ({one_copy})");
 }

@@ -287,7 +287,64 @@ impl Fs {
 }
 
 /// Buffered I/O through the page cache.
+/// Where a buffered write's bytes come from: caller memory, or memory the
+/// caller can only copy out of (a guest's pages), so that the one copy is
+/// straight into the page cache.
+pub trait WriteSource {
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Fill `dst` with the bytes from offset `at` on.
+    fn copy_to(&self, at: usize, dst: &mut [u8]);
+}
+
+impl WriteSource for [u8] {
+    fn len(&self) -> usize {
+        <[u8]>::len(self)
+    }
+    fn copy_to(&self, at: usize, dst: &mut [u8]) {
+        dst.copy_from_slice(&self[at..at + dst.len()]);
+    }
+}
+
+/// Where a buffered read's bytes go (a guest's pages), so that a cache hit
+/// is one copy from the page cache.
+pub trait ReadSink {
+    /// Store `src` at offset `at`.
+    fn copy_from(&self, at: usize, src: &[u8]);
+}
+
 impl Fs {
+    /// Read up to `size` bytes at `offset` into `sink`; the bytes read.
+    /// Cached pages go straight from the cache into the sink; a read that
+    /// misses goes through [`Fs::read`] and one more copy.
+    pub async fn read_to<K: ReadSink + ?Sized>(&self, ino: u64, offset: u64, size: u32, sink: &K) -> FsResult<u32> {
+        let inode = self.require_file(ino)?;
+        if offset >= inode.size || size == 0 {
+            return Ok(0);
+        }
+        let end = (offset + u64::from(size)).min(inode.size);
+        let (first, last) = blocks_of(offset, end - offset);
+        {
+            let mut cache = self.inner.cache.borrow_mut();
+            if (first..=last).all(|p| cache.contains((ino, p))) {
+                for page in first..=last {
+                    let p = cache.get((ino, page)).expect("checked above");
+                    let (ps, pe) = (page * BLOCK_SIZE, (page + 1) * BLOCK_SIZE);
+                    let (from, to) = (offset.max(ps), end.min(pe));
+                    sink.copy_from((from - offset) as usize, &p[(from - ps) as usize..(to - ps) as usize]);
+                }
+                drop(cache);
+                self.inner.bump(|c| c.data_bytes_read += end - offset);
+                return Ok((end - offset) as u32);
+            }
+        }
+        let data = self.read(ino, offset, size).await?;
+        sink.copy_from(0, &data);
+        Ok(data.len() as u32)
+    }
+
     /// Read through the page cache. Pages already cached are copied out
     /// without taking any lock; misses are loaded under a shared lock.
     pub async fn read(&self, ino: u64, offset: u64, size: u32) -> FsResult<Vec<u8>> {
@@ -428,6 +485,35 @@ impl Fs {
     /// Write through the page cache: pages are dirtied, not allocated
     /// (delayed allocation); writeback allocates and logs them later.
     pub async fn write(&self, ino: u64, offset: u64, data: &[u8]) -> FsResult<u32> {
+        self.write_from(ino, offset, data).await
+    }
+
+    /// [`Fs::write`] from any [`WriteSource`]: the bytes are copied once,
+    /// into the cached pages.
+    pub async fn write_from<S: WriteSource + ?Sized>(&self, ino: u64, offset: u64, data: &S) -> FsResult<u32> {
+        match self.write_from_once(ino, offset, data).await {
+            Err(FsError::NoSpace) if self.reclaim_pending_frees().await? => {
+                self.write_from_once(ino, offset, data).await
+            }
+            other => other,
+        }
+    }
+
+    /// Space freed since the last commit cannot be reused before the free
+    /// commits (a crash must not find a freed block already holding new
+    /// data while the old owner still names it). On ENOSPC with such space
+    /// pending, commit now and report that a retry may succeed, as ext4
+    /// does.
+    async fn reclaim_pending_frees(&self) -> FsResult<bool> {
+        let pending: u64 = self.inner.state.borrow().pending_free.iter().map(|r| r.len).sum();
+        if pending == 0 {
+            return Ok(false);
+        }
+        journal::sync(&self.inner).await?;
+        Ok(true)
+    }
+
+    async fn write_from_once<S: WriteSource + ?Sized>(&self, ino: u64, offset: u64, data: &S) -> FsResult<u32> {
         if data.is_empty() {
             return Ok(0);
         }
@@ -483,11 +569,11 @@ impl Fs {
     /// Copy `data` into the cached pages of its range, creating them from
     /// `edges` or zeros, and mark them dirty: all in one synchronous step.
     /// Fails, changing nothing, if there are not enough clean slots.
-    fn apply_write(
+    fn apply_write<S: WriteSource + ?Sized>(
         &self,
         ino: u64,
         offset: u64,
-        data: &[u8],
+        data: &S,
         edges: &[(u64, Vec<u8>)],
         reserve: &[u64],
     ) -> Result<(), CacheFull> {
@@ -507,8 +593,7 @@ impl Fs {
             let p = cache.get_mut((ino, page)).ok_or(CacheFull)?;
             let from = offset.max(ps);
             let to = end.min(pe);
-            p[(from - ps) as usize..(to - ps) as usize]
-                .copy_from_slice(&data[(from - offset) as usize..(to - offset) as usize]);
+            data.copy_to((from - offset) as usize, &mut p[(from - ps) as usize..(to - ps) as usize]);
             cache.mark_dirty((ino, page));
             if reserve.contains(&page) {
                 cache.set_reserved((ino, page));
@@ -705,7 +790,10 @@ impl Fs {
     /// written. Unaligned requests are copied through a bounce buffer.
     pub async fn write_direct<B: IoBuffer>(&self, ino: u64, offset: u64, buf: B) -> (B, FsResult<u32>) {
         let shared = SharedBuffer::new(buf);
-        let result = self.write_direct_shared(ino, offset, &shared).await;
+        let mut result = self.write_direct_shared(ino, offset, &shared).await;
+        if matches!(result, Err(FsError::NoSpace)) && matches!(self.reclaim_pending_frees().await, Ok(true)) {
+            result = self.write_direct_shared(ino, offset, &shared).await;
+        }
         (into_inner(shared), result)
     }
 
@@ -1047,6 +1135,15 @@ impl Fs {
     }
 
     pub async fn fallocate(&self, ino: u64, mode: u32, offset: u64, len: u64) -> FsResult<()> {
+        match self.fallocate_once(ino, mode, offset, len).await {
+            Err(FsError::NoSpace) if self.reclaim_pending_frees().await? => {
+                self.fallocate_once(ino, mode, offset, len).await
+            }
+            other => other,
+        }
+    }
+
+    async fn fallocate_once(&self, ino: u64, mode: u32, offset: u64, len: u64) -> FsResult<()> {
         if len == 0 {
             return Err(FsError::Invalid("fallocate of zero bytes"));
         }

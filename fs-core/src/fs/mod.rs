@@ -25,6 +25,7 @@ pub mod record;
 pub mod state;
 pub mod sync;
 
+pub use data::{ReadSink, WriteSource};
 pub use error::{FsError, FsResult};
 pub use journal::{CHECKPOINT_BLOCK_MAGIC, JOURNAL_TX_MAGIC};
 pub use ops::{Attr, Creds, DirEntry, SetAttr, TimeSet};

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use keelfs_core::bdev::AlignedBuf;
 use keelfs_core::fs::format::Timespec;
-use keelfs_core::fs::{Attr as FsAttr, Creds, Fs, FsError, SetAttr, TimeSet};
+use keelfs_core::fs::{Attr as FsAttr, Creds, Fs, FsError, ReadSink, SetAttr, TimeSet, WriteSource};
 use keelfs_core::reactor::io::IoBuffer;
 
 use super::abi::{
@@ -338,6 +338,47 @@ impl Session {
     pub fn direct_file(&self, fh: u64, nodeid: u64) -> bool {
         self.initialized.get()
             && self.fs.handle(fh).is_ok_and(|(ino, flags)| ino == nodeid && flags as i32 & libc::O_DIRECT != 0)
+    }
+
+    /// True when `fh` is an open, non-O_DIRECT handle of `nodeid` in a live
+    /// session: its data goes through the page cache.
+    pub fn buffered_file(&self, fh: u64, nodeid: u64) -> bool {
+        self.initialized.get()
+            && self.fs.handle(fh).is_ok_and(|(ino, flags)| ino == nodeid && flags as i32 & libc::O_DIRECT == 0)
+    }
+
+    /// FUSE_WRITE on a buffered handle, copying once from `data` (guest
+    /// pages) into the page cache. Returns the whole reply.
+    pub async fn write_buffered_from<S: WriteSource + ?Sized>(
+        &self,
+        unique: u64,
+        ino: u64,
+        offset: u64,
+        data: &S,
+    ) -> Vec<u8> {
+        if data.len() > self.config.max_write as usize {
+            return error_reply(unique, libc::EINVAL);
+        }
+        match self.fs.write_from(ino, offset, data).await {
+            Ok(n) => {
+                let mut r = Reply::default();
+                r.u32(n).u32(0);
+                r.finish(unique, 0)
+            }
+            Err(e) => error_reply(unique, e.errno()),
+        }
+    }
+
+    /// FUSE_READ on a buffered handle into `sink` (guest pages): the bytes
+    /// read, or an errno.
+    pub async fn read_buffered_into<K: ReadSink + ?Sized>(
+        &self,
+        ino: u64,
+        offset: u64,
+        size: u32,
+        sink: &K,
+    ) -> Result<u32, i32> {
+        self.fs.read_to(ino, offset, size.min(self.config.max_write), sink).await.map_err(|e| e.errno())
     }
 
     /// FUSE_WRITE on a direct handle with the data already in I/O memory
