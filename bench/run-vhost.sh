@@ -39,7 +39,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-size=2G
+size=8G  # aio-append writes ~2 GB in 5 s
 "$keelfsd" mkfs "$work/keelfs.img" --size $size --force >/dev/null 2>&1
 "$keelfsd" mkfs "$work/keelfs-pmem.img" --size $size --force >/dev/null 2>&1
 truncate -s $size "$work/ext4.img"
