@@ -165,7 +165,7 @@ fn worker(mut q: QueueDriver, args: &WorkerArgs, target: Target) -> anyhow::Resu
     let blocks = (args.file_size / bs as u64).max(1);
     let mut rng = 0x1234_5678 ^ (q.index() as u64) << 32;
     let mut mix = 0x8765_4321 ^ (q.index() as u64) << 32;
-    let mut append_at = 0u64;
+    let append_at = std::cell::Cell::new(0u64);
     let mut in_flight: HashMap<u16, (Kind, Instant)> = HashMap::new();
     let mut result = WorkerResult { reads: 0, writes: 0, bytes: 0, latency: Histogram::new() };
     let (mut issued_reads, mut issued_writes) = (0usize, 0usize);
@@ -174,8 +174,8 @@ fn worker(mut q: QueueDriver, args: &WorkerArgs, target: Target) -> anyhow::Resu
         |q: &mut QueueDriver, kind: Kind, in_flight: &mut HashMap<u16, (Kind, Instant)>| -> anyhow::Result<()> {
             let offset = match args.workload {
                 Workload::AioAppend | Workload::ByteWrites => {
-                    let at = append_at;
-                    append_at += bs as u64;
+                    let at = append_at.get();
+                    append_at.set(at + bs as u64);
                     at
                 }
                 _ => (splitmix(&mut rng) % blocks) * bs as u64,
@@ -203,7 +203,17 @@ fn worker(mut q: QueueDriver, args: &WorkerArgs, target: Target) -> anyhow::Resu
         };
     loop {
         let running = Instant::now() < deadline;
-        while running && in_flight.len() < args.iodepth {
+        // Appends wrap at --file-size: once the file is full and drained,
+        // truncate it to 0, so that a run never fills the filesystem.
+        let full = || args.workload == Workload::AioAppend && append_at.get() + bs as u64 > args.file_size;
+        if full() && in_flight.is_empty() {
+            let mut setattr = Reply::default();
+            setattr.u32(1 << 3 | 1 << 6).u32(0).u64(target.fh).u64(0).raw(&[0u8; 64]);
+            let (err, _) = q.fuse(Opcode::Setattr, target.nodeid, &setattr.bytes)?;
+            check(err, "truncating the append file")?;
+            append_at.set(0);
+        }
+        while running && !full() && in_flight.len() < args.iodepth {
             let kind = match args.workload {
                 Workload::DioRandrw => {
                     if splitmix(&mut mix) & 1 == 0 {
