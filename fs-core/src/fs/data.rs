@@ -504,13 +504,14 @@ impl Fs {
     /// data while the old owner still names it). On ENOSPC with such space
     /// pending, commit now and report that a retry may succeed, as ext4
     /// does.
+    ///
+    /// The frees may also be in a commit already under way (another task
+    /// hit ENOSPC first): the sync waits for it. A retry is worth it only
+    /// if space came back.
     async fn reclaim_pending_frees(&self) -> FsResult<bool> {
-        let pending: u64 = self.inner.state.borrow().pending_free.iter().map(|r| r.len).sum();
-        if pending == 0 {
-            return Ok(false);
-        }
+        let before = self.inner.available_blocks();
         journal::sync(&self.inner).await?;
-        Ok(true)
+        Ok(self.inner.available_blocks() > before)
     }
 
     async fn write_from_once<S: WriteSource + ?Sized>(&self, ino: u64, offset: u64, data: &S) -> FsResult<u32> {

@@ -41,6 +41,9 @@ use codec::Writer;
 use format::{Superblock, BLOCK_BYTES, BLOCK_SIZE};
 use state::{ApplyMode, State};
 
+/// The smallest checkpoint reserve: 1 MiB.
+const CHECKPOINT_RESERVE_MIN_BLOCKS: u64 = 256;
+
 /// Settings of a mounted filesystem.
 #[derive(Clone, Debug)]
 pub struct FsConfig {
@@ -187,9 +190,20 @@ impl FsInner {
         Ok(())
     }
 
+    /// Blocks data may not take: room for the next checkpoint, which must
+    /// be writable even when data has filled the device, because a
+    /// transaction too large for the journal ring commits as a checkpoint,
+    /// and that commit is what releases the blocks freed since the last
+    /// one (and unmount always checkpoints). Twice the current checkpoint,
+    /// for growth, and at least 1 MiB.
+    fn checkpoint_reserve(&self) -> u64 {
+        let current: u64 = self.sb.borrow().checkpoint_extents.iter().map(|r| r.len).sum();
+        (2 * current).max(CHECKPOINT_RESERVE_MIN_BLOCKS)
+    }
+
     fn available_blocks(&self) -> u64 {
         let free = self.state.borrow().alloc.free_blocks();
-        free.saturating_sub(self.journal.borrow().delalloc_reserved)
+        free.saturating_sub(self.journal.borrow().delalloc_reserved).saturating_sub(self.checkpoint_reserve())
     }
 
     fn release_delalloc(&self, blocks: u64) {
