@@ -25,8 +25,8 @@ then prints a summary, sends keelfsd SIGTERM, waits for it, runs
 keelfsd fsck on the image and removes the directory.
 
 Options:
-  --keelfsd PATH   keelfsd binary (default: target/release/keelfsd, else
-                   target/debug/keelfsd)
+  --keelfsd PATH   keelfsd binary (default: target/release/keelfsd, built
+                   or brought up to date with cargo first)
   --workloads DIR  the seed fio job files (default: shared/workloads beside
                    the repository; built-in equivalents when absent)
   --full           run the job files at their own sizes and run times
@@ -58,6 +58,11 @@ while (($#)); do
   esac
 done
 
+if [[ -z $keelfsd_src ]] && command -v cargo >/dev/null; then
+  # Build (or bring up to date) the release binary: on a fresh machine,
+  # scripts/setup.sh && qemu-scripts/demo.sh is all it takes.
+  (cd "$repo" && cargo build --release -q -p keelfsd) || die "building keelfsd failed"
+fi
 if [[ -z $keelfsd_src ]]; then
   for c in "$repo/target/release/keelfsd" "$repo/target/debug/keelfsd"; do
     [[ -x $c ]] && { keelfsd_src=$c; break; }
