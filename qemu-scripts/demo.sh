@@ -38,7 +38,8 @@ Options:
 EOF
 }
 
-die() { echo "$prog: error: $*" >&2; exit 2; }
+# shellcheck source=qemu-scripts/lib.sh
+source "$script_dir/lib.sh"
 say() { echo "$prog: $*" >&2; }
 
 keelfsd_src=""
@@ -63,12 +64,7 @@ if [[ -z $keelfsd_src ]] && command -v cargo >/dev/null; then
   # scripts/setup.sh && qemu-scripts/demo.sh is all it takes.
   (cd "$repo" && cargo build --release -q -p keelfsd) || die "building keelfsd failed"
 fi
-if [[ -z $keelfsd_src ]]; then
-  for c in "$repo/target/release/keelfsd" "$repo/target/debug/keelfsd"; do
-    [[ -x $c ]] && { keelfsd_src=$c; break; }
-  done
-  [[ -n $keelfsd_src ]] || die "keelfsd is not built: run 'cargo build --release' in $repo (or pass --keelfsd PATH)"
-fi
+[[ -n $keelfsd_src ]] || keelfsd_src=$(find_keelfsd)
 [[ -x $keelfsd_src ]] || die "--keelfsd $keelfsd_src: not an executable"
 command -v qemu-system-x86_64 >/dev/null ||
   die "qemu-system-x86_64 not found: apt-get install -t bookworm-backports qemu-system-x86 (scripts/setup.sh does it)"
@@ -83,16 +79,7 @@ daemon_pid=""
 guest_pid=""
 # shellcheck disable=SC2317  # invoked by traps
 cleanup() {
-  if [[ -n $guest_pid ]] && kill -0 "$guest_pid" 2>/dev/null; then
-    kill -TERM "$guest_pid" 2>/dev/null || true
-    wait "$guest_pid" 2>/dev/null || true
-  fi
-  if [[ -n $daemon_pid ]] && kill -0 "$daemon_pid" 2>/dev/null; then
-    kill -TERM "$daemon_pid" 2>/dev/null || true
-    for _ in $(seq 1 100); do kill -0 "$daemon_pid" 2>/dev/null || break; sleep 0.2; done
-    kill -KILL "$daemon_pid" 2>/dev/null || true
-    wait "$daemon_pid" 2>/dev/null || true
-  fi
+  stop_guest_and_daemon "$guest_pid" "$daemon_pid" 100
   if ((keep)); then
     say "kept $tmp"
   else

@@ -62,7 +62,8 @@ WORKDIR/logs/q<N>-fsck-<k>.log.
 EOF
 }
 
-die() { echo "$prog: error: $*" >&2; exit 2; }
+# shellcheck source=qemu-scripts/lib.sh
+source "$script_dir/lib.sh"
 log() { echo "$prog: $*" >&2; }
 
 keelfsd_src=""
@@ -104,12 +105,7 @@ done
 ((with_crash == 0)) || only+=(crash)
 selected() { [[ " ${only[*]} " == *" $1 "* ]]; }
 
-if [[ -z $keelfsd_src ]]; then
-  for c in "$repo/target/release/keelfsd" "$repo/target/debug/keelfsd"; do
-    [[ -x $c ]] && { keelfsd_src=$c; break; }
-  done
-  [[ -n $keelfsd_src ]] || die "no keelfsd in target/release or target/debug: build it (cargo build --release) or pass --keelfsd PATH"
-fi
+[[ -n $keelfsd_src ]] || keelfsd_src=$(find_keelfsd)
 [[ -x $keelfsd_src ]] || die "--keelfsd $keelfsd_src: not an executable"
 command -v qemu-system-x86_64 >/dev/null || die "qemu-system-x86_64 not found (scripts/setup.sh installs it)"
 
@@ -132,16 +128,7 @@ daemon_pid=""
 guest_pid=""
 # shellcheck disable=SC2317  # invoked by traps
 cleanup() {
-  if [[ -n $guest_pid ]] && kill -0 "$guest_pid" 2>/dev/null; then
-    kill -TERM "$guest_pid" 2>/dev/null || true
-    wait "$guest_pid" 2>/dev/null || true
-  fi
-  if [[ -n $daemon_pid ]] && kill -0 "$daemon_pid" 2>/dev/null; then
-    kill -TERM "$daemon_pid" 2>/dev/null || true
-    for _ in $(seq 1 50); do kill -0 "$daemon_pid" 2>/dev/null || break; sleep 0.2; done
-    kill -KILL "$daemon_pid" 2>/dev/null || true
-    wait "$daemon_pid" 2>/dev/null || true
-  fi
+  stop_guest_and_daemon "$guest_pid" "$daemon_pid" 50
 }
 trap cleanup EXIT
 trap 'log "interrupted"; exit 130' INT TERM

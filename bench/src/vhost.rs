@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
-use keelfs_vhost::frontend::{FrontendConfig, FsFrontend, QueueDriver, Used};
-use keelfs_vhost::fuse::abi::{encode_request, init_flags as f, Opcode, Reply, ENTRY_OUT_BYTES, OUT_HEADER_BYTES};
+use keelfs_vhost::frontend::{io_request, FrontendConfig, FsFrontend, QueueDriver, Used};
+use keelfs_vhost::fuse::abi::{init_flags as f, Opcode, Reply, ENTRY_OUT_BYTES, OUT_HEADER_BYTES};
 use serde_json::json;
 
 use crate::hist::Histogram;
@@ -83,21 +83,6 @@ fn splitmix(state: &mut u64) -> u64 {
     z ^ (z >> 31)
 }
 
-fn io_in(fh: u64, offset: u64, size: u32) -> Reply {
-    let mut b = Reply::default();
-    b.u64(fh).u64(offset).u32(size).u32(0).u64(0).u32(0).u32(0);
-    b
-}
-
-/// A FUSE_WRITE header whose length covers `len` bytes of data carried in
-/// a separate buffer.
-fn write_header(unique: u64, nodeid: u64, fh: u64, offset: u64, len: usize) -> Vec<u8> {
-    let mut h = encode_request(Opcode::Write as u32, unique, nodeid, 0, 0, &io_in(fh, offset, len as u32).bytes);
-    let total = (h.len() + len) as u32;
-    h[..4].copy_from_slice(&total.to_le_bytes());
-    h
-}
-
 fn check(err: i32, what: &str) -> anyhow::Result<()> {
     if err != 0 {
         bail!("{what}: {}", std::io::Error::from_raw_os_error(err));
@@ -128,7 +113,7 @@ fn fill(q: &mut QueueDriver, nodeid: u64, fh: u64, bytes: u64) -> anyhow::Result
     let mut offset = 0;
     while offset < bytes {
         let unique = q.next_unique();
-        let head = q.submit_split(&write_header(unique, nodeid, fh, offset, CHUNK), &data, 0)?;
+        let head = q.submit_split(&io_request(Opcode::Write, unique, nodeid, fh, offset, CHUNK as u32), &data, 0)?;
         let used = q.wait_for(head, Duration::from_secs(30))?;
         let reply = q.reply(used)?;
         check(-i32::from_le_bytes(reply[4..8].try_into()?), "filling the file")?;
@@ -184,20 +169,12 @@ fn worker(mut q: QueueDriver, args: &WorkerArgs, target: Target) -> anyhow::Resu
             // Latency starts before the kick: a daemon may serve the
             // request while the kick's syscall is still returning.
             let started = Instant::now();
-            let head = match kind {
-                Kind::Write => q.submit_split(&write_header(unique, target.nodeid, target.fh, offset, bs), &data, 0)?,
-                Kind::Read => {
-                    let h = encode_request(
-                        Opcode::Read as u32,
-                        unique,
-                        target.nodeid,
-                        0,
-                        0,
-                        &io_in(target.fh, offset, bs as u32).bytes,
-                    );
-                    q.submit_split(&h, &[], bs as u32)?
-                }
+            let (opcode, data, read_len) = match kind {
+                Kind::Write => (Opcode::Write, &data[..], 0),
+                Kind::Read => (Opcode::Read, &[][..], bs as u32),
             };
+            let header = io_request(opcode, unique, target.nodeid, target.fh, offset, bs as u32);
+            let head = q.submit_split(&header, data, read_len)?;
             in_flight.insert(head, (kind, started));
             Ok(())
         };

@@ -12,31 +12,27 @@ use crate::tools::UsageError;
 
 /// Open a file or block device with io_uring and O_DIRECT.
 pub fn open(path: &Path) -> anyhow::Result<Arc<dyn BlockDevice>> {
-    let meta = std::fs::metadata(path).map_err(|e| UsageError(format!("cannot open {}: {e}", path.display())))?;
-    if meta.is_dir() {
-        return Err(UsageError(format!("{} is a directory, not a file or block device", path.display())).into());
-    }
-    let dev = UringDevice::open(path, UringOptions::default())
-        .with_context(|| format!("opening {} with io_uring and O_DIRECT", path.display()))?;
-    Ok(Arc::new(dev))
+    open_backend(path, BackendName::Uring, None)
 }
 
-/// Open an export's device with the backend its config names.
+/// Open an export's device with the backend its config names. A path that
+/// is missing or a directory is a usage error, whatever the backend.
 pub fn open_backend(
     path: &Path,
     backend: BackendName,
     sqpoll_idle_ms: Option<u32>,
 ) -> anyhow::Result<Arc<dyn BlockDevice>> {
-    match backend {
-        BackendName::Uring if sqpoll_idle_ms.is_none() => open(path),
-        BackendName::Uring => {
-            let dev = UringDevice::open(path, UringOptions { sqpoll_idle_ms })
-                .with_context(|| format!("opening {} with io_uring (SQPOLL) and O_DIRECT", path.display()))?;
-            Ok(Arc::new(dev))
-        }
-        BackendName::Pmem => {
-            let dev = MappedDevice::pmem(path, 4096).with_context(|| format!("mapping {} as pmem", path.display()))?;
-            Ok(Arc::new(dev))
-        }
+    let meta = std::fs::metadata(path).map_err(|e| UsageError(format!("cannot open {}: {e}", path.display())))?;
+    if meta.is_dir() {
+        return Err(UsageError(format!("{} is a directory, not a file or block device", path.display())).into());
     }
+    Ok(match backend {
+        BackendName::Uring => Arc::new(
+            UringDevice::open(path, UringOptions { sqpoll_idle_ms })
+                .with_context(|| format!("opening {} with io_uring and O_DIRECT", path.display()))?,
+        ),
+        BackendName::Pmem => {
+            Arc::new(MappedDevice::pmem(path, 4096).with_context(|| format!("mapping {} as pmem", path.display()))?)
+        }
+    })
 }

@@ -361,50 +361,15 @@ async fn run_export(
             return;
         }
     };
-    let session_config = CacheMode::from(export.cache).session_config();
-    let server = match &export.socket {
-        Some(socket) => {
-            match VhostUserServer::start(fs.clone(), session_config.clone(), socket, export.request_queues) {
-                Ok(server) => {
-                    if let Err(e) = apply_socket_access(socket, &export) {
-                        let _ = events.send(Event::Failed { tag, error: format!("{e:#}") });
-                        server.stop().await;
-                        let _ = fs.unmount().await;
-                        return;
-                    }
-                    Some(Rc::new(server))
-                }
-                Err(e) => {
-                    let _ =
-                        events.send(Event::Failed { tag, error: format!("starting the vhost-user-fs device: {e}") });
-                    let _ = fs.unmount().await;
-                    return;
-                }
-            }
+    let (server, mount, fuse_stats) = match start_transports(&export, &fs).await {
+        Ok(started) => started,
+        Err(e) => {
+            let _ = events.send(Event::Failed { tag, error: format!("{e:#}") });
+            let _ = fs.unmount().await;
+            return;
         }
-        None => None,
     };
-    let mut fuse_stats = None;
-    let mount = match &export.fuse_mount {
-        Some(dir) => match FuseMount::mount(dir, "keelfs") {
-            Ok(mount) => {
-                let session = Rc::new(Session::new(fs.clone(), session_config.clone()));
-                fuse_stats = Some(session.stats().clone());
-                serve_fuse(session, mount.clone());
-                Some(mount)
-            }
-            Err(e) => {
-                let _ = events
-                    .send(Event::Failed { tag, error: format!("mounting {} through /dev/fuse: {e}", dir.display()) });
-                if let Some(server) = server.and_then(|s| Rc::try_unwrap(s).ok()) {
-                    server.stop().await;
-                }
-                let _ = fs.unmount().await;
-                return;
-            }
-        },
-        None => None,
-    };
+    let server = server.map(Rc::new);
     LOCAL.with(|l| {
         l.borrow_mut().exports.push(LocalExport {
             tag: tag.clone(),
@@ -439,6 +404,42 @@ async fn run_export(
     let _ = events.send(Event::Stopped { tag, error });
 }
 
+/// The export's vhost-user-fs device and host mount, as configured. On
+/// failure whatever was started is stopped again.
+async fn start_transports(
+    export: &Export,
+    fs: &Fs,
+) -> anyhow::Result<(Option<VhostUserServer>, Option<Rc<FuseMount>>, Option<Rc<OpStats>>)> {
+    let session_config = CacheMode::from(export.cache).session_config();
+    let server = match &export.socket {
+        Some(socket) => {
+            let server = VhostUserServer::start(fs.clone(), session_config.clone(), socket, export.request_queues)
+                .context("starting the vhost-user-fs device")?;
+            if let Err(e) = apply_socket_access(socket, export) {
+                server.stop().await;
+                return Err(e);
+            }
+            Some(server)
+        }
+        None => None,
+    };
+    let Some(dir) = &export.fuse_mount else { return Ok((server, None, None)) };
+    match FuseMount::mount(dir, "keelfs") {
+        Ok(mount) => {
+            let session = Rc::new(Session::new(fs.clone(), session_config));
+            let stats = session.stats().clone();
+            serve_fuse(session, mount.clone());
+            Ok((server, Some(mount), Some(stats)))
+        }
+        Err(e) => {
+            if let Some(server) = server {
+                server.stop().await;
+            }
+            Err(anyhow::anyhow!("mounting {} through /dev/fuse: {e}", dir.display()))
+        }
+    }
+}
+
 async fn mount(
     reactor_id: usize,
     export: &Export,
@@ -470,6 +471,20 @@ fn apply_socket_access(socket: &Path, export: &Export) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Per-opcode counters as a JSON object keyed by opcode name.
+fn ops_json(stats: &OpStats) -> Value {
+    stats
+        .snapshot()
+        .into_iter()
+        .map(|op| {
+            let line = json!({"requests": op.requests, "errors": op.errors, "bytes": op.bytes,
+                              "p50_us": op.p50_us, "p99_us": op.p99_us});
+            (op.op, line)
+        })
+        .collect::<serde_json::Map<_, _>>()
+        .into()
+}
+
 /// This reactor's exports as JSON, for the stats RPC.
 pub fn local_stats() -> Vec<Value> {
     LOCAL.with(|l| {
@@ -479,19 +494,8 @@ pub fn local_stats() -> Vec<Value> {
             .map(|e| {
                 let c = e.fs.counters();
                 let cache = e.fs.cache_stats();
-                let mut ops = serde_json::Map::new();
-                let mut add = |stats: &OpStats| {
-                    for op in stats.snapshot() {
-                        ops.insert(
-                            op.op.clone(),
-                            json!({"requests": op.requests, "errors": op.errors, "bytes": op.bytes,
-                                   "p50_us": op.p50_us, "p99_us": op.p99_us}),
-                        );
-                    }
-                };
                 let mut device = Value::Null;
                 if let Some(server) = &e.server {
-                    add(server.op_stats());
                     let d = server.stats();
                     device = json!({
                         "socket": server.socket(),
@@ -503,22 +507,11 @@ pub fn local_stats() -> Vec<Value> {
                         "in_flight_max": d.in_flight_max.get(),
                     });
                 }
-                let fuse = e.fuse_stats.as_ref().map(|s| {
-                    let mut fuse_ops = serde_json::Map::new();
-                    for op in s.snapshot() {
-                        fuse_ops.insert(
-                            op.op.clone(),
-                            json!({"requests": op.requests, "errors": op.errors,
-                            "bytes": op.bytes, "p50_us": op.p50_us, "p99_us": op.p99_us}),
-                        );
-                    }
-                    Value::Object(fuse_ops)
-                });
                 json!({
                     "tag": e.tag,
                     "virtio_fs": device,
-                    "ops": ops,
-                    "fuse_mount_ops": fuse,
+                    "ops": e.server.as_ref().map_or_else(|| Value::Object(Default::default()), |s| ops_json(s.op_stats())),
+                    "fuse_mount_ops": e.fuse_stats.as_deref().map(ops_json),
                     "fs": {
                         "journal_commits": c.journal_commits, "journal_blocks_written": c.journal_blocks_written,
                         "device_flushes": c.device_flushes, "checkpoints": c.checkpoints,

@@ -88,6 +88,47 @@ pub struct RawDesc {
     pub next: u16,
 }
 
+impl RawDesc {
+    /// The 16 bytes of a split-ring descriptor.
+    fn encode(&self) -> [u8; 16] {
+        let mut raw = [0u8; 16];
+        raw[..8].copy_from_slice(&self.addr.to_le_bytes());
+        raw[8..12].copy_from_slice(&self.len.to_le_bytes());
+        raw[12..14].copy_from_slice(&self.flags.to_le_bytes());
+        raw[14..].copy_from_slice(&self.next.to_le_bytes());
+        raw
+    }
+
+    /// Write descriptors as a table at guest address `at`.
+    fn write_table(mem: &GuestMemoryMmap, at: u64, descs: &[RawDesc]) -> FrontendResult<()> {
+        for (i, d) in descs.iter().enumerate() {
+            mem.write_slice(&d.encode(), GuestAddress(at + 16 * i as u64))
+                .map_err(|e| FrontendError::Memory(e.to_string()))?;
+        }
+        Ok(())
+    }
+}
+
+/// fuse_read_in / fuse_write_in for `size` bytes at `offset` through `fh`.
+pub fn io_in(fh: u64, offset: u64, size: u32) -> Vec<u8> {
+    let mut b = Reply::default();
+    b.u64(fh).u64(offset).u32(size).u32(0).u64(0).u32(0).u32(0);
+    b.bytes
+}
+
+/// A FUSE_READ or FUSE_WRITE request header as Linux's driver sends it
+/// in its own buffer: fuse_in_header plus fuse_*_in. For a write, the
+/// header's length also covers the `size` data bytes that follow in
+/// separate buffers.
+pub fn io_request(opcode: Opcode, unique: u64, nodeid: u64, fh: u64, offset: u64, size: u32) -> Vec<u8> {
+    let mut header = encode_request(opcode as u32, unique, nodeid, 0, 0, &io_in(fh, offset, size));
+    if opcode == Opcode::Write {
+        let total = header.len() as u32 + size;
+        header[..4].copy_from_slice(&total.to_le_bytes());
+    }
+    header
+}
+
 /// A used-ring entry.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Used {
@@ -323,9 +364,12 @@ impl FsFrontend {
         self.driver_mut(queue).submit_raw_at(base, descs)
     }
 
+    /// Write `descs` as an indirect descriptor table at guest address `at`
+    /// (their `next` fields index the table); returns the descriptor that
+    /// points at it.
     pub fn write_indirect_table(&self, at: u64, descs: &[RawDesc]) -> FrontendResult<RawDesc> {
-        let any = self.drivers.iter().flatten().next().expect("a queue");
-        any.write_indirect_table(at, descs)
+        RawDesc::write_table(&self.mem, at, descs)?;
+        Ok(RawDesc { addr: at, len: 16 * descs.len() as u32, flags: DESC_INDIRECT, next: 0 })
     }
 
     pub fn submit_head(&mut self, queue: usize, head: u16) -> FrontendResult<()> {
@@ -392,13 +436,7 @@ impl QueueDriver {
     }
 
     fn write_desc(&self, index: u16, d: RawDesc) -> FrontendResult<()> {
-        let at = self.ring.desc + 16 * u64::from(index);
-        let mut raw = [0u8; 16];
-        raw[..8].copy_from_slice(&d.addr.to_le_bytes());
-        raw[8..12].copy_from_slice(&d.len.to_le_bytes());
-        raw[12..14].copy_from_slice(&d.flags.to_le_bytes());
-        raw[14..].copy_from_slice(&d.next.to_le_bytes());
-        self.mem.write_slice(&raw, GuestAddress(at)).map_err(|e| FrontendError::Memory(e.to_string()))
+        RawDesc::write_table(&self.mem, self.ring.desc + 16 * u64::from(index), &[d])
     }
 
     fn mem_err(e: vm_memory::GuestMemoryError) -> FrontendError {
@@ -530,21 +568,6 @@ impl QueueDriver {
         }
         self.publish(base)?;
         Ok(base)
-    }
-
-    /// Write `descs` as an indirect descriptor table at guest address `at`
-    /// (their `next` fields index the table); returns the descriptor that
-    /// points at it.
-    pub fn write_indirect_table(&self, at: u64, descs: &[RawDesc]) -> FrontendResult<RawDesc> {
-        for (i, d) in descs.iter().enumerate() {
-            let mut raw = [0u8; 16];
-            raw[..8].copy_from_slice(&d.addr.to_le_bytes());
-            raw[8..12].copy_from_slice(&d.len.to_le_bytes());
-            raw[12..14].copy_from_slice(&d.flags.to_le_bytes());
-            raw[14..].copy_from_slice(&d.next.to_le_bytes());
-            self.mem.write_slice(&raw, GuestAddress(at + 16 * i as u64)).map_err(Self::mem_err)?;
-        }
-        Ok(RawDesc { addr: at, len: 16 * descs.len() as u32, flags: DESC_INDIRECT, next: 0 })
     }
 
     /// Publish a head index as is, even one that names no descriptor.

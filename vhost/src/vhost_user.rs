@@ -357,8 +357,8 @@ fn accept_loop(
             Ok(()) if !stopping.load(Ordering::Acquire) => {
                 *active.lock().unwrap_or_else(|e| e.into_inner()) = daemon.shutdown_handle();
                 match daemon.wait() {
-                    Ok(()) => eprintln!("keelfs: vhost-user frontend disconnected"),
-                    Err(vhost_user_backend::Error::HandleRequest(
+                    Ok(())
+                    | Err(vhost_user_backend::Error::HandleRequest(
                         vhost::vhost_user::Error::Disconnected | vhost::vhost_user::Error::PartialMessage,
                     )) => eprintln!("keelfs: vhost-user frontend disconnected"),
                     Err(e) => eprintln!("keelfs: vhost-user frontend dropped after an error: {e}"),

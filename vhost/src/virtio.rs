@@ -75,9 +75,9 @@ where
     M: Deref<Target = GuestMemoryMmap> + Clone,
 {
     let head = chain.head_index();
-    if truncated(&chain) {
+    let Some(buffers) = walk(&chain) else {
         return (head, 0, ChainOutcome::Dropped("descriptor chain loops, overruns the ring or ends in NEXT"));
-    }
+    };
     let keep = chain.clone();
     let mem = keep.memory();
     let (Ok(mut reader), Ok(mut writer)) = (chain.clone().reader(mem), chain.clone().writer(mem)) else {
@@ -97,7 +97,7 @@ where
         Some(error_reply(unique, libc::E2BIG))
     } else {
         if let Some(mem) = direct.filter(|_| prefix_len == prefix.len()) {
-            if let Some(done) = serve_direct(session, &chain, &prefix, len, mem, &mut writer).await {
+            if let Some(done) = serve_direct(session, &buffers, &prefix, len, mem, &mut writer).await {
                 return (head, done.0, done.1);
             }
         }
@@ -144,17 +144,14 @@ fn le_u64(b: &[u8]) -> u64 {
 /// the source or sink of the one copy to or from the page cache. None when
 /// the request is anything else, or is odd in any way: the copying path
 /// then serves it, errors included.
-async fn serve_direct<M>(
+async fn serve_direct(
     session: &Session,
-    chain: &DescriptorChain<M>,
+    buffers: &ChainBuffers,
     prefix: &[u8; IN_HEADER_BYTES + IO_IN_BYTES],
     len: usize,
     mem: Arc<GuestMemoryMmap>,
     writer: &mut Writer<'_>,
-) -> Option<(u32, ChainOutcome)>
-where
-    M: Deref<Target = GuestMemoryMmap> + Clone,
-{
+) -> Option<(u32, ChainOutcome)> {
     let (declared, opcode, unique, nodeid) =
         (le_u32(&prefix[0..]) as usize, le_u32(&prefix[4..]), le_u64(&prefix[8..]), le_u64(&prefix[16..]));
     let body = &prefix[IN_HEADER_BYTES..];
@@ -168,21 +165,15 @@ where
     if !direct && !session.buffered_file(fh, nodeid) {
         return None; // a bad handle: the copying path says EBADF
     }
-    let (mut readable, mut writable) = (Vec::new(), Vec::new());
-    for d in chain.clone() {
-        if d.is_write_only() {
-            writable.push((d.addr().0, d.len()));
-        } else if writable.is_empty() {
-            readable.push((d.addr().0, d.len()));
-        } else {
-            return None; // readable after writable: let the copying path refuse it
-        }
+    if !buffers.ordered {
+        return None; // readable after writable: let the copying path refuse it
     }
+    let (readable, writable) = (&buffers.readable, &buffers.writable);
     if is_write {
         if len != prefix.len() + size || writer.available_bytes() < OUT_HEADER_BYTES + 8 {
             return None;
         }
-        let data = GuestBuffer::new(mem, &readable, prefix.len(), size)?;
+        let data = GuestBuffer::new(mem, readable, prefix.len(), size)?;
         let reply = if direct {
             session.write_direct_from(unique, nodeid, offset, data).await
         } else {
@@ -201,7 +192,7 @@ where
     if len != prefix.len() || writer.available_bytes() < OUT_HEADER_BYTES + size {
         return None;
     }
-    let into = GuestBuffer::new(mem, &writable, OUT_HEADER_BYTES, size)?;
+    let into = GuestBuffer::new(mem, writable, OUT_HEADER_BYTES, size)?;
     let (into, result) = if direct {
         session.read_direct_into(nodeid, offset, into).await
     } else {
@@ -232,16 +223,36 @@ where
     }
 }
 
-/// True if the chain ends on a descriptor that still says "next": the
-/// queue's iterator stopped early because the chain loops, is longer than
-/// the ring (or its indirect table), or points past it. A well-formed
-/// chain's last descriptor never has NEXT, so such chains are refused
-/// rather than served through whatever prefix was walked.
-fn truncated<M>(chain: &DescriptorChain<M>) -> bool
+/// A chain's buffers as (guest address, length), walked once.
+struct ChainBuffers {
+    readable: Vec<(u64, u32)>,
+    writable: Vec<(u64, u32)>,
+    /// Every readable buffer comes before every writable one, as virtio
+    /// requires.
+    ordered: bool,
+}
+
+/// Walk the chain once. None if it ends on a descriptor that still says
+/// "next": the queue's iterator stopped early because the chain loops, is
+/// longer than the ring (or its indirect table), or points past it. A
+/// well-formed chain's last descriptor never has NEXT, so such chains are
+/// refused rather than served through whatever prefix was walked.
+fn walk<M>(chain: &DescriptorChain<M>) -> Option<ChainBuffers>
 where
     M: Deref<Target = GuestMemoryMmap> + Clone,
 {
-    chain.clone().last().is_none_or(|last| last.has_next())
+    let mut buffers = ChainBuffers { readable: Vec::new(), writable: Vec::new(), ordered: true };
+    let mut last_has_next = true;
+    for d in chain.clone() {
+        if d.is_write_only() {
+            buffers.writable.push((d.addr().0, d.len()));
+        } else {
+            buffers.ordered &= buffers.writable.is_empty();
+            buffers.readable.push((d.addr().0, d.len()));
+        }
+        last_has_next = d.has_next();
+    }
+    (!last_has_next).then_some(buffers)
 }
 
 /// Serve every chain available on `queue`, in order, returning their

@@ -12,7 +12,9 @@ use keelfs_core::fs::mkfs::{mkfs, MkfsOptions};
 use keelfs_core::fs::{Fs, FsConfig};
 use keelfs_core::reactor::io::DeviceChannel;
 use keelfs_core::reactor::{self, Reactor, ReactorConfig};
-use keelfs_vhost::frontend::{FrontendConfig, FrontendError, FsFrontend, RawDesc, DESC_NEXT, DESC_WRITE};
+use keelfs_vhost::frontend::{
+    io_in, io_request, FrontendConfig, FrontendError, FsFrontend, RawDesc, Used, DESC_NEXT, DESC_WRITE,
+};
 use keelfs_vhost::fuse::abi::OUT_HEADER_BYTES;
 use keelfs_vhost::fuse::abi::{encode_request, init_flags as f, Opcode, Reply, ENTRY_OUT_BYTES};
 use keelfs_vhost::fuse::dispatch::SessionConfig;
@@ -125,8 +127,26 @@ fn create(fe: &mut FsFrontend, queue: usize, name: &str) -> (u64, u64) {
 
 fn io_body(fh: u64, offset: u64, size: u32) -> Reply {
     let mut b = Reply::default();
-    b.u64(fh).u64(offset).u32(size).u32(0).u64(0).u32(0).u32(0);
+    b.raw(&io_in(fh, offset, size));
     b
+}
+
+/// A READ (`read_len` bytes) or WRITE (`data`) laid out as Linux's driver
+/// lays it out, waited for: the used entry and the reply's (length, errno).
+fn split_io(
+    fe: &mut FsFrontend,
+    (nodeid, fh): (u64, u64),
+    opcode: Opcode,
+    offset: u64,
+    data: &[u8],
+    read_len: u32,
+) -> (Used, (u32, i32)) {
+    let unique = fe.next_unique();
+    let size = if opcode == Opcode::Write { data.len() as u32 } else { read_len };
+    let header = io_request(opcode, unique, nodeid, fh, offset, size);
+    let head = fe.submit_split(1, &header, data, read_len).unwrap();
+    let used = fe.wait_for(1, head, TIMEOUT).unwrap();
+    (used, fuse_status(&fe.reply(1, used).unwrap()))
 }
 
 fn write(fe: &mut FsFrontend, queue: usize, nodeid: u64, fh: u64, offset: u64, data: &[u8]) -> i32 {
@@ -403,15 +423,7 @@ fn direct_io_moves_data_between_guest_pages_and_the_device() {
     assert_ne!(open_flags & 1, 0, "an O_DIRECT open gets FOPEN_DIRECT_IO");
 
     let io = |fe: &mut FsFrontend, opcode: Opcode, offset: u64, data: &[u8], read_len: u32| {
-        let unique = fe.next_unique();
-        let size = if data.is_empty() { read_len } else { data.len() as u32 };
-        let mut header = encode_request(opcode as u32, unique, nodeid, 0, 0, &io_body(fh, offset, size).bytes);
-        // The header's length covers the data in its separate buffer.
-        let total = (header.len() + data.len()) as u32;
-        header[..4].copy_from_slice(&total.to_le_bytes());
-        let head = fe.submit_split(1, &header, data, read_len).unwrap();
-        let used = fe.wait_for(1, head, TIMEOUT).unwrap();
-        (used, fuse_status(&fe.reply(1, used).unwrap()))
+        split_io(fe, (nodeid, fh), opcode, offset, data, read_len)
     };
     // Appends, then overwrites, from page-aligned guest buffers.
     let first: Vec<u8> = (0..65536u32).map(|i| (i % 251) as u8).collect();
@@ -525,14 +537,7 @@ fn buffered_io_copies_once_between_guest_pages_and_the_cache() {
     fe.init(f::INIT_EXT).unwrap();
     let (nodeid, fh) = create(&mut fe, 1, "buffered");
     let io = |fe: &mut FsFrontend, opcode: Opcode, offset: u64, data: &[u8], read_len: u32| {
-        let unique = fe.next_unique();
-        let size = if data.is_empty() { read_len } else { data.len() as u32 };
-        let mut header = encode_request(opcode as u32, unique, nodeid, 0, 0, &io_body(fh, offset, size).bytes);
-        let total = (header.len() + data.len()) as u32;
-        header[..4].copy_from_slice(&total.to_le_bytes());
-        let head = fe.submit_split(1, &header, data, read_len).unwrap();
-        let used = fe.wait_for(1, head, TIMEOUT).unwrap();
-        (used, fuse_status(&fe.reply(1, used).unwrap()))
+        split_io(fe, (nodeid, fh), opcode, offset, data, read_len)
     };
     // Unaligned pieces crossing pages, then reads of cached and of partly
     // cached ranges.

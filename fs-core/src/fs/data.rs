@@ -13,6 +13,7 @@
 //!   extents and advances the size when its own I/O completes, so appends
 //!   never wait for one another.
 
+use std::cell::RefCell;
 use std::rc::Rc;
 
 use super::cache::{CacheFull, PAGE_BYTES};
@@ -39,16 +40,28 @@ fn now() -> Timespec {
     Timespec::now()
 }
 
+/// The part of `page` inside the file range [offset, end): its byte range
+/// within the page and where it lands in a buffer starting at `offset`.
+fn page_part(page: u64, offset: u64, end: u64) -> Option<(std::ops::Range<usize>, usize)> {
+    let page_start = page * BLOCK_SIZE;
+    let (from, to) = (offset.max(page_start), end.min(page_start + BLOCK_SIZE));
+    (from < to).then(|| (((from - page_start) as usize..(to - page_start) as usize), (from - offset) as usize))
+}
+
 /// Copy the part of `page` that falls in `out` (which starts at file
 /// offset `offset`).
 fn copy_page_part(page_data: &[u8], page: u64, offset: u64, out: &mut [u8]) {
-    let page_start = page * BLOCK_SIZE;
-    let end = offset + out.len() as u64;
-    let from = offset.max(page_start);
-    let to = end.min(page_start + BLOCK_SIZE);
-    if from < to {
-        out[(from - offset) as usize..(to - offset) as usize]
-            .copy_from_slice(&page_data[(from - page_start) as usize..(to - page_start) as usize]);
+    if let Some((in_page, at)) = page_part(page, offset, offset + out.len() as u64) {
+        out[at..at + in_page.len()].copy_from_slice(&page_data[in_page]);
+    }
+}
+
+/// A plain buffer as a [`ReadSink`], for the copying read path.
+struct VecSink(RefCell<Vec<u8>>);
+
+impl ReadSink for VecSink {
+    fn copy_from(&self, at: usize, src: &[u8]) {
+        self.0.borrow_mut()[at..at + src.len()].copy_from_slice(src);
     }
 }
 
@@ -325,20 +338,9 @@ impl Fs {
             return Ok(0);
         }
         let end = (offset + u64::from(size)).min(inode.size);
-        let (first, last) = blocks_of(offset, end - offset);
-        {
-            let mut cache = self.inner.cache.borrow_mut();
-            if (first..=last).all(|p| cache.contains((ino, p))) {
-                for page in first..=last {
-                    let p = cache.get((ino, page)).expect("checked above");
-                    let (ps, pe) = (page * BLOCK_SIZE, (page + 1) * BLOCK_SIZE);
-                    let (from, to) = (offset.max(ps), end.min(pe));
-                    sink.copy_from((from - offset) as usize, &p[(from - ps) as usize..(to - ps) as usize]);
-                }
-                drop(cache);
-                self.inner.bump(|c| c.data_bytes_read += end - offset);
-                return Ok((end - offset) as u32);
-            }
+        if self.copy_cached_to(ino, offset, end, sink) {
+            self.inner.bump(|c| c.data_bytes_read += end - offset);
+            return Ok((end - offset) as u32);
         }
         let data = self.read(ino, offset, size).await?;
         sink.copy_from(0, &data);
@@ -389,16 +391,25 @@ impl Fs {
     /// All of [offset, end) from the cache in one synchronous step, or None
     /// if any page is missing.
     fn copy_cached(&self, ino: u64, offset: u64, end: u64) -> Option<Vec<u8>> {
+        let out = VecSink(RefCell::new(vec![0u8; (end - offset) as usize]));
+        self.copy_cached_to(ino, offset, end, &out).then(|| out.0.into_inner())
+    }
+
+    /// [`Self::copy_cached`] into any sink; false (nothing copied) if any
+    /// page is missing.
+    fn copy_cached_to<K: ReadSink + ?Sized>(&self, ino: u64, offset: u64, end: u64, sink: &K) -> bool {
         let (first, last) = blocks_of(offset, end - offset);
         let mut cache = self.inner.cache.borrow_mut();
         if !(first..=last).all(|p| cache.contains((ino, p))) {
-            return None;
+            return false;
         }
-        let mut out = vec![0u8; (end - offset) as usize];
         for page in first..=last {
-            copy_page_part(cache.get((ino, page)).expect("checked above"), page, offset, &mut out);
+            let data = cache.get((ino, page)).expect("checked above");
+            if let Some((in_page, at)) = page_part(page, offset, end) {
+                sink.copy_from(at, &data[in_page]);
+            }
         }
-        Some(out)
+        true
     }
 
     /// Load `pages` (sorted) with as few device reads as possible (runs on
@@ -510,7 +521,7 @@ impl Fs {
     /// if space came back.
     async fn reclaim_pending_frees(&self) -> FsResult<bool> {
         let before = self.inner.available_blocks();
-        journal::sync(&self.inner).await?;
+        journal::commit_all(&self.inner).await?;
         Ok(self.inner.available_blocks() > before)
     }
 

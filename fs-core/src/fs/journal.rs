@@ -415,6 +415,12 @@ fn finish(fs: &FsInner, taken: &Taken) {
 /// Commit everything logged so far; make completed data writes durable.
 pub(crate) async fn sync(fs: &Rc<FsInner>) -> FsResult<()> {
     fs.bump(|c| c.fsyncs += 1);
+    commit_all(fs).await
+}
+
+/// [`sync`] without counting an fsync: for commits the filesystem needs
+/// itself (releasing freed blocks when space runs out).
+pub(crate) async fn commit_all(fs: &Rc<FsInner>) -> FsResult<()> {
     let (ops, data) = {
         let j = fs.journal.borrow();
         (j.logged_ops, j.data_writes)

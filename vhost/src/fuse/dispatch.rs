@@ -360,11 +360,7 @@ impl Session {
             return error_reply(unique, libc::EINVAL);
         }
         match self.fs.write_from(ino, offset, data).await {
-            Ok(n) => {
-                let mut r = Reply::default();
-                r.u32(n).u32(0);
-                r.finish(unique, 0)
-            }
+            Ok(n) => write_out(n).finish(unique, 0),
             Err(e) => error_reply(unique, e.errno()),
         }
     }
@@ -385,11 +381,7 @@ impl Session {
     /// (guest pages). Returns the whole reply.
     pub async fn write_direct_from<B: IoBuffer>(&self, unique: u64, ino: u64, offset: u64, data: B) -> Vec<u8> {
         match self.fs.write_direct(ino, offset, data).await.1 {
-            Ok(n) => {
-                let mut r = Reply::default();
-                r.u32(n).u32(0);
-                r.finish(unique, 0)
-            }
+            Ok(n) => write_out(n).finish(unique, 0),
             Err(e) => error_reply(unique, e.errno()),
         }
     }
@@ -431,9 +423,7 @@ impl Session {
             self.fs.write(ino, offset, data).await
         }
         .map_err(|e| e.errno())?;
-        let mut r = Reply::default();
-        r.u32(n).u32(0);
-        Ok(Some(r))
+        Ok(Some(write_out(n)))
     }
 
     async fn readdir(&self, c: &Creds, ino: u64, offset: u64, size: u32, plus: bool) -> Outcome {
@@ -462,6 +452,13 @@ impl Session {
         }
         Ok(Some(r))
     }
+}
+
+/// fuse_write_out: the bytes written.
+fn write_out(written: u32) -> Reply {
+    let mut r = Reply::default();
+    r.u32(written).u32(0);
+    r
 }
 
 fn open_out(fh: u64, flags: u32, cache: CacheMode) -> Reply {
