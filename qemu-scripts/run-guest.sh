@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Boots the keelfs test guest (built by build-guest.sh) under QEMU with a
-# vhost-user-fs device connected to a running `keelfsd serve --socket PATH`.
+# vhost-user-fs device connected to a running `keelfsd serve --socket PATH`,
+# and/or (--nvme IMG) an emulated NVMe controller behind a virtual IOMMU for
+# keelfs's userspace NVMe driver (VFIO in the guest).
 # With --script, runs that shell script inside the guest, prints the guest's
 # console output and exits with the script's exit status; with --interactive,
 # gives a shell on the console.
@@ -11,14 +13,31 @@ prog=run-guest.sh
 
 usage() {
   cat <<EOF
-Usage: qemu-scripts/$prog --socket PATH [options] (--script FILE | --interactive)
+Usage: qemu-scripts/$prog (--socket PATH | --nvme IMG | both) [options]
+                          (--script FILE | --interactive)
 
-Boots the keelfs test guest against keelfsd's vhost-user-fs socket. The guest
-kernel and initramfs come from qemu-scripts/build-guest.sh (run automatically;
-cached). Inside the guest: mount -t virtiofs "\$KEELFS_TAG" /mnt.
+Boots the keelfs test guest against keelfsd's vhost-user-fs socket, and/or
+with an emulated NVMe controller for keelfs's userspace NVMe driver. The
+guest kernel and initramfs come from qemu-scripts/build-guest.sh (run
+automatically; cached). Inside the guest: mount -t virtiofs "\$KEELFS_TAG"
+/mnt; the NVMe controller is at PCI address \$KEELFS_NVME ($nvme_pci).
 
 Options:
-  --socket PATH      keelfsd's vhost-user-fs socket (keelfsd serve --socket)
+  --socket PATH      keelfsd's vhost-user-fs socket (keelfsd serve --socket);
+                     optional with --nvme (then no virtio-fs device)
+  --nvme IMG         add an NVMe controller (QEMU's nvme device, serial
+                     keelfs-nvme0) backed by the raw image file IMG, at guest
+                     PCI address $nvme_pci, behind a vIOMMU (intel-iommu,
+                     intremap=on, caching-mode=on; machine kernel-irqchip=split;
+                     guest intel_iommu=on) so that the guest can bind it to
+                     vfio-pci. The guest kernel's nvme driver binds it at
+                     boot (/dev/nvme0n1). The guest gets the address as
+                     \$KEELFS_NVME (kernel command line keelfs.nvme=) and in
+                     /keelfs/nvme-pci. IMG is opened with O_DIRECT
+                     (cache=none) when its filesystem allows it, else
+                     cache=writeback
+  --nvme-opts OPTS   extra properties for the nvme device, e.g.
+                     ",logical_block_size=4096,physical_block_size=4096"
   --tag T            virtio-fs tag (default: keelfs); the guest sees it as
                      \$KEELFS_TAG
   --queues N         virtio-fs request queues, num-request-queues (default: 1);
@@ -28,7 +47,14 @@ Options:
   --script FILE      run FILE with /bin/sh (busybox) in the guest, then power
                      off; exit with its status
   --add FILE         also put FILE in the guest as /keelfs/files/NAME
-                     (repeatable; with --script)
+                     (repeatable)
+  --add-bin FILE     put the executable FILE in the guest as /keelfs/bin/NAME
+                     (first on the guest's PATH), with the shared libraries
+                     ldd names for it at their host paths (so dynamically
+                     linked glibc binaries such as target/*/keelfsd run);
+                     ELF files lose their debug info on the way (strip
+                     --strip-debug; symbols stay). Scripts work too
+                     (repeatable)
   --interactive      shell on the console (quit QEMU: Ctrl-A X)
   --timeout SECS     give up after SECS (default: 900 with --script, none
                      with --interactive; 0 = none)
@@ -47,16 +73,27 @@ Exit status (with --script): the script's exit status, read from the
 124 when the timeout passed, 125 when QEMU ended without that line,
 2 for usage errors.
 
-Example:
+Examples:
   keelfsd serve --device /tmp/k.img --socket /tmp/k.sock --queues 2 &
   qemu-scripts/$prog --socket /tmp/k.sock --queues 2 --script test.sh
+
+  truncate -s 1G /dev/shm/nvme.img
+  qemu-scripts/$prog --nvme /dev/shm/nvme.img --add-bin target/release/keelfsd \\
+    --add-bin scripts/nvme-setup.sh --script qemu-scripts/guest-tests/nvme.sh
 EOF
 }
 
 die() { echo "$prog: error: $*" >&2; exit 2; }
 log() { echo "$prog: $*" >&2; }
 
+# The guest PCI address of the --nvme controller: slot 5 of the q35 root
+# bus (-device nvme,addr=0x5).
+nvme_slot=0x5
+nvme_pci=0000:00:05.0
 socket=""
+nvme_img=""
+nvme_opts=""
+add_bins=()
 tag=keelfs
 queues=1
 mem=1G
@@ -82,6 +119,9 @@ while (($#)); do
     --smp) need_arg "$1" $#; smp=$2; shift 2 ;;
     --script) need_arg "$1" $#; script=$2; shift 2 ;;
     --add) need_arg "$1" $#; add_files+=("$2"); shift 2 ;;
+    --add-bin) need_arg "$1" $#; add_bins+=("$2"); shift 2 ;;
+    --nvme) need_arg "$1" $#; nvme_img=$2; shift 2 ;;
+    --nvme-opts) need_arg "$1" $#; nvme_opts=$2; shift 2 ;;
     --interactive) interactive=1; shift ;;
     --timeout) need_arg "$1" $#; timeout=$2; shift 2 ;;
     --accel) need_arg "$1" $#; accel=$2; shift 2 ;;
@@ -95,8 +135,19 @@ while (($#)); do
   esac
 done
 
-[[ -n $socket ]] || die "--socket PATH is required (the socket of keelfsd serve --socket)"
-[[ -S $socket ]] || die "$socket is not a socket; is 'keelfsd serve --socket $socket' running?"
+[[ -n $socket || -n $nvme_img ]] || die "give --socket PATH (the socket of keelfsd serve --socket) and/or --nvme IMG"
+if [[ -n $socket ]]; then
+  [[ -S $socket ]] || die "$socket is not a socket; is 'keelfsd serve --socket $socket' running?"
+fi
+if [[ -n $nvme_img ]]; then
+  [[ -f $nvme_img ]] || die "--nvme $nvme_img: no such file (create one: truncate -s 1G $nvme_img)"
+  [[ -r $nvme_img && -w $nvme_img ]] || die "--nvme $nvme_img: not readable and writable"
+  nvme_size=$(stat -c %s "$nvme_img")
+  ((nvme_size > 0 && nvme_size % 4096 == 0)) || die "--nvme $nvme_img: size $nvme_size is not a positive multiple of 4096"
+  [[ -z $nvme_opts || $nvme_opts == ,* ]] || die "--nvme-opts '$nvme_opts' must start with a comma"
+elif [[ -n $nvme_opts ]]; then
+  die "--nvme-opts needs --nvme"
+fi
 [[ $tag =~ ^[A-Za-z0-9._-]{1,36}$ ]] || die "--tag '$tag': use up to 36 of A-Z a-z 0-9 . _ -"
 [[ $queues =~ ^[1-9][0-9]*$ ]] || die "--queues '$queues' is not a positive integer"
 [[ $smp =~ ^[1-9][0-9]*$ ]] || die "--smp '$smp' is not a positive integer"
@@ -109,8 +160,8 @@ fi
 if [[ -n $script ]]; then
   [[ -f $script && -r $script ]] || die "--script $script: no such readable file"
 fi
-((${#add_files[@]} == 0 || interactive == 0)) || die "--add works with --script only"
 for f in "${add_files[@]}"; do [[ -f $f && -r $f ]] || die "--add $f: no such readable file"; done
+for f in "${add_bins[@]}"; do [[ -f $f && -x $f ]] || die "--add-bin $f: no such executable file"; done
 if [[ -z $timeout ]]; then
   if ((interactive)); then timeout=0; else timeout=900; fi
 fi
@@ -151,33 +202,91 @@ trap cleanup EXIT
 trap 'log "interrupted"; exit 130' INT TERM
 
 cmdline="console=ttyS0 panic=-1 keelfs.tag=$tag"
+# The vIOMMU gives the NVMe controller an IOMMU group, which vfio-pci needs
+# (the guest kernel has no VFIO no-IOMMU mode). No iommu=pt: the
+# controller's DMA must go through the IOMMU for VFIO.
+[[ -z $nvme_img ]] || cmdline+=" intel_iommu=on keelfs.nvme=$nvme_pci"
 ((verbose)) || cmdline+=" quiet"
 [[ -z $append_extra ]] || cmdline+=" $append_extra"
 
+# copy_to_layer SRC DST: one file (following symlinks) into the layer.
+copy_to_layer() {
+  mkdir -p "$(dirname "$2")"
+  cp -L "$1" "$2"
+}
+# add_bin FILE: FILE as /keelfs/bin/NAME, and the libraries ldd names for it
+# at their paths (the loader's too: ldd prints it as an absolute path).
+add_bin() {
+  local src=$1 dst l libs
+  dst=$tmp/layer/keelfs/bin/$(basename "$src")
+  mkdir -p "$tmp/layer/keelfs/bin"
+  # Debug info only makes the initramfs big (the guest unpacks it to RAM).
+  if ! strip --strip-debug -o "$dst" "$src" 2>/dev/null; then
+    rm -f "$dst"
+    cp -L "$src" "$dst"
+  fi
+  chmod 755 "$dst"
+  # Scripts and static binaries: ldd fails, nothing to copy.
+  libs=$(ldd "$src" 2>/dev/null | awk '/=> \// {print $3} /^[[:space:]]*\// {print $1}') || return 0
+  for l in $libs; do
+    [[ -e $tmp/layer$l ]] || copy_to_layer "$l" "$tmp/layer$l"
+  done
+}
+
 initrd=$base_initrd
-if [[ -n $script ]]; then
-  # A second cpio layer with the script, appended to the base initramfs
-  # (the kernel unpacks concatenated archives in order).
+if [[ -n $script || -n $nvme_img ]] || ((${#add_files[@]} + ${#add_bins[@]})); then
+  # A second cpio layer with the script and the added files, appended to
+  # the base initramfs (the kernel unpacks concatenated archives in order).
   mkdir -p "$tmp/layer/keelfs/files"
-  cp "$script" "$tmp/layer/keelfs/script"
-  chmod 755 "$tmp/layer/keelfs/script"
+  if [[ -n $script ]]; then
+    cp "$script" "$tmp/layer/keelfs/script"
+    chmod 755 "$tmp/layer/keelfs/script"
+  fi
   for f in "${add_files[@]}"; do cp "$f" "$tmp/layer/keelfs/files/"; done
+  for f in "${add_bins[@]}"; do add_bin "$f"; done
+  [[ -z $nvme_img ]] || echo "$nvme_pci" >"$tmp/layer/keelfs/nvme-pci"
   (cd "$tmp/layer" && find . | LC_ALL=C sort | cpio -o -H newc -R 0:0 --quiet) |
     gzip -1 >"$tmp/layer.cpio.gz"
   cat "$base_initrd" "$tmp/layer.cpio.gz" >"$tmp/initrd"
   initrd=$tmp/initrd
 fi
 
-qemu=(qemu-system-x86_64
-  -machine "q35,accel=$accel" -cpu "$cpu" -smp "$smp" -m "$mem"
-  -object "memory-backend-memfd,id=mem,size=$mem,share=on" -numa "node,memdev=mem"
-  -chardev "socket,id=char0,path=$socket"
-  -device "vhost-user-fs-pci,chardev=char0,tag=$tag,queue-size=1024,num-request-queues=$queues"
-  -kernel "$kernel" -initrd "$initrd" -append "$cmdline"
+machine="q35,accel=$accel"
+qemu=(qemu-system-x86_64)
+if [[ -n $nvme_img ]]; then
+  # Interrupt remapping needs the split irqchip; the vIOMMU comes before
+  # the PCI devices.
+  machine+=",kernel-irqchip=split"
+  qemu+=(-machine "$machine" -device "intel-iommu,intremap=on,caching-mode=on")
+else
+  qemu+=(-machine "$machine")
+fi
+qemu+=(-cpu "$cpu" -smp "$smp" -m "$mem")
+if [[ -n $nvme_img ]]; then
+  # cache=none is O_DIRECT on the image; some filesystems refuse it.
+  nvme_cache=none
+  if ! dd if="$nvme_img" of=/dev/null bs=4096 count=1 iflag=direct status=none 2>/dev/null; then
+    nvme_cache=writeback
+  fi
+  # Before the virtio-fs device, whose slot QEMU picks, so that slot 5 is
+  # free.
+  qemu+=(-drive "file=$nvme_img,if=none,id=nv0,format=raw,cache=$nvme_cache,discard=unmap"
+    -device "nvme,serial=keelfs-nvme0,drive=nv0,addr=$nvme_slot$nvme_opts")
+fi
+if [[ -n $socket ]]; then
+  # vhost-user needs the guest's memory in a shared memfd.
+  qemu+=(-object "memory-backend-memfd,id=mem,size=$mem,share=on" -numa "node,memdev=mem"
+    -chardev "socket,id=char0,path=$socket"
+    -device "vhost-user-fs-pci,chardev=char0,tag=$tag,queue-size=1024,num-request-queues=$queues")
+fi
+qemu+=(-kernel "$kernel" -initrd "$initrd" -append "$cmdline"
   -nodefaults -display none -nic none -no-reboot
   "${qemu_extra[@]}")
 
-log "booting: accel=$accel cpu=$cpu smp=$smp mem=$mem queues=$queues tag=$tag socket=$socket"
+what=""
+[[ -z $socket ]] || what+=" queues=$queues tag=$tag socket=$socket"
+[[ -z $nvme_img ]] || what+=" nvme=$nvme_img (cache=$nvme_cache, guest $nvme_pci)"
+log "booting: accel=$accel cpu=$cpu smp=$smp mem=$mem$what"
 
 if ((interactive)); then
   log "interactive console; quit QEMU with Ctrl-A X; 'exit' powers the guest off"

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 use keelfs_core::bdev::{
-    fault::splitmix64, BlockDevice, BufferPool, Completion, IoRequest, MappedDevice, PoolBuf, QueueConfig, UringDevice,
-    UringOptions,
+    fault::splitmix64, BlockDevice, BufferPool, Completion, IoRequest, MappedDevice, NvmeAddress, NvmeDevice,
+    NvmeOptions, PoolBuf, QueueConfig, UringDevice, UringOptions,
 };
 use serde_json::json;
 
@@ -23,6 +23,8 @@ use keelfs_core::units::parse_size;
 pub enum Backend {
     Uring,
     Pmem,
+    /// The userspace NVMe driver; --path nvme:PCI[/NSID].
+    Nvme,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -54,7 +56,8 @@ impl Rw {
 pub struct BdevArgs {
     #[arg(long, value_enum)]
     backend: Backend,
-    /// File or block device; a missing file is created and preallocated.
+    /// File or block device (a missing file is created and preallocated),
+    /// or nvme:PCI[/NSID] with --backend nvme.
     #[arg(long)]
     path: PathBuf,
     /// Bytes of the device to use, e.g. 1G.
@@ -89,6 +92,17 @@ struct RoundResult {
     ios: u64,
     elapsed: Duration,
     hist: Histogram,
+    /// This process's CPU time (user + system) over the round.
+    cpu: Duration,
+}
+
+fn process_cpu_time() -> Duration {
+    // SAFETY: getrusage fills the struct we pass.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    tv(usage.ru_utime) + tv(usage.ru_stime)
 }
 
 pub fn run(args: &BdevArgs) -> anyhow::Result<()> {
@@ -101,8 +115,18 @@ pub fn run(args: &BdevArgs) -> anyhow::Result<()> {
     if args.size < args.bs {
         bail!("--size {} is smaller than --bs {}", args.size, args.bs);
     }
-    prepare_file(args)?;
+    if args.backend != Backend::Nvme {
+        prepare_file(args)?;
+    } else if args.vs_fio {
+        bail!(
+            "--vs-fio needs a file; with --backend nvme compare against --backend uring on the kernel's /dev/nvmeXnY"
+        );
+    }
     let device: Arc<dyn BlockDevice> = match args.backend {
+        Backend::Nvme => {
+            let address = NvmeAddress::parse(&args.path.to_string_lossy())?;
+            Arc::new(NvmeDevice::open(&address, NvmeOptions::default()).with_context(|| format!("opening {address}"))?)
+        }
         Backend::Uring => Arc::new(
             UringDevice::open(&args.path, UringOptions { sqpoll_idle_ms: args.sqpoll.then_some(100) })
                 .with_context(|| format!("opening {} with io_uring", args.path.display()))?,
@@ -205,6 +229,7 @@ fn drive(device: &dyn BlockDevice, args: &BdevArgs) -> anyhow::Result<RoundResul
         // at the end of this function.
         unsafe { queue.submit(&req) }
     };
+    let cpu_start = process_cpu_time();
     let start = Instant::now();
     let deadline = start + Duration::from_secs(args.seconds);
     for slot in 0..depth as usize {
@@ -240,7 +265,8 @@ fn drive(device: &dyn BlockDevice, args: &BdevArgs) -> anyhow::Result<RoundResul
     for b in buffers {
         pool.put(b);
     }
-    Ok(RoundResult { ios, elapsed: end - start, hist })
+    let cpu = process_cpu_time().saturating_sub(cpu_start);
+    Ok(RoundResult { ios, elapsed: end - start, hist, cpu })
 }
 
 fn report(args: &BdevArgs, ours: &[RoundResult], peers: &[fio::FioResult]) {
@@ -253,9 +279,15 @@ fn report(args: &BdevArgs, ours: &[RoundResult], peers: &[fio::FioResult]) {
     for r in ours {
         hist.merge(&r.hist);
     }
+    let cpu: f64 = ours.iter().map(|r| r.cpu.as_secs_f64()).sum();
+    let cpu_us_per_io = (cpu * 1e6 / ios.max(1) as f64 * 100.0).round() / 100.0;
     let mut line = json!({
         "bench": "bdev",
-        "backend": match args.backend { Backend::Uring => if args.sqpoll { "uring-sqpoll" } else { "uring" }, Backend::Pmem => "pmem" },
+        "backend": match args.backend {
+            Backend::Uring => if args.sqpoll { "uring-sqpoll" } else { "uring" },
+            Backend::Pmem => "pmem",
+            Backend::Nvme => "nvme",
+        },
         "rw": args.rw.name(),
         "bs": args.bs,
         "iodepth": args.iodepth,
@@ -268,6 +300,7 @@ fn report(args: &BdevArgs, ours: &[RoundResult], peers: &[fio::FioResult]) {
         "mib_s": (iops * args.bs as f64 / (1u64 << 20) as f64 * 10.0).round() / 10.0,
         "lat_us_p50": hist.quantile(0.50) as f64 / 1000.0,
         "lat_us_p99": hist.quantile(0.99) as f64 / 1000.0,
+        "cpu_us_per_io": cpu_us_per_io,
     });
     if !peers.is_empty() {
         let fio_iops = peers.iter().map(|p| p.iops).sum::<f64>() / peers.len() as f64;

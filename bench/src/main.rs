@@ -2,6 +2,7 @@
 //! the same invocation so that results are ratios, not lone figures.
 
 mod bdev;
+mod bdev_check;
 mod core;
 mod core_io;
 mod fio;
@@ -21,6 +22,8 @@ struct Cli {
 enum Command {
     /// Drive a block-device backend from one thread (optionally against fio's io_uring engine).
     Bdev(bdev::BdevArgs),
+    /// Check a block-device backend's correctness (the NVMe driver, or io_uring on a file).
+    BdevCheck(bdev_check::BdevCheckArgs),
     /// Drive fs-core in process on one reactor.
     Core(core::CoreArgs),
     /// Drive any vhost-user-fs daemon (keelfsd, virtiofsd) over its socket.
@@ -31,6 +34,7 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Bdev(args) => bdev::run(&args),
+        Command::BdevCheck(args) => bdev_check::run(&args),
         Command::Core(args) => core::run(&args),
         Command::Vhost(args) => vhost::run(&args),
     }

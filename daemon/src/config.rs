@@ -68,6 +68,8 @@ pub enum BackendName {
     #[default]
     Uring,
     Pmem,
+    /// A PCI NVMe controller driven from userspace through VFIO.
+    Nvme,
 }
 
 #[derive(Debug, Deserialize)]
@@ -76,8 +78,11 @@ struct RawDevice {
     name: Spanned<String>,
     #[serde(default)]
     backend: BackendName,
-    path: PathBuf,
+    path: Option<PathBuf>,
     sqpoll_idle_ms: Option<u32>,
+    /// NVMe only: the controller's PCI address and the namespace.
+    pci: Option<String>,
+    namespace: Option<u32>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -101,6 +106,25 @@ enum CacheName {
     None,
     Auto,
     Always,
+}
+
+/// The path an export's device is opened by: the file for uring and pmem,
+/// `nvme:PCI/NSID` for NVMe.
+fn device_path(device: &RawDevice) -> Result<PathBuf, String> {
+    let name = device.name.get_ref();
+    match (device.backend, &device.path, &device.pci) {
+        (BackendName::Nvme, None, Some(pci)) => {
+            let address = keelfs_core::bdev::NvmeAddress::new(pci, device.namespace.unwrap_or(1))
+                .map_err(|e| format!("device \"{name}\": {e}"))?;
+            Ok(PathBuf::from(address.to_string()))
+        }
+        (BackendName::Nvme, _, _) => Err(format!(
+            "device \"{name}\": an nvme device takes pci = \"DOMAIN:BUS:DEVICE.FUNCTION\" (and namespace), not path"
+        )),
+        (_, Some(path), None) if device.namespace.is_none() => Ok(path.clone()),
+        (_, None, _) => Err(format!("device \"{name}\" needs a path")),
+        _ => Err(format!("device \"{name}\": pci and namespace apply only to backend = \"nvme\"")),
+    }
 }
 
 /// A validated config.
@@ -258,7 +282,8 @@ pub fn parse(file: &str, text: &str) -> Result<Config, ConfigError> {
                 format!("device \"{}\" is already exported: one filesystem per device", e.device.get_ref()),
             ));
         }
-        let mut export = Export::new(tag, device.path.clone());
+        let path = device_path(device).map_err(|m| src.error(device.name.span(), m))?;
+        let mut export = Export::new(tag, path);
         export.backend = device.backend;
         export.sqpoll_idle_ms = device.sqpoll_idle_ms;
         if let Some(socket) = &e.socket {

@@ -4,7 +4,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Context;
-use keelfs_core::bdev::{BlockDevice, MappedDevice, UringDevice, UringOptions};
+use keelfs_core::bdev::{BlockDevice, MappedDevice, NvmeAddress, NvmeDevice, NvmeOptions, UringDevice, UringOptions};
 
 use crate::config::BackendName;
 
@@ -22,6 +22,16 @@ pub fn open_backend(
     backend: BackendName,
     sqpoll_idle_ms: Option<u32>,
 ) -> anyhow::Result<Arc<dyn BlockDevice>> {
+    let name = path.to_string_lossy();
+    if NvmeAddress::is_nvme_name(&name) || backend == BackendName::Nvme {
+        if backend == BackendName::Pmem {
+            return Err(UsageError(format!("{name} names an NVMe controller; the pmem backend needs a file")).into());
+        }
+        let address = NvmeAddress::parse(&name).map_err(|e| UsageError(e.to_string()))?;
+        let device = NvmeDevice::open(&address, NvmeOptions::default())
+            .with_context(|| format!("opening NVMe controller {address} through VFIO"))?;
+        return Ok(Arc::new(device));
+    }
     let meta = std::fs::metadata(path).map_err(|e| UsageError(format!("cannot open {}: {e}", path.display())))?;
     if meta.is_dir() {
         return Err(UsageError(format!("{} is a directory, not a file or block device", path.display())).into());
@@ -31,6 +41,7 @@ pub fn open_backend(
             UringDevice::open(path, UringOptions { sqpoll_idle_ms })
                 .with_context(|| format!("opening {} with io_uring and O_DIRECT", path.display()))?,
         ),
+        BackendName::Nvme => unreachable!("handled above"),
         BackendName::Pmem => {
             Arc::new(MappedDevice::pmem(path, 4096).with_context(|| format!("mapping {} as pmem", path.display()))?)
         }

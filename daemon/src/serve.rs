@@ -361,7 +361,7 @@ async fn run_export(
             return;
         }
     };
-    let (server, mount, fuse_stats) = match start_transports(&export, &fs).await {
+    let (server, mount, fuse_stats) = match start_transports(&export, &fs, &dev).await {
         Ok(started) => started,
         Err(e) => {
             let _ = events.send(Event::Failed { tag, error: format!("{e:#}") });
@@ -409,12 +409,19 @@ async fn run_export(
 async fn start_transports(
     export: &Export,
     fs: &Fs,
+    dev: &Arc<dyn BlockDevice>,
 ) -> anyhow::Result<(Option<VhostUserServer>, Option<Rc<FuseMount>>, Option<Rc<OpStats>>)> {
     let session_config = CacheMode::from(export.cache).session_config();
     let server = match &export.socket {
         Some(socket) => {
-            let server = VhostUserServer::start(fs.clone(), session_config.clone(), socket, export.request_queues)
-                .context("starting the vhost-user-fs device")?;
+            let server = VhostUserServer::start_with_dma(
+                fs.clone(),
+                session_config.clone(),
+                socket,
+                export.request_queues,
+                Some(Arc::clone(dev)),
+            )
+            .context("starting the vhost-user-fs device")?;
             if let Err(e) = apply_socket_access(socket, export) {
                 server.stop().await;
                 return Err(e);

@@ -43,6 +43,12 @@ fn run_on_reactor<T: 'static>(
 /// Create a sparse file of `size` if `path` does not exist, or grow a file
 /// that is smaller than `size`.
 fn prepare_file(path: &Path, size: Option<u64>) -> anyhow::Result<()> {
+    if keelfs_core::bdev::NvmeAddress::is_nvme_name(&path.to_string_lossy()) {
+        if size.is_some() {
+            return Err(UsageError("--size applies only to regular files, not to an NVMe namespace".into()).into());
+        }
+        return Ok(());
+    }
     match std::fs::metadata(path) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             let size = size.unwrap_or(DEFAULT_IMAGE_BYTES);

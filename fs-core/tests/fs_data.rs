@@ -423,3 +423,40 @@ fn append_and_truncate_cycles_do_not_leak_space() {
         assert!(after + 8 >= free, "free blocks {free} before, {after} after");
     });
 }
+
+/// A direct write that extends the file, a truncate below its end, then a
+/// direct write into a hole well inside the new size: the size stays where
+/// the truncate put it. (fsx's O_DIRECT mode over /dev/fuse found the old
+/// size coming back.)
+#[test]
+fn truncate_forgets_the_end_of_earlier_extending_writes() {
+    with_quiet_fs(ram_device(64 * MIB), async |fs: Fs| {
+        let c = Creds::root();
+        let ino = new_file(&fs, "shrink").await;
+        let (_, r) = fs.write_direct(ino, 0xf0000, block(1, 0x10000)).await;
+        r.unwrap();
+        assert_eq!(fs.getattr(ino).await.unwrap().inode.size, 0x100000);
+        let shrink = SetAttr { size: Some(0xd0000), ..SetAttr::default() };
+        fs.setattr(&c, ino, &shrink, true).await.unwrap();
+        assert_eq!(fs.getattr(ino).await.unwrap().inode.size, 0xd0000);
+        let (_, r) = fs.write_direct(ino, 0x10000, block(2, 4096)).await;
+        r.unwrap();
+        assert_eq!(
+            fs.getattr(ino).await.unwrap().inode.size,
+            0xd0000,
+            "a write inside the file must not restore the pre-truncate size"
+        );
+        // And an extending write after that still extends.
+        let (_, r) = fs.write_direct(ino, 0xe0000, block(3, 4096)).await;
+        r.unwrap();
+        assert_eq!(fs.getattr(ino).await.unwrap().inode.size, 0xe1000);
+        // A truncate into the middle of a written block, then a direct
+        // write of that whole block: the block is allocated and written,
+        // but the write still extends the file to the block's end.
+        let mid = SetAttr { size: Some(0xe0dd8), ..SetAttr::default() };
+        fs.setattr(&c, ino, &mid, true).await.unwrap();
+        let (_, r) = fs.write_direct(ino, 0xe0000, block(4, 4096)).await;
+        r.unwrap();
+        assert_eq!(fs.getattr(ino).await.unwrap().inode.size, 0xe1000, "fsx seed 33 over /dev/fuse");
+    });
+}

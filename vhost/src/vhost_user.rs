@@ -28,13 +28,16 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use keelfs_core::bdev::{BlockDevice, MemoryRegion};
 use keelfs_core::fs::Fs;
 use keelfs_core::reactor::{self, Poller, PollerClass};
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost::vhost_user::Listener;
 use vhost_user_backend::{ShutdownHandle, VhostUserBackend, VhostUserDaemon, VringRwLock, VringT};
 use virtio_queue::QueueT;
-use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use vm_memory::{
+    GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, MemoryRegionAddress,
+};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -134,6 +137,19 @@ struct FsBackend {
     queues: usize,
     connection: Arc<Connection>,
     doorbell: Doorbell,
+    /// The device under the filesystem, told of guest memory so that it can
+    /// DMA to it directly (NVMe over VFIO maps it into the IOMMU).
+    dma: Option<Arc<dyn BlockDevice>>,
+}
+
+/// Guest memory regions as the block layer names them.
+fn guest_regions(mem: &GuestMemoryMmap) -> Vec<MemoryRegion> {
+    mem.iter()
+        .filter_map(|region| {
+            let host = region.get_host_address(MemoryRegionAddress(0)).ok()?;
+            Some(MemoryRegion { host_address: host as usize, len: region.len(), guest_address: region.start_addr().0 })
+        })
+        .collect()
 }
 
 impl VhostUserBackend for FsBackend {
@@ -165,9 +181,16 @@ impl VhostUserBackend for FsBackend {
         // The handler sets it on every vring; the reactor asks the vring.
     }
 
-    fn update_memory(&self, _mem: GuestMemoryAtomic<GuestMemoryMmap>) -> io::Result<()> {
+    fn update_memory(&self, mem: GuestMemoryAtomic<GuestMemoryMmap>) -> io::Result<()> {
         // The atomic is the one the reactor already holds; in-flight
         // requests keep the old table mapped until they finish.
+        if let Some(dma) = &self.dma {
+            let regions = guest_regions(&mem.memory());
+            // Failure is not fatal: requests to unmapped memory are copied.
+            if let Err(e) = dma.set_dma_memory(&regions) {
+                eprintln!("keelfs: guest memory stays unmapped for DMA (I/O is copied instead): {e}");
+            }
+        }
         Ok(())
     }
 
@@ -243,6 +266,19 @@ impl VhostUserServer {
     /// Listen on `socket` and serve `fs` to one frontend at a time. Must be
     /// called on the reactor that owns `fs`: its queues are polled there.
     pub fn start(fs: Fs, config: SessionConfig, socket: &Path, request_queues: usize) -> Result<Self, VhostUserError> {
+        Self::start_with_dma(fs, config, socket, request_queues, None)
+    }
+
+    /// As [`Self::start`], also telling `dma` (the device under `fs`) about
+    /// each frontend's guest memory, and that it is gone when the frontend
+    /// leaves.
+    pub fn start_with_dma(
+        fs: Fs,
+        config: SessionConfig,
+        socket: &Path,
+        request_queues: usize,
+        dma: Option<Arc<dyn BlockDevice>>,
+    ) -> Result<Self, VhostUserError> {
         if request_queues == 0 || request_queues > REQUEST_QUEUES_MAX {
             return Err(VhostUserError::QueueCount(request_queues));
         }
@@ -277,7 +313,7 @@ impl VhostUserServer {
             std::thread::Builder::new()
                 .name("vhost-user-listen".into())
                 .spawn(move || {
-                    accept_loop(&mut listener, queues, &doorbell, &stopping, &active);
+                    accept_loop(&mut listener, queues, &doorbell, &stopping, &active, dma.as_ref());
                     finished.store(true, Ordering::Release);
                     doorbell.ring();
                 })
@@ -338,11 +374,13 @@ fn accept_loop(
     doorbell: &Doorbell,
     stopping: &AtomicBool,
     active: &Mutex<Option<ShutdownHandle>>,
+    dma: Option<&Arc<dyn BlockDevice>>,
 ) {
     while !stopping.load(Ordering::Acquire) {
         let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
         let connection = Arc::new(Connection { vrings: OnceLock::new(), kicks: AtomicU64::new(0), mem: mem.clone() });
-        let backend = FsBackend { queues, connection: connection.clone(), doorbell: doorbell.clone() };
+        let backend =
+            FsBackend { queues, connection: connection.clone(), doorbell: doorbell.clone(), dma: dma.cloned() };
         let mut daemon = match VhostUserDaemon::new("keelfs".into(), backend, mem) {
             Ok(daemon) => daemon,
             Err(e) => {
@@ -373,7 +411,12 @@ fn accept_loop(
         }
         // Wait for the reactor to drop the connection's requests before
         // accepting the next frontend, so that two never mix.
-        if !doorbell.call(|done| Control::Disconnected { done }, Duration::from_secs(3600)) {
+        let drained = doorbell.call(|done| Control::Disconnected { done }, Duration::from_secs(3600));
+        // Nothing is in flight to the old guest's memory any more.
+        if let Some(dma) = dma {
+            let _ = dma.set_dma_memory(&[]);
+        }
+        if !drained {
             return;
         }
     }

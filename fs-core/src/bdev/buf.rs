@@ -123,6 +123,12 @@ impl BufferPool {
         self.buffer_bytes
     }
 
+    /// The whole region: its start, its length, and a handle that keeps it
+    /// alive (for a backend that maps it for DMA).
+    pub fn region(&self) -> (*mut u8, usize, Arc<AlignedBuf>) {
+        (self.base, self.region.len(), Arc::clone(&self.region))
+    }
+
     pub fn count(&self) -> usize {
         self.region.len() / self.buffer_bytes
     }

@@ -172,7 +172,7 @@ fn kind_index(kind: IoKind) -> usize {
     match kind {
         IoKind::Read => 0,
         IoKind::Write => 1,
-        IoKind::Flush => 2,
+        IoKind::Flush | IoKind::Discard { .. } => 2,
     }
 }
 
@@ -340,6 +340,9 @@ impl IoQueue for FaultQueue {
     unsafe fn submit(&mut self, req: &IoRequest<'_>) -> Result<(), BdevError> {
         let geometry = self.inner.geometry();
         let total = validate_request(&geometry, req)?;
+        if let IoKind::Discard { .. } = req.kind {
+            return Err(BdevError::Unsupported("the fault wrapper does not model discard"));
+        }
         let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let action = state.decide(req.kind, req.offset_bytes, total);
         let recording = state.recording;

@@ -266,6 +266,7 @@ impl IoQueue for MappedQueue {
         }
         let result = match req.kind {
             IoKind::Flush => self.flush(),
+            IoKind::Discard { .. } => return Err(BdevError::Unsupported("the mapped backend does not discard")),
             IoKind::Read | IoKind::Write => {
                 let mut offset = req.offset_bytes as usize;
                 for v in req.iovecs {

@@ -15,12 +15,14 @@ mod blocking;
 mod buf;
 pub mod fault;
 mod mapped;
+pub mod nvme;
 mod uring;
 
 pub use blocking::BlockingIo;
 pub use buf::{AlignedBuf, BufferPool, PoolBuf};
 pub use fault::{FaultDevice, FaultRule, LogEntry, Persist, WriteLog};
 pub use mapped::{FlushInstruction, MappedDevice};
+pub use nvme::{NvmeAddress, NvmeDevice, NvmeError, NvmeOptions};
 pub use uring::{UringDevice, UringOptions};
 
 use std::os::fd::RawFd;
@@ -68,6 +70,11 @@ pub enum IoKind {
     Write,
     /// Make every write completed before this request durable.
     Flush,
+    /// Tell the device `bytes` from the offset hold nothing worth keeping
+    /// (NVMe deallocate). Backends without it answer `Unsupported`.
+    Discard {
+        bytes: u64,
+    },
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -90,6 +97,9 @@ impl<'a> IoRequest<'a> {
     }
     pub fn flush(token: Token) -> Self {
         Self { token, kind: IoKind::Flush, offset_bytes: 0, iovecs: &[], pool_index: None }
+    }
+    pub fn discard(token: Token, offset_bytes: u64, bytes: u64) -> Self {
+        Self { token, kind: IoKind::Discard { bytes }, offset_bytes, iovecs: &[], pool_index: None }
     }
     pub fn with_pool_index(mut self, index: u16) -> Self {
         self.pool_index = Some(index);
@@ -133,6 +143,8 @@ pub enum BdevError {
     Setup { step: &'static str, errno: i32 },
     #[error("{0}")]
     Unsupported(&'static str),
+    #[error("NVMe command failed: status code type {sct}, status code {sc:#04x}")]
+    Nvme { sct: u8, sc: u8 },
 }
 
 impl BdevError {
@@ -161,11 +173,33 @@ impl Default for QueueConfig {
     }
 }
 
+/// A long-lived region of memory that requests will name, such as one
+/// region of a guest's memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryRegion {
+    pub host_address: usize,
+    pub len: u64,
+    /// The guest physical address of the region's start.
+    pub guest_address: u64,
+}
+
 /// A device shared by all cores. Each core opens its own queue.
 pub trait BlockDevice: Send + Sync {
     fn name(&self) -> &str;
     fn geometry(&self) -> Geometry;
     fn open_queue(&self, config: QueueConfig) -> Result<Box<dyn IoQueue>, BdevError>;
+
+    /// Make exactly `regions` reachable by the device without a copy (NVMe
+    /// maps them into the IOMMU), replacing the previous set; an empty
+    /// slice clears it. Backends that need no mapping ignore it. A request
+    /// naming memory outside the set still works, through a copy.
+    ///
+    /// The caller keeps each region mapped until a later call drops it, and
+    /// touches registered memory only through raw pointers (a device may
+    /// write it at any time during I/O).
+    fn set_dma_memory(&self, _regions: &[MemoryRegion]) -> Result<(), BdevError> {
+        Ok(())
+    }
 }
 
 /// One core's submission and completion path to a device.
@@ -207,8 +241,33 @@ pub trait IoQueue: Send {
 /// The checks every backend applies before touching a request, so that a bad
 /// request is a typed error and never reaches memory or the device.
 pub fn validate_request(geometry: &Geometry, req: &IoRequest<'_>) -> Result<u64, BdevError> {
-    if req.kind == IoKind::Flush {
-        return Ok(0);
+    let block = u64::from(geometry.logical_block_size);
+    match req.kind {
+        IoKind::Flush => return Ok(0),
+        IoKind::Discard { bytes } => {
+            if !req.offset_bytes.is_multiple_of(block) {
+                return Err(BdevError::MisalignedOffset {
+                    offset: req.offset_bytes,
+                    block: geometry.logical_block_size,
+                });
+            }
+            if bytes == 0 || !bytes.is_multiple_of(block) || bytes / block > u64::from(u32::MAX) {
+                return Err(BdevError::MisalignedBuffer {
+                    addr: 0,
+                    len: bytes as usize,
+                    align: geometry.logical_block_size,
+                });
+            }
+            if req.offset_bytes.checked_add(bytes).is_none_or(|end| end > geometry.capacity_bytes) {
+                return Err(BdevError::OutOfRange {
+                    offset: req.offset_bytes,
+                    len: bytes,
+                    capacity: geometry.capacity_bytes,
+                });
+            }
+            return Ok(0);
+        }
+        IoKind::Read | IoKind::Write => {}
     }
     if req.iovecs.is_empty() {
         return Err(BdevError::Empty);
@@ -216,7 +275,6 @@ pub fn validate_request(geometry: &Geometry, req: &IoRequest<'_>) -> Result<u64,
     if req.iovecs.len() > geometry.max_iovecs_per_request as usize {
         return Err(BdevError::TooManySegments { count: req.iovecs.len(), max: geometry.max_iovecs_per_request });
     }
-    let block = u64::from(geometry.logical_block_size);
     if !req.offset_bytes.is_multiple_of(block) {
         return Err(BdevError::MisalignedOffset { offset: req.offset_bytes, block: geometry.logical_block_size });
     }

@@ -267,6 +267,7 @@ impl UringQueue {
             }
             (Some(IoKind::Read), _, n) => opcode::Readv::new(fd, iov.as_ptr(), n as u32).offset(slot.offset).build(),
             (Some(IoKind::Write), _, n) => opcode::Writev::new(fd, iov.as_ptr(), n as u32).offset(slot.offset).build(),
+            (Some(IoKind::Discard { .. }), _, _) => unreachable!("submit refuses discard"),
             (None, _, _) => unreachable!("SQE built for a free slot"),
         };
         entry.user_data(u64::from(slot_id))
@@ -391,6 +392,9 @@ impl IoQueue for UringQueue {
 
     unsafe fn submit(&mut self, req: &IoRequest<'_>) -> Result<(), BdevError> {
         let total = validate_request(&self.geometry, req)?;
+        if let IoKind::Discard { .. } = req.kind {
+            return Err(BdevError::Unsupported("the io_uring backend does not discard"));
+        }
         self.check_pool_index(req)?;
         if self.in_flight >= self.depth as usize {
             return Err(BdevError::QueueFull);

@@ -841,7 +841,9 @@ impl Fs {
         let (first, last) = blocks_of(offset, end - offset);
         let all_written = |fs: &Fs| -> FsResult<bool> {
             let size = fs.inner.inode(ino)?.size;
-            Ok(end <= size.div_ceil(BLOCK_SIZE) * BLOCK_SIZE
+            // Past the size (even inside the last block) is an extending
+            // write: it must move the size, which this path never does.
+            Ok(end <= size
                 && fs
                     .segments(ino, first, last - first + 1)?
                     .iter()
@@ -1141,6 +1143,9 @@ impl Fs {
         })?;
         if let Some(n) = self.inner.state.borrow_mut().node_mut(ino) {
             n.persist_size_cap = n.persist_size_cap.map(|c| c.min(new_size));
+            // An extending write that finished before the truncate must not
+            // give the file its old size back when the next one finishes.
+            n.extends_done = n.extends_done.min(new_size);
             n.datasync_needed = true;
         }
         Ok(())
