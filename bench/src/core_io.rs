@@ -106,6 +106,12 @@ fn delta(a: FsCounters, b: FsCounters) -> Value {
     })
 }
 
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 fn round2(x: f64) -> f64 {
     (x * 100.0).round() / 100.0
 }
@@ -233,11 +239,6 @@ pub async fn buffered_randrw(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
         write_iops.push(writers_ops.get() as f64 / start.elapsed().as_secs_f64());
     }
     let ratios: Vec<f64> = mixed_iops.iter().zip(&alone_iops).map(|(m, a)| m / a).collect();
-    let median = |v: &[f64]| {
-        let mut v = v.to_vec();
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
     let (read_only_iops, mixed_read_iops) = (median(&alone_iops), median(&mixed_iops));
     let stats = fs.cache_stats();
     Ok(json!({
@@ -257,25 +258,64 @@ pub async fn buffered_randrw(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
     }))
 }
 
+/// Seed 003: 1-byte writes, as `dd bs=1` does them. Rounds alternate
+/// between normal upkeep of mtime/ctime (in memory, persisted lazily) and
+/// none at all, so the difference is what timestamp upkeep costs; a third
+/// kind of round reads i_version after every write (an NFS server's worst
+/// case), which makes every write bump it.
 pub async fn byte_writes(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
-    let ino = create(fs, "bytes").await?;
-    fs.write(ino, 0, b"x").await?;
-    fs.sync().await?;
-    let count = 2_000_000u64;
-    let before = fs.counters();
-    let start = Instant::now();
-    for i in 1..count {
-        fs.write(ino, i, b"y").await?;
-    }
-    let ns = start.elapsed().as_nanos() as f64 / (count - 1) as f64;
-    let after = fs.counters();
     let _ = p;
-    Ok(json!({
-        "bench": "core", "workload": "byte-writes", "writes": count - 1,
-        "ns_per_write": round2(ns),
-        "journal_writes": after.journal_blocks_written - before.journal_blocks_written,
-        "during_run": delta(before, after),
-    }))
+    const WRITES_PER_ROUND: u64 = 400_000;
+    const ROUNDS: usize = 5;
+    let mut modes: Vec<(&str, Vec<f64>)> =
+        vec![("with_times", vec![]), ("without_times", vec![]), ("i_version_observed", vec![])];
+    let mut journal_writes = 0;
+    let before_all = fs.counters();
+    for (round, pattern) in ["append", "overwrite"].iter().enumerate() {
+        let _ = round;
+        for r in 0..ROUNDS {
+            for (m, (mode, samples)) in modes.iter_mut().enumerate() {
+                let ino = create(fs, &format!("bytes-{pattern}-{r}-{m}")).await?;
+                fs.write(ino, 0, b"x").await?;
+                fs.sync().await?;
+                fs.set_file_times_for_benchmark(*mode != "without_times");
+                let observe = *mode == "i_version_observed";
+                let before = fs.counters();
+                let start = Instant::now();
+                for i in 1..WRITES_PER_ROUND {
+                    let offset = if *pattern == "append" { i } else { i % 4096 };
+                    fs.write(ino, offset, b"y").await?;
+                    if observe {
+                        fs.i_version(ino).await?;
+                    }
+                }
+                let ns = start.elapsed().as_nanos() as f64 / (WRITES_PER_ROUND - 1) as f64;
+                journal_writes += fs.counters().journal_blocks_written - before.journal_blocks_written;
+                fs.set_file_times_for_benchmark(true);
+                samples.push(ns);
+            }
+        }
+    }
+    // Modes were interleaved within each pattern; report medians per
+    // pattern (the first ROUNDS samples are appends).
+    let mut out =
+        json!({"bench": "core", "workload": "byte-writes", "writes_per_round": WRITES_PER_ROUND - 1, "rounds": ROUNDS});
+    for (i, pattern) in ["append", "overwrite"].iter().enumerate() {
+        let pick = |samples: &Vec<f64>| median(&samples[i * ROUNDS..(i + 1) * ROUNDS]);
+        let with = pick(&modes[0].1);
+        let without = pick(&modes[1].1);
+        let observed = pick(&modes[2].1);
+        out[*pattern] = json!({
+            "ns_per_write": round2(with),
+            "ns_per_write_without_times": round2(without),
+            "ns_per_write_i_version_observed": round2(observed),
+            "timestamp_upkeep_cost": round2(with / without - 1.0),
+        });
+    }
+    out["ns_per_write"] = out["append"]["ns_per_write"].clone();
+    out["journal_writes"] = json!(journal_writes);
+    out["during_run"] = delta(before_all, fs.counters());
+    Ok(out)
 }
 
 pub async fn seq_extents(fs: &Fs, p: &Params) -> anyhow::Result<Value> {

@@ -460,3 +460,28 @@ fn truncate_forgets_the_end_of_earlier_extending_writes() {
         assert_eq!(fs.getattr(ino).await.unwrap().inode.size, 0xe1000, "fsx seed 33 over /dev/fuse");
     });
 }
+
+/// Multigrain timestamps: a write after someone read the attributes always
+/// shows a newer mtime and ctime, even within one tick of the coarse clock
+/// that unobserved writes are stamped with.
+#[test]
+fn observed_timestamps_always_move() {
+    with_quiet_fs(ram_device(64 * MIB), async |fs: Fs| {
+        let ino = new_file(&fs, "times").await;
+        fs.write(ino, 0, b"a").await.unwrap();
+        for round in 0..200 {
+            let before = fs.getattr(ino).await.unwrap().inode;
+            fs.write(ino, round % 4096, b"b").await.unwrap();
+            let after = fs.getattr(ino).await.unwrap().inode;
+            assert!(after.ctime > before.ctime, "round {round}: ctime {:?} -> {:?}", before.ctime, after.ctime);
+            assert!(after.mtime > before.mtime, "round {round}: mtime {:?} -> {:?}", before.mtime, after.mtime);
+        }
+        // Unobserved writes never move the stamps backwards.
+        let before = fs.getattr(ino).await.unwrap().inode;
+        for i in 0..1000u64 {
+            fs.write(ino, i, b"c").await.unwrap();
+        }
+        let after = fs.getattr(ino).await.unwrap().inode;
+        assert!(after.mtime >= before.mtime && after.ctime >= before.ctime);
+    });
+}

@@ -34,6 +34,21 @@ impl Timespec {
         let d = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
         Self { sec: d.as_secs() as i64, nsec: d.subsec_nanos() }
     }
+
+    /// Now, at the kernel tick's resolution (see `reactor::sys`).
+    pub fn now_coarse() -> Self {
+        let (sec, nsec) = crate::reactor::sys::realtime_coarse();
+        Self { sec, nsec }
+    }
+
+    /// The next representable instant.
+    pub fn next(self) -> Self {
+        if self.nsec >= 999_999_999 {
+            Self { sec: self.sec + 1, nsec: 0 }
+        } else {
+            Self { sec: self.sec, nsec: self.nsec + 1 }
+        }
+    }
 }
 
 /// A contiguous run of device blocks.

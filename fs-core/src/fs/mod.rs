@@ -145,6 +145,9 @@ pub(crate) struct FsInner {
     counters: Cell<FsCounters>,
     unmounted: Cell<bool>,
     replayed_at_mount: u64,
+    /// False only in a benchmark that measures what mtime/ctime upkeep
+    /// costs (`keelfs-bench core --workload byte-writes`).
+    file_times: Cell<bool>,
 }
 
 /// A mounted filesystem. Cheap to clone; all clones share one state.
@@ -154,6 +157,46 @@ pub struct Fs {
 }
 
 impl FsInner {
+    /// After data reached a file: grow its size to `end` if given, and
+    /// stamp mtime and ctime, in memory only (persisted with the next
+    /// commit).
+    ///
+    /// Stamps come from the coarse clock, and a write that would not move
+    /// them (the same tick) changes nothing and dirties nothing, unless
+    /// someone read the attributes or i_version since the last stamp: then
+    /// the precise clock makes the change visible (multigrain timestamps).
+    pub(crate) fn written(&self, ino: u64, end: Option<u64>) -> FsResult<()> {
+        let mut state = self.state.borrow_mut();
+        let node = state.node_mut(ino).ok_or(FsError::NotFound)?;
+        let grows = end.is_some_and(|e| e > node.inode.size);
+        let mut stamp = None;
+        if self.file_times.get() {
+            let ctime = node.inode.ctime;
+            if node.times_queried.get() || node.i_version_queried {
+                stamp = Some(format::Timespec::now().max(ctime.next()));
+            } else {
+                let coarse = format::Timespec::now_coarse();
+                if coarse > ctime || coarse > node.inode.mtime {
+                    stamp = Some(coarse.max(ctime));
+                }
+            }
+        }
+        if stamp.is_none() && !grows {
+            return Ok(());
+        }
+        node.times_queried.set(false);
+        drop(state);
+        self.update_inode(ino, |i| {
+            if let Some(end) = end {
+                i.size = i.size.max(end);
+            }
+            if let Some(t) = stamp {
+                i.mtime = t;
+                i.ctime = t;
+            }
+        })
+    }
+
     fn bump(&self, f: impl FnOnce(&mut FsCounters)) {
         let mut c = self.counters.get();
         f(&mut c);
@@ -264,6 +307,13 @@ impl Fs {
     }
 
     /// Journal transactions the mount replayed (0 after a clean unmount).
+    /// Benchmarks only: stop (or resume) setting mtime and ctime on data
+    /// writes, to measure what their upkeep costs. keelfsd never turns it
+    /// off.
+    pub fn set_file_times_for_benchmark(&self, on: bool) {
+        self.inner.file_times.set(on);
+    }
+
     pub fn replayed_at_mount(&self) -> u64 {
         self.inner.replayed_at_mount
     }
@@ -357,6 +407,7 @@ impl Fs {
                 counters: Cell::new(FsCounters::default()),
                 unmounted: Cell::new(false),
                 replayed_at_mount: loaded.replayed,
+                file_times: Cell::new(true),
             }),
         };
         fs.free_orphans()?;

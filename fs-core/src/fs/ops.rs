@@ -129,6 +129,7 @@ impl FsInner {
     pub(crate) fn attr(&self, ino: u64) -> FsResult<Attr> {
         let state = self.state.borrow();
         let node = state.node(ino).ok_or(FsError::NotFound)?;
+        node.times_queried.set(true);
         Ok(Attr { inode: node.inode.clone(), blocks_512: node.extents.blocks() * (BLOCK_SIZE / 512) })
     }
 

@@ -135,6 +135,10 @@ pub struct Node {
     /// Runtime only: someone read i_version since it last changed, so the
     /// next change must bump it (Linux's multigrain rule).
     pub i_version_queried: bool,
+    /// Runtime only: someone read the attributes (and so the timestamps)
+    /// since the last data write stamped them, so the next write must show
+    /// a new ctime even within one clock tick (multigrain, as in Linux).
+    pub times_queried: std::cell::Cell<bool>,
     /// Runtime only: a change fdatasync must commit (size or block map),
     /// as opposed to timestamps alone.
     pub datasync_needed: bool,
@@ -278,6 +282,7 @@ impl State {
                     extends_in_flight: BTreeMap::new(),
                     extends_done: 0,
                     i_version_queried: false,
+                    times_queried: std::cell::Cell::new(false),
                     datasync_needed: false,
                     extents: ExtentMap::default(),
                     xattrs: BTreeMap::new(),

@@ -355,7 +355,11 @@ impl<B: IoBuffer> Future for IoFuture<B> {
         let op = &mut s.ops[self.index as usize];
         assert_eq!(op.generation, self.generation, "IoFuture polled after completion");
         if !matches!(op.state, OpState::Done(_)) {
-            op.waker = Some(cx.waker().clone());
+            // Re-polled by the same task (the usual case): keep its waker
+            // rather than clone it again (an atomic increment each time).
+            if !op.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                op.waker = Some(cx.waker().clone());
+            }
             return Poll::Pending;
         }
         let OpState::Done(result) = std::mem::replace(&mut op.state, OpState::Free) else { unreachable!() };

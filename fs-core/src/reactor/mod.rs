@@ -21,7 +21,7 @@
 //! next timer deadline.
 
 pub mod io;
-mod sys;
+pub(crate) mod sys;
 
 pub use sys::thread_cpu_time;
 
@@ -498,25 +498,30 @@ impl Reactor {
                 ReactorStats::add(&stats.stats.busy_ticks, 1);
                 ReactorStats::add(&stats.stats.busy_ns, spent);
                 last_busy = end;
+                now = end;
             } else if !done() {
-                match self.config.mode {
-                    PollMode::Busy => std::hint::spin_loop(),
-                    PollMode::Adaptive { idle_before_sleep } => {
-                        if end - last_busy >= idle_before_sleep {
-                            self.sleep(end);
-                        }
+                let slept = match self.config.mode {
+                    PollMode::Busy => {
+                        std::hint::spin_loop();
+                        false
                     }
+                    PollMode::Adaptive { idle_before_sleep } => end - last_busy >= idle_before_sleep && self.sleep(end),
                     PollMode::Interrupt => self.sleep(end),
-                }
+                };
+                // One clock read per iteration, except after a sleep.
+                now = if slept { Instant::now() } else { end };
+            } else {
+                now = end;
             }
-            now = Instant::now();
         }
     }
 
-    fn sleep(&mut self, now: Instant) {
+    /// Wait in epoll until something may have work. Returns whether it
+    /// actually waited.
+    fn sleep(&mut self, now: Instant) -> bool {
         let all_can_sleep = self.device_pollers.iter().chain(&self.source_pollers).all(|p| p.can_sleep());
         if !all_can_sleep || !self.local.spawned.borrow().is_empty() || !self.local.new_pollers.borrow().is_empty() {
-            return;
+            return false;
         }
         let shared = &self.local.shared;
         shared.sleeping.store(true, Ordering::SeqCst);
@@ -525,8 +530,11 @@ impl Reactor {
             let timeout = self.local.timers.borrow().peek().map(|Reverse(t)| t.deadline.saturating_duration_since(now));
             self.epoll.wait(timeout);
             ReactorStats::add(&shared.stats.sleeps, 1);
+            shared.sleeping.store(false, Ordering::SeqCst);
+            return true;
         }
         shared.sleeping.store(false, Ordering::SeqCst);
+        false
     }
 
     fn adopt_new_pollers(&mut self) {
