@@ -454,4 +454,27 @@ fuse_mount = "/mnt/keelfs"
         assert_eq!(error_of(queues), "bad.toml:8:18: request_queues must be 1 to 63");
         assert_eq!(error_of("[daemon\n"), "bad.toml:1:8: invalid table header\nexpected `.`, `]`");
     }
+
+    #[test]
+    fn nvme_devices_name_a_pci_address_and_namespace() {
+        let text = "[[device]]\nname = \"n\"\nbackend = \"nvme\"\npci = \"0000:00:05.0\"\nnamespace = 2\n\
+                    [[export]]\ntag = \"a\"\ndevice = \"n\"\nsocket = \"/s\"\n";
+        let c = parse("nvme.toml", text).unwrap();
+        assert_eq!(c.exports[0].device, Path::new("nvme:0000:00:05.0/2"));
+        assert_eq!(c.exports[0].backend, BackendName::Nvme);
+        let export = "[[export]]\ntag = \"a\"\ndevice = \"n\"\nsocket = \"/s\"\n";
+        let with_path = format!("[[device]]\nname = \"n\"\nbackend = \"nvme\"\npath = \"/dev/nvme0n1\"\n{export}");
+        assert!(
+            error_of(&with_path).starts_with("bad.toml:2:8: device \"n\": an nvme device takes pci"),
+            "{}",
+            error_of(&with_path)
+        );
+        let pci_on_uring = format!("[[device]]\nname = \"n\"\npath = \"/x\"\npci = \"0000:00:05.0\"\n{export}");
+        assert_eq!(
+            error_of(&pci_on_uring),
+            "bad.toml:2:8: device \"n\": pci and namespace apply only to backend = \"nvme\""
+        );
+        let bad_pci = format!("[[device]]\nname = \"n\"\nbackend = \"nvme\"\npci = \"00:05.0\"\n{export}");
+        assert!(error_of(&bad_pci).contains("nvme:DOMAIN:BUS:DEVICE.FUNCTION"), "{}", error_of(&bad_pci));
+    }
 }

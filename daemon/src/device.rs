@@ -4,7 +4,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Context;
-use keelfs_core::bdev::{BlockDevice, MappedDevice, NvmeAddress, NvmeDevice, NvmeOptions, UringDevice, UringOptions};
+use keelfs_core::bdev::{
+    BlockDevice, MappedDevice, NvmeAddress, NvmeDevice, NvmeError, NvmeOptions, UringDevice, UringOptions,
+};
 
 use crate::config::BackendName;
 
@@ -28,8 +30,14 @@ pub fn open_backend(
             return Err(UsageError(format!("{name} names an NVMe controller; the pmem backend needs a file")).into());
         }
         let address = NvmeAddress::parse(&name).map_err(|e| UsageError(e.to_string()))?;
-        let device = NvmeDevice::open(&address, NvmeOptions::default())
-            .with_context(|| format!("opening NVMe controller {address} through VFIO"))?;
+        let device = NvmeDevice::open(&address, NvmeOptions::default()).map_err(|e| match e {
+            // The device cannot be opened as named: a usage error (exit 2),
+            // whose message says how to fix it.
+            NvmeError::Setup(_) | NvmeError::NoNamespace { .. } | NvmeError::BadAddress(_) => {
+                anyhow::Error::new(UsageError(format!("opening {address}: {e}")))
+            }
+            e => anyhow::Error::new(e).context(format!("opening NVMe controller {address} through VFIO")),
+        })?;
         return Ok(Arc::new(device));
     }
     let meta = std::fs::metadata(path).map_err(|e| UsageError(format!("cannot open {}: {e}", path.display())))?;

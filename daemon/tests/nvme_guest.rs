@@ -33,9 +33,11 @@ const CHECKS: &[&str] = &[
     "serve-stop-again",
     "vhost-dma",
     "fsck-final",
+    "error-no-namespace",
     "bench-nvme-randread",
     "bench-nvme-randwrite",
     "unbind",
+    "error-not-bound",
     "bench-uring-randread",
     "bench-uring-randwrite",
 ];

@@ -345,6 +345,21 @@ EOF
   fi
 fi
 
+# expect_usage_error NAME WANT CMD...: CMD must exit 2 (a usage error) and
+# say WANT, the way to fix it.
+expect_usage_error() {
+  name=$1 want=$2
+  shift 2
+  rc=0
+  run 60 /tmp/usage.out "$@" || rc=$?
+  if [ "$rc" -eq 2 ] && grep -q "$want" /tmp/usage.out; then
+    pass "$name: exit 2, says \"$want\""
+  else
+    fail "$name: exit $rc; wanted 2 and \"$want\"" /tmp/usage.out
+  fi
+}
+expect_usage_error error-no-namespace "namespace 9 does not exist" keelfsd fsck "nvme:$pci/9"
+
 # ------------------------------------------------------------------ e --
 echo "=== e. benches (no thresholds)"
 bench bench-nvme-randread --backend nvme --path "$dev" --rw randread --bs 4k --iodepth 32 --seconds 5 --size 256M
@@ -358,6 +373,7 @@ if [ "$rc" -eq 0 ] && [ -b "$blk" ]; then
 else
   fail "unbind: nvme-setup.sh unbind $pci exited $rc (block device '$blk')"
 fi
+expect_usage_error error-not-bound "nvme-setup.sh bind $pci" keelfsd fsck "$dev"
 if [ -b "$blk" ]; then
   bench bench-uring-randread --backend uring --path "$blk" --rw randread --bs 4k --iodepth 32 --seconds 5 --size 256M
   bench bench-uring-randwrite --backend uring --path "$blk" --rw randwrite --bs 4k --iodepth 32 --seconds 5 --size 256M

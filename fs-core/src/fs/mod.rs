@@ -31,7 +31,7 @@ pub use journal::{CHECKPOINT_BLOCK_MAGIC, JOURNAL_TX_MAGIC};
 pub use ops::{Attr, Creds, DirEntry, SetAttr, TimeSet};
 
 use std::cell::{Cell, RefCell};
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::rc::Rc;
 use std::time::Duration;
 
@@ -137,7 +137,7 @@ pub(crate) struct FsInner {
     sb: RefCell<Superblock>,
     state: RefCell<State>,
     journal: RefCell<JournalState>,
-    handles: RefCell<HashMap<u64, Handle>>,
+    handles: RefCell<crate::units::IdMap<Handle>>,
     next_handle: Cell<u64>,
     commit_lock: sync::AsyncMutex,
     cache: RefCell<cache::PageCache>,
@@ -399,7 +399,7 @@ impl Fs {
                     reserved_unmapped: 0,
                     delalloc_reserved: 0,
                 }),
-                handles: RefCell::new(HashMap::new()),
+                handles: RefCell::new(crate::units::IdMap::default()),
                 next_handle: Cell::new(1),
                 cache: RefCell::new(cache::PageCache::new(config.cache_bytes)),
                 commit_lock: sync::AsyncMutex::default(),

@@ -161,7 +161,7 @@ pub enum ApplyMode {
 pub struct ApplyError(pub String);
 
 pub struct State {
-    pub nodes: HashMap<u64, Node>,
+    pub nodes: crate::units::IdMap<Node>,
     pub next_ino: u64,
     pub alloc: Allocator,
     /// Runs freed by changes not yet committed: reusable only after the
@@ -175,7 +175,7 @@ fn err<T>(msg: String) -> Result<T, ApplyError> {
 
 impl State {
     pub fn new(alloc: Allocator) -> Self {
-        Self { nodes: HashMap::new(), next_ino: 2, alloc, pending_free: Vec::new() }
+        Self { nodes: crate::units::IdMap::default(), next_ino: 2, alloc, pending_free: Vec::new() }
     }
 
     pub fn node(&self, ino: u64) -> Option<&Node> {

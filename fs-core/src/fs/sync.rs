@@ -3,7 +3,7 @@
 //! and never block a thread.
 
 use std::cell::RefCell;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::rc::Rc;
@@ -66,7 +66,7 @@ impl Drop for MutexGuard<'_> {
 /// what keeps random reads from queueing behind writes elsewhere in the file.
 #[derive(Default)]
 pub struct RangeLocks {
-    files: RefCell<HashMap<u64, FileLocks>>,
+    files: RefCell<crate::units::IdMap<FileLocks>>,
     next_id: std::cell::Cell<u64>,
     /// Acquisitions that had to wait, shared and exclusive.
     shared_waits: std::cell::Cell<u64>,
