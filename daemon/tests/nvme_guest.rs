@@ -32,6 +32,7 @@ const CHECKS: &[&str] = &[
     "pattern-survived",
     "serve-stop-again",
     "vhost-dma",
+    "vhost-dma-zero-copy",
     "fsck-final",
     "error-no-namespace",
     "bench-nvme-randread",

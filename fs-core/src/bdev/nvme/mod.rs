@@ -277,6 +277,10 @@ impl BlockDevice for NvmeDevice {
             BdevError::Setup { step: "map guest memory into the IOMMU", errno: libc::EINVAL }
         })?;
         let guest: Vec<dma::Mapping> = self.shared.registry.mappings().into_iter().filter(|m| m.guest).collect();
+        if guest.is_empty() {
+            eprintln!("keelfs nvme: no guest memory mapped for DMA");
+            return Ok(());
+        }
         eprintln!(
             "keelfs nvme: {} guest memory region(s), {} MiB, mapped for DMA at IOVA {:#x} + guest address",
             guest.len(),

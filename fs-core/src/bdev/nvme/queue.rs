@@ -644,6 +644,12 @@ impl Drop for NvmeQueue {
             controller.release_qid(self.qid);
         }
         drop(controller);
+        let c = &self.counters;
+        eprintln!(
+            "keelfs nvme: I/O queue {} closed: {} requests by DMA to caller memory, {} bounced, {} commands, \
+             {} timeouts, {} rebuilds",
+            self.qid, c.direct, c.bounced, c.commands, c.timeouts, c.rebuilds
+        );
         for (va, _region) in self.pools.drain(..) {
             self.shared.registry.unmap(va);
         }
