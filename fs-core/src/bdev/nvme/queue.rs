@@ -106,6 +106,15 @@ impl NvmeQueue {
         let depth = config.depth.clamp(1, 4096) as usize;
         let mut controller = shared.lock_controller();
         let entries = (2 * depth).clamp(64, 1024).min(controller.cap.max_queue_entries() as usize) as u16;
+        // The largest request must fit in the ring at once, or it would be
+        // refused as QueueFull for ever.
+        let largest = shared.geometry.max_request_bytes.div_ceil(shared.max_transfer_bytes) as usize;
+        if usize::from(entries) <= largest {
+            return Err(BdevError::Setup {
+                step: "size an NVMe queue (the controller's queues are too short)",
+                errno: libc::EINVAL,
+            });
+        }
         let sq_bytes = usize::from(entries) * 64;
         let cq_offset = sq_bytes.next_multiple_of(PAGE_BYTES as usize);
         let prp_offset = cq_offset + (usize::from(entries) * 16).next_multiple_of(PAGE_BYTES as usize);
