@@ -96,6 +96,8 @@ done
 # fsx has no O_DIRECT option: fsx-odirect.c is an LD_PRELOAD shim that adds
 # O_DIRECT to its opens of one file; built when fsx and a C compiler are here.
 shim_src=$script_dir/fsx-odirect.c
+# fsx's configs, shared by the guest tests (guest-tests/fsx.sh, nvme.sh).
+fsx_configs=("$script_dir"/guest-tests/fsx/*.toml)
 build_shim=0
 [[ -n $fsx_bin && -r $shim_src ]] && command -v cc >/dev/null && build_shim=1
 
@@ -159,6 +161,7 @@ inputs=$(
   for b in "${guest_bins[@]}" "${optional_bins[@]}"; do echo "bin $b=$(sha256sum "$b" | cut -d' ' -f1)"; done
   echo "modules=${wanted_modules[*]}"
   ((build_shim == 0)) || echo "fsx-odirect.c=$(sha256sum "$shim_src" | cut -d' ' -f1)"
+  for c in "${fsx_configs[@]}"; do echo "fsx config $(basename "$c")=$(sha256sum "$c" | cut -d' ' -f1)"; done
   echo "script-sha256=$(sha256sum "$self" | cut -d' ' -f1)"
 )
 key=$(printf '%s\n' "$inputs" | sha256sum | cut -d' ' -f1)
@@ -222,6 +225,8 @@ if ((build_shim)); then
     die "compiling $shim_src failed"
   optional_bins+=(/usr/lib/fsx-odirect.so)
 fi
+mkdir -p "$root/usr/share/keelfs/fsx"
+cp "${fsx_configs[@]}" "$root/usr/share/keelfs/fsx/"
 log "optional tools: ${optional_bins[*]:-none} (fsx: cargo install fsx; setfattr/getfattr: apt-get install attr; fsx-odirect.so: cc)"
 # The loader is looked up through /lib64 as well as its canonical path.
 if [[ -e /lib64/ld-linux-x86-64.so.2 && ! -e $root/lib64/ld-linux-x86-64.so.2 ]]; then

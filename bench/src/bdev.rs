@@ -96,15 +96,6 @@ struct RoundResult {
     cpu: Duration,
 }
 
-fn process_cpu_time() -> Duration {
-    // SAFETY: getrusage fills the struct we pass.
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
-    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
-    tv(usage.ru_utime) + tv(usage.ru_stime)
-}
-
 pub fn run(args: &BdevArgs) -> anyhow::Result<()> {
     if args.bs == 0 || !args.bs.is_multiple_of(512) || args.bs > 1 << 20 {
         bail!("--bs must be a multiple of 512 up to 1M, got {}", args.bs);
@@ -229,7 +220,7 @@ fn drive(device: &dyn BlockDevice, args: &BdevArgs) -> anyhow::Result<RoundResul
         // at the end of this function.
         unsafe { queue.submit(&req) }
     };
-    let cpu_start = process_cpu_time();
+    let cpu_start = crate::procstat::cpu_ns(std::process::id())?;
     let start = Instant::now();
     let deadline = start + Duration::from_secs(args.seconds);
     for slot in 0..depth as usize {
@@ -265,7 +256,7 @@ fn drive(device: &dyn BlockDevice, args: &BdevArgs) -> anyhow::Result<RoundResul
     for b in buffers {
         pool.put(b);
     }
-    let cpu = process_cpu_time().saturating_sub(cpu_start);
+    let cpu = Duration::from_nanos(crate::procstat::cpu_ns(std::process::id())?.saturating_sub(cpu_start));
     Ok(RoundResult { ios, elapsed: end - start, hist, cpu })
 }
 

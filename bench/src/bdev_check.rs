@@ -102,42 +102,54 @@ fn pattern_byte(pattern: u32, offset: u64, i: usize) -> u8 {
     }
 }
 
-/// Write `count` requests of `bytes` at `base` with `depth` in flight, read
-/// them back and compare. `unaligned` uses buffers that start 512 bytes into
-/// a page, which the NVMe driver must bounce.
-#[allow(clippy::too_many_arguments)]
-fn verify_round(
-    queue: &mut dyn IoQueue,
+/// One pass: write `count` requests of `bytes` from `base` with `depth` in
+/// flight, read them back and compare with `pattern`.
+#[derive(Clone, Copy)]
+struct Round {
     base: u64,
     bytes: usize,
     count: usize,
     depth: usize,
     pattern: u32,
-    mut pool: Option<&mut BufferPool>,
-    unaligned: bool,
-) -> Result<(), String> {
+}
+
+/// 32 × 4 KiB at depth 32: the quick check that a queue still works.
+const SMALL_ROUND: Round = Round { base: 0, bytes: 4096, count: 32, depth: 32, pattern: 2 };
+
+/// Where a round's buffers come from.
+enum Buffers<'a> {
+    /// A registered pool (the NVMe driver maps it for DMA).
+    Pool(&'a mut BufferPool),
+    /// Fresh heap buffers starting `skew` bytes into a page; unregistered,
+    /// so the NVMe driver bounces them.
+    Heap { skew: usize },
+}
+
+fn verify_round(queue: &mut dyn IoQueue, round: Round, buffers: Buffers<'_>) -> Result<(), String> {
+    let Round { bytes, count, .. } = round;
     let mut heap: Vec<AlignedBuf> = Vec::new();
     let mut iovs: Vec<IoVec> = Vec::new();
     let mut pool_bufs = Vec::new();
-    match pool.as_deref_mut() {
-        Some(pool) if !unaligned => {
+    let pool = match buffers {
+        Buffers::Pool(pool) => {
             for _ in 0..count {
                 let mut b = pool.take().ok_or("pool exhausted")?;
                 iovs.push(IoVec { base: b.iovec().base, len: bytes });
                 pool_bufs.push(b);
             }
+            Some(pool)
         }
-        _ => {
-            let skew = if unaligned { 512 } else { 0 };
+        Buffers::Heap { skew } => {
             for _ in 0..count {
                 let mut b = AlignedBuf::zeroed(bytes + 4096, 4096);
                 // SAFETY: skew + bytes <= the allocation's length.
                 iovs.push(IoVec { base: unsafe { b.as_mut_ptr().add(skew) }, len: bytes });
                 heap.push(b);
             }
+            None
         }
-    }
-    let result = transfer_and_compare(queue, base, bytes, count, depth, pattern, &iovs);
+    };
+    let result = transfer_and_compare(queue, round, &iovs);
     if let Some(pool) = pool {
         for b in pool_bufs {
             pool.put(b);
@@ -147,15 +159,8 @@ fn verify_round(
     result
 }
 
-fn transfer_and_compare(
-    queue: &mut dyn IoQueue,
-    base: u64,
-    bytes: usize,
-    count: usize,
-    depth: usize,
-    pattern: u32,
-    iovs: &[IoVec],
-) -> Result<(), String> {
+fn transfer_and_compare(queue: &mut dyn IoQueue, round: Round, iovs: &[IoVec]) -> Result<(), String> {
+    let Round { base, bytes, count, depth, pattern } = round;
     let fill = |iov: &IoVec, offset: u64, p: u32| {
         // SAFETY: each iovec names `bytes` bytes of a buffer this function owns.
         let s = unsafe { std::slice::from_raw_parts_mut(iov.base, iov.len) };
@@ -263,9 +268,15 @@ pub fn run(args: &BdevCheckArgs) -> anyhow::Result<()> {
                 {
                     let count = if bytes >= 1 << 20 { 4 } else { 32 };
                     let offset = base + ((depth.min(2) as u64 * 3 + u64::from(pattern)) * (8 << 20));
-                    let pool = use_pool.then_some(&mut pool);
-                    if let Err(e) = verify_round(queue.as_mut(), offset, bytes, count, depth, pattern, pool, unaligned)
-                    {
+                    let buffers = if unaligned {
+                        Buffers::Heap { skew: 512 }
+                    } else if use_pool {
+                        Buffers::Pool(&mut pool)
+                    } else {
+                        Buffers::Heap { skew: 0 }
+                    };
+                    let round = Round { base: offset, bytes, count, depth, pattern };
+                    if let Err(e) = verify_round(queue.as_mut(), round, buffers) {
                         failures.push(format!(
                             "depth {depth}, pattern {pattern}, {bytes} B{}: {e}",
                             if unaligned { " unaligned" } else { "" }
@@ -309,7 +320,11 @@ pub fn run(args: &BdevCheckArgs) -> anyhow::Result<()> {
         let queue = queues[0].as_mut();
         let mut out = Vec::new();
         // Data first, so that zeros afterwards mean the discard took.
-        let written = verify_round(queue, 0, 4096, 16, 16, 1, None, false);
+        let written = verify_round(
+            queue,
+            Round { base: 0, bytes: 4096, count: 16, depth: 16, pattern: 1 },
+            Buffers::Heap { skew: 0 },
+        );
         // SAFETY: a discard names no memory.
         let r = unsafe { queue.submit(&IoRequest::discard(9, 0, 1 << 20)) };
         let supported = d.controller_info().dataset_management;
@@ -356,7 +371,11 @@ pub fn run(args: &BdevCheckArgs) -> anyhow::Result<()> {
         let failed_by_reset = out.iter().filter(|c| c.result.is_err()).count();
         let mut after = Vec::new();
         for (q, queue) in queues.iter_mut().enumerate() {
-            if let Err(e) = verify_round(queue.as_mut(), q as u64 * stripe, 4096, 32, 32, 2, None, false) {
+            if let Err(e) = verify_round(
+                queue.as_mut(),
+                Round { base: q as u64 * stripe, ..SMALL_ROUND },
+                Buffers::Heap { skew: 0 },
+            ) {
                 after.push(format!("queue {q}: {e}"));
             }
         }
@@ -415,7 +434,7 @@ pub fn run(args: &BdevCheckArgs) -> anyhow::Result<()> {
         drop(fast);
         let again = open(&args.path, NvmeOptions::default())?;
         let mut q = again.open_queue(32)?;
-        let after = verify_round(q.as_mut(), 0, 4096, 32, 32, 2, None, false);
+        let after = verify_round(q.as_mut(), SMALL_ROUND, Buffers::Heap { skew: 0 });
         let ok = out.len() == submitted && other_errors == 0 && after.is_ok() && (timeouts == 0 || timed_out > 0);
         report.line(
             "command_timeout",

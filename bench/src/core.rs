@@ -245,12 +245,7 @@ async fn lookup_workload(fs: &Fs, entries: u64, lookups: u64, rounds: u32) -> an
             ns[i].push(time_lookups(fs, mix).await?);
         }
     }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let [mut l, mut s, mut sp] = ns;
-    let (l, s, sp) = (median(&mut l), median(&mut s), median(&mut sp));
+    let [l, s, sp] = ns.map(|v| crate::core_io::median(&v));
     let r = |x: f64| (x * 1000.0).round() / 1000.0;
     Ok(json!({
         "bench": "core",

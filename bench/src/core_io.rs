@@ -106,7 +106,7 @@ fn delta(a: FsCounters, b: FsCounters) -> Value {
     })
 }
 
-fn median(v: &[f64]) -> f64 {
+pub(crate) fn median(v: &[f64]) -> f64 {
     let mut v = v.to_vec();
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -263,18 +263,19 @@ pub async fn buffered_randrw(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
 /// none at all, so the difference is what timestamp upkeep costs; a third
 /// kind of round reads i_version after every write (an NFS server's worst
 /// case), which makes every write bump it.
-pub async fn byte_writes(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
-    let _ = p;
+pub async fn byte_writes(fs: &Fs, _: &Params) -> anyhow::Result<Value> {
     const WRITES_PER_ROUND: u64 = 400_000;
     const ROUNDS: usize = 5;
-    let mut modes: Vec<(&str, Vec<f64>)> =
-        vec![("with_times", vec![]), ("without_times", vec![]), ("i_version_observed", vec![])];
+    const MODES: [&str; 3] = ["with_times", "without_times", "i_version_observed"];
     let mut journal_writes = 0;
     let before_all = fs.counters();
-    for (round, pattern) in ["append", "overwrite"].iter().enumerate() {
-        let _ = round;
+    let mut out =
+        json!({"bench": "core", "workload": "byte-writes", "writes_per_round": WRITES_PER_ROUND - 1, "rounds": ROUNDS});
+    for pattern in ["append", "overwrite"] {
+        // Nanoseconds per write, per mode, the modes interleaved per round.
+        let mut samples: [Vec<f64>; 3] = Default::default();
         for r in 0..ROUNDS {
-            for (m, (mode, samples)) in modes.iter_mut().enumerate() {
+            for (m, mode) in MODES.iter().enumerate() {
                 let ino = create(fs, &format!("bytes-{pattern}-{r}-{m}")).await?;
                 fs.write(ino, 0, b"x").await?;
                 fs.sync().await?;
@@ -283,29 +284,19 @@ pub async fn byte_writes(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
                 let before = fs.counters();
                 let start = Instant::now();
                 for i in 1..WRITES_PER_ROUND {
-                    let offset = if *pattern == "append" { i } else { i % 4096 };
+                    let offset = if pattern == "append" { i } else { i % 4096 };
                     fs.write(ino, offset, b"y").await?;
                     if observe {
                         fs.i_version(ino).await?;
                     }
                 }
-                let ns = start.elapsed().as_nanos() as f64 / (WRITES_PER_ROUND - 1) as f64;
+                samples[m].push(start.elapsed().as_nanos() as f64 / (WRITES_PER_ROUND - 1) as f64);
                 journal_writes += fs.counters().journal_blocks_written - before.journal_blocks_written;
                 fs.set_file_times_for_benchmark(true);
-                samples.push(ns);
             }
         }
-    }
-    // Modes were interleaved within each pattern; report medians per
-    // pattern (the first ROUNDS samples are appends).
-    let mut out =
-        json!({"bench": "core", "workload": "byte-writes", "writes_per_round": WRITES_PER_ROUND - 1, "rounds": ROUNDS});
-    for (i, pattern) in ["append", "overwrite"].iter().enumerate() {
-        let pick = |samples: &Vec<f64>| median(&samples[i * ROUNDS..(i + 1) * ROUNDS]);
-        let with = pick(&modes[0].1);
-        let without = pick(&modes[1].1);
-        let observed = pick(&modes[2].1);
-        out[*pattern] = json!({
+        let [with, without, observed] = samples.map(|v| median(&v));
+        out[pattern] = json!({
             "ns_per_write": round2(with),
             "ns_per_write_without_times": round2(without),
             "ns_per_write_i_version_observed": round2(observed),

@@ -7,6 +7,7 @@ mod core;
 mod core_io;
 mod fio;
 mod hist;
+mod procstat;
 mod vhost;
 
 use clap::{Parser, Subcommand};

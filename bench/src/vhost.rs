@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
+use keelfs_core::bdev::fault::splitmix64;
 use keelfs_vhost::frontend::{io_request, FrontendConfig, FsFrontend, QueueDriver, Used};
 use keelfs_vhost::fuse::abi::{init_flags as f, Opcode, Reply, ENTRY_OUT_BYTES, OUT_HEADER_BYTES};
 use serde_json::json;
@@ -61,26 +62,6 @@ pub struct VhostArgs {
     label: String,
     #[arg(long)]
     json: bool,
-}
-
-/// utime + stime of a process, in nanoseconds.
-fn cpu_ns(pid: u32) -> anyhow::Result<u64> {
-    let stat =
-        std::fs::read_to_string(format!("/proc/{pid}/stat")).with_context(|| format!("reading /proc/{pid}/stat"))?;
-    let rest = &stat[stat.rfind(')').context("malformed stat")? + 2..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: u64 = fields[11].parse::<u64>()? + fields[12].parse::<u64>()?;
-    // SAFETY: sysconf has no memory effects.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
-    Ok(ticks * 1_000_000_000 / hz)
-}
-
-fn splitmix(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 fn check(err: i32, what: &str) -> anyhow::Result<()> {
@@ -163,7 +144,7 @@ fn worker(mut q: QueueDriver, args: &WorkerArgs, target: Target) -> anyhow::Resu
                     append_at.set(at + bs as u64);
                     at
                 }
-                _ => (splitmix(&mut rng) % blocks) * bs as u64,
+                _ => (splitmix64(&mut rng) % blocks) * bs as u64,
             };
             let unique = q.next_unique();
             // Latency starts before the kick: a daemon may serve the
@@ -193,7 +174,7 @@ fn worker(mut q: QueueDriver, args: &WorkerArgs, target: Target) -> anyhow::Resu
         while running && !full() && in_flight.len() < args.iodepth {
             let kind = match args.workload {
                 Workload::DioRandrw => {
-                    if splitmix(&mut mix) & 1 == 0 {
+                    if splitmix64(&mut mix) & 1 == 0 {
                         Kind::Read
                     } else {
                         Kind::Write
@@ -286,7 +267,7 @@ pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
         }
         targets.push(Target { nodeid, fh });
     }
-    let cpu_before = args.daemon_pid.map(cpu_ns).transpose()?;
+    let cpu_before = args.daemon_pid.map(crate::procstat::cpu_ns).transpose()?;
     let started = Instant::now();
     let worker_args =
         WorkerArgs { workload: args.workload, iodepth: args.iodepth, seconds: args.seconds, file_size: args.file_size };
@@ -302,7 +283,7 @@ pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
         handles.into_iter().map(|h| h.join().expect("worker thread")).collect()
     });
     let secs = started.elapsed().as_secs_f64().min(args.seconds as f64).max(1e-9);
-    let cpu_after = args.daemon_pid.map(cpu_ns).transpose()?;
+    let cpu_after = args.daemon_pid.map(crate::procstat::cpu_ns).transpose()?;
     let mut latency = Histogram::new();
     let (mut reads, mut writes, mut bytes) = (0, 0, 0);
     for r in results {

@@ -34,61 +34,11 @@ d=/mnt/fsx
 rm -rf "$d"
 mkdir -p "$d" /tmp/fsx-artifacts
 
-cat >/tmp/buffered.toml <<'EOF'
-flen = 1048576
-[opsize]
-min = 1
-max = 131072
-[weights]
-close_open = 2
-read = 10
-write = 10
-mapread = 0
-mapwrite = 0
-invalidate = 0
-truncate = 3
-fsync = 1
-fdatasync = 1
-posix_fallocate = 2
-punch_hole = 2
-sendfile = 1
-posix_fadvise = 2
-copy_file_range = 2
-EOF
-cat >/tmp/mmap.toml <<'EOF'
-flen = 1048576
-[opsize]
-min = 1
-max = 131072
-[weights]
-close_open = 1
-read = 5
-write = 5
-mapread = 10
-mapwrite = 10
-invalidate = 2
-truncate = 3
-fsync = 1
-fdatasync = 0
-posix_fadvise = 1
-EOF
-cat >/tmp/odirect.toml <<'EOF'
-flen = 1048576
-[opsize]
-max = 131072
-align = 4096
-[weights]
-close_open = 2
-read = 10
-write = 10
-mapread = 0
-mapwrite = 0
-invalidate = 0
-truncate = 3
-fsync = 1
-fdatasync = 1
-punch_hole = 2
-EOF
+# The configs (qemu-scripts/guest-tests/fsx/*.toml) are baked into the guest
+# by build-guest.sh.
+cp /usr/share/keelfs/fsx/buffered.toml /usr/share/keelfs/fsx/mmap.toml \
+  /usr/share/keelfs/fsx/odirect.toml /tmp/ ||
+  { echo "FAIL: fsx configs missing from the guest (rebuild it: qemu-scripts/build-guest.sh)"; exit 1; }
 sed -e 's/^align = 4096$/align = 1/' -e 's/^max = 131072$/min = 1\nmax = 131072/' \
   /tmp/odirect.toml >/tmp/odirect-unaligned.toml
 

@@ -252,45 +252,8 @@ fsck_dev fsck-new
 # ------------------------------------------------------------------ d --
 echo "=== d. serve on $mnt: fsx, a file across a restart"
 if start_serve serve; then
-  cat >/tmp/buffered.toml <<'EOF'
-flen = 1048576
-[opsize]
-min = 1
-max = 131072
-[weights]
-close_open = 2
-read = 10
-write = 10
-mapread = 0
-mapwrite = 0
-invalidate = 0
-truncate = 3
-fsync = 1
-fdatasync = 1
-posix_fallocate = 2
-punch_hole = 2
-sendfile = 1
-posix_fadvise = 2
-copy_file_range = 2
-EOF
-  # O_DIRECT, 4 KiB aligned; no posix_fallocate (see fsx.sh).
-  cat >/tmp/odirect.toml <<'EOF'
-flen = 1048576
-[opsize]
-max = 131072
-align = 4096
-[weights]
-close_open = 2
-read = 10
-write = 10
-mapread = 0
-mapwrite = 0
-invalidate = 0
-truncate = 3
-fsync = 1
-fdatasync = 1
-punch_hole = 2
-EOF
+  # fsx.sh's buffered and O_DIRECT configs, baked into the guest.
+  cp /usr/share/keelfs/fsx/buffered.toml /usr/share/keelfs/fsx/odirect.toml /tmp/
   if ! command -v fsx >/dev/null; then
     fail "fsx-buffered: no fsx in the guest (cargo install fsx, then qemu-scripts/build-guest.sh)"
     fail "fsx-odirect: no fsx in the guest"

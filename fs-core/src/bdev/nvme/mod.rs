@@ -146,12 +146,7 @@ impl Shared {
     }
 
     fn add_counters(&self, c: &QueueCounters) {
-        let mut t = self.totals.lock().unwrap_or_else(|e| e.into_inner());
-        t.direct += c.direct;
-        t.bounced += c.bounced;
-        t.commands += c.commands;
-        t.timeouts += c.timeouts;
-        t.rebuilds += c.rebuilds;
+        *self.totals.lock().unwrap_or_else(|e| e.into_inner()) += c;
     }
 }
 

@@ -39,6 +39,16 @@ pub struct QueueCounters {
     pub rebuilds: u64,
 }
 
+impl std::ops::AddAssign<&QueueCounters> for QueueCounters {
+    fn add_assign(&mut self, c: &QueueCounters) {
+        self.direct += c.direct;
+        self.bounced += c.bounced;
+        self.commands += c.commands;
+        self.timeouts += c.timeouts;
+        self.rebuilds += c.rebuilds;
+    }
+}
+
 #[derive(Default)]
 struct Slot {
     token: Token,
@@ -173,10 +183,6 @@ impl NvmeQueue {
 
     pub fn qid(&self) -> u16 {
         self.qid
-    }
-
-    fn geometry_ref(&self) -> &Geometry {
-        &self.shared.geometry
     }
 
     /// Find `count` free consecutive bounce chunks.
@@ -476,7 +482,7 @@ impl IoQueue for NvmeQueue {
     }
 
     unsafe fn submit(&mut self, req: &IoRequest<'_>) -> Result<(), BdevError> {
-        let total = validate_request(self.geometry_ref(), req)?;
+        let total = validate_request(&self.shared.geometry, req)?;
         if !self.dead && self.shared.reset_generation.load(Ordering::Relaxed) != self.reset_generation {
             // A reset happened since this queue last looked: rebuild before
             // taking new work, so that the new request is not failed along
