@@ -13,7 +13,12 @@ run() { rm -f $img; $b "$@" | tee -a "$out"; }
 uring() { run --backend uring "$@"; }
 uring --workload dio-overwrite --size 2G --file-size 256M --threads 4 --seconds 5
 uring --workload aio-append --size 4G --file-size 3G --iodepth 32 --seconds 5
+# Seed 004 ran with the file in the page cache: a 1 GiB cache holds the
+# 512 MiB file. The default 256 MiB cache holds half of it, and the layout
+# with readers beside the writers on one reactor, for comparison.
+uring --workload buffered-randrw --size 2G --file-size 512M --seconds 3 --rounds 5 --cache-size 1G
 uring --workload buffered-randrw --size 2G --file-size 512M --seconds 3 --rounds 5
+uring --workload buffered-randrw --size 2G --file-size 512M --seconds 3 --rounds 5 --cache-size 1G --readers-on-owner
 uring --workload byte-writes --size 1G
 uring --workload seq-extents --size 4G
 uring --workload fsync-storm --size 1G --threads 32 --seconds 5

@@ -82,6 +82,10 @@ pub struct CoreArgs {
     /// tmpfs-backed file, their copies) run on another core.
     #[arg(long)]
     sqpoll_idle_ms: Option<u32>,
+    /// buffered-randrw: run the readers beside the writers on the
+    /// filesystem's reactor instead of on a second one.
+    #[arg(long)]
+    readers_on_owner: bool,
     #[arg(long)]
     json: bool,
 }
@@ -120,6 +124,7 @@ pub fn run(args: &CoreArgs) -> anyhow::Result<()> {
         seconds: Duration::from_secs(args.seconds.max(1)),
         file_size: args.file_size,
         backend: format!("{:?}", args.backend).to_lowercase(),
+        readers_on_owner: args.readers_on_owner,
     };
     let cache_size = args.cache_size;
     let line = reactor.block_on(async move {
@@ -177,6 +182,7 @@ pub struct Params {
     pub seconds: Duration,
     pub file_size: u64,
     pub backend: String,
+    pub readers_on_owner: bool,
 }
 
 fn emit(line: &serde_json::Value, as_json: bool) {

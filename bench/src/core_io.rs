@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use keelfs_core::bdev::fault::splitmix64;
 use keelfs_core::bdev::AlignedBuf;
 use keelfs_core::fs::format::ROOT_INO;
-use keelfs_core::fs::{Creds, Fs, FsCounters};
+use keelfs_core::fs::{Creds, Fs, FsCounters, SharedReader};
 use keelfs_core::reactor;
 use serde_json::{json, Value};
 
@@ -178,25 +178,100 @@ pub async fn aio_append(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
     }))
 }
 
+thread_local! {
+    /// The filesystem of the reactor that owns it, for jobs other reactors
+    /// send there (reads that missed the shared cache).
+    static OWNER_FS: RefCell<Option<Fs>> = const { RefCell::new(None) };
+}
+
+/// Where seed 004's readers run.
+enum Readers {
+    /// As tasks on the reactor that owns the filesystem, beside the writers.
+    OnOwner,
+    /// As tasks on a second reactor (another core): cached pages are read
+    /// there without a lock; a read that misses goes to the owner as a
+    /// message.
+    Apart { reactor: reactor::ReactorHandle, shared: SharedReader, owner: reactor::ReactorHandle },
+}
+
+/// What a phase of reads did.
+struct ReadPhase {
+    ops: u64,
+    secs: f64,
+    sent_to_owner: u64,
+}
+
+/// 8k random reads by 2 tasks for `seconds`, where `readers` says.
+async fn read_phase(fs: &Fs, readers: &Readers, ino: u64, pages: u64, seconds: Duration) -> anyhow::Result<ReadPhase> {
+    let read_offset = move |t: u32, i: u64| {
+        let mut s = (u64::from(t) << 40) ^ i ^ 0xabc;
+        (splitmix64(&mut s) % pages) * 8192
+    };
+    match readers {
+        Readers::OnOwner => {
+            let fs = fs.clone();
+            let (tally, secs) = run_tasks(2, seconds, move |t, i| {
+                let fs = fs.clone();
+                async move {
+                    std::hint::black_box(fs.read(ino, read_offset(t, i), 8192).await?);
+                    Ok(true)
+                }
+            })
+            .await?;
+            Ok(ReadPhase { ops: tally.ops.get(), secs, sent_to_owner: 0 })
+        }
+        Readers::Apart { reactor, shared, owner } => {
+            let (shared, owner) = (shared.clone(), owner.clone());
+            let job = move || async move {
+                let sent = Rc::new(Cell::new(0u64));
+                let sent2 = sent.clone();
+                let (tally, secs) = run_tasks(2, seconds, move |t, i| {
+                    let (shared, owner, sent) = (shared.clone(), owner.clone(), sent2.clone());
+                    async move {
+                        let off = read_offset(t, i);
+                        let mut buf = Vec::with_capacity(8192);
+                        if shared.read_into(off, 8192, &mut buf).is_err() {
+                            sent.set(sent.get() + 1);
+                            let call = reactor::remote::call(&owner, move || async move {
+                                let fs = OWNER_FS.with(|o| o.borrow().clone()).expect("the owner's filesystem");
+                                fs.read(ino, off, 8192).await.map(|d| d.len())
+                            });
+                            let read = call.map_err(|_| anyhow::anyhow!("the owning reactor refused a message"))?.await;
+                            read.ok_or_else(|| anyhow::anyhow!("the owning reactor stopped"))??;
+                        }
+                        std::hint::black_box(&buf);
+                        Ok(true)
+                    }
+                })
+                .await?;
+                anyhow::Ok(ReadPhase { ops: tally.ops.get(), secs, sent_to_owner: sent.get() })
+            };
+            let call = reactor::remote::call(reactor, job).map_err(|_| anyhow::anyhow!("reader reactor refused"))?;
+            call.await.ok_or_else(|| anyhow::anyhow!("the reader reactor stopped"))?
+        }
+    }
+}
+
+/// Seed 004: 8k random reads and writes on one file, 2 reader and 2
+/// writer streams. The writers run on the filesystem's reactor; the
+/// readers on a second reactor (default) or beside the writers.
 pub async fn buffered_randrw(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
     let ino = create(fs, "randrw").await?;
     preallocate(fs, ino, p.file_size).await?;
     let pages = p.file_size / 8192;
-    let read_op = {
-        let fs = fs.clone();
-        move |t: u32, i: u64| {
-            let fs = fs.clone();
-            async move {
-                let mut s = (u64::from(t) << 40) ^ i ^ 0xabc;
-                let off = (splitmix64(&mut s) % pages) * 8192;
-                std::hint::black_box(fs.read(ino, off, 8192).await?);
-                Ok(true)
-            }
-        }
+    let mut reader_thread = None;
+    let readers = if p.readers_on_owner {
+        Readers::OnOwner
+    } else {
+        OWNER_FS.with(|o| *o.borrow_mut() = Some(fs.clone()));
+        let config = reactor::ReactorConfig { id: 1, mode: reactor::PollMode::Interrupt, ..Default::default() };
+        let (handle, join) = reactor::Reactor::spawn(config, || {})?;
+        reader_thread = Some((handle.clone(), join));
+        Readers::Apart { reactor: handle, shared: fs.shared_reader(ino)?, owner: reactor::current() }
     };
     // Warm the cache, then alternate readers-alone and readers-with-writers
     // phases, so that both see the same machine noise.
-    let _ = run_tasks(2, p.seconds, read_op.clone()).await?;
+    read_phase(fs, &readers, ino, pages, p.seconds).await?;
     let data = Rc::new(vec![0x77u8; 8192]);
     let writers_ops = Rc::new(Cell::new(0u64));
     let (fs_w, data_w, wops) = (fs.clone(), data.clone(), writers_ops.clone());
@@ -211,10 +286,11 @@ pub async fn buffered_randrw(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
         }
     };
     let (mut alone_iops, mut mixed_iops, mut write_iops) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut mixed_reads, mut shared_waits) = (0u64, 0u64);
+    let (mut mixed_reads, mut shared_waits, mut sent_to_owner) = (0u64, 0u64, 0u64);
+    let shared_before = fs.cache_stats();
     for _ in 0..p.rounds.max(1) {
-        let (alone, alone_secs) = run_tasks(2, p.seconds, read_op.clone()).await?;
-        alone_iops.push(alone.ops.get() as f64 / alone_secs);
+        let alone = read_phase(fs, &readers, ino, pages, p.seconds).await?;
+        alone_iops.push(alone.ops as f64 / alone.secs);
         writers_ops.set(0);
         let start = Instant::now();
         let writers: Rc<Cell<Option<anyhow::Result<()>>>> = Rc::default();
@@ -225,9 +301,10 @@ pub async fn buffered_randrw(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
             });
         }
         let waits_before = fs.range_lock_waits().0;
-        let (mixed, mixed_secs) = run_tasks(2, p.seconds, read_op.clone()).await?;
+        let mixed = read_phase(fs, &readers, ino, pages, p.seconds).await?;
         shared_waits += fs.range_lock_waits().0 - waits_before;
-        mixed_reads += mixed.ops.get();
+        mixed_reads += mixed.ops;
+        sent_to_owner += mixed.sent_to_owner;
         loop {
             if let Some(result) = writers.take() {
                 result?;
@@ -235,14 +312,20 @@ pub async fn buffered_randrw(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
             }
             reactor::sleep(Duration::from_millis(1)).await;
         }
-        mixed_iops.push(mixed.ops.get() as f64 / mixed_secs);
+        mixed_iops.push(mixed.ops as f64 / mixed.secs);
         write_iops.push(writers_ops.get() as f64 / start.elapsed().as_secs_f64());
+    }
+    if let Some((handle, join)) = reader_thread {
+        handle.stop();
+        join.join().map_err(|_| anyhow::anyhow!("the reader reactor panicked"))?;
+        OWNER_FS.with(|o| o.borrow_mut().take());
     }
     let ratios: Vec<f64> = mixed_iops.iter().zip(&alone_iops).map(|(m, a)| m / a).collect();
     let (read_only_iops, mixed_read_iops) = (median(&alone_iops), median(&mixed_iops));
     let stats = fs.cache_stats();
     Ok(json!({
         "bench": "core", "workload": "buffered-randrw", "readers": 2, "writers": 2, "bs": 8192,
+        "readers_on": if p.readers_on_owner { "owner reactor" } else { "second reactor" },
         "file_bytes": p.file_size,
         "rounds": p.rounds,
         "read_only_iops": read_only_iops.round(),
@@ -252,9 +335,14 @@ pub async fn buffered_randrw(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
         "mixed_read_ratio_per_round": ratios.iter().map(|r| round2(*r)).collect::<Vec<_>>(),
         "mixed_reads": mixed_reads,
         "mixed_read_lock_waits": shared_waits,
+        "mixed_reads_sent_to_owner": sent_to_owner,
         "mixed_total_ops_vs_read_only": round2((mixed_read_iops + median(&write_iops)) / read_only_iops),
         "cache_hits": stats.hits, "cache_misses": stats.misses, "cache_pages": stats.pages,
         "cache_capacity_pages": stats.capacity_pages,
+        "shared_hits": stats.shared_hits - shared_before.shared_hits,
+        "shared_misses": stats.shared_misses - shared_before.shared_misses,
+        "shared_retries": stats.shared_retries - shared_before.shared_retries,
+        "shared_hints_dropped": stats.shared_hints_dropped,
     }))
 }
 

@@ -8,9 +8,17 @@
 //! ever cycles through A1in.
 //!
 //! Dirty pages are never evicted: writeback cleans them first. Memory is
-//! the configured capacity plus about 150 bytes of bookkeeping per page.
+//! the configured capacity plus about 190 bytes of bookkeeping per page.
+//!
+//! Page memory is shared with readers on other cores ([`super::shared`]):
+//! every change to a page's bytes or identity goes through the slot's
+//! sequence number, so the owner stores through methods here, never
+//! through a `&mut [u8]`.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+
+use super::shared::SharedPages;
 
 pub const PAGE_BYTES: usize = 4096;
 
@@ -41,14 +49,26 @@ pub struct CacheStats {
     pub pages: u64,
     pub dirty_pages: u64,
     pub capacity_pages: u64,
+    /// Reads served on other cores straight from the cache, and those
+    /// that had to go to the owner.
+    pub shared_hits: u64,
+    pub shared_misses: u64,
+    /// Shared reads that collided with a change and tried again.
+    pub shared_retries: u64,
+    /// Pages cached but invisible to shared reads (both hint positions
+    /// taken by other pages).
+    pub shared_hints_dropped: u64,
 }
 
 pub struct PageCache {
     capacity: usize,
     /// Page data, slot i at [i * PAGE_BYTES, (i + 1) * PAGE_BYTES): one
     /// allocation made up front (calloc'd, so untouched pages cost no
-    /// memory), no per-page allocation or fragmentation.
-    arena: Vec<u8>,
+    /// memory), no per-page allocation or fragmentation. Shared with
+    /// readers on other cores.
+    shared: Arc<SharedPages>,
+    /// Slots opened by a write in progress ([`Self::write_open`]).
+    open_slots: Vec<u32>,
     a1in_target: usize,
     a1out_max: usize,
     map: HashMap<PageKey, u32>,
@@ -75,7 +95,8 @@ impl PageCache {
         let capacity = ((capacity_bytes as usize) / PAGE_BYTES).max(16);
         Self {
             capacity,
-            arena: vec![0u8; capacity * PAGE_BYTES],
+            shared: Arc::new(SharedPages::new(capacity)),
+            open_slots: Vec::new(),
             a1in_target: (capacity / 4).max(1),
             a1out_max: (capacity / 2).max(1),
             map: HashMap::with_capacity(capacity),
@@ -95,7 +116,19 @@ impl PageCache {
     }
 
     pub fn stats(&self) -> CacheStats {
-        CacheStats { pages: self.map.len() as u64, dirty_pages: self.dirty_count as u64, ..self.stats }
+        CacheStats {
+            pages: self.map.len() as u64,
+            dirty_pages: self.dirty_count as u64,
+            shared_hits: self.shared.remote_hits(),
+            shared_misses: self.shared.remote_misses(),
+            shared_retries: self.shared.remote_retries(),
+            shared_hints_dropped: self.shared.hints_dropped(),
+            ..self.stats
+        }
+    }
+
+    pub(crate) fn shared(&self) -> &Arc<SharedPages> {
+        &self.shared
     }
 
     pub fn capacity_pages(&self) -> usize {
@@ -155,20 +188,63 @@ impl PageCache {
         self.map.contains_key(&key)
     }
 
-    /// A page to modify; the caller marks it dirty.
-    pub fn get_mut(&mut self, key: PageKey) -> Option<&mut [u8]> {
-        let slot = self.map.get(&key).copied()?;
+    /// A cached page, without counting a hit or touching its recency
+    /// (writeback's view).
+    pub fn peek(&self, key: PageKey) -> Option<&[u8]> {
+        self.map.get(&key).map(|&slot| self.page(slot))
+    }
+
+    /// Store `src` at byte `at` of a cached page; false if not cached. The
+    /// caller marks it dirty.
+    pub fn store(&mut self, key: PageKey, at: usize, src: &[u8]) -> bool {
+        let Some(&slot) = self.map.get(&key) else { return false };
         self.touch(slot);
-        Some(self.page_mut(slot))
+        self.shared.open(slot);
+        self.shared.store(slot, at, src);
+        self.shared.close(slot);
+        true
+    }
+
+    /// Zero bytes [from, to) of a cached page, if cached.
+    pub fn zero(&mut self, key: PageKey, from: usize, to: usize) {
+        if let Some(&slot) = self.map.get(&key) {
+            self.shared.open(slot);
+            self.shared.zero(slot, from, to);
+            self.shared.close(slot);
+        }
+    }
+
+    /// A write spanning several pages: open each page before changing it
+    /// ([`Self::write_open`]), and close them all together at the end
+    /// ([`Self::write_close`]), so that a reader on another core sees all
+    /// of the write or none of it.
+    pub fn write_open(&mut self, key: PageKey, at: usize, src: &[u8]) -> bool {
+        let Some(&slot) = self.map.get(&key) else { return false };
+        self.touch(slot);
+        if !self.open_slots.contains(&slot) {
+            self.shared.open(slot);
+            self.open_slots.push(slot);
+        }
+        self.shared.store(slot, at, src);
+        true
+    }
+
+    pub fn write_close(&mut self) {
+        for slot in self.open_slots.drain(..) {
+            self.shared.close(slot);
+        }
     }
 
     /// Add a page holding `data` (replacing a cached copy), evicting a
     /// clean page if the cache is full.
-    pub fn insert(&mut self, key: PageKey, data: &[u8]) -> Result<&mut [u8], CacheFull> {
+    pub fn insert(&mut self, key: PageKey, data: &[u8]) -> Result<(), CacheFull> {
         assert_eq!(data.len(), PAGE_BYTES);
         if let Some(&slot) = self.map.get(&key) {
-            self.page_mut(slot).copy_from_slice(data);
-            return Ok(self.page_mut(slot));
+            assert!(!self.open_slots.contains(&slot), "a page replaced during a write to it");
+            self.shared.open(slot);
+            self.shared.store(slot, 0, data);
+            self.shared.close(slot);
+            return Ok(());
         }
         if self.map.len() >= self.capacity {
             self.evict_one().ok_or(CacheFull)?;
@@ -182,7 +258,8 @@ impl PageCache {
                 (self.slots.len() - 1) as u32
             }
         };
-        self.page_mut(slot).copy_from_slice(data);
+        // Not yet published: no reader can match this slot until then.
+        self.shared.store(slot, 0, data);
         let s = &mut self.slots[slot as usize];
         s.key = key;
         s.dirty = false;
@@ -200,17 +277,12 @@ impl PageCache {
         }
         self.map.insert(key, slot);
         self.by_inode.entry(key.0).or_default().insert(key.1);
-        Ok(self.page_mut(slot))
+        self.shared.publish(slot, key);
+        Ok(())
     }
 
     fn page(&self, slot: u32) -> &[u8] {
-        let at = slot as usize * PAGE_BYTES;
-        &self.arena[at..at + PAGE_BYTES]
-    }
-
-    fn page_mut(&mut self, slot: u32) -> &mut [u8] {
-        let at = slot as usize * PAGE_BYTES;
-        &mut self.arena[at..at + PAGE_BYTES]
+        self.shared.page(slot)
     }
 
     /// Evict one clean page: from A1in while it is over its share, else the
@@ -255,6 +327,15 @@ impl PageCache {
                 skipped.push((slot, stamp));
                 continue;
             }
+            if self.shared.take_referenced(slot) {
+                // Read on another core since it was last used here: its
+                // second chance, as if the owner had read it. The bit is
+                // now clear, so this loop ends.
+                self.stamp += 1;
+                self.slots[slot as usize].stamp = self.stamp;
+                self.am.push_back((slot, self.stamp));
+                continue;
+            }
             found = Some(slot);
             break;
         }
@@ -268,6 +349,7 @@ impl PageCache {
         let s = &mut self.slots[slot as usize];
         debug_assert!(s.live && !s.dirty);
         let key = s.key;
+        self.shared.retire(slot, key);
         if s.queue == Queue::Am {
             self.am_len -= 1;
         }

@@ -89,7 +89,7 @@ pub(crate) fn start_writeback_timer(fs: &Fs) {
 
 /// Shared helpers.
 impl Fs {
-    fn require_file(&self, ino: u64) -> FsResult<Inode> {
+    pub(super) fn require_file(&self, ino: u64) -> FsResult<Inode> {
         let inode = self.inner.inode(ino)?;
         if inode.is_dir() {
             return Err(FsError::IsDir);
@@ -200,9 +200,7 @@ impl Fs {
             return Ok(());
         }
         let page = size / BLOCK_SIZE;
-        if let Some(p) = self.inner.cache.borrow_mut().get_mut((ino, page)) {
-            p[tail..].fill(0);
-        }
+        self.inner.cache.borrow_mut().zero((ino, page), tail, PAGE_BYTES);
         self.zero_in_block(ino, page, tail, BLOCK_BYTES).await
     }
 
@@ -552,6 +550,9 @@ impl Fs {
             }
             let to_reserve = self.pages_needing_reservation(ino, first, last)?;
             self.reserve_delalloc(to_reserve.len() as u64)?;
+            // An extending write changes pages and then the size: readers
+            // on other cores see both or neither.
+            let change = (end > old_size).then(|| self.inner.file_change(ino));
             if self.apply_write(ino, offset, data, &edges, &to_reserve).is_err() {
                 // Other tasks filled the cache with dirty pages meanwhile:
                 // undo the reservation and start over (rewriting the same
@@ -567,6 +568,7 @@ impl Fs {
                 }
             }
             self.inner.written(ino, Some(end))?;
+            drop(change);
             drop(range);
             self.throttle(ino).await?;
             return Ok(data.len() as u32);
@@ -591,21 +593,32 @@ impl Fs {
         if absent > cache.clean_or_free_slots() {
             return Err(CacheFull);
         }
+        // Each page is opened before it changes and all are closed at the
+        // end, so that readers on other cores see the whole write or none
+        // of it. A page written here is dirty at once, so inserting the
+        // next one cannot evict it.
+        let mut staging = [0u8; PAGE_BYTES];
         for page in first..=last {
             if !cache.contains((ino, page)) {
                 let content = edges.iter().find(|(p, _)| *p == page).map_or(&[0u8; PAGE_BYTES][..], |(_, c)| &c[..]);
-                cache.insert((ino, page), content)?;
+                if let Err(full) = cache.insert((ino, page), content) {
+                    cache.write_close();
+                    return Err(full);
+                }
             }
             let (ps, pe) = (page * BLOCK_SIZE, (page + 1) * BLOCK_SIZE);
-            let p = cache.get_mut((ino, page)).ok_or(CacheFull)?;
             let from = offset.max(ps);
             let to = end.min(pe);
-            data.copy_to((from - offset) as usize, &mut p[(from - ps) as usize..(to - ps) as usize]);
+            let part = &mut staging[..(to - from) as usize];
+            data.copy_to((from - offset) as usize, part);
+            let stored = cache.write_open((ino, page), (from - ps) as usize, part);
+            assert!(stored, "page {page} of inode {ino} was inserted above");
             cache.mark_dirty((ino, page));
             if reserve.contains(&page) {
                 cache.set_reserved((ino, page));
             }
         }
+        cache.write_close();
         Ok(())
     }
 
@@ -711,8 +724,7 @@ impl Fs {
                 let mut image = AlignedBuf::zeroed((n * BLOCK_SIZE) as usize, BLOCK_BYTES);
                 for page in f..f + n {
                     let at = ((page - f) * BLOCK_SIZE) as usize;
-                    image[at..at + PAGE_BYTES]
-                        .copy_from_slice(cache.get_mut((ino, page)).expect("dirty page is cached"));
+                    image[at..at + PAGE_BYTES].copy_from_slice(cache.peek((ino, page)).expect("dirty page is cached"));
                     cache.mark_clean((ino, page));
                     released += u64::from(cache.take_reserved((ino, page)));
                 }
@@ -1122,12 +1134,17 @@ impl Fs {
         let from = old.min(new_size) / BLOCK_SIZE * BLOCK_SIZE;
         let _range = self.inner.ranges.lock(ino, from, u64::MAX, true).await;
         let keep_blocks = new_size.div_ceil(BLOCK_SIZE);
+        // Shrinking drops pages, zeroes the new last page's tail, then sets
+        // the size: readers on other cores see all of it or none.
+        let change = (new_size < old).then(|| self.inner.file_change(ino));
         if new_size < old {
             let released = self.inner.cache.borrow_mut().discard(ino, keep_blocks);
             self.inner.release_delalloc(released);
-            if let Some(p) = self.inner.cache.borrow_mut().get_mut((ino, new_size / BLOCK_SIZE)) {
-                p[(new_size % BLOCK_SIZE) as usize..].fill(0);
-            }
+            self.inner.cache.borrow_mut().zero(
+                (ino, new_size / BLOCK_SIZE),
+                (new_size % BLOCK_SIZE) as usize,
+                PAGE_BYTES,
+            );
             self.inner.log(Record::ExtentPunch { ino, file_block: keep_blocks, len: u64::MAX - keep_blocks })?;
         } else {
             self.zero_past_eof(ino, old).await?;
@@ -1138,6 +1155,7 @@ impl Fs {
             i.mtime = t;
             i.ctime = t;
         })?;
+        drop(change);
         if let Some(n) = self.inner.state.borrow_mut().node_mut(ino) {
             n.persist_size_cap = n.persist_size_cap.map(|c| c.min(new_size));
             // An extending write that finished before the truncate must not
@@ -1212,14 +1230,13 @@ impl Fs {
             self.inner.log(Record::ExtentPunch { ino, file_block: first_whole, len: end_whole - first_whole })?;
         }
         {
+            let _change = self.inner.file_change(ino);
             let mut cache = self.inner.cache.borrow_mut();
             for page in offset / BLOCK_SIZE..=(end - 1) / BLOCK_SIZE {
-                if let Some(p) = cache.get_mut((ino, page)) {
-                    let ps = page * BLOCK_SIZE;
-                    let from = offset.max(ps) - ps;
-                    let to = end.min(ps + BLOCK_SIZE) - ps;
-                    p[from as usize..to as usize].fill(0);
-                }
+                let ps = page * BLOCK_SIZE;
+                let from = offset.max(ps) - ps;
+                let to = end.min(ps + BLOCK_SIZE) - ps;
+                cache.zero((ino, page), from as usize, to as usize);
             }
         }
         let head_block = offset / BLOCK_SIZE;

@@ -22,6 +22,7 @@ mod journal;
 pub mod mkfs;
 mod ops;
 pub mod record;
+mod shared;
 pub mod state;
 pub mod sync;
 
@@ -29,10 +30,12 @@ pub use data::{ReadSink, WriteSource};
 pub use error::{FsError, FsResult};
 pub use journal::{CHECKPOINT_BLOCK_MAGIC, JOURNAL_TX_MAGIC};
 pub use ops::{Attr, Creds, DirEntry, SetAttr, TimeSet};
+pub use shared::{SharedMiss, SharedReader, SHARED_READ_PAGES_MAX};
 
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeSet;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::bdev::{AlignedBuf, Geometry};
@@ -148,6 +151,21 @@ pub(crate) struct FsInner {
     /// False only in a benchmark that measures what mtime/ctime upkeep
     /// costs (`keelfs-bench core --workload byte-writes`).
     file_times: Cell<bool>,
+    /// Files with readers on other cores ([`Fs::shared_reader`]): their
+    /// size and life, published under a sequence number.
+    shared_files: RefCell<crate::units::IdMap<Arc<shared::SharedFile>>>,
+}
+
+/// A change to a file that readers on other cores must see whole (see
+/// [`FsInner::file_change`]); ends when dropped.
+pub(crate) struct FileChange(Option<Arc<shared::SharedFile>>);
+
+impl Drop for FileChange {
+    fn drop(&mut self) {
+        if let Some(file) = &self.0 {
+            file.close();
+        }
+    }
 }
 
 /// A mounted filesystem. Cheap to clone; all clones share one state.
@@ -157,6 +175,34 @@ pub struct Fs {
 }
 
 impl FsInner {
+    /// Begin a change of several steps to `ino` (pages and size) that
+    /// readers on other cores must not see half done. Free when the file
+    /// has no such readers.
+    pub(crate) fn file_change(&self, ino: u64) -> FileChange {
+        let file = self.shared_files.borrow().get(&ino).cloned();
+        if let Some(f) = &file {
+            f.open();
+        }
+        FileChange(file)
+    }
+
+    /// Tell readers on other cores the file's size (after any change to an
+    /// inode, which is where sizes change).
+    fn publish_size(&self, ino: u64, size: u64) {
+        let files = self.shared_files.borrow();
+        if let Some(f) = files.get(&ino) {
+            f.set_size_published(size);
+        }
+    }
+
+    /// The inode is gone: its shared readers must go to the owner, which
+    /// will answer that the file no longer exists.
+    fn forget_shared(&self, ino: u64) {
+        if let Some(f) = self.shared_files.borrow_mut().remove(&ino) {
+            f.kill_published();
+        }
+    }
+
     /// After data reached a file: grow its size to `end` if given, and
     /// stamp mtime and ctime, in memory only (persisted with the next
     /// commit).
@@ -337,6 +383,21 @@ impl Fs {
         self.inner.cache.borrow().stats()
     }
 
+    /// A reader of `ino`'s cached pages for another thread (another
+    /// reactor): reads that find every page cached complete there without
+    /// a lock or a message; the others the caller sends here.
+    pub fn shared_reader(&self, ino: u64) -> FsResult<SharedReader> {
+        let size = self.require_file(ino)?.size;
+        let file = self
+            .inner
+            .shared_files
+            .borrow_mut()
+            .entry(ino)
+            .or_insert_with(|| Arc::new(shared::SharedFile::new(size)))
+            .clone();
+        Ok(SharedReader { pages: self.inner.cache.borrow().shared().clone(), file, ino })
+    }
+
     /// Extents of a file (for tests and benchmarks of the allocator).
     pub fn extent_count(&self, ino: u64) -> FsResult<usize> {
         let state = self.inner.state.borrow();
@@ -408,6 +469,7 @@ impl Fs {
                 unmounted: Cell::new(false),
                 replayed_at_mount: loaded.replayed,
                 file_times: Cell::new(true),
+                shared_files: RefCell::new(crate::units::IdMap::default()),
             }),
         };
         fs.free_orphans()?;

@@ -146,7 +146,9 @@ impl FsInner {
             node.inode.i_version += 1;
             node.i_version_queried = false;
         }
+        let size = node.inode.size;
         drop(state);
+        self.publish_size(ino, size);
         self.mark_dirty(ino);
         Ok(())
     }
@@ -206,6 +208,7 @@ impl FsInner {
             None => return Ok(()),
         };
         if unreferenced && ino != ROOT_INO {
+            self.forget_shared(ino);
             let released = self.cache.borrow_mut().discard(ino, 0);
             self.release_delalloc(released);
             let image = self.state.borrow().node(ino).map(|n| n.inode.clone());

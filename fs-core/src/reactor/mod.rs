@@ -21,6 +21,7 @@
 //! next timer deadline.
 
 pub mod io;
+pub mod remote;
 pub(crate) mod sys;
 
 pub use sys::thread_cpu_time;
