@@ -8,7 +8,8 @@
 //! ever cycles through A1in.
 //!
 //! Dirty pages are never evicted: writeback cleans them first. Memory is
-//! the configured capacity plus about 190 bytes of bookkeeping per page.
+//! the configured capacity plus about 300 bytes of bookkeeping per page
+//! (measured, with the allocator's slack: bench/RESULTS.md).
 //!
 //! Page memory is shared with readers on other cores ([`super::shared`]):
 //! every change to a page's bytes or identity goes through the slot's
@@ -19,6 +20,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use super::shared::SharedPages;
+use crate::units::SeededState;
 
 pub const PAGE_BYTES: usize = 4096;
 
@@ -69,16 +71,20 @@ pub struct PageCache {
     shared: Arc<SharedPages>,
     /// Slots opened by a write in progress ([`Self::write_open`]).
     open_slots: Vec<u32>,
+    /// Where a write's bytes land before they are stored into a page as
+    /// atomic words; kept so that no write pays for zeroing a page.
+    staging: Box<[u8]>,
     a1in_target: usize,
     a1out_max: usize,
-    map: HashMap<PageKey, u32>,
+    /// Keyed by guest-chosen offsets, so seeded (`SeededState`).
+    map: HashMap<PageKey, u32, SeededState>,
     slots: Vec<Slot>,
     free: Vec<u32>,
     a1in: VecDeque<u32>,
     am: VecDeque<(u32, u64)>,
     am_len: usize,
     a1out: VecDeque<PageKey>,
-    a1out_set: HashSet<PageKey>,
+    a1out_set: HashSet<PageKey, SeededState>,
     by_inode: crate::units::IdMap<BTreeSet<u64>>,
     dirty: BTreeMap<u64, BTreeSet<u64>>,
     dirty_count: usize,
@@ -97,16 +103,17 @@ impl PageCache {
             capacity,
             shared: Arc::new(SharedPages::new(capacity)),
             open_slots: Vec::new(),
+            staging: vec![0u8; PAGE_BYTES].into_boxed_slice(),
             a1in_target: (capacity / 4).max(1),
             a1out_max: (capacity / 2).max(1),
-            map: HashMap::with_capacity(capacity),
+            map: HashMap::with_capacity_and_hasher(capacity, SeededState::default()),
             slots: Vec::new(),
             free: Vec::new(),
             a1in: VecDeque::new(),
             am: VecDeque::new(),
             am_len: 0,
             a1out: VecDeque::new(),
-            a1out_set: HashSet::new(),
+            a1out_set: HashSet::default(),
             by_inode: crate::units::IdMap::default(),
             dirty: BTreeMap::new(),
             dirty_count: 0,
@@ -218,14 +225,18 @@ impl PageCache {
     /// ([`Self::write_open`]), and close them all together at the end
     /// ([`Self::write_close`]), so that a reader on another core sees all
     /// of the write or none of it.
-    pub fn write_open(&mut self, key: PageKey, at: usize, src: &[u8]) -> bool {
+    ///
+    /// `fill` writes the `len` bytes to store at `at`.
+    pub fn write_open(&mut self, key: PageKey, at: usize, len: usize, fill: impl FnOnce(&mut [u8])) -> bool {
         let Some(&slot) = self.map.get(&key) else { return false };
         self.touch(slot);
         if !self.open_slots.contains(&slot) {
             self.shared.open(slot);
             self.open_slots.push(slot);
         }
-        self.shared.store(slot, at, src);
+        let staged = &mut self.staging[..len];
+        fill(staged);
+        self.shared.store(slot, at, staged);
         true
     }
 

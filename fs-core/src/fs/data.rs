@@ -597,7 +597,6 @@ impl Fs {
         // end, so that readers on other cores see the whole write or none
         // of it. A page written here is dirty at once, so inserting the
         // next one cannot evict it.
-        let mut staging = [0u8; PAGE_BYTES];
         for page in first..=last {
             if !cache.contains((ino, page)) {
                 let content = edges.iter().find(|(p, _)| *p == page).map_or(&[0u8; PAGE_BYTES][..], |(_, c)| &c[..]);
@@ -609,9 +608,9 @@ impl Fs {
             let (ps, pe) = (page * BLOCK_SIZE, (page + 1) * BLOCK_SIZE);
             let from = offset.max(ps);
             let to = end.min(pe);
-            let part = &mut staging[..(to - from) as usize];
-            data.copy_to((from - offset) as usize, part);
-            let stored = cache.write_open((ino, page), (from - ps) as usize, part);
+            let stored = cache.write_open((ino, page), (from - ps) as usize, (to - from) as usize, |part| {
+                data.copy_to((from - offset) as usize, part)
+            });
             assert!(stored, "page {page} of inode {ino} was inserted above");
             cache.mark_dirty((ino, page));
             if reserve.contains(&page) {
