@@ -43,6 +43,8 @@ Options:
                        a new directory in /dev/shm, else in \$TMPDIR or /tmp,
                        removed after a passing run unless --keep)
   --queues-list "N.."  request-queue counts to run (default: "1 2")
+  --spread            with 2 or more request queues, serve with --reactors 2
+                      --spread-queues (queues polled on both reactors)
   --only NAMES         run only these tests (comma or space separated, from:
                        ${all_tests[*]}); repeatable
   --with-crash         (kept for compatibility; crash is in the default set
@@ -76,6 +78,7 @@ keep=0
 verbose=0
 with_crash=0
 crash_after=8
+spread=0
 need_arg() { (($2 >= 2)) || die "$1 needs a value (see --help)"; }
 while (($#)); do
   case "$1" in
@@ -87,6 +90,7 @@ while (($#)); do
     --timeout) need_arg "$1" $#; timeout=$2; shift 2 ;;
     --keep) keep=1; shift ;;
     --with-crash) with_crash=1; shift ;;
+    --spread) spread=1; shift ;;
     --crash-after) need_arg "$1" $#; crash_after=$2; shift 2 ;;
     --verbose) verbose=1; shift ;;
     -h|--help) usage; exit 0 ;;
@@ -149,9 +153,10 @@ daemon_tail() { # LOG
 
 # start_daemon IMG SOCK QUEUES LOG: starts keelfsd, waits for its socket.
 start_daemon() {
-  local img=$1 sock=$2 q=$3 dlog=$4
+  local img=$1 sock=$2 q=$3 dlog=$4 extra=()
   rm -f "$sock"
-  "$keelfsd" serve --device "$img" --socket "$sock" --queues "$q" >"$dlog" 2>&1 &
+  ((spread && q > 1)) && extra=(--reactors 2 --spread-queues)
+  "$keelfsd" serve --device "$img" --socket "$sock" --queues "$q" "${extra[@]}" >"$dlog" 2>&1 &
   daemon_pid=$!
   for _ in $(seq 1 150); do
     [[ -S $sock ]] && return 0

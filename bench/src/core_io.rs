@@ -232,12 +232,11 @@ async fn read_phase(fs: &Fs, readers: &Readers, ino: u64, pages: u64, seconds: D
                         let mut buf = Vec::with_capacity(8192);
                         if shared.read_into(off, 8192, &mut buf).is_err() {
                             sent.set(sent.get() + 1);
-                            let call = reactor::remote::call(&owner, move || async move {
+                            let read = reactor::remote::call_and_wait(&owner, move || async move {
                                 let fs = OWNER_FS.with(|o| o.borrow().clone()).expect("the owner's filesystem");
                                 fs.read(ino, off, 8192).await.map(|d| d.len())
                             });
-                            let read = call.map_err(|_| anyhow::anyhow!("the owning reactor refused a message"))?.await;
-                            read.ok_or_else(|| anyhow::anyhow!("the owning reactor stopped"))??;
+                            read.await.ok_or_else(|| anyhow::anyhow!("the owning reactor stopped"))??;
                         }
                         std::hint::black_box(&buf);
                         Ok(true)
@@ -246,8 +245,8 @@ async fn read_phase(fs: &Fs, readers: &Readers, ino: u64, pages: u64, seconds: D
                 .await?;
                 anyhow::Ok(ReadPhase { ops: tally.ops.get(), secs, sent_to_owner: sent.get() })
             };
-            let call = reactor::remote::call(reactor, job).map_err(|_| anyhow::anyhow!("reader reactor refused"))?;
-            call.await.ok_or_else(|| anyhow::anyhow!("the reader reactor stopped"))?
+            let phase = reactor::remote::call_and_wait(reactor, job).await;
+            phase.ok_or_else(|| anyhow::anyhow!("the reader reactor stopped"))?
         }
     }
 }

@@ -96,6 +96,7 @@ struct RawExport {
     #[serde(default)]
     cache: Option<CacheName>,
     request_queues: Option<Spanned<u16>>,
+    spread_queues: Option<bool>,
     page_cache: Option<Spanned<String>>,
     fuse_mount: Option<PathBuf>,
 }
@@ -152,6 +153,9 @@ pub struct Export {
     pub socket_mode: Option<u32>,
     pub cache: Cache,
     pub request_queues: usize,
+    /// Poll request queues on the other reactors too (cached reads served
+    /// there, the rest sent to the export's reactor).
+    pub spread_queues: bool,
     pub page_cache_bytes: u64,
     pub fuse_mount: Option<PathBuf>,
 }
@@ -181,6 +185,7 @@ impl Export {
             socket_mode: None,
             cache: Cache::Auto,
             request_queues: 1,
+            spread_queues: false,
             page_cache_bytes: 256 << 20,
             fuse_mount: None,
         }
@@ -319,6 +324,7 @@ pub fn parse(file: &str, text: &str) -> Result<Config, ConfigError> {
             }
             export.request_queues = usize::from(n);
         }
+        export.spread_queues = e.spread_queues.unwrap_or(false);
         if let Some(size) = &e.page_cache {
             let bytes = parse_size(size.get_ref()).map_err(|m| src.error(size.span(), m))?;
             if bytes < 1 << 20 {
@@ -393,6 +399,7 @@ socket_owner = "0:0"
 socket_mode = "0660"
 cache = "none"
 request_queues = 2
+spread_queues = true
 page_cache = "64M"
 
 [[export]]
@@ -417,6 +424,7 @@ fuse_mount = "/mnt/keelfs"
         );
         assert_eq!((vm1.socket_owner, vm1.socket_mode, vm1.page_cache_bytes), (Some((0, 0)), Some(0o660), 64 << 20));
         let host = &c.exports[1];
+        assert!(vm1.spread_queues && !host.spread_queues, "spread_queues is read, and off by default");
         assert_eq!(
             (host.backend, host.socket.as_ref(), host.fuse_mount.as_deref()),
             (BackendName::Pmem, None, Some(Path::new("/mnt/keelfs")))

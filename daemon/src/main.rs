@@ -73,6 +73,12 @@ enum Command {
         /// virtio-fs request queues (QEMU's num-request-queues; default 1).
         #[arg(long, value_parser = clap::value_parser!(u16).range(1..=63))]
         queues: Option<u16>,
+        /// Poll the request queues on every reactor, not only the export's:
+        /// reads of cached pages are served there, other requests are sent
+        /// to the export's reactor (needs --reactors 2 or more and --queues
+        /// 2 or more).
+        #[arg(long)]
+        spread_queues: bool,
         /// What clients may cache: none, auto (default) or always, as
         /// virtiofsd's --cache.
         #[arg(long, value_enum)]
@@ -129,20 +135,31 @@ fn main() -> ExitCode {
             tools::mkfs(&path, size, force, journal_size, allocation_groups)
         }
         Command::Fsck { path, json, repair } => tools::fsck(&path, json, repair),
-        Command::Serve { config, device, fuse_mount, socket, tag, queues, cache, reactors, rpc, check } => {
-            serve::serve(serve::ServeArgs {
-                config,
-                device,
-                fuse_mount,
-                socket,
-                tag,
-                queues: queues.map(usize::from),
-                cache,
-                reactors: reactors.map(usize::from),
-                rpc,
-                check,
-            })
-        }
+        Command::Serve {
+            config,
+            device,
+            fuse_mount,
+            socket,
+            tag,
+            queues,
+            spread_queues,
+            cache,
+            reactors,
+            rpc,
+            check,
+        } => serve::serve(serve::ServeArgs {
+            config,
+            device,
+            fuse_mount,
+            socket,
+            tag,
+            queues: queues.map(usize::from),
+            spread_queues,
+            cache,
+            reactors: reactors.map(usize::from),
+            rpc,
+            check,
+        }),
         Command::Stats { rpc } => rpc::query(&rpc).map(|json| {
             use std::io::Write;
             // A closed pipe (| head) is the reader's choice, not an error.

@@ -3,8 +3,9 @@
 //! One reactor per configured CPU (or count). Each export (a filesystem on
 //! its own device, served on a vhost-user-fs socket and/or a /dev/fuse
 //! mount) is owned by one reactor: its filesystem, its device queue and
-//! every one of its virtqueues live there, and exports are spread over the
-//! reactors round-robin. The main thread owns nothing on an I/O path: it
+//! its virtqueues live there (with `spread_queues`, the other reactors
+//! poll some request queues too and send the owner what they cannot serve
+//! from the cache), and exports are spread over the reactors round-robin. The main thread owns nothing on an I/O path: it
 //! starts the reactors, waits for signals, and talks to reactors only
 //! through their lock-free inboxes.
 
@@ -25,7 +26,7 @@ use keelfs_core::reactor::{self, PollMode, Reactor, ReactorConfig, ReactorHandle
 use keelfs_vhost::fuse::dev_fuse::{serve as serve_fuse, FuseMount};
 use keelfs_vhost::fuse::dispatch::{CacheMode, Session};
 use keelfs_vhost::fuse::stats::OpStats;
-use keelfs_vhost::vhost_user::VhostUserServer;
+use keelfs_vhost::vhost_user::{ServeOptions, VhostUserServer};
 use serde_json::{json, Value};
 
 use crate::config::{self, Config, Export, PollModeName};
@@ -43,6 +44,7 @@ pub struct ServeArgs {
     pub socket: Option<PathBuf>,
     pub tag: Option<String>,
     pub queues: Option<usize>,
+    pub spread_queues: bool,
     pub cache: Option<Cache>,
     pub reactors: Option<usize>,
     pub rpc: Option<PathBuf>,
@@ -96,6 +98,7 @@ fn resolve(args: ServeArgs) -> anyhow::Result<Config> {
         || args.fuse_mount.is_some()
         || args.tag.is_some()
         || args.queues.is_some()
+        || args.spread_queues
         || args.cache.is_some();
     if config.exports.is_empty() || flags_shape_an_export {
         if config.exports.is_empty() {
@@ -116,6 +119,9 @@ fn resolve(args: ServeArgs) -> anyhow::Result<Config> {
         }
         if let Some(queues) = args.queues {
             export.request_queues = queues;
+        }
+        if args.spread_queues {
+            export.spread_queues = true;
         }
         if let Some(cache) = args.cache {
             export.cache = cache;
@@ -196,19 +202,28 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     for (i, (export, dev)) in config.exports.iter().zip(devices).enumerate() {
         assigned[i % reactor_count].push((export.clone(), dev));
     }
-    for (id, (cpu, exports)) in config.reactors.iter().zip(assigned).enumerate() {
-        let (events, commit_interval) = (events.clone(), config.commit_interval);
+    for (id, cpu) in config.reactors.iter().enumerate() {
         let reactor_config = ReactorConfig { id, cpu: *cpu, mode, ..ReactorConfig::default() };
-        let spawned = Reactor::spawn(reactor_config, move || {
-            for (export, dev) in exports {
-                reactor::spawn_local(run_export(id, export, dev, commit_interval, events.clone()));
-            }
-        })
-        .with_context(|| format!("starting reactor {id}"))?;
+        let spawned = Reactor::spawn(reactor_config, || {}).with_context(|| format!("starting reactor {id}"))?;
         reactors.push(spawned);
     }
-    drop(events);
     let handles: Vec<ReactorHandle> = reactors.iter().map(|(h, _)| h.clone()).collect();
+    // Exports start once every reactor runs, so that each knows the others
+    // (its helpers, with spread_queues).
+    for (id, exports) in assigned.into_iter().enumerate() {
+        let (events, commit_interval) = (events.clone(), config.commit_interval);
+        let helpers: Vec<ReactorHandle> = handles.iter().filter(|h| h.id() != id).cloned().collect();
+        let start = move || {
+            for (export, dev) in exports {
+                let helpers = if export.spread_queues { helpers.clone() } else { Vec::new() };
+                reactor::spawn_local(run_export(id, export, dev, helpers, commit_interval, events.clone()));
+            }
+        };
+        if handles[id].send(start).is_err() {
+            anyhow::bail!("reactor {id} stopped before its exports started");
+        }
+    }
+    drop(events);
 
     let mut failure = None;
     for _ in 0..config.exports.len() {
@@ -350,6 +365,7 @@ async fn run_export(
     reactor_id: usize,
     export: Export,
     dev: Arc<dyn BlockDevice>,
+    helpers: Vec<ReactorHandle>,
     commit_interval: Duration,
     events: Sender<Event>,
 ) {
@@ -361,7 +377,7 @@ async fn run_export(
             return;
         }
     };
-    let (server, mount, fuse_stats) = match start_transports(&export, &fs, &dev).await {
+    let (server, mount, fuse_stats) = match start_transports(&export, &fs, &dev, helpers).await {
         Ok(started) => started,
         Err(e) => {
             let _ = events.send(Event::Failed { tag, error: format!("{e:#}") });
@@ -410,18 +426,15 @@ async fn start_transports(
     export: &Export,
     fs: &Fs,
     dev: &Arc<dyn BlockDevice>,
+    helpers: Vec<ReactorHandle>,
 ) -> anyhow::Result<(Option<VhostUserServer>, Option<Rc<FuseMount>>, Option<Rc<OpStats>>)> {
     let session_config = CacheMode::from(export.cache).session_config();
     let server = match &export.socket {
         Some(socket) => {
-            let server = VhostUserServer::start_with_dma(
-                fs.clone(),
-                session_config.clone(),
-                socket,
-                export.request_queues,
-                Some(Arc::clone(dev)),
-            )
-            .context("starting the vhost-user-fs device")?;
+            let options = ServeOptions { dma: Some(Arc::clone(dev)), helpers };
+            let server =
+                VhostUserServer::start_with(fs.clone(), session_config.clone(), socket, export.request_queues, options)
+                    .context("starting the vhost-user-fs device")?;
             if let Err(e) = apply_socket_access(socket, export) {
                 server.stop().await;
                 return Err(e);
@@ -513,6 +526,14 @@ pub fn local_stats() -> Vec<Value> {
                         "signals": d.signals.get(), "in_flight": server.in_flight(),
                         "in_flight_max": d.in_flight_max.get(),
                     });
+                    let (helpers, h) = server.helper_stats();
+                    if helpers > 0 {
+                        let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+                        device["helpers"] = json!({
+                            "reactors": helpers, "chains": load(&h.chains), "from_cache": load(&h.from_cache),
+                            "forwarded": load(&h.forwarded), "in_flight": load(&h.in_flight),
+                        });
+                    }
                 }
                 json!({
                     "tag": e.tag,

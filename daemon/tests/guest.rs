@@ -3,7 +3,10 @@
 //! qemu-scripts/run-e2e.sh: namespace operations, fio with verification on
 //! the three seed data paths, fsx (buffered, O_DIRECT, mmap), a
 //! multi-process stress, persistence across umount/mount and across a
-//! daemon restart with fsck clean, with 1 and 2 request queues.
+//! daemon restart with fsck clean: with 1 request queue on one reactor,
+//! and with 2 request queues spread over 2 reactors (`--spread-queues`:
+//! the second queue's cached reads served on the other reactor, the rest
+//! sent to the export's).
 //!
 //! scripts/setup.sh installs QEMU 10, the 6.12 kernel, busybox-static, fio
 //! and fsx. Nothing here is skipped when they are missing: the test fails
@@ -29,6 +32,7 @@ fn a_linux_guest_passes_the_end_to_end_suite() {
         .arg(env!("CARGO_BIN_EXE_keelfsd"))
         .arg("--workdir")
         .arg(&workdir)
+        .arg("--spread")
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);

@@ -209,3 +209,69 @@ fn an_idle_adaptive_daemon_uses_almost_no_cpu() {
     assert!(used <= 4, "idle daemon used {used} ticks of CPU in 2 s");
     assert!(served.stop().success());
 }
+
+#[test]
+fn spread_queues_serve_cached_reads_on_the_other_reactor() {
+    use keelfs_vhost::frontend::{io_in, FrontendConfig, FsFrontend};
+    use keelfs_vhost::fuse::abi::{init_flags, Opcode, Reply, ENTRY_OUT_BYTES};
+
+    let dir = Scratch::new("spread");
+    let image = dir.path("k.img");
+    mkfs(&image, "256M");
+    let (socket, rpc) = (dir.path("k.sock"), dir.path("rpc.sock"));
+    let served = Served::start(
+        &[
+            os("--device"),
+            image.as_os_str(),
+            os("--socket"),
+            socket.as_os_str(),
+            os("--queues"),
+            os("2"),
+            os("--reactors"),
+            os("2"),
+            os("--spread-queues"),
+            os("--rpc"),
+            rpc.as_os_str(),
+        ],
+        &[],
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !socket.exists() {
+        assert!(std::time::Instant::now() < deadline, "keelfsd did not create its socket");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut fe =
+        FsFrontend::connect(&socket, FrontendConfig { request_queues: 2, ..FrontendConfig::default() }).unwrap();
+    fe.init(init_flags::INIT_EXT).unwrap();
+    // Queue 2 is the helper reactor's: the CREATE and WRITE go to the
+    // export's reactor, the READs of cached pages do not.
+    let mut create = Reply::default();
+    create.u32(libc::O_RDWR as u32).u32(0o100644).u32(0).u32(0).raw(b"spread\0");
+    let (err, reply) = fe.fuse(2, Opcode::Create, 1, &create.bytes).unwrap();
+    assert_eq!(err, 0);
+    let nodeid = u64::from_le_bytes(reply[..8].try_into().unwrap());
+    let fh = u64::from_le_bytes(reply[ENTRY_OUT_BYTES..ENTRY_OUT_BYTES + 8].try_into().unwrap());
+    let data: Vec<u8> = (0..65_536u32).map(|i| (i % 251) as u8).collect();
+    let mut write = Reply::default();
+    write.raw(&io_in(fh, 0, data.len() as u32)).raw(&data);
+    assert_eq!(fe.fuse(2, Opcode::Write, nodeid, &write.bytes).unwrap().0, 0);
+    for (offset, len) in [(0u64, 65_536u32), (4000, 200), (60_000, 10_000)] {
+        let mut read = Reply::default();
+        read.raw(&io_in(fh, offset, len));
+        let (err, got) = fe.fuse(2, Opcode::Read, nodeid, &read.bytes).unwrap();
+        assert_eq!(err, 0);
+        let end = (offset as usize + len as usize).min(data.len());
+        assert_eq!(got, &data[offset as usize..end], "read at {offset}");
+    }
+    let out = keelfsd().arg("stats").arg("--rpc").arg(&rpc).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let helpers = &stats["exports"][0]["virtio_fs"]["helpers"];
+    assert_eq!(helpers["reactors"], 1, "{stats}");
+    assert!(helpers["from_cache"].as_u64().unwrap() >= 3, "{helpers}");
+    assert!(helpers["forwarded"].as_u64().unwrap() >= 2, "{helpers}");
+    drop(fe);
+    assert!(served.stop().success());
+    let (code, report) = fsck(&image);
+    assert_eq!(code, 0, "{report}");
+}

@@ -6,12 +6,18 @@
 //!   nothing of the filesystem: a kick only sets a bit and rings the
 //!   owning reactor's doorbell (an eventfd), and control events travel
 //!   over a lock-free channel.
-//! - The reactor that owns the filesystem owns every virtqueue: it pops
+//! - The reactor that owns the filesystem owns the virtqueues: it pops
 //!   descriptor chains, runs each request as a task, and returns finished
 //!   chains to the used ring in batches, signalling the guest only when
 //!   EVENT_IDX says it wants to hear. While requests keep coming it polls
 //!   the rings with guest notifications off; after a short idle spell it
 //!   turns them back on and sleeps until the next kick.
+//! - Optionally, *helper* reactors (other cores) own some request queues
+//!   ([`ServeOptions::helpers`]). A helper serves a READ whose pages are
+//!   all cached itself, from the page cache through a `SharedReader`,
+//!   without a lock or a message; every other request it sends to the
+//!   owner as a message (`reactor::remote`), which serves it as if popped
+//!   there, and the helper completes the chain.
 //!
 //! One listener thread accepts one frontend at a time and goes back to
 //! accepting when it leaves, so a VM restart needs no daemon restart.
@@ -30,10 +36,11 @@ use std::time::{Duration, Instant};
 
 use keelfs_core::bdev::{BlockDevice, MemoryRegion};
 use keelfs_core::fs::Fs;
-use keelfs_core::reactor::{self, Poller, PollerClass};
+use keelfs_core::reactor::{self, Poller, PollerClass, ReactorHandle};
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost::vhost_user::Listener;
 use vhost_user_backend::{ShutdownHandle, VhostUserBackend, VhostUserDaemon, VringRwLock, VringT};
+use virtio_queue::DescriptorChain;
 use virtio_queue::QueueT;
 use vm_memory::{
     GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, MemoryRegionAddress,
@@ -42,9 +49,9 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::fuse::dispatch::{Session, SessionConfig};
+use crate::fuse::dispatch::{Session, SessionConfig, SharedHandle};
 use crate::fuse::stats::OpStats;
-use crate::virtio::{serve_chain_zero_copy, ChainOutcome};
+use crate::virtio::{serve_chain_zero_copy, serve_read_from_cache, ChainOutcome};
 
 const VIRTIO_F_VERSION_1: u64 = 1 << 32;
 const VIRTIO_RING_F_INDIRECT_DESC: u64 = 1 << 28;
@@ -76,6 +83,8 @@ pub enum VhostUserError {
     EventFd(io::Error),
     #[error("cannot start the vhost-user listener thread: {0}")]
     Thread(io::Error),
+    #[error("helper reactor {0} refused its queues (stopped, or its inbox is full)")]
+    Helper(usize),
 }
 
 /// What one frontend connection shares between the vhost-user threads and
@@ -132,11 +141,47 @@ impl Doorbell {
     }
 }
 
+/// The doorbells of the pollers that share a device's queues: the owner's
+/// first, then the helpers'.
+#[derive(Clone)]
+struct Pollers {
+    doorbells: Vec<Doorbell>,
+}
+
+impl Pollers {
+    /// Which poller serves queue `index`: the owner takes the hiprio queue,
+    /// and the request queues go round the pollers.
+    fn index_of(queue: usize, pollers: usize) -> usize {
+        if queue == HIPRIO_QUEUE {
+            0
+        } else {
+            (queue - 1) % pollers
+        }
+    }
+
+    /// The queues poller `poller` serves, as kick bits.
+    fn mask(poller: usize, pollers: usize, queues: usize) -> u64 {
+        (0..queues).filter(|&q| Self::index_of(q, pollers) == poller).fold(0, |m, q| m | 1 << q)
+    }
+
+    fn of_queue(&self, queue: usize) -> &Doorbell {
+        &self.doorbells[Self::index_of(queue, self.doorbells.len())]
+    }
+
+    fn owner(&self) -> &Doorbell {
+        &self.doorbells[0]
+    }
+
+    fn helpers(&self) -> &[Doorbell] {
+        &self.doorbells[1..]
+    }
+}
+
 #[derive(Clone)]
 struct FsBackend {
     queues: usize,
     connection: Arc<Connection>,
-    doorbell: Doorbell,
+    pollers: Pollers,
     /// The device under the filesystem, told of guest memory so that it can
     /// DMA to it directly (NVMe over VFIO maps it into the IOMMU).
     dma: Option<Arc<dyn BlockDevice>>,
@@ -202,7 +247,7 @@ impl VhostUserBackend for FsBackend {
 
     fn stop_vring(&self, index: u32) -> io::Result<()> {
         let index = index as usize;
-        if self.doorbell.call(|done| Control::StopQueue { index, done }, STOP_TIMEOUT) {
+        if self.pollers.of_queue(index).call(|done| Control::StopQueue { index, done }, STOP_TIMEOUT) {
             Ok(())
         } else {
             Err(io::Error::new(io::ErrorKind::TimedOut, format!("queue {index}: in-flight requests did not finish")))
@@ -224,7 +269,7 @@ impl VhostUserBackend for FsBackend {
         debug_assert_eq!(vrings.len(), self.queues);
         let _ = self.connection.vrings.set(vrings.to_vec());
         self.connection.kicks.fetch_or(1 << index, Ordering::AcqRel);
-        self.doorbell.ring();
+        self.pollers.of_queue(index).ring();
         Ok(())
     }
 }
@@ -249,9 +294,45 @@ pub struct DeviceStats {
     pub in_flight_max: Cell<usize>,
 }
 
+/// Counters of the helper reactors' queues (atomics: the helpers write,
+/// the owner's stats RPC reads).
+#[derive(Debug, Default)]
+pub struct HelperStats {
+    pub chains: AtomicU64,
+    /// READs served on the helper from the page cache.
+    pub from_cache: AtomicU64,
+    /// Requests sent to the owning reactor.
+    pub forwarded: AtomicU64,
+    pub in_flight: AtomicU64,
+}
+
+/// How an export's device is served.
+#[derive(Default)]
+pub struct ServeOptions {
+    /// The device under the filesystem, told of guest memory so that it can
+    /// DMA to it directly.
+    pub dma: Option<Arc<dyn BlockDevice>>,
+    /// Other reactors that poll some of the request queues (see the module
+    /// documentation). Empty: the owner polls them all.
+    pub helpers: Vec<ReactorHandle>,
+}
+
+static NEXT_SERVER_ID: AtomicU64 = AtomicU64::new(1);
+
+thread_local! {
+    /// The current session of each device owned by this reactor, for the
+    /// requests helpers send here.
+    static SESSIONS: RefCell<keelfs_core::units::IdMap<Rc<Session>>> = RefCell::default();
+}
+
+fn session_of(server: u64) -> Option<Rc<Session>> {
+    SESSIONS.with(|s| s.borrow().get(&server).cloned())
+}
+
 /// A running vhost-user-fs export: the listener thread and, on the
 /// reactor that created it, the queue poller.
 pub struct VhostUserServer {
+    id: u64,
     socket: PathBuf,
     stopping: Arc<AtomicBool>,
     finished: Arc<AtomicBool>,
@@ -260,66 +341,102 @@ pub struct VhostUserServer {
     stats: Rc<DeviceStats>,
     op_stats: Rc<OpStats>,
     in_flight: Vec<Rc<Cell<usize>>>,
+    helper_stats: Arc<HelperStats>,
+    helpers: usize,
 }
 
 impl VhostUserServer {
     /// Listen on `socket` and serve `fs` to one frontend at a time. Must be
     /// called on the reactor that owns `fs`: its queues are polled there.
     pub fn start(fs: Fs, config: SessionConfig, socket: &Path, request_queues: usize) -> Result<Self, VhostUserError> {
-        Self::start_with_dma(fs, config, socket, request_queues, None)
+        Self::start_with(fs, config, socket, request_queues, ServeOptions::default())
     }
 
-    /// As [`Self::start`], also telling `dma` (the device under `fs`) about
-    /// each frontend's guest memory, and that it is gone when the frontend
-    /// leaves.
-    pub fn start_with_dma(
+    /// As [`Self::start`], with the options of [`ServeOptions`].
+    pub fn start_with(
         fs: Fs,
         config: SessionConfig,
         socket: &Path,
         request_queues: usize,
-        dma: Option<Arc<dyn BlockDevice>>,
+        options: ServeOptions,
     ) -> Result<Self, VhostUserError> {
         if request_queues == 0 || request_queues > REQUEST_QUEUES_MAX {
             return Err(VhostUserError::QueueCount(request_queues));
         }
         let queues = request_queues + 1;
-        let wake = Arc::new(EventFd::new(EFD_NONBLOCK).map_err(VhostUserError::EventFd)?);
-        let (control, control_rx) = mpsc::channel();
-        let doorbell = Doorbell { control, wake: wake.clone() };
+        // A helper with no queue of its own would only cost a poller.
+        let helpers: Vec<ReactorHandle> = options.helpers.into_iter().take(request_queues - 1).collect();
+        let poller_count = 1 + helpers.len();
+        let id = NEXT_SERVER_ID.fetch_add(1, Ordering::Relaxed);
+        let mut doorbells = Vec::new();
+        let mut receivers = Vec::new();
+        for _ in 0..poller_count {
+            let wake = Arc::new(EventFd::new(EFD_NONBLOCK).map_err(VhostUserError::EventFd)?);
+            let (control, control_rx) = mpsc::channel();
+            doorbells.push(Doorbell { control, wake });
+            receivers.push(control_rx);
+        }
+        let pollers = Pollers { doorbells };
         let mut listener =
             Listener::new(socket, true).map_err(|source| VhostUserError::Listen { path: socket.to_owned(), source })?;
         let stats = Rc::new(DeviceStats::default());
         let op_stats = Rc::new(OpStats::default());
+        let helper_stats = Arc::new(HelperStats::default());
         let in_flight: Vec<Rc<Cell<usize>>> = (0..queues).map(|_| Rc::default()).collect();
-        let poller = QueuePoller {
-            session: Rc::new(Session::with_stats(fs.clone(), config.clone(), op_stats.clone())),
-            op_stats: op_stats.clone(),
-            fs,
-            config,
-            control: control_rx,
-            wake,
+        let mut receivers = receivers.into_iter();
+        let session = Rc::new(Session::with_stats(fs.clone(), config.clone(), op_stats.clone()));
+        SESSIONS.with(|s| s.borrow_mut().insert(id, session.clone()));
+        let owner = QueuePoller {
+            server: OwnerServer { id, fs, config, session, op_stats: op_stats.clone() },
+            mine: Pollers::mask(0, poller_count, queues),
+            control: receivers.next().expect("one receiver per poller"),
+            wake: pollers.owner().wake.clone(),
             connection: None,
             queues: in_flight.iter().map(|c| QueueState { in_flight: c.clone(), ..QueueState::default() }).collect(),
             disconnects: Vec::new(),
             stats: stats.clone(),
         };
-        reactor::register_poller(PollerClass::Source, Box::new(poller));
+        reactor::register_poller(PollerClass::Source, Box::new(owner));
+        let owner_handle = reactor::current();
+        for (i, (helper, control)) in helpers.iter().zip(receivers).enumerate() {
+            let (wake, owner, helper_stats) =
+                (pollers.helpers()[i].wake.clone(), owner_handle.clone(), helper_stats.clone());
+            let mine = Pollers::mask(i + 1, poller_count, queues);
+            let start = move || {
+                let poller = QueuePoller {
+                    server: HelperServer { id, owner, handles: Rc::default(), stats: helper_stats },
+                    mine,
+                    control,
+                    wake,
+                    connection: None,
+                    queues: (0..queues).map(|_| QueueState::default()).collect(),
+                    disconnects: Vec::new(),
+                    stats: Rc::default(),
+                };
+                reactor::register_poller(PollerClass::Source, Box::new(poller));
+            };
+            if helper.send(start).is_err() {
+                return Err(VhostUserError::Helper(helper.id()));
+            }
+        }
 
         let stopping = Arc::new(AtomicBool::new(false));
         let finished = Arc::new(AtomicBool::new(false));
         let active = Arc::new(Mutex::new(None));
+        let dma = options.dma;
         let thread = {
             let (stopping, finished, active) = (stopping.clone(), finished.clone(), active.clone());
             std::thread::Builder::new()
                 .name("vhost-user-listen".into())
                 .spawn(move || {
-                    accept_loop(&mut listener, queues, &doorbell, &stopping, &active, dma.as_ref());
+                    accept_loop(&mut listener, queues, &pollers, &stopping, &active, dma.as_ref());
                     finished.store(true, Ordering::Release);
-                    doorbell.ring();
+                    pollers.owner().ring();
                 })
                 .map_err(VhostUserError::Thread)?
         };
         Ok(Self {
+            id,
             socket: socket.to_owned(),
             stopping,
             finished,
@@ -328,6 +445,8 @@ impl VhostUserServer {
             stats,
             op_stats,
             in_flight,
+            helper_stats,
+            helpers: helpers.len(),
         })
     }
 
@@ -335,12 +454,19 @@ impl VhostUserServer {
         &self.stats
     }
 
+    /// Counters of the queues helper reactors serve, and how many helpers
+    /// there are.
+    pub fn helper_stats(&self) -> (usize, &HelperStats) {
+        (self.helpers, &self.helper_stats)
+    }
+
     /// Per-opcode counters across every frontend this server has had.
     pub fn op_stats(&self) -> &Rc<OpStats> {
         &self.op_stats
     }
 
-    /// Requests being served right now, per queue (queue 0 first).
+    /// Requests being served right now, per queue (queue 0 first), on the
+    /// owning reactor.
     pub fn in_flight(&self) -> Vec<usize> {
         self.in_flight.iter().map(|c| c.get()).collect()
     }
@@ -364,6 +490,7 @@ impl VhostUserServer {
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
+        SESSIONS.with(|s| s.borrow_mut().remove(&self.id));
         let _ = std::fs::remove_file(&self.socket);
     }
 }
@@ -371,7 +498,7 @@ impl VhostUserServer {
 fn accept_loop(
     listener: &mut Listener,
     queues: usize,
-    doorbell: &Doorbell,
+    pollers: &Pollers,
     stopping: &AtomicBool,
     active: &Mutex<Option<ShutdownHandle>>,
     dma: Option<&Arc<dyn BlockDevice>>,
@@ -379,8 +506,7 @@ fn accept_loop(
     while !stopping.load(Ordering::Acquire) {
         let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
         let connection = Arc::new(Connection { vrings: OnceLock::new(), kicks: AtomicU64::new(0), mem: mem.clone() });
-        let backend =
-            FsBackend { queues, connection: connection.clone(), doorbell: doorbell.clone(), dma: dma.cloned() };
+        let backend = FsBackend { queues, connection: connection.clone(), pollers: pollers.clone(), dma: dma.cloned() };
         let mut daemon = match VhostUserDaemon::new("keelfs".into(), backend, mem) {
             Ok(daemon) => daemon,
             Err(e) => {
@@ -388,8 +514,8 @@ fn accept_loop(
                 return;
             }
         };
-        if !doorbell.send(Control::Connected(connection)) {
-            return; // the reactor is gone
+        if !pollers.doorbells.iter().all(|d| d.send(Control::Connected(connection.clone()))) {
+            return; // a reactor is gone
         }
         match daemon.start(listener) {
             Ok(()) if !stopping.load(Ordering::Acquire) => {
@@ -409,15 +535,148 @@ fn accept_loop(
         for handler in daemon.get_epoll_handlers() {
             handler.send_exit_event();
         }
-        // Wait for the reactor to drop the connection's requests before
-        // accepting the next frontend, so that two never mix.
-        let drained = doorbell.call(|done| Control::Disconnected { done }, Duration::from_secs(3600));
+        // Wait for the reactors to drop the connection's requests before
+        // accepting the next frontend, so that two never mix: the helpers
+        // first, since what they sent the owner must finish there.
+        let drain = |d: &Doorbell| d.call(|done| Control::Disconnected { done }, Duration::from_secs(3600));
+        let drained = pollers.helpers().iter().all(drain) && drain(pollers.owner());
         // Nothing is in flight to the old guest's memory any more.
         if let Some(dma) = dma {
             let _ = dma.set_dma_memory(&[]);
         }
         if !drained {
             return;
+        }
+    }
+}
+
+type Chain = DescriptorChain<Arc<GuestMemoryMmap>>;
+type Served = (u16, u32, ChainOutcome);
+
+/// What a queue poller does with the chains it pops, and when its
+/// frontend leaves.
+trait ChainServer: 'static {
+    fn serve(
+        &self,
+        chain: Chain,
+        mem: Arc<GuestMemoryMmap>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Served>>>;
+
+    /// The frontend left and every request of this poller finished; answer
+    /// `waiters` when the poller is ready for the next one.
+    fn reset(&mut self, waiters: Vec<SyncSender<()>>);
+}
+
+/// The owning reactor's side: requests run against the filesystem here.
+struct OwnerServer {
+    id: u64,
+    fs: Fs,
+    config: SessionConfig,
+    session: Rc<Session>,
+    op_stats: Rc<OpStats>,
+}
+
+impl ChainServer for OwnerServer {
+    fn serve(
+        &self,
+        chain: Chain,
+        mem: Arc<GuestMemoryMmap>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Served>>> {
+        let session = self.session.clone();
+        Box::pin(async move { serve_chain_zero_copy(&session, chain, mem).await })
+    }
+
+    fn reset(&mut self, waiters: Vec<SyncSender<()>>) {
+        // The next frontend gets a fresh session; this one's references go.
+        self.session = Rc::new(Session::with_stats(self.fs.clone(), self.config.clone(), self.op_stats.clone()));
+        SESSIONS.with(|s| s.borrow_mut().insert(self.id, self.session.clone()));
+        let fs = self.fs.clone();
+        reactor::spawn_local(async move {
+            if let Err(e) = fs.forget_all().await {
+                eprintln!("keelfs: dropping a departed frontend's references: {e}");
+            }
+            for waiter in waiters {
+                let _ = waiter.send(());
+            }
+        });
+    }
+}
+
+/// A helper reactor's side: cached reads here, everything else sent to the
+/// owner.
+struct HelperServer {
+    id: u64,
+    owner: ReactorHandle,
+    /// What the owner said of each handle read here: its cache reader, or
+    /// None (not a buffered file handle: always sent to the owner).
+    handles: Rc<RefCell<keelfs_core::units::IdMap<Option<SharedHandle>>>>,
+    stats: Arc<HelperStats>,
+}
+
+/// Handles remembered by a helper before the released ones are dropped.
+const HELPER_HANDLES_MAX: usize = 4096;
+
+impl HelperServer {
+    async fn handle(
+        owner: ReactorHandle,
+        id: u64,
+        handles: Rc<RefCell<keelfs_core::units::IdMap<Option<SharedHandle>>>>,
+        fh: u64,
+        nodeid: u64,
+    ) -> Option<SharedHandle> {
+        if let Some(known) = handles.borrow().get(&fh) {
+            return known.clone();
+        }
+        let asked = reactor::remote::call_and_wait(&owner, move || async move {
+            session_of(id).and_then(|session| session.shared_reader(fh, nodeid))
+        });
+        let answer = asked.await.flatten();
+        let mut handles = handles.borrow_mut();
+        if handles.len() >= HELPER_HANDLES_MAX {
+            handles.retain(|_, h| h.as_ref().is_some_and(|h| !h.released.load(Ordering::Relaxed)));
+        }
+        handles.insert(fh, answer.clone());
+        answer
+    }
+}
+
+impl ChainServer for HelperServer {
+    fn serve(
+        &self,
+        chain: Chain,
+        mem: Arc<GuestMemoryMmap>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Served>>> {
+        let (id, owner, handles, stats) = (self.id, self.owner.clone(), self.handles.clone(), self.stats.clone());
+        Box::pin(async move {
+            stats.chains.fetch_add(1, Ordering::Relaxed);
+            stats.in_flight.fetch_add(1, Ordering::Relaxed);
+            let reader_of = |fh, nodeid| Self::handle(owner.clone(), id, handles, fh, nodeid);
+            let served = match serve_read_from_cache(&chain, reader_of).await {
+                Some(served) => {
+                    stats.from_cache.fetch_add(1, Ordering::Relaxed);
+                    served
+                }
+                None => {
+                    stats.forwarded.fetch_add(1, Ordering::Relaxed);
+                    let head = chain.head_index();
+                    let sent = reactor::remote::call_and_wait(&owner, move || async move {
+                        match session_of(id) {
+                            Some(session) => serve_chain_zero_copy(&session, chain, mem).await,
+                            None => (head, 0, ChainOutcome::Dropped("the export stopped")),
+                        }
+                    });
+                    sent.await.unwrap_or((head, 0, ChainOutcome::Dropped("the owning reactor stopped")))
+                }
+            };
+            stats.in_flight.fetch_sub(1, Ordering::Relaxed);
+            served
+        })
+    }
+
+    fn reset(&mut self, waiters: Vec<SyncSender<()>>) {
+        self.handles.borrow_mut().clear();
+        for waiter in waiters {
+            let _ = waiter.send(());
         }
     }
 }
@@ -433,11 +692,12 @@ struct QueueState {
     stop_waiters: Vec<SyncSender<()>>,
 }
 
-struct QueuePoller {
-    fs: Fs,
-    config: SessionConfig,
-    session: Rc<Session>,
-    op_stats: Rc<OpStats>,
+/// Polls the queues in `mine` on one reactor and serves their chains
+/// through `server`.
+struct QueuePoller<S: ChainServer> {
+    server: S,
+    /// Kick bits of the queues this poller owns.
+    mine: u64,
     control: Receiver<Control>,
     wake: Arc<EventFd>,
     connection: Option<Arc<Connection>>,
@@ -446,7 +706,10 @@ struct QueuePoller {
     stats: Rc<DeviceStats>,
 }
 
-impl QueuePoller {
+impl<S: ChainServer> QueuePoller<S> {
+    fn owns(&self, index: usize) -> bool {
+        self.mine & (1 << index) != 0
+    }
     fn handle_control(&mut self, control: Control) {
         match control {
             Control::Connected(connection) => {
@@ -513,18 +776,14 @@ impl QueuePoller {
                 let Some(chain) = state.get_queue_mut().pop_descriptor_chain(mem.clone()) else { break };
                 popped += 1;
                 let queue = &self.queues[index];
-                let (session, in_flight, completed, stats, mem) = (
-                    self.session.clone(),
-                    queue.in_flight.clone(),
-                    queue.completed.clone(),
-                    self.stats.clone(),
-                    mem.clone(),
-                );
+                let (in_flight, completed, stats) =
+                    (queue.in_flight.clone(), queue.completed.clone(), self.stats.clone());
                 in_flight.set(in_flight.get() + 1);
                 stats.in_flight_max.set(stats.in_flight_max.get().max(in_flight.get()));
                 stats.chains.set(stats.chains.get() + 1);
+                let served = self.server.serve(chain, mem.clone());
                 reactor::spawn_local(async move {
-                    let (head, written, outcome) = serve_chain_zero_copy(&session, chain, mem).await;
+                    let (head, written, outcome) = served.await;
                     match outcome {
                         ChainOutcome::Replied(_) => stats.replies.set(stats.replies.get() + 1),
                         ChainOutcome::Direct(_) => {
@@ -575,22 +834,13 @@ impl QueuePoller {
                 let _ = waiter.send(());
             }
         }
-        // The next frontend gets a fresh session; this one's references go.
-        self.session = Rc::new(Session::with_stats(self.fs.clone(), self.config.clone(), self.op_stats.clone()));
-        let (fs, waiters) = (self.fs.clone(), std::mem::take(&mut self.disconnects));
-        reactor::spawn_local(async move {
-            if let Err(e) = fs.forget_all().await {
-                eprintln!("keelfs: dropping a departed frontend's references: {e}");
-            }
-            for waiter in waiters {
-                let _ = waiter.send(());
-            }
-        });
+        let waiters = std::mem::take(&mut self.disconnects);
+        self.server.reset(waiters);
         true
     }
 }
 
-impl Poller for QueuePoller {
+impl<S: ChainServer> Poller for QueuePoller<S> {
     fn poll(&mut self, now: Instant) -> bool {
         let mut busy = false;
         while let Ok(control) = self.control.try_recv() {
@@ -598,7 +848,8 @@ impl Poller for QueuePoller {
             busy = true;
         }
         if let Some(connection) = &self.connection {
-            let kicks = connection.kicks.swap(0, Ordering::AcqRel);
+            // Take this poller's kicks only; the others' stay for them.
+            let kicks = connection.kicks.fetch_and(!self.mine, Ordering::AcqRel) & self.mine;
             if kicks != 0 && connection.vrings.get().is_some() {
                 busy = true;
                 let vrings = connection.vrings.get().expect("checked");
@@ -615,6 +866,9 @@ impl Poller for QueuePoller {
             }
         }
         for index in 0..self.queues.len() {
+            if !self.owns(index) {
+                continue;
+            }
             busy |= self.complete(index);
             let queue = &mut self.queues[index];
             if !queue.stop_waiters.is_empty() && queue.in_flight.get() == 0 {

@@ -17,7 +17,7 @@ use virtio_queue::{DescriptorChain, Queue, QueueT, Writer};
 use vm_memory::GuestMemoryMmap;
 
 use crate::fuse::abi::{error_reply, Opcode, IN_HEADER_BYTES, OUT_HEADER_BYTES};
-use crate::fuse::dispatch::Session;
+use crate::fuse::dispatch::{Session, SharedHandle};
 use crate::guest_io::GuestBuffer;
 
 /// Largest request a chain may carry: a 1 MiB write and its headers.
@@ -110,6 +110,53 @@ where
     };
     let Some(reply) = reply else { return (head, 0, ChainOutcome::NoReply) };
     write_reply(head, reply, &mut writer)
+}
+
+/// Serve a chain on a reactor that does not own the filesystem, if it is a
+/// READ whose pages are all cached: `reader_of(fh, nodeid)` gives the
+/// handle's reader (asking the owner the first time). None, with the chain
+/// untouched, for anything else; the caller then sends it to the owner.
+pub async fn serve_read_from_cache<M, F, Fut>(
+    chain: &DescriptorChain<M>,
+    reader_of: F,
+) -> Option<(u16, u32, ChainOutcome)>
+where
+    M: Deref<Target = GuestMemoryMmap> + Clone,
+    F: FnOnce(u64, u64) -> Fut,
+    Fut: std::future::Future<Output = Option<SharedHandle>>,
+{
+    let head = chain.head_index();
+    let mem = chain.memory();
+    let (Ok(mut reader), Ok(mut writer)) = (chain.clone().reader(mem), chain.clone().writer(mem)) else { return None };
+    let mut prefix = [0u8; IN_HEADER_BYTES + IO_IN_BYTES];
+    if reader.available_bytes() != prefix.len() || reader.read_exact(&mut prefix).is_err() {
+        return None;
+    }
+    let (declared, opcode, unique, nodeid) =
+        (le_u32(&prefix[0..]) as usize, le_u32(&prefix[4..]), le_u64(&prefix[8..]), le_u64(&prefix[16..]));
+    let body = &prefix[IN_HEADER_BYTES..];
+    let (fh, offset, size) = (le_u64(&body[0..]), le_u64(&body[8..]), le_u32(&body[16..]));
+    if declared != prefix.len() || opcode != Opcode::Read as u32 || size == 0 {
+        return None;
+    }
+    if writer.available_bytes() < OUT_HEADER_BYTES + size as usize {
+        return None;
+    }
+    let handle = reader_of(fh, nodeid).await?;
+    if handle.reader.ino() != nodeid || handle.released.load(std::sync::atomic::Ordering::Acquire) {
+        return None;
+    }
+    let mut data = Vec::new();
+    handle.reader.read_into(offset, size, &mut data).ok()?;
+    let len = (OUT_HEADER_BYTES + data.len()) as u32;
+    let mut header = [0u8; OUT_HEADER_BYTES];
+    header[0..4].copy_from_slice(&len.to_le_bytes());
+    header[8..16].copy_from_slice(&unique.to_le_bytes());
+    // Room for both was checked above.
+    Some(match writer.write_all(&header).and_then(|()| writer.write_all(&data)) {
+        Ok(()) => (head, len, ChainOutcome::OneCopy(len)),
+        Err(_) => (head, 0, ChainOutcome::Dropped("unwritable reply buffer")),
+    })
 }
 
 fn write_reply(head: u16, mut reply: Vec<u8>, writer: &mut Writer<'_>) -> (u16, u32, ChainOutcome) {

@@ -18,7 +18,7 @@ use keelfs_vhost::frontend::{
 use keelfs_vhost::fuse::abi::OUT_HEADER_BYTES;
 use keelfs_vhost::fuse::abi::{encode_request, init_flags as f, Opcode, Reply, ENTRY_OUT_BYTES};
 use keelfs_vhost::fuse::dispatch::SessionConfig;
-use keelfs_vhost::vhost_user::VhostUserServer;
+use keelfs_vhost::vhost_user::{ServeOptions, VhostUserServer};
 use vm_memory::{Bytes, GuestAddress};
 
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -27,8 +27,10 @@ const TIMEOUT: Duration = Duration::from_secs(20);
 struct Daemon {
     socket: PathBuf,
     stop: Arc<AtomicBool>,
-    /// The device's zero-copy and one-copy reply counts, sent at shutdown.
-    zero_copy: std::sync::mpsc::Receiver<(u64, u64)>,
+    /// The device's zero-copy and one-copy reply counts, and its helper
+    /// reactors' reads from the cache and requests forwarded, sent at
+    /// shutdown.
+    zero_copy: std::sync::mpsc::Receiver<[u64; 4]>,
     thread: Option<std::thread::JoinHandle<()>>,
     _dir: TempDir,
 }
@@ -43,6 +45,11 @@ impl Drop for TempDir {
 
 impl Daemon {
     fn start(request_queues: usize) -> Self {
+        Self::start_with_helpers(request_queues, 0)
+    }
+
+    /// With `helpers` more reactors polling request queues.
+    fn start_with_helpers(request_queues: usize, helpers: usize) -> Self {
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let dir = std::env::temp_dir().join(format!(
             "keelfs-vu-{}-{}",
@@ -58,6 +65,10 @@ impl Daemon {
             let (socket, stop) = (socket.clone(), stop.clone());
             std::thread::spawn(move || {
                 let mut reactor = Reactor::new(ReactorConfig::default()).unwrap();
+                let helper_reactors: Vec<_> = (1..=helpers)
+                    .map(|id| Reactor::spawn(ReactorConfig { id, ..ReactorConfig::default() }, || {}).unwrap())
+                    .collect();
+                let helper_handles: Vec<_> = helper_reactors.iter().map(|(h, _)| h.clone()).collect();
                 let dev: Arc<dyn BlockDevice> = Arc::new(MappedDevice::ram(64 << 20, 4096).unwrap());
                 reactor.block_on(async move {
                     let ch = || DeviceChannel::attach(dev.open_queue(QueueConfig::default()).unwrap());
@@ -66,16 +77,33 @@ impl Daemon {
                     // committed) come back within the test.
                     let config = FsConfig { commit_interval: Duration::from_millis(50), ..FsConfig::default() };
                     let fs = Fs::mount(ch(), config).await.unwrap();
-                    let server =
-                        VhostUserServer::start(fs.clone(), SessionConfig::default(), &socket, request_queues).unwrap();
+                    let options = ServeOptions { dma: None, helpers: helper_handles };
+                    let server = VhostUserServer::start_with(
+                        fs.clone(),
+                        SessionConfig::default(),
+                        &socket,
+                        request_queues,
+                        options,
+                    )
+                    .unwrap();
                     ready_tx.send(()).unwrap();
                     while !stop.load(Ordering::Acquire) {
                         reactor::sleep(Duration::from_millis(2)).await;
                     }
-                    let _ = zero_copy_tx.send((server.stats().zero_copy.get(), server.stats().one_copy.get()));
+                    let (_, h) = server.helper_stats();
+                    let _ = zero_copy_tx.send([
+                        server.stats().zero_copy.get(),
+                        server.stats().one_copy.get(),
+                        h.from_cache.load(Ordering::Relaxed),
+                        h.forwarded.load(Ordering::Relaxed),
+                    ]);
                     server.stop().await;
                     fs.unmount().await.unwrap();
                 });
+                for (handle, join) in helper_reactors {
+                    handle.stop();
+                    join.join().expect("helper reactor exits cleanly");
+                }
             })
         };
         ready_rx.recv_timeout(TIMEOUT).expect("daemon started");
@@ -90,7 +118,14 @@ impl Daemon {
 impl Daemon {
     /// Shut down; returns how many replies moved data with no copy, and
     /// how many with one.
-    fn stop(mut self) -> (u64, u64) {
+    fn stop(self) -> (u64, u64) {
+        let [zero_copy, one_copy, ..] = self.stop_all();
+        (zero_copy, one_copy)
+    }
+
+    /// Shut down; returns zero-copy and one-copy replies, helper reads from
+    /// the cache and requests helpers forwarded to the owner.
+    fn stop_all(mut self) -> [u64; 4] {
         self.stop.store(true, Ordering::Release);
         if let Some(t) = self.thread.take() {
             t.join().expect("daemon thread exits cleanly");
@@ -223,6 +258,45 @@ fn two_request_queues_serve_one_filesystem() {
     let head = fe.submit(0, &req, 64).unwrap();
     let used = fe.wait_for(0, head, TIMEOUT).unwrap();
     assert_eq!(used.len, 0);
+}
+
+#[test]
+fn a_helper_reactor_serves_cached_reads_and_sends_the_rest_to_the_owner() {
+    // Queue 1 is polled by the filesystem's reactor, queue 2 by a helper.
+    let daemon = Daemon::start_with_helpers(2, 1);
+    let mut fe = daemon.connect(2);
+    fe.init(f::INIT_EXT).unwrap();
+    // CREATE and WRITE on the helper's queue go to the owner.
+    let (nodeid, fh) = create(&mut fe, 2, "spread");
+    let data: Vec<u8> = (0..40_000u32).map(|i| (i * 13 + 5) as u8).collect();
+    assert_eq!(write(&mut fe, 2, nodeid, fh, 1000, &data), 0);
+    let mut expected = vec![0u8; 41_000];
+    expected[1000..].copy_from_slice(&data);
+    // Reads of cached pages on the helper: whole, unaligned, short at the
+    // end of the file, and past it.
+    assert_eq!(read(&mut fe, 2, nodeid, fh, 0, 41_000), expected);
+    assert_eq!(read(&mut fe, 2, nodeid, fh, 4095, 3), &expected[4095..4098]);
+    assert_eq!(read(&mut fe, 2, nodeid, fh, 40_000, 4096), &expected[40_000..]);
+    assert_eq!(read(&mut fe, 2, nodeid, fh, 50_000, 4096), Vec::<u8>::new());
+    // A write through the owner's queue is seen at once by the helper.
+    assert_eq!(write(&mut fe, 1, nodeid, fh, 2000, b"owner"), 0);
+    expected[2000..2005].copy_from_slice(b"owner");
+    assert_eq!(read(&mut fe, 2, nodeid, fh, 0, 8192), &expected[..8192]);
+    // A handle named with another file's nodeid, and a released handle,
+    // get the owner's answers.
+    let (other, other_fh) = create(&mut fe, 1, "other");
+    let mismatched =
+        |fe: &mut FsFrontend, queue| fe.fuse(queue, Opcode::Read, other, &io_body(fh, 0, 10).bytes).unwrap();
+    assert_eq!(mismatched(&mut fe, 2), mismatched(&mut fe, 1));
+    let mut release = Reply::default();
+    release.u64(other_fh).u32(0).u32(0).u64(0);
+    assert_eq!(fe.fuse(2, Opcode::Read, other, &io_body(other_fh, 0, 10).bytes).unwrap().0, 0);
+    assert_eq!(fe.fuse(1, Opcode::Release, other, &release.bytes).unwrap().0, 0);
+    assert_eq!(fe.fuse(2, Opcode::Read, other, &io_body(other_fh, 0, 10).bytes).unwrap().0, libc::EBADF);
+    drop(fe);
+    let [_, _, from_cache, forwarded] = daemon.stop_all();
+    assert!(from_cache >= 5, "the helper served the cached reads itself ({from_cache})");
+    assert!(forwarded >= 4, "the helper sent the other requests to the owner ({forwarded})");
 }
 
 #[test]

@@ -11,7 +11,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 
-use super::{spawn_local, ReactorHandle, SendError};
+use super::{spawn_local, Message, ReactorHandle, SendError};
 
 struct Slot<T> {
     /// (result, finished, the caller's waker). One mutex per call, taken
@@ -48,9 +48,38 @@ impl<T> Drop for Reply<T> {
     }
 }
 
+/// Why a call was not sent.
+pub enum CallError<T> {
+    /// The target's inbox is full: [`Unsent::resend`] it later.
+    Full(Unsent<T>),
+    /// The target stopped.
+    Stopped,
+}
+
+/// A call whose message the target's inbox could not take yet.
+pub struct Unsent<T> {
+    message: Message,
+    slot: Arc<Slot<T>>,
+}
+
+impl<T> Unsent<T> {
+    pub fn resend(self, target: &ReactorHandle) -> Result<Call<T>, CallError<T>> {
+        send(target, self.message, self.slot)
+    }
+}
+
+fn send<T>(target: &ReactorHandle, message: Message, slot: Arc<Slot<T>>) -> Result<Call<T>, CallError<T>> {
+    match target.send_boxed(message) {
+        Ok(()) => Ok(Call { slot }),
+        Err(SendError::Full(message)) => Err(CallError::Full(Unsent { message, slot })),
+        // Dropping the message drops the job's reply end: nothing waits.
+        Err(SendError::Stopped(_)) => Err(CallError::Stopped),
+    }
+}
+
 /// Run `job()` on `target` and complete with its output, or with None if
 /// the target dropped it unfinished (it stopped).
-pub fn call<T, F, Fut>(target: &ReactorHandle, job: F) -> Result<Call<T>, SendError>
+pub fn call<T, F, Fut>(target: &ReactorHandle, job: F) -> Result<Call<T>, CallError<T>>
 where
     T: Send + 'static,
     F: FnOnce() -> Fut + Send + 'static,
@@ -58,13 +87,34 @@ where
 {
     let slot = Arc::new(Slot { state: Mutex::new((None, false, None)) });
     let reply = Reply { slot: Arc::clone(&slot) };
-    target.send(move || {
+    let message: Message = Box::new(move || {
         spawn_local(async move {
             let value = job().await;
             reply.finish(Some(value));
         })
-    })?;
-    Ok(Call { slot })
+    });
+    send(target, message, slot)
+}
+
+/// [`call`], waiting (without blocking the reactor) while the target's
+/// inbox is full; None if the target stopped or dropped the job.
+pub async fn call_and_wait<T, F, Fut>(target: &ReactorHandle, job: F) -> Option<T>
+where
+    T: Send + 'static,
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: Future<Output = T> + 'static,
+{
+    let mut attempt = call(target, job);
+    loop {
+        match attempt {
+            Ok(call) => return call.await,
+            Err(CallError::Stopped) => return None,
+            Err(CallError::Full(unsent)) => {
+                super::sleep(std::time::Duration::from_micros(20)).await;
+                attempt = unsent.resend(target);
+            }
+        }
+    }
 }
 
 /// The caller's end of [`call`].
@@ -107,14 +157,30 @@ mod tests {
         let mut here = Reactor::new(ReactorConfig::default()).expect("reactor");
         let t = target.clone();
         let (value, thread) = here.block_on(async move {
-            let value = call(&t, || async { ON_TARGET.with(|c| c.get()) + 1 }).expect("sent").await;
-            let thread = call(&t, || async { std::thread::current().name().map(str::to_owned) }).expect("sent").await;
+            let value = call_and_wait(&t, || async { ON_TARGET.with(|c| c.get()) + 1 }).await;
+            let thread = call_and_wait(&t, || async { std::thread::current().name().map(str::to_owned) }).await;
             (value, thread)
         });
         assert_eq!(value, Some(42), "the job saw the target's thread-local state");
         assert_eq!(thread.flatten().as_deref(), Some("reactor-1"));
         target.stop();
         join.join().expect("target thread");
+    }
+
+    #[test]
+    fn a_full_inbox_hands_the_call_back_to_resend() {
+        let config = ReactorConfig { id: 2, inbox_capacity: 1, ..ReactorConfig::default() };
+        let mut target = Reactor::new(config).expect("target");
+        let handle = target.handle();
+        let first = call(&handle, || async { 1 }).ok().expect("room for one");
+        let Err(CallError::Full(unsent)) = call(&handle, || async { 2 }) else { panic!("the inbox holds one") };
+        target.tick(std::time::Instant::now()); // runs the first message, spawning its job
+        let second = unsent.resend(&handle).ok().expect("room again");
+        for _ in 0..4 {
+            target.tick(std::time::Instant::now());
+        }
+        let mut here = Reactor::new(ReactorConfig::default()).expect("reactor");
+        assert_eq!(here.block_on(async move { (first.await, second.await) }), (Some(1), Some(2)));
     }
 
     #[test]

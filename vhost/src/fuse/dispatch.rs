@@ -1,13 +1,15 @@
 //! One FUSE dispatcher over fs-core, shared by the virtio-fs backend and
 //! the /dev/fuse transport: request bytes in, reply bytes out.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use keelfs_core::bdev::AlignedBuf;
 use keelfs_core::fs::format::Timespec;
-use keelfs_core::fs::{Attr as FsAttr, Creds, Fs, FsError, ReadSink, SetAttr, TimeSet, WriteSource};
+use keelfs_core::fs::{Attr as FsAttr, Creds, Fs, FsError, ReadSink, SetAttr, SharedReader, TimeSet, WriteSource};
 use keelfs_core::reactor::io::IoBuffer;
 
 use super::abi::{
@@ -84,6 +86,28 @@ pub struct Session {
     stats: Rc<OpStats>,
     initialized: Cell<bool>,
     flags: Cell<u64>,
+    /// Handles whose reads other reactors serve from the page cache
+    /// ([`Self::shared_reader`]), and the flag that tells them the handle
+    /// was released.
+    shared_handles: RefCell<keelfs_core::units::IdMap<Arc<AtomicBool>>>,
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        // The frontend is gone: every handle it had is.
+        for released in self.shared_handles.borrow().values() {
+            released.store(true, Ordering::Release);
+        }
+    }
+}
+
+/// What another reactor needs to serve one handle's reads from the cache.
+#[derive(Clone)]
+pub struct SharedHandle {
+    pub reader: SharedReader,
+    /// Set when the handle is released: its reads go back to the owner,
+    /// which answers EBADF.
+    pub released: Arc<AtomicBool>,
 }
 
 fn errno_of(e: &FsError) -> i32 {
@@ -122,7 +146,25 @@ impl Session {
     /// A session that counts into `stats`, which may outlive it (a
     /// reconnecting guest gets a new session and keeps the counters).
     pub fn with_stats(fs: Fs, config: SessionConfig, stats: Rc<OpStats>) -> Self {
-        Self { fs, config, stats, initialized: Cell::new(false), flags: Cell::new(0) }
+        Self {
+            fs,
+            config,
+            stats,
+            initialized: Cell::new(false),
+            flags: Cell::new(0),
+            shared_handles: RefCell::default(),
+        }
+    }
+
+    /// A reader of `fh`'s cached pages for another reactor, if `fh` is a
+    /// buffered handle of `nodeid` in a live session.
+    pub fn shared_reader(&self, fh: u64, nodeid: u64) -> Option<SharedHandle> {
+        if !self.buffered_file(fh, nodeid) {
+            return None;
+        }
+        let reader = self.fs.shared_reader(nodeid).ok()?;
+        let released = self.shared_handles.borrow_mut().entry(fh).or_default().clone();
+        Some(SharedHandle { reader, released })
     }
 
     pub fn stats(&self) -> &Rc<OpStats> {
@@ -300,7 +342,12 @@ impl Session {
                 r.u32(s.block_size).u32(s.name_max).u32(s.block_size).u32(0).raw(&[0u8; 24]);
                 Ok(Some(r))
             }
-            Request::Release { fh } | Request::Releasedir { fh } => fs.release(fh).await.map(|_| None).map_err(e),
+            Request::Release { fh } | Request::Releasedir { fh } => {
+                if let Some(released) = self.shared_handles.borrow_mut().remove(&fh) {
+                    released.store(true, Ordering::Release);
+                }
+                fs.release(fh).await.map(|_| None).map_err(e)
+            }
             Request::Flush { .. } => Ok(None),
             Request::Fsync { datasync, dir, .. } => {
                 let r = if dir { fs.fsyncdir(ino, datasync).await } else { fs.fsync(ino, datasync).await };
