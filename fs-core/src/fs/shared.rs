@@ -337,31 +337,29 @@ impl SharedFile {
         self.seq.load(Ordering::Relaxed) % 2 == 1
     }
 
-    /// Owner: publish a new size, as part of the change under way if any.
-    pub(crate) fn set_size_published(&self, size: u64) {
-        if self.size.load(Ordering::Relaxed) == size {
-            return;
-        }
+    /// Owner: run `change` as part of the change under way, or as one of
+    /// its own.
+    fn within_change(&self, change: impl FnOnce()) {
         let own_change = !self.is_open();
         if own_change {
             self.open();
         }
-        self.size.store(size, Ordering::Relaxed);
+        change();
         if own_change {
             self.close();
         }
     }
 
+    /// Owner: publish a new size.
+    pub(crate) fn set_size_published(&self, size: u64) {
+        if self.size.load(Ordering::Relaxed) != size {
+            self.within_change(|| self.size.store(size, Ordering::Relaxed));
+        }
+    }
+
     /// Owner: the inode is gone.
     pub(crate) fn kill_published(&self) {
-        let own_change = !self.is_open();
-        if own_change {
-            self.open();
-        }
-        self.alive.store(false, Ordering::Relaxed);
-        if own_change {
-            self.close();
-        }
+        self.within_change(|| self.alive.store(false, Ordering::Relaxed));
     }
 }
 
