@@ -1,8 +1,27 @@
-# shellcheck shell=bash disable=SC2154  # prog and repo come from the caller
+# shellcheck shell=bash disable=SC2154,SC2034  # prog and repo come from the caller; auto_workdir goes back to it
 # Shared by the qemu-scripts drivers (sourced, not run). Callers set $prog
-# and $repo first.
+# (and $repo, for find_keelfsd) first.
 
 die() { echo "$prog: error: $*" >&2; exit 2; }
+
+# need_arg FLAG ARGC: an option that takes a value must have one.
+need_arg() { (($2 >= 2)) || die "$1 needs a value (see --help)"; }
+
+# make_workdir NAME: use $workdir (created, made absolute) or, when empty,
+# a fresh keelfs-NAME.XXXXXX in /dev/shm (else $TMPDIR or /tmp); sets
+# auto_workdir=1 in the second case, so the caller may remove it.
+make_workdir() {
+  auto_workdir=0
+  if [[ -z $workdir ]]; then
+    local parent=${TMPDIR:-/tmp}
+    [[ -d /dev/shm && -w /dev/shm ]] && parent=/dev/shm
+    workdir=$(mktemp -d "$parent/keelfs-$1.XXXXXX")
+    auto_workdir=1
+  else
+    mkdir -p "$workdir" || die "cannot create --workdir $workdir"
+    workdir=$(cd "$workdir" && pwd)
+  fi
+}
 
 # find_keelfsd: print target/release/keelfsd, else target/debug/keelfsd.
 find_keelfsd() {

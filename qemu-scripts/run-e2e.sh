@@ -79,7 +79,6 @@ verbose=0
 with_crash=0
 crash_after=8
 spread=0
-need_arg() { (($2 >= 2)) || die "$1 needs a value (see --help)"; }
 while (($#)); do
   case "$1" in
     --keelfsd) need_arg "$1" $#; keelfsd_src=$2; shift 2 ;;
@@ -113,16 +112,7 @@ selected() { [[ " ${only[*]} " == *" $1 "* ]]; }
 [[ -x $keelfsd_src ]] || die "--keelfsd $keelfsd_src: not an executable"
 command -v qemu-system-x86_64 >/dev/null || die "qemu-system-x86_64 not found (scripts/setup.sh installs it)"
 
-auto_workdir=0
-if [[ -z $workdir ]]; then
-  parent=${TMPDIR:-/tmp}
-  [[ -d /dev/shm && -w /dev/shm ]] && parent=/dev/shm
-  workdir=$(mktemp -d "$parent/keelfs-e2e.XXXXXX")
-  auto_workdir=1
-else
-  mkdir -p "$workdir" || die "cannot create --workdir $workdir"
-  workdir=$(cd "$workdir" && pwd)
-fi
+make_workdir e2e
 mkdir -p "$workdir/logs"
 keelfsd=$workdir/keelfsd
 cp "$keelfsd_src" "$keelfsd"

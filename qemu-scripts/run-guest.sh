@@ -83,7 +83,8 @@ Examples:
 EOF
 }
 
-die() { echo "$prog: error: $*" >&2; exit 2; }
+# shellcheck source=qemu-scripts/lib.sh
+source "$script_dir/lib.sh"
 log() { echo "$prog: $*" >&2; }
 
 # The guest PCI address of the --nvme controller: slot 5 of the q35 root
@@ -109,7 +110,6 @@ guest_dir="$script_dir/.guest"
 qemu_extra=()
 add_files=()
 
-need_arg() { (($2 >= 2)) || die "$1 needs a value (see --help)"; }
 while (($#)); do
   case "$1" in
     --socket) need_arg "$1" $#; socket=$2; shift 2 ;;

@@ -60,7 +60,6 @@ bench_out=""
 logfile=""
 keep=0
 quiet=0
-need_arg() { (($2 >= 2)) || die "$1 needs a value (see --help)"; }
 while (($#)); do
   case "$1" in
     --keelfsd) need_arg "$1" $#; keelfsd=$2; shift 2 ;;
@@ -91,16 +90,7 @@ command -v qemu-system-x86_64 >/dev/null || die "qemu-system-x86_64 not found (s
 "$bench" bdev-check --help >/dev/null 2>&1 ||
   log "warning: $bench has no bdev-check subcommand (an old build?); the guest's bdev-check will fail"
 
-auto_workdir=0
-if [[ -z $workdir ]]; then
-  parent=${TMPDIR:-/tmp}
-  [[ -d /dev/shm && -w /dev/shm ]] && parent=/dev/shm
-  workdir=$(mktemp -d "$parent/keelfs-nvme.XXXXXX")
-  auto_workdir=1
-else
-  mkdir -p "$workdir" || die "cannot create --workdir $workdir"
-  workdir=$(cd "$workdir" && pwd)
-fi
+make_workdir nvme
 img=$workdir/nvme.img
 console=$workdir/guest.log
 rm -f "$img"

@@ -263,6 +263,8 @@ pub async fn buffered_randrw(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
         Readers::OnOwner
     } else {
         OWNER_FS.with(|o| *o.borrow_mut() = Some(fs.clone()));
+        // The readers' reactor sleeps while both readers wait on the owner
+        // (a miss), leaving the core to the owner and io_uring's workers.
         let config = reactor::ReactorConfig { id: 1, mode: reactor::PollMode::Interrupt, ..Default::default() };
         let (handle, join) = reactor::Reactor::spawn(config, || {})?;
         reader_thread = Some((handle.clone(), join));

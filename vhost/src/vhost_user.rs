@@ -552,15 +552,12 @@ fn accept_loop(
 
 type Chain = DescriptorChain<Arc<GuestMemoryMmap>>;
 type Served = (u16, u32, ChainOutcome);
+type ServeFuture = std::pin::Pin<Box<dyn std::future::Future<Output = Served>>>;
 
 /// What a queue poller does with the chains it pops, and when its
 /// frontend leaves.
 trait ChainServer: 'static {
-    fn serve(
-        &self,
-        chain: Chain,
-        mem: Arc<GuestMemoryMmap>,
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Served>>>;
+    fn serve(&self, chain: Chain, mem: Arc<GuestMemoryMmap>) -> ServeFuture;
 
     /// The frontend left and every request of this poller finished; answer
     /// `waiters` when the poller is ready for the next one.
@@ -577,11 +574,7 @@ struct OwnerServer {
 }
 
 impl ChainServer for OwnerServer {
-    fn serve(
-        &self,
-        chain: Chain,
-        mem: Arc<GuestMemoryMmap>,
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Served>>> {
+    fn serve(&self, chain: Chain, mem: Arc<GuestMemoryMmap>) -> ServeFuture {
         let session = self.session.clone();
         Box::pin(async move { serve_chain_zero_copy(&session, chain, mem).await })
     }
@@ -641,11 +634,7 @@ impl HelperServer {
 }
 
 impl ChainServer for HelperServer {
-    fn serve(
-        &self,
-        chain: Chain,
-        mem: Arc<GuestMemoryMmap>,
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Served>>> {
+    fn serve(&self, chain: Chain, mem: Arc<GuestMemoryMmap>) -> ServeFuture {
         let (id, owner, handles, stats) = (self.id, self.owner.clone(), self.handles.clone(), self.stats.clone());
         Box::pin(async move {
             stats.chains.fetch_add(1, Ordering::Relaxed);

@@ -132,26 +132,21 @@ where
     if reader.available_bytes() != prefix.len() || reader.read_exact(&mut prefix).is_err() {
         return None;
     }
-    let (declared, opcode, unique, nodeid) =
-        (le_u32(&prefix[0..]) as usize, le_u32(&prefix[4..]), le_u64(&prefix[8..]), le_u64(&prefix[16..]));
-    let body = &prefix[IN_HEADER_BYTES..];
-    let (fh, offset, size) = (le_u64(&body[0..]), le_u64(&body[8..]), le_u32(&body[16..]));
-    if declared != prefix.len() || opcode != Opcode::Read as u32 || size == 0 {
+    let io = IoPrefix::parse(&prefix);
+    if io.declared != prefix.len() || io.opcode != Opcode::Read as u32 || io.size == 0 {
         return None;
     }
-    if writer.available_bytes() < OUT_HEADER_BYTES + size as usize {
+    if writer.available_bytes() < OUT_HEADER_BYTES + io.size {
         return None;
     }
-    let handle = reader_of(fh, nodeid).await?;
-    if handle.reader.ino() != nodeid || handle.released.load(std::sync::atomic::Ordering::Acquire) {
+    let handle = reader_of(io.fh, io.nodeid).await?;
+    if handle.reader.ino() != io.nodeid || handle.released.load(std::sync::atomic::Ordering::Acquire) {
         return None;
     }
     let mut data = Vec::new();
-    handle.reader.read_into(offset, size, &mut data).ok()?;
-    let len = (OUT_HEADER_BYTES + data.len()) as u32;
-    let mut header = [0u8; OUT_HEADER_BYTES];
-    header[0..4].copy_from_slice(&len.to_le_bytes());
-    header[8..16].copy_from_slice(&unique.to_le_bytes());
+    handle.reader.read_into(io.offset, io.size as u32, &mut data).ok()?;
+    let header = data_reply_header(io.unique, data.len());
+    let len = le_u32(&header);
     // Room for both was checked above.
     Some(match writer.write_all(&header).and_then(|()| writer.write_all(&data)) {
         Ok(()) => (head, len, ChainOutcome::OneCopy(len)),
@@ -178,6 +173,42 @@ fn write_reply(head: u16, mut reply: Vec<u8>, writer: &mut Writer<'_>) -> (u16, 
 /// fuse_read_in and fuse_write_in are both 40 bytes.
 const IO_IN_BYTES: usize = 40;
 
+/// The fields of a READ or WRITE request's headers (fuse_in_header, then
+/// fuse_read_in or fuse_write_in) that the in-place paths need.
+struct IoPrefix {
+    declared: usize,
+    opcode: u32,
+    unique: u64,
+    nodeid: u64,
+    fh: u64,
+    offset: u64,
+    size: usize,
+}
+
+impl IoPrefix {
+    fn parse(prefix: &[u8; IN_HEADER_BYTES + IO_IN_BYTES]) -> Self {
+        let body = &prefix[IN_HEADER_BYTES..];
+        Self {
+            declared: le_u32(&prefix[0..]) as usize,
+            opcode: le_u32(&prefix[4..]),
+            unique: le_u64(&prefix[8..]),
+            nodeid: le_u64(&prefix[16..]),
+            fh: le_u64(&body[0..]),
+            offset: le_u64(&body[8..]),
+            size: le_u32(&body[16..]) as usize,
+        }
+    }
+}
+
+/// The fuse_out_header of a successful reply carrying `data_len` bytes
+/// written separately, after it.
+fn data_reply_header(unique: u64, data_len: usize) -> [u8; OUT_HEADER_BYTES] {
+    let mut header = [0u8; OUT_HEADER_BYTES];
+    header[0..4].copy_from_slice(&((OUT_HEADER_BYTES + data_len) as u32).to_le_bytes());
+    header[8..16].copy_from_slice(&unique.to_le_bytes());
+    header
+}
+
 fn le_u32(b: &[u8]) -> u32 {
     u32::from_le_bytes(b[..4].try_into().expect("4 bytes"))
 }
@@ -199,10 +230,7 @@ async fn serve_direct(
     mem: Arc<GuestMemoryMmap>,
     writer: &mut Writer<'_>,
 ) -> Option<(u32, ChainOutcome)> {
-    let (declared, opcode, unique, nodeid) =
-        (le_u32(&prefix[0..]) as usize, le_u32(&prefix[4..]), le_u64(&prefix[8..]), le_u64(&prefix[16..]));
-    let body = &prefix[IN_HEADER_BYTES..];
-    let (fh, offset, size) = (le_u64(&body[0..]), le_u64(&body[8..]), le_u32(&body[16..]) as usize);
+    let IoPrefix { declared, opcode, unique, nodeid, fh, offset, size } = IoPrefix::parse(prefix);
     let is_write = opcode == Opcode::Write as u32;
     let started = std::time::Instant::now();
     if declared != len || !(is_write || opcode == Opcode::Read as u32) || size == 0 || size > REQUEST_BYTES_MAX - 4096 {
@@ -251,11 +279,7 @@ async fn serve_direct(
     let header = match result {
         Ok(n) => {
             into.zero_from(n as usize);
-            let mut h = Vec::with_capacity(OUT_HEADER_BYTES);
-            h.extend_from_slice(&((OUT_HEADER_BYTES as u32) + n).to_le_bytes());
-            h.extend_from_slice(&0i32.to_le_bytes());
-            h.extend_from_slice(&unique.to_le_bytes());
-            h
+            data_reply_header(unique, n as usize)
         }
         Err(errno) => {
             let (_, written, outcome) = write_reply(0, error_reply(unique, errno), writer);

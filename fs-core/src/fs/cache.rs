@@ -57,8 +57,8 @@ pub struct CacheStats {
     pub shared_misses: u64,
     /// Shared reads that collided with a change and tried again.
     pub shared_retries: u64,
-    /// Pages cached but invisible to shared reads (both hint positions
-    /// taken by other pages).
+    /// Pages cached but invisible to shared reads (both of their hint
+    /// buckets were full).
     pub shared_hints_dropped: u64,
 }
 
@@ -199,17 +199,6 @@ impl PageCache {
     /// (writeback's view).
     pub fn peek(&self, key: PageKey) -> Option<&[u8]> {
         self.map.get(&key).map(|&slot| self.page(slot))
-    }
-
-    /// Store `src` at byte `at` of a cached page; false if not cached. The
-    /// caller marks it dirty.
-    pub fn store(&mut self, key: PageKey, at: usize, src: &[u8]) -> bool {
-        let Some(&slot) = self.map.get(&key) else { return false };
-        self.touch(slot);
-        self.shared.open(slot);
-        self.shared.store(slot, at, src);
-        self.shared.close(slot);
-        true
     }
 
     /// Zero bytes [from, to) of a cached page, if cached.

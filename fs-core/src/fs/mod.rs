@@ -30,7 +30,7 @@ pub use data::{ReadSink, WriteSource};
 pub use error::{FsError, FsResult};
 pub use journal::{CHECKPOINT_BLOCK_MAGIC, JOURNAL_TX_MAGIC};
 pub use ops::{Attr, Creds, DirEntry, SetAttr, TimeSet};
-pub use shared::{SharedMiss, SharedReader, SHARED_READ_PAGES_MAX};
+pub use shared::{SharedMiss, SharedReader};
 
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeSet;

@@ -13,10 +13,24 @@ use std::task::{Context, Poll, Waker};
 
 use super::{spawn_local, Message, ReactorHandle, SendError};
 
+/// Where one call stands.
+enum State<T> {
+    /// Not finished; the caller's waker once it has polled.
+    Waiting(Option<Waker>),
+    /// Finished with the job's output, or None if the target dropped it.
+    Done(Option<T>),
+}
+
 struct Slot<T> {
-    /// (result, finished, the caller's waker). One mutex per call, taken
-    /// once by each side: never contended by other calls.
-    state: Mutex<(Option<T>, bool, Option<Waker>)>,
+    /// One mutex per call, taken once by each side: never contended by
+    /// other calls.
+    state: Mutex<State<T>>,
+}
+
+impl<T> Slot<T> {
+    fn new() -> Arc<Self> {
+        Arc::new(Slot { state: Mutex::new(State::Waiting(None)) })
+    }
 }
 
 /// The target's end: completes the call, or abandons it when dropped
@@ -29,12 +43,13 @@ impl<T> Reply<T> {
     fn finish(&self, value: Option<T>) {
         let waker = {
             let mut state = self.slot.state.lock().unwrap_or_else(|e| e.into_inner());
-            if state.1 {
-                return;
+            match std::mem::replace(&mut *state, State::Done(value)) {
+                State::Waiting(waker) => waker,
+                done @ State::Done(_) => {
+                    *state = done; // finished already: keep the first outcome
+                    return;
+                }
             }
-            state.0 = value;
-            state.1 = true;
-            state.2.take()
         };
         if let Some(w) = waker {
             w.wake();
@@ -85,7 +100,7 @@ where
     F: FnOnce() -> Fut + Send + 'static,
     Fut: Future<Output = T> + 'static,
 {
-    let slot = Arc::new(Slot { state: Mutex::new((None, false, None)) });
+    let slot = Slot::new();
     let reply = Reply { slot: Arc::clone(&slot) };
     let message: Message = Box::new(move || {
         spawn_local(async move {
@@ -127,14 +142,14 @@ impl<T> Future for Call<T> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<T>> {
         let mut state = self.slot.state.lock().unwrap_or_else(|e| e.into_inner());
-        if state.1 {
-            return Poll::Ready(state.0.take());
+        match &mut *state {
+            State::Done(value) => Poll::Ready(value.take()),
+            State::Waiting(Some(w)) if w.will_wake(cx.waker()) => Poll::Pending,
+            State::Waiting(waker) => {
+                *waker = Some(cx.waker().clone());
+                Poll::Pending
+            }
         }
-        match &state.2 {
-            Some(w) if w.will_wake(cx.waker()) => {}
-            _ => state.2 = Some(cx.waker().clone()),
-        }
-        Poll::Pending
     }
 }
 
@@ -183,7 +198,7 @@ mod tests {
 
     #[test]
     fn a_call_the_target_drops_completes_with_none() {
-        let slot = Arc::new(Slot::<u32> { state: Mutex::new((None, false, None)) });
+        let slot = Slot::<u32>::new();
         let call = Call { slot: Arc::clone(&slot) };
         drop(Reply { slot });
         let mut here = Reactor::new(ReactorConfig::default()).expect("reactor");
