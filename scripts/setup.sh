@@ -1,47 +1,141 @@
 #!/usr/bin/env bash
 # Installs what keelfs's build, tests and benchmarks need on a fresh Debian
 # bookworm machine (as root). Idempotent: quick when everything is present.
+# Every step prints one line (what it installs and why); a failure names
+# the step and exits non-zero. --dry-run prints the same lines and changes
+# nothing.
 set -euo pipefail
 
-installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
-need_apt=()
-command -v fio >/dev/null || need_apt+=(fio)
-command -v cc >/dev/null || need_apt+=(build-essential)
-# The QEMU guest tests (qemu-scripts/): a static busybox, cpio and xz for the
-# initramfs, setfattr/getfattr for the xattr checks.
-installed busybox-static || need_apt+=(busybox-static)
-command -v cpio >/dev/null || need_apt+=(cpio)
-command -v xz >/dev/null || need_apt+=(xz-utils)
-command -v setfattr >/dev/null || need_apt+=(attr)
-# The kernel peers of bench/run-seeds.sh.
-command -v mkfs.xfs >/dev/null || need_apt+=(xfsprogs)
-# ... and QEMU 10 and Linux 6.12 from bookworm-backports (bookworm's QEMU 7.2
-# and Linux 6.1 lack multi-queue virtio-fs).
-need_bpo=()
-qemu_major=$(qemu-system-x86_64 --version 2>/dev/null | sed -n 's/^QEMU emulator version \([0-9]*\).*/\1/p')
-((${qemu_major:-0} >= 10)) || need_bpo+=(qemu-system-x86)
-compgen -G '/boot/vmlinuz-6.12.*' >/dev/null || need_bpo+=(linux-image-amd64)
-if ((${#need_apt[@]} + ${#need_bpo[@]})); then
-  export DEBIAN_FRONTEND=noninteractive
-  if ((${#need_bpo[@]})) && ! grep -rqsE '^(deb .*[[:space:]]bookworm-backports|Suites:.*[[:space:]]bookworm-backports)' \
-    /etc/apt/sources.list /etc/apt/sources.list.d/; then
-    echo 'deb http://deb.debian.org/debian bookworm-backports main' >/etc/apt/sources.list.d/bookworm-backports.list
+prog=setup.sh
+usage() {
+  cat <<EOF
+Usage: scripts/$prog [--dry-run]
+
+Installs the Debian packages (some from bookworm-backports) and cargo tools
+that keelfs's tests and benchmarks need, and the 'tests' user pjdfstest
+switches to. Each missing piece is one line: "setup: install KIND NAME: WHY".
+
+  --dry-run   print what would be installed; change nothing; exit 0
+  -h, --help  show this help
+
+Environment: KEELFS_SETUP_ROOT=DIR probes DIR/boot and DIR/etc/apt instead
+of /boot and /etc/apt (tests use it to look at an empty machine).
+EOF
+}
+
+dry_run=0
+while (($#)); do
+  case "$1" in
+    --dry-run) dry_run=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "$prog: error: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+root=${KEELFS_SETUP_ROOT:-}
+step="checking what is installed"
+# A failing command anywhere names the step it broke.
+trap 'rc=$?; echo "$prog: error: step \"$step\" failed (exit $rc)" >&2; exit "$rc"' ERR
+
+say() { echo "setup: $*"; }
+have() { command -v "$1" >/dev/null 2>&1; }
+# installed PKG: dpkg knows PKG as installed (false when dpkg-query is
+# missing, as on a machine that is not Debian's).
+installed() {
+  have dpkg-query || return 1
+  dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'
+}
+# The major version of the installed QEMU, 0 when there is none. Every
+# probe here must survive set -e and pipefail on an empty machine.
+qemu_major() {
+  local v=""
+  if have qemu-system-x86_64; then
+    v=$(qemu-system-x86_64 --version 2>/dev/null | sed -n 's/^QEMU emulator version \([0-9]*\).*/\1/p' || true)
   fi
+  echo "${v:-0}"
+}
+guest_kernel_present() { compgen -G "$root/boot/vmlinuz-6.12.*" >/dev/null; }
+backports_listed() {
+  grep -rqsE '^(deb .*[[:space:]]bookworm-backports|Suites:.*[[:space:]]bookworm-backports)' \
+    "$root/etc/apt/sources.list" "$root/etc/apt/sources.list.d/"
+}
+
+need_apt=()
+need_bpo=()
+# want_apt PKG WHY / want_bpo PKG WHY: queue a package and say why.
+want_apt() { need_apt+=("$1"); say "install apt package $1: $2"; }
+want_bpo() { need_bpo+=("$1"); say "install apt package $1 from bookworm-backports: $2"; }
+
+have cc || want_apt build-essential "a C toolchain for crates that build C (and strip for the guest)"
+have fio || want_apt fio "the guest and host fio workloads and keelfs-bench's fio peer"
+installed busybox-static || want_apt busybox-static "the guest initramfs's shell and tools"
+have cpio || want_apt cpio "packing the guest initramfs"
+have xz || want_apt xz-utils "unpacking the guest kernel's .ko.xz modules"
+have setfattr || want_apt attr "setfattr/getfattr for the guest's xattr checks"
+have mkfs.xfs || want_apt xfsprogs "xfs, a kernel peer in bench/run-seeds.sh"
+have mkfs.ext4 || want_apt e2fsprogs "ext4, a kernel peer in bench/run-seeds.sh"
+have shellcheck || want_apt shellcheck "linting the project's shell scripts in CI"
+# bookworm's QEMU 7.2 and Linux 6.1 lack multi-queue virtio-fs.
+(($(qemu_major) >= 10)) || want_bpo qemu-system-x86 "QEMU 10 to boot the test guests"
+guest_kernel_present || want_bpo linux-image-amd64 "Linux 6.12, the test guests' kernel"
+
+cargo_bin=${CARGO_HOME:-$HOME/.cargo}/bin
+export PATH="$cargo_bin:$PATH"
+need_cargo=()
+want_cargo() { need_cargo+=("$1"); say "install cargo tool $1: $2"; }
+have pjdfstest || want_cargo pjdfstest "the POSIX suite run against a host mount of keelfs"
+have fsx || want_cargo fsx "the file-system exerciser run on the host mount and in the guest"
+need_user=0
+if ! getent passwd tests >/dev/null 2>&1; then
+  need_user=1
+  say "add user tests: pjdfstest switches to it"
+fi
+if ! have cargo; then
+  say "missing: cargo; install a Rust toolchain (rustup) first"
+  ((dry_run)) || { echo "$prog: error: cargo is missing; install a Rust toolchain (rustup) first" >&2; exit 1; }
+fi
+
+if ((dry_run)); then
+  say "dry run: ${#need_apt[@]} apt, ${#need_bpo[@]} backports, ${#need_cargo[@]} cargo install(s); nothing changed"
+  exit 0
+fi
+
+export DEBIAN_FRONTEND=noninteractive
+if ((${#need_bpo[@]})) && ! backports_listed; then
+  step="adding the bookworm-backports apt source"
+  say "$step"
+  echo 'deb http://deb.debian.org/debian bookworm-backports main' >"$root/etc/apt/sources.list.d/bookworm-backports.list"
+fi
+if ((${#need_apt[@]} + ${#need_bpo[@]})); then
+  step="apt-get update"
+  say "$step"
   apt-get update -qq
-  ((${#need_apt[@]} == 0)) || apt-get install -y -qq "${need_apt[@]}" >/dev/null
-  ((${#need_bpo[@]} == 0)) || apt-get install -y -qq -t bookworm-backports "${need_bpo[@]}" >/dev/null
+fi
+if ((${#need_apt[@]})); then
+  step="apt-get install ${need_apt[*]}"
+  say "$step"
+  apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+if ((${#need_bpo[@]})); then
+  step="apt-get install -t bookworm-backports ${need_bpo[*]}"
+  say "$step"
+  apt-get install -y -qq -t bookworm-backports "${need_bpo[@]}" >/dev/null
+fi
+for tool in "${need_cargo[@]}"; do
+  step="cargo install $tool"
+  say "$step"
+  cargo install --quiet "$tool"
+done
+if ((need_user)); then
+  step="adding user tests"
+  printf 'tests:x:::pjdfstest dummy user:/:/usr/sbin/nologin\n' | newusers
 fi
 
-if ! command -v cargo >/dev/null; then
-  echo "setup: cargo is missing; install a Rust toolchain (rustup) first" >&2
-  exit 1
-fi
-
-# The POSIX suites run against a host mount of keelfs; fsx also runs in the
-# QEMU guest (qemu-scripts/guest-tests/fsx.sh).
-export PATH="$HOME/.cargo/bin:$PATH"
-command -v pjdfstest >/dev/null || cargo install --quiet pjdfstest
-command -v fsx >/dev/null || cargo install --quiet fsx
-# pjdfstest switches to these users.
-getent passwd tests >/dev/null || printf 'tests:x:::pjdfstest dummy user:/:/usr/sbin/nologin\n' | newusers
-echo "setup: ok (fio $(fio --version), $(cargo --version))"
+# Check that what the tests call is really there now.
+step="checking the result"
+(($(qemu_major) >= 10)) || { echo "$prog: error: QEMU 10 is still missing after the install" >&2; exit 1; }
+guest_kernel_present || { echo "$prog: error: no /boot/vmlinuz-6.12.* after the install" >&2; exit 1; }
+for t in fio cpio xz setfattr mkfs.xfs shellcheck pjdfstest fsx; do
+  have "$t" || { echo "$prog: error: $t is still missing after the install" >&2; exit 1; }
+done
+say "ok (fio $(fio --version), QEMU $(qemu_major), $(cargo --version))"
