@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The shared seed workloads (../shared/workloads, fio job files) on every
+# keelfs's fio workloads (bench/workloads, see its README) on every
 # system that runs them through a kernel mount, side by side on equal
 # RAM-backed images, interleaved and repeated (issue 8):
 #
@@ -7,7 +7,7 @@
 #   ext4, xfs    the host kernel on a loop device
 #   device       fio's io_uring engine on the raw image (w1 only: the limit)
 #
-# plus seed 003 (1-byte writes with dd). The vhost-user systems (keelfsd,
+# plus 1-byte writes with dd (per-write metadata upkeep). The vhost-user systems (keelfsd,
 # virtiofsd) are measured by bench/run-vhost.sh with the host-side driver.
 # Each line of OUT.json is one result; bench/plot.py draws them.
 #
@@ -23,9 +23,8 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 out=${1:-bench/results/seeds-$(date +%F).json}
-workloads=$(cd "$(dirname "$0")/../.." && pwd)/shared/workloads
-[[ -d $workloads ]] || workloads=/work/shared/workloads
-[[ -f $workloads/w1-dio-overwrite.fio ]] || { echo "run-seeds: no seed workloads at $workloads" >&2; exit 2; }
+workloads=bench/workloads
+[[ -f $workloads/w1-dio-overwrite.fio ]] || { echo "run-seeds: no fio workloads at $workloads" >&2; exit 2; }
 command -v fio >/dev/null || { echo "run-seeds: fio is missing (scripts/setup.sh)" >&2; exit 2; }
 cargo build --release -q -p keelfsd
 keelfsd=$PWD/target/release/keelfsd

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-command demo: starts keelfsd with its embedded defaults in a temporary
 # directory, boots a QEMU guest that mounts keelfs over vhost-user-fs and runs
-# the three seed fio workloads on it, prints IOPS and bandwidth per workload,
+# the three fio workloads of bench/workloads on it, prints IOPS and bandwidth per workload,
 # then stops everything and removes the temporary directory.
 set -euo pipefail
 
@@ -18,7 +18,7 @@ Runs in a new temporary directory:
                             and format ./keelfs-data/keelfs.img, an 8G sparse
                             file, and listen on ./keelfs-data/keelfs.sock)
   qemu-scripts/run-guest.sh --socket ./keelfs-data/keelfs.sock --script ...
-                           (the guest mounts keelfs at /mnt and runs the seed
+                           (the guest mounts keelfs at /mnt and runs the
                             fio jobs w1-dio-overwrite, w2-aio-append and
                             w3-buffered-randrw in /mnt/demo)
 then prints a summary, sends keelfsd SIGTERM, waits for it, runs
@@ -27,8 +27,8 @@ keelfsd fsck on the image and removes the directory.
 Options:
   --keelfsd PATH   keelfsd binary (default: target/release/keelfsd, built
                    or brought up to date with cargo first)
-  --workloads DIR  the seed fio job files (default: shared/workloads beside
-                   the repository; built-in equivalents when absent)
+  --workloads DIR  the fio job files w1-dio-overwrite.fio, w2-aio-append.fio
+                   and w3-buffered-randrw.fio (default: bench/workloads)
   --full           run the job files at their own sizes and run times
                    (default: scaled down for a TCG guest: sizes 1/8 to 1/4,
                    10 s runs)
@@ -68,11 +68,7 @@ fi
 [[ -x $keelfsd_src ]] || die "--keelfsd $keelfsd_src: not an executable"
 command -v qemu-system-x86_64 >/dev/null ||
   die "qemu-system-x86_64 not found: apt-get install -t bookworm-backports qemu-system-x86 (scripts/setup.sh does it)"
-if [[ -z $workloads ]]; then
-  for c in "$repo/../shared/workloads" /work/shared/workloads; do
-    [[ -f $c/w1-dio-overwrite.fio ]] && { workloads=$(cd "$c" && pwd); break; }
-  done
-fi
+[[ -n $workloads ]] || workloads=$repo/bench/workloads
 
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/keelfs-demo.XXXXXX")
 daemon_pid=""
@@ -91,67 +87,11 @@ trap 'say "interrupted"; exit 130' INT TERM
 
 # ------------------------------------------------------------ job files --
 mkdir -p "$tmp/jobs"
-if [[ -n $workloads ]]; then
-  say "seed workloads from $workloads"
-  cp "$workloads"/w1-dio-overwrite.fio "$workloads"/w2-aio-append.fio \
-    "$workloads"/w3-buffered-randrw.fio "$tmp/jobs/"
-else
-  say "no shared/workloads found: using built-in equivalents of the three seed jobs"
-  cat >"$tmp/jobs/w1-dio-overwrite.fio" <<'EOF'
-; seed 000: 4k random DIO overwrites of preallocated files, psync, many jobs
-[global]
-rw=randrw
-norandommap=1
-invalidate=0
-bs=4k
-numjobs=4
-time_based=1
-ramp_time=2
-runtime=15
-group_reporting=1
-ioengine=psync
-direct=1
-size=256M
-nrfiles=8
-file_service_type=random
-[dio-overwrite]
-EOF
-  cat >"$tmp/jobs/w2-aio-append.fio" <<'EOF'
-; seed 002: appending AIO writes with libaio, O_DIRECT, file grows
-[global]
-rw=write
-bs=4k
-ioengine=libaio
-iodepth=32
-direct=1
-size=256M
-group_reporting=1
-fallocate=none
-file_append=1
-[aio-append]
-EOF
-  cat >"$tmp/jobs/w3-buffered-randrw.fio" <<'EOF'
-; seed 004: buffered 8k random reads and writes on one file from many jobs
-[global]
-filename=testfile.fio
-norandommap
-randrepeat=0
-size=512M
-bs=8K
-ioengine=psync
-numjobs=2
-group_reporting=1
-direct=0
-fallocate=1
-end_fsync=0
-time_based=1
-runtime=15
-[read]
-readwrite=randread
-[write]
-readwrite=randwrite
-EOF
-fi
+for w in w1-dio-overwrite w2-aio-append w3-buffered-randrw; do
+  [[ -f $workloads/$w.fio ]] || die "--workloads $workloads has no $w.fio"
+  cp "$workloads/$w.fio" "$tmp/jobs/"
+done
+say "fio workloads from $workloads"
 if ((!full)); then
   # TCG runs the guest at a small fraction of native speed: smaller files,
   # fewer jobs, shorter runs. The access patterns stay the same.
@@ -163,7 +103,7 @@ fi
 
 cat >"$tmp/demo-guest.sh" <<'EOF'
 #!/bin/sh
-# keelfs demo, in the guest: the seed fio jobs in /mnt/demo.
+# keelfs demo, in the guest: the fio jobs in /mnt/demo.
 mount -t virtiofs "$KEELFS_TAG" /mnt || { echo "demo: mount failed"; exit 1; }
 echo "demo: keelfs mounted: $(df -h /mnt | tail -n1)"
 mkdir -p /mnt/demo
@@ -221,7 +161,7 @@ accel=$(grep -o 'accel=[a-z]*' "$tmp/guest.log" | tail -n1 | cut -d= -f2 || true
 
 # --------------------------------------------------------------- summary --
 echo
-echo "keelfs demo: seed fio workloads in a QEMU guest (accel=${accel:-?}) over vhost-user-fs"
+echo "keelfs demo: fio workloads in a QEMU guest (accel=${accel:-?}) over vhost-user-fs"
 printf '%-22s %10s %10s %10s %10s  %s\n' workload "read IOPS" "read MiB/s" "write IOPS" "write MiB/s" status
 results=0
 while read -r _ name rc err _ riops rbw wiops wbw; do
