@@ -20,7 +20,7 @@ uring --workload buffered-randrw --size 2G --file-size 512M --seconds 3 --rounds
 uring --workload buffered-randrw --size 2G --file-size 512M --seconds 3 --rounds 5
 uring --workload buffered-randrw --size 2G --file-size 512M --seconds 3 --rounds 5 --cache-size 1G --readers-on-owner
 uring --workload byte-writes --size 1G
-uring --workload seq-extents --size 4G
+uring --workload seq-extents --file-size 1G
 uring --workload fsync-storm --size 1G --threads 32 --seconds 5
 uring --workload fsync-storm --size 1G --threads 4 --seconds 5
 run --workload lookup --backend mem --size 2G

@@ -28,7 +28,7 @@ pub enum Workload {
     BufferedRandrw,
     /// 1-byte buffered appends (seed 003).
     ByteWrites,
-    /// 1 GiB written 4 KiB at a time, buffered and direct (seed 001).
+    /// --file-size written 4 KiB at a time, buffered and direct (seed 001).
     SeqExtents,
     /// --threads tasks each writing 4k and calling fsync.
     FsyncStorm,
@@ -50,8 +50,8 @@ pub struct CoreArgs {
     /// Backing file for uring and pmem (created if missing).
     #[arg(long, default_value = "/dev/shm/keelfs-bench-core.img")]
     path: std::path::PathBuf,
-    #[arg(long, value_parser = parse_size, default_value = "2G")]
-    size: u64,
+    #[arg(long, value_parser = parse_size)]
+    size: Option<u64>,
     /// Entries in the large directory (lookup).
     #[arg(long, default_value_t = 1_000_000)]
     entries: u64,
@@ -60,6 +60,9 @@ pub struct CoreArgs {
     lookups: u64,
     #[arg(long, default_value_t = 3)]
     rounds: u32,
+    /// byte-writes: 1-byte writes per round and mode.
+    #[arg(long, default_value_t = 400_000, value_parser = clap::value_parser!(u64).range(2..))]
+    writes: u64,
     /// Concurrent tasks (each at queue depth 1) for the I/O workloads.
     #[arg(long, default_value_t = 4)]
     threads: u32,
@@ -90,15 +93,51 @@ pub struct CoreArgs {
     json: bool,
 }
 
-fn open_device(args: &CoreArgs) -> anyhow::Result<Arc<dyn BlockDevice>> {
+/// The device size when --size is not given: the old fixed default, or
+/// more when the workload needs it.
+const DEFAULT_DEVICE_BYTES: u64 = 2 << 30;
+
+/// Bytes of device a workload needs: what it writes, plus an eighth and
+/// 64 MiB for keelfs's journal (64 MiB at most), inodes and extent maps.
+fn device_bytes_needed(p: &Params) -> u64 {
+    let data = match p.workload {
+        // Inodes and directory blocks, about 1 KiB an entry, in two
+        // directories (the large one and the small one).
+        Workload::Lookup => (p.entries + 1000) * 1024,
+        Workload::DioOverwrite | Workload::AioAppend | Workload::BufferedRandrw => p.file_size,
+        Workload::ByteWrites => crate::core_io::byte_writes_bytes(p.writes),
+        // A buffered copy and a direct copy.
+        Workload::SeqExtents => 2 * p.file_size,
+        Workload::FsyncStorm => u64::from(p.threads) * crate::core_io::FSYNC_STORM_FILE_BYTES,
+    };
+    data + data / 8 + (64 << 20)
+}
+
+/// --size, or a default that fits the workload; a --size too small for it
+/// is refused before anything runs.
+fn device_bytes(args: &CoreArgs, p: &Params) -> anyhow::Result<u64> {
+    let needed = device_bytes_needed(p);
+    match args.size {
+        None => Ok(needed.max(DEFAULT_DEVICE_BYTES)),
+        Some(size) if size >= needed => Ok(size),
+        Some(size) => bail!(
+            "--size {} MiB is too small for --workload {}: it needs {} MiB (give a larger --size, or omit it)",
+            size >> 20,
+            p.workload.to_possible_value().expect("no skipped variants").get_name(),
+            needed.div_ceil(1 << 20)
+        ),
+    }
+}
+
+fn open_device(args: &CoreArgs, size: u64) -> anyhow::Result<Arc<dyn BlockDevice>> {
     if args.backend != Backend::Mem {
         let f = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&args.path)?;
-        if f.metadata()?.len() < args.size {
-            f.set_len(args.size)?;
+        if f.metadata()?.len() < size {
+            f.set_len(size)?;
         }
     }
     Ok(match args.backend {
-        Backend::Mem => Arc::new(MappedDevice::ram(args.size, 4096)?),
+        Backend::Mem => Arc::new(MappedDevice::ram(size, 4096)?),
         Backend::Uring => {
             Arc::new(UringDevice::open(&args.path, UringOptions { sqpoll_idle_ms: args.sqpoll_idle_ms })?)
         }
@@ -110,10 +149,6 @@ pub fn run(args: &CoreArgs) -> anyhow::Result<()> {
     if args.entries < 1000 {
         bail!("--entries must be at least 1000");
     }
-    let dev = open_device(args).context("opening the device")?;
-    let mut reactor = Reactor::new(ReactorConfig { mode: PollMode::Busy, ..ReactorConfig::default() })?;
-    let queue = dev.open_queue(QueueConfig { depth: 128, completion_eventfd: false })?;
-    let queue2 = dev.open_queue(QueueConfig { depth: 128, completion_eventfd: false })?;
     let params = Params {
         workload: args.workload,
         entries: args.entries,
@@ -125,7 +160,13 @@ pub fn run(args: &CoreArgs) -> anyhow::Result<()> {
         file_size: args.file_size,
         backend: format!("{:?}", args.backend).to_lowercase(),
         readers_on_owner: args.readers_on_owner,
+        writes: args.writes,
     };
+    let size = device_bytes(args, &params)?;
+    let dev = open_device(args, size).context("opening the device")?;
+    let mut reactor = Reactor::new(ReactorConfig { mode: PollMode::Busy, ..ReactorConfig::default() })?;
+    let queue = dev.open_queue(QueueConfig { depth: 128, completion_eventfd: false })?;
+    let queue2 = dev.open_queue(QueueConfig { depth: 128, completion_eventfd: false })?;
     let cache_size = args.cache_size;
     let line = reactor.block_on(async move {
         let opts = MkfsOptions { force: true, ..MkfsOptions::default() };
@@ -183,6 +224,7 @@ pub struct Params {
     pub file_size: u64,
     pub backend: String,
     pub readers_on_owner: bool,
+    pub writes: u64,
 }
 
 fn emit(line: &serde_json::Value, as_json: bool) {

@@ -352,19 +352,24 @@ pub async fn buffered_randrw(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
 /// none at all, so the difference is what timestamp upkeep costs; a third
 /// kind of round reads i_version after every write (an NFS server's worst
 /// case), which makes every write bump it.
-pub async fn byte_writes(fs: &Fs, _: &Params) -> anyhow::Result<Value> {
-    const WRITES_PER_ROUND: u64 = 400_000;
-    const ROUNDS: usize = 5;
-    const MODES: [&str; 3] = ["with_times", "without_times", "i_version_observed"];
+const BYTE_WRITES_ROUNDS: usize = 5;
+const BYTE_WRITES_MODES: [&str; 3] = ["with_times", "without_times", "i_version_observed"];
+/// What byte-writes leaves on the device at most: a file per pattern,
+/// round and mode, each at most one byte a write.
+pub fn byte_writes_bytes(writes_per_round: u64) -> u64 {
+    2 * BYTE_WRITES_ROUNDS as u64 * BYTE_WRITES_MODES.len() as u64 * writes_per_round
+}
+
+pub async fn byte_writes(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
+    let writes_per_round = p.writes;
     let mut journal_writes = 0;
     let before_all = fs.counters();
-    let mut out =
-        json!({"bench": "core", "workload": "byte-writes", "writes_per_round": WRITES_PER_ROUND - 1, "rounds": ROUNDS});
+    let mut out = json!({"bench": "core", "workload": "byte-writes", "writes_per_round": writes_per_round - 1, "rounds": BYTE_WRITES_ROUNDS});
     for pattern in ["append", "overwrite"] {
         // Nanoseconds per write, per mode, the modes interleaved per round.
         let mut samples: [Vec<f64>; 3] = Default::default();
-        for r in 0..ROUNDS {
-            for (m, mode) in MODES.iter().enumerate() {
+        for r in 0..BYTE_WRITES_ROUNDS {
+            for (m, mode) in BYTE_WRITES_MODES.iter().enumerate() {
                 let ino = create(fs, &format!("bytes-{pattern}-{r}-{m}")).await?;
                 fs.write(ino, 0, b"x").await?;
                 fs.sync().await?;
@@ -372,14 +377,14 @@ pub async fn byte_writes(fs: &Fs, _: &Params) -> anyhow::Result<Value> {
                 let observe = *mode == "i_version_observed";
                 let before = fs.counters();
                 let start = Instant::now();
-                for i in 1..WRITES_PER_ROUND {
+                for i in 1..writes_per_round {
                     let offset = if pattern == "append" { i } else { i % 4096 };
                     fs.write(ino, offset, b"y").await?;
                     if observe {
                         fs.i_version(ino).await?;
                     }
                 }
-                samples[m].push(start.elapsed().as_nanos() as f64 / (WRITES_PER_ROUND - 1) as f64);
+                samples[m].push(start.elapsed().as_nanos() as f64 / (writes_per_round - 1) as f64);
                 journal_writes += fs.counters().journal_blocks_written - before.journal_blocks_written;
                 fs.set_file_times_for_benchmark(true);
             }
@@ -399,7 +404,8 @@ pub async fn byte_writes(fs: &Fs, _: &Params) -> anyhow::Result<Value> {
 }
 
 pub async fn seq_extents(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
-    let size = 1u64 << 30;
+    let size = p.file_size;
+    anyhow::ensure!(size >= 4096, "--file-size must be at least 4k for seq-extents");
     let buffered = create(fs, "seq-buffered").await?;
     let direct = create(fs, "seq-direct").await?;
     let page = vec![0x33u8; 4096];
@@ -415,16 +421,20 @@ pub async fn seq_extents(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
     }
     fs.sync().await?;
     let direct_secs = start.elapsed().as_secs_f64();
-    let _ = p;
+    let mib = size as f64 / f64::from(1 << 20);
     Ok(json!({
         "bench": "core", "workload": "seq-extents", "bytes": size, "write_bytes": 4096,
         "extents_buffered": fs.extent_count(buffered)?,
         "extents_direct": fs.extent_count(direct)?,
         "extents": fs.extent_count(buffered)?.max(fs.extent_count(direct)?),
-        "buffered_mib_s": round2(1024.0 / buffered_secs),
-        "direct_mib_s": round2(1024.0 / direct_secs),
+        "buffered_mib_s": round2(mib / buffered_secs),
+        "direct_mib_s": round2(mib / direct_secs),
     }))
 }
+
+/// Pages each fsync-storm task rewrites in turn.
+const FSYNC_STORM_PAGES: u64 = 64;
+pub const FSYNC_STORM_FILE_BYTES: u64 = FSYNC_STORM_PAGES * 4096;
 
 pub async fn fsync_storm(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
     let mut files = Vec::new();
@@ -439,7 +449,7 @@ pub async fn fsync_storm(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
         let (fs, files) = (fs2.clone(), files2.clone());
         async move {
             let ino = files[t as usize];
-            fs.write(ino, (i % 64) * 4096, &[t as u8; 4096]).await?;
+            fs.write(ino, (i % FSYNC_STORM_PAGES) * 4096, &[t as u8; 4096]).await?;
             fs.fsync(ino, false).await?;
             Ok(true)
         }

@@ -31,12 +31,22 @@ enum Command {
     Vhost(vhost::VhostArgs),
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    match cli.command {
+    let result = match cli.command {
         Command::Bdev(args) => bdev::run(&args),
         Command::BdevCheck(args) => bdev_check::run(&args),
         Command::Core(args) => core::run(&args),
         Command::Vhost(args) => vhost::run(&args),
+    };
+    // An expected error (a bad argument, a full device, a daemon that is
+    // not there) is one line with its causes, never a backtrace, whatever
+    // RUST_BACKTRACE says.
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("keelfs-bench: error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
     }
 }

@@ -152,3 +152,75 @@ fn vhost_drives_a_vhost_user_fs_daemon_and_reports_iops_and_latency() {
     stop.store(true, Ordering::Release);
     daemon.join().unwrap();
 }
+
+/// Every subcommand runs with its defaults: only what it cannot default
+/// (a path, a workload, a socket) and a short run are given. core sizes
+/// its device from the workload unless --size says otherwise.
+#[test]
+fn every_core_workload_runs_with_a_default_device() {
+    for workload in
+        ["lookup", "dio-overwrite", "aio-append", "buffered-randrw", "byte-writes", "seq-extents", "fsync-storm"]
+    {
+        // Small files, few operations: a smoke run, not a measurement.
+        let small: &[&str] = match workload {
+            "lookup" => &["--entries", "2000", "--lookups", "1000", "--rounds", "1"],
+            "byte-writes" => &["--writes", "2000"],
+            _ => &["--file-size", "16M"],
+        };
+        let out = bench()
+            .args(["core", "--workload", workload, "--seconds", "1", "--json"])
+            .args(small)
+            .env("RUST_BACKTRACE", "1")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{workload}: {stderr}");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["workload"], workload, "{v}");
+        assert_eq!(v["backend"], "mem", "the default backend: {v}");
+    }
+}
+
+#[test]
+fn seq_extents_on_its_default_device_writes_one_extent_per_file() {
+    // seq-extents writes its file twice; the old fixed 2 GiB device ran
+    // out of space at its own defaults.
+    let out = bench().args(["core", "--workload", "seq-extents", "--json"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["extents"], 1, "{v}");
+}
+
+#[test]
+fn a_device_too_small_for_the_workload_is_refused_in_one_line() {
+    let out = bench()
+        .args(["core", "--workload", "seq-extents", "--size", "64M", "--json"])
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(stderr.lines().count(), 1, "one line, no backtrace: {stderr}");
+    assert!(stderr.contains("--size 64 MiB is too small for --workload seq-extents"), "{stderr}");
+}
+
+#[test]
+fn bdev_and_bdev_check_run_with_their_defaults() {
+    // bdev-check needs 128 MiB; bdev makes the file that size.
+    let path = scratch("defaults");
+    let out = bench()
+        .args(["bdev", "--backend", "uring", "--size", "128M", "--seconds", "1", "--json", "--path"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "bdev: {}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["iops"].as_f64().is_some_and(|x| x > 0.0), "{v}");
+    let out = bench().args(["bdev-check", "--json", "--path"]).arg(&path).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "bdev-check: {stdout}{}", String::from_utf8_lossy(&out.stderr));
+    let checks: Vec<serde_json::Value> = stdout.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert!(checks.len() >= 3, "{stdout}");
+    assert!(checks.iter().all(|c| c["ok"] == true), "{stdout}");
+    let _ = std::fs::remove_file(&path);
+}
