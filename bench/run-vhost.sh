@@ -32,7 +32,9 @@ work=$(mktemp -d /dev/shm/keelfs-vhost-bench.XXXXXX)
 loopdev=
 daemon_pid=
 cleanup() {
-  [[ -n $daemon_pid ]] && kill -TERM "$daemon_pid" 2>/dev/null && wait "$daemon_pid" 2>/dev/null || true
+  if [[ -n $daemon_pid ]] && kill -TERM "$daemon_pid" 2>/dev/null; then
+    wait "$daemon_pid" 2>/dev/null || true
+  fi
   mountpoint -q "$work/ext4" && umount "$work/ext4"
   [[ -n $loopdev ]] && losetup -d "$loopdev"
   rm -rf "$work"

@@ -35,7 +35,12 @@ done
 root=${KEELFS_SETUP_ROOT:-}
 step="checking what is installed"
 # A failing command anywhere names the step it broke.
-trap 'rc=$?; echo "$prog: error: step \"$step\" failed (exit $rc)" >&2; exit "$rc"' ERR
+on_error() {
+  local rc=$?
+  echo "$prog: error: step \"$step\" failed (exit $rc)" >&2
+  exit "$rc"
+}
+trap on_error ERR
 
 say() { echo "setup: $*"; }
 have() { command -v "$1" >/dev/null 2>&1; }
