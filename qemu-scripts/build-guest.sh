@@ -4,8 +4,9 @@
 # busybox-static, the virtio / virtio-fs, VFIO and NVMe kernel modules
 # (decompressed; the ones Debian builds into the kernel are skipped), fio with its shared
 # libraries, fsx (cargo install fsx), an O_DIRECT shim for it (fsx-odirect.c,
-# compiled with cc) and setfattr/getfattr (package attr) when the host has
-# them, and an /init that runs a test script passed in by run-guest.sh.
+# compiled with cc) and setfattr/getfattr (package attr), and an /init that
+# runs a test script passed in by run-guest.sh. Each of these is required:
+# a guest without one would let its tests pass by not running.
 # The guest needs no network at runtime.
 #
 # The result is cached in the output directory and rebuilt only when its
@@ -34,9 +35,8 @@ Options:
 
 Output files in DIR:
   vmlinuz           the kernel
-  initramfs.cpio.gz the initramfs (busybox, modules, fio, /init; fsx,
-                    /usr/lib/fsx-odirect.so, setfattr and getfattr when the
-                    host has them; the shim needs cc)
+  initramfs.cpio.gz the initramfs (busybox, modules, fio, /init, fsx,
+                    /usr/lib/fsx-odirect.so, setfattr and getfattr)
   kernel-version    the kernel release
   inputs            what the cache key was computed from
   inputs.sha256     the cache key
@@ -85,21 +85,22 @@ wanted_modules=(virtio_ring virtio virtio_pci_modern_dev virtio_pci_legacy_dev
 # Guest binaries besides busybox (their shared libraries come along), each
 # put at the same path in the guest. fio is required.
 guest_bins=(/usr/bin/fio)
-# Optional tools the guest tests use when present, put in the guest's
-# /usr/bin: fsx (cargo install fsx) for guest-tests/fsx.sh, setfattr and
-# getfattr (Debian package attr) for the xattr part of namespace.sh.
-optional_bins=()
+# Tools the guest tests need, put in the guest's /usr/bin: fsx (cargo
+# install fsx) for guest-tests/fsx.sh, setfattr and getfattr (Debian package
+# attr) for the xattr checks of namespace.sh and persist-*.sh.
+test_bins=()
 fsx_bin=$(PATH="${CARGO_HOME:-$HOME/.cargo}/bin:$PATH" command -v fsx || true)
+[[ -n $fsx_bin ]] || die "fsx is missing on the host (scripts/setup.sh installs it: cargo install fsx)"
 for b in "$fsx_bin" /usr/bin/setfattr /usr/bin/getfattr; do
-  [[ -n $b && -x $b ]] && optional_bins+=("$b")
+  [[ -x $b ]] || die "$b is missing on the host (scripts/setup.sh installs it)"
+  test_bins+=("$b")
 done
 # fsx has no O_DIRECT option: fsx-odirect.c is an LD_PRELOAD shim that adds
-# O_DIRECT to its opens of one file; built when fsx and a C compiler are here.
+# O_DIRECT to its opens of one file.
 shim_src=$script_dir/fsx-odirect.c
 # fsx's configs, shared by the guest tests (guest-tests/fsx.sh, nvme.sh).
 fsx_configs=("$script_dir"/guest-tests/fsx/*.toml)
-build_shim=0
-[[ -n $fsx_bin && -r $shim_src ]] && command -v cc >/dev/null && build_shim=1
+command -v cc >/dev/null || die "no C compiler for $shim_src (scripts/setup.sh installs build-essential)"
 
 # ---------------------------------------------------------------- packages --
 apt_install() {
@@ -158,9 +159,9 @@ inputs=$(
   echo "vmlinuz-sha256=$(sha256sum "$vmlinuz" | cut -d' ' -f1)"
   echo "busybox-static=$(pkg_version busybox-static)"
   echo "fio=$(pkg_version fio)"
-  for b in "${guest_bins[@]}" "${optional_bins[@]}"; do echo "bin $b=$(sha256sum "$b" | cut -d' ' -f1)"; done
+  for b in "${guest_bins[@]}" "${test_bins[@]}"; do echo "bin $b=$(sha256sum "$b" | cut -d' ' -f1)"; done
   echo "modules=${wanted_modules[*]}"
-  ((build_shim == 0)) || echo "fsx-odirect.c=$(sha256sum "$shim_src" | cut -d' ' -f1)"
+  echo "fsx-odirect.c=$(sha256sum "$shim_src" | cut -d' ' -f1)"
   for c in "${fsx_configs[@]}"; do echo "fsx config $(basename "$c")=$(sha256sum "$c" | cut -d' ' -f1)"; done
   echo "script-sha256=$(sha256sum "$self" | cut -d' ' -f1)"
 )
@@ -215,19 +216,16 @@ for b in "${guest_bins[@]}"; do
   copy_same_path "$b"
   copy_libs "$b"
 done
-for b in "${optional_bins[@]}"; do
+for b in "${test_bins[@]}"; do
   cp -L "$b" "$root/usr/bin/$(basename "$b")"
   copy_libs "$b"
 done
-if ((build_shim)); then
-  mkdir -p "$root/usr/lib"
-  cc -shared -fPIC -O2 -Wall -o "$root/usr/lib/fsx-odirect.so" "$shim_src" -ldl ||
-    die "compiling $shim_src failed"
-  optional_bins+=(/usr/lib/fsx-odirect.so)
-fi
+mkdir -p "$root/usr/lib"
+cc -shared -fPIC -O2 -Wall -o "$root/usr/lib/fsx-odirect.so" "$shim_src" -ldl ||
+  die "compiling $shim_src failed"
 mkdir -p "$root/usr/share/keelfs/fsx"
 cp "${fsx_configs[@]}" "$root/usr/share/keelfs/fsx/"
-log "optional tools: ${optional_bins[*]:-none} (fsx: cargo install fsx; setfattr/getfattr: apt-get install attr; fsx-odirect.so: cc)"
+log "test tools: ${test_bins[*]} /usr/lib/fsx-odirect.so"
 # The loader is looked up through /lib64 as well as its canonical path.
 if [[ -e /lib64/ld-linux-x86-64.so.2 && ! -e $root/lib64/ld-linux-x86-64.so.2 ]]; then
   copy_same_path /lib64/ld-linux-x86-64.so.2

@@ -17,6 +17,7 @@ failed=0
 pass() { echo "PASS: $*"; }
 fail() { echo "FAIL: $*"; failed=$((failed + 1)); }
 [ -f $check ] || { echo "FAIL: $check missing (run-guest.sh --add qemu-scripts/guest-tests/persist-check.sh)"; exit 1; }
+command -v setfattr >/dev/null || { echo "FAIL: no setfattr in the guest (apt-get install attr, then rebuild the guest)"; exit 1; }
 
 grep -q " /mnt virtiofs " /proc/mounts || mount -t virtiofs "$tag" /mnt ||
   { echo "FAIL: mount -t virtiofs $tag /mnt"; exit 1; }
@@ -57,10 +58,8 @@ chmod 700 "$t/a/b"
 chown 1000:1000 "$t/one"
 chown 1234:5678 "$t/a/b/c"
 touch -d "2010-10-10 10:10:10" "$t/f4096"
-if command -v setfattr >/dev/null; then
-  setfattr -n user.persist -v hello "$t/one"
-  setfattr -n user.dir -v "a directory" "$t/a"
-fi
+setfattr -n user.persist -v hello "$t/one"
+setfattr -n user.dir -v "a directory" "$t/a"
 set +e
 trap - EXIT
 sync
