@@ -230,6 +230,7 @@ run_test() {
   case $st in
     0) ;;
     124) note="guest timed out after ${timeout}s" ;;
+    126) note="the guest stalled (no heartbeat for a minute; its kernel's report is in the log)" ;;
     125) note="QEMU ended without the guest's exit status (crash or panic)" ;;
     *) note="guest script exited $st: $(grep -a '^FAIL' "$glog" | head -n 3 | tr -d '\r' | paste -sd';' - || true)" ;;
   esac

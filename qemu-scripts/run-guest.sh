@@ -58,6 +58,8 @@ Options:
   --interactive      shell on the console (quit QEMU: Ctrl-A X)
   --timeout SECS     give up after SECS (default: 900 with --script, none
                      with --interactive; 0 = none)
+  --stall-after SECS with --script: a guest silent on its heartbeat this
+                     long has stalled (default: 60)
   --accel A          auto, kvm or tcg (default: auto: KVM when a quick probe
                      boots, else TCG)
   --log FILE         also keep the raw console output in FILE
@@ -71,6 +73,8 @@ Options:
 Exit status (with --script): the script's exit status, read from the
 "KEELFS-GUEST-EXIT=<status>" line the guest prints before powering off;
 124 when the timeout passed, 125 when QEMU ended without that line,
+126 when the guest stalled (its /init prints a heartbeat every 10 s; none
+for --stall-after seconds stops QEMU and prints the console's tail),
 2 for usage errors.
 
 Examples:
@@ -102,6 +106,7 @@ smp=2
 script=""
 interactive=0
 timeout=""
+stall_after=60
 accel=auto
 logfile=""
 append_extra=""
@@ -124,6 +129,7 @@ while (($#)); do
     --nvme-opts) need_arg "$1" $#; nvme_opts=$2; shift 2 ;;
     --interactive) interactive=1; shift ;;
     --timeout) need_arg "$1" $#; timeout=$2; shift 2 ;;
+    --stall-after) need_arg "$1" $#; stall_after=$2; shift 2 ;;
     --accel) need_arg "$1" $#; accel=$2; shift 2 ;;
     --log) need_arg "$1" $#; logfile=$2; shift 2 ;;
     --append) need_arg "$1" $#; append_extra=$2; shift 2 ;;
@@ -166,6 +172,7 @@ if [[ -z $timeout ]]; then
   if ((interactive)); then timeout=0; else timeout=900; fi
 fi
 [[ $timeout =~ ^[0-9]+$ ]] || die "--timeout '$timeout' is not a number of seconds"
+[[ $stall_after =~ ^[1-9][0-9]*$ ]] || die "--stall-after '$stall_after' is not a positive number of seconds"
 case "$accel" in auto|kvm|tcg) ;; *) die "--accel must be auto, kvm or tcg" ;; esac
 command -v qemu-system-x86_64 >/dev/null || die "qemu-system-x86_64 not found (apt-get install -t bookworm-backports qemu-system-x86)"
 
@@ -311,11 +318,33 @@ tail -n +1 -f --pid="$qpid" "$console" | sed -u 's/\r$//' &
 tailpid=$!
 
 marker_re='KEELFS-GUEST-EXIT=[0-9]+'
+# What a guest kernel prints when a CPU or its timers stop.
+stall_re='rcu: INFO|rcu_.*(stall|starved|wakeup)|soft lockup|hard LOCKUP|blocked for more than'
 timed_out=0
+stalled=0
 marker_at=""
+# The heartbeat clock starts when the script starts (boot time varies).
+beats=0
+beat_at=""
 while kill -0 "$qpid" 2>/dev/null; do
   if [[ -z $marker_at ]] && grep -aEq "$marker_re" "$console"; then
     marker_at=$SECONDS
+  fi
+  if [[ -z $marker_at ]]; then
+    if [[ -z $beat_at ]]; then
+      grep -aq '^KEELFS-GUEST-START' "$console" && beat_at=$SECONDS
+    else
+      n=$(grep -ac '^KEELFS-HEARTBEAT' "$console" || true)
+      if ((n != beats)); then beats=$n; beat_at=$SECONDS; fi
+      if ((SECONDS - beat_at >= stall_after)); then
+        stalled=1
+        # A hung QEMU may not act on SIGTERM: SIGKILL after 10 s.
+        kill -TERM "$qpid" 2>/dev/null || true
+        for _ in $(seq 1 50); do kill -0 "$qpid" 2>/dev/null || break; sleep 0.2; done
+        kill -KILL "$qpid" 2>/dev/null || true
+        break
+      fi
+    fi
   fi
   if [[ -n $marker_at ]] && ((SECONDS - marker_at > 30)); then
     log "the guest reported its exit status but did not power off in 30 s; stopping QEMU"
@@ -343,6 +372,16 @@ if [[ -n $status ]]; then
   fi
   log "guest script exited with status $status (${elapsed}s, accel=$accel)"
   exit "$status"
+fi
+if ((stalled)); then
+  log "error: the guest stalled: no heartbeat for ${stall_after}s (after ${elapsed}s); QEMU stopped"
+  if grep -aqE "$stall_re" "$console"; then
+    log "the guest kernel reported:"
+    tr -d '\r' <"$console" | grep -aE "$stall_re" | head -n 10 | sed 's/^/  | /' >&2
+  fi
+  log "console tail:"
+  tr -d '\r' <"$console" | grep -av '^KEELFS-HEARTBEAT' | tail -n 40 | sed 's/^/  | /' >&2
+  exit 126
 fi
 if ((timed_out)); then
   log "error: timed out after ${timeout}s without the guest's exit status (KEELFS-GUEST-EXIT); QEMU stopped"

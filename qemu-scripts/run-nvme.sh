@@ -40,7 +40,8 @@ Options:
   -h, --help         show this help
 
 Exit status: the guest script's (0: every check passed), 124 when the guest
-timed out, 125 when QEMU ended without the script's status, 2 for usage
+timed out, 125 when QEMU ended without the script's status, 126 when the
+guest stalled (run-guest.sh: no heartbeat for a minute), 2 for usage
 errors.
 EOF
 }
@@ -137,6 +138,7 @@ grep -E '^(PASS|FAIL|SKIP): ' <<<"$checks" | sed 's/^/  /' || true
 case $st in
   0) note="" ;;
   124) note=" (the guest timed out after ${timeout}s)" ;;
+  126) note=" (the guest stalled: no heartbeat for a minute)" ;;
   125) note=" (QEMU ended without the guest's exit status: crash or panic)" ;;
   *) note="" ;;
 esac
