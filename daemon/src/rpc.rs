@@ -16,7 +16,7 @@ use keelfs_core::reactor::ReactorHandle;
 use serde_json::{json, Value};
 
 /// How long a reactor may take to answer a snapshot request.
-const REACTOR_ANSWER_TIMEOUT: Duration = Duration::from_secs(2);
+const REACTOR_ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
 
 pub struct RpcServer {
     path: PathBuf,
@@ -113,7 +113,9 @@ fn snapshot(reactors: &[ReactorHandle]) -> Value {
 pub fn query(path: &Path) -> anyhow::Result<String> {
     let stream = UnixStream::connect(path)
         .map_err(|e| crate::tools::UsageError(format!("cannot reach keelfsd at {}: {e}", path.display())))?;
-    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    // Each reactor has REACTOR_ANSWER_TIMEOUT to answer; a loaded machine
+    // with several may need all of it.
+    stream.set_read_timeout(Some(Duration::from_secs(30)))?;
     let mut w = &stream;
     writeln!(w, "stats")?;
     let mut reply = String::new();

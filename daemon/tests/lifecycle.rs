@@ -94,7 +94,11 @@ fn kill_9_under_a_write_load_loses_no_fsynced_file() {
             })
         })
         .collect();
+    // Writers stop at their first error: a deadline, not a hang.
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
     while synced.lock().unwrap().len() < 40 {
+        assert!(std::time::Instant::now() < deadline, "40 fsynced files took more than 120 s");
+        assert!(!writers.iter().all(|w| w.is_finished()), "the writers stopped early (an I/O error)");
         std::thread::sleep(Duration::from_millis(20));
     }
     served.signal(libc::SIGKILL);

@@ -6,7 +6,7 @@ mod common;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::{busy_reactor, channel, format, ram_device};
 use keelfs_core::bdev::fault::splitmix64;
@@ -16,6 +16,9 @@ use keelfs_core::reactor::yield_now;
 
 const MIB: u64 = 1 << 20;
 const REGION: usize = 8192;
+/// How long an owner keeps changing the file, past its fixed rounds, for a
+/// reader that a loaded machine has let run only a little.
+const PROGRESS_DEADLINE: Duration = Duration::from_secs(60);
 
 fn config() -> FsConfig {
     FsConfig {
@@ -60,18 +63,27 @@ where
 #[test]
 fn shared_reads_see_whole_writes_and_never_go_back() {
     const REGIONS: u64 = 64;
+    const HITS_MIN: u64 = 1000;
+    let reader_hits = Arc::new(AtomicU64::new(0));
+    let (owner_sees, reader_counts) = (reader_hits.clone(), reader_hits.clone());
     let hits = owner_and_reader(
         async |fs| {
             let ino = new_file(fs, "f").await;
             fs.write(ino, 0, &vec![0u8; REGIONS as usize * REGION]).await.unwrap();
             ino
         },
-        async |fs, ino| {
+        async move |fs, ino| {
             // Each write fills one 8 KiB region (two pages) with the next
-            // value for that region.
+            // value for that region: 60,000 of them, and more until the
+            // reader has had its share of the CPU.
             let mut seed = 1;
             let mut versions = [0u64; REGIONS as usize];
-            for _ in 0..60_000 {
+            let started = Instant::now();
+            for round in 0.. {
+                let enough = owner_sees.load(Ordering::Relaxed) >= HITS_MIN;
+                if round >= 60_000 && (enough || started.elapsed() > PROGRESS_DEADLINE) {
+                    break;
+                }
                 let region = splitmix64(&mut seed) % REGIONS;
                 let v = &mut versions[region as usize];
                 *v += 1;
@@ -80,7 +92,7 @@ fn shared_reads_see_whole_writes_and_never_go_back() {
                 yield_now().await;
             }
         },
-        |reader, stop| {
+        move |reader, stop| {
             let mut seed = 7;
             let mut last_seen = [0u64; REGIONS as usize];
             let mut hits = 0u64;
@@ -90,6 +102,7 @@ fn shared_reads_see_whole_writes_and_never_go_back() {
                 match reader.read_into(region * REGION as u64, REGION as u32, &mut buf) {
                     Ok(()) => {
                         hits += 1;
+                        reader_counts.store(hits, Ordering::Relaxed);
                         assert_eq!(buf.len(), REGION);
                         let word = |i: usize| u64::from_le_bytes(buf[i * 8..i * 8 + 8].try_into().unwrap());
                         let v = word(0);
@@ -105,24 +118,33 @@ fn shared_reads_see_whole_writes_and_never_go_back() {
             hits
         },
     );
-    assert!(hits > 1000, "the reader completed only {hits} reads from the cache");
+    assert!(hits >= HITS_MIN, "the reader completed only {hits} reads from the cache in 60 s");
 }
 
 #[test]
 fn shared_reads_never_see_a_truncate_half_done() {
     const FULL: usize = 64 * 1024;
+    const CHECKED_MIN: u64 = 100;
+    let reader_checked = Arc::new(AtomicU64::new(0));
+    let (owner_sees, reader_counts) = (reader_checked.clone(), reader_checked.clone());
     let checked = owner_and_reader(
         async |fs| {
             let ino = new_file(fs, "t").await;
             fs.write(ino, 0, &vec![1u8; FULL]).await.unwrap();
             ino
         },
-        async |fs, ino| {
+        async move |fs, ino| {
             // Shrink to a random size (the kept bytes keep their value, the
             // tail of the last page is zeroed in the cache), then rewrite
-            // the whole file with a new value, extending it.
+            // the whole file with a new value, extending it: 40,000 times,
+            // and more until the reader has checked enough reads.
             let mut seed = 3;
-            for i in 0..40_000u32 {
+            let started = Instant::now();
+            for i in 0u32.. {
+                let enough = owner_sees.load(Ordering::Relaxed) >= CHECKED_MIN;
+                if i >= 40_000 && (enough || started.elapsed() > PROGRESS_DEADLINE) {
+                    break;
+                }
                 let size = 1 + splitmix64(&mut seed) % (FULL as u64 - 1);
                 fs.setattr(&Creds::root(), ino, &SetAttr { size: Some(size), ..Default::default() }, false)
                     .await
@@ -133,7 +155,7 @@ fn shared_reads_never_see_a_truncate_half_done() {
                 yield_now().await;
             }
         },
-        |reader, stop| {
+        move |reader, stop| {
             let mut checked = 0u64;
             let mut buf = Vec::new();
             let mut seed = 11;
@@ -143,6 +165,7 @@ fn shared_reads_never_see_a_truncate_half_done() {
                 let len = 1 + splitmix64(&mut seed) % FULL as u64;
                 if reader.read_into(0, len as u32, &mut buf).is_ok() {
                     checked += 1;
+                    reader_counts.store(checked, Ordering::Relaxed);
                     assert!(!buf.is_empty(), "the file is never empty");
                     let v = buf[0];
                     assert!(v != 0, "a read saw zeros at the start");
@@ -154,7 +177,7 @@ fn shared_reads_never_see_a_truncate_half_done() {
             checked
         },
     );
-    assert!(checked > 100, "only {checked} reads completed from the cache");
+    assert!(checked >= CHECKED_MIN, "only {checked} reads completed from the cache in 60 s");
 }
 
 #[test]
@@ -207,10 +230,13 @@ fn owner_writes_are_visible_to_shared_reads_at_once() {
             ino
         },
         async move |fs, ino| {
+            let started = Instant::now();
             for v in 1..=2000u64 {
                 fs.write(ino, 0, &v.to_le_bytes()).await.unwrap();
                 e2.store(v, Ordering::Release);
                 while d2.load(Ordering::Acquire) != v {
+                    // A reader that panicked never confirms: fail, not hang.
+                    assert!(started.elapsed() < PROGRESS_DEADLINE, "the reader did not confirm value {v} in 60 s");
                     yield_now().await;
                 }
             }
@@ -220,7 +246,9 @@ fn owner_writes_are_visible_to_shared_reads_at_once() {
             while !stop.load(Ordering::Acquire) {
                 let v = expected.load(Ordering::Acquire);
                 if v == seen {
-                    std::hint::spin_loop();
+                    // Yield, not spin: on a loaded machine the owner may
+                    // share this core.
+                    std::thread::yield_now();
                     continue;
                 }
                 let bytes = loop {

@@ -80,10 +80,18 @@ impl Served {
         unsafe { libc::kill(self.child.id() as i32, signal) };
     }
 
-    /// SIGTERM, and the exit status.
+    /// SIGTERM, and the exit status; a daemon still running a minute
+    /// later fails the test (Drop then kills it).
     pub fn stop(mut self) -> std::process::ExitStatus {
         self.signal(libc::SIGTERM);
-        self.child.wait().unwrap()
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "keelfsd still running 60 s after SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 }
 
