@@ -210,6 +210,23 @@ impl PageCache {
         }
     }
 
+    /// Zero bytes [offset, end) of `ino` in whichever of its pages are
+    /// cached. The walk follows the inode's cached pages, not the range, so
+    /// its length is bounded by the cache whatever range a client names.
+    pub fn zero_range(&mut self, ino: u64, offset: u64, end: u64) {
+        debug_assert!(offset < end);
+        let page_bytes = PAGE_BYTES as u64;
+        let (first, last) = (offset / page_bytes, (end - 1) / page_bytes);
+        let pages: Vec<u64> =
+            self.by_inode.get(&ino).map(|s| s.range(first..=last).copied().collect()).unwrap_or_default();
+        for page in pages {
+            let start = page * page_bytes;
+            let from = offset.max(start) - start;
+            let to = end.min(start + page_bytes) - start;
+            self.zero((ino, page), from as usize, to as usize);
+        }
+    }
+
     /// A write spanning several pages: open each page before changing it
     /// ([`Self::write_open`]), and close them all together at the end
     /// ([`Self::write_close`]), so that a reader on another core sees all

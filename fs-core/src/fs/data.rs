@@ -1230,13 +1230,7 @@ impl Fs {
         }
         {
             let _change = self.inner.file_change(ino);
-            let mut cache = self.inner.cache.borrow_mut();
-            for page in offset / BLOCK_SIZE..=(end - 1) / BLOCK_SIZE {
-                let ps = page * BLOCK_SIZE;
-                let from = offset.max(ps) - ps;
-                let to = end.min(ps + BLOCK_SIZE) - ps;
-                cache.zero((ino, page), from as usize, to as usize);
-            }
+            self.inner.cache.borrow_mut().zero_range(ino, offset, end);
         }
         let head_block = offset / BLOCK_SIZE;
         let tail_block = (end - 1) / BLOCK_SIZE;
