@@ -93,13 +93,20 @@ pub struct OpSnapshot {
 
 #[derive(Default)]
 pub struct OpStats {
+    /// Keyed by opcode; every opcode keelfs does not know shares the one
+    /// key [`UNKNOWN_OPCODE`], so a client sending many distinct numbers
+    /// cannot grow the table past the known opcodes plus one.
     ops: RefCell<BTreeMap<u32, OpCounter>>,
 }
 
+/// The key of every opcode that is not a FUSE opcode keelfs knows.
+const UNKNOWN_OPCODE: u32 = u32::MAX;
+
 impl OpStats {
     pub fn record(&self, opcode: u32, bytes: usize, failed: bool, latency: Duration) {
+        let key = if Opcode::from_u32(opcode).is_some() { opcode } else { UNKNOWN_OPCODE };
         let mut ops = self.ops.borrow_mut();
-        let c = ops.entry(opcode).or_default();
+        let c = ops.entry(key).or_default();
         c.requests += 1;
         c.errors += u64::from(failed);
         c.bytes += bytes as u64;
@@ -111,8 +118,7 @@ impl OpStats {
             .borrow()
             .iter()
             .map(|(&code, c)| OpSnapshot {
-                op: Opcode::from_u32(code)
-                    .map_or_else(|| format!("opcode_{code}"), |o| format!("{o:?}").to_lowercase()),
+                op: Opcode::from_u32(code).map_or_else(|| "unknown".to_string(), |o| format!("{o:?}").to_lowercase()),
                 requests: c.requests,
                 errors: c.errors,
                 bytes: c.bytes,
@@ -137,6 +143,22 @@ mod tests {
             let floor = bucket_floor(b);
             assert!(floor <= ns && ns - floor <= ns / 8, "{ns} in bucket floored at {floor}");
         }
+    }
+
+    #[test]
+    fn unknown_opcodes_share_one_counter() {
+        let stats = OpStats::default();
+        // Every number a client could send that is not a known opcode.
+        let unknown: Vec<u32> =
+            (0..200_000u32).map(|i| i.wrapping_mul(2_654_435_761)).filter(|&c| Opcode::from_u32(c).is_none()).collect();
+        for &code in &unknown {
+            stats.record(code, 0, true, Duration::from_micros(1));
+        }
+        stats.record(Opcode::Getattr as u32, 0, false, Duration::from_micros(1));
+        let snap = stats.snapshot();
+        assert_eq!(snap.len(), 2, "one unknown counter and getattr's");
+        let other = snap.iter().find(|s| s.op == "unknown").expect("an unknown counter");
+        assert_eq!((other.requests, other.errors), (unknown.len() as u64, unknown.len() as u64));
     }
 
     #[test]
