@@ -334,6 +334,10 @@ impl FsFrontend {
         4 * self.config.slots
     }
 
+    pub fn jump_avail_index(&mut self, queue: usize, ahead: u16) -> FrontendResult<()> {
+        self.driver_mut(queue).jump_avail_index(ahead)
+    }
+
     pub fn submit_split(
         &mut self,
         queue: usize,
@@ -573,6 +577,17 @@ impl QueueDriver {
     /// Publish a head index as is, even one that names no descriptor.
     pub fn submit_head(&mut self, head: u16) -> FrontendResult<()> {
         self.publish(head)
+    }
+
+    /// A broken driver: move the avail index `ahead` entries past what was
+    /// published, with no entries behind it, and kick.
+    pub fn jump_avail_index(&mut self, ahead: u16) -> FrontendResult<()> {
+        let new = self.ring.next_avail.wrapping_add(ahead);
+        fence(Ordering::Release);
+        self.mem.store(new, GuestAddress(self.ring.avail + 2), Ordering::Release).map_err(Self::mem_err)?;
+        self.ring.next_avail = new;
+        self.ring.kick.write(1)?;
+        Ok(())
     }
 
     /// Used entries that arrived since the last call. Slots of finished

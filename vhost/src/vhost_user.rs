@@ -292,6 +292,9 @@ pub struct DeviceStats {
     pub signals: Cell<u64>,
     pub kicks: Cell<u64>,
     pub in_flight_max: Cell<usize>,
+    /// Queues a driver broke by moving the avail index more than a ring
+    /// ahead of what keelfs took.
+    pub broken_queues: Cell<u64>,
 }
 
 /// Counters of the helper reactors' queues (atomics: the helpers write,
@@ -674,11 +677,25 @@ impl ChainServer for HelperServer {
 struct QueueState {
     /// Notifications are off and the ring is checked every iteration.
     polling: bool,
+    /// The driver moved the avail index more than a ring ahead: nothing on
+    /// the queue can be trusted until it is set up again, so it is not
+    /// polled (reported once, not on every kick).
+    broken: bool,
     idle_since: Option<Instant>,
     in_flight: Rc<Cell<usize>>,
     /// Finished chains waiting for the used ring: (head, bytes written).
     completed: Rc<RefCell<Vec<(u16, u32)>>>,
     stop_waiters: Vec<SyncSender<()>>,
+}
+
+/// True when the driver's avail index is more than a ring ahead of the
+/// next entry keelfs takes (or unreadable): virtio-queue then refuses
+/// every pop, and a poller that kept asking would spin for ever.
+fn avail_overrun(queue: &virtio_queue::Queue, mem: &GuestMemoryMmap) -> bool {
+    match queue.avail_idx(mem, Ordering::Acquire) {
+        Ok(avail) => avail.0.wrapping_sub(queue.next_avail()) > queue.size(),
+        Err(_) => true,
+    }
 }
 
 /// Polls the queues in `mine` on one reactor and serves their chains
@@ -761,6 +778,11 @@ impl<S: ChainServer> QueuePoller<S> {
                 self.queues[index].polling = false;
                 return false;
             }
+            if avail_overrun(state.get_queue(), &mem) {
+                self.mark_broken(index);
+                return false;
+            }
+            self.queues[index].broken = false;
             while popped < POP_BATCH {
                 let Some(chain) = state.get_queue_mut().pop_descriptor_chain(mem.clone()) else { break };
                 popped += 1;
@@ -810,6 +832,17 @@ impl<S: ChainServer> QueuePoller<S> {
             Some(_) => {}
         }
         false
+    }
+
+    /// Stop polling a queue whose driver broke it; count and log it once.
+    fn mark_broken(&mut self, index: usize) {
+        let queue = &mut self.queues[index];
+        queue.polling = false;
+        if !queue.broken {
+            queue.broken = true;
+            self.stats.broken_queues.set(self.stats.broken_queues.get() + 1);
+            tracing::warn!(queue = index, "the driver moved the avail index more than a ring ahead; queue not served");
+        }
     }
 
     fn finish_disconnects(&mut self) -> bool {

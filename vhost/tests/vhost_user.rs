@@ -27,10 +27,12 @@ const TIMEOUT: Duration = Duration::from_secs(60);
 struct Daemon {
     socket: PathBuf,
     stop: Arc<AtomicBool>,
-    /// The device's zero-copy and one-copy reply counts, and its helper
-    /// reactors' reads from the cache and requests forwarded, sent at
-    /// shutdown.
-    zero_copy: std::sync::mpsc::Receiver<[u64; 4]>,
+    /// The device's zero-copy and one-copy reply counts, its helper
+    /// reactors' reads from the cache and requests forwarded, and the
+    /// queues a driver broke, sent at shutdown.
+    zero_copy: std::sync::mpsc::Receiver<[u64; 5]>,
+    /// The device's reactor (its statistics show whether it spins).
+    reactor: keelfs_core::reactor::ReactorHandle,
     thread: Option<std::thread::JoinHandle<()>>,
     _dir: TempDir,
 }
@@ -65,6 +67,7 @@ impl Daemon {
             let (socket, stop) = (socket.clone(), stop.clone());
             std::thread::spawn(move || {
                 let mut reactor = Reactor::new(ReactorConfig::default()).unwrap();
+                let handle = reactor.handle();
                 let helper_reactors: Vec<_> = (1..=helpers)
                     .map(|id| Reactor::spawn(ReactorConfig { id, ..ReactorConfig::default() }, || {}).unwrap())
                     .collect();
@@ -86,7 +89,7 @@ impl Daemon {
                         options,
                     )
                     .unwrap();
-                    ready_tx.send(()).unwrap();
+                    ready_tx.send(handle).unwrap();
                     while !stop.load(Ordering::Acquire) {
                         reactor::sleep(Duration::from_millis(2)).await;
                     }
@@ -96,6 +99,7 @@ impl Daemon {
                         server.stats().one_copy.get(),
                         h.from_cache.load(Ordering::Relaxed),
                         h.forwarded.load(Ordering::Relaxed),
+                        server.stats().broken_queues.get(),
                     ]);
                     server.stop().await;
                     fs.unmount().await.unwrap();
@@ -106,8 +110,8 @@ impl Daemon {
                 }
             })
         };
-        ready_rx.recv_timeout(TIMEOUT).expect("daemon started");
-        Self { socket, stop, zero_copy, thread: Some(thread), _dir: TempDir(dir) }
+        let reactor = ready_rx.recv_timeout(TIMEOUT).expect("daemon started");
+        Self { socket, stop, zero_copy, reactor, thread: Some(thread), _dir: TempDir(dir) }
     }
 
     fn connect(&self, request_queues: usize) -> FsFrontend {
@@ -124,13 +128,14 @@ impl Daemon {
     }
 
     /// Shut down; returns zero-copy and one-copy replies, helper reads from
-    /// the cache and requests helpers forwarded to the owner.
-    fn stop_all(mut self) -> [u64; 4] {
+    /// the cache, requests helpers forwarded to the owner, and broken
+    /// queues.
+    fn stop_all(mut self) -> [u64; 5] {
         self.stop.store(true, Ordering::Release);
         if let Some(t) = self.thread.take() {
             t.join().expect("daemon thread exits cleanly");
         }
-        self.zero_copy.recv().expect("the daemon reports its counters")
+        self.zero_copy.recv_timeout(TIMEOUT).expect("the daemon reports its counters")
     }
 }
 
@@ -294,7 +299,7 @@ fn a_helper_reactor_serves_cached_reads_and_sends_the_rest_to_the_owner() {
     assert_eq!(fe.fuse(1, Opcode::Release, other, &release.bytes).unwrap().0, 0);
     assert_eq!(fe.fuse(2, Opcode::Read, other, &io_body(other_fh, 0, 10).bytes).unwrap().0, libc::EBADF);
     drop(fe);
-    let [_, _, from_cache, forwarded] = daemon.stop_all();
+    let [_, _, from_cache, forwarded, _] = daemon.stop_all();
     assert!(from_cache >= 5, "the helper served the cached reads itself ({from_cache})");
     assert!(forwarded >= 4, "the helper sent the other requests to the owner ({forwarded})");
 }
@@ -639,4 +644,30 @@ fn buffered_io_copies_once_between_guest_pages_and_the_cache() {
     let (zero_copy, one_copy) = daemon.stop();
     assert_eq!(zero_copy, 0, "no direct handle was used");
     assert!(one_copy >= 6, "the split requests were copied once ({one_copy})");
+}
+
+/// A driver that moves the avail index more than a ring ahead breaks its
+/// queue: keelfs stops polling that queue (it used to poll it on every
+/// reactor iteration for ever, never sleeping) and keeps serving the other.
+#[test]
+fn an_avail_index_a_ring_ahead_stops_that_queue_not_the_reactor() {
+    let daemon = Daemon::start(2);
+    let mut fe = daemon.connect(2);
+    fe.init(f::INIT_EXT).unwrap();
+    fe.jump_avail_index(1, 2000).unwrap();
+    let (nodeid, fh) = create(&mut fe, 0, "after-the-break");
+    assert_eq!(write(&mut fe, 0, nodeid, fh, 0, b"served"), 0);
+    assert_eq!(read(&mut fe, 0, nodeid, fh, 0, 6), b"served");
+    // Idle again, the reactor must sleep: a poller stuck on the broken
+    // queue would keep it awake.
+    let sleeps = || daemon.reactor.stats().sleeps.load(Ordering::Relaxed);
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    let before = sleeps();
+    while sleeps() < before + 10 {
+        assert!(std::time::Instant::now() < deadline, "the reactor never sleeps after the broken queue");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(fe);
+    let [.., broken] = daemon.stop_all();
+    assert_eq!(broken, 1, "the broken queue is counted once");
 }
