@@ -64,6 +64,18 @@ impl BlockRun {
     }
 }
 
+/// Counters the format only ever increments (journal positions and
+/// sequence numbers, the superblock generation) stay below this, so adding
+/// a journal's worth to one can never overflow: 2^62 blocks or commits is
+/// far past any device's life.
+pub const COUNTER_MAX: u64 = 1 << 62;
+/// The largest device keelfs formats, in blocks: 2^52 blocks of 4 KiB,
+/// 16 EiB, so that block * BLOCK_SIZE fits a u64.
+pub const TOTAL_BLOCKS_MAX: u64 = 1 << 52;
+/// The largest journal, in blocks (mkfs picks at most 64 MiB; 4 GiB
+/// leaves room to grow).
+pub const JOURNAL_BLOCKS_MAX: u64 = 1 << 20;
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Superblock {
     pub uuid: [u8; 16],
@@ -172,22 +184,43 @@ impl Superblock {
         Ok(sb)
     }
 
+    /// Every field against the format's limits, with checked arithmetic:
+    /// a crafted superblock carries a valid checksum as easily as a real
+    /// one. (Against the device size: `journal::choose_superblock`.)
     fn check_geometry(&self) -> Result<(), SuperblockError> {
-        if self.journal_blocks < 16 || self.data_start() >= self.total_blocks {
-            return Err(SuperblockError::Field("journal size"));
+        use SuperblockError::Field;
+        let data_start = JOURNAL_FIRST_BLOCK.checked_add(self.journal_blocks).ok_or(Field("journal size"))?;
+        if self.journal_blocks < 16 || self.journal_blocks > JOURNAL_BLOCKS_MAX || data_start >= self.total_blocks {
+            return Err(Field("journal size"));
+        }
+        if self.total_blocks > TOTAL_BLOCKS_MAX {
+            return Err(Field("total blocks"));
         }
         if self.allocation_groups == 0 || u64::from(self.allocation_groups) > self.total_blocks {
-            return Err(SuperblockError::Field("allocation groups"));
+            return Err(Field("allocation groups"));
         }
-        let data = self.data_start()..self.total_blocks;
-        for run in &self.checkpoint_extents {
-            if run.len == 0 || !data.contains(&run.start) || run.end() > self.total_blocks {
-                return Err(SuperblockError::Field("checkpoint extent outside the data area"));
+        for (value, name) in [
+            (self.generation, "generation"),
+            (self.journal_start, "journal start"),
+            (self.journal_seq, "journal seq"),
+            (self.checkpoint_seq, "checkpoint seq"),
+        ] {
+            if value >= COUNTER_MAX {
+                return Err(Field(name));
             }
         }
-        let cp_blocks: u64 = self.checkpoint_extents.iter().map(|r| r.len).sum();
+        let data = data_start..self.total_blocks;
+        let mut cp_blocks = 0u64;
+        for run in &self.checkpoint_extents {
+            let end = run.start.checked_add(run.len);
+            if run.len == 0 || !data.contains(&run.start) || end.is_none_or(|e| e > self.total_blocks) {
+                return Err(Field("checkpoint extent outside the data area"));
+            }
+            // No overflow: every run lies inside total_blocks <= 2^52.
+            cp_blocks += run.len;
+        }
         if self.checkpoint_bytes > cp_blocks * BLOCK_SIZE {
-            return Err(SuperblockError::Field("checkpoint size"));
+            return Err(Field("checkpoint size"));
         }
         Ok(())
     }

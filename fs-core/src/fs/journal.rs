@@ -132,8 +132,11 @@ pub(crate) async fn load_checkpoint(dev: &DeviceChannel, sb: &Superblock) -> FsR
         // A freshly made filesystem before its first checkpoint.
         return Ok((State::new(alloc), total_data));
     }
-    if (payload.len() as u64) < sb.checkpoint_bytes || payload.len() < 8 {
+    if (payload.len() as u64) < sb.checkpoint_bytes {
         return Err(corrupt("checkpoint is shorter than the superblock says"));
+    }
+    if sb.checkpoint_bytes < 8 {
+        return Err(corrupt("checkpoint is too short to hold its free-block count"));
     }
     payload.truncate(sb.checkpoint_bytes as usize);
     let recorded_free = u64::from_le_bytes(payload[..8].try_into().expect("8 bytes"));
@@ -286,6 +289,11 @@ pub(crate) async fn load(dev: &DeviceChannel, require_root: bool) -> FsResult<Lo
     let (mut state, recorded_free) = load_checkpoint(dev, &sb).await?;
     let (journal_head, journal_seq, replayed, _) = replay(dev, &sb, &mut state, recorded_free).await?;
     match state.node(super::format::ROOT_INO) {
+        // Mount frees inodes with no links: a crafted root among them
+        // would free the whole tree.
+        Some(root) if root.inode.is_dir() && root.inode.nlink == 0 => {
+            return Err(corrupt("the root directory has no links"));
+        }
         Some(root) if root.inode.is_dir() => {}
         _ if !require_root => {}
         _ => return Err(corrupt("the root directory is missing")),

@@ -1,7 +1,8 @@
 //! Making a new filesystem.
 
 use super::format::{
-    Inode, Superblock, BLOCK_BYTES, BLOCK_SIZE, JOURNAL_FIRST_BLOCK, ROOT_INO, SUPERBLOCK_SLOTS, S_IFDIR,
+    Inode, Superblock, BLOCK_BYTES, BLOCK_SIZE, JOURNAL_BLOCKS_MAX, JOURNAL_FIRST_BLOCK, ROOT_INO, SUPERBLOCK_SLOTS,
+    S_IFDIR, TOTAL_BLOCKS_MAX,
 };
 use super::journal;
 use super::{Fs, FsConfig, FsError};
@@ -35,6 +36,10 @@ pub enum MkfsError {
     AlreadyFormatted,
     #[error("the device is {0} bytes; keelfs needs at least {MIN_DEVICE_BYTES}")]
     TooSmall(u64),
+    #[error("a journal of {0} blocks is outside 16..={JOURNAL_BLOCKS_MAX}")]
+    JournalSize(u64),
+    #[error("the device is {0} bytes; keelfs formats at most {TOTAL_BLOCKS_MAX} blocks")]
+    TooLarge(u64),
     #[error("cannot read random bytes for the UUID: {0}")]
     Random(std::io::Error),
     #[error(transparent)]
@@ -61,8 +66,14 @@ pub async fn mkfs(dev: DeviceChannel, options: &MkfsOptions) -> Result<Superbloc
         return Err(MkfsError::AlreadyFormatted);
     }
     let total_blocks = capacity / BLOCK_SIZE;
+    if total_blocks > TOTAL_BLOCKS_MAX {
+        return Err(MkfsError::TooLarge(capacity));
+    }
     let journal_blocks =
         if options.journal_blocks > 0 { options.journal_blocks } else { (total_blocks / 64).clamp(256, 16384) };
+    if !(16..=JOURNAL_BLOCKS_MAX).contains(&journal_blocks) {
+        return Err(MkfsError::JournalSize(journal_blocks));
+    }
     let sb = Superblock {
         uuid: random_uuid()?,
         features: 0,

@@ -228,6 +228,9 @@ impl FsInner {
         let ino = {
             let mut state = self.state.borrow_mut();
             let ino = state.next_ino;
+            // Loading refuses any inode number at or past INO_MAX, and
+            // 2^62 creates would take centuries.
+            assert!(ino < super::state::INO_MAX, "inode numbers exhausted");
             state.next_ino += 1;
             ino
         };

@@ -9,7 +9,8 @@ use std::hash::{Hash, Hasher};
 
 use super::alloc::Allocator;
 use super::extent::ExtentMap;
-use super::format::{BlockRun, Inode};
+use super::format::{BlockRun, Inode, COUNTER_MAX};
+use super::ops::MAX_FILE_BYTES;
 use super::record::Record;
 
 /// A directory entry's name. Names up to 22 bytes (nearly all) live inside
@@ -78,6 +79,10 @@ pub struct Directory {
 
 /// Offsets 1 and 2 are "." and ".."; entries start at 3.
 pub const FIRST_COOKIE: u64 = 3;
+
+/// Inode numbers stay below this (an image naming a larger one is
+/// refused), so the next-inode counter can never wrap onto the root.
+pub const INO_MAX: u64 = COUNTER_MAX;
 
 impl Directory {
     fn new(parent: u64) -> Self {
@@ -254,6 +259,9 @@ impl State {
                 Ok(())
             }
             Record::NextIno { next } => {
+                if *next > INO_MAX {
+                    return err(format!("next inode number {next} is past the largest ({INO_MAX})"));
+                }
                 self.next_ino = self.next_ino.max(*next);
                 Ok(())
             }
@@ -261,8 +269,14 @@ impl State {
     }
 
     fn apply_inode_set(&mut self, inode: &Inode) -> Result<(), ApplyError> {
-        if inode.ino == 0 {
-            return err("inode number 0".into());
+        if inode.ino == 0 || inode.ino >= INO_MAX {
+            return err(format!("inode number {} outside 1..{INO_MAX}", inode.ino));
+        }
+        if inode.size > MAX_FILE_BYTES {
+            return err(format!(
+                "inode {} is {} bytes, past the largest file ({MAX_FILE_BYTES})",
+                inode.ino, inode.size
+            ));
         }
         self.next_ino = self.next_ino.max(inode.ino + 1);
         match self.nodes.get_mut(&inode.ino) {
@@ -342,4 +356,41 @@ fn subtract(a: BlockRun, b: BlockRun) -> Vec<BlockRun> {
         out.push(BlockRun { start: s, len: a.end() - s });
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fs::format::S_IFDIR;
+
+    fn state() -> State {
+        State::new(Allocator::new(100, 1000, 1))
+    }
+
+    /// Records from a crafted image (checksums valid, fields hostile) are
+    /// refused when loaded, before anything trusts them.
+    #[test]
+    fn hostile_inode_records_are_refused() {
+        let mut s = state();
+        let file = |ino: u64, size: u64| {
+            let mut inode = Inode::new(ino, libc::S_IFREG | 0o644, 0, 0, 0);
+            inode.size = size;
+            Record::InodeSet(inode)
+        };
+        for (record, why) in [
+            (file(0, 0), "inode number 0"),
+            (file(u64::MAX, 0), "the largest inode number (next_ino would wrap to 0)"),
+            (file(INO_MAX, 0), "an inode number at the limit"),
+            (file(5, MAX_FILE_BYTES + 1), "a size past the largest file"),
+            (file(5, u64::MAX), "a size a read would overflow on"),
+            (Record::NextIno { next: u64::MAX }, "a next-inode counter about to wrap"),
+        ] {
+            assert!(s.apply(&record, ApplyMode::Replay).is_err(), "accepted {why}");
+        }
+        assert_eq!(s.next_ino, 2, "nothing refused moved the counter");
+        s.apply(&file(INO_MAX - 1, MAX_FILE_BYTES), ApplyMode::Replay).expect("the largest valid inode");
+        assert_eq!(s.next_ino, INO_MAX);
+        let dir = Record::InodeSet(Inode::new(7, S_IFDIR | 0o755, 0, 0, 0));
+        s.apply(&dir, ApplyMode::Replay).expect("a directory");
+    }
 }
