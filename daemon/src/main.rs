@@ -5,6 +5,7 @@
 
 mod config;
 mod device;
+mod lock;
 mod rpc;
 mod serve;
 mod signals;

@@ -30,6 +30,7 @@ use keelfs_vhost::vhost_user::{ServeOptions, VhostUserServer};
 use serde_json::{json, Value};
 
 use crate::config::{self, Config, Export, PollModeName};
+use crate::lock::ImageLock;
 use crate::signals::{block_termination_signals, Signals};
 use crate::{device, rpc, tools};
 
@@ -186,8 +187,12 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     }
     init_logging(&config);
 
+    // Each image is this daemon's alone while it serves (held until serve
+    // returns); an image named by two exports is refused here too.
     let mut devices = Vec::new();
+    let mut _locks = Vec::new();
     for export in &config.exports {
+        _locks.push(ImageLock::exclusive(&export.device, "serve")?);
         devices.push(device::open_backend(&export.device, export.backend, export.sqpoll_idle_ms)?);
     }
     let mode = match config.poll_mode {

@@ -13,6 +13,7 @@ use keelfs_core::reactor::{PollMode, Reactor, ReactorConfig};
 use serde_json::json;
 
 use crate::device;
+use crate::lock::ImageLock;
 
 /// A mistake in how the command was called (exit code 2).
 #[derive(Debug)]
@@ -81,6 +82,7 @@ pub fn mkfs(
     groups: u32,
 ) -> anyhow::Result<ExitCode> {
     prepare_file(path, size)?;
+    let _lock = ImageLock::exclusive(path, "format")?;
     let dev = device::open(path)?;
     let options = MkfsOptions {
         journal_blocks: journal.map_or(0, |j| j / 4096),
@@ -102,6 +104,17 @@ pub fn mkfs(
 }
 
 pub fn fsck(path: &Path, as_json: bool, repair: bool) -> anyhow::Result<ExitCode> {
+    // Repair writes: it needs the image to itself. A check only reads, so
+    // it may look at a live image, and says so.
+    let _lock = if repair { ImageLock::exclusive(path, "repair")? } else { None };
+    let live = !repair && ImageLock::is_held(path);
+    if live {
+        eprintln!(
+            "keelfsd fsck: {} is in use (being served): checking it live, read-only; damage reported now may be \
+             work in flight",
+            path.display()
+        );
+    }
     let dev = device::open(path)?;
     let progress = |stage: &str| eprintln!("keelfsd fsck: checking {stage}");
     let report =
@@ -116,7 +129,9 @@ pub fn fsck(path: &Path, as_json: bool, repair: bool) -> anyhow::Result<ExitCode
             },
         )??;
     if as_json {
-        println!("{}", report_json(&report));
+        let mut line = report_json(&report);
+        line["live"] = json!(live);
+        println!("{line}");
     } else {
         print_report(path, &report);
     }

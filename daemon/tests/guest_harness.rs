@@ -22,8 +22,11 @@ fn a_silent_guest_fails_as_stalled_long_before_its_timeout() {
     let dir = std::env::temp_dir().join(format!("keelfs-stall-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let script = dir.join("silent.sh");
-    std::fs::write(&script, "#!/bin/sh\necho 'guest: silencing the heartbeat'\nkill -STOP \"$KEELFS_HEARTBEAT_PID\"\nsleep 3600\n")
-        .unwrap();
+    std::fs::write(
+        &script,
+        "#!/bin/sh\necho 'guest: silencing the heartbeat'\nkill -STOP \"$KEELFS_HEARTBEAT_PID\"\nsleep 3600\n",
+    )
+    .unwrap();
     // The harness needs some device; a small NVMe image is the cheapest.
     let image = dir.join("nvme.img");
     std::fs::File::create(&image).unwrap().set_len(64 << 20).unwrap();

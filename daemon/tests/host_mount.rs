@@ -140,8 +140,11 @@ fn pjdfstest_and_fsx_pass_on_a_host_mount() {
     let passed = count(" passed");
     assert!(passed >= 350, "only {passed} pjdfstest cases ran and passed");
     // Skips are counted, named and bounded, never passed over.
-    let skipped: Vec<&str> =
-        text.lines().filter(|l| l.trim_end().ends_with(" skipped")).filter_map(|l| l.split_whitespace().next()).collect();
+    let skipped: Vec<&str> = text
+        .lines()
+        .filter(|l| l.trim_end().ends_with(" skipped"))
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
     eprintln!("pjdfstest: {} skipped: {}", skipped.len(), skipped.join(" "));
     assert_eq!(skipped.len(), count(" skipped"), "skipped cases named != the summary's count");
     let unexpected: Vec<&&str> =

@@ -1,0 +1,121 @@
+//! Exclusive ownership of an image while it is served, formatted or
+//! repaired, as QEMU locks its images: an open-file-description (OFD)
+//! write lock on the file or block device. OFD locks belong to the open
+//! file, not the process, so they conflict inside one process too (two
+//! exports naming one image by two paths), survive other descriptors of
+//! the same file being closed, and vanish with the process however it
+//! ends. A refusal names the holders, found by the device and inode
+//! numbers of their open files (the lock itself does not record them).
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+
+use crate::tools::UsageError;
+
+/// A held lock; dropping it (closing the file) releases it.
+#[derive(Debug)]
+pub struct ImageLock {
+    _file: File,
+}
+
+impl ImageLock {
+    /// Lock `path` for this process alone, or say who holds it. NVMe names
+    /// are not files: VFIO gives a group to one process at a time already.
+    pub fn exclusive(path: &Path, purpose: &str) -> anyhow::Result<Option<ImageLock>> {
+        if keelfs_core::bdev::NvmeAddress::is_nvme_name(&path.to_string_lossy()) {
+            return Ok(None);
+        }
+        // A write lock needs a descriptor open for writing.
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| UsageError(format!("cannot open {}: {e}", path.display())))?;
+        let mut lock = whole_file(libc::F_WRLCK);
+        // SAFETY: fcntl on a descriptor this function owns, with a pointer
+        // to a live, initialised flock.
+        let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &mut lock) };
+        if rc == 0 {
+            return Ok(Some(ImageLock { _file: file }));
+        }
+        let err = std::io::Error::last_os_error();
+        if !matches!(err.raw_os_error(), Some(libc::EAGAIN | libc::EACCES)) {
+            return Err(anyhow::Error::new(err).context(format!("locking {}", path.display())));
+        }
+        Err(UsageError(format!("{} is in use{}: refusing to {purpose} it", path.display(), holders_text(path))).into())
+    }
+
+    /// Whether another open file holds a lock on `path` (it is being served):
+    /// fsck without --repair reads a live image and says so.
+    pub fn is_held(path: &Path) -> bool {
+        let Ok(file) = File::open(path) else { return false };
+        let mut probe = whole_file(libc::F_WRLCK);
+        // SAFETY: as in `exclusive`; F_OFD_GETLK only writes into `probe`.
+        let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_GETLK, &mut probe) };
+        rc == 0 && probe.l_type != libc::F_UNLCK as libc::c_short
+    }
+}
+
+fn whole_file(kind: libc::c_int) -> libc::flock {
+    // SAFETY: flock is plain data; all zeros is a valid value (l_pid must
+    // be 0 for OFD locks).
+    let mut lock: libc::flock = unsafe { std::mem::zeroed() };
+    lock.l_type = kind as libc::c_short;
+    lock.l_whence = libc::SEEK_SET as libc::c_short;
+    lock.l_start = 0;
+    lock.l_len = 0; // to the end, however large the file grows
+    lock
+}
+
+/// " (by pid N (NAME), ...)" for the processes with `path` open, or "".
+fn holders_text(path: &Path) -> String {
+    let holders = holders(path);
+    if holders.is_empty() {
+        return String::new();
+    }
+    let me = std::process::id();
+    let list: Vec<String> = holders
+        .iter()
+        .map(
+            |(pid, name)| {
+                if *pid == me {
+                    format!("pid {pid} ({name}, this process)")
+                } else {
+                    format!("pid {pid} ({name})")
+                }
+            },
+        )
+        .collect();
+    format!(" (open by {})", list.join(", "))
+}
+
+/// Processes with the file of `path` open, found by device and inode
+/// number. Bounded: at most 16 reported, and /proc is read once.
+fn holders(path: &Path) -> Vec<(u32, String)> {
+    const HOLDERS_MAX: usize = 16;
+    let Ok(meta) = std::fs::metadata(path) else { return Vec::new() };
+    let same = |m: &std::fs::Metadata| {
+        if meta.file_type().is_file() {
+            m.dev() == meta.dev() && m.ino() == meta.ino()
+        } else {
+            m.rdev() == meta.rdev() && meta.rdev() != 0
+        }
+    };
+    let mut out = Vec::new();
+    let Ok(procs) = std::fs::read_dir("/proc") else { return out };
+    for entry in procs.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+        let Ok(fds) = std::fs::read_dir(entry.path().join("fd")) else { continue };
+        let open = fds.flatten().any(|fd| std::fs::metadata(fd.path()).is_ok_and(|m| same(&m)));
+        if open {
+            let name = std::fs::read_to_string(entry.path().join("comm")).unwrap_or_default().trim().to_string();
+            out.push((pid, name));
+            if out.len() == HOLDERS_MAX {
+                break;
+            }
+        }
+    }
+    out
+}
