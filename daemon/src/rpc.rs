@@ -4,16 +4,24 @@
 //! its inbox, for a snapshot of its exports, and reads the reactors' own
 //! counters (atomics) directly.
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 use anyhow::Context;
 use keelfs_core::reactor::ReactorHandle;
+use keelfs_vhost::socket::{bind_listener, SocketAccess};
 use serde_json::{json, Value};
+
+/// The longest request line a client may send ("stats" is 5 bytes).
+const REQUEST_BYTES_MAX: usize = 4096;
+/// How long a client may take to send its request.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// Clients served at once; more wait in the listen backlog.
+const CLIENTS_MAX: usize = 8;
 
 /// How long a reactor may take to answer a snapshot request.
 const REACTOR_ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
@@ -26,24 +34,36 @@ pub struct RpcServer {
 
 impl RpcServer {
     pub fn start(path: &Path, reactors: Vec<ReactorHandle>) -> anyhow::Result<Self> {
-        if path.exists() {
-            // A socket left by a daemon that died; a live one would answer.
-            if UnixStream::connect(path).is_ok() {
-                anyhow::bail!("{} is in use by another daemon", path.display());
-            }
-            std::fs::remove_file(path).with_context(|| format!("removing stale {}", path.display()))?;
-        }
-        let listener = UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
+        // Only this user may ask (0600), set before the socket can accept;
+        // a live socket or anything not a socket at the path is refused.
+        let listener = bind_listener(path, SocketAccess::default()).context("the RPC socket")?;
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let stop = stop.clone();
+            let reactors = Arc::new(reactors);
             std::thread::Builder::new().name("keelfsd-rpc".into()).spawn(move || {
+                // Each client on its own thread, at most CLIENTS_MAX at once,
+                // so that one slow client does not hold up the others.
+                let busy = Arc::new(AtomicUsize::new(0));
                 for stream in listener.incoming() {
                     if stop.load(Ordering::Acquire) {
                         break;
                     }
-                    if let Ok(stream) = stream {
+                    let Ok(stream) = stream else { continue };
+                    if busy.fetch_add(1, Ordering::AcqRel) >= CLIENTS_MAX {
+                        busy.fetch_sub(1, Ordering::AcqRel);
+                        let mut out = &stream;
+                        let _ = writeln!(out, "{}", json!({"error": "too many RPC clients at once; try again"}));
+                        continue;
+                    }
+                    let (reactors, done) = (reactors.clone(), busy.clone());
+                    let spawned = std::thread::Builder::new().name("keelfsd-rpc-client".into()).spawn(move || {
                         let _ = answer(stream, &reactors);
+                        done.fetch_sub(1, Ordering::AcqRel);
+                    });
+                    if spawned.is_err() {
+                        // The closure (and its decrement) never ran.
+                        busy.fetch_sub(1, Ordering::AcqRel);
                     }
                 }
             })?
@@ -64,9 +84,32 @@ impl Drop for RpcServer {
 }
 
 fn answer(stream: UnixStream, reactors: &[ReactorHandle]) -> std::io::Result<()> {
-    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-    let mut line = String::new();
-    BufReader::new(&stream).read_line(&mut line)?;
+    // A request is one short line, sent within REQUEST_TIMEOUT in all: a
+    // client that trickles bytes or never sends a newline is cut off.
+    let deadline = std::time::Instant::now() + REQUEST_TIMEOUT;
+    let mut line = Vec::new();
+    let mut buf = [0u8; 512];
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        stream.set_read_timeout(Some(left))?;
+        let n = (&stream).read(&mut buf)?;
+        line.extend_from_slice(&buf[..n]);
+        if let Some(end) = line.iter().position(|&b| b == b'\n') {
+            line.truncate(end);
+            break;
+        }
+        if n == 0 {
+            break;
+        }
+        if line.len() > REQUEST_BYTES_MAX {
+            let mut out = &stream;
+            return writeln!(out, "{}", json!({"error": format!("request longer than {REQUEST_BYTES_MAX} bytes")}));
+        }
+    }
+    let line = String::from_utf8_lossy(&line);
     let reply = match line.trim() {
         "stats" | "" => snapshot(reactors),
         other => json!({"error": format!("unknown request {other:?}; the one request is \"stats\"")}),

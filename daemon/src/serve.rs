@@ -26,6 +26,7 @@ use keelfs_core::reactor::{self, PollMode, Reactor, ReactorConfig, ReactorHandle
 use keelfs_vhost::fuse::dev_fuse::{serve as serve_fuse, FuseMount};
 use keelfs_vhost::fuse::dispatch::{CacheMode, Session};
 use keelfs_vhost::fuse::stats::OpStats;
+use keelfs_vhost::socket::SocketAccess;
 use keelfs_vhost::vhost_user::{ServeOptions, VhostUserServer};
 use serde_json::{json, Value};
 
@@ -436,14 +437,14 @@ async fn start_transports(
     let session_config = CacheMode::from(export.cache).session_config();
     let server = match &export.socket {
         Some(socket) => {
-            let options = ServeOptions { dma: Some(Arc::clone(dev)), helpers };
+            let socket_access = SocketAccess {
+                mode: export.socket_mode.unwrap_or(SocketAccess::default().mode),
+                owner: export.socket_owner,
+            };
+            let options = ServeOptions { dma: Some(Arc::clone(dev)), helpers, socket_access };
             let server =
                 VhostUserServer::start_with(fs.clone(), session_config.clone(), socket, export.request_queues, options)
                     .context("starting the vhost-user-fs device")?;
-            if let Err(e) = apply_socket_access(socket, export) {
-                server.stop().await;
-                return Err(e);
-            }
             Some(server)
         }
         None => None,
@@ -481,19 +482,6 @@ async fn mount(
     Fs::mount(DeviceChannel::attach(queue), config)
         .await
         .with_context(|| format!("mounting keelfs on {}", export.device.display()))
-}
-
-fn apply_socket_access(socket: &Path, export: &Export) -> anyhow::Result<()> {
-    use std::os::unix::fs::PermissionsExt;
-    if let Some((uid, gid)) = export.socket_owner {
-        std::os::unix::fs::chown(socket, Some(uid), Some(gid))
-            .with_context(|| format!("chown {uid}:{gid} {}", socket.display()))?;
-    }
-    if let Some(mode) = export.socket_mode {
-        std::fs::set_permissions(socket, std::fs::Permissions::from_mode(mode))
-            .with_context(|| format!("chmod {mode:o} {}", socket.display()))?;
-    }
-    Ok(())
 }
 
 /// Per-opcode counters as a JSON object keyed by opcode name.

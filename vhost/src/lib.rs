@@ -9,6 +9,7 @@
 
 pub mod frontend;
 pub mod guest_io;
+pub mod socket;
 pub mod vhost_user;
 pub mod virtio;
 

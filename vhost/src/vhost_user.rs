@@ -77,8 +77,8 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(30);
 pub enum VhostUserError {
     #[error("request queues must be between 1 and {REQUEST_QUEUES_MAX}, not {0}")]
     QueueCount(usize),
-    #[error("cannot listen on vhost-user socket {path}: {source}")]
-    Listen { path: PathBuf, source: vhost::vhost_user::Error },
+    #[error("cannot listen on the vhost-user socket: {0}")]
+    Listen(#[from] crate::socket::SocketError),
     #[error("cannot create the doorbell eventfd: {0}")]
     EventFd(io::Error),
     #[error("cannot start the vhost-user listener thread: {0}")]
@@ -318,6 +318,8 @@ pub struct ServeOptions {
     /// Other reactors that poll some of the request queues (see the module
     /// documentation). Empty: the owner polls them all.
     pub helpers: Vec<ReactorHandle>,
+    /// The socket's mode and owner, set before it can accept.
+    pub socket_access: crate::socket::SocketAccess,
 }
 
 static NEXT_SERVER_ID: AtomicU64 = AtomicU64::new(1);
@@ -380,8 +382,7 @@ impl VhostUserServer {
             receivers.push(control_rx);
         }
         let pollers = Pollers { doorbells };
-        let mut listener =
-            Listener::new(socket, true).map_err(|source| VhostUserError::Listen { path: socket.to_owned(), source })?;
+        let mut listener = Listener::from(crate::socket::bind_listener(socket, options.socket_access)?);
         let stats = Rc::new(DeviceStats::default());
         let op_stats = Rc::new(OpStats::default());
         let helper_stats = Arc::new(HelperStats::default());

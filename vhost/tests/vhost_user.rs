@@ -80,7 +80,7 @@ impl Daemon {
                     // committed) come back within the test.
                     let config = FsConfig { commit_interval: Duration::from_millis(50), ..FsConfig::default() };
                     let fs = Fs::mount(ch(), config).await.unwrap();
-                    let options = ServeOptions { dma: None, helpers: helper_handles };
+                    let options = ServeOptions { dma: None, helpers: helper_handles, ..ServeOptions::default() };
                     let server = VhostUserServer::start_with(
                         fs.clone(),
                         SessionConfig::default(),
