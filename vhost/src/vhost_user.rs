@@ -585,13 +585,15 @@ impl ChainServer for OwnerServer {
 
     fn reset(&mut self, waiters: Vec<SyncSender<()>>) {
         // The next frontend gets a fresh session; this one's references go.
-        self.session = Rc::new(Session::with_stats(self.fs.clone(), self.config.clone(), self.op_stats.clone()));
+        // Only what the departed frontend held: another transport on the
+        // same filesystem (the host mount) keeps its handles.
+        let departed = std::mem::replace(
+            &mut self.session,
+            Rc::new(Session::with_stats(self.fs.clone(), self.config.clone(), self.op_stats.clone())),
+        );
         SESSIONS.with(|s| s.borrow_mut().insert(self.id, self.session.clone()));
-        let fs = self.fs.clone();
         reactor::spawn_local(async move {
-            if let Err(e) = fs.forget_all().await {
-                eprintln!("keelfs: dropping a departed frontend's references: {e}");
-            }
+            departed.give_back().await;
             for waiter in waiters {
                 let _ = waiter.send(());
             }

@@ -236,10 +236,9 @@ async fn serve_direct(
     if declared != len || !(is_write || opcode == Opcode::Read as u32) || size == 0 || size > REQUEST_BYTES_MAX - 4096 {
         return None;
     }
-    let direct = session.direct_file(fh, nodeid);
-    if !direct && !session.buffered_file(fh, nodeid) {
+    let Some(direct) = session.io_handle(fh, nodeid, is_write) else {
         return None; // a bad handle: the copying path says EBADF
-    }
+    };
     if !buffers.ordered {
         return None; // readable after writable: let the copying path refuse it
     }

@@ -111,8 +111,13 @@ fn namespace_and_data_round_trip() {
         read_in.u64(fh).u64(6).u32(100).u32(0).u64(0).u32(0).u32(0);
         let read = s.handle(&request(Opcode::Read as u32, 6, ino, &read_in.bytes)).await.unwrap();
         assert_eq!(reply(&read, 6), (0, b"world".to_vec()));
+        // READDIR reads through a handle OPENDIR gave, as the kernel's does.
+        let opened = s.handle(&request(Opcode::Opendir as u32, 70, dir, &[0u8; 8])).await.unwrap();
+        let (err, body) = reply(&opened, 70);
+        assert_eq!(err, 0);
+        let dir_fh = u64_at(&body, 0);
         let mut rd = Reply::default();
-        rd.u64(0).u64(0).u32(4096).u32(0).u64(0).u32(0).u32(0);
+        rd.u64(dir_fh).u64(0).u32(4096).u32(0).u64(0).u32(0).u32(0);
         let listing = s.handle(&request(Opcode::Readdir as u32, 7, dir, &rd.bytes)).await.unwrap();
         let (err, body) = reply(&listing, 7);
         assert_eq!(err, 0);
@@ -214,5 +219,69 @@ fn cache_modes_set_timeouts_and_open_flags() {
         let (valid, _, open) = cache_behaviour(&s).await;
         assert_eq!(valid, 86_400);
         assert_ne!(open & KEEP_CACHE, 0);
+    });
+}
+
+/// Two sessions on one filesystem (a guest and the host mount): each uses,
+/// releases and forgets only its own handles and references, and a second
+/// INIT (a guest reboot) gives back only that session's.
+#[test]
+fn sessions_on_one_filesystem_keep_their_handles_and_references_apart() {
+    with_session(async |host: Session| {
+        let guest = Session::new(host.fs().clone(), SessionConfig::default());
+        for s in [&host, &guest] {
+            s.handle(&request(Opcode::Init as u32, 1, 0, &init_body())).await.unwrap();
+        }
+        let call = async |s: &Session, op: Opcode, unique: u64, nodeid: u64, body: &[u8]| {
+            reply(&s.handle(&request(op as u32, unique, nodeid, body)).await.unwrap(), unique)
+        };
+        let create_in = [libc::O_RDWR as u32, 0o644, 0, 0].map(u32::to_le_bytes).concat();
+        let (err, body) = call(&host, Opcode::Create, 2, 1, &named(&create_in, "f")).await;
+        assert_eq!(err, 0);
+        let (ino, host_fh) = (u64_at(&body, 0), u64_at(&body, 128));
+        let io = |fh: u64, len: u32| {
+            let mut b = Reply::default();
+            b.u64(fh).u64(0).u32(len).u32(0).u64(0).u32(0).u32(0);
+            b.bytes
+        };
+        let write = |fh: u64| [io(fh, 5), b"hello".to_vec()].concat();
+        assert_eq!(call(&host, Opcode::Write, 3, ino, &write(host_fh)).await.0, 0);
+
+        // The guest may not use, or close, the host's handle.
+        assert_eq!(call(&guest, Opcode::Read, 4, ino, &io(host_fh, 5)).await.0, -libc::EBADF);
+        assert_eq!(call(&guest, Opcode::Write, 5, ino, &write(host_fh)).await.0, -libc::EBADF);
+        let release = |fh: u64| [fh.to_le_bytes().to_vec(), vec![0u8; 16]].concat();
+        assert_eq!(call(&guest, Opcode::Release, 6, ino, &release(host_fh)).await.0, -libc::EBADF);
+        assert_eq!(call(&host, Opcode::Read, 7, ino, &io(host_fh, 5)).await, (0, b"hello".to_vec()));
+
+        // A read-only handle of the guest's own: no writes, no fallocate;
+        // and no use on another inode.
+        let (err, body) = call(&guest, Opcode::Open, 8, ino, &[0u8; 8]).await;
+        assert_eq!(err, 0);
+        let guest_fh = u64_at(&body, 0);
+        assert_eq!(call(&guest, Opcode::Write, 9, ino, &write(guest_fh)).await.0, -libc::EBADF);
+        let falloc = [guest_fh.to_le_bytes(), 0u64.to_le_bytes(), 4096u64.to_le_bytes()].concat();
+        let falloc = [falloc, 0u32.to_le_bytes().to_vec(), vec![0u8; 4]].concat();
+        assert_eq!(call(&guest, Opcode::Fallocate, 10, ino, &falloc).await.0, -libc::EBADF);
+        assert_eq!(call(&guest, Opcode::Read, 11, 1, &io(guest_fh, 5)).await.0, -libc::EBADF, "another inode");
+        assert_eq!(call(&guest, Opcode::Read, 12, ino, &io(guest_fh, 5)).await, (0, b"hello".to_vec()));
+
+        // The guest reboots: its handle goes, the host's stays.
+        guest.handle(&request(Opcode::Init as u32, 13, 0, &init_body())).await.unwrap();
+        assert_eq!(call(&guest, Opcode::Read, 14, ino, &io(guest_fh, 5)).await.0, -libc::EBADF);
+        assert_eq!(call(&host, Opcode::Read, 15, ino, &io(host_fh, 5)).await, (0, b"hello".to_vec()));
+
+        // Unlinked and closed, the file lives on the host's lookup
+        // reference; the guest's FORGETs cannot take it away.
+        assert_eq!(call(&host, Opcode::Unlink, 16, 1, b"f\0").await.0, 0);
+        assert_eq!(call(&host, Opcode::Release, 17, ino, &release(host_fh)).await.0, 0);
+        let mut forget = Reply::default();
+        forget.u64(1000);
+        assert!(guest.handle(&request(Opcode::Forget as u32, 18, ino, &forget.bytes)).await.is_none());
+        assert_eq!(call(&host, Opcode::Getattr, 19, ino, &[0u8; 16]).await.0, 0, "still held by the host");
+        let mut forget = Reply::default();
+        forget.u64(1);
+        assert!(host.handle(&request(Opcode::Forget as u32, 20, ino, &forget.bytes)).await.is_none());
+        assert_ne!(call(&host, Opcode::Getattr, 21, ino, &[0u8; 16]).await.0, 0, "freed with its last reference");
     });
 }

@@ -305,9 +305,10 @@ impl Fs {
         Ok(())
     }
 
-    /// The client went away (a VM restart, a disconnect, a second INIT):
-    /// drop every lookup reference and open handle it held, and free the
-    /// inodes that only those kept alive. Returns how many handles closed.
+    /// Drop every lookup reference and open handle of every client, and
+    /// free the inodes that only those kept alive. Returns how many handles
+    /// closed. (Sessions give back only their own: `Session::give_back` in
+    /// keelfs-vhost; this is for a filesystem with one client.)
     pub async fn forget_all(&self) -> FsResult<usize> {
         let closed = std::mem::take(&mut *self.inner.handles.borrow_mut()).len();
         let held: Vec<u64> = {

@@ -90,7 +90,25 @@ pub struct Session {
     /// ([`Self::shared_reader`]), and the flag that tells them the handle
     /// was released.
     shared_handles: RefCell<keelfs_core::units::IdMap<Arc<AtomicBool>>>,
+    /// What this session holds of the filesystem's shared tables.
+    holdings: RefCell<Holdings>,
 }
+
+/// The open handles and lookup references one session (one guest, or the
+/// host mount) holds. A filesystem serves several sessions at once, and
+/// each may only use, release or forget its own: at INIT or disconnect a
+/// session gives back exactly these, never another's.
+#[derive(Default)]
+struct Holdings {
+    handles: keelfs_core::units::IdMap<()>,
+    /// Lookup references per inode, as the kernel counts them for FORGET.
+    lookups: keelfs_core::units::IdMap<u64>,
+}
+
+/// Open handles one session may hold at once: far more than a guest's
+/// kernel keeps open, and a bound on what a hostile one can make keelfsd
+/// hold. Past it, opens fail with EMFILE.
+pub const SESSION_HANDLES_MAX: usize = 1 << 16;
 
 impl Drop for Session {
     fn drop(&mut self) {
@@ -153,6 +171,57 @@ impl Session {
             initialized: Cell::new(false),
             flags: Cell::new(0),
             shared_handles: RefCell::default(),
+            holdings: RefCell::default(),
+        }
+    }
+
+    /// Count a lookup reference the kernel now holds on `ino`.
+    fn hold_entry(&self, ino: u64) {
+        *self.holdings.borrow_mut().lookups.entry(ino).or_default() += 1;
+    }
+
+    /// Record a handle this session opened; over the limit it is closed
+    /// again and the open fails with EMFILE.
+    async fn own_handle(&self, fh: u64) -> Result<u64, i32> {
+        let full = {
+            let mut h = self.holdings.borrow_mut();
+            let full = h.handles.len() >= SESSION_HANDLES_MAX;
+            if !full {
+                h.handles.insert(fh, ());
+            }
+            full
+        };
+        if full {
+            let _ = self.fs.release(fh).await;
+            return Err(libc::EMFILE);
+        }
+        Ok(fh)
+    }
+
+    /// `fh`, if this session opened it and it is a handle of `nodeid`: its
+    /// open flags. Anything else is EBADF, as a closed fd would be.
+    fn own_handle_of(&self, fh: u64, nodeid: u64) -> Result<u32, i32> {
+        if !self.holdings.borrow().handles.contains_key(&fh) {
+            return Err(libc::EBADF);
+        }
+        match self.fs.handle(fh) {
+            Ok((ino, flags)) if ino == nodeid => Ok(flags),
+            _ => Err(libc::EBADF),
+        }
+    }
+
+    /// Give back everything this session holds: at a second INIT (the
+    /// guest rebooted) or when its frontend is gone.
+    pub async fn give_back(&self) {
+        let Holdings { handles, lookups } = std::mem::take(&mut *self.holdings.borrow_mut());
+        for released in self.shared_handles.borrow_mut().drain().map(|(_, r)| r) {
+            released.store(true, Ordering::Release);
+        }
+        for (fh, ()) in handles {
+            let _ = self.fs.release(fh).await;
+        }
+        for (ino, n) in lookups {
+            let _ = self.fs.forget(ino, n).await;
         }
     }
 
@@ -223,23 +292,38 @@ impl Session {
 
     async fn forget(&self, header: &InHeader, req: &Request<'_>) {
         match req {
-            Request::Forget { nlookup } => {
-                let _ = self.fs.forget(header.nodeid, *nlookup).await;
-            }
+            Request::Forget { nlookup } => self.forget_own(header.nodeid, *nlookup).await,
             Request::BatchForget { items } => {
                 for &(ino, n) in items {
-                    let _ = self.fs.forget(ino, n).await;
+                    self.forget_own(ino, n).await;
                 }
             }
             _ => {}
         }
     }
 
+    /// FORGET of at most the references this session holds on `ino`.
+    async fn forget_own(&self, ino: u64, n: u64) {
+        let n = {
+            let mut h = self.holdings.borrow_mut();
+            let Some(held) = h.lookups.get_mut(&ino) else { return };
+            let n = n.min(*held);
+            *held -= n;
+            if *held == 0 {
+                h.lookups.remove(&ino);
+            }
+            n
+        };
+        let _ = self.fs.forget(ino, n).await;
+    }
+
     fn valid_ns(d: Duration) -> u64 {
         d.as_nanos() as u64
     }
 
+    /// An entry reply: the kernel holds one more lookup reference on it.
     fn entry(&self, a: &FsAttr) -> Reply {
+        self.hold_entry(a.inode.ino);
         let mut r = Reply::default();
         r.entry(a.inode.ino, a.inode.generation, Self::valid_ns(self.config.entry_timeout), &to_abi_attr(a));
         r
@@ -287,7 +371,7 @@ impl Session {
                 if self.initialized.get() {
                     // A rebooted guest starts over on the same connection:
                     // the references its previous kernel held are gone.
-                    fs.forget_all().await.map_err(e)?;
+                    self.give_back().await;
                 }
                 self.init(major, minor, max_readahead, flags)
             }
@@ -319,22 +403,26 @@ impl Session {
                 Ok(Some(self.entry(&fs.link(&c, oldnodeid, ino, newname).await.map_err(e)?)))
             }
             Request::Open { flags } => {
-                let fh = fs.open(&c, ino, flags).await.map_err(e)?;
+                let fh = self.own_handle(fs.open(&c, ino, flags).await.map_err(e)?).await?;
                 Ok(Some(open_out(fh, flags, self.config.cache)))
             }
             Request::Opendir { .. } => {
-                let fh = fs.opendir(&c, ino).await.map_err(e)?;
+                let fh = self.own_handle(fs.opendir(&c, ino).await.map_err(e)?).await?;
                 Ok(Some(open_out(fh, 0, CacheMode::Auto)))
             }
             Request::Create { flags, mode, name, .. } => {
                 let (a, fh) = fs.create(&c, ino, name, mode, flags).await.map_err(e)?;
+                let fh = self.own_handle(fh).await?;
                 let mut r = self.entry(&a);
                 r.raw(&open_out(fh, flags, self.config.cache).bytes);
                 Ok(Some(r))
             }
             Request::Read { fh, offset, size } => self.read(fh, ino, offset, size).await,
             Request::Write { fh, offset, data } => self.write(fh, ino, offset, data).await,
-            Request::Readdir { offset, size, plus, .. } => self.readdir(&c, ino, offset, size, plus).await,
+            Request::Readdir { fh, offset, size, plus } => {
+                self.own_handle_of(fh, ino)?;
+                self.readdir(&c, ino, offset, size, plus).await
+            }
             Request::Statfs => {
                 let s = fs.statfs().await.map_err(e)?;
                 let mut r = Reply::default();
@@ -343,13 +431,16 @@ impl Session {
                 Ok(Some(r))
             }
             Request::Release { fh } | Request::Releasedir { fh } => {
+                self.own_handle_of(fh, ino)?;
+                self.holdings.borrow_mut().handles.remove(&fh);
                 if let Some(released) = self.shared_handles.borrow_mut().remove(&fh) {
                     released.store(true, Ordering::Release);
                 }
                 fs.release(fh).await.map(|_| None).map_err(e)
             }
-            Request::Flush { .. } => Ok(None),
-            Request::Fsync { datasync, dir, .. } => {
+            Request::Flush { fh } => self.own_handle_of(fh, ino).map(|_| None),
+            Request::Fsync { fh, datasync, dir } => {
+                self.own_handle_of(fh, ino)?;
                 let r = if dir { fs.fsyncdir(ino, datasync).await } else { fs.fsync(ino, datasync).await };
                 r.map(|_| None).map_err(e)
             }
@@ -360,10 +451,12 @@ impl Session {
             Request::Listxattr { size } => sized(size, fs.listxattr(ino).await.map_err(e)?),
             Request::Removexattr { name } => fs.removexattr(&c, ino, name).await.map(|_| None).map_err(e),
             Request::Access { mask } => fs.access(&c, ino, mask).await.map(|_| None).map_err(e),
-            Request::Fallocate { offset, length, mode, .. } => {
+            Request::Fallocate { fh, offset, length, mode } => {
+                writable(self.own_handle_of(fh, ino)?)?;
                 fs.fallocate(ino, mode, offset, length).await.map(|_| None).map_err(e)
             }
-            Request::Lseek { offset, whence, .. } => {
+            Request::Lseek { fh, offset, whence } => {
+                self.own_handle_of(fh, ino)?;
                 let at = match whence {
                     3 | 4 => fs.lseek(ino, offset, whence).await.map_err(e)?,
                     _ => return Err(libc::EINVAL),
@@ -378,20 +471,31 @@ impl Session {
         }
     }
 
+    /// For a READ (`write` false) or WRITE through `fh` on `nodeid`: Some(true)
+    /// for an O_DIRECT handle, Some(false) for a buffered one, None when
+    /// the handle is not this live session's, names another inode, or was
+    /// not opened for that access (the copying path then answers EBADF).
+    pub fn io_handle(&self, fh: u64, nodeid: u64, write: bool) -> Option<bool> {
+        if !self.initialized.get() {
+            return None;
+        }
+        let flags = self.own_handle_of(fh, nodeid).ok()?;
+        let flags = if write { writable(flags) } else { readable(flags) }.ok()?;
+        Some(flags as i32 & libc::O_DIRECT != 0)
+    }
+
     /// True when `fh` is an O_DIRECT handle of `nodeid` in a live session:
     /// its reads and writes may then move straight between the client's
     /// memory and the device ([`Self::write_direct_from`],
     /// [`Self::read_direct_into`]).
     pub fn direct_file(&self, fh: u64, nodeid: u64) -> bool {
-        self.initialized.get()
-            && self.fs.handle(fh).is_ok_and(|(ino, flags)| ino == nodeid && flags as i32 & libc::O_DIRECT != 0)
+        self.initialized.get() && self.own_handle_of(fh, nodeid).is_ok_and(|flags| flags as i32 & libc::O_DIRECT != 0)
     }
 
     /// True when `fh` is an open, non-O_DIRECT handle of `nodeid` in a live
     /// session: its data goes through the page cache.
     pub fn buffered_file(&self, fh: u64, nodeid: u64) -> bool {
-        self.initialized.get()
-            && self.fs.handle(fh).is_ok_and(|(ino, flags)| ino == nodeid && flags as i32 & libc::O_DIRECT == 0)
+        self.initialized.get() && self.own_handle_of(fh, nodeid).is_ok_and(|flags| flags as i32 & libc::O_DIRECT == 0)
     }
 
     /// FUSE_WRITE on a buffered handle, copying once from `data` (guest
@@ -441,7 +545,7 @@ impl Session {
     }
 
     async fn read(&self, fh: u64, ino: u64, offset: u64, size: u32) -> Outcome {
-        let (_, flags) = self.fs.handle(fh).map_err(|e| e.errno())?;
+        let flags = readable(self.own_handle_of(fh, ino)?)?;
         let size = size.min(self.config.max_write);
         let data = if flags as i32 & libc::O_DIRECT != 0 {
             let buf = AlignedBuf::zeroed((size as usize).div_ceil(4096).max(1) * 4096, 4096);
@@ -456,7 +560,7 @@ impl Session {
     }
 
     async fn write(&self, fh: u64, ino: u64, offset: u64, data: &[u8]) -> Outcome {
-        let (_, flags) = self.fs.handle(fh).map_err(|e| e.errno())?;
+        let flags = writable(self.own_handle_of(fh, ino)?)?;
         if data.len() > self.config.max_write as usize {
             return Err(libc::EINVAL);
         }
@@ -498,6 +602,25 @@ impl Session {
             r.raw(&[0u8; 8][..dirent_len - 24 - namelen]);
         }
         Ok(Some(r))
+    }
+}
+
+/// A handle's flags if it was opened for reading, else EBADF (read(2) on a
+/// write-only fd).
+fn readable(flags: u32) -> Result<u32, i32> {
+    if flags as i32 & libc::O_ACCMODE == libc::O_WRONLY {
+        Err(libc::EBADF)
+    } else {
+        Ok(flags)
+    }
+}
+
+/// A handle's flags if it was opened for writing, else EBADF.
+fn writable(flags: u32) -> Result<u32, i32> {
+    if flags as i32 & libc::O_ACCMODE == libc::O_RDONLY {
+        Err(libc::EBADF)
+    } else {
+        Ok(flags)
     }
 }
 
