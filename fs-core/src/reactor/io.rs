@@ -27,6 +27,33 @@ use super::{register_poller, Poller, PollerClass};
 /// Completions handled per poll; bounds one iteration's work.
 const COMPLETIONS_PER_POLL_MAX: usize = 256;
 
+/// Copy `n` bytes with volatile loads and stores, a word at a time where
+/// both sides are aligned: memory another agent may write concurrently
+/// (guest pages) is never read or written as if the compiler owned it.
+///
+/// # Safety
+/// `src` must be valid for `n` bytes of reads and `dst` for `n` bytes of
+/// writes; the ranges must not overlap.
+unsafe fn volatile_copy(src: *const u8, dst: *mut u8, n: usize) {
+    const WORD: usize = std::mem::size_of::<u64>();
+    let mut i = 0;
+    if (src as usize).is_multiple_of(WORD) && (dst as usize).is_multiple_of(WORD) {
+        while i + WORD <= n {
+            // SAFETY: i + WORD <= n, both pointers are 8-aligned at i (i is
+            // a multiple of WORD), and the caller's ranges cover [i, i+8).
+            unsafe {
+                std::ptr::write_volatile(dst.add(i).cast::<u64>(), std::ptr::read_volatile(src.add(i).cast::<u64>()))
+            };
+            i += WORD;
+        }
+    }
+    while i < n {
+        // SAFETY: i < n, inside both of the caller's ranges.
+        unsafe { std::ptr::write_volatile(dst.add(i), std::ptr::read_volatile(src.add(i))) };
+        i += 1;
+    }
+}
+
 /// Lets a boxed buffer be turned back into its concrete type.
 pub trait IntoAny: Any {
     fn into_any(self: Box<Self>) -> Box<dyn Any>;
@@ -42,8 +69,13 @@ impl<T: Any> IntoAny for T {
 ///
 /// # Safety
 /// `iovecs` must describe memory that this value owns or keeps alive, that
-/// stays at the same address when the value moves, and that nothing else
-/// accesses while the value is inside the channel.
+/// stays valid and at the same address when the value moves, and that
+/// keelfs itself does not otherwise access while the value is inside the
+/// channel. It need not be exclusive: guest pages may be written by the
+/// guest at any time, as by any DMA-capable device's driver. So keelfs's
+/// own CPU access to such memory ([`SharedBuffer`]) is volatile and forms
+/// no Rust reference to it; what a racing guest gets is torn data of its
+/// own making, never undefined behaviour in keelfs.
 pub unsafe trait IoBuffer: IntoAny {
     fn iovecs(&mut self, out: &mut Vec<IoVec>);
 }
@@ -535,30 +567,34 @@ impl<B: IoBuffer> SharedBuffer<B> {
     /// Fill [start, start+len) with zeros.
     pub fn zero(&self, start: usize, len: usize) -> Result<(), RangeBusy> {
         self.claim(start, len)?;
-        // SAFETY: the range is inside the buffer (claim checked), no device
-        // request covers it (claim checked), and IoBuffer's contract makes
-        // the memory valid and unshared while we own the buffer.
-        self.for_each_segment(start, len, |p, n, _| unsafe { std::ptr::write_bytes(p, 0, n) });
+        // SAFETY: the range is inside the buffer (claim checked) and no
+        // device request covers it (claim checked); IoBuffer's contract
+        // keeps the memory valid. Another agent (a guest) may write it at
+        // the same time, so the stores are volatile.
+        self.for_each_segment(start, len, |p, n, _| unsafe {
+            for i in 0..n {
+                std::ptr::write_volatile(p.add(i), 0);
+            }
+        });
         Ok(())
     }
 
     /// Copy `data` into the buffer at `start`.
     pub fn copy_in(&self, start: usize, data: &[u8]) -> Result<(), RangeBusy> {
         self.claim(start, data.len())?;
-        // SAFETY: as in `zero`; `at + n` stays within `data`.
-        self.for_each_segment(start, data.len(), |p, n, at| unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr().add(at), p, n)
-        });
+        // SAFETY: as in `zero`; `at + n` stays within `data`, which is
+        // ordinary memory of ours.
+        self.for_each_segment(start, data.len(), |p, n, at| unsafe { volatile_copy(data.as_ptr().add(at), p, n) });
         Ok(())
     }
 
-    /// Copy [start, start+out.len()) of the buffer into `out`.
+    /// Copy [start, start+out.len()) of the buffer into `out`. What a guest
+    /// writes meanwhile may be seen in part: the copy is volatile, so that
+    /// is a torn read, not undefined behaviour.
     pub fn copy_out(&self, start: usize, out: &mut [u8]) -> Result<(), RangeBusy> {
         self.claim(start, out.len())?;
         // SAFETY: as in `zero`, reading instead of writing.
-        self.for_each_segment(start, out.len(), |p, n, at| unsafe {
-            std::ptr::copy_nonoverlapping(p, out.as_mut_ptr().add(at), n)
-        });
+        self.for_each_segment(start, out.len(), |p, n, at| unsafe { volatile_copy(p, out.as_mut_ptr().add(at), n) });
         Ok(())
     }
 
