@@ -121,3 +121,122 @@ fn hostile_chains_are_answered_or_dropped_and_serving_goes_on() {
         assert_eq!(reply_error(&mem, REPLY), 0);
     });
 }
+
+/// Hostile descriptor chains, generated: addresses inside, at the edge of
+/// and outside guest memory, lengths from 0 to u32::MAX, every flag
+/// combination (indirect included, with a generated table), and next
+/// indices that loop, point back or leave the table, over a valid FUSE
+/// request most of the time. Every chain must be answered or dropped,
+/// never panic or spin, and a good request is served after each round.
+/// `KEELFS_FUZZ_SEED` and `KEELFS_FUZZ_CASES` replay or lengthen it.
+#[test]
+fn generated_hostile_chains_never_stop_the_queue() {
+    use keelfs_core::bdev::fault::splitmix64;
+    const QUEUE: u16 = 64;
+    const INDIRECT: u16 = 4;
+    const TABLE: u64 = 0x30_0000;
+    let seed: u64 = std::env::var("KEELFS_FUZZ_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or(0xc4a1);
+    let rounds: u64 = std::env::var("KEELFS_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(1500);
+    eprintln!("chain fuzz: seed {seed}, {rounds} rounds (KEELFS_FUZZ_SEED={seed} KEELFS_FUZZ_CASES={rounds})");
+    with_session(async move |s: Session, mem: GuestMemoryMmap| {
+        let mut rng = seed;
+        let mut next = move || splitmix64(&mut rng);
+        let init = init_request(1);
+        mem.write_slice(&init, GuestAddress(REQ)).unwrap();
+        let mq = MockSplitQueue::new(&mem, QUEUE);
+        let chain = mq.build_desc_chain(&[desc(REQ, init.len() as u32, 0, 0), desc(REPLY, 4096, WRITE, 0)]).unwrap();
+        assert_eq!(serve_chain(&s, chain).await.2, ChainOutcome::Replied(80));
+        let mem_end = 8u64 << 20;
+        let mut outcomes_seen = [0u64; 3];
+        for round in 0..rounds {
+            // A fresh ring each round (the mock keeps its indices in memory).
+            mem.write_slice(&[0u8; 0x2000], GuestAddress(0)).unwrap();
+            let requests = [
+                request(Opcode::Getattr as u32, round + 2, 1, &[0u8; 16]),
+                request(Opcode::Lookup as u32, round + 2, 1, b"nothing\0"),
+                request(Opcode::Statfs as u32, round + 2, 1, &[]),
+                request(Opcode::Read as u32, round + 2, 1, &[0u8; 40]),
+            ];
+            let req = &requests[(next() % requests.len() as u64) as usize];
+            mem.write_slice(req, GuestAddress(REQ)).unwrap();
+            let pick_addr = |n: u64| match n % 7 {
+                0 | 1 => REQ,
+                2 | 3 => REPLY + (n >> 8) % 0x1000,
+                4 => mem_end - (n >> 8) % 64,
+                5 => 0xFFFF_FFFF_0000 + (n >> 8) % 0x1000,
+                _ => (n >> 8) % mem_end,
+            };
+            let count = 1 + next() % 8;
+            let mut descs = Vec::new();
+            for i in 0..count {
+                let r = next();
+                let addr = pick_addr(r);
+                let len =
+                    [0, 1, 16, req.len() as u32, 4096, (REQUEST_BYTES_MAX + 1) as u32, u32::MAX, (r >> 40) as u32]
+                        [((r >> 20) % 8) as usize];
+                let flags = ((r >> 30) % 8) as u16;
+                let to = match (r >> 50) % 5 {
+                    0 => i as u16 + 1,
+                    1 => i as u16,
+                    2 => 0,
+                    3 => ((r >> 33) % u64::from(QUEUE)) as u16,
+                    _ => (r >> 33) as u16,
+                };
+                let addr = if flags & INDIRECT != 0 { TABLE } else { addr };
+                let len = if flags & INDIRECT != 0 { 16 * (1 + (r >> 44) as u32 % 8) } else { len };
+                descs.push(desc(addr, len, flags, to));
+            }
+            // An indirect table of generated descriptors, for any that point to it.
+            for i in 0..8u64 {
+                let r = next();
+                let d = desc(
+                    pick_addr(r),
+                    [16u32, 4096, u32::MAX][(r % 3) as usize],
+                    ((r >> 4) % 8) as u16,
+                    (r >> 8) as u16 % 10,
+                );
+                mem.write_obj(d, GuestAddress(TABLE + 16 * i)).unwrap();
+            }
+            if next() % 3 == 0 {
+                // Nearly right: the request and a reply buffer, with the
+                // lengths a little off now and then.
+                let r = next();
+                let req_len = (req.len() as i64 + [0i64, 0, -1, 1, -8][(r % 5) as usize]) as u32;
+                let reply_len = [4096u32, 4096, 16, 20, 8, 1 << 20][((r >> 8) % 6) as usize];
+                descs = vec![desc(REQ, req_len, NEXT, 1), desc(REPLY, reply_len, WRITE, 0)];
+            }
+            mq.add_desc_chains(&descs, 0).unwrap();
+            let mut queue: Queue = mq.create_queue().unwrap();
+            let started = std::time::Instant::now();
+            let outcomes = serve_queue(&s, &mut queue, &mem).await;
+            assert!(started.elapsed() < std::time::Duration::from_secs(20), "round {round}: a slow queue");
+            assert!(
+                outcomes.len() <= descs.len(),
+                "round {round}: {} outcomes for {} descriptors",
+                outcomes.len(),
+                descs.len()
+            );
+            for o in &outcomes {
+                let slot = match o {
+                    ChainOutcome::Dropped(_) => 0,
+                    ChainOutcome::NoReply => 1,
+                    _ => 2,
+                };
+                outcomes_seen[slot] += 1;
+            }
+        }
+        eprintln!(
+            "chain fuzz: dropped {}, no reply {}, replied {}",
+            outcomes_seen[0], outcomes_seen[1], outcomes_seen[2]
+        );
+        assert!(outcomes_seen[0] > 0 && outcomes_seen[2] > 0, "both refused and served chains: {outcomes_seen:?}");
+        // Still serving.
+        mem.write_slice(&[0u8; 0x2000], GuestAddress(0)).unwrap();
+        let getattr = request(Opcode::Getattr as u32, 7, 1, &[0u8; 16]);
+        mem.write_slice(&getattr, GuestAddress(REQ)).unwrap();
+        let mq = MockSplitQueue::new(&mem, QUEUE);
+        let ok = mq.build_desc_chain(&[desc(REQ, getattr.len() as u32, 0, 0), desc(REPLY, 4096, WRITE, 0)]).unwrap();
+        assert!(matches!(serve_chain(&s, ok).await.2, ChainOutcome::Replied(_)));
+        assert_eq!(reply_error(&mem, REPLY), 0);
+    });
+}
