@@ -59,3 +59,42 @@ fn punching_or_zeroing_the_largest_range_is_bounded_by_the_cache() {
         });
     });
 }
+
+#[test]
+fn an_inodes_xattrs_are_bounded_and_refused_with_enospc() {
+    with_fs(32 * MIB, async |fs: Fs, _dev: Arc<dyn BlockDevice>| {
+        let c = Creds::root();
+        let (f, _) = fs.create(&c, ROOT_INO, b"x", 0o644, libc::O_RDWR as u32).await.unwrap();
+        let ino = f.inode.ino;
+        let big = vec![7u8; 65536];
+        let mut stored = 0;
+        let refused = loop {
+            match fs.setxattr(&c, ino, format!("user.v{stored}").as_bytes(), &big, 0).await {
+                Ok(()) => stored += 1,
+                Err(e) => break e,
+            }
+            assert!(stored < 100, "no bound on xattr bytes per inode");
+        };
+        assert_eq!(refused.errno(), libc::ENOSPC);
+        assert_eq!(stored, 3, "256 KiB holds three 64 KiB values and their names");
+        // Replacing one in place still fits; removing one makes room.
+        fs.setxattr(&c, ino, b"user.v0", &big, 0).await.unwrap();
+        fs.removexattr(&c, ino, b"user.v0").await.unwrap();
+        fs.setxattr(&c, ino, b"user.again", &big, 0).await.unwrap();
+
+        // Names alone: one listxattr's worth (64 KiB) at most.
+        let (g, _) = fs.create(&c, ROOT_INO, b"y", 0o644, libc::O_RDWR as u32).await.unwrap();
+        let mut names = 0;
+        let refused = loop {
+            let name = format!("user.{names:0>200}");
+            match fs.setxattr(&c, g.inode.ino, name.as_bytes(), b"", 0).await {
+                Ok(()) => names += 1,
+                Err(e) => break e,
+            }
+            assert!(names < 1000, "no bound on xattr names per inode");
+        };
+        assert_eq!(refused.errno(), libc::ENOSPC);
+        let listed = fs.listxattr(g.inode.ino).await.unwrap();
+        assert!(listed.len() <= 65536, "listxattr fits XATTR_LIST_MAX: {}", listed.len());
+    });
+}

@@ -15,6 +15,14 @@ pub const NAME_MAX: usize = 255;
 pub const SYMLINK_MAX: usize = 4095;
 pub const XATTR_NAME_MAX: usize = 255;
 pub const XATTR_VALUE_MAX: usize = 65536;
+/// Names (each with its NUL) and values of one inode's xattrs together, at
+/// most: xattrs live in memory and in every checkpoint, so a client may
+/// not grow them without bound. Past it, setxattr fails with ENOSPC, as on
+/// a filesystem whose xattr space is full.
+pub const XATTR_INODE_BYTES_MAX: usize = 256 << 10;
+/// One inode's names with their NULs, at most: what one listxattr may
+/// return (Linux's XATTR_LIST_MAX).
+pub const XATTR_LIST_BYTES_MAX: usize = 65536;
 /// Checkpoint extents a superblock can name.
 pub const CHECKPOINT_EXTENTS_MAX: usize = 128;
 pub const FEATURES_KNOWN: u64 = 0;

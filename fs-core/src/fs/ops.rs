@@ -5,8 +5,8 @@
 use std::rc::Rc;
 
 use super::format::{
-    Inode, Timespec, BLOCK_SIZE, NAME_MAX, ROOT_INO, SYMLINK_MAX, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG, XATTR_NAME_MAX,
-    XATTR_VALUE_MAX,
+    Inode, Timespec, BLOCK_SIZE, NAME_MAX, ROOT_INO, SYMLINK_MAX, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG,
+    XATTR_INODE_BYTES_MAX, XATTR_LIST_BYTES_MAX, XATTR_NAME_MAX, XATTR_VALUE_MAX,
 };
 use super::record::Record;
 use super::{Fs, FsError, FsInner, FsResult, Handle};
@@ -782,12 +782,22 @@ impl Fs {
         if value.len() > XATTR_VALUE_MAX {
             return Err(FsError::Range);
         }
-        let exists = self.inner.state.borrow().node(ino).is_some_and(|n| n.xattrs.contains_key(name));
+        let (exists, names_bytes, all_bytes) = {
+            let state = self.inner.state.borrow();
+            let node = state.node(ino).ok_or(FsError::NotFound)?;
+            // Bounded: the limits below bound how many there can be.
+            let others = node.xattrs.iter().filter(|(n, _)| n.as_slice() != name);
+            let (names, values) = others.fold((0, 0), |(n, v), (k, val)| (n + k.len() + 1, v + val.len()));
+            (node.xattrs.contains_key(name), names + name.len() + 1, names + values + name.len() + 1 + value.len())
+        };
         if flags & XATTR_CREATE != 0 && exists {
             return Err(FsError::Exists);
         }
         if flags & XATTR_REPLACE != 0 && !exists {
             return Err(FsError::NoData);
+        }
+        if names_bytes > XATTR_LIST_BYTES_MAX || all_bytes > XATTR_INODE_BYTES_MAX {
+            return Err(FsError::NoSpace);
         }
         self.inner.log(Record::XattrSet { ino, name: name.to_vec(), value: value.to_vec() })?;
         let t = now();
