@@ -390,3 +390,31 @@ fn mkfs_refuses_an_existing_filesystem_without_force() {
         assert!(report.is_clean());
     });
 }
+
+/// Found by the request fuzzer: a removed directory that a client still
+/// holds took new entries, each with a link but no path from the root,
+/// which outlived the directory (fsck: "not reachable from the root").
+/// Linux refuses them with ENOENT, and so does keelfs now.
+#[test]
+fn a_removed_directory_takes_no_new_entries() {
+    with_fs(32 * MIB, async |fs: Fs, dev: Arc<dyn BlockDevice>| {
+        let c = root();
+        let d = fs.mkdir(&c, ROOT_INO, b"gone", 0o755).await.unwrap().inode.ino;
+        let (f, _) = fs.create(&c, ROOT_INO, b"f", 0o644, libc::O_RDWR as u32).await.unwrap();
+        fs.rmdir(&c, ROOT_INO, b"gone").await.unwrap();
+        let enoent = Some(libc::ENOENT);
+        fn errno<T>(r: Result<T, FsError>) -> Option<i32> {
+            r.err().map(|e| e.errno())
+        }
+        assert_eq!(errno(fs.symlink(&c, d, b"s", b"target").await), enoent);
+        assert_eq!(errno(fs.mkdir(&c, d, b"m", 0o755).await), enoent);
+        assert_eq!(errno(fs.mknod(&c, d, b"n", libc::S_IFREG | 0o644, 0).await), enoent);
+        assert_eq!(errno(fs.create(&c, d, b"c", 0o644, 2).await), enoent);
+        assert_eq!(errno(fs.link(&c, f.inode.ino, d, b"l").await), enoent);
+        assert_eq!(errno(fs.rename(&c, ROOT_INO, b"f", d, b"r", 0).await), enoent);
+        fs.forget(d, 1).await.unwrap();
+        fs.unmount().await.unwrap();
+        let report = check(&dev).await;
+        assert!(report.is_clean(), "{report:?}");
+    });
+}

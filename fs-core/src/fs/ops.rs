@@ -177,6 +177,12 @@ impl FsInner {
         if !inode.is_dir() {
             return Err(FsError::NotDir);
         }
+        // A removed directory still open (or looked up) takes no new
+        // entries, as Linux's dead directories: one made there would have
+        // a link but no path, and outlive the directory.
+        if inode.nlink == 0 {
+            return Err(FsError::NotFound);
+        }
         if !permitted(&inode, c, W_OK | X_OK) {
             return Err(FsError::Access);
         }
