@@ -11,7 +11,8 @@
 //! and after the run the filesystem must unmount and pass fsck.
 //!
 //! A fixed seed and case count run in CI; `scripts/fuzz.sh` runs long,
-//! many seeds. `KEELFS_FUZZ_SEED=S KEELFS_FUZZ_CASES=N` replays one.
+//! many seeds. `KEELFS_FUZZ_SEED=S KEELFS_FUZZ_CASES=N` replays one, and
+//! `KEELFS_FUZZ_TRACE=K` prints each request from case K on.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -364,6 +365,9 @@ fn run(seed: u64, cases: u64) {
         assert_eq!(check_reply(&init, 1, "INIT").0, 0);
         let mut g = Gen { seed, nodes: Vec::new(), handles: Vec::new() };
         let mut answered = [0u64; 2];
+        // KEELFS_FUZZ_TRACE=N prints every request from case N on, and its
+        // errno: with a failing seed, the cases before the failure.
+        let trace_from = env_u64("KEELFS_FUZZ_TRACE");
         for case in 0..cases {
             let (op, node, body) = g.request();
             let unique = case + 2;
@@ -374,6 +378,11 @@ fn run(seed: u64, cases: u64) {
             let reply = session.handle(&request).await;
             let took = started.elapsed();
             assert!(took < Duration::from_secs(REQUEST_SECONDS_MAX), "{what}: took {took:?}");
+            if trace_from.is_some_and(|from| case >= from) {
+                let shown = &body[..body.len().min(48)];
+                let error = reply.as_ref().map(|r| i32::from_le_bytes(r[4..8].try_into().unwrap()));
+                eprintln!("{what}: {shown:02x?} -> {error:?}");
+            }
             if let Some(reply) = reply {
                 let (error, reply_body) = check_reply(&reply, unique, &what);
                 answered[usize::from(error == 0)] += 1;
