@@ -98,6 +98,7 @@ struct RawExport {
     request_queues: Option<Spanned<u16>>,
     spread_queues: Option<bool>,
     page_cache: Option<Spanned<String>>,
+    inodes_max: Option<Spanned<u64>>,
     fuse_mount: Option<PathBuf>,
 }
 
@@ -157,6 +158,9 @@ pub struct Export {
     /// there, the rest sent to the export's reactor).
     pub spread_queues: bool,
     pub page_cache_bytes: u64,
+    /// Inodes the export's filesystem may hold; None: derived from the
+    /// device size (one per 16 KiB).
+    pub inodes_max: Option<u64>,
     pub fuse_mount: Option<PathBuf>,
 }
 
@@ -187,6 +191,7 @@ impl Export {
             request_queues: 1,
             spread_queues: false,
             page_cache_bytes: 256 << 20,
+            inodes_max: None,
             fuse_mount: None,
         }
     }
@@ -331,6 +336,12 @@ pub fn parse(file: &str, text: &str) -> Result<Config, ConfigError> {
                 return Err(src.error(size.span(), "page_cache must be at least 1M"));
             }
             export.page_cache_bytes = bytes;
+        }
+        if let Some(n) = &e.inodes_max {
+            if *n.get_ref() < 16 {
+                return Err(src.error(n.span(), "inodes_max must be at least 16"));
+            }
+            export.inodes_max = Some(*n.get_ref());
         }
         export.fuse_mount = e.fuse_mount.clone();
         config.exports.push(export);

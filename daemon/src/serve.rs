@@ -477,6 +477,7 @@ async fn mount(
         commit_interval,
         preferred_group: reactor_id,
         cache_bytes: export.page_cache_bytes,
+        inodes_max: export.inodes_max,
         ..FsConfig::default()
     };
     Fs::mount(DeviceChannel::attach(queue), config)

@@ -98,3 +98,36 @@ fn an_inodes_xattrs_are_bounded_and_refused_with_enospc() {
         assert!(listed.len() <= 65536, "listxattr fits XATTR_LIST_MAX: {}", listed.len());
     });
 }
+
+#[test]
+fn the_inode_count_is_bounded_and_refused_with_enospc() {
+    use keelfs_core::fs::FsConfig;
+    let dev = common::ram_device(32 * MIB);
+    let mut r = common::busy_reactor();
+    r.block_on(async move {
+        common::format(&dev).await;
+        let config = FsConfig { inodes_max: Some(100), ..FsConfig::default() };
+        let fs = Fs::mount(common::channel(&dev), config).await.unwrap();
+        let c = Creds::root();
+        let mut made = 0;
+        let refused = loop {
+            match fs.mknod(&c, ROOT_INO, format!("n{made}").as_bytes(), libc::S_IFREG | 0o644, 0).await {
+                Ok(_) => made += 1,
+                Err(e) => break e,
+            }
+            assert!(made < 1000, "no bound on inodes");
+        };
+        assert_eq!(refused.errno(), libc::ENOSPC);
+        assert_eq!(made, 99, "the root and 99 more");
+        let s = fs.statfs().await.unwrap();
+        assert_eq!((s.files, s.files_free), (100, 0));
+        assert_eq!(fs.mkdir(&c, ROOT_INO, b"d", 0o755).await.err().map(|e| e.errno()), Some(libc::ENOSPC));
+        // Unlinked and forgotten (mknod's reference and this lookup's), n0
+        // is freed.
+        let n0 = fs.lookup(&c, ROOT_INO, b"n0").await.unwrap().inode.ino;
+        fs.unlink(&c, ROOT_INO, b"n0").await.unwrap();
+        fs.forget(n0, 2).await.unwrap();
+        fs.mkdir(&c, ROOT_INO, b"d", 0o755).await.expect("room again once one is gone");
+        fs.unmount().await.unwrap();
+    });
+}

@@ -58,6 +58,10 @@ pub struct FsConfig {
     pub cache_bytes: u64,
     /// Write dirty pages back at least this often.
     pub writeback_interval: Duration,
+    /// Inodes the filesystem may hold (each lives in daemon memory); past
+    /// it, creating one fails with ENOSPC. None: one per 16 KiB of device,
+    /// as ext4's default, between 1,024 and 2^32 - 1.
+    pub inodes_max: Option<u64>,
 }
 
 impl Default for FsConfig {
@@ -67,6 +71,7 @@ impl Default for FsConfig {
             preferred_group: 0,
             cache_bytes: 256 << 20,
             writeback_interval: Duration::from_millis(500),
+            inodes_max: None,
         }
     }
 }

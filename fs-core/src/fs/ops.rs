@@ -270,6 +270,11 @@ impl FsInner {
         })
     }
 
+    /// How many inodes this filesystem may hold ([`super::FsConfig::inodes_max`]).
+    pub(crate) fn inodes_max(&self) -> u64 {
+        self.config.inodes_max.unwrap_or_else(|| (self.sb.borrow().total_blocks / 4).clamp(1024, u64::from(u32::MAX)))
+    }
+
     /// Create an inode and its entry: the common part of mknod, mkdir,
     /// symlink and create.
     fn make_node(&self, c: &Creds, parent: u64, name: &[u8], mode: u32, rdev: u32) -> FsResult<Inode> {
@@ -281,6 +286,9 @@ impl FsInner {
         let is_dir = mode & S_IFMT == S_IFDIR;
         if is_dir && dir.nlink >= LINK_MAX {
             return Err(FsError::TooManyLinks);
+        }
+        if self.state.borrow().nodes.len() as u64 >= self.inodes_max() {
+            return Err(FsError::NoSpace);
         }
         let inode = self.new_inode(c, &dir, mode, rdev);
         self.create_inode(inode.clone())?;
@@ -691,10 +699,10 @@ impl Fs {
             block_size: BLOCK_SIZE as u32,
             blocks: state.alloc.total_blocks(),
             blocks_free: self.inner.available_blocks(),
-            // Inode numbers are not preallocated: the limit is what a
-            // 32-bit ino_t client can name. Total = in use + free.
-            files: u64::from(u32::MAX),
-            files_free: u64::from(u32::MAX).saturating_sub(state.nodes.len() as u64),
+            // Inodes are not preallocated: the limit is the configured
+            // (or device-derived) inodes_max. Total = in use + free.
+            files: self.inner.inodes_max(),
+            files_free: self.inner.inodes_max().saturating_sub(state.nodes.len() as u64),
             name_max: NAME_MAX as u32,
         })
     }
