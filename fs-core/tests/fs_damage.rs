@@ -56,6 +56,14 @@ fn build_image() -> (Vec<u8>, Vec<u64>) {
     (image, blocks)
 }
 
+/// The superblock copy of `image` mount would use.
+fn newest_superblock(image: &[u8]) -> Superblock {
+    (0..2)
+        .map(|slot| Superblock::decode(&image[slot * 4096..(slot + 1) * 4096]).unwrap())
+        .max_by_key(|sb| sb.generation)
+        .unwrap()
+}
+
 /// fsck and mount an image; returns (fsck clean?, mount error).
 fn examine(image: &[u8]) -> (bool, Option<String>) {
     let ram = MappedDevice::ram(BYTES, 4096).unwrap();
@@ -133,10 +141,7 @@ fn a_damaged_superblock_copy_is_reported_survived_and_repaired() {
 #[test]
 fn a_damaged_checkpoint_refuses_the_mount_with_a_clear_message() {
     let (image, _) = build_image();
-    let sb = (0..2)
-        .map(|slot| Superblock::decode(&image[slot * 4096..(slot + 1) * 4096]).unwrap())
-        .max_by_key(|sb| sb.generation)
-        .unwrap();
+    let sb = newest_superblock(&image);
     let mut damaged = image.clone();
     let block = sb.checkpoint_extents[0].start;
     damaged[(block * 4096 + 100) as usize] ^= 0x10;
@@ -178,10 +183,7 @@ fn fsck_finds_and_repairs_a_wrong_link_count() {
 #[test]
 fn crafted_superblocks_with_valid_checksums_never_panic() {
     let (image, _) = build_image();
-    let newest = (0..2)
-        .map(|slot| Superblock::decode(&image[slot * 4096..(slot + 1) * 4096]).unwrap())
-        .max_by_key(|sb| sb.generation)
-        .unwrap();
+    let newest = newest_superblock(&image);
     let device_blocks = BYTES / 4096;
     let hostile = [
         0,
