@@ -74,7 +74,8 @@ Exit status (with --script): the script's exit status, read from the
 "KEELFS-GUEST-EXIT=<status>" line the guest prints before powering off;
 124 when the timeout passed, 125 when QEMU ended without that line,
 126 when the guest stalled (its /init prints a heartbeat every 10 s; none
-for --stall-after seconds stops QEMU and prints the console's tail),
+for --stall-after seconds, or a kernel stall report and no line from the
+test for that long, stops QEMU and prints the console's tail),
 2 for usage errors.
 
 Examples:
@@ -324,19 +325,34 @@ timed_out=0
 stalled=0
 marker_at=""
 # The heartbeat clock starts when the script starts (boot time varies).
+# A stall is either no heartbeat for --stall-after seconds (the guest, or
+# its timers, stopped), or a kernel stall report followed by that long
+# without a line from the test (one vCPU stuck while the other still
+# beats).
 beats=0
 beat_at=""
+test_lines=0
+progress_at=""
+stall_reason=""
 while kill -0 "$qpid" 2>/dev/null; do
   if [[ -z $marker_at ]] && grep -aEq "$marker_re" "$console"; then
     marker_at=$SECONDS
   fi
   if [[ -z $marker_at ]]; then
     if [[ -z $beat_at ]]; then
-      grep -aq '^KEELFS-GUEST-START' "$console" && beat_at=$SECONDS
+      grep -aq '^KEELFS-GUEST-START' "$console" && beat_at=$SECONDS && progress_at=$SECONDS
     else
       n=$(grep -ac '^KEELFS-HEARTBEAT' "$console" || true)
       if ((n != beats)); then beats=$n; beat_at=$SECONDS; fi
+      # The test's own lines: not heartbeats, not kernel messages.
+      n=$(grep -acvE '^(KEELFS-HEARTBEAT|\[ *[0-9]+\.[0-9]+\])' "$console" || true)
+      if ((n != test_lines)); then test_lines=$n; progress_at=$SECONDS; fi
       if ((SECONDS - beat_at >= stall_after)); then
+        stall_reason="no heartbeat for ${stall_after}s"
+      elif ((SECONDS - progress_at >= stall_after)) && grep -aqE "$stall_re" "$console"; then
+        stall_reason="the kernel reported a stall and the test printed nothing for ${stall_after}s"
+      fi
+      if [[ -n $stall_reason ]]; then
         stalled=1
         # A hung QEMU may not act on SIGTERM: SIGKILL after 10 s.
         kill -TERM "$qpid" 2>/dev/null || true
@@ -374,7 +390,7 @@ if [[ -n $status ]]; then
   exit "$status"
 fi
 if ((stalled)); then
-  log "error: the guest stalled: no heartbeat for ${stall_after}s (after ${elapsed}s); QEMU stopped"
+  log "error: the guest stalled: $stall_reason (after ${elapsed}s); QEMU stopped"
   if grep -aqE "$stall_re" "$console"; then
     log "the guest kernel reported:"
     tr -d '\r' <"$console" | grep -aE "$stall_re" | head -n 10 | sed 's/^/  | /' >&2
