@@ -418,3 +418,35 @@ fn a_removed_directory_takes_no_new_entries() {
         assert!(report.is_clean(), "{report:?}");
     });
 }
+
+/// Found by the request fuzzer: a commit that filled half the journal
+/// scheduled a background checkpoint, unmount checkpointed first, and the
+/// scheduled one then ran after unmount had returned, writing to a device
+/// the filesystem no longer owned (an fsck reading it at that moment saw a
+/// checkpoint change under its feet). Nothing may touch the device after
+/// unmount.
+#[test]
+fn a_scheduled_checkpoint_never_runs_after_unmount() {
+    with_fs(64 * MIB, async |fs: Fs, dev: Arc<dyn BlockDevice>| {
+        let c = root();
+        let journal_blocks = fs.superblock().journal_blocks;
+        // Commits until the journal is half full: the last one schedules a
+        // checkpoint for later.
+        let mut i = 0;
+        while (fs.counters().journal_blocks_written) * 2 < journal_blocks {
+            fs.mknod(&c, ROOT_INO, format!("n{i}").as_bytes(), libc::S_IFREG | 0o644, 0).await.unwrap();
+            fs.sync().await.unwrap();
+            i += 1;
+            assert!(i < 100_000, "the journal never filled");
+        }
+        fs.unmount().await.unwrap();
+        let after_unmount = fs.counters().checkpoints;
+        let superblock = fs.superblock();
+        // Give anything scheduled every chance to run.
+        keelfs_core::reactor::sleep(std::time::Duration::from_millis(50)).await;
+        assert_eq!(fs.counters().checkpoints, after_unmount, "a checkpoint ran after unmount");
+        assert_eq!(fs.superblock(), superblock);
+        let report = check(&dev).await;
+        assert!(report.is_clean(), "{report:?}");
+    });
+}

@@ -656,11 +656,18 @@ fn maybe_schedule_checkpoint(fs: &Rc<FsInner>) {
     }
     let weak = Rc::downgrade(fs);
     reactor::spawn_local(async move {
-        if let Some(fs) = weak.upgrade() {
-            // Failure leaves the journal as it was; the next commit that
-            // does not fit retries, and reports the error to its caller.
-            let _ = checkpoint(&fs).await;
+        let Some(fs) = weak.upgrade() else { return };
+        let _guard = fs.commit_lock.lock().await;
+        // Unmount may have come first: it checkpointed, and nothing may
+        // touch the device after it returns (found by the request fuzzer:
+        // a checkpoint scheduled by the last commit ran after unmount,
+        // under the feet of an fsck).
+        if fs.unmounted.get() {
+            return;
         }
+        // Failure leaves the journal as it was; the next commit that does
+        // not fit retries, and reports the error to its caller.
+        let _ = commit_locked(&fs, true).await;
     });
 }
 
