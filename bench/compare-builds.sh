@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Two keelfsd builds side by side through vhost-user-fs: the same image
+# kind (a preallocated RAM-backed file in /dev/shm, io_uring), the same
+# load generator (keelfs-bench vhost), rounds interleaved so that both see
+# the same machine noise. For a change that touches the request path: is
+# the new build within noise of the old? One JSON line per run, then the
+# median ratios new/old of IOPS and of daemon CPU per operation.
+#
+# Usage: bench/compare-builds.sh OLD_KEELFSD NEW_KEELFSD [--rounds N] [--seconds N] [OUT.json]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[[ $# -ge 2 ]] || { sed -n '9p' "$0" >&2; exit 2; }
+old=$1 new=$2
+shift 2
+rounds=3 seconds=5
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --rounds) rounds=$2; shift 2 ;;
+    --seconds) seconds=$2; shift 2 ;;
+    *) break ;;
+  esac
+done
+out=${1:-/dev/null}
+for b in "$old" "$new"; do [[ -x $b ]] || { echo "compare-builds: $b is not an executable" >&2; exit 2; }; done
+cargo build --release -q -p keelfs-bench
+bench=$PWD/target/release/keelfs-bench
+work=$(mktemp -d /dev/shm/keelfs-compare.XXXXXX)
+daemon_pid=
+cleanup() {
+  if [[ -n $daemon_pid ]] && kill -TERM "$daemon_pid" 2>/dev/null; then
+    wait "$daemon_pid" 2>/dev/null || true
+  fi
+  rm -rf "$work"
+}
+trap cleanup EXIT
+fallocate -l 2G "$work/img"
+dd if=/dev/zero of="$work/img" bs=1M count=2048 conv=notrunc status=none
+"$new" mkfs "$work/img" --force >/dev/null 2>&1
+
+workloads=(
+  "dio-overwrite|--threads 1 --iodepth 32 --file-size 256M|none"
+  "buffered-randrw|--threads 1 --iodepth 4 --file-size 256M|auto"
+)
+results=$work/results.jsonl
+: >"$results"
+for round in $(seq "$rounds"); do
+  for line in "${workloads[@]}"; do
+    IFS='|' read -r workload flags cache <<<"$line"
+    # Alternate which build goes first, so that order effects (the
+    # image's state, a warm cache) fall on both.
+    order="old new"; ((round % 2 == 0)) && order="new old"
+    for label in $order; do
+      bin=$old; [[ $label == new ]] && bin=$new
+      rm -f "$work/sock"
+      "$bin" serve --device "$work/img" --socket "$work/sock" --queues 1 --cache "$cache" 2>"$work/$label.log" &
+      daemon_pid=$!
+      for _ in $(seq 200); do [[ -S $work/sock ]] && break; sleep 0.05; done
+      # shellcheck disable=SC2086
+      "$bench" vhost --socket "$work/sock" --workload "$workload" $flags --seconds "$seconds" \
+        --daemon-pid "$daemon_pid" --label "$label" --json | sed "s/^{/{\"round\":$round,/" | tee -a "$results"
+      kill -TERM "$daemon_pid"
+      wait "$daemon_pid" || true
+      daemon_pid=
+    done
+  done
+done
+cp "$results" "$out" 2>/dev/null || true
+python3 - "$results" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+for w in sorted({r["workload"] for r in rows}):
+    def med(label, key):
+        v = [r[key] for r in rows if r["workload"] == w and r["label"] == label and r.get(key)]
+        return statistics.median(v) if v else float("nan")
+    iops = med("new", "iops") / med("old", "iops")
+    cpu = med("new", "daemon_cpu_us_per_op") / med("old", "daemon_cpu_us_per_op")
+    print(f"compare-builds: {w}: new/old IOPS {iops:.2f}, daemon CPU per op {cpu:.2f} (medians of {len(rows)//4} rounds)")
+PY
