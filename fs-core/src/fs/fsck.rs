@@ -156,7 +156,9 @@ fn check_links(
     for node in state.nodes.values() {
         let ino = node.inode.ino;
         let names = names_of.get(&ino).copied().unwrap_or(0);
-        if node.inode.nlink == 0 && names == 0 {
+        // (The root has no name; with no links it is not an orphan but
+        // damage, which mount refuses.)
+        if node.inode.nlink == 0 && names == 0 && ino != ROOT_INO {
             continue; // an orphan, freed at mount
         }
         let expected = if node.inode.is_dir() {

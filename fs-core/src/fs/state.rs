@@ -216,6 +216,11 @@ impl State {
                 Ok(())
             }
             Record::DirentSet { dir, name, ino, cookie } => {
+                // Cookies count up from FIRST_COOKIE per directory; one at
+                // the counter limit comes from a crafted image.
+                if *cookie < FIRST_COOKIE || *cookie >= COUNTER_MAX {
+                    return err(format!("entry of {dir} with cookie {cookie} outside {FIRST_COOKIE}..{COUNTER_MAX}"));
+                }
                 let Some(d) = self.nodes.get_mut(dir).and_then(|n| n.dir.as_mut()) else {
                     return err(format!("entry added to {dir}, which is not a directory"));
                 };
@@ -392,5 +397,13 @@ mod tests {
         assert_eq!(s.next_ino, INO_MAX);
         let dir = Record::InodeSet(Inode::new(7, S_IFDIR | 0o755, 0, 0, 0));
         s.apply(&dir, ApplyMode::Replay).expect("a directory");
+        // Directory entries' cookies: replay keeps the next one above each,
+        // so one at the counter limit would overflow it.
+        for cookie in [0, 1, COUNTER_MAX, u64::MAX] {
+            let entry = Record::DirentSet { dir: 7, name: b"e".to_vec(), ino: 7, cookie };
+            assert!(s.apply(&entry, ApplyMode::Replay).is_err(), "accepted cookie {cookie}");
+        }
+        let entry = Record::DirentSet { dir: 7, name: b"e".to_vec(), ino: 7, cookie: FIRST_COOKIE };
+        s.apply(&entry, ApplyMode::Replay).expect("the first cookie");
     }
 }
