@@ -233,3 +233,60 @@ fn crafted_superblocks_with_valid_checksums_never_panic() {
     eprintln!("{refused} of {} crafted superblocks refused", fields.len() * hostile.len());
     assert!(refused > fields.len() * 4, "only {refused} crafted superblocks were refused");
 }
+
+/// Journal transactions whose records are mutated and whose checksums are
+/// then recomputed, so that replay trusts them: hostile record fields
+/// (lengths, inode numbers, block numbers, names) reach the decoder and
+/// the loader. Mount and fsck must refuse or survive, never panic.
+/// `KEELFS_DAMAGE_SEED` replays a case.
+#[test]
+fn journal_records_with_valid_checksums_never_panic() {
+    use keelfs_core::fs::format::crc;
+    let (image, _) = build_image();
+    let sb = newest_superblock(&image);
+    // The transactions in the ring that do not wrap: (offset, payload_len).
+    let mut txs = Vec::new();
+    for b in 2..2 + sb.journal_blocks {
+        let at = (b * 4096) as usize;
+        if &image[at..at + 4] != b"KFTX" {
+            continue;
+        }
+        let blocks = u32::from_le_bytes(image[at + 32..at + 36].try_into().unwrap()) as u64;
+        let len = u32::from_le_bytes(image[at + 36..at + 40].try_into().unwrap()) as usize;
+        if b + blocks <= 2 + sb.journal_blocks && len > 0 {
+            txs.push((at, len));
+        }
+    }
+    assert!(!txs.is_empty(), "the image has journal transactions");
+    let seed = std::env::var("KEELFS_DAMAGE_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x7a11);
+    eprintln!("journal mutation seed {seed} (replay with KEELFS_DAMAGE_SEED={seed}); {} transactions", txs.len());
+    let mut s = seed;
+    let (mut refused, cases) = (0, 300);
+    for case in 0..cases {
+        let mut crafted = image.clone();
+        let (at, len) = txs[(splitmix64(&mut s) % txs.len() as u64) as usize];
+        let payload = at + 64..at + 64 + len;
+        for _ in 0..1 + splitmix64(&mut s) % 4 {
+            let off = payload.start + (splitmix64(&mut s) % len as u64) as usize;
+            match splitmix64(&mut s) % 4 {
+                // A whole field at an edge: lengths, numbers, counts.
+                0 if off + 8 <= payload.end => crafted[off..off + 8].copy_from_slice(&u64::MAX.to_le_bytes()),
+                1 if off + 4 <= payload.end => crafted[off..off + 4].copy_from_slice(&u32::MAX.to_le_bytes()),
+                2 => crafted[off] = 0,
+                _ => crafted[off] ^= 1 << (splitmix64(&mut s) % 8),
+            }
+        }
+        let sum = crc(&crafted[payload.clone()]);
+        crafted[at + 40..at + 44].copy_from_slice(&sum.to_le_bytes());
+        let header_sum = crc(&crafted[at + 8..at + 64]);
+        crafted[at + 4..at + 8].copy_from_slice(&header_sum.to_le_bytes());
+        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| examine(&crafted)));
+        let (clean, mount_error) = outcome.unwrap_or_else(|_| panic!("case {case} (seed {seed}): a panic"));
+        if let Some(msg) = &mount_error {
+            refused += 1;
+            assert!(!clean, "case {case}: mount refused ({msg}) but fsck said clean");
+        }
+    }
+    eprintln!("{refused} of {cases} crafted journals refused at mount");
+    assert!(refused > 0, "no crafted journal was refused: the mutation never reached replay");
+}
