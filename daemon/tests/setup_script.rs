@@ -36,8 +36,10 @@ struct Bare {
 }
 
 impl Bare {
-    fn new() -> Bare {
-        let dir = std::env::temp_dir().join(format!("keelfs-setup-bare-{}", std::process::id()));
+    /// A bare machine of its own for each test (tests run in parallel, and
+    /// each removes its tree when done).
+    fn new(test: &str) -> Bare {
+        let dir = std::env::temp_dir().join(format!("keelfs-setup-bare-{test}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         for sub in ["bin", "home", "cargo", "root"] {
             std::fs::create_dir_all(dir.join(sub)).unwrap();
@@ -89,7 +91,7 @@ fn unnamed(stdout: &str) -> Vec<String> {
 
 #[test]
 fn setup_dry_run_on_a_bare_machine_names_every_needed_package() {
-    let bare = Bare::new();
+    let bare = Bare::new("names");
     let out = bare.dry_run(&repo().join("scripts/setup.sh"));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let text = format!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
@@ -118,7 +120,7 @@ fn the_dry_run_test_catches_a_deleted_package_line() {
     let script = std::fs::read_to_string(repo().join("scripts/setup.sh")).unwrap();
     let cut: String = script.lines().filter(|l| !l.contains("want_apt xfsprogs")).map(|l| format!("{l}\n")).collect();
     assert_ne!(cut.len(), script.len(), "setup.sh has no want_apt xfsprogs line to cut");
-    let bare = Bare::new();
+    let bare = Bare::new("cut");
     let copy = bare.dir.join("setup-cut.sh");
     std::fs::write(&copy, cut).unwrap();
     let out = bare.dry_run(&copy);
