@@ -83,7 +83,10 @@ impl Gen {
             0 => self.u64_field(),
             1 | 2 => 1,
             _ if self.nodes.is_empty() => 1,
-            _ => self.pick(&self.nodes.clone()),
+            _ => {
+                let i = self.below(self.nodes.len() as u64) as usize;
+                self.nodes[i]
+            }
         }
     }
 
@@ -91,7 +94,10 @@ impl Gen {
         match self.below(6) {
             0 => self.u64_field(),
             _ if self.handles.is_empty() => self.below(8),
-            _ => self.pick(&self.handles.clone()),
+            _ => {
+                let i = self.below(self.handles.len() as u64) as usize;
+                self.handles[i]
+            }
         }
     }
 

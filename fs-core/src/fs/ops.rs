@@ -319,30 +319,6 @@ impl Fs {
         Ok(())
     }
 
-    /// Drop every lookup reference and open handle of every client, and
-    /// free the inodes that only those kept alive. Returns how many handles
-    /// closed. (Sessions give back only their own: `Session::give_back` in
-    /// keelfs-vhost; this is for a filesystem with one client.)
-    pub async fn forget_all(&self) -> FsResult<usize> {
-        let closed = std::mem::take(&mut *self.inner.handles.borrow_mut()).len();
-        let held: Vec<u64> = {
-            let mut state = self.inner.state.borrow_mut();
-            let mut held = Vec::new();
-            for (ino, node) in state.nodes.iter_mut() {
-                if node.lookups != 0 || node.opens != 0 {
-                    held.push(*ino);
-                    node.lookups = 0;
-                    node.opens = 0;
-                }
-            }
-            held
-        };
-        for ino in held {
-            self.inner.maybe_free(ino)?;
-        }
-        Ok(closed)
-    }
-
     pub async fn getattr(&self, ino: u64) -> FsResult<Attr> {
         self.inner.attr(ino)
     }

@@ -484,14 +484,6 @@ impl Session {
         Some(flags as i32 & libc::O_DIRECT != 0)
     }
 
-    /// True when `fh` is an O_DIRECT handle of `nodeid` in a live session:
-    /// its reads and writes may then move straight between the client's
-    /// memory and the device ([`Self::write_direct_from`],
-    /// [`Self::read_direct_into`]).
-    pub fn direct_file(&self, fh: u64, nodeid: u64) -> bool {
-        self.initialized.get() && self.own_handle_of(fh, nodeid).is_ok_and(|flags| flags as i32 & libc::O_DIRECT != 0)
-    }
-
     /// True when `fh` is an open, non-O_DIRECT handle of `nodeid` in a live
     /// session: its data goes through the page cache.
     pub fn buffered_file(&self, fh: u64, nodeid: u64) -> bool {
