@@ -11,6 +11,7 @@ use keelfs_core::units::parse_size;
 use serde::Deserialize;
 use toml::Spanned;
 
+use crate::sandbox::SandboxMode;
 use crate::serve::Cache;
 
 /// Request queues one export may have (kicks travel as bits of a u64).
@@ -44,6 +45,7 @@ struct RawDaemon {
     rpc_socket: Option<PathBuf>,
     log: Option<String>,
     commit_interval_ms: Option<Spanned<u64>>,
+    sandbox: Option<SandboxMode>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -139,6 +141,8 @@ pub struct Config {
     /// A tracing filter (`info`, `keelfs=debug`, ...); RUST_LOG wins.
     pub log: String,
     pub commit_interval: Duration,
+    /// The sandbox `serve` enters once its files are open.
+    pub sandbox: SandboxMode,
     pub exports: Vec<Export>,
 }
 
@@ -172,6 +176,7 @@ impl Default for Config {
             rpc_socket: None,
             log: "info".into(),
             commit_interval: Duration::from_secs(5),
+            sandbox: SandboxMode::Namespace,
             exports: Vec::new(),
         }
     }
@@ -255,6 +260,7 @@ pub fn parse(file: &str, text: &str) -> Result<Config, ConfigError> {
     }
     config.poll_mode = raw.daemon.poll_mode.unwrap_or_default();
     config.rpc_socket = raw.daemon.rpc_socket;
+    config.sandbox = raw.daemon.sandbox.unwrap_or_default();
     if let Some(log) = raw.daemon.log {
         config.log = log;
     }
@@ -459,7 +465,7 @@ fuse_mount = "/mnt/keelfs"
             error_of("[daemon]\npoll_mode = \"spin\"\n"),
             "bad.toml:2:13: unknown variant `spin`, expected one of `busy`, `adaptive`, `interrupt`"
         );
-        assert_eq!(error_of("[daemon]\nreactor = 2\n"), "bad.toml:2:1: unknown field `reactor`, expected one of `reactors`, `poll_mode`, `rpc_socket`, `log`, `commit_interval_ms`");
+        assert_eq!(error_of("[daemon]\nreactor = 2\n"), "bad.toml:2:1: unknown field `reactor`, expected one of `reactors`, `poll_mode`, `rpc_socket`, `log`, `commit_interval_ms`, `sandbox`");
         assert_eq!(
             error_of("[[export]]\ntag = \"a\"\ndevice = \"nope\"\nsocket = \"/s\"\n"),
             "bad.toml:3:10: no [[device]] is named \"nope\""

@@ -14,6 +14,9 @@ use std::path::Path;
 
 use crate::tools::UsageError;
 
+/// How long a lock request waits for a holder to let go before refusing.
+const EXITING_HOLDER_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// A held lock; dropping it (closing the file) releases it.
 #[derive(Debug)]
 pub struct ImageLock {
@@ -33,16 +36,25 @@ impl ImageLock {
             .write(true)
             .open(path)
             .map_err(|e| UsageError(format!("cannot open {}: {e}", path.display())))?;
-        let mut lock = whole_file(libc::F_WRLCK);
-        // SAFETY: fcntl on a descriptor this function owns, with a pointer
-        // to a live, initialised flock.
-        let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &mut lock) };
-        if rc == 0 {
-            return Ok(Some(ImageLock { _file: file }));
-        }
-        let err = std::io::Error::last_os_error();
-        if !matches!(err.raw_os_error(), Some(libc::EAGAIN | libc::EACCES)) {
-            return Err(anyhow::Error::new(err).context(format!("locking {}", path.display())));
+        // A holder that is being killed (a sandboxed daemon dies a moment
+        // after its supervisor) lets go within milliseconds: wait that out.
+        let deadline = std::time::Instant::now() + EXITING_HOLDER_GRACE;
+        loop {
+            let mut lock = whole_file(libc::F_WRLCK);
+            // SAFETY: fcntl on a descriptor this function owns, with a
+            // pointer to a live, initialised flock.
+            let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &mut lock) };
+            if rc == 0 {
+                return Ok(Some(ImageLock { _file: file }));
+            }
+            let err = std::io::Error::last_os_error();
+            if !matches!(err.raw_os_error(), Some(libc::EAGAIN | libc::EACCES)) {
+                return Err(anyhow::Error::new(err).context(format!("locking {}", path.display())));
+            }
+            if std::time::Instant::now() >= deadline {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
         }
         Err(UsageError(format!("{} is in use{}: refusing to {purpose} it", path.display(), holders_text(path))).into())
     }

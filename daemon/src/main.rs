@@ -7,8 +7,11 @@ mod config;
 mod device;
 mod lock;
 mod rpc;
+mod sandbox;
+mod seccomp;
 mod serve;
 mod signals;
+mod supervisor;
 mod tools;
 
 use std::path::PathBuf;
@@ -93,6 +96,11 @@ enum Command {
         /// Check the config and flags, print what would be served, and exit.
         #[arg(long)]
         check: bool,
+        /// namespace (default): serve in namespaces of its own, with an
+        /// empty root, no capabilities, rlimits and a seccomp allowlist,
+        /// once the devices, sockets and mounts are open. none: no sandbox.
+        #[arg(long, value_enum)]
+        sandbox: Option<sandbox::SandboxMode>,
     },
     /// Print a running daemon's counters as JSON.
     Stats {
@@ -148,6 +156,7 @@ fn main() -> ExitCode {
             reactors,
             rpc,
             check,
+            sandbox,
         } => serve::serve(serve::ServeArgs {
             config,
             device,
@@ -160,6 +169,7 @@ fn main() -> ExitCode {
             reactors: reactors.map(usize::from),
             rpc,
             check,
+            sandbox,
         }),
         Command::Stats { rpc } => rpc::query(&rpc).map(|json| {
             use std::io::Write;

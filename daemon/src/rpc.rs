@@ -5,8 +5,8 @@
 //! counters (atomics) directly.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
@@ -26,17 +26,24 @@ const CLIENTS_MAX: usize = 8;
 /// How long a reactor may take to answer a snapshot request.
 const REACTOR_ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// Bind the RPC socket: only this user may ask (0600), set before the
+/// socket can accept; a live socket or anything not a socket at the path
+/// is refused.
+pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
+    bind_listener(path, SocketAccess::default()).context("the RPC socket")
+}
+
 pub struct RpcServer {
-    path: PathBuf,
+    /// The listening socket, to wake the accept with on drop.
+    wake_accept: UnixListener,
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl RpcServer {
-    pub fn start(path: &Path, reactors: Vec<ReactorHandle>) -> anyhow::Result<Self> {
-        // Only this user may ask (0600), set before the socket can accept;
-        // a live socket or anything not a socket at the path is refused.
-        let listener = bind_listener(path, SocketAccess::default()).context("the RPC socket")?;
+    /// Serve on `listener`, bound by [`bind`].
+    pub fn start(listener: UnixListener, reactors: Vec<ReactorHandle>) -> anyhow::Result<Self> {
+        let wake_accept = listener.try_clone().context("duplicating the RPC socket")?;
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let stop = stop.clone();
@@ -68,18 +75,19 @@ impl RpcServer {
                 }
             })?
         };
-        Ok(Self { path: path.to_owned(), stop, thread: Some(thread) })
+        Ok(Self { wake_accept, stop, thread: Some(thread) })
     }
 }
 
 impl Drop for RpcServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
-        let _ = UnixStream::connect(&self.path); // wake the accept
+        keelfs_vhost::socket::stop_accepting(&self.wake_accept);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
-        let _ = std::fs::remove_file(&self.path);
+        // The path is removed by whoever bound it (serve, or its
+        // supervisor): this thread may not see it.
     }
 }
 

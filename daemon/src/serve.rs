@@ -32,8 +32,10 @@ use serde_json::{json, Value};
 
 use crate::config::{self, Config, Export, PollModeName};
 use crate::lock::ImageLock;
+use crate::sandbox::{Needs, SandboxMode};
 use crate::signals::{block_termination_signals, Signals};
-use crate::{device, rpc, tools};
+use crate::supervisor::{Cleanup, Role, SupervisorLink};
+use crate::{device, rpc, sandbox, seccomp, supervisor, tools};
 
 pub const DEFAULT_DIR: &str = "keelfs-data";
 
@@ -51,6 +53,7 @@ pub struct ServeArgs {
     pub reactors: Option<usize>,
     pub rpc: Option<PathBuf>,
     pub check: bool,
+    pub sandbox: Option<SandboxMode>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -94,6 +97,9 @@ fn resolve(args: ServeArgs) -> anyhow::Result<Config> {
     }
     if args.rpc.is_some() {
         config.rpc_socket = args.rpc;
+    }
+    if let Some(mode) = args.sandbox {
+        config.sandbox = mode;
     }
     let flags_shape_an_export = args.device.is_some()
         || args.socket.is_some()
@@ -161,41 +167,162 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     block_termination_signals().context("blocking SIGTERM/SIGINT")?;
     let signals = Signals::new().context("opening a signalfd")?;
     let check = args.check;
-    let config = resolve(args)?;
+    let mut config = resolve(args)?;
     if check {
-        println!("reactors: {:?}, poll mode {:?}, rpc {:?}", config.reactors, config.poll_mode, config.rpc_socket);
-        for e in &config.exports {
-            println!(
-                "export {}: {:?} device {} socket {:?} fuse_mount {:?} cache {:?} queues {} page cache {} MiB",
-                e.tag,
-                e.backend,
-                e.device.display(),
-                e.socket,
-                e.fuse_mount,
-                e.cache,
-                e.request_queues,
-                e.page_cache_bytes >> 20
-            );
-        }
+        print_check(&config);
         return Ok(ExitCode::SUCCESS);
     }
-    for export in &config.exports {
-        if let Some(dir) = export.socket.as_ref().and_then(|s| s.parent()).filter(|d| !d.as_os_str().is_empty()) {
-            if !dir.is_dir() {
-                bail!(tools::UsageError(format!("socket directory {} does not exist", dir.display())));
-            }
+    make_paths_absolute(&mut config)?;
+    init_logging(&config);
+    // Everything up to here is single-threaded, as a pid namespace and the
+    // sandbox need.
+    let link = match config.sandbox {
+        SandboxMode::Namespace => match supervisor::fork_into_pid_namespace(cleanup_of(&config), &signals)? {
+            Role::Supervisor(code) => return Ok(code),
+            Role::Server(link) => Some(Arc::new(link)),
+        },
+        SandboxMode::None => None,
+    };
+    let (opened, locks) = open_exports(&config, link.as_ref())?;
+    let rpc_listener = config.rpc_socket.as_deref().map(rpc::bind).transpose()?;
+    if config.sandbox == SandboxMode::Namespace {
+        sandbox::enter(needs_of(&config), seccomp::Action::from_env()).context("entering the sandbox")?;
+    }
+    let result = run(&config, opened, rpc_listener, &signals);
+    drop(locks);
+    if link.is_none() {
+        // Sandboxed, the supervisor does this: the server cannot see them.
+        for socket in cleanup_of(&config).sockets {
+            let _ = keelfs_vhost::socket::clear_stale(&socket);
         }
     }
-    init_logging(&config);
+    result
+}
 
-    // Each image is this daemon's alone while it serves (held until serve
-    // returns); an image named by two exports is refused here too.
-    let mut devices = Vec::new();
-    let mut _locks = Vec::new();
-    for export in &config.exports {
-        _locks.push(ImageLock::exclusive(&export.device, "serve")?);
-        devices.push(device::open_backend(&export.device, export.backend, export.sqpoll_idle_ms)?);
+fn print_check(config: &Config) {
+    println!(
+        "reactors: {:?}, poll mode {:?}, rpc {:?}, sandbox {:?}",
+        config.reactors, config.poll_mode, config.rpc_socket, config.sandbox
+    );
+    for e in &config.exports {
+        println!(
+            "export {}: {:?} device {} socket {:?} fuse_mount {:?} cache {:?} queues {} page cache {} MiB",
+            e.tag,
+            e.backend,
+            e.device.display(),
+            e.socket,
+            e.fuse_mount,
+            e.cache,
+            e.request_queues,
+            e.page_cache_bytes >> 20
+        );
     }
+}
+
+/// Sockets and mount points as absolute paths: the supervisor cleans them
+/// up from its own view, and the QEMU arguments name them from inside the
+/// sandbox, where nothing can be looked up.
+fn make_paths_absolute(config: &mut Config) -> anyhow::Result<()> {
+    let absolute_socket = |socket: &Path| -> anyhow::Result<PathBuf> {
+        let dir = socket.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let Some(name) = socket.file_name() else {
+            bail!(tools::UsageError(format!("{} names no socket file", socket.display())));
+        };
+        match std::fs::canonicalize(dir) {
+            Ok(dir) if dir.is_dir() => Ok(dir.join(name)),
+            _ => bail!(tools::UsageError(format!("socket directory {} does not exist", dir.display()))),
+        }
+    };
+    for export in &mut config.exports {
+        if let Some(socket) = &export.socket {
+            export.socket = Some(absolute_socket(socket)?);
+        }
+        if let Some(dir) = &export.fuse_mount {
+            let dir = std::fs::canonicalize(dir)
+                .map_err(|e| tools::UsageError(format!("mount point {}: {e}", dir.display())))?;
+            export.fuse_mount = Some(dir);
+        }
+    }
+    if let Some(rpc) = &config.rpc_socket {
+        config.rpc_socket = Some(absolute_socket(rpc)?);
+    }
+    Ok(())
+}
+
+fn cleanup_of(config: &Config) -> Cleanup {
+    Cleanup {
+        fuse_mounts: config.exports.iter().filter_map(|e| e.fuse_mount.clone()).collect(),
+        sockets: config.exports.iter().filter_map(|e| e.socket.clone()).chain(config.rpc_socket.clone()).collect(),
+    }
+}
+
+/// What the sandbox must leave to the configured backends.
+fn needs_of(config: &Config) -> Needs {
+    let vfio = config.exports.iter().any(|e| {
+        e.backend == config::BackendName::Nvme
+            || keelfs_core::bdev::nvme::NvmeAddress::is_nvme_name(&e.device.to_string_lossy())
+    });
+    Needs { vfio }
+}
+
+/// An export with everything it needs from the host already open, so that
+/// it can start inside the sandbox.
+struct Opened {
+    export: Export,
+    dev: Arc<dyn BlockDevice>,
+    listener: Option<std::os::unix::net::UnixListener>,
+    fuse: Option<FuseMount>,
+}
+
+/// Lock and open each export's device, bind its socket and mount it
+/// through /dev/fuse. The locks are held until they are dropped; an image
+/// named by two exports is refused.
+fn open_exports(
+    config: &Config,
+    link: Option<&Arc<SupervisorLink>>,
+) -> anyhow::Result<(Vec<Opened>, Vec<Option<ImageLock>>)> {
+    let mut opened = Vec::new();
+    let mut locks = Vec::new();
+    for export in &config.exports {
+        locks.push(ImageLock::exclusive(&export.device, "serve")?);
+        let dev = device::open_backend(&export.device, export.backend, export.sqpoll_idle_ms)?;
+        let listener = match &export.socket {
+            Some(socket) => {
+                let access = SocketAccess {
+                    mode: export.socket_mode.unwrap_or(SocketAccess::default().mode),
+                    owner: export.socket_owner,
+                };
+                let listener = keelfs_vhost::socket::bind_listener(socket, access)
+                    .with_context(|| format!("export {}: the vhost-user socket", export.tag))?;
+                Some(listener)
+            }
+            None => None,
+        };
+        let fuse = match &export.fuse_mount {
+            Some(dir) => {
+                let mut mount = FuseMount::mount(dir, "keelfs")
+                    .with_context(|| format!("export {}: mounting {} through /dev/fuse", export.tag, dir.display()))?;
+                if let Some(link) = link {
+                    let link = Arc::clone(link);
+                    mount.set_unmounter(Box::new(move |dir| link.unmount(dir)));
+                }
+                Some(mount)
+            }
+            None => None,
+        };
+        opened.push(Opened { export: export.clone(), dev, listener, fuse });
+    }
+    Ok((opened, locks))
+}
+
+/// Start the reactors and the exports on them, serve until a signal, and
+/// shut down.
+fn run(
+    config: &Config,
+    opened: Vec<Opened>,
+    rpc_listener: Option<std::os::unix::net::UnixListener>,
+    signals: &Signals,
+) -> anyhow::Result<ExitCode> {
     let mode = match config.poll_mode {
         PollModeName::Busy => PollMode::Busy,
         PollModeName::Adaptive => PollMode::ADAPTIVE_DEFAULT,
@@ -204,9 +331,9 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let (events, event_rx) = mpsc::channel();
     let reactor_count = config.reactors.len();
     let mut reactors: Vec<(ReactorHandle, std::thread::JoinHandle<()>)> = Vec::new();
-    let mut assigned: Vec<Vec<(Export, Arc<dyn BlockDevice>)>> = vec![Vec::new(); reactor_count];
-    for (i, (export, dev)) in config.exports.iter().zip(devices).enumerate() {
-        assigned[i % reactor_count].push((export.clone(), dev));
+    let mut assigned: Vec<Vec<Opened>> = (0..reactor_count).map(|_| Vec::new()).collect();
+    for (i, export) in opened.into_iter().enumerate() {
+        assigned[i % reactor_count].push(export);
     }
     for (id, cpu) in config.reactors.iter().enumerate() {
         let reactor_config = ReactorConfig { id, cpu: *cpu, mode, ..ReactorConfig::default() };
@@ -220,9 +347,9 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         let (events, commit_interval) = (events.clone(), config.commit_interval);
         let helpers: Vec<ReactorHandle> = handles.iter().filter(|h| h.id() != id).cloned().collect();
         let start = move || {
-            for (export, dev) in exports {
-                let helpers = if export.spread_queues { helpers.clone() } else { Vec::new() };
-                reactor::spawn_local(run_export(id, export, dev, helpers, commit_interval, events.clone()));
+            for opened in exports {
+                let helpers = if opened.export.spread_queues { helpers.clone() } else { Vec::new() };
+                reactor::spawn_local(run_export(id, opened, helpers, commit_interval, events.clone()));
             }
         };
         if handles[id].send(start).is_err() {
@@ -250,16 +377,21 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
             }
         }
     }
-    let rpc = match (&failure, &config.rpc_socket) {
-        (None, Some(path)) => Some(rpc::RpcServer::start(path, handles.clone()).context("starting the stats RPC")?),
+    let rpc = match (&failure, rpc_listener) {
+        (None, Some(listener)) => {
+            Some(rpc::RpcServer::start(listener, handles.clone()).context("starting the stats RPC")?)
+        }
         _ => None,
     };
     if failure.is_none() {
         eprintln!("keelfsd: ready ({} export(s) on {reactor_count} reactor(s))", config.exports.len());
+        if std::env::var_os(seccomp::PROBE_ENV).is_some() {
+            seccomp::probe_forbidden_call();
+        }
         signals.wait(None);
         eprintln!("keelfsd: shutting down (a second signal forces the exit)");
     }
-    let result = shut_down(&handles, &event_rx, &signals, config.exports.len());
+    let result = shut_down(&handles, &event_rx, signals, config.exports.len());
     drop(rpc);
     for (handle, thread) in reactors {
         handle.stop();
@@ -369,12 +501,12 @@ async fn local_shutdown() {
 
 async fn run_export(
     reactor_id: usize,
-    export: Export,
-    dev: Arc<dyn BlockDevice>,
+    opened: Opened,
     helpers: Vec<ReactorHandle>,
     commit_interval: Duration,
     events: Sender<Event>,
 ) {
+    let Opened { export, dev, listener, fuse } = opened;
     let tag = export.tag.clone();
     let fs = match mount(reactor_id, &export, &dev, commit_interval).await {
         Ok(fs) => fs,
@@ -383,7 +515,7 @@ async fn run_export(
             return;
         }
     };
-    let (server, mount, fuse_stats) = match start_transports(&export, &fs, &dev, helpers).await {
+    let (server, mount, fuse_stats) = match start_transports(&export, &fs, &dev, helpers, listener, fuse).await {
         Ok(started) => started,
         Err(e) => {
             let _ = events.send(Event::Failed { tag, error: format!("{e:#}") });
@@ -426,44 +558,39 @@ async fn run_export(
     let _ = events.send(Event::Stopped { tag, error });
 }
 
-/// The export's vhost-user-fs device and host mount, as configured. On
-/// failure whatever was started is stopped again.
+/// The export's vhost-user-fs device and host mount, as configured, on the
+/// socket and mount already opened. On failure whatever was started is
+/// stopped again.
 async fn start_transports(
     export: &Export,
     fs: &Fs,
     dev: &Arc<dyn BlockDevice>,
     helpers: Vec<ReactorHandle>,
+    listener: Option<std::os::unix::net::UnixListener>,
+    fuse: Option<FuseMount>,
 ) -> anyhow::Result<(Option<VhostUserServer>, Option<Rc<FuseMount>>, Option<Rc<OpStats>>)> {
     let session_config = CacheMode::from(export.cache).session_config();
-    let server = match &export.socket {
-        Some(socket) => {
-            let socket_access = SocketAccess {
-                mode: export.socket_mode.unwrap_or(SocketAccess::default().mode),
-                owner: export.socket_owner,
+    let server = match (&export.socket, listener) {
+        (Some(socket), Some(listener)) => {
+            let options = ServeOptions {
+                dma: Some(Arc::clone(dev)),
+                helpers,
+                socket_access: SocketAccess::default(),
+                listener: Some(listener),
             };
-            let options = ServeOptions { dma: Some(Arc::clone(dev)), helpers, socket_access };
             let server =
                 VhostUserServer::start_with(fs.clone(), session_config.clone(), socket, export.request_queues, options)
                     .context("starting the vhost-user-fs device")?;
             Some(server)
         }
-        None => None,
+        _ => None,
     };
-    let Some(dir) = &export.fuse_mount else { return Ok((server, None, None)) };
-    match FuseMount::mount(dir, "keelfs") {
-        Ok(mount) => {
-            let session = Rc::new(Session::new(fs.clone(), session_config));
-            let stats = session.stats().clone();
-            serve_fuse(session, mount.clone());
-            Ok((server, Some(mount), Some(stats)))
-        }
-        Err(e) => {
-            if let Some(server) = server {
-                server.stop().await;
-            }
-            Err(anyhow::anyhow!("mounting {} through /dev/fuse: {e}", dir.display()))
-        }
-    }
+    let Some(mount) = fuse else { return Ok((server, None, None)) };
+    let mount = Rc::new(mount);
+    let session = Rc::new(Session::new(fs.clone(), session_config));
+    let stats = session.stats().clone();
+    serve_fuse(session, mount.clone());
+    Ok((server, Some(mount), Some(stats)))
 }
 
 async fn mount(
@@ -551,7 +678,8 @@ pub fn local_stats() -> Vec<Value> {
 
 /// What to add to a QEMU command line to attach a guest to `socket`.
 fn qemu_arguments(socket: &Path, tag: &str, queues: usize) -> String {
-    let socket = std::fs::canonicalize(socket).unwrap_or_else(|_| socket.to_owned());
+    // Absolute already (make_paths_absolute): nothing is looked up here,
+    // inside the sandbox.
     format!(
         "keelfsd: export {tag}: attach a VM with these QEMU arguments (guest memory must be shared; size= is the VM's -m):\n  \
          -object memory-backend-memfd,id=mem,size=4G,share=on -numa node,memdev=mem \\\n  \

@@ -47,6 +47,10 @@ impl Signals {
         Ok(Self { fd: unsafe { OwnedFd::from_raw_fd(fd) } })
     }
 
+    pub fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.fd.as_raw_fd()
+    }
+
     /// Wait up to `timeout` (forever if None) for a signal; its number.
     pub fn wait(&self, timeout: Option<Duration>) -> Option<i32> {
         let mut pfd = libc::pollfd { fd: self.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };

@@ -66,8 +66,8 @@ pub fn bind_listener(path: &Path, access: SocketAccess) -> Result<UnixListener, 
 }
 
 /// Remove `path` if it is a socket nobody answers on; refuse anything else
-/// that is there.
-fn clear_stale(path: &Path) -> Result<(), SocketError> {
+/// that is there. A missing path is fine.
+pub fn clear_stale(path: &Path) -> Result<(), SocketError> {
     let meta = match std::fs::symlink_metadata(path) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
         Err(source) => return Err(SocketError::Io { path: path.to_owned(), what: "looking at it", source }),
@@ -84,6 +84,17 @@ fn clear_stale(path: &Path) -> Result<(), SocketError> {
         what: "removing the stale socket",
         source,
     })
+}
+
+/// Wake every thread blocked in accept(2) on `listener` (it returns
+/// EINVAL) and make later accepts fail. Unlike a wake-up connection this
+/// needs no path, so it works inside the sandbox, where the socket's path
+/// is not visible.
+pub fn stop_accepting(listener: &impl std::os::fd::AsFd) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: shutdown(2) on a descriptor the caller keeps open; no memory
+    // is passed.
+    unsafe { libc::shutdown(listener.as_fd().as_raw_fd(), libc::SHUT_RDWR) };
 }
 
 /// A directory of mode 0700, removed (with what is left in it) on drop.

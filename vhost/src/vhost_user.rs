@@ -25,7 +25,6 @@
 use std::cell::{Cell, RefCell};
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -81,6 +80,8 @@ pub enum VhostUserError {
     Listen(#[from] crate::socket::SocketError),
     #[error("cannot create the doorbell eventfd: {0}")]
     EventFd(io::Error),
+    #[error("cannot duplicate the listening socket: {0}")]
+    Listener(io::Error),
     #[error("cannot start the vhost-user listener thread: {0}")]
     Thread(io::Error),
     #[error("helper reactor {0} refused its queues (stopped, or its inbox is full)")]
@@ -320,6 +321,11 @@ pub struct ServeOptions {
     pub helpers: Vec<ReactorHandle>,
     /// The socket's mode and owner, set before it can accept.
     pub socket_access: crate::socket::SocketAccess,
+    /// A socket already bound at the path (see [`crate::socket::bind_listener`]),
+    /// for a caller that must open it before it loses sight of the path,
+    /// as the daemon does before it enters its sandbox; the caller then
+    /// removes the path. None: bind here, and remove it on stop.
+    pub listener: Option<std::os::unix::net::UnixListener>,
 }
 
 static NEXT_SERVER_ID: AtomicU64 = AtomicU64::new(1);
@@ -339,6 +345,9 @@ fn session_of(server: u64) -> Option<Rc<Session>> {
 pub struct VhostUserServer {
     id: u64,
     socket: PathBuf,
+    wake_accept: std::os::unix::net::UnixListener,
+    /// Whether this server bound the socket, and so removes its path.
+    owns_path: bool,
     stopping: Arc<AtomicBool>,
     finished: Arc<AtomicBool>,
     active: Arc<Mutex<Option<ShutdownHandle>>>,
@@ -382,7 +391,16 @@ impl VhostUserServer {
             receivers.push(control_rx);
         }
         let pollers = Pollers { doorbells };
-        let mut listener = Listener::from(crate::socket::bind_listener(socket, options.socket_access)?);
+        // Whoever bound the socket removes its path afterwards.
+        let owns_path = options.listener.is_none();
+        let bound = match options.listener {
+            Some(listener) => listener,
+            None => crate::socket::bind_listener(socket, options.socket_access)?,
+        };
+        // A second descriptor of the same socket, for stop() to wake the
+        // accept with.
+        let wake_accept = bound.try_clone().map_err(VhostUserError::Listener)?;
+        let mut listener = Listener::from(bound);
         let stats = Rc::new(DeviceStats::default());
         let op_stats = Rc::new(OpStats::default());
         let helper_stats = Arc::new(HelperStats::default());
@@ -442,6 +460,8 @@ impl VhostUserServer {
         Ok(Self {
             id,
             socket: socket.to_owned(),
+            wake_accept,
+            owns_path,
             stopping,
             finished,
             active,
@@ -487,7 +507,7 @@ impl VhostUserServer {
             handle.shutdown();
         }
         // Wake a listener blocked in accept: it sees `stopping` and leaves.
-        let _ = UnixStream::connect(&self.socket);
+        crate::socket::stop_accepting(&self.wake_accept);
         while !self.finished.load(Ordering::Acquire) {
             reactor::sleep(Duration::from_millis(1)).await;
         }
@@ -495,7 +515,9 @@ impl VhostUserServer {
             let _ = thread.join();
         }
         SESSIONS.with(|s| s.borrow_mut().remove(&self.id));
-        let _ = std::fs::remove_file(&self.socket);
+        if self.owns_path {
+            let _ = std::fs::remove_file(&self.socket);
+        }
     }
 }
 
@@ -534,6 +556,8 @@ fn accept_loop(
                 *active.lock().unwrap_or_else(|e| e.into_inner()) = None;
             }
             Ok(()) => daemon.request_shutdown(),
+            // After stop(), accept fails by design (see stop_accepting).
+            Err(_) if stopping.load(Ordering::Acquire) => {}
             Err(e) => eprintln!("keelfs: vhost-user accept: {e}"),
         }
         for handler in daemon.get_epoll_handlers() {

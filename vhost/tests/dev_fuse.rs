@@ -38,7 +38,7 @@ fn host_mount_serves_ordinary_file_calls_and_unmounts_clean() {
             mkfs(channel(&dev2), &MkfsOptions { force: true, ..MkfsOptions::default() }).await.unwrap();
             let fs = Fs::mount(channel(&dev2), FsConfig::default()).await.unwrap();
             let session = Rc::new(Session::new(fs.clone(), SessionConfig::default()));
-            let mount = FuseMount::mount(&dir2, "keelfs").expect("mount through /dev/fuse");
+            let mount = Rc::new(FuseMount::mount(&dir2, "keelfs").expect("mount through /dev/fuse"));
             serve(session, mount.clone());
             SERVED.with(|s| *s.borrow_mut() = Some((fs, mount)));
             ready_tx.send(()).unwrap();

@@ -21,16 +21,22 @@ const REQUESTS_PER_POLL_MAX: usize = 32;
 /// Large enough for a 1 MiB write plus its headers, as the kernel requires.
 const REQUEST_BUFFER_BYTES: usize = (1 << 20) + 4096;
 
+/// Who takes a mount down: by default this process, with umount2(2).
+/// A process that can no longer see the mount point (the daemon inside its
+/// sandbox) asks another that can.
+pub type Unmounter = Box<dyn Fn(&Path) -> std::io::Result<()> + Send>;
+
 /// A mounted /dev/fuse session; unmounted on drop.
 pub struct FuseMount {
     device: File,
     mountpoint: PathBuf,
     mounted: std::cell::Cell<bool>,
+    unmounter: Option<Unmounter>,
 }
 
 impl FuseMount {
     /// Open /dev/fuse and mount it at `mountpoint` (needs CAP_SYS_ADMIN).
-    pub fn mount(mountpoint: &Path, fsname: &str) -> std::io::Result<Rc<Self>> {
+    pub fn mount(mountpoint: &Path, fsname: &str) -> std::io::Result<Self> {
         let device = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -57,7 +63,12 @@ impl FuseMount {
         if rc != 0 {
             return Err(std::io::Error::last_os_error());
         }
-        Ok(Rc::new(Self { device, mountpoint: mountpoint.to_path_buf(), mounted: std::cell::Cell::new(true) }))
+        Ok(Self { device, mountpoint: mountpoint.to_path_buf(), mounted: std::cell::Cell::new(true), unmounter: None })
+    }
+
+    /// Take the mount down with `unmounter` instead of umount2(2).
+    pub fn set_unmounter(&mut self, unmounter: Unmounter) {
+        self.unmounter = Some(unmounter);
     }
 
     pub fn fd(&self) -> RawFd {
@@ -68,6 +79,9 @@ impl FuseMount {
     pub fn unmount(&self) -> std::io::Result<()> {
         if !self.mounted.replace(false) {
             return Ok(());
+        }
+        if let Some(unmounter) = &self.unmounter {
+            return unmounter(&self.mountpoint);
         }
         let target = CString::new(self.mountpoint.as_os_str().as_bytes())?;
         // SAFETY: a NUL-terminated path that outlives the call.

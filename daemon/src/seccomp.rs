@@ -1,0 +1,252 @@
+//! The system calls the sandboxed daemon may make, as a seccomp filter
+//! built with rust-vmm's seccompiler. Anything else kills the process.
+//!
+//! The list is what serving takes once every file is open: memory,
+//! threads, polling, the vhost-user socket (accept and messages with
+//! descriptors), guest memory mappings, the device (io_uring, or reads,
+//! writes and syncs for pmem), /dev/fuse reads and writes, and time. No
+//! open, no exec, no new sockets, no new processes: clone is allowed for
+//! threads only. io_uring operations are not system calls and bypass this
+//! filter; each ring is restricted to its opcodes instead (see the uring
+//! backend).
+
+use std::collections::BTreeMap;
+
+use anyhow::Context;
+use seccompiler::{
+    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter, SeccompRule,
+};
+
+use crate::sandbox::Needs;
+
+/// What a forbidden system call does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Kill the process (the default).
+    Kill,
+    /// Allow it and have the kernel log it (dmesg: `type=1326 ...
+    /// syscall=N`). A developer's aid, for finding what a new code path
+    /// calls: `KEELFS_SECCOMP=log`.
+    Log,
+}
+
+impl Action {
+    /// The action the environment asks for: `KEELFS_SECCOMP=log`, or kill.
+    pub fn from_env() -> Self {
+        match std::env::var("KEELFS_SECCOMP").as_deref() {
+            Ok("log") => Action::Log,
+            _ => Action::Kill,
+        }
+    }
+}
+
+/// Allowed whatever their arguments.
+#[rustfmt::skip]
+const ALWAYS: &[libc::c_long] = &[
+    // memory
+    libc::SYS_brk, libc::SYS_mmap, libc::SYS_munmap, libc::SYS_mremap, libc::SYS_mprotect, libc::SYS_madvise,
+    // threads and their signals
+    libc::SYS_futex, libc::SYS_set_robust_list, libc::SYS_rseq, libc::SYS_gettid, libc::SYS_getpid,
+    libc::SYS_sched_yield, libc::SYS_sched_getaffinity, libc::SYS_sched_setaffinity, libc::SYS_exit,
+    libc::SYS_exit_group, libc::SYS_rt_sigprocmask, libc::SYS_rt_sigaction, libc::SYS_rt_sigreturn,
+    libc::SYS_sigaltstack, libc::SYS_tgkill, libc::SYS_restart_syscall, libc::SYS_getrandom,
+    // descriptors already open
+    libc::SYS_read, libc::SYS_write, libc::SYS_readv, libc::SYS_writev, libc::SYS_pread64, libc::SYS_pwrite64,
+    libc::SYS_preadv, libc::SYS_pwritev, libc::SYS_preadv2, libc::SYS_pwritev2, libc::SYS_close, libc::SYS_lseek,
+    libc::SYS_fstat, libc::SYS_newfstatat, libc::SYS_statx, libc::SYS_fcntl, libc::SYS_fsync, libc::SYS_fdatasync,
+    libc::SYS_fallocate, libc::SYS_msync, libc::SYS_ftruncate,
+    // polling and waking
+    libc::SYS_epoll_create1, libc::SYS_epoll_ctl, libc::SYS_epoll_pwait, libc::SYS_epoll_pwait2, libc::SYS_ppoll,
+    libc::SYS_eventfd2,
+    // the device
+    libc::SYS_io_uring_setup, libc::SYS_io_uring_enter, libc::SYS_io_uring_register,
+    // sockets already bound: vhost-user and RPC connections
+    libc::SYS_accept4, libc::SYS_recvmsg, libc::SYS_sendmsg, libc::SYS_recvfrom, libc::SYS_sendto,
+    libc::SYS_shutdown, libc::SYS_getsockopt,
+    // time
+    libc::SYS_clock_gettime, libc::SYS_clock_getres, libc::SYS_clock_nanosleep, libc::SYS_gettimeofday,
+    libc::SYS_getrusage,
+];
+
+/// The x86_64 names of calls that newer architectures only have in their
+/// generic forms (listed above).
+#[cfg(target_arch = "x86_64")]
+#[rustfmt::skip]
+const ALWAYS_LEGACY: &[libc::c_long] = &[
+    libc::SYS_epoll_wait, libc::SYS_poll, libc::SYS_accept, libc::SYS_nanosleep, libc::SYS_time,
+];
+#[cfg(not(target_arch = "x86_64"))]
+const ALWAYS_LEGACY: &[libc::c_long] = &[];
+
+/// asm-generic/socket.h: the 64-bit-time forms glibc may use.
+const SO_RCVTIMEO_NEW: libc::c_int = 66;
+const SO_SNDTIMEO_NEW: libc::c_int = 67;
+
+fn arg_eq(index: u8, value: u64) -> SeccompCondition {
+    SeccompCondition::new(index, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, value).expect("a valid condition")
+}
+
+fn rule(conditions: Vec<SeccompCondition>) -> SeccompRule {
+    SeccompRule::new(conditions).expect("a valid rule")
+}
+
+/// The allowlist for `needs`, as rules by system call number.
+fn rules(needs: Needs) -> BTreeMap<i64, Vec<SeccompRule>> {
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
+        ALWAYS.iter().chain(ALWAYS_LEGACY).map(|&nr| (nr, Vec::new())).collect();
+    // Threads, never processes: CLONE_THREAD must be set.
+    let thread = libc::CLONE_THREAD as u64;
+    let clone_thread = SeccompCondition::new(0, SeccompCmpArgLen::Qword, SeccompCmpOp::MaskedEq(thread), thread)
+        .expect("a valid condition");
+    rules.insert(libc::SYS_clone, vec![rule(vec![clone_thread])]);
+    // clone3 passes its flags in memory a filter cannot read: refused with
+    // ENOSYS by the second filter (see install), glibc falls back to clone.
+    rules.insert(libc::SYS_clone3, Vec::new());
+    // Timeouts on accepted RPC connections, and nothing else.
+    let timeouts = [libc::SO_RCVTIMEO, libc::SO_SNDTIMEO, SO_RCVTIMEO_NEW, SO_SNDTIMEO_NEW];
+    let setsockopt =
+        timeouts.iter().map(|&opt| rule(vec![arg_eq(1, libc::SOL_SOCKET as u64), arg_eq(2, opt as u64)])).collect();
+    rules.insert(libc::SYS_setsockopt, setsockopt);
+    // Thread names.
+    rules.insert(libc::SYS_prctl, vec![rule(vec![arg_eq(0, libc::PR_SET_NAME as u64)])]);
+    // std's set_nonblocking on a socket.
+    // FIONBIO's type differs between libcs.
+    #[allow(clippy::unnecessary_cast)]
+    let mut ioctls = vec![rule(vec![arg_eq(1, libc::FIONBIO as u64)])];
+    if needs.vfio {
+        // VFIO's requests are _IO(';', 100 + n): type ';' in bits 8..16.
+        let vfio = SeccompCondition::new(1, SeccompCmpArgLen::Dword, SeccompCmpOp::MaskedEq(0xff00), 0x3b00)
+            .expect("a valid condition");
+        ioctls.push(rule(vec![vfio]));
+        // vfio-ioctls reads the device's iommu_group link when it lets
+        // the device go (a read-only /sys is in the sandbox's root for it).
+        rules.insert(libc::SYS_readlinkat, Vec::new());
+        #[cfg(target_arch = "x86_64")]
+        rules.insert(libc::SYS_readlink, Vec::new());
+    }
+    rules.insert(libc::SYS_ioctl, ioctls);
+    rules
+}
+
+fn compile(rules: BTreeMap<i64, Vec<SeccompRule>>, mismatch: SeccompAction, on_match: SeccompAction) -> BpfProgram {
+    let arch = std::env::consts::ARCH.try_into().expect("seccompiler supports this architecture");
+    let filter = SeccompFilter::new(rules, mismatch, on_match, arch).expect("a valid filter");
+    filter.try_into().expect("the filter compiles")
+}
+
+/// The filter that turns clone3 into ENOSYS, then the allowlist: in that
+/// order, since the allowlist forbids seccomp(2) itself.
+pub fn programs(needs: Needs, action: Action) -> [BpfProgram; 2] {
+    let mismatch = match action {
+        Action::Kill => SeccompAction::KillProcess,
+        Action::Log => SeccompAction::Log,
+    };
+    let allow = compile(rules(needs), mismatch, SeccompAction::Allow);
+    let clone3 = BTreeMap::from([(libc::SYS_clone3, Vec::new())]);
+    let no_clone3 = compile(clone3, SeccompAction::Allow, SeccompAction::Errno(libc::ENOSYS as u32));
+    [no_clone3, allow]
+}
+
+/// With this variable set, `serve` makes one forbidden system call once it
+/// is ready: the test that the filter kills the daemon uses it.
+pub const PROBE_ENV: &str = "KEELFS_TEST_FORBIDDEN_SYSCALL";
+
+/// Try to open a file: forbidden, so the filter kills the process (or,
+/// unsandboxed, it just fails).
+pub fn probe_forbidden_call() {
+    eprintln!("keelfsd: {PROBE_ENV} is set: opening /etc/hostname, which the sandbox forbids");
+    let opened = std::fs::File::open("/etc/hostname");
+    eprintln!("keelfsd: the forbidden open returned {:?}", opened.map(drop));
+}
+
+/// Install both filters on every thread of the process. Needs
+/// no_new_privs (or CAP_SYS_ADMIN).
+pub fn install(needs: Needs, action: Action) -> anyhow::Result<()> {
+    for program in programs(needs, action) {
+        seccompiler::apply_filter_all_threads(&program).context("installing the seccomp filter")?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::{Command, ExitStatus};
+
+    use super::*;
+
+    /// Set in the re-executed test binary: the call to make under the filter.
+    const CHILD_ENV: &str = "KEELFS_SECCOMP_TEST_CALL";
+
+    /// Under the filter: threads still start and work, then `call`.
+    fn as_child(call: &str) -> ! {
+        // SAFETY: prctl with integer arguments only.
+        assert_eq!(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) }, 0);
+        install(Needs::default(), Action::Kill).unwrap();
+        let worker = std::thread::spawn(|| (0..1000u64).map(|i| vec![i; 100].iter().sum::<u64>()).sum::<u64>());
+        assert!(worker.join().unwrap() > 0);
+        match call {
+            "open" => drop(std::fs::File::open("/etc/hostname")),
+            // SAFETY: socket(2) with integer arguments; the result is closed.
+            "socket" => unsafe {
+                libc::close(libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0));
+            },
+            // SAFETY: a fork that the filter must stop; a child, if any,
+            // exits at once.
+            "fork" => unsafe {
+                if libc::fork() == 0 {
+                    libc::_exit(0);
+                }
+            },
+            _ => {}
+        }
+        std::process::exit(0)
+    }
+
+    /// Run this test binary's `test` again, as a child making `call`.
+    fn child(test: &str, call: &str) -> ExitStatus {
+        if let Ok(call) = std::env::var(CHILD_ENV) {
+            as_child(&call);
+        }
+        let exe = std::env::current_exe().unwrap();
+        let out = Command::new(exe)
+            .args([test, "--exact", "--test-threads=1", "--nocapture"])
+            .env(CHILD_ENV, call)
+            .output()
+            .unwrap();
+        out.status
+    }
+
+    #[test]
+    fn both_filters_compile_for_every_backend() {
+        for vfio in [false, true] {
+            for program in programs(Needs { vfio }, Action::Kill) {
+                assert!(!program.is_empty());
+            }
+        }
+    }
+
+    #[test]
+    fn threads_work_under_the_filter() {
+        let status = child("seccomp::tests::threads_work_under_the_filter", "nothing");
+        assert!(status.success(), "{status:?}");
+    }
+
+    #[test]
+    fn opening_a_file_is_killed() {
+        let status = child("seccomp::tests::opening_a_file_is_killed", "open");
+        assert_eq!(status.signal(), Some(libc::SIGSYS), "{status:?}");
+    }
+
+    #[test]
+    fn a_new_socket_is_killed() {
+        let status = child("seccomp::tests::a_new_socket_is_killed", "socket");
+        assert_eq!(status.signal(), Some(libc::SIGSYS), "{status:?}");
+    }
+
+    #[test]
+    fn a_new_process_is_killed() {
+        let status = child("seccomp::tests::a_new_process_is_killed", "fork");
+        assert_eq!(status.signal(), Some(libc::SIGSYS), "{status:?}");
+    }
+}

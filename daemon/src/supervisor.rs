@@ -1,0 +1,246 @@
+//! The process outside the sandbox.
+//!
+//! A pid namespace takes effect for children only, so `keelfsd serve`
+//! forks: the child becomes pid 1 of a new pid namespace and serves,
+//! sandboxed; the parent, the process its caller started, stays in the
+//! host's namespaces and does only what the child can no longer do:
+//! - it passes SIGTERM and SIGINT on to the child;
+//! - it takes down the child's /dev/fuse mounts when asked (the child
+//!   cannot see their mount points), and after the child exits;
+//! - it removes the child's stale sockets after it exits;
+//! - it exits with the child's status, saying so when a signal (SIGSYS
+//!   from the seccomp filter, say) killed it.
+//!
+//! The child dies with the parent (PR_SET_PDEATHSIG), so SIGKILL to the
+//! process its caller knows still ends the daemon at once. The parent reads
+//! nothing from a guest; from the child it accepts only "unmount N" for a
+//! mount of its own configuration.
+
+use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+
+use crate::sandbox;
+use crate::signals::Signals;
+
+/// What the supervisor cleans up for the child.
+#[derive(Clone, Debug, Default)]
+pub struct Cleanup {
+    /// Host mount points of /dev/fuse mounts, absolute.
+    pub fuse_mounts: Vec<PathBuf>,
+    /// vhost-user and RPC sockets.
+    pub sockets: Vec<PathBuf>,
+}
+
+pub enum Role {
+    /// This is the child: serve, sandboxed.
+    Server(SupervisorLink),
+    /// This is the parent: the child has exited, and this is the exit code.
+    Supervisor(ExitCode),
+}
+
+/// How long the child waits for the supervisor to unmount.
+const UNMOUNT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The longest message either side sends.
+const MESSAGE_BYTES_MAX: usize = 64;
+
+/// The child's end of the line to its supervisor.
+pub struct SupervisorLink {
+    stream: Mutex<UnixStream>,
+    fuse_mounts: Vec<PathBuf>,
+}
+
+impl SupervisorLink {
+    /// Have the supervisor unmount the /dev/fuse mount at `mountpoint`.
+    pub fn unmount(&self, mountpoint: &Path) -> io::Result<()> {
+        let Some(index) = self.fuse_mounts.iter().position(|m| m == mountpoint) else {
+            return Err(io::Error::new(io::ErrorKind::NotFound, "not a mount the supervisor knows"));
+        };
+        let mut stream = self.stream.lock().unwrap_or_else(|e| e.into_inner());
+        send_line(&mut stream, &format!("unmount {index}"))?;
+        match read_line(&mut stream)?.as_str() {
+            "0" => Ok(()),
+            errno => {
+                Err(errno.parse().map_or_else(|_| io::ErrorKind::InvalidData.into(), io::Error::from_raw_os_error))
+            }
+        }
+    }
+}
+
+/// One message and its newline in one write.
+fn send_line(stream: &mut UnixStream, message: &str) -> io::Result<()> {
+    stream.write_all(format!("{message}\n").as_bytes())
+}
+
+/// One message, up to its newline; at most MESSAGE_BYTES_MAX bytes.
+fn read_line(stream: &mut UnixStream) -> io::Result<String> {
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    while line.len() < MESSAGE_BYTES_MAX {
+        if stream.read(&mut byte)? == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        if byte[0] == b'\n' {
+            return String::from_utf8(line).map_err(|_| io::ErrorKind::InvalidData.into());
+        }
+        line.push(byte[0]);
+    }
+    Err(io::ErrorKind::InvalidData.into())
+}
+
+fn check(rc: libc::c_int) -> io::Result<libc::c_int> {
+    if rc < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(rc)
+    }
+}
+
+/// Fork into a new pid namespace. Must run before any thread starts.
+pub fn fork_into_pid_namespace(cleanup: Cleanup, signals: &Signals) -> anyhow::Result<Role> {
+    sandbox::ensure_single_threaded()?;
+    let (parent_end, child_end) = UnixStream::pair().context("a socket pair for the supervisor")?;
+    // SAFETY: unshare takes flags only.
+    if let Err(e) = check(unsafe { libc::unshare(libc::CLONE_NEWPID) }) {
+        bail!(crate::tools::UsageError(format!(
+            "the namespace sandbox cannot create a pid namespace ({e}); it needs root. \
+             Run as root, or pass --sandbox none to serve without a sandbox"
+        )));
+    }
+    // SAFETY: the process has one thread (checked above), so the child
+    // inherits no lock held by another thread.
+    let pid = check(unsafe { libc::fork() }).context("fork")?;
+    if pid == 0 {
+        drop(parent_end);
+        become_child(&child_end)?;
+        return Ok(Role::Server(SupervisorLink { stream: Mutex::new(child_end), fuse_mounts: cleanup.fuse_mounts }));
+    }
+    drop(child_end);
+    let code = supervise(pid, parent_end, signals, &cleanup)?;
+    Ok(Role::Supervisor(code))
+}
+
+fn become_child(link: &UnixStream) -> anyhow::Result<()> {
+    // SAFETY: prctl with integer arguments only.
+    check(unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) }).context("PR_SET_PDEATHSIG")?;
+    // The parent may have died before the line above took effect; then its
+    // end of the link is closed.
+    let mut pfd = libc::pollfd { fd: link.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd.
+    check(unsafe { libc::poll(&mut pfd, 1, 0) })?;
+    if pfd.revents & libc::POLLHUP != 0 {
+        std::process::exit(1);
+    }
+    // Set now: setsockopt is not allowed in the sandbox.
+    link.set_read_timeout(Some(UNMOUNT_TIMEOUT)).context("a timeout on the supervisor link")?;
+    Ok(())
+}
+
+fn supervise(
+    child: libc::pid_t,
+    mut link: UnixStream,
+    signals: &Signals,
+    cleanup: &Cleanup,
+) -> anyhow::Result<ExitCode> {
+    // SAFETY: pidfd_open takes a pid and flags.
+    let pidfd = check(unsafe { libc::syscall(libc::SYS_pidfd_open, child, 0) } as libc::c_int)
+        .context("pidfd_open on the sandboxed server")?;
+    // SAFETY: a new descriptor owned by nobody else.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd) };
+    let mut link_open = true;
+    loop {
+        let mut fds = [
+            poll_fd(signals.as_raw_fd()),
+            poll_fd(pidfd.as_raw_fd()),
+            poll_fd(if link_open { link.as_raw_fd() } else { -1 }),
+        ];
+        // SAFETY: three valid pollfds (a negative fd is ignored).
+        match check(unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) }) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            r => r.context("poll")?,
+        };
+        if fds[0].revents != 0 {
+            if let Some(signal) = signals.wait(Some(Duration::ZERO)) {
+                // SAFETY: kill takes a pid and a signal number.
+                unsafe { libc::kill(child, signal) };
+            }
+        }
+        if fds[2].revents != 0 {
+            link_open = answer(&mut link, &cleanup.fuse_mounts);
+        }
+        if fds[1].revents != 0 {
+            break;
+        }
+    }
+    let mut status = 0;
+    // SAFETY: the child is ours and has exited; status is a valid int.
+    check(unsafe { libc::waitpid(child, &mut status, 0) }).context("waitpid")?;
+    for mountpoint in &cleanup.fuse_mounts {
+        if is_mounted(mountpoint) {
+            let _ = umount(mountpoint);
+        }
+    }
+    for socket in &cleanup.sockets {
+        let _ = keelfs_vhost::socket::clear_stale(socket);
+    }
+    Ok(exit_code(status))
+}
+
+fn poll_fd(fd: RawFd) -> libc::pollfd {
+    libc::pollfd { fd, events: libc::POLLIN, revents: 0 }
+}
+
+/// Serve one request from the child; false once the link is closed.
+fn answer(link: &mut UnixStream, mounts: &[PathBuf]) -> bool {
+    let Ok(request) = read_line(link) else { return false };
+    let index = request.strip_prefix("unmount ").and_then(|i| i.parse::<usize>().ok());
+    let errno = match index.and_then(|i| mounts.get(i)) {
+        Some(mountpoint) => umount(mountpoint).err().map_or(0, |e| e.raw_os_error().unwrap_or(libc::EIO)),
+        None => libc::EINVAL,
+    };
+    send_line(link, &errno.to_string()).is_ok()
+}
+
+fn umount(mountpoint: &Path) -> io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let target = std::ffi::CString::new(mountpoint.as_os_str().as_bytes())?;
+    // SAFETY: a NUL-terminated path that outlives the call.
+    check(unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) }).map(drop)
+}
+
+/// Whether a keelfs /dev/fuse mount is at `mountpoint`, per mountinfo.
+fn is_mounted(mountpoint: &Path) -> bool {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else { return false };
+    // mountinfo escapes space, tab, newline and backslash as octal.
+    let escaped = mountpoint
+        .to_string_lossy()
+        .replace('\\', "\\134")
+        .replace(' ', "\\040")
+        .replace('\t', "\\011")
+        .replace('\n', "\\012");
+    info.lines().any(|line| {
+        let mut fields = line.split(' ');
+        let at = fields.nth(4) == Some(escaped.as_str());
+        at && line.split(" - ").nth(1).is_some_and(|rest| rest.starts_with("fuse.keelfs "))
+    })
+}
+
+fn exit_code(status: libc::c_int) -> ExitCode {
+    if libc::WIFEXITED(status) {
+        return ExitCode::from(libc::WEXITSTATUS(status) as u8);
+    }
+    let signal = libc::WTERMSIG(status);
+    let why = if signal == libc::SIGSYS {
+        " (SIGSYS: a system call outside the seccomp allowlist; the kernel log names it)"
+    } else {
+        ""
+    };
+    eprintln!("keelfsd: the sandboxed server was killed by signal {signal}{why}");
+    ExitCode::from(128 + signal as u8)
+}

@@ -1,0 +1,186 @@
+//! `keelfsd serve` runs sandboxed by default (issue 16): the process that
+//! serves is pid 1 of its own pid namespace, with private mount, ipc, uts
+//! and network namespaces, an empty root, no capabilities and a seccomp
+//! filter that kills it on a forbidden system call. `--sandbox none`
+//! keeps the old process model.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+mod common;
+use common::{is_mounted, keelfsd, mkfs, Scratch, Served};
+
+/// The pids of `pid`'s children.
+fn children(pid: u32) -> Vec<u32> {
+    let list = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+    list.split_whitespace().map(|c| c.parse().unwrap()).collect()
+}
+
+/// The one child of the daemon started (its sandboxed server), waiting for
+/// it to appear.
+fn server_of(supervisor: u32) -> u32 {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let [server] = children(supervisor)[..] {
+            return server;
+        }
+        assert!(Instant::now() < deadline, "the sandboxed server never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn status_field(pid: u32, field: &str) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with(&format!("{field}:"))).unwrap_or_else(|| panic!("no {field}"));
+    line[field.len() + 1..].trim().to_string()
+}
+
+fn namespace(pid: &str, kind: &str) -> PathBuf {
+    std::fs::read_link(format!("/proc/{pid}/ns/{kind}")).unwrap()
+}
+
+fn args<'a>(image: &'a Path, mnt: &'a Path, socket: &'a Path, extra: &[&'a str]) -> Vec<&'a std::ffi::OsStr> {
+    let mut args: Vec<&std::ffi::OsStr> = vec![
+        "--device".as_ref(),
+        image.as_os_str(),
+        "--fuse-mount".as_ref(),
+        mnt.as_os_str(),
+        "--socket".as_ref(),
+        socket.as_os_str(),
+    ];
+    args.extend(extra.iter().map(|a| std::ffi::OsStr::new(*a)));
+    args
+}
+
+#[test]
+fn serve_is_sandboxed_by_default_and_still_serves() {
+    let dir = Scratch::new("sandboxed");
+    let (image, mnt, socket) = (dir.path("k.img"), dir.path("mnt"), dir.path("k.sock"));
+    mkfs(&image, "256M");
+    let served = Served::start(&args(&image, &mnt, &socket, &[]), &[&mnt]);
+    let server = server_of(served.child.id());
+
+    // The serving process: namespaces of its own, for every kind.
+    for kind in ["mnt", "pid", "net", "ipc", "uts"] {
+        let ours = namespace("self", kind);
+        let (theirs, supervisor) =
+            (namespace(&server.to_string(), kind), namespace(&served.child.id().to_string(), kind));
+        assert_ne!(ours, theirs, "the server shares the host's {kind} namespace");
+        // Only the server is sandboxed; its supervisor stays with the host.
+        assert_eq!(ours, supervisor, "the supervisor left the host's {kind} namespace");
+    }
+    assert_eq!(status_field(server, "NSpid").split_whitespace().last(), Some("1"), "pid 1 of its namespace");
+    // No capabilities in any set, and no way to regain them.
+    for set in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
+        assert_eq!(status_field(server, set), "0000000000000000", "{set}");
+    }
+    assert_eq!(status_field(server, "NoNewPrivs"), "1");
+    assert_eq!(status_field(server, "Seccomp"), "2", "a seccomp filter is installed");
+    // An empty root: nothing of the host is visible.
+    let root: Vec<_> = std::fs::read_dir(format!("/proc/{server}/root")).unwrap().collect();
+    assert!(root.is_empty(), "the server's root holds {} entries", root.len());
+
+    // It still serves the host mount, and the vhost-user socket is there.
+    std::fs::write(mnt.join("hello"), b"sandboxed").unwrap();
+    assert_eq!(std::fs::read(mnt.join("hello")).unwrap(), b"sandboxed");
+    assert!(socket.exists());
+
+    // A clean stop: the supervisor unmounts (the server cannot see the
+    // mount point) and removes the socket.
+    let status = served.stop();
+    assert!(status.success(), "exit status {status}");
+    assert!(!is_mounted(&mnt), "the host mount is left behind");
+    assert!(!socket.exists(), "the socket is left behind");
+    assert_eq!(common::fsck(&image).0, 0);
+}
+
+#[test]
+fn a_forbidden_system_call_kills_the_sandboxed_daemon() {
+    let dir = Scratch::new("forbidden");
+    let (image, mnt, socket) = (dir.path("k.img"), dir.path("mnt"), dir.path("k.sock"));
+    std::fs::create_dir_all(&mnt).unwrap();
+    mkfs(&image, "256M");
+    // The probe opens a file once the daemon is ready: the filter kills it.
+    let run = |extra: &[&str]| {
+        let mut child = keelfsd()
+            .arg("serve")
+            .args(args(&image, &mnt, &socket, extra))
+            .env("KEELFS_TEST_FORBIDDEN_SYSCALL", "1")
+            .stderr(Stdio::piped())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break Some(status);
+            }
+            if Instant::now() > deadline {
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        (child, status)
+    };
+    let (child, status) = run(&[]);
+    let status = status.expect("the sandboxed daemon survived a forbidden system call");
+    let stderr = std::io::read_to_string(child.stderr.unwrap()).unwrap();
+    assert_eq!(status.code(), Some(128 + libc::SIGSYS), "{stderr}");
+    assert!(stderr.contains("SIGSYS"), "the supervisor does not say why: {stderr}");
+    assert!(!is_mounted(&mnt), "the supervisor did not take the dead server's mount down");
+    assert!(!socket.exists(), "the supervisor did not remove the dead server's socket");
+
+    // Unsandboxed, the same open succeeds and the daemon serves on: the
+    // kill above was the filter's doing.
+    let (mut child, status) = {
+        let mut child = keelfsd()
+            .arg("serve")
+            .args(args(&image, &mnt, &socket, &["--sandbox", "none"]))
+            .env("KEELFS_TEST_FORBIDDEN_SYSCALL", "1")
+            .stderr(Stdio::piped())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !is_mounted(&mnt) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        let early = child.try_wait().unwrap();
+        (child, early)
+    };
+    assert!(status.is_none(), "unsandboxed, the daemon died: {status:?}");
+    assert!(children(child.id()).is_empty(), "--sandbox none forked a server");
+    assert_eq!(status_field(child.id(), "Seccomp"), "0");
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    assert!(child.wait().unwrap().success());
+    assert!(!is_mounted(&mnt));
+    assert!(!socket.exists(), "unsandboxed, serve removes its own socket");
+}
+
+#[test]
+fn killing_the_supervisor_kills_the_server() {
+    let dir = Scratch::new("kill-supervisor");
+    let (image, mnt, socket) = (dir.path("k.img"), dir.path("mnt"), dir.path("k.sock"));
+    mkfs(&image, "256M");
+    let mut served = Served::start(&args(&image, &mnt, &socket, &[]), &[&mnt]);
+    let server = server_of(served.child.id());
+    served.signal(libc::SIGKILL);
+    let _ = served.child.wait();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    // Gone, or a zombie waiting for whoever adopted it to reap it.
+    let alive = |pid: u32| {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z') && !rest.starts_with('X'))
+    };
+    while alive(server) {
+        assert!(Instant::now() < deadline, "the server outlived its supervisor");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(served);
+    // The image is free again at once.
+    let out = keelfsd().arg("fsck").arg(&image).arg("--repair").output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+}
