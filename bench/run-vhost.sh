@@ -6,25 +6,32 @@
 #
 #   keelfsd   io_uring backend on a RAM-backed image in /dev/shm
 #   keelfsd-pmem  pmem backend on a /dev/shm file
+#   keelfsd-nosandbox, keelfsd-pmem-nosandbox: the same with --sandbox
+#             none (not run by default; for measuring the sandbox's cost)
 #   virtiofsd ext4 on a loop device over an equal RAM-backed image,
 #             --cache never (direct) or auto (buffered workloads),
 #             --allow-direct-io so that O_DIRECT reaches ext4
 #
-# Usage: bench/run-vhost.sh [--rounds N] [--seconds N] [OUT.json]
+# Usage: bench/run-vhost.sh [--rounds N] [--seconds N] [--systems "A B ..."] [OUT.json]
+#   default systems: "keelfsd keelfsd-pmem virtiofsd"
 # Needs: virtiofsd (`cargo install virtiofsd`), root (loop devices).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rounds=3 seconds=5
+rounds=3 seconds=5 systems="keelfsd keelfsd-pmem virtiofsd"
 while [[ $# -gt 0 ]]; do
   case $1 in
     --rounds) rounds=$2; shift 2 ;;
     --seconds) seconds=$2; shift 2 ;;
+    --systems) systems=$2; shift 2 ;;
     *) break ;;
   esac
 done
 out=${1:-bench/results/vhost-$(date +%F).json}
 virtiofsd=$(command -v virtiofsd || echo "$HOME/.cargo/bin/virtiofsd")
-[[ -x $virtiofsd ]] || { echo "run-vhost: virtiofsd is missing: cargo install virtiofsd" >&2; exit 2; }
+if [[ " $systems " == *" virtiofsd "* && ! -x $virtiofsd ]]; then
+  echo "run-vhost: virtiofsd is missing: cargo install virtiofsd" >&2
+  exit 2
+fi
 cargo build --release -q -p keelfsd -p keelfs-bench
 keelfsd=$PWD/target/release/keelfsd
 bench=$PWD/target/release/keelfs-bench
@@ -72,9 +79,11 @@ start() {
   local sys=$1 cache=$2
   socket=$work/$sys.sock
   rm -f "$socket"
+  local sandbox=namespace
+  [[ $sys == *-nosandbox ]] && sandbox=none
   case $sys in
-    keelfsd) "$keelfsd" serve --device "$work/keelfs.img" --socket "$socket" --queues 2 --cache "$cache" 2>"$work/$sys.log" & ;;
-    keelfsd-pmem) "$keelfsd" serve --config <(printf '[[device]]\nname="p"\nbackend="pmem"\npath="%s"\n[[export]]\ntag="p"\ndevice="p"\nsocket="%s"\nrequest_queues=2\ncache="%s"\n' "$work/keelfs-pmem.img" "$socket" "$cache") 2>"$work/$sys.log" & ;;
+    keelfsd|keelfsd-nosandbox) "$keelfsd" serve --sandbox "$sandbox" --device "$work/keelfs.img" --socket "$socket" --queues 2 --cache "$cache" 2>"$work/$sys.log" & ;;
+    keelfsd-pmem|keelfsd-pmem-nosandbox) "$keelfsd" serve --sandbox "$sandbox" --config <(printf '[[device]]\nname="p"\nbackend="pmem"\npath="%s"\n[[export]]\ntag="p"\ndevice="p"\nsocket="%s"\nrequest_queues=2\ncache="%s"\n' "$work/keelfs-pmem.img" "$socket" "$cache") 2>"$work/$sys.log" & ;;
     virtiofsd) "$virtiofsd" --socket-path "$socket" --shared-dir "$work/ext4" --cache "$cache" --sandbox none --allow-direct-io 2>"$work/$sys.log" & ;;
   esac
   daemon_pid=$!
@@ -108,7 +117,7 @@ for round in $(seq "$rounds"); do
     --seconds "$seconds" --vs-fio --json | sed "s/^{/{\"round\":$round,\"label\":\"device\",/" | tee -a "$out"
   for line in "${workloads[@]}"; do
     IFS='|' read -r workload flags kcache vcache <<<"$line"
-    for sys in keelfsd keelfsd-pmem virtiofsd; do
+    for sys in $systems; do
       cache=$kcache; [[ $sys == virtiofsd ]] && cache=$vcache
       start "$sys" "$cache"
       # shellcheck disable=SC2086

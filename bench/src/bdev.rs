@@ -220,7 +220,7 @@ fn drive(device: &dyn BlockDevice, args: &BdevArgs) -> anyhow::Result<RoundResul
         // at the end of this function.
         unsafe { queue.submit(&req) }
     };
-    let cpu_start = crate::procstat::cpu_ns(std::process::id())?;
+    let cpu_start = crate::procstat::own_cpu_ns(std::process::id())?;
     let start = Instant::now();
     let deadline = start + Duration::from_secs(args.seconds);
     for slot in 0..depth as usize {
@@ -256,7 +256,7 @@ fn drive(device: &dyn BlockDevice, args: &BdevArgs) -> anyhow::Result<RoundResul
     for b in buffers {
         pool.put(b);
     }
-    let cpu = Duration::from_nanos(crate::procstat::cpu_ns(std::process::id())?.saturating_sub(cpu_start));
+    let cpu = Duration::from_nanos(crate::procstat::own_cpu_ns(std::process::id())?.saturating_sub(cpu_start));
     Ok(RoundResult { ios, elapsed: end - start, hist, cpu })
 }
 

@@ -3,8 +3,11 @@
 
 use anyhow::Context;
 
-/// utime + stime of a process (all its threads), in nanoseconds.
-pub fn cpu_ns(pid: u32) -> anyhow::Result<u64> {
+/// Descendants counted, at most: a daemon has a handful.
+const DESCENDANTS_MAX: usize = 64;
+
+/// utime + stime of one process (all its threads), in nanoseconds.
+pub fn own_cpu_ns(pid: u32) -> anyhow::Result<u64> {
     let stat =
         std::fs::read_to_string(format!("/proc/{pid}/stat")).with_context(|| format!("reading /proc/{pid}/stat"))?;
     let rest = &stat[stat.rfind(')').context("malformed stat")? + 2..];
@@ -13,4 +16,35 @@ pub fn cpu_ns(pid: u32) -> anyhow::Result<u64> {
     // SAFETY: sysconf has no memory effects.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
     Ok(ticks * 1_000_000_000 / hz)
+}
+
+/// The live children of `pid`, from each of its threads' children lists.
+fn children(pid: u32) -> Vec<u32> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return Vec::new() };
+    let mut out = Vec::new();
+    for task in tasks.flatten() {
+        if let Ok(list) = std::fs::read_to_string(task.path().join("children")) {
+            out.extend(list.split_whitespace().filter_map(|c| c.parse::<u32>().ok()));
+        }
+    }
+    out
+}
+
+/// utime + stime of a process and its live descendants, in nanoseconds:
+/// a sandboxed keelfsd serves from a child of the process started (its
+/// supervisor), which must be charged too.
+pub fn tree_cpu_ns(pid: u32) -> anyhow::Result<u64> {
+    let mut total = own_cpu_ns(pid)?;
+    let mut pending = children(pid);
+    let mut seen = 0;
+    while let Some(child) = pending.pop() {
+        seen += 1;
+        if seen > DESCENDANTS_MAX {
+            break;
+        }
+        // A child that exited in between counts nothing.
+        total += own_cpu_ns(child).unwrap_or(0);
+        pending.extend(children(child));
+    }
+    Ok(total)
 }

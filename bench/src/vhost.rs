@@ -267,7 +267,7 @@ pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
         }
         targets.push(Target { nodeid, fh });
     }
-    let cpu_before = args.daemon_pid.map(crate::procstat::cpu_ns).transpose()?;
+    let cpu_before = args.daemon_pid.map(crate::procstat::tree_cpu_ns).transpose()?;
     let started = Instant::now();
     let worker_args =
         WorkerArgs { workload: args.workload, iodepth: args.iodepth, seconds: args.seconds, file_size: args.file_size };
@@ -283,7 +283,7 @@ pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
         handles.into_iter().map(|h| h.join().expect("worker thread")).collect()
     });
     let secs = started.elapsed().as_secs_f64().min(args.seconds as f64).max(1e-9);
-    let cpu_after = args.daemon_pid.map(crate::procstat::cpu_ns).transpose()?;
+    let cpu_after = args.daemon_pid.map(crate::procstat::tree_cpu_ns).transpose()?;
     let mut latency = Histogram::new();
     let (mut reads, mut writes, mut bytes) = (0, 0, 0);
     for r in results {
