@@ -7,6 +7,7 @@ mod core;
 mod core_io;
 mod fio;
 mod hist;
+mod hostile;
 mod procstat;
 mod vhost;
 
@@ -29,6 +30,8 @@ enum Command {
     Core(core::CoreArgs),
     /// Drive any vhost-user-fs daemon (keelfsd, virtiofsd) over its socket.
     Vhost(vhost::VhostArgs),
+    /// Misbehave on a vhost-user-fs socket: absurd but well-formed requests, many in flight.
+    Hostile(hostile::HostileArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -38,6 +41,7 @@ fn main() -> std::process::ExitCode {
         Command::BdevCheck(args) => bdev_check::run(&args),
         Command::Core(args) => core::run(&args),
         Command::Vhost(args) => vhost::run(&args),
+        Command::Hostile(args) => hostile::run(&args),
     };
     // An expected error (a bad argument, a full device, a daemon that is
     // not there) is one line with its causes, never a backtrace, whatever
