@@ -290,3 +290,57 @@ fn journal_records_with_valid_checksums_never_panic() {
     eprintln!("{refused} of {cases} crafted journals refused at mount");
     assert!(refused > 0, "no crafted journal was refused: the mutation never reached replay");
 }
+
+/// Checkpoint blocks whose record stream is mutated and whose block
+/// checksums are then recomputed, so that the loader trusts them: hostile
+/// inode numbers, sizes, extent maps, names and counts reach it. Mount and
+/// fsck must refuse or survive, never panic. `KEELFS_DAMAGE_SEED` replays
+/// a case.
+#[test]
+fn checkpoint_records_with_valid_checksums_never_panic() {
+    use keelfs_core::fs::format::crc;
+    // Block header: magic u32, crc32c u32 of the rest of the block, seq
+    // u64, index u32, payload length u32 (docs/FORMAT.md, "Checkpoint").
+    const HEADER: usize = 24;
+    let (image, _) = build_image();
+    let sb = newest_superblock(&image);
+    let blocks: Vec<(usize, usize)> = sb
+        .checkpoint_extents
+        .iter()
+        .flat_map(|r| r.start..r.end())
+        .map(|b| (b * 4096) as usize)
+        .filter(|&at| &image[at..at + 4] == b"KFCP")
+        .map(|at| (at, u32::from_le_bytes(image[at + 20..at + 24].try_into().unwrap()) as usize))
+        .filter(|&(_, len)| len > 0 && len <= 4096 - HEADER)
+        .collect();
+    assert!(!blocks.is_empty(), "the image has a checkpoint");
+    let seed = std::env::var("KEELFS_DAMAGE_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0xc4e7);
+    eprintln!("checkpoint mutation seed {seed} (replay with KEELFS_DAMAGE_SEED={seed}); {} blocks", blocks.len());
+    let mut s = seed;
+    let (mut refused, cases) = (0, 300);
+    for case in 0..cases {
+        let mut crafted = image.clone();
+        let (at, len) = blocks[(splitmix64(&mut s) % blocks.len() as u64) as usize];
+        let payload = at + HEADER..at + HEADER + len;
+        for _ in 0..1 + splitmix64(&mut s) % 4 {
+            let off = payload.start + (splitmix64(&mut s) % len as u64) as usize;
+            match splitmix64(&mut s) % 5 {
+                0 if off + 8 <= payload.end => crafted[off..off + 8].copy_from_slice(&u64::MAX.to_le_bytes()),
+                1 if off + 8 <= payload.end => crafted[off..off + 8].copy_from_slice(&(1u64 << 62).to_le_bytes()),
+                2 if off + 4 <= payload.end => crafted[off..off + 4].copy_from_slice(&u32::MAX.to_le_bytes()),
+                3 => crafted[off] = 0,
+                _ => crafted[off] ^= 1 << (splitmix64(&mut s) % 8),
+            }
+        }
+        let sum = crc(&crafted[at + 8..at + 4096]);
+        crafted[at + 4..at + 8].copy_from_slice(&sum.to_le_bytes());
+        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| examine(&crafted)));
+        let (clean, mount_error) = outcome.unwrap_or_else(|_| panic!("case {case} (seed {seed}): a panic"));
+        if let Some(msg) = &mount_error {
+            refused += 1;
+            assert!(!clean, "case {case}: mount refused ({msg}) but fsck said clean");
+        }
+    }
+    eprintln!("{refused} of {cases} crafted checkpoints refused at mount");
+    assert!(refused > 0, "no crafted checkpoint was refused: the mutation never reached the loader");
+}
