@@ -120,7 +120,10 @@ command -v cpio >/dev/null || need+=(cpio)
 command -v xz >/dev/null || need+=(xz-utils)
 command -v gzip >/dev/null || need+=(gzip)
 ((${#need[@]} == 0)) || apt_install "${need[@]}"
-/bin/busybox --list 2>/dev/null | grep -qx sh || die "/bin/busybox is not the static busybox with a shell (install busybox-static)"
+# Not `grep -q`: it exits at the first match, busybox then dies of
+# SIGPIPE, and pipefail turns a good busybox into a failure, now and then.
+/bin/busybox --list 2>/dev/null | grep -x sh >/dev/null ||
+  die "/bin/busybox is not the static busybox with a shell (install busybox-static)"
 file_is_static() { ! ldd "$1" >/dev/null 2>&1; }
 file_is_static /bin/busybox || die "/bin/busybox is dynamically linked; install busybox-static"
 
