@@ -101,6 +101,9 @@ struct RawExport {
     spread_queues: Option<bool>,
     page_cache: Option<Spanned<String>>,
     inodes_max: Option<Spanned<u64>>,
+    open_handles_max: Option<Spanned<u64>>,
+    xattr_bytes_per_inode_max: Option<Spanned<String>>,
+    requests_in_flight_max: Option<Spanned<u64>>,
     fuse_mount: Option<PathBuf>,
 }
 
@@ -110,6 +113,35 @@ enum CacheName {
     None,
     Auto,
     Always,
+}
+
+/// The export's per-session and per-queue limits, each checked against
+/// the range where it still means something.
+fn apply_limits(src: &Source, e: &RawExport, export: &mut Export) -> Result<(), ConfigError> {
+    if let Some(n) = &e.open_handles_max {
+        if !(16..=1 << 24).contains(n.get_ref()) {
+            return Err(src.error(n.span(), "open_handles_max must be between 16 and 16777216"));
+        }
+        export.open_handles_max = *n.get_ref() as usize;
+    }
+    if let Some(size) = &e.xattr_bytes_per_inode_max {
+        let bytes = parse_size(size.get_ref()).map_err(|m| src.error(size.span(), m))?;
+        let format_max = keelfs_core::fs::format::XATTR_INODE_BYTES_MAX as u64;
+        if !(4096..=format_max).contains(&bytes) {
+            return Err(src.error(
+                size.span(),
+                format!("xattr_bytes_per_inode_max must be between 4K and {}K", format_max >> 10),
+            ));
+        }
+        export.xattr_bytes_per_inode_max = bytes as usize;
+    }
+    if let Some(n) = &e.requests_in_flight_max {
+        if !(1..=1 << 15).contains(n.get_ref()) {
+            return Err(src.error(n.span(), "requests_in_flight_max must be between 1 and 32768"));
+        }
+        export.requests_in_flight_max = Some(*n.get_ref() as usize);
+    }
+    Ok(())
 }
 
 /// The path an export's device is opened by: the file for uring and pmem,
@@ -165,6 +197,12 @@ pub struct Export {
     /// Inodes the export's filesystem may hold; None: derived from the
     /// device size (one per 16 KiB).
     pub inodes_max: Option<u64>,
+    /// Open handles each session (guest, host mount) may hold.
+    pub open_handles_max: usize,
+    /// Bytes of xattr names and values one inode may hold.
+    pub xattr_bytes_per_inode_max: usize,
+    /// Requests in flight per virtqueue; None: as many as the ring holds.
+    pub requests_in_flight_max: Option<usize>,
     pub fuse_mount: Option<PathBuf>,
 }
 
@@ -197,6 +235,9 @@ impl Export {
             spread_queues: false,
             page_cache_bytes: 256 << 20,
             inodes_max: None,
+            open_handles_max: keelfs_vhost::fuse::dispatch::SESSION_HANDLES_MAX,
+            xattr_bytes_per_inode_max: keelfs_core::fs::format::XATTR_INODE_BYTES_MAX,
+            requests_in_flight_max: None,
             fuse_mount: None,
         }
     }
@@ -349,6 +390,7 @@ pub fn parse(file: &str, text: &str) -> Result<Config, ConfigError> {
             }
             export.inodes_max = Some(*n.get_ref());
         }
+        apply_limits(&src, e, &mut export)?;
         export.fuse_mount = e.fuse_mount.clone();
         config.exports.push(export);
     }
@@ -501,5 +543,33 @@ fuse_mount = "/mnt/keelfs"
         );
         let bad_pci = format!("[[device]]\nname = \"n\"\nbackend = \"nvme\"\npci = \"00:05.0\"\n{export}");
         assert!(error_of(&bad_pci).contains("nvme:DOMAIN:BUS:DEVICE.FUNCTION"), "{}", error_of(&bad_pci));
+    }
+
+    #[test]
+    fn per_export_limits_parse_and_refuse_the_absurd() {
+        let base =
+            "[[device]]\nname = \"d\"\npath = \"/x\"\n[[export]]\ntag = \"a\"\ndevice = \"d\"\nsocket = \"/s\"\n";
+        let limits = format!(
+            "{base}open_handles_max = 1000\nxattr_bytes_per_inode_max = \"64K\"\nrequests_in_flight_max = 128\n"
+        );
+        let e = &parse("limits.toml", &limits).unwrap().exports[0];
+        assert_eq!(
+            (e.open_handles_max, e.xattr_bytes_per_inode_max, e.requests_in_flight_max),
+            (1000, 65536, Some(128))
+        );
+        let defaults = &parse("limits.toml", base).unwrap().exports[0];
+        assert_eq!((defaults.open_handles_max, defaults.requests_in_flight_max), (65536, None));
+        assert_eq!(
+            error_of(&format!("{base}open_handles_max = 0\n")),
+            "bad.toml:8:20: open_handles_max must be between 16 and 16777216"
+        );
+        assert_eq!(
+            error_of(&format!("{base}xattr_bytes_per_inode_max = \"1G\"\n")),
+            "bad.toml:8:29: xattr_bytes_per_inode_max must be between 4K and 256K"
+        );
+        assert_eq!(
+            error_of(&format!("{base}requests_in_flight_max = 0\n")),
+            "bad.toml:8:26: requests_in_flight_max must be between 1 and 32768"
+        );
     }
 }

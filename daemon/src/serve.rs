@@ -24,7 +24,7 @@ use keelfs_core::fs::{Fs, FsConfig};
 use keelfs_core::reactor::io::DeviceChannel;
 use keelfs_core::reactor::{self, PollMode, Reactor, ReactorConfig, ReactorHandle};
 use keelfs_vhost::fuse::dev_fuse::{serve as serve_fuse, FuseMount};
-use keelfs_vhost::fuse::dispatch::{CacheMode, Session};
+use keelfs_vhost::fuse::dispatch::{CacheMode, Session, SessionConfig};
 use keelfs_vhost::fuse::stats::OpStats;
 use keelfs_vhost::socket::SocketAccess;
 use keelfs_vhost::vhost_user::{ServeOptions, VhostUserServer};
@@ -569,7 +569,8 @@ async fn start_transports(
     listener: Option<std::os::unix::net::UnixListener>,
     fuse: Option<FuseMount>,
 ) -> anyhow::Result<(Option<VhostUserServer>, Option<Rc<FuseMount>>, Option<Rc<OpStats>>)> {
-    let session_config = CacheMode::from(export.cache).session_config();
+    let session_config =
+        SessionConfig { open_handles_max: export.open_handles_max, ..CacheMode::from(export.cache).session_config() };
     let server = match (&export.socket, listener) {
         (Some(socket), Some(listener)) => {
             let options = ServeOptions {
@@ -577,6 +578,7 @@ async fn start_transports(
                 helpers,
                 socket_access: SocketAccess::default(),
                 listener: Some(listener),
+                requests_in_flight_max: export.requests_in_flight_max,
             };
             let server =
                 VhostUserServer::start_with(fs.clone(), session_config.clone(), socket, export.request_queues, options)
@@ -605,6 +607,7 @@ async fn mount(
         preferred_group: reactor_id,
         cache_bytes: export.page_cache_bytes,
         inodes_max: export.inodes_max,
+        xattr_bytes_per_inode_max: export.xattr_bytes_per_inode_max,
         ..FsConfig::default()
     };
     Fs::mount(DeviceChannel::attach(queue), config)

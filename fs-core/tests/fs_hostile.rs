@@ -131,3 +131,22 @@ fn the_inode_count_is_bounded_and_refused_with_enospc() {
         fs.unmount().await.unwrap();
     });
 }
+
+#[test]
+fn the_xattr_bytes_per_inode_limit_is_configurable() {
+    let mut r = common::busy_reactor();
+    let dev = common::ram_device(32 * MIB);
+    r.block_on(async move {
+        common::format(&dev).await;
+        let config = keelfs_core::fs::FsConfig { xattr_bytes_per_inode_max: 8192, ..Default::default() };
+        let fs = Fs::mount(common::channel(&dev), config).await.unwrap();
+        let c = Creds::root();
+        let (f, _) = fs.create(&c, ROOT_INO, b"x", 0o644, libc::O_RDWR as u32).await.unwrap();
+        let value = vec![1u8; 3000];
+        fs.setxattr(&c, f.inode.ino, b"user.a", &value, 0).await.unwrap();
+        fs.setxattr(&c, f.inode.ino, b"user.b", &value, 0).await.unwrap();
+        let refused = fs.setxattr(&c, f.inode.ino, b"user.c", &value, 0).await.unwrap_err();
+        assert_eq!(refused.errno(), libc::ENOSPC, "9 KiB is past the configured 8 KiB");
+        fs.unmount().await.unwrap();
+    });
+}

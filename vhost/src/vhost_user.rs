@@ -326,6 +326,10 @@ pub struct ServeOptions {
     /// as the daemon does before it enters its sandbox; the caller then
     /// removes the path. None: bind here, and remove it on stop.
     pub listener: Option<std::os::unix::net::UnixListener>,
+    /// Requests in flight per queue at most (None: as many as the ring
+    /// holds). Past it, requests wait in the ring: backpressure, not an
+    /// error.
+    pub requests_in_flight_max: Option<usize>,
 }
 
 static NEXT_SERVER_ID: AtomicU64 = AtomicU64::new(1);
@@ -378,6 +382,7 @@ impl VhostUserServer {
             return Err(VhostUserError::QueueCount(request_queues));
         }
         let queues = request_queues + 1;
+        let in_flight_max = options.requests_in_flight_max.unwrap_or(usize::MAX).max(1);
         // A helper with no queue of its own would only cost a poller.
         let helpers: Vec<ReactorHandle> = options.helpers.into_iter().take(request_queues - 1).collect();
         let poller_count = 1 + helpers.len();
@@ -417,6 +422,7 @@ impl VhostUserServer {
             queues: in_flight.iter().map(|c| QueueState { in_flight: c.clone(), ..QueueState::default() }).collect(),
             disconnects: Vec::new(),
             stats: stats.clone(),
+            in_flight_max,
         };
         reactor::register_poller(PollerClass::Source, Box::new(owner));
         let owner_handle = reactor::current();
@@ -434,6 +440,7 @@ impl VhostUserServer {
                     queues: (0..queues).map(|_| QueueState::default()).collect(),
                     disconnects: Vec::new(),
                     stats: Rc::default(),
+                    in_flight_max,
                 };
                 reactor::register_poller(PollerClass::Source, Box::new(poller));
             };
@@ -737,6 +744,9 @@ struct QueuePoller<S: ChainServer> {
     queues: Vec<QueueState>,
     disconnects: Vec<SyncSender<()>>,
     stats: Rc<DeviceStats>,
+    /// Requests in flight per queue at most: past it, the rest wait in the
+    /// ring until some finish.
+    in_flight_max: usize,
 }
 
 impl<S: ChainServer> QueuePoller<S> {
@@ -810,7 +820,7 @@ impl<S: ChainServer> QueuePoller<S> {
                 return false;
             }
             self.queues[index].broken = false;
-            while popped < POP_BATCH {
+            while popped < POP_BATCH && self.queues[index].in_flight.get() < self.in_flight_max {
                 let Some(chain) = state.get_queue_mut().pop_descriptor_chain(mem.clone()) else { break };
                 popped += 1;
                 let queue = &self.queues[index];

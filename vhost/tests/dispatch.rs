@@ -285,3 +285,27 @@ fn sessions_on_one_filesystem_keep_their_handles_and_references_apart() {
         assert_ne!(call(&host, Opcode::Getattr, 21, ino, &[0u8; 16]).await.0, 0, "freed with its last reference");
     });
 }
+
+#[test]
+fn a_session_holds_at_most_its_configured_open_handles() {
+    let config = SessionConfig { open_handles_max: 4, ..SessionConfig::default() };
+    with_session_config(config, async |s: Session| {
+        s.handle(&request(Opcode::Init as u32, 1, 0, &init_body())).await.unwrap();
+        let create_in = [libc::O_RDWR as u32, 0o644, 0, 0].map(u32::to_le_bytes).concat();
+        let (err, body) =
+            reply(&s.handle(&request(Opcode::Create as u32, 2, 1, &named(&create_in, "f"))).await.unwrap(), 2);
+        assert_eq!(err, 0);
+        let (ino, first) = (u64_at(&body, 0), u64_at(&body, 128));
+        let open = async |unique: u64| {
+            reply(&s.handle(&request(Opcode::Open as u32, unique, ino, &[0u8; 8])).await.unwrap(), unique)
+        };
+        for unique in 3..6 {
+            assert_eq!(open(unique).await.0, 0, "handles 2 to 4 are within the limit");
+        }
+        assert_eq!(open(6).await.0, -libc::EMFILE, "a fifth handle is past the limit of 4");
+        // Closing one makes room again.
+        let release = [first.to_le_bytes().to_vec(), vec![0u8; 16]].concat();
+        assert_eq!(reply(&s.handle(&request(Opcode::Release as u32, 7, ino, &release)).await.unwrap(), 7).0, 0);
+        assert_eq!(open(8).await.0, 0);
+    });
+}

@@ -30,7 +30,7 @@ struct Daemon {
     /// The device's zero-copy and one-copy reply counts, its helper
     /// reactors' reads from the cache and requests forwarded, and the
     /// queues a driver broke, sent at shutdown.
-    zero_copy: std::sync::mpsc::Receiver<[u64; 5]>,
+    zero_copy: std::sync::mpsc::Receiver<[u64; 6]>,
     /// The device's reactor (its statistics show whether it spins).
     reactor: keelfs_core::reactor::ReactorHandle,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -52,6 +52,11 @@ impl Daemon {
 
     /// With `helpers` more reactors polling request queues.
     fn start_with_helpers(request_queues: usize, helpers: usize) -> Self {
+        Self::start_with_options(request_queues, helpers, None)
+    }
+
+    /// With a limit on requests in flight per queue too.
+    fn start_with_options(request_queues: usize, helpers: usize, requests_in_flight_max: Option<usize>) -> Self {
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let dir = std::env::temp_dir().join(format!(
             "keelfs-vu-{}-{}",
@@ -80,7 +85,12 @@ impl Daemon {
                     // committed) come back within the test.
                     let config = FsConfig { commit_interval: Duration::from_millis(50), ..FsConfig::default() };
                     let fs = Fs::mount(ch(), config).await.unwrap();
-                    let options = ServeOptions { dma: None, helpers: helper_handles, ..ServeOptions::default() };
+                    let options = ServeOptions {
+                        dma: None,
+                        helpers: helper_handles,
+                        requests_in_flight_max,
+                        ..ServeOptions::default()
+                    };
                     let server = VhostUserServer::start_with(
                         fs.clone(),
                         SessionConfig::default(),
@@ -100,6 +110,7 @@ impl Daemon {
                         h.from_cache.load(Ordering::Relaxed),
                         h.forwarded.load(Ordering::Relaxed),
                         server.stats().broken_queues.get(),
+                        server.stats().in_flight_max.get() as u64,
                     ]);
                     server.stop().await;
                     fs.unmount().await.unwrap();
@@ -128,9 +139,9 @@ impl Daemon {
     }
 
     /// Shut down; returns zero-copy and one-copy replies, helper reads from
-    /// the cache, requests helpers forwarded to the owner, and broken
-    /// queues.
-    fn stop_all(mut self) -> [u64; 5] {
+    /// the cache, requests helpers forwarded to the owner, broken queues,
+    /// and the most requests a queue had in flight.
+    fn stop_all(mut self) -> [u64; 6] {
         self.stop.store(true, Ordering::Release);
         if let Some(t) = self.thread.take() {
             t.join().expect("daemon thread exits cleanly");
@@ -247,6 +258,29 @@ fn requests_over_vhost_user_reach_the_filesystem() {
 }
 
 #[test]
+fn requests_in_flight_per_queue_stay_under_the_limit() {
+    let daemon = Daemon::start_with_options(1, 0, Some(2));
+    let mut fe = daemon.connect(1);
+    fe.init(f::INIT_EXT).unwrap();
+    let mut heads = Vec::new();
+    for i in 0..24u64 {
+        let req = encode_request(Opcode::Getattr as u32, 1000 + i, 1, 0, 0, &[0u8; 16]);
+        heads.push(fe.submit(1, &req, 4096).unwrap());
+    }
+    // Past the limit requests wait in the ring: all are still answered.
+    let mut done = Vec::new();
+    while done.len() < heads.len() {
+        done.extend(fe.wait(1, TIMEOUT).unwrap());
+    }
+    for used in done {
+        assert_eq!(i32::from_le_bytes(fe.reply(1, used).unwrap()[4..8].try_into().unwrap()), 0);
+    }
+    drop(fe);
+    let [.., in_flight_max] = daemon.stop_all();
+    assert!((1..=2).contains(&in_flight_max), "{in_flight_max} requests were in flight at once; the limit is 2");
+}
+
+#[test]
 fn two_request_queues_serve_one_filesystem() {
     let daemon = Daemon::start(2);
     let mut fe = daemon.connect(2);
@@ -299,7 +333,7 @@ fn a_helper_reactor_serves_cached_reads_and_sends_the_rest_to_the_owner() {
     assert_eq!(fe.fuse(1, Opcode::Release, other, &release.bytes).unwrap().0, 0);
     assert_eq!(fe.fuse(2, Opcode::Read, other, &io_body(other_fh, 0, 10).bytes).unwrap().0, libc::EBADF);
     drop(fe);
-    let [_, _, from_cache, forwarded, _] = daemon.stop_all();
+    let [_, _, from_cache, forwarded, _, _] = daemon.stop_all();
     assert!(from_cache >= 5, "the helper served the cached reads itself ({from_cache})");
     assert!(forwarded >= 4, "the helper sent the other requests to the owner ({forwarded})");
 }
@@ -668,6 +702,6 @@ fn an_avail_index_a_ring_ahead_stops_that_queue_not_the_reactor() {
         std::thread::sleep(Duration::from_millis(20));
     }
     drop(fe);
-    let [.., broken] = daemon.stop_all();
+    let [.., broken, _] = daemon.stop_all();
     assert_eq!(broken, 1, "the broken queue is counted once");
 }

@@ -62,6 +62,10 @@ pub struct FsConfig {
     /// it, creating one fails with ENOSPC. None: one per 16 KiB of device,
     /// as ext4's default, between 1,024 and 2^32 - 1.
     pub inodes_max: Option<u64>,
+    /// Bytes of xattr names and values one inode may hold; past it,
+    /// setxattr fails with ENOSPC. At most the format's
+    /// [`format::XATTR_INODE_BYTES_MAX`] (the default).
+    pub xattr_bytes_per_inode_max: usize,
 }
 
 impl Default for FsConfig {
@@ -72,6 +76,7 @@ impl Default for FsConfig {
             cache_bytes: 256 << 20,
             writeback_interval: Duration::from_millis(500),
             inodes_max: None,
+            xattr_bytes_per_inode_max: format::XATTR_INODE_BYTES_MAX,
         }
     }
 }

@@ -786,7 +786,8 @@ impl Fs {
         if flags & XATTR_REPLACE != 0 && !exists {
             return Err(FsError::NoData);
         }
-        if names_bytes > XATTR_LIST_BYTES_MAX || all_bytes > XATTR_INODE_BYTES_MAX {
+        let inode_bytes_max = self.inner.config.xattr_bytes_per_inode_max.min(XATTR_INODE_BYTES_MAX);
+        if names_bytes > XATTR_LIST_BYTES_MAX || all_bytes > inode_bytes_max {
             return Err(FsError::NoSpace);
         }
         self.inner.log(Record::XattrSet { ino, name: name.to_vec(), value: value.to_vec() })?;

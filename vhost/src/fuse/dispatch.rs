@@ -28,6 +28,9 @@ pub struct SessionConfig {
     pub writeback_cache: bool,
     /// What the client may cache, as virtiofsd's `--cache`.
     pub cache: CacheMode,
+    /// Open handles the session may hold at once; past it, opens fail
+    /// with EMFILE. Default [`SESSION_HANDLES_MAX`].
+    pub open_handles_max: usize,
 }
 
 /// How much the client (guest or host kernel) may cache.
@@ -57,6 +60,7 @@ impl CacheMode {
             max_write: 1 << 20,
             writeback_cache: self == CacheMode::Always,
             cache: self,
+            open_handles_max: SESSION_HANDLES_MAX,
         }
     }
 }
@@ -105,9 +109,9 @@ struct Holdings {
     lookups: keelfs_core::units::IdMap<u64>,
 }
 
-/// Open handles one session may hold at once: far more than a guest's
-/// kernel keeps open, and a bound on what a hostile one can make keelfsd
-/// hold. Past it, opens fail with EMFILE.
+/// Open handles one session may hold at once by default: far more than a
+/// guest's kernel keeps open, and a bound on what a hostile one can make
+/// keelfsd hold. Past it, opens fail with EMFILE.
 pub const SESSION_HANDLES_MAX: usize = 1 << 16;
 
 impl Drop for Session {
@@ -185,7 +189,7 @@ impl Session {
     async fn own_handle(&self, fh: u64) -> Result<u64, i32> {
         let full = {
             let mut h = self.holdings.borrow_mut();
-            let full = h.handles.len() >= SESSION_HANDLES_MAX;
+            let full = h.handles.len() >= self.config.open_handles_max;
             if !full {
                 h.handles.insert(fh, ());
             }
