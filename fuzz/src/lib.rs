@@ -1,0 +1,165 @@
+//! A harness for coverage-guided fuzzing of the FUSE dispatcher (issue 16).
+//!
+//! An input is a sequence of requests in a compact form that always gives a
+//! well-formed header (the length, the unique and the opcode are filled in
+//! here), so that every mutation AFL++ makes reaches the opcode's parser
+//! and the filesystem instead of dying at the header check:
+//!
+//! | byte | meaning |
+//! |---|---|
+//! | 0 | opcode: the byte modulo 56 (every known opcode and a few unknown), or 4000 + byte from 200 up |
+//! | 1 | node id: 0 the root, 1 to 64 one learnt from an earlier reply, 255 u64::MAX, else the byte itself |
+//! | 2, 3 | body length, little-endian, cut to what is left of the input and to 8 KiB |
+//! | ... | the body, verbatim |
+//!
+//! Each input runs against a fresh copy of one formatted filesystem, so a
+//! run is deterministic. Every reply must be well-formed (its length, the
+//! request's unique, an errno in range), and after the input the
+//! filesystem's block ownership must be consistent: a violation panics,
+//! which AFL++ records as a crash.
+
+use std::sync::Arc;
+
+use keelfs_core::bdev::fault::splitmix64;
+use keelfs_core::bdev::{BlockDevice, MappedDevice, QueueConfig};
+use keelfs_core::fs::mkfs::{mkfs, MkfsOptions};
+use keelfs_core::fs::{Fs, FsConfig};
+use keelfs_core::reactor::io::DeviceChannel;
+use keelfs_core::reactor::{PollMode, Reactor, ReactorConfig};
+use keelfs_vhost::fuse::abi::{encode_request, Opcode, Reply};
+use keelfs_vhost::fuse::dispatch::{Session, SessionConfig};
+
+const DEVICE_BYTES: u64 = 32 << 20;
+/// Requests one input may hold.
+const REQUESTS_MAX: usize = 64;
+/// A body's length at most.
+const BODY_BYTES_MAX: usize = 8 << 10;
+/// Node ids learnt from replies.
+const NODES_MAX: usize = 64;
+/// A reply may carry at most max_write (1 MiB) of data, plus headers.
+const REPLY_BYTES_MAX: usize = (1 << 20) + 4096;
+
+pub struct Harness {
+    reactor: Reactor,
+    device: Arc<MappedDevice>,
+    image: Vec<u8>,
+}
+
+fn channel(device: &Arc<MappedDevice>) -> DeviceChannel {
+    DeviceChannel::attach(device.open_queue(QueueConfig::default()).expect("a RAM device queue"))
+}
+
+fn init_body() -> Vec<u8> {
+    let mut r = Reply::default();
+    r.u32(7).u32(38).u32(128 << 10).u32(u32::MAX).u32(0).raw(&[0u8; 44]);
+    r.bytes
+}
+
+/// Check a reply's shape; its errno and body.
+fn check_reply(reply: &[u8], unique: u64, opcode: u32) -> (i32, &[u8]) {
+    assert!((16..=REPLY_BYTES_MAX).contains(&reply.len()), "opcode {opcode}: a reply of {} bytes", reply.len());
+    let len = u32::from_le_bytes(reply[..4].try_into().expect("4 bytes")) as usize;
+    assert_eq!(len, reply.len(), "opcode {opcode}: the header's length");
+    let error = i32::from_le_bytes(reply[4..8].try_into().expect("4 bytes"));
+    assert!((-4095..=0).contains(&error), "opcode {opcode}: errno {error}");
+    assert_eq!(u64::from_le_bytes(reply[8..16].try_into().expect("8 bytes")), unique, "opcode {opcode}: unique");
+    (error, &reply[16..])
+}
+
+/// Replies whose body starts with a fuse_entry_out: a node id to aim at.
+fn names_a_node(opcode: u32) -> bool {
+    [Opcode::Lookup, Opcode::Mknod, Opcode::Mkdir, Opcode::Symlink, Opcode::Link, Opcode::Create]
+        .iter()
+        .any(|&op| op as u32 == opcode)
+}
+
+impl Harness {
+    /// A formatted filesystem to copy for every input.
+    pub fn new() -> Self {
+        let mut reactor =
+            Reactor::new(ReactorConfig { mode: PollMode::Busy, ..ReactorConfig::default() }).expect("a reactor");
+        let device = Arc::new(MappedDevice::ram(DEVICE_BYTES, 4096).expect("a RAM device"));
+        let dev = Arc::clone(&device);
+        reactor.block_on(async move {
+            mkfs(channel(&dev), &MkfsOptions { force: true, ..MkfsOptions::default() }).await.expect("mkfs");
+        });
+        let image = device.snapshot();
+        Self { reactor, device, image }
+    }
+
+    /// Run one input (see the module documentation). Panics on a
+    /// malformed reply or inconsistent block ownership.
+    pub fn run(&mut self, input: &[u8]) {
+        self.device.restore(&self.image);
+        let device = Arc::clone(&self.device);
+        let input = input.to_vec();
+        self.reactor.block_on(async move {
+            let fs = Fs::mount(channel(&device), FsConfig::default()).await.expect("the image mounts");
+            let session = Session::new(fs.clone(), SessionConfig::default());
+            let init = encode_request(Opcode::Init as u32, 1, 0, 0, 0, &init_body());
+            let reply = session.handle(&init).await.expect("INIT is answered");
+            assert_eq!(check_reply(&reply, 1, Opcode::Init as u32).0, 0);
+            run_requests(&session, &input).await;
+            if let Err(why) = fs.check_block_ownership() {
+                panic!("after the input, {why}");
+            }
+            session.give_back().await;
+            drop(session);
+            fs.unmount().await.expect("unmount");
+        });
+    }
+}
+
+impl Default for Harness {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+async fn run_requests(session: &Session, mut input: &[u8]) {
+    let mut nodes: Vec<u64> = Vec::new();
+    for unique in 2..2 + REQUESTS_MAX as u64 {
+        let [op, node, len_lo, len_hi, rest @ ..] = input else { break };
+        let opcode = if *op >= 200 { 4000 + u32::from(*op) } else { u32::from(*op) % 56 };
+        let nodeid = match *node {
+            0 => 1,
+            255 => u64::MAX,
+            n @ 1..=64 if !nodes.is_empty() => nodes[(n as usize - 1) % nodes.len()],
+            n => u64::from(n),
+        };
+        let len = (usize::from(*len_lo) | usize::from(*len_hi) << 8).min(rest.len()).min(BODY_BYTES_MAX);
+        let (body, left) = rest.split_at(len);
+        input = left;
+        let request = encode_request(opcode, unique, nodeid, 0, 0, body);
+        let Some(reply) = session.handle(&request).await else { continue };
+        let (error, reply_body) = check_reply(&reply, unique, opcode);
+        if error == 0 && names_a_node(opcode) && reply_body.len() >= 8 && nodes.len() < NODES_MAX {
+            nodes.push(u64::from_le_bytes(reply_body[..8].try_into().expect("8 bytes")));
+        }
+    }
+}
+
+/// `count` inputs from `seed`: a starting corpus for AFL++ and the fixed
+/// cases CI runs. Bodies are short and mostly small numbers, names and
+/// zeroes, so that some requests succeed and build a tree to aim at.
+pub fn generated_inputs(seed: u64, count: usize) -> Vec<Vec<u8>> {
+    let mut s = seed;
+    (0..count)
+        .map(|_| {
+            let mut input = Vec::new();
+            for _ in 0..1 + splitmix64(&mut s) % 24 {
+                let op = [1u8, 3, 4, 6, 8, 9, 10, 14, 15, 16, 21, 22, 26, 27, 28, 35, 43, 44, 46]
+                    [(splitmix64(&mut s) % 19) as usize];
+                let node = (splitmix64(&mut s) % 6) as u8;
+                let body_len = (splitmix64(&mut s) % 48) as usize;
+                let mut body: Vec<u8> = (0..body_len).map(|_| (splitmix64(&mut s) % 4) as u8).collect();
+                if splitmix64(&mut s).is_multiple_of(2) {
+                    body.extend_from_slice(format!("n{}\0", splitmix64(&mut s) % 8).as_bytes());
+                }
+                input.extend_from_slice(&[op, node, body.len() as u8, 0]);
+                input.extend_from_slice(&body);
+            }
+            input
+        })
+        .collect()
+}
