@@ -184,3 +184,27 @@ fn killing_the_supervisor_kills_the_server() {
     let out = keelfsd().arg("fsck").arg(&image).arg("--repair").output().unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+#[test]
+fn the_pmem_backend_serves_sandboxed_too() {
+    let dir = Scratch::new("sandboxed-pmem");
+    let (image, mnt) = (dir.path("p.img"), dir.path("mnt"));
+    mkfs(&image, "256M");
+    let config = dir.path("keelfsd.toml");
+    let text = format!(
+        "[[device]]\nname = \"p\"\nbackend = \"pmem\"\npath = \"{}\"\n[[export]]\ntag = \"p\"\ndevice = \"p\"\nfuse_mount = \"{}\"\n",
+        image.display(),
+        mnt.display()
+    );
+    std::fs::write(&config, text).unwrap();
+    let served = Served::start(&["--config".as_ref(), config.as_os_str()], &[&mnt]);
+    let server = server_of(served.child.id());
+    assert_eq!(status_field(server, "Seccomp"), "2");
+    let data: Vec<u8> = (0..1_000_000u32).map(|i| (i % 251) as u8).collect();
+    std::fs::write(mnt.join("f"), &data).unwrap();
+    std::fs::File::open(mnt.join("f")).unwrap().sync_all().unwrap();
+    assert_eq!(std::fs::read(mnt.join("f")).unwrap(), data);
+    let status = served.stop();
+    assert!(status.success(), "exit status {status}");
+    assert_eq!(common::fsck(&image).0, 0);
+}
