@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Args;
-use keelfs_vhost::frontend::{io_request, FrontendConfig, FsFrontend, QueueDriver};
-use keelfs_vhost::fuse::abi::{encode_request, init_flags as f, Opcode, Reply, ENTRY_OUT_BYTES, OUT_HEADER_BYTES};
+use keelfs_vhost::frontend::{io_request, FrontendConfig, FsFrontend};
+use keelfs_vhost::fuse::abi::{encode_request, init_flags as f, Opcode, Reply, OUT_HEADER_BYTES};
 use serde_json::json;
 
 #[derive(Args, Debug)]
@@ -43,21 +43,6 @@ const REPLY_CAPACITY: u32 = 4096;
 const ROUND_PAUSE: Duration = Duration::from_micros(100);
 /// How long one request may take before the run fails: a stall.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// The target file: (nodeid, fh).
-fn create(q: &mut QueueDriver, name: &str) -> anyhow::Result<(u64, u64)> {
-    let mut body = Reply::default();
-    let mut n = name.as_bytes().to_vec();
-    n.push(0);
-    body.u32((libc::O_RDWR | libc::O_TRUNC) as u32).u32(0o100644).u32(0o022).u32(0).raw(&n);
-    let (err, reply) = q.fuse(Opcode::Create, 1, &body.bytes)?;
-    if err != 0 || reply.len() < ENTRY_OUT_BYTES + 16 {
-        bail!("create {name}: errno {err}");
-    }
-    let nodeid = u64::from_le_bytes(reply[..8].try_into()?);
-    let fh = u64::from_le_bytes(reply[ENTRY_OUT_BYTES..ENTRY_OUT_BYTES + 8].try_into()?);
-    Ok((nodeid, fh))
-}
 
 fn named(name: &[u8]) -> Vec<u8> {
     let mut v = name.to_vec();
@@ -108,7 +93,7 @@ pub fn run(args: &HostileArgs) -> anyhow::Result<()> {
         .with_context(|| format!("connecting to {}", args.socket.display()))?;
     fe.init(f::ASYNC_READ | f::BIG_WRITES | f::MAX_PAGES | f::INIT_EXT)?;
     let mut q = fe.take_queue(1);
-    let (nodeid, fh) = create(&mut q, "hostile-target")?;
+    let (nodeid, fh) = crate::vhost::create(&mut q, "hostile-target", 0)?;
     let mut errors: BTreeMap<i32, u64> = BTreeMap::new();
     let (mut sent, mut answered, mut in_flight) = (0u64, 0u64, 0u16);
     let started = Instant::now();

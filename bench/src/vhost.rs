@@ -72,7 +72,7 @@ fn check(err: i32, what: &str) -> anyhow::Result<()> {
 }
 
 /// CREATE (or truncate) `name` in the root; (nodeid, fh).
-fn create(q: &mut QueueDriver, name: &str, flags: i32) -> anyhow::Result<(u64, u64)> {
+pub(crate) fn create(q: &mut QueueDriver, name: &str, flags: i32) -> anyhow::Result<(u64, u64)> {
     let mut body = Reply::default();
     let mut n = name.as_bytes().to_vec();
     n.push(0);
