@@ -2,7 +2,8 @@
 # The long fuzz run: keelfs's structure-aware fuzzers (hostile but
 # well-formed FUSE requests against the dispatcher, generated hostile
 # descriptor chains against the virtqueue path, crafted superblocks with
-# valid checksums) run seed after seed until the time is up. CI runs each
+# valid checksums, journal and checkpoint records mutated under valid
+# checksums) run seed after seed until the time is up. CI runs each
 # once with a fixed seed; this is the run that hunts.
 #
 # Usage: scripts/fuzz.sh [--minutes N] [--cases N] [--afl]
@@ -89,6 +90,14 @@ while ((SECONDS < end)); do
     runs=$((runs + 1))
     total_cases=$((total_cases + cases))
   done
+  # Journal and checkpoint records mutated under valid checksums: 300
+  # images per mutator and seed.
+  if ! KEELFS_DAMAGE_SEED=$seed cargo test -q -p keelfs-core --test fs_damage valid_checksums >/dev/null 2>&1; then
+    echo "fuzz.sh: FAILED: replay with KEELFS_DAMAGE_SEED=$seed cargo test -p keelfs-core --test fs_damage valid_checksums"
+    exit 1
+  fi
+  runs=$((runs + 1))
+  total_cases=$((total_cases + 600))
   seed=$((seed + 1))
 done
 # The crafted superblocks are a fixed table: once per run.
