@@ -113,6 +113,9 @@ pub fn fork_into_pid_namespace(cleanup: Cleanup, signals: &Signals) -> anyhow::R
              Run as root, or pass --sandbox none to serve without a sandbox"
         )));
     }
+    // What is mounted at the mount points already (another daemon's, say)
+    // is not the child's to clean up.
+    let mounted_before: Vec<Option<u64>> = cleanup.fuse_mounts.iter().map(|m| keelfs_mount_at(m)).collect();
     // SAFETY: the process has one thread (checked above), so the child
     // inherits no lock held by another thread.
     let pid = check(unsafe { libc::fork() }).context("fork")?;
@@ -122,7 +125,7 @@ pub fn fork_into_pid_namespace(cleanup: Cleanup, signals: &Signals) -> anyhow::R
         return Ok(Role::Server(SupervisorLink { stream: Mutex::new(child_end), fuse_mounts: cleanup.fuse_mounts }));
     }
     drop(child_end);
-    let code = supervise(pid, parent_end, signals, &cleanup)?;
+    let code = supervise(pid, parent_end, signals, &cleanup, mounted_before)?;
     Ok(Role::Supervisor(code))
 }
 
@@ -147,6 +150,7 @@ fn supervise(
     mut link: UnixStream,
     signals: &Signals,
     cleanup: &Cleanup,
+    mounted_before: Vec<Option<u64>>,
 ) -> anyhow::Result<ExitCode> {
     // SAFETY: pidfd_open takes a pid and flags.
     let pidfd = check(unsafe { libc::syscall(libc::SYS_pidfd_open, child, 0) } as libc::c_int)
@@ -181,8 +185,9 @@ fn supervise(
     let mut status = 0;
     // SAFETY: the child is ours and has exited; status is a valid int.
     check(unsafe { libc::waitpid(child, &mut status, 0) }).context("waitpid")?;
-    for mountpoint in &cleanup.fuse_mounts {
-        if is_mounted(mountpoint) {
+    // Only a mount the child made: another daemon's, there before, stays.
+    for (mountpoint, before) in cleanup.fuse_mounts.iter().zip(&mounted_before) {
+        if keelfs_mount_at(mountpoint).is_some_and(|now| Some(now) != *before) {
             let _ = umount(mountpoint);
         }
     }
@@ -214,9 +219,10 @@ fn umount(mountpoint: &Path) -> io::Result<()> {
     check(unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) }).map(drop)
 }
 
-/// Whether a keelfs /dev/fuse mount is at `mountpoint`, per mountinfo.
-fn is_mounted(mountpoint: &Path) -> bool {
-    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else { return false };
+/// The mount id of the topmost keelfs /dev/fuse mount at `mountpoint`,
+/// per mountinfo (later lines are mounted on top of earlier ones).
+fn keelfs_mount_at(mountpoint: &Path) -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
     // mountinfo escapes space, tab, newline and backslash as octal.
     let escaped = mountpoint
         .to_string_lossy()
@@ -224,11 +230,13 @@ fn is_mounted(mountpoint: &Path) -> bool {
         .replace(' ', "\\040")
         .replace('\t', "\\011")
         .replace('\n', "\\012");
-    info.lines().any(|line| {
-        let mut fields = line.split(' ');
-        let at = fields.nth(4) == Some(escaped.as_str());
-        at && line.split(" - ").nth(1).is_some_and(|rest| rest.starts_with("fuse.keelfs "))
-    })
+    info.lines()
+        .filter(|line| {
+            let at = line.split(' ').nth(4) == Some(escaped.as_str());
+            at && line.split(" - ").nth(1).is_some_and(|rest| rest.starts_with("fuse.keelfs "))
+        })
+        .filter_map(|line| line.split(' ').next()?.parse().ok())
+        .next_back()
 }
 
 fn exit_code(status: libc::c_int) -> ExitCode {

@@ -208,3 +208,24 @@ fn the_pmem_backend_serves_sandboxed_too() {
     assert!(status.success(), "exit status {status}");
     assert_eq!(common::fsck(&image).0, 0);
 }
+
+#[test]
+fn a_failed_daemon_leaves_another_daemons_mount_alone() {
+    let dir = Scratch::new("mount-owner");
+    let (image, mnt) = (dir.path("a.img"), dir.path("mnt"));
+    mkfs(&image, "256M");
+    let first =
+        Served::start(&["--device".as_ref(), image.as_os_str(), "--fuse-mount".as_ref(), mnt.as_os_str()], &[&mnt]);
+    std::fs::write(mnt.join("mine"), b"first").unwrap();
+    // A second daemon on the same mount point fails before it mounts (its
+    // device is missing); its supervisor must not take the first's down.
+    let out = keelfsd()
+        .arg("serve")
+        .args(["--device".as_ref(), dir.path("missing.img").as_os_str(), "--fuse-mount".as_ref(), mnt.as_os_str()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(is_mounted(&mnt), "the failed daemon's supervisor unmounted the first daemon's mount");
+    assert_eq!(std::fs::read(mnt.join("mine")).unwrap(), b"first");
+    assert!(first.stop().success());
+}
