@@ -4,7 +4,8 @@
 //! forks: the child becomes pid 1 of a new pid namespace and serves,
 //! sandboxed; the parent, the process its caller started, stays in the
 //! host's namespaces and does only what the child can no longer do:
-//! - it passes SIGTERM and SIGINT on to the child;
+//! - it passes SIGTERM and SIGINT on to the child, which has a process
+//!   group of its own so that it hears a terminal's ^C once;
 //! - it takes down the child's /dev/fuse mounts when asked (the child
 //!   cannot see their mount points), and after the child exits;
 //! - it removes the child's stale sockets after it exits;
@@ -132,6 +133,11 @@ pub fn fork_into_pid_namespace(cleanup: Cleanup, signals: &Signals) -> anyhow::R
 fn become_child(link: &UnixStream) -> anyhow::Result<()> {
     // SAFETY: prctl with integer arguments only.
     check(unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) }).context("PR_SET_PDEATHSIG")?;
+    // A process group of its own: a signal to the supervisor's group (^C
+    // at a terminal) reaches the server once, forwarded, not twice, which
+    // it would take for the "second signal" that forces an exit.
+    // SAFETY: setpgid with integer arguments only.
+    check(unsafe { libc::setpgid(0, 0) }).context("setpgid")?;
     // The parent may have died before the line above took effect; then its
     // end of the link is closed.
     let mut pfd = libc::pollfd { fd: link.as_raw_fd(), events: libc::POLLIN, revents: 0 };

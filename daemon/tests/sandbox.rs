@@ -229,3 +229,38 @@ fn a_failed_daemon_leaves_another_daemons_mount_alone() {
     assert_eq!(std::fs::read(mnt.join("mine")).unwrap(), b"first");
     assert!(first.stop().success());
 }
+
+#[test]
+fn a_signal_to_the_process_group_shuts_down_cleanly() {
+    use std::os::unix::process::CommandExt;
+    let dir = Scratch::new("pgrp-signal");
+    let (image, mnt) = (dir.path("k.img"), dir.path("mnt"));
+    std::fs::create_dir_all(&mnt).unwrap();
+    mkfs(&image, "256M");
+    // As at a terminal: the daemon leads a process group, and ^C signals
+    // the whole group.
+    let child = keelfsd()
+        .arg("serve")
+        .args(["--device".as_ref(), image.as_os_str(), "--fuse-mount".as_ref(), mnt.as_os_str()])
+        .process_group(0)
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !is_mounted(&mnt) {
+        assert!(Instant::now() < deadline, "keelfsd did not mount");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The server leads a group of its own, so that the group's signal
+    // reaches it once (forwarded), not twice (which forces an exit).
+    let server = server_of(child.id());
+    // SAFETY: getpgid(2) reads another process's group id.
+    assert_eq!(unsafe { libc::getpgid(server as i32) }, server as i32, "the server is in its supervisor's group");
+    // SAFETY: killpg(2) on the group our child leads.
+    unsafe { libc::killpg(child.id() as i32, libc::SIGINT) };
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("clean shutdown") && !stderr.contains("second signal, exiting"), "{stderr}");
+}
