@@ -119,8 +119,11 @@ pub fn run(args: &BdevArgs) -> anyhow::Result<()> {
             Arc::new(NvmeDevice::open(&address, NvmeOptions::default()).with_context(|| format!("opening {address}"))?)
         }
         Backend::Uring => Arc::new(
-            UringDevice::open(&args.path, UringOptions { sqpoll_idle_ms: args.sqpoll.then_some(100) })
-                .with_context(|| format!("opening {} with io_uring", args.path.display()))?,
+            UringDevice::open(
+                &args.path,
+                UringOptions { sqpoll_idle_ms: args.sqpoll.then_some(100), ..UringOptions::default() },
+            )
+            .with_context(|| format!("opening {} with io_uring", args.path.display()))?,
         ),
         Backend::Pmem => Arc::new(
             MappedDevice::pmem(&args.path, 512).with_context(|| format!("mapping {} as pmem", args.path.display()))?,

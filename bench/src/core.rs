@@ -138,9 +138,10 @@ fn open_device(args: &CoreArgs, size: u64) -> anyhow::Result<Arc<dyn BlockDevice
     }
     Ok(match args.backend {
         Backend::Mem => Arc::new(MappedDevice::ram(size, 4096)?),
-        Backend::Uring => {
-            Arc::new(UringDevice::open(&args.path, UringOptions { sqpoll_idle_ms: args.sqpoll_idle_ms })?)
-        }
+        Backend::Uring => Arc::new(UringDevice::open(
+            &args.path,
+            UringOptions { sqpoll_idle_ms: args.sqpoll_idle_ms, ..UringOptions::default() },
+        )?),
         Backend::Pmem => Arc::new(MappedDevice::pmem(&args.path, 4096)?),
     })
 }

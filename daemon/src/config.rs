@@ -104,6 +104,7 @@ struct RawExport {
     open_handles_max: Option<Spanned<u64>>,
     xattr_bytes_per_inode_max: Option<Spanned<String>>,
     requests_in_flight_max: Option<Spanned<u64>>,
+    read_only: Option<bool>,
     fuse_mount: Option<PathBuf>,
 }
 
@@ -203,6 +204,9 @@ pub struct Export {
     pub xattr_bytes_per_inode_max: usize,
     /// Requests in flight per virtqueue; None: as many as the ring holds.
     pub requests_in_flight_max: Option<usize>,
+    /// Serve without ever writing the device (opened read-only); changes
+    /// fail with EROFS.
+    pub read_only: bool,
     pub fuse_mount: Option<PathBuf>,
 }
 
@@ -238,6 +242,7 @@ impl Export {
             open_handles_max: keelfs_vhost::fuse::dispatch::SESSION_HANDLES_MAX,
             xattr_bytes_per_inode_max: keelfs_core::fs::format::XATTR_INODE_BYTES_MAX,
             requests_in_flight_max: None,
+            read_only: false,
             fuse_mount: None,
         }
     }
@@ -391,6 +396,7 @@ pub fn parse(file: &str, text: &str) -> Result<Config, ConfigError> {
             export.inodes_max = Some(*n.get_ref());
         }
         apply_limits(&src, e, &mut export)?;
+        export.read_only = e.read_only.unwrap_or(false);
         export.fuse_mount = e.fuse_mount.clone();
         config.exports.push(export);
     }
@@ -559,6 +565,8 @@ fuse_mount = "/mnt/keelfs"
         );
         let defaults = &parse("limits.toml", base).unwrap().exports[0];
         assert_eq!((defaults.open_handles_max, defaults.requests_in_flight_max), (65536, None));
+        assert!(!defaults.read_only);
+        assert!(parse("ro.toml", &format!("{base}read_only = true\n")).unwrap().exports[0].read_only);
         assert_eq!(
             error_of(&format!("{base}open_handles_max = 0\n")),
             "bad.toml:8:20: open_handles_max must be between 16 and 16777216"

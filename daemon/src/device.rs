@@ -14,7 +14,7 @@ use crate::tools::UsageError;
 
 /// Open a file or block device with io_uring and O_DIRECT.
 pub fn open(path: &Path) -> anyhow::Result<Arc<dyn BlockDevice>> {
-    open_backend(path, BackendName::Uring, None)
+    open_backend(path, BackendName::Uring, None, false)
 }
 
 /// Open an export's device with the backend its config names. A path that
@@ -23,9 +23,15 @@ pub fn open_backend(
     path: &Path,
     backend: BackendName,
     sqpoll_idle_ms: Option<u32>,
+    read_only: bool,
 ) -> anyhow::Result<Arc<dyn BlockDevice>> {
     let name = path.to_string_lossy();
     if NvmeAddress::is_nvme_name(&name) || backend == BackendName::Nvme {
+        if read_only {
+            // The driver has no read-only mode: a controller cannot be
+            // opened so that writes are impossible, as a file can.
+            return Err(UsageError(format!("{name}: read-only exports are not supported on NVMe devices")).into());
+        }
         if backend == BackendName::Pmem {
             return Err(UsageError(format!("{name} names an NVMe controller; the pmem backend needs a file")).into());
         }
@@ -46,12 +52,13 @@ pub fn open_backend(
     }
     Ok(match backend {
         BackendName::Uring => Arc::new(
-            UringDevice::open(path, UringOptions { sqpoll_idle_ms })
+            UringDevice::open(path, UringOptions { sqpoll_idle_ms, read_only })
                 .with_context(|| format!("opening {} with io_uring and O_DIRECT", path.display()))?,
         ),
         BackendName::Nvme => unreachable!("handled above"),
-        BackendName::Pmem => {
-            Arc::new(MappedDevice::pmem(path, 4096).with_context(|| format!("mapping {} as pmem", path.display()))?)
-        }
+        BackendName::Pmem => Arc::new(
+            MappedDevice::pmem_with(path, 4096, read_only)
+                .with_context(|| format!("mapping {} as pmem", path.display()))?,
+        ),
     })
 }

@@ -27,20 +27,32 @@ impl ImageLock {
     /// Lock `path` for this process alone, or say who holds it. NVMe names
     /// are not files: VFIO gives a group to one process at a time already.
     pub fn exclusive(path: &Path, purpose: &str) -> anyhow::Result<Option<ImageLock>> {
+        Self::acquire(path, purpose, libc::F_WRLCK)
+    }
+
+    /// Lock `path` against writers only (a read lock, on a descriptor open
+    /// read-only): read-only exports of one image may share it, and no
+    /// writable export or repair may start while one serves.
+    pub fn shared(path: &Path, purpose: &str) -> anyhow::Result<Option<ImageLock>> {
+        Self::acquire(path, purpose, libc::F_RDLCK)
+    }
+
+    fn acquire(path: &Path, purpose: &str, kind: libc::c_int) -> anyhow::Result<Option<ImageLock>> {
         if keelfs_core::bdev::NvmeAddress::is_nvme_name(&path.to_string_lossy()) {
             return Ok(None);
         }
-        // A write lock needs a descriptor open for writing.
+        // A write lock needs a descriptor open for writing; a read lock
+        // one open for reading.
         let file = std::fs::OpenOptions::new()
             .read(true)
-            .write(true)
+            .write(kind == libc::F_WRLCK)
             .open(path)
             .map_err(|e| UsageError(format!("cannot open {}: {e}", path.display())))?;
         // A holder that is being killed (a sandboxed daemon dies a moment
         // after its supervisor) lets go within milliseconds: wait that out.
         let deadline = std::time::Instant::now() + EXITING_HOLDER_GRACE;
         loop {
-            let mut lock = whole_file(libc::F_WRLCK);
+            let mut lock = whole_file(kind);
             // SAFETY: fcntl on a descriptor this function owns, with a
             // pointer to a live, initialised flock.
             let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &mut lock) };

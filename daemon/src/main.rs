@@ -101,6 +101,11 @@ enum Command {
         /// once the devices, sockets and mounts are open. none: no sandbox.
         #[arg(long, value_enum)]
         sandbox: Option<sandbox::SandboxMode>,
+        /// Serve the first export read-only: its device is opened
+        /// read-only, every change fails with EROFS, and a --fuse-mount
+        /// mount is read-only (see read_only in the config).
+        #[arg(long)]
+        read_only: bool,
     },
     /// Print a running daemon's counters as JSON.
     Stats {
@@ -157,6 +162,7 @@ fn main() -> ExitCode {
             rpc,
             check,
             sandbox,
+            read_only,
         } => serve::serve(serve::ServeArgs {
             config,
             device,
@@ -170,6 +176,7 @@ fn main() -> ExitCode {
             rpc,
             check,
             sandbox,
+            read_only,
         }),
         Command::Stats { rpc } => rpc::query(&rpc).map(|json| {
             use std::io::Write;

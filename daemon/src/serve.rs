@@ -54,6 +54,7 @@ pub struct ServeArgs {
     pub rpc: Option<PathBuf>,
     pub check: bool,
     pub sandbox: Option<SandboxMode>,
+    pub read_only: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -107,6 +108,7 @@ fn resolve(args: ServeArgs) -> anyhow::Result<Config> {
         || args.tag.is_some()
         || args.queues.is_some()
         || args.spread_queues
+        || args.read_only
         || args.cache.is_some();
     if config.exports.is_empty() || flags_shape_an_export {
         if config.exports.is_empty() {
@@ -130,6 +132,9 @@ fn resolve(args: ServeArgs) -> anyhow::Result<Config> {
         }
         if args.spread_queues {
             export.spread_queues = true;
+        }
+        if args.read_only {
+            export.read_only = true;
         }
         if let Some(cache) = args.cache {
             export.cache = cache;
@@ -206,7 +211,7 @@ fn print_check(config: &Config) {
     );
     for e in &config.exports {
         println!(
-            "export {}: {:?} device {} socket {:?} fuse_mount {:?} cache {:?} queues {} page cache {} MiB",
+            "export {}: {:?} device {} socket {:?} fuse_mount {:?} cache {:?} queues {} page cache {} MiB{}",
             e.tag,
             e.backend,
             e.device.display(),
@@ -214,7 +219,8 @@ fn print_check(config: &Config) {
             e.fuse_mount,
             e.cache,
             e.request_queues,
-            e.page_cache_bytes >> 20
+            e.page_cache_bytes >> 20,
+            if e.read_only { " read-only" } else { "" }
         );
     }
 }
@@ -284,8 +290,11 @@ fn open_exports(
     let mut opened = Vec::new();
     let mut locks = Vec::new();
     for export in &config.exports {
-        locks.push(ImageLock::exclusive(&export.device, "serve")?);
-        let dev = device::open_backend(&export.device, export.backend, export.sqpoll_idle_ms)?;
+        locks.push(match export.read_only {
+            true => ImageLock::shared(&export.device, "serve")?,
+            false => ImageLock::exclusive(&export.device, "serve")?,
+        });
+        let dev = device::open_backend(&export.device, export.backend, export.sqpoll_idle_ms, export.read_only)?;
         let listener = match &export.socket {
             Some(socket) => {
                 let access = SocketAccess {
@@ -300,7 +309,7 @@ fn open_exports(
         };
         let fuse = match &export.fuse_mount {
             Some(dir) => {
-                let mut mount = FuseMount::mount(dir, "keelfs")
+                let mut mount = FuseMount::mount_with(dir, "keelfs", export.read_only)
                     .with_context(|| format!("export {}: mounting {} through /dev/fuse", export.tag, dir.display()))?;
                 if let Some(link) = link {
                     let link = Arc::clone(link);
@@ -608,6 +617,7 @@ async fn mount(
         cache_bytes: export.page_cache_bytes,
         inodes_max: export.inodes_max,
         xattr_bytes_per_inode_max: export.xattr_bytes_per_inode_max,
+        read_only: export.read_only,
         ..FsConfig::default()
     };
     Fs::mount(DeviceChannel::attach(queue), config)

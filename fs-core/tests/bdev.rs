@@ -18,7 +18,9 @@ fn backends() -> Vec<(&'static str, Arc<dyn BlockDevice>, Option<ScratchFile>)> 
     let uring_file = ScratchFile::new("uring", CAPACITY);
     let uring = UringDevice::open(&uring_file.path, UringOptions::default()).expect("open io_uring device");
     let sqpoll_file = ScratchFile::new("sqpoll", CAPACITY);
-    let sqpoll = UringDevice::open(&sqpoll_file.path, UringOptions { sqpoll_idle_ms: Some(10) }).expect("open sqpoll");
+    let sqpoll =
+        UringDevice::open(&sqpoll_file.path, UringOptions { sqpoll_idle_ms: Some(10), ..UringOptions::default() })
+            .expect("open sqpoll");
     let pmem_file = ScratchFile::new("pmem", CAPACITY);
     let pmem = MappedDevice::pmem(&pmem_file.path, 4096).expect("map pmem");
     let ram: Arc<dyn BlockDevice> = Arc::new(MappedDevice::ram(CAPACITY, 4096).expect("map ram"));

@@ -87,6 +87,9 @@ pub struct MappedDevice {
     name: String,
     geometry: Geometry,
     persistence: Persistence,
+    /// Mapped without write permission: queues refuse writes (a store
+    /// would fault).
+    read_only: bool,
 }
 
 impl MappedDevice {
@@ -117,16 +120,23 @@ impl MappedDevice {
             name: format!("ram:{len}"),
             geometry: geometry(len as u64, logical_block_size, false),
             persistence: Persistence::Volatile,
+            read_only: false,
         })
     }
 
     /// A pmem region: a regular file (its current length) or a devdax
     /// character device (its sysfs size).
     pub fn pmem(path: &Path, logical_block_size: u32) -> Result<Self, BdevError> {
+        Self::pmem_with(path, logical_block_size, false)
+    }
+
+    /// [`Self::pmem`], or with `read_only` a mapping without write
+    /// permission, of a file opened read-only.
+    pub fn pmem_with(path: &Path, logical_block_size: u32, read_only: bool) -> Result<Self, BdevError> {
         assert!(logical_block_size.is_power_of_two() && logical_block_size >= 512);
         let file = std::fs::OpenOptions::new()
             .read(true)
-            .write(true)
+            .write(!read_only)
             .open(path)
             .map_err(|e| BdevError::from_io("open pmem", &e))?;
         let meta = file.metadata().map_err(|e| BdevError::from_io("stat pmem", &e))?;
@@ -141,14 +151,14 @@ impl MappedDevice {
         if len == 0 {
             return Err(BdevError::Unsupported("device has zero capacity"));
         }
-        let (base, dax) = map_shared(&file, len)?;
+        let (base, dax) = map_shared(&file, len, read_only)?;
         // Fault the whole mapping in now when that allocates nothing (DAX,
         // or a file with every block allocated): otherwise the first write
         // to each page takes a page fault, which made appends (always to
         // fresh pages) cost twice what overwrites do.
         use std::os::unix::fs::MetadataExt;
         let fully_allocated = meta.file_type().is_file() && meta.blocks() * 512 >= len as u64;
-        if dax || fully_allocated {
+        if (dax || fully_allocated) && !read_only {
             // SAFETY: base/len is the mapping just made; populating only
             // faults pages in. Failure (an older kernel) costs only speed.
             unsafe { libc::madvise(base.cast(), len, libc::MADV_POPULATE_WRITE) };
@@ -159,6 +169,7 @@ impl MappedDevice {
             name: path.display().to_string(),
             geometry: geometry(len as u64, logical_block_size, !dax),
             persistence: Persistence::Pmem { instruction: FlushInstruction::detect(), msync_on_flush: !dax },
+            read_only,
         })
     }
 
@@ -209,8 +220,8 @@ fn devdax_size(meta: &std::fs::Metadata) -> Result<u64, BdevError> {
 
 /// Map shared, asking for MAP_SYNC first: the kernel accepts it only for
 /// DAX, which tells us whether cache flushes alone make data durable.
-fn map_shared(file: &File, len: usize) -> Result<(*mut u8, bool), BdevError> {
-    let prot = libc::PROT_READ | libc::PROT_WRITE;
+fn map_shared(file: &File, len: usize, read_only: bool) -> Result<(*mut u8, bool), BdevError> {
+    let prot = if read_only { libc::PROT_READ } else { libc::PROT_READ | libc::PROT_WRITE };
     let fd = file.as_raw_fd();
     // SAFETY: a shared mapping of an open file with no address hint.
     let sync =
@@ -239,9 +250,14 @@ impl BlockDevice for MappedDevice {
             mapping: Arc::clone(&self.mapping),
             geometry: self.geometry,
             persistence: self.persistence,
+            read_only: self.read_only,
             depth: config.depth as usize,
             ready: VecDeque::with_capacity(config.depth as usize),
         }))
+    }
+
+    fn read_only(&self) -> bool {
+        self.read_only
     }
 }
 
@@ -249,6 +265,7 @@ struct MappedQueue {
     mapping: Arc<Mapping>,
     geometry: Geometry,
     persistence: Persistence,
+    read_only: bool,
     depth: usize,
     ready: VecDeque<Completion>,
 }
@@ -275,7 +292,11 @@ impl IoQueue for MappedQueue {
         if self.ready.len() >= self.depth {
             return Err(BdevError::QueueFull);
         }
+        if self.read_only && matches!(req.kind, IoKind::Write | IoKind::Discard { .. }) {
+            return Err(BdevError::ReadOnly);
+        }
         let result = match req.kind {
+            IoKind::Flush if self.read_only => Ok(0),
             IoKind::Flush => self.flush(),
             IoKind::Discard { .. } => return Err(BdevError::Unsupported("the mapped backend does not discard")),
             IoKind::Read | IoKind::Write => {

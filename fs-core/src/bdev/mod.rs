@@ -143,6 +143,8 @@ pub enum BdevError {
     Setup { step: &'static str, errno: i32 },
     #[error("{0}")]
     Unsupported(&'static str),
+    #[error("the device is open read-only")]
+    ReadOnly,
     #[error("NVMe command failed: status code type {sct}, status code {sc:#04x}")]
     Nvme { sct: u8, sc: u8 },
 }
@@ -199,6 +201,11 @@ pub trait BlockDevice: Send + Sync {
     /// write it at any time during I/O).
     fn set_dma_memory(&self, _regions: &[MemoryRegion]) -> Result<(), BdevError> {
         Ok(())
+    }
+
+    /// Whether the device was opened read-only: its queues refuse writes.
+    fn read_only(&self) -> bool {
+        false
     }
 }
 

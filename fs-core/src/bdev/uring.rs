@@ -28,6 +28,9 @@ pub struct UringOptions {
     /// Use a kernel submission thread that sleeps after this many idle
     /// milliseconds.
     pub sqpoll_idle_ms: Option<u32>,
+    /// Open the file or block device read-only: queues refuse writes, and
+    /// the kernel would too.
+    pub read_only: bool,
 }
 
 pub struct UringDevice {
@@ -41,7 +44,7 @@ impl UringDevice {
     pub fn open(path: &Path, options: UringOptions) -> Result<Self, BdevError> {
         let file = std::fs::OpenOptions::new()
             .read(true)
-            .write(true)
+            .write(!options.read_only)
             .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
             .open(path)
             .map_err(|e| BdevError::from_io("open with O_DIRECT", &e))?;
@@ -127,6 +130,10 @@ impl BlockDevice for UringDevice {
     fn open_queue(&self, config: QueueConfig) -> Result<Box<dyn IoQueue>, BdevError> {
         Ok(Box::new(UringQueue::new(Arc::clone(&self.file), self.geometry, self.options, config)?))
     }
+
+    fn read_only(&self) -> bool {
+        self.options.read_only
+    }
 }
 
 #[derive(Default)]
@@ -160,6 +167,7 @@ pub struct UringQueue {
     eventfd: Option<OwnedFd>,
     pool_ranges: Vec<(usize, usize)>,
     enter_errors: u64,
+    read_only: bool,
 }
 
 // SAFETY: the raw pointers inside the slots' iovecs refer to caller memory
@@ -182,10 +190,13 @@ const RING_OPCODES: [u8; 7] = [
 ];
 
 /// Restrict `ring` (created disabled) to [`RING_OPCODES`] on the one
-/// registered file, and to registering buffers, then enable it.
-fn restrict(ring: &IoUring) -> Result<(), BdevError> {
+/// registered file (no writes on a read-only device), and to registering
+/// buffers, then enable it.
+fn restrict(ring: &IoUring, read_only: bool) -> Result<(), BdevError> {
     use io_uring::register::Restriction;
-    let mut restrictions: Vec<Restriction> = RING_OPCODES.iter().map(|&op| Restriction::sqe_op(op)).collect();
+    let writes = [opcode::Write::CODE, opcode::Writev::CODE, opcode::WriteFixed::CODE];
+    let allowed = RING_OPCODES.iter().filter(|op| !(read_only && writes.contains(op)));
+    let mut restrictions: Vec<Restriction> = allowed.map(|&op| Restriction::sqe_op(op)).collect();
     // Every SQE names the device by its registered index; nothing else.
     restrictions.push(Restriction::sqe_flags_required(squeue::Flags::FIXED_FILE.bits()));
     restrictions.push(Restriction::sqe_flags_allowed(squeue::Flags::FIXED_FILE.bits()));
@@ -240,7 +251,7 @@ impl UringQueue {
         } else {
             None
         };
-        restrict(&ring)?;
+        restrict(&ring, options.read_only)?;
         let depth = config.depth;
         let slots = (0..depth)
             .map(|_| Slot { iov: Vec::with_capacity(MAX_IOVECS_PER_REQUEST as usize), ..Slot::default() })
@@ -260,6 +271,7 @@ impl UringQueue {
             eventfd,
             pool_ranges: Vec::new(),
             enter_errors: 0,
+            read_only: options.read_only,
         })
     }
 
@@ -430,6 +442,9 @@ impl IoQueue for UringQueue {
         let total = validate_request(&self.geometry, req)?;
         if let IoKind::Discard { .. } = req.kind {
             return Err(BdevError::Unsupported("the io_uring backend does not discard"));
+        }
+        if self.read_only && req.kind == IoKind::Write {
+            return Err(BdevError::ReadOnly);
         }
         self.check_pool_index(req)?;
         if self.in_flight >= self.depth as usize {

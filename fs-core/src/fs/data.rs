@@ -500,6 +500,9 @@ impl Fs {
     /// [`Fs::write`] from any [`WriteSource`]: the bytes are copied once,
     /// into the cached pages.
     pub async fn write_from<S: WriteSource + ?Sized>(&self, ino: u64, offset: u64, data: &S) -> FsResult<u32> {
+        if self.read_only() {
+            return Err(FsError::ReadOnly);
+        }
         match self.write_from_once(ino, offset, data).await {
             Err(FsError::NoSpace) if self.reclaim_pending_frees().await? => {
                 self.write_from_once(ino, offset, data).await
@@ -765,6 +768,9 @@ impl Fs {
     /// only timestamps changed) the journal, then the device cache.
     pub async fn fsync(&self, ino: u64, datasync: bool) -> FsResult<()> {
         self.inner.inode(ino)?;
+        if self.read_only() {
+            return Ok(());
+        }
         self.writeback(ino, 0, u64::MAX).await?;
         let needed = self.inner.state.borrow().node(ino).is_some_and(|n| n.datasync_needed);
         if datasync && !needed {
@@ -775,6 +781,9 @@ impl Fs {
 
     pub async fn fsyncdir(&self, ino: u64, datasync: bool) -> FsResult<()> {
         self.inner.inode(ino)?;
+        if self.read_only() {
+            return Ok(());
+        }
         let _ = datasync;
         journal::sync(&self.inner).await
     }
@@ -807,6 +816,9 @@ impl Fs {
     /// Direct write of `buf` at `offset`. Returns the buffer and the bytes
     /// written. Unaligned requests are copied through a bounce buffer.
     pub async fn write_direct<B: IoBuffer>(&self, ino: u64, offset: u64, buf: B) -> (B, FsResult<u32>) {
+        if self.read_only() {
+            return (buf, Err(FsError::ReadOnly));
+        }
         let shared = SharedBuffer::new(buf);
         let mut result = self.write_direct_shared(ino, offset, &shared).await;
         if matches!(result, Err(FsError::NoSpace)) && matches!(self.reclaim_pending_frees().await, Ok(true)) {
@@ -1166,6 +1178,9 @@ impl Fs {
     }
 
     pub async fn fallocate(&self, ino: u64, mode: u32, offset: u64, len: u64) -> FsResult<()> {
+        if self.read_only() {
+            return Err(FsError::ReadOnly);
+        }
         match self.fallocate_once(ino, mode, offset, len).await {
             Err(FsError::NoSpace) if self.reclaim_pending_frees().await? => {
                 self.fallocate_once(ino, mode, offset, len).await

@@ -42,6 +42,8 @@ pub enum FsError {
     Loop,
     #[error("offset beyond the end of the file")]
     Nxio,
+    #[error("read-only filesystem")]
+    ReadOnly,
     #[error("device I/O failed: {0}")]
     Io(#[from] BdevError),
     #[error("filesystem is damaged: {0}")]
@@ -70,6 +72,7 @@ impl FsError {
             FsError::Unsupported => libc::EOPNOTSUPP,
             FsError::Loop => libc::ELOOP,
             FsError::Nxio => libc::ENXIO,
+            FsError::ReadOnly | FsError::Io(BdevError::ReadOnly) => libc::EROFS,
             FsError::Io(_) | FsError::Corrupt(_) => libc::EIO,
         }
     }

@@ -66,6 +66,10 @@ pub struct FsConfig {
     /// setxattr fails with ENOSPC. At most the format's
     /// [`format::XATTR_INODE_BYTES_MAX`] (the default).
     pub xattr_bytes_per_inode_max: usize,
+    /// Serve without writing: no orphan cleanup, commits, checkpoints or
+    /// writeback; every change fails with EROFS. A journal left by a crash
+    /// is replayed in memory only.
+    pub read_only: bool,
 }
 
 impl Default for FsConfig {
@@ -77,6 +81,7 @@ impl Default for FsConfig {
             writeback_interval: Duration::from_millis(500),
             inodes_max: None,
             xattr_bytes_per_inode_max: format::XATTR_INODE_BYTES_MAX,
+            read_only: false,
         }
     }
 }
@@ -261,6 +266,9 @@ impl FsInner {
 
     /// Apply a record to the live state and queue it for the journal.
     fn log(&self, record: record::Record) -> FsResult<()> {
+        if self.config.read_only {
+            return Err(FsError::ReadOnly);
+        }
         self.state
             .borrow_mut()
             .apply(&record, ApplyMode::Live)
@@ -451,17 +459,33 @@ impl Fs {
     /// Commit everything logged so far and make all completed data writes
     /// durable. Concurrent callers share commits (group commit).
     pub async fn sync(&self) -> FsResult<()> {
+        if self.read_only() {
+            return Ok(()); // nothing was written, nothing is pending
+        }
         self.writeback_all().await?;
         journal::sync(&self.inner).await
     }
 
     /// Write a checkpoint now (normally triggered by journal usage).
     pub async fn checkpoint(&self) -> FsResult<()> {
+        if self.read_only() {
+            return Err(FsError::ReadOnly);
+        }
         journal::checkpoint(&self.inner).await
     }
 
+    /// Whether this mount is read-only ([`FsConfig::read_only`]).
+    pub fn read_only(&self) -> bool {
+        self.inner.config.read_only
+    }
+
     /// Commit, checkpoint and flush; the Fs must not be used afterwards.
+    /// Read-only, nothing is written.
     pub async fn unmount(&self) -> FsResult<()> {
+        if self.read_only() {
+            self.inner.unmounted.set(true);
+            return Ok(());
+        }
         self.writeback_all().await?;
         self.inner.unmounted.set(true);
         journal::checkpoint(&self.inner).await
@@ -509,6 +533,11 @@ impl Fs {
                 shared_files: RefCell::new(crate::units::IdMap::default()),
             }),
         };
+        if config.read_only {
+            // Orphans stay (unreachable, freed by the next writable mount),
+            // and nothing is ever committed or written back.
+            return Ok(fs);
+        }
         fs.free_orphans()?;
         journal::start_commit_timer(&fs.inner);
         data::start_writeback_timer(&fs);

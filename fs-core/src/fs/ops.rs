@@ -137,6 +137,9 @@ impl FsInner {
     /// next commit (the lazy path: no I/O, no record now). i_version moves
     /// only if someone read it since its last change.
     pub(crate) fn update_inode(&self, ino: u64, f: impl FnOnce(&mut Inode)) -> FsResult<()> {
+        if self.config.read_only {
+            return Err(FsError::ReadOnly);
+        }
         let mut state = self.state.borrow_mut();
         let node = state.node_mut(ino).ok_or(FsError::NotFound)?;
         let version = node.inode.i_version;

@@ -37,6 +37,12 @@ pub struct FuseMount {
 impl FuseMount {
     /// Open /dev/fuse and mount it at `mountpoint` (needs CAP_SYS_ADMIN).
     pub fn mount(mountpoint: &Path, fsname: &str) -> std::io::Result<Self> {
+        Self::mount_with(mountpoint, fsname, false)
+    }
+
+    /// [`Self::mount`], read-only (MS_RDONLY) if asked: the host kernel then
+    /// refuses changes itself and statfs reports ST_RDONLY.
+    pub fn mount_with(mountpoint: &Path, fsname: &str, read_only: bool) -> std::io::Result<Self> {
         let device = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -56,7 +62,7 @@ impl FuseMount {
                 src.as_ptr(),
                 target.as_ptr(),
                 fstype.as_ptr(),
-                libc::MS_NOSUID | libc::MS_NODEV,
+                libc::MS_NOSUID | libc::MS_NODEV | if read_only { libc::MS_RDONLY } else { 0 },
                 data.as_ptr().cast(),
             )
         };

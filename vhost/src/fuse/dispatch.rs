@@ -370,6 +370,9 @@ impl Session {
         let fs = &self.fs;
         let ino = h.nodeid;
         let e = |err: FsError| errno_of(&err);
+        if fs.read_only() && req.modifies() {
+            return Err(libc::EROFS);
+        }
         match req {
             Request::Init { major, minor, max_readahead, flags } => {
                 if self.initialized.get() {

@@ -165,6 +165,34 @@ pub enum Request<'a> {
     Unsupported(Opcode),
 }
 
+impl Request<'_> {
+    /// Whether the request would change the filesystem: refused with
+    /// EROFS on a read-only export. Opening for writing or truncation
+    /// counts, as on a read-only Linux mount.
+    pub fn modifies(&self) -> bool {
+        match self {
+            Request::Setattr(_)
+            | Request::Symlink { .. }
+            | Request::Mknod { .. }
+            | Request::Mkdir { .. }
+            | Request::Unlink { .. }
+            | Request::Rmdir { .. }
+            | Request::Rename { .. }
+            | Request::Link { .. }
+            | Request::Create { .. }
+            | Request::Write { .. }
+            | Request::Setxattr { .. }
+            | Request::Removexattr { .. }
+            | Request::Fallocate { .. } => true,
+            Request::Open { flags } => {
+                let flags = *flags as i32;
+                flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0
+            }
+            _ => false,
+        }
+    }
+}
+
 /// Largest batch of forgets accepted in one request.
 const BATCH_FORGET_MAX: u32 = 1 << 16;
 
