@@ -93,26 +93,41 @@ fn whole_file(kind: libc::c_int) -> libc::flock {
     lock
 }
 
-/// " (by pid N (NAME), ...)" for the processes with `path` open, or "".
+/// " (open by pid N (NAME), ...)" for the processes with `path` open, or
+/// "". A sandboxed daemon's server (a child, in a pid namespace of its own)
+/// is named with the pid of the daemon that was started, its supervisor.
 fn holders_text(path: &Path) -> String {
     let holders = holders(path);
     if holders.is_empty() {
         return String::new();
     }
-    let me = std::process::id();
+    // This process's pid as /proc numbers it: in a pid namespace of its
+    // own (a sandboxed server) process::id() is 1.
+    let me = std::fs::read_link("/proc/self")
+        .ok()
+        .and_then(|p| p.to_str().and_then(|p| p.parse().ok()))
+        .unwrap_or_else(std::process::id);
     let list: Vec<String> = holders
         .iter()
-        .map(
-            |(pid, name)| {
-                if *pid == me {
-                    format!("pid {pid} ({name}, this process)")
-                } else {
-                    format!("pid {pid} ({name})")
-                }
-            },
-        )
+        .map(|(pid, name)| {
+            if *pid == me {
+                return format!("pid {pid} ({name}, this process)");
+            }
+            match parent_of(*pid).filter(|(_, parent_name)| parent_name == name) {
+                Some((parent, _)) => format!("pid {pid} ({name}, the server of pid {parent})"),
+                None => format!("pid {pid} ({name})"),
+            }
+        })
         .collect();
     format!(" (open by {})", list.join(", "))
+}
+
+/// The parent of `pid` and its name, from /proc.
+fn parent_of(pid: u32) -> Option<(u32, String)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let ppid: u32 = status.lines().find_map(|l| l.strip_prefix("PPid:"))?.trim().parse().ok()?;
+    let name = std::fs::read_to_string(format!("/proc/{ppid}/comm")).ok()?.trim().to_string();
+    Some((ppid, name))
 }
 
 /// Processes with the file of `path` open, found by device and inode

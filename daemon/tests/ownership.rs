@@ -27,7 +27,9 @@ fn a_served_image_refuses_a_second_owner_and_names_the_holder() {
         &[OsStr::new("--device"), image.as_os_str(), OsStr::new("--fuse-mount"), mnt.as_os_str()],
         &[&mnt],
     );
-    let holder = format!("pid {} (keelfsd)", served.child.id());
+    // The image is held by the sandboxed server, named with the pid of the
+    // daemon that was started.
+    let holder = format!("(keelfsd, the server of pid {})", served.child.id());
 
     let second_mnt = dir.path("mnt2");
     std::fs::create_dir_all(&second_mnt).unwrap();
