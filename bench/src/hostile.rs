@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Args;
-use keelfs_vhost::frontend::{io_request, FrontendConfig, FsFrontend};
+use keelfs_vhost::frontend::io_request;
 use keelfs_vhost::fuse::abi::{encode_request, init_flags as f, Opcode, Reply, OUT_HEADER_BYTES};
 use serde_json::json;
 
@@ -81,16 +81,7 @@ fn hostile_request(i: u64, unique: u64, nodeid: u64, fh: u64) -> Vec<u8> {
 }
 
 pub fn run(args: &HostileArgs) -> anyhow::Result<()> {
-    let slots = args.depth.next_power_of_two().max(4);
-    let config = FrontendConfig {
-        request_queues: 1,
-        queue_size: (slots * 8).max(256),
-        slots,
-        slot_bytes: 16 << 10,
-        event_idx: true,
-    };
-    let mut fe = FsFrontend::connect(&args.socket, config)
-        .with_context(|| format!("connecting to {}", args.socket.display()))?;
+    let mut fe = crate::vhost::connect(&args.socket, 1, args.depth, 16 << 10)?;
     fe.init(f::ASYNC_READ | f::BIG_WRITES | f::MAX_PAGES | f::INIT_EXT)?;
     let mut q = fe.take_queue(1);
     let (nodeid, fh) = crate::vhost::create(&mut q, "hostile-target", 0)?;

@@ -6,7 +6,7 @@
 //! keeping `iodepth` FUSE requests in flight.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -69,6 +69,15 @@ fn check(err: i32, what: &str) -> anyhow::Result<()> {
         bail!("{what}: {}", std::io::Error::from_raw_os_error(err));
     }
     Ok(())
+}
+
+/// Connect as a frontend with `queues` request queues, each with room for
+/// `depth` requests in flight of `slot_bytes` each way.
+pub(crate) fn connect(socket: &Path, queues: usize, depth: u16, slot_bytes: u64) -> anyhow::Result<FsFrontend> {
+    let slots = depth.next_power_of_two().max(4);
+    let config =
+        FrontendConfig { request_queues: queues, queue_size: (slots * 8).max(256), slots, slot_bytes, event_idx: true };
+    FsFrontend::connect(socket, config).with_context(|| format!("connecting to {}", socket.display()))
 }
 
 /// CREATE (or truncate) `name` in the root; (nodeid, fh).
@@ -239,16 +248,7 @@ pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
     if queues < args.threads {
         bail!("each thread drives its own queue: --queues must be at least --threads");
     }
-    let slots = (args.iodepth as u16).next_power_of_two().max(4);
-    let config = FrontendConfig {
-        request_queues: queues,
-        queue_size: (slots * 8).max(256),
-        slots,
-        slot_bytes: 128 << 10,
-        event_idx: true,
-    };
-    let mut fe = FsFrontend::connect(&args.socket, config)
-        .with_context(|| format!("connecting to {}", args.socket.display()))?;
+    let mut fe = connect(&args.socket, queues, args.iodepth as u16, 128 << 10)?;
     fe.init(f::ASYNC_READ | f::BIG_WRITES | f::MAX_PAGES | f::PARALLEL_DIROPS | f::INIT_EXT)?;
     let direct = match args.workload {
         Workload::DioOverwrite | Workload::DioRandrw | Workload::AioAppend => libc::O_DIRECT,

@@ -102,29 +102,25 @@ fn a_forbidden_system_call_kills_the_sandboxed_daemon() {
     std::fs::create_dir_all(&mnt).unwrap();
     mkfs(&image, "256M");
     // The probe opens a file once the daemon is ready: the filter kills it.
-    let run = |extra: &[&str]| {
-        let mut child = keelfsd()
+    let spawn_probe = |extra: &[&str]| {
+        keelfsd()
             .arg("serve")
             .args(args(&image, &mnt, &socket, extra))
             .env("KEELFS_TEST_FORBIDDEN_SYSCALL", "1")
             .stderr(Stdio::piped())
             .stdout(Stdio::null())
             .spawn()
-            .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let status = loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                break Some(status);
-            }
-            if Instant::now() > deadline {
-                break None;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        (child, status)
+            .unwrap()
     };
-    let (child, status) = run(&[]);
-    let status = status.expect("the sandboxed daemon survived a forbidden system call");
+    let mut child = spawn_probe(&[]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "the sandboxed daemon survived a forbidden system call");
+        std::thread::sleep(Duration::from_millis(20));
+    };
     let stderr = std::io::read_to_string(child.stderr.unwrap()).unwrap();
     assert_eq!(status.code(), Some(128 + libc::SIGSYS), "{stderr}");
     assert!(stderr.contains("SIGSYS"), "the supervisor does not say why: {stderr}");
@@ -133,23 +129,13 @@ fn a_forbidden_system_call_kills_the_sandboxed_daemon() {
 
     // Unsandboxed, the same open succeeds and the daemon serves on: the
     // kill above was the filter's doing.
-    let (mut child, status) = {
-        let mut child = keelfsd()
-            .arg("serve")
-            .args(args(&image, &mnt, &socket, &["--sandbox", "none"]))
-            .env("KEELFS_TEST_FORBIDDEN_SYSCALL", "1")
-            .stderr(Stdio::piped())
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while !is_mounted(&mnt) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        std::thread::sleep(Duration::from_millis(500));
-        let early = child.try_wait().unwrap();
-        (child, early)
-    };
+    let mut child = spawn_probe(&["--sandbox", "none"]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !is_mounted(&mnt) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let status = child.try_wait().unwrap();
     assert!(status.is_none(), "unsandboxed, the daemon died: {status:?}");
     assert!(children(child.id()).is_empty(), "--sandbox none forked a server");
     assert_eq!(status_field(child.id(), "Seccomp"), "0");

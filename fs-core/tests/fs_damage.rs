@@ -222,16 +222,22 @@ fn crafted_superblocks_with_valid_checksums_never_panic() {
             let mut crafted = image.clone();
             crafted[..4096].copy_from_slice(&block);
             crafted[4096..8192].copy_from_slice(&block);
-            let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| examine(&crafted)));
-            let (clean, mount_error) = outcome.unwrap_or_else(|_| panic!("{name} = {value}: a panic"));
-            if let Some(msg) = &mount_error {
-                refused += 1;
-                assert!(!clean, "{name} = {value}: mount refused ({msg}) but fsck said clean");
-            }
+            refused += usize::from(examine_crafted(&crafted, &format!("{name} = {value}")));
         }
     }
     eprintln!("{refused} of {} crafted superblocks refused", fields.len() * hostile.len());
     assert!(refused > fields.len() * 4, "only {refused} crafted superblocks were refused");
+}
+
+/// Examine a crafted image (`what` names it): no panic, and never a
+/// refused mount with a clean fsck. Whether the mount refused it.
+fn examine_crafted(crafted: &[u8], what: &str) -> bool {
+    let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| examine(crafted)));
+    let (clean, mount_error) = outcome.unwrap_or_else(|_| panic!("{what}: a panic"));
+    if let Some(msg) = &mount_error {
+        assert!(!clean, "{what}: mount refused ({msg}) but fsck said clean");
+    }
+    mount_error.is_some()
 }
 
 /// Journal transactions whose records are mutated and whose checksums are
@@ -280,12 +286,7 @@ fn journal_records_with_valid_checksums_never_panic() {
         crafted[at + 40..at + 44].copy_from_slice(&sum.to_le_bytes());
         let header_sum = crc(&crafted[at + 8..at + 64]);
         crafted[at + 4..at + 8].copy_from_slice(&header_sum.to_le_bytes());
-        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| examine(&crafted)));
-        let (clean, mount_error) = outcome.unwrap_or_else(|_| panic!("case {case} (seed {seed}): a panic"));
-        if let Some(msg) = &mount_error {
-            refused += 1;
-            assert!(!clean, "case {case}: mount refused ({msg}) but fsck said clean");
-        }
+        refused += usize::from(examine_crafted(&crafted, &format!("case {case} (seed {seed})")));
     }
     eprintln!("{refused} of {cases} crafted journals refused at mount");
     assert!(refused > 0, "no crafted journal was refused: the mutation never reached replay");
@@ -334,12 +335,7 @@ fn checkpoint_records_with_valid_checksums_never_panic() {
         }
         let sum = crc(&crafted[at + 8..at + 4096]);
         crafted[at + 4..at + 8].copy_from_slice(&sum.to_le_bytes());
-        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| examine(&crafted)));
-        let (clean, mount_error) = outcome.unwrap_or_else(|_| panic!("case {case} (seed {seed}): a panic"));
-        if let Some(msg) = &mount_error {
-            refused += 1;
-            assert!(!clean, "case {case}: mount refused ({msg}) but fsck said clean");
-        }
+        refused += usize::from(examine_crafted(&crafted, &format!("case {case} (seed {seed})")));
     }
     eprintln!("{refused} of {cases} crafted checkpoints refused at mount");
     assert!(refused > 0, "no crafted checkpoint was refused: the mutation never reached the loader");
