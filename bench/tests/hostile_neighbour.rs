@@ -10,7 +10,8 @@
 //! Both clients keep 8 requests in flight. The reactor serves what each
 //! queue offers, in order, with no time-based share between exports: a
 //! hostile client 32 deep gets four times the turns, and its neighbour kept
-//! only about half (0.47 to 0.52 measured). Shares by time are QoS.
+//! only about half (0.47 to 0.52 in three runs of variants of this code;
+//! bench/RESULTS.md). Shares by time are QoS.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
