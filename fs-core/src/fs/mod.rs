@@ -10,6 +10,7 @@
 //! An [`Fs`] belongs to one reactor: its operations are async functions run
 //! as tasks there, and no thread ever blocks on I/O.
 
+mod access;
 pub mod alloc;
 pub mod cache;
 pub mod codec;
@@ -26,10 +27,11 @@ mod shared;
 pub mod state;
 pub mod sync;
 
+pub use access::Creds;
 pub use data::{ReadSink, WriteSource};
 pub use error::{FsError, FsResult};
 pub use journal::{CHECKPOINT_BLOCK_MAGIC, JOURNAL_TX_MAGIC};
-pub use ops::{Attr, Creds, DirEntry, SetAttr, TimeSet};
+pub use ops::{Attr, DirEntry, SetAttr, TimeSet};
 pub use shared::{SharedMiss, SharedReader};
 
 use std::cell::{Cell, RefCell};

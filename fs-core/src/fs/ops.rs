@@ -4,6 +4,7 @@
 
 use std::rc::Rc;
 
+use super::access::{permitted, Creds, R_OK, W_OK, X_OK};
 use super::format::{
     Inode, Timespec, BLOCK_SIZE, NAME_MAX, ROOT_INO, SYMLINK_MAX, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG,
     XATTR_INODE_BYTES_MAX, XATTR_LIST_BYTES_MAX, XATTR_NAME_MAX, XATTR_VALUE_MAX,
@@ -11,9 +12,6 @@ use super::format::{
 use super::record::Record;
 use super::{Fs, FsError, FsInner, FsResult, Handle};
 
-pub const R_OK: u32 = 4;
-pub const W_OK: u32 = 2;
-pub const X_OK: u32 = 1;
 /// Largest file: 2^52 bytes keeps block arithmetic far from overflow.
 pub const MAX_FILE_BYTES: u64 = 1 << 52;
 const LINK_MAX: u32 = 65_000;
@@ -27,26 +25,6 @@ pub const FALLOC_FL_PUNCH_HOLE: u32 = 0x02;
 pub const FALLOC_FL_ZERO_RANGE: u32 = 0x10;
 pub const SEEK_DATA: u32 = 3;
 pub const SEEK_HOLE: u32 = 4;
-
-/// Who is asking, as FUSE passes it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Creds {
-    pub uid: u32,
-    pub gid: u32,
-    pub groups: Vec<u32>,
-}
-
-impl Creds {
-    pub fn root() -> Self {
-        Self { uid: 0, gid: 0, groups: Vec::new() }
-    }
-    pub fn user(uid: u32, gid: u32) -> Self {
-        Self { uid, gid, groups: Vec::new() }
-    }
-    fn in_group(&self, gid: u32) -> bool {
-        self.gid == gid || self.groups.contains(&gid)
-    }
-}
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Attr {
@@ -91,20 +69,6 @@ pub struct StatFs {
     pub files: u64,
     pub files_free: u64,
     pub name_max: u32,
-}
-
-fn permitted(inode: &Inode, c: &Creds, mask: u32) -> bool {
-    if c.uid == 0 {
-        return mask & X_OK == 0 || inode.is_dir() || inode.mode & 0o111 != 0;
-    }
-    let bits = if c.uid == inode.uid {
-        (inode.mode >> 6) & 7
-    } else if c.in_group(inode.gid) {
-        (inode.mode >> 3) & 7
-    } else {
-        inode.mode & 7
-    };
-    bits & mask == mask
 }
 
 fn check_name(name: &[u8]) -> FsResult<()> {
