@@ -77,6 +77,7 @@ installed busybox-static || want_apt busybox-static "the guest initramfs's shell
 have cpio || want_apt cpio "packing the guest initramfs"
 have xz || want_apt xz-utils "unpacking the guest kernel's .ko.xz modules"
 have setfattr || want_apt attr "setfattr/getfattr for the guest's xattr checks"
+have setfacl || want_apt acl "setfacl/getfacl, run on keelfs and ext4 to compare their ACLs"
 have mkfs.xfs || want_apt xfsprogs "xfs, a kernel peer in bench/run-seeds.sh"
 have mkfs.ext4 || want_apt e2fsprogs "ext4, a kernel peer in bench/run-seeds.sh"
 have shellcheck || want_apt shellcheck "linting the project's shell scripts in CI"

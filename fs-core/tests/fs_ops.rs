@@ -178,7 +178,7 @@ fn permissions_use_the_callers_credentials() {
     with_fs(32 * MIB, async |fs: Fs, _dev: Arc<dyn BlockDevice>| {
         let c = root();
         let alice = Creds::user(1000, 1000);
-        let bob = Creds { uid: 1001, gid: 1001, groups: vec![1000] };
+        let bob = Creds { groups: vec![1000], ..Creds::user(1001, 1001) };
         let d = fs.mkdir(&c, ROOT_INO, b"home", 0o755).await.unwrap().inode.ino;
         assert_eq!(fs.mkdir(&alice, d, b"x", 0o755).await.err(), Some(FsError::Access));
         fs.setattr(&c, d, &SetAttr { uid: Some(1000), gid: Some(1000), ..Default::default() }, false).await.unwrap();

@@ -183,6 +183,8 @@ struct IoPrefix {
     fh: u64,
     offset: u64,
     size: usize,
+    /// fuse_write_in.write_flags (READ's read_flags sit there too).
+    write_flags: u32,
 }
 
 impl IoPrefix {
@@ -196,6 +198,7 @@ impl IoPrefix {
             fh: le_u64(&body[0..]),
             offset: le_u64(&body[8..]),
             size: le_u32(&body[16..]) as usize,
+            write_flags: le_u32(&body[20..]),
         }
     }
 }
@@ -230,7 +233,7 @@ async fn serve_direct(
     mem: Arc<GuestMemoryMmap>,
     writer: &mut Writer<'_>,
 ) -> Option<(u32, ChainOutcome)> {
-    let IoPrefix { declared, opcode, unique, nodeid, fh, offset, size } = IoPrefix::parse(prefix);
+    let IoPrefix { declared, opcode, unique, nodeid, fh, offset, size, write_flags } = IoPrefix::parse(prefix);
     let is_write = opcode == Opcode::Write as u32;
     let started = std::time::Instant::now();
     if declared != len || !(is_write || opcode == Opcode::Read as u32) || size == 0 || size > REQUEST_BYTES_MAX - 4096 {
@@ -248,7 +251,9 @@ async fn serve_direct(
             return None;
         }
         let data = GuestBuffer::new(mem, readable, prefix.len(), size)?;
-        let reply = if direct {
+        let reply = if let Err(errno) = session.kill_setid_on_write(nodeid, write_flags) {
+            error_reply(unique, errno)
+        } else if direct {
             session.write_direct_from(unique, nodeid, offset, data).await
         } else {
             session.write_buffered_from(unique, nodeid, offset, &data).await

@@ -4,13 +4,16 @@
 
 use std::rc::Rc;
 
-use super::access::{permitted, Creds, R_OK, W_OK, X_OK};
+use super::access::{permitted, setid_bits_to_clear, Acl, Creds, ACL_ACCESS, ACL_DEFAULT, R_OK, W_OK, X_OK};
 use super::format::{
     Inode, Timespec, BLOCK_SIZE, NAME_MAX, ROOT_INO, SYMLINK_MAX, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG,
     XATTR_INODE_BYTES_MAX, XATTR_LIST_BYTES_MAX, XATTR_NAME_MAX, XATTR_VALUE_MAX,
 };
 use super::record::Record;
 use super::{Fs, FsError, FsInner, FsResult, Handle};
+
+/// The ACLs a new inode inherits: xattr names and values.
+type InheritedXattrs = Vec<(&'static [u8], Vec<u8>)>;
 
 /// Largest file: 2^52 bytes keeps block arithmetic far from overflow.
 pub const MAX_FILE_BYTES: u64 = 1 << 52;
@@ -48,6 +51,9 @@ pub struct SetAttr {
     pub atime: Option<TimeSet>,
     pub mtime: Option<TimeSet>,
     pub ctime: Option<Timespec>,
+    /// Clear the set-id bits, as a truncate by a caller without
+    /// CAP_FSETID does (FUSE's FATTR_KILL_SUIDGID).
+    pub kill_setid: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -120,6 +126,31 @@ impl FsInner {
         Ok(())
     }
 
+    /// The access ACL of a node, if it has a valid one. setxattr stores
+    /// only valid ACLs; one that a crafted image holds may not be, and then
+    /// counts as none.
+    fn access_acl_of(&self, node: &super::state::Node) -> Option<Acl> {
+        node.xattrs.get(ACL_ACCESS).and_then(|v| Acl::parse(v).ok())
+    }
+
+    /// chmod on an inode with an access ACL rewrites the ACL's owner,
+    /// mask (or group) and other entries to match: posix_acl_chmod.
+    fn couple_acl_to_mode(&self, ino: u64, mode: u32) -> FsResult<()> {
+        let acl = self.state.borrow().node(ino).and_then(|n| self.access_acl_of(n));
+        let Some(mut acl) = acl else { return Ok(()) };
+        acl.chmod(mode);
+        self.log(Record::XattrSet { ino, name: ACL_ACCESS.to_vec(), value: acl.encode() })
+    }
+
+    /// May `c` access `inode` for `mask`, ACL included?
+    pub(crate) fn may(&self, inode: &Inode, c: &Creds, mask: u32) -> bool {
+        if c.kernel_checked() || c.uid == 0 || c.uid == inode.uid {
+            return permitted(inode, None, c, mask);
+        }
+        let acl = self.state.borrow().node(inode.ino).and_then(|n| self.access_acl_of(n));
+        permitted(inode, acl.as_ref(), c, mask)
+    }
+
     /// A directory the caller may search, and the inode `name` names in it.
     fn lookup_in(&self, c: &Creds, parent: u64, name: &[u8]) -> FsResult<Option<u64>> {
         if name.len() > NAME_MAX {
@@ -128,7 +159,7 @@ impl FsInner {
         let state = self.state.borrow();
         let node = state.node(parent).ok_or(FsError::NotFound)?;
         let dir = node.dir.as_ref().ok_or(FsError::NotDir)?;
-        if !permitted(&node.inode, c, X_OK) {
+        if !permitted(&node.inode, self.access_acl_of(node).as_ref(), c, X_OK) {
             return Err(FsError::Access);
         }
         Ok(match name {
@@ -150,7 +181,7 @@ impl FsInner {
         if inode.nlink == 0 {
             return Err(FsError::NotFound);
         }
-        if !permitted(&inode, c, W_OK | X_OK) {
+        if !self.may(&inode, c, W_OK | X_OK) {
             return Err(FsError::Access);
         }
         Ok(inode)
@@ -159,7 +190,7 @@ impl FsInner {
     /// The sticky-directory rule: only the owner of the entry or of the
     /// directory (or root) may remove or replace it.
     fn check_sticky(&self, c: &Creds, dir: &Inode, victim: u64) -> FsResult<()> {
-        if dir.mode & libc::S_ISVTX == 0 || c.uid == 0 || c.uid == dir.uid {
+        if dir.mode & libc::S_ISVTX == 0 || c.kernel_checked() || c.uid == 0 || c.uid == dir.uid {
             return Ok(());
         }
         if self.inode(victim)?.uid == c.uid {
@@ -197,7 +228,7 @@ impl FsInner {
         Ok(())
     }
 
-    fn new_inode(&self, c: &Creds, parent: &Inode, mode: u32, rdev: u32) -> Inode {
+    fn new_inode(&self, c: &Creds, parent: &Inode, mode: u32, rdev: u32) -> (Inode, InheritedXattrs) {
         let ino = {
             let mut state = self.state.borrow_mut();
             let ino = state.next_ino;
@@ -207,16 +238,45 @@ impl FsInner {
             state.next_ino += 1;
             ino
         };
+        let (mode, acls) = self.inherit_acls(c, parent, mode);
         let mut mode = mode;
+        let is_dir = mode & S_IFMT == S_IFDIR;
         let gid = if parent.mode & libc::S_ISGID != 0 {
-            if mode & S_IFMT == S_IFDIR {
+            if is_dir {
                 mode |= libc::S_ISGID;
+            } else if !c.kernel_checked() && c.uid != 0 && !c.in_group(parent.gid) && mode & 0o010 != 0 {
+                // mode_strip_sgid: no setgid file in a group one is not in.
+                mode &= !libc::S_ISGID;
             }
             parent.gid
         } else {
             c.gid
         };
-        Inode::new(ino, mode, c.uid, gid, rdev)
+        (Inode::new(ino, mode, c.uid, gid, rdev), acls)
+    }
+
+    /// The mode of a new inode and the ACLs it inherits, as Linux's
+    /// posix_acl_create: with a default ACL on the directory, the umask is
+    /// ignored and the ACL, masked by the mode, becomes the access ACL
+    /// (and a directory's default ACL too); without one, the umask applies.
+    fn inherit_acls(&self, c: &Creds, parent: &Inode, mode: u32) -> (u32, InheritedXattrs) {
+        if mode & S_IFMT == S_IFLNK {
+            return (mode, Vec::new());
+        }
+        let default = self.state.borrow().node(parent.ino).and_then(|n| n.xattrs.get(ACL_DEFAULT).cloned());
+        let Some(default) = default.and_then(|v| Acl::parse(&v).ok()).filter(|a| !a.is_empty()) else {
+            return (mode & !(c.umask & 0o777), Vec::new());
+        };
+        let mut acls = Vec::new();
+        if mode & S_IFMT == S_IFDIR {
+            acls.push((ACL_DEFAULT, default.encode()));
+        }
+        let mut access = default;
+        let masked = access.create_masq(mode & 0o777);
+        if !access.mode_bits().1 {
+            acls.push((ACL_ACCESS, access.encode()));
+        }
+        ((mode & !0o777) | masked, acls)
     }
 
     fn add_entry(&self, parent: u64, name: &[u8], ino: u64) -> FsResult<()> {
@@ -257,8 +317,11 @@ impl FsInner {
         if self.state.borrow().nodes.len() as u64 >= self.inodes_max() {
             return Err(FsError::NoSpace);
         }
-        let inode = self.new_inode(c, &dir, mode, rdev);
+        let (inode, acls) = self.new_inode(c, &dir, mode, rdev);
         self.create_inode(inode.clone())?;
+        for (name, value) in acls {
+            self.log(Record::XattrSet { ino: inode.ino, name: name.to_vec(), value })?;
+        }
         self.add_entry(parent, name, inode.ino)?;
         self.touch_dir(parent, i32::from(is_dir))?;
         self.add_lookup(inode.ino, 1);
@@ -435,7 +498,7 @@ impl Fs {
         if src.is_dir() {
             self.check_not_ancestor(ino, new_parent)?;
             // Moving a directory rewrites its "..": it must be writable.
-            if parent != new_parent && !permitted(&src, c, W_OK) {
+            if parent != new_parent && !self.inner.may(&src, c, W_OK) {
                 return Err(FsError::Access);
             }
         }
@@ -534,7 +597,7 @@ impl Fs {
         if inode.is_dir() && mask & W_OK != 0 {
             return Err(FsError::IsDir);
         }
-        if !permitted(&inode, c, mask) {
+        if !self.inner.may(&inode, c, mask) {
             return Err(FsError::Access);
         }
         if flags as i32 & libc::O_TRUNC != 0 && mask & W_OK != 0 && inode.is_reg() && inode.size > 0 {
@@ -588,7 +651,7 @@ impl Fs {
         if !inode.is_dir() {
             return Err(FsError::NotDir);
         }
-        if !permitted(&inode, c, R_OK) {
+        if !self.inner.may(&inode, c, R_OK) {
             return Err(FsError::Access);
         }
         Ok(self.new_handle(ino, libc::O_RDONLY as u32 | libc::O_DIRECTORY as u32))
@@ -652,7 +715,7 @@ impl Fs {
 
     pub async fn access(&self, c: &Creds, ino: u64, mask: u32) -> FsResult<()> {
         let inode = self.inner.inode(ino)?;
-        if mask == 0 || permitted(&inode, c, mask & 7) {
+        if mask == 0 || self.inner.may(&inode, c, mask & 7) {
             Ok(())
         } else {
             Err(FsError::Access)
@@ -661,14 +724,14 @@ impl Fs {
 
     pub async fn setattr(&self, c: &Creds, ino: u64, set: &SetAttr, via_handle: bool) -> FsResult<Attr> {
         let inode = self.inner.inode(ino)?;
-        let owner = c.uid == 0 || c.uid == inode.uid;
+        let owner = c.owns(&inode);
         let mut new = inode.clone();
         if let Some(mode) = set.mode {
             if !owner {
                 return Err(FsError::Perm);
             }
             let mut mode = mode & 0o7777;
-            if c.uid != 0 && !c.in_group(new.gid) {
+            if !c.kernel_checked() && c.uid != 0 && !c.in_group(new.gid) {
                 mode &= !libc::S_ISGID;
             }
             new.mode = (new.mode & S_IFMT) | mode;
@@ -678,15 +741,13 @@ impl Fs {
             let gid = set.gid.unwrap_or(new.gid);
             let uid_ok = c.uid == 0 || (uid == new.uid && c.uid == new.uid);
             let gid_ok = c.uid == 0 || (gid == new.gid && owner) || (c.uid == new.uid && c.in_group(gid));
-            if !uid_ok || !gid_ok {
+            if !c.kernel_checked() && (!uid_ok || !gid_ok) {
                 return Err(FsError::Perm);
             }
-            if !new.is_dir() {
-                new.mode &= !libc::S_ISUID;
-                if new.mode & 0o010 != 0 {
-                    new.mode &= !libc::S_ISGID;
-                }
-            }
+            // chown clears set-id bits whoever does it (Linux's
+            // ATTR_KILL_SUID); the kernel leaves that to us under
+            // FUSE_HANDLE_KILLPRIV_V2.
+            new.mode &= !setid_bits_to_clear(new.mode);
             new.uid = uid;
             new.gid = gid;
         }
@@ -694,7 +755,7 @@ impl Fs {
             let Some(want) = want else { continue };
             let t = match want {
                 TimeSet::Now => {
-                    if !owner && !permitted(&inode, c, W_OK) {
+                    if !owner && !self.inner.may(&inode, c, W_OK) {
                         return Err(FsError::Access);
                     }
                     now()
@@ -719,10 +780,13 @@ impl Fs {
             if !new.is_reg() {
                 return Err(FsError::Invalid("truncate of a special file"));
             }
-            if !via_handle && !permitted(&inode, c, W_OK) {
+            if !via_handle && !self.inner.may(&inode, c, W_OK) {
                 return Err(FsError::Access);
             }
             self.truncate(ino, size).await?;
+            if set.kill_setid || (!c.kernel_checked() && c.uid != 0) {
+                new.mode &= !setid_bits_to_clear(new.mode);
+            }
             let after = self.inner.inode(ino)?;
             new.size = after.size;
             if set.mtime.is_none() {
@@ -730,6 +794,9 @@ impl Fs {
             }
         }
         new.ctime = set.ctime.unwrap_or_else(now);
+        if new.mode != inode.mode {
+            self.inner.couple_acl_to_mode(ino, new.mode)?;
+        }
         self.inner.update_inode(ino, |i| *i = new)?;
         self.inner.attr(ino)
     }
@@ -757,10 +824,70 @@ impl Fs {
         if names_bytes > XATTR_LIST_BYTES_MAX || all_bytes > inode_bytes_max {
             return Err(FsError::NoSpace);
         }
+        if name == ACL_ACCESS || name == ACL_DEFAULT {
+            return self.set_acl(c, ino, name, &Acl::parse(value)?);
+        }
         self.inner.log(Record::XattrSet { ino, name: name.to_vec(), value: value.to_vec() })?;
         let t = now();
         self.inner.update_inode(ino, |i| i.ctime = t)?;
         Ok(())
+    }
+
+    /// setxattr of an ACL, as Linux's set_posix_acl: a default ACL only on
+    /// a directory; an access ACL that the mode can say is not stored; the
+    /// mode follows the access ACL; an empty ACL removes one.
+    fn set_acl(&self, c: &Creds, ino: u64, name: &[u8], acl: &Acl) -> FsResult<()> {
+        let inode = self.inner.inode(ino)?;
+        let mut mode = inode.mode;
+        let mut store = !acl.is_empty();
+        if name == ACL_DEFAULT && !inode.is_dir() {
+            return if acl.is_empty() { Ok(()) } else { Err(FsError::Access) };
+        }
+        if name == ACL_ACCESS && !acl.is_empty() {
+            let (bits, equivalent) = acl.mode_bits();
+            mode = (mode & !0o777) | bits;
+            store = !equivalent;
+            if !c.kernel_checked() && c.uid != 0 && !c.in_group(inode.gid) {
+                mode &= !libc::S_ISGID;
+            }
+        }
+        let stored = self.inner.state.borrow().node(ino).is_some_and(|n| n.xattrs.contains_key(name));
+        if store {
+            self.inner.log(Record::XattrSet { ino, name: name.to_vec(), value: acl.encode() })?;
+        } else if stored {
+            self.inner.log(Record::XattrDelete { ino, name: name.to_vec() })?;
+        }
+        let t = now();
+        self.inner.update_inode(ino, |i| {
+            i.mode = mode;
+            i.ctime = t;
+        })
+    }
+
+    /// Clear S_ISUID, and S_ISGID with group execute, as a write by a
+    /// caller without CAP_FSETID does (FUSE_WRITE_KILL_SUIDGID and
+    /// FUSE_OPEN_KILL_SUIDGID). Free when there is nothing to clear.
+    pub fn kill_setid(&self, ino: u64) -> FsResult<()> {
+        let clear = setid_bits_to_clear(self.inner.inode(ino)?.mode);
+        self.clear_mode_bits(ino, clear)
+    }
+
+    /// Clear S_ISGID: an access ACL set by a caller outside the file's
+    /// group (FUSE_SETXATTR_ACL_KILL_SGID).
+    pub fn kill_sgid(&self, ino: u64) -> FsResult<()> {
+        let clear = self.inner.inode(ino)?.mode & libc::S_ISGID;
+        self.clear_mode_bits(ino, clear)
+    }
+
+    fn clear_mode_bits(&self, ino: u64, clear: u32) -> FsResult<()> {
+        if clear == 0 {
+            return Ok(());
+        }
+        let t = now();
+        self.inner.update_inode(ino, |i| {
+            i.mode &= !clear;
+            i.ctime = t;
+        })
     }
 
     pub async fn getxattr(&self, c: &Creds, ino: u64, name: &[u8]) -> FsResult<Vec<u8>> {
@@ -798,14 +925,22 @@ impl Fs {
             return Err(if name.is_empty() { FsError::Invalid("empty xattr name") } else { FsError::Range });
         }
         let inode = self.inner.inode(ino)?;
-        if name.starts_with(b"trusted.") && c.uid != 0 {
+        let acl = name == ACL_ACCESS || name == ACL_DEFAULT;
+        if name.starts_with(b"system.") && !acl {
+            return Err(FsError::Unsupported);
+        }
+        if c.kernel_checked() {
+            return Ok(());
+        }
+        let privileged = name.starts_with(b"trusted.") || (write && name.starts_with(b"security."));
+        if (privileged && c.uid != 0) || (write && acl && !c.owns(&inode)) {
             return Err(FsError::Perm);
         }
         if name.starts_with(b"user.") && !(inode.is_reg() || inode.is_dir()) {
             return Err(if write { FsError::Perm } else { FsError::NoData });
         }
         let mask = if write { W_OK } else { R_OK };
-        if name.starts_with(b"user.") && !permitted(&inode, c, mask) {
+        if name.starts_with(b"user.") && !self.inner.may(&inode, c, mask) {
             return Err(FsError::Access);
         }
         Ok(())

@@ -279,6 +279,12 @@ impl InHeader {
     /// Parse the header and check its length against the request: the
     /// first thing done with any request.
     pub fn parse(request: &[u8]) -> Result<(Self, &[u8]), ParseError> {
+        Self::parse_with_extensions(request).map(|(h, body, _)| (h, body))
+    }
+
+    /// [`Self::parse`], also returning the request extensions that follow
+    /// the body (`total_extlen` 8-byte units).
+    pub fn parse_with_extensions(request: &[u8]) -> Result<(Self, &[u8], &[u8]), ParseError> {
         let mut c = Cursor::new(request);
         let h = InHeader {
             len: c.u32("in_header.len")?,
@@ -299,8 +305,33 @@ impl InHeader {
         if ext > body.len() {
             return Err(ParseError::Short { what: "request extensions", need: ext, have: body.len() });
         }
-        Ok((h, &body[..body.len() - ext]))
+        let (body, extensions) = body.split_at(body.len() - ext);
+        Ok((h, body, extensions))
     }
+}
+
+/// fuse_ext_header.type of the supplementary-group extension.
+const FUSE_EXT_GROUPS: u32 = 32;
+
+/// The group FUSE_CREATE_SUPP_GROUP sends: the parent directory's group,
+/// when the caller holds it as a supplementary group. Extensions that are
+/// malformed or of other types are ignored.
+pub fn supplementary_group(mut extensions: &[u8]) -> Option<u32> {
+    // Bounded: every step consumes at least 8 bytes.
+    while extensions.len() >= 8 {
+        let size = u32::from_le_bytes(extensions[0..4].try_into().expect("4 bytes")) as usize;
+        let kind = u32::from_le_bytes(extensions[4..8].try_into().expect("4 bytes"));
+        if size < 8 || !size.is_multiple_of(8) || size > extensions.len() {
+            return None;
+        }
+        let payload = &extensions[8..size];
+        if kind == FUSE_EXT_GROUPS && payload.len() >= 8 {
+            let count = u32::from_le_bytes(payload[0..4].try_into().expect("4 bytes"));
+            return (count >= 1).then(|| u32::from_le_bytes(payload[4..8].try_into().expect("4 bytes")));
+        }
+        extensions = &extensions[size..];
+    }
+    None
 }
 
 /// fuse_attr, as replies carry it.
@@ -434,6 +465,23 @@ mod tests {
         assert_eq!(Opcode::from_u32(7), None, "7 is unused in the protocol");
         assert_eq!(Opcode::from_u32(4096), None);
         assert_eq!(ParseError::UnknownOpcode(4096).errno(), libc::ENOSYS);
+    }
+
+    #[test]
+    fn the_supplementary_group_extension_is_read_and_bounded() {
+        let ext = |size: u32, kind: u32, payload: &[u32]| {
+            let mut v = [size, kind].iter().chain(payload).flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+            v.resize(v.len().next_multiple_of(8), 0);
+            v
+        };
+        assert_eq!(supplementary_group(&ext(16, FUSE_EXT_GROUPS, &[1, 2000])), Some(2000));
+        // A security context first (types 0..31), then the groups.
+        let both = [ext(16, 1, &[0, 0]), ext(16, FUSE_EXT_GROUPS, &[1, 7])].concat();
+        assert_eq!(supplementary_group(&both), Some(7));
+        assert_eq!(supplementary_group(&ext(16, FUSE_EXT_GROUPS, &[0, 2000])), None, "no groups");
+        assert_eq!(supplementary_group(&ext(64, FUSE_EXT_GROUPS, &[1, 2000])), None, "size past the end");
+        assert_eq!(supplementary_group(&ext(4, FUSE_EXT_GROUPS, &[1, 2000])), None, "size below a header");
+        assert_eq!(supplementary_group(&[]), None);
     }
 
     #[test]

@@ -48,7 +48,10 @@ impl FuseMount {
             .write(true)
             .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
             .open("/dev/fuse")?;
-        let options = format!("fd={},rootmode=40000,user_id=0,group_id=0,allow_other", device.as_raw_fd());
+        // default_permissions: the kernel checks permissions with the
+        // caller's full credentials, as virtio-fs always does.
+        let options =
+            format!("fd={},rootmode=40000,user_id=0,group_id=0,allow_other,default_permissions", device.as_raw_fd());
         let (src, target, fstype, data) = (
             CString::new(fsname)?,
             CString::new(mountpoint.as_os_str().as_bytes())?,

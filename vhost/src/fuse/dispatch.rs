@@ -16,7 +16,7 @@ use super::abi::{
     error_reply, init_flags as f, open_flags, Attr, InHeader, Reply, KERNEL_MINOR_VERSION, KERNEL_VERSION,
     MIN_MINOR_VERSION,
 };
-use super::request::{fattr, parse, Request, SetattrIn};
+use super::request::{fattr, parse, Request, SetattrIn, OPEN_KILL_SUIDGID, SETXATTR_ACL_KILL_SGID, WRITE_KILL_SUIDGID};
 use super::stats::OpStats;
 
 #[derive(Clone, Debug)]
@@ -82,6 +82,10 @@ const OFFERED: u64 = f::ASYNC_READ
     | f::MAX_PAGES
     | f::SETXATTR_EXT
     | f::DIRECT_IO_ALLOW_MMAP
+    | f::HANDLE_KILLPRIV_V2
+    | f::POSIX_ACL
+    | f::DONT_MASK
+    | f::CREATE_SUPP_GROUP
     | f::INIT_EXT;
 
 pub struct Session {
@@ -269,7 +273,7 @@ impl Session {
     }
 
     async fn handle_unrecorded(&self, request: &[u8]) -> Option<Vec<u8>> {
-        let (header, body) = match InHeader::parse(request) {
+        let (header, body, extensions) = match InHeader::parse_with_extensions(request) {
             Ok(parsed) => parsed,
             Err(e) => {
                 let unique = request.get(8..16)?.try_into().ok().map(u64::from_le_bytes)?;
@@ -287,7 +291,7 @@ impl Session {
         if !self.initialized.get() && !matches!(req, Request::Init { .. }) {
             return Some(error_reply(header.unique, libc::EIO));
         }
-        Some(match self.dispatch(&header, req).await {
+        Some(match self.dispatch(&header, req, extensions).await {
             Ok(Some(reply)) => reply.finish(header.unique, 0),
             Ok(None) => Reply::default().finish(header.unique, 0),
             Err(errno) => error_reply(header.unique, errno),
@@ -365,8 +369,21 @@ impl Session {
         Ok(Some(r))
     }
 
-    async fn dispatch(&self, h: &InHeader, req: Request<'_>) -> Outcome {
-        let c = Creds { uid: h.uid, gid: h.gid, groups: Vec::new() };
+    /// The caller of `req`. Both transports mount with default_permissions
+    /// (virtio-fs always does), so the client kernel has checked the
+    /// request with the caller's full credentials: fs-core applies only
+    /// the side effects (docs/ARCHITECTURE.md, "Permissions").
+    fn creds(h: &InHeader, req: &Request<'_>, extensions: &[u8]) -> Creds {
+        let mut c = Creds::checked_by_kernel(h.uid, h.gid);
+        c.groups.extend(super::abi::supplementary_group(extensions));
+        if let Request::Create { umask, .. } | Request::Mkdir { umask, .. } | Request::Mknod { umask, .. } = req {
+            c.umask = *umask;
+        }
+        c
+    }
+
+    async fn dispatch(&self, h: &InHeader, req: Request<'_>, extensions: &[u8]) -> Outcome {
+        let c = Self::creds(h, &req, extensions);
         let fs = &self.fs;
         let ino = h.nodeid;
         let e = |err: FsError| errno_of(&err);
@@ -409,23 +426,32 @@ impl Session {
             Request::Link { oldnodeid, newname } => {
                 Ok(Some(self.entry(&fs.link(&c, oldnodeid, ino, newname).await.map_err(e)?)))
             }
-            Request::Open { flags } => {
+            Request::Open { flags, open_flags } => {
                 let fh = self.own_handle(fs.open(&c, ino, flags).await.map_err(e)?).await?;
+                if open_flags & OPEN_KILL_SUIDGID != 0 && flags as i32 & libc::O_TRUNC != 0 {
+                    fs.kill_setid(ino).map_err(e)?;
+                }
                 Ok(Some(open_out(fh, flags, self.config.cache)))
             }
             Request::Opendir { .. } => {
                 let fh = self.own_handle(fs.opendir(&c, ino).await.map_err(e)?).await?;
                 Ok(Some(open_out(fh, 0, CacheMode::Auto)))
             }
-            Request::Create { flags, mode, name, .. } => {
+            Request::Create { flags, mode, name, open_flags, .. } => {
                 let (a, fh) = fs.create(&c, ino, name, mode, flags).await.map_err(e)?;
+                if open_flags & OPEN_KILL_SUIDGID != 0 && flags as i32 & libc::O_TRUNC != 0 {
+                    fs.kill_setid(a.inode.ino).map_err(e)?;
+                }
                 let fh = self.own_handle(fh).await?;
                 let mut r = self.entry(&a);
                 r.raw(&open_out(fh, flags, self.config.cache).bytes);
                 Ok(Some(r))
             }
             Request::Read { fh, offset, size } => self.read(fh, ino, offset, size).await,
-            Request::Write { fh, offset, data } => self.write(fh, ino, offset, data).await,
+            Request::Write { fh, offset, write_flags, data } => {
+                self.kill_setid_on_write(ino, write_flags)?;
+                self.write(fh, ino, offset, data).await
+            }
             Request::Readdir { fh, offset, size, plus } => {
                 self.own_handle_of(fh, ino)?;
                 self.readdir(&c, ino, offset, size, plus).await
@@ -451,8 +477,12 @@ impl Session {
                 let r = if dir { fs.fsyncdir(ino, datasync).await } else { fs.fsync(ino, datasync).await };
                 r.map(|_| None).map_err(e)
             }
-            Request::Setxattr { flags, name, value } => {
-                fs.setxattr(&c, ino, name, value, flags).await.map(|_| None).map_err(e)
+            Request::Setxattr { flags, setxattr_flags, name, value } => {
+                fs.setxattr(&c, ino, name, value, flags).await.map_err(e)?;
+                if setxattr_flags & SETXATTR_ACL_KILL_SGID != 0 && name == b"system.posix_acl_access" {
+                    fs.kill_sgid(ino).map_err(e)?;
+                }
+                Ok(None)
             }
             Request::Getxattr { size, name } => sized(size, fs.getxattr(&c, ino, name).await.map_err(e)?),
             Request::Listxattr { size } => sized(size, fs.listxattr(ino).await.map_err(e)?),
@@ -476,6 +506,15 @@ impl Session {
             Request::Unsupported(_) => Err(libc::ENOSYS),
             Request::Forget { .. } | Request::BatchForget { .. } | Request::Interrupt { .. } => Ok(None),
         }
+    }
+
+    /// A WRITE whose flags say the writer lacks CAP_FSETID clears the
+    /// file's set-id bits first, as Linux's file_remove_privs.
+    pub fn kill_setid_on_write(&self, ino: u64, write_flags: u32) -> Result<(), i32> {
+        if write_flags & WRITE_KILL_SUIDGID == 0 {
+            return Ok(());
+        }
+        self.fs.kill_setid(ino).map_err(|e| e.errno())
     }
 
     /// For a READ (`write` false) or WRITE through `fh` on `nodeid`: Some(true)
@@ -674,5 +713,6 @@ fn to_setattr(s: &SetattrIn) -> SetAttr {
         atime: time(s.valid & fattr::ATIME != 0, s.valid & fattr::ATIME_NOW != 0, s.atime, s.atimensec),
         mtime: time(s.valid & fattr::MTIME != 0, s.valid & fattr::MTIME_NOW != 0, s.mtime, s.mtimensec),
         ctime: (s.valid & fattr::CTIME != 0).then_some(Timespec { sec: s.ctime as i64, nsec: s.ctimensec }),
+        kill_setid: s.valid & fattr::KILL_SUIDGID != 0,
     }
 }

@@ -15,7 +15,17 @@ pub mod fattr {
     pub const ATIME_NOW: u32 = 1 << 7;
     pub const MTIME_NOW: u32 = 1 << 8;
     pub const CTIME: u32 = 1 << 10;
+    /// Clear set-id bits on truncate (FUSE_HANDLE_KILLPRIV_V2).
+    pub const KILL_SUIDGID: u32 = 1 << 11;
 }
+
+/// fuse_write_in.write_flags: clear set-id bits (FUSE_HANDLE_KILLPRIV_V2).
+pub const WRITE_KILL_SUIDGID: u32 = 1 << 2;
+/// fuse_open_in.open_flags: clear set-id bits on an O_TRUNC open.
+pub const OPEN_KILL_SUIDGID: u32 = 1 << 0;
+/// fuse_setxattr_in.setxattr_flags: the caller is outside the file's
+/// group, so setting an access ACL clears S_ISGID.
+pub const SETXATTR_ACL_KILL_SGID: u32 = 1 << 0;
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SetattrIn {
@@ -87,6 +97,7 @@ pub enum Request<'a> {
     },
     Open {
         flags: u32,
+        open_flags: u32,
     },
     Opendir {
         flags: u32,
@@ -95,6 +106,7 @@ pub enum Request<'a> {
         flags: u32,
         mode: u32,
         umask: u32,
+        open_flags: u32,
         name: &'a [u8],
     },
     Read {
@@ -105,6 +117,7 @@ pub enum Request<'a> {
     Write {
         fh: u64,
         offset: u64,
+        write_flags: u32,
         data: &'a [u8],
     },
     Readdir {
@@ -130,6 +143,7 @@ pub enum Request<'a> {
     },
     Setxattr {
         flags: u32,
+        setxattr_flags: u32,
         name: &'a [u8],
         value: &'a [u8],
     },
@@ -184,7 +198,7 @@ impl Request<'_> {
             | Request::Setxattr { .. }
             | Request::Removexattr { .. }
             | Request::Fallocate { .. } => true,
-            Request::Open { flags } => {
+            Request::Open { flags, .. } => {
                 let flags = *flags as i32;
                 flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0
             }
@@ -261,17 +275,17 @@ pub fn parse<'a>(header: &InHeader, body: &'a [u8], setxattr_ext: bool) -> Resul
         }
         Opcode::Open | Opcode::Opendir => {
             let flags = c.u32("open.flags")?;
-            c.u32("open.open_flags")?;
+            let open_flags = c.u32("open.open_flags")?;
             if op == Opcode::Open {
-                Request::Open { flags }
+                Request::Open { flags, open_flags }
             } else {
                 Request::Opendir { flags }
             }
         }
         Opcode::Create => {
             let (flags, mode, umask) = (c.u32("create.flags")?, c.u32("create.mode")?, c.u32("create.umask")?);
-            c.u32("create.open_flags")?;
-            Request::Create { flags, mode, umask, name: c.name()? }
+            let open_flags = c.u32("create.open_flags")?;
+            Request::Create { flags, mode, umask, open_flags, name: c.name()? }
         }
         Opcode::Read | Opcode::Readdir | Opcode::Readdirplus => {
             let (fh, offset, size) = parse_read_in(&mut c)?;
@@ -284,9 +298,10 @@ pub fn parse<'a>(header: &InHeader, body: &'a [u8], setxattr_ext: bool) -> Resul
             let fh = c.u64("write.fh")?;
             let offset = c.u64("write.offset")?;
             let size = c.u32("write.size")?;
-            c.take(4 + 8 + 4 + 4, "write_in")?;
+            let write_flags = c.u32("write.write_flags")?;
+            c.take(8 + 4 + 4, "write_in")?;
             let data = c.take(size as usize, "write data")?;
-            Request::Write { fh, offset, data }
+            Request::Write { fh, offset, write_flags, data }
         }
         Opcode::Statfs => Request::Statfs,
         Opcode::Release | Opcode::Releasedir => {
@@ -312,12 +327,14 @@ pub fn parse<'a>(header: &InHeader, body: &'a [u8], setxattr_ext: bool) -> Resul
         Opcode::Setxattr => {
             let size = c.u32("setxattr.size")?;
             let flags = c.u32("setxattr.flags")?;
+            let mut setxattr_flags = 0;
             if setxattr_ext {
-                c.take(8, "setxattr ext")?;
+                setxattr_flags = c.u32("setxattr.setxattr_flags")?;
+                c.u32("setxattr.padding")?;
             }
             let name = c.cstr()?;
             let value = c.take(size as usize, "xattr value")?;
-            Request::Setxattr { flags, name, value }
+            Request::Setxattr { flags, setxattr_flags, name, value }
         }
         Opcode::Getxattr => {
             let size = c.u32("getxattr.size")?;
