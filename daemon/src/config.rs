@@ -208,6 +208,10 @@ pub struct Export {
     /// fail with EROFS.
     pub read_only: bool,
     pub fuse_mount: Option<PathBuf>,
+    /// The host mount's source and type as mount(8) and mountinfo show
+    /// them: "keelfs" and "fuse.keelfs", or what the mount helper was given.
+    pub fuse_source: String,
+    pub fuse_type: String,
 }
 
 impl Default for Config {
@@ -244,6 +248,8 @@ impl Export {
             requests_in_flight_max: None,
             read_only: false,
             fuse_mount: None,
+            fuse_source: "keelfs".into(),
+            fuse_type: "fuse.keelfs".into(),
         }
     }
 }

@@ -6,6 +6,7 @@
 mod config;
 mod device;
 mod lock;
+mod mount_helper;
 mod rpc;
 mod sandbox;
 mod seccomp;
@@ -106,6 +107,14 @@ enum Command {
         /// mount is read-only (see read_only in the config).
         #[arg(long)]
         read_only: bool,
+        /// The --fuse-mount mount's source, as mount(8) lists it (default
+        /// keelfs; the mount helper passes the image's path).
+        #[arg(long)]
+        fuse_source: Option<String>,
+        /// The --fuse-mount mount's type: fuse.SUBTYPE or fuse (default
+        /// fuse.keelfs).
+        #[arg(long)]
+        fuse_type: Option<String>,
     },
     /// Print a running daemon's counters as JSON.
     Stats {
@@ -143,6 +152,11 @@ fn keep_heap_memory() {
 
 fn main() -> ExitCode {
     keep_heap_memory();
+    let mut args = std::env::args_os();
+    let program = args.next().map(PathBuf::from).unwrap_or_default();
+    if program.file_name().is_some_and(|n| n == mount_helper::HELPER_NAME) {
+        return exit_code(mount_helper::run(&args.collect::<Vec<_>>()));
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Mkfs { path, size, force, journal_size, allocation_groups } => {
@@ -163,6 +177,8 @@ fn main() -> ExitCode {
             check,
             sandbox,
             read_only,
+            fuse_source,
+            fuse_type,
         } => serve::serve(serve::ServeArgs {
             config,
             device,
@@ -177,6 +193,8 @@ fn main() -> ExitCode {
             check,
             sandbox,
             read_only,
+            fuse_source,
+            fuse_type,
         }),
         Command::Stats { rpc } => rpc::query(&rpc).map(|json| {
             use std::io::Write;
@@ -185,6 +203,10 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }),
     };
+    exit_code(result)
+}
+
+fn exit_code(result: anyhow::Result<ExitCode>) -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {

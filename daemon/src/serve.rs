@@ -45,6 +45,8 @@ pub struct ServeArgs {
     pub config: Option<PathBuf>,
     pub device: Option<PathBuf>,
     pub fuse_mount: Option<PathBuf>,
+    pub fuse_source: Option<String>,
+    pub fuse_type: Option<String>,
     pub socket: Option<PathBuf>,
     pub tag: Option<String>,
     pub queues: Option<usize>,
@@ -105,6 +107,8 @@ fn resolve(args: ServeArgs) -> anyhow::Result<Config> {
     let flags_shape_an_export = args.device.is_some()
         || args.socket.is_some()
         || args.fuse_mount.is_some()
+        || args.fuse_source.is_some()
+        || args.fuse_type.is_some()
         || args.tag.is_some()
         || args.queues.is_some()
         || args.spread_queues
@@ -126,6 +130,12 @@ fn resolve(args: ServeArgs) -> anyhow::Result<Config> {
         }
         if let Some(mount) = args.fuse_mount {
             export.fuse_mount = Some(mount);
+        }
+        if let Some(source) = args.fuse_source {
+            export.fuse_source = source;
+        }
+        if let Some(fstype) = args.fuse_type {
+            export.fuse_type = fstype;
         }
         if let Some(queues) = args.queues {
             export.request_queues = queues;
@@ -163,9 +173,25 @@ fn init_logging(config: &Config) {
 
 /// What export tasks tell the main thread.
 enum Event {
-    Ready { tag: String, reactor: usize, socket: Option<PathBuf>, queues: usize },
-    Failed { tag: String, error: String },
-    Stopped { tag: String, error: Option<String> },
+    Ready {
+        tag: String,
+        reactor: usize,
+        socket: Option<PathBuf>,
+        queues: usize,
+    },
+    Failed {
+        tag: String,
+        error: String,
+    },
+    Stopped {
+        tag: String,
+        error: Option<String>,
+    },
+    /// The export's host mount was unmounted (by keelfsd at shutdown, or
+    /// by anyone with `umount`).
+    MountGone {
+        tag: String,
+    },
 }
 
 pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
@@ -256,8 +282,10 @@ fn make_paths_absolute(config: &mut Config) -> anyhow::Result<()> {
 }
 
 fn cleanup_of(config: &Config) -> Cleanup {
+    let with_mounts = || config.exports.iter().filter(|e| e.fuse_mount.is_some());
     Cleanup {
-        fuse_mounts: config.exports.iter().filter_map(|e| e.fuse_mount.clone()).collect(),
+        fuse_mounts: with_mounts().filter_map(|e| e.fuse_mount.clone()).collect(),
+        fuse_types: with_mounts().map(|e| e.fuse_type.clone()).collect(),
         sockets: config.exports.iter().filter_map(|e| e.socket.clone()).chain(config.rpc_socket.clone()).collect(),
     }
 }
@@ -309,7 +337,7 @@ fn open_exports(
         };
         let fuse = match &export.fuse_mount {
             Some(dir) => {
-                let mut mount = FuseMount::mount_with(dir, "keelfs", export.read_only)
+                let mut mount = FuseMount::mount_with(dir, &export.fuse_source, &export.fuse_type, export.read_only)
                     .with_context(|| format!("export {}: mounting {} through /dev/fuse", export.tag, dir.display()))?;
                 if let Some(link) = link {
                     let link = Arc::clone(link);
@@ -384,6 +412,10 @@ fn run(
                 failure = Some("a reactor stopped during start-up".into());
                 break;
             }
+            Ok(Event::MountGone { tag }) => {
+                failure = Some(format!("export {tag}: the host mount was unmounted during start-up"));
+                break;
+            }
         }
     }
     let rpc = match (&failure, rpc_listener) {
@@ -397,8 +429,8 @@ fn run(
         if std::env::var_os(seccomp::PROBE_ENV).is_some() {
             seccomp::probe_forbidden_call();
         }
-        signals.wait(None);
-        eprintln!("keelfsd: shutting down (a second signal forces the exit)");
+        let fuse_only = config.exports.iter().all(|e| e.socket.is_none());
+        wait_for_shutdown(signals, &event_rx, fuse_only.then_some(config.exports.len()));
     }
     let result = shut_down(&handles, &event_rx, signals, config.exports.len());
     drop(rpc);
@@ -412,6 +444,33 @@ fn run(
     result?;
     eprintln!("keelfsd: clean shutdown");
     Ok(ExitCode::SUCCESS)
+}
+
+/// Wait for SIGTERM or SIGINT. A daemon that serves only host mounts
+/// (`mounts` of them, as the mount helper starts it) also shuts down once
+/// every one has been unmounted, as a FUSE filesystem does after `umount`.
+fn wait_for_shutdown(signals: &Signals, events: &Receiver<Event>, mounts: Option<usize>) {
+    let Some(mut mounted) = mounts else {
+        signals.wait(None);
+        eprintln!("keelfsd: shutting down (a second signal forces the exit)");
+        return;
+    };
+    loop {
+        if signals.wait(Some(Duration::from_millis(100))).is_some() {
+            eprintln!("keelfsd: shutting down (a second signal forces the exit)");
+            return;
+        }
+        while let Ok(event) = events.try_recv() {
+            if let Event::MountGone { tag } = event {
+                tracing::info!("export {tag}: its host mount was unmounted");
+                mounted = mounted.saturating_sub(1);
+            }
+        }
+        if mounted == 0 {
+            eprintln!("keelfsd: every host mount was unmounted; shutting down");
+            return;
+        }
+    }
 }
 
 /// Ask every reactor to stop its exports, then wait for them, exiting at
@@ -451,7 +510,7 @@ fn shut_down(
                 }
             }
             Ok(Event::Failed { .. }) => stopped += 1,
-            Ok(Event::Ready { .. }) => {}
+            Ok(Event::Ready { .. } | Event::MountGone { .. }) => {}
             Err(mpsc::RecvTimeoutError::Timeout) => {}
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
         }
@@ -524,7 +583,10 @@ async fn run_export(
             return;
         }
     };
-    let (server, mount, fuse_stats) = match start_transports(&export, &fs, &dev, helpers, listener, fuse).await {
+    let gone = (events.clone(), tag.clone());
+    let on_mount_gone = Box::new(move || drop(gone.0.send(Event::MountGone { tag: gone.1 })));
+    let transports = start_transports(&export, &fs, &dev, helpers, listener, fuse, on_mount_gone).await;
+    let (server, mount, fuse_stats) = match transports {
         Ok(started) => started,
         Err(e) => {
             let _ = events.send(Event::Failed { tag, error: format!("{e:#}") });
@@ -577,6 +639,7 @@ async fn start_transports(
     helpers: Vec<ReactorHandle>,
     listener: Option<std::os::unix::net::UnixListener>,
     fuse: Option<FuseMount>,
+    on_mount_gone: Box<dyn FnOnce()>,
 ) -> anyhow::Result<(Option<VhostUserServer>, Option<Rc<FuseMount>>, Option<Rc<OpStats>>)> {
     let session_config =
         SessionConfig { open_handles_max: export.open_handles_max, ..CacheMode::from(export.cache).session_config() };
@@ -600,7 +663,7 @@ async fn start_transports(
     let mount = Rc::new(mount);
     let session = Rc::new(Session::new(fs.clone(), session_config));
     let stats = session.stats().clone();
-    serve_fuse(session, mount.clone());
+    serve_fuse(session, mount.clone(), on_mount_gone);
     Ok((server, Some(mount), Some(stats)))
 }
 

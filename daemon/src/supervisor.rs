@@ -35,6 +35,9 @@ use crate::signals::Signals;
 pub struct Cleanup {
     /// Host mount points of /dev/fuse mounts, absolute.
     pub fuse_mounts: Vec<PathBuf>,
+    /// Their filesystem types as mountinfo shows them (fuse.keelfs unless
+    /// the mount helper was asked for another subtype), in the same order.
+    pub fuse_types: Vec<String>,
     /// vhost-user and RPC sockets.
     pub sockets: Vec<PathBuf>,
 }
@@ -116,7 +119,8 @@ pub fn fork_into_pid_namespace(cleanup: Cleanup, signals: &Signals) -> anyhow::R
     }
     // What is mounted at the mount points already (another daemon's, say)
     // is not the child's to clean up.
-    let mounted_before: Vec<Option<u64>> = cleanup.fuse_mounts.iter().map(|m| keelfs_mount_at(m)).collect();
+    let mounted_before: Vec<Option<u64>> =
+        cleanup.fuse_mounts.iter().zip(&cleanup.fuse_types).map(|(m, t)| keelfs_mount_at(m, t)).collect();
     // SAFETY: the process has one thread (checked above), so the child
     // inherits no lock held by another thread.
     let pid = check(unsafe { libc::fork() }).context("fork")?;
@@ -192,8 +196,8 @@ fn supervise(
     // SAFETY: the child is ours and has exited; status is a valid int.
     check(unsafe { libc::waitpid(child, &mut status, 0) }).context("waitpid")?;
     // Only a mount the child made: another daemon's, there before, stays.
-    for (mountpoint, before) in cleanup.fuse_mounts.iter().zip(&mounted_before) {
-        if keelfs_mount_at(mountpoint).is_some_and(|now| Some(now) != *before) {
+    for ((mountpoint, fstype), before) in cleanup.fuse_mounts.iter().zip(&cleanup.fuse_types).zip(&mounted_before) {
+        if keelfs_mount_at(mountpoint, fstype).is_some_and(|now| Some(now) != *before) {
             let _ = umount(mountpoint);
         }
     }
@@ -225,9 +229,10 @@ fn umount(mountpoint: &Path) -> io::Result<()> {
     check(unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) }).map(drop)
 }
 
-/// The mount id of the topmost keelfs /dev/fuse mount at `mountpoint`,
-/// per mountinfo (later lines are mounted on top of earlier ones).
-fn keelfs_mount_at(mountpoint: &Path) -> Option<u64> {
+/// The mount id of the topmost /dev/fuse mount of type `fstype` at
+/// `mountpoint`, per mountinfo (later lines are mounted on top of earlier
+/// ones).
+fn keelfs_mount_at(mountpoint: &Path, fstype: &str) -> Option<u64> {
     let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
     // mountinfo escapes space, tab, newline and backslash as octal.
     let escaped = mountpoint
@@ -239,7 +244,7 @@ fn keelfs_mount_at(mountpoint: &Path) -> Option<u64> {
     info.lines()
         .filter(|line| {
             let at = line.split(' ').nth(4) == Some(escaped.as_str());
-            at && line.split(" - ").nth(1).is_some_and(|rest| rest.starts_with("fuse.keelfs "))
+            at && line.split(" - ").nth(1).is_some_and(|rest| rest.split(' ').next() == Some(fstype))
         })
         .filter_map(|line| line.split(' ').next()?.parse().ok())
         .next_back()

@@ -39,7 +39,7 @@ fn host_mount_serves_ordinary_file_calls_and_unmounts_clean() {
             let fs = Fs::mount(channel(&dev2), FsConfig::default()).await.unwrap();
             let session = Rc::new(Session::new(fs.clone(), SessionConfig::default()));
             let mount = Rc::new(FuseMount::mount(&dir2, "keelfs").expect("mount through /dev/fuse"));
-            serve(session, mount.clone());
+            serve(session, mount.clone(), Box::new(|| {}));
             SERVED.with(|s| *s.borrow_mut() = Some((fs, mount)));
             ready_tx.send(()).unwrap();
         });

@@ -37,12 +37,17 @@ pub struct FuseMount {
 impl FuseMount {
     /// Open /dev/fuse and mount it at `mountpoint` (needs CAP_SYS_ADMIN).
     pub fn mount(mountpoint: &Path, fsname: &str) -> std::io::Result<Self> {
-        Self::mount_with(mountpoint, fsname, false)
+        Self::mount_with(mountpoint, fsname, &format!("fuse.{fsname}"), false)
     }
 
-    /// [`Self::mount`], read-only (MS_RDONLY) if asked: the host kernel then
-    /// refuses changes itself and statfs reports ST_RDONLY.
-    pub fn mount_with(mountpoint: &Path, fsname: &str, read_only: bool) -> std::io::Result<Self> {
+    /// [`Self::mount`] with the mount's `source` and `fstype` ("fuse" or
+    /// "fuse.SUBTYPE") as mount(8) shows them, read-only (MS_RDONLY) if
+    /// asked: the host kernel then refuses changes itself and statfs
+    /// reports ST_RDONLY.
+    pub fn mount_with(mountpoint: &Path, source: &str, fstype: &str, read_only: bool) -> std::io::Result<Self> {
+        if fstype != "fuse" && !fstype.starts_with("fuse.") {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "a FUSE mount's type is fuse[.SUBTYPE]"));
+        }
         let device = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -53,9 +58,9 @@ impl FuseMount {
         let options =
             format!("fd={},rootmode=40000,user_id=0,group_id=0,allow_other,default_permissions", device.as_raw_fd());
         let (src, target, fstype, data) = (
-            CString::new(fsname)?,
+            CString::new(source)?,
             CString::new(mountpoint.as_os_str().as_bytes())?,
-            CString::new(format!("fuse.{fsname}"))?,
+            CString::new(fstype)?,
             CString::new(options)?,
         );
         // SAFETY: every pointer is a NUL-terminated string that outlives
@@ -107,9 +112,12 @@ impl Drop for FuseMount {
     }
 }
 
-/// Serve `mount` with `session` on the current reactor.
-pub fn serve(session: Rc<Session>, mount: Rc<FuseMount>) {
-    let poller = DevFusePoller { session, mount, buf: vec![0u8; REQUEST_BUFFER_BYTES], closed: false };
+/// Serve `mount` with `session` on the current reactor. `on_end` runs once
+/// the kernel ends the session: the mount was unmounted, by keelfsd or by
+/// anyone else (`umount DIR`).
+pub fn serve(session: Rc<Session>, mount: Rc<FuseMount>, on_end: Box<dyn FnOnce()>) {
+    let poller =
+        DevFusePoller { session, mount, buf: vec![0u8; REQUEST_BUFFER_BYTES], closed: false, on_end: Some(on_end) };
     reactor::register_poller(PollerClass::Source, Box::new(poller));
 }
 
@@ -118,6 +126,7 @@ struct DevFusePoller {
     mount: Rc<FuseMount>,
     buf: Vec<u8>,
     closed: bool,
+    on_end: Option<Box<dyn FnOnce()>>,
 }
 
 impl Poller for DevFusePoller {
@@ -145,7 +154,12 @@ impl Poller for DevFusePoller {
                 Err(e) if e.raw_os_error() == Some(libc::ENOENT) || e.kind() == ErrorKind::Interrupted => continue,
                 Err(_) => {
                     // ENODEV after unmount, or a broken session: stop.
+                    // There is nothing left to unmount.
                     self.closed = true;
+                    self.mount.mounted.set(false);
+                    if let Some(on_end) = self.on_end.take() {
+                        on_end();
+                    }
                     break;
                 }
             }
