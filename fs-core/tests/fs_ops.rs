@@ -174,6 +174,69 @@ fn rename_replace_noreplace_and_exchange() {
 }
 
 #[test]
+fn rename_whiteout_leaves_a_whiteout_device_at_the_old_name() {
+    with_fs(32 * MIB, async |fs: Fs, dev: Arc<dyn BlockDevice>| {
+        let c = root();
+        let file = fs.mknod(&c, ROOT_INO, b"file", libc::S_IFREG | 0o644, 0).await.unwrap().inode.ino;
+        fs.mknod(&c, ROOT_INO, b"taken", libc::S_IFREG | 0o644, 0).await.unwrap();
+        let whiteout = libc::RENAME_WHITEOUT;
+        let noreplace = libc::RENAME_NOREPLACE;
+        let exchange = libc::RENAME_EXCHANGE;
+        let refused = fs.rename(&c, ROOT_INO, b"file", ROOT_INO, b"taken", whiteout | noreplace).await;
+        assert_eq!(refused.err(), Some(FsError::Exists));
+        let refused = fs.rename(&c, ROOT_INO, b"file", ROOT_INO, b"taken", whiteout | exchange).await;
+        assert!(matches!(refused, Err(FsError::Invalid(_))));
+        assert_eq!(fs.lookup(&c, ROOT_INO, b"file").await.unwrap().inode.ino, file, "a refused rename moved");
+
+        let before = fs.statfs().await.unwrap().files_free;
+        fs.rename(&c, ROOT_INO, b"file", ROOT_INO, b"moved", whiteout).await.unwrap();
+        assert_eq!(fs.lookup(&c, ROOT_INO, b"moved").await.unwrap().inode.ino, file);
+        let wh = fs.lookup(&c, ROOT_INO, b"file").await.unwrap().inode;
+        assert_eq!((wh.mode, wh.rdev, wh.nlink), (libc::S_IFCHR, 0, 1), "a whiteout is a 0:0 char device");
+        assert_eq!(fs.statfs().await.unwrap().files_free, before - 1);
+        // Unlinked and forgotten, the whiteout's inode is freed.
+        fs.unlink(&c, ROOT_INO, b"file").await.unwrap();
+        fs.forget(wh.ino, 1).await.unwrap();
+        assert_eq!(fs.getattr(wh.ino).await.err(), Some(FsError::NotFound));
+        assert_eq!(fs.statfs().await.unwrap().files_free, before);
+        fs.unmount().await.unwrap();
+        assert!(check(&dev).await.is_clean());
+    });
+}
+
+#[test]
+fn a_tmpfile_is_freed_at_release_unless_linked_and_copies_stay_in_the_daemon() {
+    with_fs(32 * MIB, async |fs: Fs, dev: Arc<dyn BlockDevice>| {
+        let c = root();
+        let free = fs.statfs().await.unwrap().files_free;
+        let (gone, fh) = fs.tmpfile(&c, ROOT_INO, 0o600, libc::O_RDWR as u32).await.unwrap();
+        assert_eq!(gone.inode.nlink, 0);
+        fs.write(gone.inode.ino, 0, b"scratch").await.unwrap();
+        fs.release(fh).await.unwrap();
+        fs.forget(gone.inode.ino, 1).await.unwrap();
+        assert_eq!(fs.getattr(gone.inode.ino).await.err(), Some(FsError::NotFound));
+        assert_eq!(fs.statfs().await.unwrap().files_free, free);
+
+        let (kept, fh) = fs.tmpfile(&c, ROOT_INO, 0o600, libc::O_RDWR as u32).await.unwrap();
+        fs.write(kept.inode.ino, 0, b"linked later").await.unwrap();
+        fs.link(&c, kept.inode.ino, ROOT_INO, b"named").await.unwrap();
+        let (copy, copy_fh) = fs.create(&c, ROOT_INO, b"copy", 0o644, libc::O_RDWR as u32).await.unwrap();
+        assert_eq!(fs.copy_range(kept.inode.ino, 7, copy.inode.ino, 0, 1 << 40).await.unwrap(), 5);
+        let same = fs.copy_range(kept.inode.ino, 0, kept.inode.ino, 4, 8).await;
+        assert!(matches!(same, Err(FsError::Invalid(_))), "overlapping ranges of one file");
+        fs.release(fh).await.unwrap();
+        fs.release(copy_fh).await.unwrap();
+        fs.unmount().await.unwrap();
+        assert!(check(&dev).await.is_clean());
+        let fs = mount(&dev).await;
+        let named = fs.lookup(&c, ROOT_INO, b"named").await.unwrap();
+        assert_eq!((named.inode.nlink, fs.read(named.inode.ino, 0, 64).await.unwrap()), (1, b"linked later".to_vec()));
+        let copy = fs.lookup(&c, ROOT_INO, b"copy").await.unwrap();
+        assert_eq!(fs.read(copy.inode.ino, 0, 64).await.unwrap(), b"later");
+    });
+}
+
+#[test]
 fn permissions_use_the_callers_credentials() {
     with_fs(32 * MIB, async |fs: Fs, _dev: Arc<dyn BlockDevice>| {
         let c = root();

@@ -309,3 +309,89 @@ fn a_session_holds_at_most_its_configured_open_handles() {
         assert_eq!(open(8).await.0, 0);
     });
 }
+
+/// `request` with request extensions appended (fuse_in_header's
+/// total_extlen counts them in 8-byte units).
+fn with_extensions(mut request: Vec<u8>, extensions: &[u8]) -> Vec<u8> {
+    assert!(extensions.len().is_multiple_of(8));
+    request.extend_from_slice(extensions);
+    let len = request.len() as u32;
+    request[0..4].copy_from_slice(&len.to_le_bytes());
+    request[36..38].copy_from_slice(&((extensions.len() / 8) as u16).to_le_bytes());
+    request
+}
+
+/// A FUSE_SECURITY_CTX extension carrying one context.
+fn security_context(name: &str, value: &[u8]) -> Vec<u8> {
+    let mut body = [value.len() as u32, 0].map(u32::to_le_bytes).concat();
+    body.extend_from_slice(name.as_bytes());
+    body.push(0);
+    body.extend_from_slice(value);
+    body.resize(body.len().next_multiple_of(8), 0);
+    let mut ext = [(8 + body.len()) as u32, 1].map(u32::to_le_bytes).concat();
+    ext.extend_from_slice(&body);
+    ext
+}
+
+#[test]
+fn security_contexts_tmpfiles_statx_and_copy_file_range() {
+    with_session(async |s: Session| {
+        s.handle(&request(Opcode::Init as u32, 1, 0, &init_body())).await.unwrap();
+        // mkdir with an SELinux label: the new directory carries it.
+        let mkdir_in = named(&[0o755u32.to_le_bytes(), 0u32.to_le_bytes()].concat(), "labelled");
+        let label = b"system_u:object_r:container_file_t:s0\0";
+        let req = with_extensions(
+            request(Opcode::Mkdir as u32, 2, 1, &mkdir_in),
+            &security_context("security.selinux", label),
+        );
+        let (err, body) = reply(&s.handle(&req).await.unwrap(), 2);
+        assert_eq!(err, 0);
+        let dir = u64_at(&body, 0);
+        let get = request(Opcode::Getxattr as u32, 3, dir, b"\0\0\0\0\0\0\0\0security.selinux\0");
+        let (err, body) = reply(&s.handle(&get).await.unwrap(), 3);
+        assert_eq!(err, 0);
+        assert_eq!(u32::from_le_bytes(body[..4].try_into().unwrap()) as usize, label.len(), "the label's size");
+
+        // O_TMPFILE: the kernel is shown one link, which it takes away.
+        let tmp_in = [libc::O_RDWR as u32, 0o600, 0, 0].map(u32::to_le_bytes).concat();
+        let (err, body) =
+            reply(&s.handle(&request(Opcode::Tmpfile as u32, 4, dir, &named(&tmp_in, "/"))).await.unwrap(), 4);
+        assert_eq!(err, 0);
+        let (tmp, tmp_fh) = (u64_at(&body, 0), u64_at(&body, 128));
+        assert_eq!(u32::from_le_bytes(body[40 + 64..40 + 68].try_into().unwrap()), 1, "entry nlink");
+        assert_eq!(s.fs().getattr(tmp).await.unwrap().inode.nlink, 0, "no name yet");
+        let mut write_in = Reply::default();
+        write_in.u64(tmp_fh).u64(0).u32(6).u32(0).u64(0).u32(0).u32(0).raw(b"source");
+        assert_eq!(reply(&s.handle(&request(Opcode::Write as u32, 5, tmp, &write_in.bytes)).await.unwrap(), 5).0, 0);
+
+        // statx answers btime.
+        let statx_in = [0u8; 24];
+        let (err, body) = reply(&s.handle(&request(Opcode::Statx as u32, 6, tmp, &statx_in)).await.unwrap(), 6);
+        assert_eq!((err, body.len()), (0, 32 + 256));
+        let mask = u32::from_le_bytes(body[32..36].try_into().unwrap());
+        assert_ne!(mask & 0x800, 0, "STATX_BTIME");
+        let btime_sec = u64_at(&body, 32 + 0x50);
+        assert_eq!(btime_sec as i64, s.fs().getattr(tmp).await.unwrap().inode.btime.sec);
+
+        // copy_file_range from the tmpfile into a new file, in the daemon.
+        let create_in = [libc::O_RDWR as u32, 0o644, 0, 0].map(u32::to_le_bytes).concat();
+        let (_, body) =
+            reply(&s.handle(&request(Opcode::Create as u32, 7, dir, &named(&create_in, "dst"))).await.unwrap(), 7);
+        let (dst, dst_fh) = (u64_at(&body, 0), u64_at(&body, 128));
+        let mut copy_in = Reply::default();
+        copy_in.u64(tmp_fh).u64(2).u64(dst).u64(dst_fh).u64(10).u64(100).u64(0);
+        let (err, body) =
+            reply(&s.handle(&request(Opcode::CopyFileRange as u32, 8, tmp, &copy_in.bytes)).await.unwrap(), 8);
+        assert_eq!((err, u32::from_le_bytes(body[..4].try_into().unwrap())), (0, 4), "copied up to the source's end");
+        let data = s.fs().read(dst, 0, 100).await.unwrap();
+        assert_eq!(&data[10..], b"urce");
+        assert!(data[..10].iter().all(|&b| b == 0));
+        // A handle that is not the session's, or flags: refused.
+        let mut bad = Reply::default();
+        bad.u64(tmp_fh).u64(0).u64(dst).u64(999).u64(0).u64(1).u64(0);
+        assert_eq!(
+            reply(&s.handle(&request(Opcode::CopyFileRange as u32, 9, tmp, &bad.bytes)).await.unwrap(), 9).0,
+            -libc::EBADF
+        );
+    });
+}

@@ -20,7 +20,8 @@ use super::cache::{CacheFull, PAGE_BYTES};
 use super::extent::Segment;
 use super::format::{BlockRun, Inode, Timespec, BLOCK_BYTES, BLOCK_SIZE};
 use super::ops::{
-    FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE, MAX_FILE_BYTES, SEEK_DATA, SEEK_HOLE,
+    COPY_RANGE_MAX, FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE, MAX_FILE_BYTES, SEEK_DATA,
+    SEEK_HOLE,
 };
 use super::record::Record;
 use super::{journal, Fs, FsError, FsResult};
@@ -489,6 +490,31 @@ impl Fs {
             return Ok(p.to_vec());
         }
         Ok(data)
+    }
+
+    /// copy_file_range: up to `len` bytes (at most [`COPY_RANGE_MAX`]) from
+    /// `from` at `from_offset` to `to` at `to_offset`, through the page
+    /// cache in 1 MiB steps, each of which awaits and so yields. Stops at
+    /// the source's end; returns the bytes copied. Overlapping ranges of
+    /// one file are EINVAL, as on Linux.
+    pub async fn copy_range(&self, from: u64, from_offset: u64, to: u64, to_offset: u64, len: u64) -> FsResult<u64> {
+        const STEP: u64 = 1 << 20;
+        self.require_file(to)?;
+        let len = len.min(COPY_RANGE_MAX);
+        let overlaps = from_offset < to_offset.saturating_add(len) && to_offset < from_offset.saturating_add(len);
+        if from == to && overlaps {
+            return Err(FsError::Invalid("copy_file_range within overlapping ranges of one file"));
+        }
+        to_offset.checked_add(len).filter(|&e| e <= MAX_FILE_BYTES).ok_or(FsError::FileTooBig)?;
+        let mut done = 0;
+        while done < len {
+            let chunk = self.read(from, from_offset + done, (len - done).min(STEP) as u32).await?;
+            if chunk.is_empty() {
+                break; // the source's end
+            }
+            done += u64::from(self.write(to, to_offset + done, &chunk).await?);
+        }
+        Ok(done)
     }
 
     /// Write through the page cache: pages are dirtied, not allocated

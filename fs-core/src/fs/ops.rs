@@ -15,12 +15,18 @@ use super::{Fs, FsError, FsInner, FsResult, Handle};
 /// The ACLs a new inode inherits: xattr names and values.
 type InheritedXattrs = Vec<(&'static [u8], Vec<u8>)>;
 
+/// Most one copy_file_range copies (callers loop on short copies): it
+/// bounds the time one request holds its reactor's attention.
+pub const COPY_RANGE_MAX: u64 = 64 << 20;
 /// Largest file: 2^52 bytes keeps block arithmetic far from overflow.
 pub const MAX_FILE_BYTES: u64 = 1 << 52;
 const LINK_MAX: u32 = 65_000;
 
 pub const RENAME_NOREPLACE: u32 = 1;
 pub const RENAME_EXCHANGE: u32 = 2;
+/// Leave a whiteout (a 0:0 character device) at the old name: what
+/// overlayfs asks of its upper layer.
+pub const RENAME_WHITEOUT: u32 = 4;
 pub const XATTR_CREATE: u32 = 1;
 pub const XATTR_REPLACE: u32 = 2;
 pub const FALLOC_FL_KEEP_SIZE: u32 = 0x01;
@@ -471,9 +477,25 @@ impl Fs {
         new_name: &[u8],
         flags: u32,
     ) -> FsResult<()> {
-        if flags & !(RENAME_NOREPLACE | RENAME_EXCHANGE) != 0 || flags == RENAME_NOREPLACE | RENAME_EXCHANGE {
+        let known = RENAME_NOREPLACE | RENAME_EXCHANGE | RENAME_WHITEOUT;
+        if flags & !known != 0 || (flags & RENAME_EXCHANGE != 0 && flags & (RENAME_NOREPLACE | RENAME_WHITEOUT) != 0) {
             return Err(FsError::Invalid("rename flags"));
         }
+        if flags & RENAME_WHITEOUT != 0 {
+            return self.rename_whiteout(c, parent, name, new_parent, new_name, flags & RENAME_NOREPLACE);
+        }
+        self.rename_plain(c, parent, name, new_parent, new_name, flags)
+    }
+
+    fn rename_plain(
+        &self,
+        c: &Creds,
+        parent: u64,
+        name: &[u8],
+        new_parent: u64,
+        new_name: &[u8],
+        flags: u32,
+    ) -> FsResult<()> {
         check_name(name)?;
         check_name(new_name)?;
         let src_dir = self.inner.writable_dir(c, parent)?;
@@ -527,6 +549,35 @@ impl Fs {
         }
         self.inner.touch_dir(parent, -moved_dir)?;
         self.inner.touch_dir(new_parent, moved_dir)?;
+        Ok(())
+    }
+
+    /// rename, then a whiteout at the old name, in one journal transaction
+    /// (no await between them). Room for the whiteout's inode is checked
+    /// first, so the rename never happens without it.
+    fn rename_whiteout(
+        &self,
+        c: &Creds,
+        parent: u64,
+        name: &[u8],
+        new_parent: u64,
+        new_name: &[u8],
+        flags: u32,
+    ) -> FsResult<()> {
+        if self.inner.state.borrow().nodes.len() as u64 >= self.inner.inodes_max() {
+            return Err(FsError::NoSpace);
+        }
+        let moved = self.inner.lookup_in(c, parent, name)?.ok_or(FsError::NotFound)?;
+        if self.inner.lookup_in(c, new_parent, new_name)? == Some(moved) {
+            return Ok(()); // two names of one inode: nothing moves, no whiteout
+        }
+        self.rename_plain(c, parent, name, new_parent, new_name, flags)?;
+        let whiteout = self.inner.make_node(c, parent, name, libc::S_IFCHR, 0)?;
+        // make_node counts a lookup for the entry a create replies with;
+        // the kernel gets none for a whiteout.
+        if let Some(node) = self.inner.state.borrow_mut().node_mut(whiteout.ino) {
+            node.lookups -= 1;
+        }
         Ok(())
     }
 
@@ -630,6 +681,26 @@ impl Fs {
         let inode = self.inner.make_node(c, parent, name, S_IFREG | (mode & 0o7777), 0)?;
         let fh = self.new_handle(inode.ino, flags);
         Ok((self.inner.attr(inode.ino)?, fh))
+    }
+
+    /// O_TMPFILE: an open regular file with no name (nlink 0), in
+    /// `parent`'s group and ACLs. It is freed at its last release, or at
+    /// the next mount after a crash, unless `link` gives it a name first.
+    pub async fn tmpfile(&self, c: &Creds, parent: u64, mode: u32, flags: u32) -> FsResult<(Attr, u64)> {
+        let dir = self.inner.writable_dir(c, parent)?;
+        if self.inner.state.borrow().nodes.len() as u64 >= self.inner.inodes_max() {
+            return Err(FsError::NoSpace);
+        }
+        let (mut inode, acls) = self.inner.new_inode(c, &dir, S_IFREG | (mode & 0o7777), 0);
+        inode.nlink = 0;
+        let ino = inode.ino;
+        self.inner.create_inode(inode)?;
+        for (name, value) in acls {
+            self.inner.log(Record::XattrSet { ino, name: name.to_vec(), value })?;
+        }
+        self.inner.add_lookup(ino, 1);
+        let fh = self.new_handle(ino, flags);
+        Ok((self.inner.attr(ino)?, fh))
     }
 
     pub async fn release(&self, fh: u64) -> FsResult<()> {

@@ -8,7 +8,7 @@
 
 /// The protocol version keelfs speaks.
 pub const KERNEL_VERSION: u32 = 7;
-pub const KERNEL_MINOR_VERSION: u32 = 38;
+pub const KERNEL_MINOR_VERSION: u32 = 39;
 /// The oldest minor version keelfs accepts (Linux 5.4-era kernels).
 pub const MIN_MINOR_VERSION: u32 = 31;
 
@@ -310,28 +310,62 @@ impl InHeader {
     }
 }
 
-/// fuse_ext_header.type of the supplementary-group extension.
+/// fuse_ext_header.type of the supplementary-group extension. Types 0 to
+/// 31 are a security context header, whose type field is its count.
 const FUSE_EXT_GROUPS: u32 = 32;
 
-/// The group FUSE_CREATE_SUPP_GROUP sends: the parent directory's group,
-/// when the caller holds it as a supplementary group. Extensions that are
-/// malformed or of other types are ignored.
-pub fn supplementary_group(mut extensions: &[u8]) -> Option<u32> {
-    // Bounded: every step consumes at least 8 bytes.
-    while extensions.len() >= 8 {
+/// The extensions of a request, as (type, payload), in order. Malformed
+/// trailing bytes end the walk.
+fn extensions_of(mut extensions: &[u8]) -> impl Iterator<Item = (u32, &[u8])> {
+    std::iter::from_fn(move || {
+        // Bounded: every step consumes at least 8 bytes.
+        if extensions.len() < 8 {
+            return None;
+        }
         let size = u32::from_le_bytes(extensions[0..4].try_into().expect("4 bytes")) as usize;
         let kind = u32::from_le_bytes(extensions[4..8].try_into().expect("4 bytes"));
         if size < 8 || !size.is_multiple_of(8) || size > extensions.len() {
             return None;
         }
         let payload = &extensions[8..size];
-        if kind == FUSE_EXT_GROUPS && payload.len() >= 8 {
-            let count = u32::from_le_bytes(payload[0..4].try_into().expect("4 bytes"));
-            return (count >= 1).then(|| u32::from_le_bytes(payload[4..8].try_into().expect("4 bytes")));
-        }
         extensions = &extensions[size..];
+        Some((kind, payload))
+    })
+}
+
+/// The security contexts FUSE_SECURITY_CTX sends with a create, mkdir,
+/// mknod, symlink or tmpfile: (xattr name, value) pairs for the new inode,
+/// so that an SELinux guest labels it in the same transaction. Each is
+/// fuse_secctx {size, padding}, the NUL-terminated name, then the value.
+pub fn security_contexts(extensions: &[u8]) -> Vec<(&[u8], &[u8])> {
+    let mut out = Vec::new();
+    for (count, mut payload) in extensions_of(extensions).filter(|&(kind, _)| kind < FUSE_EXT_GROUPS) {
+        for _ in 0..count {
+            let Some(size) = payload.get(0..4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")) as usize)
+            else {
+                return out;
+            };
+            let rest = &payload[8.min(payload.len())..];
+            let Some(nul) = rest.iter().position(|&b| b == 0) else { return out };
+            let (name, value) = (&rest[..nul], &rest[nul + 1..]);
+            if value.len() < size || name.is_empty() {
+                return out;
+            }
+            out.push((name, &value[..size]));
+            payload = &value[size..];
+        }
     }
-    None
+    out
+}
+
+/// The group FUSE_CREATE_SUPP_GROUP sends: the parent directory's group,
+/// when the caller holds it as a supplementary group. Extensions that are
+/// malformed or of other types are ignored.
+pub fn supplementary_group(extensions: &[u8]) -> Option<u32> {
+    let (_, groups) = extensions_of(extensions).find(|&(kind, _)| kind == FUSE_EXT_GROUPS)?;
+    let count = u32::from_le_bytes(groups.get(0..4)?.try_into().expect("4 bytes"));
+    let group = u32::from_le_bytes(groups.get(4..8)?.try_into().expect("4 bytes"));
+    (count >= 1).then_some(group)
 }
 
 /// fuse_attr, as replies carry it.
@@ -391,6 +425,23 @@ impl Reply {
     /// fuse_attr_out.
     pub fn attr_out(&mut self, valid_ns: u64, attr: &Attr) -> &mut Self {
         self.u64(valid_ns / 1_000_000_000).u32((valid_ns % 1_000_000_000) as u32).u32(0).attr(attr)
+    }
+    /// fuse_statx_out: the basic stats and the birth time (what keelfs
+    /// keeps of struct statx), valid for `valid_ns`.
+    pub fn statx_out(&mut self, valid_ns: u64, a: &Attr, btime: (u64, u32)) -> &mut Self {
+        const STATX_BASIC_STATS: u32 = 0x7ff;
+        const STATX_BTIME: u32 = 0x800;
+        self.u64(valid_ns / 1_000_000_000).u32((valid_ns % 1_000_000_000) as u32).u32(0).raw(&[0u8; 16]);
+        self.u32(STATX_BASIC_STATS | STATX_BTIME).u32(a.blksize).u64(0); // mask, blksize, attributes
+        self.u32(a.nlink).u32(a.uid).u32(a.gid).u16(a.mode as u16).u16(0);
+        self.u64(a.ino).u64(a.size).u64(a.blocks).u64(0); // attributes_mask
+        for (sec, nsec) in [(a.atime, a.atimensec), btime, (a.ctime, a.ctimensec), (a.mtime, a.mtimensec)] {
+            self.u64(sec).u32(nsec).u32(0);
+        }
+        // rdev in the kernel's new_encode_dev form, split; dev is the
+        // kernel's to fill.
+        let (major, minor) = ((a.rdev & 0xfff00) >> 8, (a.rdev & 0xff) | ((a.rdev >> 12) & 0xfff00));
+        self.u32(major).u32(minor).u32(0).u32(0).raw(&[0u8; 14 * 8])
     }
     /// The whole reply: fuse_out_header then this body.
     pub fn finish(&self, unique: u64, error: i32) -> Vec<u8> {
@@ -495,6 +546,9 @@ mod tests {
         let mut a = Reply::default();
         a.attr_out(0, &Attr::default());
         assert_eq!(a.bytes.len(), ATTR_OUT_BYTES);
+        let mut x = Reply::default();
+        x.statx_out(0, &Attr::default(), (0, 0));
+        assert_eq!(x.bytes.len(), 32 + 256, "sizeof(struct fuse_statx_out)");
         let reply = e.finish(9, 0);
         assert_eq!(u32::from_le_bytes(reply[..4].try_into().unwrap()) as usize, OUT_HEADER_BYTES + ENTRY_OUT_BYTES);
         let err = error_reply(9, libc::ENOENT);

@@ -86,6 +86,7 @@ const OFFERED: u64 = f::ASYNC_READ
     | f::POSIX_ACL
     | f::DONT_MASK
     | f::CREATE_SUPP_GROUP
+    | f::SECURITY_CTX
     | f::INIT_EXT;
 
 pub struct Session {
@@ -376,10 +377,33 @@ impl Session {
     fn creds(h: &InHeader, req: &Request<'_>, extensions: &[u8]) -> Creds {
         let mut c = Creds::checked_by_kernel(h.uid, h.gid);
         c.groups.extend(super::abi::supplementary_group(extensions));
-        if let Request::Create { umask, .. } | Request::Mkdir { umask, .. } | Request::Mknod { umask, .. } = req {
+        if let Request::Create { umask, .. }
+        | Request::Mkdir { umask, .. }
+        | Request::Mknod { umask, .. }
+        | Request::Tmpfile { umask, .. } = req
+        {
             c.umask = *umask;
         }
         c
+    }
+
+    /// Label a new inode with the security contexts its create carried
+    /// (FUSE_SECURITY_CTX). No await separates this from the create, so
+    /// both reach the journal in one transaction.
+    async fn label(&self, a: &FsAttr, extensions: &[u8]) -> Result<(), i32> {
+        let kernel = Creds::checked_by_kernel(0, 0);
+        for (name, value) in super::abi::security_contexts(extensions) {
+            if name.starts_with(b"security.") {
+                self.fs.setxattr(&kernel, a.inode.ino, name, value, 0).await.map_err(|e| e.errno())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The entry reply for an inode just made, labelled first.
+    async fn created(&self, a: &FsAttr, extensions: &[u8]) -> Outcome {
+        self.label(a, extensions).await?;
+        Ok(Some(self.entry(a)))
     }
 
     async fn dispatch(&self, h: &InHeader, req: Request<'_>, extensions: &[u8]) -> Outcome {
@@ -402,6 +426,13 @@ impl Session {
             Request::Destroy => Ok(None),
             Request::Lookup { name } => Ok(Some(self.entry(&fs.lookup(&c, ino, name).await.map_err(e)?))),
             Request::Getattr => Ok(Some(self.attr(&fs.getattr(ino).await.map_err(e)?))),
+            Request::Statx => {
+                let a = fs.getattr(ino).await.map_err(e)?;
+                let btime = (a.inode.btime.sec as u64, a.inode.btime.nsec);
+                let mut r = Reply::default();
+                r.statx_out(Self::valid_ns(self.config.attr_timeout), &to_abi_attr(&a), btime);
+                Ok(Some(r))
+            }
             Request::Setattr(s) => {
                 let a = fs.setattr(&c, ino, &to_setattr(&s), s.valid & fattr::FH != 0).await.map_err(e)?;
                 Ok(Some(self.attr(&a)))
@@ -412,12 +443,14 @@ impl Session {
                 Ok(Some(r))
             }
             Request::Symlink { name, target } => {
-                Ok(Some(self.entry(&fs.symlink(&c, ino, name, target).await.map_err(e)?)))
+                self.created(&fs.symlink(&c, ino, name, target).await.map_err(e)?, extensions).await
             }
             Request::Mknod { mode, rdev, name, .. } => {
-                Ok(Some(self.entry(&fs.mknod(&c, ino, name, mode, rdev).await.map_err(e)?)))
+                self.created(&fs.mknod(&c, ino, name, mode, rdev).await.map_err(e)?, extensions).await
             }
-            Request::Mkdir { mode, name, .. } => Ok(Some(self.entry(&fs.mkdir(&c, ino, name, mode).await.map_err(e)?))),
+            Request::Mkdir { mode, name, .. } => {
+                self.created(&fs.mkdir(&c, ino, name, mode).await.map_err(e)?, extensions).await
+            }
             Request::Unlink { name } => fs.unlink(&c, ino, name).await.map(|_| None).map_err(e),
             Request::Rmdir { name } => fs.rmdir(&c, ino, name).await.map(|_| None).map_err(e),
             Request::Rename { newdir, flags, name, newname } => {
@@ -439,10 +472,28 @@ impl Session {
             }
             Request::Create { flags, mode, name, open_flags, .. } => {
                 let (a, fh) = fs.create(&c, ino, name, mode, flags).await.map_err(e)?;
+                if let Err(errno) = self.label(&a, extensions).await {
+                    let _ = fs.release(fh).await;
+                    return Err(errno);
+                }
                 if open_flags & OPEN_KILL_SUIDGID != 0 && flags as i32 & libc::O_TRUNC != 0 {
                     fs.kill_setid(a.inode.ino).map_err(e)?;
                 }
                 let fh = self.own_handle(fh).await?;
+                let mut r = self.entry(&a);
+                r.raw(&open_out(fh, flags, self.config.cache).bytes);
+                Ok(Some(r))
+            }
+            Request::Tmpfile { flags, mode, .. } => {
+                let (mut a, fh) = fs.tmpfile(&c, ino, mode, flags).await.map_err(e)?;
+                if let Err(errno) = self.label(&a, extensions).await {
+                    let _ = fs.release(fh).await;
+                    return Err(errno);
+                }
+                let fh = self.own_handle(fh).await?;
+                // The kernel takes the file's one link away itself
+                // (d_tmpfile), so it must see one: keelfs's inode has none.
+                a.inode.nlink = 1;
                 let mut r = self.entry(&a);
                 r.raw(&open_out(fh, flags, self.config.cache).bytes);
                 Ok(Some(r))
@@ -503,6 +554,20 @@ impl Session {
                 Ok(Some(r))
             }
             Request::Syncfs => fs.sync().await.map(|_| None).map_err(e),
+            Request::CopyFileRange { fh_in, off_in, nodeid_out, fh_out, off_out, len, flags } => {
+                if flags != 0 {
+                    return Err(libc::EINVAL);
+                }
+                readable(self.own_handle_of(fh_in, ino)?)?;
+                writable(self.own_handle_of(fh_out, nodeid_out)?)?;
+                // No flag says the caller lacks CAP_FSETID here; only
+                // root is assumed to have it.
+                if h.uid != 0 {
+                    fs.kill_setid(nodeid_out).map_err(e)?;
+                }
+                let copied = fs.copy_range(ino, off_in, nodeid_out, off_out, len).await.map_err(e)?;
+                Ok(Some(write_out(copied as u32)))
+            }
             Request::Unsupported(_) => Err(libc::ENOSYS),
             Request::Forget { .. } | Request::BatchForget { .. } | Request::Interrupt { .. } => Ok(None),
         }

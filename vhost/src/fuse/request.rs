@@ -62,6 +62,8 @@ pub enum Request<'a> {
         items: Vec<(u64, u64)>,
     },
     Getattr,
+    /// FUSE_STATX (7.39): getattr with the birth time.
+    Statx,
     Setattr(SetattrIn),
     Readlink,
     Symlink {
@@ -108,6 +110,13 @@ pub enum Request<'a> {
         umask: u32,
         open_flags: u32,
         name: &'a [u8],
+    },
+    /// O_TMPFILE in the directory `nodeid`: fuse_create_in, then a name
+    /// the kernel makes up ("/"), ignored.
+    Tmpfile {
+        flags: u32,
+        mode: u32,
+        umask: u32,
     },
     Read {
         fh: u64,
@@ -175,6 +184,16 @@ pub enum Request<'a> {
         whence: u32,
     },
     Syncfs,
+    /// FUSE_COPY_FILE_RANGE from `nodeid`'s handle `fh_in`.
+    CopyFileRange {
+        fh_in: u64,
+        off_in: u64,
+        nodeid_out: u64,
+        fh_out: u64,
+        off_out: u64,
+        len: u64,
+        flags: u64,
+    },
     /// A known opcode keelfs does not implement: the reply is ENOSYS.
     Unsupported(Opcode),
 }
@@ -194,10 +213,12 @@ impl Request<'_> {
             | Request::Rename { .. }
             | Request::Link { .. }
             | Request::Create { .. }
+            | Request::Tmpfile { .. }
             | Request::Write { .. }
             | Request::Setxattr { .. }
             | Request::Removexattr { .. }
-            | Request::Fallocate { .. } => true,
+            | Request::Fallocate { .. }
+            | Request::CopyFileRange { .. } => true,
             Request::Open { flags, .. } => {
                 let flags = *flags as i32;
                 flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0
@@ -241,6 +262,12 @@ pub fn parse<'a>(header: &InHeader, body: &'a [u8], setxattr_ext: bool) -> Resul
             Request::BatchForget { items }
         }
         Opcode::Getattr => Request::Getattr,
+        Opcode::Statx => {
+            // getattr_flags, reserved, fh, sx_flags, sx_mask: keelfs
+            // answers every basic field and btime whatever was asked.
+            c.take(4 + 4 + 8 + 4 + 4, "statx_in")?;
+            Request::Statx
+        }
         Opcode::Setattr => Request::Setattr(parse_setattr(&mut c)?),
         Opcode::Readlink => Request::Readlink,
         Opcode::Symlink => {
@@ -286,6 +313,11 @@ pub fn parse<'a>(header: &InHeader, body: &'a [u8], setxattr_ext: bool) -> Resul
             let (flags, mode, umask) = (c.u32("create.flags")?, c.u32("create.mode")?, c.u32("create.umask")?);
             let open_flags = c.u32("create.open_flags")?;
             Request::Create { flags, mode, umask, open_flags, name: c.name()? }
+        }
+        Opcode::Tmpfile => {
+            let (flags, mode, umask) = (c.u32("tmpfile.flags")?, c.u32("tmpfile.mode")?, c.u32("tmpfile.umask")?);
+            c.u32("tmpfile.open_flags")?;
+            Request::Tmpfile { flags, mode, umask }
         }
         Opcode::Read | Opcode::Readdir | Opcode::Readdirplus => {
             let (fh, offset, size) = parse_read_in(&mut c)?;
@@ -361,6 +393,15 @@ pub fn parse<'a>(header: &InHeader, body: &'a [u8], setxattr_ext: bool) -> Resul
             Request::Lseek { fh, offset, whence: c.u32("lseek.whence")? }
         }
         Opcode::Syncfs => Request::Syncfs,
+        Opcode::CopyFileRange => Request::CopyFileRange {
+            fh_in: c.u64("copy_file_range.fh_in")?,
+            off_in: c.u64("copy_file_range.off_in")?,
+            nodeid_out: c.u64("copy_file_range.nodeid_out")?,
+            fh_out: c.u64("copy_file_range.fh_out")?,
+            off_out: c.u64("copy_file_range.off_out")?,
+            len: c.u64("copy_file_range.len")?,
+            flags: c.u64("copy_file_range.flags")?,
+        },
         other => Request::Unsupported(other),
     };
     Ok(r)
