@@ -110,6 +110,6 @@ count() { { grep -E "^$1:" "$log" || true; } | tail -1 | cut -d: -f2 | wc -w; }
 ran=$(count Ran)
 notrun=$(count "Not run")
 failed=$(count Failures)
-expunged=$(grep -cvE '^(#|$)' "$expunge")
+expunged=$(grep -cvE '^(#|$)' "$expunge" || true)
 echo "$prog: ran $ran, passed $((ran - failed)), failed $failed, not run $notrun, expunged $expunged (list: $expunge)"
 ((failed == 0))

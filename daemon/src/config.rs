@@ -212,6 +212,9 @@ pub struct Export {
     /// them: "keelfs" and "fuse.keelfs", or what the mount helper was given.
     pub fuse_source: String,
     pub fuse_type: String,
+    /// mount(2) flags of the host mount (MS_RDONLY is added for a
+    /// read-only export): nosuid and nodev unless asked otherwise.
+    pub fuse_mount_flags: libc::c_ulong,
 }
 
 impl Default for Config {
@@ -250,6 +253,7 @@ impl Export {
             fuse_mount: None,
             fuse_source: "keelfs".into(),
             fuse_type: "fuse.keelfs".into(),
+            fuse_mount_flags: libc::MS_NOSUID | libc::MS_NODEV,
         }
     }
 }

@@ -115,6 +115,11 @@ enum Command {
         /// fuse.keelfs).
         #[arg(long)]
         fuse_type: Option<String>,
+        /// mount(2) options of the --fuse-mount mount, comma-separated:
+        /// dev, suid (both off by default), noexec, noatime, nodiratime,
+        /// relatime, strictatime, lazytime, sync, dirsync.
+        #[arg(long)]
+        fuse_options: Option<String>,
     },
     /// Print a running daemon's counters as JSON.
     Stats {
@@ -179,6 +184,7 @@ fn main() -> ExitCode {
             read_only,
             fuse_source,
             fuse_type,
+            fuse_options,
         } => serve::serve(serve::ServeArgs {
             config,
             device,
@@ -195,6 +201,7 @@ fn main() -> ExitCode {
             read_only,
             fuse_source,
             fuse_type,
+            fuse_options,
         }),
         Command::Stats { rpc } => rpc::query(&rpc).map(|json| {
             use std::io::Write;

@@ -36,11 +36,49 @@ struct Request {
     fsname: Option<String>,
     /// Flags passed on to `keelfsd serve`.
     serve_flags: Vec<String>,
+    /// mount(2) options, for `keelfsd serve --fuse-options`.
+    mount_options: Vec<String>,
+    /// Where the server's messages go (appended); by default nowhere once
+    /// it is ready.
+    log: Option<PathBuf>,
+}
+
+/// mount(2) options a host mount takes, and their flags. nosuid and nodev
+/// are the default: an image is untrusted, so its device nodes and set-id
+/// files count only when the mount asks for `dev` and `suid`.
+const MOUNT_FLAGS: &[(&str, libc::c_ulong)] = &[
+    ("noexec", libc::MS_NOEXEC),
+    ("noatime", libc::MS_NOATIME),
+    ("nodiratime", libc::MS_NODIRATIME),
+    ("relatime", libc::MS_RELATIME),
+    ("strictatime", libc::MS_STRICTATIME),
+    ("lazytime", libc::MS_LAZYTIME),
+    ("sync", libc::MS_SYNCHRONOUS),
+    ("dirsync", libc::MS_DIRSYNC),
+];
+
+/// mount(2) flags for a comma-separated list of [`MOUNT_FLAGS`] names,
+/// `dev`, `suid` and their opposites.
+pub fn mount_flags(options: &str) -> Result<libc::c_ulong, UsageError> {
+    let mut flags = libc::MS_NOSUID | libc::MS_NODEV;
+    for option in options.split(',').filter(|o| !o.is_empty()) {
+        match option {
+            "dev" => flags &= !libc::MS_NODEV,
+            "suid" => flags &= !libc::MS_NOSUID,
+            "nodev" => flags |= libc::MS_NODEV,
+            "nosuid" => flags |= libc::MS_NOSUID,
+            "exec" | "async" | "atime" | "diratime" => {}
+            _ => match MOUNT_FLAGS.iter().find(|(name, _)| *name == option) {
+                Some((_, flag)) => flags |= flag,
+                None => return Err(UsageError(format!("unknown host mount option {option:?}"))),
+            },
+        }
+    }
+    Ok(flags)
 }
 
 /// Options mount(8) and fstab pass that change nothing here: keelfsd's
-/// host mounts are always nosuid, nodev, allow_other and
-/// default_permissions, and timestamps are the daemon's.
+/// host mounts are always allow_other and default_permissions.
 const IGNORED: &[&str] = &[
     "defaults",
     "auto",
@@ -52,19 +90,6 @@ const IGNORED: &[&str] = &[
     "group",
     "_netdev",
     "nofail",
-    "suid",
-    "nosuid",
-    "dev",
-    "nodev",
-    "exec",
-    "atime",
-    "noatime",
-    "relatime",
-    "strictatime",
-    "nodiratime",
-    "diratime",
-    "lazytime",
-    "async",
     "allow_other",
     "default_permissions",
     "silent",
@@ -83,6 +108,8 @@ fn parse_options(request: &mut Request, options: &str) -> Result<(), UsageError>
             ("cache" | "sandbox" | "reactors" | "rpc" | "socket" | "tag" | "queues" | "config", Some(v)) => {
                 request.serve_flags.extend([format!("--{key}"), v.to_owned()]);
             }
+            ("log", Some(v)) => request.log = Some(PathBuf::from(v)),
+            (k, None) if mount_flags(k).is_ok() => request.mount_options.push(k.to_owned()),
             (k, None) if IGNORED.contains(&k) => {}
             (k, _) if k.starts_with("x-") || k == "comment" => {}
             _ => return Err(UsageError(format!("unknown mount option {option:?} (see README, \"Mounting\")"))),
@@ -132,12 +159,22 @@ pub fn run(args: &[OsString]) -> anyhow::Result<ExitCode> {
     if request.read_only {
         serve.arg("--read-only");
     }
-    let log = unlinked_log_file()?;
+    serve.arg("--fuse-options").arg(request.mount_options.join(","));
+    let log = match &request.log {
+        Some(path) => std::fs::OpenOptions::new()
+            .read(true)
+            .append(true)
+            .create(true)
+            .open(path)
+            .with_context(|| format!("the log file {}", path.display()))?,
+        None => unlinked_log_file()?,
+    };
     serve.stdin(Stdio::null()).stdout(Stdio::null()).stderr(log.try_clone()?);
     // Its own process group: a terminal's hangup or ^C is not its concern.
     serve.process_group(0);
+    let start = log.metadata()?.len();
     let child = serve.spawn().context("starting keelfsd serve")?;
-    wait_ready(child, log)
+    wait_ready(child, log, start)
 }
 
 /// A file for the server's messages: read back if it fails to start.
@@ -148,12 +185,14 @@ fn unlinked_log_file() -> anyhow::Result<std::fs::File> {
     Ok(file)
 }
 
-fn wait_ready(mut child: std::process::Child, mut log: std::fs::File) -> anyhow::Result<ExitCode> {
+/// Wait until the server says it is ready in `log`, reading from `start`
+/// (a log= file may hold earlier runs).
+fn wait_ready(mut child: std::process::Child, mut log: std::fs::File, start: u64) -> anyhow::Result<ExitCode> {
     let deadline = Instant::now() + READY_TIMEOUT;
     let mut text = String::new();
     loop {
         text.clear();
-        log.rewind()?;
+        log.seek(std::io::SeekFrom::Start(start))?;
         // The log is the server's start-up messages: a few lines.
         (&mut log).take(1 << 20).read_to_string(&mut text)?;
         if text.contains(READY_LINE) {
@@ -175,8 +214,8 @@ fn wait_ready(mut child: std::process::Child, mut log: std::fs::File) -> anyhow:
 fn remount(request: &Request) -> anyhow::Result<ExitCode> {
     use std::os::unix::ffi::OsStrExt;
     let dir = std::ffi::CString::new(request.dir.as_os_str().as_bytes())?;
-    let flags =
-        libc::MS_REMOUNT | libc::MS_NOSUID | libc::MS_NODEV | if request.read_only { libc::MS_RDONLY } else { 0 };
+    let flags = mount_flags(&request.mount_options.join(","))?;
+    let flags = libc::MS_REMOUNT | flags | if request.read_only { libc::MS_RDONLY } else { 0 };
     // SAFETY: a NUL-terminated path that outlives the call; no source,
     // type or data.
     let rc = unsafe { libc::mount(std::ptr::null(), dir.as_ptr(), std::ptr::null(), flags, std::ptr::null()) };

@@ -47,6 +47,7 @@ pub struct ServeArgs {
     pub fuse_mount: Option<PathBuf>,
     pub fuse_source: Option<String>,
     pub fuse_type: Option<String>,
+    pub fuse_options: Option<String>,
     pub socket: Option<PathBuf>,
     pub tag: Option<String>,
     pub queues: Option<usize>,
@@ -109,6 +110,7 @@ fn resolve(args: ServeArgs) -> anyhow::Result<Config> {
         || args.fuse_mount.is_some()
         || args.fuse_source.is_some()
         || args.fuse_type.is_some()
+        || args.fuse_options.is_some()
         || args.tag.is_some()
         || args.queues.is_some()
         || args.spread_queues
@@ -136,6 +138,9 @@ fn resolve(args: ServeArgs) -> anyhow::Result<Config> {
         }
         if let Some(fstype) = args.fuse_type {
             export.fuse_type = fstype;
+        }
+        if let Some(options) = args.fuse_options {
+            export.fuse_mount_flags = crate::mount_helper::mount_flags(&options)?;
         }
         if let Some(queues) = args.queues {
             export.request_queues = queues;
@@ -337,11 +342,15 @@ fn open_exports(
         };
         let fuse = match &export.fuse_mount {
             Some(dir) => {
-                let mut mount = FuseMount::mount_with(dir, &export.fuse_source, &export.fuse_type, export.read_only)
+                let flags = export.fuse_mount_flags | if export.read_only { libc::MS_RDONLY } else { 0 };
+                let mut mount = FuseMount::mount_with(dir, &export.fuse_source, &export.fuse_type, flags)
                     .with_context(|| format!("export {}: mounting {} through /dev/fuse", export.tag, dir.display()))?;
                 if let Some(link) = link {
-                    let link = Arc::clone(link);
-                    mount.set_unmounter(Box::new(move |dir| link.unmount(dir)));
+                    link.mounted(dir, &export.fuse_type)
+                        .with_context(|| format!("export {}: reporting the mount to the supervisor", export.tag))?;
+                    let (unmounter, told) = (Arc::clone(link), Arc::clone(link));
+                    mount.set_unmounter(Box::new(move |dir| unmounter.unmount(dir)));
+                    mount.set_on_gone(Box::new(move |dir| told.gone(dir)));
                 }
                 Some(mount)
             }

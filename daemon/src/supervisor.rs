@@ -61,13 +61,40 @@ pub struct SupervisorLink {
 }
 
 impl SupervisorLink {
+    fn index_of(&self, mountpoint: &Path) -> io::Result<usize> {
+        self.fuse_mounts
+            .iter()
+            .position(|m| m == mountpoint)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "not a mount the supervisor knows"))
+    }
+
+    /// Tell the supervisor which mount at `mountpoint` is the server's own:
+    /// the one just made there, of type `fstype`. It unmounts only that
+    /// one, never one made later by another daemon (a remount after umount).
+    pub fn mounted(&self, mountpoint: &Path, fstype: &str) -> io::Result<()> {
+        let index = self.index_of(mountpoint)?;
+        let id = keelfs_mount_at(mountpoint, fstype)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "the new mount is not in mountinfo"))?;
+        self.request(&format!("mounted {index} {id}"))
+    }
+
+    /// Tell the supervisor the mount at `mountpoint` was unmounted by
+    /// someone else: it is no longer the server's to clean up.
+    pub fn gone(&self, mountpoint: &Path) -> io::Result<()> {
+        let index = self.index_of(mountpoint)?;
+        self.request(&format!("gone {index}"))
+    }
+
     /// Have the supervisor unmount the /dev/fuse mount at `mountpoint`.
     pub fn unmount(&self, mountpoint: &Path) -> io::Result<()> {
-        let Some(index) = self.fuse_mounts.iter().position(|m| m == mountpoint) else {
-            return Err(io::Error::new(io::ErrorKind::NotFound, "not a mount the supervisor knows"));
-        };
+        let index = self.index_of(mountpoint)?;
+        self.request(&format!("unmount {index}"))
+    }
+
+    /// Send one request and read its answer: 0, or an errno.
+    fn request(&self, message: &str) -> io::Result<()> {
         let mut stream = self.stream.lock().unwrap_or_else(|e| e.into_inner());
-        send_line(&mut stream, &format!("unmount {index}"))?;
+        send_line(&mut stream, message)?;
         match read_line(&mut stream)?.as_str() {
             "0" => Ok(()),
             errno => {
@@ -117,10 +144,6 @@ pub fn fork_into_pid_namespace(cleanup: Cleanup, signals: &Signals) -> anyhow::R
              Run as root, or pass --sandbox none to serve without a sandbox"
         )));
     }
-    // What is mounted at the mount points already (another daemon's, say)
-    // is not the child's to clean up.
-    let mounted_before: Vec<Option<u64>> =
-        cleanup.fuse_mounts.iter().zip(&cleanup.fuse_types).map(|(m, t)| keelfs_mount_at(m, t)).collect();
     // SAFETY: the process has one thread (checked above), so the child
     // inherits no lock held by another thread.
     let pid = check(unsafe { libc::fork() }).context("fork")?;
@@ -130,7 +153,7 @@ pub fn fork_into_pid_namespace(cleanup: Cleanup, signals: &Signals) -> anyhow::R
         return Ok(Role::Server(SupervisorLink { stream: Mutex::new(child_end), fuse_mounts: cleanup.fuse_mounts }));
     }
     drop(child_end);
-    let code = supervise(pid, parent_end, signals, &cleanup, mounted_before)?;
+    let code = supervise(pid, parent_end, signals, &cleanup)?;
     Ok(Role::Supervisor(code))
 }
 
@@ -160,8 +183,10 @@ fn supervise(
     mut link: UnixStream,
     signals: &Signals,
     cleanup: &Cleanup,
-    mounted_before: Vec<Option<u64>>,
 ) -> anyhow::Result<ExitCode> {
+    // The mount id of each mount the child made, as it reported them: only
+    // those are the supervisor's to unmount.
+    let mut made: Vec<Option<u64>> = vec![None; cleanup.fuse_mounts.len()];
     // SAFETY: pidfd_open takes a pid and flags.
     let pidfd = check(unsafe { libc::syscall(libc::SYS_pidfd_open, child, 0) } as libc::c_int)
         .context("pidfd_open on the sandboxed server")?;
@@ -186,7 +211,7 @@ fn supervise(
             }
         }
         if fds[2].revents != 0 {
-            link_open = answer(&mut link, &cleanup.fuse_mounts);
+            link_open = answer(&mut link, cleanup, &mut made);
         }
         if fds[1].revents != 0 {
             break;
@@ -195,11 +220,10 @@ fn supervise(
     let mut status = 0;
     // SAFETY: the child is ours and has exited; status is a valid int.
     check(unsafe { libc::waitpid(child, &mut status, 0) }).context("waitpid")?;
-    // Only a mount the child made: another daemon's, there before, stays.
-    for ((mountpoint, fstype), before) in cleanup.fuse_mounts.iter().zip(&cleanup.fuse_types).zip(&mounted_before) {
-        if keelfs_mount_at(mountpoint, fstype).is_some_and(|now| Some(now) != *before) {
-            let _ = umount(mountpoint);
-        }
+    // Only a mount the child made: another daemon's, there before or
+    // made since (a remount after umount), stays.
+    for index in 0..made.len() {
+        let _ = unmount_own(cleanup, &made, index);
     }
     for socket in &cleanup.sockets {
         let _ = keelfs_vhost::socket::clear_stale(socket);
@@ -211,15 +235,37 @@ fn poll_fd(fd: RawFd) -> libc::pollfd {
     libc::pollfd { fd, events: libc::POLLIN, revents: 0 }
 }
 
-/// Serve one request from the child; false once the link is closed.
-fn answer(link: &mut UnixStream, mounts: &[PathBuf]) -> bool {
+/// Serve one request from the child ("mounted INDEX ID", "gone INDEX" or
+/// "unmount INDEX"); false once the link is closed.
+fn answer(link: &mut UnixStream, cleanup: &Cleanup, made: &mut [Option<u64>]) -> bool {
     let Ok(request) = read_line(link) else { return false };
-    let index = request.strip_prefix("unmount ").and_then(|i| i.parse::<usize>().ok());
-    let errno = match index.and_then(|i| mounts.get(i)) {
-        Some(mountpoint) => umount(mountpoint).err().map_or(0, |e| e.raw_os_error().unwrap_or(libc::EIO)),
-        None => libc::EINVAL,
+    let words: Vec<&str> = request.split(' ').collect();
+    let index = words.get(1).and_then(|i| i.parse::<usize>().ok()).filter(|&i| i < made.len());
+    let errno = match (words.first(), index, words.get(2).and_then(|id| id.parse::<u64>().ok())) {
+        (Some(&"mounted"), Some(index), Some(id)) => {
+            made[index] = Some(id);
+            0
+        }
+        (Some(&"gone"), Some(index), None) => {
+            made[index] = None;
+            0
+        }
+        (Some(&"unmount"), Some(index), None) => {
+            unmount_own(cleanup, made, index).err().map_or(0, |e| e.raw_os_error().unwrap_or(libc::EIO))
+        }
+        _ => libc::EINVAL,
     };
     send_line(link, &errno.to_string()).is_ok()
+}
+
+/// Unmount the child's mount number `index` if it is still the topmost
+/// mount at its mount point; anything else there is left alone.
+fn unmount_own(cleanup: &Cleanup, made: &[Option<u64>], index: usize) -> io::Result<()> {
+    let (mountpoint, fstype) = (&cleanup.fuse_mounts[index], &cleanup.fuse_types[index]);
+    match made[index] {
+        Some(id) if keelfs_mount_at(mountpoint, fstype) == Some(id) => umount(mountpoint),
+        _ => Ok(()),
+    }
 }
 
 fn umount(mountpoint: &Path) -> io::Result<()> {

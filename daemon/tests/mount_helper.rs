@@ -62,6 +62,21 @@ fn mount_fstab_and_umount_drive_the_daemon() {
     assert!(!is_mounted(&mnt));
     assert_eq!(fsck(&image).0, 0, "the image is clean after umount");
 
+    // Unmounted and at once mounted again (as xfstests' cycle_mount does):
+    // the first server, still shutting down, must leave the new mount be.
+    for round in 0..3 {
+        let (ok, out) = run(Command::new("mount").args(["-t", "fuse.keelfs"]).arg(&image).arg(&mnt));
+        assert!(ok, "mount, round {round}: {out}");
+        let (ok, out) = run(Command::new("umount").arg(&mnt));
+        assert!(ok, "umount, round {round}: {out}");
+        let (ok, out) = run(Command::new("mount").args(["-t", "fuse.keelfs"]).arg(&image).arg(&mnt));
+        assert!(ok, "mount right after umount, round {round}: {out}");
+        std::thread::sleep(Duration::from_millis(1500));
+        assert!(is_mounted(&mnt), "round {round}: the earlier server's supervisor took the new mount down");
+        assert_eq!(std::fs::read(mnt.join("kept")).unwrap(), b"through the helper");
+        umount_and_wait(&mnt, &image);
+    }
+
     // An fstab line, read-only, with a plain "fuse" type (subtype=).
     let fstab = scratch.path("fstab");
     let line = format!("{} {} fuse.keelfs ro,subtype=,nofail,x-test.option 0 0\n", image.display(), mnt.display());

@@ -110,6 +110,16 @@ fn a_non_owners_write_truncate_or_chown_clears_setid_bits() {
     assert!(ok, "{err}");
     assert_eq!(mode_of(&f), 0o775, "a truncate without CAP_FSETID keeps S_ISUID/S_ISGID");
 
+    // An O_DIRECT write, then stat(1) asking for the mode alone: the
+    // kernel must not answer from attributes it cached before the write.
+    set_mode(&f, 0o6775);
+    let _ = mode_of(&f);
+    let (ok, err) =
+        member(&format!("dd if=/dev/zero of={} bs=4096 count=1 oflag=direct conv=notrunc status=none", f.display()));
+    assert!(ok, "{err}");
+    let shown = Command::new("stat").args(["-c", "%a"]).arg(&f).output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&shown.stdout).trim(), "775", "stat shows a stale mode after a direct write");
+
     // S_ISGID without group execute marks mandatory locking: it stays.
     set_mode(&f, 0o6764);
     let (ok, err) = member(&format!("echo again >> {}", f.display()));

@@ -938,9 +938,11 @@ impl Fs {
     /// Clear S_ISUID, and S_ISGID with group execute, as a write by a
     /// caller without CAP_FSETID does (FUSE_WRITE_KILL_SUIDGID and
     /// FUSE_OPEN_KILL_SUIDGID). Free when there is nothing to clear.
-    pub fn kill_setid(&self, ino: u64) -> FsResult<()> {
+    /// Whether the mode changed.
+    pub fn kill_setid(&self, ino: u64) -> FsResult<bool> {
         let clear = setid_bits_to_clear(self.inner.inode(ino)?.mode);
-        self.clear_mode_bits(ino, clear)
+        self.clear_mode_bits(ino, clear)?;
+        Ok(clear != 0)
     }
 
     /// Clear S_ISGID: an access ACL set by a caller outside the file's

@@ -32,19 +32,21 @@ pub struct FuseMount {
     mountpoint: PathBuf,
     mounted: std::cell::Cell<bool>,
     unmounter: Option<Unmounter>,
+    /// Told when the mount is found gone (someone ran umount).
+    on_gone: Option<Unmounter>,
 }
 
 impl FuseMount {
     /// Open /dev/fuse and mount it at `mountpoint` (needs CAP_SYS_ADMIN).
     pub fn mount(mountpoint: &Path, fsname: &str) -> std::io::Result<Self> {
-        Self::mount_with(mountpoint, fsname, &format!("fuse.{fsname}"), false)
+        Self::mount_with(mountpoint, fsname, &format!("fuse.{fsname}"), libc::MS_NOSUID | libc::MS_NODEV)
     }
 
     /// [`Self::mount`] with the mount's `source` and `fstype` ("fuse" or
-    /// "fuse.SUBTYPE") as mount(8) shows them, read-only (MS_RDONLY) if
-    /// asked: the host kernel then refuses changes itself and statfs
-    /// reports ST_RDONLY.
-    pub fn mount_with(mountpoint: &Path, source: &str, fstype: &str, read_only: bool) -> std::io::Result<Self> {
+    /// "fuse.SUBTYPE") as mount(8) shows them, and mount(2)'s `flags`
+    /// (MS_RDONLY makes the host kernel refuse changes itself, and statfs
+    /// report ST_RDONLY; MS_NOATIME and the like are the kernel's to apply).
+    pub fn mount_with(mountpoint: &Path, source: &str, fstype: &str, flags: libc::c_ulong) -> std::io::Result<Self> {
         if fstype != "fuse" && !fstype.starts_with("fuse.") {
             return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "a FUSE mount's type is fuse[.SUBTYPE]"));
         }
@@ -65,24 +67,34 @@ impl FuseMount {
         );
         // SAFETY: every pointer is a NUL-terminated string that outlives
         // the call; mount(2) copies them.
-        let rc = unsafe {
-            libc::mount(
-                src.as_ptr(),
-                target.as_ptr(),
-                fstype.as_ptr(),
-                libc::MS_NOSUID | libc::MS_NODEV | if read_only { libc::MS_RDONLY } else { 0 },
-                data.as_ptr().cast(),
-            )
-        };
+        let rc = unsafe { libc::mount(src.as_ptr(), target.as_ptr(), fstype.as_ptr(), flags, data.as_ptr().cast()) };
         if rc != 0 {
             return Err(std::io::Error::last_os_error());
         }
-        Ok(Self { device, mountpoint: mountpoint.to_path_buf(), mounted: std::cell::Cell::new(true), unmounter: None })
+        let mounted = std::cell::Cell::new(true);
+        Ok(Self { device, mountpoint: mountpoint.to_path_buf(), mounted, unmounter: None, on_gone: None })
     }
 
     /// Take the mount down with `unmounter` instead of umount2(2).
     pub fn set_unmounter(&mut self, unmounter: Unmounter) {
         self.unmounter = Some(unmounter);
+    }
+
+    /// Call `on_gone` once the kernel ends the session because the mount
+    /// was unmounted by someone else: whoever cleans up after this server
+    /// must then leave the mount point alone, since a new mount (reusing
+    /// the old one's mount id) may already sit there.
+    pub fn set_on_gone(&mut self, on_gone: Unmounter) {
+        self.on_gone = Some(on_gone);
+    }
+
+    /// The kernel ended the session: nothing is left to unmount.
+    fn gone(&self) {
+        if self.mounted.replace(false) {
+            if let Some(on_gone) = &self.on_gone {
+                let _ = on_gone(&self.mountpoint);
+            }
+        }
     }
 
     pub fn fd(&self) -> RawFd {
@@ -116,6 +128,10 @@ impl Drop for FuseMount {
 /// the kernel ends the session: the mount was unmounted, by keelfsd or by
 /// anyone else (`umount DIR`).
 pub fn serve(session: Rc<Session>, mount: Rc<FuseMount>, on_end: Box<dyn FnOnce()>) {
+    let notify_to = Rc::clone(&mount);
+    // A notification the kernel refuses (the mount is going away) needs
+    // nothing more.
+    session.set_notifier(Box::new(move |message| drop((&notify_to.device).write_all(message))));
     let poller =
         DevFusePoller { session, mount, buf: vec![0u8; REQUEST_BUFFER_BYTES], closed: false, on_end: Some(on_end) };
     reactor::register_poller(PollerClass::Source, Box::new(poller));
@@ -156,7 +172,7 @@ impl Poller for DevFusePoller {
                     // ENODEV after unmount, or a broken session: stop.
                     // There is nothing left to unmount.
                     self.closed = true;
-                    self.mount.mounted.set(false);
+                    self.mount.gone();
                     if let Some(on_end) = self.on_end.take() {
                         on_end();
                     }

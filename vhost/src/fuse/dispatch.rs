@@ -101,7 +101,16 @@ pub struct Session {
     shared_handles: RefCell<keelfs_core::units::IdMap<Arc<AtomicBool>>>,
     /// What this session holds of the filesystem's shared tables.
     holdings: RefCell<Holdings>,
+    /// Sends a notification to the client kernel, where the transport can
+    /// (/dev/fuse; Linux's virtio-fs has no notification queue).
+    notifier: RefCell<Option<Notifier>>,
 }
+
+/// Writes one notification message (fuse_out_header with unique 0).
+pub type Notifier = Box<dyn Fn(&[u8])>;
+
+/// fuse_notify_code FUSE_NOTIFY_INVAL_INODE.
+const NOTIFY_INVAL_INODE: i32 = 2;
 
 /// The open handles and lookup references one session (one guest, or the
 /// host mount) holds. A filesystem serves several sessions at once, and
@@ -181,7 +190,35 @@ impl Session {
             flags: Cell::new(0),
             shared_handles: RefCell::default(),
             holdings: RefCell::default(),
+            notifier: RefCell::default(),
         }
+    }
+
+    /// Let the session tell its kernel about changes it did not ask for.
+    pub fn set_notifier(&self, notifier: Notifier) {
+        *self.notifier.borrow_mut() = Some(notifier);
+    }
+
+    /// The daemon changed `ino`'s attributes behind the kernel's back
+    /// (cleared set-id bits on a write): have it drop its cached ones, so
+    /// that a stat right after sees the new mode.
+    fn attributes_changed(&self, ino: u64) {
+        if let Some(notify) = self.notifier.borrow().as_ref() {
+            // fuse_out_header {len, error: the code, unique 0}, then
+            // fuse_notify_inval_inode_out with offset -1: attributes only.
+            let mut r = Reply::default();
+            r.u32(16 + 24).u32(NOTIFY_INVAL_INODE as u32).u64(0);
+            r.u64(ino).u64(u64::MAX).u64(0);
+            notify(&r.bytes);
+        }
+    }
+
+    /// Clear `ino`'s set-id bits and tell the kernel if that changed them.
+    fn kill_setid(&self, ino: u64) -> Result<(), i32> {
+        if self.fs.kill_setid(ino).map_err(|e| e.errno())? {
+            self.attributes_changed(ino);
+        }
+        Ok(())
     }
 
     /// Count a lookup reference the kernel now holds on `ino`.
@@ -462,7 +499,7 @@ impl Session {
             Request::Open { flags, open_flags } => {
                 let fh = self.own_handle(fs.open(&c, ino, flags).await.map_err(e)?).await?;
                 if open_flags & OPEN_KILL_SUIDGID != 0 && flags as i32 & libc::O_TRUNC != 0 {
-                    fs.kill_setid(ino).map_err(e)?;
+                    self.kill_setid(ino)?;
                 }
                 Ok(Some(open_out(fh, flags, self.config.cache)))
             }
@@ -477,7 +514,7 @@ impl Session {
                     return Err(errno);
                 }
                 if open_flags & OPEN_KILL_SUIDGID != 0 && flags as i32 & libc::O_TRUNC != 0 {
-                    fs.kill_setid(a.inode.ino).map_err(e)?;
+                    self.kill_setid(a.inode.ino)?;
                 }
                 let fh = self.own_handle(fh).await?;
                 let mut r = self.entry(&a);
@@ -563,7 +600,7 @@ impl Session {
                 // No flag says the caller lacks CAP_FSETID here; only
                 // root is assumed to have it.
                 if h.uid != 0 {
-                    fs.kill_setid(nodeid_out).map_err(e)?;
+                    self.kill_setid(nodeid_out)?;
                 }
                 let copied = fs.copy_range(ino, off_in, nodeid_out, off_out, len).await.map_err(e)?;
                 Ok(Some(write_out(copied as u32)))
@@ -579,7 +616,7 @@ impl Session {
         if write_flags & WRITE_KILL_SUIDGID == 0 {
             return Ok(());
         }
-        self.fs.kill_setid(ino).map_err(|e| e.errno())
+        self.kill_setid(ino)
     }
 
     /// For a READ (`write` false) or WRITE through `fh` on `nodeid`: Some(true)
