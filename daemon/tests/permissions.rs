@@ -120,11 +120,20 @@ fn a_non_owners_write_truncate_or_chown_clears_setid_bits() {
     let shown = Command::new("stat").args(["-c", "%a"]).arg(&f).output().unwrap();
     assert_eq!(String::from_utf8_lossy(&shown.stdout).trim(), "775", "stat shows a stale mode after a direct write");
 
-    // S_ISGID without group execute marks mandatory locking: it stays.
+    // S_ISGID without group execute marks mandatory locking: it stays
+    // when the writer is in the file's group (here its primary group;
+    // FUSE does not tell the daemon a writer's supplementary groups).
+    chown(&f, 0, MEMBER);
     set_mode(&f, 0o6764);
     let (ok, err) = member(&format!("echo again >> {}", f.display()));
     assert!(ok, "{err}");
     assert_eq!(mode_of(&f), 0o2764);
+    // A writer outside the group clears it too.
+    chown(&f, 0, SHARED_GID);
+    set_mode(&f, 0o6766);
+    let (ok, err) = outsider(&format!("echo outside >> {}", f.display()));
+    assert!(ok, "{err}");
+    assert_eq!(mode_of(&f), 0o766);
 
     // chown clears the set-id bits, even done by root.
     set_mode(&f, 0o6775);

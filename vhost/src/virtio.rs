@@ -185,6 +185,8 @@ struct IoPrefix {
     size: usize,
     /// fuse_write_in.write_flags (READ's read_flags sit there too).
     write_flags: u32,
+    uid: u32,
+    gid: u32,
 }
 
 impl IoPrefix {
@@ -199,6 +201,8 @@ impl IoPrefix {
             offset: le_u64(&body[8..]),
             size: le_u32(&body[16..]) as usize,
             write_flags: le_u32(&body[20..]),
+            uid: le_u32(&prefix[24..]),
+            gid: le_u32(&prefix[28..]),
         }
     }
 }
@@ -233,7 +237,8 @@ async fn serve_direct(
     mem: Arc<GuestMemoryMmap>,
     writer: &mut Writer<'_>,
 ) -> Option<(u32, ChainOutcome)> {
-    let IoPrefix { declared, opcode, unique, nodeid, fh, offset, size, write_flags } = IoPrefix::parse(prefix);
+    let IoPrefix { declared, opcode, unique, nodeid, fh, offset, size, write_flags, uid, gid } =
+        IoPrefix::parse(prefix);
     let is_write = opcode == Opcode::Write as u32;
     let started = std::time::Instant::now();
     if declared != len || !(is_write || opcode == Opcode::Read as u32) || size == 0 || size > REQUEST_BYTES_MAX - 4096 {
@@ -251,7 +256,8 @@ async fn serve_direct(
             return None;
         }
         let data = GuestBuffer::new(mem, readable, prefix.len(), size)?;
-        let reply = if let Err(errno) = session.kill_setid_on_write(nodeid, write_flags) {
+        let caller = keelfs_core::fs::Creds::checked_by_kernel(uid, gid);
+        let reply = if let Err(errno) = session.kill_setid_on_write(nodeid, write_flags, &caller) {
             error_reply(unique, errno)
         } else if direct {
             session.write_direct_from(unique, nodeid, offset, data).await

@@ -87,15 +87,16 @@ pub(crate) fn permitted(inode: &Inode, acl: Option<&Acl>, c: &Creds, mask: u32) 
     bits & mask == mask
 }
 
-/// Linux's should_remove_suid: the set-id bits a write, truncate or chown
-/// by an unprivileged caller clears. S_ISGID without group execute marks
-/// mandatory locking, not privilege, and stays.
-pub(crate) fn setid_bits_to_clear(mode: u32) -> u32 {
+/// Linux's setattr_should_drop_suidgid: the set-id bits a write,
+/// truncate or fallocate by a caller without CAP_FSETID clears. S_ISGID
+/// without group execute marks mandatory locking, not privilege: it stays
+/// if the writer is in the file's group (`writer_in_group`).
+pub(crate) fn setid_bits_to_clear(mode: u32, writer_in_group: bool) -> u32 {
     if mode & S_IFMT == libc::S_IFDIR {
         return 0;
     }
     let mut clear = mode & libc::S_ISUID;
-    if mode & (libc::S_ISGID | libc::S_IXGRP) == libc::S_ISGID | libc::S_IXGRP {
+    if mode & libc::S_ISGID != 0 && (mode & libc::S_IXGRP != 0 || !writer_in_group) {
         clear |= libc::S_ISGID;
     }
     clear
@@ -329,9 +330,10 @@ mod tests {
 
     #[test]
     fn setid_bits_cleared_by_a_write_are_linuxs() {
-        assert_eq!(setid_bits_to_clear(libc::S_IFREG | 0o6755), libc::S_ISUID | libc::S_ISGID);
-        assert_eq!(setid_bits_to_clear(libc::S_IFREG | 0o6745), libc::S_ISUID);
-        assert_eq!(setid_bits_to_clear(libc::S_IFDIR | 0o6755), 0);
+        assert_eq!(setid_bits_to_clear(libc::S_IFREG | 0o6755, true), libc::S_ISUID | libc::S_ISGID);
+        assert_eq!(setid_bits_to_clear(libc::S_IFREG | 0o6745, true), libc::S_ISUID);
+        assert_eq!(setid_bits_to_clear(libc::S_IFREG | 0o6745, false), libc::S_ISUID | libc::S_ISGID);
+        assert_eq!(setid_bits_to_clear(libc::S_IFDIR | 0o6755, false), 0);
     }
 
     impl Creds {

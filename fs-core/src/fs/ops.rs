@@ -341,7 +341,15 @@ impl Fs {
     }
 
     pub async fn lookup(&self, c: &Creds, parent: u64, name: &[u8]) -> FsResult<Attr> {
-        let ino = self.inner.lookup_in(c, parent, name)?.ok_or(FsError::NotFound)?;
+        // "." of any inode is the inode: how a client that kept only an
+        // inode number (an NFS-style file handle, FUSE_EXPORT_SUPPORT)
+        // finds it again. A freed inode is ENOENT, and the client compares
+        // the generation.
+        let ino = if name == b"." && c.kernel_checked() {
+            self.inner.inode(parent)?.ino
+        } else {
+            self.inner.lookup_in(c, parent, name)?.ok_or(FsError::NotFound)?
+        };
         self.inner.add_lookup(ino, 1);
         self.inner.attr(ino)
     }
@@ -818,7 +826,7 @@ impl Fs {
             // chown clears set-id bits whoever does it (Linux's
             // ATTR_KILL_SUID); the kernel leaves that to us under
             // FUSE_HANDLE_KILLPRIV_V2.
-            new.mode &= !setid_bits_to_clear(new.mode);
+            new.mode &= !setid_bits_to_clear(new.mode, true);
             new.uid = uid;
             new.gid = gid;
         }
@@ -856,7 +864,7 @@ impl Fs {
             }
             self.truncate(ino, size).await?;
             if set.kill_setid || (!c.kernel_checked() && c.uid != 0) {
-                new.mode &= !setid_bits_to_clear(new.mode);
+                new.mode &= !setid_bits_to_clear(new.mode, c.uid == 0 || c.in_group(new.gid));
             }
             let after = self.inner.inode(ino)?;
             new.size = after.size;
@@ -938,9 +946,12 @@ impl Fs {
     /// Clear S_ISUID, and S_ISGID with group execute, as a write by a
     /// caller without CAP_FSETID does (FUSE_WRITE_KILL_SUIDGID and
     /// FUSE_OPEN_KILL_SUIDGID). Free when there is nothing to clear.
+    /// `writer` counts as in the file's group if its gid or one of the
+    /// groups it carries is the file's (FUSE sends no more of them).
     /// Whether the mode changed.
-    pub fn kill_setid(&self, ino: u64) -> FsResult<bool> {
-        let clear = setid_bits_to_clear(self.inner.inode(ino)?.mode);
+    pub fn kill_setid(&self, ino: u64, writer: &Creds) -> FsResult<bool> {
+        let inode = self.inner.inode(ino)?;
+        let clear = setid_bits_to_clear(inode.mode, writer.in_group(inode.gid));
         self.clear_mode_bits(ino, clear)?;
         Ok(clear != 0)
     }

@@ -87,6 +87,7 @@ const OFFERED: u64 = f::ASYNC_READ
     | f::DONT_MASK
     | f::CREATE_SUPP_GROUP
     | f::SECURITY_CTX
+    | f::EXPORT_SUPPORT
     | f::INIT_EXT;
 
 pub struct Session {
@@ -214,8 +215,8 @@ impl Session {
     }
 
     /// Clear `ino`'s set-id bits and tell the kernel if that changed them.
-    fn kill_setid(&self, ino: u64) -> Result<(), i32> {
-        if self.fs.kill_setid(ino).map_err(|e| e.errno())? {
+    fn kill_setid(&self, ino: u64, writer: &Creds) -> Result<(), i32> {
+        if self.fs.kill_setid(ino, writer).map_err(|e| e.errno())? {
             self.attributes_changed(ino);
         }
         Ok(())
@@ -499,7 +500,7 @@ impl Session {
             Request::Open { flags, open_flags } => {
                 let fh = self.own_handle(fs.open(&c, ino, flags).await.map_err(e)?).await?;
                 if open_flags & OPEN_KILL_SUIDGID != 0 && flags as i32 & libc::O_TRUNC != 0 {
-                    self.kill_setid(ino)?;
+                    self.kill_setid(ino, &c)?;
                 }
                 Ok(Some(open_out(fh, flags, self.config.cache)))
             }
@@ -514,7 +515,7 @@ impl Session {
                     return Err(errno);
                 }
                 if open_flags & OPEN_KILL_SUIDGID != 0 && flags as i32 & libc::O_TRUNC != 0 {
-                    self.kill_setid(a.inode.ino)?;
+                    self.kill_setid(a.inode.ino, &c)?;
                 }
                 let fh = self.own_handle(fh).await?;
                 let mut r = self.entry(&a);
@@ -537,7 +538,7 @@ impl Session {
             }
             Request::Read { fh, offset, size } => self.read(fh, ino, offset, size).await,
             Request::Write { fh, offset, write_flags, data } => {
-                self.kill_setid_on_write(ino, write_flags)?;
+                self.kill_setid_on_write(ino, write_flags, &c)?;
                 self.write(fh, ino, offset, data).await
             }
             Request::Readdir { fh, offset, size, plus } => {
@@ -578,6 +579,12 @@ impl Session {
             Request::Access { mask } => fs.access(&c, ino, mask).await.map(|_| None).map_err(e),
             Request::Fallocate { fh, offset, length, mode } => {
                 writable(self.own_handle_of(fh, ino)?)?;
+                // Linux clears set-id bits on fallocate (file_modified);
+                // FUSE sends no flag for it, and only root is assumed to
+                // hold CAP_FSETID.
+                if h.uid != 0 {
+                    self.kill_setid(ino, &c)?;
+                }
                 fs.fallocate(ino, mode, offset, length).await.map(|_| None).map_err(e)
             }
             Request::Lseek { fh, offset, whence } => {
@@ -600,7 +607,7 @@ impl Session {
                 // No flag says the caller lacks CAP_FSETID here; only
                 // root is assumed to have it.
                 if h.uid != 0 {
-                    self.kill_setid(nodeid_out)?;
+                    self.kill_setid(nodeid_out, &c)?;
                 }
                 let copied = fs.copy_range(ino, off_in, nodeid_out, off_out, len).await.map_err(e)?;
                 Ok(Some(write_out(copied as u32)))
@@ -612,11 +619,11 @@ impl Session {
 
     /// A WRITE whose flags say the writer lacks CAP_FSETID clears the
     /// file's set-id bits first, as Linux's file_remove_privs.
-    pub fn kill_setid_on_write(&self, ino: u64, write_flags: u32) -> Result<(), i32> {
+    pub fn kill_setid_on_write(&self, ino: u64, write_flags: u32, writer: &Creds) -> Result<(), i32> {
         if write_flags & WRITE_KILL_SUIDGID == 0 {
             return Ok(());
         }
-        self.kill_setid(ino)
+        self.kill_setid(ino, writer)
     }
 
     /// For a READ (`write` false) or WRITE through `fh` on `nodeid`: Some(true)
