@@ -309,6 +309,37 @@ fn readdir_offsets_stay_valid_while_the_directory_changes() {
 }
 
 #[test]
+fn readdir_through_a_handle_ends_while_renames_add_entries() {
+    with_fs(32 * MIB, async |fs: Fs, _dev: Arc<dyn BlockDevice>| {
+        let c = root();
+        let d = fs.mkdir(&c, ROOT_INO, b"d", 0o755).await.unwrap().inode.ino;
+        for i in 0..100 {
+            fs.mknod(&c, d, format!("f{i}").as_bytes(), libc::S_IFREG | 0o644, 0).await.unwrap();
+        }
+        let fh = fs.opendir(&c, d).await.unwrap();
+        let (mut offset, mut seen, mut renamed) = (0, 0, 0);
+        loop {
+            let batch = fs.readdir_handle(fh, offset, 10, false).await.unwrap();
+            let Some(last) = batch.last() else { break };
+            offset = last.next_offset;
+            for e in batch.iter().filter(|e| e.name != b"." && e.name != b"..") {
+                seen += 1;
+                // Each name read is renamed: a new entry, with a new cookie.
+                let new_name = format!("r{renamed}");
+                fs.rename(&c, d, &e.name, d, new_name.as_bytes(), 0).await.unwrap();
+                renamed += 1;
+            }
+            assert!(seen <= 100, "readdir returned renamed entries again");
+        }
+        assert_eq!(seen, 100, "every entry there at opendir is listed once");
+        // A rewind (offset 0) lists the directory as it is now.
+        let now: Vec<_> = fs.readdir_handle(fh, 0, 1000, false).await.unwrap();
+        assert_eq!(now.len(), 102);
+        fs.releasedir(fh).await.unwrap();
+    });
+}
+
+#[test]
 fn file_unlinked_while_open_is_freed_at_last_release() {
     with_fs(32 * MIB, async |fs: Fs, _dev: Arc<dyn BlockDevice>| {
         let c = root();

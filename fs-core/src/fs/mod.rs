@@ -112,6 +112,9 @@ pub struct FsCounters {
 struct Handle {
     ino: u64,
     flags: u32,
+    /// For a directory handle: readdir lists only entries made before this
+    /// cookie (the directory's cookie end at opendir or the last rewind).
+    dir_end: u64,
 }
 
 /// The journal's position and what is waiting to go into it.

@@ -668,7 +668,8 @@ impl Fs {
     fn new_handle(&self, ino: u64, flags: u32) -> u64 {
         let fh = self.inner.next_handle.get();
         self.inner.next_handle.set(fh + 1);
-        self.inner.handles.borrow_mut().insert(fh, Handle { ino, flags });
+        let dir_end = self.inner.state.borrow().node(ino).and_then(|n| n.dir.as_ref()).map_or(0, |d| d.cookie_end());
+        self.inner.handles.borrow_mut().insert(fh, Handle { ino, flags, dir_end });
         if let Some(node) = self.inner.state.borrow_mut().node_mut(ino) {
             node.opens += 1;
         }
@@ -743,16 +744,32 @@ impl Fs {
     /// Up to `max` entries from `offset` (0 at the start). Offsets are
     /// per-entry cookies, so they stay valid while the directory changes.
     pub async fn readdir(&self, ino: u64, offset: u64, max: usize) -> FsResult<Vec<DirEntry>> {
-        self.read_dir(ino, offset, max, false)
+        self.read_dir(ino, offset, max, false, u64::MAX)
+    }
+
+    /// readdir through the directory handle `fh`: entries made since the
+    /// opendir (or since the last read from offset 0, a rewind) are left
+    /// out, so that a reader whose directory keeps gaining entries (files
+    /// renamed within it, each getting a new cookie) reaches its end.
+    pub async fn readdir_handle(&self, fh: u64, offset: u64, max: usize, plus: bool) -> FsResult<Vec<DirEntry>> {
+        let ino = self.handle(fh)?.0;
+        if offset == 0 {
+            let end = self.inner.state.borrow().node(ino).and_then(|n| n.dir.as_ref()).map(|d| d.cookie_end());
+            if let (Some(end), Some(h)) = (end, self.inner.handles.borrow_mut().get_mut(&fh)) {
+                h.dir_end = end;
+            }
+        }
+        let end = self.inner.handles.borrow().get(&fh).map_or(0, |h| h.dir_end);
+        self.read_dir(ino, offset, max, plus, end)
     }
 
     /// readdir with attributes; each returned entry other than "." and ".."
     /// counts as a lookup, as in FUSE.
     pub async fn readdirplus(&self, ino: u64, offset: u64, max: usize) -> FsResult<Vec<DirEntry>> {
-        self.read_dir(ino, offset, max, true)
+        self.read_dir(ino, offset, max, true, u64::MAX)
     }
 
-    fn read_dir(&self, ino: u64, offset: u64, max: usize, plus: bool) -> FsResult<Vec<DirEntry>> {
+    fn read_dir(&self, ino: u64, offset: u64, max: usize, plus: bool, end: u64) -> FsResult<Vec<DirEntry>> {
         let mut out = Vec::new();
         {
             let state = self.inner.state.borrow();
@@ -760,7 +777,7 @@ impl Fs {
             let dir = node.dir.as_ref().ok_or(FsError::NotDir)?;
             let dot = [(1u64, b".".as_slice(), ino), (2, b"..", dir.parent)];
             let listed = dot.into_iter().filter(|(c, _, _)| *c > offset);
-            let rest = dir.entries_from(offset.max(super::state::FIRST_COOKIE));
+            let rest = dir.entries_from(offset.max(super::state::FIRST_COOKIE)).take_while(|&(c, _, _)| c < end);
             for (cookie, name, child) in listed.chain(rest).take(max) {
                 let file_type = state.node(child).map_or(0, |n| n.inode.file_type());
                 let next_offset = if cookie <= 2 { cookie } else { cookie + 1 };

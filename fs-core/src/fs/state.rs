@@ -97,6 +97,10 @@ impl Directory {
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }
+    /// The cookie the next entry will get: every entry now has a smaller one.
+    pub fn cookie_end(&self) -> u64 {
+        self.next_cookie
+    }
     pub fn take_cookie(&mut self) -> u64 {
         let c = self.next_cookie;
         self.next_cookie += 1;

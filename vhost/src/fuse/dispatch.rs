@@ -543,7 +543,7 @@ impl Session {
             }
             Request::Readdir { fh, offset, size, plus } => {
                 self.own_handle_of(fh, ino)?;
-                self.readdir(&c, ino, offset, size, plus).await
+                self.readdir(&c, fh, ino, offset, size, plus).await
             }
             Request::Statfs => {
                 let s = fs.statfs().await.map_err(e)?;
@@ -724,8 +724,8 @@ impl Session {
         Ok(Some(write_out(n)))
     }
 
-    async fn readdir(&self, c: &Creds, ino: u64, offset: u64, size: u32, plus: bool) -> Outcome {
-        let entries = self.fs.readdir(ino, offset, 4096).await.map_err(|e| e.errno())?;
+    async fn readdir(&self, c: &Creds, fh: u64, ino: u64, offset: u64, size: u32, plus: bool) -> Outcome {
+        let entries = self.fs.readdir_handle(fh, offset, 4096, false).await.map_err(|e| e.errno())?;
         let mut r = Reply::default();
         for ent in entries {
             let namelen = ent.name.len();
