@@ -79,6 +79,8 @@ done
 
 # subtype= makes the mounts' type plain "fuse", which xfstests' FSTYP=fuse
 # checks with df; the source is the image's path, which it finds them by.
+# dev and suid: the tests use device nodes and set-id files, which keelfs's
+# host mounts ignore by default.
 cat >"$xfstests/local.config" <<EOF
 export FSTYP=fuse
 export FUSE_SUBTYP=.keelfs
@@ -86,8 +88,8 @@ export TEST_DEV=$test_img
 export TEST_DIR=$base/test
 export SCRATCH_DEV=$scratch_img
 export SCRATCH_MNT=$base/scratch
-export TEST_FS_MOUNT_OPTS="-o subtype="
-export MOUNT_OPTIONS="-o subtype="
+export TEST_FS_MOUNT_OPTS="-o subtype=,dev,suid"
+export MOUNT_OPTIONS="-o subtype=,dev,suid"
 export RESULT_BASE=$results
 EOF
 
@@ -97,7 +99,7 @@ case $tests in
   *) read -r -a selection <<<"$tests" ;;
 esac
 
-mount -t fuse.keelfs -o subtype= "$test_img" "$base/test"
+mount -t fuse.keelfs -o subtype=,dev,suid "$test_img" "$base/test"
 umount "$base/test"
 
 log=$results/check.log
