@@ -80,11 +80,12 @@ done
 # to vfio-pci and back). modules.dep spells some of them with dashes
 # (vfio-pci-core, vfio-pci, nvme-core); either spelling matches here.
 wanted_modules=(virtio_ring virtio virtio_pci_modern_dev virtio_pci_legacy_dev
-  virtio_pci fuse virtiofs
+  virtio_pci fuse virtiofs overlay
   irqbypass vfio vfio_iommu_type1 vfio_pci_core vfio_pci nvme_core nvme)
 # Guest binaries besides busybox (their shared libraries come along), each
-# put at the same path in the guest. fio is required.
-guest_bins=(/usr/bin/fio)
+# put at the same path in the guest. fio is required; setfacl and getfacl
+# (package acl) serve the ACL checks of guest-tests/overlay.sh.
+guest_bins=(/usr/bin/fio /usr/bin/setfacl /usr/bin/getfacl)
 # Tools the guest tests need, put in the guest's /usr/bin: fsx (cargo
 # install fsx) for guest-tests/fsx.sh, setfattr and getfattr (Debian package
 # attr) for the xattr checks of namespace.sh and persist-*.sh.
@@ -116,6 +117,7 @@ pkg_version() { dpkg-query -W -f='${Status} ${Version}\n' "$1" 2>/dev/null | awk
 need=()
 [[ -x /bin/busybox && -n $(pkg_version busybox-static) ]] || need+=(busybox-static)
 [[ -x /usr/bin/fio ]] || need+=(fio)
+[[ -x /usr/bin/setfacl ]] || need+=(acl)
 command -v cpio >/dev/null || need+=(cpio)
 command -v xz >/dev/null || need+=(xz-utils)
 command -v gzip >/dev/null || need+=(gzip)

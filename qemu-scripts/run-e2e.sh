@@ -11,8 +11,8 @@ script_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$script_dir/.." && pwd)
 tests_dir=$script_dir/guest-tests
 prog=run-e2e.sh
-all_tests=(namespace fio-seeds fsx stress persist crash)
-default_tests=(namespace fio-seeds fsx stress persist crash)
+all_tests=(namespace fio-seeds fsx stress overlay persist crash)
+default_tests=(namespace fio-seeds fsx stress overlay persist crash)
 
 usage() {
   cat <<EOF
@@ -26,6 +26,7 @@ Runs the guest end-to-end suite against keelfsd. For each queue count N in
        fio-seeds  guest-tests/fio-seeds.sh   fio + crc32c verify, seed paths
        fsx        guest-tests/fsx.sh         fsx buffered, mmap, O_DIRECT
        stress     guest-tests/stress.sh      4 processes, namespace + data
+       overlay    guest-tests/overlay.sh     overlayfs upper layer, ACLs
        persist    guest-tests/persist-write.sh (checks after umount + mount)
   3. SIGTERM: keelfsd must exit 0; keelfsd fsck IMG must exit 0
   4. (persist) keelfsd serve again on IMG; a guest runs
@@ -355,7 +356,7 @@ for q in $queues_list; do
     record "keelfsd start" "$q" FAIL 0 "see $current_dlog"
     continue
   fi
-  for t in namespace fio-seeds fsx stress; do
+  for t in namespace fio-seeds fsx stress overlay; do
     selected "$t" || continue
     run_test "$t" "$q" "$sock" "$tests_dir/$t.sh" || true
   done

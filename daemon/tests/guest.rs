@@ -2,7 +2,8 @@
 //! mounts keelfs over vhost-user-fs and runs the guest suites of
 //! qemu-scripts/run-e2e.sh: namespace operations, fio with verification on
 //! the three seed data paths, fsx (buffered, O_DIRECT, mmap), a
-//! multi-process stress, persistence across umount/mount and across a
+//! multi-process stress, overlayfs with keelfs as its upper layer and
+//! ACLs set in the guest, persistence across umount/mount and across a
 //! daemon restart with fsck clean: with 1 request queue on one reactor,
 //! and with 2 request queues spread over 2 reactors (`--spread-queues`:
 //! the second queue's cached reads served on the other reactor, the rest
