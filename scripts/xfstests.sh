@@ -14,7 +14,8 @@
 #
 # Needs root. It links /sbin/mount.fuse.keelfs to BIN (default: the
 # release build, else the debug build), makes two images in /dev/shm and
-# mounts them under /tmp/keelfs-xfstests.
+# mounts them under /tmp/keelfs-xfstests.PID; its xfstests configuration is
+# there too (HOST_OPTIONS), so runs can share one xfstests tree.
 set -euo pipefail
 
 prog=${0##*/}
@@ -57,15 +58,18 @@ keelfsd=$(readlink -f "$keelfsd")
 results=${results:-$repo/target/xfstests-results}
 expunge=$here/xfstests/expunge
 
-base=/tmp/keelfs-xfstests
-test_img=/dev/shm/keelfs-xfstests-test.img
-scratch_img=/dev/shm/keelfs-xfstests-scratch.img
+# Paths of this run only, so that two runs never share a mount or image.
+base=/tmp/keelfs-xfstests.$$
+test_img=/dev/shm/keelfs-xfstests.$$-test.img
+scratch_img=/dev/shm/keelfs-xfstests.$$-scratch.img
+config=$base/local.config
 
 cleanup() {
   for dir in "$base/test" "$base/scratch"; do
     mountpoint -q "$dir" && umount "$dir"
   done
   rm -f "$test_img" "$scratch_img"
+  rm -rf "$base"
 }
 trap cleanup EXIT
 
@@ -81,7 +85,7 @@ done
 # checks with df; the source is the image's path, which it finds them by.
 # dev and suid: the tests use device nodes and set-id files, which keelfs's
 # host mounts ignore by default.
-cat >"$xfstests/local.config" <<EOF
+cat >"$config" <<EOF
 export FSTYP=fuse
 export FUSE_SUBTYP=.keelfs
 export TEST_DEV=$test_img
@@ -104,7 +108,7 @@ umount "$base/test"
 
 log=$results/check.log
 set +e
-(cd "$xfstests" && ./check -E "$expunge" "${selection[@]}") 2>&1 | tee "$log"
+(cd "$xfstests" && HOST_OPTIONS=$config ./check -E "$expunge" "${selection[@]}") 2>&1 | tee "$log"
 set -e
 
 # ./check's summary: "Ran: ...", "Not run: ...", "Failures: ...".
