@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use keelfs_core::bdev::{BlockDevice, QueueConfig};
-use keelfs_core::fs::{Fs, FsConfig};
+use keelfs_core::fs::{AtimeUpdates, Fs, FsConfig};
 use keelfs_core::reactor::io::DeviceChannel;
 use keelfs_core::reactor::{self, PollMode, Reactor, ReactorConfig, ReactorHandle};
 use keelfs_vhost::fuse::dev_fuse::{serve as serve_fuse, FuseMount};
@@ -676,6 +676,19 @@ async fn start_transports(
     Ok((server, Some(mount), Some(stats)))
 }
 
+/// The atime mode of an export: its host mount's (noatime, strictatime),
+/// else relatime, Linux's default. Under FUSE the server applies it; a
+/// guest's own atime mount options do not reach the server.
+fn atime_updates(mount_flags: libc::c_ulong) -> AtimeUpdates {
+    if mount_flags & libc::MS_NOATIME != 0 {
+        AtimeUpdates::Never
+    } else if mount_flags & libc::MS_STRICTATIME != 0 {
+        AtimeUpdates::Always
+    } else {
+        AtimeUpdates::Relative
+    }
+}
+
 async fn mount(
     reactor_id: usize,
     export: &Export,
@@ -690,6 +703,8 @@ async fn mount(
         inodes_max: export.inodes_max,
         xattr_bytes_per_inode_max: export.xattr_bytes_per_inode_max,
         read_only: export.read_only,
+        atime: atime_updates(export.fuse_mount_flags),
+        dir_atime: export.fuse_mount_flags & libc::MS_NODIRATIME == 0,
         ..FsConfig::default()
     };
     Fs::mount(DeviceChannel::attach(queue), config)

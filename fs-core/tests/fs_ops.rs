@@ -237,6 +237,38 @@ fn a_tmpfile_is_freed_at_release_unless_linked_and_copies_stay_in_the_daemon() {
 }
 
 #[test]
+fn reads_move_atime_as_relatime_strictatime_and_noatime_say() {
+    use keelfs_core::fs::{AtimeUpdates, FsConfig};
+    let old = keelfs_core::fs::format::Timespec { sec: 1_000, nsec: 0 };
+    for (mode, after_first, after_second) in
+        [(AtimeUpdates::Relative, true, false), (AtimeUpdates::Always, true, true), (AtimeUpdates::Never, false, false)]
+    {
+        let dev = ram_device(32 * MIB);
+        busy_reactor().block_on(async move {
+            format(&dev).await;
+            let config = FsConfig { atime: mode, ..FsConfig::default() };
+            let fs = Fs::mount(common::channel(&dev), config).await.unwrap();
+            let c = root();
+            let (f, fh) = fs.create(&c, ROOT_INO, b"f", 0o644, libc::O_RDWR as u32).await.unwrap();
+            let ino = f.inode.ino;
+            fs.write(ino, 0, b"data").await.unwrap();
+            // Old atime, newer mtime: relatime's case for an update.
+            let set = SetAttr { atime: Some(TimeSet::At(old)), ..Default::default() };
+            fs.setattr(&c, ino, &set, true).await.unwrap();
+            fs.read(ino, 0, 4).await.unwrap();
+            let first = fs.getattr(ino).await.unwrap().inode.atime;
+            assert_eq!(first != old, after_first, "{mode:?}: first read");
+            std::thread::sleep(std::time::Duration::from_millis(2));
+            fs.read(ino, 0, 4).await.unwrap();
+            let second = fs.getattr(ino).await.unwrap().inode.atime;
+            assert_eq!(second != first, after_second, "{mode:?}: second read");
+            fs.release(fh).await.unwrap();
+            fs.unmount().await.unwrap();
+        });
+    }
+}
+
+#[test]
 fn permissions_use_the_callers_credentials() {
     with_fs(32 * MIB, async |fs: Fs, _dev: Arc<dyn BlockDevice>| {
         let c = root();

@@ -333,6 +333,7 @@ impl Fs {
     /// misses goes through [`Fs::read`] and one more copy.
     pub async fn read_to<K: ReadSink + ?Sized>(&self, ino: u64, offset: u64, size: u32, sink: &K) -> FsResult<u32> {
         let inode = self.require_file(ino)?;
+        self.inner.accessed(ino);
         if offset >= inode.size || size == 0 {
             return Ok(0);
         }
@@ -350,6 +351,7 @@ impl Fs {
     /// without taking any lock; misses are loaded under a shared lock.
     pub async fn read(&self, ino: u64, offset: u64, size: u32) -> FsResult<Vec<u8>> {
         let inode = self.require_file(ino)?;
+        self.inner.accessed(ino);
         if offset >= inode.size || size == 0 {
             return Ok(Vec::new());
         }
@@ -1062,6 +1064,7 @@ impl Fs {
     }
 
     async fn read_direct_shared<B: IoBuffer>(&self, ino: u64, offset: u64, buf: &SharedBuffer<B>) -> FsResult<u32> {
+        self.inner.accessed(ino);
         let inode = self.require_file(ino)?;
         let len = buf.len() as u64;
         if offset >= inode.size || len == 0 {

@@ -27,7 +27,7 @@ mod shared;
 pub mod state;
 pub mod sync;
 
-pub use access::Creds;
+pub use access::{Creds, PermissionCheck};
 pub use data::{ReadSink, WriteSource};
 pub use error::{FsError, FsResult};
 pub use journal::{CHECKPOINT_BLOCK_MAGIC, JOURNAL_TX_MAGIC};
@@ -72,6 +72,23 @@ pub struct FsConfig {
     /// writeback; every change fails with EROFS. A journal left by a crash
     /// is replayed in memory only.
     pub read_only: bool,
+    /// When reads move an inode's atime (FUSE leaves atime to the server).
+    pub atime: AtimeUpdates,
+    /// Whether reading a directory moves its atime (false: nodiratime).
+    pub dir_atime: bool,
+}
+
+/// Linux's atime mount modes, which the server applies under FUSE.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AtimeUpdates {
+    /// noatime: reads never change atime.
+    Never,
+    /// relatime (Linux's default): a read moves atime if it is not after
+    /// mtime or ctime, or is a day old; one inode update per change, not
+    /// one per read.
+    Relative,
+    /// strictatime: every read moves atime.
+    Always,
 }
 
 impl Default for FsConfig {
@@ -84,6 +101,8 @@ impl Default for FsConfig {
             inodes_max: None,
             xattr_bytes_per_inode_max: format::XATTR_INODE_BYTES_MAX,
             read_only: false,
+            atime: AtimeUpdates::Relative,
+            dir_atime: true,
         }
     }
 }

@@ -157,6 +157,31 @@ impl FsInner {
         permitted(inode, acl.as_ref(), c, mask)
     }
 
+    /// `ino`'s data or entries were read: move its atime as the config's
+    /// atime mode says. In memory only; the commit carries it. i_version
+    /// stays, as on Linux.
+    pub(crate) fn accessed(&self, ino: u64) {
+        if self.config.read_only || self.config.atime == super::AtimeUpdates::Never {
+            return;
+        }
+        let t = now();
+        let mut state = self.state.borrow_mut();
+        let Some(node) = state.node_mut(ino) else { return };
+        let i = &node.inode;
+        if i.is_dir() && !self.config.dir_atime {
+            return;
+        }
+        let update = match self.config.atime {
+            super::AtimeUpdates::Always => i.atime != t,
+            _ => i.atime <= i.mtime || i.atime <= i.ctime || t.sec - i.atime.sec >= 24 * 3600,
+        };
+        if update {
+            node.inode.atime = t;
+            drop(state);
+            self.mark_dirty(ino);
+        }
+    }
+
     /// A directory the caller may search, and the inode `name` names in it.
     fn lookup_in(&self, c: &Creds, parent: u64, name: &[u8]) -> FsResult<Option<u64>> {
         if name.len() > NAME_MAX {
@@ -770,6 +795,7 @@ impl Fs {
     }
 
     fn read_dir(&self, ino: u64, offset: u64, max: usize, plus: bool, end: u64) -> FsResult<Vec<DirEntry>> {
+        self.inner.accessed(ino);
         let mut out = Vec::new();
         {
             let state = self.inner.state.borrow();
