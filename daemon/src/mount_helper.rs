@@ -141,6 +141,14 @@ fn parse(args: &[OsString]) -> Result<Request, UsageError> {
     Ok(request)
 }
 
+/// The mount(2) options of a helper's mount. mount(8) hands a helper only
+/// the flags that differ from its defaults (`nosuid`, never `suid`), so a
+/// helper's mount starts from mount(8)'s defaults, dev and suid, as
+/// libfuse's does for root; `--fuse-mount` keeps nosuid,nodev.
+fn helper_mount_options(given: &[String]) -> String {
+    ["dev", "suid"].iter().map(|o| o.to_string()).chain(given.iter().cloned()).collect::<Vec<_>>().join(",")
+}
+
 /// Run as mount(8)'s helper with `args` (after the program name).
 pub fn run(args: &[OsString]) -> anyhow::Result<ExitCode> {
     let request = parse(args)?;
@@ -159,7 +167,7 @@ pub fn run(args: &[OsString]) -> anyhow::Result<ExitCode> {
     if request.read_only {
         serve.arg("--read-only");
     }
-    serve.arg("--fuse-options").arg(request.mount_options.join(","));
+    serve.arg("--fuse-options").arg(helper_mount_options(&request.mount_options));
     let log = match &request.log {
         Some(path) => std::fs::OpenOptions::new()
             .read(true)
@@ -214,7 +222,7 @@ fn wait_ready(mut child: std::process::Child, mut log: std::fs::File, start: u64
 fn remount(request: &Request) -> anyhow::Result<ExitCode> {
     use std::os::unix::ffi::OsStrExt;
     let dir = std::ffi::CString::new(request.dir.as_os_str().as_bytes())?;
-    let flags = mount_flags(&request.mount_options.join(","))?;
+    let flags = mount_flags(&helper_mount_options(&request.mount_options))?;
     let flags = libc::MS_REMOUNT | flags | if request.read_only { libc::MS_RDONLY } else { 0 };
     // SAFETY: a NUL-terminated path that outlives the call; no source,
     // type or data.

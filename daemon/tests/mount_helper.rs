@@ -56,6 +56,8 @@ fn mount_fstab_and_umount_drive_the_daemon() {
     assert!(is_mounted(&mnt));
     let (_, listed) = run(Command::new("findmnt").args(["-rn", "-o", "SOURCE,FSTYPE"]).arg(&mnt));
     assert_eq!(listed.trim(), format!("{} fuse.keelfs", image.display()), "the mount's source is the image");
+    let (_, options) = run(Command::new("findmnt").args(["-rn", "-o", "OPTIONS"]).arg(&mnt));
+    assert!(!options.contains("nosuid") && !options.contains("nodev"), "mount(8)'s defaults are dev,suid: {options}");
     std::fs::write(mnt.join("kept"), b"through the helper").unwrap();
     // Unmounting by the image's name, as xfstests does.
     umount_and_wait(&image, &image);
@@ -79,12 +81,17 @@ fn mount_fstab_and_umount_drive_the_daemon() {
 
     // An fstab line, read-only, with a plain "fuse" type (subtype=).
     let fstab = scratch.path("fstab");
-    let line = format!("{} {} fuse.keelfs ro,subtype=,nofail,x-test.option 0 0\n", image.display(), mnt.display());
+    let line = format!(
+        "{} {} fuse.keelfs ro,nosuid,noatime,subtype=,nofail,x-test.option 0 0\n",
+        image.display(),
+        mnt.display()
+    );
     std::fs::write(&fstab, line).unwrap();
     let (ok, out) = run(Command::new("mount").arg("-T").arg(&fstab).arg(&mnt));
     assert!(ok, "mount from an fstab line: {out}");
     let (_, listed) = run(Command::new("findmnt").args(["-rn", "-o", "FSTYPE,OPTIONS"]).arg(&mnt));
-    assert!(listed.starts_with("fuse ro,"), "type and options: {listed}");
+    assert!(listed.starts_with("fuse ro,nosuid,"), "type and options: {listed}");
+    assert!(listed.contains("noatime"), "type and options: {listed}");
     assert_eq!(std::fs::read(mnt.join("kept")).unwrap(), b"through the helper");
     let err = std::fs::write(mnt.join("new"), b"x").unwrap_err();
     assert_eq!(err.raw_os_error(), Some(libc::EROFS));
