@@ -422,6 +422,7 @@ impl Fs {
             return Ok(());
         }
         self.inner.cache.borrow_mut().note_misses(pages.len() as u64);
+        let epoch = self.direct_epoch(ino);
         // (first page, device block or None for zeros, pages)
         let mut runs: Vec<(u64, Option<u64>, u64)> = Vec::new();
         for &page in pages {
@@ -454,6 +455,7 @@ impl Fs {
                 }
                 None => None,
             };
+            let cacheable = self.direct_epoch(ino) == epoch;
             let mut cache = self.inner.cache.borrow_mut();
             for k in 0..n {
                 let mut content = ZEROS;
@@ -463,7 +465,7 @@ impl Fs {
                 let page_start = (page + k) * BLOCK_SIZE;
                 content[size.saturating_sub(page_start).min(BLOCK_SIZE) as usize..].fill(0);
                 copy_page_part(&content, page + k, offset, out);
-                if !cache.contains((ino, page + k)) {
+                if cacheable && !cache.contains((ino, page + k)) {
                     // A cache full of dirty pages just does not keep it.
                     let _ = cache.insert((ino, page + k), &content);
                 }
@@ -479,10 +481,14 @@ impl Fs {
             return Ok(p.to_vec());
         }
         let mut data = vec![0u8; PAGE_BYTES];
+        let epoch = self.direct_epoch(ino);
         self.read_device_block(ino, page, &mut data).await?;
         let page_start = page * BLOCK_SIZE;
         if size < page_start + BLOCK_SIZE {
             data[size.saturating_sub(page_start) as usize..].fill(0);
+        }
+        if self.direct_epoch(ino) != epoch {
+            return Ok(data); // read beside a direct write: not cached
         }
         let mut cache = self.inner.cache.borrow_mut();
         if !cache.contains((ino, page)) {
@@ -864,6 +870,22 @@ impl Fs {
         self.require_file(ino)?;
         let (first, last) = blocks_of(offset, len);
         self.flush_cache_range(ino, first, last, true).await?;
+        self.move_direct_epoch(ino);
+        let result = self.write_direct_uncached(ino, offset, end, buf).await;
+        // A read that cached the range while the write ran may hold the
+        // old data; the epoch keeps later fills out, this drops earlier ones.
+        self.move_direct_epoch(ino);
+        self.inner.cache.borrow_mut().discard_clean_range(ino, first, last + 1);
+        result
+    }
+
+    async fn write_direct_uncached<B: IoBuffer>(
+        &self,
+        ino: u64,
+        offset: u64,
+        end: u64,
+        buf: &SharedBuffer<B>,
+    ) -> FsResult<u32> {
         if !self.direct_aligned(offset, buf) {
             let mut bytes = vec![0u8; buf.len()];
             buf.copy_out(0, &mut bytes).map_err(|_| FsError::Invalid("buffer busy"))?;
@@ -873,6 +895,16 @@ impl Fs {
             return Ok(n);
         }
         self.direct_extend(ino, offset, end, buf).await
+    }
+
+    fn move_direct_epoch(&self, ino: u64) {
+        if let Some(n) = self.inner.state.borrow_mut().node_mut(ino) {
+            n.direct_epoch += 1;
+        }
+    }
+
+    fn direct_epoch(&self, ino: u64) -> Option<u64> {
+        self.inner.state.borrow().node(ino).map(|n| n.direct_epoch)
     }
 
     /// The overwrite fast path: every block already written and inside the

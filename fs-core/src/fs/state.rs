@@ -151,6 +151,11 @@ pub struct Node {
     /// Runtime only: a change fdatasync must commit (size or block map),
     /// as opposed to timestamps alone.
     pub datasync_needed: bool,
+    /// Runtime only: moves when a direct write of the file starts and when
+    /// it ends. A page read from the device may be cached only if this did
+    /// not move while it was read: a direct overwrite (shared range lock)
+    /// can run beside the read, which may then hold the old data.
+    pub direct_epoch: u64,
     pub extents: ExtentMap,
     pub xattrs: BTreeMap<Vec<u8>, Vec<u8>>,
     pub symlink: Option<Vec<u8>>,
@@ -306,6 +311,7 @@ impl State {
                     extends_done: 0,
                     i_version_queried: false,
                     times_queried: std::cell::Cell::new(false),
+                    direct_epoch: 0,
                     datasync_needed: false,
                     extents: ExtentMap::default(),
                     xattrs: BTreeMap::new(),
