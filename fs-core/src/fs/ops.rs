@@ -164,19 +164,23 @@ impl FsInner {
         if self.config.read_only || self.config.atime == super::AtimeUpdates::Never {
             return;
         }
-        let t = now();
         let mut state = self.state.borrow_mut();
         let Some(node) = state.node_mut(ino) else { return };
         let i = &node.inode;
         if i.is_dir() && !self.config.dir_atime {
             return;
         }
+        // Most reads of a file read since its last change take this
+        // branch: no clock read, no update.
         let update = match self.config.atime {
-            super::AtimeUpdates::Always => i.atime != t,
-            _ => i.atime <= i.mtime || i.atime <= i.ctime || t.sec - i.atime.sec >= 24 * 3600,
+            super::AtimeUpdates::Always => true,
+            _ => i.atime <= i.mtime || i.atime <= i.ctime || Timespec::now_coarse().sec - i.atime.sec >= 24 * 3600,
         };
         if update {
-            node.inode.atime = t;
+            // The tick's time (a cheap clock, as Linux's atime), but after
+            // the last change: a fine-grained mtime may be ahead of the
+            // tick, and relatime would then update on every read.
+            node.inode.atime = Timespec::now_coarse().max(i.mtime.next()).max(i.ctime.next());
             drop(state);
             self.mark_dirty(ino);
         }
