@@ -105,7 +105,16 @@ struct RawExport {
     xattr_bytes_per_inode_max: Option<Spanned<String>>,
     requests_in_flight_max: Option<Spanned<u64>>,
     read_only: Option<bool>,
+    atime: Option<AtimeName>,
     fuse_mount: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum AtimeName {
+    Relatime,
+    Noatime,
+    Strictatime,
 }
 
 #[derive(Clone, Copy, Debug, Deserialize)]
@@ -207,6 +216,10 @@ pub struct Export {
     /// Serve without ever writing the device (opened read-only); changes
     /// fail with EROFS.
     pub read_only: bool,
+    /// When reads move atime, for every client: FUSE leaves it to the
+    /// server, and a guest's own mount options never reach it. A host
+    /// mount's noatime or strictatime overrides it.
+    pub atime: keelfs_core::fs::AtimeUpdates,
     pub fuse_mount: Option<PathBuf>,
     /// The host mount's source and type as mount(8) and mountinfo show
     /// them: "keelfs" and "fuse.keelfs", or what the mount helper was given.
@@ -250,6 +263,7 @@ impl Export {
             xattr_bytes_per_inode_max: keelfs_core::fs::format::XATTR_INODE_BYTES_MAX,
             requests_in_flight_max: None,
             read_only: false,
+            atime: keelfs_core::fs::AtimeUpdates::Relative,
             fuse_mount: None,
             fuse_source: "keelfs".into(),
             fuse_type: "fuse.keelfs".into(),
@@ -407,6 +421,13 @@ pub fn parse(file: &str, text: &str) -> Result<Config, ConfigError> {
         }
         apply_limits(&src, e, &mut export)?;
         export.read_only = e.read_only.unwrap_or(false);
+        if let Some(atime) = e.atime {
+            export.atime = match atime {
+                AtimeName::Relatime => keelfs_core::fs::AtimeUpdates::Relative,
+                AtimeName::Noatime => keelfs_core::fs::AtimeUpdates::Never,
+                AtimeName::Strictatime => keelfs_core::fs::AtimeUpdates::Always,
+            };
+        }
         export.fuse_mount = e.fuse_mount.clone();
         config.exports.push(export);
     }
@@ -481,6 +502,7 @@ page_cache = "64M"
 tag = "host"
 device = "pm"
 fuse_mount = "/mnt/keelfs"
+atime = "noatime"
 "#;
 
     #[test]
@@ -500,6 +522,12 @@ fuse_mount = "/mnt/keelfs"
         assert_eq!((vm1.socket_owner, vm1.socket_mode, vm1.page_cache_bytes), (Some((0, 0)), Some(0o660), 64 << 20));
         let host = &c.exports[1];
         assert!(vm1.spread_queues && !host.spread_queues, "spread_queues is read, and off by default");
+        use keelfs_core::fs::AtimeUpdates;
+        assert_eq!(
+            (vm1.atime, host.atime),
+            (AtimeUpdates::Relative, AtimeUpdates::Never),
+            "atime, relatime by default"
+        );
         assert_eq!(
             (host.backend, host.socket.as_ref(), host.fuse_mount.as_deref()),
             (BackendName::Pmem, None, Some(Path::new("/mnt/keelfs")))

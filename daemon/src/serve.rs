@@ -676,16 +676,17 @@ async fn start_transports(
     Ok((server, Some(mount), Some(stats)))
 }
 
-/// The atime mode of an export: its host mount's (noatime, strictatime),
-/// else relatime, Linux's default. Under FUSE the server applies it; a
-/// guest's own atime mount options do not reach the server.
-fn atime_updates(mount_flags: libc::c_ulong) -> AtimeUpdates {
+/// The atime mode of an export: its host mount's noatime or strictatime,
+/// else the config's (relatime, Linux's default, unless set). Under FUSE
+/// the server applies it; a guest's own atime mount options do not reach
+/// the server.
+fn atime_updates(configured: AtimeUpdates, mount_flags: libc::c_ulong) -> AtimeUpdates {
     if mount_flags & libc::MS_NOATIME != 0 {
         AtimeUpdates::Never
     } else if mount_flags & libc::MS_STRICTATIME != 0 {
         AtimeUpdates::Always
     } else {
-        AtimeUpdates::Relative
+        configured
     }
 }
 
@@ -703,7 +704,7 @@ async fn mount(
         inodes_max: export.inodes_max,
         xattr_bytes_per_inode_max: export.xattr_bytes_per_inode_max,
         read_only: export.read_only,
-        atime: atime_updates(export.fuse_mount_flags),
+        atime: atime_updates(export.atime, export.fuse_mount_flags),
         dir_atime: export.fuse_mount_flags & libc::MS_NODIRATIME == 0,
         ..FsConfig::default()
     };
