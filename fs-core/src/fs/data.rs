@@ -333,15 +333,13 @@ impl Fs {
     /// misses goes through [`Fs::read`] and one more copy.
     pub async fn read_to<K: ReadSink + ?Sized>(&self, ino: u64, offset: u64, size: u32, sink: &K) -> FsResult<u32> {
         let inode = self.require_file(ino)?;
-        self.inner.accessed(ino);
-        if offset >= inode.size || size == 0 {
-            return Ok(0);
-        }
-        let end = (offset + u64::from(size)).min(inode.size);
-        if self.copy_cached_to(ino, offset, end, sink) {
+        let end = offset.saturating_add(u64::from(size)).min(inode.size);
+        if offset < end && self.copy_cached_to(ino, offset, end, sink) {
+            self.inner.accessed(ino);
             self.inner.bump(|c| c.data_bytes_read += end - offset);
             return Ok((end - offset) as u32);
         }
+        // Everything else goes through `read`, which moves atime itself.
         let data = self.read(ino, offset, size).await?;
         sink.copy_from(0, &data);
         Ok(data.len() as u32)

@@ -290,6 +290,16 @@ impl FsInner {
         (Inode::new(ino, mode, c.uid, gid, rdev), acls)
     }
 
+    /// Create `inode` with the ACLs [`Self::new_inode`] gave it.
+    fn create_inode_with(&self, inode: Inode, acls: InheritedXattrs) -> FsResult<()> {
+        let ino = inode.ino;
+        self.create_inode(inode)?;
+        for (name, value) in acls {
+            self.log(Record::XattrSet { ino, name: name.to_vec(), value })?;
+        }
+        Ok(())
+    }
+
     /// The mode of a new inode and the ACLs it inherits, as Linux's
     /// posix_acl_create: with a default ACL on the directory, the umask is
     /// ignored and the ACL, masked by the mode, becomes the access ACL
@@ -353,10 +363,7 @@ impl FsInner {
             return Err(FsError::NoSpace);
         }
         let (inode, acls) = self.new_inode(c, &dir, mode, rdev);
-        self.create_inode(inode.clone())?;
-        for (name, value) in acls {
-            self.log(Record::XattrSet { ino: inode.ino, name: name.to_vec(), value })?;
-        }
+        self.create_inode_with(inode.clone(), acls)?;
         self.add_entry(parent, name, inode.ino)?;
         self.touch_dir(parent, i32::from(is_dir))?;
         self.add_lookup(inode.ino, 1);
@@ -732,10 +739,7 @@ impl Fs {
         let (mut inode, acls) = self.inner.new_inode(c, &dir, S_IFREG | (mode & 0o7777), 0);
         inode.nlink = 0;
         let ino = inode.ino;
-        self.inner.create_inode(inode)?;
-        for (name, value) in acls {
-            self.inner.log(Record::XattrSet { ino, name: name.to_vec(), value })?;
-        }
+        self.inner.create_inode_with(inode, acls)?;
         self.inner.add_lookup(ino, 1);
         let fh = self.new_handle(ino, flags);
         Ok((self.inner.attr(ino)?, fh))

@@ -438,6 +438,30 @@ impl Session {
         Ok(())
     }
 
+    /// The reply to CREATE or TMPFILE: the new inode labelled, its handle
+    /// owned, and fuse_entry_out with fuse_open_out. A failed label
+    /// releases the handle.
+    async fn created_open(&self, a: &FsAttr, fh: u64, flags: u32, extensions: &[u8]) -> Outcome {
+        if let Err(errno) = self.label(a, extensions).await {
+            let _ = self.fs.release(fh).await;
+            return Err(errno);
+        }
+        let fh = self.own_handle(fh).await?;
+        let mut r = self.entry(a);
+        r.raw(&open_out(fh, flags, self.config.cache).bytes);
+        Ok(Some(r))
+    }
+
+    /// A change Linux makes only under CAP_FSETID, which FUSE does not
+    /// carry for fallocate and copy_file_range: only root is assumed to
+    /// hold it, and anyone else clears the file's set-id bits.
+    fn kill_setid_unless_root(&self, ino: u64, caller: &Creds) -> Result<(), i32> {
+        if caller.uid == 0 {
+            return Ok(());
+        }
+        self.kill_setid(ino, caller)
+    }
+
     /// The entry reply for an inode just made, labelled first.
     async fn created(&self, a: &FsAttr, extensions: &[u8]) -> Outcome {
         self.label(a, extensions).await?;
@@ -510,31 +534,17 @@ impl Session {
             }
             Request::Create { flags, mode, name, open_flags, .. } => {
                 let (a, fh) = fs.create(&c, ino, name, mode, flags).await.map_err(e)?;
-                if let Err(errno) = self.label(&a, extensions).await {
-                    let _ = fs.release(fh).await;
-                    return Err(errno);
-                }
                 if open_flags & OPEN_KILL_SUIDGID != 0 && flags as i32 & libc::O_TRUNC != 0 {
                     self.kill_setid(a.inode.ino, &c)?;
                 }
-                let fh = self.own_handle(fh).await?;
-                let mut r = self.entry(&a);
-                r.raw(&open_out(fh, flags, self.config.cache).bytes);
-                Ok(Some(r))
+                self.created_open(&a, fh, flags, extensions).await
             }
             Request::Tmpfile { flags, mode, .. } => {
                 let (mut a, fh) = fs.tmpfile(&c, ino, mode, flags).await.map_err(e)?;
-                if let Err(errno) = self.label(&a, extensions).await {
-                    let _ = fs.release(fh).await;
-                    return Err(errno);
-                }
-                let fh = self.own_handle(fh).await?;
                 // The kernel takes the file's one link away itself
                 // (d_tmpfile), so it must see one: keelfs's inode has none.
                 a.inode.nlink = 1;
-                let mut r = self.entry(&a);
-                r.raw(&open_out(fh, flags, self.config.cache).bytes);
-                Ok(Some(r))
+                self.created_open(&a, fh, flags, extensions).await
             }
             Request::Read { fh, offset, size } => self.read(fh, ino, offset, size).await,
             Request::Write { fh, offset, write_flags, data } => {
@@ -579,12 +589,8 @@ impl Session {
             Request::Access { mask } => fs.access(&c, ino, mask).await.map(|_| None).map_err(e),
             Request::Fallocate { fh, offset, length, mode } => {
                 writable(self.own_handle_of(fh, ino)?)?;
-                // Linux clears set-id bits on fallocate (file_modified);
-                // FUSE sends no flag for it, and only root is assumed to
-                // hold CAP_FSETID.
-                if h.uid != 0 {
-                    self.kill_setid(ino, &c)?;
-                }
+                // Linux clears set-id bits on fallocate (file_modified).
+                self.kill_setid_unless_root(ino, &c)?;
                 fs.fallocate(ino, mode, offset, length).await.map(|_| None).map_err(e)
             }
             Request::Lseek { fh, offset, whence } => {
@@ -604,11 +610,7 @@ impl Session {
                 }
                 readable(self.own_handle_of(fh_in, ino)?)?;
                 writable(self.own_handle_of(fh_out, nodeid_out)?)?;
-                // No flag says the caller lacks CAP_FSETID here; only
-                // root is assumed to have it.
-                if h.uid != 0 {
-                    self.kill_setid(nodeid_out, &c)?;
-                }
+                self.kill_setid_unless_root(nodeid_out, &c)?;
                 let copied = fs.copy_range(ino, off_in, nodeid_out, off_out, len).await.map_err(e)?;
                 Ok(Some(write_out(copied as u32)))
             }
