@@ -7,6 +7,7 @@ mod config;
 mod device;
 mod lock;
 mod mount_helper;
+mod mountinfo;
 mod rpc;
 mod sandbox;
 mod seccomp;

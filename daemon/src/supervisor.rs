@@ -276,24 +276,9 @@ fn umount(mountpoint: &Path) -> io::Result<()> {
 }
 
 /// The mount id of the topmost /dev/fuse mount of type `fstype` at
-/// `mountpoint`, per mountinfo (later lines are mounted on top of earlier
-/// ones).
+/// `mountpoint`.
 fn keelfs_mount_at(mountpoint: &Path, fstype: &str) -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    // mountinfo escapes space, tab, newline and backslash as octal.
-    let escaped = mountpoint
-        .to_string_lossy()
-        .replace('\\', "\\134")
-        .replace(' ', "\\040")
-        .replace('\t', "\\011")
-        .replace('\n', "\\012");
-    info.lines()
-        .filter(|line| {
-            let at = line.split(' ').nth(4) == Some(escaped.as_str());
-            at && line.split(" - ").nth(1).is_some_and(|rest| rest.split(' ').next() == Some(fstype))
-        })
-        .filter_map(|line| line.split(' ').next()?.parse().ok())
-        .next_back()
+    crate::mountinfo::topmost(mountpoint, fstype).map(|m| m.id)
 }
 
 fn exit_code(status: libc::c_int) -> ExitCode {
