@@ -171,6 +171,13 @@ fn pjdfstest_and_fsx_pass_on_a_host_mount() {
     run_fsx(&mountpoint.join("fsx-direct"), "buffered", "8", FSX_BUFFERED_OPS);
     run_fsx(&mountpoint.join("fsx-direct-mmap"), "mmap", "18", FSX_MMAP_OPS);
     assert!(served.stop().success());
+
+    // And with --cache always: writeback caching in the host kernel,
+    // which reads through write-only handles and owns size and mtime.
+    let served = serve(&image, &mountpoint, "always");
+    run_fsx(&mountpoint.join("fsx-writeback"), "buffered", "9", FSX_BUFFERED_OPS);
+    run_fsx(&mountpoint.join("fsx-writeback-mmap"), "mmap", "19", FSX_MMAP_OPS);
+    assert!(served.stop().success());
     let check = keelfsd().arg("fsck").arg(&image).output().unwrap();
     assert_eq!(check.status.code(), Some(0), "{}", String::from_utf8_lossy(&check.stdout));
     let _ = std::fs::remove_file(&image);

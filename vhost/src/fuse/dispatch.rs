@@ -452,6 +452,20 @@ impl Session {
         Ok(Some(r))
     }
 
+    /// The flags a new handle keeps. Under writeback caching the client
+    /// kernel reads through whichever handle it writes with, to fill a
+    /// page before a partial write (fuse_write_begin), so a write-only
+    /// open must read too: the kernel has already checked the caller's
+    /// right to write, and the caller itself cannot read through it.
+    fn handle_flags(&self, flags: u32) -> u32 {
+        let wronly = flags as i32 & libc::O_ACCMODE == libc::O_WRONLY;
+        if wronly && self.flags.get() & f::WRITEBACK_CACHE != 0 {
+            (flags & !(libc::O_ACCMODE as u32)) | libc::O_RDWR as u32
+        } else {
+            flags
+        }
+    }
+
     /// A change Linux makes only under CAP_FSETID, which FUSE does not
     /// carry for fallocate and copy_file_range: only root is assumed to
     /// hold it, and anyone else clears the file's set-id bits.
@@ -522,6 +536,7 @@ impl Session {
                 Ok(Some(self.entry(&fs.link(&c, oldnodeid, ino, newname).await.map_err(e)?)))
             }
             Request::Open { flags, open_flags } => {
+                let flags = self.handle_flags(flags);
                 let fh = self.own_handle(fs.open(&c, ino, flags).await.map_err(e)?).await?;
                 if open_flags & OPEN_KILL_SUIDGID != 0 && flags as i32 & libc::O_TRUNC != 0 {
                     self.kill_setid(ino, &c)?;
@@ -533,6 +548,7 @@ impl Session {
                 Ok(Some(open_out(fh, 0, CacheMode::Auto)))
             }
             Request::Create { flags, mode, name, open_flags, .. } => {
+                let flags = self.handle_flags(flags);
                 let (a, fh) = fs.create(&c, ino, name, mode, flags).await.map_err(e)?;
                 if open_flags & OPEN_KILL_SUIDGID != 0 && flags as i32 & libc::O_TRUNC != 0 {
                     self.kill_setid(a.inode.ino, &c)?;
@@ -540,6 +556,7 @@ impl Session {
                 self.created_open(&a, fh, flags, extensions).await
             }
             Request::Tmpfile { flags, mode, .. } => {
+                let flags = self.handle_flags(flags);
                 let (mut a, fh) = fs.tmpfile(&c, ino, mode, flags).await.map_err(e)?;
                 // The kernel takes the file's one link away itself
                 // (d_tmpfile), so it must see one: keelfs's inode has none.

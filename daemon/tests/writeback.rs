@@ -1,0 +1,105 @@
+//! Writeback caching (`--cache always`) on a host mount: the kernel
+//! caches writes and owns the size and mtime; fsync and close flush to
+//! the daemon (issue 18). Each property here fails without the
+//! semantics that writeback caching needs.
+
+use std::ffi::OsStr;
+use std::io::Write;
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::path::Path;
+use std::process::Command;
+
+mod common;
+use common::{fsck, keelfsd, mkfs, Scratch, Served};
+
+fn serve(image: &Path, mountpoint: &Path, rpc: &Path) -> Served {
+    let _ = std::fs::remove_file(rpc);
+    let os = |s: &'static str| OsStr::new(s);
+    Served::start(
+        &[
+            os("--cache"),
+            os("always"),
+            os("--sandbox"),
+            os("none"),
+            os("--device"),
+            image.as_os_str(),
+            os("--fuse-mount"),
+            mountpoint.as_os_str(),
+            os("--rpc"),
+            rpc.as_os_str(),
+        ],
+        &[mountpoint],
+    )
+}
+
+/// WRITE requests the daemon has answered through the host mount.
+fn write_requests(rpc: &Path) -> u64 {
+    let out = keelfsd().arg("stats").arg("--rpc").arg(rpc).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    stats["exports"][0]["fuse_mount_ops"]["write"]["requests"].as_u64().unwrap_or(0)
+}
+
+#[test]
+fn writeback_caching_on_a_host_mount() {
+    let scratch = Scratch::new("writeback");
+    let (image, mnt, rpc) = (scratch.path("img"), scratch.path("mnt"), scratch.path("rpc.sock"));
+    mkfs(&image, "256M");
+    let served = serve(&image, &mnt, &rpc);
+
+    // 1-byte writes stay in the kernel's page cache until fsync: far
+    // fewer WRITE requests than write(2) calls.
+    let before = write_requests(&rpc);
+    let mut file = std::fs::File::create(mnt.join("bytes")).unwrap();
+    for i in 0..20_000u32 {
+        file.write_all(&[b'a' + (i % 26) as u8]).unwrap();
+    }
+    file.sync_all().unwrap();
+    drop(file);
+    let sent = write_requests(&rpc) - before;
+    assert!((1..=64).contains(&sent), "20,000 1-byte writes reached the daemon as {sent} WRITE requests");
+
+    // O_APPEND through two handles: the kernel places appends.
+    let open_append = || std::fs::OpenOptions::new().append(true).open(mnt.join("bytes")).unwrap();
+    let (mut a, mut b) = (open_append(), open_append());
+    a.write_all(b"AAAA").unwrap();
+    b.write_all(b"BBBB").unwrap();
+    drop((a, b));
+    let kernel_mtime = std::fs::metadata(mnt.join("bytes")).unwrap().mtime_nsec();
+
+    // A file written, then the daemon restarted: its pages are cold.
+    std::fs::write(mnt.join("cold"), b"hello world").unwrap();
+    assert!(served.stop().success());
+    let served = serve(&image, &mnt, &rpc);
+
+    // A partial-page write through a write-only handle makes the kernel
+    // read the page through that handle first.
+    let wronly = std::fs::OpenOptions::new().write(true).open(mnt.join("cold")).unwrap();
+    wronly.write_at(b"J", 4).unwrap();
+    wronly.sync_all().unwrap();
+    drop(wronly);
+    let meta = std::fs::metadata(mnt.join("bytes")).unwrap();
+    assert_eq!(meta.len(), 20_008, "appends from two handles both landed at the end");
+    assert_eq!(meta.mtime_nsec(), kernel_mtime, "the kernel's mtime reached the daemon by close");
+
+    // Written, fsynced, then the daemon killed: the data is there after
+    // a restart, and the image is clean.
+    let mut f = std::fs::File::create(mnt.join("durable")).unwrap();
+    f.write_all(&vec![7u8; 1 << 20]).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    served.signal(libc::SIGKILL);
+    drop(served);
+    let (code, report) = fsck(&image);
+    assert_eq!(code, 0, "fsck after SIGKILL: {report}");
+    let served = serve(&image, &mnt, &rpc);
+    assert_eq!(std::fs::read(mnt.join("cold")).unwrap(), b"hellJ world");
+    assert_eq!(std::fs::read(mnt.join("durable")).unwrap(), vec![7u8; 1 << 20]);
+    let bytes = std::fs::read(mnt.join("bytes")).unwrap();
+    assert_eq!(&bytes[..3], b"abc");
+    assert_eq!(&bytes[20_000..], b"AAAABBBB");
+    assert!(served.stop().success());
+    let (code, report) = fsck(&image);
+    assert_eq!(code, 0, "{report}");
+    assert!(!Command::new("mountpoint").arg("-q").arg(&mnt).status().unwrap().success());
+}
