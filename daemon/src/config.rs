@@ -104,6 +104,7 @@ struct RawExport {
     open_handles_max: Option<Spanned<u64>>,
     xattr_bytes_per_inode_max: Option<Spanned<String>>,
     requests_in_flight_max: Option<Spanned<u64>>,
+    host_dirty_ratio: Option<Spanned<u64>>,
     read_only: Option<bool>,
     atime: Option<AtimeName>,
     fuse_mount: Option<PathBuf>,
@@ -150,6 +151,12 @@ fn apply_limits(src: &Source, e: &RawExport, export: &mut Export) -> Result<(), 
             return Err(src.error(n.span(), "requests_in_flight_max must be between 1 and 32768"));
         }
         export.requests_in_flight_max = Some(*n.get_ref() as usize);
+    }
+    if let Some(n) = &e.host_dirty_ratio {
+        if *n.get_ref() > 100 {
+            return Err(src.error(n.span(), "host_dirty_ratio must be between 0 (the kernel's FUSE limit) and 100"));
+        }
+        export.host_dirty_ratio = *n.get_ref() as u8;
     }
     Ok(())
 }
@@ -213,6 +220,11 @@ pub struct Export {
     pub xattr_bytes_per_inode_max: usize,
     /// Requests in flight per virtqueue; None: as many as the ring holds.
     pub requests_in_flight_max: Option<usize>,
+    /// With cache `always`, the share (percent) of the host's dirty-page
+    /// allowance the host mount's writeback cache may hold, without
+    /// FUSE's strict per-mount limit; 0 keeps the kernel's FUSE default
+    /// (1%, strict), under which writers stall on writeback at once.
+    pub host_dirty_ratio: u8,
     /// Serve without ever writing the device (opened read-only); changes
     /// fail with EROFS.
     pub read_only: bool,
@@ -244,6 +256,10 @@ impl Default for Config {
     }
 }
 
+/// A fifth of the host's dirty allowance: enough that writers do not
+/// stall behind writeback, bounded so one mount cannot take it all.
+pub const HOST_DIRTY_RATIO_DEFAULT: u8 = 20;
+
 impl Export {
     pub fn new(tag: &str, device: PathBuf) -> Self {
         Self {
@@ -262,6 +278,7 @@ impl Export {
             open_handles_max: keelfs_vhost::fuse::dispatch::SESSION_HANDLES_MAX,
             xattr_bytes_per_inode_max: keelfs_core::fs::format::XATTR_INODE_BYTES_MAX,
             requests_in_flight_max: None,
+            host_dirty_ratio: HOST_DIRTY_RATIO_DEFAULT,
             read_only: false,
             atime: keelfs_core::fs::AtimeUpdates::Relative,
             fuse_mount: None,
@@ -594,15 +611,20 @@ atime = "noatime"
         let base =
             "[[device]]\nname = \"d\"\npath = \"/x\"\n[[export]]\ntag = \"a\"\ndevice = \"d\"\nsocket = \"/s\"\n";
         let limits = format!(
-            "{base}open_handles_max = 1000\nxattr_bytes_per_inode_max = \"64K\"\nrequests_in_flight_max = 128\n"
+            "{base}open_handles_max = 1000\nxattr_bytes_per_inode_max = \"64K\"\nrequests_in_flight_max = 128\nhost_dirty_ratio = 0\n"
         );
         let e = &parse("limits.toml", &limits).unwrap().exports[0];
         assert_eq!(
-            (e.open_handles_max, e.xattr_bytes_per_inode_max, e.requests_in_flight_max),
-            (1000, 65536, Some(128))
+            (e.open_handles_max, e.xattr_bytes_per_inode_max, e.requests_in_flight_max, e.host_dirty_ratio),
+            (1000, 65536, Some(128), 0)
         );
         let defaults = &parse("limits.toml", base).unwrap().exports[0];
         assert_eq!((defaults.open_handles_max, defaults.requests_in_flight_max), (65536, None));
+        assert_eq!(defaults.host_dirty_ratio, HOST_DIRTY_RATIO_DEFAULT);
+        assert_eq!(
+            error_of(&format!("{base}host_dirty_ratio = 101\n")),
+            "bad.toml:8:20: host_dirty_ratio must be between 0 (the kernel's FUSE limit) and 100"
+        );
         assert!(!defaults.read_only);
         assert!(parse("ro.toml", &format!("{base}read_only = true\n")).unwrap().exports[0].read_only);
         assert_eq!(

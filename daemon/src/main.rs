@@ -5,6 +5,7 @@
 
 mod config;
 mod device;
+mod host_writeback;
 mod lock;
 mod mount_helper;
 mod mountinfo;

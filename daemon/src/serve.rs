@@ -345,6 +345,18 @@ fn open_exports(
                 let flags = export.fuse_mount_flags | if export.read_only { libc::MS_RDONLY } else { 0 };
                 let mut mount = FuseMount::mount_with(dir, &export.fuse_source, &export.fuse_type, flags)
                     .with_context(|| format!("export {}: mounting {} through /dev/fuse", export.tag, dir.display()))?;
+                if export.cache == Cache::Always && export.host_dirty_ratio > 0 {
+                    // Not fatal: the cache still works, only stalls sooner.
+                    match crate::host_writeback::lift_dirty_limit(dir, &export.fuse_type, export.host_dirty_ratio) {
+                        Ok(bdi) => tracing::info!(
+                            "export {}: writeback cache may hold {}% of the dirty allowance ({})",
+                            export.tag,
+                            export.host_dirty_ratio,
+                            bdi.display()
+                        ),
+                        Err(e) => tracing::warn!("export {}: FUSE's 1% dirty limit stays: {e:#}", export.tag),
+                    }
+                }
                 if let Some(link) = link {
                     link.mounted(dir, &export.fuse_type)
                         .with_context(|| format!("export {}: reporting the mount to the supervisor", export.tag))?;

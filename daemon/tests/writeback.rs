@@ -40,12 +40,26 @@ fn write_requests(rpc: &Path) -> u64 {
     stats["exports"][0]["fuse_mount_ops"]["write"]["requests"].as_u64().unwrap_or(0)
 }
 
+/// /sys/class/bdi/MAJOR:MINOR of the mount at `dir`.
+fn bdi_of(dir: &Path) -> std::path::PathBuf {
+    let dir = std::fs::canonicalize(dir).unwrap();
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let line = info.lines().rfind(|l| l.split(' ').nth(4) == dir.to_str()).expect("the mount in mountinfo");
+    Path::new("/sys/class/bdi").join(line.split(' ').nth(2).unwrap())
+}
+
 #[test]
 fn writeback_caching_on_a_host_mount() {
     let scratch = Scratch::new("writeback");
     let (image, mnt, rpc) = (scratch.path("img"), scratch.path("mnt"), scratch.path("rpc.sock"));
     mkfs(&image, "256M");
     let served = serve(&image, &mnt, &rpc);
+
+    // FUSE's strict 1% dirty limit is lifted for this mount (the
+    // default host_dirty_ratio, 20%), or writers would stall at once.
+    let bdi = bdi_of(&mnt);
+    let knob = |name: &str| std::fs::read_to_string(bdi.join(name)).unwrap().trim().to_string();
+    assert_eq!((knob("strict_limit"), knob("max_ratio")), ("0".into(), "20".into()), "{}", bdi.display());
 
     // 1-byte writes stay in the kernel's page cache until fsync: far
     // fewer WRITE requests than write(2) calls.
