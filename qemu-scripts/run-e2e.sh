@@ -44,6 +44,8 @@ Options:
                        a new directory in /dev/shm, else in \$TMPDIR or /tmp,
                        removed after a passing run unless --keep)
   --queues-list "N.."  request-queue counts to run (default: "1 2")
+  --cache MODE         keelfsd's cache mode: none, auto (default) or always
+                       (writeback caching in the guest kernel)
   --spread            with 2 or more request queues, serve with --reactors 2
                       --spread-queues (queues polled on both reactors)
   --only NAMES         run only these tests (comma or space separated, from:
@@ -80,6 +82,7 @@ verbose=0
 with_crash=0
 crash_after=8
 spread=0
+cache=auto
 while (($#)); do
   case "$1" in
     --keelfsd) need_arg "$1" $#; keelfsd_src=$2; shift 2 ;;
@@ -91,6 +94,7 @@ while (($#)); do
     --keep) keep=1; shift ;;
     --with-crash) with_crash=1; shift ;;
     --spread) spread=1; shift ;;
+    --cache) need_arg "$1" $#; cache=$2; shift 2 ;;
     --crash-after) need_arg "$1" $#; crash_after=$2; shift 2 ;;
     --verbose) verbose=1; shift ;;
     -h|--help) usage; exit 0 ;;
@@ -104,6 +108,7 @@ for q in $queues_list; do [[ $q =~ ^[1-9][0-9]*$ ]] || die "--queues-list: '$q' 
 for t in "${only[@]}"; do
   [[ " ${all_tests[*]} " == *" $t "* ]] || die "--only: unknown test '$t' (tests: ${all_tests[*]})"
 done
+[[ $cache =~ ^(none|auto|always)$ ]] || die "--cache '$cache': none, auto or always"
 [[ $crash_after =~ ^[0-9]+$ ]] || die "--crash-after '$crash_after' is not a number of seconds"
 ((${#only[@]})) || only=("${default_tests[@]}")
 ((with_crash == 0)) || only+=(crash)
@@ -148,7 +153,7 @@ start_daemon() {
   rm -f "$sock"
   ((spread && q > 1)) && extra=(--reactors 2 --spread-queues)
   [[ -z ${5:-} ]] || extra+=(--rpc "$5")
-  "$keelfsd" serve --device "$img" --socket "$sock" --queues "$q" "${extra[@]}" >"$dlog" 2>&1 &
+  "$keelfsd" serve --device "$img" --socket "$sock" --queues "$q" --cache "$cache" "${extra[@]}" >"$dlog" 2>&1 &
   daemon_pid=$!
   for _ in $(seq 1 150); do
     [[ -S $sock ]] && return 0
@@ -335,7 +340,7 @@ run_crash() {
 suite_t0=$SECONDS
 log "keelfsd: $keelfsd_src (copied to $keelfsd)"
 log "work directory: $workdir"
-log "queues: $queues_list; tests: ${only[*]}"
+log "queues: $queues_list; cache: $cache; tests: ${only[*]}"
 "$script_dir/build-guest.sh" --quiet || die "building the guest failed"
 log "guest: kernel $(cat "$script_dir/.guest/kernel-version"), $(qemu-system-x86_64 --version | head -n1)"
 
@@ -395,7 +400,7 @@ done
 
 total=$((SECONDS - suite_t0))
 echo
-echo "keelfs e2e summary (keelfsd: $keelfsd_src)"
+echo "keelfs e2e summary (keelfsd: $keelfsd_src, cache $cache)"
 printf '%-26s %-6s %-6s %7s  %s\n' TEST QUEUES RESULT SECONDS NOTE
 printf '%s\n' "${rows[@]}"
 echo "total wall time: ${total}s ($((total / 60))m$((total % 60))s)"
