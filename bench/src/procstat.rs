@@ -48,3 +48,20 @@ pub fn tree_cpu_ns(pid: u32) -> anyhow::Result<u64> {
     }
     Ok(total)
 }
+
+/// CPU time the whole machine spent busy (user, nice, system, irq,
+/// softirq and steal over all CPUs, from /proc/stat), in nanoseconds:
+/// with the daemon's and the load generator's own time subtracted, what
+/// is left was spent by kernel workers (a loop device's, io_uring's io-wq
+/// threads not charged to the daemon) and anything else running.
+pub fn machine_busy_ns() -> anyhow::Result<u64> {
+    let stat = std::fs::read_to_string("/proc/stat").context("reading /proc/stat")?;
+    let cpu = stat.lines().next().filter(|l| l.starts_with("cpu ")).context("no cpu line in /proc/stat")?;
+    let ticks: Vec<u64> = cpu.split_whitespace().skip(1).map(|f| f.parse().unwrap_or(0)).collect();
+    anyhow::ensure!(ticks.len() >= 8, "short cpu line in /proc/stat");
+    // user nice system idle iowait irq softirq steal: all but idle, iowait.
+    let busy = ticks[0] + ticks[1] + ticks[2] + ticks[5] + ticks[6] + ticks[7];
+    // SAFETY: sysconf has no memory effects.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    Ok(busy * 1_000_000_000 / hz)
+}

@@ -142,8 +142,11 @@ fn vhost_drives_a_vhost_user_fs_daemon_and_reports_iops_and_latency() {
             .unwrap();
         assert!(out.status.success(), "{workload}: {}", String::from_utf8_lossy(&out.stderr));
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        for key in ["iops", "read_iops", "write_iops", "mib_s", "lat_us_p50", "lat_us_p99"] {
+        for key in ["iops", "read_iops", "write_iops", "mib_s", "lat_us_p50", "lat_us_p99", "lat_us_p999"] {
             assert!(v[key].as_f64().is_some(), "{workload}: {key} missing in {v}");
+        }
+        for key in ["bench_cpu_us_per_op", "machine_cpu_us_per_op"] {
+            assert!(v[key].as_f64().unwrap() > 0.0, "{workload}: {key} in {v}");
         }
         assert!(v["iops"].as_f64().unwrap() > 0.0, "{workload}: {v}");
         let mixed = matches!(workload, "dio-randrw" | "buffered-randrw");
