@@ -60,6 +60,11 @@ pub struct VhostArgs {
     /// A label for the JSON line (the system under test).
     #[arg(long, default_value = "")]
     label: String,
+    /// Poll the used rings without pause instead of sleeping on the call
+    /// eventfd while every request is in flight. A guest's vCPU halts
+    /// while it waits; a spinning driver takes a core from the daemon.
+    #[arg(long)]
+    spin: bool,
     #[arg(long)]
     json: bool,
 }
@@ -209,7 +214,14 @@ fn worker(mut q: QueueDriver, args: &WorkerArgs, target: Target) -> anyhow::Resu
         if !running && in_flight.is_empty() {
             break;
         }
-        for Used { head, len } in q.poll()? {
+        let used = if in_flight.is_empty() {
+            Vec::new()
+        } else if args.spin {
+            q.poll()?
+        } else {
+            q.wait_signalled(Duration::from_secs(30))?
+        };
+        for Used { head, len } in used {
             let Some((kind, started)) = in_flight.remove(&head) else { bail!("unexpected head {head}") };
             match kind {
                 Kind::Read => issued_reads -= 1,
@@ -238,6 +250,7 @@ struct WorkerArgs {
     iodepth: usize,
     seconds: u64,
     file_size: u64,
+    spin: bool,
 }
 
 pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
@@ -271,8 +284,13 @@ pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
     let own_before = crate::procstat::own_cpu_ns(std::process::id())?;
     let machine_before = crate::procstat::machine_busy_ns()?;
     let started = Instant::now();
-    let worker_args =
-        WorkerArgs { workload: args.workload, iodepth: args.iodepth, seconds: args.seconds, file_size: args.file_size };
+    let worker_args = WorkerArgs {
+        workload: args.workload,
+        iodepth: args.iodepth,
+        seconds: args.seconds,
+        file_size: args.file_size,
+        spin: args.spin,
+    };
     let results: Vec<anyhow::Result<WorkerResult>> = std::thread::scope(|s| {
         let handles: Vec<_> = drivers
             .into_iter()
@@ -311,6 +329,7 @@ pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
         "queues": queues,
         "iodepth": args.iodepth,
         "seconds": args.seconds,
+        "driver_waits": if args.spin { "spin" } else { "eventfd" },
         "iops": (ops as f64 / secs).round(),
         "read_iops": (reads as f64 / secs).round(),
         "write_iops": (writes as f64 / secs).round(),

@@ -127,17 +127,19 @@ fn vhost_drives_a_vhost_user_fs_daemon_and_reports_iops_and_latency() {
         })
     };
     ready_rx.recv().unwrap();
-    for (workload, threads) in [
-        ("dio-overwrite", "2"),
-        ("dio-randrw", "1"),
-        ("aio-append", "1"),
-        ("buffered-randrw", "1"),
-        ("byte-writes", "1"),
+    for (workload, threads, driver) in [
+        ("dio-overwrite", "2", "--spin"),
+        ("dio-overwrite", "1", ""),
+        ("dio-randrw", "1", ""),
+        ("aio-append", "1", ""),
+        ("buffered-randrw", "1", ""),
+        ("byte-writes", "1", "--spin"),
     ] {
         let out = bench()
             .args(["vhost", "--workload", workload, "--threads", threads, "--iodepth", "4", "--seconds", "1"])
             .args(["--file-size", "4M", "--json", "--socket"])
             .arg(&socket)
+            .args(Some(driver).filter(|d| !d.is_empty()))
             .output()
             .unwrap();
         assert!(out.status.success(), "{workload}: {}", String::from_utf8_lossy(&out.stderr));
@@ -148,6 +150,7 @@ fn vhost_drives_a_vhost_user_fs_daemon_and_reports_iops_and_latency() {
         for key in ["bench_cpu_us_per_op", "machine_cpu_us_per_op"] {
             assert!(v[key].as_f64().unwrap() > 0.0, "{workload}: {key} in {v}");
         }
+        assert_eq!(v["driver_waits"], if driver.is_empty() { "eventfd" } else { "spin" }, "{v}");
         assert!(v["iops"].as_f64().unwrap() > 0.0, "{workload}: {v}");
         let mixed = matches!(workload, "dio-randrw" | "buffered-randrw");
         assert_eq!(v["read_iops"].as_f64().unwrap() > 0.0, mixed, "{workload}: {v}");

@@ -640,6 +640,37 @@ impl QueueDriver {
         }
     }
 
+    /// Wait until at least one used entry arrives, asleep on the call
+    /// eventfd as a guest's vCPU halts while its I/O is in flight (a
+    /// polling driver takes a core from the backend it measures).
+    pub fn wait_signalled(&mut self, timeout: Duration) -> FrontendResult<Vec<Used>> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            // poll() also asks to be signalled at the next completion.
+            let used = self.poll()?;
+            if !used.is_empty() {
+                return Ok(used);
+            }
+            // A completion published before that request reached the
+            // backend may not signal: look once more before sleeping.
+            fence(Ordering::SeqCst);
+            let used_idx: u16 =
+                self.mem.load(GuestAddress(self.ring.used + 2), Ordering::Acquire).map_err(Self::mem_err)?;
+            if used_idx != self.ring.last_used {
+                continue;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(FrontendError::Timeout { queue: self.index, timeout });
+            }
+            let mut pollfd = libc::pollfd { fd: self.ring.call.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            let ms = left.as_millis().clamp(1, i32::MAX as u128) as i32;
+            // SAFETY: one valid pollfd, for the duration of the call.
+            unsafe { libc::poll(&mut pollfd, 1, ms) };
+            let _ = self.ring.call.read();
+        }
+    }
+
     /// How many times the backend signalled `queue` since the last look.
     pub fn take_signals(&mut self) -> u64 {
         self.ring.call.read().unwrap_or(0)
