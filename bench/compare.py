@@ -25,7 +25,16 @@ def medians(path, field):
             r = json.loads(line)
             if r.get(field) is None:
                 continue
-            key = (str(r.get("workload") or r.get("rw")), str(r.get("system") or r.get("label") or r.get("backend") or ""))
+            system = str(r.get("system") or r.get("label") or r.get("backend") or "")
+            # Results from a driver that waits differently are another
+            # experiment (files before 2026-12-01 all had a spinning one).
+            # Before then, "keelfsd" was the io_uring backend on a tmpfs
+            # file, which is "keelfsd-tmpfs" now.
+            if r.get("bench") == "vhost" and "driver_waits" not in r and system == "keelfsd":
+                system = "keelfsd-tmpfs"
+            if r.get("bench") == "vhost" and r.get("driver_waits", "spin") != "spin":
+                system += " (" + r["driver_waits"] + ")"
+            key = (str(r.get("workload") or r.get("rw")), system)
             groups[key].append(float(r[field]))
     return {k: statistics.median(v) for k, v in groups.items()}
 

@@ -4,31 +4,59 @@
 # generator is the VMM and the driver). Each round runs every system once
 # per workload, interleaved, so that both see the same machine noise.
 #
-#   keelfsd   io_uring backend on a RAM-backed image in /dev/shm
+#   keelfsd   io_uring backend on a loop device over a RAM-backed image
+#             in /dev/shm: the same kind of device virtiofsd's ext4 has
+#   keelfsd-tmpfs  io_uring backend on the RAM-backed image itself (no
+#             loop device: O_DIRECT on tmpfs runs in io-wq workers that
+#             are charged to keelfsd)
 #   keelfsd-pmem  pmem backend on a /dev/shm file
 #   keelfsd-nosandbox, keelfsd-pmem-nosandbox: the same with --sandbox
 #             none (not run by default; for measuring the sandbox's cost)
 #   virtiofsd ext4 on a loop device over an equal RAM-backed image,
 #             --cache never (direct) or auto (buffered workloads),
-#             --allow-direct-io so that O_DIRECT reaches ext4
+#             --allow-direct-io so that O_DIRECT reaches ext4; its default
+#             --thread-pool-size 0 (requests served one at a time on the
+#             queue's thread)
+#   virtiofsd-pool  the same with --thread-pool-size 16, so that requests
+#             in flight are served in parallel
 #
-# Usage: bench/run-vhost.sh [--rounds N] [--seconds N] [--systems "A B ..."] [OUT.json]
-#   default systems: "keelfsd keelfsd-pmem virtiofsd"
+# The driver (`keelfs-bench vhost`) sleeps on the call eventfd while all
+# its requests are in flight, as a guest's vCPU halts; --driver spin makes
+# it poll the used ring without pause (it then takes a core of its own).
+#
+# CPU: each line charges the daemon (with its children) its own utime +
+# stime, the load generator its own, and "other" the rest of the
+# machine's busy time in the run (/proc/stat): the loop devices' kernel
+# workers, which neither process is charged for, and noise.
+#
+# Each round also measures the device limit: fio's io_uring engine and
+# keelfs's block layer, 4k random writes at QD32, on the raw tmpfs file
+# ("device") and on a loop device over it ("device-loop").
+#
+# Usage: bench/run-vhost.sh [--rounds N] [--seconds N] [--systems "A B ..."]
+#                           [--driver eventfd|spin] [OUT.json]
+#   default systems: "keelfsd keelfsd-tmpfs keelfsd-pmem virtiofsd virtiofsd-pool"
 # Needs: virtiofsd (`cargo install virtiofsd`), root (loop devices).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rounds=3 seconds=5 systems="keelfsd keelfsd-pmem virtiofsd"
+rounds=3 seconds=5 systems="keelfsd keelfsd-tmpfs keelfsd-pmem virtiofsd virtiofsd-pool" driver=eventfd
 while [[ $# -gt 0 ]]; do
   case $1 in
     --rounds) rounds=$2; shift 2 ;;
     --seconds) seconds=$2; shift 2 ;;
     --systems) systems=$2; shift 2 ;;
+    --driver) driver=$2; shift 2 ;;
     *) break ;;
   esac
 done
 out=${1:-bench/results/vhost-$(date +%F).json}
+case $driver in
+  eventfd) driver_flags=() ;;
+  spin) driver_flags=(--spin) ;;
+  *) echo "run-vhost: --driver eventfd or spin, not '$driver'" >&2; exit 2 ;;
+esac
 virtiofsd=$(command -v virtiofsd || echo "$HOME/.cargo/bin/virtiofsd")
-if [[ " $systems " == *" virtiofsd "* && ! -x $virtiofsd ]]; then
+if [[ " $systems " == *" virtiofsd"* && ! -x $virtiofsd ]]; then
   echo "run-vhost: virtiofsd is missing: cargo install virtiofsd" >&2
   exit 2
 fi
@@ -36,14 +64,14 @@ cargo build --release -q -p keelfsd -p keelfs-bench
 keelfsd=$PWD/target/release/keelfsd
 bench=$PWD/target/release/keelfs-bench
 work=$(mktemp -d /dev/shm/keelfs-vhost-bench.XXXXXX)
-loopdev=
+loops=()
 daemon_pid=
 cleanup() {
   if [[ -n $daemon_pid ]] && kill -TERM "$daemon_pid" 2>/dev/null; then
     wait "$daemon_pid" 2>/dev/null || true
   fi
   mountpoint -q "$work/ext4" && umount "$work/ext4"
-  [[ -n $loopdev ]] && losetup -d "$loopdev"
+  for l in "${loops[@]}"; do losetup -d "$l" 2>/dev/null || true; done
   rm -rf "$work"
 }
 trap cleanup EXIT
@@ -57,16 +85,25 @@ trap cleanup EXIT
 # appends more than overwrites; a device that has been in use pays nothing
 # of the kind.
 size=3G
-for img in keelfs keelfs-pmem ext4; do
+for img in keelfs keelfs-tmpfs keelfs-pmem ext4; do
   fallocate -l $size "$work/$img.img"
   dd if=/dev/zero of="$work/$img.img" bs=1M count=3072 conv=notrunc status=none
 done
-"$keelfsd" mkfs "$work/keelfs.img" --force >/dev/null 2>&1
+# attach IMG: a loop device over it, configured alike for both daemons.
+attach() {
+  local dev
+  dev=$(losetup -f --show "$1")
+  loops+=("$dev")
+  echo "$dev"
+}
+keelfs_loop=$(attach "$work/keelfs.img")
+ext4_loop=$(attach "$work/ext4.img")
+"$keelfsd" mkfs "$keelfs_loop" --force >/dev/null 2>&1
+"$keelfsd" mkfs "$work/keelfs-tmpfs.img" --force >/dev/null 2>&1
 "$keelfsd" mkfs "$work/keelfs-pmem.img" --force >/dev/null 2>&1
-mkfs.ext4 -q -F "$work/ext4.img"
-loopdev=$(losetup -f --show "$work/ext4.img")
+mkfs.ext4 -q -F "$ext4_loop"
 mkdir -p "$work/ext4"
-mount "$loopdev" "$work/ext4"
+mount "$ext4_loop" "$work/ext4"
 
 wait_socket() {
   for _ in $(seq 200); do [[ -S $1 ]] && return 0; sleep 0.05; done
@@ -82,9 +119,12 @@ start() {
   local sandbox=namespace
   [[ $sys == *-nosandbox ]] && sandbox=none
   case $sys in
-    keelfsd|keelfsd-nosandbox) "$keelfsd" serve --sandbox "$sandbox" --device "$work/keelfs.img" --socket "$socket" --queues 2 --cache "$cache" 2>"$work/$sys.log" & ;;
+    keelfsd|keelfsd-nosandbox) "$keelfsd" serve --sandbox "$sandbox" --device "$keelfs_loop" --socket "$socket" --queues 2 --cache "$cache" 2>"$work/$sys.log" & ;;
+    keelfsd-tmpfs) "$keelfsd" serve --device "$work/keelfs-tmpfs.img" --socket "$socket" --queues 2 --cache "$cache" 2>"$work/$sys.log" & ;;
     keelfsd-pmem|keelfsd-pmem-nosandbox) "$keelfsd" serve --sandbox "$sandbox" --config <(printf '[[device]]\nname="p"\nbackend="pmem"\npath="%s"\n[[export]]\ntag="p"\ndevice="p"\nsocket="%s"\nrequest_queues=2\ncache="%s"\n' "$work/keelfs-pmem.img" "$socket" "$cache") 2>"$work/$sys.log" & ;;
     virtiofsd) "$virtiofsd" --socket-path "$socket" --shared-dir "$work/ext4" --cache "$cache" --sandbox none --allow-direct-io 2>"$work/$sys.log" & ;;
+    virtiofsd-pool) "$virtiofsd" --socket-path "$socket" --shared-dir "$work/ext4" --cache "$cache" --sandbox none --allow-direct-io \
+      --thread-pool-size 16 2>"$work/$sys.log" & ;;
   esac
   daemon_pid=$!
   wait_socket "$socket"
@@ -109,23 +149,34 @@ workloads=(
 : >"$out"
 fallocate -l 256M "$work/raw.img"
 dd if=/dev/zero of="$work/raw.img" bs=1M count=256 conv=notrunc status=none
+raw_loop=$(attach "$work/raw.img")
 for round in $(seq "$rounds"); do
   # The device limit, in the same round: fio's io_uring engine on a raw
-  # RAM-backed file (and keelfs's own block layer beside it), 4k random
-  # writes at the DIO workloads' depth.
-  "$bench" bdev --backend uring --path "$work/raw.img" --size 256M --rw randwrite --bs 4k --iodepth 32 \
-    --seconds "$seconds" --vs-fio --json | sed "s/^{/{\"round\":$round,\"label\":\"device\",/" | tee -a "$out"
+  # RAM-backed file and on a loop device over it (and keelfs's own block
+  # layer beside it), 4k random writes at the DIO workloads' depth.
+  for dev in device:"$work/raw.img" device-loop:"$raw_loop"; do
+    "$bench" bdev --backend uring --path "${dev#*:}" --size 256M --rw randwrite --bs 4k --iodepth 32 \
+      --seconds "$seconds" --vs-fio --json | sed "s/^{/{\"round\":$round,\"label\":\"${dev%%:*}\",/" | tee -a "$out"
+  done
   for line in "${workloads[@]}"; do
     IFS='|' read -r workload flags kcache vcache <<<"$line"
     for sys in $systems; do
-      cache=$kcache; [[ $sys == virtiofsd ]] && cache=$vcache
+      cache=$kcache; [[ $sys == virtiofsd* ]] && cache=$vcache
       start "$sys" "$cache"
       # shellcheck disable=SC2086
       "$bench" vhost --socket "$socket" --workload "$workload" $flags --seconds "$seconds" \
-        --daemon-pid "$daemon_pid" --label "$sys" --json |
+        --daemon-pid "$daemon_pid" --label "$sys" "${driver_flags[@]}" --json |
         sed "s/^{/{\"round\":$round,/" | tee -a "$out"
       stop
     done
   done
 done
 echo "run-vhost: results in $out" >&2
+
+# The regression guard: against the vhost results committed last.
+last=$(git log --format= --name-only --diff-filter=AM -- 'bench/results/vhost-*.json' |
+  grep -v -x -F -e '' -e "$out" | head -n 1 || true)
+if [[ -n $last ]]; then
+  echo "run-vhost: against $last (bench/compare.py):" >&2
+  python3 bench/compare.py "$last" "$out" >&2
+fi
