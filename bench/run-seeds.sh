@@ -3,7 +3,10 @@
 # system that runs them through a kernel mount, side by side on equal
 # RAM-backed images, interleaved and repeated (issue 8):
 #
-#   keelfs-fuse  keelfsd (io_uring backend) mounted through /dev/fuse
+#   keelfs-fuse  keelfsd (io_uring backend) mounted through /dev/fuse,
+#                cache auto: every buffered write is a round trip
+#   keelfs-fuse-wb  the same with cache always: writeback caching in the
+#                host kernel, which sends dirty pages in batches
 #   ext4, xfs    the host kernel on a loop device
 #   device       fio's io_uring engine on the raw image (w1 only: the limit)
 #
@@ -51,8 +54,11 @@ done
 truncate -s 1G "$work/raw.img"
 mkdir -p "$work/mnt-keelfs-fuse"
 
+# start_keelfs SYSTEM: keelfs-fuse (cache auto) or keelfs-fuse-wb (always).
 start_keelfs() {
-  "$keelfsd" serve --device "$work/keelfs.img" --fuse-mount "$work/mnt-keelfs-fuse" 2>>"$work/keelfsd.log" &
+  local cache=auto
+  [[ $1 == keelfs-fuse-wb ]] && cache=always
+  "$keelfsd" serve --device "$work/keelfs.img" --fuse-mount "$work/mnt-keelfs-fuse" --cache $cache 2>>"$work/keelfsd.log" &
   daemon_pid=$!
   for _ in $(seq 200); do mountpoint -q "$work/mnt-keelfs-fuse" && return 0; sleep 0.05; done
   echo "run-seeds: keelfsd did not mount" >&2; exit 1
@@ -122,9 +128,11 @@ run_bytes() {
 : >"$out"
 for round in $(seq "$rounds"); do
   for job in "$workloads"/w1-dio-overwrite.fio "$workloads"/w2-aio-append.fio "$workloads"/w3-buffered-randrw.fio; do
-    start_keelfs
-    run_fio keelfs-fuse "$work/mnt-keelfs-fuse" "$job" "$round" "$daemon_pid"
-    stop_keelfs
+    for system in keelfs-fuse keelfs-fuse-wb; do
+      start_keelfs $system
+      run_fio $system "$work/mnt-keelfs-fuse" "$job" "$round" "$daemon_pid"
+      stop_keelfs
+    done
     run_fio ext4 "$work/mnt-ext4" "$job" "$round"
     run_fio xfs "$work/mnt-xfs" "$job" "$round"
   done
@@ -132,9 +140,11 @@ for round in $(seq "$rounds"); do
   fio --output-format=json --name=device --filename="$work/raw.img" --size=1G --rw=randrw --bs=4k \
     --ioengine=io_uring --iodepth=4 --direct=1 --runtime="$runtime" --time_based --ramp_time=1 >"$work/fio.json"
   fio_line device w1-dio-overwrite "$round" "$work/fio.json" 0 | tee -a "$out"
-  start_keelfs
-  run_bytes keelfs-fuse "$work/mnt-keelfs-fuse" "$round"
-  stop_keelfs
+  for system in keelfs-fuse keelfs-fuse-wb; do
+    start_keelfs $system
+    run_bytes $system "$work/mnt-keelfs-fuse" "$round"
+    stop_keelfs
+  done
   run_bytes ext4 "$work/mnt-ext4" "$round"
   run_bytes xfs "$work/mnt-xfs" "$round"
 done
