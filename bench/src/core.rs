@@ -32,6 +32,11 @@ pub enum Workload {
     SeqExtents,
     /// --threads tasks each writing 4k and calling fsync.
     FsyncStorm,
+    /// --entries empty files: create rate, memory, checkpoint (no mkfs
+    /// of its own image afterwards: metadata-mount reads it).
+    MetadataFill,
+    /// Mount the image metadata-fill left at --path: time and memory.
+    MetadataMount,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -104,6 +109,8 @@ fn device_bytes_needed(p: &Params) -> u64 {
         // Inodes and directory blocks, about 1 KiB an entry, in two
         // directories (the large one and the small one).
         Workload::Lookup => (p.entries + 1000) * 1024,
+        // Inodes, directory blocks and two checkpoints' room.
+        Workload::MetadataFill | Workload::MetadataMount => p.entries * 1024,
         Workload::DioOverwrite | Workload::AioAppend | Workload::BufferedRandrw => p.file_size,
         Workload::ByteWrites => crate::core_io::byte_writes_bytes(p.writes),
         // A buffered copy and a direct copy.
@@ -170,8 +177,10 @@ pub fn run(args: &CoreArgs) -> anyhow::Result<()> {
     let queue2 = dev.open_queue(QueueConfig { depth: 128, completion_eventfd: false })?;
     let cache_size = args.cache_size;
     let line = reactor.block_on(async move {
-        let opts = MkfsOptions { force: true, ..MkfsOptions::default() };
-        mkfs(DeviceChannel::attach(queue), &opts).await?;
+        if params.workload != Workload::MetadataMount {
+            let opts = MkfsOptions { force: true, ..MkfsOptions::default() };
+            mkfs(DeviceChannel::attach(queue), &opts).await?;
+        }
         // No timer commits during a measurement unless the workload wants
         // them: what each one measures is stated in its output.
         // The lookup workload makes a million files on a small device:
@@ -184,7 +193,11 @@ pub fn run(args: &CoreArgs) -> anyhow::Result<()> {
         if let Some(bytes) = cache_size {
             config.cache_bytes = bytes;
         }
+        config.read_only = params.workload == Workload::MetadataMount;
+        let rss_before = crate::core_meta::rss_bytes();
+        let mount_started = Instant::now();
         let fs = Fs::mount(DeviceChannel::attach(queue2), config).await?;
+        let mount_s = mount_started.elapsed().as_secs_f64();
         let mut line = match params.workload {
             Workload::Lookup => lookup_workload(&fs, params.entries, params.lookups, params.rounds).await?,
             Workload::DioOverwrite => crate::core_io::dio_overwrite(&fs, &params).await?,
@@ -193,6 +206,8 @@ pub fn run(args: &CoreArgs) -> anyhow::Result<()> {
             Workload::ByteWrites => crate::core_io::byte_writes(&fs, &params).await?,
             Workload::SeqExtents => crate::core_io::seq_extents(&fs, &params).await?,
             Workload::FsyncStorm => crate::core_io::fsync_storm(&fs, &params).await?,
+            Workload::MetadataFill => crate::core_meta::fill(&fs, params.entries).await?,
+            Workload::MetadataMount => crate::core_meta::mounted(&fs, mount_s, rss_before).await?,
         };
         line["backend"] = json!(params.backend);
         line["rss_mib"] = json!(rss_mib());

@@ -5,6 +5,7 @@ mod bdev;
 mod bdev_check;
 mod core;
 mod core_io;
+mod core_meta;
 mod fio;
 mod hist;
 mod hostile;

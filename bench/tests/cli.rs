@@ -230,3 +230,31 @@ fn bdev_and_bdev_check_run_with_their_defaults() {
     assert!(checks.iter().all(|c| c["ok"] == true), "{stdout}");
     let _ = std::fs::remove_file(&path);
 }
+
+/// metadata-fill leaves an image that metadata-mount (another process)
+/// mounts, and both report what the issue asks of them.
+#[test]
+fn metadata_fill_then_mount_report_memory_time_and_checkpoint() {
+    let path = scratch("metadata");
+    let run = |workload: &str| {
+        let out = bench()
+            .args(["core", "--workload", workload, "--backend", "uring", "--entries", "2500", "--json", "--path"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{workload}: {}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let fill = run("metadata-fill");
+    assert_eq!(fill["files"], 2500, "{fill}");
+    assert_eq!(fill["directories"], 3, "{fill}");
+    for key in ["files_created_per_s", "checkpoint_s", "rss_bytes_per_file", "checkpoint_bytes_per_file"] {
+        assert!(fill[key].as_f64().unwrap() > 0.0, "{key} in {fill}");
+    }
+    let mount = run("metadata-mount");
+    // The files, their 3 directories and the root.
+    assert_eq!(mount["inodes"], 2504, "{mount}");
+    assert_eq!(mount["replayed_transactions"], 0, "a clean unmount left nothing to replay: {mount}");
+    assert!(mount["mount_s"].as_f64().unwrap() > 0.0, "{mount}");
+    let _ = std::fs::remove_file(&path);
+}

@@ -1,0 +1,93 @@
+//! Metadata at scale (issue 18): what N files cost in memory, at mount,
+//! and in the checkpoint. Two phases, each in its own process so that
+//! each resident-set figure is that phase's alone:
+//!
+//! - `metadata-fill`: mkfs, N empty files in directories of
+//!   [`FILES_PER_DIR`] with names of about 35 bytes, a checkpoint, and an
+//!   unmount; reports the create rate, checkpoint time and size, and the
+//!   resident memory the files added;
+//! - `metadata-mount`: mount that image (read-only: nothing is written),
+//!   report the mount time and resident memory.
+//!
+//! bench/run-metadata.sh runs both, then fsck and a mount through
+//! keelfsd, at 1M and 10M files.
+
+use std::time::Instant;
+
+use keelfs_core::fs::format::ROOT_INO;
+use keelfs_core::fs::{Creds, Fs};
+use serde_json::json;
+
+/// Entries per directory: a tree of many mid-sized directories, as a
+/// package manager or container image makes.
+pub const FILES_PER_DIR: u64 = 1000;
+
+/// A file name of 35 bytes, unique per (directory, index).
+fn file_name(dir: u64, i: u64) -> Vec<u8> {
+    format!("lib-{dir:06}-component-{i:05}.so.1.2").into_bytes()
+}
+
+/// Resident memory of this process in bytes (VmRSS).
+pub fn rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    kib * 1024
+}
+
+/// `files` empty files under the root, checkpointed and unmounted.
+pub async fn fill(fs: &Fs, files: u64) -> anyhow::Result<serde_json::Value> {
+    let c = Creds::root();
+    let rss_empty = rss_bytes();
+    let started = Instant::now();
+    let dirs = files.div_ceil(FILES_PER_DIR);
+    for d in 0..dirs {
+        let dir = fs.mkdir(&c, ROOT_INO, format!("dir-{d:06}").as_bytes(), 0o755).await?.inode.ino;
+        let in_this = FILES_PER_DIR.min(files - d * FILES_PER_DIR);
+        for i in 0..in_this {
+            fs.mknod(&c, dir, &file_name(d, i), libc::S_IFREG | 0o644, 0).await?;
+        }
+    }
+    let fill_s = started.elapsed().as_secs_f64();
+    let checkpoint_started = Instant::now();
+    fs.checkpoint().await?;
+    let checkpoint_s = checkpoint_started.elapsed().as_secs_f64();
+    let rss_full = rss_bytes();
+    let checkpoint_bytes = fs.superblock().checkpoint_bytes;
+    fs.unmount().await?;
+    let per_file = |bytes: u64| (bytes as f64 / files as f64).round();
+    Ok(json!({
+        "bench": "core",
+        "workload": "metadata-fill",
+        "files": files,
+        "directories": dirs,
+        "files_created_per_s": (files as f64 / fill_s).round(),
+        "checkpoint_s": (checkpoint_s * 1000.0).round() / 1000.0,
+        "checkpoint_bytes": checkpoint_bytes,
+        "checkpoint_bytes_per_file": per_file(checkpoint_bytes),
+        "rss_empty_mib": rss_empty >> 20,
+        "rss_full_mib": rss_full >> 20,
+        "rss_bytes_per_file": per_file(rss_full.saturating_sub(rss_empty)),
+    }))
+}
+
+/// What mounting the image cost: time (load and replay) and memory.
+pub async fn mounted(fs: &Fs, mount_s: f64, rss_before: u64) -> anyhow::Result<serde_json::Value> {
+    let rss = rss_bytes();
+    let s = fs.statfs().await?;
+    let inodes = s.files - s.files_free;
+    Ok(json!({
+        "bench": "core",
+        "workload": "metadata-mount",
+        "inodes": inodes,
+        "mount_s": (mount_s * 1000.0).round() / 1000.0,
+        "mount_s_per_million_inodes": (mount_s / inodes.max(1) as f64 * 1e6 * 1000.0).round() / 1000.0,
+        "replayed_transactions": fs.replayed_at_mount(),
+        "rss_mib": rss >> 20,
+        "rss_bytes_per_inode": (rss.saturating_sub(rss_before) as f64 / inodes.max(1) as f64).round(),
+    }))
+}
