@@ -159,7 +159,9 @@ pub struct Node {
     pub extents: ExtentMap,
     pub xattrs: BTreeMap<Vec<u8>, Vec<u8>>,
     pub symlink: Option<Vec<u8>>,
-    pub dir: Option<Directory>,
+    /// Boxed: most inodes are not directories, and a directory's tables
+    /// inline would cost every file their size.
+    pub dir: Option<Box<Directory>>,
 }
 
 /// Whether a change is made live (freed blocks wait for the commit that
@@ -175,7 +177,9 @@ pub enum ApplyMode {
 pub struct ApplyError(pub String);
 
 pub struct State {
-    pub nodes: crate::units::IdMap<Node>,
+    /// Boxed: a hash table keeps a share of its slots empty, and an empty
+    /// slot costs a pointer rather than a whole node.
+    pub nodes: crate::units::IdMap<Box<Node>>,
     pub next_ino: u64,
     pub alloc: Allocator,
     /// Runs freed by changes not yet committed: reusable only after the
@@ -193,11 +197,11 @@ impl State {
     }
 
     pub fn node(&self, ino: u64) -> Option<&Node> {
-        self.nodes.get(&ino)
+        self.nodes.get(&ino).map(|n| &**n)
     }
 
     pub fn node_mut(&mut self, ino: u64) -> Option<&mut Node> {
-        self.nodes.get_mut(&ino)
+        self.nodes.get_mut(&ino).map(|n| &mut **n)
     }
 
     fn release(&mut self, runs: Vec<BlockRun>, mode: ApplyMode) {
@@ -301,8 +305,8 @@ impl State {
                 node.inode = inode.clone();
             }
             None => {
-                let dir = inode.is_dir().then(|| Directory::new(inode.ino));
-                let node = Node {
+                let dir = inode.is_dir().then(|| Box::new(Directory::new(inode.ino)));
+                let node = Box::new(Node {
                     inode: inode.clone(),
                     lookups: 0,
                     opens: 0,
@@ -317,7 +321,7 @@ impl State {
                     xattrs: BTreeMap::new(),
                     symlink: None,
                     dir,
-                };
+                });
                 self.nodes.insert(inode.ino, node);
             }
         }
