@@ -16,10 +16,12 @@ use super::record::Record;
 /// A directory entry's name. Names up to 22 bytes (nearly all) live inside
 /// the hash table's bucket, so a lookup in a large directory touches one
 /// cache line instead of chasing a pointer to the name.
+/// A longer name is shared, not copied, between the table by name and
+/// the one by cookie.
 #[derive(Clone)]
 pub enum Name {
     Inline { len: u8, bytes: [u8; 22] },
-    Heap(Box<[u8]>),
+    Heap(std::rc::Rc<[u8]>),
 }
 
 impl Name {
