@@ -6,6 +6,8 @@
 #
 #   keelfsd   io_uring backend on a loop device over a RAM-backed image
 #             in /dev/shm: the same kind of device virtiofsd's ext4 has
+#   keelfsd-irq  the same with poll_mode interrupt: the reactor sleeps
+#             whenever a pass finds no work, instead of polling for 1 ms
 #   keelfsd-tmpfs  io_uring backend on the RAM-backed image itself (no
 #             loop device: O_DIRECT on tmpfs runs in io-wq workers that
 #             are charged to keelfsd)
@@ -35,11 +37,11 @@
 #
 # Usage: bench/run-vhost.sh [--rounds N] [--seconds N] [--systems "A B ..."]
 #                           [--driver eventfd|spin] [OUT.json]
-#   default systems: "keelfsd keelfsd-tmpfs keelfsd-pmem virtiofsd virtiofsd-pool"
+#   default systems: "keelfsd keelfsd-irq keelfsd-tmpfs keelfsd-pmem virtiofsd virtiofsd-pool"
 # Needs: virtiofsd (`cargo install virtiofsd`), root (loop devices).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rounds=3 seconds=5 systems="keelfsd keelfsd-tmpfs keelfsd-pmem virtiofsd virtiofsd-pool" driver=eventfd
+rounds=3 seconds=5 systems="keelfsd keelfsd-irq keelfsd-tmpfs keelfsd-pmem virtiofsd virtiofsd-pool" driver=eventfd
 while [[ $# -gt 0 ]]; do
   case $1 in
     --rounds) rounds=$2; shift 2 ;;
@@ -120,6 +122,7 @@ start() {
   [[ $sys == *-nosandbox ]] && sandbox=none
   case $sys in
     keelfsd|keelfsd-nosandbox) "$keelfsd" serve --sandbox "$sandbox" --device "$keelfs_loop" --socket "$socket" --queues 2 --cache "$cache" 2>"$work/$sys.log" & ;;
+    keelfsd-irq) "$keelfsd" serve --config <(printf '[daemon]\npoll_mode="interrupt"\n[[device]]\nname="d"\npath="%s"\n[[export]]\ntag="d"\ndevice="d"\nsocket="%s"\nrequest_queues=2\ncache="%s"\n' "$keelfs_loop" "$socket" "$cache") 2>"$work/$sys.log" & ;;
     keelfsd-tmpfs) "$keelfsd" serve --device "$work/keelfs-tmpfs.img" --socket "$socket" --queues 2 --cache "$cache" 2>"$work/$sys.log" & ;;
     keelfsd-pmem|keelfsd-pmem-nosandbox) "$keelfsd" serve --sandbox "$sandbox" --config <(printf '[[device]]\nname="p"\nbackend="pmem"\npath="%s"\n[[export]]\ntag="p"\ndevice="p"\nsocket="%s"\nrequest_queues=2\ncache="%s"\n' "$work/keelfs-pmem.img" "$socket" "$cache") 2>"$work/$sys.log" & ;;
     virtiofsd) "$virtiofsd" --socket-path "$socket" --shared-dir "$work/ext4" --cache "$cache" --sandbox none --allow-direct-io 2>"$work/$sys.log" & ;;
