@@ -91,15 +91,14 @@ for img in keelfs keelfs-tmpfs keelfs-pmem ext4; do
   fallocate -l $size "$work/$img.img"
   dd if=/dev/zero of="$work/$img.img" bs=1M count=3072 conv=notrunc status=none
 done
-# attach IMG: a loop device over it, configured alike for both daemons.
+# attach IMG: a loop device over it, configured alike for both daemons,
+# in $attached (not in a subshell, so that cleanup sees it in $loops).
 attach() {
-  local dev
-  dev=$(losetup -f --show "$1")
-  loops+=("$dev")
-  echo "$dev"
+  attached=$(losetup -f --show "$1")
+  loops+=("$attached")
 }
-keelfs_loop=$(attach "$work/keelfs.img")
-ext4_loop=$(attach "$work/ext4.img")
+attach "$work/keelfs.img"; keelfs_loop=$attached
+attach "$work/ext4.img"; ext4_loop=$attached
 "$keelfsd" mkfs "$keelfs_loop" --force >/dev/null 2>&1
 "$keelfsd" mkfs "$work/keelfs-tmpfs.img" --force >/dev/null 2>&1
 "$keelfsd" mkfs "$work/keelfs-pmem.img" --force >/dev/null 2>&1
@@ -152,7 +151,7 @@ workloads=(
 : >"$out"
 fallocate -l 256M "$work/raw.img"
 dd if=/dev/zero of="$work/raw.img" bs=1M count=256 conv=notrunc status=none
-raw_loop=$(attach "$work/raw.img")
+attach "$work/raw.img"; raw_loop=$attached
 for round in $(seq "$rounds"); do
   # The device limit, in the same round: fio's io_uring engine on a raw
   # RAM-backed file and on a loop device over it (and keelfs's own block
@@ -177,7 +176,7 @@ done
 echo "run-vhost: results in $out" >&2
 
 # The regression guard: against the vhost results committed last.
-last=$(git log --format= --name-only --diff-filter=AM -- 'bench/results/vhost-*.json' |
+last=$(git log --format= --name-only --diff-filter=AM -- 'bench/results/vhost-2*.json' |
   grep -v -x -F -e '' -e "$out" | head -n 1 || true)
 if [[ -n $last ]]; then
   echo "run-vhost: against $last (bench/compare.py):" >&2
