@@ -36,18 +36,20 @@
 # ("device") and on a loop device over it ("device-loop").
 #
 # Usage: bench/run-vhost.sh [--rounds N] [--seconds N] [--systems "A B ..."]
-#                           [--driver eventfd|spin] [OUT.json]
+#                           [--driver eventfd|spin] [--depth N] [OUT.json]
+#   --depth: requests in flight for the three direct-I/O workloads (32)
 #   default systems: "keelfsd keelfsd-irq keelfsd-tmpfs keelfsd-pmem virtiofsd virtiofsd-pool"
 # Needs: virtiofsd (`cargo install virtiofsd`), root (loop devices).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rounds=3 seconds=5 systems="keelfsd keelfsd-irq keelfsd-tmpfs keelfsd-pmem virtiofsd virtiofsd-pool" driver=eventfd
+rounds=3 seconds=5 systems="keelfsd keelfsd-irq keelfsd-tmpfs keelfsd-pmem virtiofsd virtiofsd-pool" driver=eventfd depth=32
 while [[ $# -gt 0 ]]; do
   case $1 in
     --rounds) rounds=$2; shift 2 ;;
     --seconds) seconds=$2; shift 2 ;;
     --systems) systems=$2; shift 2 ;;
     --driver) driver=$2; shift 2 ;;
+    --depth) depth=$2; shift 2 ;;
     *) break ;;
   esac
 done
@@ -142,9 +144,9 @@ stop() {
 # aio-append's file wraps at 2 GiB (the bench truncates it and starts over),
 # so that the preallocated images never fill.
 workloads=(
-  "dio-overwrite|--threads 1 --iodepth 32 --file-size 256M|none|never"
-  "dio-randrw|--threads 1 --iodepth 32 --file-size 256M|none|never"
-  "aio-append|--threads 1 --iodepth 32 --file-size 2G|none|never"
+  "dio-overwrite|--threads 1 --iodepth $depth --file-size 256M|none|never"
+  "dio-randrw|--threads 1 --iodepth $depth --file-size 256M|none|never"
+  "aio-append|--threads 1 --iodepth $depth --file-size 2G|none|never"
   "buffered-randrw|--threads 1 --iodepth 4 --file-size 256M|auto|auto"
   "byte-writes|--threads 1 --iodepth 1 --file-size 256M|auto|auto"
 )
