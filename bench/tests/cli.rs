@@ -258,3 +258,21 @@ fn metadata_fill_then_mount_report_memory_time_and_checkpoint() {
     assert!(mount["mount_s"].as_f64().unwrap() > 0.0, "{mount}");
     let _ = std::fs::remove_file(&path);
 }
+
+/// RESULTS.md's headline tables are what bench/headline.py makes of the
+/// raw files they name: nobody edits a figure there by hand.
+#[test]
+fn results_headline_tables_are_generated_from_raw_results() {
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let out = Command::new("python3")
+        .args(["bench/headline.py", "--check", "bench/RESULTS.md"])
+        .current_dir(repo)
+        .output()
+        .expect("python3 runs bench/headline.py");
+    assert!(
+        out.status.success(),
+        "{}{}\nregenerate with: bench/headline.py --update bench/RESULTS.md",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
