@@ -222,16 +222,9 @@ pub fn run(args: &CoreArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Resident memory of this process (VmRSS), for the memory bound.
+/// Resident memory of this process (VmRSS) in MiB, for the memory bound.
 fn rss_mib() -> f64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let kib: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0);
-    (kib / 1024.0 * 10.0).round() / 10.0
+    (crate::core_meta::rss_bytes() as f64 / f64::from(1 << 20) * 10.0).round() / 10.0
 }
 
 /// What the workloads need from the command line.
