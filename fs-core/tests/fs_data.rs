@@ -12,7 +12,7 @@ use std::time::Duration;
 use common::{busy_reactor, channel, fill_pattern, format, ram_device, Gate, GateDevice};
 use keelfs_core::bdev::{AlignedBuf, BlockDevice};
 use keelfs_core::fs::format::ROOT_INO;
-use keelfs_core::fs::{Creds, Fs, FsConfig, SetAttr};
+use keelfs_core::fs::{Creds, Fs, FsConfig, SetAttr, WriteTimes};
 use keelfs_core::reactor;
 use keelfs_core::reactor::yield_now;
 
@@ -483,6 +483,29 @@ fn observed_timestamps_always_move() {
         }
         let after = fs.getattr(ino).await.unwrap().inode;
         assert!(after.mtime >= before.mtime && after.ctime >= before.ctime);
+    });
+}
+
+/// Pages from a client's writeback cache leave mtime and ctime to the
+/// client (it stamped them at write(2) and sends them in a SETATTR that
+/// may arrive first), but still grow the file; ordinary writes stamp.
+#[test]
+fn writes_whose_times_the_client_keeps_leave_them_alone() {
+    with_quiet_fs(ram_device(64 * MIB), async |fs: Fs| {
+        let ino = new_file(&fs, "kept").await;
+        fs.write(ino, 0, b"a").await.unwrap();
+        for round in 0..50u64 {
+            let before = fs.getattr(ino).await.unwrap().inode;
+            let n = fs.write_from_with(ino, 4096 * round, &b"page"[..], WriteTimes::KeptByClient).await.unwrap();
+            assert_eq!(n, 4);
+            let after = fs.getattr(ino).await.unwrap().inode;
+            assert_eq!((after.mtime, after.ctime), (before.mtime, before.ctime), "round {round}");
+            assert_eq!(after.size, (4096 * round + 4).max(before.size), "round {round}: the size still grows");
+        }
+        let before = fs.getattr(ino).await.unwrap().inode;
+        fs.write(ino, 0, b"b").await.unwrap();
+        let after = fs.getattr(ino).await.unwrap().inode;
+        assert!(after.mtime > before.mtime, "an observed ordinary write stamps");
     });
 }
 

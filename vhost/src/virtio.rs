@@ -262,7 +262,7 @@ async fn serve_direct(
         } else if direct {
             session.write_direct_from(unique, nodeid, offset, data).await
         } else {
-            session.write_buffered_from(unique, nodeid, offset, &data).await
+            session.write_buffered_from(unique, nodeid, offset, write_flags, &data).await
         };
         let failed = reply.get(4..8).is_some_and(|e| e != [0u8; 4]);
         session.record(opcode, len + reply.len(), failed, started);

@@ -395,3 +395,51 @@ fn security_contexts_tmpfiles_statx_and_copy_file_range() {
         );
     });
 }
+
+/// mtime (seconds) that GETATTR reports for `ino`.
+async fn mtime_of(s: &Session, unique: u64, ino: u64) -> u64 {
+    let got = s.handle(&request(Opcode::Getattr as u32, unique, ino, &[0u8; 16])).await.unwrap();
+    let (err, body) = reply(&got, unique);
+    assert_eq!(err, 0);
+    u64_at(&body, 16 + 32)
+}
+
+/// WRITE with these write_flags of 5 bytes at 0 through `fh`.
+async fn write_flagged(s: &Session, unique: u64, ino: u64, fh: u64, write_flags: u32) {
+    let mut write_in = Reply::default();
+    write_in.u64(fh).u64(0).u32(5).u32(write_flags).u64(0).u32(0).u32(0).raw(b"hello");
+    let written = s.handle(&request(Opcode::Write as u32, unique, ino, &write_in.bytes)).await.unwrap();
+    assert_eq!(reply(&written, unique).0, 0);
+}
+
+/// Under writeback caching the client kernel owns mtime: it sends its
+/// copy in a SETATTR, which may overtake the pages it writes back
+/// (FUSE_WRITE_CACHE), so those must not stamp the file again. Its own
+/// write(2)s and any write on a session without the cache still do.
+#[test]
+fn pages_written_back_from_a_writeback_cache_keep_the_clients_mtime() {
+    use keelfs_vhost::fuse::dispatch::CacheMode;
+    const WRITE_CACHE: u32 = 1;
+    const PAST: u64 = 1_000_000_000;
+    for (mode, kept) in [(CacheMode::Always, true), (CacheMode::Auto, false)] {
+        with_session_config(mode.session_config(), async move |s: Session| {
+            s.handle(&request(Opcode::Init as u32, 1, 0, &init_body())).await.unwrap();
+            let create_in = [libc::O_RDWR as u32, 0o644, 0, 0].map(u32::to_le_bytes).concat();
+            let created = s.handle(&request(Opcode::Create as u32, 2, 1, &named(&create_in, "f"))).await.unwrap();
+            let (err, body) = reply(&created, 2);
+            assert_eq!(err, 0);
+            let (ino, fh) = (u64_at(&body, 0), u64_at(&body, 128));
+            let mut setattr_in = Reply::default();
+            const FATTR_MTIME: u32 = 1 << 5;
+            setattr_in.u32(FATTR_MTIME).u32(0).u64(0).u64(0).u64(0).u64(0).u64(PAST).u64(0);
+            setattr_in.raw(&[0u8; 32]);
+            let set = s.handle(&request(Opcode::Setattr as u32, 3, ino, &setattr_in.bytes)).await.unwrap();
+            assert_eq!(reply(&set, 3).0, 0);
+            assert_eq!(mtime_of(&s, 4, ino).await, PAST);
+            write_flagged(&s, 5, ino, fh, WRITE_CACHE).await;
+            assert_eq!(mtime_of(&s, 6, ino).await == PAST, kept, "{mode:?}: a written-back page");
+            write_flagged(&s, 7, ino, fh, 0).await;
+            assert!(mtime_of(&s, 8, ino).await > PAST, "{mode:?}: a write(2)");
+        });
+    }
+}

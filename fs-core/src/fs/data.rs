@@ -31,6 +31,17 @@ use crate::reactor::io::{await_all, IoBuffer, SharedBuffer};
 
 /// Device requests are split at 1 MiB (256 blocks).
 pub(crate) const IO_BLOCKS_MAX: u64 = 256;
+/// Who keeps a file's mtime and ctime when data is written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WriteTimes {
+    /// keelfs stamps them, as a local filesystem does.
+    Stamp,
+    /// The client does: a FUSE kernel with writeback caching stamps its
+    /// own copy at write(2) and sends it in a SETATTR; pages written back
+    /// later must not move them again.
+    KeptByClient,
+}
+
 /// The range lock that serialises writeback of one file: far past any
 /// file offset (MAX_FILE_BYTES), so only truncation and writeback take it.
 const WRITEBACK_TOKEN: u64 = u64::MAX - 1;
@@ -532,12 +543,23 @@ impl Fs {
     /// [`Fs::write`] from any [`WriteSource`]: the bytes are copied once,
     /// into the cached pages.
     pub async fn write_from<S: WriteSource + ?Sized>(&self, ino: u64, offset: u64, data: &S) -> FsResult<u32> {
+        self.write_from_with(ino, offset, data, WriteTimes::Stamp).await
+    }
+
+    /// [`Fs::write_from`], saying who keeps the file's mtime and ctime.
+    pub async fn write_from_with<S: WriteSource + ?Sized>(
+        &self,
+        ino: u64,
+        offset: u64,
+        data: &S,
+        times: WriteTimes,
+    ) -> FsResult<u32> {
         if self.read_only() {
             return Err(FsError::ReadOnly);
         }
-        match self.write_from_once(ino, offset, data).await {
+        match self.write_from_once(ino, offset, data, times).await {
             Err(FsError::NoSpace) if self.reclaim_pending_frees().await? => {
-                self.write_from_once(ino, offset, data).await
+                self.write_from_once(ino, offset, data, times).await
             }
             other => other,
         }
@@ -558,7 +580,13 @@ impl Fs {
         Ok(self.inner.available_blocks() > before)
     }
 
-    async fn write_from_once<S: WriteSource + ?Sized>(&self, ino: u64, offset: u64, data: &S) -> FsResult<u32> {
+    async fn write_from_once<S: WriteSource + ?Sized>(
+        &self,
+        ino: u64,
+        offset: u64,
+        data: &S,
+        times: WriteTimes,
+    ) -> FsResult<u32> {
         if data.is_empty() {
             return Ok(0);
         }
@@ -602,7 +630,7 @@ impl Fs {
                     n.datasync_needed = true;
                 }
             }
-            self.inner.written(ino, Some(end))?;
+            self.inner.written_with(ino, Some(end), times)?;
             drop(change);
             drop(range);
             self.throttle(ino).await?;

@@ -28,7 +28,7 @@ pub mod state;
 pub mod sync;
 
 pub use access::{Creds, PermissionCheck};
-pub use data::{ReadSink, WriteSource};
+pub use data::{ReadSink, WriteSource, WriteTimes};
 pub use error::{FsError, FsResult};
 pub use journal::{CHECKPOINT_BLOCK_MAGIC, JOURNAL_TX_MAGIC};
 pub use ops::{Attr, DirEntry, SetAttr, TimeSet};
@@ -251,11 +251,16 @@ impl FsInner {
     /// someone read the attributes or i_version since the last stamp: then
     /// the precise clock makes the change visible (multigrain timestamps).
     pub(crate) fn written(&self, ino: u64, end: Option<u64>) -> FsResult<()> {
+        self.written_with(ino, end, data::WriteTimes::Stamp)
+    }
+
+    /// [`Self::written`], leaving the times alone when the client keeps them.
+    pub(crate) fn written_with(&self, ino: u64, end: Option<u64>, times: data::WriteTimes) -> FsResult<()> {
         let mut state = self.state.borrow_mut();
         let node = state.node_mut(ino).ok_or(FsError::NotFound)?;
         let grows = end.is_some_and(|e| e > node.inode.size);
         let mut stamp = None;
-        if self.file_times.get() {
+        if self.file_times.get() && times == data::WriteTimes::Stamp {
             let ctime = node.inode.ctime;
             if node.times_queried.get() || node.i_version_queried {
                 stamp = Some(format::Timespec::now().max(ctime.next()));

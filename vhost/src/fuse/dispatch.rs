@@ -9,14 +9,18 @@ use std::time::{Duration, Instant};
 
 use keelfs_core::bdev::AlignedBuf;
 use keelfs_core::fs::format::Timespec;
-use keelfs_core::fs::{Attr as FsAttr, Creds, Fs, FsError, ReadSink, SetAttr, SharedReader, TimeSet, WriteSource};
+use keelfs_core::fs::{
+    Attr as FsAttr, Creds, Fs, FsError, ReadSink, SetAttr, SharedReader, TimeSet, WriteSource, WriteTimes,
+};
 use keelfs_core::reactor::io::IoBuffer;
 
 use super::abi::{
     error_reply, init_flags as f, open_flags, Attr, InHeader, Reply, KERNEL_MINOR_VERSION, KERNEL_VERSION,
     MIN_MINOR_VERSION,
 };
-use super::request::{fattr, parse, Request, SetattrIn, OPEN_KILL_SUIDGID, SETXATTR_ACL_KILL_SGID, WRITE_KILL_SUIDGID};
+use super::request::{
+    fattr, parse, Request, SetattrIn, OPEN_KILL_SUIDGID, SETXATTR_ACL_KILL_SGID, WRITE_CACHE, WRITE_KILL_SUIDGID,
+};
 use super::stats::OpStats;
 
 #[derive(Clone, Debug)]
@@ -566,7 +570,7 @@ impl Session {
             Request::Read { fh, offset, size } => self.read(fh, ino, offset, size).await,
             Request::Write { fh, offset, write_flags, data } => {
                 self.kill_setid_on_write(ino, write_flags, &c)?;
-                self.write(fh, ino, offset, data).await
+                self.write(fh, ino, offset, write_flags, data).await
             }
             Request::Readdir { fh, offset, size, plus } => {
                 self.own_handle_of(fh, ino)?;
@@ -671,12 +675,13 @@ impl Session {
         unique: u64,
         ino: u64,
         offset: u64,
+        write_flags: u32,
         data: &S,
     ) -> Vec<u8> {
         if data.len() > self.config.max_write as usize {
             return error_reply(unique, libc::EINVAL);
         }
-        match self.fs.write_from(ino, offset, data).await {
+        match self.fs.write_from_with(ino, offset, data, self.write_times(write_flags)).await {
             Ok(n) => write_out(n).finish(unique, 0),
             Err(e) => error_reply(unique, e.errno()),
         }
@@ -725,7 +730,20 @@ impl Session {
         Ok(Some(r))
     }
 
-    async fn write(&self, fh: u64, ino: u64, offset: u64, data: &[u8]) -> Outcome {
+    /// Who keeps the file's times for a write with these flags: the
+    /// client kernel, for pages its writeback cache sends (it stamped
+    /// mtime at write(2) and sends it in a SETATTR, which may arrive
+    /// before the pages do).
+    pub fn write_times(&self, write_flags: u32) -> WriteTimes {
+        let cached = write_flags & WRITE_CACHE != 0 && self.flags.get() & f::WRITEBACK_CACHE != 0;
+        if cached {
+            WriteTimes::KeptByClient
+        } else {
+            WriteTimes::Stamp
+        }
+    }
+
+    async fn write(&self, fh: u64, ino: u64, offset: u64, write_flags: u32, data: &[u8]) -> Outcome {
         let flags = writable(self.own_handle_of(fh, ino)?)?;
         if data.len() > self.config.max_write as usize {
             return Err(libc::EINVAL);
@@ -737,7 +755,7 @@ impl Session {
             buf.copy_from_slice(data);
             self.fs.write_direct(ino, offset, buf).await.1
         } else {
-            self.fs.write(ino, offset, data).await
+            self.fs.write_from_with(ino, offset, data, self.write_times(write_flags)).await
         }
         .map_err(|e| e.errno())?;
         Ok(Some(write_out(n)))

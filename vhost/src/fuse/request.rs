@@ -21,6 +21,9 @@ pub mod fattr {
 
 /// fuse_write_in.write_flags: clear set-id bits (FUSE_HANDLE_KILLPRIV_V2).
 pub const WRITE_KILL_SUIDGID: u32 = 1 << 2;
+/// fuse_write_in.write_flags: pages written back from the client's
+/// writeback cache (FUSE_WRITE_CACHE), not a write(2) of their own.
+pub const WRITE_CACHE: u32 = 1 << 0;
 /// fuse_open_in.open_flags: clear set-id bits on an O_TRUNC open.
 pub const OPEN_KILL_SUIDGID: u32 = 1 << 0;
 /// fuse_setxattr_in.setxattr_flags: the caller is outside the file's
