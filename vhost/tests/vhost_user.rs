@@ -2,225 +2,17 @@
 //! frontend (keelfs_vhost::frontend): memfd guest memory, real vhost-user
 //! messages, split rings laid out by hand, hostile chains included.
 
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::path::Path;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use keelfs_core::bdev::{BlockDevice, MappedDevice, QueueConfig};
-use keelfs_core::fs::mkfs::{mkfs, MkfsOptions};
-use keelfs_core::fs::{Fs, FsConfig};
-use keelfs_core::reactor::io::DeviceChannel;
-use keelfs_core::reactor::{self, Reactor, ReactorConfig};
-use keelfs_vhost::frontend::{
-    io_in, io_request, FrontendConfig, FrontendError, FsFrontend, RawDesc, Used, DESC_NEXT, DESC_WRITE,
-};
+use keelfs_vhost::frontend::{FrontendConfig, FrontendError, FsFrontend, RawDesc, DESC_NEXT, DESC_WRITE};
 use keelfs_vhost::fuse::abi::OUT_HEADER_BYTES;
 use keelfs_vhost::fuse::abi::{encode_request, init_flags as f, Opcode, Reply, ENTRY_OUT_BYTES};
-use keelfs_vhost::fuse::dispatch::SessionConfig;
-use keelfs_vhost::vhost_user::{ServeOptions, VhostUserServer};
 use vm_memory::{Bytes, GuestAddress};
 
-const TIMEOUT: Duration = Duration::from_secs(60);
-
-/// keelfsd's device side on its own reactor thread, over a RAM disk.
-struct Daemon {
-    socket: PathBuf,
-    stop: Arc<AtomicBool>,
-    /// The device's zero-copy and one-copy reply counts, its helper
-    /// reactors' reads from the cache and requests forwarded, and the
-    /// queues a driver broke, sent at shutdown.
-    zero_copy: std::sync::mpsc::Receiver<[u64; 6]>,
-    /// The device's reactor (its statistics show whether it spins).
-    reactor: keelfs_core::reactor::ReactorHandle,
-    thread: Option<std::thread::JoinHandle<()>>,
-    _dir: TempDir,
-}
-
-struct TempDir(PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-impl Daemon {
-    fn start(request_queues: usize) -> Self {
-        Self::start_with_helpers(request_queues, 0)
-    }
-
-    /// With `helpers` more reactors polling request queues.
-    fn start_with_helpers(request_queues: usize, helpers: usize) -> Self {
-        Self::start_with_options(request_queues, helpers, None)
-    }
-
-    /// With a limit on requests in flight per queue too.
-    fn start_with_options(request_queues: usize, helpers: usize, requests_in_flight_max: Option<usize>) -> Self {
-        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "keelfs-vu-{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        let socket = dir.join("fs.sock");
-        let stop = Arc::new(AtomicBool::new(false));
-        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-        let (zero_copy_tx, zero_copy) = std::sync::mpsc::channel();
-        let thread = {
-            let (socket, stop) = (socket.clone(), stop.clone());
-            std::thread::spawn(move || {
-                let mut reactor = Reactor::new(ReactorConfig::default()).unwrap();
-                let handle = reactor.handle();
-                let helper_reactors: Vec<_> = (1..=helpers)
-                    .map(|id| Reactor::spawn(ReactorConfig { id, ..ReactorConfig::default() }, || {}).unwrap())
-                    .collect();
-                let helper_handles: Vec<_> = helper_reactors.iter().map(|(h, _)| h.clone()).collect();
-                let dev: Arc<dyn BlockDevice> = Arc::new(MappedDevice::ram(64 << 20, 4096).unwrap());
-                reactor.block_on(async move {
-                    let ch = || DeviceChannel::attach(dev.open_queue(QueueConfig::default()).unwrap());
-                    mkfs(ch(), &MkfsOptions { force: true, ..MkfsOptions::default() }).await.unwrap();
-                    // Quick commits, so that freed blocks (usable once the free is
-                    // committed) come back within the test.
-                    let config = FsConfig { commit_interval: Duration::from_millis(50), ..FsConfig::default() };
-                    let fs = Fs::mount(ch(), config).await.unwrap();
-                    let options = ServeOptions {
-                        dma: None,
-                        helpers: helper_handles,
-                        requests_in_flight_max,
-                        ..ServeOptions::default()
-                    };
-                    let server = VhostUserServer::start_with(
-                        fs.clone(),
-                        SessionConfig::default(),
-                        &socket,
-                        request_queues,
-                        options,
-                    )
-                    .unwrap();
-                    ready_tx.send(handle).unwrap();
-                    while !stop.load(Ordering::Acquire) {
-                        reactor::sleep(Duration::from_millis(2)).await;
-                    }
-                    let (_, h) = server.helper_stats();
-                    let _ = zero_copy_tx.send([
-                        server.stats().zero_copy.get(),
-                        server.stats().one_copy.get(),
-                        h.from_cache.load(Ordering::Relaxed),
-                        h.forwarded.load(Ordering::Relaxed),
-                        server.stats().broken_queues.get(),
-                        server.stats().in_flight_max.get() as u64,
-                    ]);
-                    server.stop().await;
-                    fs.unmount().await.unwrap();
-                });
-                for (handle, join) in helper_reactors {
-                    handle.stop();
-                    join.join().expect("helper reactor exits cleanly");
-                }
-            })
-        };
-        let reactor = ready_rx.recv_timeout(TIMEOUT).expect("daemon started");
-        Self { socket, stop, zero_copy, reactor, thread: Some(thread), _dir: TempDir(dir) }
-    }
-
-    fn connect(&self, request_queues: usize) -> FsFrontend {
-        FsFrontend::connect(&self.socket, FrontendConfig { request_queues, ..FrontendConfig::default() }).unwrap()
-    }
-}
-
-impl Daemon {
-    /// Shut down; returns how many replies moved data with no copy, and
-    /// how many with one.
-    fn stop(self) -> (u64, u64) {
-        let [zero_copy, one_copy, ..] = self.stop_all();
-        (zero_copy, one_copy)
-    }
-
-    /// Shut down; returns zero-copy and one-copy replies, helper reads from
-    /// the cache, requests helpers forwarded to the owner, broken queues,
-    /// and the most requests a queue had in flight.
-    fn stop_all(mut self) -> [u64; 6] {
-        self.stop.store(true, Ordering::Release);
-        if let Some(t) = self.thread.take() {
-            t.join().expect("daemon thread exits cleanly");
-        }
-        self.zero_copy.recv_timeout(TIMEOUT).expect("the daemon reports its counters")
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        if let Some(t) = self.thread.take() {
-            t.join().expect("daemon thread exits cleanly");
-        }
-    }
-}
-
-fn named(name: &str) -> Vec<u8> {
-    let mut b = name.as_bytes().to_vec();
-    b.push(0);
-    b
-}
-
-/// CREATE `name` in the root: (nodeid, fh).
-fn create(fe: &mut FsFrontend, queue: usize, name: &str) -> (u64, u64) {
-    let mut body = Reply::default();
-    body.u32(libc::O_RDWR as u32).u32(0o100644).u32(0).u32(0).raw(&named(name));
-    let (err, reply) = fe.fuse(queue, Opcode::Create, 1, &body.bytes).unwrap();
-    assert_eq!(err, 0, "create {name}");
-    let nodeid = u64::from_le_bytes(reply[..8].try_into().unwrap());
-    let fh = u64::from_le_bytes(reply[ENTRY_OUT_BYTES..ENTRY_OUT_BYTES + 8].try_into().unwrap());
-    (nodeid, fh)
-}
-
-fn io_body(fh: u64, offset: u64, size: u32) -> Reply {
-    let mut b = Reply::default();
-    b.raw(&io_in(fh, offset, size));
-    b
-}
-
-/// A READ (`read_len` bytes) or WRITE (`data`) laid out as Linux's driver
-/// lays it out, waited for: the used entry and the reply's (length, errno).
-fn split_io(
-    fe: &mut FsFrontend,
-    (nodeid, fh): (u64, u64),
-    opcode: Opcode,
-    offset: u64,
-    data: &[u8],
-    read_len: u32,
-) -> (Used, (u32, i32)) {
-    let unique = fe.next_unique();
-    let size = if opcode == Opcode::Write { data.len() as u32 } else { read_len };
-    let header = io_request(opcode, unique, nodeid, fh, offset, size);
-    let head = fe.submit_split(1, &header, data, read_len).unwrap();
-    let used = fe.wait_for(1, head, TIMEOUT).unwrap();
-    (used, fuse_status(&fe.reply(1, used).unwrap()))
-}
-
-fn write(fe: &mut FsFrontend, queue: usize, nodeid: u64, fh: u64, offset: u64, data: &[u8]) -> i32 {
-    let mut body = io_body(fh, offset, data.len() as u32);
-    body.raw(data);
-    let (err, reply) = fe.fuse(queue, Opcode::Write, nodeid, &body.bytes).unwrap();
-    if err == 0 {
-        assert_eq!(u32::from_le_bytes(reply[..4].try_into().unwrap()) as usize, data.len());
-    }
-    err
-}
-
-fn read(fe: &mut FsFrontend, queue: usize, nodeid: u64, fh: u64, offset: u64, size: u32) -> Vec<u8> {
-    let (err, reply) = fe.fuse(queue, Opcode::Read, nodeid, &io_body(fh, offset, size).bytes).unwrap();
-    assert_eq!(err, 0);
-    reply
-}
-
-fn statfs_free(fe: &mut FsFrontend) -> u64 {
-    let (err, reply) = fe.fuse(1, Opcode::Statfs, 1, &[]).unwrap();
-    assert_eq!(err, 0);
-    u64::from_le_bytes(reply[8..16].try_into().unwrap())
-}
+mod common;
+use common::*;
 
 #[test]
 fn requests_over_vhost_user_reach_the_filesystem() {
@@ -516,10 +308,6 @@ fn a_queue_stop_waits_for_its_requests() {
 
 fn connect_retrying(socket: &Path) -> FsFrontend {
     connect_retrying_with(socket, 1)
-}
-
-fn fuse_status(reply: &[u8]) -> (u32, i32) {
-    (u32::from_le_bytes(reply[..4].try_into().unwrap()), -i32::from_le_bytes(reply[4..8].try_into().unwrap()))
 }
 
 #[test]
