@@ -344,3 +344,40 @@ fn interrupt_mode_reactor_sleeps_through_io_and_wakes_on_completion() {
     r.stop();
     join.join().unwrap();
 }
+
+/// Long enough for the reactor to run every other ready task.
+async fn yield_a_few() {
+    reactor::sleep(Duration::from_millis(2)).await;
+}
+
+/// Task slots and their wakers are reused; a waker kept past its task's
+/// end must not wake the task that takes the slot next.
+#[test]
+fn a_finished_tasks_waker_never_wakes_the_next_task_in_its_slot() {
+    let mut r = Reactor::new(config(0, PollMode::Busy)).unwrap();
+    r.block_on(async {
+        let kept: Rc<std::cell::RefCell<Option<std::task::Waker>>> = Rc::default();
+        let keeper = kept.clone();
+        reactor::spawn_local(std::future::poll_fn(move |cx| {
+            *keeper.borrow_mut() = Some(cx.waker().clone());
+            std::task::Poll::Ready(())
+        }));
+        yield_a_few().await;
+        let polls = Rc::new(Cell::new(0u32));
+        let (counter, own) = (polls.clone(), Rc::new(std::cell::RefCell::new(None::<std::task::Waker>)));
+        let own_waker = own.clone();
+        reactor::spawn_local(std::future::poll_fn(move |cx| {
+            counter.set(counter.get() + 1);
+            *own_waker.borrow_mut() = Some(cx.waker().clone());
+            std::task::Poll::<()>::Pending
+        }));
+        yield_a_few().await;
+        assert_eq!(polls.get(), 1, "polled once when spawned");
+        kept.borrow_mut().take().expect("the first task kept its waker").wake();
+        yield_a_few().await;
+        assert_eq!(polls.get(), 1, "the stale waker woke nothing");
+        own.borrow_mut().take().expect("the second task's waker").wake();
+        yield_a_few().await;
+        assert_eq!(polls.get(), 2, "its own waker wakes it");
+    });
+}

@@ -292,7 +292,13 @@ fn with_local<R>(f: impl FnOnce(&Local) -> R) -> R {
 /// # Panics
 /// Outside a reactor thread (a programming error).
 pub fn spawn_local(future: impl Future<Output = ()> + 'static) {
-    with_local(|l| l.spawned.borrow_mut().push(Box::pin(future)));
+    spawn_local_boxed(Box::pin(future));
+}
+
+/// [`spawn_local`] for a future that is boxed already: the task takes the
+/// box as it is, with no second allocation.
+pub fn spawn_local_boxed(future: Pin<Box<dyn Future<Output = ()>>>) {
+    with_local(|l| l.spawned.borrow_mut().push(future));
 }
 
 /// Register a poller with the current reactor; it joins at the next tick.
@@ -366,6 +372,9 @@ pub struct Reactor {
     tasks: Vec<TaskSlot>,
     free_tasks: Vec<u32>,
     live_tasks: usize,
+    /// Futures spawned since the last tick, swapped with `Local::spawned`
+    /// so that neither vector is allocated again per tick.
+    spawn_batch: Vec<LocalFuture>,
     device_pollers: Vec<Box<dyn Poller>>,
     source_pollers: Vec<Box<dyn Poller>>,
     epoll: sys::Epoll,
@@ -411,6 +420,7 @@ impl Reactor {
             tasks: Vec::new(),
             free_tasks: Vec::new(),
             live_tasks: 0,
+            spawn_batch: Vec::new(),
             device_pollers: Vec::new(),
             source_pollers: Vec::new(),
             epoll,
@@ -592,18 +602,34 @@ impl Reactor {
         let entry = &mut self.tasks[slot as usize];
         entry.generation = entry.generation.wrapping_add(1);
         let id = TaskId { slot, generation: entry.generation };
-        let waker = Arc::new(TaskWaker { id, queued: AtomicBool::new(false), shared: Arc::clone(&self.local.shared) });
+        // The slot's last waker is reused when nothing else holds it (a
+        // waker kept by a finished task's timer or I/O would otherwise
+        // wake the new task under the old id: that one gets a new waker).
+        let waker = match entry.waker.as_mut().and_then(Arc::get_mut) {
+            Some(reused) => {
+                reused.id = id;
+                *reused.queued.get_mut() = false;
+                Arc::clone(entry.waker.as_ref().expect("reused above"))
+            }
+            None => {
+                let fresh =
+                    Arc::new(TaskWaker { id, queued: AtomicBool::new(false), shared: Arc::clone(&self.local.shared) });
+                entry.waker = Some(Arc::clone(&fresh));
+                fresh
+            }
+        };
         entry.future = Some(future);
-        entry.waker = Some(Arc::clone(&waker));
         self.live_tasks += 1;
         Waker::from(waker).wake();
     }
 
     fn run_tasks(&mut self) -> bool {
-        let spawned: Vec<_> = self.local.spawned.borrow_mut().drain(..).collect();
-        for future in spawned {
+        std::mem::swap(&mut *self.local.spawned.borrow_mut(), &mut self.spawn_batch);
+        let mut batch = std::mem::take(&mut self.spawn_batch);
+        for future in batch.drain(..) {
             self.insert_task(future);
         }
+        self.spawn_batch = batch;
         let shared = Arc::clone(&self.local.shared);
         let mut polled = 0;
         while polled < self.config.tasks_per_tick_max {
@@ -619,8 +645,12 @@ impl Reactor {
             polled += 1;
             match future.as_mut().poll(&mut cx) {
                 Poll::Ready(()) => {
+                    // The waker stays in the slot for the next task (this
+                    // poll's clone is dropped first, so that it may be
+                    // reused); wakes through stale clones carry the old
+                    // generation.
+                    drop(std_waker);
                     let entry = &mut self.tasks[id.slot as usize];
-                    entry.waker = None;
                     entry.generation = entry.generation.wrapping_add(1);
                     self.free_tasks.push(id.slot);
                     self.live_tasks -= 1;
