@@ -10,7 +10,8 @@ use std::ops::Deref;
 
 use keelfs_core::bdev::{IoVec, MAX_IOVECS_PER_REQUEST};
 use keelfs_core::fs::{ReadSink, WriteSource};
-use keelfs_core::reactor::io::IoBuffer;
+use keelfs_core::reactor::io::{IoBuffer, IoVecs};
+use smallvec::SmallVec;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 
 /// Part of a descriptor chain's buffers, as device I/O memory. Holds the
@@ -19,8 +20,8 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 pub struct GuestBuffer<M> {
     mem: M,
     /// Guest ranges, for the safe accessors.
-    ranges: Vec<(u64, usize)>,
-    iovecs: Vec<IoVec>,
+    ranges: SmallVec<[(u64, usize); 4]>,
+    iovecs: IoVecs,
     len: usize,
 }
 
@@ -32,8 +33,8 @@ impl<M: Deref<Target = GuestMemoryMmap>> GuestBuffer<M> {
     /// request carries; the caller then copies instead.
     pub fn new(mem: M, buffers: &[(u64, u32)], skip: usize, take: usize) -> Option<Self> {
         let (mut skip, mut left) = (skip, take);
-        let mut ranges: Vec<(u64, usize)> = Vec::new();
-        let mut iovecs: Vec<IoVec> = Vec::new();
+        let mut ranges: SmallVec<[(u64, usize); 4]> = SmallVec::new();
+        let mut iovecs = IoVecs::new();
         for &(addr, len) in buffers {
             if left == 0 {
                 break;
@@ -134,7 +135,7 @@ impl<M: Deref<Target = GuestMemoryMmap>> ReadSink for GuestBuffer<M> {
 // keelfs itself never forms Rust references to them, only hands the
 // addresses to the kernel (io_uring) or to volatile-safe copies.
 unsafe impl<M: Deref<Target = GuestMemoryMmap> + 'static> IoBuffer for GuestBuffer<M> {
-    fn iovecs(&mut self, out: &mut Vec<IoVec>) {
+    fn iovecs(&mut self, out: &mut IoVecs) {
         out.extend_from_slice(&self.iovecs);
     }
 }

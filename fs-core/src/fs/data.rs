@@ -17,7 +17,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 
 use super::cache::{CacheFull, PAGE_BYTES};
-use super::extent::Segment;
+use super::extent::{Segment, Segments};
 use super::format::{BlockRun, Inode, Timespec, BLOCK_BYTES, BLOCK_SIZE};
 use super::ops::{
     COPY_RANGE_MAX, FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE, MAX_FILE_BYTES, SEEK_DATA,
@@ -112,7 +112,7 @@ impl Fs {
         Ok(inode)
     }
 
-    fn segments(&self, ino: u64, first: u64, count: u64) -> FsResult<Vec<Segment>> {
+    fn segments(&self, ino: u64, first: u64, count: u64) -> FsResult<Segments> {
         let state = self.inner.state.borrow();
         Ok(state.node(ino).ok_or(FsError::Stale)?.extents.segments(first, count))
     }

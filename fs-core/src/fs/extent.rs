@@ -6,6 +6,10 @@ use std::collections::BTreeMap;
 
 use super::format::BlockRun;
 
+/// The pieces of a range of a file: inline up to four, so that a request
+/// within one extent or two allocates nothing to find them.
+pub type Segments = smallvec::SmallVec<[Segment; 4]>;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Extent {
     pub file_block: u64,
@@ -116,9 +120,9 @@ impl ExtentMap {
 
     /// The pieces of [file_block, +len): mapped extents clipped to the
     /// range, and holes between them.
-    pub fn segments(&self, file_block: u64, len: u64) -> Vec<Segment> {
+    pub fn segments(&self, file_block: u64, len: u64) -> Segments {
         let end = file_block.saturating_add(len);
-        let mut out = Vec::new();
+        let mut out = Segments::new();
         let mut at = file_block;
         let start_key = match self.map.range(..=file_block).next_back() {
             Some((&k, &(_, l, _))) if k + l > file_block => k,
@@ -165,7 +169,7 @@ mod tests {
         let freed = m.punch(3, 4);
         assert_eq!(freed, vec![BlockRun { start: 103, len: 4 }]);
         assert_eq!(
-            m.segments(0, 12),
+            m.segments(0, 12).to_vec(),
             vec![
                 Segment::Mapped(Extent { file_block: 0, disk_block: 100, len: 3, unwritten: false }),
                 Segment::Hole { file_block: 3, len: 4 },

@@ -73,10 +73,12 @@ pub struct RangeLocks {
     exclusive_waits: std::cell::Cell<u64>,
 }
 
+/// Inline up to a few holders and waiters: an uncontended lock allocates
+/// nothing, even when its file's entry was just made.
 #[derive(Default)]
 struct FileLocks {
-    held: Vec<Held>,
-    waiters: Vec<Waker>,
+    held: smallvec::SmallVec<[Held; 4]>,
+    waiters: smallvec::SmallVec<[Waker; 2]>,
 }
 
 #[derive(Clone, Copy)]

@@ -65,6 +65,10 @@ impl<T: Any> IntoAny for T {
     }
 }
 
+/// A buffer's segments: inline up to four, so that describing the usual
+/// one- or two-segment buffer allocates nothing.
+pub type IoVecs = smallvec::SmallVec<[IoVec; 4]>;
+
 /// Memory a device may read or write while the channel owns it.
 ///
 /// # Safety
@@ -77,12 +81,12 @@ impl<T: Any> IntoAny for T {
 /// no Rust reference to it; what a racing guest gets is torn data of its
 /// own making, never undefined behaviour in keelfs.
 pub unsafe trait IoBuffer: IntoAny {
-    fn iovecs(&mut self, out: &mut Vec<IoVec>);
+    fn iovecs(&mut self, out: &mut IoVecs);
 }
 
 // SAFETY: AlignedBuf owns a heap allocation that does not move with it.
 unsafe impl IoBuffer for AlignedBuf {
-    fn iovecs(&mut self, out: &mut Vec<IoVec>) {
+    fn iovecs(&mut self, out: &mut IoVecs) {
         out.push(self.iovec());
     }
 }
@@ -90,14 +94,14 @@ unsafe impl IoBuffer for AlignedBuf {
 // SAFETY: a PoolBuf is the only handle to its part of the pool's region,
 // which its Arc keeps alive.
 unsafe impl IoBuffer for PoolBuf {
-    fn iovecs(&mut self, out: &mut Vec<IoVec>) {
+    fn iovecs(&mut self, out: &mut IoVecs) {
         out.push(self.iovec());
     }
 }
 
 // SAFETY: each element owns its own allocation, as above.
 unsafe impl IoBuffer for Vec<AlignedBuf> {
-    fn iovecs(&mut self, out: &mut Vec<IoVec>) {
+    fn iovecs(&mut self, out: &mut IoVecs) {
         out.extend(self.iter_mut().map(|b| b.iovec()));
     }
 }
@@ -107,7 +111,7 @@ pub struct NoBuffer;
 
 // SAFETY: names no memory.
 unsafe impl IoBuffer for NoBuffer {
-    fn iovecs(&mut self, _out: &mut Vec<IoVec>) {}
+    fn iovecs(&mut self, _out: &mut IoVecs) {}
 }
 
 enum OpState {
@@ -135,7 +139,7 @@ struct ChannelState {
     free_ops: Vec<u32>,
     waiting: VecDeque<u32>,
     completions: Vec<Completion>,
-    iovecs: Vec<IoVec>,
+    iovecs: IoVecs,
     stats: ChannelStats,
 }
 
@@ -312,7 +316,7 @@ impl DeviceChannel {
             free_ops: Vec::new(),
             waiting: VecDeque::new(),
             completions: Vec::with_capacity(COMPLETIONS_PER_POLL_MAX),
-            iovecs: Vec::new(),
+            iovecs: IoVecs::new(),
             stats: ChannelStats::default(),
         }));
         (Self { state: Rc::clone(&state) }, Box::new(ChannelPoller { state }))
@@ -447,13 +451,14 @@ pub struct SharedBuffer<B: IoBuffer> {
 
 struct SharedInner<B> {
     buffer: RefCell<Option<B>>,
-    iovecs: Vec<IoVec>,
+    iovecs: IoVecs,
     len: usize,
-    in_flight: RefCell<Vec<(usize, usize)>>,
+    /// Byte ranges handed out as slices and not yet dropped.
+    in_flight: RefCell<smallvec::SmallVec<[(usize, usize); 4]>>,
 }
 
 pub struct BufferSlice {
-    iovecs: Vec<IoVec>,
+    iovecs: IoVecs,
     range: (usize, usize),
     owner: Rc<dyn SliceOwner>,
 }
@@ -482,7 +487,7 @@ impl Drop for BufferSlice {
 // alive; the SharedBuffer hands out only disjoint live slices and refuses
 // CPU access to ranges a slice covers.
 unsafe impl IoBuffer for BufferSlice {
-    fn iovecs(&mut self, out: &mut Vec<IoVec>) {
+    fn iovecs(&mut self, out: &mut IoVecs) {
         out.extend_from_slice(&self.iovecs);
     }
 }
@@ -494,7 +499,7 @@ pub struct RangeBusy(pub usize, pub usize);
 
 impl<B: IoBuffer> SharedBuffer<B> {
     pub fn new(mut buffer: B) -> Self {
-        let mut iovecs = Vec::new();
+        let mut iovecs = IoVecs::new();
         buffer.iovecs(&mut iovecs);
         let len = iovecs.iter().map(|v| v.len).sum();
         Self {
@@ -502,7 +507,7 @@ impl<B: IoBuffer> SharedBuffer<B> {
                 buffer: RefCell::new(Some(buffer)),
                 iovecs,
                 len,
-                in_flight: RefCell::new(Vec::new()),
+                in_flight: RefCell::new(smallvec::SmallVec::new()),
             }),
         }
     }
@@ -520,8 +525,8 @@ impl<B: IoBuffer> SharedBuffer<B> {
         &self.inner.iovecs
     }
 
-    fn sub_iovecs(&self, start: usize, len: usize) -> Vec<IoVec> {
-        let mut out = Vec::new();
+    fn sub_iovecs(&self, start: usize, len: usize) -> IoVecs {
+        let mut out = IoVecs::new();
         let (mut skip, mut left) = (start, len);
         for v in &self.inner.iovecs {
             if left == 0 {
