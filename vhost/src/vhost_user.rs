@@ -587,12 +587,46 @@ fn accept_loop(
 
 type Chain = DescriptorChain<Arc<GuestMemoryMmap>>;
 type Served = (u16, u32, ChainOutcome);
-type ServeFuture = std::pin::Pin<Box<dyn std::future::Future<Output = Served>>>;
+/// A chain served and handed to its queue's used ring, as one task.
+type ServeTask = std::pin::Pin<Box<dyn std::future::Future<Output = ()>>>;
+
+/// Where a served chain goes: its queue's completions and the counters.
+struct Finish {
+    in_flight: Rc<Cell<usize>>,
+    completed: Rc<RefCell<Vec<(u16, u32)>>>,
+    stats: Rc<DeviceStats>,
+}
+
+impl Finish {
+    fn finish(self, (head, written, outcome): Served) {
+        let stats = &self.stats;
+        match outcome {
+            ChainOutcome::Replied(_) => stats.replies.set(stats.replies.get() + 1),
+            ChainOutcome::Direct(_) => {
+                stats.replies.set(stats.replies.get() + 1);
+                stats.zero_copy.set(stats.zero_copy.get() + 1);
+            }
+            ChainOutcome::OneCopy(_) => {
+                stats.replies.set(stats.replies.get() + 1);
+                stats.one_copy.set(stats.one_copy.get() + 1);
+            }
+            ChainOutcome::NoReply => stats.no_reply.set(stats.no_reply.get() + 1),
+            ChainOutcome::Dropped(why) => {
+                stats.dropped.set(stats.dropped.get() + 1);
+                stats.last_drop.set(Some(why));
+            }
+        }
+        self.completed.borrow_mut().push((head, written));
+        self.in_flight.set(self.in_flight.get() - 1);
+    }
+}
 
 /// What a queue poller does with the chains it pops, and when its
 /// frontend leaves.
 trait ChainServer: 'static {
-    fn serve(&self, chain: Chain, mem: Arc<GuestMemoryMmap>) -> ServeFuture;
+    /// The task that serves `chain` and then calls `finish`: one boxed
+    /// future per request, spawned as it is.
+    fn serve(&self, chain: Chain, mem: Arc<GuestMemoryMmap>, finish: Finish) -> ServeTask;
 
     /// The frontend left and every request of this poller finished; answer
     /// `waiters` when the poller is ready for the next one.
@@ -609,9 +643,9 @@ struct OwnerServer {
 }
 
 impl ChainServer for OwnerServer {
-    fn serve(&self, chain: Chain, mem: Arc<GuestMemoryMmap>) -> ServeFuture {
+    fn serve(&self, chain: Chain, mem: Arc<GuestMemoryMmap>, finish: Finish) -> ServeTask {
         let session = self.session.clone();
-        Box::pin(async move { serve_chain_zero_copy(&session, chain, mem).await })
+        Box::pin(async move { finish.finish(serve_chain_zero_copy(&session, chain, mem).await) })
     }
 
     fn reset(&mut self, waiters: Vec<SyncSender<()>>) {
@@ -671,7 +705,7 @@ impl HelperServer {
 }
 
 impl ChainServer for HelperServer {
-    fn serve(&self, chain: Chain, mem: Arc<GuestMemoryMmap>) -> ServeFuture {
+    fn serve(&self, chain: Chain, mem: Arc<GuestMemoryMmap>, finish: Finish) -> ServeTask {
         let (id, owner, handles, stats) = (self.id, self.owner.clone(), self.handles.clone(), self.stats.clone());
         Box::pin(async move {
             stats.chains.fetch_add(1, Ordering::Relaxed);
@@ -695,7 +729,7 @@ impl ChainServer for HelperServer {
                 }
             };
             stats.in_flight.fetch_sub(1, Ordering::Relaxed);
-            served
+            finish.finish(served)
         })
     }
 
@@ -719,6 +753,8 @@ struct QueueState {
     in_flight: Rc<Cell<usize>>,
     /// Finished chains waiting for the used ring: (head, bytes written).
     completed: Rc<RefCell<Vec<(u16, u32)>>>,
+    /// `completed`'s other half, empty between passes.
+    spare: Vec<(u16, u32)>,
     stop_waiters: Vec<SyncSender<()>>,
 }
 
@@ -785,16 +821,19 @@ impl<S: ChainServer> QueuePoller<S> {
         if queue.completed.borrow().is_empty() {
             return false;
         }
-        let finished = std::mem::take(&mut *queue.completed.borrow_mut());
-        let Some(vring) = self.connection.as_ref().and_then(|c| c.vrings.get()).and_then(|v| v.get(index)) else {
-            return true; // the frontend is gone: nobody to tell
-        };
-        for (head, written) in finished {
-            if vring.add_used(head, written).is_err() {
+        // Swapped with a spare of the same capacity: no allocation per pass.
+        let mut finished = std::mem::take(&mut self.queues[index].spare);
+        std::mem::swap(&mut *self.queues[index].completed.borrow_mut(), &mut finished);
+        let vring = self.connection.as_ref().and_then(|c| c.vrings.get()).and_then(|v| v.get(index));
+        // Without a frontend, nobody is told.
+        for (head, written) in finished.drain(..) {
+            if vring.is_some_and(|vring| vring.add_used(head, written).is_err()) {
                 self.stats.dropped.set(self.stats.dropped.get() + 1);
                 self.stats.last_drop.set(Some("used ring not writable"));
             }
         }
+        self.queues[index].spare = finished;
+        let Some(vring) = vring else { return true };
         if vring.needs_notification().unwrap_or(true) {
             self.stats.signals.set(self.stats.signals.get() + 1);
             let _ = vring.signal_used_queue();
@@ -824,33 +863,17 @@ impl<S: ChainServer> QueuePoller<S> {
                 let Some(chain) = state.get_queue_mut().pop_descriptor_chain(mem.clone()) else { break };
                 popped += 1;
                 let queue = &self.queues[index];
-                let (in_flight, completed, stats) =
-                    (queue.in_flight.clone(), queue.completed.clone(), self.stats.clone());
+                let finish = Finish {
+                    in_flight: queue.in_flight.clone(),
+                    completed: queue.completed.clone(),
+                    stats: self.stats.clone(),
+                };
+                let in_flight = &finish.in_flight;
                 in_flight.set(in_flight.get() + 1);
+                let stats = &self.stats;
                 stats.in_flight_max.set(stats.in_flight_max.get().max(in_flight.get()));
                 stats.chains.set(stats.chains.get() + 1);
-                let served = self.server.serve(chain, mem.clone());
-                reactor::spawn_local(async move {
-                    let (head, written, outcome) = served.await;
-                    match outcome {
-                        ChainOutcome::Replied(_) => stats.replies.set(stats.replies.get() + 1),
-                        ChainOutcome::Direct(_) => {
-                            stats.replies.set(stats.replies.get() + 1);
-                            stats.zero_copy.set(stats.zero_copy.get() + 1);
-                        }
-                        ChainOutcome::OneCopy(_) => {
-                            stats.replies.set(stats.replies.get() + 1);
-                            stats.one_copy.set(stats.one_copy.get() + 1);
-                        }
-                        ChainOutcome::NoReply => stats.no_reply.set(stats.no_reply.get() + 1),
-                        ChainOutcome::Dropped(why) => {
-                            stats.dropped.set(stats.dropped.get() + 1);
-                            stats.last_drop.set(Some(why));
-                        }
-                    }
-                    completed.borrow_mut().push((head, written));
-                    in_flight.set(in_flight.get() - 1);
-                });
+                reactor::spawn_local_boxed(self.server.serve(chain, mem.clone(), finish));
             }
         }
         let queue = &mut self.queues[index];

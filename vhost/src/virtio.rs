@@ -13,8 +13,9 @@ use std::ops::Deref;
 
 use std::sync::Arc;
 
+use smallvec::SmallVec;
 use virtio_queue::{DescriptorChain, Queue, QueueT, Writer};
-use vm_memory::GuestMemoryMmap;
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 use crate::fuse::abi::{error_reply, Opcode, IN_HEADER_BYTES, OUT_HEADER_BYTES};
 use crate::fuse::dispatch::{Session, SharedHandle};
@@ -78,6 +79,11 @@ where
     let Some(buffers) = walk(&chain) else {
         return (head, 0, ChainOutcome::Dropped("descriptor chain loops, overruns the ring or ends in NEXT"));
     };
+    if let Some(mem) = direct {
+        if let Some(done) = serve_in_place(session, &buffers, chain.memory(), mem).await {
+            return (head, done.0, done.1);
+        }
+    }
     let keep = chain.clone();
     let mem = keep.memory();
     let (Ok(mut reader), Ok(mut writer)) = (chain.clone().reader(mem), chain.clone().writer(mem)) else {
@@ -87,29 +93,117 @@ where
     if len < IN_HEADER_BYTES {
         return (head, 0, ChainOutcome::Dropped("request shorter than a FUSE header"));
     }
-    let mut prefix = [0u8; IN_HEADER_BYTES + IO_IN_BYTES];
-    let prefix_len = len.min(prefix.len());
-    if reader.read_exact(&mut prefix[..prefix_len]).is_err() {
+    let readable = if len > REQUEST_BYTES_MAX { IN_HEADER_BYTES } else { len };
+    let mut request = vec![0u8; readable];
+    if reader.read_exact(&mut request[..readable]).is_err() {
         return (head, 0, ChainOutcome::Dropped("unreadable request"));
     }
-    let unique = u64::from_le_bytes(prefix[8..16].try_into().expect("8 bytes"));
     let reply = if len > REQUEST_BYTES_MAX {
+        let unique = u64::from_le_bytes(request[8..16].try_into().expect("8 bytes"));
         Some(error_reply(unique, libc::E2BIG))
     } else {
-        if let Some(mem) = direct.filter(|_| prefix_len == prefix.len()) {
-            if let Some(done) = serve_direct(session, &buffers, &prefix, len, mem, &mut writer).await {
-                return (head, done.0, done.1);
-            }
-        }
-        let mut request = vec![0u8; len];
-        request[..prefix_len].copy_from_slice(&prefix[..prefix_len]);
-        if reader.read_exact(&mut request[prefix_len..]).is_err() {
-            return (head, 0, ChainOutcome::Dropped("unreadable request"));
-        }
         session.handle(&request).await
     };
     let Some(reply) = reply else { return (head, 0, ChainOutcome::NoReply) };
-    write_reply(head, reply, &mut writer)
+    write_reply(head, &reply, &mut writer)
+}
+
+/// A READ or WRITE served with the guest's buffers in place (see
+/// [`serve_direct`]), its headers read and its reply written straight
+/// through the walked buffers: no copy of the chain and no allocation.
+/// None when the chain is anything else, or odd: the copying path then
+/// serves it, errors included.
+async fn serve_in_place(
+    session: &Session,
+    buffers: &ChainBuffers,
+    mem: &GuestMemoryMmap,
+    io_mem: Arc<GuestMemoryMmap>,
+) -> Option<(u32, ChainOutcome)> {
+    let len = buffers.readable.iter().try_fold(0usize, |sum, &(_, n)| sum.checked_add(n as usize))?;
+    let mut prefix = [0u8; IN_HEADER_BYTES + IO_IN_BYTES];
+    if !(prefix.len()..=REQUEST_BYTES_MAX).contains(&len) || !read_guest(mem, &buffers.readable, &mut prefix) {
+        return None;
+    }
+    let mut writer = ReplyWriter::new(mem, &buffers.writable);
+    serve_direct(session, buffers, &prefix, len, io_mem, &mut writer).await
+}
+
+/// Fill `out` from the start of `buffers`. False when they are shorter or
+/// leave guest memory.
+fn read_guest(mem: &GuestMemoryMmap, buffers: &[(u64, u32)], out: &mut [u8]) -> bool {
+    let mut at = 0;
+    for &(addr, len) in buffers {
+        if at == out.len() {
+            break;
+        }
+        let n = (len as usize).min(out.len() - at);
+        if mem.read_slice(&mut out[at..at + n], GuestAddress(addr)).is_err() {
+            return false;
+        }
+        at += n;
+    }
+    at == out.len()
+}
+
+/// Where a reply goes: the chain's device-writable part.
+trait ReplySink {
+    fn room(&self) -> usize;
+    /// Append `bytes`; false when they do not fit or are unwritable.
+    fn put(&mut self, bytes: &[u8]) -> bool;
+}
+
+impl ReplySink for Writer<'_> {
+    fn room(&self) -> usize {
+        self.available_bytes()
+    }
+    fn put(&mut self, bytes: &[u8]) -> bool {
+        self.write_all(bytes).is_ok()
+    }
+}
+
+/// Writes a reply into walked device-writable buffers, in order.
+struct ReplyWriter<'a> {
+    mem: &'a GuestMemoryMmap,
+    buffers: &'a [(u64, u32)],
+    /// The buffer being filled, and the bytes of it already written.
+    index: usize,
+    offset: usize,
+    room: usize,
+}
+
+impl<'a> ReplyWriter<'a> {
+    fn new(mem: &'a GuestMemoryMmap, buffers: &'a [(u64, u32)]) -> Self {
+        let room = buffers.iter().fold(0usize, |sum, &(_, n)| sum.saturating_add(n as usize));
+        Self { mem, buffers, index: 0, offset: 0, room }
+    }
+}
+
+impl ReplySink for ReplyWriter<'_> {
+    fn room(&self) -> usize {
+        self.room
+    }
+
+    fn put(&mut self, mut bytes: &[u8]) -> bool {
+        if bytes.len() > self.room {
+            return false;
+        }
+        // Bounded: each pass writes bytes or moves to the next buffer, and
+        // `room` says the buffers hold them all.
+        while !bytes.is_empty() {
+            let (addr, len) = self.buffers[self.index];
+            let n = (len as usize - self.offset).min(bytes.len());
+            if n == 0 {
+                (self.index, self.offset) = (self.index + 1, 0);
+                continue;
+            }
+            let Some(at) = addr.checked_add(self.offset as u64) else { return false };
+            if self.mem.write_slice(&bytes[..n], GuestAddress(at)).is_err() {
+                return false;
+            }
+            (bytes, self.offset, self.room) = (&bytes[n..], self.offset + n, self.room - n);
+        }
+        true
+    }
 }
 
 /// Serve a chain on a reactor that does not own the filesystem, if it is a
@@ -154,19 +248,46 @@ where
     })
 }
 
-fn write_reply(head: u16, mut reply: Vec<u8>, writer: &mut Writer<'_>) -> (u16, u32, ChainOutcome) {
-    if reply.len() > writer.available_bytes() {
+fn write_reply(head: u16, reply: &[u8], writer: &mut impl ReplySink) -> (u16, u32, ChainOutcome) {
+    debug_assert!(reply.len() >= OUT_HEADER_BYTES);
+    if reply.len() > writer.room() {
         // The guest gave too little room: say so if even a header fits.
         let unique = u64::from_le_bytes(reply[8..16].try_into().expect("replies have a header"));
-        reply = error_reply(unique, libc::EIO);
-        if reply.len() > writer.available_bytes() {
-            return (head, 0, ChainOutcome::Dropped("no room for a reply"));
-        }
+        let error = error_header(unique, libc::EIO);
+        return match writer.put(&error) {
+            true => (head, error.len() as u32, ChainOutcome::Replied(error.len() as u32)),
+            false => (head, 0, ChainOutcome::Dropped("no room for a reply")),
+        };
     }
-    debug_assert!(reply.len() >= OUT_HEADER_BYTES);
-    match writer.write_all(&reply) {
-        Ok(()) => (head, reply.len() as u32, ChainOutcome::Replied(reply.len() as u32)),
-        Err(_) => (head, 0, ChainOutcome::Dropped("unwritable reply buffer")),
+    match writer.put(reply) {
+        true => (head, reply.len() as u32, ChainOutcome::Replied(reply.len() as u32)),
+        false => (head, 0, ChainOutcome::Dropped("unwritable reply buffer")),
+    }
+}
+
+/// The fuse_out_header of an error reply.
+fn error_header(unique: u64, errno: i32) -> [u8; OUT_HEADER_BYTES] {
+    let mut header = [0u8; OUT_HEADER_BYTES];
+    header[0..4].copy_from_slice(&(OUT_HEADER_BYTES as u32).to_le_bytes());
+    header[4..8].copy_from_slice(&(-errno.abs()).to_le_bytes());
+    header[8..16].copy_from_slice(&unique.to_le_bytes());
+    header
+}
+
+/// A WRITE's reply: fuse_out_header and fuse_write_out, or the header of
+/// an error alone. Returns the buffer and how much of it is the reply.
+fn write_reply_of(unique: u64, result: Result<u32, i32>) -> ([u8; OUT_HEADER_BYTES + 8], usize) {
+    let mut reply = [0u8; OUT_HEADER_BYTES + 8];
+    match result {
+        Ok(written) => {
+            reply[..OUT_HEADER_BYTES].copy_from_slice(&data_reply_header(unique, 8));
+            reply[OUT_HEADER_BYTES..OUT_HEADER_BYTES + 4].copy_from_slice(&written.to_le_bytes());
+            (reply, reply.len())
+        }
+        Err(errno) => {
+            reply[..OUT_HEADER_BYTES].copy_from_slice(&error_header(unique, errno));
+            (reply, OUT_HEADER_BYTES)
+        }
     }
 }
 
@@ -235,7 +356,7 @@ async fn serve_direct(
     prefix: &[u8; IN_HEADER_BYTES + IO_IN_BYTES],
     len: usize,
     mem: Arc<GuestMemoryMmap>,
-    writer: &mut Writer<'_>,
+    writer: &mut ReplyWriter<'_>,
 ) -> Option<(u32, ChainOutcome)> {
     let IoPrefix { declared, opcode, unique, nodeid, fh, offset, size, write_flags, uid, gid } =
         IoPrefix::parse(prefix);
@@ -252,21 +373,21 @@ async fn serve_direct(
     }
     let (readable, writable) = (&buffers.readable, &buffers.writable);
     if is_write {
-        if len != prefix.len() + size || writer.available_bytes() < OUT_HEADER_BYTES + 8 {
+        if len != prefix.len() + size || writer.room() < OUT_HEADER_BYTES + 8 {
             return None;
         }
         let data = GuestBuffer::new(mem, readable, prefix.len(), size)?;
         let caller = keelfs_core::fs::Creds::checked_by_kernel(uid, gid);
-        let reply = if let Err(errno) = session.kill_setid_on_write(nodeid, write_flags, &caller) {
-            error_reply(unique, errno)
+        let result = if let Err(errno) = session.kill_setid_on_write(nodeid, write_flags, &caller) {
+            Err(errno)
         } else if direct {
-            session.write_direct_from(unique, nodeid, offset, data).await
+            session.write_direct_from(nodeid, offset, data).await
         } else {
-            session.write_buffered_from(unique, nodeid, offset, write_flags, &data).await
+            session.write_buffered_from(nodeid, offset, write_flags, &data).await
         };
-        let failed = reply.get(4..8).is_some_and(|e| e != [0u8; 4]);
-        session.record(opcode, len + reply.len(), failed, started);
-        let (_, written, outcome) = write_reply(0, reply, writer);
+        let (reply, reply_len) = write_reply_of(unique, result);
+        session.record(opcode, len + reply_len, result.is_err(), started);
+        let (_, written, outcome) = write_reply(0, &reply[..reply_len], writer);
         let outcome = match outcome {
             ChainOutcome::Replied(n) if direct => ChainOutcome::Direct(n),
             ChainOutcome::Replied(n) => ChainOutcome::OneCopy(n),
@@ -274,7 +395,7 @@ async fn serve_direct(
         };
         return Some((written, outcome));
     }
-    if len != prefix.len() || writer.available_bytes() < OUT_HEADER_BYTES + size {
+    if len != prefix.len() || writer.room() < OUT_HEADER_BYTES + size {
         return None;
     }
     let into = GuestBuffer::new(mem, writable, OUT_HEADER_BYTES, size)?;
@@ -292,22 +413,27 @@ async fn serve_direct(
             data_reply_header(unique, n as usize)
         }
         Err(errno) => {
-            let (_, written, outcome) = write_reply(0, error_reply(unique, errno), writer);
+            let (_, written, outcome) = write_reply(0, &error_header(unique, errno), writer);
             return Some((written, outcome));
         }
     };
     let total = le_u32(&header) as usize;
-    match writer.write_all(&header) {
-        Ok(()) if direct => Some((total as u32, ChainOutcome::Direct(total as u32))),
-        Ok(()) => Some((total as u32, ChainOutcome::OneCopy(total as u32))),
-        Err(_) => Some((0, ChainOutcome::Dropped("unwritable reply buffer"))),
+    match writer.put(&header) {
+        true if direct => Some((total as u32, ChainOutcome::Direct(total as u32))),
+        true => Some((total as u32, ChainOutcome::OneCopy(total as u32))),
+        false => Some((0, ChainOutcome::Dropped("unwritable reply buffer"))),
     }
 }
 
+/// (guest address, length) of a chain's buffers of one direction. Inline
+/// up to a 4 KiB request's (Linux sends headers, data and reply in at
+/// most four), so that walking allocates nothing on the steady path.
+type Buffers = SmallVec<[(u64, u32); 4]>;
+
 /// A chain's buffers as (guest address, length), walked once.
 struct ChainBuffers {
-    readable: Vec<(u64, u32)>,
-    writable: Vec<(u64, u32)>,
+    readable: Buffers,
+    writable: Buffers,
     /// Every readable buffer comes before every writable one, as virtio
     /// requires.
     ordered: bool,
@@ -322,7 +448,7 @@ fn walk<M>(chain: &DescriptorChain<M>) -> Option<ChainBuffers>
 where
     M: Deref<Target = GuestMemoryMmap> + Clone,
 {
-    let mut buffers = ChainBuffers { readable: Vec::new(), writable: Vec::new(), ordered: true };
+    let mut buffers = ChainBuffers { readable: Buffers::new(), writable: Buffers::new(), ordered: true };
     let mut last_has_next = true;
     for d in chain.clone() {
         if d.is_write_only() {

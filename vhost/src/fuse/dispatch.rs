@@ -669,22 +669,18 @@ impl Session {
     }
 
     /// FUSE_WRITE on a buffered handle, copying once from `data` (guest
-    /// pages) into the page cache. Returns the whole reply.
+    /// pages) into the page cache: the bytes written, or an errno.
     pub async fn write_buffered_from<S: WriteSource + ?Sized>(
         &self,
-        unique: u64,
         ino: u64,
         offset: u64,
         write_flags: u32,
         data: &S,
-    ) -> Vec<u8> {
+    ) -> Result<u32, i32> {
         if data.len() > self.config.max_write as usize {
-            return error_reply(unique, libc::EINVAL);
+            return Err(libc::EINVAL);
         }
-        match self.fs.write_from_with(ino, offset, data, self.write_times(write_flags)).await {
-            Ok(n) => write_out(n).finish(unique, 0),
-            Err(e) => error_reply(unique, e.errno()),
-        }
+        self.fs.write_from_with(ino, offset, data, self.write_times(write_flags)).await.map_err(|e| e.errno())
     }
 
     /// FUSE_READ on a buffered handle into `sink` (guest pages): the bytes
@@ -700,12 +696,9 @@ impl Session {
     }
 
     /// FUSE_WRITE on a direct handle with the data already in I/O memory
-    /// (guest pages). Returns the whole reply.
-    pub async fn write_direct_from<B: IoBuffer>(&self, unique: u64, ino: u64, offset: u64, data: B) -> Vec<u8> {
-        match self.fs.write_direct(ino, offset, data).await.1 {
-            Ok(n) => write_out(n).finish(unique, 0),
-            Err(e) => error_reply(unique, e.errno()),
-        }
+    /// (guest pages): the bytes written, or an errno.
+    pub async fn write_direct_from<B: IoBuffer>(&self, ino: u64, offset: u64, data: B) -> Result<u32, i32> {
+        self.fs.write_direct(ino, offset, data).await.1.map_err(|e| e.errno())
     }
 
     /// FUSE_READ on a direct handle into I/O memory (guest pages): the
