@@ -1,0 +1,154 @@
+//! Heap allocations per request on the device's steady path (issue 18):
+//! direct and buffered 4 KiB reads and writes of a file already laid out,
+//! counted by a global allocator on every thread but the test's own (the
+//! frontend, which plays the guest). Each is a per-request cost that the
+//! reactor pays in malloc and free, and this binary holds it to a budget.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use keelfs_vhost::frontend::FsFrontend;
+use keelfs_vhost::fuse::abi::{init_flags as f, Opcode, Reply, ENTRY_OUT_BYTES};
+
+mod common;
+use common::*;
+
+struct Counting;
+
+static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    /// Set on the test's own thread: the frontend's allocations are the
+    /// guest's, not the device's.
+    static UNCOUNTED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// KEELFS_ALLOC_TRACE=1 prints where one request of each workload
+/// allocates: the way to find what broke a budget.
+static TRACING: AtomicBool = AtomicBool::new(false);
+
+thread_local! {
+    /// Set while a stack is printed, whose own allocations are not traced.
+    static IN_TRACE: Cell<bool> = const { Cell::new(false) };
+}
+
+fn count() {
+    // try_with: a thread being torn down still allocates.
+    if UNCOUNTED.try_with(Cell::get).unwrap_or(false) {
+        return;
+    }
+    ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+    if TRACING.load(Ordering::Relaxed) && !IN_TRACE.try_with(|t| t.replace(true)).unwrap_or(true) {
+        let trace = std::backtrace::Backtrace::force_capture().to_string();
+        let frames: Vec<&str> = trace.lines().map(str::trim).filter(|l| l.contains("keelfs")).take(4).collect();
+        eprintln!("allocation: {}", frames.join(" <- "));
+        IN_TRACE.with(|t| t.set(false));
+    }
+}
+
+// SAFETY: every call is passed to the system allocator unchanged; the
+// counter only adds to an atomic and touches a const thread-local that
+// has no destructor, so it neither allocates nor unwinds.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        count();
+        // SAFETY: the caller's contract for `layout` is passed on.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        count();
+        // SAFETY: as for alloc.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        count();
+        // SAFETY: `ptr` came from this allocator, that is from System.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from this allocator, that is from System.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static COUNTING: Counting = Counting;
+
+/// Requests per measured workload.
+const REQUESTS: u64 = 2_000;
+const FILE_BYTES: u64 = 1 << 20;
+
+/// CREATE `name` in the root with these open flags: (nodeid, fh).
+fn create_with(fe: &mut FsFrontend, name: &str, flags: i32) -> (u64, u64) {
+    let mut body = Reply::default();
+    body.u32((libc::O_RDWR | flags) as u32).u32(0o100644).u32(0).u32(0).raw(&named(name));
+    let (err, reply) = fe.fuse(1, Opcode::Create, 1, &body.bytes).unwrap();
+    assert_eq!(err, 0, "create {name}");
+    let at = |i: usize| u64::from_le_bytes(reply[i..i + 8].try_into().unwrap());
+    (at(0), at(ENTRY_OUT_BYTES))
+}
+
+/// Device-side allocations per request over REQUESTS 4 KiB requests at
+/// scattered offsets of the file, after as many to warm up.
+fn allocations_per_request(fe: &mut FsFrontend, file: (u64, u64), opcode: Opcode) -> f64 {
+    let page = vec![0x5au8; 4096];
+    let mut run = |n: u64| {
+        for i in 0..n {
+            let offset = (i * 7919 * 4096) % FILE_BYTES;
+            let (data, read_len) = if opcode == Opcode::Write { (&page[..], 0) } else { (&[][..], 4096) };
+            let (_, (len, err)) = split_io(fe, file, opcode, offset, data, read_len);
+            assert_eq!(err, 0, "{opcode:?} at {offset}");
+            assert!(len >= 16);
+        }
+    };
+    run(REQUESTS);
+    if std::env::var_os("KEELFS_ALLOC_TRACE").is_some() {
+        TRACING.store(true, Ordering::Relaxed);
+        run(1);
+        TRACING.store(false, Ordering::Relaxed);
+        eprintln!("^ one {opcode:?}");
+    }
+    let before = ALLOCATIONS.load(Ordering::Relaxed);
+    run(REQUESTS);
+    (ALLOCATIONS.load(Ordering::Relaxed) - before) as f64 / REQUESTS as f64
+}
+
+#[test]
+fn steady_reads_and_writes_stay_within_their_allocation_budget() {
+    UNCOUNTED.with(|u| u.set(true));
+    let daemon = Daemon::start(1);
+    let mut fe = daemon.connect(1);
+    fe.init(f::INIT_EXT).unwrap();
+    let mut measured = Vec::new();
+    for (name, flags, budget) in [("direct", libc::O_DIRECT, DIRECT_BUDGET), ("buffered", 0, BUFFERED_BUDGET)] {
+        let file = create_with(&mut fe, name, flags);
+        let layout = vec![1u8; 65536];
+        for offset in (0..FILE_BYTES).step_by(layout.len()) {
+            assert_eq!(split_io(&mut fe, file, Opcode::Write, offset, &layout, 0).1 .1, 0);
+        }
+        for opcode in [Opcode::Write, Opcode::Read] {
+            measured.push((name, opcode, allocations_per_request(&mut fe, file, opcode), budget));
+        }
+    }
+    drop(fe);
+    let (zero_copy, one_copy) = daemon.stop();
+    assert!(zero_copy >= 4 * REQUESTS && one_copy >= 4 * REQUESTS, "{zero_copy} direct, {one_copy} one-copy replies");
+    for (name, opcode, per_request, budget) in &measured {
+        eprintln!("{name} {opcode:?}: {per_request:.2} allocations per request (budget {budget})");
+    }
+    let over: Vec<_> = measured.iter().filter(|(_, _, per_request, budget)| per_request > budget).collect();
+    assert!(over.is_empty(), "over the budget: {over:?}");
+}
+
+/// What a steady request may allocate on the device's side, with a
+/// quarter for what is amortised over many (the reactor's wake queue
+/// grows in blocks of 31; the commit timer's records):
+/// - buffered: its task (a boxed future per request);
+/// - direct: its task, the device operation's boxed buffer, and the
+///   shared buffer that lets the request's extents go out in pieces.
+const BUFFERED_BUDGET: f64 = 1.25;
+const DIRECT_BUDGET: f64 = 3.25;
