@@ -5,22 +5,30 @@
 # the same machine noise. For a change that touches the request path: is
 # the new build within noise of the old? One JSON line per run, then the
 # median ratios new/old of IOPS and of daemon CPU per operation.
+# --backend pmem serves the same file through the pmem backend instead:
+# no io-wq workers, so the daemon's own cost per request shows best.
 #
-# Usage: bench/compare-builds.sh OLD_KEELFSD NEW_KEELFSD [--rounds N] [--seconds N] [OUT.json]
+# Usage: bench/compare-builds.sh OLD_KEELFSD NEW_KEELFSD [--rounds N] [--seconds N]
+#                                [--backend uring|pmem] [OUT.json]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[[ $# -ge 2 ]] || { sed -n '9p' "$0" >&2; exit 2; }
+[[ $# -ge 2 ]] || { sed -n '11,12p' "$0" >&2; exit 2; }
 old=$1 new=$2
 shift 2
-rounds=3 seconds=5
+rounds=3 seconds=5 backend=uring
 while [[ $# -gt 0 ]]; do
   case $1 in
     --rounds) rounds=$2; shift 2 ;;
     --seconds) seconds=$2; shift 2 ;;
+    --backend) backend=$2; shift 2 ;;
     *) break ;;
   esac
 done
 out=${1:-/dev/null}
+case $backend in
+  uring | pmem) ;;
+  *) echo "compare-builds: --backend uring or pmem, not '$backend'" >&2; exit 2 ;;
+esac
 for b in "$old" "$new"; do [[ -x $b ]] || { echo "compare-builds: $b is not an executable" >&2; exit 2; }; done
 cargo build --release -q -p keelfs-bench
 bench=$PWD/target/release/keelfs-bench
@@ -52,7 +60,11 @@ for round in $(seq "$rounds"); do
     for label in $order; do
       bin=$old; [[ $label == new ]] && bin=$new
       rm -f "$work/sock"
-      "$bin" serve --device "$work/img" --socket "$work/sock" --queues 1 --cache "$cache" 2>"$work/$label.log" &
+      if [[ $backend == pmem ]]; then
+        "$bin" serve --config <(printf '[[device]]\nname="p"\nbackend="pmem"\npath="%s"\n[[export]]\ntag="p"\ndevice="p"\nsocket="%s"\nrequest_queues=1\ncache="%s"\n' "$work/img" "$work/sock" "$cache") 2>"$work/$label.log" &
+      else
+        "$bin" serve --device "$work/img" --socket "$work/sock" --queues 1 --cache "$cache" 2>"$work/$label.log" &
+      fi
       daemon_pid=$!
       for _ in $(seq 200); do [[ -S $work/sock ]] && break; sleep 0.05; done
       # shellcheck disable=SC2086
