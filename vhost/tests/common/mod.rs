@@ -54,6 +54,17 @@ impl Daemon {
 
     /// With a limit on requests in flight per queue too.
     pub fn start_with_options(request_queues: usize, helpers: usize, requests_in_flight_max: Option<usize>) -> Self {
+        Self::start_with_commit_interval(request_queues, helpers, requests_in_flight_max, Duration::from_millis(50))
+    }
+
+    /// With commits every `commit_interval` (50 ms elsewhere, so that
+    /// freed blocks come back within a test).
+    pub fn start_with_commit_interval(
+        request_queues: usize,
+        helpers: usize,
+        requests_in_flight_max: Option<usize>,
+        commit_interval: Duration,
+    ) -> Self {
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let dir = std::env::temp_dir().join(format!(
             "keelfs-vu-{}-{}",
@@ -78,9 +89,7 @@ impl Daemon {
                 reactor.block_on(async move {
                     let ch = || DeviceChannel::attach(dev.open_queue(QueueConfig::default()).unwrap());
                     mkfs(ch(), &MkfsOptions { force: true, ..MkfsOptions::default() }).await.unwrap();
-                    // Quick commits, so that freed blocks (usable once the free is
-                    // committed) come back within the test.
-                    let config = FsConfig { commit_interval: Duration::from_millis(50), ..FsConfig::default() };
+                    let config = FsConfig { commit_interval, ..FsConfig::default() };
                     let fs = Fs::mount(ch(), config).await.unwrap();
                     let options = ServeOptions {
                         dma: None,
