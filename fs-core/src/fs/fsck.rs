@@ -87,12 +87,12 @@ pub async fn fsck(dev: DeviceChannel, mut progress: impl FnMut(&str)) -> FsResul
 }
 
 fn check_state(state: &State, sb: &Superblock, recorded_free: u64, report: &mut FsckReport) {
-    report.inodes = state.nodes.len() as u64;
+    report.inodes = state.inode_count() as u64;
     report.free_blocks = state.alloc.free_blocks();
     let mut names_of: HashMap<u64, u64> = HashMap::new();
     let mut subdirs: HashMap<u64, u32> = HashMap::new();
     let mut parents: HashMap<u64, Vec<u64>> = HashMap::new();
-    for node in state.nodes.values() {
+    for node in state.nodes() {
         report.data_blocks_used += node.extents.blocks();
         if node.inode.nlink == 0 {
             report.orphans += 1;
@@ -128,7 +128,7 @@ fn check_state(state: &State, sb: &Superblock, recorded_free: u64, report: &mut 
         let detail = format!("recorded free count {recorded_free}, computed {}", state.alloc.free_blocks());
         report.problems.push(problem("free-count", detail, true));
     }
-    for node in state.nodes.values() {
+    for node in state.nodes() {
         let mut last_end = 0;
         for e in node.extents.iter() {
             if e.file_block < last_end {
@@ -153,7 +153,7 @@ fn check_links(
     parents: &HashMap<u64, Vec<u64>>,
     report: &mut FsckReport,
 ) {
-    for node in state.nodes.values() {
+    for node in state.nodes() {
         let ino = node.inode.ino;
         let names = names_of.get(&ino).copied().unwrap_or(0);
         // (The root has no name; with no links it is not an orphan but
@@ -192,7 +192,7 @@ fn check_connectivity(state: &State, report: &mut FsckReport) {
             queue.extend(dir.entries_from(0).map(|(_, _, child)| child).filter(|c| state.node(*c).is_some()));
         }
     }
-    for node in state.nodes.values() {
+    for node in state.nodes() {
         if node.inode.nlink > 0 && !seen.contains(&node.inode.ino) {
             let detail = format!("inode {} is not reachable from the root", node.inode.ino);
             report.problems.push(problem("disconnected", detail, false));
@@ -231,7 +231,7 @@ fn fix_entries_and_links(fs: &Fs, repaired: &mut Vec<String>) -> FsResult<()> {
         let mut dangling = Vec::new();
         let mut names: HashMap<u64, u32> = HashMap::new();
         let mut subdirs: HashMap<u64, u32> = HashMap::new();
-        for node in state.nodes.values() {
+        for node in state.nodes() {
             let Some(dir) = &node.dir else { continue };
             for (_, name, child) in dir.entries_from(0) {
                 match state.node(child) {
@@ -246,8 +246,7 @@ fn fix_entries_and_links(fs: &Fs, repaired: &mut Vec<String>) -> FsResult<()> {
             }
         }
         let counts: Vec<(u64, u32)> = state
-            .nodes
-            .values()
+            .nodes()
             .filter(|n| n.inode.nlink != 0 || names.contains_key(&n.inode.ino))
             .map(|n| {
                 let ino = n.inode.ino;

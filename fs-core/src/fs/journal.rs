@@ -27,7 +27,7 @@ use super::format::{
     SUPERBLOCK_SLOTS,
 };
 use super::record::{decode_all, Record};
-use super::state::{ApplyMode, State};
+use super::state::{ApplyMode, Node, State};
 use super::{FsError, FsInner, FsResult};
 use crate::bdev::AlignedBuf;
 use crate::reactor;
@@ -369,10 +369,10 @@ fn tx_blocks_for(payload: usize) -> u64 {
 fn snapshot_state(state: &State) -> Vec<u8> {
     let mut w = Writer::new();
     Record::NextIno { next: state.next_ino }.encode(&mut w);
-    let mut inos: Vec<u64> = state.nodes.keys().copied().collect();
-    inos.sort_unstable();
-    for &ino in &inos {
-        let node = &state.nodes[&ino];
+    let mut nodes: Vec<&Node> = state.nodes().collect();
+    nodes.sort_unstable_by_key(|n| n.inode.ino);
+    for node in &nodes {
+        let ino = node.inode.ino;
         Record::InodeSet(node.inode.clone()).encode(&mut w);
         if let Some(target) = &node.symlink {
             Record::Symlink { ino, target: target.clone() }.encode(&mut w);
@@ -391,8 +391,9 @@ fn snapshot_state(state: &State) -> Vec<u8> {
             .encode(&mut w);
         }
     }
-    for &ino in &inos {
-        if let Some(dir) = &state.nodes[&ino].dir {
+    for node in &nodes {
+        let ino = node.inode.ino;
+        if let Some(dir) = &node.dir {
             for (cookie, name, child) in dir.entries_from(0) {
                 Record::DirentSet { dir: ino, name: name.to_vec(), ino: child, cookie }.encode(&mut w);
             }

@@ -460,7 +460,7 @@ impl Fs {
         let state = self.inner.state.borrow();
         let sb = self.inner.sb.borrow();
         let mut owned: Vec<(u64, u64, String)> = Vec::new();
-        for node in state.nodes.values() {
+        for node in state.nodes() {
             for e in node.extents.iter() {
                 owned.push((e.disk_block, e.len, format!("inode {} file block {}", node.inode.ino, e.file_block)));
             }
@@ -578,7 +578,7 @@ impl Fs {
     fn free_orphans(&self) -> FsResult<()> {
         let orphans: Vec<u64> = {
             let state = self.inner.state.borrow();
-            state.nodes.values().filter(|n| n.inode.nlink == 0).map(|n| n.inode.ino).collect()
+            state.nodes().filter(|n| n.inode.nlink == 0).map(|n| n.inode.ino).collect()
         };
         for ino in orphans {
             self.inner.log(record::Record::InodeFree { ino })?;

@@ -359,7 +359,7 @@ impl FsInner {
         if is_dir && dir.nlink >= LINK_MAX {
             return Err(FsError::TooManyLinks);
         }
-        if self.state.borrow().nodes.len() as u64 >= self.inodes_max() {
+        if self.state.borrow().inode_count() as u64 >= self.inodes_max() {
             return Err(FsError::NoSpace);
         }
         let (inode, acls) = self.new_inode(c, &dir, mode, rdev);
@@ -608,7 +608,7 @@ impl Fs {
         new_name: &[u8],
         flags: u32,
     ) -> FsResult<()> {
-        if self.inner.state.borrow().nodes.len() as u64 >= self.inner.inodes_max() {
+        if self.inner.state.borrow().inode_count() as u64 >= self.inner.inodes_max() {
             return Err(FsError::NoSpace);
         }
         let moved = self.inner.lookup_in(c, parent, name)?.ok_or(FsError::NotFound)?;
@@ -646,7 +646,7 @@ impl Fs {
     /// A directory cannot move under itself.
     fn check_not_ancestor(&self, dir: u64, mut at: u64) -> FsResult<()> {
         let state = self.inner.state.borrow();
-        for _ in 0..state.nodes.len() + 1 {
+        for _ in 0..state.inode_count() + 1 {
             if at == dir {
                 return Err(FsError::Invalid("rename of a directory into itself"));
             }
@@ -733,7 +733,7 @@ impl Fs {
     /// the next mount after a crash, unless `link` gives it a name first.
     pub async fn tmpfile(&self, c: &Creds, parent: u64, mode: u32, flags: u32) -> FsResult<(Attr, u64)> {
         let dir = self.inner.writable_dir(c, parent)?;
-        if self.inner.state.borrow().nodes.len() as u64 >= self.inner.inodes_max() {
+        if self.inner.state.borrow().inode_count() as u64 >= self.inner.inodes_max() {
             return Err(FsError::NoSpace);
         }
         let (mut inode, acls) = self.inner.new_inode(c, &dir, S_IFREG | (mode & 0o7777), 0);
@@ -838,7 +838,7 @@ impl Fs {
             // Inodes are not preallocated: the limit is the configured
             // (or device-derived) inodes_max. Total = in use + free.
             files: self.inner.inodes_max(),
-            files_free: self.inner.inodes_max().saturating_sub(state.nodes.len() as u64),
+            files_free: self.inner.inodes_max().saturating_sub(state.inode_count() as u64),
             name_max: NAME_MAX as u32,
         })
     }

@@ -180,8 +180,9 @@ pub struct ApplyError(pub String);
 
 pub struct State {
     /// Boxed: a hash table keeps a share of its slots empty, and an empty
-    /// slot costs a pointer rather than a whole node.
-    pub nodes: crate::units::IdMap<Box<Node>>,
+    /// slot costs a pointer rather than a whole node. Private: every change
+    /// goes through [`State::node_mut`] or [`State::apply`].
+    nodes: crate::units::IdMap<Box<Node>>,
     pub next_ino: u64,
     pub alloc: Allocator,
     /// Runs freed by changes not yet committed: reusable only after the
@@ -200,6 +201,16 @@ impl State {
 
     pub fn node(&self, ino: u64) -> Option<&Node> {
         self.nodes.get(&ino).map(|n| &**n)
+    }
+
+    /// How many inodes there are.
+    pub fn inode_count(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// Every inode, in no particular order.
+    pub fn nodes(&self) -> impl Iterator<Item = &Node> + '_ {
+        self.nodes.values().map(|n| &**n)
     }
 
     pub fn node_mut(&mut self, ino: u64) -> Option<&mut Node> {
