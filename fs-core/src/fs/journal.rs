@@ -27,7 +27,7 @@ use super::format::{
     SUPERBLOCK_SLOTS,
 };
 use super::record::{decode_all, Record};
-use super::state::{ApplyMode, Node, State};
+use super::state::{ApplyMode, State};
 use super::{FsError, FsInner, FsResult};
 use crate::bdev::AlignedBuf;
 use crate::reactor;
@@ -356,50 +356,17 @@ fn take_pending(fs: &FsInner, force_checkpoint: bool) -> Taken {
     let tx_blocks = tx_blocks_for(w.buf.len());
     let used = j.head - fs.sb.borrow().journal_start;
     let fits = used + tx_blocks <= fs.sb.borrow().journal_blocks;
-    let snapshot = (force_checkpoint || !fits).then(|| snapshot_state(&state));
+    let snapshot = (force_checkpoint || !fits).then(|| {
+        state.start_snapshot();
+        state.snapshot_step(usize::MAX);
+        state.finish_snapshot()
+    });
     let exposes_data = std::mem::take(&mut j.exposes_data);
     Taken { payload: w.buf, exposes_data, ops: j.logged_ops, data_writes: j.data_writes, frees, free_after, snapshot }
 }
 
 fn tx_blocks_for(payload: usize) -> u64 {
     (TX_HEADER_BYTES + payload).div_ceil(BLOCK_BYTES) as u64
-}
-
-/// Every record needed to rebuild `state` from nothing.
-fn snapshot_state(state: &State) -> Vec<u8> {
-    let mut w = Writer::new();
-    Record::NextIno { next: state.next_ino }.encode(&mut w);
-    let mut nodes: Vec<&Node> = state.nodes().collect();
-    nodes.sort_unstable_by_key(|n| n.inode.ino);
-    for node in &nodes {
-        let ino = node.inode.ino;
-        Record::InodeSet(node.inode.clone()).encode(&mut w);
-        if let Some(target) = &node.symlink {
-            Record::Symlink { ino, target: target.clone() }.encode(&mut w);
-        }
-        for (name, value) in &node.xattrs {
-            Record::XattrSet { ino, name: name.clone(), value: value.clone() }.encode(&mut w);
-        }
-        for e in node.extents.iter() {
-            Record::ExtentMap {
-                ino,
-                file_block: e.file_block,
-                disk_block: e.disk_block,
-                len: e.len,
-                unwritten: e.unwritten,
-            }
-            .encode(&mut w);
-        }
-    }
-    for node in &nodes {
-        let ino = node.inode.ino;
-        if let Some(dir) = &node.dir {
-            for (cookie, name, child) in dir.entries_from(0) {
-                Record::DirentSet { dir: ino, name: name.to_vec(), ino: child, cookie }.encode(&mut w);
-            }
-        }
-    }
-    w.buf
 }
 
 /// Put what a failed commit took back, ahead of anything logged since.

@@ -8,6 +8,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};
 
 use super::alloc::Allocator;
+use super::codec::Writer;
 use super::extent::ExtentMap;
 use super::format::{BlockRun, Inode, COUNTER_MAX};
 use super::ops::MAX_FILE_BYTES;
@@ -164,6 +165,50 @@ pub struct Node {
     /// Boxed: most inodes are not directories, and a directory's tables
     /// inline would cost every file their size.
     pub dir: Option<Box<Directory>>,
+    /// Runtime only: the epoch of the last snapshot that encoded this node,
+    /// or the epoch current when it was made (see [`Snapshot`]).
+    pub snapshot_epoch: u32,
+}
+
+/// A checkpoint's snapshot of the state as it was when the snapshot
+/// started, encoded in pieces while the state goes on changing: a node is
+/// encoded by [`State::snapshot_step`], or just before its first change
+/// after the start, whichever comes first (copy before write). Nodes made
+/// after the start are not in it; the journal after the start holds them.
+pub struct Snapshot {
+    epoch: u32,
+    /// Inode numbers present at the start, not yet visited (last first).
+    to_visit: Vec<u64>,
+    /// NextIno, then each inode's image, symlink, xattrs and extents.
+    inodes: Writer,
+    /// Directory entries: loaded after every inode, so that each entry
+    /// finds its directory and a subdirectory its parent.
+    entries: Writer,
+}
+
+impl Snapshot {
+    fn encode(&mut self, node: &mut Node) {
+        debug_assert_ne!(node.snapshot_epoch, self.epoch, "a node is encoded once per snapshot");
+        node.snapshot_epoch = self.epoch;
+        let ino = node.inode.ino;
+        let w = &mut self.inodes;
+        Record::InodeSet(node.inode.clone()).encode(w);
+        if let Some(target) = &node.symlink {
+            Record::Symlink { ino, target: target.clone() }.encode(w);
+        }
+        for (name, value) in &node.xattrs {
+            Record::XattrSet { ino, name: name.clone(), value: value.clone() }.encode(w);
+        }
+        for e in node.extents.iter() {
+            let (file_block, disk_block, len, unwritten) = (e.file_block, e.disk_block, e.len, e.unwritten);
+            Record::ExtentMap { ino, file_block, disk_block, len, unwritten }.encode(w);
+        }
+        if let Some(dir) = &node.dir {
+            for (cookie, name, child) in dir.entries_from(0) {
+                Record::DirentSet { dir: ino, name: name.to_vec(), ino: child, cookie }.encode(&mut self.entries);
+            }
+        }
+    }
 }
 
 /// Whether a change is made live (freed blocks wait for the commit that
@@ -188,6 +233,10 @@ pub struct State {
     /// Runs freed by changes not yet committed: reusable only after the
     /// commit, or a crash could leave the old owner pointing at new data.
     pub pending_free: Vec<BlockRun>,
+    /// The snapshot being encoded, if any, and the epoch of the last one
+    /// started (nodes made meanwhile carry it, so it skips them).
+    snapshot: Option<Snapshot>,
+    epoch: u32,
 }
 
 fn err<T>(msg: String) -> Result<T, ApplyError> {
@@ -196,7 +245,14 @@ fn err<T>(msg: String) -> Result<T, ApplyError> {
 
 impl State {
     pub fn new(alloc: Allocator) -> Self {
-        Self { nodes: crate::units::IdMap::default(), next_ino: 2, alloc, pending_free: Vec::new() }
+        Self {
+            nodes: crate::units::IdMap::default(),
+            next_ino: 2,
+            alloc,
+            pending_free: Vec::new(),
+            snapshot: None,
+            epoch: 0,
+        }
     }
 
     pub fn node(&self, ino: u64) -> Option<&Node> {
@@ -214,7 +270,77 @@ impl State {
     }
 
     pub fn node_mut(&mut self, ino: u64) -> Option<&mut Node> {
+        self.before_change(ino);
         self.nodes.get_mut(&ino).map(|n| &mut **n)
+    }
+
+    /// Copy before write: a snapshot in progress encodes `ino` as it is now,
+    /// before the caller changes it, unless it has already.
+    fn before_change(&mut self, ino: u64) {
+        let Some(snapshot) = self.snapshot.as_mut() else { return };
+        if let Some(node) = self.nodes.get_mut(&ino) {
+            if node.snapshot_epoch != snapshot.epoch {
+                snapshot.encode(node);
+            }
+        }
+    }
+
+    /// Start a snapshot of the state as it is now.
+    ///
+    /// # Panics
+    /// If one is in progress.
+    pub fn start_snapshot(&mut self) {
+        assert!(self.snapshot.is_none(), "one snapshot at a time");
+        if self.epoch == u32::MAX {
+            // Once in 2^32 snapshots: no node may keep an epoch the new
+            // one could be mistaken for.
+            self.nodes.values_mut().for_each(|n| n.snapshot_epoch = 0);
+            self.epoch = 0;
+        }
+        self.epoch += 1;
+        let mut to_visit: Vec<u64> = self.nodes.keys().copied().collect();
+        // Descending, so that popping visits in ascending order.
+        to_visit.sort_unstable_by(|a, b| b.cmp(a));
+        let mut inodes = Writer::new();
+        Record::NextIno { next: self.next_ino }.encode(&mut inodes);
+        self.snapshot = Some(Snapshot { epoch: self.epoch, to_visit, inodes, entries: Writer::new() });
+    }
+
+    /// Encode up to `nodes` more nodes of the snapshot in progress. True
+    /// when every node is encoded.
+    ///
+    /// # Panics
+    /// If no snapshot is in progress.
+    pub fn snapshot_step(&mut self, nodes: usize) -> bool {
+        let snapshot = self.snapshot.as_mut().expect("a snapshot in progress");
+        for _ in 0..nodes {
+            let Some(ino) = snapshot.to_visit.pop() else { break };
+            // Gone since the start: encoded before it went.
+            if let Some(node) = self.nodes.get_mut(&ino) {
+                if node.snapshot_epoch != snapshot.epoch {
+                    snapshot.encode(node);
+                }
+            }
+        }
+        snapshot.to_visit.is_empty()
+    }
+
+    /// The finished snapshot's records: every record needed to rebuild
+    /// the state as it was at [`State::start_snapshot`].
+    ///
+    /// # Panics
+    /// If none is in progress, or nodes are left to encode.
+    pub fn finish_snapshot(&mut self) -> Vec<u8> {
+        let snapshot = self.snapshot.take().expect("a snapshot in progress");
+        assert!(snapshot.to_visit.is_empty(), "every node encoded before the snapshot finishes");
+        let mut out = snapshot.inodes.buf;
+        out.extend_from_slice(&snapshot.entries.buf);
+        out
+    }
+
+    /// Drop the snapshot in progress, if any.
+    pub fn abort_snapshot(&mut self) {
+        self.snapshot = None;
     }
 
     fn release(&mut self, runs: Vec<BlockRun>, mode: ApplyMode) {
@@ -230,6 +356,7 @@ impl State {
         match record {
             Record::InodeSet(inode) => self.apply_inode_set(inode),
             Record::InodeFree { ino } => {
+                self.before_change(*ino);
                 let Some(node) = self.nodes.remove(ino) else {
                     return if mode == ApplyMode::Replay {
                         Ok(())
@@ -247,6 +374,7 @@ impl State {
                 if *cookie < FIRST_COOKIE || *cookie >= COUNTER_MAX {
                     return err(format!("entry of {dir} with cookie {cookie} outside {FIRST_COOKIE}..{COUNTER_MAX}"));
                 }
+                self.before_change(*dir);
                 let Some(d) = self.nodes.get_mut(dir).and_then(|n| n.dir.as_mut()) else {
                     return err(format!("entry added to {dir}, which is not a directory"));
                 };
@@ -257,6 +385,7 @@ impl State {
                 Ok(())
             }
             Record::DirentDelete { dir, name } => {
+                self.before_change(*dir);
                 let Some(d) = self.nodes.get_mut(dir).and_then(|n| n.dir.as_mut()) else {
                     return err(format!("entry removed from {dir}, which is not a directory"));
                 };
@@ -269,22 +398,26 @@ impl State {
                 self.apply_extent_map(*ino, *file_block, *disk_block, *len, *unwritten, mode)
             }
             Record::ExtentPunch { ino, file_block, len } => {
+                self.before_change(*ino);
                 let Some(node) = self.nodes.get_mut(ino) else { return err(format!("punch in missing inode {ino}")) };
                 let runs = node.extents.punch(*file_block, *len);
                 self.release(runs, mode);
                 Ok(())
             }
             Record::XattrSet { ino, name, value } => {
+                self.before_change(*ino);
                 let Some(node) = self.nodes.get_mut(ino) else { return err(format!("xattr on missing inode {ino}")) };
                 node.xattrs.insert(name.clone(), value.clone());
                 Ok(())
             }
             Record::XattrDelete { ino, name } => {
+                self.before_change(*ino);
                 let Some(node) = self.nodes.get_mut(ino) else { return err(format!("xattr on missing inode {ino}")) };
                 node.xattrs.remove(name);
                 Ok(())
             }
             Record::Symlink { ino, target } => {
+                self.before_change(*ino);
                 let Some(node) = self.nodes.get_mut(ino) else { return err(format!("symlink on missing inode {ino}")) };
                 node.symlink = Some(target.clone());
                 Ok(())
@@ -310,6 +443,7 @@ impl State {
             ));
         }
         self.next_ino = self.next_ino.max(inode.ino + 1);
+        self.before_change(inode.ino);
         match self.nodes.get_mut(&inode.ino) {
             Some(node) => {
                 if node.inode.file_type() != inode.file_type() {
@@ -334,6 +468,7 @@ impl State {
                     xattrs: BTreeMap::new(),
                     symlink: None,
                     dir,
+                    snapshot_epoch: self.epoch,
                 });
                 self.nodes.insert(inode.ino, node);
             }
@@ -353,6 +488,7 @@ impl State {
         if len == 0 || file_block.checked_add(len).is_none() || disk_block.checked_add(len).is_none() {
             return err(format!("extent of inode {ino} has a bad length"));
         }
+        self.before_change(ino);
         let Some(node) = self.nodes.get_mut(&ino) else { return err(format!("extent for missing inode {ino}")) };
         if !node.inode.is_reg() {
             return err(format!("extent for inode {ino}, which is not a regular file"));
@@ -432,5 +568,61 @@ mod tests {
         }
         let entry = Record::DirentSet { dir: 7, name: b"e".to_vec(), ino: 7, cookie: FIRST_COOKIE };
         s.apply(&entry, ApplyMode::Replay).expect("the first cookie");
+    }
+
+    /// Apply every record of `bytes` to a fresh state, as loading does.
+    fn loaded(bytes: &[u8]) -> State {
+        let mut s = state();
+        for r in crate::fs::record::decode_all(bytes).expect("snapshot records decode") {
+            s.apply(&r, ApplyMode::Replay).expect("snapshot records apply");
+        }
+        s
+    }
+
+    fn whole_snapshot(s: &mut State) -> Vec<u8> {
+        s.start_snapshot();
+        assert!(s.snapshot_step(usize::MAX));
+        s.finish_snapshot()
+    }
+
+    /// A directory with three files, one with an extent and an xattr.
+    fn populated() -> State {
+        let mut s = state();
+        let mut apply = |r: Record| s.apply(&r, ApplyMode::Live).expect("applies");
+        apply(Record::InodeSet(Inode::new(1, S_IFDIR | 0o755, 0, 0, 0)));
+        for (ino, name) in [(2u64, "a"), (3, "b"), (4, "c")] {
+            apply(Record::InodeSet(Inode::new(ino, libc::S_IFREG | 0o644, 0, 0, 0)));
+            let cookie = FIRST_COOKIE + ino;
+            apply(Record::DirentSet { dir: 1, name: name.as_bytes().to_vec(), ino, cookie });
+        }
+        apply(Record::ExtentMap { ino: 2, file_block: 0, disk_block: 200, len: 4, unwritten: false });
+        apply(Record::XattrSet { ino: 3, name: b"user.k".to_vec(), value: b"v".to_vec() });
+        s
+    }
+
+    /// A snapshot encoded in pieces while the state changes is the state
+    /// as it was at its start: changed nodes are encoded before their
+    /// change, removed ones before they go, new ones not at all.
+    #[test]
+    fn a_snapshot_in_pieces_is_the_state_at_its_start() {
+        let mut s = populated();
+        let at_start = whole_snapshot(&mut s);
+        s.start_snapshot();
+        assert!(!s.snapshot_step(2), "five nodes are not done in a piece of two");
+        let apply = |s: &mut State, r: Record| s.apply(&r, ApplyMode::Live).expect("applies");
+        apply(&mut s, Record::ExtentMap { ino: 2, file_block: 4, disk_block: 300, len: 2, unwritten: false });
+        apply(&mut s, Record::DirentDelete { dir: 1, name: b"c".to_vec() });
+        apply(&mut s, Record::InodeFree { ino: 4 });
+        apply(&mut s, Record::XattrDelete { ino: 3, name: b"user.k".to_vec() });
+        apply(&mut s, Record::InodeSet(Inode::new(9, libc::S_IFREG | 0o600, 0, 0, 0)));
+        apply(&mut s, Record::DirentSet { dir: 1, name: b"new".to_vec(), ino: 9, cookie: FIRST_COOKIE + 9 });
+        s.node_mut(3).expect("b").inode.size = 77;
+        while !s.snapshot_step(1) {}
+        let pieces = s.finish_snapshot();
+        assert_eq!(whole_snapshot(&mut loaded(&pieces)), whole_snapshot(&mut loaded(&at_start)));
+        // And the live state did change.
+        let now = whole_snapshot(&mut s);
+        assert_ne!(whole_snapshot(&mut loaded(&now)), whole_snapshot(&mut loaded(&at_start)));
+        assert!(s.node(9).is_some() && s.node(4).is_none() && s.node(3).expect("b").inode.size == 77);
     }
 }
