@@ -325,6 +325,15 @@ pub fn sleep(duration: Duration) -> Sleep {
     sleep_until(now() + duration)
 }
 
+/// Complete in the reactor's next tick, after its pollers (device
+/// completions, virtqueues) have run: for long work cut into pieces, which
+/// [`yield_now`] would let run many times within one tick while requests
+/// wait in their rings.
+pub fn next_tick() -> Sleep {
+    // A deadline just past this tick's clock: the next tick's timers fire it.
+    sleep_until(now() + Duration::from_nanos(1))
+}
+
 /// Let the reactor's other woken tasks run before this one continues. A
 /// loop whose awaits can all complete at once (cache hits) needs it to
 /// stay fair.
