@@ -37,6 +37,15 @@ fn record_with_journal<P: 'static>(
     journal_blocks: u64,
     workload: impl AsyncFnOnce(Fs, Arc<FaultDevice>, &mut Vec<(usize, P)>) + 'static,
 ) -> Recorded<P> {
+    record_with_config(journal_blocks, FsConfig::default(), workload)
+}
+
+/// As `record_with_journal`, the workload's mount configured by `config`.
+fn record_with_config<P: 'static>(
+    journal_blocks: u64,
+    config: FsConfig,
+    workload: impl AsyncFnOnce(Fs, Arc<FaultDevice>, &mut Vec<(usize, P)>) + 'static,
+) -> Recorded<P> {
     let mut r = busy_reactor();
     let ram = Arc::new(MappedDevice::ram(DEVICE_BYTES, 4096).unwrap());
     let fault = Arc::new(FaultDevice::new(ram.clone()));
@@ -55,7 +64,7 @@ fn record_with_journal<P: 'static>(
         fs.unmount().await.unwrap();
         let base = ram2.snapshot();
         fault2.start_recording();
-        let fs = mount(&dev).await;
+        let fs = Fs::mount(channel(&dev), config).await.expect("mount");
         let mut promises = Vec::new();
         workload(fs, fault2.clone(), &mut promises).await;
         Recorded { base, log: fault2.log(), promises }
@@ -123,53 +132,74 @@ type StormPromise = Vec<(String, Vec<(String, Vec<u8>)>)>;
 
 #[test]
 fn create_rename_unlink_storm() {
-    storm(0, 8);
+    storm(0, 8, FsConfig::default());
 }
 
 /// A 16-block journal fills every few rounds, so commits wrap the ring
 /// and checkpoints run between them: crashes land inside both.
 #[test]
 fn storm_with_a_tiny_journal_crosses_wraps_and_checkpoints() {
-    storm(16, 24);
+    storm(16, 24, FsConfig::default());
 }
 
-fn storm(journal_blocks: u64, rounds: usize) {
+/// Checkpoints written a few inodes at a time while the storm goes on:
+/// crashes land between pieces, during the transactions that commit
+/// meanwhile, and as the checkpoint lands.
+#[test]
+fn storm_with_checkpoints_in_small_pieces() {
+    storm(24, 40, FsConfig { checkpoint_piece_nodes: 4, ..FsConfig::default() });
+}
+
+fn storm(journal_blocks: u64, rounds: usize, config: FsConfig) {
     let seed = test_seed();
     type Promise = StormPromise;
-    let rec = record_with_journal(journal_blocks, async move |fs: Fs, _f, promises: &mut Vec<(usize, Promise)>| {
-        let c = Creds::root();
-        let mut done: Promise = Vec::new();
-        for round in 0..rounds {
-            let dname = format!("r{round}");
-            let d = fs.mkdir(&c, ROOT_INO, dname.as_bytes(), 0o755).await.unwrap().inode.ino;
-            let mut names = Vec::new();
-            for i in 0..12 {
-                let body = format!("round {round} file {i}").repeat(i + 1).into_bytes();
-                let (f, fh) = fs.create(&c, d, format!("t{i}").as_bytes(), 0o644, 2).await.unwrap();
-                fs.write(f.inode.ino, 0, &body).await.unwrap();
-                fs.release(fh).await.unwrap();
-                let name = if i % 2 == 0 {
-                    fs.rename(&c, d, format!("t{i}").as_bytes(), d, format!("f{i}").as_bytes(), 0).await.unwrap();
-                    format!("f{i}")
-                } else {
-                    format!("t{i}")
-                };
-                if i % 3 == 0 {
-                    fs.unlink(&c, d, name.as_bytes()).await.unwrap();
-                } else {
-                    names.push((name, body));
+    let in_pieces = config.checkpoint_piece_nodes < 16;
+    let rec =
+        record_with_config(journal_blocks, config, async move |fs: Fs, _f, promises: &mut Vec<(usize, Promise)>| {
+            let mut done_during_pieces = 0;
+            let c = Creds::root();
+            let mut done: Promise = Vec::new();
+            for round in 0..rounds {
+                let dname = format!("r{round}");
+                let d = fs.mkdir(&c, ROOT_INO, dname.as_bytes(), 0o755).await.unwrap().inode.ino;
+                let mut names = Vec::new();
+                for i in 0..12 {
+                    let body = format!("round {round} file {i}").repeat(i + 1).into_bytes();
+                    let (f, fh) = fs.create(&c, d, format!("t{i}").as_bytes(), 0o644, 2).await.unwrap();
+                    fs.write(f.inode.ino, 0, &body).await.unwrap();
+                    fs.release(fh).await.unwrap();
+                    let name = if i % 2 == 0 {
+                        fs.rename(&c, d, format!("t{i}").as_bytes(), d, format!("f{i}").as_bytes(), 0).await.unwrap();
+                        format!("f{i}")
+                    } else {
+                        format!("t{i}")
+                    };
+                    if i % 3 == 0 {
+                        fs.unlink(&c, d, name.as_bytes()).await.unwrap();
+                    } else {
+                        names.push((name, body));
+                    }
+                    done_during_pieces += usize::from(fs.checkpointing_in_pieces());
+                    fs.check_block_ownership().unwrap();
+                    if in_pieces {
+                        // Requests are tasks of their own on a server: let the
+                        // checkpoint's next piece run between two.
+                        keelfs_core::reactor::yield_now().await;
+                    }
                 }
+                names.sort();
+                done.push((dname, names));
+                fs.sync().await.unwrap();
+                promises.push((_f.log_len(), done.clone()));
             }
-            names.sort();
-            done.push((dname, names));
-            fs.sync().await.unwrap();
-            promises.push((_f.log_len(), done.clone()));
-        }
-        let checkpoints = fs.counters().checkpoints;
-        if journal_blocks > 0 {
-            assert!(checkpoints >= 2, "the tiny journal forced checkpoints ({checkpoints})");
-        }
-    });
+            let checkpoints = fs.counters().checkpoints;
+            if journal_blocks > 0 {
+                assert!(checkpoints >= 2, "the tiny journal forced checkpoints ({checkpoints})");
+            }
+            if in_pieces {
+                assert!(done_during_pieces > 0, "files were made while a checkpoint was written in pieces");
+            }
+        });
     check_crashes(&rec, seed, async |fs: &Fs, promised: Option<&Promise>, _next| {
         let Some(promised) = promised else { return };
         for (dname, files) in promised {
@@ -419,5 +449,61 @@ fn truncates_with_fsync_land_on_a_synced_state() {
             let new = next.get(o).copied().unwrap_or(0);
             assert!(b == old || b == new, "byte {o} is {b:#x}, expected {old:#x} or {new:#x}");
         }
+    });
+}
+
+/// A file's blocks freed while a checkpoint is written in pieces stay out
+/// of the allocator until it lands: the checkpoint is the state at its
+/// start, where the file still owns them, so neither its own blocks nor
+/// another file's may be those.
+#[test]
+fn blocks_freed_during_a_checkpoint_in_pieces_stay_its_files() {
+    let seed = test_seed();
+    let config = FsConfig { checkpoint_piece_nodes: 1, ..FsConfig::default() };
+    let rec = record_with_config(0, config, async move |fs: Fs, f, promises: &mut Vec<(usize, Vec<u8>)>| {
+        let c = Creds::root();
+        for i in 0..64 {
+            fs.mknod(&c, ROOT_INO, format!("empty-{i}").as_bytes(), libc::S_IFREG | 0o644, 0).await.unwrap();
+        }
+        let (big, fh) = fs.create(&c, ROOT_INO, b"big", 0o644, 2).await.unwrap();
+        fs.write(big.inode.ino, 0, &vec![0x42; 1 << 20]).await.unwrap();
+        fs.release(fh).await.unwrap();
+        fs.sync().await.unwrap();
+        let before = fs.counters().checkpoints;
+        let pieces = fs.clone();
+        keelfs_core::reactor::spawn_local(async move { pieces.checkpoint_in_pieces().await.unwrap() });
+        for _ in 0..1000 {
+            if fs.checkpointing_in_pieces() {
+                break;
+            }
+            keelfs_core::reactor::next_tick().await;
+        }
+        assert!(fs.checkpointing_in_pieces(), "the checkpoint is in its pieces");
+        fs.unlink(&c, ROOT_INO, b"big").await.unwrap();
+        fs.forget(big.inode.ino, 1).await.unwrap();
+        fs.sync().await.unwrap();
+        assert!(fs.checkpointing_in_pieces(), "the frees were committed during the pieces");
+        for _ in 0..10_000 {
+            if fs.counters().checkpoints > before {
+                break;
+            }
+            keelfs_core::reactor::next_tick().await;
+        }
+        assert_eq!(fs.counters().checkpoints, before + 1, "the checkpoint in pieces landed");
+        fs.check_block_ownership().unwrap();
+        // Then a file that may take the blocks big had.
+        let (after, fh) = fs.create(&c, ROOT_INO, b"after", 0o644, 2).await.unwrap();
+        let body = vec![0x17; 256 << 10];
+        fs.write(after.inode.ino, 0, &body).await.unwrap();
+        fs.release(fh).await.unwrap();
+        fs.sync().await.unwrap();
+        promises.push((f.log_len(), body));
+    });
+    check_crashes(&rec, seed, async |fs: &Fs, promised: Option<&Vec<u8>>, _next| {
+        let Some(body) = promised else { return };
+        assert_eq!(lookup(fs, ROOT_INO, "big").await, None, "big was unlinked before the promise");
+        let after = lookup(fs, ROOT_INO, "after").await.expect("after was synced");
+        assert_eq!(&read_all(fs, after).await, body);
+        fs.check_block_ownership().unwrap();
     });
 }

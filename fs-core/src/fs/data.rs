@@ -576,6 +576,7 @@ impl Fs {
     /// if space came back.
     async fn reclaim_pending_frees(&self) -> FsResult<bool> {
         let before = self.inner.available_blocks();
+        journal::abandon_checkpoint_in_pieces(&self.inner);
         journal::commit_all(&self.inner).await?;
         Ok(self.inner.available_blocks() > before)
     }

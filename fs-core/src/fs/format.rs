@@ -25,7 +25,13 @@ pub const XATTR_INODE_BYTES_MAX: usize = 256 << 10;
 pub const XATTR_LIST_BYTES_MAX: usize = 65536;
 /// Checkpoint extents a superblock can name.
 pub const CHECKPOINT_EXTENTS_MAX: usize = 128;
-pub const FEATURES_KNOWN: u64 = 0;
+/// Feature bit: the free-block counts in transaction headers and in the
+/// checkpoint count the current checkpoint's blocks as free, so that one
+/// count is right whichever checkpoint a crash leaves current (a
+/// checkpoint written in pieces while transactions go on needs that).
+/// Without it they count them as used, and checkpoints are written whole.
+pub const FEATURE_FREE_COUNT_HOLDS_CHECKPOINT: u64 = 1 << 0;
+pub const FEATURES_KNOWN: u64 = FEATURE_FREE_COUNT_HOLDS_CHECKPOINT;
 
 pub fn crc(data: &[u8]) -> u32 {
     crc32c::crc32c(data)
@@ -106,6 +112,21 @@ pub struct Superblock {
 impl Superblock {
     pub fn data_start(&self) -> u64 {
         JOURNAL_FIRST_BLOCK + self.journal_blocks
+    }
+
+    /// The checkpoint's blocks.
+    pub fn checkpoint_blocks(&self) -> u64 {
+        self.checkpoint_extents.iter().map(|r| r.len).sum()
+    }
+
+    /// What the recorded free-block counts add to the allocator's free
+    /// blocks: the checkpoint's, under FEATURE_FREE_COUNT_HOLDS_CHECKPOINT.
+    pub fn free_count_checkpoint_blocks(&self) -> u64 {
+        if self.features & FEATURE_FREE_COUNT_HOLDS_CHECKPOINT != 0 {
+            self.checkpoint_blocks()
+        } else {
+            0
+        }
     }
 
     pub fn encode(&self) -> Vec<u8> {

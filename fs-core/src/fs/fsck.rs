@@ -124,8 +124,9 @@ fn check_state(state: &State, sb: &Superblock, recorded_free: u64, report: &mut 
         let detail = format!("free index has {} blocks, extents leave {expected_free}", state.alloc.free_blocks());
         report.problems.push(problem("free-space", detail, true));
     }
-    if recorded_free != state.alloc.free_blocks() {
-        let detail = format!("recorded free count {recorded_free}, computed {}", state.alloc.free_blocks());
+    let computed_free = state.alloc.free_blocks() + sb.free_count_checkpoint_blocks();
+    if recorded_free != computed_free {
+        let detail = format!("recorded free count {recorded_free}, computed {computed_free}");
         report.problems.push(problem("free-count", detail, true));
     }
     for node in state.nodes() {

@@ -23,8 +23,8 @@ use std::rc::Rc;
 
 use super::codec::{Reader, Writer};
 use super::format::{
-    crc, BlockRun, Superblock, SuperblockError, BLOCK_BYTES, BLOCK_SIZE, CHECKPOINT_EXTENTS_MAX, JOURNAL_FIRST_BLOCK,
-    SUPERBLOCK_SLOTS,
+    crc, BlockRun, Superblock, SuperblockError, BLOCK_BYTES, BLOCK_SIZE, CHECKPOINT_EXTENTS_MAX,
+    FEATURE_FREE_COUNT_HOLDS_CHECKPOINT, JOURNAL_FIRST_BLOCK, SUPERBLOCK_SLOTS,
 };
 use super::record::{decode_all, Record};
 use super::state::{ApplyMode, State};
@@ -352,11 +352,17 @@ fn take_pending(fs: &FsInner, force_checkpoint: bool) -> Taken {
     w.bytes(&std::mem::take(&mut j.pending).buf);
     let frees = std::mem::take(&mut state.pending_free);
     let freed: u64 = frees.iter().map(|r| r.len).sum();
-    let free_after = state.alloc.free_blocks() + freed + j.reserved_unmapped;
+    let held: u64 = j.deferred_free.iter().map(|r| r.len).sum();
+    let checkpoint = fs.sb.borrow().free_count_checkpoint_blocks();
+    let free_after = state.alloc.free_blocks() + freed + held + j.reserved_unmapped + checkpoint;
     let tx_blocks = tx_blocks_for(w.buf.len());
     let used = j.head - fs.sb.borrow().journal_start;
     let fits = used + tx_blocks <= fs.sb.borrow().journal_blocks;
     let snapshot = (force_checkpoint || !fits).then(|| {
+        // A whole checkpoint replaces one being written in pieces.
+        if j.sliced.take().is_some() {
+            state.abort_snapshot();
+        }
         state.start_snapshot();
         state.snapshot_step(usize::MAX);
         state.finish_snapshot()
@@ -380,10 +386,13 @@ fn restore(fs: &FsInner, taken: Taken) {
 
 fn finish(fs: &FsInner, taken: &Taken) {
     let mut state = fs.state.borrow_mut();
-    for run in &taken.frees {
-        state.alloc.free(*run);
-    }
     let mut j = fs.journal.borrow_mut();
+    for run in &taken.frees {
+        match j.sliced {
+            Some(_) => j.deferred_free.push(*run),
+            None => state.alloc.free(*run),
+        }
+    }
     j.committed_ops = j.committed_ops.max(taken.ops);
     j.flushed_data_writes = j.flushed_data_writes.max(taken.data_writes);
 }
@@ -434,6 +443,11 @@ pub(crate) async fn checkpoint(fs: &Rc<FsInner>) -> FsResult<()> {
 
 async fn commit_locked(fs: &Rc<FsInner>, force_checkpoint: bool) -> FsResult<()> {
     let taken = take_pending(fs, force_checkpoint);
+    commit_taken(fs, taken).await
+}
+
+/// Write what [`take_pending`] took: a transaction, or a whole checkpoint.
+async fn commit_taken(fs: &Rc<FsInner>, taken: Taken) -> FsResult<()> {
     let data_unflushed = fs.journal.borrow().flushed_data_writes < taken.data_writes;
     if taken.is_empty() {
         if data_unflushed {
@@ -450,7 +464,13 @@ async fn commit_locked(fs: &Rc<FsInner>, force_checkpoint: bool) -> FsResult<()>
             fs.flush_device().await?;
         }
         match &taken.snapshot {
-            Some(snapshot) => write_checkpoint(fs, snapshot, taken.free_after).await,
+            Some(snapshot) => {
+                let start = {
+                    let j = fs.journal.borrow();
+                    (j.head, j.seq)
+                };
+                write_checkpoint(fs, snapshot, taken.free_after, start).await
+            }
             None => write_transaction(fs, &taken).await,
         }
     }
@@ -536,13 +556,26 @@ fn alloc_checkpoint(fs: &FsInner, mut blocks: u64) -> FsResult<Vec<BlockRun>> {
     Ok(runs)
 }
 
-async fn write_checkpoint(fs: &FsInner, snapshot: &[u8], free_at_snapshot: u64) -> FsResult<()> {
+/// Write `snapshot`, the state as it was at journal position `start`
+/// (logical block, sequence), and a superblock that points at it with
+/// replay starting there. Then the old checkpoint's blocks, and any frees
+/// held for the checkpoint, go back to the allocator.
+async fn write_checkpoint(fs: &FsInner, snapshot: &[u8], free_at_snapshot: u64, start: (u64, u64)) -> FsResult<()> {
     let old = fs.sb.borrow().clone();
     let total = 8 + snapshot.len();
     let blocks = total.div_ceil(CP_PAYLOAD_PER_BLOCK).max(1) as u64;
-    let runs = alloc_checkpoint(fs, blocks)?;
-    let old_blocks: u64 = old.checkpoint_extents.iter().map(|r| r.len).sum();
-    let recorded_free = free_at_snapshot + old_blocks - blocks;
+    let runs = match alloc_checkpoint(fs, blocks) {
+        Ok(runs) => runs,
+        Err(e) => {
+            release_held_frees(fs);
+            return Err(e);
+        }
+    };
+    let recorded_free = if old.features & FEATURE_FREE_COUNT_HOLDS_CHECKPOINT != 0 {
+        free_at_snapshot
+    } else {
+        free_at_snapshot + old.checkpoint_blocks() - blocks
+    };
     let mut payload = Vec::with_capacity(total);
     payload.extend_from_slice(&recorded_free.to_le_bytes());
     payload.extend_from_slice(snapshot);
@@ -552,10 +585,7 @@ async fn write_checkpoint(fs: &FsInner, snapshot: &[u8], free_at_snapshot: u64) 
         Ok(()) => {
             let mut sb = old.clone();
             sb.generation += 1;
-            (sb.journal_start, sb.journal_seq) = {
-                let j = fs.journal.borrow();
-                (j.head, j.seq)
-            };
+            (sb.journal_start, sb.journal_seq) = start;
             sb.checkpoint_seq = seq;
             sb.checkpoint_bytes = payload.len() as u64;
             sb.checkpoint_extents = runs.clone();
@@ -564,7 +594,7 @@ async fn write_checkpoint(fs: &FsInner, snapshot: &[u8], free_at_snapshot: u64) 
         Err(e) => Err(e),
     };
     let mut state = fs.state.borrow_mut();
-    match result {
+    let result = match result {
         Ok(sb) => {
             for r in &old.checkpoint_extents {
                 state.alloc.free(*r);
@@ -578,8 +608,24 @@ async fn write_checkpoint(fs: &FsInner, snapshot: &[u8], free_at_snapshot: u64) 
             for r in runs {
                 state.alloc.free(r);
             }
+            drop(state);
             Err(e)
         }
+    };
+    release_held_frees(fs);
+    result
+}
+
+/// Frees held for a checkpoint in pieces go back to the allocator once
+/// none is in progress (it landed, failed or was replaced).
+fn release_held_frees(fs: &FsInner) {
+    let mut j = fs.journal.borrow_mut();
+    if j.sliced.is_some() {
+        return;
+    }
+    let mut state = fs.state.borrow_mut();
+    for run in j.deferred_free.drain(..) {
+        state.alloc.free(run);
     }
 }
 
@@ -616,27 +662,103 @@ async fn write_superblock(fs: &FsInner, sb: &Superblock) -> FsResult<()> {
     fs.flush_device().await
 }
 
+fn ring_half_used(fs: &FsInner) -> bool {
+    let used = fs.journal.borrow().head - fs.sb.borrow().journal_start;
+    used * 2 >= fs.sb.borrow().journal_blocks
+}
+
+/// Give up the checkpoint being written in pieces, if any, so that the
+/// frees held for it are usable now: for a writer that found no space.
+/// Its first transaction stays committed; the next checkpoint starts over.
+pub(crate) fn abandon_checkpoint_in_pieces(fs: &FsInner) {
+    if fs.journal.borrow_mut().sliced.take().is_some() {
+        fs.state.borrow_mut().abort_snapshot();
+        release_held_frees(fs);
+    }
+}
+
+/// Whether a checkpoint is being written in pieces (for tests).
+pub(crate) fn checkpoint_in_pieces(fs: &FsInner) -> bool {
+    fs.journal.borrow().sliced.is_some()
+}
+
 /// Start a checkpoint in the background once the ring is half used.
 fn maybe_schedule_checkpoint(fs: &Rc<FsInner>) {
-    let used = fs.journal.borrow().head - fs.sb.borrow().journal_start;
-    if used * 2 < fs.sb.borrow().journal_blocks || fs.unmounted.get() {
+    if !ring_half_used(fs) || fs.unmounted.get() {
         return;
+    }
+    if fs.journal.borrow().sliced.is_some() {
+        return; // one is being written
     }
     let weak = Rc::downgrade(fs);
     reactor::spawn_local(async move {
         let Some(fs) = weak.upgrade() else { return };
+        // Failure leaves the journal as it was; the next commit that does
+        // not fit retries, and reports the error to its caller.
+        let _ = scheduled_checkpoint(&fs, true).await;
+    });
+}
+
+/// A checkpoint in pieces now, whatever the journal's use.
+pub(crate) async fn checkpoint_in_pieces_now(fs: &Rc<FsInner>) -> FsResult<()> {
+    scheduled_checkpoint(fs, false).await
+}
+
+/// The checkpoint a half-full ring asks for. On a filesystem whose free
+/// counts leave the checkpoint out, it is written in pieces while
+/// requests and commits go on (ARCHITECTURE, "Metadata at scale"):
+/// 1. with the commit lock, pending records commit as a transaction, and
+///    a snapshot of the state as it is after them starts in the same
+///    synchronous step; the journal position after that transaction is
+///    where the new checkpoint's replay will start;
+/// 2. without the lock, the snapshot is encoded a piece at a time;
+/// 3. with the lock, it is written, and the superblock moves the
+///    journal's start to that position.
+///
+/// A whole checkpoint (unmount, a transaction that does not fit) meanwhile
+/// replaces this one, which then stops.
+async fn scheduled_checkpoint(fs: &Rc<FsInner>, only_if_half_used: bool) -> FsResult<()> {
+    let (epoch, start, free_at_start) = {
         let _guard = fs.commit_lock.lock().await;
         // Unmount may have come first: it checkpointed, and nothing may
         // touch the device after it returns (found by the request fuzzer:
         // a checkpoint scheduled by the last commit ran after unmount,
         // under the feet of an fsck).
-        if fs.unmounted.get() {
-            return;
+        if fs.unmounted.get() || fs.journal.borrow().sliced.is_some() || (only_if_half_used && !ring_half_used(fs)) {
+            return Ok(());
         }
-        // Failure leaves the journal as it was; the next commit that does
-        // not fit retries, and reports the error to its caller.
-        let _ = commit_locked(&fs, true).await;
-    });
+        let in_pieces = fs.sb.borrow().features & FEATURE_FREE_COUNT_HOLDS_CHECKPOINT != 0;
+        let taken = take_pending(fs, !in_pieces);
+        if taken.snapshot.is_some() {
+            return commit_taken(fs, taken).await; // whole, as asked or as needed
+        }
+        let free_at_start = taken.free_after;
+        let epoch = fs.state.borrow_mut().start_snapshot();
+        if let Err(e) = commit_taken(fs, taken).await {
+            fs.state.borrow_mut().abort_snapshot();
+            return Err(e);
+        }
+        let mut j = fs.journal.borrow_mut();
+        j.sliced = Some(epoch);
+        (epoch, (j.head, j.seq), free_at_start)
+    };
+    let still_ours = || fs.journal.borrow().sliced == Some(epoch) && !fs.unmounted.get();
+    loop {
+        if !still_ours() {
+            return Ok(());
+        }
+        if fs.state.borrow_mut().snapshot_step(fs.config.checkpoint_piece_nodes.max(1)) {
+            break;
+        }
+        reactor::next_tick().await;
+    }
+    let _guard = fs.commit_lock.lock().await;
+    if !still_ours() {
+        return Ok(());
+    }
+    let snapshot = fs.state.borrow_mut().finish_snapshot();
+    fs.journal.borrow_mut().sliced = None;
+    write_checkpoint(fs, &snapshot, free_at_start, start).await
 }
 
 /// Commit pending changes every `commit_interval`.

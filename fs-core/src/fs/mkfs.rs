@@ -1,8 +1,8 @@
 //! Making a new filesystem.
 
 use super::format::{
-    Inode, Superblock, BLOCK_BYTES, BLOCK_SIZE, JOURNAL_BLOCKS_MAX, JOURNAL_FIRST_BLOCK, ROOT_INO, SUPERBLOCK_SLOTS,
-    S_IFDIR, TOTAL_BLOCKS_MAX,
+    Inode, Superblock, BLOCK_BYTES, BLOCK_SIZE, FEATURE_FREE_COUNT_HOLDS_CHECKPOINT, JOURNAL_BLOCKS_MAX,
+    JOURNAL_FIRST_BLOCK, ROOT_INO, SUPERBLOCK_SLOTS, S_IFDIR, TOTAL_BLOCKS_MAX,
 };
 use super::journal;
 use super::{Fs, FsConfig, FsError};
@@ -76,7 +76,7 @@ pub async fn mkfs(dev: DeviceChannel, options: &MkfsOptions) -> Result<Superbloc
     }
     let sb = Superblock {
         uuid: random_uuid()?,
-        features: 0,
+        features: FEATURE_FREE_COUNT_HOLDS_CHECKPOINT,
         generation: 0,
         total_blocks,
         journal_blocks,

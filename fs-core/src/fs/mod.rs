@@ -76,6 +76,10 @@ pub struct FsConfig {
     pub atime: AtimeUpdates,
     /// Whether reading a directory moves its atime (false: nodiratime).
     pub dir_atime: bool,
+    /// Inodes a checkpoint encodes between two yields to the reactor:
+    /// what bounds the wait of a request behind it (a directory is
+    /// encoded whole, entries and all).
+    pub checkpoint_piece_nodes: usize,
 }
 
 /// Linux's atime mount modes, which the server applies under FUSE.
@@ -103,6 +107,7 @@ impl Default for FsConfig {
             read_only: false,
             atime: AtimeUpdates::Relative,
             dir_atime: true,
+            checkpoint_piece_nodes: 256,
         }
     }
 }
@@ -170,6 +175,13 @@ struct JournalState {
     /// Blocks promised to dirty cached pages over holes (delayed
     /// allocation): writeback will need them, so nothing else may take them.
     delalloc_reserved: u64,
+    /// The epoch of the checkpoint being encoded in pieces, if any.
+    sliced: Option<u32>,
+    /// While it is: runs freed by commits since its start, held back from
+    /// the allocator until a checkpoint lands, because its snapshot (the
+    /// state at its start) may still give them to a file and its own
+    /// blocks are allocated at the end.
+    deferred_free: Vec<format::BlockRun>,
 }
 
 pub(crate) struct FsInner {
@@ -451,9 +463,15 @@ impl Fs {
         Ok(state.node(ino).ok_or(FsError::NotFound)?.extents.len())
     }
 
+    /// Whether a checkpoint is being written in pieces now (for tests).
+    #[doc(hidden)]
+    pub fn checkpointing_in_pieces(&self) -> bool {
+        journal::checkpoint_in_pieces(&self.inner)
+    }
+
     /// Every block has at most one owner: a file's extent, the live
-    /// checkpoint, a free awaiting its commit, or the allocator's free
-    /// list. For tests and fuzzers that run the filesystem through many
+    /// checkpoint, a free awaiting its commit or a checkpoint, or the
+    /// allocator's free list. For tests and fuzzers that run the filesystem through many
     /// operations: a block with two owners is a corruption waiting for its
     /// next write. Linear in extents and free runs.
     pub fn check_block_ownership(&self) -> Result<(), String> {
@@ -467,6 +485,8 @@ impl Fs {
         }
         owned.extend(sb.checkpoint_extents.iter().map(|r| (r.start, r.len, "the checkpoint".to_string())));
         owned.extend(state.pending_free.iter().map(|r| (r.start, r.len, "a pending free".to_string())));
+        let deferred = &self.inner.journal.borrow().deferred_free;
+        owned.extend(deferred.iter().map(|r| (r.start, r.len, "a free held for a checkpoint".to_string())));
         owned.extend(state.alloc.free_runs().iter().map(|r| (r.start, r.len, "the free list".to_string())));
         owned.sort_by_key(|o| o.0);
         for pair in owned.windows(2) {
@@ -493,6 +513,16 @@ impl Fs {
         }
         self.writeback_all().await?;
         journal::sync(&self.inner).await
+    }
+
+    /// Write a checkpoint in pieces now, as a half-full journal does,
+    /// letting other tasks run between the pieces (whole on images
+    /// without the free-count feature, or when a whole one replaces it).
+    pub async fn checkpoint_in_pieces(&self) -> FsResult<()> {
+        if self.read_only() {
+            return Err(FsError::ReadOnly);
+        }
+        journal::checkpoint_in_pieces_now(&self.inner).await
     }
 
     /// Write a checkpoint now (normally triggered by journal usage).
@@ -549,6 +579,8 @@ impl Fs {
                     flushed_data_writes: 0,
                     reserved_unmapped: 0,
                     delalloc_reserved: 0,
+                    sliced: None,
+                    deferred_free: Vec::new(),
                 }),
                 handles: RefCell::new(crate::units::IdMap::default()),
                 next_handle: Cell::new(1),

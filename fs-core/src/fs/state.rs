@@ -289,7 +289,8 @@ impl State {
     ///
     /// # Panics
     /// If one is in progress.
-    pub fn start_snapshot(&mut self) {
+    /// Returns the snapshot's epoch, which names it.
+    pub fn start_snapshot(&mut self) -> u32 {
         assert!(self.snapshot.is_none(), "one snapshot at a time");
         if self.epoch == u32::MAX {
             // Once in 2^32 snapshots: no node may keep an epoch the new
@@ -304,6 +305,7 @@ impl State {
         let mut inodes = Writer::new();
         Record::NextIno { next: self.next_ino }.encode(&mut inodes);
         self.snapshot = Some(Snapshot { epoch: self.epoch, to_visit, inodes, entries: Writer::new() });
+        self.epoch
     }
 
     /// Encode up to `nodes` more nodes of the snapshot in progress. True
