@@ -245,6 +245,25 @@ def metadata_tables(path):
             f"| {num(serve.get('serve_to_mounted_s'))}, {num(serve.get('daemon_rss_bytes_per_file'), 0)} "
             f"| {num(serve.get('find_s'))} |"
         )
+    waits = [(files, rows[files]["metadata-fill"]) for files in sorted(k for k in rows if k)
+             if "checkpoint_in_pieces_longest_wait_ms" in rows[files].get("metadata-fill", {})]
+    if waits:
+        out += [
+            "",
+            "A checkpoint beside a task that asks for attributes in a loop: how long it took, and the "
+            "longest that task waited between two requests.",
+            "",
+            "| files | whole: s | whole: longest wait ms | in pieces: s | in pieces: longest wait ms "
+            "| **longest wait, pieces / whole** |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
+        for files, fill in waits:
+            whole, pieces = fill["checkpoint_longest_wait_ms"], fill["checkpoint_in_pieces_longest_wait_ms"]
+            ratio = f"**{pieces / whole:.4f}x**" if whole else "—"
+            out.append(
+                f"| {files:,} | {num(fill.get('checkpoint_s'))} | {num(whole, 1)} "
+                f"| {num(fill.get('checkpoint_in_pieces_s'))} | {num(pieces, 1)} | {ratio} |"
+            )
     return "\n".join(out)
 
 

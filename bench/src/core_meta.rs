@@ -3,19 +3,24 @@
 //! each resident-set figure is that phase's alone:
 //!
 //! - `metadata-fill`: mkfs, N empty files in directories of
-//!   [`FILES_PER_DIR`] with names of about 35 bytes, a checkpoint, and an
-//!   unmount; reports the create rate, checkpoint time and size, and the
-//!   resident memory the files added;
+//!   [`FILES_PER_DIR`] with names of about 35 bytes, a whole checkpoint
+//!   and one in pieces, each beside a task that asks for attributes in a
+//!   loop, and an unmount; reports the create rate, each checkpoint's
+//!   time and the longest the other task waited, the checkpoint's size,
+//!   and the resident memory the files added;
 //! - `metadata-mount`: mount that image (read-only: nothing is written),
 //!   report the mount time and resident memory.
 //!
 //! bench/run-metadata.sh runs both, then fsck and a mount through
 //! keelfsd, at 1M and 10M files.
 
-use std::time::Instant;
+use std::cell::Cell;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
 
 use keelfs_core::fs::format::ROOT_INO;
 use keelfs_core::fs::{Creds, Fs};
+use keelfs_core::reactor;
 use serde_json::json;
 
 /// Entries per directory: a tree of many mid-sized directories, as a
@@ -53,9 +58,8 @@ pub async fn fill(fs: &Fs, files: u64) -> anyhow::Result<serde_json::Value> {
         }
     }
     let fill_s = started.elapsed().as_secs_f64();
-    let checkpoint_started = Instant::now();
-    fs.checkpoint().await?;
-    let checkpoint_s = checkpoint_started.elapsed().as_secs_f64();
+    let (checkpoint_s, whole_wait_s) = checkpoint_beside_requests(fs, false).await?;
+    let (pieces_s, pieces_wait_s) = checkpoint_beside_requests(fs, true).await?;
     let rss_full = rss_bytes();
     let checkpoint_bytes = fs.superblock().checkpoint_bytes;
     fs.unmount().await?;
@@ -67,12 +71,49 @@ pub async fn fill(fs: &Fs, files: u64) -> anyhow::Result<serde_json::Value> {
         "directories": dirs,
         "files_created_per_s": (files as f64 / fill_s).round(),
         "checkpoint_s": (checkpoint_s * 1000.0).round() / 1000.0,
+        "checkpoint_longest_wait_ms": (whole_wait_s * 1e4).round() / 10.0,
+        "checkpoint_in_pieces_s": (pieces_s * 1000.0).round() / 1000.0,
+        "checkpoint_in_pieces_longest_wait_ms": (pieces_wait_s * 1e4).round() / 10.0,
         "checkpoint_bytes": checkpoint_bytes,
         "checkpoint_bytes_per_file": per_file(checkpoint_bytes),
         "rss_empty_mib": rss_empty >> 20,
         "rss_full_mib": rss_full >> 20,
         "rss_bytes_per_file": per_file(rss_full.saturating_sub(rss_empty)),
     }))
+}
+
+/// A checkpoint (whole, or in pieces) while another task asks for the
+/// root's attributes in a loop, as a guest's requests would: seconds the
+/// checkpoint took, and the longest the other task waited between two of
+/// its requests.
+async fn checkpoint_beside_requests(fs: &Fs, in_pieces: bool) -> anyhow::Result<(f64, f64)> {
+    let stop = Rc::new(Cell::new(false));
+    let longest = Rc::new(Cell::new(Duration::ZERO));
+    let prober = {
+        let (fs, stop, longest) = (fs.clone(), stop.clone(), longest.clone());
+        async move {
+            let mut last = Instant::now();
+            while !stop.get() {
+                let _ = fs.getattr(ROOT_INO).await;
+                reactor::yield_now().await;
+                let now = Instant::now();
+                longest.set(longest.get().max(now - last));
+                last = now;
+            }
+        }
+    };
+    reactor::spawn_local(prober);
+    reactor::yield_now().await;
+    let started = Instant::now();
+    if in_pieces {
+        fs.checkpoint_in_pieces().await?;
+    } else {
+        fs.checkpoint().await?;
+    }
+    let took = started.elapsed().as_secs_f64();
+    stop.set(true);
+    reactor::yield_now().await;
+    Ok((took, longest.get().as_secs_f64()))
 }
 
 /// What mounting the image cost: time (load and replay) and memory.
