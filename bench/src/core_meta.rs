@@ -103,7 +103,9 @@ async fn checkpoint_beside_requests(fs: &Fs, in_pieces: bool) -> anyhow::Result<
         }
     };
     reactor::spawn_local(prober);
-    reactor::yield_now().await;
+    // Spawned tasks join at the next tick: let the prober start first.
+    reactor::next_tick().await;
+    reactor::next_tick().await;
     let started = Instant::now();
     if in_pieces {
         fs.checkpoint_in_pieces().await?;

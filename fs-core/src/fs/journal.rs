@@ -27,7 +27,7 @@ use super::format::{
     FEATURE_FREE_COUNT_HOLDS_CHECKPOINT, JOURNAL_FIRST_BLOCK, SUPERBLOCK_SLOTS,
 };
 use super::record::{decode_all, Record};
-use super::state::{ApplyMode, State};
+use super::state::{ApplyMode, SnapshotBytes, State};
 use super::{FsError, FsInner, FsResult};
 use crate::bdev::AlignedBuf;
 use crate::reactor;
@@ -311,7 +311,7 @@ struct Taken {
     frees: Vec<BlockRun>,
     free_after: u64,
     /// The whole state, when this commit is a checkpoint.
-    snapshot: Option<Vec<u8>>,
+    snapshot: Option<SnapshotBytes>,
 }
 
 impl Taken {
@@ -560,7 +560,12 @@ fn alloc_checkpoint(fs: &FsInner, mut blocks: u64) -> FsResult<Vec<BlockRun>> {
 /// (logical block, sequence), and a superblock that points at it with
 /// replay starting there. Then the old checkpoint's blocks, and any frees
 /// held for the checkpoint, go back to the allocator.
-async fn write_checkpoint(fs: &FsInner, snapshot: &[u8], free_at_snapshot: u64, start: (u64, u64)) -> FsResult<()> {
+async fn write_checkpoint(
+    fs: &FsInner,
+    snapshot: &SnapshotBytes,
+    free_at_snapshot: u64,
+    start: (u64, u64),
+) -> FsResult<()> {
     let old = fs.sb.borrow().clone();
     let total = 8 + snapshot.len();
     let blocks = total.div_ceil(CP_PAYLOAD_PER_BLOCK).max(1) as u64;
@@ -576,18 +581,17 @@ async fn write_checkpoint(fs: &FsInner, snapshot: &[u8], free_at_snapshot: u64, 
     } else {
         free_at_snapshot + old.checkpoint_blocks() - blocks
     };
-    let mut payload = Vec::with_capacity(total);
-    payload.extend_from_slice(&recorded_free.to_le_bytes());
-    payload.extend_from_slice(snapshot);
+    let recorded = recorded_free.to_le_bytes();
+    let payload = [&recorded[..], &snapshot.inodes, &snapshot.entries];
     let seq = old.checkpoint_seq + 1;
-    let result = write_checkpoint_blocks(fs, &runs, &payload, seq).await;
+    let result = write_checkpoint_blocks(fs, &runs, payload, seq).await;
     let result = match result {
         Ok(()) => {
             let mut sb = old.clone();
             sb.generation += 1;
             (sb.journal_start, sb.journal_seq) = start;
             sb.checkpoint_seq = seq;
-            sb.checkpoint_bytes = payload.len() as u64;
+            sb.checkpoint_bytes = total as u64;
             sb.checkpoint_extents = runs.clone();
             write_superblock(fs, &sb).await.map(|()| sb)
         }
@@ -629,29 +633,63 @@ fn release_held_frees(fs: &FsInner) {
     }
 }
 
-async fn write_checkpoint_blocks(fs: &FsInner, runs: &[BlockRun], payload: &[u8], seq: u64) -> FsResult<()> {
-    let mut chunks = payload.chunks(CP_PAYLOAD_PER_BLOCK);
-    let mut index = 0u32;
+/// Blocks of checkpoint written per device request: each is formatted
+/// (headers and checksums) between two awaits, so the reactor serves
+/// requests between them.
+const CHECKPOINT_WRITE_BLOCKS: u64 = 256;
+
+async fn write_checkpoint_blocks(fs: &FsInner, runs: &[BlockRun], payload: [&[u8]; 3], seq: u64) -> FsResult<()> {
+    let mut source = Chained { parts: payload, part: 0, at: 0 };
+    let (mut index, mut written) = (0u32, 0usize);
     for run in runs {
-        let mut buf = AlignedBuf::zeroed(run.len as usize * BLOCK_BYTES, BLOCK_BYTES);
-        for b in 0..run.len as usize {
-            let chunk = chunks.next().unwrap_or(&[]);
-            let block = &mut buf[b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES];
-            let mut w = Writer::new();
-            w.u32(CHECKPOINT_BLOCK_MAGIC);
-            w.u32(0);
-            w.u64(seq);
-            w.u32(index);
-            w.u32(chunk.len() as u32);
-            block[..CP_HEADER_BYTES].copy_from_slice(&w.buf);
-            block[CP_HEADER_BYTES..CP_HEADER_BYTES + chunk.len()].copy_from_slice(chunk);
-            let sum = crc(&block[8..]);
-            block[4..8].copy_from_slice(&sum.to_le_bytes());
-            index += 1;
+        let mut done = 0;
+        while done < run.len {
+            let n = (run.len - done).min(CHECKPOINT_WRITE_BLOCKS);
+            let mut buf = AlignedBuf::zeroed(n as usize * BLOCK_BYTES, BLOCK_BYTES);
+            for block in buf.chunks_mut(BLOCK_BYTES) {
+                let len = source.fill(&mut block[CP_HEADER_BYTES..]);
+                written += len;
+                let mut w = Writer::new();
+                w.u32(CHECKPOINT_BLOCK_MAGIC);
+                w.u32(0);
+                w.u64(seq);
+                w.u32(index);
+                w.u32(len as u32);
+                block[..CP_HEADER_BYTES].copy_from_slice(&w.buf);
+                let sum = crc(&block[8..]);
+                block[4..8].copy_from_slice(&sum.to_le_bytes());
+                index += 1;
+            }
+            fs.write_blocks(run.start + done, buf).await?;
+            done += n;
         }
-        fs.write_blocks(run.start, buf).await?;
     }
+    debug_assert_eq!(written, payload.iter().map(|p| p.len()).sum::<usize>(), "the whole payload written");
     fs.flush_device().await
+}
+
+/// Byte slices read as one, without joining them.
+struct Chained<'a> {
+    parts: [&'a [u8]; 3],
+    part: usize,
+    at: usize,
+}
+
+impl Chained<'_> {
+    /// Copy the next bytes into `out`, as many as fit; returns how many.
+    fn fill(&mut self, out: &mut [u8]) -> usize {
+        let mut filled = 0;
+        while filled < out.len() && self.part < self.parts.len() {
+            let rest = &self.parts[self.part][self.at..];
+            let n = rest.len().min(out.len() - filled);
+            out[filled..filled + n].copy_from_slice(&rest[..n]);
+            (filled, self.at) = (filled + n, self.at + n);
+            if self.at == self.parts[self.part].len() {
+                (self.part, self.at) = (self.part + 1, 0);
+            }
+        }
+        filled
+    }
 }
 
 async fn write_superblock(fs: &FsInner, sb: &Superblock) -> FsResult<()> {
