@@ -6,6 +6,8 @@
 //!   reactors.
 //! - [`reactor`]: the per-core, single-threaded polling runtime that drives
 //!   block devices, timers, a lock-free inbox and other pollable sources.
+//! - [`fs`]: the filesystem: in-memory metadata with a journal and
+//!   checkpoints, the page cache, and the data paths.
 
 pub mod bdev;
 pub mod fs;

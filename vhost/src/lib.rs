@@ -1,11 +1,16 @@
 //! keelfs-vhost: the FUSE protocol, the virtio-fs vhost-user backend and the
 //! /dev/fuse transport over keelfs-core.
 //!
-//! So far: the wire protocol ([`fuse::abi`]), typed requests
-//! ([`fuse::request`]), the dispatcher over fs-core ([`fuse::dispatch`])
-//! and the /dev/fuse transport ([`fuse::dev_fuse`]), and serving requests
-//! from virtqueue descriptor chains ([`virtio`]). Wiring that to the
-//! vhost-user protocol (vhost-user-backend) is the next step (issue 5).
+//! - [`fuse`]: the wire protocol ([`fuse::abi`]), typed requests
+//!   ([`fuse::request`]), the dispatcher over fs-core ([`fuse::dispatch`])
+//!   with its per-opcode counters, and the /dev/fuse transport
+//!   ([`fuse::dev_fuse`]);
+//! - [`virtio`]: serving FUSE requests from virtqueue descriptor chains,
+//!   with READ and WRITE using the guest's pages in place ([`guest_io`]);
+//! - [`vhost_user`]: the virtio-fs device on vhost-user-backend, its
+//!   queues polled by the reactors, and [`socket`] for its listener;
+//! - [`frontend`]: a vhost-user-fs frontend that plays VMM and guest, for
+//!   the tests and keelfs-bench.
 
 pub mod frontend;
 pub mod guest_io;

@@ -6,7 +6,7 @@
 //!   A read that finds every page cached takes no lock at all, so it never
 //!   waits for writers; a read that misses takes a shared range lock.
 //! - Direct reads and writes move data between the caller's buffer (guest
-//!   memory, later) and the device with no copy. An overwrite of written
+//!   pages, on the vhost-user path) and the device with no copy. An overwrite of written
 //!   blocks takes a *shared* range lock and logs nothing: no transaction,
 //!   no record, only the in-memory mtime. A write into holes or past the
 //!   end allocates unwritten extents, submits at once, and converts the
