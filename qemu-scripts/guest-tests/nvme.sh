@@ -295,7 +295,7 @@ if start_serve serve; then
     # and direct I/O moves between it and the device with no copy.
     if run 120 /tmp/vhost-dma.out keelfs-bench vhost --socket /tmp/k.sock --workload dio-randrw \
       --seconds 3 --file-size 64M --json; then
-      if grep -q "keelfs nvme: [1-9][0-9]* guest memory region(s), .* mapped for DMA" "$serve_log"; then
+      if grep -q "NVMe: [1-9][0-9]* guest memory region(s), .* mapped for DMA" "$serve_log"; then
         grep "guest memory region(s)" "$serve_log" | head -n 3 | sed 's/^/  /'
         pass "vhost-dma: direct I/O from vhost-user guest memory, mapped into the IOMMU"
       else
@@ -308,7 +308,7 @@ if start_serve serve; then
     # The queue's counters, printed when it closed: direct I/O from the
     # frontend's memory went by DMA, not through the bounce buffers.
     if grep -q "closed: [1-9][0-9]* requests by DMA to caller memory" "$serve_log"; then
-      grep "I/O queue .* closed" "$serve_log" | sed 's/^/  /'
+      grep "NVMe I/O queue .* closed" "$serve_log" | sed 's/^/  /'
       pass "vhost-dma-zero-copy: guest memory reached the controller without a copy"
     else
       fail "vhost-dma-zero-copy: no request went by DMA to guest memory" "$serve_log"

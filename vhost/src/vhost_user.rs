@@ -234,7 +234,7 @@ impl VhostUserBackend for FsBackend {
             let regions = guest_regions(&mem.memory());
             // Failure is not fatal: requests to unmapped memory are copied.
             if let Err(e) = dma.set_dma_memory(&regions) {
-                eprintln!("keelfs: guest memory stays unmapped for DMA (I/O is copied instead): {e}");
+                tracing::warn!("guest memory stays unmapped for DMA (I/O is copied instead): {e}");
             }
         }
         Ok(())
@@ -543,7 +543,7 @@ fn accept_loop(
         let mut daemon = match VhostUserDaemon::new("keelfs".into(), backend, mem) {
             Ok(daemon) => daemon,
             Err(e) => {
-                eprintln!("keelfs: vhost-user: {e}");
+                tracing::error!("vhost-user: {e}");
                 return;
             }
         };
@@ -557,15 +557,15 @@ fn accept_loop(
                     Ok(())
                     | Err(vhost_user_backend::Error::HandleRequest(
                         vhost::vhost_user::Error::Disconnected | vhost::vhost_user::Error::PartialMessage,
-                    )) => eprintln!("keelfs: vhost-user frontend disconnected"),
-                    Err(e) => eprintln!("keelfs: vhost-user frontend dropped after an error: {e}"),
+                    )) => tracing::info!("vhost-user frontend disconnected"),
+                    Err(e) => tracing::warn!("vhost-user frontend dropped after an error: {e}"),
                 }
                 *active.lock().unwrap_or_else(|e| e.into_inner()) = None;
             }
             Ok(()) => daemon.request_shutdown(),
             // After stop(), accept fails by design (see stop_accepting).
             Err(_) if stopping.load(Ordering::Acquire) => {}
-            Err(e) => eprintln!("keelfs: vhost-user accept: {e}"),
+            Err(e) => tracing::error!("vhost-user accept: {e}"),
         }
         for handler in daemon.get_epoll_handlers() {
             handler.send_exit_event();

@@ -290,7 +290,7 @@ impl Controller {
 impl Drop for Controller {
     fn drop(&mut self) {
         if let Err(e) = self.shutdown() {
-            eprintln!("keelfs nvme: {e}");
+            tracing::warn!("NVMe controller shutdown: {e}");
         }
         self.pci.disable_bus_master();
     }

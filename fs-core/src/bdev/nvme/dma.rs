@@ -166,7 +166,7 @@ impl DmaRegistry {
         let m = state.mappings.remove(at);
         if let Err(reason) = self.mapper.unmap(m.iova, m.len) {
             // The memory stays pinned by the kernel; nothing unsafe follows.
-            eprintln!("keelfs nvme: IOMMU unmap of {:#x}+{:#x} failed: {reason}", m.iova, m.len);
+            tracing::warn!("IOMMU unmap of {:#x}+{:#x} failed: {reason}", m.iova, m.len);
         }
         if !m.guest && m.iova_end() == state.internal_next {
             state.internal_next = m.iova;

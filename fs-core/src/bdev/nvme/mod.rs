@@ -268,16 +268,16 @@ impl BlockDevice for NvmeDevice {
         // mapped until a later call drops it, and accesses guest memory only
         // through raw pointers and volatile copies.
         unsafe { self.shared.registry.set_guest(regions) }.map_err(|e| {
-            eprintln!("keelfs nvme: {e}");
+            tracing::error!("mapping guest memory into the IOMMU failed: {e}");
             BdevError::Setup { step: "map guest memory into the IOMMU", errno: libc::EINVAL }
         })?;
         let guest: Vec<dma::Mapping> = self.shared.registry.mappings().into_iter().filter(|m| m.guest).collect();
         if guest.is_empty() {
-            eprintln!("keelfs nvme: no guest memory mapped for DMA");
+            tracing::info!("NVMe: no guest memory mapped for DMA");
             return Ok(());
         }
-        eprintln!(
-            "keelfs nvme: {} guest memory region(s), {} MiB, mapped for DMA at IOVA {:#x} + guest address",
+        tracing::info!(
+            "NVMe: {} guest memory region(s), {} MiB, mapped for DMA at IOVA {:#x} + guest address",
             guest.len(),
             guest.iter().map(|m| m.len).sum::<u64>() >> 20,
             GUEST_IOVA_BASE

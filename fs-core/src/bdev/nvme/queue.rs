@@ -102,8 +102,6 @@ pub struct NvmeQueue {
     prp: Vec<u64>,
     /// Registered buffer pools, mapped for DMA while this queue lives.
     pools: Vec<(usize, Arc<AlignedBuf>)>,
-    /// KEELFS_NVME_TRACE set: print every command and completion.
-    trace: bool,
     pub counters: QueueCounters,
 }
 
@@ -138,7 +136,7 @@ impl NvmeQueue {
         })?;
         if let Err(e) = controller.create_io_queue(qid, entries, mem.iova(), mem.iova() + cq_offset as u64) {
             controller.release_qid(qid);
-            eprintln!("keelfs nvme: {e}");
+            tracing::error!(queue = qid, "creating an NVMe I/O queue pair failed: {e}");
             return Err(BdevError::Setup { step: "create NVMe I/O queue pair", errno: libc::EIO });
         }
         let (sq_doorbell, cq_doorbell) = controller.doorbells(qid);
@@ -173,7 +171,6 @@ impl NvmeQueue {
             segments: Vec::with_capacity(crate::bdev::MAX_IOVECS_PER_REQUEST as usize),
             prp: Vec::with_capacity(512),
             pools: Vec::new(),
-            trace: std::env::var_os("KEELFS_NVME_TRACE").is_some(),
             counters: QueueCounters::default(),
             shared,
         };
@@ -253,18 +250,17 @@ impl NvmeQueue {
             let sq = self.mem.as_ptr().cast::<Command>();
             std::ptr::write_volatile(sq.add(usize::from(self.sq_tail)), command);
         }
-        if self.trace {
-            eprintln!(
-                "nvme trace q{} submit tail {} cid {cid} op {:#x} slba {:#x} nlb {} prp1 {:#x} prp2 {:#x}",
-                self.qid,
-                self.sq_tail,
-                command.opcode(),
-                u64::from(command.cdw10) | (u64::from(command.cdw11) << 32),
-                command.cdw12 & 0xffff,
-                command.prp1,
-                command.prp2
-            );
-        }
+        tracing::trace!(
+            queue = self.qid,
+            tail = self.sq_tail,
+            cid,
+            "submit op {:#x} slba {:#x} nlb {} prp1 {:#x} prp2 {:#x}",
+            command.opcode(),
+            u64::from(command.cdw10) | (u64::from(command.cdw11) << 32),
+            command.cdw12 & 0xffff,
+            command.prp1,
+            command.prp2
+        );
         self.sq_tail = (self.sq_tail + 1) % self.entries;
         self.doorbell_pending = true;
         self.counters.commands += 1;
@@ -335,12 +331,14 @@ impl NvmeQueue {
             fence(Ordering::Acquire);
             // SAFETY: as above.
             let entry = unsafe { std::ptr::read_volatile(slot) };
-            if self.trace {
-                eprintln!(
-                    "nvme trace q{} complete head {} cid {} status {:#x} sq_head {}",
-                    self.qid, self.cq_head, entry.cid, entry.status, entry.sq_head
-                );
-            }
+            tracing::trace!(
+                queue = self.qid,
+                head = self.cq_head,
+                cid = entry.cid,
+                "complete status {:#x} sq_head {}",
+                entry.status,
+                entry.sq_head
+            );
             reaped = true;
             self.cq_head += 1;
             if self.cq_head == self.entries {
@@ -349,7 +347,7 @@ impl NvmeQueue {
             }
             let cid = usize::from(entry.cid);
             if cid >= self.commands.len() || !self.commands[cid].busy {
-                eprintln!("keelfs nvme: queue {}: completion for idle command id {cid} ignored", self.qid);
+                tracing::warn!(queue = self.qid, cid, "NVMe completion for an idle command id ignored");
                 continue;
             }
             let command = &mut self.commands[cid];
@@ -446,7 +444,7 @@ impl NvmeQueue {
                 (self.sq_doorbell, self.cq_doorbell) = controller.doorbells(qid);
             }
             Err(e) => {
-                eprintln!("keelfs nvme: recreating I/O queue {qid} failed: {e}");
+                tracing::error!(queue = qid, "recreating an NVMe I/O queue failed: {e}");
                 controller.release_qid(qid);
                 self.dead = true;
             }
@@ -461,13 +459,13 @@ impl NvmeQueue {
             return;
         }
         self.counters.timeouts += 1;
-        eprintln!(
-            "keelfs nvme: queue {}: a command took longer than {} ms; resetting the controller",
-            self.qid,
+        tracing::warn!(
+            queue = self.qid,
+            "an NVMe command took longer than {} ms; resetting the controller",
             limit.as_millis()
         );
         if let Err(e) = self.shared.reset_controller(self.reset_generation) {
-            eprintln!("keelfs nvme: controller reset failed, the device is offline: {e}");
+            tracing::error!(queue = self.qid, "NVMe controller reset failed, the device is offline: {e}");
             self.fail_in_flight(BdevError::Io(libc::ETIMEDOUT));
             self.dead = true;
             return;
@@ -641,7 +639,7 @@ impl IoQueue for NvmeQueue {
                 Ok(())
             }
             Err(e) => {
-                eprintln!("keelfs nvme: buffer pool stays unmapped (bounced): {e}");
+                tracing::warn!(queue = self.qid, "NVMe buffer pool stays unmapped (its I/O is bounced): {e}");
                 Ok(())
             }
         }
@@ -654,16 +652,22 @@ impl Drop for NvmeQueue {
         let current = self.shared.reset_generation.load(Ordering::Acquire) == self.reset_generation;
         if !self.dead && current {
             if let Err(e) = controller.delete_io_queue(self.qid) {
-                eprintln!("keelfs nvme: deleting I/O queue {}: {e}", self.qid);
+                tracing::warn!(queue = self.qid, "deleting an NVMe I/O queue failed: {e}");
             }
             controller.release_qid(self.qid);
         }
         drop(controller);
         let c = &self.counters;
-        eprintln!(
-            "keelfs nvme: I/O queue {} closed: {} requests by DMA to caller memory, {} bounced, {} commands, \
+        tracing::info!(
+            queue = self.qid,
+            "NVMe I/O queue {} closed: {} requests by DMA to caller memory, {} bounced, {} commands, \
              {} timeouts, {} rebuilds",
-            self.qid, c.direct, c.bounced, c.commands, c.timeouts, c.rebuilds
+            self.qid,
+            c.direct,
+            c.bounced,
+            c.commands,
+            c.timeouts,
+            c.rebuilds
         );
         for (va, _region) in self.pools.drain(..) {
             self.shared.registry.unmap(va);
