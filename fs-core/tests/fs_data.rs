@@ -555,3 +555,54 @@ fn a_read_beside_a_direct_overwrite_leaves_no_stale_page() {
         assert!(fs.read(ino, 0, 4096).await.unwrap() == new, "a buffered read after the direct write saw old data");
     });
 }
+
+/// Blocks freed while a checkpoint is written in pieces are held until it
+/// lands; a writer that finds no space gets them back at once, because
+/// the checkpoint in pieces is given up for it.
+#[test]
+fn a_writer_out_of_space_gets_back_what_a_checkpoint_in_pieces_holds() {
+    let config = FsConfig { checkpoint_piece_nodes: 1, ..quiet_config() };
+    let dev = ram_device(16 << 20);
+    let mut r = busy_reactor();
+    r.block_on(async move {
+        format(&dev).await;
+        let fs = Fs::mount(channel(&dev), config).await.unwrap();
+        let c = Creds::root();
+        for i in 0..64 {
+            fs.mknod(&c, ROOT_INO, format!("empty-{i}").as_bytes(), libc::S_IFREG | 0o644, 0).await.unwrap();
+        }
+        let (hog, fh) = fs.create(&c, ROOT_INO, b"hog", 0o644, 2).await.unwrap();
+        let hog = hog.inode.ino;
+        let chunk = vec![0x5a; 256 << 10];
+        let mut size = 0u64;
+        loop {
+            match fs.write(hog, size, &chunk).await {
+                Ok(_) => size += chunk.len() as u64,
+                Err(keelfs_core::fs::FsError::NoSpace) => break,
+                Err(e) => panic!("filling the device: {e}"),
+            }
+        }
+        fs.release(fh).await.unwrap();
+        fs.sync().await.unwrap();
+        let pieces = fs.clone();
+        reactor::spawn_local(async move {
+            let _ = pieces.checkpoint_in_pieces().await;
+        });
+        for _ in 0..1000 {
+            if fs.checkpointing_in_pieces() {
+                break;
+            }
+            reactor::next_tick().await;
+        }
+        fs.unlink(&c, ROOT_INO, b"hog").await.unwrap();
+        fs.forget(hog, 1).await.unwrap();
+        fs.sync().await.unwrap();
+        assert!(fs.checkpointing_in_pieces(), "the hog's blocks are held for the checkpoint in pieces");
+        let after = new_file(&fs, "after").await;
+        fs.write(after, 0, &vec![1u8; (size / 2) as usize]).await.expect("the held blocks came back");
+        assert!(!fs.checkpointing_in_pieces(), "the checkpoint in pieces was given up for the writer");
+        fs.sync().await.unwrap();
+        fs.check_block_ownership().unwrap();
+        fs.unmount().await.unwrap();
+    });
+}

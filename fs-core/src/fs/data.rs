@@ -572,8 +572,10 @@ impl Fs {
     /// does.
     ///
     /// The frees may also be in a commit already under way (another task
-    /// hit ENOSPC first): the sync waits for it. A retry is worth it only
-    /// if space came back.
+    /// hit ENOSPC first): the sync waits for it. A checkpoint being written
+    /// in pieces holds the frees committed since its start; it is given up
+    /// first, so that they come back too. A retry is worth it only if
+    /// space came back.
     async fn reclaim_pending_frees(&self) -> FsResult<bool> {
         let before = self.inner.available_blocks();
         journal::abandon_checkpoint_in_pieces(&self.inner);
