@@ -9,7 +9,7 @@ use common::{busy_reactor, check, format, mount, ram_device, with_fs};
 use keelfs_core::bdev::BlockDevice;
 use keelfs_core::fs::format::ROOT_INO;
 use keelfs_core::fs::Fs;
-use keelfs_core::fs::{Creds, FsError, SetAttr, TimeSet};
+use keelfs_core::fs::{Creds, FsError, SeekTo, SetAttr, TimeSet};
 
 const MIB: u64 = 1 << 20;
 
@@ -429,11 +429,11 @@ fn truncate_fallocate_and_seek() {
         fs.fallocate(ino, 0, 40960, 40960).await.unwrap();
         assert_eq!(fs.getattr(ino).await.unwrap().inode.size, 81920);
         assert!(fs.read(ino, 40960, 4096).await.unwrap().iter().all(|&b| b == 0));
-        assert_eq!(fs.lseek(ino, 0, 3).await.unwrap(), 0);
-        assert_eq!(fs.lseek(ino, 0, 4).await.unwrap(), 8192, "first hole after the data");
-        assert_eq!(fs.lseek(ino, 40960, 3).await.err(), Some(FsError::Nxio), "unwritten is not data");
+        assert_eq!(fs.lseek(ino, 0, SeekTo::Data).await.unwrap(), 0);
+        assert_eq!(fs.lseek(ino, 0, SeekTo::Hole).await.unwrap(), 8192, "first hole after the data");
+        assert_eq!(fs.lseek(ino, 40960, SeekTo::Data).await.err(), Some(FsError::Nxio), "unwritten is not data");
         fs.write(ino, 45056, b"x").await.unwrap();
-        assert_eq!(fs.lseek(ino, 40960, 3).await.unwrap(), 45056);
+        assert_eq!(fs.lseek(ino, 40960, SeekTo::Data).await.unwrap(), 45056);
 
         // punch a hole through written data
         fs.fallocate(ino, 0x03, 1000, 2000).await.unwrap();

@@ -443,3 +443,36 @@ fn pages_written_back_from_a_writeback_cache_keep_the_clients_mtime() {
         });
     }
 }
+
+/// LSEEK's whence is turned into SeekTo where the request is parsed:
+/// SEEK_DATA and SEEK_HOLE reach the filesystem, any other is EINVAL.
+#[test]
+fn lseek_finds_data_and_holes_and_refuses_other_whences() {
+    with_session(async |s: Session| {
+        s.handle(&request(Opcode::Init as u32, 1, 0, &init_body())).await.unwrap();
+        let create_in = [libc::O_RDWR as u32, 0o644, 0, 0].map(u32::to_le_bytes).concat();
+        let created = s.handle(&request(Opcode::Create as u32, 2, 1, &named(&create_in, "f"))).await.unwrap();
+        let (err, body) = reply(&created, 2);
+        assert_eq!(err, 0);
+        let (ino, fh) = (u64_at(&body, 0), u64_at(&body, 128));
+        let mut write_in = Reply::default();
+        write_in.u64(fh).u64(1 << 20).u32(5).u32(0).u64(0).u32(0).u32(0).raw(b"hello");
+        assert_eq!(reply(&s.handle(&request(Opcode::Write as u32, 3, ino, &write_in.bytes)).await.unwrap(), 3).0, 0);
+        let lseek = |unique: u64, whence: u32| {
+            let mut body = Reply::default();
+            body.u64(fh).u64(0).u32(whence).u32(0);
+            request(Opcode::Lseek as u32, unique, ino, &body.bytes)
+        };
+        let (err, body) = reply(&s.handle(&lseek(4, libc::SEEK_HOLE as u32)).await.unwrap(), 4);
+        assert_eq!((err, u64_at(&body, 0)), (0, 0), "the file starts with a hole");
+        let (err, body) = reply(&s.handle(&lseek(5, libc::SEEK_DATA as u32)).await.unwrap(), 5);
+        assert_eq!((err, u64_at(&body, 0)), (0, 1 << 20), "its data starts at 1 MiB");
+        for (unique, whence) in [(6, libc::SEEK_SET as u32), (7, libc::SEEK_END as u32), (8, 99)] {
+            assert_eq!(
+                reply(&s.handle(&lseek(unique, whence)).await.unwrap(), unique).0,
+                -libc::EINVAL,
+                "whence {whence}"
+            );
+        }
+    });
+}

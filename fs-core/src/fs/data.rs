@@ -20,8 +20,7 @@ use super::cache::{CacheFull, PAGE_BYTES};
 use super::extent::{Segment, Segments};
 use super::format::{BlockRun, Inode, Timespec, BLOCK_BYTES, BLOCK_SIZE};
 use super::ops::{
-    COPY_RANGE_MAX, FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE, MAX_FILE_BYTES, SEEK_DATA,
-    SEEK_HOLE,
+    SeekTo, COPY_RANGE_MAX, FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE, MAX_FILE_BYTES,
 };
 use super::record::Record;
 use super::{journal, Fs, FsError, FsResult};
@@ -1380,11 +1379,8 @@ impl Fs {
 
     /// SEEK_DATA / SEEK_HOLE. Unwritten extents count as holes; dirty
     /// cached pages count as data.
-    pub async fn lseek(&self, ino: u64, offset: u64, whence: u32) -> FsResult<u64> {
+    pub async fn lseek(&self, ino: u64, offset: u64, to: SeekTo) -> FsResult<u64> {
         let inode = self.require_file(ino)?;
-        if whence != SEEK_DATA && whence != SEEK_HOLE {
-            return Err(FsError::Invalid("lseek whence"));
-        }
         if offset >= inode.size {
             return Err(FsError::Nxio);
         }
@@ -1396,11 +1392,11 @@ impl Fs {
                 Segment::Mapped(e) => (e.file_block, !e.unwritten),
                 Segment::Hole { file_block, .. } => (file_block, false),
             };
-            if is_data == (whence == SEEK_DATA) {
+            if is_data == (to == SeekTo::Data) {
                 return Ok((fb * BLOCK_SIZE).max(offset));
             }
         }
-        if whence == SEEK_HOLE {
+        if to == SeekTo::Hole {
             Ok(inode.size)
         } else {
             Err(FsError::Nxio)

@@ -31,7 +31,7 @@ pub use access::{Creds, PermissionCheck};
 pub use data::{ReadSink, WriteSource, WriteTimes};
 pub use error::{FsError, FsResult};
 pub use journal::{CHECKPOINT_BLOCK_MAGIC, JOURNAL_TX_MAGIC};
-pub use ops::{Attr, DirEntry, SetAttr, TimeSet};
+pub use ops::{Attr, DirEntry, SeekTo, SetAttr, TimeSet};
 pub use shared::{SharedMiss, SharedReader};
 
 use std::cell::{Cell, RefCell};

@@ -32,8 +32,28 @@ pub const XATTR_REPLACE: u32 = 2;
 pub const FALLOC_FL_KEEP_SIZE: u32 = 0x01;
 pub const FALLOC_FL_PUNCH_HOLE: u32 = 0x02;
 pub const FALLOC_FL_ZERO_RANGE: u32 = 0x10;
-pub const SEEK_DATA: u32 = 3;
-pub const SEEK_HOLE: u32 = 4;
+
+/// What lseek looks for from an offset (the kernel answers SEEK_SET,
+/// SEEK_CUR and SEEK_END itself).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SeekTo {
+    /// SEEK_DATA: the next byte that holds data.
+    Data,
+    /// SEEK_HOLE: the next byte of a hole (or the end of the file).
+    Hole,
+}
+
+impl SeekTo {
+    /// From lseek's whence: SEEK_DATA (3) and SEEK_HOLE (4), None for any
+    /// other.
+    pub fn from_whence(whence: u32) -> Option<Self> {
+        match whence {
+            3 => Some(SeekTo::Data),
+            4 => Some(SeekTo::Hole),
+            _ => None,
+        }
+    }
+}
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Attr {

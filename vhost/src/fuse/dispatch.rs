@@ -614,12 +614,9 @@ impl Session {
                 self.kill_setid_unless_root(ino, &c)?;
                 fs.fallocate(ino, mode, offset, length).await.map(|_| None).map_err(e)
             }
-            Request::Lseek { fh, offset, whence } => {
+            Request::Lseek { fh, offset, to } => {
                 self.own_handle_of(fh, ino)?;
-                let at = match whence {
-                    3 | 4 => fs.lseek(ino, offset, whence).await.map_err(e)?,
-                    _ => return Err(libc::EINVAL),
-                };
+                let at = fs.lseek(ino, offset, to.ok_or(libc::EINVAL)?).await.map_err(e)?;
                 let mut r = Reply::default();
                 r.u64(at);
                 Ok(Some(r))

@@ -1,6 +1,8 @@
 //! FUSE requests decoded into typed values. Every field is read through
 //! the bounds-checked [`Cursor`]; anything malformed is a [`ParseError`].
 
+use keelfs_core::fs::SeekTo;
+
 use super::abi::{Cursor, InHeader, Opcode, ParseError};
 
 /// fuse_setattr_in.valid bits.
@@ -181,10 +183,11 @@ pub enum Request<'a> {
         length: u64,
         mode: u32,
     },
+    /// `to` is None for a whence other than SEEK_DATA and SEEK_HOLE.
     Lseek {
         fh: u64,
         offset: u64,
-        whence: u32,
+        to: Option<SeekTo>,
     },
     Syncfs,
     /// FUSE_COPY_FILE_RANGE from `nodeid`'s handle `fh_in`.
@@ -393,7 +396,7 @@ pub fn parse<'a>(header: &InHeader, body: &'a [u8], setxattr_ext: bool) -> Resul
         }
         Opcode::Lseek => {
             let (fh, offset) = (c.u64("lseek.fh")?, c.u64("lseek.offset")?);
-            Request::Lseek { fh, offset, whence: c.u32("lseek.whence")? }
+            Request::Lseek { fh, offset, to: SeekTo::from_whence(c.u32("lseek.whence")?) }
         }
         Opcode::Syncfs => Request::Syncfs,
         Opcode::CopyFileRange => Request::CopyFileRange {
