@@ -118,7 +118,7 @@ fn check_state(state: &State, sb: &Superblock, recorded_free: u64, report: &mut 
     }
     check_links(state, &names_of, &subdirs, &parents, report);
     check_connectivity(state, report);
-    let cp_blocks: u64 = sb.checkpoint_extents.iter().map(|r| r.len).sum();
+    let cp_blocks = sb.checkpoint_blocks();
     let expected_free = state.alloc.total_blocks() - report.data_blocks_used - cp_blocks;
     if state.alloc.free_blocks() != expected_free {
         let detail = format!("free index has {} blocks, extents leave {expected_free}", state.alloc.free_blocks());

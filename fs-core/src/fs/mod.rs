@@ -345,7 +345,7 @@ impl FsInner {
     /// one (and unmount always checkpoints). Twice the current checkpoint,
     /// for growth, and at least 1 MiB.
     fn checkpoint_reserve(&self) -> u64 {
-        let current: u64 = self.sb.borrow().checkpoint_extents.iter().map(|r| r.len).sum();
+        let current = self.sb.borrow().checkpoint_blocks();
         (2 * current).max(CHECKPOINT_RESERVE_MIN_BLOCKS)
     }
 
