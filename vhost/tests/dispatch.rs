@@ -396,6 +396,17 @@ fn security_contexts_tmpfiles_statx_and_copy_file_range() {
     });
 }
 
+/// INIT, then CREATE of "f" (read-write) in the root as request 2:
+/// the file's (nodeid, fh).
+async fn init_and_create(s: &Session) -> (u64, u64) {
+    s.handle(&request(Opcode::Init as u32, 1, 0, &init_body())).await.unwrap();
+    let create_in = [libc::O_RDWR as u32, 0o644, 0, 0].map(u32::to_le_bytes).concat();
+    let created = s.handle(&request(Opcode::Create as u32, 2, 1, &named(&create_in, "f"))).await.unwrap();
+    let (err, body) = reply(&created, 2);
+    assert_eq!(err, 0);
+    (u64_at(&body, 0), u64_at(&body, 128))
+}
+
 /// mtime (seconds) that GETATTR reports for `ino`.
 async fn mtime_of(s: &Session, unique: u64, ino: u64) -> u64 {
     let got = s.handle(&request(Opcode::Getattr as u32, unique, ino, &[0u8; 16])).await.unwrap();
@@ -423,12 +434,7 @@ fn pages_written_back_from_a_writeback_cache_keep_the_clients_mtime() {
     const PAST: u64 = 1_000_000_000;
     for (mode, kept) in [(CacheMode::Always, true), (CacheMode::Auto, false)] {
         with_session_config(mode.session_config(), async move |s: Session| {
-            s.handle(&request(Opcode::Init as u32, 1, 0, &init_body())).await.unwrap();
-            let create_in = [libc::O_RDWR as u32, 0o644, 0, 0].map(u32::to_le_bytes).concat();
-            let created = s.handle(&request(Opcode::Create as u32, 2, 1, &named(&create_in, "f"))).await.unwrap();
-            let (err, body) = reply(&created, 2);
-            assert_eq!(err, 0);
-            let (ino, fh) = (u64_at(&body, 0), u64_at(&body, 128));
+            let (ino, fh) = init_and_create(&s).await;
             let mut setattr_in = Reply::default();
             const FATTR_MTIME: u32 = 1 << 5;
             setattr_in.u32(FATTR_MTIME).u32(0).u64(0).u64(0).u64(0).u64(0).u64(PAST).u64(0);
@@ -449,12 +455,7 @@ fn pages_written_back_from_a_writeback_cache_keep_the_clients_mtime() {
 #[test]
 fn lseek_finds_data_and_holes_and_refuses_other_whences() {
     with_session(async |s: Session| {
-        s.handle(&request(Opcode::Init as u32, 1, 0, &init_body())).await.unwrap();
-        let create_in = [libc::O_RDWR as u32, 0o644, 0, 0].map(u32::to_le_bytes).concat();
-        let created = s.handle(&request(Opcode::Create as u32, 2, 1, &named(&create_in, "f"))).await.unwrap();
-        let (err, body) = reply(&created, 2);
-        assert_eq!(err, 0);
-        let (ino, fh) = (u64_at(&body, 0), u64_at(&body, 128));
+        let (ino, fh) = init_and_create(&s).await;
         let mut write_in = Reply::default();
         write_in.u64(fh).u64(1 << 20).u32(5).u32(0).u64(0).u32(0).u32(0).raw(b"hello");
         assert_eq!(reply(&s.handle(&request(Opcode::Write as u32, 3, ino, &write_in.bytes)).await.unwrap(), 3).0, 0);
