@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The fs-core data-path benchmarks of bench/RESULTS.md (issue 4), on the
+# The keelfs-fs data-path benchmarks of bench/RESULTS.md (issue 4), on the
 # io_uring backend over a RAM-backed image in /dev/shm.
 # Usage: bench/run-core.sh [OUT.json]   (default bench/results/core-DATE.json)
 set -euo pipefail

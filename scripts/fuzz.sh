@@ -92,8 +92,8 @@ while ((SECONDS < end)); do
   done
   # Journal and checkpoint records mutated under valid checksums: 300
   # images per mutator and seed.
-  if ! KEELFS_DAMAGE_SEED=$seed cargo test -q -p keelfs-core --test fs_damage valid_checksums >/dev/null 2>&1; then
-    echo "fuzz.sh: FAILED: replay with KEELFS_DAMAGE_SEED=$seed cargo test -p keelfs-core --test fs_damage valid_checksums"
+  if ! KEELFS_DAMAGE_SEED=$seed cargo test -q -p keelfs-fs --test fs_damage valid_checksums >/dev/null 2>&1; then
+    echo "fuzz.sh: FAILED: replay with KEELFS_DAMAGE_SEED=$seed cargo test -p keelfs-fs --test fs_damage valid_checksums"
     exit 1
   fi
   runs=$((runs + 1))
@@ -101,5 +101,5 @@ while ((SECONDS < end)); do
   seed=$((seed + 1))
 done
 # The crafted superblocks are a fixed table: once per run.
-cargo test -q -p keelfs-core --test fs_damage crafted >/dev/null
+cargo test -q -p keelfs-fs --test fs_damage crafted >/dev/null
 echo "fuzz.sh: $runs runs, $total_cases cases in ${minutes} min: nothing found"

@@ -9,15 +9,16 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
-use keelfs_core::bdev::{
-    fault::splitmix64, BlockDevice, BufferPool, Completion, IoRequest, MappedDevice, NvmeAddress, NvmeDevice,
-    NvmeOptions, PoolBuf, QueueConfig, UringDevice, UringOptions,
+use keelfs_base::testing::splitmix64;
+use keelfs_bdev::{
+    BlockDevice, BufferPool, Completion, IoRequest, MappedDevice, NvmeAddress, NvmeDevice, NvmeOptions, PoolBuf,
+    QueueConfig, UringDevice, UringOptions,
 };
 use serde_json::json;
 
 use crate::fio::{self, FioJob};
 use crate::hist::Histogram;
-use keelfs_core::units::parse_size;
+use keelfs_base::parse_size;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Backend {
@@ -214,7 +215,7 @@ fn drive(device: &dyn BlockDevice, args: &BdevArgs) -> anyhow::Result<RoundResul
     let mut started = vec![Instant::now(); depth as usize];
     let mut hist = Histogram::new();
     let mut completions: Vec<Completion> = Vec::with_capacity(depth as usize);
-    let submit = |queue: &mut Box<dyn keelfs_core::bdev::IoQueue>, buf: &mut PoolBuf, slot: u64, offset: u64| {
+    let submit = |queue: &mut Box<dyn keelfs_bdev::IoQueue>, buf: &mut PoolBuf, slot: u64, offset: u64| {
         let iov = [buf.iovec()];
         let req =
             if args.rw.is_write() { IoRequest::write(slot, offset, &iov) } else { IoRequest::read(slot, offset, &iov) };

@@ -1,4 +1,4 @@
-//! `keelfs-bench core`: fs-core driven in process, on one reactor, with no
+//! `keelfs-bench core`: keelfs-fs driven in process, on one reactor, with no
 //! FUSE or virtqueue in between.
 
 use std::sync::Arc;
@@ -6,14 +6,14 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
-use keelfs_core::bdev::fault::splitmix64;
-use keelfs_core::bdev::{BlockDevice, MappedDevice, QueueConfig, UringDevice, UringOptions};
-use keelfs_core::fs::format::ROOT_INO;
-use keelfs_core::fs::mkfs::{mkfs, MkfsOptions};
-use keelfs_core::fs::{Creds, Fs, FsConfig};
-use keelfs_core::reactor::io::DeviceChannel;
-use keelfs_core::reactor::{PollMode, Reactor, ReactorConfig};
-use keelfs_core::units::parse_size;
+use keelfs_base::parse_size;
+use keelfs_base::testing::splitmix64;
+use keelfs_bdev::{BlockDevice, MappedDevice, QueueConfig, UringDevice, UringOptions};
+use keelfs_fs::format::ROOT_INO;
+use keelfs_fs::mkfs::{mkfs, MkfsOptions};
+use keelfs_fs::{Creds, Fs, FsConfig};
+use keelfs_reactor::io::DeviceChannel;
+use keelfs_reactor::{PollMode, Reactor, ReactorConfig};
 use serde_json::json;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

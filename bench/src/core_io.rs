@@ -5,11 +5,11 @@ use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use keelfs_core::bdev::fault::splitmix64;
-use keelfs_core::bdev::AlignedBuf;
-use keelfs_core::fs::format::ROOT_INO;
-use keelfs_core::fs::{Creds, Fs, FsCounters, SharedReader};
-use keelfs_core::reactor;
+use keelfs_base::testing::splitmix64;
+use keelfs_bdev::AlignedBuf;
+use keelfs_fs::format::ROOT_INO;
+use keelfs_fs::{Creds, Fs, FsCounters, SharedReader};
+use keelfs_reactor as reactor;
 use serde_json::{json, Value};
 
 use crate::core::Params;

@@ -18,9 +18,9 @@ use std::cell::Cell;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use keelfs_core::fs::format::ROOT_INO;
-use keelfs_core::fs::{Creds, Fs};
-use keelfs_core::reactor;
+use keelfs_fs::format::ROOT_INO;
+use keelfs_fs::{Creds, Fs};
+use keelfs_reactor as reactor;
 use serde_json::json;
 
 /// Entries per directory: a tree of many mid-sized directories, as a

@@ -27,7 +27,7 @@ enum Command {
     Bdev(bdev::BdevArgs),
     /// Check a block-device backend's correctness (the NVMe driver, or io_uring on a file).
     BdevCheck(bdev_check::BdevCheckArgs),
-    /// Drive fs-core in process on one reactor.
+    /// Drive keelfs-fs in process on one reactor.
     Core(core::CoreArgs),
     /// Drive any vhost-user-fs daemon (keelfsd, virtiofsd) over its socket.
     Vhost(vhost::VhostArgs),

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
-use keelfs_core::bdev::fault::splitmix64;
+use keelfs_base::testing::splitmix64;
 use keelfs_vhost::frontend::{io_request, FrontendConfig, FsFrontend, QueueDriver, Used};
 use keelfs_vhost::fuse::abi::{init_flags as f, Opcode, Reply, ENTRY_OUT_BYTES, OUT_HEADER_BYTES};
 use serde_json::json;
@@ -52,7 +52,7 @@ pub struct VhostArgs {
     #[arg(long, default_value_t = 5)]
     seconds: u64,
     /// Bytes per file (overwrite and randrw workloads).
-    #[arg(long, value_parser = keelfs_core::units::parse_size, default_value = "64M")]
+    #[arg(long, value_parser = keelfs_base::parse_size, default_value = "64M")]
     file_size: u64,
     /// The daemon's pid, to report its CPU time per operation.
     #[arg(long)]

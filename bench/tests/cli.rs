@@ -96,11 +96,11 @@ fn vhost_drives_a_vhost_user_fs_daemon_and_reports_iops_and_latency() {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
 
-    use keelfs_core::bdev::{BlockDevice, MappedDevice, QueueConfig};
-    use keelfs_core::fs::mkfs::{mkfs, MkfsOptions};
-    use keelfs_core::fs::{Fs, FsConfig};
-    use keelfs_core::reactor::io::DeviceChannel;
-    use keelfs_core::reactor::{self, Reactor, ReactorConfig};
+    use keelfs_bdev::{BlockDevice, MappedDevice, QueueConfig};
+    use keelfs_fs::mkfs::{mkfs, MkfsOptions};
+    use keelfs_fs::{Fs, FsConfig};
+    use keelfs_reactor::io::DeviceChannel;
+    use keelfs_reactor::{self as reactor, Reactor, ReactorConfig};
     use keelfs_vhost::fuse::dispatch::SessionConfig;
     use keelfs_vhost::vhost_user::VhostUserServer;
 

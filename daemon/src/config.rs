@@ -7,7 +7,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use keelfs_core::units::parse_size;
+use keelfs_base::parse_size;
 use serde::Deserialize;
 use toml::Spanned;
 
@@ -137,7 +137,7 @@ fn apply_limits(src: &Source, e: &RawExport, export: &mut Export) -> Result<(), 
     }
     if let Some(size) = &e.xattr_bytes_per_inode_max {
         let bytes = parse_size(size.get_ref()).map_err(|m| src.error(size.span(), m))?;
-        let format_max = keelfs_core::fs::format::XATTR_INODE_BYTES_MAX as u64;
+        let format_max = keelfs_fs::format::XATTR_INODE_BYTES_MAX as u64;
         if !(4096..=format_max).contains(&bytes) {
             return Err(src.error(
                 size.span(),
@@ -167,7 +167,7 @@ fn device_path(device: &RawDevice) -> Result<PathBuf, String> {
     let name = device.name.get_ref();
     match (device.backend, &device.path, &device.pci) {
         (BackendName::Nvme, None, Some(pci)) => {
-            let address = keelfs_core::bdev::NvmeAddress::new(pci, device.namespace.unwrap_or(1))
+            let address = keelfs_bdev::NvmeAddress::new(pci, device.namespace.unwrap_or(1))
                 .map_err(|e| format!("device \"{name}\": {e}"))?;
             Ok(PathBuf::from(address.to_string()))
         }
@@ -231,7 +231,7 @@ pub struct Export {
     /// When reads move atime, for every client: FUSE leaves it to the
     /// server, and a guest's own mount options never reach it. A host
     /// mount's noatime or strictatime overrides it.
-    pub atime: keelfs_core::fs::AtimeUpdates,
+    pub atime: keelfs_fs::AtimeUpdates,
     pub fuse_mount: Option<PathBuf>,
     /// The host mount's source and type as mount(8) and mountinfo show
     /// them: "keelfs" and "fuse.keelfs", or what the mount helper was given.
@@ -276,11 +276,11 @@ impl Export {
             page_cache_bytes: 256 << 20,
             inodes_max: None,
             open_handles_max: keelfs_vhost::fuse::dispatch::SESSION_HANDLES_MAX,
-            xattr_bytes_per_inode_max: keelfs_core::fs::format::XATTR_INODE_BYTES_MAX,
+            xattr_bytes_per_inode_max: keelfs_fs::format::XATTR_INODE_BYTES_MAX,
             requests_in_flight_max: None,
             host_dirty_ratio: HOST_DIRTY_RATIO_DEFAULT,
             read_only: false,
-            atime: keelfs_core::fs::AtimeUpdates::Relative,
+            atime: keelfs_fs::AtimeUpdates::Relative,
             fuse_mount: None,
             fuse_source: "keelfs".into(),
             fuse_type: "fuse.keelfs".into(),
@@ -440,9 +440,9 @@ pub fn parse(file: &str, text: &str) -> Result<Config, ConfigError> {
         export.read_only = e.read_only.unwrap_or(false);
         if let Some(atime) = e.atime {
             export.atime = match atime {
-                AtimeName::Relatime => keelfs_core::fs::AtimeUpdates::Relative,
-                AtimeName::Noatime => keelfs_core::fs::AtimeUpdates::Never,
-                AtimeName::Strictatime => keelfs_core::fs::AtimeUpdates::Always,
+                AtimeName::Relatime => keelfs_fs::AtimeUpdates::Relative,
+                AtimeName::Noatime => keelfs_fs::AtimeUpdates::Never,
+                AtimeName::Strictatime => keelfs_fs::AtimeUpdates::Always,
             };
         }
         export.fuse_mount = e.fuse_mount.clone();
@@ -539,7 +539,7 @@ atime = "noatime"
         assert_eq!((vm1.socket_owner, vm1.socket_mode, vm1.page_cache_bytes), (Some((0, 0)), Some(0o660), 64 << 20));
         let host = &c.exports[1];
         assert!(vm1.spread_queues && !host.spread_queues, "spread_queues is read, and off by default");
-        use keelfs_core::fs::AtimeUpdates;
+        use keelfs_fs::AtimeUpdates;
         assert_eq!(
             (vm1.atime, host.atime),
             (AtimeUpdates::Relative, AtimeUpdates::Never),

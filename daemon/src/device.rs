@@ -4,7 +4,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Context;
-use keelfs_core::bdev::{
+use keelfs_bdev::{
     BlockDevice, MappedDevice, NvmeAddress, NvmeDevice, NvmeError, NvmeOptions, UringDevice, UringOptions,
 };
 

@@ -38,7 +38,7 @@ impl ImageLock {
     }
 
     fn acquire(path: &Path, purpose: &str, kind: libc::c_int) -> anyhow::Result<Option<ImageLock>> {
-        if keelfs_core::bdev::NvmeAddress::is_nvme_name(&path.to_string_lossy()) {
+        if keelfs_bdev::NvmeAddress::is_nvme_name(&path.to_string_lossy()) {
             return Ok(None);
         }
         // A write lock needs a descriptor open for writing; a read lock

@@ -21,7 +21,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use keelfs_core::units::parse_size;
+use keelfs_base::parse_size;
 
 #[derive(Parser)]
 #[command(name = "keelfsd", version, about = "keelfs: a userspace filesystem daemon serving VMs over vhost-user-fs")]

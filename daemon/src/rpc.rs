@@ -12,7 +12,7 @@ use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 use anyhow::Context;
-use keelfs_core::reactor::ReactorHandle;
+use keelfs_reactor::ReactorHandle;
 use keelfs_vhost::socket::{bind_listener, SocketAccess};
 use serde_json::{json, Value};
 

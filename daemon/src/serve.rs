@@ -19,10 +19,10 @@ use std::task::Waker;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use keelfs_core::bdev::{BlockDevice, QueueConfig};
-use keelfs_core::fs::{AtimeUpdates, Fs, FsConfig};
-use keelfs_core::reactor::io::DeviceChannel;
-use keelfs_core::reactor::{self, PollMode, Reactor, ReactorConfig, ReactorHandle};
+use keelfs_bdev::{BlockDevice, QueueConfig};
+use keelfs_fs::{AtimeUpdates, Fs, FsConfig};
+use keelfs_reactor::io::DeviceChannel;
+use keelfs_reactor::{self as reactor, PollMode, Reactor, ReactorConfig, ReactorHandle};
 use keelfs_vhost::fuse::dev_fuse::{serve as serve_fuse, FuseMount};
 use keelfs_vhost::fuse::dispatch::{CacheMode, Session, SessionConfig};
 use keelfs_vhost::fuse::stats::OpStats;
@@ -299,7 +299,7 @@ fn cleanup_of(config: &Config) -> Cleanup {
 fn needs_of(config: &Config) -> Needs {
     let vfio = config.exports.iter().any(|e| {
         e.backend == config::BackendName::Nvme
-            || keelfs_core::bdev::nvme::NvmeAddress::is_nvme_name(&e.device.to_string_lossy())
+            || keelfs_bdev::nvme::NvmeAddress::is_nvme_name(&e.device.to_string_lossy())
     });
     Needs { vfio }
 }

@@ -5,11 +5,11 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::Context;
-use keelfs_core::bdev::{BlockDevice, QueueConfig};
-use keelfs_core::fs::fsck::{self, FsckReport};
-use keelfs_core::fs::mkfs::{self, MkfsOptions};
-use keelfs_core::reactor::io::DeviceChannel;
-use keelfs_core::reactor::{PollMode, Reactor, ReactorConfig};
+use keelfs_bdev::{BlockDevice, QueueConfig};
+use keelfs_fs::fsck::{self, FsckReport};
+use keelfs_fs::mkfs::{self, MkfsOptions};
+use keelfs_reactor::io::DeviceChannel;
+use keelfs_reactor::{PollMode, Reactor, ReactorConfig};
 use serde_json::json;
 
 use crate::device;
@@ -44,7 +44,7 @@ fn run_on_reactor<T: 'static>(
 /// Create a sparse file of `size` if `path` does not exist, or grow a file
 /// that is smaller than `size`.
 fn prepare_file(path: &Path, size: Option<u64>) -> anyhow::Result<()> {
-    if keelfs_core::bdev::NvmeAddress::is_nvme_name(&path.to_string_lossy()) {
+    if keelfs_bdev::NvmeAddress::is_nvme_name(&path.to_string_lossy()) {
         if size.is_some() {
             return Err(UsageError("--size applies only to regular files, not to an NVMe namespace".into()).into());
         }

@@ -8,9 +8,9 @@
 
 use std::ops::Deref;
 
-use keelfs_core::bdev::{IoVec, MAX_IOVECS_PER_REQUEST};
-use keelfs_core::fs::{ReadSink, WriteSource};
-use keelfs_core::reactor::io::{IoBuffer, IoVecs};
+use keelfs_bdev::{IoVec, MAX_IOVECS_PER_REQUEST};
+use keelfs_fs::{ReadSink, WriteSource};
+use keelfs_reactor::io::{IoBuffer, IoVecs};
 use smallvec::SmallVec;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 

@@ -1,8 +1,8 @@
 //! keelfs-vhost: the FUSE protocol, the virtio-fs vhost-user backend and the
-//! /dev/fuse transport over keelfs-core.
+//! /dev/fuse transport over keelfs-fs.
 //!
 //! - [`fuse`]: the wire protocol ([`fuse::abi`]), typed requests
-//!   ([`fuse::request`]), the dispatcher over fs-core ([`fuse::dispatch`])
+//!   ([`fuse::request`]), the dispatcher over keelfs-fs ([`fuse::dispatch`])
 //!   with its per-opcode counters, and the /dev/fuse transport
 //!   ([`fuse::dev_fuse`]);
 //! - [`virtio`]: serving FUSE requests from virtqueue descriptor chains,

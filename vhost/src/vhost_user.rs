@@ -33,9 +33,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use keelfs_core::bdev::{BlockDevice, MemoryRegion};
-use keelfs_core::fs::Fs;
-use keelfs_core::reactor::{self, Poller, PollerClass, ReactorHandle};
+use keelfs_bdev::{BlockDevice, MemoryRegion};
+use keelfs_fs::Fs;
+use keelfs_reactor::{self as reactor, Poller, PollerClass, ReactorHandle};
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost::vhost_user::Listener;
 use vhost_user_backend::{ShutdownHandle, VhostUserBackend, VhostUserDaemon, VringRwLock, VringT};
@@ -337,7 +337,7 @@ static NEXT_SERVER_ID: AtomicU64 = AtomicU64::new(1);
 thread_local! {
     /// The current session of each device owned by this reactor, for the
     /// requests helpers send here.
-    static SESSIONS: RefCell<keelfs_core::units::IdMap<Rc<Session>>> = RefCell::default();
+    static SESSIONS: RefCell<keelfs_base::IdMap<Rc<Session>>> = RefCell::default();
 }
 
 fn session_of(server: u64) -> Option<Rc<Session>> {
@@ -673,7 +673,7 @@ struct HelperServer {
     owner: ReactorHandle,
     /// What the owner said of each handle read here: its cache reader, or
     /// None (not a buffered file handle: always sent to the owner).
-    handles: Rc<RefCell<keelfs_core::units::IdMap<Option<SharedHandle>>>>,
+    handles: Rc<RefCell<keelfs_base::IdMap<Option<SharedHandle>>>>,
     stats: Arc<HelperStats>,
 }
 
@@ -684,7 +684,7 @@ impl HelperServer {
     async fn handle(
         owner: ReactorHandle,
         id: u64,
-        handles: Rc<RefCell<keelfs_core::units::IdMap<Option<SharedHandle>>>>,
+        handles: Rc<RefCell<keelfs_base::IdMap<Option<SharedHandle>>>>,
         fh: u64,
         nodeid: u64,
     ) -> Option<SharedHandle> {

@@ -377,7 +377,7 @@ async fn serve_direct(
             return None;
         }
         let data = GuestBuffer::new(mem, readable, prefix.len(), size)?;
-        let caller = keelfs_core::fs::Creds::checked_by_kernel(uid, gid);
+        let caller = keelfs_fs::Creds::checked_by_kernel(uid, gid);
         let result = if let Err(errno) = session.kill_setid_on_write(nodeid, write_flags, &caller) {
             Err(errno)
         } else if direct {

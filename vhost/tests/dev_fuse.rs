@@ -7,12 +7,12 @@ use std::rc::Rc;
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
-use keelfs_core::bdev::{BlockDevice, MappedDevice, QueueConfig};
-use keelfs_core::fs::fsck::fsck;
-use keelfs_core::fs::mkfs::{mkfs, MkfsOptions};
-use keelfs_core::fs::{Fs, FsConfig};
-use keelfs_core::reactor::io::DeviceChannel;
-use keelfs_core::reactor::{self, PollMode, Reactor, ReactorConfig};
+use keelfs_bdev::{BlockDevice, MappedDevice, QueueConfig};
+use keelfs_fs::fsck::fsck;
+use keelfs_fs::mkfs::{mkfs, MkfsOptions};
+use keelfs_fs::{Fs, FsConfig};
+use keelfs_reactor::io::DeviceChannel;
+use keelfs_reactor::{self as reactor, PollMode, Reactor, ReactorConfig};
 use keelfs_vhost::fuse::dev_fuse::{serve, FuseMount};
 use keelfs_vhost::fuse::dispatch::{Session, SessionConfig};
 
@@ -95,7 +95,7 @@ fn host_mount_serves_ordinary_file_calls_and_unmounts_clean() {
         let report = fsck(channel(&dev), |_| {}).await.unwrap();
         assert!(report.is_clean(), "{report:?}");
         let fs = Fs::mount(channel(&dev), FsConfig::default()).await.unwrap();
-        let moved = fs.lookup(&keelfs_core::fs::Creds::root(), 1, b"moved").await.unwrap();
+        let moved = fs.lookup(&keelfs_fs::Creds::root(), 1, b"moved").await.unwrap();
         assert_eq!(moved.inode.size, 3_000_000);
     });
 }

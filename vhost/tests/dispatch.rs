@@ -1,13 +1,13 @@
-//! The FUSE dispatcher over fs-core, driven with request bytes as a kernel
+//! The FUSE dispatcher over keelfs-fs, driven with request bytes as a kernel
 //! would send them, including malformed and hostile ones.
 
 use std::sync::Arc;
 
-use keelfs_core::bdev::{BlockDevice, MappedDevice, QueueConfig};
-use keelfs_core::fs::mkfs::{mkfs, MkfsOptions};
-use keelfs_core::fs::{Fs, FsConfig};
-use keelfs_core::reactor::io::DeviceChannel;
-use keelfs_core::reactor::{PollMode, Reactor, ReactorConfig};
+use keelfs_bdev::{BlockDevice, MappedDevice, QueueConfig};
+use keelfs_fs::mkfs::{mkfs, MkfsOptions};
+use keelfs_fs::{Fs, FsConfig};
+use keelfs_reactor::io::DeviceChannel;
+use keelfs_reactor::{PollMode, Reactor, ReactorConfig};
 use keelfs_vhost::fuse::abi::{encode_request, Opcode, Reply};
 use keelfs_vhost::fuse::dispatch::{Session, SessionConfig};
 

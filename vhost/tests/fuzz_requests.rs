@@ -17,13 +17,13 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use keelfs_core::bdev::fault::splitmix64;
-use keelfs_core::bdev::{BlockDevice, MappedDevice, QueueConfig};
-use keelfs_core::fs::fsck::fsck;
-use keelfs_core::fs::mkfs::{mkfs, MkfsOptions};
-use keelfs_core::fs::{Fs, FsConfig};
-use keelfs_core::reactor::io::DeviceChannel;
-use keelfs_core::reactor::{PollMode, Reactor, ReactorConfig};
+use keelfs_base::testing::splitmix64;
+use keelfs_bdev::{BlockDevice, MappedDevice, QueueConfig};
+use keelfs_fs::fsck::fsck;
+use keelfs_fs::mkfs::{mkfs, MkfsOptions};
+use keelfs_fs::{Fs, FsConfig};
+use keelfs_reactor::io::DeviceChannel;
+use keelfs_reactor::{PollMode, Reactor, ReactorConfig};
 use keelfs_vhost::fuse::abi::{encode_request, Opcode, Reply, ENTRY_OUT_BYTES};
 use keelfs_vhost::fuse::dispatch::{Session, SessionConfig};
 

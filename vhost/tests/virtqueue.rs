@@ -3,11 +3,11 @@
 
 use std::sync::Arc;
 
-use keelfs_core::bdev::{BlockDevice, MappedDevice, QueueConfig};
-use keelfs_core::fs::mkfs::{mkfs, MkfsOptions};
-use keelfs_core::fs::{Fs, FsConfig};
-use keelfs_core::reactor::io::DeviceChannel;
-use keelfs_core::reactor::{PollMode, Reactor, ReactorConfig};
+use keelfs_bdev::{BlockDevice, MappedDevice, QueueConfig};
+use keelfs_fs::mkfs::{mkfs, MkfsOptions};
+use keelfs_fs::{Fs, FsConfig};
+use keelfs_reactor::io::DeviceChannel;
+use keelfs_reactor::{PollMode, Reactor, ReactorConfig};
 use keelfs_vhost::fuse::abi::{encode_request, Opcode, Reply};
 use keelfs_vhost::fuse::dispatch::{Session, SessionConfig};
 use keelfs_vhost::virtio::{serve_chain, serve_queue, ChainOutcome, REQUEST_BYTES_MAX};
@@ -131,7 +131,7 @@ fn hostile_chains_are_answered_or_dropped_and_serving_goes_on() {
 /// `KEELFS_FUZZ_SEED` and `KEELFS_FUZZ_CASES` replay or lengthen it.
 #[test]
 fn generated_hostile_chains_never_stop_the_queue() {
-    use keelfs_core::bdev::fault::splitmix64;
+    use keelfs_base::testing::splitmix64;
     const QUEUE: u16 = 64;
     const INDIRECT: u16 = 4;
     const TABLE: u64 = 0x30_0000;

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::time::Instant;
 
-use keelfs_core::reactor::{self, Poller, PollerClass};
+use keelfs_reactor::{self as reactor, Poller, PollerClass};
 
 use super::dispatch::Session;
 

@@ -1,4 +1,4 @@
-//! One FUSE dispatcher over fs-core, shared by the virtio-fs backend and
+//! One FUSE dispatcher over keelfs-fs, shared by the virtio-fs backend and
 //! the /dev/fuse transport: request bytes in, reply bytes out.
 
 use std::cell::{Cell, RefCell};
@@ -7,12 +7,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use keelfs_core::bdev::AlignedBuf;
-use keelfs_core::fs::format::Timespec;
-use keelfs_core::fs::{
+use keelfs_bdev::AlignedBuf;
+use keelfs_fs::format::Timespec;
+use keelfs_fs::{
     Attr as FsAttr, Creds, Fs, FsError, ReadSink, SetAttr, SharedReader, TimeSet, WriteSource, WriteTimes,
 };
-use keelfs_core::reactor::io::IoBuffer;
+use keelfs_reactor::io::IoBuffer;
 
 use super::abi::{
     error_reply, init_flags as f, open_flags, Attr, InHeader, Reply, KERNEL_MINOR_VERSION, KERNEL_VERSION,
@@ -103,7 +103,7 @@ pub struct Session {
     /// Handles whose reads other reactors serve from the page cache
     /// ([`Self::shared_reader`]), and the flag that tells them the handle
     /// was released.
-    shared_handles: RefCell<keelfs_core::units::IdMap<Arc<AtomicBool>>>,
+    shared_handles: RefCell<keelfs_base::IdMap<Arc<AtomicBool>>>,
     /// What this session holds of the filesystem's shared tables.
     holdings: RefCell<Holdings>,
     /// Sends a notification to the client kernel, where the transport can
@@ -123,9 +123,9 @@ const NOTIFY_INVAL_INODE: i32 = 2;
 /// session gives back exactly these, never another's.
 #[derive(Default)]
 struct Holdings {
-    handles: keelfs_core::units::IdMap<()>,
+    handles: keelfs_base::IdMap<()>,
     /// Lookup references per inode, as the kernel counts them for FORGET.
-    lookups: keelfs_core::units::IdMap<u64>,
+    lookups: keelfs_base::IdMap<u64>,
 }
 
 /// Open handles one session may hold at once by default: far more than a
@@ -414,7 +414,7 @@ impl Session {
 
     /// The caller of `req`. Both transports mount with default_permissions
     /// (virtio-fs always does), so the client kernel has checked the
-    /// request with the caller's full credentials: fs-core applies only
+    /// request with the caller's full credentials: keelfs-fs applies only
     /// the side effects (docs/ARCHITECTURE.md, "Permissions").
     fn creds(h: &InHeader, req: &Request<'_>, extensions: &[u8]) -> Creds {
         let mut c = Creds::checked_by_kernel(h.uid, h.gid);

@@ -1,7 +1,7 @@
 //! FUSE requests decoded into typed values. Every field is read through
 //! the bounds-checked [`Cursor`]; anything malformed is a [`ParseError`].
 
-use keelfs_core::fs::SeekTo;
+use keelfs_fs::SeekTo;
 
 use super::abi::{Cursor, InHeader, Opcode, ParseError};
 

@@ -8,11 +8,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use keelfs_core::bdev::{BlockDevice, MappedDevice, QueueConfig};
-use keelfs_core::fs::mkfs::{mkfs, MkfsOptions};
-use keelfs_core::fs::{Fs, FsConfig};
-use keelfs_core::reactor::io::DeviceChannel;
-use keelfs_core::reactor::{self, Reactor, ReactorConfig};
+use keelfs_bdev::{BlockDevice, MappedDevice, QueueConfig};
+use keelfs_fs::mkfs::{mkfs, MkfsOptions};
+use keelfs_fs::{Fs, FsConfig};
+use keelfs_reactor::io::DeviceChannel;
+use keelfs_reactor::{self as reactor, Reactor, ReactorConfig};
 use keelfs_vhost::frontend::{io_in, io_request, FrontendConfig, FsFrontend, Used};
 use keelfs_vhost::fuse::abi::{Opcode, Reply, ENTRY_OUT_BYTES};
 use keelfs_vhost::fuse::dispatch::SessionConfig;
@@ -29,7 +29,7 @@ pub struct Daemon {
     /// queues a driver broke, sent at shutdown.
     zero_copy: std::sync::mpsc::Receiver<[u64; 6]>,
     /// The device's reactor (its statistics show whether it spins).
-    pub reactor: keelfs_core::reactor::ReactorHandle,
+    pub reactor: keelfs_reactor::ReactorHandle,
     thread: Option<std::thread::JoinHandle<()>>,
     _dir: TempDir,
 }

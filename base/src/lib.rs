@@ -1,0 +1,15 @@
+//! keelfs-base: the vocabulary every layer of keelfs shares, with no layer
+//! of its own. Sizes as people write them, the hashers of the maps on the
+//! I/O path, and the clock that files are stamped with.
+//!
+//! It sits under the block layer so that the filesystem can read the clock
+//! without reaching into the reactor's system calls.
+
+mod clock;
+mod hash;
+mod size;
+pub mod testing;
+
+pub use clock::realtime_coarse;
+pub use hash::{IdHasher, IdMap, SeededHasher, SeededState};
+pub use size::parse_size;

@@ -1,0 +1,81 @@
+//! Filesystem errors, each mapping to the POSIX errno a caller expects.
+
+use keelfs_bdev::BdevError;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FsError {
+    #[error("no such file or directory")]
+    NotFound,
+    #[error("file exists")]
+    Exists,
+    #[error("not a directory")]
+    NotDir,
+    #[error("is a directory")]
+    IsDir,
+    #[error("directory not empty")]
+    NotEmpty,
+    #[error("permission denied")]
+    Access,
+    #[error("operation not permitted")]
+    Perm,
+    #[error("name too long")]
+    NameTooLong,
+    #[error("invalid argument: {0}")]
+    Invalid(&'static str),
+    #[error("no space left on device")]
+    NoSpace,
+    #[error("no such attribute")]
+    NoData,
+    #[error("result too large")]
+    Range,
+    #[error("too many links")]
+    TooManyLinks,
+    #[error("bad file handle")]
+    BadHandle,
+    #[error("stale inode")]
+    Stale,
+    #[error("file too large")]
+    FileTooBig,
+    #[error("operation not supported")]
+    Unsupported,
+    #[error("too many levels of symbolic links")]
+    Loop,
+    #[error("offset beyond the end of the file")]
+    Nxio,
+    #[error("read-only filesystem")]
+    ReadOnly,
+    #[error("device I/O failed: {0}")]
+    Io(#[from] BdevError),
+    #[error("filesystem is damaged: {0}")]
+    Corrupt(String),
+}
+
+impl FsError {
+    pub fn errno(&self) -> i32 {
+        match self {
+            FsError::NotFound => libc::ENOENT,
+            FsError::Exists => libc::EEXIST,
+            FsError::NotDir => libc::ENOTDIR,
+            FsError::IsDir => libc::EISDIR,
+            FsError::NotEmpty => libc::ENOTEMPTY,
+            FsError::Access => libc::EACCES,
+            FsError::Perm => libc::EPERM,
+            FsError::NameTooLong => libc::ENAMETOOLONG,
+            FsError::Invalid(_) => libc::EINVAL,
+            FsError::NoSpace => libc::ENOSPC,
+            FsError::NoData => libc::ENODATA,
+            FsError::Range => libc::ERANGE,
+            FsError::TooManyLinks => libc::EMLINK,
+            FsError::BadHandle => libc::EBADF,
+            FsError::Stale => libc::ESTALE,
+            FsError::FileTooBig => libc::EFBIG,
+            FsError::Unsupported => libc::EOPNOTSUPP,
+            FsError::Loop => libc::ELOOP,
+            FsError::Nxio => libc::ENXIO,
+            FsError::ReadOnly | FsError::Io(BdevError::ReadOnly) => libc::EROFS,
+            FsError::Io(_) | FsError::Corrupt(_) => libc::EIO,
+        }
+    }
+}
+
+pub type FsResult<T> = Result<T, FsError>;

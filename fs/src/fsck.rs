@@ -1,0 +1,274 @@
+//! Offline consistency checking, and repair of the simple cases.
+//!
+//! fsck loads the image the way mount does (superblocks, checkpoint,
+//! journal replay, each block checksummed), which already proves that no
+//! block is owned twice and that every extent lies in the data area. It
+//! then checks the invariants that loading does not: link counts,
+//! directory structure and connectivity, and free-space accounting.
+
+use std::collections::{HashMap, VecDeque};
+
+use super::format::{Superblock, BLOCK_SIZE, ROOT_INO};
+use super::journal;
+use super::record::Record;
+use super::state::State;
+use super::{Fs, FsConfig, FsError, FsResult};
+use keelfs_reactor::io::DeviceChannel;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Problem {
+    /// A stable name for the kind of damage.
+    pub kind: &'static str,
+    pub detail: String,
+    /// Whether `--repair` fixes it.
+    pub repairable: bool,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FsckReport {
+    pub problems: Vec<Problem>,
+    pub inodes: u64,
+    pub directories: u64,
+    pub data_blocks_used: u64,
+    pub free_blocks: u64,
+    pub journal_transactions_replayed: u64,
+    /// Unlinked inodes still allocated (open at a crash); mount frees them.
+    pub orphans: u64,
+    pub repaired: Vec<String>,
+}
+
+impl FsckReport {
+    pub fn is_clean(&self) -> bool {
+        self.problems.is_empty()
+    }
+}
+
+fn problem(kind: &'static str, detail: String, repairable: bool) -> Problem {
+    Problem { kind, detail, repairable }
+}
+
+/// Check the filesystem on `dev`. `progress` hears each stage's name.
+pub async fn fsck(dev: DeviceChannel, mut progress: impl FnMut(&str)) -> FsResult<FsckReport> {
+    let mut report = FsckReport::default();
+    progress("superblocks");
+    let capacity_blocks = dev.geometry().capacity_bytes / BLOCK_SIZE;
+    let (sb, sb_problems) = match journal::choose_superblock(journal::read_superblocks(&dev).await?, capacity_blocks) {
+        Ok(found) => found,
+        Err(e) => {
+            report.problems.push(problem("superblock", e.to_string(), false));
+            return Ok(report);
+        }
+    };
+    for p in sb_problems {
+        report.problems.push(problem("superblock-copy", p, true));
+    }
+    progress("checkpoint");
+    let (mut state, recorded) = match journal::load_checkpoint(&dev, &sb).await {
+        Ok(loaded) => loaded,
+        Err(e) => {
+            report.problems.push(problem("checkpoint", e.to_string(), false));
+            return Ok(report);
+        }
+    };
+    progress("journal");
+    let recorded_free = match journal::replay(&dev, &sb, &mut state, recorded).await {
+        Ok((_, _, replayed, free)) => {
+            report.journal_transactions_replayed = replayed;
+            free
+        }
+        Err(e) => {
+            report.problems.push(problem("journal", e.to_string(), false));
+            return Ok(report);
+        }
+    };
+    progress("inodes and directories");
+    check_state(&state, &sb, recorded_free, &mut report);
+    Ok(report)
+}
+
+fn check_state(state: &State, sb: &Superblock, recorded_free: u64, report: &mut FsckReport) {
+    report.inodes = state.inode_count() as u64;
+    report.free_blocks = state.alloc.free_blocks();
+    let mut names_of: HashMap<u64, u64> = HashMap::new();
+    let mut subdirs: HashMap<u64, u32> = HashMap::new();
+    let mut parents: HashMap<u64, Vec<u64>> = HashMap::new();
+    for node in state.nodes() {
+        report.data_blocks_used += node.extents.blocks();
+        if node.inode.nlink == 0 {
+            report.orphans += 1;
+        }
+        let Some(dir) = &node.dir else { continue };
+        report.directories += 1;
+        for (_, name, child) in dir.entries_from(0) {
+            let Some(target) = state.node(child) else {
+                let detail = format!(
+                    "entry '{}' in directory {} names missing inode {child}",
+                    String::from_utf8_lossy(name),
+                    node.inode.ino
+                );
+                report.problems.push(problem("dangling-entry", detail, true));
+                continue;
+            };
+            *names_of.entry(child).or_default() += 1;
+            if target.inode.is_dir() {
+                *subdirs.entry(node.inode.ino).or_default() += 1;
+                parents.entry(child).or_default().push(node.inode.ino);
+            }
+        }
+    }
+    check_links(state, &names_of, &subdirs, &parents, report);
+    check_connectivity(state, report);
+    let cp_blocks = sb.checkpoint_blocks();
+    let expected_free = state.alloc.total_blocks() - report.data_blocks_used - cp_blocks;
+    if state.alloc.free_blocks() != expected_free {
+        let detail = format!("free index has {} blocks, extents leave {expected_free}", state.alloc.free_blocks());
+        report.problems.push(problem("free-space", detail, true));
+    }
+    let computed_free = state.alloc.free_blocks() + sb.free_count_checkpoint_blocks();
+    if recorded_free != computed_free {
+        let detail = format!("recorded free count {recorded_free}, computed {computed_free}");
+        report.problems.push(problem("free-count", detail, true));
+    }
+    for node in state.nodes() {
+        let mut last_end = 0;
+        for e in node.extents.iter() {
+            if e.file_block < last_end {
+                report.problems.push(problem(
+                    "extent-overlap",
+                    format!("inode {} has overlapping extents", node.inode.ino),
+                    false,
+                ));
+            }
+            last_end = e.file_end();
+        }
+        if node.inode.is_symlink() && node.symlink.is_none() {
+            report.problems.push(problem("symlink", format!("symlink {} has no target", node.inode.ino), false));
+        }
+    }
+}
+
+fn check_links(
+    state: &State,
+    names_of: &HashMap<u64, u64>,
+    subdirs: &HashMap<u64, u32>,
+    parents: &HashMap<u64, Vec<u64>>,
+    report: &mut FsckReport,
+) {
+    for node in state.nodes() {
+        let ino = node.inode.ino;
+        let names = names_of.get(&ino).copied().unwrap_or(0);
+        // (The root has no name; with no links it is not an orphan but
+        // damage, which mount refuses.)
+        if node.inode.nlink == 0 && names == 0 && ino != ROOT_INO {
+            continue; // an orphan, freed at mount
+        }
+        let expected = if node.inode.is_dir() {
+            if ino != ROOT_INO && names != 1 {
+                report.problems.push(problem("directory-names", format!("directory {ino} has {names} names"), false));
+            }
+            if let Some(p) = parents.get(&ino).and_then(|p| p.first()) {
+                if node.dir.as_ref().is_some_and(|d| d.parent != *p) {
+                    report.problems.push(problem("dotdot", format!("directory {ino}'s '..' is wrong"), false));
+                }
+            }
+            2 + subdirs.get(&ino).copied().unwrap_or(0)
+        } else {
+            names as u32
+        };
+        if node.inode.nlink != expected {
+            let detail = format!("inode {ino} has link count {}, expected {expected}", node.inode.nlink);
+            report.problems.push(problem("link-count", detail, true));
+        }
+    }
+}
+
+fn check_connectivity(state: &State, report: &mut FsckReport) {
+    let mut seen = std::collections::HashSet::new();
+    let mut queue = VecDeque::from([ROOT_INO]);
+    while let Some(ino) = queue.pop_front() {
+        if !seen.insert(ino) {
+            continue;
+        }
+        if let Some(dir) = state.node(ino).and_then(|n| n.dir.as_ref()) {
+            queue.extend(dir.entries_from(0).map(|(_, _, child)| child).filter(|c| state.node(*c).is_some()));
+        }
+    }
+    for node in state.nodes() {
+        if node.inode.nlink > 0 && !seen.contains(&node.inode.ino) {
+            let detail = format!("inode {} is not reachable from the root", node.inode.ino);
+            report.problems.push(problem("disconnected", detail, false));
+        }
+    }
+}
+
+/// Fix what can be fixed: link counts, dangling entries, and whatever a
+/// fresh checkpoint rewrites (free counts, a bad superblock copy). Returns
+/// the report of a check run after the repair.
+pub async fn repair(dev: DeviceChannel, mut progress: impl FnMut(&str)) -> FsResult<FsckReport> {
+    let before = fsck(dev.clone(), &mut progress).await?;
+    if before.problems.iter().any(|p| !p.repairable) {
+        return Err(FsError::Corrupt(format!(
+            "damage that --repair cannot fix: {}",
+            before.problems.iter().filter(|p| !p.repairable).map(|p| p.detail.as_str()).collect::<Vec<_>>().join("; ")
+        )));
+    }
+    progress("repair");
+    let fs = Fs::mount(dev.clone(), FsConfig::default()).await?;
+    let mut repaired = Vec::new();
+    fix_entries_and_links(&fs, &mut repaired)?;
+    // Two checkpoints write both superblock slots.
+    fs.checkpoint().await?;
+    fs.unmount().await?;
+    repaired.push("rewrote the checkpoint and both superblock copies".to_string());
+    let mut after = fsck(dev, &mut progress).await?;
+    after.repaired = repaired;
+    Ok(after)
+}
+
+fn fix_entries_and_links(fs: &Fs, repaired: &mut Vec<String>) -> FsResult<()> {
+    let inner = fs.inner();
+    let (dangling, counts) = {
+        let state = inner.state.borrow();
+        let mut dangling = Vec::new();
+        let mut names: HashMap<u64, u32> = HashMap::new();
+        let mut subdirs: HashMap<u64, u32> = HashMap::new();
+        for node in state.nodes() {
+            let Some(dir) = &node.dir else { continue };
+            for (_, name, child) in dir.entries_from(0) {
+                match state.node(child) {
+                    None => dangling.push((node.inode.ino, name.to_vec())),
+                    Some(c) => {
+                        *names.entry(child).or_default() += 1;
+                        if c.inode.is_dir() {
+                            *subdirs.entry(node.inode.ino).or_default() += 1;
+                        }
+                    }
+                }
+            }
+        }
+        let counts: Vec<(u64, u32)> = state
+            .nodes()
+            .filter(|n| n.inode.nlink != 0 || names.contains_key(&n.inode.ino))
+            .map(|n| {
+                let ino = n.inode.ino;
+                let want = if n.inode.is_dir() {
+                    2 + subdirs.get(&ino).copied().unwrap_or(0)
+                } else {
+                    names.get(&ino).copied().unwrap_or(0)
+                };
+                (ino, want)
+            })
+            .filter(|(ino, want)| state.node(*ino).is_some_and(|n| n.inode.nlink != *want))
+            .collect();
+        (dangling, counts)
+    };
+    for (dir, name) in dangling {
+        inner.log(Record::DirentDelete { dir, name: name.clone() })?;
+        repaired.push(format!("removed entry '{}' from directory {dir}", String::from_utf8_lossy(&name)));
+    }
+    for (ino, want) in counts {
+        inner.update_inode(ino, |i| i.nlink = want)?;
+        repaired.push(format!("set link count of inode {ino} to {want}"));
+    }
+    Ok(())
+}

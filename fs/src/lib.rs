@@ -1,0 +1,620 @@
+//! The keelfs filesystem core.
+//!
+//! Metadata lives in memory ([`state::State`]) and is made durable by a
+//! write-ahead journal of [`record::Record`]s with group commit, plus
+//! periodic checkpoints that write the whole state and let the journal
+//! ring be reused. Data lives in extents on the device; metadata that makes
+//! data visible commits only after that data is durable (ordered mode).
+//! See docs/FORMAT.md for the layout and the crash analysis.
+//!
+//! An [`Fs`] belongs to one reactor: its operations are async functions run
+//! as tasks there, and no thread ever blocks on I/O.
+
+mod access;
+pub mod alloc;
+pub mod cache;
+pub mod codec;
+mod data;
+pub mod error;
+pub mod extent;
+pub mod format;
+pub mod fsck;
+mod journal;
+pub mod mkfs;
+mod ops;
+pub mod record;
+mod shared;
+pub mod state;
+pub mod sync;
+
+pub use access::{Creds, PermissionCheck};
+pub use data::{ReadSink, WriteSource, WriteTimes};
+pub use error::{FsError, FsResult};
+pub use journal::{CHECKPOINT_BLOCK_MAGIC, JOURNAL_TX_MAGIC};
+pub use ops::{Attr, DirEntry, SeekTo, SetAttr, TimeSet};
+pub use shared::{SharedMiss, SharedReader};
+
+use std::cell::{Cell, RefCell};
+use std::collections::BTreeSet;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use codec::Writer;
+use format::{Superblock, BLOCK_BYTES, BLOCK_SIZE};
+use keelfs_bdev::{AlignedBuf, Geometry};
+use keelfs_reactor::io::{await_all, DeviceChannel};
+use state::{ApplyMode, State};
+
+/// The smallest checkpoint reserve: 1 MiB.
+const CHECKPOINT_RESERVE_MIN_BLOCKS: u64 = 256;
+
+/// Settings of a mounted filesystem.
+#[derive(Clone, Debug)]
+pub struct FsConfig {
+    /// Commit the journal at least this often while changes are pending.
+    pub commit_interval: Duration,
+    /// Allocation group this reactor prefers for new files.
+    pub preferred_group: usize,
+    /// Page cache size.
+    pub cache_bytes: u64,
+    /// Write dirty pages back at least this often.
+    pub writeback_interval: Duration,
+    /// Inodes the filesystem may hold (each lives in daemon memory); past
+    /// it, creating one fails with ENOSPC. None: one per 16 KiB of device,
+    /// as ext4's default, between 1,024 and 2^32 - 1.
+    pub inodes_max: Option<u64>,
+    /// Bytes of xattr names and values one inode may hold; past it,
+    /// setxattr fails with ENOSPC. At most the format's
+    /// [`format::XATTR_INODE_BYTES_MAX`] (the default).
+    pub xattr_bytes_per_inode_max: usize,
+    /// Serve without writing: no orphan cleanup, commits, checkpoints or
+    /// writeback; every change fails with EROFS. A journal left by a crash
+    /// is replayed in memory only.
+    pub read_only: bool,
+    /// When reads move an inode's atime (FUSE leaves atime to the server).
+    pub atime: AtimeUpdates,
+    /// Whether reading a directory moves its atime (false: nodiratime).
+    pub dir_atime: bool,
+    /// Inodes a checkpoint encodes between two yields to the reactor:
+    /// what bounds the wait of a request behind it (a directory is
+    /// encoded whole, entries and all).
+    pub checkpoint_piece_nodes: usize,
+}
+
+/// Linux's atime mount modes, which the server applies under FUSE.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AtimeUpdates {
+    /// noatime: reads never change atime.
+    Never,
+    /// relatime (Linux's default): a read moves atime if it is not after
+    /// mtime or ctime, or is a day old; one inode update per change, not
+    /// one per read.
+    Relative,
+    /// strictatime: every read moves atime.
+    Always,
+}
+
+impl Default for FsConfig {
+    fn default() -> Self {
+        Self {
+            commit_interval: Duration::from_secs(5),
+            preferred_group: 0,
+            cache_bytes: 256 << 20,
+            writeback_interval: Duration::from_millis(500),
+            inodes_max: None,
+            xattr_bytes_per_inode_max: format::XATTR_INODE_BYTES_MAX,
+            read_only: false,
+            atime: AtimeUpdates::Relative,
+            dir_atime: true,
+            checkpoint_piece_nodes: 256,
+        }
+    }
+}
+
+/// Counters that prove what the I/O paths did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FsCounters {
+    pub journal_commits: u64,
+    pub journal_blocks_written: u64,
+    pub device_flushes: u64,
+    pub checkpoints: u64,
+    pub data_bytes_written: u64,
+    pub data_bytes_read: u64,
+    pub fsyncs: u64,
+    /// Records appended to the pending journal (0 for pure overwrites and
+    /// timestamp updates).
+    pub records_logged: u64,
+    pub direct_overwrites: u64,
+    pub direct_extends: u64,
+    /// Direct writes in flight now, and the most seen at once.
+    pub direct_in_flight: u64,
+    pub direct_in_flight_max: u64,
+    pub writeback_pages: u64,
+}
+
+struct Handle {
+    ino: u64,
+    flags: u32,
+    /// For a directory handle: readdir lists only entries made before this
+    /// cookie (the directory's cookie end at opendir or the last rewind).
+    dir_end: u64,
+}
+
+/// The journal's position and what is waiting to go into it.
+struct JournalState {
+    /// Next logical journal block to write, and the sequence it gets.
+    head: u64,
+    seq: u64,
+    /// Encoded records of operations not yet committed.
+    pending: Writer,
+    /// Changes made (records logged and inodes dirtied), and how many of
+    /// them the last commit made durable: an fsync waits until the commit
+    /// count passes the change count it saw, which lets one commit serve
+    /// every fsync that arrived while another was running.
+    logged_ops: u64,
+    committed_ops: u64,
+    /// Inodes whose in-memory image differs from the last logged one.
+    dirty: BTreeSet<u64>,
+    /// Inodes logged with a capped size, to log again once written back.
+    dirty_later: BTreeSet<u64>,
+    /// Images of dirty inodes freed before the commit. Records already
+    /// pending may name them (an entry added to a directory that was then
+    /// removed), so the transaction still carries their image up front,
+    /// then the records, then the free.
+    freed_images: Vec<format::Inode>,
+    /// Pending records make newly written data visible (an extent mapped
+    /// written, or a zeroed tail): that data must be durable before the
+    /// transaction, so the commit flushes first.
+    exposes_data: bool,
+    /// Data writes completed, and how many were covered by the last flush.
+    data_writes: u64,
+    flushed_data_writes: u64,
+    /// Blocks handed out for data not yet mapped by a record.
+    reserved_unmapped: u64,
+    /// Blocks promised to dirty cached pages over holes (delayed
+    /// allocation): writeback will need them, so nothing else may take them.
+    delalloc_reserved: u64,
+    /// The epoch of the checkpoint being encoded in pieces, if any.
+    sliced: Option<u32>,
+    /// While it is: runs freed by commits since its start, held back from
+    /// the allocator until a checkpoint lands, because its snapshot (the
+    /// state at its start) may still give them to a file and its own
+    /// blocks are allocated at the end.
+    deferred_free: Vec<format::BlockRun>,
+}
+
+pub(crate) struct FsInner {
+    dev: DeviceChannel,
+    geometry: Geometry,
+    config: FsConfig,
+    sb: RefCell<Superblock>,
+    state: RefCell<State>,
+    journal: RefCell<JournalState>,
+    handles: RefCell<keelfs_base::IdMap<Handle>>,
+    next_handle: Cell<u64>,
+    commit_lock: sync::AsyncMutex,
+    cache: RefCell<cache::PageCache>,
+    ranges: Rc<sync::RangeLocks>,
+    counters: Cell<FsCounters>,
+    unmounted: Cell<bool>,
+    replayed_at_mount: u64,
+    /// False only in a benchmark that measures what mtime/ctime upkeep
+    /// costs (`keelfs-bench core --workload byte-writes`).
+    file_times: Cell<bool>,
+    /// Files with readers on other cores ([`Fs::shared_reader`]): their
+    /// size and life, published under a sequence number.
+    shared_files: RefCell<keelfs_base::IdMap<Arc<shared::SharedFile>>>,
+}
+
+/// A change to a file that readers on other cores must see whole (see
+/// [`FsInner::file_change`]); ends when dropped.
+pub(crate) struct FileChange(Option<Arc<shared::SharedFile>>);
+
+impl Drop for FileChange {
+    fn drop(&mut self) {
+        if let Some(file) = &self.0 {
+            file.close();
+        }
+    }
+}
+
+/// A mounted filesystem. Cheap to clone; all clones share one state.
+#[derive(Clone)]
+pub struct Fs {
+    inner: Rc<FsInner>,
+}
+
+impl FsInner {
+    /// Begin a change of several steps to `ino` (pages and size) that
+    /// readers on other cores must not see half done. Free when the file
+    /// has no such readers.
+    pub(crate) fn file_change(&self, ino: u64) -> FileChange {
+        let file = self.shared_files.borrow().get(&ino).cloned();
+        if let Some(f) = &file {
+            f.open();
+        }
+        FileChange(file)
+    }
+
+    /// Tell readers on other cores the file's size (after any change to an
+    /// inode, which is where sizes change).
+    fn publish_size(&self, ino: u64, size: u64) {
+        let files = self.shared_files.borrow();
+        if let Some(f) = files.get(&ino) {
+            f.set_size_published(size);
+        }
+    }
+
+    /// The inode is gone: its shared readers must go to the owner, which
+    /// will answer that the file no longer exists.
+    fn forget_shared(&self, ino: u64) {
+        if let Some(f) = self.shared_files.borrow_mut().remove(&ino) {
+            f.kill_published();
+        }
+    }
+
+    /// After data reached a file: grow its size to `end` if given, and
+    /// stamp mtime and ctime, in memory only (persisted with the next
+    /// commit).
+    ///
+    /// Stamps come from the coarse clock, and a write that would not move
+    /// them (the same tick) changes nothing and dirties nothing, unless
+    /// someone read the attributes or i_version since the last stamp: then
+    /// the precise clock makes the change visible (multigrain timestamps).
+    pub(crate) fn written(&self, ino: u64, end: Option<u64>) -> FsResult<()> {
+        self.written_with(ino, end, data::WriteTimes::Stamp)
+    }
+
+    /// [`Self::written`], leaving the times alone when the client keeps them.
+    pub(crate) fn written_with(&self, ino: u64, end: Option<u64>, times: data::WriteTimes) -> FsResult<()> {
+        let mut state = self.state.borrow_mut();
+        let node = state.node_mut(ino).ok_or(FsError::NotFound)?;
+        let grows = end.is_some_and(|e| e > node.inode.size);
+        let mut stamp = None;
+        if self.file_times.get() && times == data::WriteTimes::Stamp {
+            let ctime = node.inode.ctime;
+            if node.times_queried.get() || node.i_version_queried {
+                stamp = Some(format::Timespec::now().max(ctime.next()));
+            } else {
+                let coarse = format::Timespec::now_coarse();
+                if coarse > ctime || coarse > node.inode.mtime {
+                    stamp = Some(coarse.max(ctime));
+                }
+            }
+        }
+        if stamp.is_none() && !grows {
+            return Ok(());
+        }
+        node.times_queried.set(false);
+        drop(state);
+        self.update_inode(ino, |i| {
+            if let Some(end) = end {
+                i.size = i.size.max(end);
+            }
+            if let Some(t) = stamp {
+                i.mtime = t;
+                i.ctime = t;
+            }
+        })
+    }
+
+    fn bump(&self, f: impl FnOnce(&mut FsCounters)) {
+        let mut c = self.counters.get();
+        f(&mut c);
+        self.counters.set(c);
+    }
+
+    /// Apply a record to the live state and queue it for the journal.
+    fn log(&self, record: record::Record) -> FsResult<()> {
+        if self.config.read_only {
+            return Err(FsError::ReadOnly);
+        }
+        self.state
+            .borrow_mut()
+            .apply(&record, ApplyMode::Live)
+            .map_err(|e| FsError::Corrupt(format!("live change refused: {e}")))?;
+        let mut j = self.journal.borrow_mut();
+        record.encode(&mut j.pending);
+        j.logged_ops += 1;
+        if let record::Record::ExtentMap { unwritten: false, .. } = record {
+            j.exposes_data = true;
+        }
+        drop(j);
+        self.bump(|c| c.records_logged += 1);
+        Ok(())
+    }
+
+    /// Add a new inode. Its image reaches the journal with the other dirty
+    /// inode images, at the start of the next transaction, so that records
+    /// after it (its directory entry) find it at replay.
+    fn create_inode(&self, inode: format::Inode) -> FsResult<()> {
+        let ino = inode.ino;
+        self.state
+            .borrow_mut()
+            .apply(&record::Record::InodeSet(inode), ApplyMode::Live)
+            .map_err(|e| FsError::Corrupt(format!("live change refused: {e}")))?;
+        self.mark_dirty(ino);
+        Ok(())
+    }
+
+    /// Blocks data may not take: room for the next checkpoint, which must
+    /// be writable even when data has filled the device, because a
+    /// transaction too large for the journal ring commits as a checkpoint,
+    /// and that commit is what releases the blocks freed since the last
+    /// one (and unmount always checkpoints). Twice the current checkpoint,
+    /// for growth, and at least 1 MiB.
+    fn checkpoint_reserve(&self) -> u64 {
+        let current = self.sb.borrow().checkpoint_blocks();
+        (2 * current).max(CHECKPOINT_RESERVE_MIN_BLOCKS)
+    }
+
+    fn available_blocks(&self) -> u64 {
+        let free = self.state.borrow().alloc.free_blocks();
+        free.saturating_sub(self.journal.borrow().delalloc_reserved).saturating_sub(self.checkpoint_reserve())
+    }
+
+    fn release_delalloc(&self, blocks: u64) {
+        let mut j = self.journal.borrow_mut();
+        j.delalloc_reserved = j.delalloc_reserved.saturating_sub(blocks);
+    }
+
+    fn mark_dirty(&self, ino: u64) {
+        let mut j = self.journal.borrow_mut();
+        j.dirty.insert(ino);
+        j.logged_ops += 1;
+    }
+
+    async fn flush_device(&self) -> FsResult<()> {
+        if !self.geometry.volatile_write_cache {
+            return Ok(());
+        }
+        let (_, result) = self.dev.flush().await;
+        self.bump(|c| c.device_flushes += 1);
+        result?;
+        Ok(())
+    }
+
+    async fn read_blocks(&self, block: u64, count: usize) -> FsResult<AlignedBuf> {
+        let buf = AlignedBuf::zeroed(count * BLOCK_BYTES, BLOCK_BYTES);
+        let (buf, result) = self.dev.read(block * BLOCK_SIZE, buf).await;
+        result?;
+        Ok(buf)
+    }
+
+    /// Write whole blocks, split into requests the device accepts, all in
+    /// flight together.
+    async fn write_blocks(&self, block: u64, buf: AlignedBuf) -> FsResult<()> {
+        let max = self.geometry.max_request_bytes as usize;
+        if buf.len() <= max {
+            let (_, result) = self.dev.write(block * BLOCK_SIZE, buf).await;
+            result?;
+            return Ok(());
+        }
+        let mut pending = Vec::new();
+        for (i, chunk) in buf.chunks(max).enumerate() {
+            let mut part = AlignedBuf::zeroed(chunk.len(), BLOCK_BYTES);
+            part.copy_from_slice(chunk);
+            pending.push(self.dev.write((block * BLOCK_SIZE) + (i * max) as u64, part));
+        }
+        await_all(pending).await?;
+        Ok(())
+    }
+}
+
+impl Fs {
+    pub fn geometry(&self) -> Geometry {
+        self.inner.geometry
+    }
+
+    pub fn counters(&self) -> FsCounters {
+        self.inner.counters.get()
+    }
+
+    /// Journal transactions the mount replayed (0 after a clean unmount).
+    /// Benchmarks only: stop (or resume) setting mtime and ctime on data
+    /// writes, to measure what their upkeep costs. keelfsd never turns it
+    /// off.
+    pub fn set_file_times_for_benchmark(&self, on: bool) {
+        self.inner.file_times.set(on);
+    }
+
+    pub fn replayed_at_mount(&self) -> u64 {
+        self.inner.replayed_at_mount
+    }
+
+    pub fn superblock(&self) -> Superblock {
+        self.inner.sb.borrow().clone()
+    }
+
+    /// Blocks free for new data right now (delayed-allocation reservations
+    /// excluded).
+    pub fn free_blocks(&self) -> u64 {
+        self.inner.available_blocks()
+    }
+
+    /// Range-lock acquisitions that had to wait: (shared, exclusive).
+    pub fn range_lock_waits(&self) -> (u64, u64) {
+        self.inner.ranges.waits()
+    }
+
+    pub fn cache_stats(&self) -> cache::CacheStats {
+        self.inner.cache.borrow().stats()
+    }
+
+    /// A reader of `ino`'s cached pages for another thread (another
+    /// reactor): reads that find every page cached complete there without
+    /// a lock or a message; the others the caller sends here.
+    pub fn shared_reader(&self, ino: u64) -> FsResult<SharedReader> {
+        let size = self.require_file(ino)?.size;
+        let file = self
+            .inner
+            .shared_files
+            .borrow_mut()
+            .entry(ino)
+            .or_insert_with(|| Arc::new(shared::SharedFile::new(size)))
+            .clone();
+        Ok(SharedReader { pages: self.inner.cache.borrow().shared().clone(), file, ino })
+    }
+
+    /// Extents of a file (for tests and benchmarks of the allocator).
+    pub fn extent_count(&self, ino: u64) -> FsResult<usize> {
+        let state = self.inner.state.borrow();
+        Ok(state.node(ino).ok_or(FsError::NotFound)?.extents.len())
+    }
+
+    /// Whether a checkpoint is being written in pieces now (for tests).
+    #[doc(hidden)]
+    pub fn checkpointing_in_pieces(&self) -> bool {
+        journal::checkpoint_in_pieces(&self.inner)
+    }
+
+    /// Every block has at most one owner: a file's extent, the live
+    /// checkpoint, a free awaiting its commit or a checkpoint, or the
+    /// allocator's free list. For tests and fuzzers that run the filesystem through many
+    /// operations: a block with two owners is a corruption waiting for its
+    /// next write. Linear in extents and free runs.
+    pub fn check_block_ownership(&self) -> Result<(), String> {
+        let state = self.inner.state.borrow();
+        let sb = self.inner.sb.borrow();
+        let mut owned: Vec<(u64, u64, String)> = Vec::new();
+        for node in state.nodes() {
+            for e in node.extents.iter() {
+                owned.push((e.disk_block, e.len, format!("inode {} file block {}", node.inode.ino, e.file_block)));
+            }
+        }
+        owned.extend(sb.checkpoint_extents.iter().map(|r| (r.start, r.len, "the checkpoint".to_string())));
+        owned.extend(state.pending_free.iter().map(|r| (r.start, r.len, "a pending free".to_string())));
+        let deferred = &self.inner.journal.borrow().deferred_free;
+        owned.extend(deferred.iter().map(|r| (r.start, r.len, "a free held for a checkpoint".to_string())));
+        owned.extend(state.alloc.free_runs().iter().map(|r| (r.start, r.len, "the free list".to_string())));
+        owned.sort_by_key(|o| o.0);
+        for pair in owned.windows(2) {
+            let (a, b) = (&pair[0], &pair[1]);
+            if a.0 + a.1 > b.0 {
+                return Err(format!("blocks [{}, +{}) ({}) overlap [{}, +{}) ({})", a.0, a.1, a.2, b.0, b.1, b.2));
+            }
+        }
+        Ok(())
+    }
+
+    /// Overwrite an inode's link count, bypassing every rule: for tests
+    /// that need a damaged image to check fsck against.
+    #[doc(hidden)]
+    pub fn debug_set_nlink(&self, ino: u64, nlink: u32) {
+        let _ = self.inner.update_inode(ino, |i| i.nlink = nlink);
+    }
+
+    /// Commit everything logged so far and make all completed data writes
+    /// durable. Concurrent callers share commits (group commit).
+    pub async fn sync(&self) -> FsResult<()> {
+        if self.read_only() {
+            return Ok(()); // nothing was written, nothing is pending
+        }
+        self.writeback_all().await?;
+        journal::sync(&self.inner).await
+    }
+
+    /// Write a checkpoint in pieces now, as a half-full journal does,
+    /// letting other tasks run between the pieces (whole on images
+    /// without the free-count feature, or when a whole one replaces it).
+    pub async fn checkpoint_in_pieces(&self) -> FsResult<()> {
+        if self.read_only() {
+            return Err(FsError::ReadOnly);
+        }
+        journal::checkpoint_in_pieces_now(&self.inner).await
+    }
+
+    /// Write a checkpoint now (normally triggered by journal usage).
+    pub async fn checkpoint(&self) -> FsResult<()> {
+        if self.read_only() {
+            return Err(FsError::ReadOnly);
+        }
+        journal::checkpoint(&self.inner).await
+    }
+
+    /// Whether this mount is read-only ([`FsConfig::read_only`]).
+    pub fn read_only(&self) -> bool {
+        self.inner.config.read_only
+    }
+
+    /// Commit, checkpoint and flush; the Fs must not be used afterwards.
+    /// Read-only, nothing is written.
+    pub async fn unmount(&self) -> FsResult<()> {
+        if self.read_only() {
+            self.inner.unmounted.set(true);
+            return Ok(());
+        }
+        self.writeback_all().await?;
+        self.inner.unmounted.set(true);
+        journal::checkpoint(&self.inner).await
+    }
+
+    /// Mount the filesystem on `dev`: pick the newest valid superblock,
+    /// load its checkpoint, replay the journal, and free orphans.
+    pub async fn mount(dev: DeviceChannel, config: FsConfig) -> FsResult<Fs> {
+        Self::mount_inner(dev, config, true).await
+    }
+
+    async fn mount_inner(dev: DeviceChannel, config: FsConfig, require_root: bool) -> FsResult<Fs> {
+        let loaded = journal::load(&dev, require_root).await?;
+        let fs = Fs {
+            inner: Rc::new(FsInner {
+                geometry: dev.geometry(),
+                dev,
+                config: config.clone(),
+                sb: RefCell::new(loaded.sb),
+                state: RefCell::new(loaded.state),
+                journal: RefCell::new(JournalState {
+                    head: loaded.journal_head,
+                    seq: loaded.journal_seq,
+                    pending: Writer::new(),
+                    logged_ops: 0,
+                    committed_ops: 0,
+                    dirty: BTreeSet::new(),
+                    dirty_later: BTreeSet::new(),
+                    freed_images: Vec::new(),
+                    exposes_data: false,
+                    data_writes: 0,
+                    flushed_data_writes: 0,
+                    reserved_unmapped: 0,
+                    delalloc_reserved: 0,
+                    sliced: None,
+                    deferred_free: Vec::new(),
+                }),
+                handles: RefCell::new(keelfs_base::IdMap::default()),
+                next_handle: Cell::new(1),
+                cache: RefCell::new(cache::PageCache::new(config.cache_bytes)),
+                commit_lock: sync::AsyncMutex::default(),
+                ranges: Rc::new(sync::RangeLocks::default()),
+                counters: Cell::new(FsCounters::default()),
+                unmounted: Cell::new(false),
+                replayed_at_mount: loaded.replayed,
+                file_times: Cell::new(true),
+                shared_files: RefCell::new(keelfs_base::IdMap::default()),
+            }),
+        };
+        if config.read_only {
+            // Orphans stay (unreachable, freed by the next writable mount),
+            // and nothing is ever committed or written back.
+            return Ok(fs);
+        }
+        fs.free_orphans()?;
+        journal::start_commit_timer(&fs.inner);
+        data::start_writeback_timer(&fs);
+        Ok(fs)
+    }
+
+    /// Inodes with no links left when the last mount ended (unlinked while
+    /// open, then a crash) are freed now.
+    fn free_orphans(&self) -> FsResult<()> {
+        let orphans: Vec<u64> = {
+            let state = self.inner.state.borrow();
+            state.nodes().filter(|n| n.inode.nlink == 0).map(|n| n.inode.ino).collect()
+        };
+        for ino in orphans {
+            self.inner.log(record::Record::InodeFree { ino })?;
+        }
+        Ok(())
+    }
+}

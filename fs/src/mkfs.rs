@@ -1,0 +1,105 @@
+//! Making a new filesystem.
+
+use super::format::{
+    Inode, Superblock, BLOCK_BYTES, BLOCK_SIZE, FEATURE_FREE_COUNT_HOLDS_CHECKPOINT, JOURNAL_BLOCKS_MAX,
+    JOURNAL_FIRST_BLOCK, ROOT_INO, SUPERBLOCK_SLOTS, S_IFDIR, TOTAL_BLOCKS_MAX,
+};
+use super::journal;
+use super::{Fs, FsConfig, FsError};
+use keelfs_bdev::AlignedBuf;
+use keelfs_reactor::io::DeviceChannel;
+
+#[derive(Clone, Debug)]
+pub struct MkfsOptions {
+    /// Journal size in blocks; 0 picks 1/64 of the device, between 1 MiB
+    /// and 64 MiB.
+    pub journal_blocks: u64,
+    pub allocation_groups: u32,
+    /// Format even if the device already holds a keelfs.
+    pub force: bool,
+    pub root_uid: u32,
+    pub root_gid: u32,
+}
+
+impl Default for MkfsOptions {
+    fn default() -> Self {
+        Self { journal_blocks: 0, allocation_groups: 1, force: false, root_uid: 0, root_gid: 0 }
+    }
+}
+
+/// Smallest device mkfs accepts.
+pub const MIN_DEVICE_BYTES: u64 = 4 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum MkfsError {
+    #[error("the device already holds a keelfs filesystem (use --force to overwrite it)")]
+    AlreadyFormatted,
+    #[error("the device is {0} bytes; keelfs needs at least {MIN_DEVICE_BYTES}")]
+    TooSmall(u64),
+    #[error("a journal of {0} blocks is outside 16..={JOURNAL_BLOCKS_MAX}")]
+    JournalSize(u64),
+    #[error("the device is {0} bytes; keelfs formats at most {TOTAL_BLOCKS_MAX} blocks")]
+    TooLarge(u64),
+    #[error("cannot read random bytes for the UUID: {0}")]
+    Random(std::io::Error),
+    #[error(transparent)]
+    Fs(#[from] FsError),
+}
+
+fn random_uuid() -> Result<[u8; 16], MkfsError> {
+    use std::io::Read;
+    let mut uuid = [0u8; 16];
+    std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut uuid)).map_err(MkfsError::Random)?;
+    uuid[6] = (uuid[6] & 0x0f) | 0x40; // version 4
+    uuid[8] = (uuid[8] & 0x3f) | 0x80;
+    Ok(uuid)
+}
+
+/// Format `dev`: two superblocks, an empty journal and a first checkpoint
+/// holding the root directory. Returns the superblock written.
+pub async fn mkfs(dev: DeviceChannel, options: &MkfsOptions) -> Result<Superblock, MkfsError> {
+    let capacity = dev.geometry().capacity_bytes;
+    if capacity < MIN_DEVICE_BYTES {
+        return Err(MkfsError::TooSmall(capacity));
+    }
+    if !options.force && journal::read_superblocks(&dev).await?.iter().any(|c| c.is_ok()) {
+        return Err(MkfsError::AlreadyFormatted);
+    }
+    let total_blocks = capacity / BLOCK_SIZE;
+    if total_blocks > TOTAL_BLOCKS_MAX {
+        return Err(MkfsError::TooLarge(capacity));
+    }
+    let journal_blocks =
+        if options.journal_blocks > 0 { options.journal_blocks } else { (total_blocks / 64).clamp(256, 16384) };
+    if !(16..=JOURNAL_BLOCKS_MAX).contains(&journal_blocks) {
+        return Err(MkfsError::JournalSize(journal_blocks));
+    }
+    let sb = Superblock {
+        uuid: random_uuid()?,
+        features: FEATURE_FREE_COUNT_HOLDS_CHECKPOINT,
+        generation: 0,
+        total_blocks,
+        journal_blocks,
+        allocation_groups: options.allocation_groups.max(1),
+        journal_start: 0,
+        journal_seq: 1,
+        checkpoint_seq: 0,
+        checkpoint_bytes: 0,
+        checkpoint_extents: Vec::new(),
+    };
+    if JOURNAL_FIRST_BLOCK + journal_blocks + 16 > total_blocks {
+        return Err(MkfsError::TooSmall(capacity));
+    }
+    for (generation, slot) in SUPERBLOCK_SLOTS.iter().enumerate() {
+        let copy = Superblock { generation: generation as u64, ..sb.clone() };
+        let mut buf = AlignedBuf::zeroed(BLOCK_BYTES, BLOCK_BYTES);
+        buf.copy_from_slice(&copy.encode());
+        let (_, r) = dev.write(slot * BLOCK_SIZE, buf).await;
+        r.map_err(FsError::from)?;
+    }
+    let fs = Fs::mount_inner(dev, FsConfig::default(), false).await?;
+    let root = Inode::new(ROOT_INO, S_IFDIR | 0o755, options.root_uid, options.root_gid, 0);
+    fs.inner.create_inode(root)?;
+    fs.unmount().await?;
+    Ok(fs.superblock())
+}

@@ -1,0 +1,651 @@
+//! The in-memory metadata: every inode with its extents, xattrs, symlink
+//! target and directory entries, plus free space. All changes go through
+//! [`State::apply`], so the live path, journal replay and checkpoint
+//! loading share one implementation.
+
+use std::borrow::Borrow;
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{Hash, Hasher};
+
+use super::alloc::Allocator;
+use super::codec::Writer;
+use super::extent::ExtentMap;
+use super::format::{BlockRun, Inode, COUNTER_MAX};
+use super::ops::MAX_FILE_BYTES;
+use super::record::Record;
+
+/// A directory entry's name. Names up to 22 bytes (nearly all) live inside
+/// the hash table's bucket, so a lookup in a large directory touches one
+/// cache line instead of chasing a pointer to the name.
+/// A longer name is shared, not copied, between the table by name and
+/// the one by cookie.
+#[derive(Clone)]
+pub enum Name {
+    Inline { len: u8, bytes: [u8; 22] },
+    Heap(std::rc::Rc<[u8]>),
+}
+
+impl Name {
+    pub fn new(name: &[u8]) -> Self {
+        if name.len() <= 22 {
+            let mut bytes = [0u8; 22];
+            bytes[..name.len()].copy_from_slice(name);
+            Name::Inline { len: name.len() as u8, bytes }
+        } else {
+            Name::Heap(name.into())
+        }
+    }
+    pub fn as_bytes(&self) -> &[u8] {
+        match self {
+            Name::Inline { len, bytes } => &bytes[..*len as usize],
+            Name::Heap(b) => b,
+        }
+    }
+}
+
+impl std::fmt::Debug for Name {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}", String::from_utf8_lossy(self.as_bytes()))
+    }
+}
+
+// Hash, Eq and Borrow agree with [u8]'s, so the table can be searched with
+// a plain byte slice.
+impl Hash for Name {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.as_bytes().hash(state)
+    }
+}
+impl PartialEq for Name {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_bytes() == other.as_bytes()
+    }
+}
+impl Eq for Name {}
+impl Borrow<[u8]> for Name {
+    fn borrow(&self) -> &[u8] {
+        self.as_bytes()
+    }
+}
+
+const _: () = assert!(std::mem::size_of::<Name>() == 24);
+
+/// A directory's entries. Each entry carries a cookie, assigned once and
+/// never reused in that directory, which is its stable readdir offset.
+#[derive(Clone, Debug, Default)]
+pub struct Directory {
+    pub parent: u64,
+    entries: HashMap<Name, (u64, u64)>,
+    by_cookie: BTreeMap<u64, Name>,
+    next_cookie: u64,
+}
+
+/// Offsets 1 and 2 are "." and ".."; entries start at 3.
+pub const FIRST_COOKIE: u64 = 3;
+
+/// Inode numbers stay below this (an image naming a larger one is
+/// refused), so the next-inode counter can never wrap onto the root.
+pub const INO_MAX: u64 = COUNTER_MAX;
+
+impl Directory {
+    fn new(parent: u64) -> Self {
+        Self { parent, entries: HashMap::new(), by_cookie: BTreeMap::new(), next_cookie: FIRST_COOKIE }
+    }
+    pub fn lookup(&self, name: &[u8]) -> Option<u64> {
+        self.entries.get(name).map(|&(ino, _)| ino)
+    }
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+    /// The cookie the next entry will get: every entry now has a smaller one.
+    pub fn cookie_end(&self) -> u64 {
+        self.next_cookie
+    }
+    pub fn take_cookie(&mut self) -> u64 {
+        let c = self.next_cookie;
+        self.next_cookie += 1;
+        c
+    }
+    /// Entries with cookie >= `from`, in cookie order: (cookie, name, ino).
+    pub fn entries_from(&self, from: u64) -> impl Iterator<Item = (u64, &[u8], u64)> + '_ {
+        self.by_cookie
+            .range(from..)
+            .map(move |(&cookie, name)| (cookie, name.as_bytes(), self.entries[name.as_bytes()].0))
+    }
+    fn insert(&mut self, name: &[u8], ino: u64, cookie: u64) {
+        let name = Name::new(name);
+        if let Some((_, old_cookie)) = self.entries.insert(name.clone(), (ino, cookie)) {
+            self.by_cookie.remove(&old_cookie);
+        }
+        self.by_cookie.insert(cookie, name);
+        self.next_cookie = self.next_cookie.max(cookie + 1);
+    }
+    fn remove(&mut self, name: &[u8]) -> Option<u64> {
+        let (ino, cookie) = self.entries.remove(name)?;
+        self.by_cookie.remove(&cookie);
+        Some(ino)
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Node {
+    pub inode: Inode,
+    /// Runtime references, never persisted: kernel lookups not yet
+    /// forgotten, and open handles. An unlinked inode lives until both are 0.
+    pub lookups: u64,
+    pub opens: u64,
+    /// Runtime only: the size to log while buffered data past it is not
+    /// yet written back, so a logged size never covers unwritten data.
+    pub persist_size_cap: Option<u64>,
+    /// Runtime only: direct writes past the end of file in flight
+    /// (start -> end), and the furthest end of those that completed.
+    pub extends_in_flight: BTreeMap<u64, u64>,
+    pub extends_done: u64,
+    /// Runtime only: someone read i_version since it last changed, so the
+    /// next change must bump it (Linux's multigrain rule).
+    pub i_version_queried: bool,
+    /// Runtime only: someone read the attributes (and so the timestamps)
+    /// since the last data write stamped them, so the next write must show
+    /// a new ctime even within one clock tick (multigrain, as in Linux).
+    pub times_queried: std::cell::Cell<bool>,
+    /// Runtime only: a change fdatasync must commit (size or block map),
+    /// as opposed to timestamps alone.
+    pub datasync_needed: bool,
+    /// Runtime only: moves when a direct write of the file starts and when
+    /// it ends. A page read from the device may be cached only if this did
+    /// not move while it was read: a direct overwrite (shared range lock)
+    /// can run beside the read, which may then hold the old data.
+    pub direct_epoch: u64,
+    pub extents: ExtentMap,
+    pub xattrs: BTreeMap<Vec<u8>, Vec<u8>>,
+    pub symlink: Option<Vec<u8>>,
+    /// Boxed: most inodes are not directories, and a directory's tables
+    /// inline would cost every file their size.
+    pub dir: Option<Box<Directory>>,
+    /// Runtime only: the epoch of the last snapshot that encoded this node,
+    /// or the epoch current when it was made (see [`Snapshot`]).
+    pub snapshot_epoch: u32,
+}
+
+/// A finished snapshot's records: the inodes' part, then the entries'.
+/// Kept as two parts so that writing them out copies neither (at 1M
+/// files they are 167 MB).
+pub struct SnapshotBytes {
+    pub inodes: Vec<u8>,
+    pub entries: Vec<u8>,
+}
+
+impl SnapshotBytes {
+    pub fn len(&self) -> usize {
+        self.inodes.len() + self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Both parts in one buffer (for tests).
+    pub fn to_vec(&self) -> Vec<u8> {
+        [&self.inodes[..], &self.entries[..]].concat()
+    }
+}
+
+/// A checkpoint's snapshot of the state as it was when the snapshot
+/// started, encoded in pieces while the state goes on changing: a node is
+/// encoded by [`State::snapshot_step`], or just before its first change
+/// after the start, whichever comes first (copy before write). Nodes made
+/// after the start are not in it; the journal after the start holds them.
+pub struct Snapshot {
+    epoch: u32,
+    /// Inode numbers present at the start, not yet visited (last first).
+    to_visit: Vec<u64>,
+    /// NextIno, then each inode's image, symlink, xattrs and extents.
+    inodes: Writer,
+    /// Directory entries: loaded after every inode, so that each entry
+    /// finds its directory and a subdirectory its parent.
+    entries: Writer,
+}
+
+impl Snapshot {
+    fn encode(&mut self, node: &mut Node) {
+        debug_assert_ne!(node.snapshot_epoch, self.epoch, "a node is encoded once per snapshot");
+        node.snapshot_epoch = self.epoch;
+        let ino = node.inode.ino;
+        let w = &mut self.inodes;
+        Record::InodeSet(node.inode.clone()).encode(w);
+        if let Some(target) = &node.symlink {
+            Record::Symlink { ino, target: target.clone() }.encode(w);
+        }
+        for (name, value) in &node.xattrs {
+            Record::XattrSet { ino, name: name.clone(), value: value.clone() }.encode(w);
+        }
+        for e in node.extents.iter() {
+            let (file_block, disk_block, len, unwritten) = (e.file_block, e.disk_block, e.len, e.unwritten);
+            Record::ExtentMap { ino, file_block, disk_block, len, unwritten }.encode(w);
+        }
+        if let Some(dir) = &node.dir {
+            for (cookie, name, child) in dir.entries_from(0) {
+                Record::DirentSet { dir: ino, name: name.to_vec(), ino: child, cookie }.encode(&mut self.entries);
+            }
+        }
+    }
+}
+
+/// Whether a change is made live (freed blocks wait for the commit that
+/// frees them) or replayed from disk (allocator claims and frees at once).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ApplyMode {
+    Live,
+    Replay,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("inconsistent metadata record: {0}")]
+pub struct ApplyError(pub String);
+
+pub struct State {
+    /// Boxed: a hash table keeps a share of its slots empty, and an empty
+    /// slot costs a pointer rather than a whole node. Private: every change
+    /// goes through [`State::node_mut`] or [`State::apply`].
+    nodes: keelfs_base::IdMap<Box<Node>>,
+    pub next_ino: u64,
+    pub alloc: Allocator,
+    /// Runs freed by changes not yet committed: reusable only after the
+    /// commit, or a crash could leave the old owner pointing at new data.
+    pub pending_free: Vec<BlockRun>,
+    /// The snapshot being encoded, if any, and the epoch of the last one
+    /// started (nodes made meanwhile carry it, so it skips them).
+    snapshot: Option<Snapshot>,
+    epoch: u32,
+}
+
+fn err<T>(msg: String) -> Result<T, ApplyError> {
+    Err(ApplyError(msg))
+}
+
+impl State {
+    pub fn new(alloc: Allocator) -> Self {
+        Self {
+            nodes: keelfs_base::IdMap::default(),
+            next_ino: 2,
+            alloc,
+            pending_free: Vec::new(),
+            snapshot: None,
+            epoch: 0,
+        }
+    }
+
+    pub fn node(&self, ino: u64) -> Option<&Node> {
+        self.nodes.get(&ino).map(|n| &**n)
+    }
+
+    /// How many inodes there are.
+    pub fn inode_count(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// Every inode, in no particular order.
+    pub fn nodes(&self) -> impl Iterator<Item = &Node> + '_ {
+        self.nodes.values().map(|n| &**n)
+    }
+
+    pub fn node_mut(&mut self, ino: u64) -> Option<&mut Node> {
+        self.before_change(ino);
+        self.nodes.get_mut(&ino).map(|n| &mut **n)
+    }
+
+    /// Copy before write: a snapshot in progress encodes `ino` as it is now,
+    /// before the caller changes it, unless it has already.
+    fn before_change(&mut self, ino: u64) {
+        let Some(snapshot) = self.snapshot.as_mut() else { return };
+        if let Some(node) = self.nodes.get_mut(&ino) {
+            if node.snapshot_epoch != snapshot.epoch {
+                snapshot.encode(node);
+            }
+        }
+    }
+
+    /// Start a snapshot of the state as it is now.
+    ///
+    /// # Panics
+    /// If one is in progress.
+    /// Returns the snapshot's epoch, which names it.
+    pub fn start_snapshot(&mut self) -> u32 {
+        assert!(self.snapshot.is_none(), "one snapshot at a time");
+        if self.epoch == u32::MAX {
+            // Once in 2^32 snapshots: no node may keep an epoch the new
+            // one could be mistaken for.
+            self.nodes.values_mut().for_each(|n| n.snapshot_epoch = 0);
+            self.epoch = 0;
+        }
+        self.epoch += 1;
+        let mut to_visit: Vec<u64> = self.nodes.keys().copied().collect();
+        // Descending, so that popping visits in ascending order.
+        to_visit.sort_unstable_by(|a, b| b.cmp(a));
+        let mut inodes = Writer::new();
+        Record::NextIno { next: self.next_ino }.encode(&mut inodes);
+        self.snapshot = Some(Snapshot { epoch: self.epoch, to_visit, inodes, entries: Writer::new() });
+        self.epoch
+    }
+
+    /// Encode up to `nodes` more nodes of the snapshot in progress. True
+    /// when every node is encoded.
+    ///
+    /// # Panics
+    /// If no snapshot is in progress.
+    pub fn snapshot_step(&mut self, nodes: usize) -> bool {
+        let snapshot = self.snapshot.as_mut().expect("a snapshot in progress");
+        for _ in 0..nodes {
+            let Some(ino) = snapshot.to_visit.pop() else { break };
+            // Gone since the start: encoded before it went.
+            if let Some(node) = self.nodes.get_mut(&ino) {
+                if node.snapshot_epoch != snapshot.epoch {
+                    snapshot.encode(node);
+                }
+            }
+        }
+        snapshot.to_visit.is_empty()
+    }
+
+    /// The finished snapshot's records: every record needed to rebuild
+    /// the state as it was at [`State::start_snapshot`].
+    ///
+    /// # Panics
+    /// If none is in progress, or nodes are left to encode.
+    pub fn finish_snapshot(&mut self) -> SnapshotBytes {
+        let snapshot = self.snapshot.take().expect("a snapshot in progress");
+        assert!(snapshot.to_visit.is_empty(), "every node encoded before the snapshot finishes");
+        SnapshotBytes { inodes: snapshot.inodes.buf, entries: snapshot.entries.buf }
+    }
+
+    /// Drop the snapshot in progress, if any.
+    pub fn abort_snapshot(&mut self) {
+        self.snapshot = None;
+    }
+
+    fn release(&mut self, runs: Vec<BlockRun>, mode: ApplyMode) {
+        for run in runs.into_iter().filter(|r| r.len > 0) {
+            match mode {
+                ApplyMode::Live => self.pending_free.push(run),
+                ApplyMode::Replay => self.alloc.free(run),
+            }
+        }
+    }
+
+    pub fn apply(&mut self, record: &Record, mode: ApplyMode) -> Result<(), ApplyError> {
+        match record {
+            Record::InodeSet(inode) => self.apply_inode_set(inode),
+            Record::InodeFree { ino } => {
+                self.before_change(*ino);
+                let Some(node) = self.nodes.remove(ino) else {
+                    return if mode == ApplyMode::Replay {
+                        Ok(())
+                    } else {
+                        err(format!("free of missing inode {ino}"))
+                    };
+                };
+                let runs = node.extents.iter().map(|e| BlockRun { start: e.disk_block, len: e.len }).collect();
+                self.release(runs, mode);
+                Ok(())
+            }
+            Record::DirentSet { dir, name, ino, cookie } => {
+                // Cookies count up from FIRST_COOKIE per directory; one at
+                // the counter limit comes from a crafted image.
+                if *cookie < FIRST_COOKIE || *cookie >= COUNTER_MAX {
+                    return err(format!("entry of {dir} with cookie {cookie} outside {FIRST_COOKIE}..{COUNTER_MAX}"));
+                }
+                self.before_change(*dir);
+                let Some(d) = self.nodes.get_mut(dir).and_then(|n| n.dir.as_mut()) else {
+                    return err(format!("entry added to {dir}, which is not a directory"));
+                };
+                d.insert(name, *ino, *cookie);
+                if let Some(child) = self.nodes.get_mut(ino).and_then(|n| n.dir.as_mut()) {
+                    child.parent = *dir;
+                }
+                Ok(())
+            }
+            Record::DirentDelete { dir, name } => {
+                self.before_change(*dir);
+                let Some(d) = self.nodes.get_mut(dir).and_then(|n| n.dir.as_mut()) else {
+                    return err(format!("entry removed from {dir}, which is not a directory"));
+                };
+                if d.remove(name).is_none() && mode == ApplyMode::Live {
+                    return err(format!("removal of a missing entry in {dir}"));
+                }
+                Ok(())
+            }
+            Record::ExtentMap { ino, file_block, disk_block, len, unwritten } => {
+                self.apply_extent_map(*ino, *file_block, *disk_block, *len, *unwritten, mode)
+            }
+            Record::ExtentPunch { ino, file_block, len } => {
+                self.before_change(*ino);
+                let Some(node) = self.nodes.get_mut(ino) else { return err(format!("punch in missing inode {ino}")) };
+                let runs = node.extents.punch(*file_block, *len);
+                self.release(runs, mode);
+                Ok(())
+            }
+            Record::XattrSet { ino, name, value } => {
+                self.before_change(*ino);
+                let Some(node) = self.nodes.get_mut(ino) else { return err(format!("xattr on missing inode {ino}")) };
+                node.xattrs.insert(name.clone(), value.clone());
+                Ok(())
+            }
+            Record::XattrDelete { ino, name } => {
+                self.before_change(*ino);
+                let Some(node) = self.nodes.get_mut(ino) else { return err(format!("xattr on missing inode {ino}")) };
+                node.xattrs.remove(name);
+                Ok(())
+            }
+            Record::Symlink { ino, target } => {
+                self.before_change(*ino);
+                let Some(node) = self.nodes.get_mut(ino) else { return err(format!("symlink on missing inode {ino}")) };
+                node.symlink = Some(target.clone());
+                Ok(())
+            }
+            Record::NextIno { next } => {
+                if *next > INO_MAX {
+                    return err(format!("next inode number {next} is past the largest ({INO_MAX})"));
+                }
+                self.next_ino = self.next_ino.max(*next);
+                Ok(())
+            }
+        }
+    }
+
+    fn apply_inode_set(&mut self, inode: &Inode) -> Result<(), ApplyError> {
+        if inode.ino == 0 || inode.ino >= INO_MAX {
+            return err(format!("inode number {} outside 1..{INO_MAX}", inode.ino));
+        }
+        if inode.size > MAX_FILE_BYTES {
+            return err(format!(
+                "inode {} is {} bytes, past the largest file ({MAX_FILE_BYTES})",
+                inode.ino, inode.size
+            ));
+        }
+        self.next_ino = self.next_ino.max(inode.ino + 1);
+        self.before_change(inode.ino);
+        match self.nodes.get_mut(&inode.ino) {
+            Some(node) => {
+                if node.inode.file_type() != inode.file_type() {
+                    return err(format!("inode {} changed type", inode.ino));
+                }
+                node.inode = inode.clone();
+            }
+            None => {
+                let dir = inode.is_dir().then(|| Box::new(Directory::new(inode.ino)));
+                let node = Box::new(Node {
+                    inode: inode.clone(),
+                    lookups: 0,
+                    opens: 0,
+                    persist_size_cap: None,
+                    extends_in_flight: BTreeMap::new(),
+                    extends_done: 0,
+                    i_version_queried: false,
+                    times_queried: std::cell::Cell::new(false),
+                    direct_epoch: 0,
+                    datasync_needed: false,
+                    extents: ExtentMap::default(),
+                    xattrs: BTreeMap::new(),
+                    symlink: None,
+                    dir,
+                    snapshot_epoch: self.epoch,
+                });
+                self.nodes.insert(inode.ino, node);
+            }
+        }
+        Ok(())
+    }
+
+    fn apply_extent_map(
+        &mut self,
+        ino: u64,
+        file_block: u64,
+        disk_block: u64,
+        len: u64,
+        unwritten: bool,
+        mode: ApplyMode,
+    ) -> Result<(), ApplyError> {
+        if len == 0 || file_block.checked_add(len).is_none() || disk_block.checked_add(len).is_none() {
+            return err(format!("extent of inode {ino} has a bad length"));
+        }
+        self.before_change(ino);
+        let Some(node) = self.nodes.get_mut(&ino) else { return err(format!("extent for missing inode {ino}")) };
+        if !node.inode.is_reg() {
+            return err(format!("extent for inode {ino}, which is not a regular file"));
+        }
+        let replaced = node.extents.map(file_block, disk_block, len, unwritten);
+        let new = BlockRun { start: disk_block, len };
+        match mode {
+            ApplyMode::Live => {
+                // Only runs outside the new mapping change owner; the rest
+                // is the same blocks changing state (unwritten -> written).
+                let outside = replaced.into_iter().flat_map(|r| subtract(r, new)).collect();
+                self.release(outside, mode);
+            }
+            ApplyMode::Replay => {
+                self.release(replaced, mode);
+                if self.alloc.claim(new).is_err() {
+                    return err(format!("extent of inode {ino} claims blocks [{disk_block}, +{len}) already in use"));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The parts of `a` outside `b`.
+fn subtract(a: BlockRun, b: BlockRun) -> Vec<BlockRun> {
+    let mut out = Vec::new();
+    if a.start < b.start {
+        out.push(BlockRun { start: a.start, len: a.end().min(b.start) - a.start });
+    }
+    if a.end() > b.end() {
+        let s = a.start.max(b.end());
+        out.push(BlockRun { start: s, len: a.end() - s });
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::S_IFDIR;
+
+    fn state() -> State {
+        State::new(Allocator::new(100, 1000, 1))
+    }
+
+    /// Records from a crafted image (checksums valid, fields hostile) are
+    /// refused when loaded, before anything trusts them.
+    #[test]
+    fn hostile_inode_records_are_refused() {
+        let mut s = state();
+        let file = |ino: u64, size: u64| {
+            let mut inode = Inode::new(ino, libc::S_IFREG | 0o644, 0, 0, 0);
+            inode.size = size;
+            Record::InodeSet(inode)
+        };
+        for (record, why) in [
+            (file(0, 0), "inode number 0"),
+            (file(u64::MAX, 0), "the largest inode number (next_ino would wrap to 0)"),
+            (file(INO_MAX, 0), "an inode number at the limit"),
+            (file(5, MAX_FILE_BYTES + 1), "a size past the largest file"),
+            (file(5, u64::MAX), "a size a read would overflow on"),
+            (Record::NextIno { next: u64::MAX }, "a next-inode counter about to wrap"),
+        ] {
+            assert!(s.apply(&record, ApplyMode::Replay).is_err(), "accepted {why}");
+        }
+        assert_eq!(s.next_ino, 2, "nothing refused moved the counter");
+        s.apply(&file(INO_MAX - 1, MAX_FILE_BYTES), ApplyMode::Replay).expect("the largest valid inode");
+        assert_eq!(s.next_ino, INO_MAX);
+        let dir = Record::InodeSet(Inode::new(7, S_IFDIR | 0o755, 0, 0, 0));
+        s.apply(&dir, ApplyMode::Replay).expect("a directory");
+        // Directory entries' cookies: replay keeps the next one above each,
+        // so one at the counter limit would overflow it.
+        for cookie in [0, 1, COUNTER_MAX, u64::MAX] {
+            let entry = Record::DirentSet { dir: 7, name: b"e".to_vec(), ino: 7, cookie };
+            assert!(s.apply(&entry, ApplyMode::Replay).is_err(), "accepted cookie {cookie}");
+        }
+        let entry = Record::DirentSet { dir: 7, name: b"e".to_vec(), ino: 7, cookie: FIRST_COOKIE };
+        s.apply(&entry, ApplyMode::Replay).expect("the first cookie");
+    }
+
+    /// Apply every record of `bytes` to a fresh state, as loading does.
+    fn loaded(bytes: &[u8]) -> State {
+        let mut s = state();
+        for r in crate::record::decode_all(bytes).expect("snapshot records decode") {
+            s.apply(&r, ApplyMode::Replay).expect("snapshot records apply");
+        }
+        s
+    }
+
+    fn whole_snapshot(s: &mut State) -> Vec<u8> {
+        s.start_snapshot();
+        assert!(s.snapshot_step(usize::MAX));
+        s.finish_snapshot().to_vec()
+    }
+
+    /// A directory with three files, one with an extent and an xattr.
+    fn populated() -> State {
+        let mut s = state();
+        let mut apply = |r: Record| s.apply(&r, ApplyMode::Live).expect("applies");
+        apply(Record::InodeSet(Inode::new(1, S_IFDIR | 0o755, 0, 0, 0)));
+        for (ino, name) in [(2u64, "a"), (3, "b"), (4, "c")] {
+            apply(Record::InodeSet(Inode::new(ino, libc::S_IFREG | 0o644, 0, 0, 0)));
+            let cookie = FIRST_COOKIE + ino;
+            apply(Record::DirentSet { dir: 1, name: name.as_bytes().to_vec(), ino, cookie });
+        }
+        apply(Record::ExtentMap { ino: 2, file_block: 0, disk_block: 200, len: 4, unwritten: false });
+        apply(Record::XattrSet { ino: 3, name: b"user.k".to_vec(), value: b"v".to_vec() });
+        s
+    }
+
+    /// A snapshot encoded in pieces while the state changes is the state
+    /// as it was at its start: changed nodes are encoded before their
+    /// change, removed ones before they go, new ones not at all.
+    #[test]
+    fn a_snapshot_in_pieces_is_the_state_at_its_start() {
+        let mut s = populated();
+        let at_start = whole_snapshot(&mut s);
+        s.start_snapshot();
+        assert!(!s.snapshot_step(2), "five nodes are not done in a piece of two");
+        let apply = |s: &mut State, r: Record| s.apply(&r, ApplyMode::Live).expect("applies");
+        apply(&mut s, Record::ExtentMap { ino: 2, file_block: 4, disk_block: 300, len: 2, unwritten: false });
+        apply(&mut s, Record::DirentDelete { dir: 1, name: b"c".to_vec() });
+        apply(&mut s, Record::InodeFree { ino: 4 });
+        apply(&mut s, Record::XattrDelete { ino: 3, name: b"user.k".to_vec() });
+        apply(&mut s, Record::InodeSet(Inode::new(9, libc::S_IFREG | 0o600, 0, 0, 0)));
+        apply(&mut s, Record::DirentSet { dir: 1, name: b"new".to_vec(), ino: 9, cookie: FIRST_COOKIE + 9 });
+        s.node_mut(3).expect("b").inode.size = 77;
+        while !s.snapshot_step(1) {}
+        let pieces = s.finish_snapshot().to_vec();
+        assert_eq!(whole_snapshot(&mut loaded(&pieces)), whole_snapshot(&mut loaded(&at_start)));
+        // And the live state did change.
+        let now = whole_snapshot(&mut s);
+        assert_ne!(whole_snapshot(&mut loaded(&now)), whole_snapshot(&mut loaded(&at_start)));
+        assert!(s.node(9).is_some() && s.node(4).is_none() && s.node(3).expect("b").inode.size == 77);
+    }
+}

@@ -1,0 +1,144 @@
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use keelfs_bdev::{BlockDevice, MappedDevice, QueueConfig};
+use keelfs_fs::fsck::{fsck, FsckReport};
+use keelfs_fs::mkfs::{mkfs, MkfsOptions};
+use keelfs_fs::{Fs, FsConfig};
+use keelfs_reactor::io::DeviceChannel;
+use keelfs_reactor::{PollMode, Reactor, ReactorConfig};
+
+pub fn busy_reactor() -> Reactor {
+    Reactor::new(ReactorConfig { mode: PollMode::Busy, ..ReactorConfig::default() }).expect("reactor")
+}
+
+pub fn ram_device(bytes: u64) -> Arc<dyn BlockDevice> {
+    Arc::new(MappedDevice::ram(bytes, 4096).expect("ram device"))
+}
+
+/// A channel to `dev` on the current reactor.
+pub fn channel(dev: &Arc<dyn BlockDevice>) -> DeviceChannel {
+    DeviceChannel::attach(dev.open_queue(QueueConfig { depth: 64, completion_eventfd: false }).expect("queue"))
+}
+
+pub async fn format(dev: &Arc<dyn BlockDevice>) {
+    mkfs(channel(dev), &MkfsOptions { force: true, ..MkfsOptions::default() }).await.expect("mkfs");
+}
+
+pub async fn mount(dev: &Arc<dyn BlockDevice>) -> Fs {
+    Fs::mount(channel(dev), FsConfig::default()).await.expect("mount")
+}
+
+pub async fn check(dev: &Arc<dyn BlockDevice>) -> FsckReport {
+    fsck(channel(dev), |_| {}).await.expect("fsck ran")
+}
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use keelfs_bdev::{BdevError, Completion, Geometry, IoKind, IoQueue, IoRequest};
+
+/// Shared controls of a [`GateDevice`].
+#[derive(Default)]
+pub struct Gate {
+    /// While closed, write completions are held back.
+    pub closed: AtomicBool,
+    /// Writes submitted and not yet completed to the caller, now and at most.
+    pub held: AtomicUsize,
+    pub held_max: AtomicUsize,
+    /// Release held completions newest first (to reorder completions).
+    pub lifo: AtomicBool,
+    /// Release at most this many per poll once open (0: all).
+    pub trickle: AtomicUsize,
+    /// Device offsets of writes in submission order.
+    pub offsets: Mutex<Vec<u64>>,
+}
+
+/// Wraps a device: when the gate is closed, write completions wait, so a
+/// test can see how many writes the filesystem has in flight at once.
+pub struct GateDevice {
+    pub inner: Arc<dyn BlockDevice>,
+    pub gate: Arc<Gate>,
+}
+
+impl BlockDevice for GateDevice {
+    fn name(&self) -> &str {
+        "gate"
+    }
+    fn geometry(&self) -> Geometry {
+        self.inner.geometry()
+    }
+    fn open_queue(&self, config: QueueConfig) -> Result<Box<dyn IoQueue>, BdevError> {
+        let depth = QueueConfig { depth: config.depth.max(256), ..config };
+        Ok(Box::new(GateQueue {
+            inner: self.inner.open_queue(depth)?,
+            gate: self.gate.clone(),
+            held: Vec::new(),
+            writes: Default::default(),
+        }))
+    }
+}
+
+struct GateQueue {
+    inner: Box<dyn IoQueue>,
+    gate: Arc<Gate>,
+    held: Vec<Completion>,
+    writes: std::collections::HashSet<u64>,
+}
+
+impl IoQueue for GateQueue {
+    fn geometry(&self) -> Geometry {
+        self.inner.geometry()
+    }
+    unsafe fn submit(&mut self, req: &IoRequest<'_>) -> Result<(), BdevError> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.submit(req)? };
+        if req.kind == IoKind::Write {
+            self.writes.insert(req.token);
+            self.gate.offsets.lock().unwrap().push(req.offset_bytes);
+            let n = self.gate.held.fetch_add(1, Ordering::SeqCst) + 1;
+            self.gate.held_max.fetch_max(n, Ordering::SeqCst);
+        }
+        Ok(())
+    }
+    fn poll(&mut self, out: &mut Vec<Completion>, max: usize) -> usize {
+        let mut got = Vec::new();
+        self.inner.poll(&mut got, max);
+        let before = out.len();
+        for c in got {
+            if self.writes.contains(&c.token) {
+                self.held.push(c);
+            } else {
+                out.push(c);
+            }
+        }
+        if !self.gate.closed.load(Ordering::SeqCst) && !self.held.is_empty() {
+            let lifo = self.gate.lifo.load(Ordering::SeqCst);
+            let trickle = self.gate.trickle.load(Ordering::SeqCst);
+            let n = if trickle == 0 { self.held.len() } else { trickle.min(self.held.len()) };
+            for _ in 0..n {
+                let c = if lifo { self.held.pop().unwrap() } else { self.held.remove(0) };
+                self.writes.remove(&c.token);
+                self.gate.held.fetch_sub(1, Ordering::SeqCst);
+                out.push(c);
+            }
+        }
+        out.len() - before
+    }
+    fn in_flight(&self) -> usize {
+        self.inner.in_flight() + self.held.len()
+    }
+}
+
+/// Run `test` on a reactor with a freshly formatted and mounted filesystem
+/// on a RAM device of `bytes`.
+pub fn with_fs(bytes: u64, test: impl AsyncFnOnce(Fs, Arc<dyn BlockDevice>) + 'static) {
+    let mut r = busy_reactor();
+    let dev = ram_device(bytes);
+    r.block_on(async move {
+        format(&dev).await;
+        let fs = mount(&dev).await;
+        test(fs, dev).await;
+    });
+}

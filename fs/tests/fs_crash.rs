@@ -1,0 +1,509 @@
+//! Crash consistency. Each workload runs on a recording fault device; the
+//! device is then rebuilt as a crash could leave it at every flush point
+//! and at random points between (later writes kept, lost or torn at random
+//! from a printed seed). Every rebuilt image must pass fsck and mount, keep
+//! everything whose fsync returned byte for byte, and never show stale
+//! device content (freed blocks are filled with 0xEE first to catch it).
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{busy_reactor, channel, check, mount};
+use keelfs_base::testing::splitmix64;
+use keelfs_bdev::{AlignedBuf, BlockDevice, FaultDevice, MappedDevice};
+use keelfs_fs::format::ROOT_INO;
+use keelfs_fs::mkfs::{mkfs, MkfsOptions};
+use keelfs_fs::{Creds, Fs, FsConfig, SetAttr};
+
+const DEVICE_BYTES: u64 = 24 << 20;
+const STALE: u8 = 0xEE;
+
+struct Recorded<P> {
+    base: Vec<u8>,
+    log: keelfs_bdev::WriteLog,
+    /// (log length when the sync returned, what it promised)
+    promises: Vec<(usize, P)>,
+}
+
+/// Format, poison free space with STALE, then run `workload` while
+/// recording. The workload pushes a promise after each sync it makes.
+fn record<P: 'static>(workload: impl AsyncFnOnce(Fs, Arc<FaultDevice>, &mut Vec<(usize, P)>) + 'static) -> Recorded<P> {
+    record_with_journal(0, workload)
+}
+
+/// As `record`, with a journal of `journal_blocks` (0: the default).
+fn record_with_journal<P: 'static>(
+    journal_blocks: u64,
+    workload: impl AsyncFnOnce(Fs, Arc<FaultDevice>, &mut Vec<(usize, P)>) + 'static,
+) -> Recorded<P> {
+    record_with_config(journal_blocks, FsConfig::default(), workload)
+}
+
+/// As `record_with_journal`, the workload's mount configured by `config`.
+fn record_with_config<P: 'static>(
+    journal_blocks: u64,
+    config: FsConfig,
+    workload: impl AsyncFnOnce(Fs, Arc<FaultDevice>, &mut Vec<(usize, P)>) + 'static,
+) -> Recorded<P> {
+    let mut r = busy_reactor();
+    let ram = Arc::new(MappedDevice::ram(DEVICE_BYTES, 4096).unwrap());
+    let fault = Arc::new(FaultDevice::new(ram.clone()));
+    let dev: Arc<dyn BlockDevice> = fault.clone();
+    let (ram2, fault2) = (ram.clone(), fault.clone());
+    r.block_on(async move {
+        let options = MkfsOptions { force: true, journal_blocks, ..MkfsOptions::default() };
+        mkfs(channel(&dev), &options).await.unwrap();
+        let fs = mount(&dev).await;
+        let c = Creds::root();
+        let (junk, _) = fs.create(&c, ROOT_INO, b"junk", 0o644, 2).await.unwrap();
+        fs.write(junk.inode.ino, 0, &vec![STALE; 16 << 20]).await.unwrap();
+        fs.sync().await.unwrap();
+        fs.unlink(&c, ROOT_INO, b"junk").await.unwrap();
+        fs.forget(junk.inode.ino, 1).await.unwrap();
+        fs.unmount().await.unwrap();
+        let base = ram2.snapshot();
+        fault2.start_recording();
+        let fs = Fs::mount(channel(&dev), config).await.expect("mount");
+        let mut promises = Vec::new();
+        workload(fs, fault2.clone(), &mut promises).await;
+        Recorded { base, log: fault2.log(), promises }
+    })
+}
+
+/// Crash positions: every flush point, the end, and `extra` random ones.
+fn crash_points(log_len: usize, flush_points: Vec<usize>, seed: u64, extra: usize) -> Vec<usize> {
+    let mut s = seed;
+    let mut points = flush_points;
+    points.push(log_len);
+    points.extend((0..extra).map(|_| (splitmix64(&mut s) % (log_len as u64 + 1)) as usize));
+    points.sort_unstable();
+    points.dedup();
+    points
+}
+
+fn test_seed() -> u64 {
+    let seed = std::env::var("KEELFS_CRASH_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x6b65_656c);
+    eprintln!("crash seed {seed} (replay with KEELFS_CRASH_SEED={seed})");
+    seed
+}
+
+/// Rebuild each crash image and hand a mounted Fs to `verify` with the
+/// newest promise the crash must honour.
+fn check_crashes<P: Clone + 'static>(
+    rec: &Recorded<P>,
+    seed: u64,
+    verify: impl AsyncFn(&Fs, Option<&P>, Option<&P>) + Clone + 'static,
+) {
+    let points = crash_points(rec.log.len(), rec.log.flush_points(), seed, 24);
+    assert!(points.len() > 4, "the workload must produce flush points");
+    for (i, &at) in points.iter().enumerate() {
+        let mut image = rec.base.clone();
+        let fate_seed = seed ^ (at as u64).wrapping_mul(0x9E37);
+        rec.log.rebuild_seeded(&mut image, at, fate_seed);
+        let ram = MappedDevice::ram(DEVICE_BYTES, 4096).unwrap();
+        ram.restore(&image);
+        let dev: Arc<dyn BlockDevice> = Arc::new(ram);
+        let promised = rec.promises.iter().rev().find(|(len, _)| *len <= at).map(|(_, p)| p.clone());
+        let next = rec.promises.iter().find(|(len, _)| *len > at).map(|(_, p)| p.clone());
+        let verify = verify.clone();
+        let mut r = busy_reactor();
+        r.block_on(async move {
+            let report = check(&dev).await;
+            assert!(report.is_clean(), "crash point {at} (#{i}, fate seed {fate_seed}): fsck {report:?}");
+            let fs = Fs::mount(channel(&dev), FsConfig::default())
+                .await
+                .unwrap_or_else(|e| panic!("crash point {at}: mount failed: {e}"));
+            verify(&fs, promised.as_ref(), next.as_ref()).await;
+        });
+    }
+}
+
+async fn read_all(fs: &Fs, ino: u64) -> Vec<u8> {
+    let size = fs.getattr(ino).await.unwrap().inode.size;
+    fs.read(ino, 0, size as u32).await.unwrap()
+}
+
+async fn lookup(fs: &Fs, parent: u64, name: &str) -> Option<u64> {
+    fs.lookup(&Creds::root(), parent, name.as_bytes()).await.ok().map(|a| a.inode.ino)
+}
+
+type StormPromise = Vec<(String, Vec<(String, Vec<u8>)>)>;
+
+#[test]
+fn create_rename_unlink_storm() {
+    storm(0, 8, FsConfig::default());
+}
+
+/// A 16-block journal fills every few rounds, so commits wrap the ring
+/// and checkpoints run between them: crashes land inside both.
+#[test]
+fn storm_with_a_tiny_journal_crosses_wraps_and_checkpoints() {
+    storm(16, 24, FsConfig::default());
+}
+
+/// Checkpoints written a few inodes at a time while the storm goes on:
+/// crashes land between pieces, during the transactions that commit
+/// meanwhile, and as the checkpoint lands.
+#[test]
+fn storm_with_checkpoints_in_small_pieces() {
+    storm(24, 40, FsConfig { checkpoint_piece_nodes: 4, ..FsConfig::default() });
+}
+
+fn storm(journal_blocks: u64, rounds: usize, config: FsConfig) {
+    let seed = test_seed();
+    type Promise = StormPromise;
+    let in_pieces = config.checkpoint_piece_nodes < 16;
+    let rec =
+        record_with_config(journal_blocks, config, async move |fs: Fs, _f, promises: &mut Vec<(usize, Promise)>| {
+            let mut done_during_pieces = 0;
+            let c = Creds::root();
+            let mut done: Promise = Vec::new();
+            for round in 0..rounds {
+                let dname = format!("r{round}");
+                let d = fs.mkdir(&c, ROOT_INO, dname.as_bytes(), 0o755).await.unwrap().inode.ino;
+                let mut names = Vec::new();
+                for i in 0..12 {
+                    let body = format!("round {round} file {i}").repeat(i + 1).into_bytes();
+                    let (f, fh) = fs.create(&c, d, format!("t{i}").as_bytes(), 0o644, 2).await.unwrap();
+                    fs.write(f.inode.ino, 0, &body).await.unwrap();
+                    fs.release(fh).await.unwrap();
+                    let name = if i % 2 == 0 {
+                        fs.rename(&c, d, format!("t{i}").as_bytes(), d, format!("f{i}").as_bytes(), 0).await.unwrap();
+                        format!("f{i}")
+                    } else {
+                        format!("t{i}")
+                    };
+                    if i % 3 == 0 {
+                        fs.unlink(&c, d, name.as_bytes()).await.unwrap();
+                    } else {
+                        names.push((name, body));
+                    }
+                    done_during_pieces += usize::from(fs.checkpointing_in_pieces());
+                    fs.check_block_ownership().unwrap();
+                    if in_pieces {
+                        // Requests are tasks of their own on a server: let the
+                        // checkpoint's next piece run between two.
+                        keelfs_reactor::yield_now().await;
+                    }
+                }
+                names.sort();
+                done.push((dname, names));
+                fs.sync().await.unwrap();
+                promises.push((_f.log_len(), done.clone()));
+            }
+            let checkpoints = fs.counters().checkpoints;
+            if journal_blocks > 0 {
+                assert!(checkpoints >= 2, "the tiny journal forced checkpoints ({checkpoints})");
+            }
+            if in_pieces {
+                assert!(done_during_pieces > 0, "files were made while a checkpoint was written in pieces");
+            }
+        });
+    check_crashes(&rec, seed, async |fs: &Fs, promised: Option<&Promise>, _next| {
+        let Some(promised) = promised else { return };
+        for (dname, files) in promised {
+            let d = lookup(fs, ROOT_INO, dname).await.unwrap_or_else(|| panic!("synced directory {dname} lost"));
+            let listed: Vec<String> = fs
+                .readdir(d, 0, 1000)
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|e| String::from_utf8(e.name).unwrap())
+                .filter(|n| n != "." && n != "..")
+                .collect();
+            let mut listed = listed;
+            listed.sort();
+            let want: Vec<String> = files.iter().map(|(n, _)| n.clone()).collect();
+            assert_eq!(listed, want, "directory {dname} after crash");
+            for (name, body) in files {
+                let ino = lookup(fs, d, name).await.unwrap();
+                assert_eq!(&read_all(fs, ino).await, body, "{dname}/{name} content");
+            }
+        }
+    });
+}
+
+fn append_byte(offset: u64) -> u8 {
+    (offset % 251) as u8
+}
+
+/// After a crash the log file keeps at least what was synced, and every
+/// byte it has is the one appended there: nothing stale, nothing torn in.
+async fn verify_appends(fs: &Fs, promised: Option<&u64>) {
+    let Some(ino) = lookup(fs, ROOT_INO, "log").await else {
+        assert!(promised.is_none(), "fsynced file lost");
+        return;
+    };
+    let data = read_all(fs, ino).await;
+    assert!(data.len() as u64 >= promised.copied().unwrap_or(0), "synced length lost");
+    for (o, &b) in data.iter().enumerate() {
+        assert_eq!(b, append_byte(o as u64), "byte {o} of {} is not what was appended", data.len());
+    }
+}
+
+#[test]
+fn appends_with_fsync_never_show_stale_data() {
+    let seed = test_seed();
+    let rec = record(async move |fs: Fs, f, promises: &mut Vec<(usize, u64)>| {
+        let c = Creds::root();
+        let (file, _) = fs.create(&c, ROOT_INO, b"log", 0o644, 2).await.unwrap();
+        let ino = file.inode.ino;
+        let mut size = 0u64;
+        let mut s = seed;
+        for i in 0..40 {
+            let len = 1000 + splitmix64(&mut s) % 9000;
+            let chunk: Vec<u8> = (size..size + len).map(append_byte).collect();
+            fs.write(ino, size, &chunk).await.unwrap();
+            size += len;
+            if i % 3 == 2 {
+                fs.fsync(ino, false).await.unwrap();
+                promises.push((f.log_len(), size));
+            }
+        }
+    });
+    check_crashes(&rec, seed, async |fs: &Fs, promised: Option<&u64>, _next| verify_appends(fs, promised).await);
+}
+
+/// The same append workload through direct I/O: unwritten extents are
+/// allocated, submitted, and converted on completion.
+#[test]
+fn direct_appends_with_fsync_never_show_stale_data() {
+    let seed = test_seed();
+    let rec = record(async move |fs: Fs, f, promises: &mut Vec<(usize, u64)>| {
+        let c = Creds::root();
+        let (file, _) = fs.create(&c, ROOT_INO, b"log", 0o644, 2).await.unwrap();
+        let ino = file.inode.ino;
+        let mut size = 0u64;
+        let mut s = seed;
+        for _round in 0..12 {
+            // Four appends in flight at once, then fdatasync.
+            let done = std::rc::Rc::new(std::cell::Cell::new(0));
+            for _ in 0..4 {
+                let len = 4096 * (1 + splitmix64(&mut s) % 4);
+                let mut buf = AlignedBuf::zeroed(len as usize, 4096);
+                for (k, b) in buf.iter_mut().enumerate() {
+                    *b = append_byte(size + k as u64);
+                }
+                let (fs, done, at) = (fs.clone(), done.clone(), size);
+                keelfs_reactor::spawn_local(async move {
+                    fs.write_direct(ino, at, buf).await.1.unwrap();
+                    done.set(done.get() + 1);
+                });
+                size += len;
+            }
+            while done.get() < 4 {
+                keelfs_reactor::yield_now().await;
+            }
+            fs.fsync(ino, true).await.unwrap();
+            promises.push((f.log_len(), size));
+        }
+    });
+    check_crashes(&rec, seed, async |fs: &Fs, promised: Option<&u64>, _next| verify_appends(fs, promised).await);
+}
+
+/// Direct overwrites: no journal at all, only the device and its flushes.
+#[test]
+fn direct_overwrites_with_fsync_keep_a_synced_or_newer_version() {
+    const BLOCKS: u64 = 32;
+    let seed = test_seed();
+    let rec = record(async move |fs: Fs, f, promises: &mut Vec<(usize, Vec<u64>)>| {
+        let c = Creds::root();
+        let (file, _) = fs.create(&c, ROOT_INO, b"db", 0o644, 2).await.unwrap();
+        let ino = file.inode.ino;
+        let mut gens = vec![0u64; BLOCKS as usize];
+        for b in 0..BLOCKS {
+            fs.write(ino, b * 4096, &sector_image(b, 0)).await.unwrap();
+        }
+        fs.fsync(ino, false).await.unwrap();
+        promises.push((f.log_len(), gens.clone()));
+        let mut s = seed;
+        for i in 1..=80u64 {
+            let b = splitmix64(&mut s) % BLOCKS;
+            let mut buf = AlignedBuf::zeroed(4096, 4096);
+            buf.copy_from_slice(&sector_image(b, i));
+            fs.write_direct(ino, b * 4096, buf).await.1.unwrap();
+            gens[b as usize] = i;
+            if i % 8 == 0 {
+                fs.fsync(ino, true).await.unwrap();
+                promises.push((f.log_len(), gens.clone()));
+            }
+        }
+    });
+    check_crashes(&rec, seed, async move |fs: &Fs, promised: Option<&Vec<u64>>, _next| {
+        verify_overwrites(fs, promised, BLOCKS).await
+    });
+}
+
+/// Every sector of the "db" file holds its own block's data at the synced
+/// generation or a newer one: never another block's, never older.
+async fn verify_overwrites(fs: &Fs, promised: Option<&Vec<u64>>, blocks: u64) {
+    let Some(promised) = promised else { return };
+    let ino = lookup(fs, ROOT_INO, "db").await.expect("fsynced file exists");
+    let data = read_all(fs, ino).await;
+    assert_eq!(data.len() as u64, blocks * 4096);
+    for b in 0..blocks {
+        for sector in 0..8u64 {
+            let at = (b * 4096 + sector * 512) as usize;
+            let s = &data[at..at + 512];
+            let blk = u64::from_le_bytes(s[..8].try_into().unwrap());
+            let generation = u64::from_le_bytes(s[8..16].try_into().unwrap());
+            assert_eq!(blk, b, "sector {sector} of block {b} holds another block's data");
+            assert!(generation >= promised[b as usize], "block {b} went back to generation {generation}");
+            assert_eq!(s, &sector_image(b, generation)[sector as usize * 512..(sector as usize + 1) * 512]);
+        }
+    }
+}
+
+fn sector_image(block: u64, generation: u64) -> Vec<u8> {
+    let mut out = Vec::with_capacity(4096);
+    for sector in 0..8u64 {
+        let mut s = vec![0u8; 512];
+        s[..8].copy_from_slice(&block.to_le_bytes());
+        s[8..16].copy_from_slice(&generation.to_le_bytes());
+        s[16..24].copy_from_slice(&sector.to_le_bytes());
+        s[24..].fill((block * 31 + generation) as u8);
+        out.extend(s);
+    }
+    out
+}
+
+#[test]
+fn overwrites_with_fsync_keep_a_synced_or_newer_version_of_every_sector() {
+    const BLOCKS: u64 = 64;
+    let seed = test_seed();
+    let rec = record(async move |fs: Fs, f, promises: &mut Vec<(usize, Vec<u64>)>| {
+        let c = Creds::root();
+        let (file, _) = fs.create(&c, ROOT_INO, b"db", 0o644, 2).await.unwrap();
+        let ino = file.inode.ino;
+        let mut gens = vec![0u64; BLOCKS as usize];
+        for b in 0..BLOCKS {
+            fs.write(ino, b * 4096, &sector_image(b, 0)).await.unwrap();
+        }
+        fs.fsync(ino, false).await.unwrap();
+        promises.push((f.log_len(), gens.clone()));
+        let mut s = seed;
+        for i in 1..=120u64 {
+            let b = splitmix64(&mut s) % BLOCKS;
+            fs.write(ino, b * 4096, &sector_image(b, i)).await.unwrap();
+            gens[b as usize] = i;
+            if i % 10 == 0 {
+                fs.fsync(ino, false).await.unwrap();
+                promises.push((f.log_len(), gens.clone()));
+            }
+        }
+    });
+    check_crashes(&rec, seed, async move |fs: &Fs, promised: Option<&Vec<u64>>, _next| {
+        verify_overwrites(fs, promised, BLOCKS).await
+    });
+}
+
+#[test]
+fn truncates_with_fsync_land_on_a_synced_state() {
+    let seed = test_seed();
+    let rec = record(async move |fs: Fs, f, promises: &mut Vec<(usize, Vec<u8>)>| {
+        let c = Creds::root();
+        let (file, _) = fs.create(&c, ROOT_INO, b"t", 0o644, 2).await.unwrap();
+        let ino = file.inode.ino;
+        let mut model: Vec<u8> = Vec::new();
+        let mut s = seed;
+        fs.fsync(ino, false).await.unwrap();
+        promises.push((f.log_len(), model.clone()));
+        for i in 0..30u8 {
+            if splitmix64(&mut s).is_multiple_of(2) {
+                let size = splitmix64(&mut s) % 200_000;
+                fs.setattr(&c, ino, &SetAttr { size: Some(size), ..Default::default() }, true).await.unwrap();
+                model.resize(size as usize, 0);
+            } else {
+                let off = splitmix64(&mut s) % 150_000;
+                let len = 1 + splitmix64(&mut s) % 30_000;
+                let data = vec![i + 1; len as usize];
+                fs.write(ino, off, &data).await.unwrap();
+                if model.len() < (off + len) as usize {
+                    model.resize((off + len) as usize, 0);
+                }
+                model[off as usize..(off + len) as usize].copy_from_slice(&data);
+            }
+            fs.fsync(ino, false).await.unwrap();
+            promises.push((f.log_len(), model.clone()));
+        }
+    });
+    check_crashes(&rec, seed, async |fs: &Fs, promised: Option<&Vec<u8>>, next: Option<&Vec<u8>>| {
+        let Some(promised) = promised else { return };
+        let ino = lookup(fs, ROOT_INO, "t").await.expect("fsynced file exists");
+        let data = read_all(fs, ino).await;
+        let empty = Vec::new();
+        let next = next.unwrap_or(&empty);
+        assert!(
+            data.len() == promised.len() || data.len() == next.len(),
+            "size {} is neither the synced {} nor the next {}",
+            data.len(),
+            promised.len(),
+            next.len()
+        );
+        // The one operation after the sync may be partly on the device, but
+        // every byte is from the synced state or the next one: never stale,
+        // never garbage.
+        for (o, &b) in data.iter().enumerate() {
+            let old = promised.get(o).copied().unwrap_or(0);
+            let new = next.get(o).copied().unwrap_or(0);
+            assert!(b == old || b == new, "byte {o} is {b:#x}, expected {old:#x} or {new:#x}");
+        }
+    });
+}
+
+/// A file's blocks freed while a checkpoint is written in pieces stay out
+/// of the allocator until it lands: the checkpoint is the state at its
+/// start, where the file still owns them, so neither its own blocks nor
+/// another file's may be those.
+#[test]
+fn blocks_freed_during_a_checkpoint_in_pieces_stay_its_files() {
+    let seed = test_seed();
+    let config = FsConfig { checkpoint_piece_nodes: 1, ..FsConfig::default() };
+    let rec = record_with_config(0, config, async move |fs: Fs, f, promises: &mut Vec<(usize, Vec<u8>)>| {
+        let c = Creds::root();
+        for i in 0..64 {
+            fs.mknod(&c, ROOT_INO, format!("empty-{i}").as_bytes(), libc::S_IFREG | 0o644, 0).await.unwrap();
+        }
+        let (big, fh) = fs.create(&c, ROOT_INO, b"big", 0o644, 2).await.unwrap();
+        fs.write(big.inode.ino, 0, &vec![0x42; 1 << 20]).await.unwrap();
+        fs.release(fh).await.unwrap();
+        fs.sync().await.unwrap();
+        let before = fs.counters().checkpoints;
+        let pieces = fs.clone();
+        keelfs_reactor::spawn_local(async move { pieces.checkpoint_in_pieces().await.unwrap() });
+        for _ in 0..1000 {
+            if fs.checkpointing_in_pieces() {
+                break;
+            }
+            keelfs_reactor::next_tick().await;
+        }
+        assert!(fs.checkpointing_in_pieces(), "the checkpoint is in its pieces");
+        fs.unlink(&c, ROOT_INO, b"big").await.unwrap();
+        fs.forget(big.inode.ino, 1).await.unwrap();
+        fs.sync().await.unwrap();
+        assert!(fs.checkpointing_in_pieces(), "the frees were committed during the pieces");
+        for _ in 0..10_000 {
+            if fs.counters().checkpoints > before {
+                break;
+            }
+            keelfs_reactor::next_tick().await;
+        }
+        assert_eq!(fs.counters().checkpoints, before + 1, "the checkpoint in pieces landed");
+        fs.check_block_ownership().unwrap();
+        // Then a file that may take the blocks big had.
+        let (after, fh) = fs.create(&c, ROOT_INO, b"after", 0o644, 2).await.unwrap();
+        let body = vec![0x17; 256 << 10];
+        fs.write(after.inode.ino, 0, &body).await.unwrap();
+        fs.release(fh).await.unwrap();
+        fs.sync().await.unwrap();
+        promises.push((f.log_len(), body));
+    });
+    check_crashes(&rec, seed, async |fs: &Fs, promised: Option<&Vec<u8>>, _next| {
+        let Some(body) = promised else { return };
+        assert_eq!(lookup(fs, ROOT_INO, "big").await, None, "big was unlinked before the promise");
+        let after = lookup(fs, ROOT_INO, "after").await.expect("after was synced");
+        assert_eq!(&read_all(fs, after).await, body);
+        fs.check_block_ownership().unwrap();
+    });
+}
