@@ -13,16 +13,16 @@
 
 mod blocking;
 mod buf;
-pub mod fault;
+mod fault;
 mod mapped;
-pub mod nvme;
+mod nvme;
 mod uring;
 
 pub use blocking::BlockingIo;
 pub use buf::{AlignedBuf, BufferPool, PoolBuf};
 pub use fault::{FaultDevice, FaultRule, LogEntry, Persist, WriteLog};
 pub use mapped::{FlushInstruction, MappedDevice};
-pub use nvme::{NvmeAddress, NvmeDevice, NvmeError, NvmeOptions};
+pub use nvme::{NvmeAddress, NvmeDevice, NvmeError, NvmeOptions, NvmeQueue};
 pub use uring::{UringDevice, UringOptions};
 
 use std::os::fd::RawFd;

@@ -10,10 +10,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::Args;
 use keelfs_base::testing::splitmix64;
-use keelfs_bdev::nvme::NvmeQueue;
 use keelfs_bdev::{
     AlignedBuf, BdevError, BlockDevice, BufferPool, Completion, IoQueue, IoRequest, IoVec, NvmeAddress, NvmeDevice,
-    NvmeOptions, QueueConfig, UringDevice, UringOptions,
+    NvmeOptions, NvmeQueue, QueueConfig, UringDevice, UringOptions,
 };
 use serde_json::{json, Value};
 

@@ -9,10 +9,10 @@ use clap::{Args, ValueEnum};
 use keelfs_base::parse_size;
 use keelfs_base::testing::splitmix64;
 use keelfs_bdev::{BlockDevice, MappedDevice, QueueConfig, UringDevice, UringOptions};
-use keelfs_fs::format::ROOT_INO;
-use keelfs_fs::mkfs::{mkfs, MkfsOptions};
+use keelfs_fs::ROOT_INO;
+use keelfs_fs::{mkfs, MkfsOptions};
 use keelfs_fs::{Creds, Fs, FsConfig};
-use keelfs_reactor::io::DeviceChannel;
+use keelfs_reactor::DeviceChannel;
 use keelfs_reactor::{PollMode, Reactor, ReactorConfig};
 use serde_json::json;
 

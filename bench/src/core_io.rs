@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use keelfs_base::testing::splitmix64;
 use keelfs_bdev::AlignedBuf;
-use keelfs_fs::format::ROOT_INO;
+use keelfs_fs::ROOT_INO;
 use keelfs_fs::{Creds, Fs, FsCounters, SharedReader};
 use keelfs_reactor as reactor;
 use serde_json::{json, Value};
@@ -232,7 +232,7 @@ async fn read_phase(fs: &Fs, readers: &Readers, ino: u64, pages: u64, seconds: D
                         let mut buf = Vec::with_capacity(8192);
                         if shared.read_into(off, 8192, &mut buf).is_err() {
                             sent.set(sent.get() + 1);
-                            let read = reactor::remote::call_and_wait(&owner, move || async move {
+                            let read = reactor::call_and_wait(&owner, move || async move {
                                 let fs = OWNER_FS.with(|o| o.borrow().clone()).expect("the owner's filesystem");
                                 fs.read(ino, off, 8192).await.map(|d| d.len())
                             });
@@ -245,7 +245,7 @@ async fn read_phase(fs: &Fs, readers: &Readers, ino: u64, pages: u64, seconds: D
                 .await?;
                 anyhow::Ok(ReadPhase { ops: tally.ops.get(), secs, sent_to_owner: sent.get() })
             };
-            let phase = reactor::remote::call_and_wait(reactor, job).await;
+            let phase = reactor::call_and_wait(reactor, job).await;
             phase.ok_or_else(|| anyhow::anyhow!("the reader reactor stopped"))?
         }
     }

@@ -18,7 +18,7 @@ use std::cell::Cell;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use keelfs_fs::format::ROOT_INO;
+use keelfs_fs::ROOT_INO;
 use keelfs_fs::{Creds, Fs};
 use keelfs_reactor as reactor;
 use serde_json::json;

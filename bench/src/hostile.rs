@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Args;
+use keelfs_vhost::abi::{encode_request, init_flags as f, Opcode, Reply, OUT_HEADER_BYTES};
 use keelfs_vhost::frontend::io_request;
-use keelfs_vhost::fuse::abi::{encode_request, init_flags as f, Opcode, Reply, OUT_HEADER_BYTES};
 use serde_json::json;
 
 #[derive(Args, Debug)]

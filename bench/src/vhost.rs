@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 use keelfs_base::testing::splitmix64;
+use keelfs_vhost::abi::{init_flags as f, Opcode, Reply, ENTRY_OUT_BYTES, OUT_HEADER_BYTES};
 use keelfs_vhost::frontend::{io_request, FrontendConfig, FsFrontend, QueueDriver, Used};
-use keelfs_vhost::fuse::abi::{init_flags as f, Opcode, Reply, ENTRY_OUT_BYTES, OUT_HEADER_BYTES};
 use serde_json::json;
 
 use crate::hist::Histogram;

@@ -97,12 +97,12 @@ fn vhost_drives_a_vhost_user_fs_daemon_and_reports_iops_and_latency() {
     use std::sync::Arc;
 
     use keelfs_bdev::{BlockDevice, MappedDevice, QueueConfig};
-    use keelfs_fs::mkfs::{mkfs, MkfsOptions};
+    use keelfs_fs::{mkfs, MkfsOptions};
     use keelfs_fs::{Fs, FsConfig};
-    use keelfs_reactor::io::DeviceChannel;
+    use keelfs_reactor::DeviceChannel;
     use keelfs_reactor::{self as reactor, Reactor, ReactorConfig};
-    use keelfs_vhost::fuse::dispatch::SessionConfig;
-    use keelfs_vhost::vhost_user::VhostUserServer;
+    use keelfs_vhost::SessionConfig;
+    use keelfs_vhost::VhostUserServer;
 
     let socket = scratch("vhost.sock");
     let stop = Arc::new(AtomicBool::new(false));

@@ -137,7 +137,7 @@ fn apply_limits(src: &Source, e: &RawExport, export: &mut Export) -> Result<(), 
     }
     if let Some(size) = &e.xattr_bytes_per_inode_max {
         let bytes = parse_size(size.get_ref()).map_err(|m| src.error(size.span(), m))?;
-        let format_max = keelfs_fs::format::XATTR_INODE_BYTES_MAX as u64;
+        let format_max = keelfs_fs::XATTR_INODE_BYTES_MAX as u64;
         if !(4096..=format_max).contains(&bytes) {
             return Err(src.error(
                 size.span(),
@@ -275,8 +275,8 @@ impl Export {
             spread_queues: false,
             page_cache_bytes: 256 << 20,
             inodes_max: None,
-            open_handles_max: keelfs_vhost::fuse::dispatch::SESSION_HANDLES_MAX,
-            xattr_bytes_per_inode_max: keelfs_fs::format::XATTR_INODE_BYTES_MAX,
+            open_handles_max: keelfs_vhost::SESSION_HANDLES_MAX,
+            xattr_bytes_per_inode_max: keelfs_fs::XATTR_INODE_BYTES_MAX,
             requests_in_flight_max: None,
             host_dirty_ratio: HOST_DIRTY_RATIO_DEFAULT,
             read_only: false,

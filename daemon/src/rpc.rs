@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use keelfs_reactor::ReactorHandle;
-use keelfs_vhost::socket::{bind_listener, SocketAccess};
+use keelfs_vhost::{bind_listener, SocketAccess};
 use serde_json::{json, Value};
 
 /// The longest request line a client may send ("stats" is 5 bytes).
@@ -82,7 +82,7 @@ impl RpcServer {
 impl Drop for RpcServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
-        keelfs_vhost::socket::stop_accepting(&self.wake_accept);
+        keelfs_vhost::stop_accepting(&self.wake_accept);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }

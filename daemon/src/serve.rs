@@ -21,13 +21,13 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use keelfs_bdev::{BlockDevice, QueueConfig};
 use keelfs_fs::{AtimeUpdates, Fs, FsConfig};
-use keelfs_reactor::io::DeviceChannel;
+use keelfs_reactor::DeviceChannel;
 use keelfs_reactor::{self as reactor, PollMode, Reactor, ReactorConfig, ReactorHandle};
-use keelfs_vhost::fuse::dev_fuse::{serve as serve_fuse, FuseMount};
-use keelfs_vhost::fuse::dispatch::{CacheMode, Session, SessionConfig};
-use keelfs_vhost::fuse::stats::OpStats;
-use keelfs_vhost::socket::SocketAccess;
-use keelfs_vhost::vhost_user::{ServeOptions, VhostUserServer};
+use keelfs_vhost::OpStats;
+use keelfs_vhost::SocketAccess;
+use keelfs_vhost::{serve_dev_fuse as serve_fuse, FuseMount};
+use keelfs_vhost::{CacheMode, Session, SessionConfig};
+use keelfs_vhost::{ServeOptions, VhostUserServer};
 use serde_json::{json, Value};
 
 use crate::config::{self, Config, Export, PollModeName};
@@ -229,7 +229,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     if link.is_none() {
         // Sandboxed, the supervisor does this: the server cannot see them.
         for socket in cleanup_of(&config).sockets {
-            let _ = keelfs_vhost::socket::clear_stale(&socket);
+            let _ = keelfs_vhost::clear_stale(&socket);
         }
     }
     result
@@ -298,8 +298,7 @@ fn cleanup_of(config: &Config) -> Cleanup {
 /// What the sandbox must leave to the configured backends.
 fn needs_of(config: &Config) -> Needs {
     let vfio = config.exports.iter().any(|e| {
-        e.backend == config::BackendName::Nvme
-            || keelfs_bdev::nvme::NvmeAddress::is_nvme_name(&e.device.to_string_lossy())
+        e.backend == config::BackendName::Nvme || keelfs_bdev::NvmeAddress::is_nvme_name(&e.device.to_string_lossy())
     });
     Needs { vfio }
 }
@@ -334,7 +333,7 @@ fn open_exports(
                     mode: export.socket_mode.unwrap_or(SocketAccess::default().mode),
                     owner: export.socket_owner,
                 };
-                let listener = keelfs_vhost::socket::bind_listener(socket, access)
+                let listener = keelfs_vhost::bind_listener(socket, access)
                     .with_context(|| format!("export {}: the vhost-user socket", export.tag))?;
                 Some(listener)
             }

@@ -226,7 +226,7 @@ fn supervise(
         let _ = unmount_own(cleanup, &made, index);
     }
     for socket in &cleanup.sockets {
-        let _ = keelfs_vhost::socket::clear_stale(socket);
+        let _ = keelfs_vhost::clear_stale(socket);
     }
     Ok(exit_code(status))
 }

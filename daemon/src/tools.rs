@@ -6,9 +6,9 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use keelfs_bdev::{BlockDevice, QueueConfig};
-use keelfs_fs::fsck::{self, FsckReport};
-use keelfs_fs::mkfs::{self, MkfsOptions};
-use keelfs_reactor::io::DeviceChannel;
+use keelfs_fs::FsckReport;
+use keelfs_fs::MkfsOptions;
+use keelfs_reactor::DeviceChannel;
 use keelfs_reactor::{PollMode, Reactor, ReactorConfig};
 use serde_json::json;
 
@@ -91,7 +91,7 @@ pub fn mkfs(
         ..MkfsOptions::default()
     };
     eprintln!("keelfsd mkfs: formatting {} ({} bytes)", path.display(), dev.geometry().capacity_bytes);
-    let sb = run_on_reactor(dev, async move |ch| mkfs::mkfs(ch, &options).await)??;
+    let sb = run_on_reactor(dev, async move |ch| keelfs_fs::mkfs(ch, &options).await)??;
     let uuid: String = sb.uuid.iter().map(|b| format!("{b:02x}")).collect();
     println!(
         "keelfs created on {}: {} blocks of 4096 bytes, journal {} blocks, {} allocation group(s), uuid {uuid}",
@@ -117,17 +117,13 @@ pub fn fsck(path: &Path, as_json: bool, repair: bool) -> anyhow::Result<ExitCode
     }
     let dev = device::open(path)?;
     let progress = |stage: &str| eprintln!("keelfsd fsck: checking {stage}");
-    let report =
-        run_on_reactor(
-            dev,
-            async move |ch| {
-                if repair {
-                    fsck::repair(ch, progress).await
-                } else {
-                    fsck::fsck(ch, progress).await
-                }
-            },
-        )??;
+    let report = run_on_reactor(dev, async move |ch| {
+        if repair {
+            keelfs_fs::repair(ch, progress).await
+        } else {
+            keelfs_fs::fsck(ch, progress).await
+        }
+    })??;
     if as_json {
         let mut line = report_json(&report);
         line["live"] = json!(live);

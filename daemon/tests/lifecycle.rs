@@ -216,8 +216,8 @@ fn an_idle_adaptive_daemon_uses_almost_no_cpu() {
 
 #[test]
 fn spread_queues_serve_cached_reads_on_the_other_reactor() {
+    use keelfs_vhost::abi::{init_flags, Opcode, Reply, ENTRY_OUT_BYTES};
     use keelfs_vhost::frontend::{io_in, FrontendConfig, FsFrontend};
-    use keelfs_vhost::fuse::abi::{init_flags, Opcode, Reply, ENTRY_OUT_BYTES};
 
     let dir = Scratch::new("spread");
     let image = dir.path("k.img");

@@ -6,8 +6,8 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use keelfs_vhost::abi::{init_flags as f, Opcode, Reply};
 use keelfs_vhost::frontend::{FrontendConfig, FsFrontend};
-use keelfs_vhost::fuse::abi::{init_flags as f, Opcode, Reply};
 
 mod common;
 use common::{is_mounted, keelfsd, mkfs, Scratch, Served};

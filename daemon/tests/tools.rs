@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-use keelfs_fs::format::Superblock;
+use keelfs_fs::Superblock;
 
 fn keelfsd(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_keelfsd")).args(args).output().expect("run keelfsd")

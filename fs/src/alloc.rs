@@ -105,10 +105,6 @@ impl Allocator {
         Self { groups: out, data_start, data_end }
     }
 
-    pub fn group_count(&self) -> usize {
-        self.groups.len()
-    }
-
     pub fn free_blocks(&self) -> u64 {
         self.groups.iter().map(|g| g.free_blocks).sum()
     }

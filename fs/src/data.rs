@@ -26,7 +26,7 @@ use super::record::Record;
 use super::{journal, Fs, FsError, FsResult};
 use keelfs_bdev::AlignedBuf;
 use keelfs_reactor as reactor;
-use keelfs_reactor::io::{await_all, IoBuffer, SharedBuffer};
+use keelfs_reactor::{await_all, IoBuffer, SharedBuffer};
 
 /// Device requests are split at 1 MiB (256 blocks).
 pub(crate) const IO_BLOCKS_MAX: u64 = 256;
@@ -508,7 +508,7 @@ impl Fs {
         Ok(data)
     }
 
-    /// copy_file_range: up to `len` bytes (at most [`COPY_RANGE_MAX`]) from
+    /// copy_file_range: up to `len` bytes (at most `COPY_RANGE_MAX`) from
     /// `from` at `from_offset` to `to` at `to_offset`, through the page
     /// cache in 1 MiB steps, each of which awaits and so yields. Stops at
     /// the source's end; returns the bytes copied. Overlapping ranges of

@@ -42,10 +42,6 @@ impl ExtentMap {
         self.map.len()
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
-    }
-
     pub fn iter(&self) -> impl Iterator<Item = Extent> + '_ {
         self.map.iter().map(|(&file_block, &(disk_block, len, unwritten))| Extent {
             file_block,

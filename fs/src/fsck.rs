@@ -13,7 +13,7 @@ use super::journal;
 use super::record::Record;
 use super::state::State;
 use super::{Fs, FsConfig, FsError, FsResult};
-use keelfs_reactor::io::DeviceChannel;
+use keelfs_reactor::DeviceChannel;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Problem {

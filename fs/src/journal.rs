@@ -31,7 +31,7 @@ use super::state::{ApplyMode, SnapshotBytes, State};
 use super::{FsError, FsInner, FsResult};
 use keelfs_bdev::AlignedBuf;
 use keelfs_reactor as reactor;
-use keelfs_reactor::io::DeviceChannel;
+use keelfs_reactor::DeviceChannel;
 
 pub const JOURNAL_TX_MAGIC: u32 = u32::from_le_bytes(*b"KFTX");
 pub const CHECKPOINT_BLOCK_MAGIC: u32 = u32::from_le_bytes(*b"KFCP");

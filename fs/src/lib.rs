@@ -1,7 +1,7 @@
 //! The keelfs filesystem core.
 //!
-//! Metadata lives in memory ([`state::State`]) and is made durable by a
-//! write-ahead journal of [`record::Record`]s with group commit, plus
+//! Metadata lives in memory (`state::State`) and is made durable by a
+//! write-ahead journal of `record::Record`s with group commit, plus
 //! periodic checkpoints that write the whole state and let the journal
 //! ring be reused. Data lives in extents on the device; metadata that makes
 //! data visible commits only after that data is durable (ordered mode).
@@ -11,26 +11,29 @@
 //! as tasks there, and no thread ever blocks on I/O.
 
 mod access;
-pub mod alloc;
-pub mod cache;
-pub mod codec;
+mod alloc;
+mod cache;
+mod codec;
 mod data;
-pub mod error;
-pub mod extent;
-pub mod format;
-pub mod fsck;
+mod error;
+mod extent;
+mod format;
+mod fsck;
 mod journal;
-pub mod mkfs;
+mod mkfs;
 mod ops;
-pub mod record;
+mod record;
 mod shared;
-pub mod state;
-pub mod sync;
+mod state;
+mod sync;
 
 pub use access::{Creds, PermissionCheck};
 pub use data::{ReadSink, WriteSource, WriteTimes};
 pub use error::{FsError, FsResult};
+pub use format::{crc, Superblock, Timespec, ROOT_INO, XATTR_INODE_BYTES_MAX};
+pub use fsck::{fsck, repair, FsckReport, Problem};
 pub use journal::{CHECKPOINT_BLOCK_MAGIC, JOURNAL_TX_MAGIC};
+pub use mkfs::{mkfs, MkfsError, MkfsOptions};
 pub use ops::{Attr, DirEntry, SeekTo, SetAttr, TimeSet};
 pub use shared::{SharedMiss, SharedReader};
 
@@ -41,9 +44,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use codec::Writer;
-use format::{Superblock, BLOCK_BYTES, BLOCK_SIZE};
+use format::{BLOCK_BYTES, BLOCK_SIZE};
 use keelfs_bdev::{AlignedBuf, Geometry};
-use keelfs_reactor::io::{await_all, DeviceChannel};
+use keelfs_reactor::{await_all, DeviceChannel};
 use state::{ApplyMode, State};
 
 /// The smallest checkpoint reserve: 1 MiB.

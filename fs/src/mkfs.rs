@@ -7,7 +7,7 @@ use super::format::{
 use super::journal;
 use super::{Fs, FsConfig, FsError};
 use keelfs_bdev::AlignedBuf;
-use keelfs_reactor::io::DeviceChannel;
+use keelfs_reactor::DeviceChannel;
 
 #[derive(Clone, Debug)]
 pub struct MkfsOptions {

@@ -94,9 +94,6 @@ impl Directory {
     pub fn lookup(&self, name: &[u8]) -> Option<u64> {
         self.entries.get(name).map(|&(ino, _)| ino)
     }
-    pub fn len(&self) -> usize {
-        self.entries.len()
-    }
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }
@@ -183,11 +180,8 @@ impl SnapshotBytes {
         self.inodes.len() + self.entries.len()
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// Both parts in one buffer (for tests).
+    #[cfg(test)]
     pub fn to_vec(&self) -> Vec<u8> {
         [&self.inodes[..], &self.entries[..]].concat()
     }

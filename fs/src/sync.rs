@@ -113,11 +113,6 @@ impl RangeLocks {
     pub fn waits(&self) -> (u64, u64) {
         (self.shared_waits.get(), self.exclusive_waits.get())
     }
-
-    /// Holds currently granted on `ino` (for tests).
-    pub fn held(&self, ino: u64) -> usize {
-        self.files.borrow().get(&ino).map_or(0, |f| f.held.len())
-    }
 }
 
 struct RangeLockFuture {

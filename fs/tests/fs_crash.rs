@@ -12,8 +12,8 @@ use std::sync::Arc;
 use common::{busy_reactor, channel, check, mount};
 use keelfs_base::testing::splitmix64;
 use keelfs_bdev::{AlignedBuf, BlockDevice, FaultDevice, MappedDevice};
-use keelfs_fs::format::ROOT_INO;
-use keelfs_fs::mkfs::{mkfs, MkfsOptions};
+use keelfs_fs::ROOT_INO;
+use keelfs_fs::{mkfs, MkfsOptions};
 use keelfs_fs::{Creds, Fs, FsConfig, SetAttr};
 
 const DEVICE_BYTES: u64 = 24 << 20;

@@ -9,9 +9,9 @@ use std::sync::Arc;
 use common::{busy_reactor, channel, check, format, mount, ram_device};
 use keelfs_base::testing::splitmix64;
 use keelfs_bdev::{BlockDevice, MappedDevice};
-use keelfs_fs::format::{Superblock, ROOT_INO};
-use keelfs_fs::fsck::repair;
+use keelfs_fs::repair;
 use keelfs_fs::{Creds, Fs, FsConfig};
+use keelfs_fs::{Superblock, ROOT_INO};
 
 const BYTES: u64 = 16 << 20;
 
@@ -247,7 +247,7 @@ fn examine_crafted(crafted: &[u8], what: &str) -> bool {
 /// `KEELFS_DAMAGE_SEED` replays a case.
 #[test]
 fn journal_records_with_valid_checksums_never_panic() {
-    use keelfs_fs::format::crc;
+    use keelfs_fs::crc;
     let (image, _) = build_image();
     let sb = newest_superblock(&image);
     // The transactions in the ring that do not wrap: (offset, payload_len).
@@ -299,7 +299,7 @@ fn journal_records_with_valid_checksums_never_panic() {
 /// a case.
 #[test]
 fn checkpoint_records_with_valid_checksums_never_panic() {
-    use keelfs_fs::format::crc;
+    use keelfs_fs::crc;
     // Block header: magic u32, crc32c u32 of the rest of the block, seq
     // u64, index u32, payload length u32 (docs/FORMAT.md, "Checkpoint").
     const HEADER: usize = 24;

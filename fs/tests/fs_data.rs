@@ -12,7 +12,7 @@ use std::time::Duration;
 use common::{busy_reactor, channel, format, ram_device, Gate, GateDevice};
 use keelfs_base::testing::fill_pattern;
 use keelfs_bdev::{AlignedBuf, BlockDevice};
-use keelfs_fs::format::ROOT_INO;
+use keelfs_fs::ROOT_INO;
 use keelfs_fs::{Creds, Fs, FsConfig, SetAttr, WriteTimes};
 use keelfs_reactor as reactor;
 use keelfs_reactor::yield_now;

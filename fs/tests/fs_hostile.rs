@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::with_fs;
 use keelfs_bdev::BlockDevice;
-use keelfs_fs::format::ROOT_INO;
+use keelfs_fs::ROOT_INO;
 use keelfs_fs::{Creds, Fs};
 
 const MIB: u64 = 1 << 20;

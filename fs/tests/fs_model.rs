@@ -8,7 +8,7 @@ mod common;
 use std::collections::{BTreeMap, HashMap};
 
 use common::{busy_reactor, check, format, mount, ram_device};
-use keelfs_fs::format::ROOT_INO;
+use keelfs_fs::ROOT_INO;
 use keelfs_fs::{Creds, Fs, SetAttr};
 use proptest::prelude::*;
 

@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use common::{busy_reactor, check, format, mount, ram_device, with_fs};
 use keelfs_bdev::BlockDevice;
-use keelfs_fs::format::ROOT_INO;
 use keelfs_fs::Fs;
+use keelfs_fs::ROOT_INO;
 use keelfs_fs::{Creds, FsError, SeekTo, SetAttr, TimeSet};
 
 const MIB: u64 = 1 << 20;
@@ -239,7 +239,7 @@ fn a_tmpfile_is_freed_at_release_unless_linked_and_copies_stay_in_the_daemon() {
 #[test]
 fn reads_move_atime_as_relatime_strictatime_and_noatime_say() {
     use keelfs_fs::{AtimeUpdates, FsConfig};
-    let old = keelfs_fs::format::Timespec { sec: 1_000, nsec: 0 };
+    let old = keelfs_fs::Timespec { sec: 1_000, nsec: 0 };
     for (mode, after_first, after_second) in
         [(AtimeUpdates::Relative, true, false), (AtimeUpdates::Always, true, true), (AtimeUpdates::Never, false, false)]
     {
@@ -511,7 +511,7 @@ fn mkfs_refuses_an_existing_filesystem_without_force() {
     let dev = ram_device(32 * MIB);
     r.block_on(async move {
         format(&dev).await;
-        let err = keelfs_fs::mkfs::mkfs(common::channel(&dev), &Default::default()).await.unwrap_err();
+        let err = keelfs_fs::mkfs(common::channel(&dev), &Default::default()).await.unwrap_err();
         assert!(err.to_string().contains("--force"), "{err}");
         let report = check(&dev).await;
         assert!(report.is_clean());

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use common::{busy_reactor, channel, format, mount};
 use keelfs_bdev::{BlockDevice, MappedDevice};
-use keelfs_fs::format::ROOT_INO;
+use keelfs_fs::ROOT_INO;
 use keelfs_fs::{Creds, Fs, FsConfig, FsError, SetAttr};
 
 const BYTES: u64 = 32 << 20;

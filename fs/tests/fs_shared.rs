@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use common::{busy_reactor, channel, format, ram_device};
 use keelfs_base::testing::splitmix64;
-use keelfs_fs::format::ROOT_INO;
+use keelfs_fs::ROOT_INO;
 use keelfs_fs::{Creds, Fs, FsConfig, SetAttr, SharedMiss, SharedReader};
 use keelfs_reactor::yield_now;
 

@@ -22,12 +22,12 @@ use std::sync::Arc;
 
 use keelfs_base::testing::splitmix64;
 use keelfs_bdev::{BlockDevice, MappedDevice, QueueConfig};
-use keelfs_fs::mkfs::{mkfs, MkfsOptions};
+use keelfs_fs::{mkfs, MkfsOptions};
 use keelfs_fs::{Fs, FsConfig};
-use keelfs_reactor::io::DeviceChannel;
+use keelfs_reactor::DeviceChannel;
 use keelfs_reactor::{PollMode, Reactor, ReactorConfig};
-use keelfs_vhost::fuse::abi::{encode_request, Opcode, Reply};
-use keelfs_vhost::fuse::dispatch::{Session, SessionConfig};
+use keelfs_vhost::abi::{encode_request, Opcode, Reply};
+use keelfs_vhost::{Session, SessionConfig};
 
 const DEVICE_BYTES: u64 = 32 << 20;
 /// Requests one input may hold.

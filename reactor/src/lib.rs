@@ -20,10 +20,15 @@
 //! senders and cross-thread wakers), on its pollers' eventfds, or at the
 //! next timer deadline.
 
-pub mod io;
-pub mod remote;
-pub(crate) mod sys;
+mod io;
+mod remote;
+mod sys;
 
+pub use io::{
+    await_all, BufferSlice, ChannelStats, DeviceChannel, IntoAny, IoBuffer, IoFuture, IoVecs, NoBuffer, RangeBusy,
+    SharedBuffer,
+};
+pub use remote::{call, call_and_wait, Call, CallError, Unsent};
 pub use sys::thread_cpu_time;
 
 use std::cell::{Cell, RefCell};

@@ -12,7 +12,7 @@ use keelfs_bdev::{
     AlignedBuf, BdevError, BlockDevice, Completion, Geometry, IoQueue, IoRequest, MappedDevice, QueueConfig,
     UringDevice, UringOptions,
 };
-use keelfs_reactor::io::DeviceChannel;
+use keelfs_reactor::DeviceChannel;
 use keelfs_reactor::{self as reactor, PollMode, Reactor, ReactorConfig, ReactorHandle, SendError};
 
 fn config(id: usize, mode: PollMode) -> ReactorConfig {

@@ -10,7 +10,7 @@ use std::ops::Deref;
 
 use keelfs_bdev::{IoVec, MAX_IOVECS_PER_REQUEST};
 use keelfs_fs::{ReadSink, WriteSource};
-use keelfs_reactor::io::{IoBuffer, IoVecs};
+use keelfs_reactor::{IoBuffer, IoVecs};
 use smallvec::SmallVec;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 
@@ -62,14 +62,6 @@ impl<M: Deref<Target = GuestMemoryMmap>> GuestBuffer<M> {
             return None;
         }
         Some(Self { mem, ranges, iovecs, len: take })
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 
     /// Zero the buffer from byte `from` on: a short read must not leave

@@ -1,27 +1,38 @@
 //! keelfs-vhost: the FUSE protocol, the virtio-fs vhost-user backend and the
 //! /dev/fuse transport over keelfs-fs.
 //!
-//! - [`fuse`]: the wire protocol ([`fuse::abi`]), typed requests
-//!   ([`fuse::request`]), the dispatcher over keelfs-fs ([`fuse::dispatch`])
+//! - `fuse`: the wire protocol (`fuse::abi`), typed requests
+//!   (`fuse::request`), the dispatcher over keelfs-fs (`fuse::dispatch`)
 //!   with its per-opcode counters, and the /dev/fuse transport
-//!   ([`fuse::dev_fuse`]);
-//! - [`virtio`]: serving FUSE requests from virtqueue descriptor chains,
-//!   with READ and WRITE using the guest's pages in place ([`guest_io`]);
-//! - [`vhost_user`]: the virtio-fs device on vhost-user-backend, its
-//!   queues polled by the reactors, and [`socket`] for its listener;
-//! - [`frontend`]: a vhost-user-fs frontend that plays VMM and guest, for
+//!   (`fuse::dev_fuse`);
+//! - `virtio`: serving FUSE requests from virtqueue descriptor chains,
+//!   with READ and WRITE using the guest's pages in place (`guest_io`);
+//! - `vhost_user`: the virtio-fs device on vhost-user-backend, its
+//!   queues polled by the reactors, and `socket` for its listener;
+//! - `frontend`: a vhost-user-fs frontend that plays VMM and guest, for
 //!   the tests and keelfs-bench.
 
 pub mod frontend;
-pub mod guest_io;
-pub mod socket;
-pub mod vhost_user;
-pub mod virtio;
+mod guest_io;
+mod socket;
+mod vhost_user;
+mod virtio;
 
-pub mod fuse {
+mod fuse {
     pub mod abi;
     pub mod dev_fuse;
     pub mod dispatch;
     pub mod request;
     pub mod stats;
 }
+
+/// The FUSE wire format: opcodes, init flags and reply layouts, named as
+/// linux/fuse.h names them. It stays a module, as the header is one
+/// vocabulary, for the tests and tools that speak FUSE bytes.
+pub use fuse::abi;
+pub use fuse::dev_fuse::{serve as serve_dev_fuse, FuseMount};
+pub use fuse::dispatch::{CacheMode, Session, SessionConfig, SESSION_HANDLES_MAX};
+pub use fuse::stats::OpStats;
+pub use socket::{bind_listener, clear_stale, stop_accepting, SocketAccess};
+pub use vhost_user::{ServeOptions, VhostUserServer};
+pub use virtio::{serve_chain, serve_queue, ChainOutcome, REQUEST_BYTES_MAX};

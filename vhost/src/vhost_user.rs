@@ -691,7 +691,7 @@ impl HelperServer {
         if let Some(known) = handles.borrow().get(&fh) {
             return known.clone();
         }
-        let asked = reactor::remote::call_and_wait(&owner, move || async move {
+        let asked = reactor::call_and_wait(&owner, move || async move {
             session_of(id).and_then(|session| session.shared_reader(fh, nodeid))
         });
         let answer = asked.await.flatten();
@@ -719,7 +719,7 @@ impl ChainServer for HelperServer {
                 None => {
                     stats.forwarded.fetch_add(1, Ordering::Relaxed);
                     let head = chain.head_index();
-                    let sent = reactor::remote::call_and_wait(&owner, move || async move {
+                    let sent = reactor::call_and_wait(&owner, move || async move {
                         match session_of(id) {
                             Some(session) => serve_chain_zero_copy(&session, chain, mem).await,
                             None => (head, 0, ChainOutcome::Dropped("the export stopped")),

@@ -45,7 +45,7 @@ pub enum ChainOutcome {
 /// the used ring) and what happened.
 /// The chain keeps its guest memory (`M`) alive until the reply is
 /// written. Every request's bytes are copied out of the chain; see
-/// [`serve_chain_zero_copy`] for the device path.
+/// `serve_chain_zero_copy` for the device path.
 pub async fn serve_chain<M>(session: &Session, chain: DescriptorChain<M>) -> (u16, u32, ChainOutcome)
 where
     M: Deref<Target = GuestMemoryMmap> + Clone,

@@ -8,8 +8,8 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
+use keelfs_vhost::abi::{init_flags as f, Opcode, Reply, ENTRY_OUT_BYTES};
 use keelfs_vhost::frontend::FsFrontend;
-use keelfs_vhost::fuse::abi::{init_flags as f, Opcode, Reply, ENTRY_OUT_BYTES};
 
 mod common;
 use common::*;

@@ -8,13 +8,13 @@ use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 use keelfs_bdev::{BlockDevice, MappedDevice, QueueConfig};
-use keelfs_fs::fsck::fsck;
-use keelfs_fs::mkfs::{mkfs, MkfsOptions};
+use keelfs_fs::fsck;
+use keelfs_fs::{mkfs, MkfsOptions};
 use keelfs_fs::{Fs, FsConfig};
-use keelfs_reactor::io::DeviceChannel;
+use keelfs_reactor::DeviceChannel;
 use keelfs_reactor::{self as reactor, PollMode, Reactor, ReactorConfig};
-use keelfs_vhost::fuse::dev_fuse::{serve, FuseMount};
-use keelfs_vhost::fuse::dispatch::{Session, SessionConfig};
+use keelfs_vhost::{serve_dev_fuse as serve, FuseMount};
+use keelfs_vhost::{Session, SessionConfig};
 
 thread_local! {
     static SERVED: RefCell<Option<(Fs, Rc<FuseMount>)>> = const { RefCell::new(None) };

@@ -4,12 +4,12 @@
 use std::sync::Arc;
 
 use keelfs_bdev::{BlockDevice, MappedDevice, QueueConfig};
-use keelfs_fs::mkfs::{mkfs, MkfsOptions};
+use keelfs_fs::{mkfs, MkfsOptions};
 use keelfs_fs::{Fs, FsConfig};
-use keelfs_reactor::io::DeviceChannel;
+use keelfs_reactor::DeviceChannel;
 use keelfs_reactor::{PollMode, Reactor, ReactorConfig};
-use keelfs_vhost::fuse::abi::{encode_request, Opcode, Reply};
-use keelfs_vhost::fuse::dispatch::{Session, SessionConfig};
+use keelfs_vhost::abi::{encode_request, Opcode, Reply};
+use keelfs_vhost::{Session, SessionConfig};
 
 fn request(opcode: u32, unique: u64, nodeid: u64, body: &[u8]) -> Vec<u8> {
     encode_request(opcode, unique, nodeid, 0, 0, body)
@@ -202,8 +202,8 @@ async fn cache_behaviour(s: &Session) -> (u64, u32, u32) {
 
 #[test]
 fn cache_modes_set_timeouts_and_open_flags() {
-    use keelfs_vhost::fuse::abi::open_flags::{DIRECT_IO, KEEP_CACHE};
-    use keelfs_vhost::fuse::dispatch::CacheMode;
+    use keelfs_vhost::abi::open_flags::{DIRECT_IO, KEEP_CACHE};
+    use keelfs_vhost::CacheMode;
     with_session_config(CacheMode::None.session_config(), async |s: Session| {
         let (valid, create, open) = cache_behaviour(&s).await;
         assert_eq!(valid, 0, "none: nothing cached");
@@ -429,7 +429,7 @@ async fn write_flagged(s: &Session, unique: u64, ino: u64, fh: u64, write_flags:
 /// write(2)s and any write on a session without the cache still do.
 #[test]
 fn pages_written_back_from_a_writeback_cache_keep_the_clients_mtime() {
-    use keelfs_vhost::fuse::dispatch::CacheMode;
+    use keelfs_vhost::CacheMode;
     const WRITE_CACHE: u32 = 1;
     const PAST: u64 = 1_000_000_000;
     for (mode, kept) in [(CacheMode::Always, true), (CacheMode::Auto, false)] {

@@ -19,13 +19,13 @@ use std::time::{Duration, Instant};
 
 use keelfs_base::testing::splitmix64;
 use keelfs_bdev::{BlockDevice, MappedDevice, QueueConfig};
-use keelfs_fs::fsck::fsck;
-use keelfs_fs::mkfs::{mkfs, MkfsOptions};
+use keelfs_fs::fsck;
+use keelfs_fs::{mkfs, MkfsOptions};
 use keelfs_fs::{Fs, FsConfig};
-use keelfs_reactor::io::DeviceChannel;
+use keelfs_reactor::DeviceChannel;
 use keelfs_reactor::{PollMode, Reactor, ReactorConfig};
-use keelfs_vhost::fuse::abi::{encode_request, Opcode, Reply, ENTRY_OUT_BYTES};
-use keelfs_vhost::fuse::dispatch::{Session, SessionConfig};
+use keelfs_vhost::abi::{encode_request, Opcode, Reply, ENTRY_OUT_BYTES};
+use keelfs_vhost::{Session, SessionConfig};
 
 /// Node ids and handles the generator has seen in replies, to aim at.
 const POOL_MAX: usize = 64;

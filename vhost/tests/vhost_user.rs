@@ -6,9 +6,9 @@ use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use keelfs_vhost::abi::OUT_HEADER_BYTES;
+use keelfs_vhost::abi::{encode_request, init_flags as f, Opcode, Reply, ENTRY_OUT_BYTES};
 use keelfs_vhost::frontend::{FrontendConfig, FrontendError, FsFrontend, RawDesc, DESC_NEXT, DESC_WRITE};
-use keelfs_vhost::fuse::abi::OUT_HEADER_BYTES;
-use keelfs_vhost::fuse::abi::{encode_request, init_flags as f, Opcode, Reply, ENTRY_OUT_BYTES};
 use vm_memory::{Bytes, GuestAddress};
 
 mod common;

@@ -4,13 +4,13 @@
 use std::sync::Arc;
 
 use keelfs_bdev::{BlockDevice, MappedDevice, QueueConfig};
-use keelfs_fs::mkfs::{mkfs, MkfsOptions};
+use keelfs_fs::{mkfs, MkfsOptions};
 use keelfs_fs::{Fs, FsConfig};
-use keelfs_reactor::io::DeviceChannel;
+use keelfs_reactor::DeviceChannel;
 use keelfs_reactor::{PollMode, Reactor, ReactorConfig};
-use keelfs_vhost::fuse::abi::{encode_request, Opcode, Reply};
-use keelfs_vhost::fuse::dispatch::{Session, SessionConfig};
-use keelfs_vhost::virtio::{serve_chain, serve_queue, ChainOutcome, REQUEST_BYTES_MAX};
+use keelfs_vhost::abi::{encode_request, Opcode, Reply};
+use keelfs_vhost::{serve_chain, serve_queue, ChainOutcome, REQUEST_BYTES_MAX};
+use keelfs_vhost::{Session, SessionConfig};
 use virtio_queue::desc::{split::Descriptor, RawDescriptor};
 use virtio_queue::mock::MockSplitQueue;
 use virtio_queue::Queue;

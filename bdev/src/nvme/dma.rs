@@ -176,6 +176,7 @@ impl DmaRegistry {
     }
 
     /// Remove every guest mapping (a frontend left or replaced its table).
+    #[cfg(test)]
     pub fn unmap_all_guest(&self) -> usize {
         let guest: Vec<usize> = self.lock().mappings.iter().filter(|m| m.guest).map(|m| m.va).collect();
         guest.iter().filter(|&&va| self.unmap(va)).count()
@@ -255,7 +256,6 @@ pub struct DmaBuffer {
     len: usize,
     iova: u64,
     registry: Arc<DmaRegistry>,
-    pub hugepages: bool,
 }
 
 // SAFETY: the buffer is plain memory owned by this value; its users
@@ -269,7 +269,7 @@ impl DmaBuffer {
     /// the system has them reserved, and map them in the internal window.
     pub fn new(registry: &Arc<DmaRegistry>, len: usize) -> Result<Self, DmaError> {
         let len = len.next_multiple_of(PAGE_BYTES as usize);
-        let (ptr, len, hugepages) = allocate(len)?;
+        let (ptr, len) = allocate(len)?;
         // SAFETY: the memory stays mapped until Drop, which unmaps the IOVA
         // range first.
         let iova = match unsafe { registry.map_internal(ptr as usize, len as u64) } {
@@ -280,17 +280,15 @@ impl DmaBuffer {
                 return Err(e);
             }
         };
-        Ok(Self { ptr, len, iova, registry: Arc::clone(registry), hugepages })
+        Ok(Self { ptr, len, iova, registry: Arc::clone(registry) })
     }
 
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr
     }
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.len
-    }
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
     pub fn iova(&self) -> u64 {
         self.iova
@@ -311,7 +309,7 @@ impl Drop for DmaBuffer {
     }
 }
 
-fn allocate(len: usize) -> Result<(*mut u8, usize, bool), DmaError> {
+fn allocate(len: usize) -> Result<(*mut u8, usize), DmaError> {
     let huge_len = len.next_multiple_of(HUGE_PAGE_BYTES);
     // Small buffers would waste most of a hugepage.
     if len >= HUGE_PAGE_BYTES / 2 {
@@ -327,7 +325,7 @@ fn allocate(len: usize) -> Result<(*mut u8, usize, bool), DmaError> {
             )
         };
         if p != libc::MAP_FAILED {
-            return Ok((p.cast(), huge_len, true));
+            return Ok((p.cast(), huge_len));
         }
     }
     // SAFETY: as above, without hugepages; VFIO pins the pages when mapped.
@@ -345,7 +343,7 @@ fn allocate(len: usize) -> Result<(*mut u8, usize, bool), DmaError> {
         let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
         return Err(DmaError::Alloc { len, errno });
     }
-    Ok((p.cast(), len, false))
+    Ok((p.cast(), len))
 }
 
 #[cfg(test)]

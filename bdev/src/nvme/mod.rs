@@ -13,19 +13,19 @@
 //! A device is named `nvme:DOMAIN:BUS:DEVICE.FUNCTION[/NSID]`, e.g.
 //! `nvme:0000:00:05.0` (namespace 1) or `nvme:0000:00:05.0/2`.
 
-pub mod controller;
-pub mod dma;
-pub mod queue;
-pub mod spec;
-pub mod vfio;
+mod controller;
+mod dma;
+mod queue;
+mod spec;
+mod vfio;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use self::controller::Controller;
+pub use self::dma::GUEST_IOVA_BASE;
 use self::dma::{DmaError, DmaRegistry};
-pub use self::dma::{GUEST_IOVA_BASE, GUEST_IOVA_END, INTERNAL_IOVA_BASE, INTERNAL_IOVA_END};
 pub use self::queue::{NvmeQueue, QueueCounters};
 use self::spec::{ControllerInfo, NamespaceInfo};
 use self::vfio::VfioPci;

@@ -119,6 +119,7 @@ pub struct CompletionEntry {
 const _: () = assert!(std::mem::size_of::<CompletionEntry>() == 16);
 
 impl CompletionEntry {
+    #[cfg(test)]
     pub fn phase(&self) -> bool {
         self.status & 1 == 1
     }

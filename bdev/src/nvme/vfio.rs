@@ -210,9 +210,6 @@ impl Bar {
     pub fn len(&self) -> usize {
         self.len
     }
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
 
     pub fn read32(&self, offset: usize) -> u32 {
         self.check(offset, 4);

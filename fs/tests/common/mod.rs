@@ -3,10 +3,10 @@
 use std::sync::Arc;
 
 use keelfs_bdev::{BlockDevice, MappedDevice, QueueConfig};
-use keelfs_fs::fsck::{fsck, FsckReport};
-use keelfs_fs::mkfs::{mkfs, MkfsOptions};
+use keelfs_fs::{fsck, FsckReport};
+use keelfs_fs::{mkfs, MkfsOptions};
 use keelfs_fs::{Fs, FsConfig};
-use keelfs_reactor::io::DeviceChannel;
+use keelfs_reactor::DeviceChannel;
 use keelfs_reactor::{PollMode, Reactor, ReactorConfig};
 
 pub fn busy_reactor() -> Reactor {

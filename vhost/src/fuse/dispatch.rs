@@ -8,11 +8,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use keelfs_bdev::AlignedBuf;
-use keelfs_fs::format::Timespec;
+use keelfs_fs::Timespec;
 use keelfs_fs::{
     Attr as FsAttr, Creds, Fs, FsError, ReadSink, SetAttr, SharedReader, TimeSet, WriteSource, WriteTimes,
 };
-use keelfs_reactor::io::IoBuffer;
+use keelfs_reactor::IoBuffer;
 
 use super::abi::{
     error_reply, init_flags as f, open_flags, Attr, InHeader, Reply, KERNEL_MINOR_VERSION, KERNEL_VERSION,

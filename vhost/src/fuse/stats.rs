@@ -50,10 +50,6 @@ impl LatencyHistogram {
         self.total += 1;
     }
 
-    pub fn count(&self) -> u64 {
-        self.total
-    }
-
     /// The `q` quantile (0..=1) in nanoseconds, as its bucket's floor.
     pub fn quantile_ns(&self, q: f64) -> u64 {
         if self.total == 0 {

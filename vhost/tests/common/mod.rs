@@ -9,14 +9,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use keelfs_bdev::{BlockDevice, MappedDevice, QueueConfig};
-use keelfs_fs::mkfs::{mkfs, MkfsOptions};
+use keelfs_fs::{mkfs, MkfsOptions};
 use keelfs_fs::{Fs, FsConfig};
-use keelfs_reactor::io::DeviceChannel;
+use keelfs_reactor::DeviceChannel;
 use keelfs_reactor::{self as reactor, Reactor, ReactorConfig};
+use keelfs_vhost::abi::{Opcode, Reply, ENTRY_OUT_BYTES};
 use keelfs_vhost::frontend::{io_in, io_request, FrontendConfig, FsFrontend, Used};
-use keelfs_vhost::fuse::abi::{Opcode, Reply, ENTRY_OUT_BYTES};
-use keelfs_vhost::fuse::dispatch::SessionConfig;
-use keelfs_vhost::vhost_user::{ServeOptions, VhostUserServer};
+use keelfs_vhost::SessionConfig;
+use keelfs_vhost::{ServeOptions, VhostUserServer};
 
 pub const TIMEOUT: Duration = Duration::from_secs(60);
 
