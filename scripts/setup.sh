@@ -72,6 +72,7 @@ want_apt() { need_apt+=("$1"); say "install apt package $1: $2"; }
 want_bpo() { need_bpo+=("$1"); say "install apt package $1 from bookworm-backports: $2"; }
 
 have cc || want_apt build-essential "a C toolchain for crates that build C (and strip for the guest)"
+have nm || want_apt binutils "nm, to check that keelfsd's release binary ships no test code"
 have fio || want_apt fio "the guest and host fio workloads and keelfs-bench's fio peer"
 installed busybox-static || want_apt busybox-static "the guest initramfs's shell and tools"
 have cpio || want_apt cpio "packing the guest initramfs"

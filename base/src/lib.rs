@@ -8,6 +8,7 @@
 mod clock;
 mod hash;
 mod size;
+#[cfg(feature = "test-utils")]
 pub mod testing;
 
 pub use clock::realtime_coarse;

@@ -13,6 +13,7 @@
 
 mod blocking;
 mod buf;
+#[cfg(feature = "test-utils")]
 mod fault;
 mod mapped;
 mod nvme;
@@ -20,6 +21,7 @@ mod uring;
 
 pub use blocking::BlockingIo;
 pub use buf::{AlignedBuf, BufferPool, PoolBuf};
+#[cfg(feature = "test-utils")]
 pub use fault::{FaultDevice, FaultRule, LogEntry, Persist, WriteLog};
 pub use mapped::{FlushInstruction, MappedDevice};
 pub use nvme::{NvmeAddress, NvmeDevice, NvmeError, NvmeOptions, NvmeQueue};
