@@ -10,6 +10,10 @@
 //! An [`Fs`] belongs to one reactor: its operations are async functions run
 //! as tasks there, and no thread ever blocks on I/O.
 
+// The filesystem is safe code but for the seqlocked page words that readers
+// on other reactors share, in one module.
+#![deny(unsafe_code)]
+
 mod access;
 mod alloc;
 mod cache;
@@ -23,6 +27,7 @@ mod journal;
 mod mkfs;
 mod ops;
 mod record;
+#[allow(unsafe_code)]
 mod shared;
 mod state;
 mod sync;

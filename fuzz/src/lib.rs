@@ -18,6 +18,8 @@
 //! filesystem's block ownership must be consistent: a violation panics,
 //! which AFL++ records as a crash.
 
+#![forbid(unsafe_code)]
+
 use std::sync::Arc;
 
 use keelfs_base::testing::splitmix64;

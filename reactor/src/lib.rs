@@ -20,8 +20,14 @@
 //! senders and cross-thread wakers), on its pollers' eventfds, or at the
 //! next timer deadline.
 
+// Unsafe code lives in two modules: `sys` (system calls) and `io` (handing
+// buffers to the device).
+#![deny(unsafe_code)]
+
+#[allow(unsafe_code)]
 mod io;
 mod remote;
+#[allow(unsafe_code)]
 mod sys;
 
 pub use io::{

@@ -3,6 +3,8 @@
 //! (a crash AFL++ saved, say), and `fuzz_requests --seeds DIR N` writes N
 //! generated inputs to DIR as a starting corpus.
 
+#![forbid(unsafe_code)]
+
 /// The harness as afl wants it. A panic is a crash AFL++ records and the
 /// process ends with it: nothing observes the harness after an unwind.
 #[cfg(feature = "afl")]
