@@ -327,8 +327,23 @@ pub fn parse(file: &str, text: &str) -> Result<Config, ConfigError> {
         src.error(span, e.message().trim_end().to_string())
     })?;
     let mut config = Config::default();
+    apply_daemon(&src, raw.daemon, &mut config)?;
+    let mut device_names = HashSet::new();
+    for device in &raw.devices {
+        let name = &device.get_ref().name;
+        if !device_names.insert(name.get_ref().clone()) {
+            return Err(src.error(name.span(), format!("device \"{}\" is defined twice", name.get_ref())));
+        }
+    }
+    let mut seen = SeenInExports::default();
+    for spanned in &raw.exports {
+        config.exports.push(parse_export(&src, spanned, &raw.devices, &mut seen)?);
+    }
+    Ok(config)
+}
 
-    if let Some(reactors) = &raw.daemon.reactors {
+fn apply_daemon(src: &Source, daemon: RawDaemon, config: &mut Config) -> Result<(), ConfigError> {
+    if let Some(reactors) = &daemon.reactors {
         config.reactors = match reactors.get_ref() {
             RawReactors::Count(0) => return Err(src.error(reactors.span(), "reactors must be at least 1")),
             RawReactors::Count(n) if *n > 64 => return Err(src.error(reactors.span(), "at most 64 reactors")),
@@ -345,110 +360,128 @@ pub fn parse(file: &str, text: &str) -> Result<Config, ConfigError> {
             }
         };
     }
-    config.poll_mode = raw.daemon.poll_mode.unwrap_or_default();
-    config.rpc_socket = raw.daemon.rpc_socket;
-    config.sandbox = raw.daemon.sandbox.unwrap_or_default();
-    if let Some(log) = raw.daemon.log {
+    config.poll_mode = daemon.poll_mode.unwrap_or_default();
+    config.rpc_socket = daemon.rpc_socket;
+    config.sandbox = daemon.sandbox.unwrap_or_default();
+    if let Some(log) = daemon.log {
         config.log = log;
     }
-    if let Some(ms) = &raw.daemon.commit_interval_ms {
+    if let Some(ms) = &daemon.commit_interval_ms {
         if *ms.get_ref() == 0 {
             return Err(src.error(ms.span(), "commit_interval_ms must be at least 1"));
         }
         config.commit_interval = Duration::from_millis(*ms.get_ref());
     }
+    Ok(())
+}
 
-    let mut device_names = HashSet::new();
-    for device in &raw.devices {
-        let name = &device.get_ref().name;
-        if !device_names.insert(name.get_ref().clone()) {
-            return Err(src.error(name.span(), format!("device \"{}\" is defined twice", name.get_ref())));
-        }
+/// What two exports may not share: tags, sockets and devices.
+#[derive(Default)]
+struct SeenInExports {
+    tags: HashSet<String>,
+    sockets: HashSet<PathBuf>,
+    devices: HashSet<String>,
+}
+
+fn parse_export(
+    src: &Source,
+    spanned: &Spanned<RawExport>,
+    devices: &[Spanned<RawDevice>],
+    seen: &mut SeenInExports,
+) -> Result<Export, ConfigError> {
+    let e = spanned.get_ref();
+    let tag = e.tag.get_ref();
+    if tag.is_empty() || tag.len() > 36 {
+        return Err(src.error(e.tag.span(), "a tag is 1 to 36 bytes (virtio-fs's limit)"));
     }
-    let (mut tags, mut sockets, mut used_devices) = (HashSet::new(), HashSet::new(), HashSet::new());
-    for spanned in &raw.exports {
-        let e = spanned.get_ref();
-        let tag = e.tag.get_ref();
-        if tag.is_empty() || tag.len() > 36 {
-            return Err(src.error(e.tag.span(), "a tag is 1 to 36 bytes (virtio-fs's limit)"));
-        }
-        if !tags.insert(tag.clone()) {
-            return Err(src.error(e.tag.span(), format!("tag \"{tag}\" is exported twice")));
-        }
-        let device =
-            raw.devices.iter().map(Spanned::get_ref).find(|d| d.name.get_ref() == e.device.get_ref()).ok_or_else(
-                || src.error(e.device.span(), format!("no [[device]] is named \"{}\"", e.device.get_ref())),
-            )?;
-        if !used_devices.insert(e.device.get_ref().clone()) {
-            return Err(src.error(
-                e.device.span(),
-                format!("device \"{}\" is already exported: one filesystem per device", e.device.get_ref()),
-            ));
-        }
-        let path = device_path(device).map_err(|m| src.error(device.name.span(), m))?;
-        let mut export = Export::new(tag, path);
-        export.backend = device.backend;
-        export.sqpoll_idle_ms = device.sqpoll_idle_ms;
-        if let Some(socket) = &e.socket {
-            if !sockets.insert(socket.get_ref().clone()) {
-                return Err(src.error(socket.span(), "two exports share this socket"));
-            }
-            export.socket = Some(socket.get_ref().clone());
-        }
-        if e.socket.is_none() && e.fuse_mount.is_none() {
-            return Err(src.error(spanned.span(), format!("export \"{tag}\" has neither a socket nor a fuse_mount")));
-        }
-        if let Some(owner) = &e.socket_owner {
-            export.socket_owner = Some(resolve_owner(owner.get_ref()).map_err(|m| src.error(owner.span(), m))?);
-        }
-        if let Some(mode) = &e.socket_mode {
-            let parsed = u32::from_str_radix(mode.get_ref().trim_start_matches("0o"), 8)
-                .ok()
-                .filter(|m| *m <= 0o777)
-                .ok_or_else(|| src.error(mode.span(), "socket_mode is an octal string such as \"0660\""))?;
-            export.socket_mode = Some(parsed);
-        }
-        if let Some(cache) = e.cache {
-            export.cache = match cache {
-                CacheName::None => Cache::None,
-                CacheName::Auto => Cache::Auto,
-                CacheName::Always => Cache::Always,
-            };
-        }
-        if let Some(queues) = &e.request_queues {
-            let n = *queues.get_ref();
-            if n == 0 || n > REQUEST_QUEUES_MAX {
-                return Err(src.error(queues.span(), format!("request_queues must be 1 to {REQUEST_QUEUES_MAX}")));
-            }
-            export.request_queues = usize::from(n);
-        }
-        export.spread_queues = e.spread_queues.unwrap_or(false);
-        if let Some(size) = &e.page_cache {
-            let bytes = parse_size(size.get_ref()).map_err(|m| src.error(size.span(), m))?;
-            if bytes < 1 << 20 {
-                return Err(src.error(size.span(), "page_cache must be at least 1M"));
-            }
-            export.page_cache_bytes = bytes;
-        }
-        if let Some(n) = &e.inodes_max {
-            if *n.get_ref() < 16 {
-                return Err(src.error(n.span(), "inodes_max must be at least 16"));
-            }
-            export.inodes_max = Some(*n.get_ref());
-        }
-        apply_limits(&src, e, &mut export)?;
-        export.read_only = e.read_only.unwrap_or(false);
-        if let Some(atime) = e.atime {
-            export.atime = match atime {
-                AtimeName::Relatime => keelfs_fs::AtimeUpdates::Relative,
-                AtimeName::Noatime => keelfs_fs::AtimeUpdates::Never,
-                AtimeName::Strictatime => keelfs_fs::AtimeUpdates::Always,
-            };
-        }
-        export.fuse_mount = e.fuse_mount.clone();
-        config.exports.push(export);
+    if !seen.tags.insert(tag.clone()) {
+        return Err(src.error(e.tag.span(), format!("tag \"{tag}\" is exported twice")));
     }
-    Ok(config)
+    let device = devices
+        .iter()
+        .map(Spanned::get_ref)
+        .find(|d| d.name.get_ref() == e.device.get_ref())
+        .ok_or_else(|| src.error(e.device.span(), format!("no [[device]] is named \"{}\"", e.device.get_ref())))?;
+    if !seen.devices.insert(e.device.get_ref().clone()) {
+        return Err(src.error(
+            e.device.span(),
+            format!("device \"{}\" is already exported: one filesystem per device", e.device.get_ref()),
+        ));
+    }
+    let path = device_path(device).map_err(|m| src.error(device.name.span(), m))?;
+    let mut export = Export::new(tag, path);
+    export.backend = device.backend;
+    export.sqpoll_idle_ms = device.sqpoll_idle_ms;
+    if let Some(socket) = &e.socket {
+        if !seen.sockets.insert(socket.get_ref().clone()) {
+            return Err(src.error(socket.span(), "two exports share this socket"));
+        }
+        export.socket = Some(socket.get_ref().clone());
+    }
+    if e.socket.is_none() && e.fuse_mount.is_none() {
+        return Err(src.error(spanned.span(), format!("export \"{tag}\" has neither a socket nor a fuse_mount")));
+    }
+    apply_socket_access(src, e, &mut export)?;
+    apply_serving(src, e, &mut export)?;
+    apply_limits(src, e, &mut export)?;
+    export.read_only = e.read_only.unwrap_or(false);
+    export.fuse_mount = e.fuse_mount.clone();
+    Ok(export)
+}
+
+/// Who may connect to the export's socket.
+fn apply_socket_access(src: &Source, e: &RawExport, export: &mut Export) -> Result<(), ConfigError> {
+    if let Some(owner) = &e.socket_owner {
+        export.socket_owner = Some(resolve_owner(owner.get_ref()).map_err(|m| src.error(owner.span(), m))?);
+    }
+    if let Some(mode) = &e.socket_mode {
+        let parsed = u32::from_str_radix(mode.get_ref().trim_start_matches("0o"), 8)
+            .ok()
+            .filter(|m| *m <= 0o777)
+            .ok_or_else(|| src.error(mode.span(), "socket_mode is an octal string such as \"0660\""))?;
+        export.socket_mode = Some(parsed);
+    }
+    Ok(())
+}
+
+/// How the export is served: caching, queues, page cache and atime.
+fn apply_serving(src: &Source, e: &RawExport, export: &mut Export) -> Result<(), ConfigError> {
+    if let Some(cache) = e.cache {
+        export.cache = match cache {
+            CacheName::None => Cache::None,
+            CacheName::Auto => Cache::Auto,
+            CacheName::Always => Cache::Always,
+        };
+    }
+    if let Some(queues) = &e.request_queues {
+        let n = *queues.get_ref();
+        if n == 0 || n > REQUEST_QUEUES_MAX {
+            return Err(src.error(queues.span(), format!("request_queues must be 1 to {REQUEST_QUEUES_MAX}")));
+        }
+        export.request_queues = usize::from(n);
+    }
+    export.spread_queues = e.spread_queues.unwrap_or(false);
+    if let Some(size) = &e.page_cache {
+        let bytes = parse_size(size.get_ref()).map_err(|m| src.error(size.span(), m))?;
+        if bytes < 1 << 20 {
+            return Err(src.error(size.span(), "page_cache must be at least 1M"));
+        }
+        export.page_cache_bytes = bytes;
+    }
+    if let Some(n) = &e.inodes_max {
+        if *n.get_ref() < 16 {
+            return Err(src.error(n.span(), "inodes_max must be at least 16"));
+        }
+        export.inodes_max = Some(*n.get_ref());
+    }
+    if let Some(atime) = e.atime {
+        export.atime = match atime {
+            AtimeName::Relatime => keelfs_fs::AtimeUpdates::Relative,
+            AtimeName::Noatime => keelfs_fs::AtimeUpdates::Never,
+            AtimeName::Strictatime => keelfs_fs::AtimeUpdates::Always,
+        };
+    }
+    Ok(())
 }
 
 /// "user" or "user:group", by name or number.

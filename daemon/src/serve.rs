@@ -100,7 +100,7 @@ fn resolve(args: ServeArgs) -> anyhow::Result<Config> {
         config.reactors = vec![None; n];
     }
     if args.rpc.is_some() {
-        config.rpc_socket = args.rpc;
+        config.rpc_socket = args.rpc.clone();
     }
     if let Some(mode) = args.sandbox {
         config.sandbox = mode;
@@ -121,39 +121,7 @@ fn resolve(args: ServeArgs) -> anyhow::Result<Config> {
             config.exports.push(Export::new("keelfs", PathBuf::new()));
         }
         let export = &mut config.exports[0];
-        if let Some(tag) = args.tag {
-            export.tag = tag;
-        }
-        if let Some(device) = args.device {
-            export.device = device;
-        }
-        if let Some(socket) = args.socket {
-            export.socket = Some(socket);
-        }
-        if let Some(mount) = args.fuse_mount {
-            export.fuse_mount = Some(mount);
-        }
-        if let Some(source) = args.fuse_source {
-            export.fuse_source = source;
-        }
-        if let Some(fstype) = args.fuse_type {
-            export.fuse_type = fstype;
-        }
-        if let Some(options) = args.fuse_options {
-            export.fuse_mount_flags = crate::mount_helper::mount_flags(&options)?;
-        }
-        if let Some(queues) = args.queues {
-            export.request_queues = queues;
-        }
-        if args.spread_queues {
-            export.spread_queues = true;
-        }
-        if args.read_only {
-            export.read_only = true;
-        }
-        if let Some(cache) = args.cache {
-            export.cache = cache;
-        }
+        apply_export_flags(&args, export)?;
         if export.device.as_os_str().is_empty() {
             export.device = default_device()?;
         }
@@ -163,6 +131,44 @@ fn resolve(args: ServeArgs) -> anyhow::Result<Config> {
         }
     }
     Ok(config)
+}
+
+/// The flags that describe an export, applied to `export`.
+fn apply_export_flags(args: &ServeArgs, export: &mut Export) -> anyhow::Result<()> {
+    if let Some(tag) = &args.tag {
+        export.tag = tag.clone();
+    }
+    if let Some(device) = &args.device {
+        export.device = device.clone();
+    }
+    if let Some(socket) = &args.socket {
+        export.socket = Some(socket.clone());
+    }
+    if let Some(mount) = &args.fuse_mount {
+        export.fuse_mount = Some(mount.clone());
+    }
+    if let Some(source) = &args.fuse_source {
+        export.fuse_source = source.clone();
+    }
+    if let Some(fstype) = &args.fuse_type {
+        export.fuse_type = fstype.clone();
+    }
+    if let Some(options) = &args.fuse_options {
+        export.fuse_mount_flags = crate::mount_helper::mount_flags(options)?;
+    }
+    if let Some(queues) = args.queues {
+        export.request_queues = queues;
+    }
+    if args.spread_queues {
+        export.spread_queues = true;
+    }
+    if args.read_only {
+        export.read_only = true;
+    }
+    if let Some(cache) = args.cache {
+        export.cache = cache;
+    }
+    Ok(())
 }
 
 fn init_logging(config: &Config) {
@@ -372,6 +378,50 @@ fn open_exports(
     Ok((opened, locks))
 }
 
+/// Hands each reactor its exports, as one task each.
+fn start_exports(
+    assigned: Vec<Vec<Opened>>,
+    handles: &[ReactorHandle],
+    commit_interval: Duration,
+    events: mpsc::Sender<Event>,
+) -> anyhow::Result<()> {
+    for (id, exports) in assigned.into_iter().enumerate() {
+        let events = events.clone();
+        let helpers: Vec<ReactorHandle> = handles.iter().filter(|h| h.id() != id).cloned().collect();
+        let start = move || {
+            for opened in exports {
+                let helpers = if opened.export.spread_queues { helpers.clone() } else { Vec::new() };
+                reactor::spawn_local(run_export(id, opened, helpers, commit_interval, events.clone()));
+            }
+        };
+        if handles[id].send(start).is_err() {
+            anyhow::bail!("reactor {id} stopped before its exports started");
+        }
+    }
+    Ok(())
+}
+
+/// Waits until each of `exports` is ready, printing the QEMU arguments of
+/// each socket; the first failure ends the wait and is returned.
+fn await_start_up(event_rx: &mpsc::Receiver<Event>, exports: usize) -> Option<String> {
+    for _ in 0..exports {
+        match event_rx.recv() {
+            Ok(Event::Ready { tag, reactor, socket, queues }) => {
+                tracing::info!("export {tag} ready on reactor {reactor}");
+                if let Some(socket) = socket {
+                    eprintln!("{}", qemu_arguments(&socket, &tag, queues));
+                }
+            }
+            Ok(Event::Failed { tag, error }) => return Some(format!("export {tag}: {error}")),
+            Ok(Event::Stopped { .. }) | Err(_) => return Some("a reactor stopped during start-up".into()),
+            Ok(Event::MountGone { tag }) => {
+                return Some(format!("export {tag}: the host mount was unmounted during start-up"))
+            }
+        }
+    }
+    None
+}
+
 /// Start the reactors and the exports on them, serve until a signal, and
 /// shut down.
 fn run(
@@ -400,44 +450,9 @@ fn run(
     let handles: Vec<ReactorHandle> = reactors.iter().map(|(h, _)| h.clone()).collect();
     // Exports start once every reactor runs, so that each knows the others
     // (its helpers, with spread_queues).
-    for (id, exports) in assigned.into_iter().enumerate() {
-        let (events, commit_interval) = (events.clone(), config.commit_interval);
-        let helpers: Vec<ReactorHandle> = handles.iter().filter(|h| h.id() != id).cloned().collect();
-        let start = move || {
-            for opened in exports {
-                let helpers = if opened.export.spread_queues { helpers.clone() } else { Vec::new() };
-                reactor::spawn_local(run_export(id, opened, helpers, commit_interval, events.clone()));
-            }
-        };
-        if handles[id].send(start).is_err() {
-            anyhow::bail!("reactor {id} stopped before its exports started");
-        }
-    }
-    drop(events);
+    start_exports(assigned, &handles, config.commit_interval, events)?;
 
-    let mut failure = None;
-    for _ in 0..config.exports.len() {
-        match event_rx.recv() {
-            Ok(Event::Ready { tag, reactor, socket, queues }) => {
-                tracing::info!("export {tag} ready on reactor {reactor}");
-                if let Some(socket) = socket {
-                    eprintln!("{}", qemu_arguments(&socket, &tag, queues));
-                }
-            }
-            Ok(Event::Failed { tag, error }) => {
-                failure = Some(format!("export {tag}: {error}"));
-                break;
-            }
-            Ok(Event::Stopped { .. }) | Err(_) => {
-                failure = Some("a reactor stopped during start-up".into());
-                break;
-            }
-            Ok(Event::MountGone { tag }) => {
-                failure = Some(format!("export {tag}: the host mount was unmounted during start-up"));
-                break;
-            }
-        }
-    }
+    let failure = await_start_up(&event_rx, config.exports.len());
     let rpc = match (&failure, rpc_listener) {
         (None, Some(listener)) => {
             Some(rpc::RpcServer::start(listener, handles.clone()).context("starting the stats RPC")?)

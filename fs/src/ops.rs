@@ -872,40 +872,14 @@ impl Fs {
         }
     }
 
-    pub async fn setattr(&self, c: &Creds, ino: u64, set: &SetAttr, via_handle: bool) -> FsResult<Attr> {
-        let inode = self.inner.inode(ino)?;
-        let owner = c.owns(&inode);
-        let mut new = inode.clone();
-        if let Some(mode) = set.mode {
-            if !owner {
-                return Err(FsError::Perm);
-            }
-            let mut mode = mode & 0o7777;
-            if !c.kernel_checked() && c.uid != 0 && !c.in_group(new.gid) {
-                mode &= !libc::S_ISGID;
-            }
-            new.mode = (new.mode & S_IFMT) | mode;
-        }
-        if set.uid.is_some() || set.gid.is_some() {
-            let uid = set.uid.unwrap_or(new.uid);
-            let gid = set.gid.unwrap_or(new.gid);
-            let uid_ok = c.uid == 0 || (uid == new.uid && c.uid == new.uid);
-            let gid_ok = c.uid == 0 || (gid == new.gid && owner) || (c.uid == new.uid && c.in_group(gid));
-            if !c.kernel_checked() && (!uid_ok || !gid_ok) {
-                return Err(FsError::Perm);
-            }
-            // chown clears set-id bits whoever does it (Linux's
-            // ATTR_KILL_SUID); the kernel leaves that to us under
-            // FUSE_HANDLE_KILLPRIV_V2.
-            new.mode &= !setid_bits_to_clear(new.mode, true);
-            new.uid = uid;
-            new.gid = gid;
-        }
+    /// SETATTR's atime and mtime, with Linux's rules: "now" needs write
+    /// access or ownership, an explicit time needs ownership.
+    fn change_times(&self, c: &Creds, owner: bool, inode: &Inode, set: &SetAttr, new: &mut Inode) -> FsResult<()> {
         for (want, slot) in [(set.atime, 0), (set.mtime, 1)] {
             let Some(want) = want else { continue };
             let t = match want {
                 TimeSet::Now => {
-                    if !owner && !self.inner.may(&inode, c, W_OK) {
+                    if !owner && !self.inner.may(inode, c, W_OK) {
                         return Err(FsError::Access);
                     }
                     now()
@@ -923,6 +897,15 @@ impl Fs {
                 new.mtime = t;
             }
         }
+        Ok(())
+    }
+
+    pub async fn setattr(&self, c: &Creds, ino: u64, set: &SetAttr, via_handle: bool) -> FsResult<Attr> {
+        let inode = self.inner.inode(ino)?;
+        let owner = c.owns(&inode);
+        let mut new = inode.clone();
+        change_mode_and_owner(c, owner, set, &mut new)?;
+        self.change_times(c, owner, &inode, set, &mut new)?;
         if let Some(size) = set.size {
             if new.is_dir() {
                 return Err(FsError::IsDir);
@@ -1100,4 +1083,34 @@ impl Fs {
         }
         Ok(())
     }
+}
+
+/// SETATTR's mode, uid and gid, with chmod's and chown's rules.
+fn change_mode_and_owner(c: &Creds, owner: bool, set: &SetAttr, new: &mut Inode) -> FsResult<()> {
+    if let Some(mode) = set.mode {
+        if !owner {
+            return Err(FsError::Perm);
+        }
+        let mut mode = mode & 0o7777;
+        if !c.kernel_checked() && c.uid != 0 && !c.in_group(new.gid) {
+            mode &= !libc::S_ISGID;
+        }
+        new.mode = (new.mode & S_IFMT) | mode;
+    }
+    if set.uid.is_some() || set.gid.is_some() {
+        let uid = set.uid.unwrap_or(new.uid);
+        let gid = set.gid.unwrap_or(new.gid);
+        let uid_ok = c.uid == 0 || (uid == new.uid && c.uid == new.uid);
+        let gid_ok = c.uid == 0 || (gid == new.gid && owner) || (c.uid == new.uid && c.in_group(gid));
+        if !c.kernel_checked() && (!uid_ok || !gid_ok) {
+            return Err(FsError::Perm);
+        }
+        // chown clears set-id bits whoever does it (Linux's
+        // ATTR_KILL_SUID); the kernel leaves that to us under
+        // FUSE_HANDLE_KILLPRIV_V2.
+        new.mode &= !setid_bits_to_clear(new.mode, true);
+        new.uid = uid;
+        new.gid = gid;
+    }
+    Ok(())
 }

@@ -369,48 +369,50 @@ impl State {
         }
     }
 
+    fn apply_inode_free(&mut self, ino: u64, mode: ApplyMode) -> Result<(), ApplyError> {
+        self.before_change(ino);
+        let Some(node) = self.nodes.remove(&ino) else {
+            return if mode == ApplyMode::Replay { Ok(()) } else { err(format!("free of missing inode {ino}")) };
+        };
+        let runs = node.extents.iter().map(|e| BlockRun { start: e.disk_block, len: e.len }).collect();
+        self.release(runs, mode);
+        Ok(())
+    }
+
+    fn apply_dirent_set(&mut self, dir: u64, name: &[u8], ino: u64, cookie: u64) -> Result<(), ApplyError> {
+        // Cookies count up from FIRST_COOKIE per directory; one at the
+        // counter limit comes from a crafted image.
+        if !(FIRST_COOKIE..COUNTER_MAX).contains(&cookie) {
+            return err(format!("entry of {dir} with cookie {cookie} outside {FIRST_COOKIE}..{COUNTER_MAX}"));
+        }
+        self.before_change(dir);
+        let Some(d) = self.nodes.get_mut(&dir).and_then(|n| n.dir.as_mut()) else {
+            return err(format!("entry added to {dir}, which is not a directory"));
+        };
+        d.insert(name, ino, cookie);
+        if let Some(child) = self.nodes.get_mut(&ino).and_then(|n| n.dir.as_mut()) {
+            child.parent = dir;
+        }
+        Ok(())
+    }
+
+    fn apply_dirent_delete(&mut self, dir: u64, name: &[u8], mode: ApplyMode) -> Result<(), ApplyError> {
+        self.before_change(dir);
+        let Some(d) = self.nodes.get_mut(&dir).and_then(|n| n.dir.as_mut()) else {
+            return err(format!("entry removed from {dir}, which is not a directory"));
+        };
+        if d.remove(name).is_none() && mode == ApplyMode::Live {
+            return err(format!("removal of a missing entry in {dir}"));
+        }
+        Ok(())
+    }
+
     pub fn apply(&mut self, record: &Record, mode: ApplyMode) -> Result<(), ApplyError> {
         match record {
             Record::InodeSet(inode) => self.apply_inode_set(inode),
-            Record::InodeFree { ino } => {
-                self.before_change(*ino);
-                let Some(node) = self.nodes.remove(ino) else {
-                    return if mode == ApplyMode::Replay {
-                        Ok(())
-                    } else {
-                        err(format!("free of missing inode {ino}"))
-                    };
-                };
-                let runs = node.extents.iter().map(|e| BlockRun { start: e.disk_block, len: e.len }).collect();
-                self.release(runs, mode);
-                Ok(())
-            }
-            Record::DirentSet { dir, name, ino, cookie } => {
-                // Cookies count up from FIRST_COOKIE per directory; one at
-                // the counter limit comes from a crafted image.
-                if *cookie < FIRST_COOKIE || *cookie >= COUNTER_MAX {
-                    return err(format!("entry of {dir} with cookie {cookie} outside {FIRST_COOKIE}..{COUNTER_MAX}"));
-                }
-                self.before_change(*dir);
-                let Some(d) = self.nodes.get_mut(dir).and_then(|n| n.dir.as_mut()) else {
-                    return err(format!("entry added to {dir}, which is not a directory"));
-                };
-                d.insert(name, *ino, *cookie);
-                if let Some(child) = self.nodes.get_mut(ino).and_then(|n| n.dir.as_mut()) {
-                    child.parent = *dir;
-                }
-                Ok(())
-            }
-            Record::DirentDelete { dir, name } => {
-                self.before_change(*dir);
-                let Some(d) = self.nodes.get_mut(dir).and_then(|n| n.dir.as_mut()) else {
-                    return err(format!("entry removed from {dir}, which is not a directory"));
-                };
-                if d.remove(name).is_none() && mode == ApplyMode::Live {
-                    return err(format!("removal of a missing entry in {dir}"));
-                }
-                Ok(())
-            }
+            Record::InodeFree { ino } => self.apply_inode_free(*ino, mode),
+            Record::DirentSet { dir, name, ino, cookie } => self.apply_dirent_set(*dir, name, *ino, *cookie),
+            Record::DirentDelete { dir, name } => self.apply_dirent_delete(*dir, name, mode),
             Record::ExtentMap { ino, file_block, disk_block, len, unwritten } => {
                 self.apply_extent_map(*ino, *file_block, *disk_block, *len, *unwritten, mode)
             }

@@ -189,6 +189,80 @@ const fn align(x: u64, to: u64) -> u64 {
     x.div_ceil(to) * to
 }
 
+/// Features and protocol features, agreed as QEMU agrees them; the virtio
+/// features in force are returned.
+fn negotiate(frontend: &mut Frontend, config: &FrontendConfig, queues: usize) -> FrontendResult<u64> {
+    frontend.set_owner()?;
+    let offered = frontend.get_features()?;
+    if offered & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() == 0 {
+        return Err(FrontendError::Feature("VHOST_USER_F_PROTOCOL_FEATURES"));
+    }
+    let mut wanted = VIRTIO_F_VERSION_1 | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
+    if config.event_idx {
+        wanted |= VIRTIO_RING_F_EVENT_IDX;
+    }
+    let features = offered & wanted;
+    let protocol = frontend.get_protocol_features()?;
+    if queues > 1 && !protocol.contains(VhostUserProtocolFeatures::MQ) {
+        return Err(FrontendError::Feature("VHOST_USER_PROTOCOL_F_MQ"));
+    }
+    frontend.set_protocol_features(protocol & VhostUserProtocolFeatures::MQ)?;
+    if (frontend.get_queue_num()? as usize) < queues {
+        return Err(FrontendError::Feature("enough queues"));
+    }
+    frontend.set_features(features)?;
+    Ok(features)
+}
+
+/// Where one queue's rings sit in guest memory.
+#[derive(Clone, Copy)]
+struct RingLayout {
+    /// The queue's first guest address: its descriptor table.
+    base: u64,
+    /// The three rings' bytes, each page-aligned; the buffers follow.
+    rings_bytes: u64,
+    /// Where guest address 0 is mapped in this process.
+    host_base: u64,
+}
+
+/// Lays out queue `index`'s rings and hands them to the backend.
+fn start_ring(frontend: &mut Frontend, index: usize, config: &FrontendConfig, at: RingLayout) -> FrontendResult<Ring> {
+    let q = u64::from(config.queue_size);
+    let desc = at.base;
+    let avail = desc + align(16 * q, 4096);
+    let used = avail + align(6 + 2 * q, 4096);
+    let ring = Ring {
+        size: config.queue_size,
+        desc,
+        avail,
+        used,
+        buffers: at.base + at.rings_bytes,
+        kick: EventFd::new(EFD_NONBLOCK)?,
+        call: EventFd::new(EFD_NONBLOCK)?,
+        free_slots: (0..config.slots).rev().collect(),
+        next_avail: 0,
+        last_used: 0,
+    };
+    frontend.set_vring_num(index, config.queue_size)?;
+    frontend.set_vring_addr(
+        index,
+        &VringConfigData {
+            queue_max_size: config.queue_size,
+            queue_size: config.queue_size,
+            flags: 0,
+            desc_table_addr: at.host_base + desc,
+            used_ring_addr: at.host_base + used,
+            avail_ring_addr: at.host_base + avail,
+            log_addr: None,
+        },
+    )?;
+    frontend.set_vring_base(index, 0)?;
+    frontend.set_vring_call(index, &ring.call)?;
+    frontend.set_vring_kick(index, &ring.kick)?;
+    frontend.set_vring_enable(index, true)?;
+    Ok(ring)
+}
+
 impl FsFrontend {
     /// Connect to a vhost-user-fs backend at `socket` and bring up its
     /// queues, as QEMU does when a guest's driver starts.
@@ -212,25 +286,7 @@ impl FsFrontend {
         let host_base = mem.get_host_address(GuestAddress(0)).map_err(|e| FrontendError::Memory(e.to_string()))? as u64;
 
         let mut frontend = Frontend::connect(socket, queues as u64)?;
-        frontend.set_owner()?;
-        let offered = frontend.get_features()?;
-        if offered & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() == 0 {
-            return Err(FrontendError::Feature("VHOST_USER_F_PROTOCOL_FEATURES"));
-        }
-        let mut wanted = VIRTIO_F_VERSION_1 | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
-        if config.event_idx {
-            wanted |= VIRTIO_RING_F_EVENT_IDX;
-        }
-        let features = offered & wanted;
-        let protocol = frontend.get_protocol_features()?;
-        if queues > 1 && !protocol.contains(VhostUserProtocolFeatures::MQ) {
-            return Err(FrontendError::Feature("VHOST_USER_PROTOCOL_F_MQ"));
-        }
-        frontend.set_protocol_features(protocol & VhostUserProtocolFeatures::MQ)?;
-        if (frontend.get_queue_num()? as usize) < queues {
-            return Err(FrontendError::Feature("enough queues"));
-        }
-        frontend.set_features(features)?;
+        let features = negotiate(&mut frontend, &config, queues)?;
         frontend.set_mem_table(&[VhostUserMemoryRegionInfo {
             guest_phys_addr: 0,
             memory_size: mem_bytes,
@@ -241,39 +297,8 @@ impl FsFrontend {
 
         let mut drivers = Vec::with_capacity(queues);
         for index in 0..queues {
-            let base = index as u64 * queue_span;
-            let desc = base;
-            let avail = desc + align(16 * q, 4096);
-            let used = avail + align(6 + 2 * q, 4096);
-            let ring = Ring {
-                size: config.queue_size,
-                desc,
-                avail,
-                used,
-                buffers: base + rings_bytes,
-                kick: EventFd::new(EFD_NONBLOCK)?,
-                call: EventFd::new(EFD_NONBLOCK)?,
-                free_slots: (0..config.slots).rev().collect(),
-                next_avail: 0,
-                last_used: 0,
-            };
-            frontend.set_vring_num(index, config.queue_size)?;
-            frontend.set_vring_addr(
-                index,
-                &VringConfigData {
-                    queue_max_size: config.queue_size,
-                    queue_size: config.queue_size,
-                    flags: 0,
-                    desc_table_addr: host_base + desc,
-                    used_ring_addr: host_base + used,
-                    avail_ring_addr: host_base + avail,
-                    log_addr: None,
-                },
-            )?;
-            frontend.set_vring_base(index, 0)?;
-            frontend.set_vring_call(index, &ring.call)?;
-            frontend.set_vring_kick(index, &ring.kick)?;
-            frontend.set_vring_enable(index, true)?;
+            let layout = RingLayout { base: index as u64 * queue_span, rings_bytes, host_base };
+            let ring = start_ring(&mut frontend, index, &config, layout)?;
             drivers.push(Some(QueueDriver {
                 index,
                 mem: mem.clone(),

@@ -150,6 +150,20 @@ struct Pollers {
 }
 
 impl Pollers {
+    /// `count` doorbells, and the receiving ends of their control channels
+    /// in the same order.
+    fn new(count: usize) -> Result<(Self, std::vec::IntoIter<Receiver<Control>>), VhostUserError> {
+        let mut doorbells = Vec::new();
+        let mut receivers = Vec::new();
+        for _ in 0..count {
+            let wake = Arc::new(EventFd::new(EFD_NONBLOCK).map_err(VhostUserError::EventFd)?);
+            let (control, control_rx) = mpsc::channel();
+            doorbells.push(Doorbell { control, wake });
+            receivers.push(control_rx);
+        }
+        Ok((Self { doorbells }, receivers.into_iter()))
+    }
+
     /// Which poller serves queue `index`: the owner takes the hiprio queue,
     /// and the request queues go round the pollers.
     fn index_of(queue: usize, pollers: usize) -> usize {
@@ -363,6 +377,51 @@ pub struct VhostUserServer {
     helpers: usize,
 }
 
+/// What every queue poller of one server shares.
+#[derive(Clone, Copy)]
+struct PollerShape {
+    server: u64,
+    queues: usize,
+    pollers: usize,
+    in_flight_max: usize,
+}
+
+/// A queue poller on each helper reactor, for the queues `Pollers::mask`
+/// gives it. Helper `i` takes the `i`th receiver.
+fn start_helper_pollers(
+    helpers: &[ReactorHandle],
+    receivers: impl Iterator<Item = Receiver<Control>>,
+    pollers: &Pollers,
+    shape: PollerShape,
+    helper_stats: &Arc<HelperStats>,
+) -> Result<(), VhostUserError> {
+    let owner_handle = reactor::current();
+    let PollerShape { server: id, queues, pollers: poller_count, in_flight_max } = shape;
+    for (i, (helper, control)) in helpers.iter().zip(receivers).enumerate() {
+        let (wake, owner, helper_stats) =
+            (pollers.helpers()[i].wake.clone(), owner_handle.clone(), helper_stats.clone());
+        let mine = Pollers::mask(i + 1, poller_count, queues);
+        let start = move || {
+            let poller = QueuePoller {
+                server: HelperServer { id, owner, handles: Rc::default(), stats: helper_stats },
+                mine,
+                control,
+                wake,
+                connection: None,
+                queues: (0..queues).map(|_| QueueState::default()).collect(),
+                disconnects: Vec::new(),
+                stats: Rc::default(),
+                in_flight_max,
+            };
+            reactor::register_poller(PollerClass::Source, Box::new(poller));
+        };
+        if helper.send(start).is_err() {
+            return Err(VhostUserError::Helper(helper.id()));
+        }
+    }
+    Ok(())
+}
+
 impl VhostUserServer {
     /// Listen on `socket` and serve `fs` to one frontend at a time. Must be
     /// called on the reactor that owns `fs`: its queues are polled there.
@@ -387,15 +446,7 @@ impl VhostUserServer {
         let helpers: Vec<ReactorHandle> = options.helpers.into_iter().take(request_queues - 1).collect();
         let poller_count = 1 + helpers.len();
         let id = NEXT_SERVER_ID.fetch_add(1, Ordering::Relaxed);
-        let mut doorbells = Vec::new();
-        let mut receivers = Vec::new();
-        for _ in 0..poller_count {
-            let wake = Arc::new(EventFd::new(EFD_NONBLOCK).map_err(VhostUserError::EventFd)?);
-            let (control, control_rx) = mpsc::channel();
-            doorbells.push(Doorbell { control, wake });
-            receivers.push(control_rx);
-        }
-        let pollers = Pollers { doorbells };
+        let (pollers, receivers) = Pollers::new(poller_count)?;
         // Whoever bound the socket removes its path afterwards.
         let owns_path = options.listener.is_none();
         let bound = match options.listener {
@@ -410,7 +461,7 @@ impl VhostUserServer {
         let op_stats = Rc::new(OpStats::default());
         let helper_stats = Arc::new(HelperStats::default());
         let in_flight: Vec<Rc<Cell<usize>>> = (0..queues).map(|_| Rc::default()).collect();
-        let mut receivers = receivers.into_iter();
+        let mut receivers = receivers;
         let session = Rc::new(Session::with_stats(fs.clone(), config.clone(), op_stats.clone()));
         SESSIONS.with(|s| s.borrow_mut().insert(id, session.clone()));
         let owner = QueuePoller {
@@ -425,29 +476,8 @@ impl VhostUserServer {
             in_flight_max,
         };
         reactor::register_poller(PollerClass::Source, Box::new(owner));
-        let owner_handle = reactor::current();
-        for (i, (helper, control)) in helpers.iter().zip(receivers).enumerate() {
-            let (wake, owner, helper_stats) =
-                (pollers.helpers()[i].wake.clone(), owner_handle.clone(), helper_stats.clone());
-            let mine = Pollers::mask(i + 1, poller_count, queues);
-            let start = move || {
-                let poller = QueuePoller {
-                    server: HelperServer { id, owner, handles: Rc::default(), stats: helper_stats },
-                    mine,
-                    control,
-                    wake,
-                    connection: None,
-                    queues: (0..queues).map(|_| QueueState::default()).collect(),
-                    disconnects: Vec::new(),
-                    stats: Rc::default(),
-                    in_flight_max,
-                };
-                reactor::register_poller(PollerClass::Source, Box::new(poller));
-            };
-            if helper.send(start).is_err() {
-                return Err(VhostUserError::Helper(helper.id()));
-            }
-        }
+        let shape = PollerShape { server: id, queues, pollers: poller_count, in_flight_max };
+        start_helper_pollers(&helpers, receivers, &pollers, shape, &helper_stats)?;
 
         let stopping = Arc::new(AtomicBool::new(false));
         let finished = Arc::new(AtomicBool::new(false));

@@ -474,6 +474,97 @@ impl NvmeQueue {
     }
 }
 
+/// The steps of `submit`, each one kind of work.
+impl NvmeQueue {
+    /// Point the PRP segments at the request's memory, or, when the IOMMU
+    /// does not map all of it, at a run of bounce chunks (copying a write's
+    /// data in). Returns the bounce run, for the completion to release.
+    ///
+    /// # Safety
+    /// The request's iovecs are valid for `total` bytes, as `submit`'s
+    /// caller vouches.
+    unsafe fn stage_data(&mut self, req: &IoRequest<'_>, total: u64) -> Result<Option<(u32, u32)>, BdevError> {
+        if self.shared.registry.generation() != self.translation.generation {
+            self.shared.registry.snapshot(&mut self.translation);
+        }
+        if self.direct_segments(req.iovecs) {
+            self.counters.direct += 1;
+            return Ok(None);
+        }
+        let chunks = (total as usize).div_ceil(BOUNCE_CHUNK_BYTES) as u32;
+        let Some(start) = self.take_bounce(chunks) else { return Err(BdevError::QueueFull) };
+        if req.kind == IoKind::Write {
+            let mut to = self.bounce_ptr(start);
+            for v in req.iovecs {
+                // SAFETY: the caller vouches for the iovec; the bounce run
+                // holds `total` bytes, the iovecs' sum.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(v.base, to, v.len);
+                    to = to.add(v.len);
+                }
+            }
+        }
+        let iova = self.mem.iova() + (self.bounce_offset + start as usize * BOUNCE_CHUNK_BYTES) as u64;
+        self.segments.clear();
+        self.segments.push((iova, total as usize));
+        self.counters.bounced += 1;
+        Ok(Some((start, chunks)))
+    }
+
+    fn fill_slot(&mut self, slot_id: u16, req: &IoRequest<'_>, bytes: u32, commands: u16, bounce: Option<(u32, u32)>) {
+        let slot = &mut self.slots[usize::from(slot_id)];
+        slot.token = req.token;
+        slot.offset = req.offset_bytes;
+        slot.bytes = bytes;
+        slot.commands_left = commands;
+        slot.error = None;
+        slot.bounce = bounce;
+        slot.busy = true;
+        slot.read_into.clear();
+        if bounce.is_some() && req.kind == IoKind::Read {
+            slot.read_into.extend_from_slice(req.iovecs);
+        }
+    }
+
+    /// One Dataset Management command, its single range in the PRP page of
+    /// the command id it is about to take.
+    fn push_discard(&mut self, slot_id: u16, offset_bytes: u64, bytes: u64) {
+        let block = u64::from(self.shared.geometry.logical_block_size);
+        let cid_page = *self.free_cids.last().expect("checked by submit");
+        let page = self.prp_offset + usize::from(cid_page) * PAGE_BYTES as usize;
+        let range =
+            [0u32, (bytes / block) as u32, (offset_bytes / block) as u32, ((offset_bytes / block) >> 32) as u32];
+        // SAFETY: the page belongs to the command id about to be used; one
+        // 16-byte range fits.
+        unsafe { std::ptr::copy_nonoverlapping(range.as_ptr(), self.mem.as_ptr().add(page).cast::<u32>(), 4) };
+        let command = Command {
+            nsid: self.shared.nsid,
+            prp1: self.mem.iova() + page as u64,
+            cdw10: 0,
+            cdw11: DSM_DEALLOCATE,
+            ..Command::new(IO_DATASET_MANAGEMENT)
+        };
+        self.push_command(slot_id, command);
+    }
+
+    /// Reads and writes, split at the controller's largest transfer.
+    fn push_data(&mut self, slot_id: u16, req: &IoRequest<'_>, total: u64) {
+        let block = u64::from(self.shared.geometry.logical_block_size);
+        let opcode = if req.kind == IoKind::Read { IO_READ } else { IO_WRITE };
+        let max = self.shared.max_transfer_bytes as usize;
+        let mut start = 0usize;
+        while start < total as usize {
+            let len = max.min(total as usize - start);
+            let lba = (req.offset_bytes + start as u64) / block;
+            let mut command = Command::rw(opcode, self.shared.nsid, lba, (len as u64 / block) as u32);
+            let cid_page = *self.free_cids.last().expect("checked by submit");
+            self.set_prps(&mut command, cid_page, start, len);
+            self.push_command(slot_id, command);
+            start += len;
+        }
+    }
+}
+
 impl IoQueue for NvmeQueue {
     fn geometry(&self) -> Geometry {
         self.shared.geometry
@@ -506,89 +597,22 @@ impl IoQueue for NvmeQueue {
             return Err(BdevError::QueueFull);
         }
         let is_data = matches!(req.kind, IoKind::Read | IoKind::Write);
-        let mut bounce = None;
-        if is_data {
-            if self.shared.registry.generation() != self.translation.generation {
-                self.shared.registry.snapshot(&mut self.translation);
-            }
-            if !self.direct_segments(req.iovecs) {
-                let chunks = (total as usize).div_ceil(BOUNCE_CHUNK_BYTES) as u32;
-                let Some(start) = self.take_bounce(chunks) else { return Err(BdevError::QueueFull) };
-                if req.kind == IoKind::Write {
-                    let mut to = self.bounce_ptr(start);
-                    for v in req.iovecs {
-                        // SAFETY: the caller vouches for the iovec; the
-                        // bounce run holds `total` bytes.
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(v.base, to, v.len);
-                            to = to.add(v.len);
-                        }
-                    }
-                }
-                let iova = self.mem.iova() + (self.bounce_offset + start as usize * BOUNCE_CHUNK_BYTES) as u64;
-                self.segments.clear();
-                self.segments.push((iova, total as usize));
-                bounce = Some((start, chunks));
-                self.counters.bounced += 1;
-            } else {
-                self.counters.direct += 1;
-            }
-        }
+        let bounce = if is_data {
+            // SAFETY: the caller of `submit` vouches for the iovecs.
+            unsafe { self.stage_data(req, total)? }
+        } else {
+            None
+        };
         let slot_id = self.free_slots.pop().expect("checked above");
-        {
-            let slot = &mut self.slots[usize::from(slot_id)];
-            slot.token = req.token;
-            slot.offset = req.offset_bytes;
-            slot.bytes = if is_data { total as u32 } else { 0 };
-            slot.commands_left = needed as u16;
-            slot.error = None;
-            slot.bounce = bounce;
-            slot.busy = true;
-            slot.read_into.clear();
-            if bounce.is_some() && req.kind == IoKind::Read {
-                slot.read_into.extend_from_slice(req.iovecs);
-            }
-        }
+        self.fill_slot(slot_id, req, if is_data { total as u32 } else { 0 }, needed as u16, bounce);
         self.accepted += 1;
-        let nsid = self.shared.nsid;
-        let block = u64::from(self.shared.geometry.logical_block_size);
         match req.kind {
-            IoKind::Flush => self.push_command(slot_id, Command { nsid, ..Command::new(IO_FLUSH) }),
-            IoKind::Discard { bytes } => {
-                let cid_page = *self.free_cids.last().expect("checked above");
-                let page = self.prp_offset + usize::from(cid_page) * PAGE_BYTES as usize;
-                let range = [
-                    0u32,
-                    (bytes / block) as u32,
-                    (req.offset_bytes / block) as u32,
-                    ((req.offset_bytes / block) >> 32) as u32,
-                ];
-                // SAFETY: the page belongs to the command id about to be
-                // used; one 16-byte range fits.
-                unsafe { std::ptr::copy_nonoverlapping(range.as_ptr(), self.mem.as_ptr().add(page).cast::<u32>(), 4) };
-                let command = Command {
-                    nsid,
-                    prp1: self.mem.iova() + page as u64,
-                    cdw10: 0,
-                    cdw11: DSM_DEALLOCATE,
-                    ..Command::new(IO_DATASET_MANAGEMENT)
-                };
-                self.push_command(slot_id, command);
+            IoKind::Flush => {
+                let nsid = self.shared.nsid;
+                self.push_command(slot_id, Command { nsid, ..Command::new(IO_FLUSH) });
             }
-            IoKind::Read | IoKind::Write => {
-                let opcode = if req.kind == IoKind::Read { IO_READ } else { IO_WRITE };
-                let max = self.shared.max_transfer_bytes as usize;
-                let mut start = 0usize;
-                while start < total as usize {
-                    let len = max.min(total as usize - start);
-                    let lba = (req.offset_bytes + start as u64) / block;
-                    let mut command = Command::rw(opcode, nsid, lba, (len as u64 / block) as u32);
-                    let cid_page = *self.free_cids.last().expect("checked above");
-                    self.set_prps(&mut command, cid_page, start, len);
-                    self.push_command(slot_id, command);
-                    start += len;
-                }
-            }
+            IoKind::Discard { bytes } => self.push_discard(slot_id, req.offset_bytes, bytes),
+            IoKind::Read | IoKind::Write => self.push_data(slot_id, req, total),
         }
         Ok(())
     }
