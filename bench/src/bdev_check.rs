@@ -229,23 +229,9 @@ pub fn run(args: &BdevCheckArgs) -> anyhow::Result<()> {
     let mut report = Report { json: args.json, failed: 0 };
     let device = open(&args.path, NvmeOptions::default())?;
     let geometry = device.as_block().geometry();
-
     if let Device::Nvme(d) = &device {
-        let info = d.controller_info();
-        let ns = d.namespace_info();
-        report.line(
-            "identify",
-            geometry.capacity_bytes > 0 && !info.model.is_empty(),
-            json!({
-                "model": info.model, "serial": info.serial, "firmware": info.firmware,
-                "vendor_id": format!("{:#06x}", info.vendor_id), "version": format!("{:#x}", d.version()),
-                "namespaces": info.namespaces, "size_blocks": ns.size_blocks, "block_bytes": ns.block_bytes,
-                "volatile_write_cache": info.volatile_write_cache, "dataset_management": info.dataset_management,
-                "max_transfer_bytes": d.max_transfer_bytes(), "io_queues_granted": d.queue_limit(),
-            }),
-        );
+        check_identify(&mut report, d);
     }
-
     // Every queue pair, open at once, each on its own stripe of the device.
     let mut queues = Vec::new();
     for _ in 0..args.queues {
@@ -255,150 +241,17 @@ pub fn run(args: &BdevCheckArgs) -> anyhow::Result<()> {
     if geometry.capacity_bytes < stripe * args.queues as u64 {
         bail!("the device is smaller than {} MiB", (stripe >> 20) * args.queues as u64);
     }
-    // The "unaligned" rounds place buffers off a page boundary, as far as
-    // the device allows: NVMe's PRPs take any dword-aligned address; an
-    // O_DIRECT file wants its memory alignment, often a whole page.
-    let align = geometry.memory_alignment as usize;
-    let skew = if align < 4096 { align.max(512) } else { 0 };
     for (q, queue) in queues.iter_mut().enumerate() {
-        let mut pool = BufferPool::new(64, 128 << 10, 4096);
-        queue.register_pool(&pool)?;
-        let mut failures = Vec::new();
-        let mut rounds = 0;
-        let base = q as u64 * stripe;
-        for (depth_index, depth) in [1usize, 32].into_iter().enumerate() {
-            for pattern in 0..3u32 {
-                for (bytes, unaligned, use_pool) in
-                    [(4096usize, false, true), (128 << 10, false, true), (4096, true, false), (1 << 20, false, false)]
-                {
-                    let count = if bytes >= 1 << 20 { 4 } else { 32 };
-                    // Six 8 MiB slots per 64 MiB stripe, one per depth and
-                    // pattern; the largest round (4 MiB) fits in its slot.
-                    let offset = base + ((depth_index as u64 * 3 + u64::from(pattern)) * (8 << 20));
-                    let buffers = if unaligned {
-                        Buffers::Heap { skew }
-                    } else if use_pool {
-                        Buffers::Pool(&mut pool)
-                    } else {
-                        Buffers::Heap { skew: 0 }
-                    };
-                    let round = Round { base: offset, bytes, count, depth, pattern };
-                    if let Err(e) = verify_round(queue.as_mut(), round, buffers) {
-                        failures.push(format!(
-                            "depth {depth}, pattern {pattern}, {bytes} B{}: {e}",
-                            if unaligned { format!(" at page offset {skew}") } else { String::new() }
-                        ));
-                    }
-                    rounds += 1;
-                }
-            }
-        }
-        report.line(
-            "verify",
-            failures.is_empty(),
-            json!({"queue": q, "rounds": rounds, "depths": [1, 32], "unaligned_skew": skew, "failures": failures}),
-        );
+        check_verify(&mut report, q, queue.as_mut(), q as u64 * stripe)?;
     }
-
-    // Flush.
-    {
-        let queue = queues[0].as_mut();
-        let mut out = Vec::new();
-        // SAFETY: a flush names no memory.
-        let submitted = unsafe { queue.submit(&IoRequest::flush(7)) };
-        let done = submitted.is_ok() && wait_all(queue, &mut out, Duration::from_secs(30));
-        let ok = done && out.len() == 1 && out[0].result.is_ok();
-        report.line("flush", ok, json!({"result": format!("{:?}", out.first().map(|c| c.result))}));
-    }
-
-    // An LBA past the end is a typed error, refused before the device.
-    {
-        let queue = queues[0].as_mut();
-        let mut buf = AlignedBuf::zeroed(4096, 4096);
-        let iov = [buf.iovec()];
-        // SAFETY: the buffer outlives the call, and the request is refused.
-        let r = unsafe { queue.submit(&IoRequest::read(8, geometry.capacity_bytes, &iov)) };
-        let ok = matches!(r, Err(BdevError::OutOfRange { .. }));
-        report.line("out_of_range", ok, json!({"result": format!("{r:?}")}));
-    }
-
+    check_flush(&mut report, queues[0].as_mut());
+    check_out_of_range(&mut report, queues[0].as_mut());
     if let Device::Nvme(d) = &device {
-        // Deallocate, where the controller has it.
-        let queue = queues[0].as_mut();
-        let mut out = Vec::new();
-        // Data first, so that zeros afterwards mean the discard took.
-        let written = verify_round(
-            queue,
-            Round { base: 0, bytes: 4096, count: 16, depth: 16, pattern: 1 },
-            Buffers::Heap { skew: 0 },
-        );
-        // SAFETY: a discard names no memory.
-        let r = unsafe { queue.submit(&IoRequest::discard(9, 0, 1 << 20)) };
-        let supported = d.controller_info().dataset_management;
-        let ok = match r {
-            Ok(()) => {
-                supported && wait_all(queue, &mut out, Duration::from_secs(30)) && out.iter().all(|c| c.result.is_ok())
-            }
-            Err(BdevError::Unsupported(_)) => !supported,
-            Err(_) => false,
-        };
-        let mut zeroes = Value::Null;
-        if ok && supported && d.namespace_info().deallocated_reads_zero {
-            let mut buf = AlignedBuf::zeroed(4096, 4096);
-            buf.fill(0x77);
-            let iov = [buf.iovec()];
-            // SAFETY: the buffer outlives the wait below.
-            unsafe { queue.submit(&IoRequest::read(10, 0, &iov)) }?;
-            out.clear();
-            let read_ok = wait_all(queue, &mut out, Duration::from_secs(30)) && out.iter().all(|c| c.result.is_ok());
-            zeroes = json!(read_ok && buf.iter().all(|&b| b == 0));
-        }
-        let ok = ok && written.is_ok() && zeroes != json!(false);
-        report.line(
-            "discard",
-            ok,
-            json!({"supported": supported, "reads_zero_after": zeroes, "pattern_written_first": format!("{written:?}")}),
-        );
-
-        // A controller reset with requests in flight: each one completes
-        // (with an error or not), and every queue works again afterwards.
-        let mut pool = BufferPool::new(32, 4096, 4096);
-        let mut bufs: Vec<_> = (0..32).map(|_| pool.take().expect("sized")).collect();
-        let mut submitted = 0;
-        for (i, b) in bufs.iter_mut().enumerate() {
-            let iov = [b.iovec()];
-            // SAFETY: the buffers live until every completion is collected.
-            if unsafe { queues[0].submit(&IoRequest::write(100 + i as u64, (i as u64) << 12, &iov)) }.is_ok() {
-                submitted += 1;
-            }
-        }
-        let reset = d.reset();
-        let mut out = Vec::new();
-        let drained = wait_all(queues[0].as_mut(), &mut out, Duration::from_secs(30));
-        let failed_by_reset = out.iter().filter(|c| c.result.is_err()).count();
-        let mut after = Vec::new();
-        for (q, queue) in queues.iter_mut().enumerate() {
-            if let Err(e) = verify_round(
-                queue.as_mut(),
-                Round { base: q as u64 * stripe, ..SMALL_ROUND },
-                Buffers::Heap { skew: 0 },
-            ) {
-                after.push(format!("queue {q}: {e}"));
-            }
-        }
-        let ok = reset.is_ok() && drained && out.len() == submitted && after.is_empty();
-        report.line(
-            "reset_recovery",
-            ok,
-            json!({"reset": format!("{reset:?}"), "in_flight": submitted, "completed": out.len(),
-                   "failed_by_reset": failed_by_reset, "io_after_reset_failures": after}),
-        );
-        drop(bufs);
+        check_discard(&mut report, d, queues[0].as_mut())?;
+        check_reset_recovery(&mut report, d, &mut queues, stripe);
     }
-
     // Counters of the queues (NVMe): how much moved by DMA to caller
     // memory, how much was bounced.
-    let nvme = matches!(device, Device::Nvme(_));
     drop(queues);
     if let Device::Nvme(d) = &device {
         let c = d.closed_queue_counters();
@@ -408,53 +261,214 @@ pub fn run(args: &BdevCheckArgs) -> anyhow::Result<()> {
             json!({"direct": c.direct, "bounced": c.bounced, "commands": c.commands, "rebuilds": c.rebuilds}),
         );
     }
+    let nvme = matches!(device, Device::Nvme(_));
     drop(device);
-
     if nvme {
-        // Command timeouts: with a 1 µs limit, commands outlive it; each
-        // must still complete (as ETIMEDOUT or done), and the device must
-        // work once opened again with the normal limit.
-        let fast =
-            open(&args.path, NvmeOptions { command_timeout: Duration::from_micros(1), ..NvmeOptions::default() })?;
-        let Device::Nvme(d) = &fast else { unreachable!() };
-        let mut queue: NvmeQueue = d.open_nvme_queue(QueueConfig { depth: 32, completion_eventfd: false })?;
-        let mut pool = BufferPool::new(32, 4096, 4096);
-        queue.register_pool(&pool)?;
-        let mut bufs: Vec<_> = (0..32).map(|_| pool.take().expect("sized")).collect();
-        let mut out = Vec::new();
-        let mut submitted = 0;
-        for round in 0..20u64 {
-            for (i, b) in bufs.iter_mut().enumerate() {
-                let iov = [b.iovec()];
-                // SAFETY: the buffers outlive the wait below.
-                if unsafe { queue.submit(&IoRequest::read(round * 100 + i as u64, (i as u64) << 12, &iov)) }.is_ok() {
-                    submitted += 1;
-                }
-            }
-            wait_all(&mut queue, &mut out, Duration::from_secs(60));
-        }
-        let timeouts = queue.counters.timeouts;
-        let timed_out = out.iter().filter(|c| c.result == Err(BdevError::Io(libc::ETIMEDOUT))).count();
-        let other_errors = out.iter().filter(|c| c.result.is_err()).count() - timed_out;
-        drop(queue);
-        drop(bufs);
-        drop(fast);
-        let again = open(&args.path, NvmeOptions::default())?;
-        let mut q = again.open_queue(32)?;
-        let after = verify_round(q.as_mut(), SMALL_ROUND, Buffers::Heap { skew: 0 });
-        let ok = out.len() == submitted && other_errors == 0 && after.is_ok() && (timeouts == 0 || timed_out > 0);
-        report.line(
-            "command_timeout",
-            ok,
-            json!({"submitted": submitted, "completed": out.len(), "timeouts_detected": timeouts,
-                   "failed_with_etimedout": timed_out, "other_errors": other_errors,
-                   "io_after_reopen": format!("{after:?}")}),
-        );
+        check_command_timeout(&mut report, &args.path)?;
     }
-
     if report.failed > 0 {
         eprintln!("keelfs-bench bdev-check: {} check(s) failed", report.failed);
         std::process::exit(1);
     }
+    Ok(())
+}
+
+fn check_identify(report: &mut Report, d: &NvmeDevice) {
+    let info = d.controller_info();
+    let ns = d.namespace_info();
+    report.line(
+        "identify",
+        d.geometry().capacity_bytes > 0 && !info.model.is_empty(),
+        json!({
+            "model": info.model, "serial": info.serial, "firmware": info.firmware,
+            "vendor_id": format!("{:#06x}", info.vendor_id), "version": format!("{:#x}", d.version()),
+            "namespaces": info.namespaces, "size_blocks": ns.size_blocks, "block_bytes": ns.block_bytes,
+            "volatile_write_cache": info.volatile_write_cache, "dataset_management": info.dataset_management,
+            "max_transfer_bytes": d.max_transfer_bytes(), "io_queues_granted": d.queue_limit(),
+        }),
+    );
+}
+
+/// Queue `q`'s rounds on its stripe from `base`: depths 1 and 32, three
+/// patterns, pooled, heap and unaligned buffers.
+fn check_verify(report: &mut Report, q: usize, queue: &mut dyn IoQueue, base: u64) -> anyhow::Result<()> {
+    // The "unaligned" rounds place buffers off a page boundary, as far as
+    // the device allows: NVMe's PRPs take any dword-aligned address; an
+    // O_DIRECT file wants its memory alignment, often a whole page.
+    let align = queue.geometry().memory_alignment as usize;
+    let skew = if align < 4096 { align.max(512) } else { 0 };
+    let mut pool = BufferPool::new(64, 128 << 10, 4096);
+    queue.register_pool(&pool)?;
+    let mut failures = Vec::new();
+    let mut rounds = 0;
+    for (depth_index, depth) in [1usize, 32].into_iter().enumerate() {
+        for pattern in 0..3u32 {
+            for (bytes, unaligned, use_pool) in
+                [(4096usize, false, true), (128 << 10, false, true), (4096, true, false), (1 << 20, false, false)]
+            {
+                let count = if bytes >= 1 << 20 { 4 } else { 32 };
+                // Six 8 MiB slots per 64 MiB stripe, one per depth and
+                // pattern; the largest round (4 MiB) fits in its slot.
+                let offset = base + ((depth_index as u64 * 3 + u64::from(pattern)) * (8 << 20));
+                let buffers = if unaligned {
+                    Buffers::Heap { skew }
+                } else if use_pool {
+                    Buffers::Pool(&mut pool)
+                } else {
+                    Buffers::Heap { skew: 0 }
+                };
+                let round = Round { base: offset, bytes, count, depth, pattern };
+                if let Err(e) = verify_round(queue, round, buffers) {
+                    failures.push(format!(
+                        "depth {depth}, pattern {pattern}, {bytes} B{}: {e}",
+                        if unaligned { format!(" at page offset {skew}") } else { String::new() }
+                    ));
+                }
+                rounds += 1;
+            }
+        }
+    }
+    report.line(
+        "verify",
+        failures.is_empty(),
+        json!({"queue": q, "rounds": rounds, "depths": [1, 32], "unaligned_skew": skew, "failures": failures}),
+    );
+    Ok(())
+}
+
+fn check_flush(report: &mut Report, queue: &mut dyn IoQueue) {
+    let mut out = Vec::new();
+    // SAFETY: a flush names no memory.
+    let submitted = unsafe { queue.submit(&IoRequest::flush(7)) };
+    let done = submitted.is_ok() && wait_all(queue, &mut out, Duration::from_secs(30));
+    let ok = done && out.len() == 1 && out[0].result.is_ok();
+    report.line("flush", ok, json!({"result": format!("{:?}", out.first().map(|c| c.result))}));
+}
+
+/// An LBA past the end is a typed error, refused before the device.
+fn check_out_of_range(report: &mut Report, queue: &mut dyn IoQueue) {
+    let mut buf = AlignedBuf::zeroed(4096, 4096);
+    let iov = [buf.iovec()];
+    let capacity = queue.geometry().capacity_bytes;
+    // SAFETY: the buffer outlives the call, and the request is refused.
+    let r = unsafe { queue.submit(&IoRequest::read(8, capacity, &iov)) };
+    let ok = matches!(r, Err(BdevError::OutOfRange { .. }));
+    report.line("out_of_range", ok, json!({"result": format!("{r:?}")}));
+}
+
+/// Deallocate, where the controller has it; refused as unsupported where
+/// it has not.
+fn check_discard(report: &mut Report, d: &NvmeDevice, queue: &mut dyn IoQueue) -> anyhow::Result<()> {
+    let mut out = Vec::new();
+    // Data first, so that zeros afterwards mean the discard took.
+    let written = verify_round(
+        queue,
+        Round { base: 0, bytes: 4096, count: 16, depth: 16, pattern: 1 },
+        Buffers::Heap { skew: 0 },
+    );
+    // SAFETY: a discard names no memory.
+    let r = unsafe { queue.submit(&IoRequest::discard(9, 0, 1 << 20)) };
+    let supported = d.controller_info().dataset_management;
+    let ok = match r {
+        Ok(()) => {
+            supported && wait_all(queue, &mut out, Duration::from_secs(30)) && out.iter().all(|c| c.result.is_ok())
+        }
+        Err(BdevError::Unsupported(_)) => !supported,
+        Err(_) => false,
+    };
+    let mut zeroes = Value::Null;
+    if ok && supported && d.namespace_info().deallocated_reads_zero {
+        let mut buf = AlignedBuf::zeroed(4096, 4096);
+        buf.fill(0x77);
+        let iov = [buf.iovec()];
+        // SAFETY: the buffer outlives the wait below.
+        unsafe { queue.submit(&IoRequest::read(10, 0, &iov)) }?;
+        out.clear();
+        let read_ok = wait_all(queue, &mut out, Duration::from_secs(30)) && out.iter().all(|c| c.result.is_ok());
+        zeroes = json!(read_ok && buf.iter().all(|&b| b == 0));
+    }
+    let ok = ok && written.is_ok() && zeroes != json!(false);
+    report.line(
+        "discard",
+        ok,
+        json!({"supported": supported, "reads_zero_after": zeroes, "pattern_written_first": format!("{written:?}")}),
+    );
+    Ok(())
+}
+
+/// A controller reset with requests in flight: each one completes (with an
+/// error or not), and every queue works again afterwards.
+fn check_reset_recovery(report: &mut Report, d: &NvmeDevice, queues: &mut [Box<dyn IoQueue>], stripe: u64) {
+    let mut pool = BufferPool::new(32, 4096, 4096);
+    let mut bufs: Vec<_> = (0..32).map(|_| pool.take().expect("sized")).collect();
+    let mut submitted = 0;
+    for (i, b) in bufs.iter_mut().enumerate() {
+        let iov = [b.iovec()];
+        // SAFETY: the buffers live until every completion is collected.
+        if unsafe { queues[0].submit(&IoRequest::write(100 + i as u64, (i as u64) << 12, &iov)) }.is_ok() {
+            submitted += 1;
+        }
+    }
+    let reset = d.reset();
+    let mut out = Vec::new();
+    let drained = wait_all(queues[0].as_mut(), &mut out, Duration::from_secs(30));
+    let failed_by_reset = out.iter().filter(|c| c.result.is_err()).count();
+    let mut after = Vec::new();
+    for (q, queue) in queues.iter_mut().enumerate() {
+        if let Err(e) =
+            verify_round(queue.as_mut(), Round { base: q as u64 * stripe, ..SMALL_ROUND }, Buffers::Heap { skew: 0 })
+        {
+            after.push(format!("queue {q}: {e}"));
+        }
+    }
+    let ok = reset.is_ok() && drained && out.len() == submitted && after.is_empty();
+    report.line(
+        "reset_recovery",
+        ok,
+        json!({"reset": format!("{reset:?}"), "in_flight": submitted, "completed": out.len(),
+               "failed_by_reset": failed_by_reset, "io_after_reset_failures": after}),
+    );
+    drop(bufs);
+}
+
+/// Command timeouts: with a 1 µs limit, commands outlive it; each must
+/// still complete (as ETIMEDOUT or done), and the device must work once
+/// opened again with the normal limit.
+fn check_command_timeout(report: &mut Report, path: &str) -> anyhow::Result<()> {
+    let fast = open(path, NvmeOptions { command_timeout: Duration::from_micros(1), ..NvmeOptions::default() })?;
+    let Device::Nvme(d) = &fast else { unreachable!("opened as NVMe before") };
+    let mut queue: NvmeQueue = d.open_nvme_queue(QueueConfig { depth: 32, completion_eventfd: false })?;
+    let mut pool = BufferPool::new(32, 4096, 4096);
+    queue.register_pool(&pool)?;
+    let mut bufs: Vec<_> = (0..32).map(|_| pool.take().expect("sized")).collect();
+    let mut out = Vec::new();
+    let mut submitted = 0;
+    for round in 0..20u64 {
+        for (i, b) in bufs.iter_mut().enumerate() {
+            let iov = [b.iovec()];
+            // SAFETY: the buffers outlive the wait below.
+            if unsafe { queue.submit(&IoRequest::read(round * 100 + i as u64, (i as u64) << 12, &iov)) }.is_ok() {
+                submitted += 1;
+            }
+        }
+        wait_all(&mut queue, &mut out, Duration::from_secs(60));
+    }
+    let timeouts = queue.counters.timeouts;
+    let timed_out = out.iter().filter(|c| c.result == Err(BdevError::Io(libc::ETIMEDOUT))).count();
+    let other_errors = out.iter().filter(|c| c.result.is_err()).count() - timed_out;
+    drop(queue);
+    drop(bufs);
+    drop(fast);
+    let again = open(path, NvmeOptions::default())?;
+    let mut q = again.open_queue(32)?;
+    let after = verify_round(q.as_mut(), SMALL_ROUND, Buffers::Heap { skew: 0 });
+    let ok = out.len() == submitted && other_errors == 0 && after.is_ok() && (timeouts == 0 || timed_out > 0);
+    report.line(
+        "command_timeout",
+        ok,
+        json!({"submitted": submitted, "completed": out.len(), "timeouts_detected": timeouts,
+               "failed_with_etimedout": timed_out, "other_errors": other_errors,
+               "io_after_reopen": format!("{after:?}")}),
+    );
     Ok(())
 }

@@ -251,6 +251,42 @@ async fn read_phase(fs: &Fs, readers: &Readers, ino: u64, pages: u64, seconds: D
     }
 }
 
+type ReaderThread = (reactor::ReactorHandle, std::thread::JoinHandle<()>);
+
+/// buffered-randrw's readers: beside the writers, or on a second reactor
+/// that reads the owner's cache through a shared reader.
+fn start_readers(fs: &Fs, p: &Params, ino: u64) -> anyhow::Result<(Readers, Option<ReaderThread>)> {
+    if p.readers_on_owner {
+        return Ok((Readers::OnOwner, None));
+    }
+    OWNER_FS.with(|o| *o.borrow_mut() = Some(fs.clone()));
+    // The readers' reactor sleeps while both readers wait on the owner (a
+    // miss), leaving the core to the owner and io_uring's workers.
+    let config = reactor::ReactorConfig { id: 1, mode: reactor::PollMode::Interrupt, ..Default::default() };
+    let (handle, join) = reactor::Reactor::spawn(config, || {})?;
+    let readers = Readers::Apart { reactor: handle.clone(), shared: fs.shared_reader(ino)?, owner: reactor::current() };
+    Ok((readers, Some((handle, join))))
+}
+
+fn stop_readers(reader_thread: Option<ReaderThread>) -> anyhow::Result<()> {
+    if let Some((handle, join)) = reader_thread {
+        handle.stop();
+        join.join().map_err(|_| anyhow::anyhow!("the reader reactor panicked"))?;
+        OWNER_FS.with(|o| o.borrow_mut().take());
+    }
+    Ok(())
+}
+
+/// Polls `slot` each millisecond until a task leaves its result there.
+async fn wait_for(slot: &Cell<Option<anyhow::Result<()>>>) -> anyhow::Result<()> {
+    loop {
+        if let Some(result) = slot.take() {
+            return result;
+        }
+        reactor::sleep(Duration::from_millis(1)).await;
+    }
+}
+
 /// Seed 004: 8k random reads and writes on one file, 2 reader and 2
 /// writer streams. The writers run on the filesystem's reactor; the
 /// readers on a second reactor (default) or beside the writers.
@@ -258,18 +294,7 @@ pub async fn buffered_randrw(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
     let ino = create(fs, "randrw").await?;
     preallocate(fs, ino, p.file_size).await?;
     let pages = p.file_size / 8192;
-    let mut reader_thread = None;
-    let readers = if p.readers_on_owner {
-        Readers::OnOwner
-    } else {
-        OWNER_FS.with(|o| *o.borrow_mut() = Some(fs.clone()));
-        // The readers' reactor sleeps while both readers wait on the owner
-        // (a miss), leaving the core to the owner and io_uring's workers.
-        let config = reactor::ReactorConfig { id: 1, mode: reactor::PollMode::Interrupt, ..Default::default() };
-        let (handle, join) = reactor::Reactor::spawn(config, || {})?;
-        reader_thread = Some((handle.clone(), join));
-        Readers::Apart { reactor: handle, shared: fs.shared_reader(ino)?, owner: reactor::current() }
-    };
+    let (readers, reader_thread) = start_readers(fs, p, ino)?;
     // Warm the cache, then alternate readers-alone and readers-with-writers
     // phases, so that both see the same machine noise.
     read_phase(fs, &readers, ino, pages, p.seconds).await?;
@@ -306,21 +331,11 @@ pub async fn buffered_randrw(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
         shared_waits += fs.range_lock_waits().0 - waits_before;
         mixed_reads += mixed.ops;
         sent_to_owner += mixed.sent_to_owner;
-        loop {
-            if let Some(result) = writers.take() {
-                result?;
-                break;
-            }
-            reactor::sleep(Duration::from_millis(1)).await;
-        }
+        wait_for(&writers).await?;
         mixed_iops.push(mixed.ops as f64 / mixed.secs);
         write_iops.push(writers_ops.get() as f64 / start.elapsed().as_secs_f64());
     }
-    if let Some((handle, join)) = reader_thread {
-        handle.stop();
-        join.join().map_err(|_| anyhow::anyhow!("the reader reactor panicked"))?;
-        OWNER_FS.with(|o| o.borrow_mut().take());
-    }
+    stop_readers(reader_thread)?;
     let ratios: Vec<f64> = mixed_iops.iter().zip(&alone_iops).map(|(m, a)| m / a).collect();
     let (read_only_iops, mixed_read_iops) = (median(&alone_iops), median(&mixed_iops));
     let stats = fs.cache_stats();

@@ -135,114 +135,198 @@ struct Target {
     fh: u64,
 }
 
-fn worker(mut q: QueueDriver, args: &WorkerArgs, target: Target) -> anyhow::Result<WorkerResult> {
+/// One thread's queue: it keeps `iodepth` requests in flight until the
+/// deadline, then drains.
+struct Worker<'a> {
+    q: QueueDriver,
+    args: &'a WorkerArgs,
+    target: Target,
+    bs: usize,
+    data: Vec<u8>,
+    blocks: u64,
+    rng: u64,
+    mix: u64,
+    append_at: u64,
+    in_flight: HashMap<u16, (Kind, Instant)>,
+    issued_reads: usize,
+    issued_writes: usize,
+    deadline: Instant,
+    result: WorkerResult,
+}
+
+fn worker(q: QueueDriver, args: &WorkerArgs, target: Target) -> anyhow::Result<WorkerResult> {
     let bs: usize = match args.workload {
         Workload::BufferedRandrw => 8192,
         Workload::ByteWrites => 1,
         _ => 4096,
     };
-    let data = vec![0xa5u8; bs];
-    let blocks = (args.file_size / bs as u64).max(1);
-    let mut rng = 0x1234_5678 ^ (q.index() as u64) << 32;
-    let mut mix = 0x8765_4321 ^ (q.index() as u64) << 32;
-    let append_at = std::cell::Cell::new(0u64);
-    let mut in_flight: HashMap<u16, (Kind, Instant)> = HashMap::new();
-    let mut result = WorkerResult { reads: 0, writes: 0, bytes: 0, latency: Histogram::new() };
-    let (mut issued_reads, mut issued_writes) = (0usize, 0usize);
-    let deadline = Instant::now() + Duration::from_secs(args.seconds);
-    let mut submit =
-        |q: &mut QueueDriver, kind: Kind, in_flight: &mut HashMap<u16, (Kind, Instant)>| -> anyhow::Result<()> {
-            let offset = match args.workload {
-                Workload::AioAppend | Workload::ByteWrites => {
-                    let at = append_at.get();
-                    append_at.set(at + bs as u64);
-                    at
-                }
-                _ => (splitmix64(&mut rng) % blocks) * bs as u64,
-            };
-            let unique = q.next_unique();
-            // Latency starts before the kick: a daemon may serve the
-            // request while the kick's syscall is still returning.
-            let started = Instant::now();
-            let (opcode, data, read_len) = match kind {
-                Kind::Write => (Opcode::Write, &data[..], 0),
-                Kind::Read => (Opcode::Read, &[][..], bs as u32),
-            };
-            let header = io_request(opcode, unique, target.nodeid, target.fh, offset, bs as u32);
-            let head = q.submit_split(&header, data, read_len)?;
-            in_flight.insert(head, (kind, started));
-            Ok(())
-        };
+    let index = q.index() as u64;
+    let mut w = Worker {
+        q,
+        args,
+        target,
+        bs,
+        data: vec![0xa5u8; bs],
+        blocks: (args.file_size / bs as u64).max(1),
+        rng: 0x1234_5678 ^ index << 32,
+        mix: 0x8765_4321 ^ index << 32,
+        append_at: 0,
+        in_flight: HashMap::new(),
+        issued_reads: 0,
+        issued_writes: 0,
+        deadline: Instant::now() + Duration::from_secs(args.seconds),
+        result: WorkerResult { reads: 0, writes: 0, bytes: 0, latency: Histogram::new() },
+    };
     loop {
-        let running = Instant::now() < deadline;
+        let running = Instant::now() < w.deadline;
         // Appends wrap at --file-size: once the file is full and drained,
         // truncate it to 0, so that a run never fills the filesystem.
-        let full = || args.workload == Workload::AioAppend && append_at.get() + bs as u64 > args.file_size;
-        if full() && in_flight.is_empty() {
-            let mut setattr = Reply::default();
-            setattr.u32(1 << 3 | 1 << 6).u32(0).u64(target.fh).u64(0).raw(&[0u8; 64]);
-            let (err, _) = q.fuse(Opcode::Setattr, target.nodeid, &setattr.bytes)?;
-            check(err, "truncating the append file")?;
-            append_at.set(0);
+        if w.full() && w.in_flight.is_empty() {
+            w.truncate()?;
         }
-        while running && !full() && in_flight.len() < args.iodepth {
-            let kind = match args.workload {
-                Workload::DioRandrw => {
-                    if splitmix64(&mut mix) & 1 == 0 {
-                        Kind::Read
-                    } else {
-                        Kind::Write
-                    }
-                }
-                // Half the slots read, half write: two streams of each at
-                // the default depth of 4.
-                Workload::BufferedRandrw => {
-                    if issued_reads <= issued_writes {
-                        Kind::Read
-                    } else {
-                        Kind::Write
-                    }
-                }
-                _ => Kind::Write,
-            };
-            match kind {
-                Kind::Read => issued_reads += 1,
-                Kind::Write => issued_writes += 1,
-            }
-            submit(&mut q, kind, &mut in_flight)?;
+        while running && !w.full() && w.in_flight.len() < args.iodepth {
+            let kind = w.next_kind();
+            w.submit(kind)?;
         }
-        if !running && in_flight.is_empty() {
+        if !running && w.in_flight.is_empty() {
             break;
         }
-        let used = if in_flight.is_empty() {
+        let used = if w.in_flight.is_empty() {
             Vec::new()
         } else if args.spin {
-            q.poll()?
+            w.q.poll()?
         } else {
-            q.wait_signalled(Duration::from_secs(30))?
+            w.q.wait_signalled(Duration::from_secs(30))?
         };
-        for Used { head, len } in used {
-            let Some((kind, started)) = in_flight.remove(&head) else { bail!("unexpected head {head}") };
-            match kind {
-                Kind::Read => issued_reads -= 1,
-                Kind::Write => issued_writes -= 1,
-            }
-            let reply = q.reply(Used { head, len: len.min(OUT_HEADER_BYTES as u32) })?;
-            if reply.len() < OUT_HEADER_BYTES {
-                bail!("a reply shorter than its header ({len} bytes)");
-            }
-            check(-i32::from_le_bytes(reply[4..8].try_into()?), "I/O")?;
-            if Instant::now() <= deadline {
-                result.latency.record(started.elapsed().as_nanos() as u64);
-                result.bytes += bs as u64;
-                match kind {
-                    Kind::Read => result.reads += 1,
-                    Kind::Write => result.writes += 1,
-                }
-            }
+        for u in used {
+            w.complete(u)?;
         }
     }
-    Ok(result)
+    Ok(w.result)
+}
+
+impl Worker<'_> {
+    fn full(&self) -> bool {
+        self.args.workload == Workload::AioAppend && self.append_at + self.bs as u64 > self.args.file_size
+    }
+
+    fn truncate(&mut self) -> anyhow::Result<()> {
+        let mut setattr = Reply::default();
+        setattr.u32(1 << 3 | 1 << 6).u32(0).u64(self.target.fh).u64(0).raw(&[0u8; 64]);
+        let (err, _) = self.q.fuse(Opcode::Setattr, self.target.nodeid, &setattr.bytes)?;
+        check(err, "truncating the append file")?;
+        self.append_at = 0;
+        Ok(())
+    }
+
+    fn next_kind(&mut self) -> Kind {
+        let kind = match self.args.workload {
+            Workload::DioRandrw => {
+                if splitmix64(&mut self.mix) & 1 == 0 {
+                    Kind::Read
+                } else {
+                    Kind::Write
+                }
+            }
+            // Half the slots read, half write: two streams of each at the
+            // default depth of 4.
+            Workload::BufferedRandrw => {
+                if self.issued_reads <= self.issued_writes {
+                    Kind::Read
+                } else {
+                    Kind::Write
+                }
+            }
+            _ => Kind::Write,
+        };
+        match kind {
+            Kind::Read => self.issued_reads += 1,
+            Kind::Write => self.issued_writes += 1,
+        }
+        kind
+    }
+
+    fn submit(&mut self, kind: Kind) -> anyhow::Result<()> {
+        let bs = self.bs;
+        let offset = match self.args.workload {
+            Workload::AioAppend | Workload::ByteWrites => {
+                let at = self.append_at;
+                self.append_at = at + bs as u64;
+                at
+            }
+            _ => (splitmix64(&mut self.rng) % self.blocks) * bs as u64,
+        };
+        let unique = self.q.next_unique();
+        // Latency starts before the kick: a daemon may serve the request
+        // while the kick's syscall is still returning.
+        let started = Instant::now();
+        let (opcode, data, read_len) = match kind {
+            Kind::Write => (Opcode::Write, &self.data[..], 0),
+            Kind::Read => (Opcode::Read, &[][..], bs as u32),
+        };
+        let header = io_request(opcode, unique, self.target.nodeid, self.target.fh, offset, bs as u32);
+        let head = self.q.submit_split(&header, data, read_len)?;
+        self.in_flight.insert(head, (kind, started));
+        Ok(())
+    }
+
+    fn complete(&mut self, Used { head, len }: Used) -> anyhow::Result<()> {
+        let Some((kind, started)) = self.in_flight.remove(&head) else { bail!("unexpected head {head}") };
+        match kind {
+            Kind::Read => self.issued_reads -= 1,
+            Kind::Write => self.issued_writes -= 1,
+        }
+        let reply = self.q.reply(Used { head, len: len.min(OUT_HEADER_BYTES as u32) })?;
+        if reply.len() < OUT_HEADER_BYTES {
+            bail!("a reply shorter than its header ({len} bytes)");
+        }
+        check(-i32::from_le_bytes(reply[4..8].try_into()?), "I/O")?;
+        if Instant::now() <= self.deadline {
+            self.result.latency.record(started.elapsed().as_nanos() as u64);
+            self.result.bytes += self.bs as u64;
+            match kind {
+                Kind::Read => self.result.reads += 1,
+                Kind::Write => self.result.writes += 1,
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One file per thread, or one shared file for buffered-randrw; filled
+/// first where the workload overwrites.
+fn create_targets(args: &VhostArgs, drivers: &mut [QueueDriver], direct: i32) -> anyhow::Result<Vec<Target>> {
+    let mut targets = Vec::new();
+    for (t, q) in drivers.iter_mut().enumerate() {
+        let shared = args.workload == Workload::BufferedRandrw;
+        let name = if shared { "bench-shared".to_string() } else { format!("bench-{t}") };
+        let (nodeid, fh) = create(q, &name, direct)?;
+        if matches!(args.workload, Workload::DioOverwrite | Workload::DioRandrw | Workload::BufferedRandrw)
+            && (!shared || t == 0)
+        {
+            fill(q, nodeid, fh, args.file_size)?;
+        }
+        targets.push(Target { nodeid, fh });
+    }
+    Ok(targets)
+}
+
+/// A thread per queue; their counts and latencies summed.
+fn run_workers(drivers: Vec<QueueDriver>, targets: Vec<Target>, args: &WorkerArgs) -> anyhow::Result<WorkerResult> {
+    let results: Vec<anyhow::Result<WorkerResult>> = std::thread::scope(|s| {
+        let handles: Vec<_> =
+            drivers.into_iter().zip(targets).map(|(q, target)| s.spawn(move || worker(q, args, target))).collect();
+        handles.into_iter().map(|h| h.join().expect("worker thread")).collect()
+    });
+    let mut total = WorkerResult { reads: 0, writes: 0, bytes: 0, latency: Histogram::new() };
+    for r in results {
+        let r = r?;
+        total.reads += r.reads;
+        total.writes += r.writes;
+        total.bytes += r.bytes;
+        total.latency.merge(&r.latency);
+    }
+    Ok(total)
 }
 
 struct WorkerArgs {
@@ -268,18 +352,7 @@ pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
         _ => 0,
     };
     let mut drivers: Vec<QueueDriver> = (1..=args.threads).map(|q| fe.take_queue(q)).collect();
-    let mut targets = Vec::new();
-    for (t, q) in drivers.iter_mut().enumerate() {
-        let shared = args.workload == Workload::BufferedRandrw;
-        let name = if shared { "bench-shared".to_string() } else { format!("bench-{t}") };
-        let (nodeid, fh) = create(q, &name, direct)?;
-        if matches!(args.workload, Workload::DioOverwrite | Workload::DioRandrw | Workload::BufferedRandrw)
-            && (!shared || t == 0)
-        {
-            fill(q, nodeid, fh, args.file_size)?;
-        }
-        targets.push(Target { nodeid, fh });
-    }
+    let targets = create_targets(args, &mut drivers, direct)?;
     let cpu_before = args.daemon_pid.map(crate::procstat::tree_cpu_ns).transpose()?;
     let own_before = crate::procstat::own_cpu_ns(std::process::id())?;
     let machine_before = crate::procstat::machine_busy_ns()?;
@@ -291,30 +364,12 @@ pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
         file_size: args.file_size,
         spin: args.spin,
     };
-    let results: Vec<anyhow::Result<WorkerResult>> = std::thread::scope(|s| {
-        let handles: Vec<_> = drivers
-            .into_iter()
-            .zip(targets)
-            .map(|(q, target)| {
-                let worker_args = &worker_args;
-                s.spawn(move || worker(q, worker_args, target))
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().expect("worker thread")).collect()
-    });
+    let results = run_workers(drivers, targets, &worker_args);
     let secs = started.elapsed().as_secs_f64().min(args.seconds as f64).max(1e-9);
     let cpu_after = args.daemon_pid.map(crate::procstat::tree_cpu_ns).transpose()?;
     let own_ns = crate::procstat::own_cpu_ns(std::process::id())? - own_before;
     let machine_ns = crate::procstat::machine_busy_ns()?.saturating_sub(machine_before);
-    let mut latency = Histogram::new();
-    let (mut reads, mut writes, mut bytes) = (0, 0, 0);
-    for r in results {
-        let r = r?;
-        reads += r.reads;
-        writes += r.writes;
-        bytes += r.bytes;
-        latency.merge(&r.latency);
-    }
+    let WorkerResult { reads, writes, bytes, latency } = results?;
     let ops = reads + writes;
     let percentiles: serde_json::Map<String, serde_json::Value> =
         [1.0, 5.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0, 95.0, 99.0, 99.9]

@@ -244,6 +244,38 @@ fn model_view(m: &Model) -> BTreeMap<String, Option<Vec<u8>>> {
         .collect()
 }
 
+/// Writes to the `file`th file, if there is one, in keelfs and the model.
+async fn write(fs: &Fs, m: &mut Model, file: usize, offset: u64, len: usize, seed: u8) {
+    let files = m.files();
+    if files.is_empty() {
+        return;
+    }
+    let path = &files[file % files.len()];
+    let ino = resolve(fs, path).await;
+    let data = pattern(len, seed);
+    fs.write(ino, offset, &data).await.unwrap();
+    let Node::File(id) = m.tree[path] else { unreachable!() };
+    let content = m.data.get_mut(&id).unwrap();
+    let end = offset as usize + len;
+    if content.len() < end {
+        content.resize(end, 0);
+    }
+    content[offset as usize..end].copy_from_slice(&data);
+}
+
+/// Truncates the `file`th file, if there is one, in keelfs and the model.
+async fn truncate(fs: &Fs, m: &mut Model, file: usize, size: u64) {
+    let files = m.files();
+    if files.is_empty() {
+        return;
+    }
+    let path = &files[file % files.len()];
+    let ino = resolve(fs, path).await;
+    fs.setattr(&Creds::root(), ino, &SetAttr { size: Some(size), ..Default::default() }, false).await.unwrap();
+    let Node::File(id) = m.tree[path] else { unreachable!() };
+    m.data.get_mut(&id).unwrap().resize(size as usize, 0);
+}
+
 async fn apply(fs: &mut Fs, dev: &std::sync::Arc<dyn keelfs_bdev::BlockDevice>, m: &mut Model, op: &Op) {
     let c = Creds::root();
     let dirs = m.dirs();
@@ -290,34 +322,8 @@ async fn apply(fs: &mut Fs, dev: &std::sync::Arc<dyn keelfs_bdev::BlockDevice>, 
             };
             assert_eq!(got, m.link(&from, &join(&t, NAMES[to_name])), "{op:?}");
         }
-        Op::Write { file, offset, len, seed } => {
-            let files = m.files();
-            if files.is_empty() {
-                return;
-            }
-            let path = &files[file % files.len()];
-            let ino = resolve(fs, path).await;
-            let data = pattern(len, seed);
-            fs.write(ino, offset, &data).await.unwrap();
-            let Node::File(id) = m.tree[path] else { unreachable!() };
-            let content = m.data.get_mut(&id).unwrap();
-            let end = offset as usize + len;
-            if content.len() < end {
-                content.resize(end, 0);
-            }
-            content[offset as usize..end].copy_from_slice(&data);
-        }
-        Op::Truncate { file, size } => {
-            let files = m.files();
-            if files.is_empty() {
-                return;
-            }
-            let path = &files[file % files.len()];
-            let ino = resolve(fs, path).await;
-            fs.setattr(&c, ino, &SetAttr { size: Some(size), ..Default::default() }, false).await.unwrap();
-            let Node::File(id) = m.tree[path] else { unreachable!() };
-            m.data.get_mut(&id).unwrap().resize(size as usize, 0);
-        }
+        Op::Write { file, offset, len, seed } => write(fs, m, file, offset, len, seed).await,
+        Op::Truncate { file, size } => truncate(fs, m, file, size).await,
         Op::Sync => fs.sync().await.unwrap(),
         Op::Remount => {
             fs.unmount().await.unwrap();

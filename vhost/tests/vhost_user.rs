@@ -130,6 +130,65 @@ fn a_helper_reactor_serves_cached_reads_and_sends_the_rest_to_the_owner() {
     assert!(forwarded >= 4, "the helper sent the other requests to the owner ({forwarded})");
 }
 
+/// Chains that each break one rule, around a GETATTR of `req_len` bytes
+/// at `scratch`.
+fn descriptor_attacks(scratch: u64, req_len: u32, memory_size: u64) -> Vec<(&'static str, Vec<RawDesc>)> {
+    let outside = memory_size + 4096;
+    vec![
+        (
+            "request outside guest memory",
+            vec![
+                RawDesc { addr: outside, len: 64, flags: DESC_NEXT, next: 1 },
+                RawDesc { addr: scratch + 4096, len: 4096, flags: DESC_WRITE, next: 0 },
+            ],
+        ),
+        (
+            "reply outside guest memory",
+            vec![
+                RawDesc { addr: scratch, len: req_len, flags: DESC_NEXT, next: 1 },
+                RawDesc { addr: outside, len: 4096, flags: DESC_WRITE, next: 0 },
+            ],
+        ),
+        (
+            "buffer straddling the end of memory",
+            vec![
+                RawDesc { addr: scratch, len: req_len, flags: DESC_NEXT, next: 1 },
+                RawDesc { addr: memory_size - 8, len: 4096, flags: DESC_WRITE, next: 0 },
+            ],
+        ),
+        (
+            "a chain that loops",
+            vec![
+                RawDesc { addr: scratch, len: req_len, flags: DESC_NEXT, next: 1 },
+                RawDesc { addr: scratch + 4096, len: 64, flags: DESC_NEXT | DESC_WRITE, next: 1 },
+            ],
+        ),
+        ("next pointing past the table", vec![RawDesc { addr: scratch, len: req_len, flags: DESC_NEXT, next: 4000 }]),
+        ("no room for any reply", vec![RawDesc { addr: scratch, len: req_len, flags: 0, next: 0 }]),
+        (
+            "a request shorter than a header",
+            vec![
+                RawDesc { addr: scratch, len: 8, flags: DESC_NEXT, next: 1 },
+                RawDesc { addr: scratch + 4096, len: 4096, flags: DESC_WRITE, next: 0 },
+            ],
+        ),
+        (
+            "a reply buffer that is too small",
+            vec![
+                RawDesc { addr: scratch, len: req_len, flags: DESC_NEXT, next: 1 },
+                RawDesc { addr: scratch + 4096, len: 8, flags: DESC_WRITE, next: 0 },
+            ],
+        ),
+        (
+            "an over-long request",
+            vec![
+                RawDesc { addr: scratch, len: 2 << 20, flags: DESC_NEXT, next: 1 },
+                RawDesc { addr: scratch + 4096, len: 4096, flags: DESC_WRITE, next: 0 },
+            ],
+        ),
+    ]
+}
+
 #[test]
 fn hostile_requests_get_errors_and_the_daemon_lives_on() {
     let daemon = Daemon::start(2);
@@ -159,66 +218,10 @@ fn hostile_requests_get_errors_and_the_daemon_lives_on() {
 
     // Descriptor-level attacks, one at a time; each chain comes back used
     // with nothing written, and the queue keeps working.
-    let outside = fe.memory_size() + 4096;
     let scratch = fe.scratch(1);
     let req = encode_request(Opcode::Getattr as u32, 4242, nodeid, 0, 0, &[0u8; 16]);
     fe.memory().write_slice(&req, GuestAddress(scratch)).unwrap();
-    let attacks: Vec<(&str, Vec<RawDesc>)> = vec![
-        (
-            "request outside guest memory",
-            vec![
-                RawDesc { addr: outside, len: 64, flags: DESC_NEXT, next: 1 },
-                RawDesc { addr: scratch + 4096, len: 4096, flags: DESC_WRITE, next: 0 },
-            ],
-        ),
-        (
-            "reply outside guest memory",
-            vec![
-                RawDesc { addr: scratch, len: req.len() as u32, flags: DESC_NEXT, next: 1 },
-                RawDesc { addr: outside, len: 4096, flags: DESC_WRITE, next: 0 },
-            ],
-        ),
-        (
-            "buffer straddling the end of memory",
-            vec![
-                RawDesc { addr: scratch, len: req.len() as u32, flags: DESC_NEXT, next: 1 },
-                RawDesc { addr: fe.memory_size() - 8, len: 4096, flags: DESC_WRITE, next: 0 },
-            ],
-        ),
-        (
-            "a chain that loops",
-            vec![
-                RawDesc { addr: scratch, len: req.len() as u32, flags: DESC_NEXT, next: 1 },
-                RawDesc { addr: scratch + 4096, len: 64, flags: DESC_NEXT | DESC_WRITE, next: 1 },
-            ],
-        ),
-        (
-            "next pointing past the table",
-            vec![RawDesc { addr: scratch, len: req.len() as u32, flags: DESC_NEXT, next: 4000 }],
-        ),
-        ("no room for any reply", vec![RawDesc { addr: scratch, len: req.len() as u32, flags: 0, next: 0 }]),
-        (
-            "a request shorter than a header",
-            vec![
-                RawDesc { addr: scratch, len: 8, flags: DESC_NEXT, next: 1 },
-                RawDesc { addr: scratch + 4096, len: 4096, flags: DESC_WRITE, next: 0 },
-            ],
-        ),
-        (
-            "a reply buffer that is too small",
-            vec![
-                RawDesc { addr: scratch, len: req.len() as u32, flags: DESC_NEXT, next: 1 },
-                RawDesc { addr: scratch + 4096, len: 8, flags: DESC_WRITE, next: 0 },
-            ],
-        ),
-        (
-            "an over-long request",
-            vec![
-                RawDesc { addr: scratch, len: 2 << 20, flags: DESC_NEXT, next: 1 },
-                RawDesc { addr: scratch + 4096, len: 4096, flags: DESC_WRITE, next: 0 },
-            ],
-        ),
-    ];
+    let attacks = descriptor_attacks(scratch, req.len() as u32, fe.memory_size());
     for (what, chain) in attacks {
         let head = fe.submit_raw(1, &chain).unwrap();
         match fe.wait_for(1, head, TIMEOUT) {

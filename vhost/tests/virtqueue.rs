@@ -125,6 +125,58 @@ fn hostile_chains_are_answered_or_dropped_and_serving_goes_on() {
 /// Hostile descriptor chains, generated: addresses inside, at the edge of
 /// and outside guest memory, lengths from 0 to u32::MAX, every flag
 /// combination (indirect included, with a generated table), and next
+const FUZZ_QUEUE: u16 = 64;
+
+/// One generated chain of 1 to 8 descriptors over a request of `req_len`
+/// bytes at REQ, with an indirect table at TABLE that any may point to.
+/// Now and then it is nearly right instead: the request and a reply
+/// buffer, with the lengths a little off.
+fn hostile_chain(next: &mut impl FnMut() -> u64, req_len: u32, mem: &GuestMemoryMmap) -> Vec<RawDescriptor> {
+    const INDIRECT: u16 = 4;
+    const TABLE: u64 = 0x30_0000;
+    let mem_end = 8u64 << 20;
+    let pick_addr = |n: u64| match n % 7 {
+        0 | 1 => REQ,
+        2 | 3 => REPLY + (n >> 8) % 0x1000,
+        4 => mem_end - (n >> 8) % 64,
+        5 => 0xFFFF_FFFF_0000 + (n >> 8) % 0x1000,
+        _ => (n >> 8) % mem_end,
+    };
+    let count = 1 + next() % 8;
+    let mut descs = Vec::new();
+    for i in 0..count {
+        let r = next();
+        let addr = pick_addr(r);
+        let len = [0, 1, 16, req_len, 4096, (REQUEST_BYTES_MAX + 1) as u32, u32::MAX, (r >> 40) as u32]
+            [((r >> 20) % 8) as usize];
+        let flags = ((r >> 30) % 8) as u16;
+        let to = match (r >> 50) % 5 {
+            0 => i as u16 + 1,
+            1 => i as u16,
+            2 => 0,
+            3 => ((r >> 33) % u64::from(FUZZ_QUEUE)) as u16,
+            _ => (r >> 33) as u16,
+        };
+        let addr = if flags & INDIRECT != 0 { TABLE } else { addr };
+        let len = if flags & INDIRECT != 0 { 16 * (1 + (r >> 44) as u32 % 8) } else { len };
+        descs.push(desc(addr, len, flags, to));
+    }
+    // An indirect table of generated descriptors, for any that point to it.
+    for i in 0..8u64 {
+        let r = next();
+        let d =
+            desc(pick_addr(r), [16u32, 4096, u32::MAX][(r % 3) as usize], ((r >> 4) % 8) as u16, (r >> 8) as u16 % 10);
+        mem.write_obj(d, GuestAddress(TABLE + 16 * i)).unwrap();
+    }
+    if next().is_multiple_of(3) {
+        let r = next();
+        let req_len = (i64::from(req_len) + [0i64, 0, -1, 1, -8][(r % 5) as usize]) as u32;
+        let reply_len = [4096u32, 4096, 16, 20, 8, 1 << 20][((r >> 8) % 6) as usize];
+        descs = vec![desc(REQ, req_len, NEXT, 1), desc(REPLY, reply_len, WRITE, 0)];
+    }
+    descs
+}
+
 /// indices that loop, point back or leave the table, over a valid FUSE
 /// request most of the time. Every chain must be answered or dropped,
 /// never panic or spin, and a good request is served after each round.
@@ -132,9 +184,6 @@ fn hostile_chains_are_answered_or_dropped_and_serving_goes_on() {
 #[test]
 fn generated_hostile_chains_never_stop_the_queue() {
     use keelfs_base::testing::splitmix64;
-    const QUEUE: u16 = 64;
-    const INDIRECT: u16 = 4;
-    const TABLE: u64 = 0x30_0000;
     let seed: u64 = std::env::var("KEELFS_FUZZ_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or(0xc4a1);
     let rounds: u64 = std::env::var("KEELFS_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(1500);
     eprintln!("chain fuzz: seed {seed}, {rounds} rounds (KEELFS_FUZZ_SEED={seed} KEELFS_FUZZ_CASES={rounds})");
@@ -143,10 +192,9 @@ fn generated_hostile_chains_never_stop_the_queue() {
         let mut next = move || splitmix64(&mut rng);
         let init = init_request(1);
         mem.write_slice(&init, GuestAddress(REQ)).unwrap();
-        let mq = MockSplitQueue::new(&mem, QUEUE);
+        let mq = MockSplitQueue::new(&mem, FUZZ_QUEUE);
         let chain = mq.build_desc_chain(&[desc(REQ, init.len() as u32, 0, 0), desc(REPLY, 4096, WRITE, 0)]).unwrap();
         assert_eq!(serve_chain(&s, chain).await.2, ChainOutcome::Replied(80));
-        let mem_end = 8u64 << 20;
         let mut outcomes_seen = [0u64; 3];
         for round in 0..rounds {
             // A fresh ring each round (the mock keeps its indices in memory).
@@ -159,52 +207,7 @@ fn generated_hostile_chains_never_stop_the_queue() {
             ];
             let req = &requests[(next() % requests.len() as u64) as usize];
             mem.write_slice(req, GuestAddress(REQ)).unwrap();
-            let pick_addr = |n: u64| match n % 7 {
-                0 | 1 => REQ,
-                2 | 3 => REPLY + (n >> 8) % 0x1000,
-                4 => mem_end - (n >> 8) % 64,
-                5 => 0xFFFF_FFFF_0000 + (n >> 8) % 0x1000,
-                _ => (n >> 8) % mem_end,
-            };
-            let count = 1 + next() % 8;
-            let mut descs = Vec::new();
-            for i in 0..count {
-                let r = next();
-                let addr = pick_addr(r);
-                let len =
-                    [0, 1, 16, req.len() as u32, 4096, (REQUEST_BYTES_MAX + 1) as u32, u32::MAX, (r >> 40) as u32]
-                        [((r >> 20) % 8) as usize];
-                let flags = ((r >> 30) % 8) as u16;
-                let to = match (r >> 50) % 5 {
-                    0 => i as u16 + 1,
-                    1 => i as u16,
-                    2 => 0,
-                    3 => ((r >> 33) % u64::from(QUEUE)) as u16,
-                    _ => (r >> 33) as u16,
-                };
-                let addr = if flags & INDIRECT != 0 { TABLE } else { addr };
-                let len = if flags & INDIRECT != 0 { 16 * (1 + (r >> 44) as u32 % 8) } else { len };
-                descs.push(desc(addr, len, flags, to));
-            }
-            // An indirect table of generated descriptors, for any that point to it.
-            for i in 0..8u64 {
-                let r = next();
-                let d = desc(
-                    pick_addr(r),
-                    [16u32, 4096, u32::MAX][(r % 3) as usize],
-                    ((r >> 4) % 8) as u16,
-                    (r >> 8) as u16 % 10,
-                );
-                mem.write_obj(d, GuestAddress(TABLE + 16 * i)).unwrap();
-            }
-            if next() % 3 == 0 {
-                // Nearly right: the request and a reply buffer, with the
-                // lengths a little off now and then.
-                let r = next();
-                let req_len = (req.len() as i64 + [0i64, 0, -1, 1, -8][(r % 5) as usize]) as u32;
-                let reply_len = [4096u32, 4096, 16, 20, 8, 1 << 20][((r >> 8) % 6) as usize];
-                descs = vec![desc(REQ, req_len, NEXT, 1), desc(REPLY, reply_len, WRITE, 0)];
-            }
+            let descs = hostile_chain(&mut next, req.len() as u32, &mem);
             mq.add_desc_chains(&descs, 0).unwrap();
             let mut queue: Queue = mq.create_queue().unwrap();
             let started = std::time::Instant::now();
@@ -234,7 +237,7 @@ fn generated_hostile_chains_never_stop_the_queue() {
         mem.write_slice(&[0u8; 0x2000], GuestAddress(0)).unwrap();
         let getattr = request(Opcode::Getattr as u32, 7, 1, &[0u8; 16]);
         mem.write_slice(&getattr, GuestAddress(REQ)).unwrap();
-        let mq = MockSplitQueue::new(&mem, QUEUE);
+        let mq = MockSplitQueue::new(&mem, FUZZ_QUEUE);
         let ok = mq.build_desc_chain(&[desc(REQ, getattr.len() as u32, 0, 0), desc(REPLY, 4096, WRITE, 0)]).unwrap();
         assert!(matches!(serve_chain(&s, ok).await.2, ChainOutcome::Replied(_)));
         assert_eq!(reply_error(&mem, REPLY), 0);
