@@ -1,0 +1,556 @@
+//! Buffered I/O through the page cache: reads that take no lock on a hit,
+//! writes that dirty pages, and writeback that allocates and logs them.
+
+use std::cell::RefCell;
+
+use super::{
+    blocks_of, copy_page_part, page_part, VecSink, WriteTimes, DIRTY_THROTTLE_PERCENT, IO_BLOCKS_MAX, WRITEBACK_TOKEN,
+};
+use crate::cache::{CacheFull, PAGE_BYTES};
+use crate::extent::Segment;
+use crate::format::{BLOCK_BYTES, BLOCK_SIZE};
+use crate::ops::{COPY_RANGE_MAX, MAX_FILE_BYTES};
+use crate::{journal, Fs, FsError, FsResult};
+use keelfs_bdev::AlignedBuf;
+
+/// Where a buffered write's bytes come from: caller memory, or memory the
+/// caller can only copy out of (a guest's pages), so that the one copy is
+/// straight into the page cache.
+pub trait WriteSource {
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Fill `dst` with the bytes from offset `at` on.
+    fn copy_to(&self, at: usize, dst: &mut [u8]);
+}
+
+impl WriteSource for [u8] {
+    fn len(&self) -> usize {
+        <[u8]>::len(self)
+    }
+    fn copy_to(&self, at: usize, dst: &mut [u8]) {
+        dst.copy_from_slice(&self[at..at + dst.len()]);
+    }
+}
+
+/// Where a buffered read's bytes go (a guest's pages), so that a cache hit
+/// is one copy from the page cache.
+pub trait ReadSink {
+    /// Store `src` at offset `at`.
+    fn copy_from(&self, at: usize, src: &[u8]);
+}
+
+impl Fs {
+    /// Read up to `size` bytes at `offset` into `sink`; the bytes read.
+    /// Cached pages go straight from the cache into the sink; a read that
+    /// misses goes through [`Fs::read`] and one more copy.
+    pub async fn read_to<K: ReadSink + ?Sized>(&self, ino: u64, offset: u64, size: u32, sink: &K) -> FsResult<u32> {
+        let inode = self.require_file(ino)?;
+        let end = offset.saturating_add(u64::from(size)).min(inode.size);
+        if offset < end && self.copy_cached_to(ino, offset, end, sink) {
+            self.inner.accessed(ino);
+            self.inner.bump(|c| c.data_bytes_read += end - offset);
+            return Ok((end - offset) as u32);
+        }
+        // Everything else goes through `read`, which moves atime itself.
+        let data = self.read(ino, offset, size).await?;
+        sink.copy_from(0, &data);
+        Ok(data.len() as u32)
+    }
+
+    /// Read through the page cache. Pages already cached are copied out
+    /// without taking any lock; misses are loaded under a shared lock.
+    pub async fn read(&self, ino: u64, offset: u64, size: u32) -> FsResult<Vec<u8>> {
+        let inode = self.require_file(ino)?;
+        self.inner.accessed(ino);
+        if offset >= inode.size || size == 0 {
+            return Ok(Vec::new());
+        }
+        let end = (offset + u64::from(size)).min(inode.size);
+        let (first, last) = blocks_of(offset, end - offset);
+        if let Some(out) = self.copy_cached(ino, offset, end) {
+            self.inner.bump(|c| c.data_bytes_read += out.len() as u64);
+            return Ok(out);
+        }
+        let _range = self.inner.ranges.lock(ino, first * BLOCK_SIZE, (last + 1) * BLOCK_SIZE, false).await;
+        let size_now = self.inner.inode(ino)?.size;
+        let end = end.min(size_now);
+        if offset >= end {
+            return Ok(Vec::new());
+        }
+        // Copy what is cached now, in one synchronous step; then load the
+        // rest, copying each page into the result as it arrives. The shared
+        // lock keeps writers of the range out meanwhile.
+        let last = (end - 1) / BLOCK_SIZE;
+        let mut out = vec![0u8; (end - offset) as usize];
+        let missing: Vec<u64> = {
+            let mut cache = self.inner.cache.borrow_mut();
+            (first..=last)
+                .filter(|&page| match cache.get((ino, page)) {
+                    Some(p) => {
+                        copy_page_part(p, page, offset, &mut out);
+                        false
+                    }
+                    None => true,
+                })
+                .collect()
+        };
+        self.load_pages_into(ino, &missing, size_now, offset, &mut out).await?;
+        self.inner.bump(|c| c.data_bytes_read += out.len() as u64);
+        Ok(out)
+    }
+
+    /// All of [offset, end) from the cache in one synchronous step, or None
+    /// if any page is missing.
+    fn copy_cached(&self, ino: u64, offset: u64, end: u64) -> Option<Vec<u8>> {
+        let out = VecSink(RefCell::new(vec![0u8; (end - offset) as usize]));
+        self.copy_cached_to(ino, offset, end, &out).then(|| out.0.into_inner())
+    }
+
+    /// [`Self::copy_cached`] into any sink; false (nothing copied) if any
+    /// page is missing.
+    fn copy_cached_to<K: ReadSink + ?Sized>(&self, ino: u64, offset: u64, end: u64, sink: &K) -> bool {
+        let (first, last) = blocks_of(offset, end - offset);
+        let mut cache = self.inner.cache.borrow_mut();
+        if !(first..=last).all(|p| cache.contains((ino, p))) {
+            return false;
+        }
+        for page in first..=last {
+            let data = cache.get((ino, page)).expect("checked above");
+            if let Some((in_page, at)) = page_part(page, offset, end) {
+                sink.copy_from(at, &data[in_page]);
+            }
+        }
+        true
+    }
+
+    /// Load `pages` (sorted) with as few device reads as possible (runs on
+    /// consecutive device blocks become one request, all in flight
+    /// together), cache them, and copy their part of [offset, ..) into
+    /// `out`.
+    async fn load_pages_into(&self, ino: u64, pages: &[u64], size: u64, offset: u64, out: &mut [u8]) -> FsResult<()> {
+        if pages.is_empty() {
+            return Ok(());
+        }
+        self.inner.cache.borrow_mut().note_misses(pages.len() as u64);
+        let epoch = self.direct_epoch(ino);
+        // (first page, device block or None for zeros, pages)
+        let mut runs: Vec<(u64, Option<u64>, u64)> = Vec::new();
+        for &page in pages {
+            let disk = match self.segments(ino, page, 1)?[0] {
+                Segment::Mapped(e) if !e.unwritten => Some(e.disk_block),
+                _ => None,
+            };
+            match runs.last_mut() {
+                Some((p0, Some(d0), n)) if disk == Some(*d0 + *n) && page == *p0 + *n && *n < IO_BLOCKS_MAX => *n += 1,
+                Some((p0, None, n)) if disk.is_none() && page == *p0 + *n => *n += 1,
+                _ => runs.push((page, disk, 1)),
+            }
+        }
+        let mut pending = Vec::new();
+        for &(page, disk, n) in &runs {
+            let read = disk.map(|d| {
+                let buf = AlignedBuf::zeroed((n * BLOCK_SIZE) as usize, BLOCK_BYTES);
+                self.inner.dev.read(d * BLOCK_SIZE, buf)
+            });
+            pending.push((page, n, read));
+        }
+        const ZEROS: [u8; PAGE_BYTES] = [0u8; PAGE_BYTES];
+        for (page, n, read) in pending {
+            let data = match read {
+                Some(f) => {
+                    let (buf, result) = f.await;
+                    result?;
+                    self.inner.bump(|c| c.data_bytes_read += n * BLOCK_SIZE);
+                    Some(buf)
+                }
+                None => None,
+            };
+            let cacheable = self.direct_epoch(ino) == epoch;
+            let mut cache = self.inner.cache.borrow_mut();
+            for k in 0..n {
+                let mut content = ZEROS;
+                if let Some(buf) = &data {
+                    content.copy_from_slice(&buf[(k * BLOCK_SIZE) as usize..((k + 1) * BLOCK_SIZE) as usize]);
+                }
+                let page_start = (page + k) * BLOCK_SIZE;
+                content[size.saturating_sub(page_start).min(BLOCK_SIZE) as usize..].fill(0);
+                copy_page_part(&content, page + k, offset, out);
+                if cacheable && !cache.contains((ino, page + k)) {
+                    // A cache full of dirty pages just does not keep it.
+                    let _ = cache.insert((ino, page + k), &content);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A page's contents, loading it into the cache on a miss. Bytes past
+    /// `size` are zero in the cached copy.
+    async fn page_for_read(&self, ino: u64, page: u64, size: u64) -> FsResult<Vec<u8>> {
+        if let Some(p) = self.inner.cache.borrow_mut().get((ino, page)) {
+            return Ok(p.to_vec());
+        }
+        let mut data = vec![0u8; PAGE_BYTES];
+        let epoch = self.direct_epoch(ino);
+        self.read_device_block(ino, page, &mut data).await?;
+        let page_start = page * BLOCK_SIZE;
+        if size < page_start + BLOCK_SIZE {
+            data[size.saturating_sub(page_start) as usize..].fill(0);
+        }
+        if self.direct_epoch(ino) != epoch {
+            return Ok(data); // read beside a direct write: not cached
+        }
+        let mut cache = self.inner.cache.borrow_mut();
+        if !cache.contains((ino, page)) {
+            // A full cache of dirty pages: serve this read uncached.
+            let _ = cache.insert((ino, page), &data);
+        } else if let Some(p) = cache.get((ino, page)) {
+            return Ok(p.to_vec());
+        }
+        Ok(data)
+    }
+
+    /// copy_file_range: up to `len` bytes (at most `COPY_RANGE_MAX`) from
+    /// `from` at `from_offset` to `to` at `to_offset`, through the page
+    /// cache in 1 MiB steps, each of which awaits and so yields. Stops at
+    /// the source's end; returns the bytes copied. Overlapping ranges of
+    /// one file are EINVAL, as on Linux.
+    pub async fn copy_range(&self, from: u64, from_offset: u64, to: u64, to_offset: u64, len: u64) -> FsResult<u64> {
+        const STEP: u64 = 1 << 20;
+        self.require_file(to)?;
+        let len = len.min(COPY_RANGE_MAX);
+        let overlaps = from_offset < to_offset.saturating_add(len) && to_offset < from_offset.saturating_add(len);
+        if from == to && overlaps {
+            return Err(FsError::Invalid("copy_file_range within overlapping ranges of one file"));
+        }
+        to_offset.checked_add(len).filter(|&e| e <= MAX_FILE_BYTES).ok_or(FsError::FileTooBig)?;
+        let mut done = 0;
+        while done < len {
+            let chunk = self.read(from, from_offset + done, (len - done).min(STEP) as u32).await?;
+            if chunk.is_empty() {
+                break; // the source's end
+            }
+            done += u64::from(self.write(to, to_offset + done, &chunk).await?);
+        }
+        Ok(done)
+    }
+
+    /// Write through the page cache: pages are dirtied, not allocated
+    /// (delayed allocation); writeback allocates and logs them later.
+    pub async fn write(&self, ino: u64, offset: u64, data: &[u8]) -> FsResult<u32> {
+        self.write_from(ino, offset, data).await
+    }
+
+    /// [`Fs::write`] from any [`WriteSource`]: the bytes are copied once,
+    /// into the cached pages.
+    pub async fn write_from<S: WriteSource + ?Sized>(&self, ino: u64, offset: u64, data: &S) -> FsResult<u32> {
+        self.write_from_with(ino, offset, data, WriteTimes::Stamp).await
+    }
+
+    /// [`Fs::write_from`], saying who keeps the file's mtime and ctime.
+    pub async fn write_from_with<S: WriteSource + ?Sized>(
+        &self,
+        ino: u64,
+        offset: u64,
+        data: &S,
+        times: WriteTimes,
+    ) -> FsResult<u32> {
+        if self.read_only() {
+            return Err(FsError::ReadOnly);
+        }
+        match self.write_from_once(ino, offset, data, times).await {
+            Err(FsError::NoSpace) if self.reclaim_pending_frees().await? => {
+                self.write_from_once(ino, offset, data, times).await
+            }
+            other => other,
+        }
+    }
+
+    /// Space freed since the last commit cannot be reused before the free
+    /// commits (a crash must not find a freed block already holding new
+    /// data while the old owner still names it). On ENOSPC with such space
+    /// pending, commit now and report that a retry may succeed, as ext4
+    /// does.
+    ///
+    /// The frees may also be in a commit already under way (another task
+    /// hit ENOSPC first): the sync waits for it. A checkpoint being written
+    /// in pieces holds the frees committed since its start; it is given up
+    /// first, so that they come back too. A retry is worth it only if
+    /// space came back.
+    pub(super) async fn reclaim_pending_frees(&self) -> FsResult<bool> {
+        let before = self.inner.available_blocks();
+        journal::abandon_checkpoint_in_pieces(&self.inner);
+        journal::commit_all(&self.inner).await?;
+        Ok(self.inner.available_blocks() > before)
+    }
+
+    async fn write_from_once<S: WriteSource + ?Sized>(
+        &self,
+        ino: u64,
+        offset: u64,
+        data: &S,
+        times: WriteTimes,
+    ) -> FsResult<u32> {
+        if data.is_empty() {
+            return Ok(0);
+        }
+        let end = offset.checked_add(data.len() as u64).filter(|&e| e <= MAX_FILE_BYTES).ok_or(FsError::FileTooBig)?;
+        self.require_file(ino)?;
+        let (first, last) = blocks_of(offset, data.len() as u64);
+        loop {
+            // Room is made before any lock is held: writeback takes locks.
+            self.make_room(last - first + 1).await?;
+            let (range, old_size) = self.lock_for_write(ino, first, last, end).await?;
+            if end > old_size && old_size / BLOCK_SIZE < first {
+                self.zero_past_eof(ino, old_size).await?;
+            }
+            // Partial edge pages are read first and kept here, so that the
+            // update below is one synchronous step even if they are evicted
+            // while we wait.
+            let mut edges: Vec<(u64, Vec<u8>)> = Vec::new();
+            for page in [first, last] {
+                let (ps, pe) = (page * BLOCK_SIZE, (page + 1) * BLOCK_SIZE);
+                let partial = offset > ps || end < pe;
+                if partial && ps < old_size && !edges.iter().any(|(p, _)| *p == page) {
+                    edges.push((page, self.page_for_read(ino, page, old_size).await?));
+                }
+            }
+            let to_reserve = self.pages_needing_reservation(ino, first, last)?;
+            self.reserve_delalloc(to_reserve.len() as u64)?;
+            // An extending write changes pages and then the size: readers
+            // on other cores see both or neither.
+            let change = (end > old_size).then(|| self.inner.file_change(ino));
+            if self.apply_write(ino, offset, data, &edges, &to_reserve).is_err() {
+                // Other tasks filled the cache with dirty pages meanwhile:
+                // undo the reservation and start over (rewriting the same
+                // bytes is harmless).
+                self.inner.release_delalloc(to_reserve.len() as u64);
+                drop(range);
+                continue;
+            }
+            if end > old_size {
+                if let Some(n) = self.inner.state.borrow_mut().node_mut(ino) {
+                    n.persist_size_cap.get_or_insert(old_size);
+                    n.datasync_needed = true;
+                }
+            }
+            self.inner.written_with(ino, Some(end), times)?;
+            drop(change);
+            drop(range);
+            self.throttle(ino).await?;
+            return Ok(data.len() as u32);
+        }
+    }
+
+    /// Copy `data` into the cached pages of its range, creating them from
+    /// `edges` or zeros, and mark them dirty: all in one synchronous step.
+    /// Fails, changing nothing, if there are not enough clean slots.
+    fn apply_write<S: WriteSource + ?Sized>(
+        &self,
+        ino: u64,
+        offset: u64,
+        data: &S,
+        edges: &[(u64, Vec<u8>)],
+        reserve: &[u64],
+    ) -> Result<(), CacheFull> {
+        let end = offset + data.len() as u64;
+        let (first, last) = blocks_of(offset, data.len() as u64);
+        let mut cache = self.inner.cache.borrow_mut();
+        let absent = (first..=last).filter(|&p| !cache.contains((ino, p))).count();
+        if absent > cache.clean_or_free_slots() {
+            return Err(CacheFull);
+        }
+        // Each page is opened before it changes and all are closed at the
+        // end, so that readers on other cores see the whole write or none
+        // of it. A page written here is dirty at once, so inserting the
+        // next one cannot evict it.
+        for page in first..=last {
+            if !cache.contains((ino, page)) {
+                let content = edges.iter().find(|(p, _)| *p == page).map_or(&[0u8; PAGE_BYTES][..], |(_, c)| &c[..]);
+                if let Err(full) = cache.insert((ino, page), content) {
+                    cache.write_close();
+                    return Err(full);
+                }
+            }
+            let (ps, pe) = (page * BLOCK_SIZE, (page + 1) * BLOCK_SIZE);
+            let from = offset.max(ps);
+            let to = end.min(pe);
+            let stored = cache.write_open((ino, page), (from - ps) as usize, (to - from) as usize, |part| {
+                data.copy_to((from - offset) as usize, part)
+            });
+            assert!(stored, "page {page} of inode {ino} was inserted above");
+            cache.mark_dirty((ino, page));
+            if reserve.contains(&page) {
+                cache.set_reserved((ino, page));
+            }
+        }
+        cache.write_close();
+        Ok(())
+    }
+
+    /// Write back until `pages` more pages fit without evicting dirty ones.
+    async fn make_room(&self, pages: u64) -> FsResult<()> {
+        for _ in 0..4 {
+            if self.inner.cache.borrow().clean_or_free_slots() as u64 > pages {
+                return Ok(());
+            }
+            self.writeback_all().await?;
+        }
+        Err(FsError::Corrupt("the page cache is too small for this write".into()))
+    }
+
+    /// Pages of [first, last] over holes that hold no reservation yet:
+    /// writeback will allocate a block for each.
+    fn pages_needing_reservation(&self, ino: u64, first: u64, last: u64) -> FsResult<Vec<u64>> {
+        let cache = self.inner.cache.borrow();
+        let mut out = Vec::new();
+        for seg in self.segments(ino, first, last - first + 1)? {
+            if let Segment::Hole { file_block, len } = seg {
+                out.extend((file_block..file_block + len).filter(|&p| !cache.is_reserved((ino, p))));
+            }
+        }
+        Ok(out)
+    }
+
+    fn reserve_delalloc(&self, blocks: u64) -> FsResult<()> {
+        if blocks == 0 {
+            return Ok(());
+        }
+        if self.inner.available_blocks() < blocks {
+            return Err(FsError::NoSpace);
+        }
+        self.inner.journal.borrow_mut().delalloc_reserved += blocks;
+        Ok(())
+    }
+
+    async fn throttle(&self, ino: u64) -> FsResult<()> {
+        let (dirty, capacity) = {
+            let c = self.inner.cache.borrow();
+            (c.dirty_pages(), c.capacity_pages())
+        };
+        if dirty * 100 > capacity * DIRTY_THROTTLE_PERCENT {
+            self.writeback(ino, 0, u64::MAX).await?;
+        }
+        Ok(())
+    }
+
+    /// Write back the dirty pages of `ino` in [from, to) (page indices).
+    pub(crate) async fn writeback(&self, ino: u64, from: u64, to: u64) -> FsResult<()> {
+        let pages = self.inner.cache.borrow().dirty_of(ino, from, to);
+        let mut i = 0;
+        while i < pages.len() {
+            let mut j = i + 1;
+            while j < pages.len() && pages[j] == pages[j - 1] + 1 && (j - i) < IO_BLOCKS_MAX as usize {
+                j += 1;
+            }
+            self.writeback_run(ino, pages[i], (j - i) as u64).await?;
+            i = j;
+        }
+        let clean = self.inner.cache.borrow().dirty_of(ino, 0, u64::MAX).is_empty();
+        if clean {
+            let capped =
+                self.inner.state.borrow_mut().node_mut(ino).is_some_and(|n| n.persist_size_cap.take().is_some());
+            if capped {
+                self.inner.mark_dirty(ino);
+            }
+        }
+        Ok(())
+    }
+
+    async fn writeback_run(&self, ino: u64, first: u64, count: u64) -> FsResult<()> {
+        // One writeback per file at a time (two could allocate the same
+        // hole), holding a token range past any data; and a *shared* lock
+        // on the pages: writers of them wait, readers never do.
+        let _token = self.inner.ranges.lock(ino, WRITEBACK_TOKEN, u64::MAX, true).await;
+        let _range = self.inner.ranges.lock(ino, first * BLOCK_SIZE, (first + count) * BLOCK_SIZE, false).await;
+        if self.inner.state.borrow().node(ino).is_none() {
+            return Ok(());
+        }
+        // Snapshot the pages still dirty (a truncate may have dropped some),
+        // as whole contiguous runs.
+        // Runs of pages still dirty (a truncate may have dropped some).
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        {
+            let cache = self.inner.cache.borrow();
+            for page in first..first + count {
+                if !cache.is_dirty((ino, page)) {
+                    continue;
+                }
+                match runs.last_mut() {
+                    Some((f, n)) if *f + *n == page => *n += 1,
+                    _ => runs.push((page, 1)),
+                }
+            }
+        }
+        let mut released = 0;
+        let mut images = Vec::with_capacity(runs.len());
+        {
+            let mut cache = self.inner.cache.borrow_mut();
+            for &(f, n) in &runs {
+                let mut image = AlignedBuf::zeroed((n * BLOCK_SIZE) as usize, BLOCK_BYTES);
+                for page in f..f + n {
+                    let at = ((page - f) * BLOCK_SIZE) as usize;
+                    image[at..at + PAGE_BYTES].copy_from_slice(cache.peek((ino, page)).expect("dirty page is cached"));
+                    cache.mark_clean((ino, page));
+                    released += u64::from(cache.take_reserved((ino, page)));
+                }
+                images.push((f, image));
+            }
+        }
+        let runs = images;
+        // The reservations become real allocations in write_image.
+        self.inner.release_delalloc(released);
+        for (f, image) in runs {
+            let pages = image.len() as u64 / BLOCK_SIZE;
+            match self.write_image(ino, f, image).await {
+                Ok(records) => {
+                    self.log_all(records)?;
+                    self.inner.bump(|c| c.writeback_pages += pages);
+                }
+                Err(e) => {
+                    let mut cache = self.inner.cache.borrow_mut();
+                    for p in f..f + pages {
+                        cache.mark_dirty((ino, p));
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Write back every dirty page.
+    pub async fn writeback_all(&self) -> FsResult<()> {
+        let inodes = self.inner.cache.borrow().dirty_inodes();
+        for ino in inodes {
+            self.writeback(ino, 0, u64::MAX).await?;
+        }
+        Ok(())
+    }
+
+    /// Make the file durable: its dirty pages, then (unless `datasync` and
+    /// only timestamps changed) the journal, then the device cache.
+    pub async fn fsync(&self, ino: u64, datasync: bool) -> FsResult<()> {
+        self.inner.inode(ino)?;
+        if self.read_only() {
+            return Ok(());
+        }
+        self.writeback(ino, 0, u64::MAX).await?;
+        let needed = self.inner.state.borrow().node(ino).is_some_and(|n| n.datasync_needed);
+        if datasync && !needed {
+            return journal::flush_data(&self.inner).await;
+        }
+        journal::sync(&self.inner).await
+    }
+
+    pub async fn fsyncdir(&self, ino: u64, datasync: bool) -> FsResult<()> {
+        self.inner.inode(ino)?;
+        if self.read_only() {
+            return Ok(());
+        }
+        let _ = datasync;
+        journal::sync(&self.inner).await
+    }
+}

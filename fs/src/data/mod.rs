@@ -1,0 +1,311 @@
+//! Data operations.
+//!
+//! - Buffered reads and writes go through the page cache. Writes only dirty
+//!   pages (delayed allocation); writeback allocates, writes and logs the
+//!   extents later, in the background, at fsync, or under memory pressure.
+//!   A read that finds every page cached takes no lock at all, so it never
+//!   waits for writers; a read that misses takes a shared range lock.
+//! - Direct reads and writes move data between the caller's buffer (guest
+//!   pages, on the vhost-user path) and the device with no copy. An overwrite of written
+//!   blocks takes a *shared* range lock and logs nothing: no transaction,
+//!   no record, only the in-memory mtime. A write into holes or past the
+//!   end allocates unwritten extents, submits at once, and converts the
+//!   extents and advances the size when its own I/O completes, so appends
+//!   never wait for one another.
+
+mod buffered;
+mod direct;
+mod space;
+
+pub use buffered::{ReadSink, WriteSource};
+use std::cell::RefCell;
+use std::rc::Rc;
+
+use super::cache::PAGE_BYTES;
+use super::extent::{Segment, Segments};
+use super::format::{BlockRun, Inode, Timespec, BLOCK_BYTES, BLOCK_SIZE};
+use super::record::Record;
+use super::{Fs, FsError, FsResult};
+use keelfs_bdev::AlignedBuf;
+use keelfs_reactor as reactor;
+use keelfs_reactor::{await_all, SharedBuffer};
+
+/// Device requests are split at 1 MiB (256 blocks).
+pub(crate) const IO_BLOCKS_MAX: u64 = 256;
+/// Who keeps a file's mtime and ctime when data is written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WriteTimes {
+    /// keelfs stamps them, as a local filesystem does.
+    Stamp,
+    /// The client does: a FUSE kernel with writeback caching stamps its
+    /// own copy at write(2) and sends it in a SETATTR; pages written back
+    /// later must not move them again.
+    KeptByClient,
+}
+
+/// The range lock that serialises writeback of one file: far past any
+/// file offset (MAX_FILE_BYTES), so only truncation and writeback take it.
+const WRITEBACK_TOKEN: u64 = u64::MAX - 1;
+/// Writers write their own file back once this share of the cache is dirty.
+const DIRTY_THROTTLE_PERCENT: usize = 50;
+
+fn now() -> Timespec {
+    Timespec::now()
+}
+
+/// The part of `page` inside the file range [offset, end): its byte range
+/// within the page and where it lands in a buffer starting at `offset`.
+fn page_part(page: u64, offset: u64, end: u64) -> Option<(std::ops::Range<usize>, usize)> {
+    let page_start = page * BLOCK_SIZE;
+    let (from, to) = (offset.max(page_start), end.min(page_start + BLOCK_SIZE));
+    (from < to).then(|| (((from - page_start) as usize..(to - page_start) as usize), (from - offset) as usize))
+}
+
+/// Copy the part of `page` that falls in `out` (which starts at file
+/// offset `offset`).
+fn copy_page_part(page_data: &[u8], page: u64, offset: u64, out: &mut [u8]) {
+    if let Some((in_page, at)) = page_part(page, offset, offset + out.len() as u64) {
+        out[at..at + in_page.len()].copy_from_slice(&page_data[in_page]);
+    }
+}
+
+/// A plain buffer as a [`ReadSink`], for the copying read path.
+struct VecSink(RefCell<Vec<u8>>);
+
+impl ReadSink for VecSink {
+    fn copy_from(&self, at: usize, src: &[u8]) {
+        self.0.borrow_mut()[at..at + src.len()].copy_from_slice(src);
+    }
+}
+
+fn blocks_of(offset: u64, len: u64) -> (u64, u64) {
+    (offset / BLOCK_SIZE, (offset + len - 1) / BLOCK_SIZE)
+}
+
+/// Write dirty pages back every `writeback_interval`.
+pub(crate) fn start_writeback_timer(fs: &Fs) {
+    let weak = Rc::downgrade(&fs.inner);
+    let interval = fs.inner.config.writeback_interval;
+    reactor::spawn_local(async move {
+        loop {
+            reactor::sleep(interval).await;
+            let Some(inner) = weak.upgrade() else { return };
+            if inner.unmounted.get() {
+                return;
+            }
+            if inner.cache.borrow().dirty_pages() > 0 {
+                let _ = Fs { inner }.writeback_all().await;
+            }
+        }
+    });
+}
+
+/// Shared helpers.
+impl Fs {
+    pub(super) fn require_file(&self, ino: u64) -> FsResult<Inode> {
+        let inode = self.inner.inode(ino)?;
+        if inode.is_dir() {
+            return Err(FsError::IsDir);
+        }
+        if !inode.is_reg() {
+            return Err(FsError::Invalid("data operation on a special file"));
+        }
+        Ok(inode)
+    }
+
+    fn segments(&self, ino: u64, first: u64, count: u64) -> FsResult<Segments> {
+        let state = self.inner.state.borrow();
+        Ok(state.node(ino).ok_or(FsError::Stale)?.extents.segments(first, count))
+    }
+
+    /// One file block as it is on the device (zeros for holes and
+    /// unwritten extents), ignoring the page cache.
+    async fn read_device_block(&self, ino: u64, file_block: u64, out: &mut [u8]) -> FsResult<()> {
+        match self.segments(ino, file_block, 1)?[0] {
+            Segment::Mapped(e) if !e.unwritten => {
+                let buf = self.inner.read_blocks(e.disk_block, 1).await?;
+                out.copy_from_slice(&buf);
+                self.inner.bump(|c| c.data_bytes_read += BLOCK_SIZE);
+            }
+            _ => out.fill(0),
+        }
+        Ok(())
+    }
+
+    /// Blocks for `count` file blocks from `file_block`, placed after the
+    /// file's previous extent when that space is free (extent merging).
+    /// Only writeback (`reserved`) may dip into space promised to dirty
+    /// pages.
+    fn alloc_runs(&self, ino: u64, file_block: u64, count: u64, reserved: bool) -> FsResult<Vec<BlockRun>> {
+        if !reserved && self.inner.available_blocks() < count {
+            return Err(FsError::NoSpace);
+        }
+        let mut state = self.inner.state.borrow_mut();
+        let mut hint = state.node(ino).ok_or(FsError::Stale)?.extents.hint_after(file_block);
+        let mut runs = Vec::new();
+        let mut left = count;
+        while left > 0 {
+            match state.alloc.alloc(left, hint, self.inner.config.preferred_group) {
+                Some(run) => {
+                    left -= run.len;
+                    hint = Some(run.end());
+                    runs.push(run);
+                }
+                None => {
+                    for r in runs {
+                        state.alloc.free(r);
+                    }
+                    return Err(FsError::NoSpace);
+                }
+            }
+        }
+        drop(state);
+        self.inner.journal.borrow_mut().reserved_unmapped += count;
+        Ok(runs)
+    }
+
+    fn unreserve(&self, runs: &[BlockRun], back_to_free: bool) {
+        let total: u64 = runs.iter().map(|r| r.len).sum();
+        self.inner.journal.borrow_mut().reserved_unmapped -= total;
+        if back_to_free {
+            let mut state = self.inner.state.borrow_mut();
+            for r in runs {
+                state.alloc.free(*r);
+            }
+        }
+    }
+
+    /// Lock the blocks a write covers. A write that extends the file also
+    /// locks from the block holding the current end of file when that
+    /// block's tail must be zeroed first. Returns the guard and the size
+    /// seen under it.
+    async fn lock_for_write(
+        &self,
+        ino: u64,
+        first: u64,
+        last: u64,
+        end: u64,
+    ) -> FsResult<(super::sync::RangeGuard, u64)> {
+        loop {
+            let size = self.inner.inode(ino)?.size;
+            let eof_block = size / BLOCK_SIZE;
+            let needs_tail = end > size && size % BLOCK_SIZE != 0 && eof_block < first;
+            let (start, stop) = if needs_tail {
+                (eof_block * BLOCK_SIZE, u64::MAX)
+            } else {
+                (first * BLOCK_SIZE, (last + 1) * BLOCK_SIZE)
+            };
+            let guard = self.inner.ranges.lock(ino, start, stop, true).await;
+            let now_size = self.inner.inode(ino).map_err(|_| FsError::Stale)?.size;
+            let still_needs_tail = end > now_size && now_size % BLOCK_SIZE != 0 && now_size / BLOCK_SIZE < first;
+            if !still_needs_tail || (now_size / BLOCK_SIZE) * BLOCK_SIZE >= start {
+                return Ok((guard, now_size));
+            }
+        }
+    }
+
+    /// Zero the bytes past `size` in the block holding the end of file, on
+    /// the device and in the cache: they are invisible now and about to
+    /// become part of the file.
+    async fn zero_past_eof(&self, ino: u64, size: u64) -> FsResult<()> {
+        let tail = (size % BLOCK_SIZE) as usize;
+        if tail == 0 {
+            return Ok(());
+        }
+        let page = size / BLOCK_SIZE;
+        self.inner.cache.borrow_mut().zero((ino, page), tail, PAGE_BYTES);
+        self.zero_in_block(ino, page, tail, BLOCK_BYTES).await
+    }
+
+    /// Zero bytes [from, to) of one file block on the device, if it holds
+    /// written data.
+    async fn zero_in_block(&self, ino: u64, file_block: u64, from: usize, to: usize) -> FsResult<()> {
+        let Segment::Mapped(e) = self.segments(ino, file_block, 1)?[0] else { return Ok(()) };
+        if e.unwritten {
+            return Ok(());
+        }
+        let mut buf = self.inner.read_blocks(e.disk_block, 1).await?;
+        buf[from..to].fill(0);
+        self.inner.write_blocks(e.disk_block, buf).await?;
+        let mut j = self.inner.journal.borrow_mut();
+        j.data_writes += 1;
+        j.exposes_data = true;
+        Ok(())
+    }
+
+    /// Write whole blocks of `image` at `first`: in place where the file
+    /// already has written blocks, into new blocks where it has holes,
+    /// into unwritten extents where it has those. Returns the records that
+    /// map what was written; the caller logs them now that the data is on
+    /// the device (ordered data).
+    async fn write_image(&self, ino: u64, first: u64, image: AlignedBuf) -> FsResult<Vec<Record>> {
+        let nblocks = image.len() as u64 / BLOCK_SIZE;
+        let image_bytes = image.len() as u64;
+        let mut targets: Vec<(u64, u64, u64, bool)> = Vec::new(); // (file, disk, len, needs record)
+        let mut fresh: Vec<BlockRun> = Vec::new();
+        for seg in self.segments(ino, first, nblocks)? {
+            match seg {
+                Segment::Mapped(e) => targets.push((e.file_block, e.disk_block, e.len, e.unwritten)),
+                Segment::Hole { file_block, len } => {
+                    let runs = match self.alloc_runs(ino, file_block, len, true) {
+                        Ok(r) => r,
+                        Err(e) => {
+                            self.unreserve(&fresh, true);
+                            return Err(e);
+                        }
+                    };
+                    let mut fb = file_block;
+                    for r in &runs {
+                        targets.push((fb, r.start, r.len, true));
+                        fb += r.len;
+                    }
+                    fresh.extend(runs);
+                }
+            }
+        }
+        // The image goes to the device in slices, without another copy.
+        let image = SharedBuffer::new(image);
+        let mut pending = Vec::new();
+        for &(fb, db, len, _) in &targets {
+            let mut done = 0;
+            while done < len {
+                let n = (len - done).min(IO_BLOCKS_MAX);
+                let src = ((fb + done - first) * BLOCK_SIZE) as usize;
+                let slice = image.slice(src, (n * BLOCK_SIZE) as usize).map_err(|_| FsError::Invalid("image busy"))?;
+                pending.push(self.inner.dev.write((db + done) * BLOCK_SIZE, slice));
+                done += n;
+            }
+        }
+        let result = await_all(pending).await;
+        drop(image);
+        self.inner.journal.borrow_mut().data_writes += 1;
+        self.inner.bump(|c| c.data_bytes_written += image_bytes);
+        if let Err(e) = result {
+            self.unreserve(&fresh, true);
+            return Err(e.into());
+        }
+        if self.inner.state.borrow().node(ino).is_none() {
+            self.unreserve(&fresh, true);
+            return Err(FsError::Stale);
+        }
+        self.unreserve(&fresh, false);
+        Ok(targets
+            .into_iter()
+            .filter(|t| t.3)
+            .map(|(fb, db, len, _)| Record::ExtentMap { ino, file_block: fb, disk_block: db, len, unwritten: false })
+            .collect())
+    }
+
+    fn log_all(&self, records: Vec<Record>) -> FsResult<()> {
+        for r in records {
+            self.inner.log(r)?;
+        }
+        Ok(())
+    }
+
+    fn set_datasync_needed(&self, ino: u64) {
+        if let Some(n) = self.inner.state.borrow_mut().node_mut(ino) {
+            n.datasync_needed = true;
+        }
+    }
+}

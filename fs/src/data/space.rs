@@ -1,0 +1,192 @@
+//! Size changes, preallocation and seeking.
+
+use super::{blocks_of, now};
+use crate::cache::PAGE_BYTES;
+use crate::extent::Segment;
+use crate::format::{BLOCK_BYTES, BLOCK_SIZE};
+use crate::ops::{SeekTo, FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE, MAX_FILE_BYTES};
+use crate::record::Record;
+use crate::{Fs, FsError, FsResult};
+
+impl Fs {
+    /// Set the size. Shrinking frees whole blocks past the new end in one
+    /// transaction; the bytes left past the end in the last partial block
+    /// are zeroed only when the file grows over them again, so a crash
+    /// before the shrink commits cannot destroy data still in the file.
+    pub(crate) async fn truncate(&self, ino: u64, new_size: u64) -> FsResult<()> {
+        if new_size > MAX_FILE_BYTES {
+            return Err(FsError::FileTooBig);
+        }
+        let old = self.require_file(ino)?.size;
+        let from = old.min(new_size) / BLOCK_SIZE * BLOCK_SIZE;
+        let _range = self.inner.ranges.lock(ino, from, u64::MAX, true).await;
+        let keep_blocks = new_size.div_ceil(BLOCK_SIZE);
+        // Shrinking drops pages, zeroes the new last page's tail, then sets
+        // the size: readers on other cores see all of it or none.
+        let change = (new_size < old).then(|| self.inner.file_change(ino));
+        if new_size < old {
+            let released = self.inner.cache.borrow_mut().discard(ino, keep_blocks);
+            self.inner.release_delalloc(released);
+            self.inner.cache.borrow_mut().zero(
+                (ino, new_size / BLOCK_SIZE),
+                (new_size % BLOCK_SIZE) as usize,
+                PAGE_BYTES,
+            );
+            self.inner.log(Record::ExtentPunch { ino, file_block: keep_blocks, len: u64::MAX - keep_blocks })?;
+        } else {
+            self.zero_past_eof(ino, old).await?;
+        }
+        let t = now();
+        self.inner.update_inode(ino, |i| {
+            i.size = new_size;
+            i.mtime = t;
+            i.ctime = t;
+        })?;
+        drop(change);
+        if let Some(n) = self.inner.state.borrow_mut().node_mut(ino) {
+            n.persist_size_cap = n.persist_size_cap.map(|c| c.min(new_size));
+            // An extending write that finished before the truncate must not
+            // give the file its old size back when the next one finishes.
+            n.extends_done = n.extends_done.min(new_size);
+            n.datasync_needed = true;
+        }
+        Ok(())
+    }
+
+    pub async fn fallocate(&self, ino: u64, mode: u32, offset: u64, len: u64) -> FsResult<()> {
+        if self.read_only() {
+            return Err(FsError::ReadOnly);
+        }
+        match self.fallocate_once(ino, mode, offset, len).await {
+            Err(FsError::NoSpace) if self.reclaim_pending_frees().await? => {
+                self.fallocate_once(ino, mode, offset, len).await
+            }
+            other => other,
+        }
+    }
+
+    async fn fallocate_once(&self, ino: u64, mode: u32, offset: u64, len: u64) -> FsResult<()> {
+        if len == 0 {
+            return Err(FsError::Invalid("fallocate of zero bytes"));
+        }
+        let end = offset.checked_add(len).filter(|&e| e <= MAX_FILE_BYTES).ok_or(FsError::FileTooBig)?;
+        self.require_file(ino)?;
+        let known = FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE;
+        if mode & !known != 0 {
+            return Err(FsError::Unsupported);
+        }
+        let punch = mode & FALLOC_FL_PUNCH_HOLE != 0;
+        let zero = mode & FALLOC_FL_ZERO_RANGE != 0;
+        if punch && (zero || mode & FALLOC_FL_KEEP_SIZE == 0) {
+            return Err(FsError::Invalid("punch hole needs KEEP_SIZE alone"));
+        }
+        let (first, last) = blocks_of(offset, len);
+        // Dirty cached data in the range must reach the device first, so
+        // that clearing below is not undone by a later writeback.
+        self.flush_cache_range(ino, first, last, false).await?;
+        let range_lock = self.inner.ranges.lock(ino, first * BLOCK_SIZE, (last + 1) * BLOCK_SIZE, true);
+        let _range = range_lock.await;
+        if punch || zero {
+            self.clear_range(ino, offset, end).await?;
+        }
+        let old_size = self.inner.inode(ino)?.size;
+        let keep = mode & FALLOC_FL_KEEP_SIZE != 0;
+        if !keep && end > old_size {
+            self.zero_past_eof(ino, old_size).await?;
+        }
+        if !punch {
+            self.allocate_unwritten(ino, offset / BLOCK_SIZE, end.div_ceil(BLOCK_SIZE))?;
+        }
+        let t = now();
+        self.inner.update_inode(ino, |i| {
+            if !keep {
+                i.size = i.size.max(end);
+            }
+            if punch || zero {
+                i.mtime = t;
+            }
+            i.ctime = t;
+        })?;
+        self.set_datasync_needed(ino);
+        Ok(())
+    }
+
+    /// Make [offset, end) read as zeros: unmap whole blocks, zero edges,
+    /// on the device and in the cache.
+    async fn clear_range(&self, ino: u64, offset: u64, end: u64) -> FsResult<()> {
+        let first_whole = offset.div_ceil(BLOCK_SIZE);
+        let end_whole = end / BLOCK_SIZE;
+        if first_whole < end_whole {
+            self.inner.log(Record::ExtentPunch { ino, file_block: first_whole, len: end_whole - first_whole })?;
+        }
+        {
+            let _change = self.inner.file_change(ino);
+            self.inner.cache.borrow_mut().zero_range(ino, offset, end);
+        }
+        let head_block = offset / BLOCK_SIZE;
+        let tail_block = (end - 1) / BLOCK_SIZE;
+        if !offset.is_multiple_of(BLOCK_SIZE) || (head_block == tail_block && !end.is_multiple_of(BLOCK_SIZE)) {
+            let to = if head_block == tail_block { (end - head_block * BLOCK_SIZE) as usize } else { BLOCK_BYTES };
+            self.zero_in_block(ino, head_block, (offset % BLOCK_SIZE) as usize, to).await?;
+        }
+        if tail_block != head_block && !end.is_multiple_of(BLOCK_SIZE) {
+            self.zero_in_block(ino, tail_block, 0, (end % BLOCK_SIZE) as usize).await?;
+        }
+        Ok(())
+    }
+
+    /// Back the holes in file blocks [first, end) with unwritten extents:
+    /// space is reserved and reads still return zeros, with no data I/O.
+    fn allocate_unwritten(&self, ino: u64, first: u64, end: u64) -> FsResult<()> {
+        let holes: Vec<(u64, u64)> = self
+            .segments(ino, first, end - first)?
+            .into_iter()
+            .filter_map(|s| match s {
+                Segment::Hole { file_block, len } => Some((file_block, len)),
+                Segment::Mapped(_) => None,
+            })
+            .collect();
+        for (fb, len) in holes {
+            let runs = self.alloc_runs(ino, fb, len, false)?;
+            self.unreserve(&runs, false);
+            let mut at = fb;
+            for r in runs {
+                self.inner.log(Record::ExtentMap {
+                    ino,
+                    file_block: at,
+                    disk_block: r.start,
+                    len: r.len,
+                    unwritten: true,
+                })?;
+                at += r.len;
+            }
+        }
+        Ok(())
+    }
+
+    /// SEEK_DATA / SEEK_HOLE. Unwritten extents count as holes; dirty
+    /// cached pages count as data.
+    pub async fn lseek(&self, ino: u64, offset: u64, to: SeekTo) -> FsResult<u64> {
+        let inode = self.require_file(ino)?;
+        if offset >= inode.size {
+            return Err(FsError::Nxio);
+        }
+        self.writeback(ino, 0, u64::MAX).await?;
+        let first = offset / BLOCK_SIZE;
+        let blocks = inode.size.div_ceil(BLOCK_SIZE) - first;
+        for seg in self.segments(ino, first, blocks)? {
+            let (fb, is_data) = match seg {
+                Segment::Mapped(e) => (e.file_block, !e.unwritten),
+                Segment::Hole { file_block, .. } => (file_block, false),
+            };
+            if is_data == (to == SeekTo::Data) {
+                return Ok((fb * BLOCK_SIZE).max(offset));
+            }
+        }
+        if to == SeekTo::Hole {
+            Ok(inode.size)
+        } else {
+            Err(FsError::Nxio)
+        }
+    }
+}
