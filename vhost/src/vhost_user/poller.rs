@@ -1,0 +1,414 @@
+//! The reactor side: queue pollers that pop descriptor chains, serve them
+//! (on the owner, or cached reads on a helper) and return them to the
+//! used rings in batches.
+
+use std::cell::{Cell, RefCell};
+use std::os::fd::{AsRawFd, RawFd};
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, SyncSender};
+use std::sync::Arc;
+use std::time::Instant;
+
+use keelfs_fs::Fs;
+use keelfs_reactor::{self as reactor, Poller, ReactorHandle};
+use vhost_user_backend::VringT;
+use virtio_queue::DescriptorChain;
+use virtio_queue::QueueT;
+use vm_memory::{GuestAddressSpace, GuestMemoryMmap};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::{session_of, Connection, Control, DeviceStats, HelperStats, POLL_IDLE, POP_BATCH, SESSIONS};
+use crate::fuse::dispatch::{Session, SessionConfig, SharedHandle};
+use crate::fuse::stats::OpStats;
+use crate::virtio::{serve_chain_zero_copy, serve_read_from_cache, ChainOutcome};
+
+type Chain = DescriptorChain<Arc<GuestMemoryMmap>>;
+type Served = (u16, u32, ChainOutcome);
+/// A chain served and handed to its queue's used ring, as one task.
+type ServeTask = std::pin::Pin<Box<dyn std::future::Future<Output = ()>>>;
+
+/// Where a served chain goes: its queue's completions and the counters.
+pub(super) struct Finish {
+    in_flight: Rc<Cell<usize>>,
+    completed: Rc<RefCell<Vec<(u16, u32)>>>,
+    stats: Rc<DeviceStats>,
+}
+
+impl Finish {
+    fn finish(self, (head, written, outcome): Served) {
+        let stats = &self.stats;
+        match outcome {
+            ChainOutcome::Replied(_) => stats.replies.set(stats.replies.get() + 1),
+            ChainOutcome::Direct(_) => {
+                stats.replies.set(stats.replies.get() + 1);
+                stats.zero_copy.set(stats.zero_copy.get() + 1);
+            }
+            ChainOutcome::OneCopy(_) => {
+                stats.replies.set(stats.replies.get() + 1);
+                stats.one_copy.set(stats.one_copy.get() + 1);
+            }
+            ChainOutcome::NoReply => stats.no_reply.set(stats.no_reply.get() + 1),
+            ChainOutcome::Dropped(why) => {
+                stats.dropped.set(stats.dropped.get() + 1);
+                stats.last_drop.set(Some(why));
+            }
+        }
+        self.completed.borrow_mut().push((head, written));
+        self.in_flight.set(self.in_flight.get() - 1);
+    }
+}
+
+/// What a queue poller does with the chains it pops, and when its
+/// frontend leaves.
+pub(super) trait ChainServer: 'static {
+    /// The task that serves `chain` and then calls `finish`: one boxed
+    /// future per request, spawned as it is.
+    fn serve(&self, chain: Chain, mem: Arc<GuestMemoryMmap>, finish: Finish) -> ServeTask;
+
+    /// The frontend left and every request of this poller finished; answer
+    /// `waiters` when the poller is ready for the next one.
+    fn reset(&mut self, waiters: Vec<SyncSender<()>>);
+}
+
+/// The owning reactor's side: requests run against the filesystem here.
+pub(super) struct OwnerServer {
+    pub(super) id: u64,
+    pub(super) fs: Fs,
+    pub(super) config: SessionConfig,
+    pub(super) session: Rc<Session>,
+    pub(super) op_stats: Rc<OpStats>,
+}
+
+impl ChainServer for OwnerServer {
+    fn serve(&self, chain: Chain, mem: Arc<GuestMemoryMmap>, finish: Finish) -> ServeTask {
+        let session = self.session.clone();
+        Box::pin(async move { finish.finish(serve_chain_zero_copy(&session, chain, mem).await) })
+    }
+
+    fn reset(&mut self, waiters: Vec<SyncSender<()>>) {
+        // The next frontend gets a fresh session; this one's references go.
+        // Only what the departed frontend held: another transport on the
+        // same filesystem (the host mount) keeps its handles.
+        let departed = std::mem::replace(
+            &mut self.session,
+            Rc::new(Session::with_stats(self.fs.clone(), self.config.clone(), self.op_stats.clone())),
+        );
+        SESSIONS.with(|s| s.borrow_mut().insert(self.id, self.session.clone()));
+        reactor::spawn_local(async move {
+            departed.give_back().await;
+            for waiter in waiters {
+                let _ = waiter.send(());
+            }
+        });
+    }
+}
+
+/// A helper reactor's side: cached reads here, everything else sent to the
+/// owner.
+pub(super) struct HelperServer {
+    pub(super) id: u64,
+    pub(super) owner: ReactorHandle,
+    /// What the owner said of each handle read here: its cache reader, or
+    /// None (not a buffered file handle: always sent to the owner).
+    pub(super) handles: Rc<RefCell<keelfs_base::IdMap<Option<SharedHandle>>>>,
+    pub(super) stats: Arc<HelperStats>,
+}
+
+/// Handles remembered by a helper before the released ones are dropped.
+const HELPER_HANDLES_MAX: usize = 4096;
+
+impl HelperServer {
+    async fn handle(
+        owner: ReactorHandle,
+        id: u64,
+        handles: Rc<RefCell<keelfs_base::IdMap<Option<SharedHandle>>>>,
+        fh: u64,
+        nodeid: u64,
+    ) -> Option<SharedHandle> {
+        if let Some(known) = handles.borrow().get(&fh) {
+            return known.clone();
+        }
+        let asked = reactor::call_and_wait(&owner, move || async move {
+            session_of(id).and_then(|session| session.shared_reader(fh, nodeid))
+        });
+        let answer = asked.await.flatten();
+        let mut handles = handles.borrow_mut();
+        if handles.len() >= HELPER_HANDLES_MAX {
+            handles.retain(|_, h| h.as_ref().is_some_and(|h| !h.released.load(Ordering::Relaxed)));
+        }
+        handles.insert(fh, answer.clone());
+        answer
+    }
+}
+
+impl ChainServer for HelperServer {
+    fn serve(&self, chain: Chain, mem: Arc<GuestMemoryMmap>, finish: Finish) -> ServeTask {
+        let (id, owner, handles, stats) = (self.id, self.owner.clone(), self.handles.clone(), self.stats.clone());
+        Box::pin(async move {
+            stats.chains.fetch_add(1, Ordering::Relaxed);
+            stats.in_flight.fetch_add(1, Ordering::Relaxed);
+            let reader_of = |fh, nodeid| Self::handle(owner.clone(), id, handles, fh, nodeid);
+            let served = match serve_read_from_cache(&chain, reader_of).await {
+                Some(served) => {
+                    stats.from_cache.fetch_add(1, Ordering::Relaxed);
+                    served
+                }
+                None => {
+                    stats.forwarded.fetch_add(1, Ordering::Relaxed);
+                    let head = chain.head_index();
+                    let sent = reactor::call_and_wait(&owner, move || async move {
+                        match session_of(id) {
+                            Some(session) => serve_chain_zero_copy(&session, chain, mem).await,
+                            None => (head, 0, ChainOutcome::Dropped("the export stopped")),
+                        }
+                    });
+                    sent.await.unwrap_or((head, 0, ChainOutcome::Dropped("the owning reactor stopped")))
+                }
+            };
+            stats.in_flight.fetch_sub(1, Ordering::Relaxed);
+            finish.finish(served)
+        })
+    }
+
+    fn reset(&mut self, waiters: Vec<SyncSender<()>>) {
+        self.handles.borrow_mut().clear();
+        for waiter in waiters {
+            let _ = waiter.send(());
+        }
+    }
+}
+
+#[derive(Default)]
+pub(super) struct QueueState {
+    /// Notifications are off and the ring is checked every iteration.
+    pub(super) polling: bool,
+    /// The driver moved the avail index more than a ring ahead: nothing on
+    /// the queue can be trusted until it is set up again, so it is not
+    /// polled (reported once, not on every kick).
+    pub(super) broken: bool,
+    pub(super) idle_since: Option<Instant>,
+    pub(super) in_flight: Rc<Cell<usize>>,
+    /// Finished chains waiting for the used ring: (head, bytes written).
+    pub(super) completed: Rc<RefCell<Vec<(u16, u32)>>>,
+    /// `completed`'s other half, empty between passes.
+    pub(super) spare: Vec<(u16, u32)>,
+    pub(super) stop_waiters: Vec<SyncSender<()>>,
+}
+
+/// True when the driver's avail index is more than a ring ahead of the
+/// next entry keelfs takes (or unreadable): virtio-queue then refuses
+/// every pop, and a poller that kept asking would spin for ever.
+fn avail_overrun(queue: &virtio_queue::Queue, mem: &GuestMemoryMmap) -> bool {
+    match queue.avail_idx(mem, Ordering::Acquire) {
+        Ok(avail) => avail.0.wrapping_sub(queue.next_avail()) > queue.size(),
+        Err(_) => true,
+    }
+}
+
+/// Polls the queues in `mine` on one reactor and serves their chains
+/// through `server`.
+pub(super) struct QueuePoller<S: ChainServer> {
+    pub(super) server: S,
+    /// Kick bits of the queues this poller owns.
+    pub(super) mine: u64,
+    pub(super) control: Receiver<Control>,
+    pub(super) wake: Arc<EventFd>,
+    pub(super) connection: Option<Arc<Connection>>,
+    pub(super) queues: Vec<QueueState>,
+    pub(super) disconnects: Vec<SyncSender<()>>,
+    pub(super) stats: Rc<DeviceStats>,
+    /// Requests in flight per queue at most: past it, the rest wait in the
+    /// ring until some finish.
+    pub(super) in_flight_max: usize,
+}
+
+impl<S: ChainServer> QueuePoller<S> {
+    fn owns(&self, index: usize) -> bool {
+        self.mine & (1 << index) != 0
+    }
+    fn handle_control(&mut self, control: Control) {
+        match control {
+            Control::Connected(connection) => {
+                self.stats.connections.set(self.stats.connections.get() + 1);
+                self.connection = Some(connection);
+            }
+            Control::StopQueue { index, done } => match self.queues.get_mut(index) {
+                Some(queue) => {
+                    queue.polling = false;
+                    queue.stop_waiters.push(done);
+                }
+                None => {
+                    let _ = done.send(());
+                }
+            },
+            Control::Disconnected { done } => {
+                self.connection = None;
+                for queue in &mut self.queues {
+                    queue.polling = false;
+                }
+                self.disconnects.push(done);
+            }
+        }
+    }
+
+    /// Return finished chains to the used ring and signal the guest once
+    /// for the batch, if it asked to be told.
+    fn complete(&mut self, index: usize) -> bool {
+        let queue = &self.queues[index];
+        if queue.completed.borrow().is_empty() {
+            return false;
+        }
+        // Swapped with a spare of the same capacity: no allocation per pass.
+        let mut finished = std::mem::take(&mut self.queues[index].spare);
+        std::mem::swap(&mut *self.queues[index].completed.borrow_mut(), &mut finished);
+        let vring = self.connection.as_ref().and_then(|c| c.vrings.get()).and_then(|v| v.get(index));
+        // Without a frontend, nobody is told.
+        for (head, written) in finished.drain(..) {
+            if vring.is_some_and(|vring| vring.add_used(head, written).is_err()) {
+                self.stats.dropped.set(self.stats.dropped.get() + 1);
+                self.stats.last_drop.set(Some("used ring not writable"));
+            }
+        }
+        self.queues[index].spare = finished;
+        let Some(vring) = vring else { return true };
+        if vring.needs_notification().unwrap_or(true) {
+            self.stats.signals.set(self.stats.signals.get() + 1);
+            let _ = vring.signal_used_queue();
+        }
+        true
+    }
+
+    /// Pop up to a batch of chains from queue `index` and start a task for
+    /// each.
+    fn pop(&mut self, index: usize, now: Instant) -> bool {
+        let Some(connection) = self.connection.clone() else { return false };
+        let Some(vring) = connection.vrings.get().and_then(|v| v.get(index)) else { return false };
+        let mem = connection.mem.memory().into_inner();
+        let mut popped = 0;
+        {
+            let mut state = vring.get_mut();
+            if !state.get_queue().ready() || !state.is_enabled() {
+                self.queues[index].polling = false;
+                return false;
+            }
+            if avail_overrun(state.get_queue(), &mem) {
+                self.mark_broken(index);
+                return false;
+            }
+            self.queues[index].broken = false;
+            while popped < POP_BATCH && self.queues[index].in_flight.get() < self.in_flight_max {
+                let Some(chain) = state.get_queue_mut().pop_descriptor_chain(mem.clone()) else { break };
+                popped += 1;
+                let queue = &self.queues[index];
+                let finish = Finish {
+                    in_flight: queue.in_flight.clone(),
+                    completed: queue.completed.clone(),
+                    stats: self.stats.clone(),
+                };
+                let in_flight = &finish.in_flight;
+                in_flight.set(in_flight.get() + 1);
+                let stats = &self.stats;
+                stats.in_flight_max.set(stats.in_flight_max.get().max(in_flight.get()));
+                stats.chains.set(stats.chains.get() + 1);
+                reactor::spawn_local_boxed(self.server.serve(chain, mem.clone(), finish));
+            }
+        }
+        let queue = &mut self.queues[index];
+        if popped > 0 {
+            queue.idle_since = None;
+            return true;
+        }
+        match queue.idle_since {
+            None => queue.idle_since = Some(now),
+            Some(since) if now.duration_since(since) >= POLL_IDLE => {
+                // Ask for kicks again; true means something slipped in
+                // meanwhile, so keep polling.
+                queue.idle_since = None;
+                queue.polling = matches!(vring.enable_notification(), Ok(true));
+            }
+            Some(_) => {}
+        }
+        false
+    }
+
+    /// Stop polling a queue whose driver broke it; count and log it once.
+    fn mark_broken(&mut self, index: usize) {
+        let queue = &mut self.queues[index];
+        queue.polling = false;
+        if !queue.broken {
+            queue.broken = true;
+            self.stats.broken_queues.set(self.stats.broken_queues.get() + 1);
+            tracing::warn!(queue = index, "the driver moved the avail index more than a ring ahead; queue not served");
+        }
+    }
+
+    fn finish_disconnects(&mut self) -> bool {
+        if self.disconnects.is_empty() || self.queues.iter().any(|q| q.in_flight.get() > 0) {
+            return false;
+        }
+        for queue in &mut self.queues {
+            queue.completed.borrow_mut().clear();
+            queue.idle_since = None;
+            for waiter in queue.stop_waiters.drain(..) {
+                let _ = waiter.send(());
+            }
+        }
+        let waiters = std::mem::take(&mut self.disconnects);
+        self.server.reset(waiters);
+        true
+    }
+}
+
+impl<S: ChainServer> Poller for QueuePoller<S> {
+    fn poll(&mut self, now: Instant) -> bool {
+        let mut busy = false;
+        while let Ok(control) = self.control.try_recv() {
+            self.handle_control(control);
+            busy = true;
+        }
+        if let Some(connection) = &self.connection {
+            // Take this poller's kicks only; the others' stay for them.
+            let kicks = connection.kicks.fetch_and(!self.mine, Ordering::AcqRel) & self.mine;
+            if kicks != 0 && connection.vrings.get().is_some() {
+                busy = true;
+                let vrings = connection.vrings.get().expect("checked");
+                for (index, queue) in self.queues.iter_mut().enumerate() {
+                    if kicks & (1 << index) != 0 && queue.stop_waiters.is_empty() {
+                        self.stats.kicks.set(self.stats.kicks.get() + 1);
+                        if !queue.polling {
+                            queue.polling = true;
+                            queue.idle_since = None;
+                            let _ = vrings[index].disable_notification();
+                        }
+                    }
+                }
+            }
+        }
+        for index in 0..self.queues.len() {
+            if !self.owns(index) {
+                continue;
+            }
+            busy |= self.complete(index);
+            let queue = &mut self.queues[index];
+            if !queue.stop_waiters.is_empty() && queue.in_flight.get() == 0 {
+                for waiter in queue.stop_waiters.drain(..) {
+                    let _ = waiter.send(());
+                }
+            }
+            if self.queues[index].polling {
+                busy |= self.pop(index, now);
+            }
+        }
+        busy |= self.finish_disconnects();
+        busy
+    }
+
+    fn wake_fd(&self) -> Option<RawFd> {
+        Some(self.wake.as_raw_fd())
+    }
+
+    fn can_sleep(&self) -> bool {
+        self.queues.iter().all(|q| !q.polling && q.completed.borrow().is_empty())
+    }
+}
