@@ -5,6 +5,7 @@
 use std::rc::Rc;
 
 use super::access::{permitted, setid_bits_to_clear, Acl, Creds, ACL_ACCESS, ACL_DEFAULT, R_OK, W_OK, X_OK};
+use super::flags::{RenameMode, XattrFlags};
 use super::format::{
     Inode, Timespec, BLOCK_SIZE, NAME_MAX, ROOT_INO, SYMLINK_MAX, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG,
     XATTR_INODE_BYTES_MAX, XATTR_LIST_BYTES_MAX, XATTR_NAME_MAX, XATTR_VALUE_MAX,
@@ -21,17 +22,6 @@ pub const COPY_RANGE_MAX: u64 = 64 << 20;
 /// Largest file: 2^52 bytes keeps block arithmetic far from overflow.
 pub const MAX_FILE_BYTES: u64 = 1 << 52;
 const LINK_MAX: u32 = 65_000;
-
-pub const RENAME_NOREPLACE: u32 = 1;
-pub const RENAME_EXCHANGE: u32 = 2;
-/// Leave a whiteout (a 0:0 character device) at the old name: what
-/// overlayfs asks of its upper layer.
-pub const RENAME_WHITEOUT: u32 = 4;
-pub const XATTR_CREATE: u32 = 1;
-pub const XATTR_REPLACE: u32 = 2;
-pub const FALLOC_FL_KEEP_SIZE: u32 = 0x01;
-pub const FALLOC_FL_PUNCH_HOLE: u32 = 0x02;
-pub const FALLOC_FL_ZERO_RANGE: u32 = 0x10;
 
 /// What lseek looks for from an offset (the kernel answers SEEK_SET,
 /// SEEK_CUR and SEEK_END itself).
@@ -539,16 +529,12 @@ impl Fs {
         name: &[u8],
         new_parent: u64,
         new_name: &[u8],
-        flags: u32,
+        mode: RenameMode,
     ) -> FsResult<()> {
-        let known = RENAME_NOREPLACE | RENAME_EXCHANGE | RENAME_WHITEOUT;
-        if flags & !known != 0 || (flags & RENAME_EXCHANGE != 0 && flags & (RENAME_NOREPLACE | RENAME_WHITEOUT) != 0) {
-            return Err(FsError::Invalid("rename flags"));
+        if let RenameMode::Whiteout { .. } = mode {
+            return self.rename_whiteout(c, parent, name, new_parent, new_name, mode);
         }
-        if flags & RENAME_WHITEOUT != 0 {
-            return self.rename_whiteout(c, parent, name, new_parent, new_name, flags & RENAME_NOREPLACE);
-        }
-        self.rename_plain(c, parent, name, new_parent, new_name, flags)
+        self.rename_plain(c, parent, name, new_parent, new_name, mode)
     }
 
     fn rename_plain(
@@ -558,7 +544,7 @@ impl Fs {
         name: &[u8],
         new_parent: u64,
         new_name: &[u8],
-        flags: u32,
+        mode: RenameMode,
     ) -> FsResult<()> {
         check_name(name)?;
         check_name(new_name)?;
@@ -571,11 +557,11 @@ impl Fs {
         if let Some(t) = target {
             self.inner.check_sticky(c, &dst_dir, t)?;
         }
-        if flags & RENAME_EXCHANGE != 0 {
+        if mode == RenameMode::Exchange {
             let other = target.ok_or(FsError::NotFound)?;
             return self.exchange(parent, name, ino, new_parent, new_name, other);
         }
-        if target.is_some() && flags & RENAME_NOREPLACE != 0 {
+        if target.is_some() && mode.refuses_existing() {
             return Err(FsError::Exists);
         }
         if target == Some(ino) {
@@ -626,7 +612,7 @@ impl Fs {
         name: &[u8],
         new_parent: u64,
         new_name: &[u8],
-        flags: u32,
+        mode: RenameMode,
     ) -> FsResult<()> {
         if self.inner.state.borrow().inode_count() as u64 >= self.inner.inodes_max() {
             return Err(FsError::NoSpace);
@@ -635,7 +621,7 @@ impl Fs {
         if self.inner.lookup_in(c, new_parent, new_name)? == Some(moved) {
             return Ok(()); // two names of one inode: nothing moves, no whiteout
         }
-        self.rename_plain(c, parent, name, new_parent, new_name, flags)?;
+        self.rename_plain(c, parent, name, new_parent, new_name, mode)?;
         let whiteout = self.inner.make_node(c, parent, name, libc::S_IFCHR, 0)?;
         // make_node counts a lookup for the entry a create replies with;
         // the kernel gets none for a whiteout.
@@ -934,7 +920,7 @@ impl Fs {
         self.inner.attr(ino)
     }
 
-    pub async fn setxattr(&self, c: &Creds, ino: u64, name: &[u8], value: &[u8], flags: u32) -> FsResult<()> {
+    pub async fn setxattr(&self, c: &Creds, ino: u64, name: &[u8], value: &[u8], flags: XattrFlags) -> FsResult<()> {
         self.check_xattr_access(c, ino, name, true)?;
         if value.len() > XATTR_VALUE_MAX {
             return Err(FsError::Range);
@@ -947,10 +933,10 @@ impl Fs {
             let (names, values) = others.fold((0, 0), |(n, v), (k, val)| (n + k.len() + 1, v + val.len()));
             (node.xattrs.contains_key(name), names + name.len() + 1, names + values + name.len() + 1 + value.len())
         };
-        if flags & XATTR_CREATE != 0 && exists {
+        if flags.create_only && exists {
             return Err(FsError::Exists);
         }
-        if flags & XATTR_REPLACE != 0 && !exists {
+        if flags.replace_only && !exists {
             return Err(FsError::NoData);
         }
         let inode_bytes_max = self.inner.config.xattr_bytes_per_inode_max.min(XATTR_INODE_BYTES_MAX);

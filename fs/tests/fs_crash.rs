@@ -12,6 +12,7 @@ use std::sync::Arc;
 use common::{busy_reactor, channel, check, mount};
 use keelfs_base::testing::splitmix64;
 use keelfs_bdev::{AlignedBuf, BlockDevice, FaultDevice, MappedDevice};
+use keelfs_fs::RenameMode;
 use keelfs_fs::ROOT_INO;
 use keelfs_fs::{mkfs, MkfsOptions};
 use keelfs_fs::{Creds, Fs, FsConfig, SetAttr};
@@ -169,8 +170,9 @@ fn storm(journal_blocks: u64, rounds: usize, config: FsConfig) {
                     fs.write(f.inode.ino, 0, &body).await.unwrap();
                     fs.release(fh).await.unwrap();
                     let name = if i % 2 == 0 {
-                        fs.rename(&c, d, format!("t{i}").as_bytes(), d, format!("f{i}").as_bytes(), 0).await.unwrap();
-                        format!("f{i}")
+                        let (from, to) = (format!("t{i}"), format!("f{i}"));
+                        fs.rename(&c, d, from.as_bytes(), d, to.as_bytes(), RenameMode::Replace).await.unwrap();
+                        to
                     } else {
                         format!("t{i}")
                     };

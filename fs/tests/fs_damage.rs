@@ -10,6 +10,7 @@ use common::{busy_reactor, channel, check, format, mount, ram_device};
 use keelfs_base::testing::splitmix64;
 use keelfs_bdev::{BlockDevice, MappedDevice};
 use keelfs_fs::repair;
+use keelfs_fs::XattrFlags;
 use keelfs_fs::{Creds, Fs, FsConfig};
 use keelfs_fs::{Superblock, ROOT_INO};
 
@@ -30,7 +31,7 @@ fn build_image() -> (Vec<u8>, Vec<u64>) {
             for f in 0..20 {
                 let (a, _) = fs.create(&c, dir, format!("f{f}").as_bytes(), 0o644, 2).await.unwrap();
                 fs.write(a.inode.ino, 0, &vec![f as u8; 5000]).await.unwrap();
-                fs.setxattr(&c, a.inode.ino, b"user.tag", b"value", 0).await.unwrap();
+                fs.setxattr(&c, a.inode.ino, b"user.tag", b"value", XattrFlags::default()).await.unwrap();
             }
         }
         fs.symlink(&c, ROOT_INO, b"sym", b"d0/f0").await.unwrap();

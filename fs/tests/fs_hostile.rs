@@ -11,13 +11,11 @@ use common::with_fs;
 use keelfs_bdev::BlockDevice;
 use keelfs_fs::ROOT_INO;
 use keelfs_fs::{Creds, Fs};
+use keelfs_fs::{FallocateMode, XattrFlags};
 
 const MIB: u64 = 1 << 20;
 /// The largest range a request may name (MAX_FILE_BYTES).
 const HUGE: u64 = 1 << 52;
-const KEEP_SIZE: u32 = 0x01;
-const PUNCH_HOLE: u32 = 0x02;
-const ZERO_RANGE: u32 = 0x10;
 
 /// Runs `body` on its own thread and fails if it takes longer than a
 /// minute; the unbounded walks this guards against took hours.
@@ -46,7 +44,7 @@ fn punching_or_zeroing_the_largest_range_is_bounded_by_the_cache() {
             let ino = f.inode.ino;
             fs.write(ino, 0, &vec![0xaa; 3 * 4096]).await.unwrap();
             fs.write(ino, 1 << 40, b"far").await.unwrap();
-            fs.fallocate(ino, PUNCH_HOLE | KEEP_SIZE, 4096, HUGE - 4096).await.unwrap();
+            fs.fallocate(ino, FallocateMode::PunchHole, 4096, HUGE - 4096).await.unwrap();
             let data = fs.read(ino, 0, 3 * 4096).await.unwrap();
             assert!(data[..4096].iter().all(|&b| b == 0xaa), "before the hole: kept");
             assert!(data[4096..].iter().all(|&b| b == 0), "inside the hole: zeros");
@@ -54,7 +52,7 @@ fn punching_or_zeroing_the_largest_range_is_bounded_by_the_cache() {
             // Zeroing the same range would reserve 2^40 blocks: refused as
             // ENOSPC, quickly, after the zeroing itself.
             fs.write(ino, 8192, b"again").await.unwrap();
-            let zeroed = fs.fallocate(ino, ZERO_RANGE | KEEP_SIZE, 4096, HUGE - 4096).await;
+            let zeroed = fs.fallocate(ino, FallocateMode::ZeroRange { keep_size: true }, 4096, HUGE - 4096).await;
             assert_eq!(zeroed.err().map(|e| e.errno()), Some(libc::ENOSPC));
         });
     });
@@ -69,7 +67,7 @@ fn an_inodes_xattrs_are_bounded_and_refused_with_enospc() {
         let big = vec![7u8; 65536];
         let mut stored = 0;
         let refused = loop {
-            match fs.setxattr(&c, ino, format!("user.v{stored}").as_bytes(), &big, 0).await {
+            match fs.setxattr(&c, ino, format!("user.v{stored}").as_bytes(), &big, XattrFlags::default()).await {
                 Ok(()) => stored += 1,
                 Err(e) => break e,
             }
@@ -78,16 +76,16 @@ fn an_inodes_xattrs_are_bounded_and_refused_with_enospc() {
         assert_eq!(refused.errno(), libc::ENOSPC);
         assert_eq!(stored, 3, "256 KiB holds three 64 KiB values and their names");
         // Replacing one in place still fits; removing one makes room.
-        fs.setxattr(&c, ino, b"user.v0", &big, 0).await.unwrap();
+        fs.setxattr(&c, ino, b"user.v0", &big, XattrFlags::default()).await.unwrap();
         fs.removexattr(&c, ino, b"user.v0").await.unwrap();
-        fs.setxattr(&c, ino, b"user.again", &big, 0).await.unwrap();
+        fs.setxattr(&c, ino, b"user.again", &big, XattrFlags::default()).await.unwrap();
 
         // Names alone: one listxattr's worth (64 KiB) at most.
         let (g, _) = fs.create(&c, ROOT_INO, b"y", 0o644, libc::O_RDWR as u32).await.unwrap();
         let mut names = 0;
         let refused = loop {
             let name = format!("user.{names:0>200}");
-            match fs.setxattr(&c, g.inode.ino, name.as_bytes(), b"", 0).await {
+            match fs.setxattr(&c, g.inode.ino, name.as_bytes(), b"", XattrFlags::default()).await {
                 Ok(()) => names += 1,
                 Err(e) => break e,
             }
@@ -143,9 +141,9 @@ fn the_xattr_bytes_per_inode_limit_is_configurable() {
         let c = Creds::root();
         let (f, _) = fs.create(&c, ROOT_INO, b"x", 0o644, libc::O_RDWR as u32).await.unwrap();
         let value = vec![1u8; 3000];
-        fs.setxattr(&c, f.inode.ino, b"user.a", &value, 0).await.unwrap();
-        fs.setxattr(&c, f.inode.ino, b"user.b", &value, 0).await.unwrap();
-        let refused = fs.setxattr(&c, f.inode.ino, b"user.c", &value, 0).await.unwrap_err();
+        fs.setxattr(&c, f.inode.ino, b"user.a", &value, XattrFlags::default()).await.unwrap();
+        fs.setxattr(&c, f.inode.ino, b"user.b", &value, XattrFlags::default()).await.unwrap();
+        let refused = fs.setxattr(&c, f.inode.ino, b"user.c", &value, XattrFlags::default()).await.unwrap_err();
         assert_eq!(refused.errno(), libc::ENOSPC, "9 KiB is past the configured 8 KiB");
         fs.unmount().await.unwrap();
     });

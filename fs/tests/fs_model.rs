@@ -8,6 +8,7 @@ mod common;
 use std::collections::{BTreeMap, HashMap};
 
 use common::{busy_reactor, check, format, mount, ram_device};
+use keelfs_fs::RenameMode;
 use keelfs_fs::ROOT_INO;
 use keelfs_fs::{Creds, Fs, SetAttr};
 use proptest::prelude::*;
@@ -306,7 +307,8 @@ async fn apply(fs: &mut Fs, dev: &std::sync::Arc<dyn keelfs_bdev::BlockDevice>, 
         Op::Rename { dir, name, to_dir, to_name, flags } => {
             let (d, t) = (pick(dir), pick(to_dir));
             let (p, tp) = (resolve(fs, &d).await, resolve(fs, &t).await);
-            let got = errno(fs.rename(&c, p, NAMES[name].as_bytes(), tp, NAMES[to_name].as_bytes(), flags).await);
+            let mode = RenameMode::from_linux(flags).unwrap();
+            let got = errno(fs.rename(&c, p, NAMES[name].as_bytes(), tp, NAMES[to_name].as_bytes(), mode).await);
             assert_eq!(got, m.rename(&join(&d, NAMES[name]), &join(&t, NAMES[to_name]), flags), "{op:?}");
         }
         Op::Link { dir, name, to_dir, to_name } => {

@@ -10,6 +10,7 @@ use keelfs_bdev::BlockDevice;
 use keelfs_fs::Fs;
 use keelfs_fs::ROOT_INO;
 use keelfs_fs::{Creds, FsError, SeekTo, SetAttr, TimeSet};
+use keelfs_fs::{FallocateMode, RenameMode, XattrFlags};
 
 const MIB: u64 = 1 << 20;
 
@@ -28,7 +29,7 @@ fn files_and_directories_persist_across_remount() {
         fs.release(fh).await.unwrap();
         fs.symlink(&c, d.inode.ino, b"link", b"file").await.unwrap();
         fs.link(&c, f.inode.ino, ROOT_INO, b"hard").await.unwrap();
-        fs.setxattr(&c, f.inode.ino, b"user.k", b"v", 0).await.unwrap();
+        fs.setxattr(&c, f.inode.ino, b"user.k", b"v", XattrFlags::default()).await.unwrap();
         fs.unmount().await.unwrap();
         assert!(check(&dev).await.is_clean());
 
@@ -131,7 +132,10 @@ fn namespace_errors_follow_posix() {
         assert_eq!(fs.link(&c, d, ROOT_INO, b"dlink").await.err(), Some(FsError::Perm));
         // rename of a directory into its own subtree
         let sub = fs.mkdir(&c, d, b"sub", 0o755).await.unwrap().inode.ino;
-        assert_eq!(fs.rename(&c, ROOT_INO, b"d", sub, b"x", 0).await.err().map(|e| e.errno()), Some(libc::EINVAL));
+        assert_eq!(
+            fs.rename(&c, ROOT_INO, b"d", sub, b"x", RenameMode::Replace).await.err().map(|e| e.errno()),
+            Some(libc::EINVAL)
+        );
         assert_eq!(fs.lookup(&c, sub, b"..").await.unwrap().inode.ino, d);
         fs.unmount().await.unwrap();
         assert!(check(&dev).await.is_clean());
@@ -146,17 +150,26 @@ fn rename_replace_noreplace_and_exchange() {
         let b = fs.mknod(&c, ROOT_INO, b"b", libc::S_IFREG | 0o644, 0).await.unwrap().inode.ino;
         let d1 = fs.mkdir(&c, ROOT_INO, b"d1", 0o755).await.unwrap().inode.ino;
         let d2 = fs.mkdir(&c, ROOT_INO, b"d2", 0o755).await.unwrap().inode.ino;
-        assert_eq!(fs.rename(&c, ROOT_INO, b"a", ROOT_INO, b"b", 1).await.err(), Some(FsError::Exists));
-        fs.rename(&c, ROOT_INO, b"a", ROOT_INO, b"b", 2).await.unwrap(); // exchange
+        assert_eq!(
+            fs.rename(&c, ROOT_INO, b"a", ROOT_INO, b"b", RenameMode::NoReplace).await.err(),
+            Some(FsError::Exists)
+        );
+        fs.rename(&c, ROOT_INO, b"a", ROOT_INO, b"b", RenameMode::Exchange).await.unwrap(); // exchange
         assert_eq!(fs.lookup(&c, ROOT_INO, b"a").await.unwrap().inode.ino, b);
         assert_eq!(fs.lookup(&c, ROOT_INO, b"b").await.unwrap().inode.ino, a);
-        fs.rename(&c, ROOT_INO, b"a", ROOT_INO, b"b", 0).await.unwrap(); // replace
+        fs.rename(&c, ROOT_INO, b"a", ROOT_INO, b"b", RenameMode::Replace).await.unwrap(); // replace
         assert_eq!(fs.lookup(&c, ROOT_INO, b"b").await.unwrap().inode.ino, b);
         assert_eq!(fs.lookup(&c, ROOT_INO, b"a").await.err(), Some(FsError::NotFound));
         assert_eq!(fs.getattr(a).await.unwrap().inode.nlink, 0, "replaced file lost its last link");
-        assert_eq!(fs.rename(&c, ROOT_INO, b"b", ROOT_INO, b"d1", 0).await.err(), Some(FsError::IsDir));
-        assert_eq!(fs.rename(&c, ROOT_INO, b"d1", ROOT_INO, b"b", 0).await.err(), Some(FsError::NotDir));
-        fs.rename(&c, ROOT_INO, b"d1", d2, b"moved", 0).await.unwrap();
+        assert_eq!(
+            fs.rename(&c, ROOT_INO, b"b", ROOT_INO, b"d1", RenameMode::Replace).await.err(),
+            Some(FsError::IsDir)
+        );
+        assert_eq!(
+            fs.rename(&c, ROOT_INO, b"d1", ROOT_INO, b"b", RenameMode::Replace).await.err(),
+            Some(FsError::NotDir)
+        );
+        fs.rename(&c, ROOT_INO, b"d1", d2, b"moved", RenameMode::Replace).await.unwrap();
         assert_eq!(fs.getattr(ROOT_INO).await.unwrap().inode.nlink, 3);
         assert_eq!(fs.getattr(d2).await.unwrap().inode.nlink, 3);
         assert_eq!(fs.lookup(&c, d1, b"..").await.unwrap().inode.ino, d2);
@@ -179,12 +192,11 @@ fn rename_whiteout_leaves_a_whiteout_device_at_the_old_name() {
         let c = root();
         let file = fs.mknod(&c, ROOT_INO, b"file", libc::S_IFREG | 0o644, 0).await.unwrap().inode.ino;
         fs.mknod(&c, ROOT_INO, b"taken", libc::S_IFREG | 0o644, 0).await.unwrap();
-        let whiteout = libc::RENAME_WHITEOUT;
-        let noreplace = libc::RENAME_NOREPLACE;
-        let exchange = libc::RENAME_EXCHANGE;
-        let refused = fs.rename(&c, ROOT_INO, b"file", ROOT_INO, b"taken", whiteout | noreplace).await;
+        let whiteout = RenameMode::Whiteout { no_replace: false };
+        let noreplace = RenameMode::Whiteout { no_replace: true };
+        let refused = fs.rename(&c, ROOT_INO, b"file", ROOT_INO, b"taken", noreplace).await;
         assert_eq!(refused.err(), Some(FsError::Exists));
-        let refused = fs.rename(&c, ROOT_INO, b"file", ROOT_INO, b"taken", whiteout | exchange).await;
+        let refused = RenameMode::from_linux(libc::RENAME_WHITEOUT | libc::RENAME_EXCHANGE);
         assert!(matches!(refused, Err(FsError::Invalid(_))));
         assert_eq!(fs.lookup(&c, ROOT_INO, b"file").await.unwrap().inode.ino, file, "a refused rename moved");
 
@@ -359,7 +371,7 @@ fn readdir_through_a_handle_ends_while_renames_add_entries() {
                 seen += 1;
                 // Each name read is renamed: a new entry, with a new cookie.
                 let new_name = format!("r{renamed}");
-                fs.rename(&c, d, &e.name, d, new_name.as_bytes(), 0).await.unwrap();
+                fs.rename(&c, d, &e.name, d, new_name.as_bytes(), RenameMode::Replace).await.unwrap();
                 renamed += 1;
             }
             assert!(seen <= 100, "readdir returned renamed entries again");
@@ -426,7 +438,7 @@ fn truncate_fallocate_and_seek() {
         assert!(data[5000..].iter().all(|&b| b == 0), "bytes past a truncation read as zeros after growing");
 
         // fallocate: unwritten space reads as zeros and counts as a hole.
-        fs.fallocate(ino, 0, 40960, 40960).await.unwrap();
+        fs.fallocate(ino, FallocateMode::Allocate { keep_size: false }, 40960, 40960).await.unwrap();
         assert_eq!(fs.getattr(ino).await.unwrap().inode.size, 81920);
         assert!(fs.read(ino, 40960, 4096).await.unwrap().iter().all(|&b| b == 0));
         assert_eq!(fs.lseek(ino, 0, SeekTo::Data).await.unwrap(), 0);
@@ -436,12 +448,12 @@ fn truncate_fallocate_and_seek() {
         assert_eq!(fs.lseek(ino, 40960, SeekTo::Data).await.unwrap(), 45056);
 
         // punch a hole through written data
-        fs.fallocate(ino, 0x03, 1000, 2000).await.unwrap();
+        fs.fallocate(ino, FallocateMode::PunchHole, 1000, 2000).await.unwrap();
         let data = fs.read(ino, 0, 5000).await.unwrap();
         assert!(data[..1000].iter().all(|&b| b == 0xaa) && data[1000..3000].iter().all(|&b| b == 0));
         assert!(data[3000..5000].iter().all(|&b| b == 0xaa));
-        assert_eq!(fs.fallocate(ino, 0x02, 0, 10).await.err().map(|e| e.errno()), Some(libc::EINVAL));
-        assert_eq!(fs.fallocate(ino, 0x08, 0, 10).await.err(), Some(FsError::Unsupported));
+        assert_eq!(FallocateMode::from_linux(0x02).err().map(|e| e.errno()), Some(libc::EINVAL));
+        assert_eq!(FallocateMode::from_linux(0x08).err(), Some(FsError::Unsupported));
         fs.unmount().await.unwrap();
         let report = check(&dev).await;
         assert!(report.is_clean(), "{report:?}");
@@ -453,15 +465,24 @@ fn xattrs_follow_create_and_replace_flags() {
     with_fs(32 * MIB, async |fs: Fs, _dev: Arc<dyn BlockDevice>| {
         let c = root();
         let f = fs.mknod(&c, ROOT_INO, b"f", libc::S_IFREG | 0o644, 0).await.unwrap().inode.ino;
-        assert_eq!(fs.setxattr(&c, f, b"user.a", b"1", 2).await.err(), Some(FsError::NoData));
-        fs.setxattr(&c, f, b"user.a", b"1", 1).await.unwrap();
-        assert_eq!(fs.setxattr(&c, f, b"user.a", b"2", 1).await.err(), Some(FsError::Exists));
-        fs.setxattr(&c, f, b"user.a", b"2", 2).await.unwrap();
-        fs.setxattr(&c, f, b"user.b", b"", 0).await.unwrap();
+        assert_eq!(
+            fs.setxattr(&c, f, b"user.a", b"1", XattrFlags { create_only: false, replace_only: true }).await.err(),
+            Some(FsError::NoData)
+        );
+        fs.setxattr(&c, f, b"user.a", b"1", XattrFlags { create_only: true, replace_only: false }).await.unwrap();
+        assert_eq!(
+            fs.setxattr(&c, f, b"user.a", b"2", XattrFlags { create_only: true, replace_only: false }).await.err(),
+            Some(FsError::Exists)
+        );
+        fs.setxattr(&c, f, b"user.a", b"2", XattrFlags { create_only: false, replace_only: true }).await.unwrap();
+        fs.setxattr(&c, f, b"user.b", b"", XattrFlags::default()).await.unwrap();
         assert_eq!(fs.listxattr(f).await.unwrap(), b"user.a\0user.b\0");
         fs.removexattr(&c, f, b"user.a").await.unwrap();
         assert_eq!(fs.getxattr(&c, f, b"user.a").await.err(), Some(FsError::NoData));
-        assert_eq!(fs.setxattr(&c, f, b"user.big", &vec![0; 70000], 0).await.err(), Some(FsError::Range));
+        assert_eq!(
+            fs.setxattr(&c, f, b"user.big", &vec![0; 70000], XattrFlags::default()).await.err(),
+            Some(FsError::Range)
+        );
     });
 }
 
@@ -538,7 +559,7 @@ fn a_removed_directory_takes_no_new_entries() {
         assert_eq!(errno(fs.mknod(&c, d, b"n", libc::S_IFREG | 0o644, 0).await), enoent);
         assert_eq!(errno(fs.create(&c, d, b"c", 0o644, 2).await), enoent);
         assert_eq!(errno(fs.link(&c, f.inode.ino, d, b"l").await), enoent);
-        assert_eq!(errno(fs.rename(&c, ROOT_INO, b"f", d, b"r", 0).await), enoent);
+        assert_eq!(errno(fs.rename(&c, ROOT_INO, b"f", d, b"r", RenameMode::Replace).await), enoent);
         fs.forget(d, 1).await.unwrap();
         fs.unmount().await.unwrap();
         let report = check(&dev).await;

@@ -10,6 +10,7 @@ use common::{busy_reactor, channel, format, mount};
 use keelfs_bdev::{BlockDevice, MappedDevice};
 use keelfs_fs::ROOT_INO;
 use keelfs_fs::{Creds, Fs, FsConfig, FsError, SetAttr};
+use keelfs_fs::{FallocateMode, RenameMode, XattrFlags};
 
 const BYTES: u64 = 32 << 20;
 
@@ -29,7 +30,7 @@ fn a_read_only_mount_changes_nothing_and_refuses_every_change() {
         fs.mkdir(&c, ROOT_INO, b"empty", 0o755).await.unwrap();
         let (f, _) = fs.create(&c, dir, b"file", 0o644, libc::O_RDWR as u32).await.unwrap();
         fs.write(f.inode.ino, 0, b"journalled").await.unwrap();
-        fs.setxattr(&c, f.inode.ino, b"user.k", b"v", 0).await.unwrap();
+        fs.setxattr(&c, f.inode.ino, b"user.k", b"v", XattrFlags::default()).await.unwrap();
         fs.sync().await.unwrap();
     });
     let before = ram.snapshot();
@@ -56,14 +57,14 @@ fn a_read_only_mount_changes_nothing_and_refuses_every_change() {
         refused("link", fs.link(&c, file, dir, b"l").await.map(drop));
         refused("unlink", fs.unlink(&c, dir, b"file").await);
         refused("rmdir", fs.rmdir(&c, ROOT_INO, b"empty").await);
-        refused("rename", fs.rename(&c, dir, b"file", dir, b"moved", 0).await);
+        refused("rename", fs.rename(&c, dir, b"file", dir, b"moved", RenameMode::Replace).await);
         let chmod = SetAttr { mode: Some(0o600), ..SetAttr::default() };
         refused("setattr", fs.setattr(&c, file, &chmod, false).await.map(drop));
         let truncate = SetAttr { size: Some(0), ..SetAttr::default() };
         refused("truncate", fs.setattr(&c, file, &truncate, false).await.map(drop));
         refused("write", fs.write(file, 0, b"x").await.map(drop));
-        refused("fallocate", fs.fallocate(file, 0, 0, 4096).await);
-        refused("setxattr", fs.setxattr(&c, file, b"user.k2", b"v", 0).await);
+        refused("fallocate", fs.fallocate(file, FallocateMode::Allocate { keep_size: false }, 0, 4096).await);
+        refused("setxattr", fs.setxattr(&c, file, b"user.k2", b"v", XattrFlags::default()).await);
         refused("removexattr", fs.removexattr(&c, file, b"user.k").await);
         refused("checkpoint", fs.checkpoint().await);
         assert_eq!(FsError::ReadOnly.errno(), libc::EROFS);

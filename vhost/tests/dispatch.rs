@@ -477,3 +477,35 @@ fn lseek_finds_data_and_holes_and_refuses_other_whences() {
         }
     });
 }
+
+/// fallocate's mode and rename2's flags are read where the request is
+/// parsed: a mode keelfs lacks is EOPNOTSUPP before the handle is looked
+/// at (as vfs_fallocate orders it), punch without KEEP_SIZE is EINVAL, a
+/// real punch reaches the file, and flags renameat2 refuses are EINVAL.
+#[test]
+fn fallocate_modes_and_rename_flags_are_parsed_once() {
+    with_session(async |s: Session| {
+        let (ino, fh) = init_and_create(&s).await;
+        let fallocate = |unique: u64, fh: u64, mode: u32| {
+            let mut body = Reply::default();
+            body.u64(fh).u64(0).u64(8192).u32(mode).u32(0);
+            request(Opcode::Fallocate as u32, unique, ino, &body.bytes)
+        };
+        let s = &s;
+        let err = move |bytes: Vec<u8>, unique: u64| async move { reply(&s.handle(&bytes).await.unwrap(), unique).0 };
+        assert_eq!(err(fallocate(3, 0xbad, 0x08), 3).await, -libc::EOPNOTSUPP, "collapse, on a bogus handle");
+        assert_eq!(err(fallocate(4, fh, 0x02), 4).await, -libc::EINVAL, "punch without KEEP_SIZE");
+        assert_eq!(err(fallocate(5, fh, 0x00), 5).await, 0, "allocate");
+        assert_eq!(err(fallocate(6, fh, 0x03), 6).await, 0, "punch");
+        assert_eq!(err(fallocate(7, 0xbad, 0x03), 7).await, -libc::EBADF, "a good mode on a bogus handle");
+        let rename2 = |unique: u64, flags: u32| {
+            let mut body = Reply::default();
+            body.u64(1).u32(flags).u32(0).raw(b"f\0g\0");
+            request(Opcode::Rename2 as u32, unique, 1, &body.bytes)
+        };
+        for (unique, flags) in [(8, 3u32), (9, 6), (10, 8)] {
+            assert_eq!(err(rename2(unique, flags), unique).await, -libc::EINVAL, "rename2 flags {flags}");
+        }
+        assert_eq!(err(rename2(11, libc::RENAME_NOREPLACE), 11).await, 0, "a rename with NOREPLACE");
+    });
+}

@@ -4,9 +4,11 @@ use super::{blocks_of, now};
 use crate::cache::PAGE_BYTES;
 use crate::extent::Segment;
 use crate::format::{BLOCK_BYTES, BLOCK_SIZE};
-use crate::ops::{SeekTo, FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE, MAX_FILE_BYTES};
+use crate::ops::{SeekTo, MAX_FILE_BYTES};
 use crate::record::Record;
 use crate::{Fs, FsError, FsResult};
+
+use crate::flags::FallocateMode;
 
 impl Fs {
     /// Set the size. Shrinking frees whole blocks past the new end in one
@@ -53,7 +55,7 @@ impl Fs {
         Ok(())
     }
 
-    pub async fn fallocate(&self, ino: u64, mode: u32, offset: u64, len: u64) -> FsResult<()> {
+    pub async fn fallocate(&self, ino: u64, mode: FallocateMode, offset: u64, len: u64) -> FsResult<()> {
         if self.read_only() {
             return Err(FsError::ReadOnly);
         }
@@ -65,21 +67,14 @@ impl Fs {
         }
     }
 
-    async fn fallocate_once(&self, ino: u64, mode: u32, offset: u64, len: u64) -> FsResult<()> {
+    async fn fallocate_once(&self, ino: u64, mode: FallocateMode, offset: u64, len: u64) -> FsResult<()> {
         if len == 0 {
             return Err(FsError::Invalid("fallocate of zero bytes"));
         }
         let end = offset.checked_add(len).filter(|&e| e <= MAX_FILE_BYTES).ok_or(FsError::FileTooBig)?;
         self.require_file(ino)?;
-        let known = FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE;
-        if mode & !known != 0 {
-            return Err(FsError::Unsupported);
-        }
-        let punch = mode & FALLOC_FL_PUNCH_HOLE != 0;
-        let zero = mode & FALLOC_FL_ZERO_RANGE != 0;
-        if punch && (zero || mode & FALLOC_FL_KEEP_SIZE == 0) {
-            return Err(FsError::Invalid("punch hole needs KEEP_SIZE alone"));
-        }
+        let punch = mode == FallocateMode::PunchHole;
+        let zero = matches!(mode, FallocateMode::ZeroRange { .. });
         let (first, last) = blocks_of(offset, len);
         // Dirty cached data in the range must reach the device first, so
         // that clearing below is not undone by a later writeback.
@@ -90,7 +85,7 @@ impl Fs {
             self.clear_range(ino, offset, end).await?;
         }
         let old_size = self.inner.inode(ino)?.size;
-        let keep = mode & FALLOC_FL_KEEP_SIZE != 0;
+        let keep = mode.keeps_size();
         if !keep && end > old_size {
             self.zero_past_eof(ino, old_size).await?;
         }

@@ -8,10 +8,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use keelfs_bdev::AlignedBuf;
-use keelfs_fs::Timespec;
 use keelfs_fs::{
     Attr as FsAttr, Creds, Fs, FsError, ReadSink, SetAttr, SharedReader, TimeSet, WriteSource, WriteTimes,
 };
+use keelfs_fs::{Timespec, XattrFlags};
 use keelfs_reactor::IoBuffer;
 
 use super::abi::{
@@ -436,7 +436,10 @@ impl Session {
         let kernel = Creds::checked_by_kernel(0, 0);
         for (name, value) in super::abi::security_contexts(extensions) {
             if name.starts_with(b"security.") {
-                self.fs.setxattr(&kernel, a.inode.ino, name, value, 0).await.map_err(|e| e.errno())?;
+                self.fs
+                    .setxattr(&kernel, a.inode.ino, name, value, XattrFlags::default())
+                    .await
+                    .map_err(|e| e.errno())?;
             }
         }
         Ok(())
@@ -536,8 +539,8 @@ impl Session {
             }
             Request::Unlink { name } => fs.unlink(&c, ino, name).await.map(|_| None).map_err(e),
             Request::Rmdir { name } => fs.rmdir(&c, ino, name).await.map(|_| None).map_err(e),
-            Request::Rename { newdir, flags, name, newname } => {
-                fs.rename(&c, ino, name, newdir, newname, flags).await.map(|_| None).map_err(e)
+            Request::Rename { newdir, mode, name, newname } => {
+                fs.rename(&c, ino, name, newdir, newname, mode.map_err(e)?).await.map(|_| None).map_err(e)
             }
             Request::Link { oldnodeid, newname } => {
                 Ok(Some(self.entry(&fs.link(&c, oldnodeid, ino, newname).await.map_err(e)?)))
@@ -612,6 +615,8 @@ impl Session {
             Request::Removexattr { name } => fs.removexattr(&c, ino, name).await.map(|_| None).map_err(e),
             Request::Access { mask } => fs.access(&c, ino, mask).await.map(|_| None).map_err(e),
             Request::Fallocate { fh, offset, length, mode } => {
+                // The mode first, as vfs_fallocate checks it before the file.
+                let mode = mode.map_err(e)?;
                 writable(self.own_handle_of(fh, ino)?)?;
                 // Linux clears set-id bits on fallocate (file_modified).
                 self.kill_setid_unless_root(ino, &c)?;

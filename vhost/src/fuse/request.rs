@@ -1,7 +1,7 @@
 //! FUSE requests decoded into typed values. Every field is read through
 //! the bounds-checked [`Cursor`]; anything malformed is a [`ParseError`].
 
-use keelfs_fs::SeekTo;
+use keelfs_fs::{FallocateMode, FsResult, RenameMode, SeekTo, XattrFlags};
 
 use super::abi::{Cursor, InHeader, Opcode, ParseError};
 
@@ -92,9 +92,10 @@ pub enum Request<'a> {
     Rmdir {
         name: &'a [u8],
     },
+    /// `mode` is an error for flags renameat2 refuses.
     Rename {
         newdir: u64,
-        flags: u32,
+        mode: FsResult<RenameMode>,
         name: &'a [u8],
         newname: &'a [u8],
     },
@@ -156,7 +157,7 @@ pub enum Request<'a> {
         dir: bool,
     },
     Setxattr {
-        flags: u32,
+        flags: XattrFlags,
         setxattr_flags: u32,
         name: &'a [u8],
         value: &'a [u8],
@@ -177,11 +178,12 @@ pub enum Request<'a> {
     Interrupt {
         unique: u64,
     },
+    /// `mode` is an error for a mode keelfs does not implement.
     Fallocate {
         fh: u64,
         offset: u64,
         length: u64,
-        mode: u32,
+        mode: FsResult<FallocateMode>,
     },
     /// `to` is None for a whence other than SEEK_DATA and SEEK_HOLE.
     Lseek {
@@ -297,13 +299,13 @@ pub fn parse<'a>(header: &InHeader, body: &'a [u8], setxattr_ext: bool) -> Resul
         Opcode::Rmdir => Request::Rmdir { name: c.name()? },
         Opcode::Rename => {
             let newdir = c.u64("rename.newdir")?;
-            Request::Rename { newdir, flags: 0, name: c.name()?, newname: c.name()? }
+            Request::Rename { newdir, mode: Ok(RenameMode::Replace), name: c.name()?, newname: c.name()? }
         }
         Opcode::Rename2 => {
             let newdir = c.u64("rename2.newdir")?;
-            let flags = c.u32("rename2.flags")?;
+            let mode = RenameMode::from_linux(c.u32("rename2.flags")?);
             c.u32("rename2.padding")?;
-            Request::Rename { newdir, flags, name: c.name()?, newname: c.name()? }
+            Request::Rename { newdir, mode, name: c.name()?, newname: c.name()? }
         }
         Opcode::Link => {
             let oldnodeid = c.u64("link.oldnodeid")?;
@@ -367,7 +369,7 @@ pub fn parse<'a>(header: &InHeader, body: &'a [u8], setxattr_ext: bool) -> Resul
         }
         Opcode::Setxattr => {
             let size = c.u32("setxattr.size")?;
-            let flags = c.u32("setxattr.flags")?;
+            let flags = XattrFlags::from_linux(c.u32("setxattr.flags")?);
             let mut setxattr_flags = 0;
             if setxattr_ext {
                 setxattr_flags = c.u32("setxattr.setxattr_flags")?;
@@ -395,7 +397,7 @@ pub fn parse<'a>(header: &InHeader, body: &'a [u8], setxattr_ext: bool) -> Resul
         Opcode::Interrupt => Request::Interrupt { unique: c.u64("interrupt.unique")? },
         Opcode::Fallocate => {
             let (fh, offset, length) = (c.u64("fallocate.fh")?, c.u64("fallocate.offset")?, c.u64("fallocate.length")?);
-            Request::Fallocate { fh, offset, length, mode: c.u32("fallocate.mode")? }
+            Request::Fallocate { fh, offset, length, mode: FallocateMode::from_linux(c.u32("fallocate.mode")?) }
         }
         Opcode::Lseek => {
             let (fh, offset) = (c.u64("lseek.fh")?, c.u64("lseek.offset")?);
