@@ -58,7 +58,7 @@ pub enum TimeSet {
     At(Timespec),
 }
 
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SetAttr {
     pub mode: Option<u32>,
     pub uid: Option<u32>,

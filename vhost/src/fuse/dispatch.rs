@@ -8,19 +8,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use keelfs_bdev::AlignedBuf;
-use keelfs_fs::{
-    Attr as FsAttr, Creds, Fs, FsError, ReadSink, SetAttr, SharedReader, TimeSet, WriteSource, WriteTimes,
-};
-use keelfs_fs::{Timespec, XattrFlags};
+use keelfs_fs::XattrFlags;
+use keelfs_fs::{Attr as FsAttr, Creds, Fs, FsError, ReadSink, SharedReader, WriteSource, WriteTimes};
 use keelfs_reactor::IoBuffer;
 
 use super::abi::{
     error_reply, init_flags as f, open_flags, Attr, InHeader, Reply, KERNEL_MINOR_VERSION, KERNEL_VERSION,
     MIN_MINOR_VERSION,
 };
-use super::request::{
-    fattr, parse, Request, SetattrIn, OPEN_KILL_SUIDGID, SETXATTR_ACL_KILL_SGID, WRITE_CACHE, WRITE_KILL_SUIDGID,
-};
+use super::request::{parse, Request, OPEN_KILL_SUIDGID, SETXATTR_ACL_KILL_SGID, WRITE_CACHE, WRITE_KILL_SUIDGID};
 use super::stats::OpStats;
 
 #[derive(Clone, Debug)]
@@ -519,8 +515,8 @@ impl Session {
                 r.statx_out(Self::valid_ns(self.config.attr_timeout), &to_abi_attr(&a), btime);
                 Ok(Some(r))
             }
-            Request::Setattr(s) => {
-                let a = fs.setattr(&c, ino, &to_setattr(&s), s.valid & fattr::FH != 0).await.map_err(e)?;
+            Request::Setattr { set, via_handle } => {
+                let a = fs.setattr(&c, ino, &set, via_handle).await.map_err(e)?;
                 Ok(Some(self.attr(&a)))
             }
             Request::Readlink => {
@@ -837,26 +833,4 @@ fn sized(size: u32, value: Vec<u8>) -> Outcome {
         r.raw(&value);
     }
     Ok(Some(r))
-}
-
-fn to_setattr(s: &SetattrIn) -> SetAttr {
-    let time = |set: bool, now: bool, sec: u64, nsec: u32| {
-        if now {
-            Some(TimeSet::Now)
-        } else if set {
-            Some(TimeSet::At(Timespec { sec: sec as i64, nsec }))
-        } else {
-            None
-        }
-    };
-    SetAttr {
-        mode: (s.valid & fattr::MODE != 0).then_some(s.mode),
-        uid: (s.valid & fattr::UID != 0).then_some(s.uid),
-        gid: (s.valid & fattr::GID != 0).then_some(s.gid),
-        size: (s.valid & fattr::SIZE != 0).then_some(s.size),
-        atime: time(s.valid & fattr::ATIME != 0, s.valid & fattr::ATIME_NOW != 0, s.atime, s.atimensec),
-        mtime: time(s.valid & fattr::MTIME != 0, s.valid & fattr::MTIME_NOW != 0, s.mtime, s.mtimensec),
-        ctime: (s.valid & fattr::CTIME != 0).then_some(Timespec { sec: s.ctime as i64, nsec: s.ctimensec }),
-        kill_setid: s.valid & fattr::KILL_SUIDGID != 0,
-    }
 }

@@ -1,12 +1,12 @@
 //! FUSE requests decoded into typed values. Every field is read through
 //! the bounds-checked [`Cursor`]; anything malformed is a [`ParseError`].
 
-use keelfs_fs::{FallocateMode, FsResult, RenameMode, SeekTo, XattrFlags};
+use keelfs_fs::{FallocateMode, FsResult, RenameMode, SeekTo, SetAttr, TimeSet, Timespec, XattrFlags};
 
 use super::abi::{Cursor, InHeader, Opcode, ParseError};
 
 /// fuse_setattr_in.valid bits.
-pub mod fattr {
+mod fattr {
     pub const MODE: u32 = 1 << 0;
     pub const UID: u32 = 1 << 1;
     pub const GID: u32 = 1 << 2;
@@ -32,22 +32,6 @@ pub const OPEN_KILL_SUIDGID: u32 = 1 << 0;
 /// group, so setting an access ACL clears S_ISGID.
 pub const SETXATTR_ACL_KILL_SGID: u32 = 1 << 0;
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct SetattrIn {
-    pub valid: u32,
-    pub fh: u64,
-    pub size: u64,
-    pub atime: u64,
-    pub mtime: u64,
-    pub ctime: u64,
-    pub atimensec: u32,
-    pub mtimensec: u32,
-    pub ctimensec: u32,
-    pub mode: u32,
-    pub uid: u32,
-    pub gid: u32,
-}
-
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Request<'a> {
     Init {
@@ -69,7 +53,12 @@ pub enum Request<'a> {
     Getattr,
     /// FUSE_STATX (7.39): getattr with the birth time.
     Statx,
-    Setattr(SetattrIn),
+    /// The FATTR mask read into what changes; `via_handle` is FATTR_FH (the
+    /// caller holds an open handle, so truncation needs no write access).
+    Setattr {
+        set: SetAttr,
+        via_handle: bool,
+    },
     Readlink,
     Symlink {
         name: &'a [u8],
@@ -212,7 +201,7 @@ impl Request<'_> {
     /// counts, as on a read-only Linux mount.
     pub fn modifies(&self) -> bool {
         match self {
-            Request::Setattr(_)
+            Request::Setattr { .. }
             | Request::Symlink { .. }
             | Request::Mknod { .. }
             | Request::Mkdir { .. }
@@ -279,7 +268,7 @@ pub fn parse<'a>(header: &InHeader, body: &'a [u8], setxattr_ext: bool) -> Resul
             c.take(4 + 4 + 8 + 4 + 4, "statx_in")?;
             Request::Statx
         }
-        Opcode::Setattr => Request::Setattr(parse_setattr(&mut c)?),
+        Opcode::Setattr => parse_setattr(&mut c)?,
         Opcode::Readlink => Request::Readlink,
         Opcode::Symlink => {
             let name = c.name()?;
@@ -426,10 +415,10 @@ fn parse_read_in(c: &mut Cursor<'_>) -> Result<(u64, u64, u32), ParseError> {
     Ok((fh, offset, size))
 }
 
-fn parse_setattr(c: &mut Cursor<'_>) -> Result<SetattrIn, ParseError> {
+fn parse_setattr<'a>(c: &mut Cursor<'_>) -> Result<Request<'a>, ParseError> {
     let valid = c.u32("setattr.valid")?;
     c.u32("setattr.padding")?;
-    let fh = c.u64("setattr.fh")?;
+    c.u64("setattr.fh")?;
     let size = c.u64("setattr.size")?;
     c.u64("setattr.lock_owner")?;
     let (atime, mtime, ctime) = (c.u64("setattr.atime")?, c.u64("setattr.mtime")?, c.u64("setattr.ctime")?);
@@ -442,5 +431,86 @@ fn parse_setattr(c: &mut Cursor<'_>) -> Result<SetattrIn, ParseError> {
     if atimensec >= 1_000_000_000 || mtimensec >= 1_000_000_000 || ctimensec >= 1_000_000_000 {
         return Err(ParseError::Invalid("nanoseconds out of range"));
     }
-    Ok(SetattrIn { valid, fh, size, atime, mtime, ctime, atimensec, mtimensec, ctimensec, mode, uid, gid })
+    let set = |bit: u32| valid & bit != 0;
+    let time = |given: bool, now: bool, sec: u64, nsec: u32| {
+        if now {
+            Some(TimeSet::Now)
+        } else if given {
+            Some(TimeSet::At(Timespec { sec: sec as i64, nsec }))
+        } else {
+            None
+        }
+    };
+    let set_attr = SetAttr {
+        mode: set(fattr::MODE).then_some(mode),
+        uid: set(fattr::UID).then_some(uid),
+        gid: set(fattr::GID).then_some(gid),
+        size: set(fattr::SIZE).then_some(size),
+        atime: time(set(fattr::ATIME), set(fattr::ATIME_NOW), atime, atimensec),
+        mtime: time(set(fattr::MTIME), set(fattr::MTIME_NOW), mtime, mtimensec),
+        ctime: set(fattr::CTIME).then_some(Timespec { sec: ctime as i64, nsec: ctimensec }),
+        kill_setid: set(fattr::KILL_SUIDGID),
+    };
+    Ok(Request::Setattr { set: set_attr, via_handle: set(fattr::FH) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn setattr_body(valid: u32) -> Vec<u8> {
+        let mut b = Vec::new();
+        b.extend_from_slice(&valid.to_le_bytes());
+        b.extend_from_slice(&[0; 4]);
+        for word in [7u64, 4096, 0, 11, 22, 33] {
+            b.extend_from_slice(&word.to_le_bytes()); // fh, size, lock_owner, atime, mtime, ctime
+        }
+        for word in [1u32, 2, 3, 0o4755, 0, 1000, 100, 0] {
+            b.extend_from_slice(&word.to_le_bytes()); // nsecs, mode, unused, uid, gid, unused
+        }
+        b
+    }
+
+    fn parse_setattr_body(valid: u32) -> (SetAttr, bool) {
+        let body = setattr_body(valid);
+        let header = InHeader {
+            len: 40 + body.len() as u32,
+            opcode: Opcode::Setattr as u32,
+            unique: 1,
+            nodeid: 1,
+            uid: 0,
+            gid: 0,
+            pid: 0,
+            total_extlen: 0,
+        };
+        let Request::Setattr { set, via_handle } = parse(&header, &body, false).unwrap() else {
+            panic!("not a setattr")
+        };
+        (set, via_handle)
+    }
+
+    /// The FATTR mask becomes a SetAttr where the request is parsed: only
+    /// what the mask names changes, and *_NOW wins over a given time.
+    #[test]
+    fn setattr_masks_become_a_set_attr() {
+        let all = fattr::MODE | fattr::UID | fattr::SIZE | fattr::ATIME | fattr::MTIME_NOW | fattr::CTIME;
+        let (set, via_handle) = parse_setattr_body(all | fattr::FH);
+        assert!(via_handle);
+        assert_eq!(
+            set,
+            SetAttr {
+                mode: Some(0o4755),
+                uid: Some(1000),
+                gid: None,
+                size: Some(4096),
+                atime: Some(TimeSet::At(Timespec { sec: 11, nsec: 1 })),
+                mtime: Some(TimeSet::Now),
+                ctime: Some(Timespec { sec: 33, nsec: 3 }),
+                kill_setid: false,
+            }
+        );
+        let (set, via_handle) = parse_setattr_body(fattr::GID | fattr::KILL_SUIDGID);
+        assert!(!via_handle);
+        assert_eq!(set, SetAttr { gid: Some(100), kill_setid: true, ..SetAttr::default() });
+    }
 }
