@@ -391,7 +391,11 @@ fn start_exports(
         let start = move || {
             for opened in exports {
                 let helpers = if opened.export.spread_queues { helpers.clone() } else { Vec::new() };
-                reactor::spawn_local(run_export(id, opened, helpers, commit_interval, events.clone()));
+                // Everything the export starts logs under its tag: the
+                // filesystem, its sessions and the listener keep this span.
+                let span = tracing::info_span!("export", tag = %opened.export.tag);
+                let run = run_export(id, opened, helpers, commit_interval, events.clone());
+                reactor::spawn_local(tracing::Instrument::instrument(run, span));
             }
         };
         if handles[id].send(start).is_err() {

@@ -279,3 +279,41 @@ fn spread_queues_serve_cached_reads_on_the_other_reactor() {
     let (code, report) = fsck(&image);
     assert_eq!(code, 0, "{report}");
 }
+
+/// Events carry where they happened: the reactor, the export, and for a
+/// request its opcode, inode and errno. RUST_LOG picks the levels (a
+/// failed lookup is a trace event, the mount and the session info).
+#[test]
+fn log_lines_name_the_reactor_the_export_and_the_request() {
+    let dir = Scratch::new("tracing");
+    let (image, mnt, log) = (dir.path("fs.img"), dir.path("mnt"), dir.path("stderr.log"));
+    mkfs(&image, "64M");
+    std::fs::create_dir_all(&mnt).unwrap();
+    let child = keelfsd()
+        .args([os("serve"), os("--device"), image.as_os_str(), os("--fuse-mount"), mnt.as_os_str()])
+        .args([os("--tag"), os("traced")])
+        .env("RUST_LOG", "info,keelfs_vhost=trace")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let served = Served { child, mounts: vec![mnt.clone()] };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !is_mounted(&mnt) {
+        assert!(std::time::Instant::now() < deadline, "keelfsd did not mount");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(std::fs::metadata(mnt.join("missing")).is_err());
+    assert!(served.stop().success());
+    let text = std::fs::read_to_string(&log).unwrap();
+    let line =
+        |what: &str| text.lines().find(|l| l.contains(what)).unwrap_or_else(|| panic!("no {what:?} in:\n{text}"));
+    for what in ["mounted", "session started", "request failed"] {
+        assert!(line(what).contains("reactor{id=0}:export{tag=traced}"), "{what}: {}", line(what));
+    }
+    let failed = line("request failed");
+    assert!(
+        failed.contains("opcode=Some(Lookup)") && failed.contains("ino=1") && failed.contains("errno=2"),
+        "{failed}"
+    );
+}

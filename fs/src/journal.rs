@@ -603,9 +603,11 @@ async fn write_checkpoint(
             for r in &old.checkpoint_extents {
                 state.alloc.free(*r);
             }
+            let blocks = sb.checkpoint_blocks();
             *fs.sb.borrow_mut() = sb;
             drop(state);
             fs.bump(|c| c.checkpoints += 1);
+            tracing::debug!(parent: &fs.span, blocks, "checkpoint written");
             Ok(())
         }
         Err(e) => {
@@ -712,6 +714,7 @@ pub(crate) fn abandon_checkpoint_in_pieces(fs: &FsInner) {
     if fs.journal.borrow_mut().sliced.take().is_some() {
         fs.state.borrow_mut().abort_snapshot();
         release_held_frees(fs);
+        tracing::info!(parent: &fs.span, "checkpoint in pieces given up: a writer needs the blocks it held");
     }
 }
 
@@ -733,7 +736,9 @@ fn maybe_schedule_checkpoint(fs: &Rc<FsInner>) {
         let Some(fs) = weak.upgrade() else { return };
         // Failure leaves the journal as it was; the next commit that does
         // not fit retries, and reports the error to its caller.
-        let _ = scheduled_checkpoint(&fs, true).await;
+        if let Err(e) = scheduled_checkpoint(&fs, true).await {
+            tracing::warn!(parent: &fs.span, error = %e, "background checkpoint failed");
+        }
     });
 }
 
@@ -815,7 +820,9 @@ pub(crate) fn start_commit_timer(fs: &Rc<FsInner>) {
                 !j.pending.buf.is_empty() || !j.dirty.is_empty()
             };
             if pending {
-                let _ = sync(&fs).await;
+                if let Err(e) = sync(&fs).await {
+                    tracing::warn!(parent: &fs.span, error = %e, "background commit failed");
+                }
             }
         }
     });

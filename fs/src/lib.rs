@@ -215,6 +215,10 @@ pub(crate) struct FsInner {
     /// Files with readers on other cores ([`Fs::shared_reader`]): their
     /// size and life, published under a sequence number.
     shared_files: RefCell<keelfs_base::IdMap<Arc<shared::SharedFile>>>,
+    /// The span current at mount (the daemon's export span, inside its
+    /// reactor's): the parent of this filesystem's events, which are often
+    /// logged from timer tasks that run outside it.
+    pub(crate) span: tracing::Span,
 }
 
 /// A change to a file that readers on other cores must see whole (see
@@ -602,8 +606,16 @@ impl Fs {
                 replayed_at_mount: loaded.replayed,
                 file_times: Cell::new(true),
                 shared_files: RefCell::new(keelfs_base::IdMap::default()),
+                span: tracing::Span::current(),
             }),
         };
+        tracing::info!(
+            parent: &fs.inner.span,
+            replayed = loaded.replayed,
+            inodes = fs.inner.state.borrow().inode_count(),
+            read_only = config.read_only,
+            "mounted"
+        );
         if config.read_only {
             // Orphans stay (unreachable, freed by the next writable mount),
             // and nothing is ever committed or written back.
@@ -622,6 +634,9 @@ impl Fs {
             let state = self.inner.state.borrow();
             state.nodes().filter(|n| n.inode.nlink == 0).map(|n| n.inode.ino).collect()
         };
+        if !orphans.is_empty() {
+            tracing::info!(parent: &self.inner.span, orphans = orphans.len(), "freeing inodes unlinked while open");
+        }
         for ino in orphans {
             self.inner.log(record::Record::InodeFree { ino })?;
         }

@@ -456,6 +456,9 @@ impl Reactor {
         let (tx, rx) = std::sync::mpsc::channel();
         let name = format!("reactor-{}", config.id);
         let join = std::thread::Builder::new().name(name).spawn(move || {
+            // Every event on this thread, from any layer, names its reactor.
+            let _span = tracing::info_span!("reactor", id = config.id).entered();
+            let config_cpu = config.cpu;
             let mut reactor = match Reactor::new(config) {
                 Ok(r) => r,
                 Err(e) => {
@@ -464,8 +467,10 @@ impl Reactor {
                 }
             };
             let _ = tx.send(Ok(reactor.handle()));
+            tracing::debug!(cpu = ?config_cpu, "reactor started");
             init();
             reactor.run();
+            tracing::debug!("reactor stopped");
         })?;
         let handle = rx.recv().map_err(|_| std::io::Error::other("reactor thread died during start"))??;
         Ok((handle, join))

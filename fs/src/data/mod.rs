@@ -94,7 +94,10 @@ pub(crate) fn start_writeback_timer(fs: &Fs) {
                 return;
             }
             if inner.cache.borrow().dirty_pages() > 0 {
-                let _ = Fs { inner }.writeback_all().await;
+                let span = inner.span.clone();
+                if let Err(e) = (Fs { inner }).writeback_all().await {
+                    tracing::warn!(parent: &span, error = %e, "background writeback failed");
+                }
             }
         }
     });

@@ -13,7 +13,7 @@ use keelfs_fs::{Attr as FsAttr, Creds, Fs, FsError, ReadSink, SharedReader, Writ
 use keelfs_reactor::IoBuffer;
 
 use super::abi::{
-    error_reply, init_flags as f, open_flags, Attr, InHeader, Reply, KERNEL_MINOR_VERSION, KERNEL_VERSION,
+    error_reply, init_flags as f, open_flags, Attr, InHeader, Opcode, Reply, KERNEL_MINOR_VERSION, KERNEL_VERSION,
     MIN_MINOR_VERSION,
 };
 use super::request::{parse, Request, OPEN_KILL_SUIDGID, SETXATTR_ACL_KILL_SGID, WRITE_CACHE, WRITE_KILL_SUIDGID};
@@ -105,6 +105,10 @@ pub struct Session {
     /// Sends a notification to the client kernel, where the transport can
     /// (/dev/fuse; Linux's virtio-fs has no notification queue).
     notifier: RefCell<Option<Notifier>>,
+    /// The span current when the session was made (the export's, inside
+    /// its reactor's): the parent of this session's events, which requests
+    /// run as tasks of their own log outside it.
+    span: tracing::Span,
 }
 
 /// Writes one notification message (fuse_out_header with unique 0).
@@ -192,6 +196,7 @@ impl Session {
             shared_handles: RefCell::default(),
             holdings: RefCell::default(),
             notifier: RefCell::default(),
+            span: tracing::Span::current(),
         }
     }
 
@@ -321,7 +326,16 @@ impl Session {
         };
         let req = match parse(&header, body, self.flags.get() & f::SETXATTR_EXT != 0) {
             Ok(r) => r,
-            Err(e) => return Some(error_reply(header.unique, e.errno())),
+            Err(e) => {
+                tracing::debug!(
+                    parent: &self.span,
+                    opcode = ?Opcode::from_u32(header.opcode).ok_or(header.opcode),
+                    ino = header.nodeid,
+                    error = %e,
+                    "request refused by the parser"
+                );
+                return Some(error_reply(header.unique, e.errno()));
+            }
         };
         if matches!(req, Request::Forget { .. } | Request::BatchForget { .. } | Request::Interrupt { .. }) {
             self.forget(&header, &req).await;
@@ -333,8 +347,23 @@ impl Session {
         Some(match self.dispatch(&header, req, extensions).await {
             Ok(Some(reply)) => reply.finish(header.unique, 0),
             Ok(None) => Reply::default().finish(header.unique, 0),
-            Err(errno) => error_reply(header.unique, errno),
+            Err(errno) => {
+                self.log_failure(&header, errno);
+                error_reply(header.unique, errno)
+            }
         })
+    }
+
+    /// A failed request: routine errnos (ENOENT, EEXIST, ...) at trace
+    /// level, where a guest's misses would flood nothing; EIO, which means
+    /// the device or keelfs failed, as a warning.
+    fn log_failure(&self, header: &InHeader, errno: i32) {
+        let opcode = Opcode::from_u32(header.opcode);
+        if errno == libc::EIO {
+            tracing::warn!(parent: &self.span, opcode = ?opcode, ino = header.nodeid, errno, "request failed");
+        } else {
+            tracing::trace!(parent: &self.span, opcode = ?opcode, ino = header.nodeid, errno, "request failed");
+        }
     }
 
     async fn forget(&self, header: &InHeader, req: &Request<'_>) {
@@ -393,6 +422,7 @@ impl Session {
         let flags = kernel_flags & offered;
         self.flags.set(flags);
         self.initialized.set(true);
+        tracing::info!(parent: &self.span, major, minor, flags = format_args!("{flags:#x}"), "session started");
         let mut r = Reply::default();
         r.u32(KERNEL_VERSION).u32(KERNEL_MINOR_VERSION.min(if major > KERNEL_VERSION {
             KERNEL_MINOR_VERSION

@@ -301,6 +301,8 @@ fn start_helper_pollers(
         let (wake, owner, helper_stats) =
             (pollers.helpers()[i].wake.clone(), owner_handle.clone(), helper_stats.clone());
         let mine = Pollers::mask(i + 1, poller_count, queues);
+        // The export's span (current here, on the owner), not the helper's.
+        let span = tracing::Span::current();
         let start = move || {
             let poller = QueuePoller {
                 server: HelperServer { id, owner, handles: Rc::default(), stats: helper_stats },
@@ -312,6 +314,7 @@ fn start_helper_pollers(
                 disconnects: Vec::new(),
                 stats: Rc::default(),
                 in_flight_max,
+                span,
             };
             reactor::register_poller(PollerClass::Source, Box::new(poller));
         };
@@ -374,6 +377,7 @@ impl VhostUserServer {
             disconnects: Vec::new(),
             stats: stats.clone(),
             in_flight_max,
+            span: tracing::Span::current(),
         };
         reactor::register_poller(PollerClass::Source, Box::new(owner));
         let shape = PollerShape { server: id, queues, pollers: poller_count, in_flight_max };
@@ -385,9 +389,12 @@ impl VhostUserServer {
         let dma = options.dma;
         let thread = {
             let (stopping, finished, active) = (stopping.clone(), finished.clone(), active.clone());
+            // The listener's events belong to the export that started it.
+            let span = tracing::Span::current();
             std::thread::Builder::new()
                 .name("vhost-user-listen".into())
                 .spawn(move || {
+                    let _span = span.entered();
                     accept_loop(&mut listener, queues, &pollers, &stopping, &active, dma.as_ref());
                     finished.store(true, Ordering::Release);
                     pollers.owner().ring();

@@ -221,6 +221,8 @@ pub(super) struct QueuePoller<S: ChainServer> {
     /// Requests in flight per queue at most: past it, the rest wait in the
     /// ring until some finish.
     pub(super) in_flight_max: usize,
+    /// The export's span, for events logged from the reactor's loop.
+    pub(super) span: tracing::Span,
 }
 
 impl<S: ChainServer> QueuePoller<S> {
@@ -339,7 +341,11 @@ impl<S: ChainServer> QueuePoller<S> {
         if !queue.broken {
             queue.broken = true;
             self.stats.broken_queues.set(self.stats.broken_queues.get() + 1);
-            tracing::warn!(queue = index, "the driver moved the avail index more than a ring ahead; queue not served");
+            tracing::warn!(
+                parent: &self.span,
+                queue = index,
+                "the driver moved the avail index more than a ring ahead; queue not served"
+            );
         }
     }
 
