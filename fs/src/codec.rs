@@ -38,7 +38,9 @@ impl Writer {
     }
     /// A length-prefixed byte string (u32 length).
     pub fn blob(&mut self, v: &[u8]) {
-        self.u32(v.len() as u32);
+        // Names, values and symlink targets are bounded far below 4 GiB
+        // before they get here; a longer one would wrap its prefix.
+        self.u32(u32::try_from(v.len()).expect("a blob longer than its u32 length prefix"));
         self.bytes(v);
     }
 }

@@ -144,6 +144,8 @@ impl Superblock {
         w.u64(self.journal_seq);
         w.u64(self.checkpoint_seq);
         w.u64(self.checkpoint_bytes);
+        // decode refuses more, so never write more.
+        assert!(self.checkpoint_extents.len() <= CHECKPOINT_EXTENTS_MAX, "too many checkpoint extents");
         w.u32(self.checkpoint_extents.len() as u32);
         for run in &self.checkpoint_extents {
             w.u64(run.start);

@@ -496,11 +496,14 @@ async fn write_transaction(fs: &FsInner, taken: &Taken) -> FsResult<()> {
         (j.head, j.seq)
     };
     let blocks = tx_blocks_for(taken.payload.len());
+    // The caller checked that the transaction fits the ring's free part,
+    // so both lengths fit their u32 header fields.
+    assert!(blocks <= sb.journal_blocks, "a transaction of {blocks} blocks in a ring of {}", sb.journal_blocks);
     let mut buf = AlignedBuf::zeroed(blocks as usize * BLOCK_BYTES, BLOCK_BYTES);
     let header = TxHeader {
         seq,
-        blocks: blocks as u32,
-        payload_len: taken.payload.len() as u32,
+        blocks: u32::try_from(blocks).expect("transaction blocks fit u32"),
+        payload_len: u32::try_from(taken.payload.len()).expect("transaction payload fits u32"),
         payload_crc: crc(&taken.payload),
         free_blocks: taken.free_after,
     };
@@ -650,6 +653,7 @@ async fn write_checkpoint_blocks(fs: &FsInner, runs: &[BlockRun], payload: [&[u8
             let mut buf = AlignedBuf::zeroed(n as usize * BLOCK_BYTES, BLOCK_BYTES);
             for block in buf.chunks_mut(BLOCK_BYTES) {
                 let len = source.fill(&mut block[CP_HEADER_BYTES..]);
+                assert!(len <= BLOCK_BYTES - CP_HEADER_BYTES, "a checkpoint block overfilled: {len} bytes");
                 written += len;
                 let mut w = Writer::new();
                 w.u32(CHECKPOINT_BLOCK_MAGIC);
@@ -660,7 +664,7 @@ async fn write_checkpoint_blocks(fs: &FsInner, runs: &[BlockRun], payload: [&[u8
                 block[..CP_HEADER_BYTES].copy_from_slice(&w.buf);
                 let sum = crc(&block[8..]);
                 block[4..8].copy_from_slice(&sum.to_le_bytes());
-                index += 1;
+                index = index.checked_add(1).expect("checkpoint block index fits u32");
             }
             fs.write_blocks(run.start + done, buf).await?;
             done += n;
