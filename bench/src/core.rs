@@ -9,6 +9,7 @@ use clap::{Args, ValueEnum};
 use keelfs_base::parse_size;
 use keelfs_base::testing::splitmix64;
 use keelfs_bdev::{BlockDevice, MappedDevice, QueueConfig, UringDevice, UringOptions};
+use keelfs_fs::Ino;
 use keelfs_fs::ROOT_INO;
 use keelfs_fs::{mkfs, MkfsOptions};
 use keelfs_fs::{Creds, Fs, FsConfig};
@@ -250,16 +251,16 @@ fn emit(line: &serde_json::Value, as_json: bool) {
     }
 }
 
-async fn fill_dir(fs: &Fs, name: &str, entries: u64) -> anyhow::Result<u64> {
+async fn fill_dir(fs: &Fs, name: &str, entries: u64) -> anyhow::Result<Ino> {
     let c = Creds::root();
-    let dir = fs.mkdir(&c, ROOT_INO, name.as_bytes(), 0o755).await?.inode.ino;
+    let dir = fs.mkdir(&c, ROOT_INO, name.as_bytes(), 0o755).await?.ino();
     for i in 0..entries {
         fs.mknod(&c, dir, format!("entry-{i:08}").as_bytes(), libc::S_IFREG | 0o644, 0).await?;
     }
     Ok(dir)
 }
 
-async fn time_lookups(fs: &Fs, targets: &[(u64, Vec<u8>)]) -> anyhow::Result<f64> {
+async fn time_lookups(fs: &Fs, targets: &[(Ino, Vec<u8>)]) -> anyhow::Result<f64> {
     let c = Creds::root();
     let start = Instant::now();
     for (dir, name) in targets {
@@ -270,7 +271,7 @@ async fn time_lookups(fs: &Fs, targets: &[(u64, Vec<u8>)]) -> anyhow::Result<f64
 }
 
 /// Random (directory, name) pairs over `dirs`, each of `entries` entries.
-fn sample(dirs: &[u64], entries: u64, count: u64, seed: u64) -> Vec<(u64, Vec<u8>)> {
+fn sample(dirs: &[Ino], entries: u64, count: u64, seed: u64) -> Vec<(Ino, Vec<u8>)> {
     let mut s = seed;
     (0..count)
         .map(|_| {

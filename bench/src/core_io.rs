@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use keelfs_base::testing::splitmix64;
 use keelfs_bdev::AlignedBuf;
+use keelfs_fs::Ino;
 use keelfs_fs::ROOT_INO;
 use keelfs_fs::{Creds, Fs, FsCounters, SharedReader};
 use keelfs_reactor as reactor;
@@ -15,12 +16,12 @@ use serde_json::{json, Value};
 use crate::core::Params;
 use crate::hist::Histogram;
 
-async fn create(fs: &Fs, name: &str) -> anyhow::Result<u64> {
-    Ok(fs.create(&Creds::root(), ROOT_INO, name.as_bytes(), 0o644, 2).await?.0.inode.ino)
+async fn create(fs: &Fs, name: &str) -> anyhow::Result<Ino> {
+    Ok(fs.create(&Creds::root(), ROOT_INO, name.as_bytes(), 0o644, 2).await?.0.ino())
 }
 
 /// Fill `ino` with `size` bytes through direct 1 MiB writes, then sync.
-async fn preallocate(fs: &Fs, ino: u64, size: u64) -> anyhow::Result<()> {
+async fn preallocate(fs: &Fs, ino: Ino, size: u64) -> anyhow::Result<()> {
     let mut off = 0;
     while off < size {
         let len = (size - off).min(1 << 20);
@@ -202,7 +203,7 @@ struct ReadPhase {
 }
 
 /// 8k random reads by 2 tasks for `seconds`, where `readers` says.
-async fn read_phase(fs: &Fs, readers: &Readers, ino: u64, pages: u64, seconds: Duration) -> anyhow::Result<ReadPhase> {
+async fn read_phase(fs: &Fs, readers: &Readers, ino: Ino, pages: u64, seconds: Duration) -> anyhow::Result<ReadPhase> {
     let read_offset = move |t: u32, i: u64| {
         let mut s = (u64::from(t) << 40) ^ i ^ 0xabc;
         (splitmix64(&mut s) % pages) * 8192
@@ -255,7 +256,7 @@ type ReaderThread = (reactor::ReactorHandle, std::thread::JoinHandle<()>);
 
 /// buffered-randrw's readers: beside the writers, or on a second reactor
 /// that reads the owner's cache through a shared reader.
-fn start_readers(fs: &Fs, p: &Params, ino: u64) -> anyhow::Result<(Readers, Option<ReaderThread>)> {
+fn start_readers(fs: &Fs, p: &Params, ino: Ino) -> anyhow::Result<(Readers, Option<ReaderThread>)> {
     if p.readers_on_owner {
         return Ok((Readers::OnOwner, None));
     }

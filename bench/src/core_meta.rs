@@ -51,7 +51,7 @@ pub async fn fill(fs: &Fs, files: u64) -> anyhow::Result<serde_json::Value> {
     let started = Instant::now();
     let dirs = files.div_ceil(FILES_PER_DIR);
     for d in 0..dirs {
-        let dir = fs.mkdir(&c, ROOT_INO, format!("dir-{d:06}").as_bytes(), 0o755).await?.inode.ino;
+        let dir = fs.mkdir(&c, ROOT_INO, format!("dir-{d:06}").as_bytes(), 0o755).await?.ino();
         let in_this = FILES_PER_DIR.min(files - d * FILES_PER_DIR);
         for i in 0..in_this {
             fs.mknod(&c, dir, &file_name(d, i), libc::S_IFREG | 0o644, 0).await?;

@@ -24,6 +24,7 @@ mod extent;
 mod flags;
 mod format;
 mod fsck;
+mod ids;
 mod journal;
 mod mkfs;
 mod ops;
@@ -37,8 +38,9 @@ pub use access::{Creds, PermissionCheck};
 pub use data::{ReadSink, WriteSource, WriteTimes};
 pub use error::{FsError, FsResult};
 pub use flags::{FallocateMode, RenameMode, XattrFlags};
-pub use format::{crc, Superblock, Timespec, ROOT_INO, XATTR_INODE_BYTES_MAX};
+pub use format::{crc, Superblock, Timespec, XATTR_INODE_BYTES_MAX};
 pub use fsck::{fsck, repair, FsckReport, Problem};
+pub use ids::{Fh, Ino, ROOT_INO};
 pub use journal::{CHECKPOINT_BLOCK_MAGIC, JOURNAL_TX_MAGIC};
 pub use mkfs::{mkfs, MkfsError, MkfsOptions};
 pub use ops::{Attr, DirEntry, SeekTo, SetAttr, TimeSet};
@@ -459,7 +461,8 @@ impl Fs {
     /// A reader of `ino`'s cached pages for another thread (another
     /// reactor): reads that find every page cached complete there without
     /// a lock or a message; the others the caller sends here.
-    pub fn shared_reader(&self, ino: u64) -> FsResult<SharedReader> {
+    pub fn shared_reader(&self, ino: Ino) -> FsResult<SharedReader> {
+        let ino = ino.get();
         let size = self.require_file(ino)?.size;
         let file = self
             .inner
@@ -472,7 +475,8 @@ impl Fs {
     }
 
     /// Extents of a file (for tests and benchmarks of the allocator).
-    pub fn extent_count(&self, ino: u64) -> FsResult<usize> {
+    pub fn extent_count(&self, ino: Ino) -> FsResult<usize> {
+        let ino = ino.get();
         let state = self.inner.state.borrow();
         Ok(state.node(ino).ok_or(FsError::NotFound)?.extents.len())
     }
@@ -515,7 +519,8 @@ impl Fs {
     /// Overwrite an inode's link count, bypassing every rule: for tests
     /// that need a damaged image to check fsck against.
     #[doc(hidden)]
-    pub fn debug_set_nlink(&self, ino: u64, nlink: u32) {
+    pub fn debug_set_nlink(&self, ino: Ino, nlink: u32) {
+        let ino = ino.get();
         let _ = self.inner.update_inode(ino, |i| i.nlink = nlink);
     }
 

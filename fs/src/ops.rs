@@ -10,6 +10,7 @@ use super::format::{
     Inode, Timespec, BLOCK_SIZE, NAME_MAX, ROOT_INO, SYMLINK_MAX, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG,
     XATTR_INODE_BYTES_MAX, XATTR_LIST_BYTES_MAX, XATTR_NAME_MAX, XATTR_VALUE_MAX,
 };
+use super::ids::{Fh, Ino};
 use super::record::Record;
 use super::{Fs, FsError, FsInner, FsResult, Handle};
 
@@ -52,6 +53,12 @@ pub struct Attr {
     pub blocks_512: u64,
 }
 
+impl Attr {
+    pub fn ino(&self) -> Ino {
+        Ino::new(self.inode.ino)
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TimeSet {
     Now,
@@ -74,7 +81,7 @@ pub struct SetAttr {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DirEntry {
-    pub ino: u64,
+    pub ino: Ino,
     /// The offset to pass to continue after this entry.
     pub next_offset: u64,
     pub file_type: u32,
@@ -386,7 +393,8 @@ impl Fs {
         &self.inner
     }
 
-    pub async fn lookup(&self, c: &Creds, parent: u64, name: &[u8]) -> FsResult<Attr> {
+    pub async fn lookup(&self, c: &Creds, parent: Ino, name: &[u8]) -> FsResult<Attr> {
+        let parent = parent.get();
         // "." of any inode is the inode: how a client that kept only an
         // inode number (an NFS-style file handle, FUSE_EXPORT_SUPPORT)
         // finds it again. A freed inode is ENOENT, and the client compares
@@ -401,7 +409,8 @@ impl Fs {
     }
 
     /// The kernel dropped `n` references obtained by lookups.
-    pub async fn forget(&self, ino: u64, n: u64) -> FsResult<()> {
+    pub async fn forget(&self, ino: Ino, n: u64) -> FsResult<()> {
+        let ino = ino.get();
         if let Some(node) = self.inner.state.borrow_mut().node_mut(ino) {
             node.lookups = node.lookups.saturating_sub(n);
         }
@@ -409,20 +418,23 @@ impl Fs {
         Ok(())
     }
 
-    pub async fn getattr(&self, ino: u64) -> FsResult<Attr> {
+    pub async fn getattr(&self, ino: Ino) -> FsResult<Attr> {
+        let ino = ino.get();
         self.inner.attr(ino)
     }
 
     /// The inode's change counter (statx's change cookie). Reading it
     /// arms the next change to bump it; unread, changes leave it alone.
-    pub async fn i_version(&self, ino: u64) -> FsResult<u64> {
+    pub async fn i_version(&self, ino: Ino) -> FsResult<u64> {
+        let ino = ino.get();
         let mut state = self.inner.state.borrow_mut();
         let node = state.node_mut(ino).ok_or(FsError::NotFound)?;
         node.i_version_queried = true;
         Ok(node.inode.i_version)
     }
 
-    pub async fn mknod(&self, c: &Creds, parent: u64, name: &[u8], mode: u32, rdev: u32) -> FsResult<Attr> {
+    pub async fn mknod(&self, c: &Creds, parent: Ino, name: &[u8], mode: u32, rdev: u32) -> FsResult<Attr> {
+        let parent = parent.get();
         let kind = mode & S_IFMT;
         let kind = if kind == 0 { S_IFREG } else { kind };
         if ![S_IFREG, libc::S_IFIFO, libc::S_IFCHR, libc::S_IFBLK, libc::S_IFSOCK].contains(&kind) {
@@ -432,12 +444,14 @@ impl Fs {
         self.inner.attr(inode.ino)
     }
 
-    pub async fn mkdir(&self, c: &Creds, parent: u64, name: &[u8], mode: u32) -> FsResult<Attr> {
+    pub async fn mkdir(&self, c: &Creds, parent: Ino, name: &[u8], mode: u32) -> FsResult<Attr> {
+        let parent = parent.get();
         let inode = self.inner.make_node(c, parent, name, S_IFDIR | (mode & 0o7777), 0)?;
         self.inner.attr(inode.ino)
     }
 
-    pub async fn symlink(&self, c: &Creds, parent: u64, name: &[u8], target: &[u8]) -> FsResult<Attr> {
+    pub async fn symlink(&self, c: &Creds, parent: Ino, name: &[u8], target: &[u8]) -> FsResult<Attr> {
+        let parent = parent.get();
         if target.len() > SYMLINK_MAX {
             return Err(FsError::NameTooLong);
         }
@@ -450,13 +464,16 @@ impl Fs {
         self.inner.attr(inode.ino)
     }
 
-    pub async fn readlink(&self, ino: u64) -> FsResult<Vec<u8>> {
+    pub async fn readlink(&self, ino: Ino) -> FsResult<Vec<u8>> {
+        let ino = ino.get();
         let state = self.inner.state.borrow();
         let node = state.node(ino).ok_or(FsError::NotFound)?;
         node.symlink.clone().ok_or(FsError::Invalid("not a symlink"))
     }
 
-    pub async fn link(&self, c: &Creds, ino: u64, new_parent: u64, new_name: &[u8]) -> FsResult<Attr> {
+    pub async fn link(&self, c: &Creds, ino: Ino, new_parent: Ino, new_name: &[u8]) -> FsResult<Attr> {
+        let ino = ino.get();
+        let new_parent = new_parent.get();
         check_name(new_name)?;
         let inode = self.inner.inode(ino)?;
         if inode.is_dir() {
@@ -480,11 +497,13 @@ impl Fs {
         self.inner.attr(ino)
     }
 
-    pub async fn unlink(&self, c: &Creds, parent: u64, name: &[u8]) -> FsResult<()> {
+    pub async fn unlink(&self, c: &Creds, parent: Ino, name: &[u8]) -> FsResult<()> {
+        let parent = parent.get();
         self.remove_entry(c, parent, name, false)
     }
 
-    pub async fn rmdir(&self, c: &Creds, parent: u64, name: &[u8]) -> FsResult<()> {
+    pub async fn rmdir(&self, c: &Creds, parent: Ino, name: &[u8]) -> FsResult<()> {
+        let parent = parent.get();
         self.remove_entry(c, parent, name, true)
     }
 
@@ -525,12 +544,14 @@ impl Fs {
     pub async fn rename(
         &self,
         c: &Creds,
-        parent: u64,
+        parent: Ino,
         name: &[u8],
-        new_parent: u64,
+        new_parent: Ino,
         new_name: &[u8],
         mode: RenameMode,
     ) -> FsResult<()> {
+        let parent = parent.get();
+        let new_parent = new_parent.get();
         if let RenameMode::Whiteout { .. } = mode {
             return self.rename_whiteout(c, parent, name, new_parent, new_name, mode);
         }
@@ -688,7 +709,8 @@ impl Fs {
         Ok(())
     }
 
-    pub async fn open(&self, c: &Creds, ino: u64, flags: u32) -> FsResult<u64> {
+    pub async fn open(&self, c: &Creds, ino: Ino, flags: u32) -> FsResult<Fh> {
+        let ino = ino.get();
         let inode = self.inner.inode(ino)?;
         let mask = match flags as i32 & libc::O_ACCMODE {
             libc::O_RDONLY => R_OK,
@@ -707,7 +729,7 @@ impl Fs {
         Ok(self.new_handle(ino, flags))
     }
 
-    fn new_handle(&self, ino: u64, flags: u32) -> u64 {
+    fn new_handle(&self, ino: u64, flags: u32) -> Fh {
         let fh = self.inner.next_handle.get();
         self.inner.next_handle.set(fh + 1);
         let dir_end = self.inner.state.borrow().node(ino).and_then(|n| n.dir.as_ref()).map_or(0, |d| d.cookie_end());
@@ -715,17 +737,18 @@ impl Fs {
         if let Some(node) = self.inner.state.borrow_mut().node_mut(ino) {
             node.opens += 1;
         }
-        fh
+        Fh::new(fh)
     }
 
     /// Create and open a regular file. With O_EXCL an existing name is an
     /// error; without it the existing file is opened.
-    pub async fn create(&self, c: &Creds, parent: u64, name: &[u8], mode: u32, flags: u32) -> FsResult<(Attr, u64)> {
+    pub async fn create(&self, c: &Creds, parent: Ino, name: &[u8], mode: u32, flags: u32) -> FsResult<(Attr, Fh)> {
+        let parent = parent.get();
         if let Some(ino) = self.inner.lookup_in(c, parent, name)? {
             if flags as i32 & libc::O_EXCL != 0 {
                 return Err(FsError::Exists);
             }
-            let fh = self.open(c, ino, flags & !(libc::O_CREAT as u32)).await?;
+            let fh = self.open(c, Ino::new(ino), flags & !(libc::O_CREAT as u32)).await?;
             self.inner.add_lookup(ino, 1);
             return Ok((self.inner.attr(ino)?, fh));
         }
@@ -737,7 +760,8 @@ impl Fs {
     /// O_TMPFILE: an open regular file with no name (nlink 0), in
     /// `parent`'s group and ACLs. It is freed at its last release, or at
     /// the next mount after a crash, unless `link` gives it a name first.
-    pub async fn tmpfile(&self, c: &Creds, parent: u64, mode: u32, flags: u32) -> FsResult<(Attr, u64)> {
+    pub async fn tmpfile(&self, c: &Creds, parent: Ino, mode: u32, flags: u32) -> FsResult<(Attr, Fh)> {
+        let parent = parent.get();
         let dir = self.inner.writable_dir(c, parent)?;
         if self.inner.state.borrow().inode_count() as u64 >= self.inner.inodes_max() {
             return Err(FsError::NoSpace);
@@ -751,7 +775,8 @@ impl Fs {
         Ok((self.inner.attr(ino)?, fh))
     }
 
-    pub async fn release(&self, fh: u64) -> FsResult<()> {
+    pub async fn release(&self, fh: Fh) -> FsResult<()> {
+        let fh = fh.get();
         let handle = self.inner.handles.borrow_mut().remove(&fh).ok_or(FsError::BadHandle)?;
         if let Some(node) = self.inner.state.borrow_mut().node_mut(handle.ino) {
             node.opens = node.opens.saturating_sub(1);
@@ -761,11 +786,13 @@ impl Fs {
     }
 
     /// The inode and open flags of a handle.
-    pub fn handle(&self, fh: u64) -> FsResult<(u64, u32)> {
-        self.inner.handles.borrow().get(&fh).map(|h| (h.ino, h.flags)).ok_or(FsError::BadHandle)
+    pub fn handle(&self, fh: Fh) -> FsResult<(Ino, u32)> {
+        let fh = fh.get();
+        self.inner.handles.borrow().get(&fh).map(|h| (Ino::new(h.ino), h.flags)).ok_or(FsError::BadHandle)
     }
 
-    pub async fn opendir(&self, c: &Creds, ino: u64) -> FsResult<u64> {
+    pub async fn opendir(&self, c: &Creds, ino: Ino) -> FsResult<Fh> {
+        let ino = ino.get();
         let inode = self.inner.inode(ino)?;
         if !inode.is_dir() {
             return Err(FsError::NotDir);
@@ -776,13 +803,14 @@ impl Fs {
         Ok(self.new_handle(ino, libc::O_RDONLY as u32 | libc::O_DIRECTORY as u32))
     }
 
-    pub async fn releasedir(&self, fh: u64) -> FsResult<()> {
+    pub async fn releasedir(&self, fh: Fh) -> FsResult<()> {
         self.release(fh).await
     }
 
     /// Up to `max` entries from `offset` (0 at the start). Offsets are
     /// per-entry cookies, so they stay valid while the directory changes.
-    pub async fn readdir(&self, ino: u64, offset: u64, max: usize) -> FsResult<Vec<DirEntry>> {
+    pub async fn readdir(&self, ino: Ino, offset: u64, max: usize) -> FsResult<Vec<DirEntry>> {
+        let ino = ino.get();
         self.read_dir(ino, offset, max, false, u64::MAX)
     }
 
@@ -790,8 +818,9 @@ impl Fs {
     /// opendir (or since the last read from offset 0, a rewind) are left
     /// out, so that a reader whose directory keeps gaining entries (files
     /// renamed within it, each getting a new cookie) reaches its end.
-    pub async fn readdir_handle(&self, fh: u64, offset: u64, max: usize, plus: bool) -> FsResult<Vec<DirEntry>> {
-        let ino = self.handle(fh)?.0;
+    pub async fn readdir_handle(&self, fh: Fh, offset: u64, max: usize, plus: bool) -> FsResult<Vec<DirEntry>> {
+        let ino = self.handle(fh)?.0.get();
+        let fh = fh.get();
         if offset == 0 {
             let end = self.inner.state.borrow().node(ino).and_then(|n| n.dir.as_ref()).map(|d| d.cookie_end());
             if let (Some(end), Some(h)) = (end, self.inner.handles.borrow_mut().get_mut(&fh)) {
@@ -804,7 +833,8 @@ impl Fs {
 
     /// readdir with attributes; each returned entry other than "." and ".."
     /// counts as a lookup, as in FUSE.
-    pub async fn readdirplus(&self, ino: u64, offset: u64, max: usize) -> FsResult<Vec<DirEntry>> {
+    pub async fn readdirplus(&self, ino: Ino, offset: u64, max: usize) -> FsResult<Vec<DirEntry>> {
+        let ino = ino.get();
         self.read_dir(ino, offset, max, true, u64::MAX)
     }
 
@@ -821,14 +851,14 @@ impl Fs {
             for (cookie, name, child) in listed.chain(rest).take(max) {
                 let file_type = state.node(child).map_or(0, |n| n.inode.file_type());
                 let next_offset = if cookie <= 2 { cookie } else { cookie + 1 };
-                out.push(DirEntry { ino: child, next_offset, file_type, name: name.to_vec(), attr: None });
+                out.push(DirEntry { ino: Ino::new(child), next_offset, file_type, name: name.to_vec(), attr: None });
             }
         }
         if plus {
             for e in &mut out {
-                e.attr = Some(self.inner.attr(e.ino)?);
+                e.attr = Some(self.inner.attr(e.ino.get())?);
                 if e.name != b"." && e.name != b".." {
-                    self.inner.add_lookup(e.ino, 1);
+                    self.inner.add_lookup(e.ino.get(), 1);
                 }
             }
         }
@@ -849,7 +879,8 @@ impl Fs {
         })
     }
 
-    pub async fn access(&self, c: &Creds, ino: u64, mask: u32) -> FsResult<()> {
+    pub async fn access(&self, c: &Creds, ino: Ino, mask: u32) -> FsResult<()> {
+        let ino = ino.get();
         let inode = self.inner.inode(ino)?;
         if mask == 0 || self.inner.may(&inode, c, mask & 7) {
             Ok(())
@@ -886,7 +917,8 @@ impl Fs {
         Ok(())
     }
 
-    pub async fn setattr(&self, c: &Creds, ino: u64, set: &SetAttr, via_handle: bool) -> FsResult<Attr> {
+    pub async fn setattr(&self, c: &Creds, ino: Ino, set: &SetAttr, via_handle: bool) -> FsResult<Attr> {
+        let ino = ino.get();
         let inode = self.inner.inode(ino)?;
         let owner = c.owns(&inode);
         let mut new = inode.clone();
@@ -920,7 +952,8 @@ impl Fs {
         self.inner.attr(ino)
     }
 
-    pub async fn setxattr(&self, c: &Creds, ino: u64, name: &[u8], value: &[u8], flags: XattrFlags) -> FsResult<()> {
+    pub async fn setxattr(&self, c: &Creds, ino: Ino, name: &[u8], value: &[u8], flags: XattrFlags) -> FsResult<()> {
+        let ino = ino.get();
         self.check_xattr_access(c, ino, name, true)?;
         if value.len() > XATTR_VALUE_MAX {
             return Err(FsError::Range);
@@ -989,7 +1022,8 @@ impl Fs {
     /// `writer` counts as in the file's group if its gid or one of the
     /// groups it carries is the file's (FUSE sends no more of them).
     /// Whether the mode changed.
-    pub fn kill_setid(&self, ino: u64, writer: &Creds) -> FsResult<bool> {
+    pub fn kill_setid(&self, ino: Ino, writer: &Creds) -> FsResult<bool> {
+        let ino = ino.get();
         let inode = self.inner.inode(ino)?;
         let clear = setid_bits_to_clear(inode.mode, writer.in_group(inode.gid));
         self.clear_mode_bits(ino, clear)?;
@@ -998,7 +1032,8 @@ impl Fs {
 
     /// Clear S_ISGID: an access ACL set by a caller outside the file's
     /// group (FUSE_SETXATTR_ACL_KILL_SGID).
-    pub fn kill_sgid(&self, ino: u64) -> FsResult<()> {
+    pub fn kill_sgid(&self, ino: Ino) -> FsResult<()> {
+        let ino = ino.get();
         let clear = self.inner.inode(ino)?.mode & libc::S_ISGID;
         self.clear_mode_bits(ino, clear)
     }
@@ -1014,14 +1049,16 @@ impl Fs {
         })
     }
 
-    pub async fn getxattr(&self, c: &Creds, ino: u64, name: &[u8]) -> FsResult<Vec<u8>> {
+    pub async fn getxattr(&self, c: &Creds, ino: Ino, name: &[u8]) -> FsResult<Vec<u8>> {
+        let ino = ino.get();
         self.check_xattr_access(c, ino, name, false)?;
         let state = self.inner.state.borrow();
         state.node(ino).ok_or(FsError::NotFound)?.xattrs.get(name).cloned().ok_or(FsError::NoData)
     }
 
     /// Attribute names, each followed by a NUL, as listxattr returns them.
-    pub async fn listxattr(&self, ino: u64) -> FsResult<Vec<u8>> {
+    pub async fn listxattr(&self, ino: Ino) -> FsResult<Vec<u8>> {
+        let ino = ino.get();
         let state = self.inner.state.borrow();
         let node = state.node(ino).ok_or(FsError::NotFound)?;
         let mut out = Vec::new();
@@ -1032,7 +1069,8 @@ impl Fs {
         Ok(out)
     }
 
-    pub async fn removexattr(&self, c: &Creds, ino: u64, name: &[u8]) -> FsResult<()> {
+    pub async fn removexattr(&self, c: &Creds, ino: Ino, name: &[u8]) -> FsResult<()> {
+        let ino = ino.get();
         self.check_xattr_access(c, ino, name, true)?;
         let exists = self.inner.state.borrow().node(ino).is_some_and(|n| n.xattrs.contains_key(name));
         if !exists {

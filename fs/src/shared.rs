@@ -409,8 +409,8 @@ pub struct SharedReader {
 }
 
 impl SharedReader {
-    pub fn ino(&self) -> u64 {
-        self.ino
+    pub fn ino(&self) -> crate::Ino {
+        crate::Ino::new(self.ino)
     }
 
     /// Read up to `size` bytes at `offset` if every page is cached: the

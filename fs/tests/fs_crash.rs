@@ -12,6 +12,7 @@ use std::sync::Arc;
 use common::{busy_reactor, channel, check, mount};
 use keelfs_base::testing::splitmix64;
 use keelfs_bdev::{AlignedBuf, BlockDevice, FaultDevice, MappedDevice};
+use keelfs_fs::Ino;
 use keelfs_fs::RenameMode;
 use keelfs_fs::ROOT_INO;
 use keelfs_fs::{mkfs, MkfsOptions};
@@ -58,10 +59,10 @@ fn record_with_config<P: 'static>(
         let fs = mount(&dev).await;
         let c = Creds::root();
         let (junk, _) = fs.create(&c, ROOT_INO, b"junk", 0o644, 2).await.unwrap();
-        fs.write(junk.inode.ino, 0, &vec![STALE; 16 << 20]).await.unwrap();
+        fs.write(junk.ino(), 0, &vec![STALE; 16 << 20]).await.unwrap();
         fs.sync().await.unwrap();
         fs.unlink(&c, ROOT_INO, b"junk").await.unwrap();
-        fs.forget(junk.inode.ino, 1).await.unwrap();
+        fs.forget(junk.ino(), 1).await.unwrap();
         fs.unmount().await.unwrap();
         let base = ram2.snapshot();
         fault2.start_recording();
@@ -120,13 +121,13 @@ fn check_crashes<P: Clone + 'static>(
     }
 }
 
-async fn read_all(fs: &Fs, ino: u64) -> Vec<u8> {
+async fn read_all(fs: &Fs, ino: Ino) -> Vec<u8> {
     let size = fs.getattr(ino).await.unwrap().inode.size;
     fs.read(ino, 0, size as u32).await.unwrap()
 }
 
-async fn lookup(fs: &Fs, parent: u64, name: &str) -> Option<u64> {
-    fs.lookup(&Creds::root(), parent, name.as_bytes()).await.ok().map(|a| a.inode.ino)
+async fn lookup(fs: &Fs, parent: Ino, name: &str) -> Option<Ino> {
+    fs.lookup(&Creds::root(), parent, name.as_bytes()).await.ok().map(|a| a.ino())
 }
 
 type StormPromise = Vec<(String, Vec<(String, Vec<u8>)>)>;
@@ -162,12 +163,12 @@ fn storm(journal_blocks: u64, rounds: usize, config: FsConfig) {
             let mut done: Promise = Vec::new();
             for round in 0..rounds {
                 let dname = format!("r{round}");
-                let d = fs.mkdir(&c, ROOT_INO, dname.as_bytes(), 0o755).await.unwrap().inode.ino;
+                let d = fs.mkdir(&c, ROOT_INO, dname.as_bytes(), 0o755).await.unwrap().ino();
                 let mut names = Vec::new();
                 for i in 0..12 {
                     let body = format!("round {round} file {i}").repeat(i + 1).into_bytes();
                     let (f, fh) = fs.create(&c, d, format!("t{i}").as_bytes(), 0o644, 2).await.unwrap();
-                    fs.write(f.inode.ino, 0, &body).await.unwrap();
+                    fs.write(f.ino(), 0, &body).await.unwrap();
                     fs.release(fh).await.unwrap();
                     let name = if i % 2 == 0 {
                         let (from, to) = (format!("t{i}"), format!("f{i}"));
@@ -250,7 +251,7 @@ fn appends_with_fsync_never_show_stale_data() {
     let rec = record(async move |fs: Fs, f, promises: &mut Vec<(usize, u64)>| {
         let c = Creds::root();
         let (file, _) = fs.create(&c, ROOT_INO, b"log", 0o644, 2).await.unwrap();
-        let ino = file.inode.ino;
+        let ino = file.ino();
         let mut size = 0u64;
         let mut s = seed;
         for i in 0..40 {
@@ -275,7 +276,7 @@ fn direct_appends_with_fsync_never_show_stale_data() {
     let rec = record(async move |fs: Fs, f, promises: &mut Vec<(usize, u64)>| {
         let c = Creds::root();
         let (file, _) = fs.create(&c, ROOT_INO, b"log", 0o644, 2).await.unwrap();
-        let ino = file.inode.ino;
+        let ino = file.ino();
         let mut size = 0u64;
         let mut s = seed;
         for _round in 0..12 {
@@ -312,7 +313,7 @@ fn direct_overwrites_with_fsync_keep_a_synced_or_newer_version() {
     let rec = record(async move |fs: Fs, f, promises: &mut Vec<(usize, Vec<u64>)>| {
         let c = Creds::root();
         let (file, _) = fs.create(&c, ROOT_INO, b"db", 0o644, 2).await.unwrap();
-        let ino = file.inode.ino;
+        let ino = file.ino();
         let mut gens = vec![0u64; BLOCKS as usize];
         for b in 0..BLOCKS {
             fs.write(ino, b * 4096, &sector_image(b, 0)).await.unwrap();
@@ -377,7 +378,7 @@ fn overwrites_with_fsync_keep_a_synced_or_newer_version_of_every_sector() {
     let rec = record(async move |fs: Fs, f, promises: &mut Vec<(usize, Vec<u64>)>| {
         let c = Creds::root();
         let (file, _) = fs.create(&c, ROOT_INO, b"db", 0o644, 2).await.unwrap();
-        let ino = file.inode.ino;
+        let ino = file.ino();
         let mut gens = vec![0u64; BLOCKS as usize];
         for b in 0..BLOCKS {
             fs.write(ino, b * 4096, &sector_image(b, 0)).await.unwrap();
@@ -406,7 +407,7 @@ fn truncates_with_fsync_land_on_a_synced_state() {
     let rec = record(async move |fs: Fs, f, promises: &mut Vec<(usize, Vec<u8>)>| {
         let c = Creds::root();
         let (file, _) = fs.create(&c, ROOT_INO, b"t", 0o644, 2).await.unwrap();
-        let ino = file.inode.ino;
+        let ino = file.ino();
         let mut model: Vec<u8> = Vec::new();
         let mut s = seed;
         fs.fsync(ino, false).await.unwrap();
@@ -468,7 +469,7 @@ fn blocks_freed_during_a_checkpoint_in_pieces_stay_its_files() {
             fs.mknod(&c, ROOT_INO, format!("empty-{i}").as_bytes(), libc::S_IFREG | 0o644, 0).await.unwrap();
         }
         let (big, fh) = fs.create(&c, ROOT_INO, b"big", 0o644, 2).await.unwrap();
-        fs.write(big.inode.ino, 0, &vec![0x42; 1 << 20]).await.unwrap();
+        fs.write(big.ino(), 0, &vec![0x42; 1 << 20]).await.unwrap();
         fs.release(fh).await.unwrap();
         fs.sync().await.unwrap();
         let before = fs.counters().checkpoints;
@@ -482,7 +483,7 @@ fn blocks_freed_during_a_checkpoint_in_pieces_stay_its_files() {
         }
         assert!(fs.checkpointing_in_pieces(), "the checkpoint is in its pieces");
         fs.unlink(&c, ROOT_INO, b"big").await.unwrap();
-        fs.forget(big.inode.ino, 1).await.unwrap();
+        fs.forget(big.ino(), 1).await.unwrap();
         fs.sync().await.unwrap();
         assert!(fs.checkpointing_in_pieces(), "the frees were committed during the pieces");
         for _ in 0..10_000 {
@@ -496,7 +497,7 @@ fn blocks_freed_during_a_checkpoint_in_pieces_stay_its_files() {
         // Then a file that may take the blocks big had.
         let (after, fh) = fs.create(&c, ROOT_INO, b"after", 0o644, 2).await.unwrap();
         let body = vec![0x17; 256 << 10];
-        fs.write(after.inode.ino, 0, &body).await.unwrap();
+        fs.write(after.ino(), 0, &body).await.unwrap();
         fs.release(fh).await.unwrap();
         fs.sync().await.unwrap();
         promises.push((f.log_len(), body));

@@ -27,11 +27,11 @@ fn build_image() -> (Vec<u8>, Vec<u64>) {
         let fs = mount(&dev).await;
         let c = Creds::root();
         for d in 0..5 {
-            let dir = fs.mkdir(&c, ROOT_INO, format!("d{d}").as_bytes(), 0o755).await.unwrap().inode.ino;
+            let dir = fs.mkdir(&c, ROOT_INO, format!("d{d}").as_bytes(), 0o755).await.unwrap().ino();
             for f in 0..20 {
                 let (a, _) = fs.create(&c, dir, format!("f{f}").as_bytes(), 0o644, 2).await.unwrap();
-                fs.write(a.inode.ino, 0, &vec![f as u8; 5000]).await.unwrap();
-                fs.setxattr(&c, a.inode.ino, b"user.tag", b"value", XattrFlags::default()).await.unwrap();
+                fs.write(a.ino(), 0, &vec![f as u8; 5000]).await.unwrap();
+                fs.setxattr(&c, a.ino(), b"user.tag", b"value", XattrFlags::default()).await.unwrap();
             }
         }
         fs.symlink(&c, ROOT_INO, b"sym", b"d0/f0").await.unwrap();
@@ -160,7 +160,7 @@ fn fsck_finds_and_repairs_a_wrong_link_count() {
         format(&dev).await;
         let fs = mount(&dev).await;
         let c = Creds::root();
-        let f = fs.mknod(&c, ROOT_INO, b"f", libc::S_IFREG | 0o644, 0).await.unwrap().inode.ino;
+        let f = fs.mknod(&c, ROOT_INO, b"f", libc::S_IFREG | 0o644, 0).await.unwrap().ino();
         fs.link(&c, f, ROOT_INO, b"g").await.unwrap();
         // Damage through the API's back door: a link count that lies.
         let bad = keelfs_fs::SetAttr::default();

@@ -12,6 +12,7 @@ use std::time::Duration;
 use common::{busy_reactor, channel, format, ram_device, Gate, GateDevice};
 use keelfs_base::testing::fill_pattern;
 use keelfs_bdev::{AlignedBuf, BlockDevice};
+use keelfs_fs::Ino;
 use keelfs_fs::ROOT_INO;
 use keelfs_fs::{Creds, Fs, FsConfig, SetAttr, WriteTimes};
 use keelfs_reactor as reactor;
@@ -47,8 +48,8 @@ fn block(seed: u64, len: usize) -> AlignedBuf {
     b
 }
 
-async fn new_file(fs: &Fs, name: &str) -> u64 {
-    fs.create(&Creds::root(), ROOT_INO, name.as_bytes(), 0o644, 2).await.unwrap().0.inode.ino
+async fn new_file(fs: &Fs, name: &str) -> Ino {
+    fs.create(&Creds::root(), ROOT_INO, name.as_bytes(), 0o644, 2).await.unwrap().0.ino()
 }
 
 #[test]
@@ -364,7 +365,7 @@ fn space_freed_but_not_yet_committed_is_reclaimed_on_demand() {
         // Fill most of the device with direct writes, delete, fill again.
         for round in 0..3 {
             let (attr, fh) = fs.create(&c, ROOT_INO, format!("big{round}").as_bytes(), 0o644, 2).await.unwrap();
-            let ino = attr.inode.ino;
+            let ino = attr.ino();
             let blocks = free * 3 / 4;
             let mut at = 0;
             while at < blocks {
@@ -380,7 +381,7 @@ fn space_freed_but_not_yet_committed_is_reclaimed_on_demand() {
         // And buffered writes, which reserve space when they dirty pages.
         for round in 0..2 {
             let (attr, fh) = fs.create(&c, ROOT_INO, format!("buf{round}").as_bytes(), 0o644, 2).await.unwrap();
-            let ino = attr.inode.ino;
+            let ino = attr.ino();
             let data = vec![7u8; 1 << 20];
             for k in 0..(free * 3 / 4 / 256) {
                 assert_eq!(fs.write(ino, k << 20, &data).await.unwrap(), 1 << 20, "round {round}: buffered write {k}");
@@ -401,7 +402,7 @@ fn append_and_truncate_cycles_do_not_leak_space() {
     with_quiet_fs(ram_device(64 * MIB), async |fs: Fs| {
         let c = Creds::root();
         let (attr, _fh) = fs.create(&c, ROOT_INO, b"cycle", 0o644, 2).await.unwrap();
-        let ino = attr.inode.ino;
+        let ino = attr.ino();
         let free = fs.statfs().await.unwrap().blocks_free;
         for round in 0..40u64 {
             for k in 0..1024u64 {
@@ -573,7 +574,7 @@ fn a_writer_out_of_space_gets_back_what_a_checkpoint_in_pieces_holds() {
             fs.mknod(&c, ROOT_INO, format!("empty-{i}").as_bytes(), libc::S_IFREG | 0o644, 0).await.unwrap();
         }
         let (hog, fh) = fs.create(&c, ROOT_INO, b"hog", 0o644, 2).await.unwrap();
-        let hog = hog.inode.ino;
+        let hog = hog.ino();
         let chunk = vec![0x5a; 256 << 10];
         let mut size = 0u64;
         loop {

@@ -41,7 +41,7 @@ fn punching_or_zeroing_the_largest_range_is_bounded_by_the_cache() {
         with_fs(32 * MIB, async |fs: Fs, _dev: Arc<dyn BlockDevice>| {
             let c = Creds::root();
             let (f, _) = fs.create(&c, ROOT_INO, b"f", 0o644, libc::O_RDWR as u32).await.unwrap();
-            let ino = f.inode.ino;
+            let ino = f.ino();
             fs.write(ino, 0, &vec![0xaa; 3 * 4096]).await.unwrap();
             fs.write(ino, 1 << 40, b"far").await.unwrap();
             fs.fallocate(ino, FallocateMode::PunchHole, 4096, HUGE - 4096).await.unwrap();
@@ -63,7 +63,7 @@ fn an_inodes_xattrs_are_bounded_and_refused_with_enospc() {
     with_fs(32 * MIB, async |fs: Fs, _dev: Arc<dyn BlockDevice>| {
         let c = Creds::root();
         let (f, _) = fs.create(&c, ROOT_INO, b"x", 0o644, libc::O_RDWR as u32).await.unwrap();
-        let ino = f.inode.ino;
+        let ino = f.ino();
         let big = vec![7u8; 65536];
         let mut stored = 0;
         let refused = loop {
@@ -85,14 +85,14 @@ fn an_inodes_xattrs_are_bounded_and_refused_with_enospc() {
         let mut names = 0;
         let refused = loop {
             let name = format!("user.{names:0>200}");
-            match fs.setxattr(&c, g.inode.ino, name.as_bytes(), b"", XattrFlags::default()).await {
+            match fs.setxattr(&c, g.ino(), name.as_bytes(), b"", XattrFlags::default()).await {
                 Ok(()) => names += 1,
                 Err(e) => break e,
             }
             assert!(names < 1000, "no bound on xattr names per inode");
         };
         assert_eq!(refused.errno(), libc::ENOSPC);
-        let listed = fs.listxattr(g.inode.ino).await.unwrap();
+        let listed = fs.listxattr(g.ino()).await.unwrap();
         assert!(listed.len() <= 65536, "listxattr fits XATTR_LIST_MAX: {}", listed.len());
     });
 }
@@ -122,7 +122,7 @@ fn the_inode_count_is_bounded_and_refused_with_enospc() {
         assert_eq!(fs.mkdir(&c, ROOT_INO, b"d", 0o755).await.err().map(|e| e.errno()), Some(libc::ENOSPC));
         // Unlinked and forgotten (mknod's reference and this lookup's), n0
         // is freed.
-        let n0 = fs.lookup(&c, ROOT_INO, b"n0").await.unwrap().inode.ino;
+        let n0 = fs.lookup(&c, ROOT_INO, b"n0").await.unwrap().ino();
         fs.unlink(&c, ROOT_INO, b"n0").await.unwrap();
         fs.forget(n0, 2).await.unwrap();
         fs.mkdir(&c, ROOT_INO, b"d", 0o755).await.expect("room again once one is gone");
@@ -141,9 +141,9 @@ fn the_xattr_bytes_per_inode_limit_is_configurable() {
         let c = Creds::root();
         let (f, _) = fs.create(&c, ROOT_INO, b"x", 0o644, libc::O_RDWR as u32).await.unwrap();
         let value = vec![1u8; 3000];
-        fs.setxattr(&c, f.inode.ino, b"user.a", &value, XattrFlags::default()).await.unwrap();
-        fs.setxattr(&c, f.inode.ino, b"user.b", &value, XattrFlags::default()).await.unwrap();
-        let refused = fs.setxattr(&c, f.inode.ino, b"user.c", &value, XattrFlags::default()).await.unwrap_err();
+        fs.setxattr(&c, f.ino(), b"user.a", &value, XattrFlags::default()).await.unwrap();
+        fs.setxattr(&c, f.ino(), b"user.b", &value, XattrFlags::default()).await.unwrap();
+        let refused = fs.setxattr(&c, f.ino(), b"user.c", &value, XattrFlags::default()).await.unwrap_err();
         assert_eq!(refused.errno(), libc::ENOSPC, "9 KiB is past the configured 8 KiB");
         fs.unmount().await.unwrap();
     });

@@ -8,6 +8,7 @@ mod common;
 use std::collections::{BTreeMap, HashMap};
 
 use common::{busy_reactor, check, format, mount, ram_device};
+use keelfs_fs::Ino;
 use keelfs_fs::RenameMode;
 use keelfs_fs::ROOT_INO;
 use keelfs_fs::{Creds, Fs, SetAttr};
@@ -177,11 +178,11 @@ impl Model {
     }
 }
 
-async fn resolve(fs: &Fs, path: &str) -> u64 {
+async fn resolve(fs: &Fs, path: &str) -> Ino {
     let c = Creds::root();
     let mut ino = ROOT_INO;
     for part in path.split('/').filter(|p| !p.is_empty()) {
-        ino = fs.lookup(&c, ino, part.as_bytes()).await.expect("model path exists in keelfs").inode.ino;
+        ino = fs.lookup(&c, ino, part.as_bytes()).await.expect("model path exists in keelfs").ino();
     }
     ino
 }

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use common::{busy_reactor, check, format, mount, ram_device, with_fs};
 use keelfs_bdev::BlockDevice;
 use keelfs_fs::Fs;
+use keelfs_fs::Ino;
 use keelfs_fs::ROOT_INO;
 use keelfs_fs::{Creds, FsError, SeekTo, SetAttr, TimeSet};
 use keelfs_fs::{FallocateMode, RenameMode, XattrFlags};
@@ -23,31 +24,31 @@ fn files_and_directories_persist_across_remount() {
     with_fs(64 * MIB, async |fs: Fs, dev: Arc<dyn BlockDevice>| {
         let c = root();
         let d = fs.mkdir(&c, ROOT_INO, b"dir", 0o755).await.unwrap();
-        let (f, fh) = fs.create(&c, d.inode.ino, b"file", 0o644, libc::O_RDWR as u32).await.unwrap();
+        let (f, fh) = fs.create(&c, d.ino(), b"file", 0o644, libc::O_RDWR as u32).await.unwrap();
         let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
-        assert_eq!(fs.write(f.inode.ino, 1000, &data).await.unwrap(), data.len() as u32);
+        assert_eq!(fs.write(f.ino(), 1000, &data).await.unwrap(), data.len() as u32);
         fs.release(fh).await.unwrap();
-        fs.symlink(&c, d.inode.ino, b"link", b"file").await.unwrap();
-        fs.link(&c, f.inode.ino, ROOT_INO, b"hard").await.unwrap();
-        fs.setxattr(&c, f.inode.ino, b"user.k", b"v", XattrFlags::default()).await.unwrap();
+        fs.symlink(&c, d.ino(), b"link", b"file").await.unwrap();
+        fs.link(&c, f.ino(), ROOT_INO, b"hard").await.unwrap();
+        fs.setxattr(&c, f.ino(), b"user.k", b"v", XattrFlags::default()).await.unwrap();
         fs.unmount().await.unwrap();
         assert!(check(&dev).await.is_clean());
 
         let fs = mount(&dev).await;
         assert_eq!(fs.replayed_at_mount(), 0, "a clean unmount leaves nothing to replay");
         let d = fs.lookup(&c, ROOT_INO, b"dir").await.unwrap();
-        let f = fs.lookup(&c, d.inode.ino, b"file").await.unwrap();
+        let f = fs.lookup(&c, d.ino(), b"file").await.unwrap();
         assert_eq!(f.inode.size, 101_000);
         assert_eq!(f.inode.nlink, 2);
-        let back = fs.read(f.inode.ino, 1000, 100_000).await.unwrap();
+        let back = fs.read(f.ino(), 1000, 100_000).await.unwrap();
         assert!(back == data);
-        let head = fs.read(f.inode.ino, 0, 1000).await.unwrap();
+        let head = fs.read(f.ino(), 0, 1000).await.unwrap();
         assert!(head.iter().all(|&b| b == 0), "the gap before the write reads as zeros");
-        let l = fs.lookup(&c, d.inode.ino, b"link").await.unwrap();
-        assert_eq!(fs.readlink(l.inode.ino).await.unwrap(), b"file");
-        assert_eq!(fs.getxattr(&c, f.inode.ino, b"user.k").await.unwrap(), b"v");
+        let l = fs.lookup(&c, d.ino(), b"link").await.unwrap();
+        assert_eq!(fs.readlink(l.ino()).await.unwrap(), b"file");
+        assert_eq!(fs.getxattr(&c, f.ino(), b"user.k").await.unwrap(), b"v");
         let h = fs.lookup(&c, ROOT_INO, b"hard").await.unwrap();
-        assert_eq!(h.inode.ino, f.inode.ino);
+        assert_eq!(h.ino(), f.ino());
         assert_eq!(fs.getattr(ROOT_INO).await.unwrap().inode.nlink, 3);
     });
 }
@@ -60,21 +61,21 @@ fn files_and_directories_persist_across_remount() {
 fn inodes_created_and_freed_in_one_transaction_replay() {
     with_fs(64 * MIB, async |fs: Fs, dev: Arc<dyn BlockDevice>| {
         let c = root();
-        let d = fs.mkdir(&c, ROOT_INO, b"s", 0o755).await.unwrap().inode.ino;
+        let d = fs.mkdir(&c, ROOT_INO, b"s", 0o755).await.unwrap().ino();
         let (f, fh) = fs.create(&c, d, b"x", 0o644, libc::O_RDWR as u32).await.unwrap();
-        fs.write(f.inode.ino, 0, b"x\n").await.unwrap();
+        fs.write(f.ino(), 0, b"x\n").await.unwrap();
         fs.release(fh).await.unwrap();
-        let sym = fs.symlink(&c, d, b"l", b"x").await.unwrap().inode.ino;
+        let sym = fs.symlink(&c, d, b"l", b"x").await.unwrap().ino();
         fs.unlink(&c, d, b"x").await.unwrap();
         fs.unlink(&c, d, b"l").await.unwrap();
         fs.rmdir(&c, ROOT_INO, b"s").await.unwrap();
         // The kernel drops its references at once (FORGET), so the inodes
         // are freed inside the same transaction.
-        for ino in [f.inode.ino, sym, d] {
+        for ino in [f.ino(), sym, d] {
             fs.forget(ino, 1).await.unwrap();
         }
         // And one that lives on, created in the same transaction.
-        let keep = fs.mkdir(&c, ROOT_INO, b"keep", 0o755).await.unwrap().inode.ino;
+        let keep = fs.mkdir(&c, ROOT_INO, b"keep", 0o755).await.unwrap().ino();
         fs.mkdir(&c, keep, b"inner", 0o755).await.unwrap();
         fs.sync().await.unwrap();
         drop(fs); // crash after the commit, before any checkpoint
@@ -83,10 +84,10 @@ fn inodes_created_and_freed_in_one_transaction_replay() {
         let fs = mount(&dev).await;
         assert!(fs.replayed_at_mount() >= 1);
         assert_eq!(fs.lookup(&c, ROOT_INO, b"s").await.err(), Some(FsError::NotFound));
-        for gone in [d, f.inode.ino, sym] {
+        for gone in [d, f.ino(), sym] {
             assert_eq!(fs.getattr(gone).await.err(), Some(FsError::NotFound));
         }
-        let keep = fs.lookup(&c, ROOT_INO, b"keep").await.unwrap().inode.ino;
+        let keep = fs.lookup(&c, ROOT_INO, b"keep").await.unwrap().ino();
         fs.lookup(&c, keep, b"inner").await.unwrap();
         fs.unmount().await.unwrap();
         let report = check(&dev).await;
@@ -99,14 +100,14 @@ fn synced_changes_survive_without_unmount() {
     with_fs(64 * MIB, async |fs: Fs, dev: Arc<dyn BlockDevice>| {
         let c = root();
         let (f, _) = fs.create(&c, ROOT_INO, b"a", 0o644, libc::O_RDWR as u32).await.unwrap();
-        fs.write(f.inode.ino, 0, b"hello").await.unwrap();
-        fs.fsync(f.inode.ino, false).await.unwrap();
+        fs.write(f.ino(), 0, b"hello").await.unwrap();
+        fs.fsync(f.ino(), false).await.unwrap();
         fs.mkdir(&c, ROOT_INO, b"unsynced", 0o755).await.unwrap();
         drop(fs); // no unmount: as after a crash, on a device that lost nothing
         let fs = mount(&dev).await;
         assert!(fs.replayed_at_mount() >= 1);
         let f = fs.lookup(&c, ROOT_INO, b"a").await.unwrap();
-        assert_eq!(fs.read(f.inode.ino, 0, 10).await.unwrap(), b"hello");
+        assert_eq!(fs.read(f.ino(), 0, 10).await.unwrap(), b"hello");
         assert_eq!(fs.lookup(&c, ROOT_INO, b"unsynced").await.err(), Some(FsError::NotFound));
         fs.unmount().await.unwrap();
         let report = check(&dev).await;
@@ -118,7 +119,7 @@ fn synced_changes_survive_without_unmount() {
 fn namespace_errors_follow_posix() {
     with_fs(32 * MIB, async |fs: Fs, dev: Arc<dyn BlockDevice>| {
         let c = root();
-        let d = fs.mkdir(&c, ROOT_INO, b"d", 0o755).await.unwrap().inode.ino;
+        let d = fs.mkdir(&c, ROOT_INO, b"d", 0o755).await.unwrap().ino();
         fs.mknod(&c, d, b"f", libc::S_IFREG | 0o644, 0).await.unwrap();
         assert_eq!(fs.mkdir(&c, ROOT_INO, b"d", 0o755).await.err(), Some(FsError::Exists));
         assert_eq!(fs.rmdir(&c, ROOT_INO, b"d").await.err(), Some(FsError::NotEmpty));
@@ -127,16 +128,16 @@ fn namespace_errors_follow_posix() {
         assert_eq!(fs.lookup(&c, d, b"nope").await.err(), Some(FsError::NotFound));
         assert_eq!(fs.lookup(&c, d, &[b'x'; 256]).await.err(), Some(FsError::NameTooLong));
         assert_eq!(fs.mkdir(&c, ROOT_INO, b"a/b", 0o755).await.err().map(|e| e.errno()), Some(libc::EINVAL));
-        let f = fs.lookup(&c, d, b"f").await.unwrap().inode.ino;
+        let f = fs.lookup(&c, d, b"f").await.unwrap().ino();
         assert_eq!(fs.mkdir(&c, f, b"x", 0o755).await.err(), Some(FsError::NotDir));
         assert_eq!(fs.link(&c, d, ROOT_INO, b"dlink").await.err(), Some(FsError::Perm));
         // rename of a directory into its own subtree
-        let sub = fs.mkdir(&c, d, b"sub", 0o755).await.unwrap().inode.ino;
+        let sub = fs.mkdir(&c, d, b"sub", 0o755).await.unwrap().ino();
         assert_eq!(
             fs.rename(&c, ROOT_INO, b"d", sub, b"x", RenameMode::Replace).await.err().map(|e| e.errno()),
             Some(libc::EINVAL)
         );
-        assert_eq!(fs.lookup(&c, sub, b"..").await.unwrap().inode.ino, d);
+        assert_eq!(fs.lookup(&c, sub, b"..").await.unwrap().ino(), d);
         fs.unmount().await.unwrap();
         assert!(check(&dev).await.is_clean());
     });
@@ -146,19 +147,19 @@ fn namespace_errors_follow_posix() {
 fn rename_replace_noreplace_and_exchange() {
     with_fs(32 * MIB, async |fs: Fs, dev: Arc<dyn BlockDevice>| {
         let c = root();
-        let a = fs.mknod(&c, ROOT_INO, b"a", libc::S_IFREG | 0o644, 0).await.unwrap().inode.ino;
-        let b = fs.mknod(&c, ROOT_INO, b"b", libc::S_IFREG | 0o644, 0).await.unwrap().inode.ino;
-        let d1 = fs.mkdir(&c, ROOT_INO, b"d1", 0o755).await.unwrap().inode.ino;
-        let d2 = fs.mkdir(&c, ROOT_INO, b"d2", 0o755).await.unwrap().inode.ino;
+        let a = fs.mknod(&c, ROOT_INO, b"a", libc::S_IFREG | 0o644, 0).await.unwrap().ino();
+        let b = fs.mknod(&c, ROOT_INO, b"b", libc::S_IFREG | 0o644, 0).await.unwrap().ino();
+        let d1 = fs.mkdir(&c, ROOT_INO, b"d1", 0o755).await.unwrap().ino();
+        let d2 = fs.mkdir(&c, ROOT_INO, b"d2", 0o755).await.unwrap().ino();
         assert_eq!(
             fs.rename(&c, ROOT_INO, b"a", ROOT_INO, b"b", RenameMode::NoReplace).await.err(),
             Some(FsError::Exists)
         );
         fs.rename(&c, ROOT_INO, b"a", ROOT_INO, b"b", RenameMode::Exchange).await.unwrap(); // exchange
-        assert_eq!(fs.lookup(&c, ROOT_INO, b"a").await.unwrap().inode.ino, b);
-        assert_eq!(fs.lookup(&c, ROOT_INO, b"b").await.unwrap().inode.ino, a);
+        assert_eq!(fs.lookup(&c, ROOT_INO, b"a").await.unwrap().ino(), b);
+        assert_eq!(fs.lookup(&c, ROOT_INO, b"b").await.unwrap().ino(), a);
         fs.rename(&c, ROOT_INO, b"a", ROOT_INO, b"b", RenameMode::Replace).await.unwrap(); // replace
-        assert_eq!(fs.lookup(&c, ROOT_INO, b"b").await.unwrap().inode.ino, b);
+        assert_eq!(fs.lookup(&c, ROOT_INO, b"b").await.unwrap().ino(), b);
         assert_eq!(fs.lookup(&c, ROOT_INO, b"a").await.err(), Some(FsError::NotFound));
         assert_eq!(fs.getattr(a).await.unwrap().inode.nlink, 0, "replaced file lost its last link");
         assert_eq!(
@@ -172,7 +173,7 @@ fn rename_replace_noreplace_and_exchange() {
         fs.rename(&c, ROOT_INO, b"d1", d2, b"moved", RenameMode::Replace).await.unwrap();
         assert_eq!(fs.getattr(ROOT_INO).await.unwrap().inode.nlink, 3);
         assert_eq!(fs.getattr(d2).await.unwrap().inode.nlink, 3);
-        assert_eq!(fs.lookup(&c, d1, b"..").await.unwrap().inode.ino, d2);
+        assert_eq!(fs.lookup(&c, d1, b"..").await.unwrap().ino(), d2);
         // Two lookups named `a` (mknod, then the lookup of "b" after the
         // exchange): the kernel forgets both before it can be freed.
         fs.forget(a, 1).await.unwrap();
@@ -190,7 +191,7 @@ fn rename_replace_noreplace_and_exchange() {
 fn rename_whiteout_leaves_a_whiteout_device_at_the_old_name() {
     with_fs(32 * MIB, async |fs: Fs, dev: Arc<dyn BlockDevice>| {
         let c = root();
-        let file = fs.mknod(&c, ROOT_INO, b"file", libc::S_IFREG | 0o644, 0).await.unwrap().inode.ino;
+        let file = fs.mknod(&c, ROOT_INO, b"file", libc::S_IFREG | 0o644, 0).await.unwrap().ino();
         fs.mknod(&c, ROOT_INO, b"taken", libc::S_IFREG | 0o644, 0).await.unwrap();
         let whiteout = RenameMode::Whiteout { no_replace: false };
         let noreplace = RenameMode::Whiteout { no_replace: true };
@@ -198,18 +199,18 @@ fn rename_whiteout_leaves_a_whiteout_device_at_the_old_name() {
         assert_eq!(refused.err(), Some(FsError::Exists));
         let refused = RenameMode::from_linux(libc::RENAME_WHITEOUT | libc::RENAME_EXCHANGE);
         assert!(matches!(refused, Err(FsError::Invalid(_))));
-        assert_eq!(fs.lookup(&c, ROOT_INO, b"file").await.unwrap().inode.ino, file, "a refused rename moved");
+        assert_eq!(fs.lookup(&c, ROOT_INO, b"file").await.unwrap().ino(), file, "a refused rename moved");
 
         let before = fs.statfs().await.unwrap().files_free;
         fs.rename(&c, ROOT_INO, b"file", ROOT_INO, b"moved", whiteout).await.unwrap();
-        assert_eq!(fs.lookup(&c, ROOT_INO, b"moved").await.unwrap().inode.ino, file);
+        assert_eq!(fs.lookup(&c, ROOT_INO, b"moved").await.unwrap().ino(), file);
         let wh = fs.lookup(&c, ROOT_INO, b"file").await.unwrap().inode;
         assert_eq!((wh.mode, wh.rdev, wh.nlink), (libc::S_IFCHR, 0, 1), "a whiteout is a 0:0 char device");
         assert_eq!(fs.statfs().await.unwrap().files_free, before - 1);
         // Unlinked and forgotten, the whiteout's inode is freed.
         fs.unlink(&c, ROOT_INO, b"file").await.unwrap();
-        fs.forget(wh.ino, 1).await.unwrap();
-        assert_eq!(fs.getattr(wh.ino).await.err(), Some(FsError::NotFound));
+        fs.forget(Ino::new(wh.ino), 1).await.unwrap();
+        assert_eq!(fs.getattr(Ino::new(wh.ino)).await.err(), Some(FsError::NotFound));
         assert_eq!(fs.statfs().await.unwrap().files_free, before);
         fs.unmount().await.unwrap();
         assert!(check(&dev).await.is_clean());
@@ -223,18 +224,18 @@ fn a_tmpfile_is_freed_at_release_unless_linked_and_copies_stay_in_the_daemon() {
         let free = fs.statfs().await.unwrap().files_free;
         let (gone, fh) = fs.tmpfile(&c, ROOT_INO, 0o600, libc::O_RDWR as u32).await.unwrap();
         assert_eq!(gone.inode.nlink, 0);
-        fs.write(gone.inode.ino, 0, b"scratch").await.unwrap();
+        fs.write(gone.ino(), 0, b"scratch").await.unwrap();
         fs.release(fh).await.unwrap();
-        fs.forget(gone.inode.ino, 1).await.unwrap();
-        assert_eq!(fs.getattr(gone.inode.ino).await.err(), Some(FsError::NotFound));
+        fs.forget(gone.ino(), 1).await.unwrap();
+        assert_eq!(fs.getattr(gone.ino()).await.err(), Some(FsError::NotFound));
         assert_eq!(fs.statfs().await.unwrap().files_free, free);
 
         let (kept, fh) = fs.tmpfile(&c, ROOT_INO, 0o600, libc::O_RDWR as u32).await.unwrap();
-        fs.write(kept.inode.ino, 0, b"linked later").await.unwrap();
-        fs.link(&c, kept.inode.ino, ROOT_INO, b"named").await.unwrap();
+        fs.write(kept.ino(), 0, b"linked later").await.unwrap();
+        fs.link(&c, kept.ino(), ROOT_INO, b"named").await.unwrap();
         let (copy, copy_fh) = fs.create(&c, ROOT_INO, b"copy", 0o644, libc::O_RDWR as u32).await.unwrap();
-        assert_eq!(fs.copy_range(kept.inode.ino, 7, copy.inode.ino, 0, 1 << 40).await.unwrap(), 5);
-        let same = fs.copy_range(kept.inode.ino, 0, kept.inode.ino, 4, 8).await;
+        assert_eq!(fs.copy_range(kept.ino(), 7, copy.ino(), 0, 1 << 40).await.unwrap(), 5);
+        let same = fs.copy_range(kept.ino(), 0, kept.ino(), 4, 8).await;
         assert!(matches!(same, Err(FsError::Invalid(_))), "overlapping ranges of one file");
         fs.release(fh).await.unwrap();
         fs.release(copy_fh).await.unwrap();
@@ -242,9 +243,9 @@ fn a_tmpfile_is_freed_at_release_unless_linked_and_copies_stay_in_the_daemon() {
         assert!(check(&dev).await.is_clean());
         let fs = mount(&dev).await;
         let named = fs.lookup(&c, ROOT_INO, b"named").await.unwrap();
-        assert_eq!((named.inode.nlink, fs.read(named.inode.ino, 0, 64).await.unwrap()), (1, b"linked later".to_vec()));
+        assert_eq!((named.inode.nlink, fs.read(named.ino(), 0, 64).await.unwrap()), (1, b"linked later".to_vec()));
         let copy = fs.lookup(&c, ROOT_INO, b"copy").await.unwrap();
-        assert_eq!(fs.read(copy.inode.ino, 0, 64).await.unwrap(), b"later");
+        assert_eq!(fs.read(copy.ino(), 0, 64).await.unwrap(), b"later");
     });
 }
 
@@ -262,7 +263,7 @@ fn reads_move_atime_as_relatime_strictatime_and_noatime_say() {
             let fs = Fs::mount(common::channel(&dev), config).await.unwrap();
             let c = root();
             let (f, fh) = fs.create(&c, ROOT_INO, b"f", 0o644, libc::O_RDWR as u32).await.unwrap();
-            let ino = f.inode.ino;
+            let ino = f.ino();
             fs.write(ino, 0, b"data").await.unwrap();
             // Old atime, newer mtime: relatime's case for an update.
             let set = SetAttr { atime: Some(TimeSet::At(old)), ..Default::default() };
@@ -287,23 +288,23 @@ fn permissions_use_the_callers_credentials() {
         let c = root();
         let alice = Creds::user(1000, 1000);
         let bob = Creds { groups: vec![1000], ..Creds::user(1001, 1001) };
-        let d = fs.mkdir(&c, ROOT_INO, b"home", 0o755).await.unwrap().inode.ino;
+        let d = fs.mkdir(&c, ROOT_INO, b"home", 0o755).await.unwrap().ino();
         assert_eq!(fs.mkdir(&alice, d, b"x", 0o755).await.err(), Some(FsError::Access));
         fs.setattr(&c, d, &SetAttr { uid: Some(1000), gid: Some(1000), ..Default::default() }, false).await.unwrap();
         let f = fs.mknod(&alice, d, b"f", libc::S_IFREG | 0o640, 0).await.unwrap().inode;
         assert_eq!((f.uid, f.gid), (1000, 1000));
-        assert!(fs.open(&bob, f.ino, libc::O_RDONLY as u32).await.is_ok(), "group read");
-        assert_eq!(fs.open(&bob, f.ino, libc::O_WRONLY as u32).await.err(), Some(FsError::Access));
+        assert!(fs.open(&bob, Ino::new(f.ino), libc::O_RDONLY as u32).await.is_ok(), "group read");
+        assert_eq!(fs.open(&bob, Ino::new(f.ino), libc::O_WRONLY as u32).await.err(), Some(FsError::Access));
         assert_eq!(
-            fs.setattr(&bob, f.ino, &SetAttr { mode: Some(0o777), ..Default::default() }, false).await.err(),
+            fs.setattr(&bob, Ino::new(f.ino), &SetAttr { mode: Some(0o777), ..Default::default() }, false).await.err(),
             Some(FsError::Perm)
         );
         assert_eq!(
-            fs.setattr(&alice, f.ino, &SetAttr { uid: Some(0), ..Default::default() }, false).await.err(),
+            fs.setattr(&alice, Ino::new(f.ino), &SetAttr { uid: Some(0), ..Default::default() }, false).await.err(),
             Some(FsError::Perm)
         );
         let times = SetAttr { mtime: Some(TimeSet::Now), ..Default::default() };
-        assert_eq!(fs.setattr(&bob, f.ino, &times, false).await.err(), Some(FsError::Access));
+        assert_eq!(fs.setattr(&bob, Ino::new(f.ino), &times, false).await.err(), Some(FsError::Access));
         // sticky directory: bob may not remove alice's file
         fs.setattr(&c, d, &SetAttr { mode: Some(0o1777), ..Default::default() }, false).await.unwrap();
         assert_eq!(fs.unlink(&bob, d, b"f").await.err(), Some(FsError::Perm));
@@ -357,7 +358,7 @@ fn readdir_offsets_stay_valid_while_the_directory_changes() {
 fn readdir_through_a_handle_ends_while_renames_add_entries() {
     with_fs(32 * MIB, async |fs: Fs, _dev: Arc<dyn BlockDevice>| {
         let c = root();
-        let d = fs.mkdir(&c, ROOT_INO, b"d", 0o755).await.unwrap().inode.ino;
+        let d = fs.mkdir(&c, ROOT_INO, b"d", 0o755).await.unwrap().ino();
         for i in 0..100 {
             fs.mknod(&c, d, format!("f{i}").as_bytes(), libc::S_IFREG | 0o644, 0).await.unwrap();
         }
@@ -390,12 +391,12 @@ fn file_unlinked_while_open_is_freed_at_last_release() {
         let c = root();
         let free0 = fs.free_blocks();
         let (f, fh) = fs.create(&c, ROOT_INO, b"tmp", 0o644, libc::O_RDWR as u32).await.unwrap();
-        fs.write(f.inode.ino, 0, &vec![7u8; 1 << 20]).await.unwrap();
+        fs.write(f.ino(), 0, &vec![7u8; 1 << 20]).await.unwrap();
         fs.unlink(&c, ROOT_INO, b"tmp").await.unwrap();
-        fs.forget(f.inode.ino, 1).await.unwrap();
-        assert_eq!(fs.read(f.inode.ino, 0, 4).await.unwrap(), vec![7u8; 4], "still readable while open");
+        fs.forget(f.ino(), 1).await.unwrap();
+        assert_eq!(fs.read(f.ino(), 0, 4).await.unwrap(), vec![7u8; 4], "still readable while open");
         fs.release(fh).await.unwrap();
-        assert_eq!(fs.getattr(f.inode.ino).await.err(), Some(FsError::NotFound));
+        assert_eq!(fs.getattr(f.ino()).await.err(), Some(FsError::NotFound));
         fs.sync().await.unwrap();
         assert_eq!(fs.free_blocks(), free0, "space came back after the commit");
     });
@@ -406,7 +407,7 @@ fn orphan_left_by_a_crash_is_freed_at_the_next_mount() {
     with_fs(32 * MIB, async |fs: Fs, dev: Arc<dyn BlockDevice>| {
         let c = root();
         let (f, _fh) = fs.create(&c, ROOT_INO, b"tmp", 0o644, libc::O_RDWR as u32).await.unwrap();
-        fs.write(f.inode.ino, 0, &vec![1u8; 65536]).await.unwrap();
+        fs.write(f.ino(), 0, &vec![1u8; 65536]).await.unwrap();
         fs.unlink(&c, ROOT_INO, b"tmp").await.unwrap();
         fs.sync().await.unwrap();
         drop(fs); // crash with the file still open
@@ -414,7 +415,7 @@ fn orphan_left_by_a_crash_is_freed_at_the_next_mount() {
         assert!(report.is_clean(), "{report:?}");
         assert_eq!(report.orphans, 1);
         let fs = mount(&dev).await;
-        assert_eq!(fs.getattr(f.inode.ino).await.err(), Some(FsError::NotFound));
+        assert_eq!(fs.getattr(f.ino()).await.err(), Some(FsError::NotFound));
         fs.unmount().await.unwrap();
         let report = check(&dev).await;
         assert!(report.is_clean() && report.orphans == 0, "{report:?}");
@@ -426,7 +427,7 @@ fn truncate_fallocate_and_seek() {
     with_fs(32 * MIB, async |fs: Fs, dev: Arc<dyn BlockDevice>| {
         let c = root();
         let (f, _) = fs.create(&c, ROOT_INO, b"f", 0o644, libc::O_RDWR as u32).await.unwrap();
-        let ino = f.inode.ino;
+        let ino = f.ino();
         fs.write(ino, 0, &vec![0xaa; 20000]).await.unwrap();
         let shrink = SetAttr { size: Some(5000), ..Default::default() };
         fs.setattr(&c, ino, &shrink, true).await.unwrap();
@@ -464,7 +465,7 @@ fn truncate_fallocate_and_seek() {
 fn xattrs_follow_create_and_replace_flags() {
     with_fs(32 * MIB, async |fs: Fs, _dev: Arc<dyn BlockDevice>| {
         let c = root();
-        let f = fs.mknod(&c, ROOT_INO, b"f", libc::S_IFREG | 0o644, 0).await.unwrap().inode.ino;
+        let f = fs.mknod(&c, ROOT_INO, b"f", libc::S_IFREG | 0o644, 0).await.unwrap().ino();
         assert_eq!(
             fs.setxattr(&c, f, b"user.a", b"1", XattrFlags { create_only: false, replace_only: true }).await.err(),
             Some(FsError::NoData)
@@ -495,9 +496,9 @@ fn filling_the_device_gives_enospc_and_deleting_frees_it() {
         let mut hit_enospc = false;
         'fill: for i in 0..200 {
             let (f, fh) = fs.create(&c, ROOT_INO, format!("f{i}").as_bytes(), 0o644, 2).await.unwrap();
-            files.push((f.inode.ino, fh));
+            files.push((f.ino(), fh));
             for k in 0..4u64 {
-                match fs.write(f.inode.ino, k * chunk.len() as u64, &chunk).await {
+                match fs.write(f.ino(), k * chunk.len() as u64, &chunk).await {
                     Ok(_) => {}
                     Err(FsError::NoSpace) => {
                         hit_enospc = true;
@@ -520,7 +521,7 @@ fn filling_the_device_gives_enospc_and_deleting_frees_it() {
         fs.sync().await.unwrap();
         assert!(fs.free_blocks() > full_free + 3000, "deleting gave space back");
         let (f, _) = fs.create(&c, ROOT_INO, b"again", 0o644, 2).await.unwrap();
-        fs.write(f.inode.ino, 0, &chunk).await.unwrap();
+        fs.write(f.ino(), 0, &chunk).await.unwrap();
         fs.unmount().await.unwrap();
         assert!(check(&dev).await.is_clean());
     });
@@ -547,7 +548,7 @@ fn mkfs_refuses_an_existing_filesystem_without_force() {
 fn a_removed_directory_takes_no_new_entries() {
     with_fs(32 * MIB, async |fs: Fs, dev: Arc<dyn BlockDevice>| {
         let c = root();
-        let d = fs.mkdir(&c, ROOT_INO, b"gone", 0o755).await.unwrap().inode.ino;
+        let d = fs.mkdir(&c, ROOT_INO, b"gone", 0o755).await.unwrap().ino();
         let (f, _) = fs.create(&c, ROOT_INO, b"f", 0o644, libc::O_RDWR as u32).await.unwrap();
         fs.rmdir(&c, ROOT_INO, b"gone").await.unwrap();
         let enoent = Some(libc::ENOENT);
@@ -558,7 +559,7 @@ fn a_removed_directory_takes_no_new_entries() {
         assert_eq!(errno(fs.mkdir(&c, d, b"m", 0o755).await), enoent);
         assert_eq!(errno(fs.mknod(&c, d, b"n", libc::S_IFREG | 0o644, 0).await), enoent);
         assert_eq!(errno(fs.create(&c, d, b"c", 0o644, 2).await), enoent);
-        assert_eq!(errno(fs.link(&c, f.inode.ino, d, b"l").await), enoent);
+        assert_eq!(errno(fs.link(&c, f.ino(), d, b"l").await), enoent);
         assert_eq!(errno(fs.rename(&c, ROOT_INO, b"f", d, b"r", RenameMode::Replace).await), enoent);
         fs.forget(d, 1).await.unwrap();
         fs.unmount().await.unwrap();

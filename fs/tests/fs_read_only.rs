@@ -26,11 +26,11 @@ fn a_read_only_mount_changes_nothing_and_refuses_every_change() {
         format(&d2).await;
         let fs = mount(&d2).await;
         let c = Creds::root();
-        let dir = fs.mkdir(&c, ROOT_INO, b"dir", 0o755).await.unwrap().inode.ino;
+        let dir = fs.mkdir(&c, ROOT_INO, b"dir", 0o755).await.unwrap().ino();
         fs.mkdir(&c, ROOT_INO, b"empty", 0o755).await.unwrap();
         let (f, _) = fs.create(&c, dir, b"file", 0o644, libc::O_RDWR as u32).await.unwrap();
-        fs.write(f.inode.ino, 0, b"journalled").await.unwrap();
-        fs.setxattr(&c, f.inode.ino, b"user.k", b"v", XattrFlags::default()).await.unwrap();
+        fs.write(f.ino(), 0, b"journalled").await.unwrap();
+        fs.setxattr(&c, f.ino(), b"user.k", b"v", XattrFlags::default()).await.unwrap();
         fs.sync().await.unwrap();
     });
     let before = ram.snapshot();
@@ -40,8 +40,8 @@ fn a_read_only_mount_changes_nothing_and_refuses_every_change() {
         let fs = Fs::mount(channel(&d3), config).await.unwrap();
         let c = Creds::root();
         // What the journal held is there, replayed in memory.
-        let dir = fs.lookup(&c, ROOT_INO, b"dir").await.unwrap().inode.ino;
-        let file = fs.lookup(&c, dir, b"file").await.unwrap().inode.ino;
+        let dir = fs.lookup(&c, ROOT_INO, b"dir").await.unwrap().ino();
+        let file = fs.lookup(&c, dir, b"file").await.unwrap().ino();
         assert_eq!(fs.read(file, 0, 100).await.unwrap(), b"journalled");
         assert_eq!(fs.getxattr(&c, file, b"user.k").await.unwrap(), b"v");
         fs.fsync(file, false).await.unwrap();

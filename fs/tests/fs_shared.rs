@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use common::{busy_reactor, channel, format, ram_device};
 use keelfs_base::testing::splitmix64;
+use keelfs_fs::Ino;
 use keelfs_fs::ROOT_INO;
 use keelfs_fs::{Creds, Fs, FsConfig, SetAttr, SharedMiss, SharedReader};
 use keelfs_reactor::yield_now;
@@ -29,15 +30,15 @@ fn config() -> FsConfig {
     }
 }
 
-async fn new_file(fs: &Fs, name: &str) -> u64 {
-    fs.create(&Creds::root(), ROOT_INO, name.as_bytes(), 0o644, 2).await.unwrap().0.inode.ino
+async fn new_file(fs: &Fs, name: &str) -> Ino {
+    fs.create(&Creds::root(), ROOT_INO, name.as_bytes(), 0o644, 2).await.unwrap().0.ino()
 }
 
 /// Run `owner` on a reactor with a fresh filesystem while `reader` runs on
 /// a plain thread with a reader of the file `owner` creates first.
 fn owner_and_reader<R>(
-    setup: impl AsyncFnOnce(&Fs) -> u64 + 'static,
-    owner: impl AsyncFnOnce(Fs, u64) + 'static,
+    setup: impl AsyncFnOnce(&Fs) -> Ino + 'static,
+    owner: impl AsyncFnOnce(Fs, Ino) + 'static,
     reader: impl FnOnce(SharedReader, &AtomicBool) -> R + Send + 'static,
 ) -> R
 where
@@ -189,7 +190,7 @@ fn shared_reads_of_deleted_uncached_and_past_eof() {
         let fs = Fs::mount(channel(&dev), config()).await.unwrap();
         let c = Creds::root();
         let (attr, fh) = fs.create(&c, ROOT_INO, b"d", 0o644, 2).await.unwrap();
-        let ino = attr.inode.ino;
+        let ino = attr.ino();
         fs.write(ino, 0, &[5u8; 10_000]).await.unwrap();
         let reader = fs.shared_reader(ino).unwrap();
         assert_eq!(reader.read(0, 4).unwrap(), vec![5u8; 4]);

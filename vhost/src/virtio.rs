@@ -13,6 +13,7 @@ use std::ops::Deref;
 
 use std::sync::Arc;
 
+use keelfs_fs::{Fh, Ino};
 use smallvec::SmallVec;
 use virtio_queue::{DescriptorChain, Queue, QueueT, Writer};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
@@ -216,7 +217,7 @@ pub async fn serve_read_from_cache<M, F, Fut>(
 ) -> Option<(u16, u32, ChainOutcome)>
 where
     M: Deref<Target = GuestMemoryMmap> + Clone,
-    F: FnOnce(u64, u64) -> Fut,
+    F: FnOnce(Fh, Ino) -> Fut,
     Fut: std::future::Future<Output = Option<SharedHandle>>,
 {
     let head = chain.head_index();
@@ -300,8 +301,8 @@ struct IoPrefix {
     declared: usize,
     opcode: u32,
     unique: u64,
-    nodeid: u64,
-    fh: u64,
+    nodeid: Ino,
+    fh: Fh,
     offset: u64,
     size: usize,
     /// fuse_write_in.write_flags (READ's read_flags sit there too).
@@ -317,8 +318,8 @@ impl IoPrefix {
             declared: le_u32(&prefix[0..]) as usize,
             opcode: le_u32(&prefix[4..]),
             unique: le_u64(&prefix[8..]),
-            nodeid: le_u64(&prefix[16..]),
-            fh: le_u64(&body[0..]),
+            nodeid: Ino::new(le_u64(&prefix[16..])),
+            fh: Fh::new(le_u64(&body[0..])),
             offset: le_u64(&body[8..]),
             size: le_u32(&body[16..]) as usize,
             write_flags: le_u32(&body[20..]),

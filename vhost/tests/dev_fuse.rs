@@ -95,7 +95,7 @@ fn host_mount_serves_ordinary_file_calls_and_unmounts_clean() {
         let report = fsck(channel(&dev), |_| {}).await.unwrap();
         assert!(report.is_clean(), "{report:?}");
         let fs = Fs::mount(channel(&dev), FsConfig::default()).await.unwrap();
-        let moved = fs.lookup(&keelfs_fs::Creds::root(), 1, b"moved").await.unwrap();
+        let moved = fs.lookup(&keelfs_fs::Creds::root(), keelfs_fs::ROOT_INO, b"moved").await.unwrap();
         assert_eq!(moved.inode.size, 3_000_000);
     });
 }

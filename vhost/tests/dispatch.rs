@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use keelfs_bdev::{BlockDevice, MappedDevice, QueueConfig};
+use keelfs_fs::Ino;
 use keelfs_fs::{mkfs, MkfsOptions};
 use keelfs_fs::{Fs, FsConfig};
 use keelfs_reactor::DeviceChannel;
@@ -359,7 +360,7 @@ fn security_contexts_tmpfiles_statx_and_copy_file_range() {
         assert_eq!(err, 0);
         let (tmp, tmp_fh) = (u64_at(&body, 0), u64_at(&body, 128));
         assert_eq!(u32::from_le_bytes(body[40 + 64..40 + 68].try_into().unwrap()), 1, "entry nlink");
-        assert_eq!(s.fs().getattr(tmp).await.unwrap().inode.nlink, 0, "no name yet");
+        assert_eq!(s.fs().getattr(Ino::new(tmp)).await.unwrap().inode.nlink, 0, "no name yet");
         let mut write_in = Reply::default();
         write_in.u64(tmp_fh).u64(0).u32(6).u32(0).u64(0).u32(0).u32(0).raw(b"source");
         assert_eq!(reply(&s.handle(&request(Opcode::Write as u32, 5, tmp, &write_in.bytes)).await.unwrap(), 5).0, 0);
@@ -371,7 +372,7 @@ fn security_contexts_tmpfiles_statx_and_copy_file_range() {
         let mask = u32::from_le_bytes(body[32..36].try_into().unwrap());
         assert_ne!(mask & 0x800, 0, "STATX_BTIME");
         let btime_sec = u64_at(&body, 32 + 0x50);
-        assert_eq!(btime_sec as i64, s.fs().getattr(tmp).await.unwrap().inode.btime.sec);
+        assert_eq!(btime_sec as i64, s.fs().getattr(Ino::new(tmp)).await.unwrap().inode.btime.sec);
 
         // copy_file_range from the tmpfile into a new file, in the daemon.
         let create_in = [libc::O_RDWR as u32, 0o644, 0, 0].map(u32::to_le_bytes).concat();
@@ -383,7 +384,7 @@ fn security_contexts_tmpfiles_statx_and_copy_file_range() {
         let (err, body) =
             reply(&s.handle(&request(Opcode::CopyFileRange as u32, 8, tmp, &copy_in.bytes)).await.unwrap(), 8);
         assert_eq!((err, u32::from_le_bytes(body[..4].try_into().unwrap())), (0, 4), "copied up to the source's end");
-        let data = s.fs().read(dst, 0, 100).await.unwrap();
+        let data = s.fs().read(Ino::new(dst), 0, 100).await.unwrap();
         assert_eq!(&data[10..], b"urce");
         assert!(data[..10].iter().all(|&b| b == 0));
         // A handle that is not the session's, or flags: refused.

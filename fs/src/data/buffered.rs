@@ -9,6 +9,7 @@ use super::{
 use crate::cache::{CacheFull, PAGE_BYTES};
 use crate::extent::Segment;
 use crate::format::{BLOCK_BYTES, BLOCK_SIZE};
+use crate::ids::Ino;
 use crate::ops::{COPY_RANGE_MAX, MAX_FILE_BYTES};
 use crate::{journal, Fs, FsError, FsResult};
 use keelfs_bdev::AlignedBuf;
@@ -45,7 +46,9 @@ impl Fs {
     /// Read up to `size` bytes at `offset` into `sink`; the bytes read.
     /// Cached pages go straight from the cache into the sink; a read that
     /// misses goes through [`Fs::read`] and one more copy.
-    pub async fn read_to<K: ReadSink + ?Sized>(&self, ino: u64, offset: u64, size: u32, sink: &K) -> FsResult<u32> {
+    pub async fn read_to<K: ReadSink + ?Sized>(&self, ino: Ino, offset: u64, size: u32, sink: &K) -> FsResult<u32> {
+        let typed = ino;
+        let ino = ino.get();
         let inode = self.require_file(ino)?;
         let end = offset.saturating_add(u64::from(size)).min(inode.size);
         if offset < end && self.copy_cached_to(ino, offset, end, sink) {
@@ -54,14 +57,15 @@ impl Fs {
             return Ok((end - offset) as u32);
         }
         // Everything else goes through `read`, which moves atime itself.
-        let data = self.read(ino, offset, size).await?;
+        let data = self.read(typed, offset, size).await?;
         sink.copy_from(0, &data);
         Ok(data.len() as u32)
     }
 
     /// Read through the page cache. Pages already cached are copied out
     /// without taking any lock; misses are loaded under a shared lock.
-    pub async fn read(&self, ino: u64, offset: u64, size: u32) -> FsResult<Vec<u8>> {
+    pub async fn read(&self, ino: Ino, offset: u64, size: u32) -> FsResult<Vec<u8>> {
+        let ino = ino.get();
         let inode = self.require_file(ino)?;
         self.inner.accessed(ino);
         if offset >= inode.size || size == 0 {
@@ -217,9 +221,9 @@ impl Fs {
     /// cache in 1 MiB steps, each of which awaits and so yields. Stops at
     /// the source's end; returns the bytes copied. Overlapping ranges of
     /// one file are EINVAL, as on Linux.
-    pub async fn copy_range(&self, from: u64, from_offset: u64, to: u64, to_offset: u64, len: u64) -> FsResult<u64> {
+    pub async fn copy_range(&self, from: Ino, from_offset: u64, to: Ino, to_offset: u64, len: u64) -> FsResult<u64> {
         const STEP: u64 = 1 << 20;
-        self.require_file(to)?;
+        self.require_file(to.get())?;
         let len = len.min(COPY_RANGE_MAX);
         let overlaps = from_offset < to_offset.saturating_add(len) && to_offset < from_offset.saturating_add(len);
         if from == to && overlaps {
@@ -239,24 +243,25 @@ impl Fs {
 
     /// Write through the page cache: pages are dirtied, not allocated
     /// (delayed allocation); writeback allocates and logs them later.
-    pub async fn write(&self, ino: u64, offset: u64, data: &[u8]) -> FsResult<u32> {
+    pub async fn write(&self, ino: Ino, offset: u64, data: &[u8]) -> FsResult<u32> {
         self.write_from(ino, offset, data).await
     }
 
     /// [`Fs::write`] from any [`WriteSource`]: the bytes are copied once,
     /// into the cached pages.
-    pub async fn write_from<S: WriteSource + ?Sized>(&self, ino: u64, offset: u64, data: &S) -> FsResult<u32> {
+    pub async fn write_from<S: WriteSource + ?Sized>(&self, ino: Ino, offset: u64, data: &S) -> FsResult<u32> {
         self.write_from_with(ino, offset, data, WriteTimes::Stamp).await
     }
 
     /// [`Fs::write_from`], saying who keeps the file's mtime and ctime.
     pub async fn write_from_with<S: WriteSource + ?Sized>(
         &self,
-        ino: u64,
+        ino: Ino,
         offset: u64,
         data: &S,
         times: WriteTimes,
     ) -> FsResult<u32> {
+        let ino = ino.get();
         if self.read_only() {
             return Err(FsError::ReadOnly);
         }
@@ -532,7 +537,8 @@ impl Fs {
 
     /// Make the file durable: its dirty pages, then (unless `datasync` and
     /// only timestamps changed) the journal, then the device cache.
-    pub async fn fsync(&self, ino: u64, datasync: bool) -> FsResult<()> {
+    pub async fn fsync(&self, ino: Ino, datasync: bool) -> FsResult<()> {
+        let ino = ino.get();
         self.inner.inode(ino)?;
         if self.read_only() {
             return Ok(());
@@ -545,7 +551,8 @@ impl Fs {
         journal::sync(&self.inner).await
     }
 
-    pub async fn fsyncdir(&self, ino: u64, datasync: bool) -> FsResult<()> {
+    pub async fn fsyncdir(&self, ino: Ino, datasync: bool) -> FsResult<()> {
+        let ino = ino.get();
         self.inner.inode(ino)?;
         if self.read_only() {
             return Ok(());

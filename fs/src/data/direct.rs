@@ -3,6 +3,7 @@
 use super::{blocks_of, IO_BLOCKS_MAX};
 use crate::extent::Segment;
 use crate::format::{BLOCK_BYTES, BLOCK_SIZE};
+use crate::ids::Ino;
 use crate::ops::MAX_FILE_BYTES;
 use crate::record::Record;
 use crate::{Fs, FsError, FsResult};
@@ -34,7 +35,8 @@ impl Fs {
 
     /// Direct write of `buf` at `offset`. Returns the buffer and the bytes
     /// written. Unaligned requests are copied through a bounce buffer.
-    pub async fn write_direct<B: IoBuffer>(&self, ino: u64, offset: u64, buf: B) -> (B, FsResult<u32>) {
+    pub async fn write_direct<B: IoBuffer>(&self, ino: Ino, offset: u64, buf: B) -> (B, FsResult<u32>) {
+        let ino = ino.get();
         if self.read_only() {
             return (buf, Err(FsError::ReadOnly));
         }
@@ -274,7 +276,8 @@ impl Fs {
 
     /// Direct read into `buf`. Returns the buffer and the bytes read (short
     /// at end of file).
-    pub async fn read_direct<B: IoBuffer>(&self, ino: u64, offset: u64, buf: B) -> (B, FsResult<u32>) {
+    pub async fn read_direct<B: IoBuffer>(&self, ino: Ino, offset: u64, buf: B) -> (B, FsResult<u32>) {
+        let ino = ino.get();
         let shared = SharedBuffer::new(buf);
         let result = self.read_direct_shared(ino, offset, &shared).await;
         (into_inner(shared), result)

@@ -4,6 +4,7 @@ use super::{blocks_of, now};
 use crate::cache::PAGE_BYTES;
 use crate::extent::Segment;
 use crate::format::{BLOCK_BYTES, BLOCK_SIZE};
+use crate::ids::Ino;
 use crate::ops::{SeekTo, MAX_FILE_BYTES};
 use crate::record::Record;
 use crate::{Fs, FsError, FsResult};
@@ -55,7 +56,8 @@ impl Fs {
         Ok(())
     }
 
-    pub async fn fallocate(&self, ino: u64, mode: FallocateMode, offset: u64, len: u64) -> FsResult<()> {
+    pub async fn fallocate(&self, ino: Ino, mode: FallocateMode, offset: u64, len: u64) -> FsResult<()> {
+        let ino = ino.get();
         if self.read_only() {
             return Err(FsError::ReadOnly);
         }
@@ -161,7 +163,8 @@ impl Fs {
 
     /// SEEK_DATA / SEEK_HOLE. Unwritten extents count as holes; dirty
     /// cached pages count as data.
-    pub async fn lseek(&self, ino: u64, offset: u64, to: SeekTo) -> FsResult<u64> {
+    pub async fn lseek(&self, ino: Ino, offset: u64, to: SeekTo) -> FsResult<u64> {
+        let ino = ino.get();
         let inode = self.require_file(ino)?;
         if offset >= inode.size {
             return Err(FsError::Nxio);

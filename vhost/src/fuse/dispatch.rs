@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use keelfs_bdev::AlignedBuf;
-use keelfs_fs::XattrFlags;
 use keelfs_fs::{Attr as FsAttr, Creds, Fs, FsError, ReadSink, SharedReader, WriteSource, WriteTimes};
+use keelfs_fs::{Fh, Ino, XattrFlags};
 use keelfs_reactor::IoBuffer;
 
 use super::abi::{
@@ -208,19 +208,19 @@ impl Session {
     /// The daemon changed `ino`'s attributes behind the kernel's back
     /// (cleared set-id bits on a write): have it drop its cached ones, so
     /// that a stat right after sees the new mode.
-    fn attributes_changed(&self, ino: u64) {
+    fn attributes_changed(&self, ino: Ino) {
         if let Some(notify) = self.notifier.borrow().as_ref() {
             // fuse_out_header {len, error: the code, unique 0}, then
             // fuse_notify_inval_inode_out with offset -1: attributes only.
             let mut r = Reply::default();
             r.u32(16 + 24).u32(NOTIFY_INVAL_INODE as u32).u64(0);
-            r.u64(ino).u64(u64::MAX).u64(0);
+            r.u64(ino.get()).u64(u64::MAX).u64(0);
             notify(&r.bytes);
         }
     }
 
     /// Clear `ino`'s set-id bits and tell the kernel if that changed them.
-    fn kill_setid(&self, ino: u64, writer: &Creds) -> Result<(), i32> {
+    fn kill_setid(&self, ino: Ino, writer: &Creds) -> Result<(), i32> {
         if self.fs.kill_setid(ino, writer).map_err(|e| e.errno())? {
             self.attributes_changed(ino);
         }
@@ -228,18 +228,18 @@ impl Session {
     }
 
     /// Count a lookup reference the kernel now holds on `ino`.
-    fn hold_entry(&self, ino: u64) {
-        *self.holdings.borrow_mut().lookups.entry(ino).or_default() += 1;
+    fn hold_entry(&self, ino: Ino) {
+        *self.holdings.borrow_mut().lookups.entry(ino.get()).or_default() += 1;
     }
 
     /// Record a handle this session opened; over the limit it is closed
     /// again and the open fails with EMFILE.
-    async fn own_handle(&self, fh: u64) -> Result<u64, i32> {
+    async fn own_handle(&self, fh: Fh) -> Result<Fh, i32> {
         let full = {
             let mut h = self.holdings.borrow_mut();
             let full = h.handles.len() >= self.config.open_handles_max;
             if !full {
-                h.handles.insert(fh, ());
+                h.handles.insert(fh.get(), ());
             }
             full
         };
@@ -252,8 +252,8 @@ impl Session {
 
     /// `fh`, if this session opened it and it is a handle of `nodeid`: its
     /// open flags. Anything else is EBADF, as a closed fd would be.
-    fn own_handle_of(&self, fh: u64, nodeid: u64) -> Result<u32, i32> {
-        if !self.holdings.borrow().handles.contains_key(&fh) {
+    fn own_handle_of(&self, fh: Fh, nodeid: Ino) -> Result<u32, i32> {
+        if !self.holdings.borrow().handles.contains_key(&fh.get()) {
             return Err(libc::EBADF);
         }
         match self.fs.handle(fh) {
@@ -270,21 +270,21 @@ impl Session {
             released.store(true, Ordering::Release);
         }
         for (fh, ()) in handles {
-            let _ = self.fs.release(fh).await;
+            let _ = self.fs.release(Fh::new(fh)).await;
         }
         for (ino, n) in lookups {
-            let _ = self.fs.forget(ino, n).await;
+            let _ = self.fs.forget(Ino::new(ino), n).await;
         }
     }
 
     /// A reader of `fh`'s cached pages for another reactor, if `fh` is a
     /// buffered handle of `nodeid` in a live session.
-    pub fn shared_reader(&self, fh: u64, nodeid: u64) -> Option<SharedHandle> {
+    pub fn shared_reader(&self, fh: Fh, nodeid: Ino) -> Option<SharedHandle> {
         if !self.buffered_file(fh, nodeid) {
             return None;
         }
         let reader = self.fs.shared_reader(nodeid).ok()?;
-        let released = self.shared_handles.borrow_mut().entry(fh).or_default().clone();
+        let released = self.shared_handles.borrow_mut().entry(fh.get()).or_default().clone();
         Some(SharedHandle { reader, released })
     }
 
@@ -368,7 +368,7 @@ impl Session {
 
     async fn forget(&self, header: &InHeader, req: &Request<'_>) {
         match req {
-            Request::Forget { nlookup } => self.forget_own(header.nodeid, *nlookup).await,
+            Request::Forget { nlookup } => self.forget_own(Ino::new(header.nodeid), *nlookup).await,
             Request::BatchForget { items } => {
                 for &(ino, n) in items {
                     self.forget_own(ino, n).await;
@@ -379,14 +379,14 @@ impl Session {
     }
 
     /// FORGET of at most the references this session holds on `ino`.
-    async fn forget_own(&self, ino: u64, n: u64) {
+    async fn forget_own(&self, ino: Ino, n: u64) {
         let n = {
             let mut h = self.holdings.borrow_mut();
-            let Some(held) = h.lookups.get_mut(&ino) else { return };
+            let Some(held) = h.lookups.get_mut(&ino.get()) else { return };
             let n = n.min(*held);
             *held -= n;
             if *held == 0 {
-                h.lookups.remove(&ino);
+                h.lookups.remove(&ino.get());
             }
             n
         };
@@ -399,9 +399,9 @@ impl Session {
 
     /// An entry reply: the kernel holds one more lookup reference on it.
     fn entry(&self, a: &FsAttr) -> Reply {
-        self.hold_entry(a.inode.ino);
+        self.hold_entry(a.ino());
         let mut r = Reply::default();
-        r.entry(a.inode.ino, a.inode.generation, Self::valid_ns(self.config.entry_timeout), &to_abi_attr(a));
+        r.entry(a.ino().get(), a.inode.generation, Self::valid_ns(self.config.entry_timeout), &to_abi_attr(a));
         r
     }
 
@@ -462,10 +462,7 @@ impl Session {
         let kernel = Creds::checked_by_kernel(0, 0);
         for (name, value) in super::abi::security_contexts(extensions) {
             if name.starts_with(b"security.") {
-                self.fs
-                    .setxattr(&kernel, a.inode.ino, name, value, XattrFlags::default())
-                    .await
-                    .map_err(|e| e.errno())?;
+                self.fs.setxattr(&kernel, a.ino(), name, value, XattrFlags::default()).await.map_err(|e| e.errno())?;
             }
         }
         Ok(())
@@ -474,7 +471,7 @@ impl Session {
     /// The reply to CREATE or TMPFILE: the new inode labelled, its handle
     /// owned, and fuse_entry_out with fuse_open_out. A failed label
     /// releases the handle.
-    async fn created_open(&self, a: &FsAttr, fh: u64, flags: u32, extensions: &[u8]) -> Outcome {
+    async fn created_open(&self, a: &FsAttr, fh: Fh, flags: u32, extensions: &[u8]) -> Outcome {
         if let Err(errno) = self.label(a, extensions).await {
             let _ = self.fs.release(fh).await;
             return Err(errno);
@@ -502,7 +499,7 @@ impl Session {
     /// A change Linux makes only under CAP_FSETID, which FUSE does not
     /// carry for fallocate and copy_file_range: only root is assumed to
     /// hold it, and anyone else clears the file's set-id bits.
-    fn kill_setid_unless_root(&self, ino: u64, caller: &Creds) -> Result<(), i32> {
+    fn kill_setid_unless_root(&self, ino: Ino, caller: &Creds) -> Result<(), i32> {
         if caller.uid == 0 {
             return Ok(());
         }
@@ -521,7 +518,7 @@ impl Session {
     async fn dispatch(&self, h: &InHeader, req: Request<'_>, extensions: &[u8]) -> Outcome {
         let c = Self::creds(h, &req, extensions);
         let fs = &self.fs;
-        let ino = h.nodeid;
+        let ino = Ino::new(h.nodeid);
         let e = |err: FsError| errno_of(&err);
         if fs.read_only() && req.modifies() {
             return Err(libc::EROFS);
@@ -587,7 +584,7 @@ impl Session {
                 let flags = self.handle_flags(flags);
                 let (a, fh) = fs.create(&c, ino, name, mode, flags).await.map_err(e)?;
                 if open_flags & OPEN_KILL_SUIDGID != 0 && flags as i32 & libc::O_TRUNC != 0 {
-                    self.kill_setid(a.inode.ino, &c)?;
+                    self.kill_setid(a.ino(), &c)?;
                 }
                 self.created_open(&a, fh, flags, extensions).await
             }
@@ -617,8 +614,8 @@ impl Session {
             }
             Request::Release { fh } | Request::Releasedir { fh } => {
                 self.own_handle_of(fh, ino)?;
-                self.holdings.borrow_mut().handles.remove(&fh);
-                if let Some(released) = self.shared_handles.borrow_mut().remove(&fh) {
+                self.holdings.borrow_mut().handles.remove(&fh.get());
+                if let Some(released) = self.shared_handles.borrow_mut().remove(&fh.get()) {
                     released.store(true, Ordering::Release);
                 }
                 fs.release(fh).await.map(|_| None).map_err(e)
@@ -673,7 +670,7 @@ impl Session {
 
     /// A WRITE whose flags say the writer lacks CAP_FSETID clears the
     /// file's set-id bits first, as Linux's file_remove_privs.
-    pub fn kill_setid_on_write(&self, ino: u64, write_flags: u32, writer: &Creds) -> Result<(), i32> {
+    pub fn kill_setid_on_write(&self, ino: Ino, write_flags: u32, writer: &Creds) -> Result<(), i32> {
         if write_flags & WRITE_KILL_SUIDGID == 0 {
             return Ok(());
         }
@@ -684,7 +681,7 @@ impl Session {
     /// for an O_DIRECT handle, Some(false) for a buffered one, None when
     /// the handle is not this live session's, names another inode, or was
     /// not opened for that access (the copying path then answers EBADF).
-    pub fn io_handle(&self, fh: u64, nodeid: u64, write: bool) -> Option<bool> {
+    pub fn io_handle(&self, fh: Fh, nodeid: Ino, write: bool) -> Option<bool> {
         if !self.initialized.get() {
             return None;
         }
@@ -695,7 +692,7 @@ impl Session {
 
     /// True when `fh` is an open, non-O_DIRECT handle of `nodeid` in a live
     /// session: its data goes through the page cache.
-    pub fn buffered_file(&self, fh: u64, nodeid: u64) -> bool {
+    pub fn buffered_file(&self, fh: Fh, nodeid: Ino) -> bool {
         self.initialized.get() && self.own_handle_of(fh, nodeid).is_ok_and(|flags| flags as i32 & libc::O_DIRECT == 0)
     }
 
@@ -703,7 +700,7 @@ impl Session {
     /// pages) into the page cache: the bytes written, or an errno.
     pub async fn write_buffered_from<S: WriteSource + ?Sized>(
         &self,
-        ino: u64,
+        ino: Ino,
         offset: u64,
         write_flags: u32,
         data: &S,
@@ -718,7 +715,7 @@ impl Session {
     /// read, or an errno.
     pub async fn read_buffered_into<K: ReadSink + ?Sized>(
         &self,
-        ino: u64,
+        ino: Ino,
         offset: u64,
         size: u32,
         sink: &K,
@@ -728,18 +725,18 @@ impl Session {
 
     /// FUSE_WRITE on a direct handle with the data already in I/O memory
     /// (guest pages): the bytes written, or an errno.
-    pub async fn write_direct_from<B: IoBuffer>(&self, ino: u64, offset: u64, data: B) -> Result<u32, i32> {
+    pub async fn write_direct_from<B: IoBuffer>(&self, ino: Ino, offset: u64, data: B) -> Result<u32, i32> {
         self.fs.write_direct(ino, offset, data).await.1.map_err(|e| e.errno())
     }
 
     /// FUSE_READ on a direct handle into I/O memory (guest pages): the
     /// bytes read, or an errno.
-    pub async fn read_direct_into<B: IoBuffer>(&self, ino: u64, offset: u64, into: B) -> (B, Result<u32, i32>) {
+    pub async fn read_direct_into<B: IoBuffer>(&self, ino: Ino, offset: u64, into: B) -> (B, Result<u32, i32>) {
         let (buf, n) = self.fs.read_direct(ino, offset, into).await;
         (buf, n.map_err(|e| e.errno()))
     }
 
-    async fn read(&self, fh: u64, ino: u64, offset: u64, size: u32) -> Outcome {
+    async fn read(&self, fh: Fh, ino: Ino, offset: u64, size: u32) -> Outcome {
         let flags = readable(self.own_handle_of(fh, ino)?)?;
         let size = size.min(self.config.max_write);
         let data = if flags as i32 & libc::O_DIRECT != 0 {
@@ -767,7 +764,7 @@ impl Session {
         }
     }
 
-    async fn write(&self, fh: u64, ino: u64, offset: u64, write_flags: u32, data: &[u8]) -> Outcome {
+    async fn write(&self, fh: Fh, ino: Ino, offset: u64, write_flags: u32, data: &[u8]) -> Outcome {
         let flags = writable(self.own_handle_of(fh, ino)?)?;
         if data.len() > self.config.max_write as usize {
             return Err(libc::EINVAL);
@@ -785,7 +782,7 @@ impl Session {
         Ok(Some(write_out(n)))
     }
 
-    async fn readdir(&self, c: &Creds, fh: u64, ino: u64, offset: u64, size: u32, plus: bool) -> Outcome {
+    async fn readdir(&self, c: &Creds, fh: Fh, ino: Ino, offset: u64, size: u32, plus: bool) -> Outcome {
         let entries = self.fs.readdir_handle(fh, offset, 4096, false).await.map_err(|e| e.errno())?;
         let mut r = Reply::default();
         for ent in entries {
@@ -805,7 +802,7 @@ impl Session {
                     r.raw(&self.entry(&a).bytes);
                 }
             }
-            r.u64(ent.ino).u64(ent.next_offset).u32(namelen as u32).u32(ent.file_type >> 12);
+            r.u64(ent.ino.get()).u64(ent.next_offset).u32(namelen as u32).u32(ent.file_type >> 12);
             r.raw(&ent.name);
             r.raw(&[0u8; 8][..dirent_len - 24 - namelen]);
         }
@@ -839,7 +836,7 @@ fn write_out(written: u32) -> Reply {
     r
 }
 
-fn open_out(fh: u64, flags: u32, cache: CacheMode) -> Reply {
+fn open_out(fh: Fh, flags: u32, cache: CacheMode) -> Reply {
     let mut open = 0;
     if flags as i32 & libc::O_DIRECT != 0 || cache == CacheMode::None {
         open |= open_flags::DIRECT_IO | open_flags::PARALLEL_DIRECT_WRITES;
@@ -848,7 +845,7 @@ fn open_out(fh: u64, flags: u32, cache: CacheMode) -> Reply {
         open |= open_flags::KEEP_CACHE;
     }
     let mut r = Reply::default();
-    r.u64(fh).u32(open).u32(0);
+    r.u64(fh.get()).u32(open).u32(0);
     r
 }
 

@@ -1,7 +1,7 @@
 //! FUSE requests decoded into typed values. Every field is read through
 //! the bounds-checked [`Cursor`]; anything malformed is a [`ParseError`].
 
-use keelfs_fs::{FallocateMode, FsResult, RenameMode, SeekTo, SetAttr, TimeSet, Timespec, XattrFlags};
+use keelfs_fs::{FallocateMode, Fh, FsResult, Ino, RenameMode, SeekTo, SetAttr, TimeSet, Timespec, XattrFlags};
 
 use super::abi::{Cursor, InHeader, Opcode, ParseError};
 
@@ -48,7 +48,7 @@ pub enum Request<'a> {
         nlookup: u64,
     },
     BatchForget {
-        items: Vec<(u64, u64)>,
+        items: Vec<(Ino, u64)>,
     },
     Getattr,
     /// FUSE_STATX (7.39): getattr with the birth time.
@@ -83,13 +83,13 @@ pub enum Request<'a> {
     },
     /// `mode` is an error for flags renameat2 refuses.
     Rename {
-        newdir: u64,
+        newdir: Ino,
         mode: FsResult<RenameMode>,
         name: &'a [u8],
         newname: &'a [u8],
     },
     Link {
-        oldnodeid: u64,
+        oldnodeid: Ino,
         newname: &'a [u8],
     },
     Open {
@@ -114,34 +114,34 @@ pub enum Request<'a> {
         umask: u32,
     },
     Read {
-        fh: u64,
+        fh: Fh,
         offset: u64,
         size: u32,
     },
     Write {
-        fh: u64,
+        fh: Fh,
         offset: u64,
         write_flags: u32,
         data: &'a [u8],
     },
     Readdir {
-        fh: u64,
+        fh: Fh,
         offset: u64,
         size: u32,
         plus: bool,
     },
     Statfs,
     Release {
-        fh: u64,
+        fh: Fh,
     },
     Releasedir {
-        fh: u64,
+        fh: Fh,
     },
     Flush {
-        fh: u64,
+        fh: Fh,
     },
     Fsync {
-        fh: u64,
+        fh: Fh,
         datasync: bool,
         dir: bool,
     },
@@ -169,24 +169,24 @@ pub enum Request<'a> {
     },
     /// `mode` is an error for a mode keelfs does not implement.
     Fallocate {
-        fh: u64,
+        fh: Fh,
         offset: u64,
         length: u64,
         mode: FsResult<FallocateMode>,
     },
     /// `to` is None for a whence other than SEEK_DATA and SEEK_HOLE.
     Lseek {
-        fh: u64,
+        fh: Fh,
         offset: u64,
         to: Option<SeekTo>,
     },
     Syncfs,
     /// FUSE_COPY_FILE_RANGE from `nodeid`'s handle `fh_in`.
     CopyFileRange {
-        fh_in: u64,
+        fh_in: Fh,
         off_in: u64,
-        nodeid_out: u64,
-        fh_out: u64,
+        nodeid_out: Ino,
+        fh_out: Fh,
         off_out: u64,
         len: u64,
         flags: u64,
@@ -257,7 +257,7 @@ pub fn parse<'a>(header: &InHeader, body: &'a [u8], setxattr_ext: bool) -> Resul
             }
             let mut items = Vec::with_capacity(count as usize);
             for _ in 0..count {
-                items.push((c.u64("forget_one.nodeid")?, c.u64("forget_one.nlookup")?));
+                items.push((Ino::new(c.u64("forget_one.nodeid")?), c.u64("forget_one.nlookup")?));
             }
             Request::BatchForget { items }
         }
@@ -288,17 +288,22 @@ pub fn parse<'a>(header: &InHeader, body: &'a [u8], setxattr_ext: bool) -> Resul
         Opcode::Rmdir => Request::Rmdir { name: c.name()? },
         Opcode::Rename => {
             let newdir = c.u64("rename.newdir")?;
-            Request::Rename { newdir, mode: Ok(RenameMode::Replace), name: c.name()?, newname: c.name()? }
+            Request::Rename {
+                newdir: Ino::new(newdir),
+                mode: Ok(RenameMode::Replace),
+                name: c.name()?,
+                newname: c.name()?,
+            }
         }
         Opcode::Rename2 => {
             let newdir = c.u64("rename2.newdir")?;
             let mode = RenameMode::from_linux(c.u32("rename2.flags")?);
             c.u32("rename2.padding")?;
-            Request::Rename { newdir, mode, name: c.name()?, newname: c.name()? }
+            Request::Rename { newdir: Ino::new(newdir), mode, name: c.name()?, newname: c.name()? }
         }
         Opcode::Link => {
             let oldnodeid = c.u64("link.oldnodeid")?;
-            Request::Link { oldnodeid, newname: c.name()? }
+            Request::Link { oldnodeid: Ino::new(oldnodeid), newname: c.name()? }
         }
         Opcode::Open | Opcode::Opendir => {
             let flags = c.u32("open.flags")?;
@@ -322,8 +327,8 @@ pub fn parse<'a>(header: &InHeader, body: &'a [u8], setxattr_ext: bool) -> Resul
         Opcode::Read | Opcode::Readdir | Opcode::Readdirplus => {
             let (fh, offset, size) = parse_read_in(&mut c)?;
             match op {
-                Opcode::Read => Request::Read { fh, offset, size },
-                _ => Request::Readdir { fh, offset, size, plus: op == Opcode::Readdirplus },
+                Opcode::Read => Request::Read { fh: Fh::new(fh), offset, size },
+                _ => Request::Readdir { fh: Fh::new(fh), offset, size, plus: op == Opcode::Readdirplus },
             }
         }
         Opcode::Write => {
@@ -333,28 +338,28 @@ pub fn parse<'a>(header: &InHeader, body: &'a [u8], setxattr_ext: bool) -> Resul
             let write_flags = c.u32("write.write_flags")?;
             c.take(8 + 4 + 4, "write_in")?;
             let data = c.take(size as usize, "write data")?;
-            Request::Write { fh, offset, write_flags, data }
+            Request::Write { fh: Fh::new(fh), offset, write_flags, data }
         }
         Opcode::Statfs => Request::Statfs,
         Opcode::Release | Opcode::Releasedir => {
             let fh = c.u64("release.fh")?;
             c.take(16, "release_in")?;
             if op == Opcode::Release {
-                Request::Release { fh }
+                Request::Release { fh: Fh::new(fh) }
             } else {
-                Request::Releasedir { fh }
+                Request::Releasedir { fh: Fh::new(fh) }
             }
         }
         Opcode::Flush => {
             let fh = c.u64("flush.fh")?;
             c.take(16, "flush_in")?;
-            Request::Flush { fh }
+            Request::Flush { fh: Fh::new(fh) }
         }
         Opcode::Fsync | Opcode::Fsyncdir => {
             let fh = c.u64("fsync.fh")?;
             let flags = c.u32("fsync.flags")?;
             c.u32("fsync.padding")?;
-            Request::Fsync { fh, datasync: flags & 1 != 0, dir: op == Opcode::Fsyncdir }
+            Request::Fsync { fh: Fh::new(fh), datasync: flags & 1 != 0, dir: op == Opcode::Fsyncdir }
         }
         Opcode::Setxattr => {
             let size = c.u32("setxattr.size")?;
@@ -386,18 +391,23 @@ pub fn parse<'a>(header: &InHeader, body: &'a [u8], setxattr_ext: bool) -> Resul
         Opcode::Interrupt => Request::Interrupt { unique: c.u64("interrupt.unique")? },
         Opcode::Fallocate => {
             let (fh, offset, length) = (c.u64("fallocate.fh")?, c.u64("fallocate.offset")?, c.u64("fallocate.length")?);
-            Request::Fallocate { fh, offset, length, mode: FallocateMode::from_linux(c.u32("fallocate.mode")?) }
+            Request::Fallocate {
+                fh: Fh::new(fh),
+                offset,
+                length,
+                mode: FallocateMode::from_linux(c.u32("fallocate.mode")?),
+            }
         }
         Opcode::Lseek => {
             let (fh, offset) = (c.u64("lseek.fh")?, c.u64("lseek.offset")?);
-            Request::Lseek { fh, offset, to: SeekTo::from_whence(c.u32("lseek.whence")?) }
+            Request::Lseek { fh: Fh::new(fh), offset, to: SeekTo::from_whence(c.u32("lseek.whence")?) }
         }
         Opcode::Syncfs => Request::Syncfs,
         Opcode::CopyFileRange => Request::CopyFileRange {
-            fh_in: c.u64("copy_file_range.fh_in")?,
+            fh_in: Fh::new(c.u64("copy_file_range.fh_in")?),
             off_in: c.u64("copy_file_range.off_in")?,
-            nodeid_out: c.u64("copy_file_range.nodeid_out")?,
-            fh_out: c.u64("copy_file_range.fh_out")?,
+            nodeid_out: Ino::new(c.u64("copy_file_range.nodeid_out")?),
+            fh_out: Fh::new(c.u64("copy_file_range.fh_out")?),
             off_out: c.u64("copy_file_range.off_out")?,
             len: c.u64("copy_file_range.len")?,
             flags: c.u64("copy_file_range.flags")?,

@@ -10,7 +10,7 @@ use std::sync::mpsc::{Receiver, SyncSender};
 use std::sync::Arc;
 use std::time::Instant;
 
-use keelfs_fs::Fs;
+use keelfs_fs::{Fh, Fs, Ino};
 use keelfs_reactor::{self as reactor, Poller, ReactorHandle};
 use vhost_user_backend::VringT;
 use virtio_queue::DescriptorChain;
@@ -123,10 +123,10 @@ impl HelperServer {
         owner: ReactorHandle,
         id: u64,
         handles: Rc<RefCell<keelfs_base::IdMap<Option<SharedHandle>>>>,
-        fh: u64,
-        nodeid: u64,
+        fh: Fh,
+        nodeid: Ino,
     ) -> Option<SharedHandle> {
-        if let Some(known) = handles.borrow().get(&fh) {
+        if let Some(known) = handles.borrow().get(&fh.get()) {
             return known.clone();
         }
         let asked = reactor::call_and_wait(&owner, move || async move {
@@ -137,7 +137,7 @@ impl HelperServer {
         if handles.len() >= HELPER_HANDLES_MAX {
             handles.retain(|_, h| h.as_ref().is_some_and(|h| !h.released.load(Ordering::Relaxed)));
         }
-        handles.insert(fh, answer.clone());
+        handles.insert(fh.get(), answer.clone());
         answer
     }
 }
