@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 
+use super::blocks::{DevBlock, FileBlock};
 use super::format::BlockRun;
 
 /// The pieces of a range of a file: inline up to four, so that a request
@@ -12,14 +13,14 @@ pub type Segments = smallvec::SmallVec<[Segment; 4]>;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Extent {
-    pub file_block: u64,
-    pub disk_block: u64,
+    pub file_block: FileBlock,
+    pub disk_block: DevBlock,
     pub len: u64,
     pub unwritten: bool,
 }
 
 impl Extent {
-    pub fn file_end(&self) -> u64 {
+    pub fn file_end(&self) -> FileBlock {
         self.file_block + self.len
     }
 }
@@ -27,7 +28,7 @@ impl Extent {
 /// One piece of a file range: mapped (maybe unwritten) or a hole.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Segment {
-    Hole { file_block: u64, len: u64 },
+    Hole { file_block: FileBlock, len: u64 },
     Mapped(Extent),
 }
 
@@ -44,8 +45,8 @@ impl ExtentMap {
 
     pub fn iter(&self) -> impl Iterator<Item = Extent> + '_ {
         self.map.iter().map(|(&file_block, &(disk_block, len, unwritten))| Extent {
-            file_block,
-            disk_block,
+            file_block: FileBlock(file_block),
+            disk_block: DevBlock(disk_block),
             len,
             unwritten,
         })
@@ -57,14 +58,16 @@ impl ExtentMap {
 
     /// The last mapped file block's device successor: the allocation hint
     /// for extending the file.
-    pub fn hint_after(&self, file_block: u64) -> Option<u64> {
+    pub fn hint_after(&self, file_block: FileBlock) -> Option<DevBlock> {
+        let file_block = file_block.0;
         let (&fb, &(db, len, _)) = self.map.range(..=file_block).next_back()?;
-        Some(db + (file_block - fb).min(len))
+        Some(DevBlock(db + (file_block - fb).min(len)))
     }
 
     /// Remove mappings in [file_block, +len), splitting extents at the
     /// edges. Returns the device runs that were unmapped.
-    pub fn punch(&mut self, file_block: u64, len: u64) -> Vec<BlockRun> {
+    pub fn punch(&mut self, file_block: FileBlock, len: u64) -> Vec<BlockRun> {
+        let file_block = file_block.0;
         let end = file_block.saturating_add(len);
         let mut freed = Vec::new();
         let overlapping: Vec<u64> = {
@@ -92,10 +95,10 @@ impl ExtentMap {
 
     /// Map [file_block, +len) to [disk_block, +len), replacing whatever was
     /// there (returned), and merging with neighbours that continue it.
-    pub fn map(&mut self, file_block: u64, disk_block: u64, len: u64, unwritten: bool) -> Vec<BlockRun> {
+    pub fn map(&mut self, file_block: FileBlock, disk_block: DevBlock, len: u64, unwritten: bool) -> Vec<BlockRun> {
         assert!(len > 0);
         let replaced = self.punch(file_block, len);
-        let (mut fb, mut db, mut l) = (file_block, disk_block, len);
+        let (mut fb, mut db, mut l) = (file_block.0, disk_block.0, len);
         if let Some((&pk, &(pdb, pl, pu))) = self.map.range(..fb).next_back() {
             if pk + pl == fb && pdb + pl == db && pu == unwritten {
                 self.map.remove(&pk);
@@ -116,7 +119,8 @@ impl ExtentMap {
 
     /// The pieces of [file_block, +len): mapped extents clipped to the
     /// range, and holes between them.
-    pub fn segments(&self, file_block: u64, len: u64) -> Segments {
+    pub fn segments(&self, file_block: FileBlock, len: u64) -> Segments {
+        let file_block = file_block.0;
         let end = file_block.saturating_add(len);
         let mut out = Segments::new();
         let mut at = file_block;
@@ -127,16 +131,17 @@ impl ExtentMap {
         for (&k, &(db, l, unwritten)) in self.map.range(start_key..end) {
             let s = k.max(at);
             if s > at {
-                out.push(Segment::Hole { file_block: at, len: s - at });
+                out.push(Segment::Hole { file_block: FileBlock(at), len: s - at });
             }
             let e = (k + l).min(end);
             if e > s {
-                out.push(Segment::Mapped(Extent { file_block: s, disk_block: db + (s - k), len: e - s, unwritten }));
+                let (file_block, disk_block) = (FileBlock(s), DevBlock(db + (s - k)));
+                out.push(Segment::Mapped(Extent { file_block, disk_block, len: e - s, unwritten }));
                 at = e;
             }
         }
         if at < end {
-            out.push(Segment::Hole { file_block: at, len: end - at });
+            out.push(Segment::Hole { file_block: FileBlock(at), len: end - at });
         }
         out
     }
@@ -150,27 +155,37 @@ mod tests {
     fn sequential_maps_merge_into_one_extent() {
         let mut m = ExtentMap::default();
         for i in 0..100 {
-            m.map(i, 1000 + i, 1, false);
+            m.map(FileBlock(i), DevBlock(1000 + i), 1, false);
         }
         assert_eq!(m.len(), 1);
         assert_eq!(m.blocks(), 100);
-        m.map(100, 5000, 1, false);
+        m.map(FileBlock(100), DevBlock(5000), 1, false);
         assert_eq!(m.len(), 2, "a discontiguous device block starts a new extent");
     }
 
     #[test]
     fn punch_splits_and_reports_freed_runs() {
         let mut m = ExtentMap::default();
-        m.map(0, 100, 10, false);
-        let freed = m.punch(3, 4);
+        m.map(FileBlock(0), DevBlock(100), 10, false);
+        let freed = m.punch(FileBlock(3), 4);
         assert_eq!(freed, vec![BlockRun { start: 103, len: 4 }]);
         assert_eq!(
-            m.segments(0, 12).to_vec(),
+            m.segments(FileBlock(0), 12).to_vec(),
             vec![
-                Segment::Mapped(Extent { file_block: 0, disk_block: 100, len: 3, unwritten: false }),
-                Segment::Hole { file_block: 3, len: 4 },
-                Segment::Mapped(Extent { file_block: 7, disk_block: 107, len: 3, unwritten: false }),
-                Segment::Hole { file_block: 10, len: 2 },
+                Segment::Mapped(Extent {
+                    file_block: FileBlock(0),
+                    disk_block: DevBlock(100),
+                    len: 3,
+                    unwritten: false
+                }),
+                Segment::Hole { file_block: FileBlock(3), len: 4 },
+                Segment::Mapped(Extent {
+                    file_block: FileBlock(7),
+                    disk_block: DevBlock(107),
+                    len: 3,
+                    unwritten: false
+                }),
+                Segment::Hole { file_block: FileBlock(10), len: 2 },
             ]
         );
     }
@@ -178,12 +193,12 @@ mod tests {
     #[test]
     fn converting_unwritten_to_written_replaces_in_place() {
         let mut m = ExtentMap::default();
-        m.map(0, 100, 8, true);
-        let replaced = m.map(2, 102, 2, false);
+        m.map(FileBlock(0), DevBlock(100), 8, true);
+        let replaced = m.map(FileBlock(2), DevBlock(102), 2, false);
         assert_eq!(replaced, vec![BlockRun { start: 102, len: 2 }]);
         assert_eq!(m.len(), 3);
-        m.map(0, 100, 2, false);
-        m.map(4, 104, 4, false);
+        m.map(FileBlock(0), DevBlock(100), 2, false);
+        m.map(FileBlock(4), DevBlock(104), 4, false);
         assert_eq!(m.len(), 1, "all written again: one extent");
     }
 }

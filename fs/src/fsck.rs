@@ -8,6 +8,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
+use super::blocks::FileBlock;
 use super::format::{Superblock, BLOCK_SIZE, ROOT_INO};
 use super::journal;
 use super::record::Record;
@@ -130,7 +131,7 @@ fn check_state(state: &State, sb: &Superblock, recorded_free: u64, report: &mut 
         report.problems.push(problem("free-count", detail, true));
     }
     for node in state.nodes() {
-        let mut last_end = 0;
+        let mut last_end = FileBlock(0);
         for e in node.extents.iter() {
             if e.file_block < last_end {
                 report.problems.push(problem(

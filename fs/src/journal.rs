@@ -21,6 +21,7 @@
 
 use std::rc::Rc;
 
+use super::blocks::DevBlock;
 use super::codec::{Reader, Writer};
 use super::format::{
     crc, BlockRun, Superblock, SuperblockError, BLOCK_BYTES, BLOCK_SIZE, CHECKPOINT_EXTENTS_MAX,
@@ -513,13 +514,14 @@ async fn write_transaction(fs: &FsInner, taken: &Taken) -> FsResult<()> {
     let ring_off = head % sb.journal_blocks;
     let first = (sb.journal_blocks - ring_off).min(blocks);
     if first == blocks {
-        fs.write_blocks(ring_block(&sb, head), buf).await?;
+        fs.write_blocks(DevBlock(ring_block(&sb, head)), buf).await?;
     } else {
         let mut a = AlignedBuf::zeroed(first as usize * BLOCK_BYTES, BLOCK_BYTES);
         let mut b = AlignedBuf::zeroed((blocks - first) as usize * BLOCK_BYTES, BLOCK_BYTES);
         a.copy_from_slice(&buf[..first as usize * BLOCK_BYTES]);
         b.copy_from_slice(&buf[first as usize * BLOCK_BYTES..]);
-        let (ra, rb) = (fs.write_blocks(ring_block(&sb, head), a), fs.write_blocks(JOURNAL_FIRST_BLOCK, b));
+        let (ra, rb) =
+            (fs.write_blocks(DevBlock(ring_block(&sb, head)), a), fs.write_blocks(DevBlock(JOURNAL_FIRST_BLOCK), b));
         ra.await?;
         rb.await?;
     }
@@ -666,7 +668,7 @@ async fn write_checkpoint_blocks(fs: &FsInner, runs: &[BlockRun], payload: [&[u8
                 block[4..8].copy_from_slice(&sum.to_le_bytes());
                 index = index.checked_add(1).expect("checkpoint block index fits u32");
             }
-            fs.write_blocks(run.start + done, buf).await?;
+            fs.write_blocks(DevBlock(run.start + done), buf).await?;
             done += n;
         }
     }
@@ -702,7 +704,7 @@ async fn write_superblock(fs: &FsInner, sb: &Superblock) -> FsResult<()> {
     let slot = SUPERBLOCK_SLOTS[(sb.generation % 2) as usize];
     let mut buf = AlignedBuf::zeroed(BLOCK_BYTES, BLOCK_BYTES);
     buf.copy_from_slice(&sb.encode());
-    fs.write_blocks(slot, buf).await?;
+    fs.write_blocks(DevBlock(slot), buf).await?;
     fs.flush_device().await
 }
 

@@ -16,6 +16,7 @@
 
 mod access;
 mod alloc;
+mod blocks;
 mod cache;
 mod codec;
 mod data;
@@ -52,8 +53,9 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
+use blocks::DevBlock;
 use codec::Writer;
-use format::{BLOCK_BYTES, BLOCK_SIZE};
+use format::BLOCK_BYTES;
 use keelfs_bdev::{AlignedBuf, Geometry};
 use keelfs_reactor::{await_all, DeviceChannel};
 use state::{ApplyMode, State};
@@ -391,19 +393,19 @@ impl FsInner {
         Ok(())
     }
 
-    async fn read_blocks(&self, block: u64, count: usize) -> FsResult<AlignedBuf> {
+    async fn read_blocks(&self, block: DevBlock, count: usize) -> FsResult<AlignedBuf> {
         let buf = AlignedBuf::zeroed(count * BLOCK_BYTES, BLOCK_BYTES);
-        let (buf, result) = self.dev.read(block * BLOCK_SIZE, buf).await;
+        let (buf, result) = self.dev.read(block.offset(), buf).await;
         result?;
         Ok(buf)
     }
 
     /// Write whole blocks, split into requests the device accepts, all in
     /// flight together.
-    async fn write_blocks(&self, block: u64, buf: AlignedBuf) -> FsResult<()> {
+    async fn write_blocks(&self, block: DevBlock, buf: AlignedBuf) -> FsResult<()> {
         let max = self.geometry.max_request_bytes as usize;
         if buf.len() <= max {
-            let (_, result) = self.dev.write(block * BLOCK_SIZE, buf).await;
+            let (_, result) = self.dev.write(block.offset(), buf).await;
             result?;
             return Ok(());
         }
@@ -411,7 +413,7 @@ impl FsInner {
         for (i, chunk) in buf.chunks(max).enumerate() {
             let mut part = AlignedBuf::zeroed(chunk.len(), BLOCK_BYTES);
             part.copy_from_slice(chunk);
-            pending.push(self.dev.write((block * BLOCK_SIZE) + (i * max) as u64, part));
+            pending.push(self.dev.write(block.offset() + (i * max) as u64, part));
         }
         await_all(pending).await?;
         Ok(())
@@ -498,7 +500,7 @@ impl Fs {
         let mut owned: Vec<(u64, u64, String)> = Vec::new();
         for node in state.nodes() {
             for e in node.extents.iter() {
-                owned.push((e.disk_block, e.len, format!("inode {} file block {}", node.inode.ino, e.file_block)));
+                owned.push((e.disk_block.0, e.len, format!("inode {} file block {}", node.inode.ino, e.file_block.0)));
             }
         }
         owned.extend(sb.checkpoint_extents.iter().map(|r| (r.start, r.len, "the checkpoint".to_string())));

@@ -8,6 +8,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};
 
 use super::alloc::Allocator;
+use super::blocks::{DevBlock, FileBlock};
 use super::codec::Writer;
 use super::extent::ExtentMap;
 use super::format::{BlockRun, Inode, COUNTER_MAX};
@@ -217,7 +218,7 @@ impl Snapshot {
             Record::XattrSet { ino, name: name.clone(), value: value.clone() }.encode(w);
         }
         for e in node.extents.iter() {
-            let (file_block, disk_block, len, unwritten) = (e.file_block, e.disk_block, e.len, e.unwritten);
+            let (file_block, disk_block, len, unwritten) = (e.file_block.0, e.disk_block.0, e.len, e.unwritten);
             Record::ExtentMap { ino, file_block, disk_block, len, unwritten }.encode(w);
         }
         if let Some(dir) = &node.dir {
@@ -374,7 +375,7 @@ impl State {
         let Some(node) = self.nodes.remove(&ino) else {
             return if mode == ApplyMode::Replay { Ok(()) } else { err(format!("free of missing inode {ino}")) };
         };
-        let runs = node.extents.iter().map(|e| BlockRun { start: e.disk_block, len: e.len }).collect();
+        let runs = node.extents.iter().map(|e| BlockRun { start: e.disk_block.0, len: e.len }).collect();
         self.release(runs, mode);
         Ok(())
     }
@@ -419,7 +420,7 @@ impl State {
             Record::ExtentPunch { ino, file_block, len } => {
                 self.before_change(*ino);
                 let Some(node) = self.nodes.get_mut(ino) else { return err(format!("punch in missing inode {ino}")) };
-                let runs = node.extents.punch(*file_block, *len);
+                let runs = node.extents.punch(FileBlock(*file_block), *len);
                 self.release(runs, mode);
                 Ok(())
             }
@@ -512,7 +513,7 @@ impl State {
         if !node.inode.is_reg() {
             return err(format!("extent for inode {ino}, which is not a regular file"));
         }
-        let replaced = node.extents.map(file_block, disk_block, len, unwritten);
+        let replaced = node.extents.map(FileBlock(file_block), DevBlock(disk_block), len, unwritten);
         let new = BlockRun { start: disk_block, len };
         match mode {
             ApplyMode::Live => {

@@ -6,6 +6,7 @@ use std::cell::RefCell;
 use super::{
     blocks_of, copy_page_part, page_part, VecSink, WriteTimes, DIRTY_THROTTLE_PERCENT, IO_BLOCKS_MAX, WRITEBACK_TOKEN,
 };
+use crate::blocks::DevBlock;
 use crate::cache::{CacheFull, PAGE_BYTES};
 use crate::extent::Segment;
 use crate::format::{BLOCK_BYTES, BLOCK_SIZE};
@@ -140,7 +141,7 @@ impl Fs {
         self.inner.cache.borrow_mut().note_misses(pages.len() as u64);
         let epoch = self.direct_epoch(ino);
         // (first page, device block or None for zeros, pages)
-        let mut runs: Vec<(u64, Option<u64>, u64)> = Vec::new();
+        let mut runs: Vec<(u64, Option<DevBlock>, u64)> = Vec::new();
         for &page in pages {
             let disk = match self.segments(ino, page, 1)?[0] {
                 Segment::Mapped(e) if !e.unwritten => Some(e.disk_block),
@@ -156,7 +157,7 @@ impl Fs {
         for &(page, disk, n) in &runs {
             let read = disk.map(|d| {
                 let buf = AlignedBuf::zeroed((n * BLOCK_SIZE) as usize, BLOCK_BYTES);
-                self.inner.dev.read(d * BLOCK_SIZE, buf)
+                self.inner.dev.read(d.offset(), buf)
             });
             pending.push((page, n, read));
         }
@@ -413,7 +414,9 @@ impl Fs {
         let mut out = Vec::new();
         for seg in self.segments(ino, first, last - first + 1)? {
             if let Segment::Hole { file_block, len } = seg {
-                out.extend((file_block..file_block + len).filter(|&p| !cache.is_reserved((ino, p))));
+                // Pages are file blocks (PAGE_BYTES is BLOCK_BYTES).
+                let pages = file_block.0..(file_block + len).0;
+                out.extend(pages.filter(|&p| !cache.is_reserved((ino, p))));
             }
         }
         Ok(out)

@@ -1,6 +1,7 @@
 //! Direct I/O: the caller's buffer goes to the device without a copy.
 
 use super::{blocks_of, IO_BLOCKS_MAX};
+use crate::blocks::{block_bytes, DevBlock, FileBlock};
 use crate::extent::Segment;
 use crate::format::{BLOCK_BYTES, BLOCK_SIZE};
 use crate::ids::Ino;
@@ -166,7 +167,7 @@ impl Fs {
                 Segment::Mapped(e) => (e.file_block, e.len, None),
                 Segment::Hole { file_block, len } => (file_block, len, None),
             };
-            let at = ((fb - first) * BLOCK_SIZE) as usize;
+            let at = block_bytes(fb - FileBlock(first)) as usize;
             let Some(disk) = disk else {
                 buf.zero(at, (len * BLOCK_SIZE) as usize).map_err(|_| FsError::Invalid("buffer busy"))?;
                 continue;
@@ -177,7 +178,7 @@ impl Fs {
                 let slice = buf
                     .slice(at + (done * BLOCK_SIZE) as usize, (n * BLOCK_SIZE) as usize)
                     .map_err(|_| FsError::Invalid("buffer busy"))?;
-                let pos = (disk + done) * BLOCK_SIZE;
+                let pos = (disk + done).offset();
                 let io = if write { self.inner.dev.write(pos, slice) } else { self.inner.dev.read(pos, slice) };
                 match only.take() {
                     None if pending.is_empty() => only = Some(io),
@@ -222,15 +223,17 @@ impl Fs {
                     self.unreserve(&runs, false);
                     let mut fb = file_block;
                     for r in runs {
+                        let disk_block = DevBlock(r.start);
+                        let (file_block, disk_block) = (fb.0, disk_block.0);
                         self.inner.log(Record::ExtentMap {
                             ino,
-                            file_block: fb,
-                            disk_block: r.start,
+                            file_block,
+                            disk_block,
                             len: r.len,
                             unwritten: true,
                         })?;
-                        converted.push((fb, r.start, r.len));
-                        fb += r.len;
+                        converted.push((fb, DevBlock(r.start), r.len));
+                        fb = fb + r.len;
                     }
                 }
             }
@@ -248,7 +251,7 @@ impl Fs {
         let new_size = self.finish_extend(ino, offset, end, result.is_ok());
         result?;
         for (fb, db, len) in converted {
-            self.inner.log(Record::ExtentMap { ino, file_block: fb, disk_block: db, len, unwritten: false })?;
+            self.inner.log(Record::ExtentMap { ino, file_block: fb.0, disk_block: db.0, len, unwritten: false })?;
         }
         self.inner.written(ino, Some(new_size))?;
         self.set_datasync_needed(ino);

@@ -21,6 +21,7 @@ pub use buffered::{ReadSink, WriteSource};
 use std::cell::RefCell;
 use std::rc::Rc;
 
+use super::blocks::{block_bytes, DevBlock, FileBlock};
 use super::cache::PAGE_BYTES;
 use super::extent::{Segment, Segments};
 use super::format::{BlockRun, Inode, Timespec, BLOCK_BYTES, BLOCK_SIZE};
@@ -116,9 +117,10 @@ impl Fs {
         Ok(inode)
     }
 
+    /// The extent map's pieces of `count` blocks from file block `first`.
     fn segments(&self, ino: u64, first: u64, count: u64) -> FsResult<Segments> {
         let state = self.inner.state.borrow();
-        Ok(state.node(ino).ok_or(FsError::Stale)?.extents.segments(first, count))
+        Ok(state.node(ino).ok_or(FsError::Stale)?.extents.segments(FileBlock(first), count))
     }
 
     /// One file block as it is on the device (zeros for holes and
@@ -139,12 +141,12 @@ impl Fs {
     /// file's previous extent when that space is free (extent merging).
     /// Only writeback (`reserved`) may dip into space promised to dirty
     /// pages.
-    fn alloc_runs(&self, ino: u64, file_block: u64, count: u64, reserved: bool) -> FsResult<Vec<BlockRun>> {
+    fn alloc_runs(&self, ino: u64, file_block: FileBlock, count: u64, reserved: bool) -> FsResult<Vec<BlockRun>> {
         if !reserved && self.inner.available_blocks() < count {
             return Err(FsError::NoSpace);
         }
         let mut state = self.inner.state.borrow_mut();
-        let mut hint = state.node(ino).ok_or(FsError::Stale)?.extents.hint_after(file_block);
+        let mut hint = state.node(ino).ok_or(FsError::Stale)?.extents.hint_after(file_block).map(|b| b.0);
         let mut runs = Vec::new();
         let mut left = count;
         while left > 0 {
@@ -215,15 +217,16 @@ impl Fs {
         if tail == 0 {
             return Ok(());
         }
-        let page = size / BLOCK_SIZE;
-        self.inner.cache.borrow_mut().zero((ino, page), tail, PAGE_BYTES);
-        self.zero_in_block(ino, page, tail, BLOCK_BYTES).await
+        let block = FileBlock::containing(size);
+        // The cache indexes pages by file block (PAGE_BYTES is BLOCK_BYTES).
+        self.inner.cache.borrow_mut().zero((ino, block.0), tail, PAGE_BYTES);
+        self.zero_in_block(ino, block, tail, BLOCK_BYTES).await
     }
 
     /// Zero bytes [from, to) of one file block on the device, if it holds
     /// written data.
-    async fn zero_in_block(&self, ino: u64, file_block: u64, from: usize, to: usize) -> FsResult<()> {
-        let Segment::Mapped(e) = self.segments(ino, file_block, 1)?[0] else { return Ok(()) };
+    async fn zero_in_block(&self, ino: u64, file_block: FileBlock, from: usize, to: usize) -> FsResult<()> {
+        let Segment::Mapped(e) = self.segments(ino, file_block.0, 1)?[0] else { return Ok(()) };
         if e.unwritten {
             return Ok(());
         }
@@ -244,7 +247,7 @@ impl Fs {
     async fn write_image(&self, ino: u64, first: u64, image: AlignedBuf) -> FsResult<Vec<Record>> {
         let nblocks = image.len() as u64 / BLOCK_SIZE;
         let image_bytes = image.len() as u64;
-        let mut targets: Vec<(u64, u64, u64, bool)> = Vec::new(); // (file, disk, len, needs record)
+        let mut targets: Vec<(FileBlock, DevBlock, u64, bool)> = Vec::new(); // (file, disk, len, needs record)
         let mut fresh: Vec<BlockRun> = Vec::new();
         for seg in self.segments(ino, first, nblocks)? {
             match seg {
@@ -259,8 +262,8 @@ impl Fs {
                     };
                     let mut fb = file_block;
                     for r in &runs {
-                        targets.push((fb, r.start, r.len, true));
-                        fb += r.len;
+                        targets.push((fb, DevBlock(r.start), r.len, true));
+                        fb = fb + r.len;
                     }
                     fresh.extend(runs);
                 }
@@ -273,9 +276,9 @@ impl Fs {
             let mut done = 0;
             while done < len {
                 let n = (len - done).min(IO_BLOCKS_MAX);
-                let src = ((fb + done - first) * BLOCK_SIZE) as usize;
-                let slice = image.slice(src, (n * BLOCK_SIZE) as usize).map_err(|_| FsError::Invalid("image busy"))?;
-                pending.push(self.inner.dev.write((db + done) * BLOCK_SIZE, slice));
+                let src = block_bytes((fb + done) - FileBlock(first)) as usize;
+                let slice = image.slice(src, block_bytes(n) as usize).map_err(|_| FsError::Invalid("image busy"))?;
+                pending.push(self.inner.dev.write((db + done).offset(), slice));
                 done += n;
             }
         }
@@ -295,7 +298,13 @@ impl Fs {
         Ok(targets
             .into_iter()
             .filter(|t| t.3)
-            .map(|(fb, db, len, _)| Record::ExtentMap { ino, file_block: fb, disk_block: db, len, unwritten: false })
+            .map(|(fb, db, len, _)| Record::ExtentMap {
+                ino,
+                file_block: fb.0,
+                disk_block: db.0,
+                len,
+                unwritten: false,
+            })
             .collect())
     }
 

@@ -1,6 +1,7 @@
 //! Size changes, preallocation and seeking.
 
 use super::{blocks_of, now};
+use crate::blocks::FileBlock;
 use crate::cache::PAGE_BYTES;
 use crate::extent::Segment;
 use crate::format::{BLOCK_BYTES, BLOCK_SIZE};
@@ -92,7 +93,7 @@ impl Fs {
             self.zero_past_eof(ino, old_size).await?;
         }
         if !punch {
-            self.allocate_unwritten(ino, offset / BLOCK_SIZE, end.div_ceil(BLOCK_SIZE))?;
+            self.allocate_unwritten(ino, FileBlock::containing(offset), FileBlock::starting_at_or_after(end))?;
         }
         let t = now();
         self.inner.update_inode(ino, |i| {
@@ -111,19 +112,20 @@ impl Fs {
     /// Make [offset, end) read as zeros: unmap whole blocks, zero edges,
     /// on the device and in the cache.
     async fn clear_range(&self, ino: u64, offset: u64, end: u64) -> FsResult<()> {
-        let first_whole = offset.div_ceil(BLOCK_SIZE);
-        let end_whole = end / BLOCK_SIZE;
+        let first_whole = FileBlock::starting_at_or_after(offset);
+        let end_whole = FileBlock::containing(end);
         if first_whole < end_whole {
-            self.inner.log(Record::ExtentPunch { ino, file_block: first_whole, len: end_whole - first_whole })?;
+            let len = end_whole - first_whole;
+            self.inner.log(Record::ExtentPunch { ino, file_block: first_whole.0, len })?;
         }
         {
             let _change = self.inner.file_change(ino);
             self.inner.cache.borrow_mut().zero_range(ino, offset, end);
         }
-        let head_block = offset / BLOCK_SIZE;
-        let tail_block = (end - 1) / BLOCK_SIZE;
+        let head_block = FileBlock::containing(offset);
+        let tail_block = FileBlock::containing(end - 1);
         if !offset.is_multiple_of(BLOCK_SIZE) || (head_block == tail_block && !end.is_multiple_of(BLOCK_SIZE)) {
-            let to = if head_block == tail_block { (end - head_block * BLOCK_SIZE) as usize } else { BLOCK_BYTES };
+            let to = if head_block == tail_block { (end - head_block.offset()) as usize } else { BLOCK_BYTES };
             self.zero_in_block(ino, head_block, (offset % BLOCK_SIZE) as usize, to).await?;
         }
         if tail_block != head_block && !end.is_multiple_of(BLOCK_SIZE) {
@@ -134,9 +136,9 @@ impl Fs {
 
     /// Back the holes in file blocks [first, end) with unwritten extents:
     /// space is reserved and reads still return zeros, with no data I/O.
-    fn allocate_unwritten(&self, ino: u64, first: u64, end: u64) -> FsResult<()> {
-        let holes: Vec<(u64, u64)> = self
-            .segments(ino, first, end - first)?
+    fn allocate_unwritten(&self, ino: u64, first: FileBlock, end: FileBlock) -> FsResult<()> {
+        let holes: Vec<(FileBlock, u64)> = self
+            .segments(ino, first.0, end - first)?
             .into_iter()
             .filter_map(|s| match s {
                 Segment::Hole { file_block, len } => Some((file_block, len)),
@@ -150,12 +152,12 @@ impl Fs {
             for r in runs {
                 self.inner.log(Record::ExtentMap {
                     ino,
-                    file_block: at,
+                    file_block: at.0,
                     disk_block: r.start,
                     len: r.len,
                     unwritten: true,
                 })?;
-                at += r.len;
+                at = at + r.len;
             }
         }
         Ok(())
@@ -170,15 +172,15 @@ impl Fs {
             return Err(FsError::Nxio);
         }
         self.writeback(ino, 0, u64::MAX).await?;
-        let first = offset / BLOCK_SIZE;
-        let blocks = inode.size.div_ceil(BLOCK_SIZE) - first;
-        for seg in self.segments(ino, first, blocks)? {
+        let first = FileBlock::containing(offset);
+        let blocks = FileBlock::starting_at_or_after(inode.size) - first;
+        for seg in self.segments(ino, first.0, blocks)? {
             let (fb, is_data) = match seg {
                 Segment::Mapped(e) => (e.file_block, !e.unwritten),
                 Segment::Hole { file_block, .. } => (file_block, false),
             };
             if is_data == (to == SeekTo::Data) {
-                return Ok((fb * BLOCK_SIZE).max(offset));
+                return Ok(fb.offset().max(offset));
             }
         }
         if to == SeekTo::Hole {
