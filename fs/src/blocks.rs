@@ -47,6 +47,16 @@ pub const fn block_bytes(blocks: u64) -> u64 {
     blocks * BLOCK_SIZE
 }
 
+/// Whole blocks in `bytes` (rounds down): a device's or a buffer's size.
+pub const fn whole_blocks(bytes: u64) -> u64 {
+    bytes / BLOCK_SIZE
+}
+
+/// Where byte `offset` falls within its block.
+pub const fn offset_in_block(offset: u64) -> u64 {
+    offset % BLOCK_SIZE
+}
+
 macro_rules! block_arithmetic {
     ($t:ident) => {
         impl Add<u64> for $t {
@@ -89,5 +99,11 @@ mod tests {
         assert_eq!(FileBlock(7) - FileBlock(2), 5);
         assert_eq!(FileBlock(2) + 5, FileBlock(7));
         assert_eq!(block_bytes(3), 3 * BLOCK_SIZE);
+        assert_eq!(whole_blocks(3 * BLOCK_SIZE + 1), 3);
+        assert_eq!(offset_in_block(3 * BLOCK_SIZE + 7), 7);
+        assert_eq!(
+            FileBlock::containing(3 * BLOCK_SIZE + 7).offset() + offset_in_block(3 * BLOCK_SIZE + 7),
+            3 * BLOCK_SIZE + 7
+        );
     }
 }

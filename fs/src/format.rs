@@ -250,7 +250,7 @@ impl Superblock {
             // No overflow: every run lies inside total_blocks <= 2^52.
             cp_blocks += run.len;
         }
-        if self.checkpoint_bytes > cp_blocks * BLOCK_SIZE {
+        if self.checkpoint_bytes > crate::blocks::block_bytes(cp_blocks) {
             return Err(Field("checkpoint size"));
         }
         Ok(())

@@ -8,8 +8,8 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use super::blocks::FileBlock;
-use super::format::{Superblock, BLOCK_SIZE, ROOT_INO};
+use super::blocks::{whole_blocks, FileBlock};
+use super::format::{Superblock, ROOT_INO};
 use super::journal;
 use super::record::Record;
 use super::state::State;
@@ -52,7 +52,7 @@ fn problem(kind: &'static str, detail: String, repairable: bool) -> Problem {
 pub async fn fsck(dev: DeviceChannel, mut progress: impl FnMut(&str)) -> FsResult<FsckReport> {
     let mut report = FsckReport::default();
     progress("superblocks");
-    let capacity_blocks = dev.geometry().capacity_bytes / BLOCK_SIZE;
+    let capacity_blocks = whole_blocks(dev.geometry().capacity_bytes);
     let (sb, sb_problems) = match journal::choose_superblock(journal::read_superblocks(&dev).await?, capacity_blocks) {
         Ok(found) => found,
         Err(e) => {

@@ -21,10 +21,10 @@
 
 use std::rc::Rc;
 
-use super::blocks::DevBlock;
+use super::blocks::{block_bytes, whole_blocks, DevBlock};
 use super::codec::{Reader, Writer};
 use super::format::{
-    crc, BlockRun, Superblock, SuperblockError, BLOCK_BYTES, BLOCK_SIZE, CHECKPOINT_EXTENTS_MAX,
+    crc, BlockRun, Superblock, SuperblockError, BLOCK_BYTES, CHECKPOINT_EXTENTS_MAX,
     FEATURE_FREE_COUNT_HOLDS_CHECKPOINT, JOURNAL_FIRST_BLOCK, SUPERBLOCK_SLOTS,
 };
 use super::record::{decode_all, Record};
@@ -57,7 +57,7 @@ fn corrupt(msg: impl Into<String>) -> FsError {
 
 async fn read_blocks(dev: &DeviceChannel, block: u64, count: usize) -> FsResult<AlignedBuf> {
     let buf = AlignedBuf::zeroed(count * BLOCK_BYTES, BLOCK_BYTES);
-    let (buf, result) = dev.read(block * BLOCK_SIZE, buf).await;
+    let (buf, result) = dev.read(DevBlock(block).offset(), buf).await;
     result?;
     Ok(buf)
 }
@@ -222,7 +222,7 @@ fn ring_block(sb: &Superblock, logical: u64) -> u64 {
 /// Read `count` logical journal blocks starting at `logical`, across the
 /// ring's end if need be.
 async fn read_ring(dev: &DeviceChannel, sb: &Superblock, logical: u64, count: u64) -> FsResult<Vec<u8>> {
-    let mut out = Vec::with_capacity((count * BLOCK_SIZE) as usize);
+    let mut out = Vec::with_capacity(block_bytes(count) as usize);
     let mut at = logical;
     while at < logical + count {
         let ring_off = at % sb.journal_blocks;
@@ -285,7 +285,7 @@ pub(crate) async fn replay(
 }
 
 pub(crate) async fn load(dev: &DeviceChannel, require_root: bool) -> FsResult<Loaded> {
-    let capacity_blocks = dev.geometry().capacity_bytes / BLOCK_SIZE;
+    let capacity_blocks = whole_blocks(dev.geometry().capacity_bytes);
     let (sb, _other_copy_problems) = choose_superblock(read_superblocks(dev).await?, capacity_blocks)?;
     let (mut state, recorded_free) = load_checkpoint(dev, &sb).await?;
     let (journal_head, journal_seq, replayed, _) = replay(dev, &sb, &mut state, recorded_free).await?;

@@ -1,8 +1,9 @@
 //! Making a new filesystem.
 
+use super::blocks::{whole_blocks, DevBlock};
 use super::format::{
-    Inode, Superblock, BLOCK_BYTES, BLOCK_SIZE, FEATURE_FREE_COUNT_HOLDS_CHECKPOINT, JOURNAL_BLOCKS_MAX,
-    JOURNAL_FIRST_BLOCK, ROOT_INO, SUPERBLOCK_SLOTS, S_IFDIR, TOTAL_BLOCKS_MAX,
+    Inode, Superblock, BLOCK_BYTES, FEATURE_FREE_COUNT_HOLDS_CHECKPOINT, JOURNAL_BLOCKS_MAX, JOURNAL_FIRST_BLOCK,
+    ROOT_INO, SUPERBLOCK_SLOTS, S_IFDIR, TOTAL_BLOCKS_MAX,
 };
 use super::journal;
 use super::{Fs, FsConfig, FsError};
@@ -65,7 +66,7 @@ pub async fn mkfs(dev: DeviceChannel, options: &MkfsOptions) -> Result<Superbloc
     if !options.force && journal::read_superblocks(&dev).await?.iter().any(|c| c.is_ok()) {
         return Err(MkfsError::AlreadyFormatted);
     }
-    let total_blocks = capacity / BLOCK_SIZE;
+    let total_blocks = whole_blocks(capacity);
     if total_blocks > TOTAL_BLOCKS_MAX {
         return Err(MkfsError::TooLarge(capacity));
     }
@@ -94,7 +95,7 @@ pub async fn mkfs(dev: DeviceChannel, options: &MkfsOptions) -> Result<Superbloc
         let copy = Superblock { generation: generation as u64, ..sb.clone() };
         let mut buf = AlignedBuf::zeroed(BLOCK_BYTES, BLOCK_BYTES);
         buf.copy_from_slice(&copy.encode());
-        let (_, r) = dev.write(slot * BLOCK_SIZE, buf).await;
+        let (_, r) = dev.write(DevBlock(*slot).offset(), buf).await;
         r.map_err(FsError::from)?;
     }
     let fs = Fs::mount_inner(dev, FsConfig::default(), false).await?;

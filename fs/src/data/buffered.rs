@@ -6,7 +6,7 @@ use std::cell::RefCell;
 use super::{
     blocks_of, copy_page_part, page_part, VecSink, WriteTimes, DIRTY_THROTTLE_PERCENT, IO_BLOCKS_MAX, WRITEBACK_TOKEN,
 };
-use crate::blocks::DevBlock;
+use crate::blocks::{block_bytes, whole_blocks, DevBlock, FileBlock};
 use crate::cache::{CacheFull, PAGE_BYTES};
 use crate::extent::Segment;
 use crate::format::{BLOCK_BYTES, BLOCK_SIZE};
@@ -78,7 +78,7 @@ impl Fs {
             self.inner.bump(|c| c.data_bytes_read += out.len() as u64);
             return Ok(out);
         }
-        let _range = self.inner.ranges.lock(ino, first * BLOCK_SIZE, (last + 1) * BLOCK_SIZE, false).await;
+        let _range = self.inner.ranges.lock(ino, FileBlock(first).offset(), FileBlock(last + 1).offset(), false).await;
         let size_now = self.inner.inode(ino)?.size;
         let end = end.min(size_now);
         if offset >= end {
@@ -87,7 +87,7 @@ impl Fs {
         // Copy what is cached now, in one synchronous step; then load the
         // rest, copying each page into the result as it arrives. The shared
         // lock keeps writers of the range out meanwhile.
-        let last = (end - 1) / BLOCK_SIZE;
+        let last = FileBlock::containing(end - 1).0;
         let mut out = vec![0u8; (end - offset) as usize];
         let missing: Vec<u64> = {
             let mut cache = self.inner.cache.borrow_mut();
@@ -156,7 +156,7 @@ impl Fs {
         let mut pending = Vec::new();
         for &(page, disk, n) in &runs {
             let read = disk.map(|d| {
-                let buf = AlignedBuf::zeroed((n * BLOCK_SIZE) as usize, BLOCK_BYTES);
+                let buf = AlignedBuf::zeroed(block_bytes(n) as usize, BLOCK_BYTES);
                 self.inner.dev.read(d.offset(), buf)
             });
             pending.push((page, n, read));
@@ -167,7 +167,7 @@ impl Fs {
                 Some(f) => {
                     let (buf, result) = f.await;
                     result?;
-                    self.inner.bump(|c| c.data_bytes_read += n * BLOCK_SIZE);
+                    self.inner.bump(|c| c.data_bytes_read += block_bytes(n));
                     Some(buf)
                 }
                 None => None,
@@ -177,9 +177,9 @@ impl Fs {
             for k in 0..n {
                 let mut content = ZEROS;
                 if let Some(buf) = &data {
-                    content.copy_from_slice(&buf[(k * BLOCK_SIZE) as usize..((k + 1) * BLOCK_SIZE) as usize]);
+                    content.copy_from_slice(&buf[block_bytes(k) as usize..block_bytes(k + 1) as usize]);
                 }
-                let page_start = (page + k) * BLOCK_SIZE;
+                let page_start = FileBlock(page + k).offset();
                 content[size.saturating_sub(page_start).min(BLOCK_SIZE) as usize..].fill(0);
                 copy_page_part(&content, page + k, offset, out);
                 if cacheable && !cache.contains((ino, page + k)) {
@@ -200,8 +200,8 @@ impl Fs {
         let mut data = vec![0u8; PAGE_BYTES];
         let epoch = self.direct_epoch(ino);
         self.read_device_block(ino, page, &mut data).await?;
-        let page_start = page * BLOCK_SIZE;
-        if size < page_start + BLOCK_SIZE {
+        let page_start = FileBlock(page).offset();
+        if size < FileBlock(page + 1).offset() {
             data[size.saturating_sub(page_start) as usize..].fill(0);
         }
         if self.direct_epoch(ino) != epoch {
@@ -309,7 +309,7 @@ impl Fs {
             // Room is made before any lock is held: writeback takes locks.
             self.make_room(last - first + 1).await?;
             let (range, old_size) = self.lock_for_write(ino, first, last, end).await?;
-            if end > old_size && old_size / BLOCK_SIZE < first {
+            if end > old_size && FileBlock::containing(old_size).0 < first {
                 self.zero_past_eof(ino, old_size).await?;
             }
             // Partial edge pages are read first and kept here, so that the
@@ -317,7 +317,7 @@ impl Fs {
             // while we wait.
             let mut edges: Vec<(u64, Vec<u8>)> = Vec::new();
             for page in [first, last] {
-                let (ps, pe) = (page * BLOCK_SIZE, (page + 1) * BLOCK_SIZE);
+                let (ps, pe) = (FileBlock(page).offset(), FileBlock(page + 1).offset());
                 let partial = offset > ps || end < pe;
                 if partial && ps < old_size && !edges.iter().any(|(p, _)| *p == page) {
                     edges.push((page, self.page_for_read(ino, page, old_size).await?));
@@ -380,7 +380,7 @@ impl Fs {
                     return Err(full);
                 }
             }
-            let (ps, pe) = (page * BLOCK_SIZE, (page + 1) * BLOCK_SIZE);
+            let (ps, pe) = (FileBlock(page).offset(), FileBlock(page + 1).offset());
             let from = offset.max(ps);
             let to = end.min(pe);
             let stored = cache.write_open((ino, page), (from - ps) as usize, (to - from) as usize, |part| {
@@ -472,7 +472,8 @@ impl Fs {
         // hole), holding a token range past any data; and a *shared* lock
         // on the pages: writers of them wait, readers never do.
         let _token = self.inner.ranges.lock(ino, WRITEBACK_TOKEN, u64::MAX, true).await;
-        let _range = self.inner.ranges.lock(ino, first * BLOCK_SIZE, (first + count) * BLOCK_SIZE, false).await;
+        let _range =
+            self.inner.ranges.lock(ino, FileBlock(first).offset(), FileBlock(first + count).offset(), false).await;
         if self.inner.state.borrow().node(ino).is_none() {
             return Ok(());
         }
@@ -497,9 +498,9 @@ impl Fs {
         {
             let mut cache = self.inner.cache.borrow_mut();
             for &(f, n) in &runs {
-                let mut image = AlignedBuf::zeroed((n * BLOCK_SIZE) as usize, BLOCK_BYTES);
+                let mut image = AlignedBuf::zeroed(block_bytes(n) as usize, BLOCK_BYTES);
                 for page in f..f + n {
-                    let at = ((page - f) * BLOCK_SIZE) as usize;
+                    let at = block_bytes(page - f) as usize;
                     image[at..at + PAGE_BYTES].copy_from_slice(cache.peek((ino, page)).expect("dirty page is cached"));
                     cache.mark_clean((ino, page));
                     released += u64::from(cache.take_reserved((ino, page)));
@@ -511,7 +512,7 @@ impl Fs {
         // The reservations become real allocations in write_image.
         self.inner.release_delalloc(released);
         for (f, image) in runs {
-            let pages = image.len() as u64 / BLOCK_SIZE;
+            let pages = whole_blocks(image.len() as u64);
             match self.write_image(ino, f, image).await {
                 Ok(records) => {
                     self.log_all(records)?;

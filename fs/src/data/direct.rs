@@ -1,7 +1,7 @@
 //! Direct I/O: the caller's buffer goes to the device without a copy.
 
 use super::{blocks_of, IO_BLOCKS_MAX};
-use crate::blocks::{block_bytes, DevBlock, FileBlock};
+use crate::blocks::{block_bytes, offset_in_block, DevBlock, FileBlock};
 use crate::extent::Segment;
 use crate::format::{BLOCK_BYTES, BLOCK_SIZE};
 use crate::ids::Ino;
@@ -118,7 +118,7 @@ impl Fs {
         if !all_written(self)? {
             return Ok(None);
         }
-        let _range = self.inner.ranges.lock(ino, first * BLOCK_SIZE, (last + 1) * BLOCK_SIZE, false).await;
+        let _range = self.inner.ranges.lock(ino, FileBlock(first).offset(), FileBlock(last + 1).offset(), false).await;
         if !all_written(self)? {
             return Ok(None);
         }
@@ -169,14 +169,14 @@ impl Fs {
             };
             let at = block_bytes(fb - FileBlock(first)) as usize;
             let Some(disk) = disk else {
-                buf.zero(at, (len * BLOCK_SIZE) as usize).map_err(|_| FsError::Invalid("buffer busy"))?;
+                buf.zero(at, block_bytes(len) as usize).map_err(|_| FsError::Invalid("buffer busy"))?;
                 continue;
             };
             let mut done = 0;
             while done < len {
                 let n = (len - done).min(IO_BLOCKS_MAX);
                 let slice = buf
-                    .slice(at + (done * BLOCK_SIZE) as usize, (n * BLOCK_SIZE) as usize)
+                    .slice(at + block_bytes(done) as usize, block_bytes(n) as usize)
                     .map_err(|_| FsError::Invalid("buffer busy"))?;
                 let pos = (disk + done).offset();
                 let io = if write { self.inner.dev.write(pos, slice) } else { self.inner.dev.read(pos, slice) };
@@ -210,7 +210,7 @@ impl Fs {
     ) -> FsResult<u32> {
         let (first, last) = blocks_of(offset, end - offset);
         let (_range, old_size) = self.lock_for_write(ino, first, last, end).await?;
-        if end > old_size && old_size / BLOCK_SIZE < first {
+        if end > old_size && FileBlock::containing(old_size).0 < first {
             self.zero_past_eof(ino, old_size).await?;
         }
         let mut converted = Vec::new();
@@ -300,18 +300,18 @@ impl Fs {
             buf.copy_in(0, &data).map_err(|_| FsError::Invalid("buffer busy"))?;
             return Ok(data.len() as u32);
         }
-        let _range = self.inner.ranges.lock(ino, first * BLOCK_SIZE, (last + 1) * BLOCK_SIZE, false).await;
+        let _range = self.inner.ranges.lock(ino, FileBlock(first).offset(), FileBlock(last + 1).offset(), false).await;
         let size = self.inner.inode(ino)?.size;
         let avail = len.min(size.saturating_sub(offset));
         if avail == 0 {
             return Ok(0);
         }
-        let read_last = (offset + avail - 1) / BLOCK_SIZE;
+        let read_last = FileBlock::containing(offset + avail - 1).0;
         let segments = self.segments(ino, first, read_last - first + 1)?;
         self.submit_segments(buf, first, &segments, false).await?;
         // Never hand back what lies past the end of file.
         let tail_from = avail as usize;
-        let tail_to = ((read_last - first + 1) * BLOCK_SIZE) as usize;
+        let tail_to = block_bytes(read_last - first + 1) as usize;
         if tail_to > tail_from {
             buf.zero(tail_from, tail_to - tail_from).map_err(|_| FsError::Invalid("buffer busy"))?;
         }
@@ -325,20 +325,20 @@ impl Fs {
         let end = offset + data.len() as u64;
         let (first, last) = blocks_of(offset, data.len() as u64);
         let (_range, old_size) = self.lock_for_write(ino, first, last, end).await?;
-        if end > old_size && old_size / BLOCK_SIZE < first {
+        if end > old_size && FileBlock::containing(old_size).0 < first {
             self.zero_past_eof(ino, old_size).await?;
         }
         let nblocks = last - first + 1;
-        let mut image = AlignedBuf::zeroed((nblocks * BLOCK_SIZE) as usize, BLOCK_BYTES);
-        let head = (offset % BLOCK_SIZE) as usize;
+        let mut image = AlignedBuf::zeroed(block_bytes(nblocks) as usize, BLOCK_BYTES);
+        let head = offset_in_block(offset) as usize;
         if head != 0 {
             self.read_device_block(ino, first, &mut image[..BLOCK_BYTES]).await?;
         }
         if !end.is_multiple_of(BLOCK_SIZE) && (nblocks > 1 || head == 0) {
-            let at = ((nblocks - 1) * BLOCK_SIZE) as usize;
+            let at = block_bytes(nblocks - 1) as usize;
             self.read_device_block(ino, last, &mut image[at..]).await?;
         }
-        let image_start = first * BLOCK_SIZE;
+        let image_start = FileBlock(first).offset();
         if old_size < image_start + image.len() as u64 {
             image[old_size.saturating_sub(image_start) as usize..].fill(0);
         }
@@ -355,7 +355,7 @@ impl Fs {
 
     async fn read_uncached_copy(&self, ino: u64, offset: u64, len: u64) -> FsResult<Vec<u8>> {
         let (first, last) = blocks_of(offset, len);
-        let _range = self.inner.ranges.lock(ino, first * BLOCK_SIZE, (last + 1) * BLOCK_SIZE, false).await;
+        let _range = self.inner.ranges.lock(ino, FileBlock(first).offset(), FileBlock(last + 1).offset(), false).await;
         let size = self.inner.inode(ino)?.size;
         let end = (offset + len).min(size);
         if offset >= end {
@@ -363,11 +363,11 @@ impl Fs {
         }
         let mut out = vec![0u8; (end - offset) as usize];
         let mut block = vec![0u8; BLOCK_BYTES];
-        for b in first..=((end - 1) / BLOCK_SIZE) {
+        for b in first..=FileBlock::containing(end - 1).0 {
             self.read_device_block(ino, b, &mut block).await?;
-            let bs = b * BLOCK_SIZE;
+            let bs = FileBlock(b).offset();
             let from = offset.max(bs);
-            let to = end.min(bs + BLOCK_SIZE);
+            let to = end.min(FileBlock(b + 1).offset());
             out[(from - offset) as usize..(to - offset) as usize]
                 .copy_from_slice(&block[(from - bs) as usize..(to - bs) as usize]);
         }

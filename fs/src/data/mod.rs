@@ -21,10 +21,10 @@ pub use buffered::{ReadSink, WriteSource};
 use std::cell::RefCell;
 use std::rc::Rc;
 
-use super::blocks::{block_bytes, DevBlock, FileBlock};
+use super::blocks::{block_bytes, offset_in_block, whole_blocks, DevBlock, FileBlock};
 use super::cache::PAGE_BYTES;
 use super::extent::{Segment, Segments};
-use super::format::{BlockRun, Inode, Timespec, BLOCK_BYTES, BLOCK_SIZE};
+use super::format::{BlockRun, Inode, Timespec, BLOCK_BYTES};
 use super::record::Record;
 use super::{Fs, FsError, FsResult};
 use keelfs_bdev::AlignedBuf;
@@ -57,8 +57,8 @@ fn now() -> Timespec {
 /// The part of `page` inside the file range [offset, end): its byte range
 /// within the page and where it lands in a buffer starting at `offset`.
 fn page_part(page: u64, offset: u64, end: u64) -> Option<(std::ops::Range<usize>, usize)> {
-    let page_start = page * BLOCK_SIZE;
-    let (from, to) = (offset.max(page_start), end.min(page_start + BLOCK_SIZE));
+    let page_start = FileBlock(page).offset();
+    let (from, to) = (offset.max(page_start), end.min(FileBlock(page + 1).offset()));
     (from < to).then(|| (((from - page_start) as usize..(to - page_start) as usize), (from - offset) as usize))
 }
 
@@ -80,7 +80,7 @@ impl ReadSink for VecSink {
 }
 
 fn blocks_of(offset: u64, len: u64) -> (u64, u64) {
-    (offset / BLOCK_SIZE, (offset + len - 1) / BLOCK_SIZE)
+    (FileBlock::containing(offset).0, FileBlock::containing(offset + len - 1).0)
 }
 
 /// Write dirty pages back every `writeback_interval`.
@@ -130,7 +130,7 @@ impl Fs {
             Segment::Mapped(e) if !e.unwritten => {
                 let buf = self.inner.read_blocks(e.disk_block, 1).await?;
                 out.copy_from_slice(&buf);
-                self.inner.bump(|c| c.data_bytes_read += BLOCK_SIZE);
+                self.inner.bump(|c| c.data_bytes_read += block_bytes(1));
             }
             _ => out.fill(0),
         }
@@ -193,17 +193,18 @@ impl Fs {
     ) -> FsResult<(super::sync::RangeGuard, u64)> {
         loop {
             let size = self.inner.inode(ino)?.size;
-            let eof_block = size / BLOCK_SIZE;
-            let needs_tail = end > size && size % BLOCK_SIZE != 0 && eof_block < first;
+            let eof_block = FileBlock::containing(size).0;
+            let needs_tail = end > size && offset_in_block(size) != 0 && eof_block < first;
             let (start, stop) = if needs_tail {
-                (eof_block * BLOCK_SIZE, u64::MAX)
+                (FileBlock(eof_block).offset(), u64::MAX)
             } else {
-                (first * BLOCK_SIZE, (last + 1) * BLOCK_SIZE)
+                (FileBlock(first).offset(), FileBlock(last + 1).offset())
             };
             let guard = self.inner.ranges.lock(ino, start, stop, true).await;
             let now_size = self.inner.inode(ino).map_err(|_| FsError::Stale)?.size;
-            let still_needs_tail = end > now_size && now_size % BLOCK_SIZE != 0 && now_size / BLOCK_SIZE < first;
-            if !still_needs_tail || (now_size / BLOCK_SIZE) * BLOCK_SIZE >= start {
+            let still_needs_tail =
+                end > now_size && offset_in_block(now_size) != 0 && FileBlock::containing(now_size).0 < first;
+            if !still_needs_tail || FileBlock::containing(now_size).offset() >= start {
                 return Ok((guard, now_size));
             }
         }
@@ -213,7 +214,7 @@ impl Fs {
     /// the device and in the cache: they are invisible now and about to
     /// become part of the file.
     async fn zero_past_eof(&self, ino: u64, size: u64) -> FsResult<()> {
-        let tail = (size % BLOCK_SIZE) as usize;
+        let tail = offset_in_block(size) as usize;
         if tail == 0 {
             return Ok(());
         }
@@ -245,7 +246,7 @@ impl Fs {
     /// map what was written; the caller logs them now that the data is on
     /// the device (ordered data).
     async fn write_image(&self, ino: u64, first: u64, image: AlignedBuf) -> FsResult<Vec<Record>> {
-        let nblocks = image.len() as u64 / BLOCK_SIZE;
+        let nblocks = whole_blocks(image.len() as u64);
         let image_bytes = image.len() as u64;
         let mut targets: Vec<(FileBlock, DevBlock, u64, bool)> = Vec::new(); // (file, disk, len, needs record)
         let mut fresh: Vec<BlockRun> = Vec::new();

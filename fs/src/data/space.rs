@@ -1,7 +1,7 @@
 //! Size changes, preallocation and seeking.
 
 use super::{blocks_of, now};
-use crate::blocks::FileBlock;
+use crate::blocks::{offset_in_block, FileBlock};
 use crate::cache::PAGE_BYTES;
 use crate::extent::Segment;
 use crate::format::{BLOCK_BYTES, BLOCK_SIZE};
@@ -22,9 +22,9 @@ impl Fs {
             return Err(FsError::FileTooBig);
         }
         let old = self.require_file(ino)?.size;
-        let from = old.min(new_size) / BLOCK_SIZE * BLOCK_SIZE;
+        let from = FileBlock::containing(old.min(new_size)).offset();
         let _range = self.inner.ranges.lock(ino, from, u64::MAX, true).await;
-        let keep_blocks = new_size.div_ceil(BLOCK_SIZE);
+        let keep_blocks = FileBlock::starting_at_or_after(new_size).0;
         // Shrinking drops pages, zeroes the new last page's tail, then sets
         // the size: readers on other cores see all of it or none.
         let change = (new_size < old).then(|| self.inner.file_change(ino));
@@ -32,8 +32,8 @@ impl Fs {
             let released = self.inner.cache.borrow_mut().discard(ino, keep_blocks);
             self.inner.release_delalloc(released);
             self.inner.cache.borrow_mut().zero(
-                (ino, new_size / BLOCK_SIZE),
-                (new_size % BLOCK_SIZE) as usize,
+                (ino, FileBlock::containing(new_size).0),
+                offset_in_block(new_size) as usize,
                 PAGE_BYTES,
             );
             self.inner.log(Record::ExtentPunch { ino, file_block: keep_blocks, len: u64::MAX - keep_blocks })?;
@@ -82,7 +82,7 @@ impl Fs {
         // Dirty cached data in the range must reach the device first, so
         // that clearing below is not undone by a later writeback.
         self.flush_cache_range(ino, first, last, false).await?;
-        let range_lock = self.inner.ranges.lock(ino, first * BLOCK_SIZE, (last + 1) * BLOCK_SIZE, true);
+        let range_lock = self.inner.ranges.lock(ino, FileBlock(first).offset(), FileBlock(last + 1).offset(), true);
         let _range = range_lock.await;
         if punch || zero {
             self.clear_range(ino, offset, end).await?;
@@ -126,10 +126,10 @@ impl Fs {
         let tail_block = FileBlock::containing(end - 1);
         if !offset.is_multiple_of(BLOCK_SIZE) || (head_block == tail_block && !end.is_multiple_of(BLOCK_SIZE)) {
             let to = if head_block == tail_block { (end - head_block.offset()) as usize } else { BLOCK_BYTES };
-            self.zero_in_block(ino, head_block, (offset % BLOCK_SIZE) as usize, to).await?;
+            self.zero_in_block(ino, head_block, offset_in_block(offset) as usize, to).await?;
         }
         if tail_block != head_block && !end.is_multiple_of(BLOCK_SIZE) {
-            self.zero_in_block(ino, tail_block, 0, (end % BLOCK_SIZE) as usize).await?;
+            self.zero_in_block(ino, tail_block, 0, offset_in_block(end) as usize).await?;
         }
         Ok(())
     }
