@@ -4,46 +4,40 @@
 
 use std::fmt;
 
-/// An inode number: the FUSE node id, stable for the inode's life.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Ino(u64);
+/// A u64 identifier with a type of its own.
+macro_rules! id_type {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub struct $name(u64);
 
-impl Ino {
-    pub const fn new(n: u64) -> Self {
-        Self(n)
-    }
+        impl $name {
+            pub const fn new(n: u64) -> Self {
+                Self(n)
+            }
 
-    pub const fn get(self) -> u64 {
-        self.0
-    }
+            pub const fn get(self) -> u64 {
+                self.0
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                self.0.fmt(f)
+            }
+        }
+    };
 }
 
-impl fmt::Display for Ino {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.0.fmt(f)
-    }
-}
-
-/// An open file or directory handle, as `open`, `create` and `opendir`
-/// return it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Fh(u64);
-
-impl Fh {
-    pub const fn new(n: u64) -> Self {
-        Self(n)
-    }
-
-    pub const fn get(self) -> u64 {
-        self.0
-    }
-}
-
-impl fmt::Display for Fh {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.0.fmt(f)
-    }
-}
+id_type!(
+    /// An inode number: the FUSE node id, stable for the inode's life.
+    Ino
+);
+id_type!(
+    /// An open file or directory handle, as `open`, `create` and `opendir`
+    /// return it.
+    Fh
+);
 
 /// The root directory.
 pub const ROOT_INO: Ino = Ino(crate::format::ROOT_INO);

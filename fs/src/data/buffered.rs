@@ -48,17 +48,16 @@ impl Fs {
     /// Cached pages go straight from the cache into the sink; a read that
     /// misses goes through [`Fs::read`] and one more copy.
     pub async fn read_to<K: ReadSink + ?Sized>(&self, ino: Ino, offset: u64, size: u32, sink: &K) -> FsResult<u32> {
-        let typed = ino;
-        let ino = ino.get();
-        let inode = self.require_file(ino)?;
+        let raw = ino.get();
+        let inode = self.require_file(raw)?;
         let end = offset.saturating_add(u64::from(size)).min(inode.size);
-        if offset < end && self.copy_cached_to(ino, offset, end, sink) {
-            self.inner.accessed(ino);
+        if offset < end && self.copy_cached_to(raw, offset, end, sink) {
+            self.inner.accessed(raw);
             self.inner.bump(|c| c.data_bytes_read += end - offset);
             return Ok((end - offset) as u32);
         }
         // Everything else goes through `read`, which moves atime itself.
-        let data = self.read(typed, offset, size).await?;
+        let data = self.read(ino, offset, size).await?;
         sink.copy_from(0, &data);
         Ok(data.len() as u32)
     }

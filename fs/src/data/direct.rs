@@ -1,7 +1,7 @@
 //! Direct I/O: the caller's buffer goes to the device without a copy.
 
 use super::{blocks_of, IO_BLOCKS_MAX};
-use crate::blocks::{block_bytes, offset_in_block, DevBlock, FileBlock};
+use crate::blocks::{block_bytes, offset_in_block, FileBlock};
 use crate::extent::Segment;
 use crate::format::{BLOCK_BYTES, BLOCK_SIZE};
 use crate::ids::Ino;
@@ -218,24 +218,7 @@ impl Fs {
             match seg {
                 Segment::Mapped(e) if e.unwritten => converted.push((e.file_block, e.disk_block, e.len)),
                 Segment::Mapped(_) => {}
-                Segment::Hole { file_block, len } => {
-                    let runs = self.alloc_runs(ino, file_block, len, false)?;
-                    self.unreserve(&runs, false);
-                    let mut fb = file_block;
-                    for r in runs {
-                        let disk_block = DevBlock(r.start);
-                        let (file_block, disk_block) = (fb.0, disk_block.0);
-                        self.inner.log(Record::ExtentMap {
-                            ino,
-                            file_block,
-                            disk_block,
-                            len: r.len,
-                            unwritten: true,
-                        })?;
-                        converted.push((fb, DevBlock(r.start), r.len));
-                        fb = fb + r.len;
-                    }
-                }
+                Segment::Hole { file_block, len } => converted.extend(self.map_hole_unwritten(ino, file_block, len)?),
             }
         }
         if end > old_size {

@@ -224,6 +224,33 @@ impl Fs {
         self.zero_in_block(ino, block, tail, BLOCK_BYTES).await
     }
 
+    /// Allocate blocks for the hole of `len` blocks at `file_block` and log
+    /// them as unwritten extents (they read as zeros until converted).
+    /// Returns the new mappings: (file block, device block, blocks).
+    fn map_hole_unwritten(
+        &self,
+        ino: u64,
+        file_block: FileBlock,
+        len: u64,
+    ) -> FsResult<Vec<(FileBlock, DevBlock, u64)>> {
+        let runs = self.alloc_runs(ino, file_block, len, false)?;
+        self.unreserve(&runs, false);
+        let mut mapped = Vec::with_capacity(runs.len());
+        let mut fb = file_block;
+        for r in runs {
+            self.inner.log(Record::ExtentMap {
+                ino,
+                file_block: fb.0,
+                disk_block: r.start,
+                len: r.len,
+                unwritten: true,
+            })?;
+            mapped.push((fb, DevBlock(r.start), r.len));
+            fb = fb + r.len;
+        }
+        Ok(mapped)
+    }
+
     /// Zero bytes [from, to) of one file block on the device, if it holds
     /// written data.
     async fn zero_in_block(&self, ino: u64, file_block: FileBlock, from: usize, to: usize) -> FsResult<()> {

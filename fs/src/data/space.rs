@@ -146,19 +146,7 @@ impl Fs {
             })
             .collect();
         for (fb, len) in holes {
-            let runs = self.alloc_runs(ino, fb, len, false)?;
-            self.unreserve(&runs, false);
-            let mut at = fb;
-            for r in runs {
-                self.inner.log(Record::ExtentMap {
-                    ino,
-                    file_block: at.0,
-                    disk_block: r.start,
-                    len: r.len,
-                    unwritten: true,
-                })?;
-                at = at + r.len;
-            }
+            self.map_hole_unwritten(ino, fb, len)?;
         }
         Ok(())
     }

@@ -358,11 +358,12 @@ impl Session {
     /// level, where a guest's misses would flood nothing; EIO, which means
     /// the device or keelfs failed, as a warning.
     fn log_failure(&self, header: &InHeader, errno: i32) {
-        let opcode = Opcode::from_u32(header.opcode);
+        let (ino, opcode) = (header.nodeid, header.opcode);
+        // Fields are evaluated only when the event is enabled.
         if errno == libc::EIO {
-            tracing::warn!(parent: &self.span, opcode = ?opcode, ino = header.nodeid, errno, "request failed");
+            tracing::warn!(parent: &self.span, opcode = ?Opcode::from_u32(opcode), ino, errno, "request failed");
         } else {
-            tracing::trace!(parent: &self.span, opcode = ?opcode, ino = header.nodeid, errno, "request failed");
+            tracing::trace!(parent: &self.span, opcode = ?Opcode::from_u32(opcode), ino, errno, "request failed");
         }
     }
 

@@ -349,7 +349,7 @@ impl VhostUserServer {
         let helpers: Vec<ReactorHandle> = options.helpers.into_iter().take(request_queues - 1).collect();
         let poller_count = 1 + helpers.len();
         let id = NEXT_SERVER_ID.fetch_add(1, Ordering::Relaxed);
-        let (pollers, receivers) = Pollers::new(poller_count)?;
+        let (pollers, mut receivers) = Pollers::new(poller_count)?;
         // Whoever bound the socket removes its path afterwards.
         let owns_path = options.listener.is_none();
         let bound = match options.listener {
@@ -364,7 +364,6 @@ impl VhostUserServer {
         let op_stats = Rc::new(OpStats::default());
         let helper_stats = Arc::new(HelperStats::default());
         let in_flight: Vec<Rc<Cell<usize>>> = (0..queues).map(|_| Rc::default()).collect();
-        let mut receivers = receivers;
         let session = Rc::new(Session::with_stats(fs.clone(), config.clone(), op_stats.clone()));
         SESSIONS.with(|s| s.borrow_mut().insert(id, session.clone()));
         let owner = QueuePoller {
