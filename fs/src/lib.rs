@@ -15,6 +15,7 @@
 #![deny(unsafe_code)]
 
 mod access;
+mod adopt;
 mod alloc;
 mod blocks;
 mod cache;
@@ -36,6 +37,7 @@ mod state;
 mod sync;
 
 pub use access::{Creds, PermissionCheck};
+pub use adopt::HandleState;
 pub use data::{ReadSink, WriteSource, WriteTimes};
 pub use error::{FsError, FsResult};
 pub use flags::{FallocateMode, RenameMode, XattrFlags};
@@ -94,6 +96,10 @@ pub struct FsConfig {
     /// what bounds the wait of a request behind it (a directory is
     /// encoded whole, entries and all).
     pub checkpoint_piece_nodes: usize,
+    /// Keep the inodes unlinked while open (orphans) at mount instead of
+    /// freeing them, for a session that is to be restored and may still
+    /// hold some; [`Fs::free_unheld_orphans`] frees the rest afterwards.
+    pub keep_orphans: bool,
 }
 
 /// Linux's atime mount modes, which the server applies under FUSE.
@@ -122,6 +128,7 @@ impl Default for FsConfig {
             atime: AtimeUpdates::Relative,
             dir_atime: true,
             checkpoint_piece_nodes: 256,
+            keep_orphans: false,
         }
     }
 }
@@ -628,7 +635,9 @@ impl Fs {
             // and nothing is ever committed or written back.
             return Ok(fs);
         }
-        fs.free_orphans()?;
+        if !config.keep_orphans {
+            fs.free_orphans()?;
+        }
         journal::start_commit_timer(&fs.inner);
         data::start_writeback_timer(&fs);
         Ok(fs)

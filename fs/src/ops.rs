@@ -258,7 +258,7 @@ impl FsInner {
     }
 
     /// Free an inode once nothing names or holds it.
-    fn maybe_free(&self, ino: u64) -> FsResult<()> {
+    pub(crate) fn maybe_free(&self, ino: u64) -> FsResult<()> {
         let unreferenced = match self.state.borrow().node(ino) {
             Some(n) => n.inode.nlink == 0 && n.lookups == 0 && n.opens == 0,
             None => return Ok(()),

@@ -1,0 +1,110 @@
+//! What a client session holds of the filesystem, read out and taken back
+//! by number: how a session moves to another process (live migration, or
+//! a daemon restart) without the client noticing.
+//!
+//! A client names files by inode number and open handles by handle
+//! number. Inode numbers are never reused (`next_ino` only grows and is
+//! persisted), so a number that a client kept across a move names the
+//! same file or none: a freed inode is refused, never confused with a
+//! newer one. FUSE's entry generation can therefore stay 0.
+//!
+//! Inodes unlinked while open (orphans) would be freed by a mount; a mount
+//! that is to take a session back keeps them ([`crate::FsConfig::keep_orphans`])
+//! until [`Fs::free_unheld_orphans`] runs after the session's holdings are
+//! restored.
+
+use crate::ids::{Fh, Ino};
+use crate::{Fs, FsError, FsResult, Handle};
+
+/// One open handle as a session sees it, to be restored by number.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HandleState {
+    pub ino: Ino,
+    /// The open(2) flags it was opened with.
+    pub flags: u32,
+    /// For a directory handle, readdir's end cookie (see `readdir_handle`).
+    pub dir_end: u64,
+}
+
+impl Fs {
+    /// The filesystem's identity, made by mkfs: a session names inodes by
+    /// number, which only mean something on the filesystem it came from.
+    pub fn uuid(&self) -> [u8; 16] {
+        self.inner.sb.borrow().uuid
+    }
+
+    /// The state of open handle `fh`.
+    pub fn handle_state(&self, fh: Fh) -> FsResult<HandleState> {
+        let handles = self.inner.handles.borrow();
+        let h = handles.get(&fh.get()).ok_or(FsError::BadHandle)?;
+        Ok(HandleState { ino: Ino::new(h.ino), flags: h.flags, dir_end: h.dir_end })
+    }
+
+    /// Whether `state` could be restored as a handle: its inode exists,
+    /// and is a directory exactly when the flags say O_DIRECTORY. Checked
+    /// for a whole session before any of it is taken.
+    pub fn check_handle(&self, state: &HandleState) -> FsResult<()> {
+        let inode = self.inner.inode(state.ino.get())?;
+        let wants_dir = state.flags & libc::O_DIRECTORY as u32 != 0;
+        match (wants_dir, inode.is_dir()) {
+            (true, false) => Err(FsError::NotDir),
+            (false, true) if state.flags as i32 & libc::O_ACCMODE != libc::O_RDONLY => Err(FsError::IsDir),
+            _ => Ok(()),
+        }
+    }
+
+    /// Open handle `fh` again, as it was. Fails if the inode is gone or
+    /// `fh` is open already; later handles get numbers past it.
+    pub fn restore_handle(&self, fh: Fh, state: HandleState) -> FsResult<()> {
+        self.check_handle(&state)?;
+        let number = fh.get();
+        if number == 0 || self.inner.handles.borrow().contains_key(&number) {
+            return Err(FsError::BadHandle);
+        }
+        let ino = state.ino.get();
+        self.inner.handles.borrow_mut().insert(number, Handle { ino, flags: state.flags, dir_end: state.dir_end });
+        if let Some(node) = self.inner.state.borrow_mut().node_mut(ino) {
+            node.opens += 1;
+        }
+        let next = self.inner.next_handle.get().max(number.saturating_add(1));
+        self.inner.next_handle.set(next);
+        Ok(())
+    }
+
+    /// Whether inode `ino` exists (linked, or an orphan still held).
+    pub fn exists(&self, ino: Ino) -> bool {
+        self.inner.state.borrow().node(ino.get()).is_some()
+    }
+
+    /// Take `n` lookup references on `ino` again, as a client that looked
+    /// it up `n` times holds them.
+    pub fn hold_lookups(&self, ino: Ino, n: u64) -> FsResult<()> {
+        let mut state = self.inner.state.borrow_mut();
+        let node = state.node_mut(ino.get()).ok_or(FsError::NotFound)?;
+        node.lookups = node.lookups.saturating_add(n);
+        Ok(())
+    }
+
+    /// Free the orphans a mount kept ([`crate::FsConfig::keep_orphans`])
+    /// that no restored session holds; how many were freed.
+    pub fn free_unheld_orphans(&self) -> FsResult<u64> {
+        if self.read_only() {
+            return Ok(0);
+        }
+        let orphans: Vec<u64> = {
+            let state = self.inner.state.borrow();
+            state
+                .nodes()
+                .filter(|n| n.inode.nlink == 0 && n.lookups == 0 && n.opens == 0)
+                .map(|n| n.inode.ino)
+                .collect()
+        };
+        for &ino in &orphans {
+            self.inner.maybe_free(ino)?;
+        }
+        if !orphans.is_empty() {
+            tracing::info!(parent: &self.inner.span, orphans = orphans.len(), "freed inodes unlinked while open");
+        }
+        Ok(orphans.len() as u64)
+    }
+}
