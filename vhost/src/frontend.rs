@@ -16,13 +16,15 @@
 //! their half of the slot, page-aligned, as a guest's O_DIRECT pages are.
 
 use std::fs::File;
-use std::io;
+use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::path::Path;
 use std::sync::atomic::{fence, Ordering};
 use std::time::{Duration, Instant};
 
-use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost::vhost_user::message::{
+    VhostTransferStateDirection, VhostTransferStatePhase, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
+};
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
 use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
@@ -157,6 +159,8 @@ pub struct FsFrontend {
     drivers: Vec<Option<QueueDriver>>,
     event_idx: bool,
     unique: u64,
+    /// The virtio features agreed, for turning LOG_ALL on.
+    features: u64,
 }
 
 /// One virtqueue as a guest driver runs it. It can move to another
@@ -206,12 +210,61 @@ fn negotiate(frontend: &mut Frontend, config: &FrontendConfig, queues: usize) ->
     if queues > 1 && !protocol.contains(VhostUserProtocolFeatures::MQ) {
         return Err(FrontendError::Feature("VHOST_USER_PROTOCOL_F_MQ"));
     }
-    frontend.set_protocol_features(protocol & VhostUserProtocolFeatures::MQ)?;
+    frontend.set_protocol_features(
+        protocol
+            & (VhostUserProtocolFeatures::MQ
+                | VhostUserProtocolFeatures::DEVICE_STATE
+                | VhostUserProtocolFeatures::LOG_SHMFD),
+    )?;
     if (frontend.get_queue_num()? as usize) < queues {
         return Err(FrontendError::Feature("enough queues"));
     }
     frontend.set_features(features)?;
     Ok(features)
+}
+
+/// The dirty log a frontend shares with the backend while migrating.
+pub struct DirtyLog {
+    file: File,
+    bytes: u64,
+}
+
+impl DirtyLog {
+    /// The guest pages (address / 4096) logged since the last call, and
+    /// the log cleared, as QEMU reads and clears it in each pass.
+    pub fn take(&self) -> FrontendResult<Vec<u64>> {
+        use std::os::unix::fs::FileExt;
+        let mut log = vec![0u8; self.bytes as usize];
+        self.file.read_exact_at(&mut log, 0)?;
+        self.file.write_all_at(&vec![0u8; log.len()], 0)?;
+        let pages = log
+            .iter()
+            .enumerate()
+            .flat_map(|(i, &b)| (0..8).filter(move |bit| b & (1 << bit) != 0).map(move |bit| (i * 8 + bit) as u64));
+        Ok(pages.collect())
+    }
+}
+
+/// SET_DEVICE_STATE_FD (LOAD) with a pipe that a thread fills with
+/// `state`, then CHECK_DEVICE_STATE, as QEMU loads a migrated device.
+fn load_state(frontend: &Frontend, state: &[u8]) -> FrontendResult<()> {
+    let (read, mut write) = std::io::pipe()?;
+    let own = frontend.set_device_state_fd(
+        VhostTransferStateDirection::LOAD,
+        VhostTransferStatePhase::STOPPED,
+        read.into(),
+    )?;
+    if own.is_some() {
+        return Err(FrontendError::Feature("a state transfer through QEMU's pipe"));
+    }
+    let bytes = state.to_vec();
+    // The backend reads as this writes: a state larger than the pipe's
+    // buffer would block a writer on this thread.
+    let writer = std::thread::spawn(move || write.write_all(&bytes));
+    let checked = frontend.check_device_state();
+    // A backend that refused early may close its end first: EPIPE.
+    let _ = writer.join();
+    Ok(checked?)
 }
 
 /// Where one queue's rings sit in guest memory.
@@ -267,6 +320,17 @@ impl FsFrontend {
     /// Connect to a vhost-user-fs backend at `socket` and bring up its
     /// queues, as QEMU does when a guest's driver starts.
     pub fn connect(socket: &Path, config: FrontendConfig) -> FrontendResult<Self> {
+        Self::connect_loading(socket, config, None)
+    }
+
+    /// [`Self::connect`] as a migration's destination QEMU does: hand the
+    /// backend `state` (SET_DEVICE_STATE_FD LOAD, then CHECK_DEVICE_STATE)
+    /// before guest memory and rings exist. A refused state is an error.
+    pub fn connect_with_state(socket: &Path, config: FrontendConfig, state: &[u8]) -> FrontendResult<Self> {
+        Self::connect_loading(socket, config, Some(state))
+    }
+
+    fn connect_loading(socket: &Path, config: FrontendConfig, state: Option<&[u8]>) -> FrontendResult<Self> {
         assert!(config.slots > 0 && u32::from(config.slots) * 8 <= u32::from(config.queue_size));
         assert!(config.slot_bytes.is_multiple_of(4096) && config.slot_bytes > 4096);
         assert!(config.queue_size.is_power_of_two());
@@ -287,6 +351,9 @@ impl FsFrontend {
 
         let mut frontend = Frontend::connect(socket, queues as u64)?;
         let features = negotiate(&mut frontend, &config, queues)?;
+        if let Some(state) = state {
+            load_state(&frontend, state)?;
+        }
         frontend.set_mem_table(&[VhostUserMemoryRegionInfo {
             guest_phys_addr: 0,
             memory_size: mem_bytes,
@@ -317,6 +384,7 @@ impl FsFrontend {
             drivers,
             event_idx: features & VIRTIO_RING_F_EVENT_IDX != 0,
             unique: 1 << 60,
+            features,
         })
     }
 
@@ -446,6 +514,80 @@ impl FsFrontend {
     /// FUSE_INIT on the first request queue; the flags granted.
     pub fn init(&mut self, flags: u64) -> FrontendResult<u64> {
         self.driver_mut(1).init(flags)
+    }
+
+    /// Stop every queue and take the backend's state, as QEMU does at a
+    /// migration's switch-over: GET_VRING_BASE on each ring, then
+    /// SET_DEVICE_STATE_FD (SAVE) with a pipe, read to its end, and
+    /// CHECK_DEVICE_STATE.
+    pub fn save_state(&mut self) -> FrontendResult<Vec<u8>> {
+        for queue in 0..self.drivers.len() {
+            self.frontend.get_vring_base(queue)?;
+        }
+        let (mut read, write) = std::io::pipe()?;
+        let own = self.frontend.set_device_state_fd(
+            VhostTransferStateDirection::SAVE,
+            VhostTransferStatePhase::STOPPED,
+            write.into(),
+        )?;
+        if own.is_some() {
+            return Err(FrontendError::Feature("a state transfer through QEMU's pipe"));
+        }
+        let mut bytes = Vec::new();
+        read.read_to_end(&mut bytes)?;
+        self.frontend.check_device_state()?;
+        Ok(bytes)
+    }
+
+    /// Turn dirty logging on as QEMU does when a migration starts: a log
+    /// memfd (SET_LOG_BASE, one bit per 4 KiB guest page), then LOG_ALL.
+    pub fn start_dirty_log(&mut self) -> FrontendResult<DirtyLog> {
+        let pages = self.memory_size().div_ceil(4096);
+        let bytes = align(pages.div_ceil(8), 8);
+        let file = memfd(bytes)?;
+        let region = vhost::VhostUserDirtyLogRegion { mmap_size: bytes, mmap_offset: 0, mmap_handle: file.as_raw_fd() };
+        self.frontend.set_log_base(0, Some(region))?;
+        self.frontend.set_features(self.features | VhostUserVirtioFeatures::LOG_ALL.bits())?;
+        Ok(DirtyLog { file, bytes })
+    }
+
+    /// The guest address of the data part of `used`'s reply buffer.
+    pub fn reply_data_addr(&self, queue: usize, used: Used) -> u64 {
+        self.driver(queue).slot_addr(used.head / 4).1 + 4096
+    }
+
+    /// The guest address of queue `queue`'s used ring.
+    pub fn used_ring_addr(&self, queue: usize) -> u64 {
+        self.driver(queue).ring.used
+    }
+
+    /// Start every queue again where it stopped, on the same connection,
+    /// as QEMU restarts a migration's source device when the migration
+    /// fails after the switch-over began.
+    pub fn resume_queues(&mut self) -> FrontendResult<()> {
+        let host_base =
+            self.mem.get_host_address(GuestAddress(0)).map_err(|e| FrontendError::Memory(e.to_string()))? as u64;
+        for index in 0..self.drivers.len() {
+            let ring = &self.drivers[index].as_ref().ok_or(FrontendError::Feature("every queue driver at hand"))?.ring;
+            self.frontend.set_vring_num(index, ring.size)?;
+            self.frontend.set_vring_addr(
+                index,
+                &VringConfigData {
+                    queue_max_size: ring.size,
+                    queue_size: ring.size,
+                    flags: 0,
+                    desc_table_addr: host_base + ring.desc,
+                    used_ring_addr: host_base + ring.used,
+                    avail_ring_addr: host_base + ring.avail,
+                    log_addr: None,
+                },
+            )?;
+            self.frontend.set_vring_base(index, ring.next_avail)?;
+            self.frontend.set_vring_call(index, &ring.call)?;
+            self.frontend.set_vring_kick(index, &ring.kick)?;
+            self.frontend.set_vring_enable(index, true)?;
+        }
+        Ok(())
     }
 
     /// Stop a queue as QEMU does at VM reset; returns its next avail index.

@@ -8,16 +8,18 @@
 
 use std::ops::Deref;
 
+use crate::virtio::GuestRam;
 use keelfs_bdev::{IoVec, MAX_IOVECS_PER_REQUEST};
 use keelfs_fs::{ReadSink, WriteSource};
 use keelfs_reactor::{IoBuffer, IoVecs};
 use smallvec::SmallVec;
-use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+use vm_memory::bitmap::Bitmap;
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 
 /// Part of a descriptor chain's buffers, as device I/O memory. Holds the
 /// guest memory table it was resolved against, so that the mapping
 /// outlives the I/O whatever the frontend does to the table meanwhile.
-pub struct GuestBuffer<M> {
+pub struct GuestBuffer<M: Deref<Target = GuestRam>> {
     mem: M,
     /// Guest ranges, for the safe accessors.
     ranges: SmallVec<[(u64, usize); 4]>,
@@ -25,7 +27,7 @@ pub struct GuestBuffer<M> {
     len: usize,
 }
 
-impl<M: Deref<Target = GuestMemoryMmap>> GuestBuffer<M> {
+impl<M: Deref<Target = GuestRam>> GuestBuffer<M> {
     /// The `take` bytes that follow the first `skip` bytes of `buffers`
     /// (guest address, length). None when a piece lies outside guest
     /// memory or across two regions, when the buffers are shorter than
@@ -83,7 +85,7 @@ impl<M: Deref<Target = GuestMemoryMmap>> GuestBuffer<M> {
     }
 }
 
-impl<M: Deref<Target = GuestMemoryMmap>> GuestBuffer<M> {
+impl<M: Deref<Target = GuestRam>> GuestBuffer<M> {
     /// The guest ranges covering bytes [at, at + len) of the buffer.
     fn pieces(&self, at: usize, len: usize) -> impl Iterator<Item = (u64, usize, usize)> + '_ {
         let mut base = 0usize;
@@ -96,9 +98,26 @@ impl<M: Deref<Target = GuestMemoryMmap>> GuestBuffer<M> {
     }
 }
 
+/// Device reads (io_uring, or NVMe DMA) wrote these pages behind
+/// vm-memory's back, so their dirty bits are set here, when the buffer is
+/// dropped: after the I/O finished, never before it (a page logged before
+/// the write lands could be copied and cleared, then written again,
+/// unseen by a migration). A buffer the device only read from is marked
+/// too, which costs a migration one page copy and is never wrong.
+impl<M: Deref<Target = GuestRam>> Drop for GuestBuffer<M> {
+    fn drop(&mut self) {
+        for &(addr, len) in &self.ranges {
+            if let Some(region) = self.mem.find_region(GuestAddress(addr)) {
+                let offset = addr - region.start_addr().0;
+                region.bitmap().mark_dirty(offset as usize, len);
+            }
+        }
+    }
+}
+
 /// Buffered writes copy straight from the guest's pages into the page
 /// cache, through vm-memory's volatile-safe accessors.
-impl<M: Deref<Target = GuestMemoryMmap>> WriteSource for GuestBuffer<M> {
+impl<M: Deref<Target = GuestRam>> WriteSource for GuestBuffer<M> {
     fn len(&self) -> usize {
         self.len
     }
@@ -112,7 +131,7 @@ impl<M: Deref<Target = GuestMemoryMmap>> WriteSource for GuestBuffer<M> {
 }
 
 /// Buffered reads copy straight from the page cache into the guest's pages.
-impl<M: Deref<Target = GuestMemoryMmap>> ReadSink for GuestBuffer<M> {
+impl<M: Deref<Target = GuestRam>> ReadSink for GuestBuffer<M> {
     fn copy_from(&self, at: usize, src: &[u8]) {
         for (addr, from, n) in self.pieces(at, src.len()) {
             let _ = self.mem.write_slice(&src[from..from + n], GuestAddress(addr));
@@ -126,7 +145,7 @@ impl<M: Deref<Target = GuestMemoryMmap>> ReadSink for GuestBuffer<M> {
 // those pages while the I/O runs, as it may with any DMA-capable device;
 // keelfs itself never forms Rust references to them, only hands the
 // addresses to the kernel (io_uring) or to volatile-safe copies.
-unsafe impl<M: Deref<Target = GuestMemoryMmap> + 'static> IoBuffer for GuestBuffer<M> {
+unsafe impl<M: Deref<Target = GuestRam> + 'static> IoBuffer for GuestBuffer<M> {
     fn iovecs(&mut self, out: &mut IoVecs) {
         out.extend_from_slice(&self.iovecs);
     }

@@ -24,6 +24,7 @@ mod fuse {
     pub mod dev_fuse;
     pub mod dispatch;
     pub mod request;
+    pub mod state;
     pub mod stats;
 }
 
@@ -33,7 +34,8 @@ mod fuse {
 pub use fuse::abi;
 pub use fuse::dev_fuse::{serve as serve_dev_fuse, FuseMount};
 pub use fuse::dispatch::{CacheMode, Session, SessionConfig, SESSION_HANDLES_MAX};
+pub use fuse::state::{SessionState, StateError, STATE_BYTES_MAX, STATE_VERSION};
 pub use fuse::stats::OpStats;
 pub use socket::{bind_listener, clear_stale, stop_accepting, SocketAccess};
-pub use vhost_user::{ServeOptions, VhostUserServer};
-pub use virtio::{serve_chain, serve_queue, ChainOutcome, REQUEST_BYTES_MAX};
+pub use vhost_user::{ImageAccess, LocalFuture, ServeOptions, VhostUserServer};
+pub use virtio::{serve_chain, serve_queue, ChainOutcome, GuestRam, REQUEST_BYTES_MAX};

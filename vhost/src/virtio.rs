@@ -16,7 +16,12 @@ use std::sync::Arc;
 use keelfs_fs::{Fh, Ino};
 use smallvec::SmallVec;
 use virtio_queue::{DescriptorChain, Queue, QueueT, Writer};
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress};
+
+/// Guest memory as the vhost-user backend maps it: each region carries
+/// the dirty log that live migration reads (vhost-user's LOG_SHMFD), which
+/// vm-memory's own writes mark and [`GuestBuffer`] marks for device I/O.
+pub type GuestRam = vm_memory::GuestMemoryMmap<vhost_user_backend::bitmap::BitmapMmapRegion>;
 
 use crate::fuse::abi::{error_reply, Opcode, IN_HEADER_BYTES, OUT_HEADER_BYTES};
 use crate::fuse::dispatch::{Session, SharedHandle};
@@ -49,7 +54,7 @@ pub enum ChainOutcome {
 /// `serve_chain_zero_copy` for the device path.
 pub async fn serve_chain<M>(session: &Session, chain: DescriptorChain<M>) -> (u16, u32, ChainOutcome)
 where
-    M: Deref<Target = GuestMemoryMmap> + Clone,
+    M: Deref<Target = GuestRam> + Clone,
 {
     serve(session, chain, None).await
 }
@@ -60,10 +65,10 @@ where
 pub async fn serve_chain_zero_copy<M>(
     session: &Session,
     chain: DescriptorChain<M>,
-    mem: Arc<GuestMemoryMmap>,
+    mem: Arc<GuestRam>,
 ) -> (u16, u32, ChainOutcome)
 where
-    M: Deref<Target = GuestMemoryMmap> + Clone,
+    M: Deref<Target = GuestRam> + Clone,
 {
     serve(session, chain, Some(mem)).await
 }
@@ -71,10 +76,10 @@ where
 async fn serve<M>(
     session: &Session,
     chain: DescriptorChain<M>,
-    direct: Option<Arc<GuestMemoryMmap>>,
+    direct: Option<Arc<GuestRam>>,
 ) -> (u16, u32, ChainOutcome)
 where
-    M: Deref<Target = GuestMemoryMmap> + Clone,
+    M: Deref<Target = GuestRam> + Clone,
 {
     let head = chain.head_index();
     let Some(buffers) = walk(&chain) else {
@@ -117,8 +122,8 @@ where
 async fn serve_in_place(
     session: &Session,
     buffers: &ChainBuffers,
-    mem: &GuestMemoryMmap,
-    io_mem: Arc<GuestMemoryMmap>,
+    mem: &GuestRam,
+    io_mem: Arc<GuestRam>,
 ) -> Option<(u32, ChainOutcome)> {
     let len = buffers.readable.iter().try_fold(0usize, |sum, &(_, n)| sum.checked_add(n as usize))?;
     let mut prefix = [0u8; IN_HEADER_BYTES + IO_IN_BYTES];
@@ -131,7 +136,7 @@ async fn serve_in_place(
 
 /// Fill `out` from the start of `buffers`. False when they are shorter or
 /// leave guest memory.
-fn read_guest(mem: &GuestMemoryMmap, buffers: &[(u64, u32)], out: &mut [u8]) -> bool {
+fn read_guest(mem: &GuestRam, buffers: &[(u64, u32)], out: &mut [u8]) -> bool {
     let mut at = 0;
     for &(addr, len) in buffers {
         if at == out.len() {
@@ -153,7 +158,7 @@ trait ReplySink {
     fn put(&mut self, bytes: &[u8]) -> bool;
 }
 
-impl ReplySink for Writer<'_> {
+impl ReplySink for Writer<'_, vhost_user_backend::bitmap::BitmapMmapRegion> {
     fn room(&self) -> usize {
         self.available_bytes()
     }
@@ -164,7 +169,7 @@ impl ReplySink for Writer<'_> {
 
 /// Writes a reply into walked device-writable buffers, in order.
 struct ReplyWriter<'a> {
-    mem: &'a GuestMemoryMmap,
+    mem: &'a GuestRam,
     buffers: &'a [(u64, u32)],
     /// The buffer being filled, and the bytes of it already written.
     index: usize,
@@ -173,7 +178,7 @@ struct ReplyWriter<'a> {
 }
 
 impl<'a> ReplyWriter<'a> {
-    fn new(mem: &'a GuestMemoryMmap, buffers: &'a [(u64, u32)]) -> Self {
+    fn new(mem: &'a GuestRam, buffers: &'a [(u64, u32)]) -> Self {
         let room = buffers.iter().fold(0usize, |sum, &(_, n)| sum.saturating_add(n as usize));
         Self { mem, buffers, index: 0, offset: 0, room }
     }
@@ -216,7 +221,7 @@ pub async fn serve_read_from_cache<M, F, Fut>(
     reader_of: F,
 ) -> Option<(u16, u32, ChainOutcome)>
 where
-    M: Deref<Target = GuestMemoryMmap> + Clone,
+    M: Deref<Target = GuestRam> + Clone,
     F: FnOnce(Fh, Ino) -> Fut,
     Fut: std::future::Future<Output = Option<SharedHandle>>,
 {
@@ -356,7 +361,7 @@ async fn serve_direct(
     buffers: &ChainBuffers,
     prefix: &[u8; IN_HEADER_BYTES + IO_IN_BYTES],
     len: usize,
-    mem: Arc<GuestMemoryMmap>,
+    mem: Arc<GuestRam>,
     writer: &mut ReplyWriter<'_>,
 ) -> Option<(u32, ChainOutcome)> {
     let IoPrefix { declared, opcode, unique, nodeid, fh, offset, size, write_flags, uid, gid } =
@@ -447,7 +452,7 @@ struct ChainBuffers {
 /// refused rather than served through whatever prefix was walked.
 fn walk<M>(chain: &DescriptorChain<M>) -> Option<ChainBuffers>
 where
-    M: Deref<Target = GuestMemoryMmap> + Clone,
+    M: Deref<Target = GuestRam> + Clone,
 {
     let mut buffers = ChainBuffers { readable: Buffers::new(), writable: Buffers::new(), ordered: true };
     let mut last_has_next = true;
@@ -465,7 +470,7 @@ where
 
 /// Serve every chain available on `queue`, in order, returning their
 /// outcomes. The caller signals the guest afterwards if the queue says so.
-pub async fn serve_queue(session: &Session, queue: &mut Queue, mem: &GuestMemoryMmap) -> Vec<ChainOutcome> {
+pub async fn serve_queue(session: &Session, queue: &mut Queue, mem: &GuestRam) -> Vec<ChainOutcome> {
     let mut outcomes = Vec::new();
     while let Some(chain) = queue.pop_descriptor_chain(mem) {
         let (head, written, outcome) = serve_chain(session, chain).await;

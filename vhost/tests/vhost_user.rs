@@ -496,3 +496,38 @@ fn an_avail_index_a_ring_ahead_stops_that_queue_not_the_reactor() {
     let [.., broken, _] = daemon.stop_all();
     assert_eq!(broken, 1, "the broken queue is counted once");
 }
+
+#[test]
+fn pages_the_device_writes_are_logged_while_migrating() {
+    let daemon = Daemon::start(1);
+    let mut fe = daemon.connect(1);
+    fe.init(f::INIT_EXT).unwrap();
+    let mut body = Reply::default();
+    body.u32((libc::O_RDWR | libc::O_DIRECT) as u32).u32(0o100644).u32(0).u32(0).raw(&named("logged"));
+    let (err, reply) = fe.fuse(1, Opcode::Create, 1, &body.bytes).unwrap();
+    assert_eq!(err, 0);
+    let nodeid = u64::from_le_bytes(reply[..8].try_into().unwrap());
+    let fh = u64::from_le_bytes(reply[ENTRY_OUT_BYTES..ENTRY_OUT_BYTES + 8].try_into().unwrap());
+    let data = vec![0x3cu8; 65536];
+    assert_eq!(split_io(&mut fe, (nodeid, fh), Opcode::Write, 0, &data, 0).1, (24, 0));
+
+    let log = fe.start_dirty_log().unwrap();
+    assert!(log.take().unwrap().is_empty(), "nothing is logged before the device writes");
+    // A direct read: the device writes the guest's pages behind
+    // vm-memory's back (io_uring, DMA), so keelfs marks them itself.
+    let (used, (len, err)) = split_io(&mut fe, (nodeid, fh), Opcode::Read, 0, &[], 65536);
+    assert_eq!((len, err), (16 + 65536, 0));
+    let dirty = log.take().unwrap();
+    let data_at = fe.reply_data_addr(1, used) / 4096;
+    for page in data_at..data_at + 16 {
+        assert!(dirty.contains(&page), "data page {page} is logged: {dirty:?}");
+    }
+    assert!(dirty.contains(&(fe.used_ring_addr(1) / 4096)), "the used ring is logged");
+    // A device that only read the guest's pages (a write request) dirties
+    // the reply and the used ring, and nothing of the data it read is
+    // lost if it is marked too.
+    assert_eq!(split_io(&mut fe, (nodeid, fh), Opcode::Write, 0, &data, 0).1, (24, 0));
+    assert!(log.take().unwrap().contains(&(fe.used_ring_addr(1) / 4096)));
+    drop(fe);
+    assert!(daemon.stop().0 >= 2, "the direct requests took the zero-copy path");
+}

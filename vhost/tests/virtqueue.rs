@@ -9,12 +9,12 @@ use keelfs_fs::{Fs, FsConfig};
 use keelfs_reactor::DeviceChannel;
 use keelfs_reactor::{PollMode, Reactor, ReactorConfig};
 use keelfs_vhost::abi::{encode_request, Opcode, Reply};
-use keelfs_vhost::{serve_chain, serve_queue, ChainOutcome, REQUEST_BYTES_MAX};
+use keelfs_vhost::{serve_chain, serve_queue, ChainOutcome, GuestRam, REQUEST_BYTES_MAX};
 use keelfs_vhost::{Session, SessionConfig};
 use virtio_queue::desc::{split::Descriptor, RawDescriptor};
 use virtio_queue::mock::MockSplitQueue;
 use virtio_queue::Queue;
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress};
 
 const NEXT: u16 = 1;
 const WRITE: u16 = 2;
@@ -35,10 +35,10 @@ fn desc(addr: u64, len: u32, flags: u16, next: u16) -> RawDescriptor {
     RawDescriptor::from(Descriptor::new(addr, len, flags, next))
 }
 
-fn with_session(test: impl AsyncFnOnce(Session, GuestMemoryMmap) + 'static) {
+fn with_session(test: impl AsyncFnOnce(Session, GuestRam) + 'static) {
     let mut reactor = Reactor::new(ReactorConfig { mode: PollMode::Busy, ..ReactorConfig::default() }).unwrap();
     let dev: Arc<dyn BlockDevice> = Arc::new(MappedDevice::ram(32 << 20, 4096).unwrap());
-    let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 8 << 20)]).unwrap();
+    let mem = GuestRam::from_ranges(&[(GuestAddress(0), 8 << 20)]).unwrap();
     reactor.block_on(async move {
         let ch = || DeviceChannel::attach(dev.open_queue(QueueConfig::default()).unwrap());
         mkfs(ch(), &MkfsOptions { force: true, ..MkfsOptions::default() }).await.unwrap();
@@ -47,7 +47,7 @@ fn with_session(test: impl AsyncFnOnce(Session, GuestMemoryMmap) + 'static) {
     });
 }
 
-fn reply_error(mem: &GuestMemoryMmap, at: u64) -> i32 {
+fn reply_error(mem: &GuestRam, at: u64) -> i32 {
     let mut h = [0u8; 16];
     mem.read_slice(&mut h, GuestAddress(at)).unwrap();
     i32::from_le_bytes(h[4..8].try_into().unwrap())
@@ -55,7 +55,7 @@ fn reply_error(mem: &GuestMemoryMmap, at: u64) -> i32 {
 
 #[test]
 fn a_queue_of_requests_is_served_into_the_used_ring() {
-    with_session(async |s: Session, mem: GuestMemoryMmap| {
+    with_session(async |s: Session, mem: GuestRam| {
         let mq = MockSplitQueue::new(&mem, 16);
         let init = init_request(1);
         let lookup = request(Opcode::Lookup as u32, 2, 1, b"missing\0");
@@ -82,7 +82,7 @@ fn a_queue_of_requests_is_served_into_the_used_ring() {
 
 #[test]
 fn hostile_chains_are_answered_or_dropped_and_serving_goes_on() {
-    with_session(async |s: Session, mem: GuestMemoryMmap| {
+    with_session(async |s: Session, mem: GuestRam| {
         let mq = MockSplitQueue::new(&mem, 16);
         let init = init_request(1);
         mem.write_slice(&init, GuestAddress(REQ)).unwrap();
@@ -131,7 +131,7 @@ const FUZZ_QUEUE: u16 = 64;
 /// bytes at REQ, with an indirect table at TABLE that any may point to.
 /// Now and then it is nearly right instead: the request and a reply
 /// buffer, with the lengths a little off.
-fn hostile_chain(next: &mut impl FnMut() -> u64, req_len: u32, mem: &GuestMemoryMmap) -> Vec<RawDescriptor> {
+fn hostile_chain(next: &mut impl FnMut() -> u64, req_len: u32, mem: &GuestRam) -> Vec<RawDescriptor> {
     const INDIRECT: u16 = 4;
     const TABLE: u64 = 0x30_0000;
     let mem_end = 8u64 << 20;
@@ -187,7 +187,7 @@ fn generated_hostile_chains_never_stop_the_queue() {
     let seed: u64 = std::env::var("KEELFS_FUZZ_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or(0xc4a1);
     let rounds: u64 = std::env::var("KEELFS_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(1500);
     eprintln!("chain fuzz: seed {seed}, {rounds} rounds (KEELFS_FUZZ_SEED={seed} KEELFS_FUZZ_CASES={rounds})");
-    with_session(async move |s: Session, mem: GuestMemoryMmap| {
+    with_session(async move |s: Session, mem: GuestRam| {
         let mut rng = seed;
         let mut next = move || splitmix64(&mut rng);
         let init = init_request(1);

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use keelfs_bdev::AlignedBuf;
 use keelfs_fs::{Attr as FsAttr, Creds, Fs, FsError, ReadSink, SharedReader, WriteSource, WriteTimes};
-use keelfs_fs::{Fh, Ino, XattrFlags};
+use keelfs_fs::{Fh, HandleState, Ino, XattrFlags};
 use keelfs_reactor::IoBuffer;
 
 use super::abi::{
@@ -17,6 +17,7 @@ use super::abi::{
     MIN_MINOR_VERSION,
 };
 use super::request::{parse, Request, OPEN_KILL_SUIDGID, SETXATTR_ACL_KILL_SGID, WRITE_CACHE, WRITE_KILL_SUIDGID};
+use super::state::{SessionState, StateError};
 use super::stats::OpStats;
 
 #[derive(Clone, Debug)]
@@ -198,6 +199,76 @@ impl Session {
             notifier: RefCell::default(),
             span: tracing::Span::current(),
         }
+    }
+
+    /// What this session holds, by number: to move it to another keelfsd.
+    pub fn save_state(&self) -> SessionState {
+        let holdings = self.holdings.borrow();
+        let mut lookups: Vec<(Ino, u64)> =
+            holdings.lookups.iter().filter(|(_, &n)| n > 0).map(|(&ino, &n)| (Ino::new(ino), n)).collect();
+        lookups.sort_unstable_by_key(|(ino, _)| ino.get());
+        let mut handles: Vec<(Fh, HandleState)> = holdings
+            .handles
+            .keys()
+            .filter_map(|&fh| self.fs.handle_state(Fh::new(fh)).ok().map(|h| (Fh::new(fh), h)))
+            .collect();
+        handles.sort_unstable_by_key(|(fh, _)| fh.get());
+        SessionState {
+            fs_uuid: self.fs.uuid(),
+            initialized: self.initialized.get(),
+            init_flags: self.flags.get(),
+            lookups,
+            handles,
+        }
+    }
+
+    /// A session over `fs` that holds what `state` says. Everything is
+    /// checked against the image first (inodes that exist, handles that
+    /// fit their inode and are not open), so a refused state takes nothing.
+    pub fn restore(
+        fs: Fs,
+        config: SessionConfig,
+        stats: Rc<OpStats>,
+        state: &SessionState,
+    ) -> Result<Self, StateError> {
+        if state.fs_uuid != fs.uuid() {
+            let uuid: String = state.fs_uuid.iter().map(|b| format!("{b:02x}")).collect();
+            return Err(StateError::OtherFilesystem(uuid));
+        }
+        if state.handles.len() > config.open_handles_max {
+            return Err(StateError::TooManyHandles(state.handles.len()));
+        }
+        if let Some((ino, _)) = state.lookups.iter().find(|(ino, _)| !fs.exists(*ino)) {
+            return Err(StateError::NoInode(ino.get()));
+        }
+        for (fh, h) in &state.handles {
+            let refuse = |why: String| StateError::Handle { fh: fh.get(), why };
+            fs.check_handle(h).map_err(|e| refuse(e.to_string()))?;
+            if fs.handle_state(*fh).is_ok() {
+                return Err(refuse("the number is open already".into()));
+            }
+        }
+        let session = Self::with_stats(fs, config, stats);
+        {
+            let mut holdings = session.holdings.borrow_mut();
+            for &(ino, n) in &state.lookups {
+                session.fs.hold_lookups(ino, n).expect("the inode was checked to exist");
+                holdings.lookups.insert(ino.get(), n);
+            }
+            for &(fh, h) in &state.handles {
+                session.fs.restore_handle(fh, h).expect("the handle was checked, and numbers are unique");
+                holdings.handles.insert(fh.get(), ());
+            }
+        }
+        session.initialized.set(state.initialized);
+        session.flags.set(state.init_flags);
+        tracing::info!(
+            parent: &session.span,
+            lookups = state.lookups.len(),
+            handles = state.handles.len(),
+            "session restored"
+        );
+        Ok(session)
     }
 
     /// Let the session tell its kernel about changes it did not ask for.

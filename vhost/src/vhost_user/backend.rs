@@ -2,21 +2,24 @@
 //! threads. It owns nothing of the filesystem; a kick sets a bit and rings
 //! the owning reactor's doorbell.
 
+use std::fs::File;
 use std::io;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
+use crate::virtio::GuestRam;
 use keelfs_bdev::{BlockDevice, MemoryRegion};
-use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
-use vhost_user_backend::{VhostUserBackend, VringRwLock};
-use vm_memory::{
-    GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, MemoryRegionAddress,
+use vhost::vhost_user::message::{
+    VhostTransferStateDirection, VhostTransferStatePhase, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
 };
+use vhost_user_backend::VhostUserBackend;
+use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddress};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier};
 
+use super::migration::{self, Transfer};
 use super::{
-    Connection, Control, Pollers, QUEUE_SIZE_MAX, STOP_TIMEOUT, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
+    Connection, Control, Pollers, Vring, QUEUE_SIZE_MAX, STOP_TIMEOUT, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
     VIRTIO_RING_F_INDIRECT_DESC,
 };
 
@@ -28,10 +31,14 @@ pub(super) struct FsBackend {
     /// The device under the filesystem, told of guest memory so that it can
     /// DMA to it directly (NVMe over VFIO maps it into the IOMMU).
     pub(super) dma: Option<Arc<dyn BlockDevice>>,
+    /// The state transfer under way, for CHECK_DEVICE_STATE to await.
+    pub(super) transfer: Arc<Mutex<Option<Transfer>>>,
+    /// The export's span, for the events of the vhost-user threads.
+    pub(super) span: tracing::Span,
 }
 
 /// Guest memory regions as the block layer names them.
-fn guest_regions(mem: &GuestMemoryMmap) -> Vec<MemoryRegion> {
+fn guest_regions(mem: &GuestRam) -> Vec<MemoryRegion> {
     mem.iter()
         .filter_map(|region| {
             let host = region.get_host_address(MemoryRegionAddress(0)).ok()?;
@@ -41,8 +48,8 @@ fn guest_regions(mem: &GuestMemoryMmap) -> Vec<MemoryRegion> {
 }
 
 impl VhostUserBackend for FsBackend {
-    type Bitmap = ();
-    type Vring = VringRwLock;
+    type Bitmap = vhost_user_backend::bitmap::BitmapMmapRegion;
+    type Vring = Vring;
 
     fn num_queues(&self) -> usize {
         self.queues
@@ -57,19 +64,59 @@ impl VhostUserBackend for FsBackend {
             | VIRTIO_RING_F_INDIRECT_DESC
             | VIRTIO_RING_F_EVENT_IDX
             | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
+            // Dirty logging, which live migration needs (see GuestRam).
+            | VhostUserVirtioFeatures::LOG_ALL.bits()
     }
 
     fn protocol_features(&self) -> VhostUserProtocolFeatures {
         VhostUserProtocolFeatures::MQ
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+            | VhostUserProtocolFeatures::LOG_SHMFD
+            | VhostUserProtocolFeatures::DEVICE_STATE
+    }
+
+    fn set_device_state_fd(
+        &self,
+        direction: VhostTransferStateDirection,
+        phase: VhostTransferStatePhase,
+        file: File,
+    ) -> io::Result<Option<File>> {
+        if phase != VhostTransferStatePhase::STOPPED {
+            return Err(io::Error::new(io::ErrorKind::Unsupported, "only a stopped device's state moves"));
+        }
+        let owner = self.pollers.owner().clone();
+        let _span = self.span.enter();
+        let transfer = match direction {
+            VhostTransferStateDirection::SAVE => migration::start_save(owner, file)?,
+            VhostTransferStateDirection::LOAD => migration::start_load(owner, file)?,
+        };
+        let previous = self.transfer.lock().unwrap_or_else(|e| e.into_inner()).replace(transfer);
+        if previous.is_some() {
+            tracing::warn!("a device state transfer was started before the last one was checked");
+        }
+        // QEMU's pipe serves: no fd of ours.
+        Ok(None)
+    }
+
+    fn check_device_state(&self) -> io::Result<()> {
+        let transfer = self.transfer.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let outcome = match transfer {
+            None => Err("no device state transfer was started".to_string()),
+            Some(thread) => thread.join().unwrap_or_else(|_| Err("the transfer thread panicked".into())),
+        };
+        // QEMU hears only "failed": the reason is logged here.
+        outcome.map_err(|e| {
+            tracing::warn!(parent: &self.span, "device state transfer failed: {e}");
+            io::Error::other(e)
+        })
     }
 
     fn set_event_idx(&self, _enabled: bool) {
         // The handler sets it on every vring; the reactor asks the vring.
     }
 
-    fn update_memory(&self, mem: GuestMemoryAtomic<GuestMemoryMmap>) -> io::Result<()> {
+    fn update_memory(&self, mem: GuestMemoryAtomic<GuestRam>) -> io::Result<()> {
         // The atomic is the one the reactor already holds; in-flight
         // requests keep the old table mapped until they finish.
         if let Some(dma) = &self.dma {
@@ -97,13 +144,7 @@ impl VhostUserBackend for FsBackend {
         }
     }
 
-    fn handle_event(
-        &self,
-        device_event: u16,
-        evset: EventSet,
-        vrings: &[VringRwLock],
-        _thread: usize,
-    ) -> io::Result<()> {
+    fn handle_event(&self, device_event: u16, evset: EventSet, vrings: &[Vring], _thread: usize) -> io::Result<()> {
         let index = usize::from(device_event);
         if evset != EventSet::IN || index >= self.queues {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("unexpected event {device_event}")));

@@ -32,22 +32,29 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use crate::virtio::GuestRam;
 use keelfs_bdev::BlockDevice;
 use keelfs_fs::Fs;
 use keelfs_reactor::{self as reactor, PollerClass, ReactorHandle};
 use vhost::vhost_user::Listener;
-use vhost_user_backend::{ShutdownHandle, VhostUserDaemon, VringRwLock};
-use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
+use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
+use vm_memory::GuestMemoryAtomic;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::fuse::dispatch::{Session, SessionConfig};
 use crate::fuse::stats::OpStats;
 
 mod backend;
+mod migration;
 mod poller;
 
 use backend::FsBackend;
+use migration::Attachment;
+pub use migration::{ImageAccess, LocalFuture};
 use poller::{HelperServer, OwnerServer, QueuePoller, QueueState};
+
+/// A vring over logged guest memory.
+type Vring = vhost_user_backend::VringRwLock<GuestMemoryAtomic<GuestRam>>;
 
 const VIRTIO_F_VERSION_1: u64 = 1 << 32;
 const VIRTIO_RING_F_INDIRECT_DESC: u64 = 1 << 28;
@@ -83,6 +90,8 @@ pub enum VhostUserError {
     Thread(io::Error),
     #[error("helper reactor {0} refused its queues (stopped, or its inbox is full)")]
     Helper(usize),
+    #[error("a server started without its image needs a way to take it (ServeOptions::image)")]
+    NoImage,
 }
 
 /// What one frontend connection shares between the vhost-user threads and
@@ -90,11 +99,11 @@ pub enum VhostUserError {
 struct Connection {
     /// The vrings, learnt from the first kick (vhost-user-backend hands
     /// them to `handle_event` only).
-    vrings: OnceLock<Vec<VringRwLock>>,
+    vrings: OnceLock<Vec<Vring>>,
     /// One bit per queue kicked since the reactor last looked.
     kicks: AtomicU64,
     /// Guest memory; the vhost-user handler swaps in each new table.
-    mem: GuestMemoryAtomic<GuestMemoryMmap>,
+    mem: GuestMemoryAtomic<GuestRam>,
 }
 
 enum Control {
@@ -107,6 +116,16 @@ enum Control {
     /// The frontend left: drop its requests' replies and its references.
     Disconnected {
         done: SyncSender<()>,
+    },
+    /// SET_DEVICE_STATE_FD, SAVE: the session's state, with the image
+    /// given up.
+    SaveState {
+        done: SyncSender<Result<Vec<u8>, String>>,
+    },
+    /// SET_DEVICE_STATE_FD, LOAD: take this session (and the image).
+    LoadState {
+        state: Box<crate::fuse::state::SessionState>,
+        done: SyncSender<Result<(), String>>,
     },
 }
 
@@ -244,6 +263,13 @@ pub struct ServeOptions {
     /// holds). Past it, requests wait in the ring: backpressure, not an
     /// error.
     pub requests_in_flight_max: Option<usize>,
+    /// How the server gives its image up and takes it back, so that its
+    /// guest can migrate (see [`ImageAccess`]). None: the device refuses
+    /// to save its state, and the caller unmounts the filesystem.
+    pub image: Option<Rc<dyn ImageAccess>>,
+    /// A session kept across a restart ([`VhostUserServer::stop_and_release`]),
+    /// restored when the image is attached if it fits it.
+    pub restore: Option<crate::fuse::state::SessionState>,
 }
 
 static NEXT_SERVER_ID: AtomicU64 = AtomicU64::new(1);
@@ -275,6 +301,7 @@ pub struct VhostUserServer {
     in_flight: Vec<Rc<Cell<usize>>>,
     helper_stats: Arc<HelperStats>,
     helpers: usize,
+    attachment: Rc<Attachment>,
 }
 
 /// What every queue poller of one server shares.
@@ -340,6 +367,31 @@ impl VhostUserServer {
         request_queues: usize,
         options: ServeOptions,
     ) -> Result<Self, VhostUserError> {
+        Self::start_inner(Some(fs), config, socket, request_queues, options)
+    }
+
+    /// Serve with the image not taken yet: it is taken, through
+    /// `options.image`, when a migrated session arrives or at the first
+    /// request (the destination of a live migration).
+    pub fn start_detached(
+        config: SessionConfig,
+        socket: &Path,
+        request_queues: usize,
+        options: ServeOptions,
+    ) -> Result<Self, VhostUserError> {
+        if options.image.is_none() {
+            return Err(VhostUserError::NoImage);
+        }
+        Self::start_inner(None, config, socket, request_queues, options)
+    }
+
+    fn start_inner(
+        fs: Option<Fs>,
+        config: SessionConfig,
+        socket: &Path,
+        request_queues: usize,
+        options: ServeOptions,
+    ) -> Result<Self, VhostUserError> {
         if request_queues == 0 || request_queues > REQUEST_QUEUES_MAX {
             return Err(VhostUserError::QueueCount(request_queues));
         }
@@ -364,10 +416,9 @@ impl VhostUserServer {
         let op_stats = Rc::new(OpStats::default());
         let helper_stats = Arc::new(HelperStats::default());
         let in_flight: Vec<Rc<Cell<usize>>> = (0..queues).map(|_| Rc::default()).collect();
-        let session = Rc::new(Session::with_stats(fs.clone(), config.clone(), op_stats.clone()));
-        SESSIONS.with(|s| s.borrow_mut().insert(id, session.clone()));
+        let attachment = Attachment::new(id, fs, config, op_stats.clone(), options.image, options.restore);
         let owner = QueuePoller {
-            server: OwnerServer { id, fs, config, session, op_stats: op_stats.clone() },
+            server: OwnerServer { attachment: attachment.clone() },
             mine: Pollers::mask(0, poller_count, queues),
             control: receivers.next().expect("one receiver per poller"),
             wake: pollers.owner().wake.clone(),
@@ -414,7 +465,31 @@ impl VhostUserServer {
             in_flight,
             helper_stats,
             helpers: helpers.len(),
+            attachment,
         })
+    }
+
+    /// The filesystem served, if the image is attached (a migration's
+    /// source gives it up at switch-over; its destination takes it then).
+    pub fn fs(&self) -> Option<Fs> {
+        self.attachment.fs()
+    }
+
+    /// [`Self::stop`], then give the session's references back and, for
+    /// a server with [`ServeOptions::image`], the image up (commit,
+    /// checkpoint, unlock). With `keep_session`, the references stay held
+    /// in the image and the session is returned, for a restarted daemon to
+    /// restore ([`ServeOptions::restore`]).
+    pub async fn stop_and_release(
+        self,
+        keep_session: bool,
+    ) -> Result<Option<crate::fuse::state::SessionState>, String> {
+        let attachment = self.attachment.clone();
+        if keep_session {
+            attachment.keep_session_at_stop();
+        }
+        self.stop().await;
+        attachment.release(keep_session).await
     }
 
     pub fn stats(&self) -> &DeviceStats {
@@ -473,9 +548,16 @@ fn accept_loop(
     dma: Option<&Arc<dyn BlockDevice>>,
 ) {
     while !stopping.load(Ordering::Acquire) {
-        let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
+        let mem = GuestMemoryAtomic::new(GuestRam::new());
         let connection = Arc::new(Connection { vrings: OnceLock::new(), kicks: AtomicU64::new(0), mem: mem.clone() });
-        let backend = FsBackend { queues, connection: connection.clone(), pollers: pollers.clone(), dma: dma.cloned() };
+        let backend = FsBackend {
+            queues,
+            connection: connection.clone(),
+            pollers: pollers.clone(),
+            dma: dma.cloned(),
+            transfer: Arc::default(),
+            span: tracing::Span::current(),
+        };
         let mut daemon = match VhostUserDaemon::new("keelfs".into(), backend, mem) {
             Ok(daemon) => daemon,
             Err(e) => {

@@ -10,20 +10,22 @@ use std::sync::mpsc::{Receiver, SyncSender};
 use std::sync::Arc;
 use std::time::Instant;
 
-use keelfs_fs::{Fh, Fs, Ino};
+use crate::virtio::GuestRam;
+use keelfs_fs::{Fh, Ino};
 use keelfs_reactor::{self as reactor, Poller, ReactorHandle};
 use vhost_user_backend::VringT;
 use virtio_queue::DescriptorChain;
 use virtio_queue::QueueT;
-use vm_memory::{GuestAddressSpace, GuestMemoryMmap};
+use vm_memory::GuestAddressSpace;
 use vmm_sys_util::eventfd::EventFd;
 
-use super::{session_of, Connection, Control, DeviceStats, HelperStats, POLL_IDLE, POP_BATCH, SESSIONS};
-use crate::fuse::dispatch::{Session, SessionConfig, SharedHandle};
-use crate::fuse::stats::OpStats;
+use super::migration::Attachment;
+use super::{session_of, Connection, Control, DeviceStats, HelperStats, POLL_IDLE, POP_BATCH};
+use crate::fuse::dispatch::SharedHandle;
+use crate::fuse::state::SessionState;
 use crate::virtio::{serve_chain_zero_copy, serve_read_from_cache, ChainOutcome};
 
-type Chain = DescriptorChain<Arc<GuestMemoryMmap>>;
+type Chain = DescriptorChain<Arc<GuestRam>>;
 type Served = (u16, u32, ChainOutcome);
 /// A chain served and handed to its queue's used ring, as one task.
 type ServeTask = std::pin::Pin<Box<dyn std::future::Future<Output = ()>>>;
@@ -64,43 +66,81 @@ impl Finish {
 pub(super) trait ChainServer: 'static {
     /// The task that serves `chain` and then calls `finish`: one boxed
     /// future per request, spawned as it is.
-    fn serve(&self, chain: Chain, mem: Arc<GuestMemoryMmap>, finish: Finish) -> ServeTask;
+    fn serve(&self, chain: Chain, mem: Arc<GuestRam>, finish: Finish) -> ServeTask;
 
     /// The frontend left and every request of this poller finished; answer
     /// `waiters` when the poller is ready for the next one.
     fn reset(&mut self, waiters: Vec<SyncSender<()>>);
+
+    /// Save the session and give the image up (the owner only).
+    fn save_state(&mut self, done: SyncSender<Result<Vec<u8>, String>>) {
+        let _ = done.send(Err("only the owning reactor holds the session".into()));
+    }
+
+    /// Take a migrated session (the owner only).
+    fn load_state(&mut self, _state: SessionState, done: SyncSender<Result<(), String>>) {
+        let _ = done.send(Err("only the owning reactor holds the session".into()));
+    }
 }
 
 /// The owning reactor's side: requests run against the filesystem here.
 pub(super) struct OwnerServer {
-    pub(super) id: u64,
-    pub(super) fs: Fs,
-    pub(super) config: SessionConfig,
-    pub(super) session: Rc<Session>,
-    pub(super) op_stats: Rc<OpStats>,
+    pub(super) attachment: Rc<Attachment>,
 }
 
 impl ChainServer for OwnerServer {
-    fn serve(&self, chain: Chain, mem: Arc<GuestMemoryMmap>, finish: Finish) -> ServeTask {
-        let session = self.session.clone();
-        Box::pin(async move { finish.finish(serve_chain_zero_copy(&session, chain, mem).await) })
+    fn serve(&self, chain: Chain, mem: Arc<GuestRam>, finish: Finish) -> ServeTask {
+        if let Some(session) = self.attachment.session() {
+            return Box::pin(async move { finish.finish(serve_chain_zero_copy(&session, chain, mem).await) });
+        }
+        // The image is elsewhere (given up at a migration that then
+        // failed, or not taken yet): take it first.
+        let attachment = self.attachment.clone();
+        Box::pin(async move {
+            let head = chain.head_index();
+            let served = match attachment.attached().await {
+                Some(session) => serve_chain_zero_copy(&session, chain, mem).await,
+                None => (head, 0, ChainOutcome::Dropped("the image could not be taken")),
+            };
+            finish.finish(served)
+        })
     }
 
     fn reset(&mut self, waiters: Vec<SyncSender<()>>) {
         // The next frontend gets a fresh session; this one's references go.
         // Only what the departed frontend held: another transport on the
         // same filesystem (the host mount) keeps its handles.
-        let departed = std::mem::replace(
-            &mut self.session,
-            Rc::new(Session::with_stats(self.fs.clone(), self.config.clone(), self.op_stats.clone())),
-        );
-        SESSIONS.with(|s| s.borrow_mut().insert(self.id, self.session.clone()));
+        let departed = self.attachment.frontend_left();
         reactor::spawn_local(async move {
-            departed.give_back().await;
+            if let Some(departed) = departed {
+                departed.give_back().await;
+            }
             for waiter in waiters {
                 let _ = waiter.send(());
             }
         });
+    }
+
+    fn save_state(&mut self, done: SyncSender<Result<Vec<u8>, String>>) {
+        let attachment = self.attachment.clone();
+        let span = attachment.span();
+        reactor::spawn_local(tracing::Instrument::instrument(
+            async move {
+                let _ = done.send(attachment.save_and_detach().await);
+            },
+            span,
+        ));
+    }
+
+    fn load_state(&mut self, state: SessionState, done: SyncSender<Result<(), String>>) {
+        let attachment = self.attachment.clone();
+        let span = attachment.span();
+        reactor::spawn_local(tracing::Instrument::instrument(
+            async move {
+                let _ = done.send(attachment.load(state).await);
+            },
+            span,
+        ));
     }
 }
 
@@ -143,7 +183,7 @@ impl HelperServer {
 }
 
 impl ChainServer for HelperServer {
-    fn serve(&self, chain: Chain, mem: Arc<GuestMemoryMmap>, finish: Finish) -> ServeTask {
+    fn serve(&self, chain: Chain, mem: Arc<GuestRam>, finish: Finish) -> ServeTask {
         let (id, owner, handles, stats) = (self.id, self.owner.clone(), self.handles.clone(), self.stats.clone());
         Box::pin(async move {
             stats.chains.fetch_add(1, Ordering::Relaxed);
@@ -199,7 +239,7 @@ pub(super) struct QueueState {
 /// True when the driver's avail index is more than a ring ahead of the
 /// next entry keelfs takes (or unreadable): virtio-queue then refuses
 /// every pop, and a poller that kept asking would spin for ever.
-fn avail_overrun(queue: &virtio_queue::Queue, mem: &GuestMemoryMmap) -> bool {
+fn avail_overrun(queue: &virtio_queue::Queue, mem: &GuestRam) -> bool {
     match queue.avail_idx(mem, Ordering::Acquire) {
         Ok(avail) => avail.0.wrapping_sub(queue.next_avail()) > queue.size(),
         Err(_) => true,
@@ -251,6 +291,13 @@ impl<S: ChainServer> QueuePoller<S> {
                 }
                 self.disconnects.push(done);
             }
+            // QEMU saves only with every ring stopped, and each stop waited
+            // for its requests: the state never describes half a request.
+            Control::SaveState { done } if self.queues.iter().any(|q| q.in_flight.get() > 0) => {
+                let _ = done.send(Err("requests are in flight: the rings were not stopped".into()));
+            }
+            Control::SaveState { done } => self.server.save_state(done),
+            Control::LoadState { state, done } => self.server.load_state(*state, done),
         }
     }
 

@@ -34,7 +34,7 @@ pub struct Daemon {
     _dir: TempDir,
 }
 
-pub struct TempDir(PathBuf);
+pub struct TempDir(pub PathBuf);
 
 impl Drop for TempDir {
     fn drop(&mut self) {
