@@ -108,6 +108,7 @@ struct RawExport {
     read_only: Option<bool>,
     atime: Option<AtimeName>,
     fuse_mount: Option<PathBuf>,
+    session_file: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, Deserialize)]
@@ -192,6 +193,9 @@ pub struct Config {
     pub commit_interval: Duration,
     /// The sandbox `serve` enters once its files are open.
     pub sandbox: SandboxMode,
+    /// The destination of a live migration (`serve --incoming`): images
+    /// are taken when the guests' sessions arrive.
+    pub incoming: bool,
     pub exports: Vec<Export>,
 }
 
@@ -240,6 +244,10 @@ pub struct Export {
     /// mount(2) flags of the host mount (MS_RDONLY is added for a
     /// read-only export): nosuid and nodev unless asked otherwise.
     pub fuse_mount_flags: libc::c_ulong,
+    /// Where a clean shutdown keeps the guest's session for the next
+    /// start to restore. None: beside an image that is a regular file
+    /// (IMAGE.session); an empty path: nowhere.
+    pub session_file: Option<PathBuf>,
 }
 
 impl Default for Config {
@@ -251,6 +259,7 @@ impl Default for Config {
             log: "info".into(),
             commit_interval: Duration::from_secs(5),
             sandbox: SandboxMode::Namespace,
+            incoming: false,
             exports: Vec::new(),
         }
     }
@@ -285,6 +294,7 @@ impl Export {
             fuse_source: "keelfs".into(),
             fuse_type: "fuse.keelfs".into(),
             fuse_mount_flags: libc::MS_NOSUID | libc::MS_NODEV,
+            session_file: None,
         }
     }
 }
@@ -426,6 +436,7 @@ fn parse_export(
     apply_limits(src, e, &mut export)?;
     export.read_only = e.read_only.unwrap_or(false);
     export.fuse_mount = e.fuse_mount.clone();
+    export.session_file = e.session_file.clone();
     Ok(export)
 }
 

@@ -20,7 +20,7 @@ const EXITING_HOLDER_GRACE: std::time::Duration = std::time::Duration::from_secs
 /// A held lock; dropping it (closing the file) releases it.
 #[derive(Debug)]
 pub struct ImageLock {
-    _file: File,
+    file: File,
 }
 
 impl ImageLock {
@@ -57,7 +57,7 @@ impl ImageLock {
             // pointer to a live, initialised flock.
             let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &mut lock) };
             if rc == 0 {
-                return Ok(Some(ImageLock { _file: file }));
+                return Ok(Some(ImageLock { file }));
             }
             let err = std::io::Error::last_os_error();
             if !matches!(err.raw_os_error(), Some(libc::EAGAIN | libc::EACCES)) {
@@ -69,6 +69,51 @@ impl ImageLock {
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
         Err(UsageError(format!("{} is in use{}: refusing to {purpose} it", path.display(), holders_text(path))).into())
+    }
+
+    /// `path` open for writing but not locked yet, for a server that takes
+    /// the lock later ([`Self::try_lock`]): the destination of a
+    /// migration. None for NVMe names, as with [`Self::exclusive`].
+    pub fn unlocked(path: &Path) -> anyhow::Result<Option<ImageLock>> {
+        if keelfs_bdev::NvmeAddress::is_nvme_name(&path.to_string_lossy()) {
+            return Ok(None);
+        }
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| UsageError(format!("cannot open {}: {e}", path.display())))?;
+        Ok(Some(ImageLock { file }))
+    }
+
+    /// Take the write lock if nobody holds it; false if somebody does.
+    pub fn try_lock(&self) -> std::io::Result<bool> {
+        let mut lock = whole_file(libc::F_WRLCK);
+        // SAFETY: fcntl on the descriptor this lock owns, with a pointer
+        // to a live, initialised flock.
+        let rc = unsafe { libc::fcntl(self.file.as_raw_fd(), libc::F_OFD_SETLK, &mut lock) };
+        if rc == 0 {
+            return Ok(true);
+        }
+        let err = std::io::Error::last_os_error();
+        match err.raw_os_error() {
+            Some(libc::EAGAIN | libc::EACCES) => Ok(false),
+            _ => Err(err),
+        }
+    }
+
+    /// Let go of the lock, keeping the file open to take it again: a
+    /// migration's source hands the image over, and takes it back if the
+    /// migration fails.
+    pub fn unlock(&self) -> std::io::Result<()> {
+        let mut lock = whole_file(libc::F_UNLCK);
+        // SAFETY: as in `try_lock`.
+        let rc = unsafe { libc::fcntl(self.file.as_raw_fd(), libc::F_OFD_SETLK, &mut lock) };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error())
+        }
     }
 
     /// Whether another open file holds a lock on `path` (it is being served):

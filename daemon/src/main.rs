@@ -6,6 +6,7 @@
 mod config;
 mod device;
 mod host_writeback;
+mod image;
 mod lock;
 mod mount_helper;
 mod mountinfo;
@@ -109,6 +110,12 @@ enum Command {
         /// mount is read-only (see read_only in the config).
         #[arg(long)]
         read_only: bool,
+        /// Be the destination of a live migration: serve the sockets
+        /// without locking or mounting the images, and take each image
+        /// (waiting for the source keelfsd to let go of it) when QEMU hands
+        /// over the guest's session, or at the guest's first request.
+        #[arg(long)]
+        incoming: bool,
         /// The --fuse-mount mount's source, as mount(8) lists it (default
         /// keelfs; the mount helper passes the image's path).
         #[arg(long)]
@@ -184,6 +191,7 @@ fn main() -> ExitCode {
             check,
             sandbox,
             read_only,
+            incoming,
             fuse_source,
             fuse_type,
             fuse_options,
@@ -201,6 +209,7 @@ fn main() -> ExitCode {
             check,
             sandbox,
             read_only,
+            incoming,
             fuse_source,
             fuse_type,
             fuse_options,

@@ -26,11 +26,12 @@ use keelfs_reactor::{self as reactor, PollMode, Reactor, ReactorConfig, ReactorH
 use keelfs_vhost::OpStats;
 use keelfs_vhost::SocketAccess;
 use keelfs_vhost::{serve_dev_fuse as serve_fuse, FuseMount};
-use keelfs_vhost::{CacheMode, Session, SessionConfig};
-use keelfs_vhost::{ServeOptions, VhostUserServer};
+use keelfs_vhost::{CacheMode, Session, SessionConfig, SessionState};
+use keelfs_vhost::{ImageAccess, ServeOptions, VhostUserServer};
 use serde_json::{json, Value};
 
 use crate::config::{self, Config, Export, PollModeName};
+use crate::image::{ExportImage, SessionFile};
 use crate::lock::ImageLock;
 use crate::sandbox::{Needs, SandboxMode};
 use crate::signals::{block_termination_signals, Signals};
@@ -58,6 +59,7 @@ pub struct ServeArgs {
     pub check: bool,
     pub sandbox: Option<SandboxMode>,
     pub read_only: bool,
+    pub incoming: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -105,6 +107,7 @@ fn resolve(args: ServeArgs) -> anyhow::Result<Config> {
     if let Some(mode) = args.sandbox {
         config.sandbox = mode;
     }
+    config.incoming |= args.incoming;
     let flags_shape_an_export = args.device.is_some()
         || args.socket.is_some()
         || args.fuse_mount.is_some()
@@ -215,6 +218,15 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     make_paths_absolute(&mut config)?;
+    if config.incoming {
+        if let Some(e) = config.exports.iter().find(|e| !crate::image::migratable(e)) {
+            bail!(tools::UsageError(format!(
+                "--incoming: export {} cannot be migrated (a host mount's session cannot follow a guest, and a \
+                 read-only export is not handed over)",
+                e.tag
+            )));
+        }
+    }
     init_logging(&config);
     // Everything up to here is single-threaded, as a pid namespace and the
     // sandbox need.
@@ -225,13 +237,12 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         },
         SandboxMode::None => None,
     };
-    let (opened, locks) = open_exports(&config, link.as_ref())?;
+    let opened = open_exports(&config, link.as_ref())?;
     let rpc_listener = config.rpc_socket.as_deref().map(rpc::bind).transpose()?;
     if config.sandbox == SandboxMode::Namespace {
         sandbox::enter(needs_of(&config), seccomp::Action::from_env()).context("entering the sandbox")?;
     }
     let result = run(&config, opened, rpc_listener, &signals);
-    drop(locks);
     if link.is_none() {
         // Sandboxed, the supervisor does this: the server cannot see them.
         for socket in cleanup_of(&config).sockets {
@@ -316,22 +327,26 @@ struct Opened {
     dev: Arc<dyn BlockDevice>,
     listener: Option<std::os::unix::net::UnixListener>,
     fuse: Option<FuseMount>,
+    /// The image's lock, held until the export stops (taken later by an
+    /// `--incoming` export); None for NVMe.
+    lock: Option<ImageLock>,
+    /// Where the session is kept across a clean restart, and the one the
+    /// last shutdown kept.
+    session: Option<(SessionFile, Option<SessionState>)>,
 }
 
 /// Lock and open each export's device, bind its socket and mount it
-/// through /dev/fuse. The locks are held until they are dropped; an image
-/// named by two exports is refused.
-fn open_exports(
-    config: &Config,
-    link: Option<&Arc<SupervisorLink>>,
-) -> anyhow::Result<(Vec<Opened>, Vec<Option<ImageLock>>)> {
+/// through /dev/fuse. The locks are held until the exports stop; an image
+/// named by two exports is refused. `--incoming` opens the images without
+/// locking them: they are taken when the guests' sessions arrive.
+fn open_exports(config: &Config, link: Option<&Arc<SupervisorLink>>) -> anyhow::Result<Vec<Opened>> {
     let mut opened = Vec::new();
-    let mut locks = Vec::new();
     for export in &config.exports {
-        locks.push(match export.read_only {
-            true => ImageLock::shared(&export.device, "serve")?,
-            false => ImageLock::exclusive(&export.device, "serve")?,
-        });
+        let lock = match (export.read_only, config.incoming) {
+            (true, _) => ImageLock::shared(&export.device, "serve")?,
+            (false, false) => ImageLock::exclusive(&export.device, "serve")?,
+            (false, true) => ImageLock::unlocked(&export.device)?,
+        };
         let dev = device::open_backend(&export.device, export.backend, export.sqpoll_idle_ms, export.read_only)?;
         let listener = match &export.socket {
             Some(socket) => {
@@ -373,9 +388,10 @@ fn open_exports(
             }
             None => None,
         };
-        opened.push(Opened { export: export.clone(), dev, listener, fuse });
+        let session = SessionFile::path_of(export).map(|path| SessionFile::open(&path)).transpose()?;
+        opened.push(Opened { export: export.clone(), dev, listener, fuse, lock, session });
     }
-    Ok((opened, locks))
+    Ok(opened)
 }
 
 /// Hands each reactor its exports, as one task each.
@@ -383,6 +399,7 @@ fn start_exports(
     assigned: Vec<Vec<Opened>>,
     handles: &[ReactorHandle],
     commit_interval: Duration,
+    incoming: bool,
     events: mpsc::Sender<Event>,
 ) -> anyhow::Result<()> {
     for (id, exports) in assigned.into_iter().enumerate() {
@@ -394,7 +411,7 @@ fn start_exports(
                 // Everything the export starts logs under its tag: the
                 // filesystem, its sessions and the listener keep this span.
                 let span = tracing::info_span!("export", tag = %opened.export.tag);
-                let run = run_export(id, opened, helpers, commit_interval, events.clone());
+                let run = run_export(id, opened, helpers, (commit_interval, incoming), events.clone());
                 reactor::spawn_local(tracing::Instrument::instrument(run, span));
             }
         };
@@ -454,7 +471,7 @@ fn run(
     let handles: Vec<ReactorHandle> = reactors.iter().map(|(h, _)| h.clone()).collect();
     // Exports start once every reactor runs, so that each knows the others
     // (its helpers, with spread_queues).
-    start_exports(assigned, &handles, config.commit_interval, events)?;
+    start_exports(assigned, &handles, config.commit_interval, config.incoming, events)?;
 
     let failure = await_start_up(&event_rx, config.exports.len());
     let rpc = match (&failure, rpc_listener) {
@@ -572,7 +589,8 @@ struct Local {
 
 struct LocalExport {
     tag: String,
-    fs: Fs,
+    /// The filesystem, unless the server may give it up (then ask it).
+    fs: Option<Fs>,
     server: Option<Rc<VhostUserServer>>,
     fuse_stats: Option<Rc<OpStats>>,
 }
@@ -606,17 +624,55 @@ async fn local_shutdown() {
     .await
 }
 
+/// How an export's filesystem is reached: mounted here for good, or
+/// through an image its vhost-user server may give up and take back.
+enum Mounted {
+    /// The lock is held for as long as the filesystem is mounted.
+    Fixed {
+        fs: Fs,
+        _lock: Option<ImageLock>,
+    },
+    Movable(Rc<ExportImage>, Option<Fs>),
+}
+
+/// Mount the export's filesystem, or (`incoming`) prepare to take it.
+async fn mount_export(
+    reactor_id: usize,
+    export: &Export,
+    dev: &Arc<dyn BlockDevice>,
+    lock: Option<ImageLock>,
+    (commit_interval, incoming): (Duration, bool),
+) -> anyhow::Result<Mounted> {
+    if !crate::image::migratable(export) {
+        let fs = mount(reactor_id, export, dev, commit_interval, false).await?;
+        return Ok(Mounted::Fixed { fs, _lock: lock });
+    }
+    let locked = !incoming;
+    let image = Rc::new(ExportImage::new(export.clone(), Arc::clone(dev), reactor_id, commit_interval, lock, locked));
+    if incoming {
+        return Ok(Mounted::Movable(image, None));
+    }
+    // Orphans a kept session holds stay; the server frees the rest once
+    // it has restored it.
+    let fs = image.attach().await.map_err(anyhow::Error::msg)?;
+    Ok(Mounted::Movable(image, Some(fs)))
+}
+
 async fn run_export(
     reactor_id: usize,
     opened: Opened,
     helpers: Vec<ReactorHandle>,
-    commit_interval: Duration,
+    timing: (Duration, bool),
     events: Sender<Event>,
 ) {
-    let Opened { export, dev, listener, fuse } = opened;
+    let Opened { export, dev, listener, fuse, lock, session } = opened;
+    let (session_file, restore) = match session {
+        Some((file, restore)) => (Some(file), restore),
+        None => (None, None),
+    };
     let tag = export.tag.clone();
-    let fs = match mount(reactor_id, &export, &dev, commit_interval).await {
-        Ok(fs) => fs,
+    let mounted = match mount_export(reactor_id, &export, &dev, lock, timing).await {
+        Ok(mounted) => mounted,
         Err(e) => {
             let _ = events.send(Event::Failed { tag, error: format!("{e:#}") });
             return;
@@ -624,20 +680,27 @@ async fn run_export(
     };
     let gone = (events.clone(), tag.clone());
     let on_mount_gone = Box::new(move || drop(gone.0.send(Event::MountGone { tag: gone.1 })));
-    let transports = start_transports(&export, &fs, &dev, helpers, listener, fuse, on_mount_gone).await;
+    let transports = start_transports(&export, (&mounted, restore), &dev, helpers, listener, fuse, on_mount_gone).await;
     let (server, mount, fuse_stats) = match transports {
         Ok(started) => started,
         Err(e) => {
             let _ = events.send(Event::Failed { tag, error: format!("{e:#}") });
-            let _ = fs.unmount().await;
+            let _ = match &mounted {
+                Mounted::Fixed { fs, .. } | Mounted::Movable(_, Some(fs)) => fs.unmount().await,
+                Mounted::Movable(_, None) => Ok(()),
+            };
             return;
         }
     };
     let server = server.map(Rc::new);
+    let fixed_fs = match &mounted {
+        Mounted::Fixed { fs, .. } => Some(fs.clone()),
+        Mounted::Movable(..) => None,
+    };
     LOCAL.with(|l| {
         l.borrow_mut().exports.push(LocalExport {
             tag: tag.clone(),
-            fs: fs.clone(),
+            fs: fixed_fs.clone(),
             server: server.clone(),
             fuse_stats,
         })
@@ -651,21 +714,48 @@ async fn run_export(
 
     local_shutdown().await;
     LOCAL.with(|l| l.borrow_mut().exports.retain(|e| e.tag != tag));
-    // Stop taking requests and drain the ones in flight, then commit,
-    // checkpoint and flush.
-    if let Some(server) = server.and_then(|s| Rc::try_unwrap(s).ok()) {
-        server.stop().await;
-    }
+    let error = stop_export(server, mount, fixed_fs, session_file.as_ref()).await;
+    // The lock goes last, once everything is on the device.
+    drop(mounted);
+    let _ = events.send(Event::Stopped { tag, error });
+}
+
+/// Stop taking requests and drain the ones in flight, then commit,
+/// checkpoint and flush: the server does it for an image it may give up
+/// (`fixed_fs` None), this function for the others.
+async fn stop_export(
+    server: Option<Rc<VhostUserServer>>,
+    mount: Option<Rc<FuseMount>>,
+    fixed_fs: Option<Fs>,
+    session_file: Option<&SessionFile>,
+) -> Option<String> {
     let mut error = None;
+    if let Some(server) = server.and_then(|s| Rc::try_unwrap(s).ok()) {
+        if fixed_fs.is_some() {
+            server.stop().await;
+        } else {
+            match (server.stop_and_release(session_file.is_some()).await, session_file) {
+                (Ok(Some(state)), Some(file)) => {
+                    if let Err(e) = file.write(&state) {
+                        error = Some(format!("keeping the session: {e:#}"));
+                    }
+                }
+                (Ok(_), _) => {}
+                (Err(e), _) => error = Some(format!("giving the image up: {e}")),
+            }
+        }
+    }
     if let Some(mount) = mount {
         if let Err(e) = mount.unmount() {
             error = Some(format!("unmounting: {e}"));
         }
     }
-    if let Err(e) = fs.unmount().await {
-        error = Some(format!("committing and checkpointing: {e}"));
+    if let Some(fs) = fixed_fs {
+        if let Err(e) = fs.unmount().await {
+            error = Some(format!("committing and checkpointing: {e}"));
+        }
     }
-    let _ = events.send(Event::Stopped { tag, error });
+    error
 }
 
 /// The export's vhost-user-fs device and host mount, as configured, on the
@@ -673,7 +763,7 @@ async fn run_export(
 /// stopped again.
 async fn start_transports(
     export: &Export,
-    fs: &Fs,
+    (mounted, restore): (&Mounted, Option<SessionState>),
     dev: &Arc<dyn BlockDevice>,
     helpers: Vec<ReactorHandle>,
     listener: Option<std::os::unix::net::UnixListener>,
@@ -682,6 +772,10 @@ async fn start_transports(
 ) -> anyhow::Result<(Option<VhostUserServer>, Option<Rc<FuseMount>>, Option<Rc<OpStats>>)> {
     let session_config =
         SessionConfig { open_handles_max: export.open_handles_max, ..CacheMode::from(export.cache).session_config() };
+    let (fs, image) = match mounted {
+        Mounted::Fixed { fs, .. } => (Some(fs), None),
+        Mounted::Movable(image, fs) => (fs.as_ref(), Some(Rc::clone(image) as Rc<dyn ImageAccess>)),
+    };
     let server = match (&export.socket, listener) {
         (Some(socket), Some(listener)) => {
             let options = ServeOptions {
@@ -690,15 +784,20 @@ async fn start_transports(
                 socket_access: SocketAccess::default(),
                 listener: Some(listener),
                 requests_in_flight_max: export.requests_in_flight_max,
+                image,
+                restore,
             };
-            let server =
-                VhostUserServer::start_with(fs.clone(), session_config.clone(), socket, export.request_queues, options)
-                    .context("starting the vhost-user-fs device")?;
-            Some(server)
+            let queues = export.request_queues;
+            let server = match fs {
+                Some(fs) => VhostUserServer::start_with(fs.clone(), session_config.clone(), socket, queues, options),
+                None => VhostUserServer::start_detached(session_config.clone(), socket, queues, options),
+            };
+            Some(server.context("starting the vhost-user-fs device")?)
         }
         _ => None,
     };
     let Some(mount) = fuse else { return Ok((server, None, None)) };
+    let fs = fs.context("a host mount needs its filesystem mounted")?;
     let mount = Rc::new(mount);
     let session = Rc::new(Session::new(fs.clone(), session_config));
     let stats = session.stats().clone();
@@ -720,11 +819,14 @@ fn atime_updates(configured: AtimeUpdates, mount_flags: libc::c_ulong) -> AtimeU
     }
 }
 
-async fn mount(
+/// Mount the export's filesystem on this reactor; `keep_orphans` for an
+/// image whose session is to be restored (see [`FsConfig::keep_orphans`]).
+pub async fn mount(
     reactor_id: usize,
     export: &Export,
     dev: &Arc<dyn BlockDevice>,
     commit_interval: Duration,
+    keep_orphans: bool,
 ) -> anyhow::Result<Fs> {
     let queue = dev.open_queue(QueueConfig { depth: 256, completion_eventfd: true })?;
     let config = FsConfig {
@@ -736,6 +838,7 @@ async fn mount(
         read_only: export.read_only,
         atime: atime_updates(export.atime, export.fuse_mount_flags),
         dir_atime: export.fuse_mount_flags & libc::MS_NODIRATIME == 0,
+        keep_orphans,
         ..FsConfig::default()
     };
     Fs::mount(DeviceChannel::attach(queue), config)
@@ -764,8 +867,9 @@ pub fn local_stats() -> Vec<Value> {
             .exports
             .iter()
             .map(|e| {
-                let c = e.fs.counters();
-                let cache = e.fs.cache_stats();
+                let fs = e.fs.clone().or_else(|| e.server.as_ref().and_then(|s| s.fs()));
+                let c = fs.as_ref().map(|fs| fs.counters()).unwrap_or_default();
+                let cache = fs.as_ref().map(|fs| fs.cache_stats()).unwrap_or_default();
                 let mut device = Value::Null;
                 if let Some(server) = &e.server {
                     let d = server.stats();
@@ -789,6 +893,7 @@ pub fn local_stats() -> Vec<Value> {
                 }
                 json!({
                     "tag": e.tag,
+                    "image_attached": fs.is_some(),
                     "virtio_fs": device,
                     "ops": e.server.as_ref().map_or_else(|| Value::Object(Default::default()), |s| ops_json(s.op_stats())),
                     "fuse_mount_ops": e.fuse_stats.as_deref().map(ops_json),

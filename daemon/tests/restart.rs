@@ -1,0 +1,141 @@
+//! keelfsd restarted under a client that reconnects (the test frontend
+//! plays one; QEMU 10's vhost-user-fs cannot yet, so a guest moves to a
+//! new daemon by live migration instead: qemu-scripts/upgrade.sh). After
+//! SIGTERM the session is kept beside the image and restored: the client's
+//! node ids and open handles work, an unlinked file it holds included.
+//! After SIGKILL nothing is kept: its handles fail with EBADF, never
+//! naming another file, and its node ids still name their files (inode
+//! numbers are never reused). fsck is clean after both.
+
+use std::ffi::OsStr;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use keelfs_vhost::abi::{init_flags as f, Opcode, Reply, ENTRY_OUT_BYTES};
+use keelfs_vhost::frontend::{io_in, FrontendConfig, FsFrontend};
+
+mod common;
+use common::{fsck, mkfs, Scratch, Served};
+
+fn serve(image: &Path, socket: &Path) -> Served {
+    let args: Vec<&OsStr> = vec![
+        "--device".as_ref(),
+        image.as_os_str(),
+        "--socket".as_ref(),
+        socket.as_os_str(),
+        "--tag".as_ref(),
+        "restart".as_ref(),
+    ];
+    let served = Served::start(&args, &[]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !socket.exists() {
+        assert!(Instant::now() < deadline, "keelfsd did not bind {}", socket.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    served
+}
+
+fn connect(socket: &Path) -> FsFrontend {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match FsFrontend::connect(socket, FrontendConfig::default()) {
+            Ok(fe) => return fe,
+            Err(e) => assert!(Instant::now() < deadline, "connecting: {e}"),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn named(name: &str) -> Vec<u8> {
+    let mut b = name.as_bytes().to_vec();
+    b.push(0);
+    b
+}
+
+/// CREATE `name` and write `data` through the handle: (node id, fh).
+fn create_with(fe: &mut FsFrontend, name: &str, data: &[u8]) -> (u64, u64) {
+    let mut body = Reply::default();
+    body.u32(libc::O_RDWR as u32).u32(0o100644).u32(0).u32(0).raw(&named(name));
+    let (err, reply) = fe.fuse(1, Opcode::Create, 1, &body.bytes).unwrap();
+    assert_eq!(err, 0, "create {name}");
+    let node = u64::from_le_bytes(reply[..8].try_into().unwrap());
+    let fh = u64::from_le_bytes(reply[ENTRY_OUT_BYTES..ENTRY_OUT_BYTES + 8].try_into().unwrap());
+    let mut write = Reply::default();
+    write.raw(&io_in(fh, 0, data.len() as u32)).raw(data);
+    assert_eq!(fe.fuse(1, Opcode::Write, node, &write.bytes).unwrap().0, 0);
+    (node, fh)
+}
+
+fn read(fe: &mut FsFrontend, (node, fh): (u64, u64), len: u32) -> Result<Vec<u8>, i32> {
+    let mut body = Reply::default();
+    body.raw(&io_in(fh, 0, len));
+    match fe.fuse(1, Opcode::Read, node, &body.bytes).unwrap() {
+        (0, data) => Ok(data),
+        (err, _) => Err(err),
+    }
+}
+
+/// A client with a file open and an unlinked file it still holds.
+fn hold(socket: &Path) -> (FsFrontend, (u64, u64), (u64, u64)) {
+    let mut fe = connect(socket);
+    fe.init(f::ASYNC_READ | f::MAX_PAGES | f::INIT_EXT).unwrap();
+    let file = create_with(&mut fe, "kept", b"written before the restart");
+    let ghost = create_with(&mut fe, "ghost", b"unlinked, held open");
+    assert_eq!(fe.fuse(1, Opcode::Unlink, 1, &named("ghost")).unwrap().0, 0);
+    (fe, file, ghost)
+}
+
+#[test]
+fn a_clean_restart_keeps_the_clients_handles() {
+    let dir = Scratch::new("restart-clean");
+    let (image, socket) = (dir.path("image"), dir.path("fs.sock"));
+    mkfs(&image, "256M");
+    let daemon = serve(&image, &socket);
+    let (fe, file, ghost) = hold(&socket);
+    assert!(daemon.stop().success());
+    drop(fe);
+    let kept = std::fs::metadata(dir.path("image.session")).expect("the session was kept beside the image");
+    assert!(kept.len() > 0);
+
+    let daemon = serve(&image, &socket);
+    // The same client, back without an INIT: its numbers still work.
+    let mut fe = connect(&socket);
+    assert_eq!(read(&mut fe, file, 26).unwrap(), b"written before the restart");
+    assert_eq!(read(&mut fe, ghost, 19).unwrap(), b"unlinked, held open", "the orphan survived the restart");
+    assert_eq!(fe.fuse(1, Opcode::Getattr, file.0, &[0u8; 16]).unwrap().0, 0);
+    assert_eq!(std::fs::metadata(dir.path("image.session")).unwrap().len(), 0, "read once, then emptied");
+    drop(fe);
+    assert!(daemon.stop().success());
+    let (code, report) = fsck(&image);
+    assert_eq!(code, 0, "{report}");
+}
+
+#[test]
+fn after_a_crash_old_handles_fail_cleanly_and_node_ids_keep_their_files() {
+    let dir = Scratch::new("restart-kill");
+    let (image, socket) = (dir.path("image"), dir.path("fs.sock"));
+    mkfs(&image, "256M");
+    let daemon = serve(&image, &socket);
+    let (mut fe, file, ghost) = hold(&socket);
+    // What was written is on the device before the crash.
+    let mut fsync = Reply::default();
+    fsync.u64(file.1).u32(0).u32(0);
+    assert_eq!(fe.fuse(1, Opcode::Fsync, file.0, &fsync.bytes).unwrap().0, 0);
+    daemon.signal(libc::SIGKILL);
+    drop(daemon);
+    drop(fe);
+
+    let daemon = serve(&image, &socket);
+    let mut fe = connect(&socket);
+    fe.init(f::ASYNC_READ | f::MAX_PAGES | f::INIT_EXT).unwrap();
+    assert_eq!(read(&mut fe, file, 26), Err(libc::EBADF), "a handle from before the crash");
+    assert_eq!(read(&mut fe, ghost, 19), Err(libc::EBADF));
+    let (err, reply) = fe.fuse(1, Opcode::Getattr, file.0, &[0u8; 16]).unwrap();
+    assert_eq!(err, 0, "the node id still names its file");
+    assert_eq!(u64::from_le_bytes(reply[16..24].try_into().unwrap()), file.0);
+    assert_eq!(fe.fuse(1, Opcode::Getattr, ghost.0, &[0u8; 16]).unwrap().0, libc::ENOENT, "the orphan was freed");
+    drop(fe);
+    assert!(daemon.stop().success());
+    let (code, report) = fsck(&image);
+    assert_eq!(code, 0, "{report}");
+}
