@@ -9,6 +9,7 @@ mod core_meta;
 mod fio;
 mod hist;
 mod hostile;
+mod migrate;
 mod procstat;
 mod vhost;
 
@@ -33,6 +34,8 @@ enum Command {
     Vhost(vhost::VhostArgs),
     /// Misbehave on a vhost-user-fs socket: absurd but well-formed requests, many in flight.
     Hostile(hostile::HostileArgs),
+    /// Move a session with many lookups and handles between two daemons, as QEMU's migration does.
+    Migrate(migrate::MigrateArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -43,6 +46,7 @@ fn main() -> std::process::ExitCode {
         Command::Core(args) => core::run(&args),
         Command::Vhost(args) => vhost::run(&args),
         Command::Hostile(args) => hostile::run(&args),
+        Command::Migrate(args) => migrate::run(&args),
     };
     // An expected error (a bad argument, a full device, a daemon that is
     // not there) is one line with its causes, never a backtrace, whatever
