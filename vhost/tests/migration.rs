@@ -312,3 +312,31 @@ fn hostile_states_are_refused_and_the_destination_lives_on() {
     drop(destination);
     fsck_clean(&dev);
 }
+
+#[test]
+fn a_destination_whose_guest_never_ran_gives_the_image_back_to_the_source() {
+    let (dev, lock) = image();
+    let source = Server::start("back-src", &dev, &lock, false);
+    let destination = Server::start("back-dst", &dev, &lock, true);
+    let mut fe = source.connect();
+    let held = hold_things(&mut fe);
+    let state = fe.save_state().unwrap();
+    // The destination loads, then its QEMU leaves: the migration failed
+    // after the device state went across.
+    let loaded = destination.load(&state).expect("the destination takes the session");
+    assert!(lock.load(Ordering::Acquire));
+    drop(loaded);
+    let deadline = Instant::now() + TIMEOUT;
+    while lock.load(Ordering::Acquire) {
+        assert!(Instant::now() < deadline, "the destination kept the image");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // The source's guest resumes with everything it held.
+    fe.resume_queues().unwrap();
+    assert_eq!(read(&mut fe, 1, held.file.0, held.file.1, 0, 15), b"before the move");
+    assert_eq!(read(&mut fe, 1, held.orphan.0, held.orphan.1, 0, 22), b"only a handle keeps me");
+    drop(fe);
+    drop(destination);
+    drop(source);
+    fsck_clean(&dev);
+}

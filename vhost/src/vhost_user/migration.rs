@@ -83,6 +83,8 @@ pub(super) struct Attachment {
     /// The server is stopping to keep its session for a restart: the
     /// frontend's leaving does not give it back.
     keeping: std::cell::Cell<bool>,
+    /// A session arrived by LOAD and no request has used it yet.
+    loaded_unused: std::cell::Cell<bool>,
     /// The export's span: the parent of the events of moves, which run as
     /// tasks of their own.
     span: tracing::Span,
@@ -109,6 +111,7 @@ impl Attachment {
             state: RefCell::new(AttachState::Detached { saved: None }),
             waiters: RefCell::default(),
             keeping: std::cell::Cell::new(false),
+            loaded_unused: std::cell::Cell::new(false),
             span: tracing::Span::current(),
         });
         let Some(fs) = fs else {
@@ -280,6 +283,7 @@ impl Attachment {
                 match Session::restore(fs.clone(), self.config.clone(), self.op_stats.clone(), &state) {
                     Ok(restored) => {
                         self.install(fs, Rc::new(restored));
+                        self.loaded_unused.set(true);
                         Ok(())
                     }
                     Err(e) => {
@@ -291,8 +295,9 @@ impl Attachment {
             }
             AttachState::Detached { saved } => {
                 let result = self.attach(Some(&state)).await;
-                if result.is_err() {
-                    self.set_detached(saved);
+                match &result {
+                    Ok(()) => self.loaded_unused.set(true),
+                    Err(_) => self.set_detached(saved),
                 }
                 result
             }
@@ -303,23 +308,55 @@ impl Attachment {
         }
     }
 
+    /// A request was served: a loaded session is in use.
+    pub(super) fn note_request(&self) {
+        self.loaded_unused.set(false);
+    }
+
     /// The frontend left: its session's references go back, unless the
-    /// session left with a migration.
-    pub(super) fn frontend_left(&self) -> Option<Rc<Session>> {
-        let mut state = self.state.borrow_mut();
-        match &mut *state {
-            AttachState::Attached { .. } if self.keeping.get() => None,
-            AttachState::Attached { fs, session } => {
-                let fresh = self.fresh_session(fs);
-                let departed = std::mem::replace(session, fresh.clone());
-                SESSIONS.with(|s| s.borrow_mut().insert(self.id, fresh));
-                Some(departed)
+    /// session left with a migration. A destination whose QEMU left before
+    /// the guest ran here (the migration failed after the load) gives the
+    /// image back, so that the source can take it again and resume.
+    pub(super) async fn frontend_left(&self) {
+        let departed = {
+            let mut state = self.state.borrow_mut();
+            match &mut *state {
+                AttachState::Attached { .. } if self.keeping.get() => None,
+                AttachState::Attached { .. } if self.loaded_unused.replace(false) => {
+                    let AttachState::Attached { fs, .. } =
+                        std::mem::replace(&mut *state, AttachState::Detached { saved: None })
+                    else {
+                        unreachable!("matched Attached")
+                    };
+                    SESSIONS.with(|s| s.borrow_mut().remove(&self.id));
+                    // Not given back: the source's saved session holds the
+                    // same references, orphans included.
+                    Some(Err(fs))
+                }
+                AttachState::Attached { fs, session } => {
+                    let fresh = self.fresh_session(fs);
+                    let departed = std::mem::replace(session, fresh.clone());
+                    SESSIONS.with(|s| s.borrow_mut().insert(self.id, fresh));
+                    Some(Ok(departed))
+                }
+                AttachState::Detached { saved } => {
+                    *saved = None;
+                    None
+                }
+                AttachState::Attaching => None,
             }
-            AttachState::Detached { saved } => {
-                *saved = None;
-                None
+        };
+        match departed {
+            Some(Ok(session)) => session.give_back().await,
+            Some(Err(fs)) => {
+                tracing::info!(parent: &self.span, "the frontend left before using the migrated session; image released");
+                if let Some(image) = &self.image {
+                    if let Err(e) = image.detach(fs).await {
+                        tracing::warn!(parent: &self.span, "giving the image back: {e}");
+                    }
+                }
             }
-            AttachState::Attaching => None,
+            None => {}
         }
     }
 

@@ -90,6 +90,7 @@ pub(super) struct OwnerServer {
 
 impl ChainServer for OwnerServer {
     fn serve(&self, chain: Chain, mem: Arc<GuestRam>, finish: Finish) -> ServeTask {
+        self.attachment.note_request();
         if let Some(session) = self.attachment.session() {
             return Box::pin(async move { finish.finish(serve_chain_zero_copy(&session, chain, mem).await) });
         }
@@ -110,11 +111,9 @@ impl ChainServer for OwnerServer {
         // The next frontend gets a fresh session; this one's references go.
         // Only what the departed frontend held: another transport on the
         // same filesystem (the host mount) keeps its handles.
-        let departed = self.attachment.frontend_left();
+        let attachment = self.attachment.clone();
         reactor::spawn_local(async move {
-            if let Some(departed) = departed {
-                departed.give_back().await;
-            }
+            attachment.frontend_left().await;
             for waiter in waiters {
                 let _ = waiter.send(());
             }
