@@ -268,6 +268,39 @@ mod tests {
         SessionState::decode(&out)
     }
 
+    /// Random damage, re-checksummed so that it reaches the structural
+    /// checks: decoding returns, never panics, and whatever it accepts
+    /// encodes back to the same bytes.
+    #[test]
+    fn randomly_damaged_states_decode_or_are_refused() {
+        let good = sample().encode();
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let mut accepted = 0;
+        for _ in 0..20_000 {
+            let mut body = good[HEADER_BYTES..].to_vec();
+            for _ in 0..1 + next() % 4 {
+                let at = (next() % body.len() as u64) as usize;
+                body[at] = next() as u8;
+            }
+            body.truncate(body.len() - (next() % 3 == 0) as usize * (next() % 40) as usize);
+            let mut bytes = good[..HEADER_BYTES].to_vec();
+            bytes[16..24].copy_from_slice(&(body.len() as u64).to_le_bytes());
+            bytes[24..28].copy_from_slice(&keelfs_fs::crc(&body).to_le_bytes());
+            bytes.extend_from_slice(&body);
+            if let Ok(state) = SessionState::decode(&bytes) {
+                assert_eq!(state.encode(), bytes);
+                accepted += 1;
+            }
+        }
+        assert!(accepted > 0, "some damage (to flags, cookies) still decodes");
+    }
+
     #[test]
     fn checksummed_lies_are_refused_before_anything_is_allocated() {
         // A count of 2^61 lookups in a 100-byte state.
