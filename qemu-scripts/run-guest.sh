@@ -68,10 +68,27 @@ Options:
   --guest-dir DIR    guest built by build-guest.sh --out DIR
                      (default: qemu-scripts/.guest)
   --qemu-arg ARG     extra QEMU argument (repeatable)
+  --qmp PATH         a QMP socket for this QEMU (-qmp
+                     unix:PATH,server=on,wait=off); qmp.py talks to it
+  --incoming URI     the destination of a live migration: QEMU starts with
+                     -incoming URI (e.g. defer, then migrate-incoming over
+                     --qmp; or unix:PATH) and runs the guest that arrives.
+                     Give the same options as the source QEMU had (--script
+                     too: it only selects the mode; the guest already runs
+                     it). The console starts when the guest arrives; the
+                     stall clock starts at its first heartbeat
+  --migrated-flag FILE
+                     the source of a live migration: once FILE exists (the
+                     driver, e.g. migrate.sh, creates it when query-migrate
+                     reports "completed"), the guest has left this QEMU, so
+                     QEMU ending without the guest's exit status is the
+                     expected end: exit 0 ("migrated away"). QEMU still
+                     running 30 s after FILE appears is stopped
   -h, --help         show this help
 
 Exit status (with --script): the script's exit status, read from the
 "KEELFS-GUEST-EXIT=<status>" line the guest prints before powering off;
+0 when the guest migrated away (--migrated-flag) without printing it;
 124 when the timeout passed, 125 when QEMU ended without that line,
 126 when the guest stalled (its /init prints a heartbeat every 10 s; none
 for --stall-after seconds, or a kernel stall report and no line from the
@@ -114,6 +131,9 @@ append_extra=""
 verbose=0
 guest_dir="$script_dir/.guest"
 qemu_extra=()
+qmp=""
+incoming=""
+migrated_flag=""
 add_files=()
 
 while (($#)); do
@@ -137,6 +157,9 @@ while (($#)); do
     --verbose) verbose=1; shift ;;
     --guest-dir) need_arg "$1" $#; guest_dir=$2; shift 2 ;;
     --qemu-arg) need_arg "$1" $#; qemu_extra+=("$2"); shift 2 ;;
+    --qmp) need_arg "$1" $#; qmp=$2; shift 2 ;;
+    --incoming) need_arg "$1" $#; incoming=$2; shift 2 ;;
+    --migrated-flag) need_arg "$1" $#; migrated_flag=$2; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac
@@ -175,6 +198,12 @@ fi
 [[ $timeout =~ ^[0-9]+$ ]] || die "--timeout '$timeout' is not a number of seconds"
 [[ $stall_after =~ ^[1-9][0-9]*$ ]] || die "--stall-after '$stall_after' is not a positive number of seconds"
 case "$accel" in auto|kvm|tcg) ;; *) die "--accel must be auto, kvm or tcg" ;; esac
+[[ -z $qmp || -d $(dirname "$qmp") ]] || die "--qmp $qmp: no such directory $(dirname "$qmp")"
+if [[ -n $incoming || -n $migrated_flag ]]; then
+  [[ -n $script ]] || die "--incoming and --migrated-flag need --script"
+  [[ -n $qmp ]] || die "--incoming and --migrated-flag need --qmp (the migration is driven over QMP)"
+fi
+[[ -z $incoming || -z $migrated_flag ]] || die "--incoming and --migrated-flag exclude each other"
 command -v qemu-system-x86_64 >/dev/null || die "qemu-system-x86_64 not found (apt-get install -t bookworm-backports qemu-system-x86)"
 
 # Guest kernel + initramfs (cached; quick when up to date).
@@ -203,6 +232,10 @@ qpid=""
 cleanup() {
   if [[ -n $qpid ]] && kill -0 "$qpid" 2>/dev/null; then
     kill -TERM "$qpid" 2>/dev/null || true
+    # Gone before its back-end is stopped by the caller (SIGKILL after 5 s).
+    for _ in $(seq 1 25); do kill -0 "$qpid" 2>/dev/null || break; sleep 0.2; done
+    kill -KILL "$qpid" 2>/dev/null || true
+    wait "$qpid" 2>/dev/null || true
   fi
   rm -rf "$tmp"
 }
@@ -288,13 +321,20 @@ if [[ -n $socket ]]; then
     -device "vhost-user-fs-pci,chardev=char0,tag=$tag,queue-size=1024,num-request-queues=$queues")
 fi
 qemu+=(-kernel "$kernel" -initrd "$initrd" -append "$cmdline"
-  -nodefaults -display none -nic none -no-reboot
-  "${qemu_extra[@]}")
+  -nodefaults -display none -nic none -no-reboot)
+[[ -z $qmp ]] || qemu+=(-qmp "unix:$qmp,server=on,wait=off")
+[[ -z $incoming ]] || qemu+=(-incoming "$incoming")
+qemu+=("${qemu_extra[@]}")
 
 what=""
 [[ -z $socket ]] || what+=" queues=$queues tag=$tag socket=$socket"
 [[ -z $nvme_img ]] || what+=" nvme=$nvme_img (cache=$nvme_cache, guest $nvme_pci)"
-log "booting: accel=$accel cpu=$cpu smp=$smp mem=$mem$what"
+[[ -z $qmp ]] || what+=" qmp=$qmp"
+if [[ -n $incoming ]]; then
+  log "waiting for an incoming migration ($incoming): accel=$accel cpu=$cpu smp=$smp mem=$mem$what"
+else
+  log "booting: accel=$accel cpu=$cpu smp=$smp mem=$mem$what"
+fi
 
 if ((interactive)); then
   log "interactive console; quit QEMU with Ctrl-A X; 'exit' powers the guest off"
@@ -334,13 +374,27 @@ beat_at=""
 test_lines=0
 progress_at=""
 stall_reason=""
+migrated_at=""
 while kill -0 "$qpid" 2>/dev/null; do
   if [[ -z $marker_at ]] && grep -aEq "$marker_re" "$console"; then
     marker_at=$SECONDS
   fi
-  if [[ -z $marker_at ]]; then
+  if [[ -n $migrated_flag && -z $migrated_at && -e $migrated_flag ]]; then
+    migrated_at=$SECONDS
+    log "the guest migrated away (--migrated-flag $migrated_flag)"
+  fi
+  if [[ -n $migrated_at ]]; then
+    # The guest runs elsewhere now: no stall clock; the driver quits QEMU.
+    if ((SECONDS - migrated_at > 30)); then
+      log "QEMU still running 30 s after the guest migrated away; stopping it"
+      kill -TERM "$qpid" 2>/dev/null || true
+      break
+    fi
+  elif [[ -z $marker_at ]]; then
     if [[ -z $beat_at ]]; then
-      grep -aq '^KEELFS-GUEST-START' "$console" && beat_at=$SECONDS && progress_at=$SECONDS
+      # (A guest that arrived by migration (--incoming) printed its
+      # KEELFS-GUEST-START on the source: its first heartbeat starts it.)
+      grep -aqE '^KEELFS-(GUEST-START|HEARTBEAT)' "$console" && beat_at=$SECONDS && progress_at=$SECONDS
     else
       n=$(grep -ac '^KEELFS-HEARTBEAT' "$console" || true)
       if ((n != beats)); then beats=$n; beat_at=$SECONDS; fi
@@ -377,6 +431,8 @@ done
 qrc=0
 wait "$qpid" || qrc=$?
 qpid=""
+# (The driver may have created the flag and quit QEMU between two looks.)
+[[ -n $migrated_at || -z $migrated_flag || ! -e $migrated_flag ]] || migrated_at=$SECONDS
 wait "$tailpid" 2>/dev/null || true
 elapsed=$((SECONDS - start))
 [[ -z $logfile ]] || cp "$console" "$logfile"
@@ -388,6 +444,11 @@ if [[ -n $status ]]; then
   fi
   log "guest script exited with status $status (${elapsed}s, accel=$accel)"
   exit "$status"
+fi
+if [[ -n $migrated_at ]]; then
+  log "QEMU exited (status $qrc) after the guest migrated away (${elapsed}s)"
+  [[ ! -s $tmp/qemu.err ]] || sed 's/^/  qemu: /' "$tmp/qemu.err" >&2
+  exit 0
 fi
 if ((stalled)); then
   log "error: the guest stalled: $stall_reason (after ${elapsed}s); QEMU stopped"

@@ -83,6 +83,7 @@ have mkfs.xfs || want_apt xfsprogs "xfs, a kernel peer in bench/run-seeds.sh"
 have mkfs.ext4 || want_apt e2fsprogs "ext4, a kernel peer in bench/run-seeds.sh"
 have shellcheck || want_apt shellcheck "linting the project's shell scripts in CI"
 have systemd-analyze || want_apt systemd "systemd-analyze checks contrib/keelfsd.service"
+have python3 || want_apt python3 "qemu-scripts/qmp.py, the QMP client of migrate.sh and upgrade.sh (and run-e2e.sh's stats)"
 # bookworm's QEMU 7.2 and Linux 6.1 lack multi-queue virtio-fs.
 (($(qemu_major) >= 10)) || want_bpo qemu-system-x86 "QEMU 10 to boot the test guests"
 guest_kernel_present || want_bpo linux-image-amd64 "Linux 6.12, the test guests' kernel"
@@ -143,7 +144,7 @@ fi
 step="checking the result"
 (($(qemu_major) >= 10)) || { echo "$prog: error: QEMU 10 is still missing after the install" >&2; exit 1; }
 guest_kernel_present || { echo "$prog: error: no /boot/vmlinuz-6.12.* after the install" >&2; exit 1; }
-for t in fio cpio xz setfattr mkfs.xfs shellcheck systemd-analyze pjdfstest fsx; do
+for t in fio cpio xz setfattr mkfs.xfs shellcheck systemd-analyze python3 pjdfstest fsx; do
   have "$t" || { echo "$prog: error: $t is still missing after the install" >&2; exit 1; }
 done
 say "ok (fio $(fio --version), QEMU $(qemu_major), $(cargo --version))"

@@ -22,6 +22,7 @@ const NEEDED: &[(&str, &str)] = &[
     ("apt package", "e2fsprogs"),
     ("apt package", "shellcheck"),
     ("apt package", "systemd"),
+    ("apt package", "python3"),
     ("apt package", "qemu-system-x86 from bookworm-backports"),
     ("apt package", "linux-image-amd64 from bookworm-backports"),
     ("cargo tool", "pjdfstest"),

@@ -1,0 +1,77 @@
+//! Live migration and upgrade under a running Linux guest (TCG): two
+//! QEMUs and two keelfsd on one image, driven by qemu-scripts/migrate.sh.
+//! The guest holds a file open (and one unlinked while open), lists a
+//! directory through an open descriptor in a loop, and runs fio with
+//! crc32c verification; it is migrated to the second QEMU and keelfsd
+//! (`--incoming`), and afterwards every check in
+//! qemu-scripts/guest-tests/migrate.sh must pass, both daemons must stop
+//! cleanly and fsck must find the image clean:
+//! - with the migration in a quiet spell;
+//! - with it started while fio's I/O is in flight;
+//! - as an upgrade (qemu-scripts/upgrade.sh): the destination runs a
+//!   different keelfsd binary (a copy here, standing in for a new build).
+//!
+//! scripts/setup.sh installs QEMU 10, the guest kernel, fio, python3 (the
+//! QMP client) and a C compiler (the guest's directory lister). Nothing is
+//! skipped when they are missing: the scripts fail and say what is.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Mutex;
+use std::time::Instant;
+
+/// Two guests under TCG take both cores: one run at a time.
+static ONE_RUN_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_owned()
+}
+
+/// Run `script` (under qemu-scripts) with `args`; fails with its output
+/// unless it exits 0 having printed its summary.
+fn run(name: &str, script: &str, args: &[&str]) {
+    let _turn = ONE_RUN_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let workdir = std::env::temp_dir().join(format!("keelfs-migrate-{name}-{}", std::process::id()));
+    let started = Instant::now();
+    let out = Command::new("bash")
+        .arg(repo().join("qemu-scripts").join(script))
+        .arg("--workdir")
+        .arg(&workdir)
+        .args(args)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    let _ = std::fs::remove_dir_all(&workdir);
+    let summary: Vec<&str> = text.lines().filter(|l| l.contains("PASS") || l.contains("FAIL")).collect();
+    eprintln!("{}\n{name}: {:.0} s", summary.join("\n"), started.elapsed().as_secs_f64());
+    assert!(out.status.success(), "{name} failed:\n{text}");
+    assert!(!summary.iter().any(|l| l.contains("FAIL:")), "{name} printed a failure:\n{text}");
+    for check in ["fd 6 reads the file unlinked before the migration", "fsck", "read-verify of every block"] {
+        assert!(
+            summary.iter().any(|l| l.contains("PASS") && l.contains(check)),
+            "{name}: no PASS for {check}:\n{text}"
+        );
+    }
+}
+
+const KEELFSD: &str = env!("CARGO_BIN_EXE_keelfsd");
+
+#[test]
+fn a_guest_migrates_to_a_second_keelfsd_in_a_quiet_spell() {
+    run("quiet", "migrate.sh", &["--keelfsd", KEELFSD]);
+}
+
+#[test]
+fn a_guest_migrates_with_its_io_in_flight() {
+    run("during-io", "migrate.sh", &["--keelfsd", KEELFSD, "--during-io"]);
+}
+
+#[test]
+fn keelfsd_is_upgraded_under_a_running_guest() {
+    // Another binary file: the destination really runs a different one.
+    let new = std::env::temp_dir().join(format!("keelfsd-new-{}", std::process::id()));
+    std::fs::copy(KEELFSD, &new).unwrap();
+    let new_path = new.to_str().unwrap().to_owned();
+    run("upgrade", "upgrade.sh", &["--keelfsd", KEELFSD, "--keelfsd-new", &new_path, "--during-io"]);
+    let _ = std::fs::remove_file(&new);
+}
