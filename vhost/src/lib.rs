@@ -12,6 +12,7 @@
 //! - `frontend`: a vhost-user-fs frontend that plays VMM and guest, for
 //!   the tests and keelfs-bench.
 
+mod dirty_log;
 #[cfg(feature = "test-utils")]
 pub mod frontend;
 mod guest_io;

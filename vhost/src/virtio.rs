@@ -19,9 +19,9 @@ use virtio_queue::{DescriptorChain, Queue, QueueT, Writer};
 use vm_memory::{Bytes, GuestAddress};
 
 /// Guest memory as the vhost-user backend maps it: each region carries
-/// the dirty log that live migration reads (vhost-user's LOG_SHMFD), which
+/// the dirty log that live migration reads (`DirtyLog`), which
 /// vm-memory's own writes mark and [`GuestBuffer`] marks for device I/O.
-pub type GuestRam = vm_memory::GuestMemoryMmap<vhost_user_backend::bitmap::BitmapMmapRegion>;
+pub type GuestRam = vm_memory::GuestMemoryMmap<crate::dirty_log::DirtyLog>;
 
 use crate::fuse::abi::{error_reply, Opcode, IN_HEADER_BYTES, OUT_HEADER_BYTES};
 use crate::fuse::dispatch::{Session, SharedHandle};
@@ -158,7 +158,7 @@ trait ReplySink {
     fn put(&mut self, bytes: &[u8]) -> bool;
 }
 
-impl ReplySink for Writer<'_, vhost_user_backend::bitmap::BitmapMmapRegion> {
+impl ReplySink for Writer<'_, vm_memory::bitmap::RefSlice<'_, crate::dirty_log::DirtyLog>> {
     fn room(&self) -> usize {
         self.available_bytes()
     }

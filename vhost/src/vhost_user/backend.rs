@@ -48,7 +48,7 @@ fn guest_regions(mem: &GuestRam) -> Vec<MemoryRegion> {
 }
 
 impl VhostUserBackend for FsBackend {
-    type Bitmap = vhost_user_backend::bitmap::BitmapMmapRegion;
+    type Bitmap = crate::dirty_log::DirtyLog;
     type Vring = Vring;
 
     fn num_queues(&self) -> usize {
