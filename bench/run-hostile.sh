@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# How much of its IOPS an export keeps beside a hostile neighbour on the
+# same reactor (issue 16): one keelfsd reactor serving two exports on
+# RAM-backed images; keelfs-bench vhost (dio-randrw, --iodepth CALM) on
+# the calm one, alone and then beside keelfs-bench hostile (--depth
+# HOSTILE: absurd ranges, huge reads, unknown opcodes, long names) on the
+# other, rounds alternating so that both see the same machine. Prints one
+# JSON line per round and a summary line with the ratio of the sums; with
+# OUT, appends them to OUT too. bench/tests/hostile_neighbour.rs checks
+# the same set-up for liveness only (every hostile request answered, the
+# calm export served); the ratio is a measurement, kept here.
+#
+# usage: bench/run-hostile.sh [OUT.json] [--rounds N] [--calm-depth N] [--hostile-depth N]
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+out=""
+rounds=3
+calm_depth=8
+hostile_depth=8
+while (($#)); do
+  case $1 in
+    --rounds) rounds=$2; shift 2 ;;
+    --calm-depth) calm_depth=$2; shift 2 ;;
+    --hostile-depth) hostile_depth=$2; shift 2 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    *) out=$1; shift ;;
+  esac
+done
+keelfsd=$repo/target/release/keelfsd
+bench=$repo/target/release/keelfs-bench
+for bin in "$keelfsd" "$bench"; do
+  [[ -x $bin ]] || { echo "run-hostile.sh: $bin is missing (cargo build --release)" >&2; exit 2; }
+done
+work=$(mktemp -d /dev/shm/keelfs-hostile.XXXXXX)
+daemon=""
+cleanup() {
+  if [[ -n $daemon ]]; then kill "$daemon" 2>/dev/null || true; wait "$daemon" 2>/dev/null || true; fi
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+emit() {
+  echo "$1"
+  if [[ -n $out ]]; then echo "$1" >>"$out"; fi
+}
+
+config=$work/keelfsd.toml
+printf '[daemon]\nreactors = 1\n' >"$config"
+for tag in calm hostile; do
+  "$keelfsd" mkfs "$work/$tag.img" --size 256M --force >/dev/null 2>&1
+  printf '[[device]]\nname = "%s"\npath = "%s"\n[[export]]\ntag = "%s"\ndevice = "%s"\nsocket = "%s"\ncache = "none"\n' \
+    "$tag" "$work/$tag.img" "$tag" "$tag" "$work/$tag.sock" >>"$config"
+done
+"$keelfsd" serve --config "$config" 2>"$work/keelfsd.log" &
+daemon=$!
+for sock in calm hostile; do
+  for _ in $(seq 300); do [[ -S $work/$sock.sock ]] && break; sleep 0.05; done
+  [[ -S $work/$sock.sock ]] || { echo "run-hostile.sh: keelfsd never bound $sock.sock" >&2; exit 1; }
+done
+
+calm() {
+  "$bench" vhost --socket "$work/calm.sock" --workload dio-randrw --iodepth "$calm_depth" --file-size 32M \
+    --seconds 3 --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["iops"])'
+}
+
+alone_sum=0 beside_sum=0
+for round in $(seq "$rounds"); do
+  alone=$(calm)
+  "$bench" hostile --socket "$work/hostile.sock" --seconds 5 --depth "$hostile_depth" --json >"$work/hostile.json" &
+  attacker=$!
+  sleep 0.5
+  beside=$(calm)
+  wait "$attacker"
+  hostile_rate=$(python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print(r["requests_per_s"])' "$work/hostile.json")
+  emit "{\"bench\":\"hostile-neighbour\",\"round\":$round,\"calm_depth\":$calm_depth,\"hostile_depth\":$hostile_depth,\"calm_iops_alone\":$alone,\"calm_iops_beside\":$beside,\"hostile_requests_per_s\":$hostile_rate}"
+  alone_sum=$(python3 -c "print($alone_sum + $alone)")
+  beside_sum=$(python3 -c "print($beside_sum + $beside)")
+done
+ratio=$(python3 -c "print(round($beside_sum / $alone_sum, 2))")
+emit "{\"bench\":\"hostile-neighbour\",\"summary\":true,\"rounds\":$rounds,\"calm_depth\":$calm_depth,\"hostile_depth\":$hostile_depth,\"ratio\":$ratio}"
