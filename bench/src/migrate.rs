@@ -12,11 +12,13 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use clap::Args;
 use keelfs_vhost::abi::{init_flags as f, Opcode, Reply};
 use keelfs_vhost::frontend::{io_in, FrontendConfig, FsFrontend};
 use serde_json::json;
+
+use crate::vhost::check;
 
 #[derive(Args, Debug)]
 pub struct MigrateArgs {
@@ -42,13 +44,6 @@ pub struct MigrateArgs {
     label: String,
     #[arg(long)]
     json: bool,
-}
-
-fn check(err: i32, what: &str) -> anyhow::Result<()> {
-    if err != 0 {
-        bail!("{what}: {}", std::io::Error::from_raw_os_error(err));
-    }
-    Ok(())
 }
 
 fn named(name: &str) -> Vec<u8> {

@@ -69,7 +69,8 @@ pub struct VhostArgs {
     json: bool,
 }
 
-fn check(err: i32, what: &str) -> anyhow::Result<()> {
+/// An errno from a FUSE reply as an error naming `what` failed.
+pub(crate) fn check(err: i32, what: &str) -> anyhow::Result<()> {
     if err != 0 {
         bail!("{what}: {}", std::io::Error::from_raw_os_error(err));
     }

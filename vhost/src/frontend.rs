@@ -245,18 +245,25 @@ impl DirtyLog {
     }
 }
 
+/// SET_DEVICE_STATE_FD with our end of a pipe, as QEMU sends it; a
+/// backend that answers with a pipe of its own is not what QEMU 10 expects.
+fn hand_state_fd(
+    frontend: &Frontend,
+    direction: VhostTransferStateDirection,
+    fd: std::os::fd::OwnedFd,
+) -> FrontendResult<()> {
+    let own = frontend.set_device_state_fd(direction, VhostTransferStatePhase::STOPPED, fd)?;
+    match own {
+        Some(_) => Err(FrontendError::Feature("a state transfer through QEMU's pipe")),
+        None => Ok(()),
+    }
+}
+
 /// SET_DEVICE_STATE_FD (LOAD) with a pipe that a thread fills with
 /// `state`, then CHECK_DEVICE_STATE, as QEMU loads a migrated device.
 fn load_state(frontend: &Frontend, state: &[u8]) -> FrontendResult<()> {
     let (read, mut write) = std::io::pipe()?;
-    let own = frontend.set_device_state_fd(
-        VhostTransferStateDirection::LOAD,
-        VhostTransferStatePhase::STOPPED,
-        read.into(),
-    )?;
-    if own.is_some() {
-        return Err(FrontendError::Feature("a state transfer through QEMU's pipe"));
-    }
+    hand_state_fd(frontend, VhostTransferStateDirection::LOAD, read.into())?;
     let bytes = state.to_vec();
     // The backend reads as this writes: a state larger than the pipe's
     // buffer would block a writer on this thread.
@@ -525,14 +532,7 @@ impl FsFrontend {
             self.frontend.get_vring_base(queue)?;
         }
         let (mut read, write) = std::io::pipe()?;
-        let own = self.frontend.set_device_state_fd(
-            VhostTransferStateDirection::SAVE,
-            VhostTransferStatePhase::STOPPED,
-            write.into(),
-        )?;
-        if own.is_some() {
-            return Err(FrontendError::Feature("a state transfer through QEMU's pipe"));
-        }
+        hand_state_fd(&self.frontend, VhostTransferStateDirection::SAVE, write.into())?;
         let mut bytes = Vec::new();
         read.read_to_end(&mut bytes)?;
         self.frontend.check_device_state()?;
