@@ -388,7 +388,16 @@ fn open_exports(config: &Config, link: Option<&Arc<SupervisorLink>>) -> anyhow::
             }
             None => None,
         };
-        let session = SessionFile::path_of(export).map(|path| SessionFile::open(&path)).transpose()?;
+        let session = match SessionFile::path_of(export) {
+            None => None,
+            // One the operator named must work; the default beside the
+            // image is a convenience, and a directory keelfsd may not
+            // write costs only the restart's session.
+            Some(path) if export.session_file.is_some() => Some(SessionFile::open(&path)?),
+            Some(path) => SessionFile::open(&path)
+                .map_err(|e| tracing::warn!("export {}: no session kept across restarts: {e:#}", export.tag))
+                .ok(),
+        };
         opened.push(Opened { export: export.clone(), dev, listener, fuse, lock, session });
     }
     Ok(opened)

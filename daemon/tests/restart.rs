@@ -139,3 +139,20 @@ fn after_a_crash_old_handles_fail_cleanly_and_node_ids_keep_their_files() {
     let (code, report) = fsck(&image);
     assert_eq!(code, 0, "{report}");
 }
+
+#[test]
+fn a_default_session_file_that_cannot_be_made_costs_only_the_session() {
+    let dir = Scratch::new("restart-nofile");
+    let (image, socket) = (dir.path("image"), dir.path("fs.sock"));
+    mkfs(&image, "256M");
+    // Something else has the name: keelfsd serves, keeping no session.
+    std::fs::create_dir(dir.path("image.session")).unwrap();
+    let daemon = serve(&image, &socket);
+    let (mut fe, file, _) = hold(&socket);
+    assert_eq!(fe.fuse(1, Opcode::Getattr, file.0, &[0u8; 16]).unwrap().0, 0);
+    drop(fe);
+    assert!(daemon.stop().success());
+    assert!(dir.path("image.session").is_dir());
+    let (code, report) = fsck(&image);
+    assert_eq!(code, 0, "{report}");
+}
