@@ -531,3 +531,18 @@ fn pages_the_device_writes_are_logged_while_migrating() {
     drop(fe);
     assert!(daemon.stop().0 >= 2, "the direct requests took the zero-copy path");
 }
+
+#[test]
+fn a_device_that_cannot_give_its_image_up_refuses_to_save_and_serves_on() {
+    // The common daemon has no ImageAccess, as an export with a host
+    // mount: its session cannot follow a guest elsewhere.
+    let daemon = Daemon::start(1);
+    let mut fe = daemon.connect(1);
+    fe.init(f::INIT_EXT).unwrap();
+    let (nodeid, fh) = create(&mut fe, 1, "stays");
+    assert_eq!(write(&mut fe, 1, nodeid, fh, 0, b"here"), 0);
+    assert!(fe.save_state().is_err(), "CHECK_DEVICE_STATE reports the refusal");
+    // QEMU fails the migration and restarts the rings: the guest goes on.
+    fe.resume_queues().unwrap();
+    assert_eq!(read(&mut fe, 1, nodeid, fh, 0, 4), b"here");
+}
