@@ -75,6 +75,17 @@ struct Server {
 
 impl Server {
     fn start(name: &str, dev: &Arc<dyn BlockDevice>, lock: &Arc<AtomicBool>, incoming: bool) -> Self {
+        Self::start_restoring(name, dev, lock, incoming, None)
+    }
+
+    /// With a session kept by an earlier daemon to restore.
+    fn start_restoring(
+        name: &str,
+        dev: &Arc<dyn BlockDevice>,
+        lock: &Arc<AtomicBool>,
+        incoming: bool,
+        restore: Option<SessionState>,
+    ) -> Self {
         let dir = std::env::temp_dir().join(format!("keelfs-mig-{}-{name}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let socket = dir.join("fs.sock");
@@ -86,7 +97,7 @@ impl Server {
                 let mut reactor = Reactor::new(ReactorConfig::default()).unwrap();
                 reactor.block_on(async move {
                     let image = std::rc::Rc::new(RamImage { dev, lock, mine: Cell::new(false) });
-                    let options = ServeOptions { image: Some(image.clone()), ..ServeOptions::default() };
+                    let options = ServeOptions { image: Some(image.clone()), restore, ..ServeOptions::default() };
                     let config = SessionConfig::default();
                     let server = if incoming {
                         VhostUserServer::start_detached(config, &socket, 1, options).unwrap()
@@ -338,5 +349,23 @@ fn a_destination_whose_guest_never_ran_gives_the_image_back_to_the_source() {
     drop(fe);
     drop(destination);
     drop(source);
+    fsck_clean(&dev);
+}
+
+#[test]
+fn a_kept_session_that_does_not_fit_gives_way_to_a_fresh_one() {
+    let (dev, lock) = image();
+    // Another filesystem's session, as a session file beside an image
+    // that was formatted again would hold.
+    let stale = SessionState { fs_uuid: [7; 16], initialized: true, ..SessionState::default() };
+    for incoming in [true, false] {
+        let server = Server::start_restoring("stale", &dev, &lock, incoming, Some(stale.clone()));
+        let mut fe = server.connect();
+        // Without the fallback, the attach fails and so does every request.
+        fe.init(f::ASYNC_READ | f::MAX_PAGES | f::INIT_EXT).unwrap();
+        assert_eq!(status(&mut fe, Opcode::Getattr, 1, &[0u8; 16]), 0, "served (incoming: {incoming})");
+        drop(fe);
+        drop(server);
+    }
     fsck_clean(&dev);
 }

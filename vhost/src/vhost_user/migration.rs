@@ -191,7 +191,7 @@ impl Attachment {
             return self.session();
         };
         *self.state.borrow_mut() = AttachState::Attaching;
-        let attach = tracing::Instrument::instrument(self.attach(saved.as_ref()), self.span.clone());
+        let attach = tracing::Instrument::instrument(self.attach(saved.as_ref(), true), self.span.clone());
         if let Err(e) = attach.await {
             tracing::warn!(parent: &self.span, "cannot take the image: {e}");
             self.set_detached(saved);
@@ -211,8 +211,12 @@ impl Attachment {
         .await
     }
 
-    /// Take the image and restore `saved` (or start a fresh session).
-    async fn attach(&self, saved: Option<&SessionState>) -> Result<(), String> {
+    /// Take the image and restore `saved` (or start a fresh session). A
+    /// saved session that no longer fits the image fails the attach for a
+    /// migration (`fresh_if_unfit` false: CHECK_DEVICE_STATE says so), or
+    /// gives way to a fresh one for a guest's request: its old handles then
+    /// fail with EBADF, and the guest is served rather than stuck.
+    async fn attach(&self, saved: Option<&SessionState>, fresh_if_unfit: bool) -> Result<(), String> {
         let image = self.image.as_ref().ok_or("this export cannot take its image back")?;
         let fs = image.attach().await?;
         let restored = match saved {
@@ -221,6 +225,10 @@ impl Attachment {
         };
         let session = match restored {
             Ok(session) => Rc::new(session),
+            Err(e) if fresh_if_unfit => {
+                tracing::warn!(parent: &self.span, "the saved session is not restored: {e}");
+                self.fresh_session(&fs)
+            }
             Err(e) => {
                 if let Err(d) = image.detach(fs).await {
                     tracing::warn!(parent: &self.span, "giving the image back after a refused session: {d}");
@@ -294,7 +302,7 @@ impl Attachment {
                 }
             }
             AttachState::Detached { saved } => {
-                let result = self.attach(Some(&state)).await;
+                let result = self.attach(Some(&state), false).await;
                 match &result {
                     Ok(()) => self.loaded_unused.set(true),
                     Err(_) => self.set_detached(saved),
