@@ -44,7 +44,8 @@ const ROUND_PAUSE: Duration = Duration::from_micros(100);
 /// How long one request may take before the run fails: a stall.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
 
-fn named(name: &[u8]) -> Vec<u8> {
+/// A FUSE name: the bytes, then a NUL.
+pub(crate) fn named(name: &[u8]) -> Vec<u8> {
     let mut v = name.to_vec();
     v.push(0);
     v

@@ -18,6 +18,7 @@ use keelfs_vhost::abi::{init_flags as f, Opcode, Reply};
 use keelfs_vhost::frontend::{io_in, FrontendConfig, FsFrontend};
 use serde_json::json;
 
+use crate::hostile::named;
 use crate::vhost::check;
 
 #[derive(Args, Debug)]
@@ -46,12 +47,6 @@ pub struct MigrateArgs {
     json: bool,
 }
 
-fn named(name: &str) -> Vec<u8> {
-    let mut b = name.as_bytes().to_vec();
-    b.push(0);
-    b
-}
-
 /// What the source's guest holds: node ids, and open (node id, handle).
 struct Held {
     nodes: Vec<u64>,
@@ -63,14 +58,14 @@ struct Held {
 fn hold_session(fe: &mut FsFrontend, inodes: u64, handles: u64) -> anyhow::Result<Held> {
     fe.init(f::ASYNC_READ | f::MAX_PAGES | f::INIT_EXT | f::DO_READDIRPLUS)?;
     let mut mkdir = Reply::default();
-    mkdir.u32(0o755).u32(0).raw(&named(&format!("session-{}", std::process::id())));
+    mkdir.u32(0o755).u32(0).raw(&named(format!("session-{}", std::process::id()).as_bytes()));
     let (err, reply) = fe.fuse(1, Opcode::Mkdir, 1, &mkdir.bytes)?;
     check(err, "mkdir")?;
     let dir = u64::from_le_bytes(reply[..8].try_into()?);
     let mut nodes = Vec::with_capacity(inodes as usize);
     for i in 0..inodes {
         let mut body = Reply::default();
-        body.u32(0o100644).u32(0).u32(0).u32(0).raw(&named(&format!("f{i}")));
+        body.u32(0o100644).u32(0).u32(0).u32(0).raw(&named(format!("f{i}").as_bytes()));
         let (err, reply) = fe.fuse(1, Opcode::Mknod, dir, &body.bytes)?;
         check(err, "mknod")?;
         nodes.push(u64::from_le_bytes(reply[..8].try_into()?));

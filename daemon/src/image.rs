@@ -158,8 +158,10 @@ impl SessionFile {
             .map_err(|e| anyhow::anyhow!("opening the session file {}: {e}", path.display()))?;
         let mut bytes = Vec::new();
         (&file).take(keelfs_vhost::STATE_BYTES_MAX as u64 + 1).read_to_end(&mut bytes)?;
-        file.set_len(0)?;
-        file.sync_all()?;
+        if !bytes.is_empty() {
+            file.set_len(0)?;
+            file.sync_all()?;
+        }
         let state = match bytes.len() {
             0 => None,
             _ => match keelfs_vhost::SessionState::decode(&bytes) {

@@ -43,25 +43,15 @@ impl ImageLock {
         }
         // A write lock needs a descriptor open for writing; a read lock
         // one open for reading.
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(kind == libc::F_WRLCK)
-            .open(path)
-            .map_err(|e| UsageError(format!("cannot open {}: {e}", path.display())))?;
+        let file = open_image(path, kind == libc::F_WRLCK)?;
         // A holder that is being killed (a sandboxed daemon dies a moment
         // after its supervisor) lets go within milliseconds: wait that out.
         let deadline = std::time::Instant::now() + EXITING_HOLDER_GRACE;
         loop {
-            let mut lock = whole_file(kind);
-            // SAFETY: fcntl on a descriptor this function owns, with a
-            // pointer to a live, initialised flock.
-            let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &mut lock) };
-            if rc == 0 {
-                return Ok(Some(ImageLock { file }));
-            }
-            let err = std::io::Error::last_os_error();
-            if !matches!(err.raw_os_error(), Some(libc::EAGAIN | libc::EACCES)) {
-                return Err(anyhow::Error::new(err).context(format!("locking {}", path.display())));
+            match set_lock(&file, kind) {
+                Ok(true) => return Ok(Some(ImageLock { file })),
+                Ok(false) => {}
+                Err(err) => return Err(anyhow::Error::new(err).context(format!("locking {}", path.display()))),
             }
             if std::time::Instant::now() >= deadline {
                 break;
@@ -78,42 +68,19 @@ impl ImageLock {
         if keelfs_bdev::NvmeAddress::is_nvme_name(&path.to_string_lossy()) {
             return Ok(None);
         }
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
-            .map_err(|e| UsageError(format!("cannot open {}: {e}", path.display())))?;
-        Ok(Some(ImageLock { file }))
+        Ok(Some(ImageLock { file: open_image(path, true)? }))
     }
 
     /// Take the write lock if nobody holds it; false if somebody does.
     pub fn try_lock(&self) -> std::io::Result<bool> {
-        let mut lock = whole_file(libc::F_WRLCK);
-        // SAFETY: fcntl on the descriptor this lock owns, with a pointer
-        // to a live, initialised flock.
-        let rc = unsafe { libc::fcntl(self.file.as_raw_fd(), libc::F_OFD_SETLK, &mut lock) };
-        if rc == 0 {
-            return Ok(true);
-        }
-        let err = std::io::Error::last_os_error();
-        match err.raw_os_error() {
-            Some(libc::EAGAIN | libc::EACCES) => Ok(false),
-            _ => Err(err),
-        }
+        set_lock(&self.file, libc::F_WRLCK)
     }
 
     /// Let go of the lock, keeping the file open to take it again: a
     /// migration's source hands the image over, and takes it back if the
     /// migration fails.
     pub fn unlock(&self) -> std::io::Result<()> {
-        let mut lock = whole_file(libc::F_UNLCK);
-        // SAFETY: as in `try_lock`.
-        let rc = unsafe { libc::fcntl(self.file.as_raw_fd(), libc::F_OFD_SETLK, &mut lock) };
-        if rc == 0 {
-            Ok(())
-        } else {
-            Err(std::io::Error::last_os_error())
-        }
+        set_lock(&self.file, libc::F_UNLCK).map(drop)
     }
 
     /// Whether another open file holds a lock on `path` (it is being served):
@@ -121,9 +88,33 @@ impl ImageLock {
     pub fn is_held(path: &Path) -> bool {
         let Ok(file) = File::open(path) else { return false };
         let mut probe = whole_file(libc::F_WRLCK);
-        // SAFETY: as in `exclusive`; F_OFD_GETLK only writes into `probe`.
+        // SAFETY: as in `set_lock`; F_OFD_GETLK only writes into `probe`.
         let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_GETLK, &mut probe) };
         rc == 0 && probe.l_type != libc::F_UNLCK as libc::c_short
+    }
+}
+
+/// The image at `path`, open for reading and, with `write`, writing.
+fn open_image(path: &Path, write: bool) -> anyhow::Result<File> {
+    let opened = std::fs::OpenOptions::new().read(true).write(write).open(path);
+    opened.map_err(|e| UsageError(format!("cannot open {}: {e}", path.display())).into())
+}
+
+/// Set (F_RDLCK, F_WRLCK) or clear (F_UNLCK) `file`'s OFD lock on the
+/// whole file without waiting: false if another open file holds one
+/// that conflicts.
+fn set_lock(file: &File, kind: libc::c_int) -> std::io::Result<bool> {
+    let mut lock = whole_file(kind);
+    // SAFETY: fcntl on a descriptor `file` keeps open, with a pointer to a
+    // live, initialised flock.
+    let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &mut lock) };
+    if rc == 0 {
+        return Ok(true);
+    }
+    let err = std::io::Error::last_os_error();
+    match err.raw_os_error() {
+        Some(libc::EAGAIN | libc::EACCES) => Ok(false),
+        _ => Err(err),
     }
 }
 

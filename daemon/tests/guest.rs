@@ -14,10 +14,11 @@
 //! and fsx. Nothing here is skipped when they are missing: the test fails
 //! and says what to install.
 
-use std::path::Path;
 use std::process::Command;
 use std::sync::Mutex;
-use std::time::Instant;
+
+mod common;
+use common::run_qemu_script;
 
 /// Guests under TCG take both cores: the suites run one at a time.
 static ONE_GUEST_SUITE_AT_A_TIME: Mutex<()> = Mutex::new(());
@@ -25,29 +26,14 @@ static ONE_GUEST_SUITE_AT_A_TIME: Mutex<()> = Mutex::new(());
 /// run-e2e.sh with `args`; fails with its log when any check failed.
 fn run_suite(name: &str, args: &[&str]) {
     let _turn = ONE_GUEST_SUITE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
-    let script = repo.join("qemu-scripts/run-e2e.sh");
     assert!(
         Command::new("sh").arg("-c").arg("command -v qemu-system-x86_64").status().unwrap().success(),
         "qemu-system-x86_64 is missing: run scripts/setup.sh"
     );
-    let workdir = std::env::temp_dir().join(format!("keelfs-e2e-{name}-{}", std::process::id()));
-    let started = Instant::now();
-    let out = Command::new("bash")
-        .arg(&script)
-        .arg("--keelfsd")
-        .arg(env!("CARGO_BIN_EXE_keelfsd"))
-        .arg("--workdir")
-        .arg(&workdir)
-        .args(args)
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-    let _ = std::fs::remove_dir_all(&workdir);
-    // The summary table is what a reader of the CI log wants.
-    let summary: Vec<&str> = text.lines().filter(|l| l.contains("PASS") || l.contains("FAIL")).collect();
-    eprintln!("{}\n{name} guest suite wall time: {:.0} s", summary.join("\n"), started.elapsed().as_secs_f64());
-    assert!(out.status.success(), "the {name} guest suite failed:\n{text}");
+    let mut all = vec!["--keelfsd", env!("CARGO_BIN_EXE_keelfsd")];
+    all.extend_from_slice(args);
+    let (passed, text, _) = run_qemu_script(&format!("e2e-{name}"), "run-e2e.sh", &all);
+    assert!(passed, "the {name} guest suite failed:\n{text}");
 }
 
 #[test]

@@ -15,36 +15,20 @@
 //! QMP client) and a C compiler (the guest's directory lister). Nothing is
 //! skipped when they are missing: the scripts fail and say what is.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::Mutex;
-use std::time::Instant;
+
+mod common;
+use common::run_qemu_script;
 
 /// Two guests under TCG take both cores: one run at a time.
 static ONE_RUN_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_owned()
-}
 
 /// Run `script` (under qemu-scripts) with `args`; fails with its output
 /// unless it exits 0 having printed its summary.
 fn run(name: &str, script: &str, args: &[&str]) {
     let _turn = ONE_RUN_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let workdir = std::env::temp_dir().join(format!("keelfs-migrate-{name}-{}", std::process::id()));
-    let started = Instant::now();
-    let out = Command::new("bash")
-        .arg(repo().join("qemu-scripts").join(script))
-        .arg("--workdir")
-        .arg(&workdir)
-        .args(args)
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-    let _ = std::fs::remove_dir_all(&workdir);
-    let summary: Vec<&str> = text.lines().filter(|l| l.contains("PASS") || l.contains("FAIL")).collect();
-    eprintln!("{}\n{name}: {:.0} s", summary.join("\n"), started.elapsed().as_secs_f64());
-    assert!(out.status.success(), "{name} failed:\n{text}");
+    let (passed, text, summary) = run_qemu_script(&format!("migrate-{name}"), script, args);
+    assert!(passed, "{name} failed:\n{text}");
     assert!(!summary.iter().any(|l| l.contains("FAIL:")), "{name} printed a failure:\n{text}");
     for check in ["fd 6 reads the file unlinked before the migration", "fsck", "read-verify of every block"] {
         assert!(

@@ -106,3 +106,26 @@ impl Drop for Served {
         }
     }
 }
+
+/// A qemu-scripts script run to its end with a `--workdir` of its own
+/// (removed afterwards): whether it exited 0, its whole output, and its
+/// PASS and FAIL lines, printed with the time it took (what a reader of
+/// the CI log wants).
+pub fn run_qemu_script(name: &str, script: &str, args: &[&str]) -> (bool, String, Vec<String>) {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let workdir = std::env::temp_dir().join(format!("keelfs-{name}-{}", std::process::id()));
+    let started = Instant::now();
+    let out = Command::new("bash")
+        .arg(repo.join("qemu-scripts").join(script))
+        .arg("--workdir")
+        .arg(&workdir)
+        .args(args)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    let _ = std::fs::remove_dir_all(&workdir);
+    let summary: Vec<String> =
+        text.lines().filter(|l| l.contains("PASS") || l.contains("FAIL")).map(str::to_owned).collect();
+    eprintln!("{}\n{name}: {:.0} s", summary.join("\n"), started.elapsed().as_secs_f64());
+    (out.status.success(), text, summary)
+}

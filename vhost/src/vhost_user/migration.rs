@@ -118,25 +118,36 @@ impl Attachment {
             *this.state.borrow_mut() = AttachState::Detached { saved: restore };
             return this;
         };
-        let restored =
-            restore.map(|state| Session::restore(fs.clone(), this.config.clone(), this.op_stats.clone(), &state));
-        let session = match restored {
-            Some(Ok(session)) => Rc::new(session),
-            Some(Err(e)) => {
-                tracing::warn!(parent: &this.span, "the saved session is not restored: {e}");
-                this.fresh_session(&fs)
-            }
-            None => this.fresh_session(&fs),
-        };
-        if let Err(e) = fs.free_unheld_orphans() {
-            tracing::warn!(parent: &this.span, "freeing orphans: {e}");
-        }
-        this.install(fs, session);
+        let session = this.session_on(&fs, restore.as_ref()).unwrap_or_else(|e| this.fresh_after(&fs, &e));
+        this.install_freeing_orphans(fs, session);
         this
     }
 
     fn fresh_session(&self, fs: &Fs) -> Rc<Session> {
         Rc::new(Session::with_stats(fs.clone(), self.config.clone(), self.op_stats.clone()))
+    }
+
+    /// `saved` restored on `fs`, or a fresh session if there is none.
+    fn session_on(&self, fs: &Fs, saved: Option<&SessionState>) -> Result<Rc<Session>, StateError> {
+        match saved {
+            Some(state) => Session::restore(fs.clone(), self.config.clone(), self.op_stats.clone(), state).map(Rc::new),
+            None => Ok(self.fresh_session(fs)),
+        }
+    }
+
+    /// A fresh session where a saved one did not fit.
+    fn fresh_after(&self, fs: &Fs, refused: &StateError) -> Rc<Session> {
+        tracing::warn!(parent: &self.span, "the saved session is not restored: {refused}");
+        self.fresh_session(fs)
+    }
+
+    /// Install a filesystem mounted with its orphans kept, once `session`
+    /// holds what it holds: the orphans nobody holds are freed.
+    fn install_freeing_orphans(&self, fs: Fs, session: Rc<Session>) {
+        if let Err(e) = fs.free_unheld_orphans() {
+            tracing::warn!(parent: &self.span, "freeing orphans: {e}");
+        }
+        self.install(fs, session);
     }
 
     fn install(&self, fs: Fs, session: Rc<Session>) {
@@ -181,16 +192,19 @@ impl Attachment {
     /// The session, attaching the image first if need be; None if that
     /// failed (the request then fails, and the next one tries again).
     pub(super) async fn attached(self: &Rc<Self>) -> Option<Rc<Session>> {
-        let saved = match &mut *self.state.borrow_mut() {
-            AttachState::Attached { session, .. } => return Some(session.clone()),
-            AttachState::Detached { saved } => Some(saved.take()),
-            AttachState::Attaching => None,
+        let previous = std::mem::replace(&mut *self.state.borrow_mut(), AttachState::Attaching);
+        let saved = match previous {
+            AttachState::Attached { ref session, .. } => {
+                let session = session.clone();
+                *self.state.borrow_mut() = previous;
+                return Some(session);
+            }
+            AttachState::Attaching => {
+                self.wait_while_attaching().await;
+                return self.session();
+            }
+            AttachState::Detached { saved } => saved,
         };
-        let Some(saved) = saved else {
-            self.wait_while_attaching().await;
-            return self.session();
-        };
-        *self.state.borrow_mut() = AttachState::Attaching;
         let attach = tracing::Instrument::instrument(self.attach(saved.as_ref(), true), self.span.clone());
         if let Err(e) = attach.await {
             tracing::warn!(parent: &self.span, "cannot take the image: {e}");
@@ -219,16 +233,9 @@ impl Attachment {
     async fn attach(&self, saved: Option<&SessionState>, fresh_if_unfit: bool) -> Result<(), String> {
         let image = self.image.as_ref().ok_or("this export cannot take its image back")?;
         let fs = image.attach().await?;
-        let restored = match saved {
-            Some(state) => Session::restore(fs.clone(), self.config.clone(), self.op_stats.clone(), state),
-            None => Ok(Session::with_stats(fs.clone(), self.config.clone(), self.op_stats.clone())),
-        };
-        let session = match restored {
-            Ok(session) => Rc::new(session),
-            Err(e) if fresh_if_unfit => {
-                tracing::warn!(parent: &self.span, "the saved session is not restored: {e}");
-                self.fresh_session(&fs)
-            }
+        let session = match self.session_on(&fs, saved) {
+            Ok(session) => session,
+            Err(e) if fresh_if_unfit => self.fresh_after(&fs, &e),
             Err(e) => {
                 if let Err(d) = image.detach(fs).await {
                     tracing::warn!(parent: &self.span, "giving the image back after a refused session: {d}");
@@ -236,10 +243,7 @@ impl Attachment {
                 return Err(e.to_string());
             }
         };
-        if let Err(e) = fs.free_unheld_orphans() {
-            tracing::warn!(parent: &self.span, "freeing orphans after the session was restored: {e}");
-        }
-        self.install(fs, session);
+        self.install_freeing_orphans(fs, session);
         Ok(())
     }
 
@@ -288,9 +292,9 @@ impl Attachment {
                 // frontend's session held with the migrated one.
                 session.give_back().await;
                 drop(session);
-                match Session::restore(fs.clone(), self.config.clone(), self.op_stats.clone(), &state) {
+                match self.session_on(&fs, Some(&state)) {
                     Ok(restored) => {
-                        self.install(fs, Rc::new(restored));
+                        self.install(fs, restored);
                         self.loaded_unused.set(true);
                         Ok(())
                     }
@@ -309,10 +313,8 @@ impl Attachment {
                 }
                 result
             }
-            AttachState::Attaching => {
-                *self.state.borrow_mut() = AttachState::Attaching;
-                Err("the image is being taken".into())
-            }
+            // Left as it was: another attach is under way.
+            AttachState::Attaching => Err("the image is being taken".into()),
         }
     }
 
@@ -326,33 +328,29 @@ impl Attachment {
     /// the guest ran here (the migration failed after the load) gives the
     /// image back, so that the source can take it again and resume.
     pub(super) async fn frontend_left(&self) {
-        let departed = {
-            let mut state = self.state.borrow_mut();
-            match &mut *state {
-                AttachState::Attached { .. } if self.keeping.get() => None,
-                AttachState::Attached { .. } if self.loaded_unused.replace(false) => {
-                    let AttachState::Attached { fs, .. } =
-                        std::mem::replace(&mut *state, AttachState::Detached { saved: None })
-                    else {
-                        unreachable!("matched Attached")
-                    };
-                    SESSIONS.with(|s| s.borrow_mut().remove(&self.id));
-                    // Not given back: the source's saved session holds the
-                    // same references, orphans included.
-                    Some(Err(fs))
-                }
-                AttachState::Attached { fs, session } => {
-                    let fresh = self.fresh_session(fs);
-                    let departed = std::mem::replace(session, fresh.clone());
-                    SESSIONS.with(|s| s.borrow_mut().insert(self.id, fresh));
-                    Some(Ok(departed))
-                }
-                AttachState::Detached { saved } => {
-                    *saved = None;
-                    None
-                }
-                AttachState::Attaching => None,
+        let previous = std::mem::replace(&mut *self.state.borrow_mut(), AttachState::Attaching);
+        let departed = match previous {
+            AttachState::Attached { .. } if self.keeping.get() => {
+                *self.state.borrow_mut() = previous;
+                None
             }
+            AttachState::Attached { fs, .. } if self.loaded_unused.replace(false) => {
+                // Not given back: the source's saved session holds the
+                // same references, orphans included.
+                self.set_detached(None);
+                Some(Err(fs))
+            }
+            AttachState::Attached { fs, session } => {
+                let fresh = self.fresh_session(&fs);
+                self.install(fs, fresh);
+                Some(Ok(session))
+            }
+            AttachState::Detached { .. } => {
+                self.set_detached(None);
+                None
+            }
+            // Left as it was: an attach is under way.
+            AttachState::Attaching => None,
         };
         match departed {
             Some(Ok(session)) => session.give_back().await,
