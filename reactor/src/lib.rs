@@ -120,6 +120,9 @@ pub struct ReactorStats {
     pub busy_ns: AtomicU64,
     pub loop_ns: AtomicU64,
     pub sleeps: AtomicU64,
+    /// Time spent asleep in epoll: with `loop_ns - busy_ns`, the
+    /// reactor's idle time.
+    pub sleep_ns: AtomicU64,
     pub messages: AtomicU64,
     pub task_polls: AtomicU64,
 }
@@ -564,8 +567,10 @@ impl Reactor {
         fence(Ordering::SeqCst);
         if shared.inbox.is_empty() && shared.woken.is_empty() && !shared.stop.load(Ordering::Acquire) {
             let timeout = self.local.timers.borrow().peek().map(|Reverse(t)| t.deadline.saturating_duration_since(now));
+            let asleep = Instant::now();
             self.epoll.wait(timeout);
             ReactorStats::add(&shared.stats.sleeps, 1);
+            ReactorStats::add(&shared.stats.sleep_ns, asleep.elapsed().as_nanos() as u64);
             shared.sleeping.store(false, Ordering::SeqCst);
             return true;
         }

@@ -17,11 +17,14 @@ const BUCKETS: usize = 64 * SUB_BUCKETS as usize;
 pub struct LatencyHistogram {
     counts: Box<[u64; BUCKETS]>,
     total: u64,
+    /// Sum of every latency recorded, in ns (saturating), as a Prometheus
+    /// histogram's `_sum` needs.
+    sum_ns: u64,
 }
 
 impl Default for LatencyHistogram {
     fn default() -> Self {
-        Self { counts: Box::new([0; BUCKETS]), total: 0 }
+        Self { counts: Box::new([0; BUCKETS]), total: 0, sum_ns: 0 }
     }
 }
 
@@ -48,6 +51,26 @@ impl LatencyHistogram {
         let ns = u64::try_from(latency.as_nanos()).unwrap_or(u64::MAX);
         self.counts[bucket_of(ns).min(BUCKETS - 1)] += 1;
         self.total += 1;
+        self.sum_ns = self.sum_ns.saturating_add(ns);
+    }
+
+    /// The counts folded into power-of-two buckets: `(bound_ns, count)`
+    /// pairs, ascending, where `count` latencies were below `bound_ns` and
+    /// at least the previous bound (non-cumulative; empty buckets left
+    /// out). Exact: every log-linear bucket lies inside one power of two.
+    pub fn power_of_two_buckets(&self) -> Vec<(u64, u64)> {
+        let mut out: Vec<(u64, u64)> = Vec::new();
+        for (bucket, &n) in self.counts.iter().enumerate().filter(|(_, &n)| n > 0) {
+            let floor = bucket_floor(bucket);
+            // The next power of two above the floor; the last bucket's
+            // bound saturates.
+            let bound = 1u64.checked_shl(64 - floor.leading_zeros()).unwrap_or(u64::MAX);
+            match out.last_mut() {
+                Some((b, count)) if *b == bound => *count += n,
+                _ => out.push((bound, n)),
+            }
+        }
+        out
     }
 
     /// The `q` quantile (0..=1) in nanoseconds, as its bucket's floor.
@@ -85,6 +108,10 @@ pub struct OpSnapshot {
     pub bytes: u64,
     pub p50_us: f64,
     pub p99_us: f64,
+    /// Sum of the latencies, for a mean or a Prometheus `_sum`.
+    pub latency_sum_ns: u64,
+    /// See [`LatencyHistogram::power_of_two_buckets`].
+    pub latency_buckets: Vec<(u64, u64)>,
 }
 
 #[derive(Default)]
@@ -120,6 +147,8 @@ impl OpStats {
                 bytes: c.bytes,
                 p50_us: c.latency.quantile_ns(0.5) as f64 / 1000.0,
                 p99_us: c.latency.quantile_ns(0.99) as f64 / 1000.0,
+                latency_sum_ns: c.latency.sum_ns,
+                latency_buckets: c.latency.power_of_two_buckets(),
             })
             .collect()
     }
@@ -155,6 +184,26 @@ mod tests {
         assert_eq!(snap.len(), 2, "one unknown counter and getattr's");
         let other = snap.iter().find(|s| s.op == "unknown").expect("an unknown counter");
         assert_eq!((other.requests, other.errors), (unknown.len() as u64, unknown.len() as u64));
+    }
+
+    #[test]
+    fn power_of_two_buckets_fold_exactly() {
+        let mut h = LatencyHistogram::default();
+        let samples = [0u64, 1, 2, 3, 7, 8, 15, 16, 1000, 1023, 1024, 1025, 1 << 40, u64::MAX];
+        for &ns in &samples {
+            h.record(Duration::from_nanos(ns));
+        }
+        let buckets = h.power_of_two_buckets();
+        assert!(buckets.windows(2).all(|w| w[0].0 < w[1].0), "{buckets:?}");
+        assert_eq!(buckets.iter().map(|b| b.1).sum::<u64>(), samples.len() as u64);
+        // Each sample counts below its bound and at or above the one before.
+        for &ns in &samples {
+            let i = buckets.iter().position(|&(bound, _)| ns < bound || bound == u64::MAX).expect("a bucket");
+            assert!(i == 0 || ns >= buckets[i - 1].0, "{ns} in {buckets:?}");
+        }
+        assert_eq!(buckets[0], (1, 1), "0 ns alone below 1");
+        assert!(buckets.contains(&(2048, 2)), "1024 and 1025 below 2048: {buckets:?}");
+        assert_eq!(h.sum_ns, u64::MAX, "the sum saturates");
     }
 
     #[test]
