@@ -11,10 +11,12 @@
 #[allow(unsafe_code)]
 mod clock;
 mod hash;
+mod ratelimit;
 mod size;
 #[cfg(feature = "test-utils")]
 pub mod testing;
 
 pub use clock::realtime_coarse;
 pub use hash::{IdHasher, IdMap, SeededHasher, SeededState};
+pub use ratelimit::{RateLimit, LOG_BURST, LOG_WINDOW};
 pub use size::parse_size;

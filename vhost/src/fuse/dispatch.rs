@@ -426,13 +426,21 @@ impl Session {
     }
 
     /// A failed request: routine errnos (ENOENT, EEXIST, ...) at trace
-    /// level, where a guest's misses would flood nothing; EIO, which means
-    /// the device or keelfs failed, as a warning.
+    /// level, where a guest's misses would flood nothing; those an operator
+    /// must hear of (the device or keelfs failed, the space or the quota
+    /// ran out) as a warning, at most a burst per window: a guest can
+    /// provoke them at will.
     fn log_failure(&self, header: &InHeader, errno: i32) {
         let (ino, opcode) = (header.nodeid, header.opcode);
         // Fields are evaluated only when the event is enabled.
-        if errno == libc::EIO {
-            tracing::warn!(parent: &self.span, opcode = ?Opcode::from_u32(opcode), ino, errno, "request failed");
+        if matches!(errno, libc::EIO | libc::ENOSPC | libc::EDQUOT) {
+            keelfs_base::ratelimited!(tracing::warn!(
+                parent: &self.span,
+                opcode = ?Opcode::from_u32(opcode),
+                ino,
+                errno,
+                "request failed"
+            ));
         } else {
             tracing::trace!(parent: &self.span, opcode = ?Opcode::from_u32(opcode), ino, errno, "request failed");
         }
