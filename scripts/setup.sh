@@ -84,6 +84,9 @@ have mkfs.ext4 || want_apt e2fsprogs "ext4, a kernel peer in bench/run-seeds.sh"
 have shellcheck || want_apt shellcheck "linting the project's shell scripts in CI"
 have systemd-analyze || want_apt systemd "systemd-analyze checks contrib/keelfsd.service"
 have python3 || want_apt python3 "qemu-scripts/qmp.py, the QMP client of migrate.sh and upgrade.sh (and run-e2e.sh's stats)"
+# Debian's module, for Debian's python3: the tests call /usr/bin/python3.
+"$root/usr/bin/python3" -c 'import prometheus_client' 2>/dev/null ||
+  want_apt python3-prometheus-client "the Prometheus text-format parser that checks keelfsd's metrics"
 # bookworm's QEMU 7.2 and Linux 6.1 lack multi-queue virtio-fs.
 (($(qemu_major) >= 10)) || want_bpo qemu-system-x86 "QEMU 10 to boot the test guests"
 guest_kernel_present || want_bpo linux-image-amd64 "Linux 6.12, the test guests' kernel"

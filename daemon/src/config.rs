@@ -44,6 +44,7 @@ struct RawDaemon {
     poll_mode: Option<PollModeName>,
     rpc_socket: Option<PathBuf>,
     log: Option<String>,
+    metrics_listen: Option<Spanned<String>>,
     commit_interval_ms: Option<Spanned<u64>>,
     sandbox: Option<SandboxMode>,
 }
@@ -190,6 +191,8 @@ pub struct Config {
     pub rpc_socket: Option<PathBuf>,
     /// A tracing filter (`info`, `keelfs=debug`, ...); RUST_LOG wins.
     pub log: String,
+    /// Where the Prometheus endpoint listens (`GET /metrics`); None: off.
+    pub metrics_listen: Option<std::net::SocketAddr>,
     pub commit_interval: Duration,
     /// The sandbox `serve` enters once its files are open.
     pub sandbox: SandboxMode,
@@ -257,6 +260,7 @@ impl Default for Config {
             poll_mode: PollModeName::Adaptive,
             rpc_socket: None,
             log: "info".into(),
+            metrics_listen: None,
             commit_interval: Duration::from_secs(5),
             sandbox: SandboxMode::Namespace,
             incoming: false,
@@ -352,6 +356,45 @@ pub fn parse(file: &str, text: &str) -> Result<Config, ConfigError> {
     Ok(config)
 }
 
+/// Keys of an export added at runtime that belong to its `[[device]]`
+/// (NVMe's `pci` is not among them: a VFIO device is opened only at start).
+const DEVICE_KEYS: [&str; 2] = ["backend", "sqpoll_idle_ms"];
+
+/// An export given to the `export_add` RPC: the keys of an `[[export]]`
+/// table, except that `device` is the device's path (or NVMe name) and the
+/// `[[device]]` keys (`backend`, ...) sit beside it. Checked as a config
+/// file's export is; what it may not share with running exports is the
+/// caller's to check.
+pub fn parse_runtime_export(params: &serde_json::Value) -> Result<Export, ConfigError> {
+    let fail = |message: String| ConfigError { file: "export_add".into(), line: 0, column: 0, message };
+    let serde_json::Value::Object(fields) = params else {
+        return Err(fail("the export is a JSON object with an [[export]] table's keys".into()));
+    };
+    let mut export = toml::Table::new();
+    let mut device = toml::Table::new();
+    device.insert("name".into(), toml::Value::String("export_add".into()));
+    for (key, value) in fields {
+        let value: toml::Value = serde_json::from_value(value.clone()).map_err(|e| fail(format!("{key}: {e}")))?;
+        match key.as_str() {
+            "device" => {
+                if !value.is_str() {
+                    return Err(fail("device is the device's path, a string".into()));
+                }
+                device.insert("path".into(), value);
+                export.insert("device".into(), toml::Value::String("export_add".into()));
+            }
+            k if DEVICE_KEYS.contains(&k) => drop(device.insert(key.clone(), value)),
+            _ => drop(export.insert(key.clone(), value)),
+        }
+    }
+    let mut document = toml::Table::new();
+    document.insert("device".into(), toml::Value::Array(vec![toml::Value::Table(device)]));
+    document.insert("export".into(), toml::Value::Array(vec![toml::Value::Table(export)]));
+    let text = toml::to_string(&document).map_err(|e| fail(e.to_string()))?;
+    let mut config = parse("export_add", &text)?;
+    config.exports.pop().ok_or_else(|| fail("no export".into()))
+}
+
 fn apply_daemon(src: &Source, daemon: RawDaemon, config: &mut Config) -> Result<(), ConfigError> {
     if let Some(reactors) = &daemon.reactors {
         config.reactors = match reactors.get_ref() {
@@ -375,6 +418,12 @@ fn apply_daemon(src: &Source, daemon: RawDaemon, config: &mut Config) -> Result<
     config.sandbox = daemon.sandbox.unwrap_or_default();
     if let Some(log) = daemon.log {
         config.log = log;
+    }
+    if let Some(addr) = &daemon.metrics_listen {
+        let parsed = addr.get_ref().parse().map_err(|e| {
+            src.error(addr.span(), format!("metrics_listen: {e}; give an address and port, e.g. \"127.0.0.1:9560\""))
+        })?;
+        config.metrics_listen = Some(parsed);
     }
     if let Some(ms) = &daemon.commit_interval_ms {
         if *ms.get_ref() == 0 {
@@ -612,7 +661,7 @@ atime = "noatime"
             error_of("[daemon]\npoll_mode = \"spin\"\n"),
             "bad.toml:2:13: unknown variant `spin`, expected one of `busy`, `adaptive`, `interrupt`"
         );
-        assert_eq!(error_of("[daemon]\nreactor = 2\n"), "bad.toml:2:1: unknown field `reactor`, expected one of `reactors`, `poll_mode`, `rpc_socket`, `log`, `commit_interval_ms`, `sandbox`");
+        assert_eq!(error_of("[daemon]\nreactor = 2\n"), "bad.toml:2:1: unknown field `reactor`, expected one of `reactors`, `poll_mode`, `rpc_socket`, `log`, `metrics_listen`, `commit_interval_ms`, `sandbox`");
         assert_eq!(
             error_of("[[export]]\ntag = \"a\"\ndevice = \"nope\"\nsocket = \"/s\"\n"),
             "bad.toml:3:10: no [[device]] is named \"nope\""

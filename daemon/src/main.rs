@@ -4,10 +4,12 @@
 //! listed); 2 usage error, including a device that cannot be opened.
 
 mod config;
+mod control;
 mod device;
 mod host_writeback;
 mod image;
 mod lock;
+mod metrics;
 mod mount_helper;
 mod mountinfo;
 mod rpc;
@@ -135,6 +137,21 @@ enum Command {
         /// The daemon's RPC socket (serve --rpc, or rpc_socket in its config).
         #[arg(long)]
         rpc: PathBuf,
+        /// A table for people instead of JSON.
+        #[arg(long)]
+        table: bool,
+    },
+    /// Call a JSON-RPC method of a running daemon and print its result
+    /// (docs/RPC.md lists them; rpc_get_methods too). Exits 1 on an error
+    /// reply, printing its code and message.
+    Rpc {
+        /// The method, e.g. export_list.
+        method: String,
+        /// Its parameters as a JSON object, e.g. '{"tag":"vm1"}'.
+        params: Option<String>,
+        /// The daemon's RPC socket.
+        #[arg(long)]
+        rpc: PathBuf,
     },
     /// Check a keelfs filesystem; exit 0 when clean, 1 when damaged.
     Fsck {
@@ -214,14 +231,41 @@ fn main() -> ExitCode {
             fuse_type,
             fuse_options,
         }),
-        Command::Stats { rpc } => rpc::query(&rpc).map(|json| {
-            use std::io::Write;
-            // A closed pipe (| head) is the reader's choice, not an error.
-            let _ = writeln!(std::io::stdout(), "{json}");
+        Command::Stats { rpc, table } => rpc::query(&rpc).map(|stats| {
+            let text = if table {
+                tools::stats_table(&stats)
+            } else {
+                serde_json::to_string_pretty(&stats).unwrap_or_default()
+            };
+            print_out(&text);
             ExitCode::SUCCESS
         }),
+        Command::Rpc { method, params, rpc } => call_rpc(&rpc, &method, params.as_deref()),
     };
     exit_code(result)
+}
+
+/// Print to stdout; a closed pipe (| head) is the reader's choice, not an
+/// error.
+fn print_out(text: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stdout(), "{text}");
+}
+
+fn call_rpc(socket: &std::path::Path, method: &str, params: Option<&str>) -> anyhow::Result<ExitCode> {
+    let params: serde_json::Value = match params {
+        Some(text) => {
+            serde_json::from_str(text).map_err(|e| tools::UsageError(format!("the parameters are not JSON: {e}")))?
+        }
+        None => serde_json::json!({}),
+    };
+    let reply = rpc::call_remote(socket, method, params)?;
+    if let Some(error) = reply.get("error") {
+        eprintln!("keelfsd rpc {method}: error {}: {}", error["code"], error["message"].as_str().unwrap_or_default());
+        return Ok(ExitCode::from(1));
+    }
+    print_out(&serde_json::to_string_pretty(&reply["result"])?);
+    Ok(ExitCode::SUCCESS)
 }
 
 fn exit_code(result: anyhow::Result<ExitCode>) -> ExitCode {

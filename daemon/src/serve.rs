@@ -31,6 +31,7 @@ use keelfs_vhost::{ImageAccess, ServeOptions, VhostUserServer};
 use serde_json::{json, Value};
 
 use crate::config::{self, Config, Export, PollModeName};
+use crate::control::{Control, ExportEntry, ExportTable, Lifecycle};
 use crate::image::{ExportImage, SessionFile};
 use crate::lock::ImageLock;
 use crate::sandbox::{Needs, SandboxMode};
@@ -186,7 +187,7 @@ fn init_logging(config: &Config) {
 }
 
 /// What export tasks tell the main thread.
-enum Event {
+pub(crate) enum Event {
     Ready {
         tag: String,
         reactor: usize,
@@ -238,11 +239,14 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         SandboxMode::None => None,
     };
     let opened = open_exports(&config, link.as_ref())?;
-    let rpc_listener = config.rpc_socket.as_deref().map(rpc::bind).transpose()?;
+    let listeners = Listeners {
+        rpc: config.rpc_socket.as_deref().map(rpc::bind).transpose()?,
+        metrics: config.metrics_listen.map(crate::metrics::bind).transpose()?,
+    };
     if config.sandbox == SandboxMode::Namespace {
         sandbox::enter(needs_of(&config), seccomp::Action::from_env()).context("entering the sandbox")?;
     }
-    let result = run(&config, opened, rpc_listener, &signals);
+    let result = run(&config, opened, listeners, &signals);
     if link.is_none() {
         // Sandboxed, the supervisor does this: the server cannot see them.
         for socket in cleanup_of(&config).sockets {
@@ -322,7 +326,7 @@ fn needs_of(config: &Config) -> Needs {
 
 /// An export with everything it needs from the host already open, so that
 /// it can start inside the sandbox.
-struct Opened {
+pub(crate) struct Opened {
     export: Export,
     dev: Arc<dyn BlockDevice>,
     listener: Option<std::os::unix::net::UnixListener>,
@@ -340,93 +344,120 @@ struct Opened {
 /// named by two exports is refused. `--incoming` opens the images without
 /// locking them: they are taken when the guests' sessions arrive.
 fn open_exports(config: &Config, link: Option<&Arc<SupervisorLink>>) -> anyhow::Result<Vec<Opened>> {
-    let mut opened = Vec::new();
-    for export in &config.exports {
-        let lock = match (export.read_only, config.incoming) {
-            (true, _) => ImageLock::shared(&export.device, "serve")?,
-            (false, false) => ImageLock::exclusive(&export.device, "serve")?,
-            (false, true) => ImageLock::unlocked(&export.device)?,
-        };
-        let dev = device::open_backend(&export.device, export.backend, export.sqpoll_idle_ms, export.read_only)?;
-        let listener = match &export.socket {
-            Some(socket) => {
-                let access = SocketAccess {
-                    mode: export.socket_mode.unwrap_or(SocketAccess::default().mode),
-                    owner: export.socket_owner,
-                };
-                let listener = keelfs_vhost::bind_listener(socket, access)
-                    .with_context(|| format!("export {}: the vhost-user socket", export.tag))?;
-                Some(listener)
-            }
-            None => None,
-        };
-        let fuse = match &export.fuse_mount {
-            Some(dir) => {
-                let flags = export.fuse_mount_flags | if export.read_only { libc::MS_RDONLY } else { 0 };
-                let mut mount = FuseMount::mount_with(dir, &export.fuse_source, &export.fuse_type, flags)
-                    .with_context(|| format!("export {}: mounting {} through /dev/fuse", export.tag, dir.display()))?;
-                if export.cache == Cache::Always && export.host_dirty_ratio > 0 {
-                    // Not fatal: the cache still works, only stalls sooner.
-                    match crate::host_writeback::lift_dirty_limit(dir, &export.fuse_type, export.host_dirty_ratio) {
-                        Ok(bdi) => tracing::info!(
-                            "export {}: writeback cache may hold {}% of the dirty allowance ({})",
-                            export.tag,
-                            export.host_dirty_ratio,
-                            bdi.display()
-                        ),
-                        Err(e) => tracing::warn!("export {}: FUSE's 1% dirty limit stays: {e:#}", export.tag),
-                    }
-                }
-                if let Some(link) = link {
-                    link.mounted(dir, &export.fuse_type)
-                        .with_context(|| format!("export {}: reporting the mount to the supervisor", export.tag))?;
-                    let (unmounter, told) = (Arc::clone(link), Arc::clone(link));
-                    mount.set_unmounter(Box::new(move |dir| unmounter.unmount(dir)));
-                    mount.set_on_gone(Box::new(move |dir| told.gone(dir)));
-                }
-                Some(mount)
-            }
-            None => None,
-        };
-        let session = match SessionFile::path_of(export) {
-            None => None,
-            // One the operator named must work; the default beside the
-            // image is a convenience, and a directory keelfsd may not
-            // write costs only the restart's session.
-            Some(path) if export.session_file.is_some() => Some(SessionFile::open(&path)?),
-            Some(path) => SessionFile::open(&path)
-                .map_err(|e| tracing::warn!("export {}: no session kept across restarts: {e:#}", export.tag))
-                .ok(),
-        };
-        opened.push(Opened { export: export.clone(), dev, listener, fuse, lock, session });
-    }
-    Ok(opened)
+    config.exports.iter().map(|export| open_export(export, config.incoming, link)).collect()
 }
 
-/// Hands each reactor its exports, as one task each.
+/// Lock and open one export's device, bind its socket and mount it (see
+/// [`open_exports`]); also what the `export_add` RPC does.
+pub(crate) fn open_export(
+    export: &Export,
+    incoming: bool,
+    link: Option<&Arc<SupervisorLink>>,
+) -> anyhow::Result<Opened> {
+    let lock = match (export.read_only, incoming) {
+        (true, _) => ImageLock::shared(&export.device, "serve")?,
+        (false, false) => ImageLock::exclusive(&export.device, "serve")?,
+        (false, true) => ImageLock::unlocked(&export.device)?,
+    };
+    let dev = device::open_backend(&export.device, export.backend, export.sqpoll_idle_ms, export.read_only)?;
+    let listener = match &export.socket {
+        Some(socket) => {
+            let access = SocketAccess {
+                mode: export.socket_mode.unwrap_or(SocketAccess::default().mode),
+                owner: export.socket_owner,
+            };
+            let listener = keelfs_vhost::bind_listener(socket, access)
+                .with_context(|| format!("export {}: the vhost-user socket", export.tag))?;
+            Some(listener)
+        }
+        None => None,
+    };
+    let fuse = match &export.fuse_mount {
+        Some(dir) => Some(mount_on_host(export, dir, link)?),
+        None => None,
+    };
+    let session = match SessionFile::path_of(export) {
+        None => None,
+        // One the operator named must work; the default beside the
+        // image is a convenience, and a directory keelfsd may not
+        // write costs only the restart's session.
+        Some(path) if export.session_file.is_some() => Some(SessionFile::open(&path)?),
+        Some(path) => SessionFile::open(&path)
+            .map_err(|e| tracing::warn!("export {}: no session kept across restarts: {e:#}", export.tag))
+            .ok(),
+    };
+    Ok(Opened { export: export.clone(), dev, listener, fuse, lock, session })
+}
+
+/// Mount the export at `dir` through /dev/fuse.
+fn mount_on_host(export: &Export, dir: &Path, link: Option<&Arc<SupervisorLink>>) -> anyhow::Result<FuseMount> {
+    let flags = export.fuse_mount_flags | if export.read_only { libc::MS_RDONLY } else { 0 };
+    let mut mount = FuseMount::mount_with(dir, &export.fuse_source, &export.fuse_type, flags)
+        .with_context(|| format!("export {}: mounting {} through /dev/fuse", export.tag, dir.display()))?;
+    if export.cache == Cache::Always && export.host_dirty_ratio > 0 {
+        // Not fatal: the cache still works, only stalls sooner.
+        match crate::host_writeback::lift_dirty_limit(dir, &export.fuse_type, export.host_dirty_ratio) {
+            Ok(bdi) => tracing::info!(
+                "export {}: writeback cache may hold {}% of the dirty allowance ({})",
+                export.tag,
+                export.host_dirty_ratio,
+                bdi.display()
+            ),
+            Err(e) => tracing::warn!("export {}: FUSE's 1% dirty limit stays: {e:#}", export.tag),
+        }
+    }
+    if let Some(link) = link {
+        link.mounted(dir, &export.fuse_type)
+            .with_context(|| format!("export {}: reporting the mount to the supervisor", export.tag))?;
+        let (unmounter, told) = (Arc::clone(link), Arc::clone(link));
+        mount.set_unmounter(Box::new(move |dir| unmounter.unmount(dir)));
+        mount.set_on_gone(Box::new(move |dir| told.gone(dir)));
+    }
+    Ok(mount)
+}
+
+/// Hands each reactor its exports, each as a task of its own, and lists
+/// them in `table`.
 fn start_exports(
     assigned: Vec<Vec<Opened>>,
     handles: &[ReactorHandle],
-    commit_interval: Duration,
-    incoming: bool,
-    events: mpsc::Sender<Event>,
+    timing: (Duration, bool),
+    events: &mpsc::Sender<Event>,
+    table: &Arc<ExportTable>,
 ) -> anyhow::Result<()> {
     for (id, exports) in assigned.into_iter().enumerate() {
-        let events = events.clone();
-        let helpers: Vec<ReactorHandle> = handles.iter().filter(|h| h.id() != id).cloned().collect();
-        let start = move || {
-            for opened in exports {
-                let helpers = if opened.export.spread_queues { helpers.clone() } else { Vec::new() };
-                // Everything the export starts logs under its tag: the
-                // filesystem, its sessions and the listener keep this span.
-                let span = tracing::info_span!("export", tag = %opened.export.tag);
-                let run = run_export(id, opened, helpers, (commit_interval, incoming), events.clone());
-                reactor::spawn_local(tracing::Instrument::instrument(run, span));
-            }
-        };
-        if handles[id].send(start).is_err() {
-            anyhow::bail!("reactor {id} stopped before its exports started");
+        for opened in exports {
+            let entry =
+                ExportEntry { export: opened.export.clone(), reactor: id, state: Lifecycle::Starting, runtime: false };
+            table.insert(entry);
+            start_export(handles, id, opened, timing, events.clone(), Arc::clone(table))?;
         }
+    }
+    Ok(())
+}
+
+/// Start `opened` on reactor `id`; it reports to `events` and `table`.
+pub(crate) fn start_export(
+    handles: &[ReactorHandle],
+    id: usize,
+    opened: Opened,
+    timing: (Duration, bool),
+    events: mpsc::Sender<Event>,
+    table: Arc<ExportTable>,
+) -> anyhow::Result<()> {
+    let helpers: Vec<ReactorHandle> = match opened.export.spread_queues {
+        true => handles.iter().filter(|h| h.id() != id).cloned().collect(),
+        false => Vec::new(),
+    };
+    let start = move || {
+        // Everything the export starts logs under its tag: the
+        // filesystem, its sessions and the listener keep this span.
+        let span = tracing::info_span!("export", tag = %opened.export.tag);
+        let run = run_export(id, opened, helpers, timing, (events, table));
+        reactor::spawn_local(tracing::Instrument::instrument(run, span));
+    };
+    if handles[id].send(start).is_err() {
+        anyhow::bail!("reactor {id} stopped before its exports started");
     }
     Ok(())
 }
@@ -452,53 +483,97 @@ fn await_start_up(event_rx: &mpsc::Receiver<Event>, exports: usize) -> Option<St
     None
 }
 
-/// Start the reactors and the exports on them, serve until a signal, and
-/// shut down.
-fn run(
-    config: &Config,
-    opened: Vec<Opened>,
-    rpc_listener: Option<std::os::unix::net::UnixListener>,
-    signals: &Signals,
-) -> anyhow::Result<ExitCode> {
+/// The listeners bound before the sandbox, for the RPC and the metrics.
+pub(crate) struct Listeners {
+    pub rpc: Option<std::os::unix::net::UnixListener>,
+    pub metrics: Option<(std::net::TcpListener, std::net::SocketAddr)>,
+}
+
+fn start_reactors(config: &Config) -> anyhow::Result<Vec<(ReactorHandle, std::thread::JoinHandle<()>)>> {
     let mode = match config.poll_mode {
         PollModeName::Busy => PollMode::Busy,
         PollModeName::Adaptive => PollMode::ADAPTIVE_DEFAULT,
         PollModeName::Interrupt => PollMode::Interrupt,
     };
-    let (events, event_rx) = mpsc::channel();
-    let reactor_count = config.reactors.len();
-    let mut reactors: Vec<(ReactorHandle, std::thread::JoinHandle<()>)> = Vec::new();
-    let mut assigned: Vec<Vec<Opened>> = (0..reactor_count).map(|_| Vec::new()).collect();
-    for (i, export) in opened.into_iter().enumerate() {
-        assigned[i % reactor_count].push(export);
-    }
+    let mut reactors = Vec::new();
     for (id, cpu) in config.reactors.iter().enumerate() {
         let reactor_config = ReactorConfig { id, cpu: *cpu, mode, ..ReactorConfig::default() };
         let spawned = Reactor::spawn(reactor_config, || {}).with_context(|| format!("starting reactor {id}"))?;
         reactors.push(spawned);
     }
+    Ok(reactors)
+}
+
+/// The RPC and metrics servers, once the exports are up.
+fn start_control(
+    config: &Config,
+    listeners: Listeners,
+    handles: &[ReactorHandle],
+    (events, table): (&mpsc::Sender<Event>, &Arc<ExportTable>),
+) -> anyhow::Result<(Option<rpc::RpcServer>, Option<crate::metrics::MetricsServer>)> {
+    let rpc = match listeners.rpc {
+        Some(listener) => {
+            let control = Control {
+                reactors: handles.to_vec(),
+                table: Arc::clone(table),
+                events: std::sync::Mutex::new(events.clone()),
+                commit_interval: config.commit_interval,
+                sandbox: config.sandbox,
+            };
+            Some(rpc::RpcServer::start(listener, Arc::new(control)).context("starting the RPC")?)
+        }
+        None => None,
+    };
+    let metrics = match listeners.metrics {
+        Some(listener) => {
+            let server =
+                crate::metrics::MetricsServer::start(listener, handles.to_vec()).context("starting metrics")?;
+            Some(server)
+        }
+        None => None,
+    };
+    Ok((rpc, metrics))
+}
+
+/// Start the reactors and the exports on them, serve until a signal, and
+/// shut down.
+fn run(config: &Config, opened: Vec<Opened>, listeners: Listeners, signals: &Signals) -> anyhow::Result<ExitCode> {
+    let (events, event_rx) = mpsc::channel();
+    let reactor_count = config.reactors.len();
+    let mut assigned: Vec<Vec<Opened>> = (0..reactor_count).map(|_| Vec::new()).collect();
+    for (i, export) in opened.into_iter().enumerate() {
+        assigned[i % reactor_count].push(export);
+    }
+    let reactors = start_reactors(config)?;
     let handles: Vec<ReactorHandle> = reactors.iter().map(|(h, _)| h.clone()).collect();
+    let table = Arc::new(ExportTable::default());
     // Exports start once every reactor runs, so that each knows the others
     // (its helpers, with spread_queues).
-    start_exports(assigned, &handles, config.commit_interval, config.incoming, events)?;
+    start_exports(assigned, &handles, (config.commit_interval, config.incoming), &events, &table)?;
 
-    let failure = await_start_up(&event_rx, config.exports.len());
-    let rpc = match (&failure, rpc_listener) {
-        (None, Some(listener)) => {
-            Some(rpc::RpcServer::start(listener, handles.clone()).context("starting the stats RPC")?)
+    let mut failure = await_start_up(&event_rx, config.exports.len());
+    let mut servers = (None, None);
+    if failure.is_none() {
+        match start_control(config, listeners, &handles, (&events, &table)) {
+            Ok(started) => servers = started,
+            Err(e) => failure = Some(format!("{e:#}")),
         }
-        _ => None,
-    };
+    }
     if failure.is_none() {
         eprintln!("keelfsd: ready ({} export(s) on {reactor_count} reactor(s))", config.exports.len());
+        if let Some(metrics) = &servers.1 {
+            eprintln!("keelfsd: metrics on http://{}/metrics", metrics.local_addr());
+        }
         if std::env::var_os(seccomp::PROBE_ENV).is_some() {
             seccomp::probe_forbidden_call();
         }
         let fuse_only = config.exports.iter().all(|e| e.socket.is_none());
-        wait_for_shutdown(signals, &event_rx, fuse_only.then_some(config.exports.len()));
+        let mounts = || config.exports.iter().map(|e| e.tag.clone()).collect();
+        wait_for_shutdown(signals, &event_rx, &table, fuse_only.then(mounts));
     }
-    let result = shut_down(&handles, &event_rx, signals, config.exports.len());
-    drop(rpc);
+    // No more runtime changes while the exports stop.
+    drop(servers);
+    let result = shut_down(&handles, &event_rx, signals, &table);
     for (handle, thread) in reactors {
         handle.stop();
         let _ = thread.join();
@@ -512,26 +587,28 @@ fn run(
 }
 
 /// Wait for SIGTERM or SIGINT. A daemon that serves only host mounts
-/// (`mounts` of them, as the mount helper starts it) also shuts down once
-/// every one has been unmounted, as a FUSE filesystem does after `umount`.
-fn wait_for_shutdown(signals: &Signals, events: &Receiver<Event>, mounts: Option<usize>) {
-    let Some(mut mounted) = mounts else {
-        signals.wait(None);
-        eprintln!("keelfsd: shutting down (a second signal forces the exit)");
-        return;
-    };
+/// (the `mounts` of these exports, as the mount helper starts it) also
+/// shuts down once each was unmounted, as a FUSE filesystem does after
+/// `umount`; an `export_remove` does not count.
+fn wait_for_shutdown(signals: &Signals, events: &Receiver<Event>, table: &ExportTable, mounts: Option<Vec<String>>) {
+    let mut mounted = mounts;
     loop {
         if signals.wait(Some(Duration::from_millis(100))).is_some() {
             eprintln!("keelfsd: shutting down (a second signal forces the exit)");
             return;
         }
+        // Runtime exports report here too; only an unmount counts.
         while let Ok(event) = events.try_recv() {
             if let Event::MountGone { tag } = event {
                 tracing::info!("export {tag}: its host mount was unmounted");
-                mounted = mounted.saturating_sub(1);
+                // export_remove unmounts too, and never stops the daemon.
+                let removed = table.get(&tag).is_some_and(|e| e.state == Lifecycle::Stopping);
+                if let (Some(tags), false) = (&mut mounted, removed) {
+                    tags.retain(|t| *t != tag);
+                }
             }
         }
-        if mounted == 0 {
+        if mounted.as_ref().is_some_and(Vec::is_empty) {
             eprintln!("keelfsd: every host mount was unmounted; shutting down");
             return;
         }
@@ -544,7 +621,7 @@ fn shut_down(
     handles: &[ReactorHandle],
     events: &Receiver<Event>,
     signals: &Signals,
-    exports: usize,
+    table: &ExportTable,
 ) -> anyhow::Result<()> {
     for handle in handles {
         // A full inbox only delays the message.
@@ -561,23 +638,24 @@ fn shut_down(
         }
     }
     let mut errors = Vec::new();
-    let mut stopped = 0;
-    while stopped < exports {
+    // Every export leaves the table once it has stopped, those added at
+    // runtime included.
+    while table.live() > 0 {
         if signals.wait(Some(Duration::from_millis(0))).is_some() {
             eprintln!("keelfsd: second signal, exiting without a clean shutdown");
             std::process::exit(1);
         }
         match events.recv_timeout(Duration::from_millis(100)) {
-            Ok(Event::Stopped { tag, error }) => {
-                stopped += 1;
-                if let Some(e) = error {
-                    errors.push(format!("export {tag}: {e}"));
-                }
-            }
-            Ok(Event::Failed { .. }) => stopped += 1,
-            Ok(Event::Ready { .. } | Event::MountGone { .. }) => {}
+            Ok(Event::Stopped { tag, error: Some(e) }) => errors.push(format!("export {tag}: {e}")),
+            Ok(_) => {}
             Err(mpsc::RecvTimeoutError::Timeout) => {}
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+    }
+    // An export reports before it leaves the table.
+    while let Ok(event) = events.try_recv() {
+        if let Event::Stopped { tag, error: Some(e) } = event {
+            errors.push(format!("export {tag}: {e}"));
         }
     }
     if errors.is_empty() {
@@ -588,10 +666,12 @@ fn shut_down(
 }
 
 /// What one reactor knows locally: its exports, for stats, and whether
-/// shutdown was asked for.
+/// shutdown (of all, or of some exports) was asked for.
 #[derive(Default)]
 struct Local {
     shutdown: bool,
+    /// Exports asked to stop alone (`export_remove`).
+    stopping: Vec<String>,
     waiters: Vec<Waker>,
     exports: Vec<LocalExport>,
 }
@@ -618,11 +698,24 @@ fn request_local_shutdown() {
     });
 }
 
-async fn local_shutdown() {
+/// On the export's reactor: ask export `tag` alone to stop.
+pub(crate) fn request_export_stop(tag: &str) {
+    LOCAL.with(|l| {
+        let mut l = l.borrow_mut();
+        l.stopping.push(tag.to_string());
+        for w in l.waiters.drain(..) {
+            w.wake();
+        }
+    });
+}
+
+/// Ready once the reactor shuts down, or export `tag` is asked to stop.
+async fn stop_asked(tag: &str) {
     std::future::poll_fn(|cx| {
         LOCAL.with(|l| {
             let mut l = l.borrow_mut();
-            if l.shutdown {
+            if l.shutdown || l.stopping.iter().any(|t| t == tag) {
+                l.stopping.retain(|t| t != tag);
                 std::task::Poll::Ready(())
             } else {
                 l.waiters.push(cx.waker().clone());
@@ -672,7 +765,7 @@ async fn run_export(
     opened: Opened,
     helpers: Vec<ReactorHandle>,
     timing: (Duration, bool),
-    events: Sender<Event>,
+    (events, table): (Sender<Event>, Arc<ExportTable>),
 ) {
     let Opened { export, dev, listener, fuse, lock, session } = opened;
     let (session_file, restore) = match session {
@@ -683,6 +776,7 @@ async fn run_export(
     let mounted = match mount_export(reactor_id, &export, &dev, lock, timing).await {
         Ok(mounted) => mounted,
         Err(e) => {
+            table.set_state(&tag, Lifecycle::Failed(format!("{e:#}")));
             let _ = events.send(Event::Failed { tag, error: format!("{e:#}") });
             return;
         }
@@ -693,6 +787,7 @@ async fn run_export(
     let (server, mount, fuse_stats) = match transports {
         Ok(started) => started,
         Err(e) => {
+            table.set_state(&tag, Lifecycle::Failed(format!("{e:#}")));
             let _ = events.send(Event::Failed { tag, error: format!("{e:#}") });
             let _ = match &mounted {
                 Mounted::Fixed { fs, .. } | Mounted::Movable(_, Some(fs)) => fs.unmount().await,
@@ -714,19 +809,27 @@ async fn run_export(
             fuse_stats,
         })
     });
+    table.set_state(&tag, Lifecycle::Ready);
     let _ = events.send(Event::Ready {
         tag: tag.clone(),
         reactor: reactor_id,
         socket: export.socket.clone(),
         queues: export.request_queues,
     });
+    tracing::info!("export {tag}: serving");
 
-    local_shutdown().await;
+    stop_asked(&tag).await;
+    tracing::info!("export {tag}: stopping");
     LOCAL.with(|l| l.borrow_mut().exports.retain(|e| e.tag != tag));
     let error = stop_export(server, mount, fixed_fs, session_file.as_ref()).await;
     // The lock goes last, once everything is on the device.
     drop(mounted);
-    let _ = events.send(Event::Stopped { tag, error });
+    match &error {
+        None => tracing::info!("export {tag}: stopped"),
+        Some(e) => tracing::error!("export {tag}: stopped with an error: {e}"),
+    }
+    let _ = events.send(Event::Stopped { tag: tag.clone(), error });
+    table.remove(&tag);
 }
 
 /// Stop taking requests and drain the ones in flight, then commit,
@@ -862,63 +965,93 @@ fn ops_json(stats: &OpStats) -> Value {
         .into_iter()
         .map(|op| {
             let line = json!({"requests": op.requests, "errors": op.errors, "bytes": op.bytes,
-                              "p50_us": op.p50_us, "p99_us": op.p99_us});
+                              "p50_us": op.p50_us, "p99_us": op.p99_us,
+                              "latency_sum_ns": op.latency_sum_ns, "latency_buckets": op.latency_buckets});
             (op.op, line)
         })
         .collect::<serde_json::Map<_, _>>()
         .into()
 }
 
+/// The export's vhost-user-fs device counters.
+fn device_json(server: &VhostUserServer) -> Value {
+    let d = server.stats();
+    let mut device = json!({
+        "socket": server.socket(),
+        "connections": d.connections.get(), "chains": d.chains.get(),
+        "replies": d.replies.get(), "zero_copy": d.zero_copy.get(), "one_copy": d.one_copy.get(),
+        "no_reply": d.no_reply.get(), "dropped": d.dropped.get(),
+        "last_drop": d.last_drop.get(), "kicks": d.kicks.get(),
+        "signals": d.signals.get(), "in_flight": server.in_flight(),
+        "in_flight_max": d.in_flight_max.get(),
+    });
+    let (helpers, h) = server.helper_stats();
+    if helpers > 0 {
+        let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+        device["helpers"] = json!({
+            "reactors": helpers, "chains": load(&h.chains), "from_cache": load(&h.from_cache),
+            "forwarded": load(&h.forwarded), "in_flight": load(&h.in_flight),
+        });
+    }
+    device
+}
+
+/// The filesystem's counters, cache and space, as the stats carry them.
+async fn fs_json(fs: Option<&Fs>) -> (Value, Value, Value) {
+    let c = fs.map(|fs| fs.counters()).unwrap_or_default();
+    let cache = fs.map(|fs| fs.cache_stats()).unwrap_or_default();
+    let counters = json!({
+        "journal_commits": c.journal_commits, "journal_blocks_written": c.journal_blocks_written,
+        "device_flushes": c.device_flushes, "checkpoints": c.checkpoints,
+        "fsyncs": c.fsyncs, "data_bytes_read": c.data_bytes_read,
+        "data_bytes_written": c.data_bytes_written, "direct_overwrites": c.direct_overwrites,
+        "direct_in_flight": c.direct_in_flight, "direct_in_flight_max": c.direct_in_flight_max,
+    });
+    let cache = json!({"hits": cache.hits, "misses": cache.misses, "evictions": cache.evictions,
+                       "pages": cache.pages, "dirty_pages": cache.dirty_pages,
+                       "capacity_pages": cache.capacity_pages});
+    let space = match fs {
+        Some(fs) => match fs.statfs().await {
+            Ok(s) => json!({
+                "size_bytes": s.blocks * u64::from(s.block_size),
+                "free_bytes": s.blocks_free * u64::from(s.block_size),
+                "inodes": s.files, "inodes_free": s.files_free,
+            }),
+            Err(_) => Value::Null,
+        },
+        None => Value::Null,
+    };
+    (counters, cache, space)
+}
+
 /// This reactor's exports as JSON, for the stats RPC.
-pub fn local_stats() -> Vec<Value> {
-    LOCAL.with(|l| {
-        l.borrow()
-            .exports
+pub async fn local_stats() -> Vec<Value> {
+    type Parts = (String, Option<Fs>, Option<Rc<VhostUserServer>>, Option<Rc<OpStats>>);
+    let exports: Vec<Parts> = LOCAL.with(|l| {
+        let l = l.borrow();
+        l.exports
             .iter()
             .map(|e| {
                 let fs = e.fs.clone().or_else(|| e.server.as_ref().and_then(|s| s.fs()));
-                let c = fs.as_ref().map(|fs| fs.counters()).unwrap_or_default();
-                let cache = fs.as_ref().map(|fs| fs.cache_stats()).unwrap_or_default();
-                let mut device = Value::Null;
-                if let Some(server) = &e.server {
-                    let d = server.stats();
-                    device = json!({
-                        "socket": server.socket(),
-                        "connections": d.connections.get(), "chains": d.chains.get(),
-                        "replies": d.replies.get(), "zero_copy": d.zero_copy.get(), "one_copy": d.one_copy.get(),
-                        "no_reply": d.no_reply.get(), "dropped": d.dropped.get(),
-                        "last_drop": d.last_drop.get(), "kicks": d.kicks.get(),
-                        "signals": d.signals.get(), "in_flight": server.in_flight(),
-                        "in_flight_max": d.in_flight_max.get(),
-                    });
-                    let (helpers, h) = server.helper_stats();
-                    if helpers > 0 {
-                        let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
-                        device["helpers"] = json!({
-                            "reactors": helpers, "chains": load(&h.chains), "from_cache": load(&h.from_cache),
-                            "forwarded": load(&h.forwarded), "in_flight": load(&h.in_flight),
-                        });
-                    }
-                }
-                json!({
-                    "tag": e.tag,
-                    "image_attached": fs.is_some(),
-                    "virtio_fs": device,
-                    "ops": e.server.as_ref().map_or_else(|| Value::Object(Default::default()), |s| ops_json(s.op_stats())),
-                    "fuse_mount_ops": e.fuse_stats.as_deref().map(ops_json),
-                    "fs": {
-                        "journal_commits": c.journal_commits, "journal_blocks_written": c.journal_blocks_written,
-                        "device_flushes": c.device_flushes, "checkpoints": c.checkpoints,
-                        "fsyncs": c.fsyncs, "data_bytes_read": c.data_bytes_read,
-                        "data_bytes_written": c.data_bytes_written, "direct_overwrites": c.direct_overwrites,
-                        "direct_in_flight": c.direct_in_flight, "direct_in_flight_max": c.direct_in_flight_max,
-                    },
-                    "cache": {"hits": cache.hits, "misses": cache.misses, "pages": cache.pages,
-                              "capacity_pages": cache.capacity_pages},
-                })
+                (e.tag.clone(), fs, e.server.clone(), e.fuse_stats.clone())
             })
             .collect()
-    })
+    });
+    let mut lines = Vec::new();
+    for (tag, fs, server, fuse_stats) in exports {
+        let (counters, cache, space) = fs_json(fs.as_ref()).await;
+        lines.push(json!({
+            "tag": tag,
+            "image_attached": fs.is_some(),
+            "virtio_fs": server.as_deref().map_or(Value::Null, device_json),
+            "ops": server.as_ref().map_or_else(|| Value::Object(Default::default()), |s| ops_json(s.op_stats())),
+            "fuse_mount_ops": fuse_stats.as_deref().map(ops_json),
+            "fs": counters,
+            "cache": cache,
+            "space": space,
+        }));
+    }
+    lines
 }
 
 /// What to add to a QEMU command line to attach a guest to `socket`.

@@ -168,3 +168,50 @@ fn print_report(path: &Path, r: &FsckReport) {
         r.orphans
     );
 }
+
+/// `keelfsd stats --table`: the stats object as tables for people.
+pub fn stats_table(stats: &serde_json::Value) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let empty = Vec::new();
+    let _ = writeln!(out, "{:<8} {:>7} {:>12} {:>10} {:>12}", "REACTOR", "BUSY%", "TICKS", "SLEEPS", "REQUESTS");
+    for r in stats["reactors"].as_array().unwrap_or(&empty) {
+        let _ = writeln!(
+            out,
+            "{:<8} {:>7.1} {:>12} {:>10} {:>12}",
+            r["id"],
+            r["busy_share"].as_f64().unwrap_or(0.0) * 100.0,
+            r["ticks"],
+            r["sleeps"],
+            r["virtio_fs_requests"]
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\n{:<16} {:>3} {:>12} {:>8} {:>12} {:>9} {:>7} {:>10} {:>10}",
+        "EXPORT", "R", "REQUESTS", "ERRORS", "BYTES", "P99MAX_US", "HIT%", "FREE_MIB", "SIZE_MIB"
+    );
+    for e in stats["exports"].as_array().unwrap_or(&empty) {
+        let ops: Vec<&serde_json::Value> =
+            ["ops", "fuse_mount_ops"].iter().filter_map(|k| e[*k].as_object()).flat_map(|m| m.values()).collect();
+        let sum = |field: &str| ops.iter().filter_map(|o| o[field].as_u64()).sum::<u64>();
+        let p99 = ops.iter().filter_map(|o| o["p99_us"].as_f64()).fold(0.0, f64::max);
+        let (hits, misses) = (e["cache"]["hits"].as_u64().unwrap_or(0), e["cache"]["misses"].as_u64().unwrap_or(0));
+        let hit = if hits + misses == 0 { 0.0 } else { hits as f64 * 100.0 / (hits + misses) as f64 };
+        let mib = |field: &str| e["space"][field].as_u64().map_or("-".to_string(), |b| (b >> 20).to_string());
+        let _ = writeln!(
+            out,
+            "{:<16} {:>3} {:>12} {:>8} {:>12} {:>9.0} {:>7.1} {:>10} {:>10}",
+            e["tag"].as_str().unwrap_or_default(),
+            e["reactor"],
+            sum("requests"),
+            sum("errors"),
+            sum("bytes"),
+            p99,
+            hit,
+            mib("free_bytes"),
+            mib("size_bytes"),
+        );
+    }
+    out
+}

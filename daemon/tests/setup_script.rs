@@ -23,6 +23,7 @@ const NEEDED: &[(&str, &str)] = &[
     ("apt package", "shellcheck"),
     ("apt package", "systemd"),
     ("apt package", "python3"),
+    ("apt package", "python3-prometheus-client"),
     ("apt package", "qemu-system-x86 from bookworm-backports"),
     ("apt package", "linux-image-amd64 from bookworm-backports"),
     ("cargo tool", "pjdfstest"),

@@ -1,0 +1,255 @@
+//! The control plane: which exports run where, and the changes the RPC
+//! makes to them at runtime (add, remove, and the per-export settings).
+//!
+//! The table here is touched only when an export starts or stops, never on
+//! an I/O path; everything that touches an export's filesystem or server is
+//! sent to the export's reactor as a message, as the stats are.
+
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use keelfs_reactor::ReactorHandle;
+use serde_json::{json, Value};
+
+use crate::config::{BackendName, Export};
+use crate::sandbox::SandboxMode;
+use crate::serve::Event;
+
+/// Where an export is in its life.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Lifecycle {
+    Starting,
+    Ready,
+    Failed(String),
+    /// Asked to stop: draining, committing, closing.
+    Stopping,
+}
+
+#[derive(Clone, Debug)]
+pub struct ExportEntry {
+    pub export: Export,
+    pub reactor: usize,
+    pub state: Lifecycle,
+    /// Added by the RPC rather than the config (and so, sandboxed, its
+    /// socket is the server's to remove).
+    pub runtime: bool,
+}
+
+/// The exports that are starting, running or stopping. An entry leaves
+/// once its export has stopped (or failed and was collected).
+#[derive(Default)]
+pub struct ExportTable {
+    entries: Mutex<Vec<ExportEntry>>,
+    changed: Condvar,
+}
+
+impl ExportTable {
+    fn lock(&self) -> MutexGuard<'_, Vec<ExportEntry>> {
+        // A panic elsewhere while holding it leaves plain data behind.
+        self.entries.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    pub fn insert(&self, entry: ExportEntry) {
+        self.lock().push(entry);
+        self.changed.notify_all();
+    }
+
+    pub fn set_state(&self, tag: &str, state: Lifecycle) {
+        if let Some(e) = self.lock().iter_mut().find(|e| e.export.tag == tag) {
+            e.state = state;
+        }
+        self.changed.notify_all();
+    }
+
+    pub fn remove(&self, tag: &str) {
+        self.lock().retain(|e| e.export.tag != tag);
+        self.changed.notify_all();
+    }
+
+    pub fn get(&self, tag: &str) -> Option<ExportEntry> {
+        self.lock().iter().find(|e| e.export.tag == tag).cloned()
+    }
+
+    pub fn all(&self) -> Vec<ExportEntry> {
+        self.lock().clone()
+    }
+
+    /// Exports that still hold a device: not stopped, and not failed.
+    pub fn live(&self) -> usize {
+        self.lock().iter().filter(|e| !matches!(e.state, Lifecycle::Failed(_))).count()
+    }
+
+    /// Wait until `done` holds of the entries, or `timeout` passes;
+    /// returns whether it held.
+    pub fn wait_for(&self, timeout: Duration, mut done: impl FnMut(&[ExportEntry]) -> bool) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut entries = self.lock();
+        loop {
+            if done(&entries) {
+                return true;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            entries = self.changed.wait_timeout(entries, left).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+}
+
+/// Why a control request failed; each maps to a JSON-RPC error code.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error("no export is tagged \"{0}\"")]
+    NoSuchExport(String),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("export \"{0}\" is starting or stopping; try again")]
+    Busy(String),
+    #[error("{0}")]
+    NotPossible(String),
+    #[error("{0}")]
+    Failed(String),
+    #[error("the export's reactor did not answer within {0:?}")]
+    Timeout(Duration),
+}
+
+/// How long an export may take to start (mounting replays the journal).
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+/// What `export_remove` waits by default for a drain and commit.
+pub const STOP_TIMEOUT_DEFAULT: Duration = Duration::from_secs(30);
+
+/// What the RPC thread may do to the running daemon.
+pub struct Control {
+    pub reactors: Vec<ReactorHandle>,
+    pub table: Arc<ExportTable>,
+    pub events: Mutex<Sender<Event>>,
+    pub commit_interval: Duration,
+    pub sandbox: SandboxMode,
+}
+
+impl Control {
+    pub fn list(&self) -> Value {
+        let entries = self.table.all();
+        let lines: Vec<Value> = entries
+            .iter()
+            .map(|e| {
+                json!({
+                    "tag": e.export.tag, "reactor": e.reactor, "device": e.export.device,
+                    "socket": e.export.socket, "fuse_mount": e.export.fuse_mount,
+                    "read_only": e.export.read_only, "added_at_runtime": e.runtime,
+                    "state": match &e.state {
+                        Lifecycle::Starting => "starting".to_string(),
+                        Lifecycle::Ready => "ready".to_string(),
+                        Lifecycle::Failed(why) => format!("failed: {why}"),
+                        Lifecycle::Stopping => "stopping".to_string(),
+                    },
+                })
+            })
+            .collect();
+        Value::Array(lines)
+    }
+
+    /// Check `export` against the running ones, open it, start it on
+    /// `reactor` (default: the one with the fewest exports) and wait until
+    /// it serves.
+    pub fn add(&self, export: Export, reactor: Option<usize>) -> Result<Value, ControlError> {
+        if self.sandbox == SandboxMode::Namespace {
+            // The sandboxed server cannot open a device or bind a socket;
+            // handing them in from the supervisor is not built yet.
+            return Err(ControlError::NotPossible(
+                "exports can be added at runtime only with sandbox = \"none\": the sandboxed server cannot open \
+                 devices or bind sockets"
+                    .into(),
+            ));
+        }
+        if export.backend == BackendName::Nvme {
+            return Err(ControlError::NotPossible("an NVMe export is opened only at start".into()));
+        }
+        self.check_conflicts(&export)?;
+        let reactor = match reactor {
+            Some(r) if r < self.reactors.len() => r,
+            Some(r) => return Err(ControlError::Conflict(format!("there is no reactor {r}"))),
+            None => self.least_loaded_reactor(),
+        };
+        let opened =
+            crate::serve::open_export(&export, false, None).map_err(|e| ControlError::Failed(format!("{e:#}")))?;
+        let tag = export.tag.clone();
+        self.table.insert(ExportEntry { export, reactor, state: Lifecycle::Starting, runtime: true });
+        let events = self.events.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let started = crate::serve::start_export(
+            &self.reactors,
+            reactor,
+            opened,
+            (self.commit_interval, false),
+            events,
+            Arc::clone(&self.table),
+        );
+        if let Err(e) = started {
+            self.table.remove(&tag);
+            return Err(ControlError::Failed(format!("{e:#}")));
+        }
+        let settled = self.table.wait_for(START_TIMEOUT, |entries| {
+            entries.iter().find(|e| e.export.tag == tag).is_none_or(|e| e.state != Lifecycle::Starting)
+        });
+        match self.table.get(&tag).map(|e| e.state) {
+            Some(Lifecycle::Ready) => Ok(json!({"tag": tag, "reactor": reactor})),
+            Some(Lifecycle::Failed(why)) => {
+                self.table.remove(&tag);
+                Err(ControlError::Failed(why))
+            }
+            _ if !settled => Err(ControlError::Timeout(START_TIMEOUT)),
+            _ => Err(ControlError::Failed("the export stopped while starting".into())),
+        }
+    }
+
+    fn check_conflicts(&self, export: &Export) -> Result<(), ControlError> {
+        for running in self.table.all() {
+            let r = &running.export;
+            let clash = if r.tag == export.tag {
+                Some(format!("an export is already tagged \"{}\"", r.tag))
+            } else if r.device == export.device {
+                Some(format!("export \"{}\" already serves {}", r.tag, r.device.display()))
+            } else if r.socket.is_some() && r.socket == export.socket {
+                Some(format!("export \"{}\" already listens on that socket", r.tag))
+            } else if r.fuse_mount.is_some() && r.fuse_mount == export.fuse_mount {
+                Some(format!("export \"{}\" is already mounted there", r.tag))
+            } else {
+                None
+            };
+            if let Some(clash) = clash {
+                return Err(ControlError::Conflict(clash));
+            }
+        }
+        Ok(())
+    }
+
+    fn least_loaded_reactor(&self) -> usize {
+        let entries = self.table.all();
+        (0..self.reactors.len()).min_by_key(|&r| entries.iter().filter(|e| e.reactor == r).count()).unwrap_or(0)
+    }
+
+    /// Stop taking requests, drain the ones in flight, commit, checkpoint
+    /// and close; returns once the export has let go of its device.
+    pub fn remove(&self, tag: &str, timeout: Duration) -> Result<Value, ControlError> {
+        let entry = self.table.get(tag).ok_or_else(|| ControlError::NoSuchExport(tag.into()))?;
+        if entry.state != Lifecycle::Ready {
+            return Err(ControlError::Busy(tag.into()));
+        }
+        self.table.set_state(tag, Lifecycle::Stopping);
+        let asked = tag.to_string();
+        if self.reactors[entry.reactor].send(move || crate::serve::request_export_stop(&asked)).is_err() {
+            return Err(ControlError::Failed("the export's reactor has stopped".into()));
+        }
+        if !self.table.wait_for(timeout, |entries| entries.iter().all(|e| e.export.tag != tag)) {
+            return Err(ControlError::Timeout(timeout));
+        }
+        if entry.runtime && self.sandbox == SandboxMode::None {
+            if let Some(socket) = &entry.export.socket {
+                let _ = keelfs_vhost::clear_stale(socket);
+            }
+        }
+        Ok(json!({"tag": tag, "removed": true}))
+    }
+}

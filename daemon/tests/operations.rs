@@ -1,0 +1,298 @@
+//! Operating a running keelfsd: the Prometheus endpoint agrees with
+//! `keelfsd stats` and parses as the text format; the JSON-RPC control API
+//! adds and removes exports while another export serves fio.
+//!
+//! The scrapes are parsed by the Prometheus project's own Python parser
+//! (python3-prometheus-client, which scripts/setup.sh installs; a missing
+//! one fails the test).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{fsck, is_mounted, keelfsd, mkfs, Scratch};
+use serde_json::{json, Value};
+
+/// A `keelfsd serve --config` child whose stderr goes to a file.
+struct Daemon {
+    child: Child,
+    stderr: PathBuf,
+    mounts: Vec<PathBuf>,
+}
+
+impl Daemon {
+    fn start(scratch: &Scratch, config: &str, mounts: &[&Path]) -> Daemon {
+        let config_path = scratch.path("keelfsd.toml");
+        std::fs::write(&config_path, config).unwrap();
+        for m in mounts {
+            std::fs::create_dir_all(m).unwrap();
+        }
+        let stderr = scratch.path("stderr.log");
+        let child = keelfsd()
+            .args(["serve", "--config"])
+            .arg(&config_path)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&stderr).unwrap())
+            .spawn()
+            .unwrap();
+        let daemon = Daemon { child, stderr, mounts: mounts.iter().map(|m| m.to_path_buf()).collect() };
+        daemon.wait_for_log("keelfsd: ready", Duration::from_secs(60));
+        for m in mounts {
+            assert!(is_mounted(m), "{} is not mounted", m.display());
+        }
+        daemon
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    /// The first log line holding `text`.
+    fn wait_for_log(&self, text: &str, timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(line) = self.log().lines().find(|l| l.contains(text)) {
+                return line.to_string();
+            }
+            assert!(Instant::now() < deadline, "no {text:?} in keelfsd's log:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn stop(mut self) {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                assert!(status.success(), "keelfsd exited {status}:\n{}", self.log());
+                return;
+            }
+            assert!(Instant::now() < deadline, "keelfsd still running 60 s after SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        for m in &self.mounts {
+            if is_mounted(m) {
+                let _ = Command::new("umount").arg("-l").arg(m).status();
+            }
+        }
+    }
+}
+
+/// `keelfsd rpc METHOD PARAMS`: Ok(result) or Err(stderr) on an error reply.
+fn rpc(socket: &Path, method: &str, params: Value) -> Result<Value, String> {
+    let out = keelfsd().args(["rpc", method, &params.to_string(), "--rpc"]).arg(socket).output().unwrap();
+    if out.status.success() {
+        Ok(serde_json::from_slice(&out.stdout).expect("keelfsd rpc prints JSON"))
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).to_string())
+    }
+}
+
+fn stats(socket: &Path) -> Value {
+    let out = keelfsd().args(["stats", "--rpc"]).arg(socket).output().unwrap();
+    assert!(out.status.success(), "stats: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("stats prints JSON")
+}
+
+fn scrape(addr: &str, accept: &str) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    write!(stream, "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nAccept: {accept}\r\n\r\n").unwrap();
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply).unwrap();
+    let (head, body) = reply.split_once("\r\n\r\n").expect("an HTTP reply");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    body.to_string()
+}
+
+/// The scrape as the Prometheus parser reads it: one `[name, labels,
+/// value]` per sample. `openmetrics` picks the strict OpenMetrics parser,
+/// which also checks that histogram buckets are cumulative and end in +Inf.
+fn parse_with_prometheus(text: &str, openmetrics: bool) -> Vec<(String, Value, f64)> {
+    let module = if openmetrics { "prometheus_client.openmetrics.parser" } else { "prometheus_client.parser" };
+    let script = format!(
+        "import sys, json\nfrom {module} import text_string_to_metric_families as parse\n\
+         out = [[s.name, s.labels, s.value] for f in parse(sys.stdin.read()) for s in f.samples]\n\
+         print(json.dumps(out))\n"
+    );
+    let mut child = Command::new("/usr/bin/python3")
+        .args(["-c", &script])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("/usr/bin/python3 (scripts/setup.sh installs it)");
+    use std::io::Write;
+    child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "the Prometheus parser refused the scrape: {}", String::from_utf8_lossy(&out.stderr));
+    let samples: Vec<(String, Value, f64)> = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(!samples.is_empty());
+    samples
+}
+
+fn sample(samples: &[(String, Value, f64)], name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    samples.iter().find(|(n, l, _)| n == name && labels.iter().all(|(k, v)| l[*k] == *v)).map(|(_, _, v)| *v)
+}
+
+/// The stats with what moves on its own (clocks, reactor loops) removed.
+fn settled(stats: &Value) -> Value {
+    json!({"exports": stats["exports"]})
+}
+
+#[test]
+fn a_scrape_parses_and_matches_keelfsd_stats() {
+    let scratch = Scratch::new("metrics");
+    let (image, mnt, rpc_path) = (scratch.path("a.img"), scratch.path("mnt"), scratch.path("rpc.sock"));
+    mkfs(&image, "256M");
+    // Sandboxed (the default): the listener is bound before the sandbox
+    // and keeps serving from the host's network namespace.
+    let config = format!(
+        "[daemon]\nrpc_socket = {rpc_path:?}\nmetrics_listen = \"127.0.0.1:0\"\ncommit_interval_ms = 600000\n\
+         [[device]]\nname = \"a\"\npath = {image:?}\n[[export]]\ntag = \"vol-a\"\ndevice = \"a\"\nfuse_mount = {mnt:?}\n"
+    );
+    let daemon = Daemon::start(&scratch, &config, &[&mnt]);
+    let line = daemon.wait_for_log("metrics on http://", Duration::from_secs(5));
+    let addr = line.split("http://").nth(1).unwrap().trim_end_matches("/metrics").trim().to_string();
+
+    for i in 0..20 {
+        std::fs::write(mnt.join(format!("f{i}")), vec![i as u8; 64 << 10]).unwrap();
+        assert_eq!(std::fs::read(mnt.join(format!("f{i}"))).unwrap().len(), 64 << 10);
+    }
+    let fd = std::fs::File::open(&mnt).unwrap();
+    fd.sync_all().unwrap();
+
+    // A scrape between two equal stats saw the same counters.
+    let (before, text, after) = (0..20)
+        .map(|_| {
+            std::thread::sleep(Duration::from_millis(200));
+            (stats(&rpc_path), scrape(&addr, "text/plain"), stats(&rpc_path))
+        })
+        .find(|(b, _, a)| settled(b) == settled(a))
+        .expect("the counters never held still for a scrape");
+    drop(before);
+    let samples = parse_with_prometheus(&text, false);
+    let export = &after["exports"][0];
+    let ops = export["fuse_mount_ops"].as_object().expect("the host mount's ops");
+    assert!(ops.len() >= 4, "{ops:?}");
+    for (op, line) in ops {
+        let labels = [("export", "vol-a"), ("transport", "fuse"), ("op", op.as_str())];
+        for (metric, field) in [
+            ("keelfs_requests_total", "requests"),
+            ("keelfs_request_errors_total", "errors"),
+            ("keelfs_request_bytes_total", "bytes"),
+        ] {
+            let scraped = sample(&samples, metric, &labels).unwrap_or_else(|| panic!("no {metric} for {op}"));
+            assert_eq!(scraped as u64, line[field].as_u64().unwrap(), "{metric} of {op}");
+        }
+        let count = sample(&samples, "keelfs_request_duration_seconds_count", &labels).unwrap();
+        assert_eq!(count as u64, line["requests"].as_u64().unwrap(), "histogram count of {op}");
+        let inf = [("export", "vol-a"), ("transport", "fuse"), ("op", op.as_str()), ("le", "+Inf")];
+        assert_eq!(sample(&samples, "keelfs_request_duration_seconds_bucket", &inf), Some(count));
+    }
+    let writes = ops["write"]["requests"].as_u64().unwrap();
+    assert!(writes >= 20, "20 files were written: {writes} WRITEs");
+    for (metric, pointer) in [
+        ("keelfs_journal_commits_total", "/fs/journal_commits"),
+        ("keelfs_cache_hits_total", "/cache/hits"),
+        ("keelfs_cache_misses_total", "/cache/misses"),
+        ("keelfs_fs_free_bytes", "/space/free_bytes"),
+        ("keelfs_fs_inodes_free", "/space/inodes_free"),
+    ] {
+        let scraped = sample(&samples, metric, &[("export", "vol-a")]).unwrap_or_else(|| panic!("no {metric}"));
+        assert_eq!(scraped as u64, export.pointer(pointer).unwrap().as_u64().unwrap(), "{metric}");
+    }
+    assert!(export["fs"]["journal_commits"].as_u64().unwrap() > 0, "the fsync committed");
+    assert!(sample(&samples, "keelfs_reactor_busy_seconds_total", &[("reactor", "0")]).unwrap() > 0.0);
+    assert!(sample(&samples, "keelfs_reactor_idle_seconds_total", &[("reactor", "0")]).unwrap() > 0.0);
+    // The strict OpenMetrics parser checks the histograms' shape.
+    parse_with_prometheus(&scrape(&addr, "application/openmetrics-text; version=1.0.0"), true);
+
+    // The sandboxed server cannot open a new export, and says so.
+    let refused =
+        rpc(&rpc_path, "export_add", json!({"export": {"tag": "b", "device": "/nonexistent", "fuse_mount": "/x"}}));
+    let message = refused.expect_err("export_add in the sandbox");
+    assert!(message.contains("-32004") && message.contains("sandbox"), "{message}");
+    daemon.stop();
+    assert_eq!(fsck(&image).0, 0);
+}
+
+/// A small random-write fio job on `dir` for `seconds`, checked by fio.
+fn fio(dir: &Path, seconds: u32) -> std::process::Child {
+    Command::new("fio")
+        .args(["--name=steady", "--rw=randwrite", "--bs=4k", "--size=16M", "--ioengine=psync", "--time_based"])
+        .arg(format!("--runtime={seconds}"))
+        .arg(format!("--directory={}", dir.display()))
+        .args(["--verify=crc32c", "--do_verify=1", "--verify_state_save=0", "--output-format=json"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("fio (scripts/setup.sh installs it)")
+}
+
+#[test]
+fn exports_come_and_go_at_runtime_while_another_runs_fio() {
+    let scratch = Scratch::new("runtime-exports");
+    let (a, b) = (scratch.path("a.img"), scratch.path("b.img"));
+    let (mnt_a, mnt_b, rpc_path) = (scratch.path("mnt-a"), scratch.path("mnt-b"), scratch.path("rpc.sock"));
+    mkfs(&a, "256M");
+    mkfs(&b, "256M");
+    std::fs::create_dir_all(&mnt_b).unwrap();
+    let config = format!(
+        "[daemon]\nrpc_socket = {rpc_path:?}\nsandbox = \"none\"\n\
+         [[device]]\nname = \"a\"\npath = {a:?}\n[[export]]\ntag = \"vol-a\"\ndevice = \"a\"\nfuse_mount = {mnt_a:?}\n"
+    );
+    let daemon = Daemon::start(&scratch, &config, &[&mnt_a]);
+    let load = fio(&mnt_a, 20);
+
+    for round in 0..3 {
+        let added = rpc(
+            &rpc_path,
+            "export_add",
+            json!({"export": {"tag": "vol-b", "device": b, "fuse_mount": mnt_b, "cache": "none"}}),
+        )
+        .expect("export_add");
+        assert_eq!(added["tag"], "vol-b");
+        assert!(is_mounted(&mnt_b));
+        let list = rpc(&rpc_path, "export_list", json!({})).unwrap();
+        let tags: Vec<&str> = list.as_array().unwrap().iter().map(|e| e["tag"].as_str().unwrap()).collect();
+        assert_eq!(tags, ["vol-a", "vol-b"]);
+        // Each round finds the last one's file, written before its removal.
+        if round > 0 {
+            assert_eq!(std::fs::read(mnt_b.join(format!("r{}", round - 1))).unwrap(), vec![round as u8 - 1; 100_000]);
+        }
+        std::fs::write(mnt_b.join(format!("r{round}")), vec![round as u8; 100_000]).unwrap();
+        let twice =
+            rpc(&rpc_path, "export_add", json!({"export": {"tag": "vol-c", "device": b, "fuse_mount": "/tmp"}}));
+        assert!(twice.expect_err("the same image twice").contains("-32002"));
+        rpc(&rpc_path, "export_remove", json!({"tag": "vol-b"})).expect("export_remove");
+        assert!(!is_mounted(&mnt_b), "export_remove unmounts");
+        // Removed means committed and closed: the image is clean, and no
+        // longer locked.
+        assert_eq!(fsck(&b).0, 0, "vol-b after export_remove");
+    }
+    let missing = rpc(&rpc_path, "export_remove", json!({"tag": "vol-b"}));
+    assert!(missing.expect_err("no such export").contains("-32001"));
+
+    let out = load.wait_with_output().unwrap();
+    assert!(out.status.success(), "fio on vol-a: {}", String::from_utf8_lossy(&out.stderr));
+    // fio may print notes before its JSON.
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let report: Value = serde_json::from_str(&stdout[stdout.find("\n{").map_or(0, |i| i + 1)..])
+        .unwrap_or_else(|e| panic!("fio's JSON: {e}: {stdout}"));
+    assert_eq!(report["jobs"][0]["error"], 0, "fio on vol-a failed");
+    assert!(report["jobs"][0]["write"]["io_bytes"].as_u64().unwrap() > 0);
+
+    daemon.stop();
+    assert_eq!(fsck(&a).0, 0);
+}
