@@ -44,9 +44,23 @@ struct RawDaemon {
     poll_mode: Option<PollModeName>,
     rpc_socket: Option<PathBuf>,
     log: Option<String>,
+    log_format: Option<LogFormat>,
     metrics_listen: Option<Spanned<String>>,
     commit_interval_ms: Option<Spanned<u64>>,
     sandbox: Option<SandboxMode>,
+}
+
+/// How log lines are written to stderr.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// One line per event; without a terminal (journald, a file), no
+    /// timestamp and a syslog level prefix (`<4>`) that journald reads.
+    #[default]
+    Plain,
+    /// One JSON object per event, fields and span (the export's tag)
+    /// included.
+    Json,
 }
 
 #[derive(Debug, Deserialize)]
@@ -191,6 +205,7 @@ pub struct Config {
     pub rpc_socket: Option<PathBuf>,
     /// A tracing filter (`info`, `keelfs=debug`, ...); RUST_LOG wins.
     pub log: String,
+    pub log_format: LogFormat,
     /// Where the Prometheus endpoint listens (`GET /metrics`); None: off.
     pub metrics_listen: Option<std::net::SocketAddr>,
     pub commit_interval: Duration,
@@ -260,6 +275,7 @@ impl Default for Config {
             poll_mode: PollModeName::Adaptive,
             rpc_socket: None,
             log: "info".into(),
+            log_format: LogFormat::Plain,
             metrics_listen: None,
             commit_interval: Duration::from_secs(5),
             sandbox: SandboxMode::Namespace,
@@ -419,6 +435,7 @@ fn apply_daemon(src: &Source, daemon: RawDaemon, config: &mut Config) -> Result<
     if let Some(log) = daemon.log {
         config.log = log;
     }
+    config.log_format = daemon.log_format.unwrap_or_default();
     if let Some(addr) = &daemon.metrics_listen {
         let parsed = addr.get_ref().parse().map_err(|e| {
             src.error(addr.span(), format!("metrics_listen: {e}; give an address and port, e.g. \"127.0.0.1:9560\""))
@@ -661,7 +678,7 @@ atime = "noatime"
             error_of("[daemon]\npoll_mode = \"spin\"\n"),
             "bad.toml:2:13: unknown variant `spin`, expected one of `busy`, `adaptive`, `interrupt`"
         );
-        assert_eq!(error_of("[daemon]\nreactor = 2\n"), "bad.toml:2:1: unknown field `reactor`, expected one of `reactors`, `poll_mode`, `rpc_socket`, `log`, `metrics_listen`, `commit_interval_ms`, `sandbox`");
+        assert_eq!(error_of("[daemon]\nreactor = 2\n"), "bad.toml:2:1: unknown field `reactor`, expected one of `reactors`, `poll_mode`, `rpc_socket`, `log`, `log_format`, `metrics_listen`, `commit_interval_ms`, `sandbox`");
         assert_eq!(
             error_of("[[export]]\ntag = \"a\"\ndevice = \"nope\"\nsocket = \"/s\"\n"),
             "bad.toml:3:10: no [[device]] is named \"nope\""

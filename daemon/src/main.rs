@@ -9,6 +9,7 @@ mod device;
 mod host_writeback;
 mod image;
 mod lock;
+mod logs;
 mod metrics;
 mod mount_helper;
 mod mountinfo;

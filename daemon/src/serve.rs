@@ -178,12 +178,19 @@ fn apply_export_flags(args: &ServeArgs, export: &mut Export) -> anyhow::Result<(
 fn init_logging(config: &Config) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&config.log));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_target(false)
-        .try_init();
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let terminal = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    // systemd sets JOURNAL_STREAM when stderr is the journal.
+    let journal = std::env::var_os("JOURNAL_STREAM").is_some();
+    let _ = match config.log_format {
+        config::LogFormat::Json => builder.json().flatten_event(true).with_current_span(true).try_init(),
+        config::LogFormat::Plain if journal && !terminal => builder
+            .event_format(crate::logs::SyslogPrefixed(
+                tracing_subscriber::fmt::format().without_time().with_target(false),
+            ))
+            .try_init(),
+        config::LogFormat::Plain => builder.with_ansi(terminal).with_target(false).try_init(),
+    };
 }
 
 /// What export tasks tell the main thread.

@@ -1,6 +1,7 @@
 //! Operating a running keelfsd: the Prometheus endpoint agrees with
 //! `keelfsd stats` and parses as the text format; the JSON-RPC control API
-//! adds and removes exports while another export serves fio.
+//! adds and removes exports while another export serves fio; logs come out
+//! as JSON lines on request.
 //!
 //! The scrapes are parsed by the Prometheus project's own Python parser
 //! (python3-prometheus-client, which scripts/setup.sh installs; a missing
@@ -249,7 +250,7 @@ fn exports_come_and_go_at_runtime_while_another_runs_fio() {
     mkfs(&b, "256M");
     std::fs::create_dir_all(&mnt_b).unwrap();
     let config = format!(
-        "[daemon]\nrpc_socket = {rpc_path:?}\nsandbox = \"none\"\n\
+        "[daemon]\nrpc_socket = {rpc_path:?}\nsandbox = \"none\"\nlog_format = \"json\"\n\
          [[device]]\nname = \"a\"\npath = {a:?}\n[[export]]\ntag = \"vol-a\"\ndevice = \"a\"\nfuse_mount = {mnt_a:?}\n"
     );
     let daemon = Daemon::start(&scratch, &config, &[&mnt_a]);
@@ -293,6 +294,18 @@ fn exports_come_and_go_at_runtime_while_another_runs_fio() {
     assert_eq!(report["jobs"][0]["error"], 0, "fio on vol-a failed");
     assert!(report["jobs"][0]["write"]["io_bytes"].as_u64().unwrap() > 0);
 
+    // Every log line is a JSON object, and the lifecycle is in them with
+    // the export's tag.
+    let log = daemon.log();
+    let events: Vec<Value> = log
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    let said = |text: &str| events.iter().any(|e| e["message"].as_str().is_some_and(|m| m.contains(text)));
+    assert!(said("export vol-b: serving") && said("export vol-b: stopped"), "{log}");
+    assert!(events.iter().all(|e| e["level"].is_string() && e["timestamp"].is_string()));
+    assert!(events.iter().any(|e| e["span"]["tag"] == "vol-b"), "events carry the export's span");
     daemon.stop();
     assert_eq!(fsck(&a).0, 0);
 }
