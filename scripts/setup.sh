@@ -87,6 +87,7 @@ have python3 || want_apt python3 "qemu-scripts/qmp.py, the QMP client of migrate
 # Debian's module, for Debian's python3: the tests call /usr/bin/python3.
 "$root/usr/bin/python3" -c 'import prometheus_client' 2>/dev/null ||
   want_apt python3-prometheus-client "the Prometheus text-format parser that checks keelfsd's metrics"
+have tmux || want_apt tmux "the terminal that keelfsd top is tested in"
 # bookworm's QEMU 7.2 and Linux 6.1 lack multi-queue virtio-fs.
 (($(qemu_major) >= 10)) || want_bpo qemu-system-x86 "QEMU 10 to boot the test guests"
 guest_kernel_present || want_bpo linux-image-amd64 "Linux 6.12, the test guests' kernel"

@@ -20,6 +20,7 @@ mod serve;
 mod signals;
 mod supervisor;
 mod tools;
+mod top;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -142,6 +143,20 @@ enum Command {
         #[arg(long)]
         table: bool,
     },
+    /// A live view of a running daemon: reactors' busy share, and each
+    /// export's IOPS, MiB/s, p99 latency and queue depth (q quits).
+    Top {
+        /// The daemon's RPC socket.
+        #[arg(long)]
+        rpc: PathBuf,
+        /// Refresh interval in milliseconds.
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(100..=60_000))]
+        interval_ms: u64,
+        /// Print one frame (two samples an interval apart) and exit, as
+        /// `top -b -n 1` does.
+        #[arg(long)]
+        once: bool,
+    },
     /// Call a JSON-RPC method of a running daemon and print its result
     /// (docs/RPC.md lists them; rpc_get_methods too). Exits 1 on an error
     /// reply, printing its code and message.
@@ -241,6 +256,7 @@ fn main() -> ExitCode {
             print_out(&text);
             ExitCode::SUCCESS
         }),
+        Command::Top { rpc, interval_ms, once } => top::run(&rpc, std::time::Duration::from_millis(interval_ms), once),
         Command::Rpc { method, params, rpc } => call_rpc(&rpc, &method, params.as_deref()),
     };
     exit_code(result)

@@ -219,6 +219,8 @@ fn a_scrape_parses_and_matches_keelfsd_stats() {
     // The strict OpenMetrics parser checks the histograms' shape.
     parse_with_prometheus(&scrape(&addr, "application/openmetrics-text; version=1.0.0"), true);
 
+    top_under_tmux(&rpc_path, &mnt);
+
     // The sandboxed server cannot open a new export, and says so.
     let refused =
         rpc(&rpc_path, "export_add", json!({"export": {"tag": "b", "device": "/nonexistent", "fuse_mount": "/x"}}));
@@ -226,6 +228,42 @@ fn a_scrape_parses_and_matches_keelfsd_stats() {
     assert!(message.contains("-32004") && message.contains("sandbox"), "{message}");
     daemon.stop();
     assert_eq!(fsck(&image).0, 0);
+}
+
+fn tmux(args: &[&str]) -> std::process::Output {
+    Command::new("tmux").args(args).output().expect("tmux (scripts/setup.sh installs it)")
+}
+
+/// `keelfsd top` in a real terminal (tmux): it draws both tables with the
+/// export's live numbers, and quits on `q`.
+fn top_under_tmux(rpc_path: &Path, mnt: &Path) {
+    let session = format!("keelfs-top-{}", std::process::id());
+    let command = format!("{} top --rpc {} --interval-ms 300", env!("CARGO_BIN_EXE_keelfsd"), rpc_path.display());
+    let started = tmux(&["new-session", "-d", "-s", &session, "-x", "110", "-y", "30", &command]);
+    assert!(started.status.success(), "tmux: {}", String::from_utf8_lossy(&started.stderr));
+    // Reads while it samples, so that the export has a rate to show.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < deadline {
+        std::fs::read(mnt.join("f0")).unwrap();
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let frame = String::from_utf8_lossy(&tmux(&["capture-pane", "-p", "-t", &session]).stdout).to_string();
+    for word in ["Reactors", "Exports", "BUSY%", "IOPS", "P99 us", "vol-a"] {
+        assert!(frame.contains(word), "no {word} in top's frame:\n{frame}");
+    }
+    let line = frame.lines().find(|l| l.contains("vol-a")).unwrap();
+    let iops: f64 =
+        line.split_whitespace().filter(|w| !w.contains('│')).nth(2).and_then(|w| w.parse().ok()).unwrap_or(-1.0);
+    assert!(iops > 0.0, "top shows no IOPS while the export is read: {line}");
+    tmux(&["send-keys", "-t", &session, "q"]);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while tmux(&["has-session", "-t", &session]).status.success() {
+        assert!(Instant::now() < deadline, "top did not quit on q:\n{frame}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    if std::env::var_os("KEELFS_PRINT_TOP").is_some() {
+        println!("{frame}");
+    }
 }
 
 /// A small random-write fio job on `dir` for `seconds`, checked by fio.

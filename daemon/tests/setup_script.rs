@@ -24,6 +24,7 @@ const NEEDED: &[(&str, &str)] = &[
     ("apt package", "systemd"),
     ("apt package", "python3"),
     ("apt package", "python3-prometheus-client"),
+    ("apt package", "tmux"),
     ("apt package", "qemu-system-x86 from bookworm-backports"),
     ("apt package", "linux-image-amd64 from bookworm-backports"),
     ("cargo tool", "pjdfstest"),
