@@ -51,6 +51,20 @@ impl UringDevice {
         let geometry = probe_geometry(&file, path)?;
         Ok(Self { file: Arc::new(file), name: path.display().to_string(), geometry, options })
     }
+
+    /// The open file, for a privileged process that opens devices for a
+    /// sandboxed one and hands it the descriptor ([`Self::from_parts`]).
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// A device [`Self::open`]ed by another process: `file` is its open
+    /// file (O_DIRECT, as `options` say), `geometry` what that open
+    /// probed. A sandboxed process can do neither itself: probing takes
+    /// ioctls and sysfs.
+    pub fn from_parts(file: File, name: String, geometry: Geometry, options: UringOptions) -> Self {
+        Self { file: Arc::new(file), name, geometry, options }
+    }
 }
 
 fn probe_geometry(file: &File, path: &Path) -> Result<Geometry, BdevError> {

@@ -46,6 +46,7 @@ struct RawDaemon {
     log: Option<String>,
     log_format: Option<LogFormat>,
     metrics_listen: Option<Spanned<String>>,
+    export_dirs: Option<Vec<PathBuf>>,
     commit_interval_ms: Option<Spanned<u64>>,
     sandbox: Option<SandboxMode>,
 }
@@ -208,6 +209,9 @@ pub struct Config {
     pub log_format: LogFormat,
     /// Where the Prometheus endpoint listens (`GET /metrics`); None: off.
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// Where a sandboxed daemon's `export_add` may open images and bind
+    /// sockets (its supervisor does it); empty: nowhere.
+    pub export_dirs: Vec<PathBuf>,
     pub commit_interval: Duration,
     /// The sandbox `serve` enters once its files are open.
     pub sandbox: SandboxMode,
@@ -277,6 +281,7 @@ impl Default for Config {
             log: "info".into(),
             log_format: LogFormat::Plain,
             metrics_listen: None,
+            export_dirs: Vec::new(),
             commit_interval: Duration::from_secs(5),
             sandbox: SandboxMode::Namespace,
             incoming: false,
@@ -436,6 +441,7 @@ fn apply_daemon(src: &Source, daemon: RawDaemon, config: &mut Config) -> Result<
         config.log = log;
     }
     config.log_format = daemon.log_format.unwrap_or_default();
+    config.export_dirs = daemon.export_dirs.unwrap_or_default();
     if let Some(addr) = &daemon.metrics_listen {
         let parsed = addr.get_ref().parse().map_err(|e| {
             src.error(addr.span(), format!("metrics_listen: {e}; give an address and port, e.g. \"127.0.0.1:9560\""))
@@ -678,7 +684,7 @@ atime = "noatime"
             error_of("[daemon]\npoll_mode = \"spin\"\n"),
             "bad.toml:2:13: unknown variant `spin`, expected one of `busy`, `adaptive`, `interrupt`"
         );
-        assert_eq!(error_of("[daemon]\nreactor = 2\n"), "bad.toml:2:1: unknown field `reactor`, expected one of `reactors`, `poll_mode`, `rpc_socket`, `log`, `log_format`, `metrics_listen`, `commit_interval_ms`, `sandbox`");
+        assert_eq!(error_of("[daemon]\nreactor = 2\n"), "bad.toml:2:1: unknown field `reactor`, expected one of `reactors`, `poll_mode`, `rpc_socket`, `log`, `log_format`, `metrics_listen`, `export_dirs`, `commit_interval_ms`, `sandbox`");
         assert_eq!(
             error_of("[[export]]\ntag = \"a\"\ndevice = \"nope\"\nsocket = \"/s\"\n"),
             "bad.toml:3:10: no [[device]] is named \"nope\""

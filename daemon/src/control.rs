@@ -14,7 +14,8 @@ use serde_json::{json, Value};
 
 use crate::config::{BackendName, Export};
 use crate::sandbox::SandboxMode;
-use crate::serve::Event;
+use crate::serve::{Event, Opened};
+use crate::supervisor::SupervisorLink;
 
 /// Where an export is in its life.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -31,9 +32,11 @@ pub struct ExportEntry {
     pub export: Export,
     pub reactor: usize,
     pub state: Lifecycle,
-    /// Added by the RPC rather than the config (and so, sandboxed, its
-    /// socket is the server's to remove).
+    /// Added by the RPC rather than the config.
     pub runtime: bool,
+    /// Bound by the supervisor for a sandboxed server: its index there,
+    /// to have it removed.
+    pub brokered_socket: Option<usize>,
 }
 
 /// The exports that are starting, running or stopping. An entry leaves
@@ -127,6 +130,8 @@ pub struct Control {
     pub events: Mutex<Sender<Event>>,
     pub commit_interval: Duration,
     pub sandbox: SandboxMode,
+    /// The supervisor, which opens exports for a sandboxed server.
+    pub link: Option<Arc<SupervisorLink>>,
 }
 
 impl Control {
@@ -155,15 +160,6 @@ impl Control {
     /// `reactor` (default: the one with the fewest exports) and wait until
     /// it serves.
     pub fn add(&self, export: Export, reactor: Option<usize>) -> Result<Value, ControlError> {
-        if self.sandbox == SandboxMode::Namespace {
-            // The sandboxed server cannot open a device or bind a socket;
-            // handing them in from the supervisor is not built yet.
-            return Err(ControlError::NotPossible(
-                "exports can be added at runtime only with sandbox = \"none\": the sandboxed server cannot open \
-                 devices or bind sockets"
-                    .into(),
-            ));
-        }
         if export.backend == BackendName::Nvme {
             return Err(ControlError::NotPossible("an NVMe export is opened only at start".into()));
         }
@@ -173,19 +169,13 @@ impl Control {
             Some(r) => return Err(ControlError::Conflict(format!("there is no reactor {r}"))),
             None => self.least_loaded_reactor(),
         };
-        let opened =
-            crate::serve::open_export(&export, false, None).map_err(|e| ControlError::Failed(format!("{e:#}")))?;
+        let (opened, brokered_socket) = self.open(&export)?;
         let tag = export.tag.clone();
-        self.table.insert(ExportEntry { export, reactor, state: Lifecycle::Starting, runtime: true });
+        self.table.insert(ExportEntry { export, reactor, state: Lifecycle::Starting, runtime: true, brokered_socket });
         let events = self.events.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let started = crate::serve::start_export(
-            &self.reactors,
-            reactor,
-            opened,
-            (self.commit_interval, false),
-            events,
-            Arc::clone(&self.table),
-        );
+        let timing = (self.commit_interval, false);
+        let started =
+            crate::serve::start_export(&self.reactors, reactor, opened, timing, events, Arc::clone(&self.table));
         if let Err(e) = started {
             self.table.remove(&tag);
             return Err(ControlError::Failed(format!("{e:#}")));
@@ -197,10 +187,39 @@ impl Control {
             Some(Lifecycle::Ready) => Ok(json!({"tag": tag, "reactor": reactor})),
             Some(Lifecycle::Failed(why)) => {
                 self.table.remove(&tag);
+                self.forget_socket(brokered_socket);
                 Err(ControlError::Failed(why))
             }
             _ if !settled => Err(ControlError::Timeout(START_TIMEOUT)),
             _ => Err(ControlError::Failed("the export stopped while starting".into())),
+        }
+    }
+
+    /// Open the export here, or have the supervisor open it for a
+    /// sandboxed server (which can open nothing itself).
+    fn open(&self, export: &Export) -> Result<(Opened, Option<usize>), ControlError> {
+        let failed = |e: anyhow::Error| ControlError::Failed(format!("{e:#}"));
+        if self.sandbox == SandboxMode::None {
+            return crate::serve::open_export(export, false, None).map(|o| (o, None)).map_err(failed);
+        }
+        let Some(link) = &self.link else {
+            return Err(ControlError::NotPossible("no supervisor to open the export".into()));
+        };
+        if export.fuse_mount.is_some() || export.backend != BackendName::Uring {
+            return Err(ControlError::NotPossible(
+                "a sandboxed daemon adds only vhost-user exports on io_uring images: it cannot mount, map or \
+                 attach devices at runtime (use sandbox = \"none\")"
+                    .into(),
+            ));
+        }
+        crate::serve::open_export_brokered(export, link).map(|(o, i)| (o, Some(i))).map_err(failed)
+    }
+
+    fn forget_socket(&self, brokered: Option<usize>) {
+        if let (Some(link), Some(index)) = (&self.link, brokered) {
+            if let Err(e) = link.remove_socket(index) {
+                tracing::warn!("the supervisor could not remove a socket: {e}");
+            }
         }
     }
 
@@ -250,6 +269,7 @@ impl Control {
                 let _ = keelfs_vhost::clear_stale(socket);
             }
         }
+        self.forget_socket(entry.brokered_socket);
         Ok(json!({"tag": tag, "removed": true}))
     }
 }

@@ -71,6 +71,18 @@ impl ImageLock {
         Ok(Some(ImageLock { file: open_image(path, true)? }))
     }
 
+    /// A file another process opened and locked, handed over: the lock is
+    /// the open file description's, so it comes along.
+    pub fn from_locked(file: File) -> ImageLock {
+        ImageLock { file }
+    }
+
+    /// The locked file, to hand to another process (see
+    /// [`Self::from_locked`]).
+    pub fn into_file(self) -> File {
+        self.file
+    }
+
     /// Take the write lock if nobody holds it; false if somebody does.
     pub fn try_lock(&self) -> std::io::Result<bool> {
         set_lock(&self.file, libc::F_WRLCK)

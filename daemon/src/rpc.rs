@@ -385,6 +385,7 @@ mod tests {
             events: std::sync::Mutex::new(mpsc::channel().0),
             commit_interval: Duration::from_secs(5),
             sandbox: crate::sandbox::SandboxMode::None,
+            link: None,
         }
     }
 

@@ -253,8 +253,9 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     if config.sandbox == SandboxMode::Namespace {
         sandbox::enter(needs_of(&config), seccomp::Action::from_env()).context("entering the sandbox")?;
     }
-    let result = run(&config, opened, listeners, &signals);
-    if link.is_none() {
+    let sandboxed = link.is_some();
+    let result = run(&config, opened, listeners, &signals, link);
+    if !sandboxed {
         // Sandboxed, the supervisor does this: the server cannot see them.
         for socket in cleanup_of(&config).sockets {
             let _ = keelfs_vhost::clear_stale(&socket);
@@ -320,6 +321,7 @@ fn cleanup_of(config: &Config) -> Cleanup {
         fuse_mounts: with_mounts().filter_map(|e| e.fuse_mount.clone()).collect(),
         fuse_types: with_mounts().map(|e| e.fuse_type.clone()).collect(),
         sockets: config.exports.iter().filter_map(|e| e.socket.clone()).chain(config.rpc_socket.clone()).collect(),
+        export_dirs: config.export_dirs.clone(),
     }
 }
 
@@ -396,6 +398,29 @@ pub(crate) fn open_export(
     Ok(Opened { export: export.clone(), dev, listener, fuse, lock, session })
 }
 
+/// Open an export for a sandboxed server through its supervisor (see
+/// [`crate::broker`]): a vhost-user export on an io_uring image, without a
+/// session kept across restarts (the server cannot open its file). Returns
+/// it with the supervisor's index of its socket.
+pub(crate) fn open_export_brokered(export: &Export, link: &SupervisorLink) -> anyhow::Result<(Opened, usize)> {
+    let socket = export.socket.clone().context("a sandboxed daemon adds vhost-user exports only")?;
+    let request = crate::broker::OpenRequest {
+        device: export.device.clone(),
+        read_only: export.read_only,
+        sqpoll_idle_ms: export.sqpoll_idle_ms,
+        socket,
+        socket_mode: export.socket_mode,
+        socket_owner: export.socket_owner,
+    };
+    let opened = link.open_export(&request).with_context(|| format!("export {}: the supervisor", export.tag))?;
+    let index = opened.socket_index;
+    let dev: Arc<dyn BlockDevice> = Arc::new(opened.device);
+    let export = Export { session_file: Some(PathBuf::new()), ..export.clone() };
+    let opened =
+        Opened { export, dev, listener: Some(opened.listener), fuse: None, lock: Some(opened.lock), session: None };
+    Ok((opened, index))
+}
+
 /// Mount the export at `dir` through /dev/fuse.
 fn mount_on_host(export: &Export, dir: &Path, link: Option<&Arc<SupervisorLink>>) -> anyhow::Result<FuseMount> {
     let flags = export.fuse_mount_flags | if export.read_only { libc::MS_RDONLY } else { 0 };
@@ -434,8 +459,13 @@ fn start_exports(
 ) -> anyhow::Result<()> {
     for (id, exports) in assigned.into_iter().enumerate() {
         for opened in exports {
-            let entry =
-                ExportEntry { export: opened.export.clone(), reactor: id, state: Lifecycle::Starting, runtime: false };
+            let entry = ExportEntry {
+                export: opened.export.clone(),
+                reactor: id,
+                state: Lifecycle::Starting,
+                runtime: false,
+                brokered_socket: None,
+            };
             table.insert(entry);
             start_export(handles, id, opened, timing, events.clone(), Arc::clone(table))?;
         }
@@ -517,6 +547,7 @@ fn start_control(
     listeners: Listeners,
     handles: &[ReactorHandle],
     (events, table): (&mpsc::Sender<Event>, &Arc<ExportTable>),
+    link: Option<Arc<SupervisorLink>>,
 ) -> anyhow::Result<(Option<rpc::RpcServer>, Option<crate::metrics::MetricsServer>)> {
     let rpc = match listeners.rpc {
         Some(listener) => {
@@ -526,6 +557,7 @@ fn start_control(
                 events: std::sync::Mutex::new(events.clone()),
                 commit_interval: config.commit_interval,
                 sandbox: config.sandbox,
+                link,
             };
             Some(rpc::RpcServer::start(listener, Arc::new(control)).context("starting the RPC")?)
         }
@@ -544,7 +576,13 @@ fn start_control(
 
 /// Start the reactors and the exports on them, serve until a signal, and
 /// shut down.
-fn run(config: &Config, opened: Vec<Opened>, listeners: Listeners, signals: &Signals) -> anyhow::Result<ExitCode> {
+fn run(
+    config: &Config,
+    opened: Vec<Opened>,
+    listeners: Listeners,
+    signals: &Signals,
+    link: Option<Arc<SupervisorLink>>,
+) -> anyhow::Result<ExitCode> {
     let (events, event_rx) = mpsc::channel();
     let reactor_count = config.reactors.len();
     let mut assigned: Vec<Vec<Opened>> = (0..reactor_count).map(|_| Vec::new()).collect();
@@ -561,7 +599,7 @@ fn run(config: &Config, opened: Vec<Opened>, listeners: Listeners, signals: &Sig
     let mut failure = await_start_up(&event_rx, config.exports.len());
     let mut servers = (None, None);
     if failure.is_none() {
-        match start_control(config, listeners, &handles, (&events, &table)) {
+        match start_control(config, listeners, &handles, (&events, &table), link) {
             Ok(started) => servers = started,
             Err(e) => failure = Some(format!("{e:#}")),
         }

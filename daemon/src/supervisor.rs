@@ -15,7 +15,8 @@
 //! The child dies with the parent (PR_SET_PDEATHSIG), so SIGKILL to the
 //! process its caller knows still ends the daemon at once. The parent reads
 //! nothing from a guest; from the child it accepts only "unmount N" for a
-//! mount of its own configuration.
+//! mount of its own configuration, and "open_export" for an image and a
+//! socket inside the operator's `export_dirs` (see [`crate::broker`]).
 
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -27,6 +28,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 
+use crate::broker::{self, OpenReply, OpenRequest};
 use crate::sandbox;
 use crate::signals::Signals;
 
@@ -40,6 +42,9 @@ pub struct Cleanup {
     pub fuse_types: Vec<String>,
     /// vhost-user and RPC sockets.
     pub sockets: Vec<PathBuf>,
+    /// Where `export_add` may open images and bind sockets for the server
+    /// (`export_dirs`); empty: nowhere.
+    pub export_dirs: Vec<PathBuf>,
 }
 
 pub enum Role {
@@ -51,8 +56,9 @@ pub enum Role {
 
 /// How long the child waits for the supervisor to unmount.
 const UNMOUNT_TIMEOUT: Duration = Duration::from_secs(10);
-/// The longest message either side sends.
-const MESSAGE_BYTES_MAX: usize = 64;
+/// The longest message either side sends (an "open_export" request
+/// carries two paths).
+const MESSAGE_BYTES_MAX: usize = 16 << 10;
 
 /// The child's end of the line to its supervisor.
 pub struct SupervisorLink {
@@ -89,6 +95,36 @@ impl SupervisorLink {
     pub fn unmount(&self, mountpoint: &Path) -> io::Result<()> {
         let index = self.index_of(mountpoint)?;
         self.request(&format!("unmount {index}"))
+    }
+
+    /// Have the supervisor lock and open an export's image and bind its
+    /// socket (see [`crate::broker`]); a refusal comes back as an error
+    /// with the supervisor's reason.
+    pub fn open_export(&self, request: &OpenRequest) -> io::Result<broker::Opened> {
+        let line = serde_json::to_string(request).map_err(io::Error::other)?;
+        let mut stream = self.stream.lock().unwrap_or_else(|e| e.into_inner());
+        send_line(&mut stream, &format!("open_export {line}"))?;
+        let mut buf = vec![0u8; MESSAGE_BYTES_MAX];
+        let (n, fds) = broker::recv_with_fds(&stream, &mut buf, 3)?;
+        let mut reply = buf[..n].to_vec();
+        if !reply.ends_with(b"\n") {
+            reply.extend_from_slice(read_line(&mut stream)?.as_bytes());
+        }
+        let reply = String::from_utf8_lossy(&reply).trim_end().to_string();
+        match reply.split_once(' ') {
+            Some(("0", body)) => {
+                let reply: OpenReply = serde_json::from_str(body).map_err(io::Error::other)?;
+                broker::Opened::from_fds(request, &reply, fds)
+            }
+            Some(("E", why)) => Err(io::Error::other(why.to_string())),
+            _ => Err(io::ErrorKind::InvalidData.into()),
+        }
+    }
+
+    /// Have the supervisor remove the socket of an export added at runtime
+    /// (its `socket_index`), once the export has stopped.
+    pub fn remove_socket(&self, index: usize) -> io::Result<()> {
+        self.request(&format!("remove_socket {index}"))
     }
 
     /// Send one request and read its answer: 0, or an errno.
@@ -187,6 +223,9 @@ fn supervise(
     // The mount id of each mount the child made, as it reported them: only
     // those are the supervisor's to unmount.
     let mut made: Vec<Option<u64>> = vec![None; cleanup.fuse_mounts.len()];
+    // Sockets bound for exports added at runtime, removed when the server
+    // asks or exits.
+    let mut runtime_sockets: Vec<PathBuf> = Vec::new();
     // SAFETY: pidfd_open takes a pid and flags.
     let pidfd = check(unsafe { libc::syscall(libc::SYS_pidfd_open, child, 0) } as libc::c_int)
         .context("pidfd_open on the sandboxed server")?;
@@ -211,7 +250,7 @@ fn supervise(
             }
         }
         if fds[2].revents != 0 {
-            link_open = answer(&mut link, cleanup, &mut made);
+            link_open = answer(&mut link, cleanup, &mut made, &mut runtime_sockets);
         }
         if fds[1].revents != 0 {
             break;
@@ -225,7 +264,7 @@ fn supervise(
     for index in 0..made.len() {
         let _ = unmount_own(cleanup, &made, index);
     }
-    for socket in &cleanup.sockets {
+    for socket in cleanup.sockets.iter().chain(&runtime_sockets) {
         let _ = keelfs_vhost::clear_stale(socket);
     }
     Ok(exit_code(status))
@@ -235,10 +274,14 @@ fn poll_fd(fd: RawFd) -> libc::pollfd {
     libc::pollfd { fd, events: libc::POLLIN, revents: 0 }
 }
 
-/// Serve one request from the child ("mounted INDEX ID", "gone INDEX" or
-/// "unmount INDEX"); false once the link is closed.
-fn answer(link: &mut UnixStream, cleanup: &Cleanup, made: &mut [Option<u64>]) -> bool {
+/// Serve one request from the child ("mounted INDEX ID", "gone INDEX",
+/// "unmount INDEX", "open_export JSON" or "remove_socket INDEX"); false
+/// once the link is closed.
+fn answer(link: &mut UnixStream, cleanup: &Cleanup, made: &mut [Option<u64>], sockets: &mut Vec<PathBuf>) -> bool {
     let Ok(request) = read_line(link) else { return false };
+    if let Some(json) = request.strip_prefix("open_export ") {
+        return open_export(link, json, cleanup, sockets).is_ok();
+    }
     let words: Vec<&str> = request.split(' ').collect();
     let index = words.get(1).and_then(|i| i.parse::<usize>().ok()).filter(|&i| i < made.len());
     let errno = match (words.first(), index, words.get(2).and_then(|id| id.parse::<u64>().ok())) {
@@ -253,9 +296,38 @@ fn answer(link: &mut UnixStream, cleanup: &Cleanup, made: &mut [Option<u64>]) ->
         (Some(&"unmount"), Some(index), None) => {
             unmount_own(cleanup, made, index).err().map_or(0, |e| e.raw_os_error().unwrap_or(libc::EIO))
         }
+        (Some(&"remove_socket"), _, None) => {
+            match words.get(1).and_then(|i| i.parse::<usize>().ok()).and_then(|i| sockets.get(i)) {
+                Some(socket) => keelfs_vhost::clear_stale(socket).err().map_or(0, |_| libc::EIO),
+                None => libc::EINVAL,
+            }
+        }
         _ => libc::EINVAL,
     };
     send_line(link, &errno.to_string()).is_ok()
+}
+
+/// Open an export for the child (see [`crate::broker`]): "0 REPLY" with
+/// the image's lock, the device and the socket attached, or "E WHY".
+fn open_export(link: &mut UnixStream, json: &str, cleanup: &Cleanup, sockets: &mut Vec<PathBuf>) -> io::Result<()> {
+    let opened = serde_json::from_str::<OpenRequest>(json)
+        .map_err(anyhow::Error::from)
+        .and_then(|request| broker::open_for(&request, &cleanup.export_dirs).map(|o| (request, o)));
+    match opened {
+        Ok((request, (fds, mut reply))) => {
+            reply.socket_index = sockets.len();
+            sockets.push(request.socket.clone());
+            let line = format!("0 {}\n", serde_json::to_string(&reply).map_err(io::Error::other)?);
+            let raw: Vec<RawFd> = fds.iter().map(AsRawFd::as_raw_fd).collect();
+            // Ours close when `fds` drops; the child's copies stay open.
+            broker::send_with_fds(link, line.as_bytes(), &raw)
+        }
+        Err(e) => {
+            // One line: the reason, without newlines.
+            let why = format!("{e:#}").replace('\n', " ");
+            send_line(link, &format!("E {why}"))
+        }
+    }
 }
 
 /// Unmount the child's mount number `index` if it is still the topmost

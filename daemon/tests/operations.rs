@@ -347,3 +347,83 @@ fn exports_come_and_go_at_runtime_while_another_runs_fio() {
     daemon.stop();
     assert_eq!(fsck(&a).0, 0);
 }
+
+fn frontend(socket: &Path) -> keelfs_vhost::frontend::FsFrontend {
+    use keelfs_vhost::frontend::{FrontendConfig, FsFrontend};
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match FsFrontend::connect(socket, FrontendConfig::default()) {
+            Ok(fe) => return fe,
+            Err(e) => assert!(Instant::now() < deadline, "connecting: {e}"),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// CREATE `name` with `data` through the vhost-user device, read it back.
+fn write_and_read_back(socket: &Path, name: &str, data: &[u8]) {
+    use keelfs_vhost::abi::{init_flags as f, Opcode, Reply, ENTRY_OUT_BYTES};
+    use keelfs_vhost::frontend::io_in;
+    let mut fe = frontend(socket);
+    fe.init(f::ASYNC_READ | f::MAX_PAGES | f::INIT_EXT).unwrap();
+    let mut create = Reply::default();
+    create.u32(libc::O_RDWR as u32).u32(0o100644).u32(0).u32(0).raw(name.as_bytes()).raw(&[0]);
+    let (err, reply) = fe.fuse(1, Opcode::Create, 1, &create.bytes).unwrap();
+    assert_eq!(err, 0, "create {name}");
+    let node = u64::from_le_bytes(reply[..8].try_into().unwrap());
+    let fh = u64::from_le_bytes(reply[ENTRY_OUT_BYTES..ENTRY_OUT_BYTES + 8].try_into().unwrap());
+    let mut write = Reply::default();
+    write.raw(&io_in(fh, 0, data.len() as u32)).raw(data);
+    assert_eq!(fe.fuse(1, Opcode::Write, node, &write.bytes).unwrap().0, 0);
+    let mut read = Reply::default();
+    read.raw(&io_in(fh, 0, data.len() as u32));
+    assert_eq!(fe.fuse(1, Opcode::Read, node, &read.bytes).unwrap(), (0, data.to_vec()));
+    let mut fsync = Reply::default();
+    fsync.u64(fh).u32(0).u32(0);
+    assert_eq!(fe.fuse(1, Opcode::Fsync, node, &fsync.bytes).unwrap().0, 0);
+}
+
+#[test]
+fn a_sandboxed_daemon_adds_exports_through_its_supervisor() {
+    let scratch = Scratch::new("brokered-exports");
+    let allowed = scratch.path("images");
+    std::fs::create_dir_all(&allowed).unwrap();
+    let (a, b, outside) = (scratch.path("a.img"), allowed.join("b.img"), scratch.path("c.img"));
+    let (mnt, rpc_path, socket) = (scratch.path("mnt"), scratch.path("rpc.sock"), allowed.join("b.sock"));
+    for image in [&a, &b, &outside] {
+        mkfs(image, "256M");
+    }
+    let config = format!(
+        "[daemon]\nrpc_socket = {rpc_path:?}\nexport_dirs = [{allowed:?}]\n\
+         [[device]]\nname = \"a\"\npath = {a:?}\n[[export]]\ntag = \"vol-a\"\ndevice = \"a\"\nfuse_mount = {mnt:?}\n"
+    );
+    let daemon = Daemon::start(&scratch, &config, &[&mnt]);
+    for round in 0..2 {
+        let added = rpc(&rpc_path, "export_add", json!({"export": {"tag": "vm-b", "device": b, "socket": socket}}));
+        assert_eq!(added.expect("export_add through the supervisor")["tag"], "vm-b");
+        write_and_read_back(&socket, &format!("f{round}"), format!("round {round}").as_bytes());
+        // The image is locked while served.
+        assert_ne!(fsck_repair(&b), 0, "the served image is locked against repair");
+        rpc(&rpc_path, "export_remove", json!({"tag": "vm-b"})).expect("export_remove");
+        assert!(!socket.exists(), "the supervisor removed the socket");
+        assert_eq!(fsck(&b).0, 0, "vm-b after export_remove");
+    }
+    // The supervisor opens nothing outside export_dirs.
+    let socket_c = allowed.join("c.sock");
+    let refused =
+        rpc(&rpc_path, "export_add", json!({"export": {"tag": "vm-c", "device": outside, "socket": socket_c}}));
+    let message = refused.expect_err("an image outside export_dirs");
+    assert!(message.contains("-32005") && message.contains("outside export_dirs"), "{message}");
+    let refused =
+        rpc(&rpc_path, "export_add", json!({"export": {"tag": "vm-c", "device": b, "socket": "/tmp/c.sock"}}));
+    assert!(refused.expect_err("a socket outside export_dirs").contains("outside export_dirs"));
+    assert!(!socket_c.exists() && !Path::new("/tmp/c.sock").exists());
+    let list = rpc(&rpc_path, "export_list", json!({})).unwrap();
+    assert_eq!(list.as_array().unwrap().len(), 1, "only vol-a is left: {list}");
+    daemon.stop();
+    assert_eq!(fsck(&a).0, 0);
+}
+
+fn fsck_repair(image: &Path) -> i32 {
+    keelfsd().arg("fsck").arg(image).arg("--repair").output().unwrap().status.code().unwrap_or(-1)
+}
