@@ -220,6 +220,12 @@ fn a_scrape_parses_and_matches_keelfsd_stats() {
     parse_with_prometheus(&scrape(&addr, "application/openmetrics-text; version=1.0.0"), true);
 
     top_under_tmux(&rpc_path, &mnt);
+    let table = keelfsd().args(["stats", "--table", "--rpc"]).arg(&rpc_path).output().unwrap();
+    let table = String::from_utf8_lossy(&table.stdout);
+    let row = table.lines().find(|l| l.starts_with("vol-a")).unwrap_or_else(|| panic!("no vol-a row:\n{table}"));
+    let requests: u64 = row.split_whitespace().nth(2).and_then(|w| w.parse().ok()).unwrap_or(0);
+    assert!(requests >= writes, "the table's request count: {row}");
+    assert!(table.contains("REACTOR") && table.contains("BUSY%") && table.contains("FREE_MIB"), "{table}");
 
     // The sandboxed server cannot open a new export, and says so.
     let refused =
