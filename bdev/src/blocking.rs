@@ -54,6 +54,11 @@ impl BlockingIo {
         unsafe { self.run(IoRequest::flush) }
     }
 
+    pub fn discard(&mut self, offset: u64, bytes: u64) -> Result<u32, BdevError> {
+        // SAFETY: a discard names no memory.
+        unsafe { self.run(|token| IoRequest::discard(token, offset, bytes)) }
+    }
+
     /// # Safety
     /// The request's memory must stay valid until this returns.
     unsafe fn run<'a>(&mut self, make: impl FnOnce(u64) -> IoRequest<'a>) -> Result<u32, BdevError> {

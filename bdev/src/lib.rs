@@ -209,6 +209,13 @@ pub trait BlockDevice: Send + Sync {
     fn read_only(&self) -> bool {
         false
     }
+
+    /// Whether its queues accept [`IoKind::Discard`] as far as the backend
+    /// can tell at open; a kernel or controller may still refuse the first
+    /// one with [`BdevError::Unsupported`].
+    fn supports_discard(&self) -> bool {
+        false
+    }
 }
 
 /// One core's submission and completion path to a device.

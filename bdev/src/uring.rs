@@ -38,7 +38,24 @@ pub struct UringDevice {
     name: String,
     geometry: Geometry,
     options: UringOptions,
+    discard: DiscardMethod,
 }
+
+/// How a queue tells the backing store that a range holds nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum DiscardMethod {
+    /// A regular file: punch a hole (fallocate PUNCH_HOLE | KEEP_SIZE), so
+    /// the host filesystem gets the space back and the range reads zeros.
+    PunchHole,
+    /// A block device that discards: BLOCK_URING_CMD_DISCARD (Linux 6.12).
+    /// fallocate on a block device zeroes instead, which is not the point.
+    UringCmd,
+    None,
+}
+
+/// BLOCK_URING_CMD_DISCARD, `_IO(0x12, 0)` (include/uapi/linux/blkdev.h);
+/// Debian's 6.1 headers and the libc crate do not have it.
+const BLOCK_URING_CMD_DISCARD: u32 = 0x1200;
 
 impl UringDevice {
     pub fn open(path: &Path, options: UringOptions) -> Result<Self, BdevError> {
@@ -49,7 +66,8 @@ impl UringDevice {
             .open(path)
             .map_err(|e| BdevError::from_io("open with O_DIRECT", &e))?;
         let geometry = probe_geometry(&file, path)?;
-        Ok(Self { file: Arc::new(file), name: path.display().to_string(), geometry, options })
+        let discard = probe_discard(&file, options.read_only);
+        Ok(Self { file: Arc::new(file), name: path.display().to_string(), geometry, options, discard })
     }
 
     /// The open file, for a privileged process that opens devices for a
@@ -65,6 +83,35 @@ impl UringDevice {
     pub fn from_parts(file: File, name: String, geometry: Geometry, options: UringOptions) -> Self {
         Self { file: Arc::new(file), name, geometry, options }
     }
+}
+
+/// How (and whether) the device can discard. A block device says so in
+/// sysfs (discard_max_bytes 0: it cannot); whether the kernel knows the
+/// io_uring command shows at the first one, which then answers
+/// Unsupported.
+fn probe_discard(file: &File, read_only: bool) -> DiscardMethod {
+    let Ok(meta) = file.metadata() else { return DiscardMethod::None };
+    if read_only {
+        DiscardMethod::None
+    } else if meta.file_type().is_file() {
+        DiscardMethod::PunchHole
+    } else if meta.file_type().is_block_device() && block_device_discards(&meta) {
+        DiscardMethod::UringCmd
+    } else {
+        DiscardMethod::None
+    }
+}
+
+fn block_device_discards(meta: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let rdev = meta.rdev();
+    let (major, minor) = (libc::major(rdev), libc::minor(rdev));
+    for rel in ["queue/discard_max_bytes", "../queue/discard_max_bytes"] {
+        if let Ok(s) = std::fs::read_to_string(format!("/sys/dev/block/{major}:{minor}/{rel}")) {
+            return s.trim().parse::<u64>().is_ok_and(|n| n > 0);
+        }
+    }
+    false
 }
 
 fn probe_geometry(file: &File, path: &Path) -> Result<Geometry, BdevError> {
@@ -142,11 +189,15 @@ impl BlockDevice for UringDevice {
         self.geometry
     }
     fn open_queue(&self, config: QueueConfig) -> Result<Box<dyn IoQueue>, BdevError> {
-        Ok(Box::new(UringQueue::new(Arc::clone(&self.file), self.geometry, self.options, config)?))
+        Ok(Box::new(UringQueue::new(Arc::clone(&self.file), self.geometry, self.options, self.discard, config)?))
     }
 
     fn read_only(&self) -> bool {
         self.options.read_only
+    }
+
+    fn supports_discard(&self) -> bool {
+        self.discard != DiscardMethod::None
     }
 }
 
@@ -182,6 +233,7 @@ pub struct UringQueue {
     pool_ranges: Vec<(usize, usize)>,
     enter_errors: u64,
     read_only: bool,
+    discard: DiscardMethod,
 }
 
 // SAFETY: the raw pointers inside the slots' iovecs refer to caller memory
@@ -193,7 +245,9 @@ unsafe impl Send for UringQueue {}
 /// system calls, so the daemon's seccomp filter cannot see them; the ring
 /// itself must refuse anything else (a forged SQE from a memory-safety bug,
 /// say, that would open files or sockets).
-const RING_OPCODES: [u8; 7] = [
+/// Fallocate and UringCmd16 are discards (a hole punched in a file, a
+/// block device's discard command) and count as writes.
+const RING_OPCODES: [u8; 9] = [
     opcode::Read::CODE,
     opcode::Write::CODE,
     opcode::Readv::CODE,
@@ -201,14 +255,22 @@ const RING_OPCODES: [u8; 7] = [
     opcode::ReadFixed::CODE,
     opcode::WriteFixed::CODE,
     opcode::Fsync::CODE,
+    opcode::Fallocate::CODE,
+    opcode::UringCmd16::CODE,
 ];
 
 /// Restrict `ring` (created disabled) to [`RING_OPCODES`] on the one
-/// registered file (no writes on a read-only device), and to registering
-/// buffers, then enable it.
+/// registered file (no writes or discards on a read-only device), and to
+/// registering buffers, then enable it.
 fn restrict(ring: &IoUring, read_only: bool) -> Result<(), BdevError> {
     use io_uring::register::Restriction;
-    let writes = [opcode::Write::CODE, opcode::Writev::CODE, opcode::WriteFixed::CODE];
+    let writes = [
+        opcode::Write::CODE,
+        opcode::Writev::CODE,
+        opcode::WriteFixed::CODE,
+        opcode::Fallocate::CODE,
+        opcode::UringCmd16::CODE,
+    ];
     let allowed = RING_OPCODES.iter().filter(|op| !(read_only && writes.contains(op)));
     let mut restrictions: Vec<Restriction> = allowed.map(|&op| Restriction::sqe_op(op)).collect();
     // Every SQE names the device by its registered index; nothing else.
@@ -226,7 +288,13 @@ fn restrict(ring: &IoUring, read_only: bool) -> Result<(), BdevError> {
 const IORING_REGISTER_BUFFERS: u8 = 0;
 
 impl UringQueue {
-    fn new(file: Arc<File>, geometry: Geometry, options: UringOptions, config: QueueConfig) -> Result<Self, BdevError> {
+    fn new(
+        file: Arc<File>,
+        geometry: Geometry,
+        options: UringOptions,
+        discard: DiscardMethod,
+        config: QueueConfig,
+    ) -> Result<Self, BdevError> {
         assert!(config.depth > 0, "queue depth must be positive");
         let entries = config.depth.next_power_of_two().max(8);
         let mut builder = IoUring::builder();
@@ -286,6 +354,7 @@ impl UringQueue {
             pool_ranges: Vec::new(),
             enter_errors: 0,
             read_only: options.read_only,
+            discard,
         })
     }
 
@@ -329,10 +398,28 @@ impl UringQueue {
             }
             (Some(IoKind::Read), _, n) => opcode::Readv::new(fd, iov.as_ptr(), n as u32).offset(slot.offset).build(),
             (Some(IoKind::Write), _, n) => opcode::Writev::new(fd, iov.as_ptr(), n as u32).offset(slot.offset).build(),
-            (Some(IoKind::Discard { .. }), _, _) => unreachable!("submit refuses discard"),
+            (Some(IoKind::Discard { bytes }), _, _) => self.discard_sqe(slot.offset, bytes),
             (None, _, _) => unreachable!("SQE built for a free slot"),
         };
         entry.user_data(u64::from(slot_id))
+    }
+
+    fn discard_sqe(&self, offset: u64, bytes: u64) -> squeue::Entry {
+        let fd = types::Fixed(0);
+        match self.discard {
+            DiscardMethod::PunchHole => opcode::Fallocate::new(fd, bytes)
+                .offset(offset)
+                .mode(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE)
+                .build(),
+            DiscardMethod::UringCmd => {
+                // The kernel takes the start from sqe->addr and the length
+                // from sqe->addr3, which the first 8 command bytes overlay.
+                let mut cmd = [0u8; 16];
+                cmd[..8].copy_from_slice(&bytes.to_le_bytes());
+                opcode::UringCmd16::new(fd, BLOCK_URING_CMD_DISCARD).addr(Some(offset)).cmd(cmd).build()
+            }
+            DiscardMethod::None => unreachable!("submit refuses discard without a method"),
+        }
     }
 
     /// Put the slot's SQE in the ring, or remember it if the ring is full.
@@ -378,12 +465,18 @@ impl UringQueue {
             if (errno == libc::EAGAIN || errno == libc::EINTR) && slot.retries < RETRIES_MAX {
                 slot.retries += 1;
                 self.enqueue(slot_id);
+            } else if matches!(slot.kind, Some(IoKind::Discard { .. }))
+                && matches!(errno, libc::EINVAL | libc::EOPNOTSUPP | libc::ENOTTY)
+            {
+                // A kernel before the discard command, or a host filesystem
+                // that cannot punch holes.
+                self.finish(slot_id, Err(BdevError::Unsupported("the device refused to discard")));
             } else {
                 self.finish(slot_id, Err(BdevError::Io(errno)));
             }
             return;
         }
-        if slot.kind == Some(IoKind::Flush) {
+        if matches!(slot.kind, Some(IoKind::Flush | IoKind::Discard { .. })) {
             self.finish(slot_id, Ok(0));
             return;
         }
@@ -454,11 +547,12 @@ impl IoQueue for UringQueue {
 
     unsafe fn submit(&mut self, req: &IoRequest<'_>) -> Result<(), BdevError> {
         let total = validate_request(&self.geometry, req)?;
-        if let IoKind::Discard { .. } = req.kind {
-            return Err(BdevError::Unsupported("the io_uring backend does not discard"));
-        }
-        if self.read_only && req.kind == IoKind::Write {
+        let discard = matches!(req.kind, IoKind::Discard { .. });
+        if self.read_only && (req.kind == IoKind::Write || discard) {
             return Err(BdevError::ReadOnly);
+        }
+        if discard && self.discard == DiscardMethod::None {
+            return Err(BdevError::Unsupported("this device does not discard"));
         }
         self.check_pool_index(req)?;
         if self.in_flight >= self.depth as usize {
@@ -552,7 +646,7 @@ mod tests {
         std::fs::write(&path, vec![0u8; 1 << 20]).unwrap();
         let dev = UringDevice::open(&path, UringOptions::default()).unwrap();
         let config = QueueConfig { depth: 8, completion_eventfd: false };
-        let mut queue = UringQueue::new(Arc::clone(&dev.file), dev.geometry, dev.options, config).unwrap();
+        let mut queue = UringQueue::new(Arc::clone(&dev.file), dev.geometry, dev.options, dev.discard, config).unwrap();
         let name = c"/etc/hostname";
         let open = opcode::OpenAt::new(types::Fd(libc::AT_FDCWD), name.as_ptr()).build();
         assert_eq!(run(&mut queue, open), -libc::EACCES, "OPENAT must be refused");

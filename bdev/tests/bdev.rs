@@ -227,3 +227,49 @@ fn uring_resumes_a_short_transfer_and_reports_where_it_stopped() {
     assert_eq!(io.read_at(0, &mut r), Err(BdevError::ShortTransfer { done: 4096, len: 8192 }));
     assert!(r[..4096] == w[..4096], "the part before the short transfer was kept");
 }
+
+/// Bytes the host filesystem holds for `path` (st_blocks, 512-byte units).
+fn allocated_bytes(path: &std::path::Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).unwrap().blocks() * 512
+}
+
+#[test]
+fn uring_discard_punches_a_hole_that_reads_back_zeros() {
+    let file = ScratchFile::new("uring-discard", CAPACITY);
+    let dev = UringDevice::open(&file.path, UringOptions::default()).unwrap();
+    assert!(dev.supports_discard(), "a regular file takes hole punches");
+    let mut io = BlockingIo::open(&dev).unwrap();
+    let mut data = pattern_buf(1 << 20, 11);
+    for i in 0..4u64 {
+        assert_eq!(io.write_at(i << 20, &mut data), Ok(1 << 20));
+    }
+    assert_eq!(io.flush(), Ok(0));
+    let before = allocated_bytes(&file.path);
+    assert!(before >= 4 << 20, "4 MiB written, {before} bytes allocated");
+    // The middle 2 MiB go; the first and last MiB stay.
+    assert_eq!(io.discard(1 << 20, 2 << 20), Ok(0));
+    let after = allocated_bytes(&file.path);
+    assert!(before - after >= 2 << 20, "allocation went from {before} to {after} bytes");
+    let mut r = AlignedBuf::zeroed(1 << 20, 4096);
+    for i in 1..3u64 {
+        assert_eq!(io.read_at(i << 20, &mut r), Ok(1 << 20));
+        assert!(r.iter().all(|&b| b == 0), "discarded MiB {i} reads back zeros");
+    }
+    for i in [0u64, 3] {
+        assert_eq!(io.read_at(i << 20, &mut r), Ok(1 << 20));
+        assert!(r[..] == data[..], "MiB {i} kept its data");
+    }
+    // Bad discards are typed errors, as other requests.
+    assert!(matches!(io.discard(CAPACITY - 4096, 8192), Err(BdevError::OutOfRange { .. })));
+    assert!(matches!(io.discard(100, 4096), Err(BdevError::MisalignedOffset { .. })));
+}
+
+#[test]
+fn read_only_uring_refuses_discard() {
+    let file = ScratchFile::new("uring-discard-ro", CAPACITY);
+    let dev = UringDevice::open(&file.path, UringOptions { read_only: true, ..UringOptions::default() }).unwrap();
+    assert!(!dev.supports_discard());
+    let mut io = BlockingIo::open(&dev).unwrap();
+    assert_eq!(io.discard(0, 4096), Err(BdevError::ReadOnly));
+}

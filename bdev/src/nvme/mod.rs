@@ -260,6 +260,9 @@ impl BlockDevice for NvmeDevice {
     fn geometry(&self) -> Geometry {
         self.shared.geometry
     }
+    fn supports_discard(&self) -> bool {
+        self.shared.controller_info.dataset_management
+    }
     fn open_queue(&self, config: QueueConfig) -> Result<Box<dyn IoQueue>, BdevError> {
         Ok(Box::new(self.open_nvme_queue(config)?))
     }
