@@ -24,6 +24,9 @@ pub enum FsError {
     Invalid(&'static str),
     #[error("no space left on device")]
     NoSpace,
+    /// The filesystem's quota, not its device, is full.
+    #[error("disk quota exceeded")]
+    Quota,
     #[error("no such attribute")]
     NoData,
     #[error("result too large")]
@@ -63,6 +66,7 @@ impl FsError {
             FsError::NameTooLong => libc::ENAMETOOLONG,
             FsError::Invalid(_) => libc::EINVAL,
             FsError::NoSpace => libc::ENOSPC,
+            FsError::Quota => libc::EDQUOT,
             FsError::NoData => libc::ENODATA,
             FsError::Range => libc::ERANGE,
             FsError::TooManyLinks => libc::EMLINK,

@@ -30,6 +30,7 @@ mod ids;
 mod journal;
 mod mkfs;
 mod ops;
+mod quota;
 mod record;
 #[allow(unsafe_code)]
 mod shared;
@@ -47,6 +48,7 @@ pub use ids::{Fh, Ino, ROOT_INO};
 pub use journal::{CHECKPOINT_BLOCK_MAGIC, JOURNAL_TX_MAGIC};
 pub use mkfs::{mkfs, MkfsError, MkfsOptions};
 pub use ops::{Attr, DirEntry, SeekTo, SetAttr, TimeSet};
+pub use quota::Quota;
 pub use shared::{SharedMiss, SharedReader};
 
 use std::cell::{Cell, RefCell};
@@ -100,6 +102,9 @@ pub struct FsConfig {
     /// freeing them, for a session that is to be restored and may still
     /// hold some; [`Fs::free_unheld_orphans`] frees the rest afterwards.
     pub keep_orphans: bool,
+    /// Limits on bytes and inodes below the device's; [`Fs::set_quota`]
+    /// changes them while mounted.
+    pub quota: Quota,
 }
 
 /// Linux's atime mount modes, which the server applies under FUSE.
@@ -129,6 +134,7 @@ impl Default for FsConfig {
             dir_atime: true,
             checkpoint_piece_nodes: 256,
             keep_orphans: false,
+            quota: Quota::default(),
         }
     }
 }
@@ -209,6 +215,8 @@ pub(crate) struct FsInner {
     dev: DeviceChannel,
     geometry: Geometry,
     config: FsConfig,
+    /// The quota now (FsConfig's at mount, then [`Fs::set_quota`]'s).
+    quota: Cell<Quota>,
     sb: RefCell<Superblock>,
     state: RefCell<State>,
     journal: RefCell<JournalState>,
@@ -374,7 +382,8 @@ impl FsInner {
         (2 * current).max(CHECKPOINT_RESERVE_MIN_BLOCKS)
     }
 
-    fn available_blocks(&self) -> u64 {
+    /// Blocks free for data on the device, quota aside.
+    fn device_available_blocks(&self) -> u64 {
         let free = self.state.borrow().alloc.free_blocks();
         free.saturating_sub(self.journal.borrow().delalloc_reserved).saturating_sub(self.checkpoint_reserve())
     }
@@ -453,7 +462,7 @@ impl Fs {
     }
 
     /// Blocks free for new data right now (delayed-allocation reservations
-    /// excluded).
+    /// excluded), within the quota if there is one.
     pub fn free_blocks(&self) -> u64 {
         self.inner.available_blocks()
     }
@@ -591,6 +600,7 @@ impl Fs {
                 geometry: dev.geometry(),
                 dev,
                 config: config.clone(),
+                quota: Cell::new(config.quota),
                 sb: RefCell::new(loaded.sb),
                 state: RefCell::new(loaded.state),
                 journal: RefCell::new(JournalState {

@@ -376,9 +376,7 @@ impl FsInner {
         if is_dir && dir.nlink >= LINK_MAX {
             return Err(FsError::TooManyLinks);
         }
-        if self.state.borrow().inode_count() as u64 >= self.inodes_max() {
-            return Err(FsError::NoSpace);
-        }
+        self.check_inode_room()?;
         let (inode, acls) = self.new_inode(c, &dir, mode, rdev);
         self.create_inode_with(inode.clone(), acls)?;
         self.add_entry(parent, name, inode.ino)?;
@@ -635,9 +633,7 @@ impl Fs {
         new_name: &[u8],
         mode: RenameMode,
     ) -> FsResult<()> {
-        if self.inner.state.borrow().inode_count() as u64 >= self.inner.inodes_max() {
-            return Err(FsError::NoSpace);
-        }
+        self.inner.check_inode_room()?;
         let moved = self.inner.lookup_in(c, parent, name)?.ok_or(FsError::NotFound)?;
         if self.inner.lookup_in(c, new_parent, new_name)? == Some(moved) {
             return Ok(()); // two names of one inode: nothing moves, no whiteout
@@ -763,9 +759,7 @@ impl Fs {
     pub async fn tmpfile(&self, c: &Creds, parent: Ino, mode: u32, flags: u32) -> FsResult<(Attr, Fh)> {
         let parent = parent.get();
         let dir = self.inner.writable_dir(c, parent)?;
-        if self.inner.state.borrow().inode_count() as u64 >= self.inner.inodes_max() {
-            return Err(FsError::NoSpace);
-        }
+        self.inner.check_inode_room()?;
         let (mut inode, acls) = self.inner.new_inode(c, &dir, S_IFREG | (mode & 0o7777), 0);
         inode.nlink = 0;
         let ino = inode.ino;
@@ -869,12 +863,14 @@ impl Fs {
         let state = self.inner.state.borrow();
         Ok(StatFs {
             block_size: BLOCK_SIZE as u32,
-            blocks: state.alloc.total_blocks(),
+            // With a quota, df shows it as the size.
+            blocks: self.inner.blocks_limit(),
             blocks_free: self.inner.available_blocks(),
             // Inodes are not preallocated: the limit is the configured
-            // (or device-derived) inodes_max. Total = in use + free.
-            files: self.inner.inodes_max(),
-            files_free: self.inner.inodes_max().saturating_sub(state.inode_count() as u64),
+            // (or device-derived) inodes_max, or the quota. Total = in use
+            // + free.
+            files: self.inner.inodes_limit(),
+            files_free: self.inner.inodes_limit().saturating_sub(state.inode_count() as u64),
             name_max: NAME_MAX as u32,
         })
     }

@@ -266,7 +266,7 @@ impl Fs {
             return Err(FsError::ReadOnly);
         }
         match self.write_from_once(ino, offset, data, times).await {
-            Err(FsError::NoSpace) if self.reclaim_pending_frees().await? => {
+            Err(FsError::NoSpace | FsError::Quota) if self.reclaim_pending_frees().await? => {
                 self.write_from_once(ino, offset, data, times).await
             }
             other => other,
@@ -277,7 +277,8 @@ impl Fs {
     /// commits (a crash must not find a freed block already holding new
     /// data while the old owner still names it). On ENOSPC with such space
     /// pending, commit now and report that a retry may succeed, as ext4
-    /// does.
+    /// does. EDQUOT does the same: the quota counts those frees as used
+    /// until they commit.
     ///
     /// The frees may also be in a commit already under way (another task
     /// hit ENOSPC first): the sync waits for it. A checkpoint being written
@@ -425,9 +426,7 @@ impl Fs {
         if blocks == 0 {
             return Ok(());
         }
-        if self.inner.available_blocks() < blocks {
-            return Err(FsError::NoSpace);
-        }
+        self.inner.check_room(blocks)?;
         self.inner.journal.borrow_mut().delalloc_reserved += blocks;
         Ok(())
     }

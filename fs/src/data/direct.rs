@@ -43,7 +43,9 @@ impl Fs {
         }
         let shared = SharedBuffer::new(buf);
         let mut result = self.write_direct_shared(ino, offset, &shared).await;
-        if matches!(result, Err(FsError::NoSpace)) && matches!(self.reclaim_pending_frees().await, Ok(true)) {
+        if matches!(result, Err(FsError::NoSpace | FsError::Quota))
+            && matches!(self.reclaim_pending_frees().await, Ok(true))
+        {
             result = self.write_direct_shared(ino, offset, &shared).await;
         }
         (into_inner(shared), result)

@@ -142,8 +142,8 @@ impl Fs {
     /// Only writeback (`reserved`) may dip into space promised to dirty
     /// pages.
     fn alloc_runs(&self, ino: u64, file_block: FileBlock, count: u64, reserved: bool) -> FsResult<Vec<BlockRun>> {
-        if !reserved && self.inner.available_blocks() < count {
-            return Err(FsError::NoSpace);
+        if !reserved {
+            self.inner.check_room(count)?;
         }
         let mut state = self.inner.state.borrow_mut();
         let mut hint = state.node(ino).ok_or(FsError::Stale)?.extents.hint_after(file_block).map(|b| b.0);

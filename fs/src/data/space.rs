@@ -63,7 +63,7 @@ impl Fs {
             return Err(FsError::ReadOnly);
         }
         match self.fallocate_once(ino, mode, offset, len).await {
-            Err(FsError::NoSpace) if self.reclaim_pending_frees().await? => {
+            Err(FsError::NoSpace | FsError::Quota) if self.reclaim_pending_frees().await? => {
                 self.fallocate_once(ino, mode, offset, len).await
             }
             other => other,
