@@ -357,6 +357,12 @@ impl DeviceChannel {
         self.start(IoKind::Flush, 0, Box::new(NoBuffer), None)
     }
 
+    /// Tell the device `bytes` from `offset` hold nothing worth keeping;
+    /// a backend that cannot answers [`keelfs_bdev::BdevError::Unsupported`].
+    pub fn discard(&self, offset: u64, bytes: u64) -> IoFuture<NoBuffer> {
+        self.start(IoKind::Discard { bytes }, offset, Box::new(NoBuffer), None)
+    }
+
     fn start<B: IoBuffer>(
         &self,
         kind: IoKind,
