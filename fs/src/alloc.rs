@@ -179,6 +179,20 @@ impl Allocator {
         }
     }
 
+    /// The first free run of at least `min_len` blocks that ends after
+    /// `from`, cut to start no earlier than it (an fstrim's cursor).
+    pub fn next_free_run(&self, from: u64, min_len: u64) -> Option<BlockRun> {
+        for g in self.groups.iter().filter(|g| g.end > from) {
+            let containing = g.free.range(..=from).next_back().filter(|(&s, &l)| s + l > from);
+            let mut runs = containing.into_iter().chain(g.free.range(from + 1..));
+            if let Some((&s, &l)) = runs.find(|(_, &l)| l >= min_len) {
+                let start = s.max(from);
+                return Some(BlockRun { start, len: s + l - start });
+            }
+        }
+        None
+    }
+
     /// The free runs, in order (for fsck and tests).
     pub fn free_runs(&self) -> Vec<BlockRun> {
         self.groups.iter().flat_map(|g| g.free.iter().map(|(&start, &len)| BlockRun { start, len })).collect()
@@ -215,6 +229,18 @@ mod tests {
         assert!(a.claim(BlockRun { start: 8, len: 5 }).is_err());
         assert!(a.claim(BlockRun { start: 99, len: 5 }).is_err());
         assert_eq!(a.free_blocks(), 95);
+    }
+
+    #[test]
+    fn next_free_run_skips_short_runs_and_resumes_inside_one() {
+        let mut a = Allocator::new(0, 100, 2);
+        a.claim(BlockRun { start: 2, len: 8 }).unwrap(); // free: [0,2) [10,50) [50,100)
+        a.claim(BlockRun { start: 20, len: 1 }).unwrap(); // free: [0,2) [10,20) [21,50) [50,100)
+        assert_eq!(a.next_free_run(0, 1), Some(BlockRun { start: 0, len: 2 }));
+        assert_eq!(a.next_free_run(0, 20), Some(BlockRun { start: 21, len: 29 }));
+        assert_eq!(a.next_free_run(30, 20), Some(BlockRun { start: 30, len: 20 }));
+        assert_eq!(a.next_free_run(50, 1), Some(BlockRun { start: 50, len: 50 }));
+        assert_eq!(a.next_free_run(100, 1), None);
     }
 
     #[test]

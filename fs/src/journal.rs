@@ -353,7 +353,8 @@ fn take_pending(fs: &FsInner, force_checkpoint: bool) -> Taken {
     w.bytes(&std::mem::take(&mut j.pending).buf);
     let frees = std::mem::take(&mut state.pending_free);
     let freed: u64 = frees.iter().map(|r| r.len).sum();
-    let held: u64 = j.deferred_free.iter().map(|r| r.len).sum();
+    // Runs awaiting a discard are free on disk too.
+    let held: u64 = j.deferred_free.iter().map(|r| r.len).sum::<u64>() + fs.discarding_blocks();
     let checkpoint = fs.sb.borrow().free_count_checkpoint_blocks();
     let free_after = state.alloc.free_blocks() + freed + held + j.reserved_unmapped + checkpoint;
     let tx_blocks = tx_blocks_for(w.buf.len());
@@ -391,7 +392,7 @@ fn finish(fs: &FsInner, taken: &Taken) {
     for run in &taken.frees {
         match j.sliced {
             Some(_) => j.deferred_free.push(*run),
-            None => state.alloc.free(*run),
+            None => super::discard::release_freed(fs, &mut state, *run),
         }
     }
     j.committed_ops = j.committed_ops.max(taken.ops);
@@ -636,7 +637,7 @@ fn release_held_frees(fs: &FsInner) {
     }
     let mut state = fs.state.borrow_mut();
     for run in j.deferred_free.drain(..) {
-        state.alloc.free(run);
+        super::discard::release_freed(fs, &mut state, run);
     }
 }
 

@@ -21,6 +21,7 @@ mod blocks;
 mod cache;
 mod codec;
 mod data;
+mod discard;
 mod error;
 mod extent;
 mod flags;
@@ -40,6 +41,7 @@ mod sync;
 pub use access::{Creds, PermissionCheck};
 pub use adopt::HandleState;
 pub use data::{ReadSink, WriteSource, WriteTimes};
+pub use discard::DiscardConfig;
 pub use error::{FsError, FsResult};
 pub use flags::{FallocateMode, RenameMode, XattrFlags};
 pub use format::{crc, Superblock, Timespec, XATTR_INODE_BYTES_MAX};
@@ -105,6 +107,8 @@ pub struct FsConfig {
     /// Limits on bytes and inodes below the device's; [`Fs::set_quota`]
     /// changes them while mounted.
     pub quota: Quota,
+    /// Continuous discard of freed space (off by default).
+    pub discard: DiscardConfig,
 }
 
 /// Linux's atime mount modes, which the server applies under FUSE.
@@ -135,6 +139,7 @@ impl Default for FsConfig {
             checkpoint_piece_nodes: 256,
             keep_orphans: false,
             quota: Quota::default(),
+            discard: DiscardConfig::default(),
         }
     }
 }
@@ -158,6 +163,13 @@ pub struct FsCounters {
     pub direct_in_flight: u64,
     pub direct_in_flight_max: u64,
     pub writeback_pages: u64,
+    /// Discards that completed (continuous and fstrim), the bytes they
+    /// covered, and those that failed (their blocks were freed anyway).
+    pub discards: u64,
+    pub discard_bytes: u64,
+    pub discard_errors: u64,
+    /// Blocks freed but held out of the allocator for a discard, now.
+    pub discard_pending_blocks: u64,
 }
 
 struct Handle {
@@ -225,6 +237,8 @@ pub(crate) struct FsInner {
     commit_lock: sync::AsyncMutex,
     cache: RefCell<cache::PageCache>,
     ranges: Rc<sync::RangeLocks>,
+    /// Freed runs out of the allocator until their discard completes.
+    discard: RefCell<discard::DiscardState>,
     counters: Cell<FsCounters>,
     unmounted: Cell<bool>,
     replayed_at_mount: u64,
@@ -388,6 +402,12 @@ impl FsInner {
         free.saturating_sub(self.journal.borrow().delalloc_reserved).saturating_sub(self.checkpoint_reserve())
     }
 
+    /// Blocks out of the allocator only until their discard completes:
+    /// free on disk, and free for the quota and df.
+    fn discarding_blocks(&self) -> u64 {
+        self.discard.borrow().blocks()
+    }
+
     fn release_delalloc(&self, blocks: u64) {
         let mut j = self.journal.borrow_mut();
         j.delalloc_reserved = j.delalloc_reserved.saturating_sub(blocks);
@@ -442,7 +462,9 @@ impl Fs {
     }
 
     pub fn counters(&self) -> FsCounters {
-        self.inner.counters.get()
+        let mut c = self.inner.counters.get();
+        c.discard_pending_blocks = self.inner.discarding_blocks();
+        c
     }
 
     /// Journal transactions the mount replayed (0 after a clean unmount).
@@ -506,7 +528,7 @@ impl Fs {
     }
 
     /// Every block has at most one owner: a file's extent, the live
-    /// checkpoint, a free awaiting its commit or a checkpoint, or the
+    /// checkpoint, a free awaiting its commit, a checkpoint or a discard, or the
     /// allocator's free list. For tests and fuzzers that run the filesystem through many
     /// operations: a block with two owners is a corruption waiting for its
     /// next write. Linear in extents and free runs.
@@ -523,6 +545,9 @@ impl Fs {
         owned.extend(state.pending_free.iter().map(|r| (r.start, r.len, "a pending free".to_string())));
         let deferred = &self.inner.journal.borrow().deferred_free;
         owned.extend(deferred.iter().map(|r| (r.start, r.len, "a free held for a checkpoint".to_string())));
+        owned.extend(
+            self.inner.discard.borrow().runs().map(|r| (r.start, r.len, "a free awaiting its discard".to_string())),
+        );
         owned.extend(state.alloc.free_runs().iter().map(|r| (r.start, r.len, "the free list".to_string())));
         owned.sort_by_key(|o| o.0);
         for pair in owned.windows(2) {
@@ -584,6 +609,7 @@ impl Fs {
         }
         self.writeback_all().await?;
         self.inner.unmounted.set(true);
+        discard::settle(&self.inner).await;
         journal::checkpoint(&self.inner).await
     }
 
@@ -625,6 +651,7 @@ impl Fs {
                 cache: RefCell::new(cache::PageCache::new(config.cache_bytes)),
                 commit_lock: sync::AsyncMutex::default(),
                 ranges: Rc::new(sync::RangeLocks::default()),
+                discard: RefCell::new(discard::DiscardState::new(&config.discard, config.read_only)),
                 counters: Cell::new(FsCounters::default()),
                 unmounted: Cell::new(false),
                 replayed_at_mount: loaded.replayed,
@@ -649,6 +676,7 @@ impl Fs {
             fs.free_orphans()?;
         }
         journal::start_commit_timer(&fs.inner);
+        discard::start_discard_task(&fs.inner);
         data::start_writeback_timer(&fs);
         Ok(fs)
     }

@@ -865,7 +865,7 @@ impl Fs {
             block_size: BLOCK_SIZE as u32,
             // With a quota, df shows it as the size.
             blocks: self.inner.blocks_limit(),
-            blocks_free: self.inner.available_blocks(),
+            blocks_free: self.inner.shown_free_blocks(),
             // Inodes are not preallocated: the limit is the configured
             // (or device-derived) inodes_max, or the quota. Total = in use
             // + free.

@@ -31,12 +31,13 @@ impl Quota {
 impl FsInner {
     /// Blocks the quota sees in use: everything the allocator has handed
     /// out (frees not yet committed included, which is why EDQUOT first
-    /// commits and retries), plus space promised to dirty pages.
+    /// commits and retries), plus space promised to dirty pages, less
+    /// blocks out of the allocator only to be discarded (free on disk).
     pub(crate) fn quota_used_blocks(&self) -> u64 {
         let state = self.state.borrow();
         let allocated = state.alloc.total_blocks() - state.alloc.free_blocks();
         let promised = self.journal.borrow().delalloc_reserved;
-        allocated + promised
+        (allocated + promised).saturating_sub(self.discarding_blocks())
     }
 
     /// Blocks the quota still allows, if there is one.
@@ -81,6 +82,13 @@ impl FsInner {
     pub(crate) fn blocks_limit(&self) -> u64 {
         let total = self.state.borrow().alloc.total_blocks();
         self.quota.get().blocks().map_or(total, |q| q.min(total))
+    }
+
+    /// Blocks free as df shows them: those awaiting a discard are free
+    /// (a writer that needs them takes them back, [`super::discard::reclaim`]).
+    pub(crate) fn shown_free_blocks(&self) -> u64 {
+        let device = self.device_available_blocks() + self.discarding_blocks();
+        self.quota_room_blocks().map_or(device, |room| room.min(device))
     }
 
     /// Blocks free for new data: the device's, capped by the quota's room.

@@ -283,13 +283,16 @@ impl Fs {
     /// The frees may also be in a commit already under way (another task
     /// hit ENOSPC first): the sync waits for it. A checkpoint being written
     /// in pieces holds the frees committed since its start; it is given up
-    /// first, so that they come back too. A retry is worth it only if
-    /// space came back.
+    /// first, so that they come back too, and so are runs awaiting a
+    /// discard. A retry is worth it only if space came back.
     pub(super) async fn reclaim_pending_frees(&self) -> FsResult<bool> {
         let before = self.inner.available_blocks();
         journal::abandon_checkpoint_in_pieces(&self.inner);
         journal::commit_all(&self.inner).await?;
-        Ok(self.inner.available_blocks() > before)
+        // The commit may have queued its frees for discard: take them
+        // (and any queued before) back now.
+        let discarded = crate::discard::reclaim(&self.inner).await;
+        Ok(discarded || self.inner.available_blocks() > before)
     }
 
     async fn write_from_once<S: WriteSource + ?Sized>(

@@ -1,0 +1,424 @@
+//! Giving freed space back to the device: continuous discard of the runs
+//! each commit frees, and an fstrim over all free space ([`Fs::trim`]).
+//!
+//! A freed run waiting for its discard stays out of the allocator until
+//! the discard completes: a discard racing a write to a reused block could
+//! land after it (neither io_uring nor NVMe orders them), and wipe it. ext4
+//! `-o discard` holds its blocks back the same way. On disk those blocks
+//! are free (the commit that freed them is durable), so a crash loses only
+//! the trim: free space is recomputed from the image at mount. That is
+//! also why unmount may drop the queue.
+//!
+//! The queue drains in a task on the filesystem's reactor: a bounded
+//! number of discards in flight, paced by a token bucket so that a large
+//! delete does not flood the device. A write that finds no room waits for
+//! the discards in flight and takes the queued runs back undiscarded
+//! ([`reclaim`]).
+
+use std::collections::BTreeMap;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::rc::{Rc, Weak};
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use super::blocks::{block_bytes, whole_blocks, DevBlock};
+use super::format::BlockRun;
+use super::state::State;
+use super::{Fs, FsError, FsInner};
+use keelfs_bdev::BdevError;
+use keelfs_reactor as reactor;
+
+/// Continuous discard settings ([`super::FsConfig::discard`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DiscardConfig {
+    /// Discard the runs each commit frees (off by default: many devices
+    /// gain nothing, and a discard costs as much as a small write).
+    pub enabled: bool,
+    /// Bytes discarded per second at most, in a one-second burst; 0 is
+    /// unpaced.
+    pub bytes_per_sec: u64,
+    /// Runs shorter than this (after merging) are freed without a discard:
+    /// most devices ignore discards below their granularity.
+    pub min_bytes: u64,
+    /// Merge adjacent freed runs into one discard.
+    pub merge: bool,
+}
+
+impl Default for DiscardConfig {
+    fn default() -> Self {
+        Self { enabled: false, bytes_per_sec: 256 << 20, min_bytes: 64 << 10, merge: true }
+    }
+}
+
+/// Discards the continuous task keeps in flight at most.
+const IN_FLIGHT_MAX: usize = 2;
+/// The largest discard request: 64 MiB of blocks. It bounds what a write
+/// that finds no room may wait for, and what one fstrim step holds back.
+const PIECE_BLOCKS_MAX: u64 = 16 << 8;
+/// An idle task checks this often whether its filesystem is gone.
+const IDLE_CHECK: Duration = Duration::from_secs(1);
+/// How often [`settle`] and [`reclaim`] look at the discards in flight.
+const SETTLE_POLL: Duration = Duration::from_millis(1);
+
+/// Runs out of the allocator for a discard, and the task's wake-up.
+#[derive(Default)]
+pub(crate) struct DiscardState {
+    /// Continuous discard is on: configured, and not refused by the device.
+    active: bool,
+    /// Freed runs waiting (start -> length), merged if configured.
+    queued: BTreeMap<u64, u64>,
+    queued_blocks: u64,
+    /// Runs whose discard is in flight (the queue's and fstrim's).
+    in_flight: Vec<BlockRun>,
+    in_flight_blocks: u64,
+    /// Discards issued and completed so far: a waiter for those in flight
+    /// now waits until `completed` reaches today's `issued`.
+    issued: u64,
+    completed: u64,
+    /// The continuous task's waker, and a wake-up not yet seen.
+    waker: Option<Waker>,
+    woken: bool,
+    /// The token bucket: bytes that may go now, and when it was filled.
+    tokens: u64,
+    filled: Option<Instant>,
+}
+
+impl DiscardState {
+    pub(crate) fn new(config: &DiscardConfig, read_only: bool) -> Self {
+        Self { active: config.enabled && !read_only, ..Self::default() }
+    }
+
+    /// Blocks out of the allocator for a discard (free on disk).
+    pub(crate) fn blocks(&self) -> u64 {
+        self.queued_blocks + self.in_flight_blocks
+    }
+
+    /// Every run out of the allocator for a discard (for ownership checks).
+    pub(crate) fn runs(&self) -> impl Iterator<Item = BlockRun> + '_ {
+        let queued = self.queued.iter().map(|(&start, &len)| BlockRun { start, len });
+        queued.chain(self.in_flight.iter().copied())
+    }
+
+    fn push(&mut self, run: BlockRun, merge: bool) {
+        let (mut start, mut len) = (run.start, run.len);
+        if merge {
+            if let Some((&prev, &prev_len)) = self.queued.range(..start).next_back() {
+                if prev + prev_len == start {
+                    self.queued.remove(&prev);
+                    (start, len) = (prev, len + prev_len);
+                }
+            }
+            if let Some(next_len) = self.queued.remove(&(start + len)) {
+                len += next_len;
+            }
+        }
+        self.queued.insert(start, len);
+        self.queued_blocks += run.len;
+        self.wake();
+    }
+
+    fn wake(&mut self) {
+        self.woken = true;
+        if let Some(w) = self.waker.take() {
+            w.wake();
+        }
+    }
+
+    /// Move the first queued run, up to `max` blocks of it, in flight.
+    fn pop(&mut self, max: u64) -> Option<BlockRun> {
+        let (start, len) = self.queued.pop_first()?;
+        let take = len.min(max);
+        if take < len {
+            self.queued.insert(start + take, len - take);
+        }
+        self.queued_blocks -= take;
+        let run = BlockRun { start, len: take };
+        self.start(run);
+        Some(run)
+    }
+
+    fn start(&mut self, run: BlockRun) {
+        self.in_flight.push(run);
+        self.in_flight_blocks += run.len;
+        self.issued += 1;
+    }
+
+    fn end(&mut self, run: BlockRun) {
+        let at = self.in_flight.iter().position(|r| *r == run).expect("a discard ends that was in flight");
+        self.in_flight.swap_remove(at);
+        self.in_flight_blocks -= run.len;
+        self.completed += 1;
+        self.wake();
+    }
+}
+
+/// A run a commit (or a checkpoint's end) made free: to the discard queue
+/// if continuous discard is on, else straight back to the allocator.
+pub(crate) fn release_freed(fs: &FsInner, state: &mut State, run: BlockRun) {
+    let mut d = fs.discard.borrow_mut();
+    if d.active && !fs.unmounted.get() {
+        d.push(run, fs.config.discard.merge);
+    } else {
+        state.alloc.free(run);
+    }
+}
+
+/// Start the task that drains the discard queue (next to the commit
+/// timer), if continuous discard is on.
+pub(crate) fn start_discard_task(fs: &Rc<FsInner>) {
+    if !fs.discard.borrow().active {
+        return;
+    }
+    let weak = Rc::downgrade(fs);
+    reactor::spawn_local(async move {
+        loop {
+            let Some(fs) = weak.upgrade() else { return };
+            if fs.unmounted.get() || !fs.discard.borrow().active {
+                return;
+            }
+            let (next, room) = {
+                let d = fs.discard.borrow();
+                (d.queued.first_key_value().map(|(_, &len)| len), d.in_flight.len() < IN_FLIGHT_MAX)
+            };
+            let Some(len) = next.filter(|_| room) else {
+                drop(fs);
+                Idle { weak: weak.clone(), sleep: reactor::sleep(IDLE_CHECK) }.await;
+                continue;
+            };
+            let piece = len.min(piece_blocks_max(&fs));
+            if len < whole_blocks(fs.config.discard.min_bytes) {
+                free_short_run(&fs);
+                continue;
+            }
+            drop(fs);
+            pace(&weak, block_bytes(piece)).await;
+            let Some(fs) = weak.upgrade() else { return };
+            if fs.unmounted.get() {
+                return; // unmount took the queue back while we waited
+            }
+            let popped = fs.discard.borrow_mut().pop(piece);
+            if let Some(run) = popped {
+                reactor::spawn_local(async move {
+                    let result = issue(&fs, run).await;
+                    complete_queued(&fs, run, result);
+                });
+            }
+        }
+    });
+}
+
+/// The queue's first run is too short to be worth a discard: free it.
+fn free_short_run(fs: &FsInner) {
+    let run = fs.discard.borrow_mut().queued.pop_first();
+    if let Some((start, len)) = run {
+        fs.discard.borrow_mut().queued_blocks -= len;
+        fs.state.borrow_mut().alloc.free(BlockRun { start, len });
+    }
+}
+
+/// Pieces no larger than one second's worth, so the bucket can hold one.
+fn piece_blocks_max(fs: &FsInner) -> u64 {
+    match fs.config.discard.bytes_per_sec {
+        0 => PIECE_BLOCKS_MAX,
+        rate => (rate / block_bytes(1)).clamp(1, PIECE_BLOCKS_MAX),
+    }
+}
+
+/// Wait until the token bucket holds `bytes`, and take them.
+async fn pace(weak: &Weak<FsInner>, bytes: u64) {
+    loop {
+        let wait = {
+            let Some(fs) = weak.upgrade() else { return };
+            let rate = fs.config.discard.bytes_per_sec;
+            if rate == 0 {
+                return;
+            }
+            let mut d = fs.discard.borrow_mut();
+            let now = reactor::now();
+            let elapsed = d.filled.map_or(Duration::from_secs(1), |t| now.saturating_duration_since(t));
+            let earned =
+                u64::try_from(elapsed.as_nanos().saturating_mul(u128::from(rate)) / 1_000_000_000).unwrap_or(u64::MAX);
+            d.tokens = d.tokens.saturating_add(earned).min(rate.max(bytes));
+            d.filled = Some(now);
+            if d.tokens >= bytes {
+                d.tokens -= bytes;
+                return;
+            }
+            Duration::from_nanos(((bytes - d.tokens) as u128 * 1_000_000_000 / u128::from(rate)) as u64)
+        };
+        reactor::sleep(wait).await;
+    }
+}
+
+async fn issue(fs: &FsInner, run: BlockRun) -> Result<u32, BdevError> {
+    let (_, result) = fs.dev.discard(DevBlock(run.start).offset(), block_bytes(run.len)).await;
+    result
+}
+
+/// A queued run's discard ended: the run goes back to the allocator
+/// whatever the outcome. A device that cannot discard turns continuous
+/// discard off, with one log line, and gets the rest of the queue back.
+fn complete_queued(fs: &FsInner, run: BlockRun, result: Result<u32, BdevError>) {
+    account(fs, run, &result);
+    if let Err(e) = result {
+        if matches!(e, BdevError::Unsupported(_)) {
+            let was_active = std::mem::take(&mut fs.discard.borrow_mut().active);
+            if was_active {
+                tracing::warn!(parent: &fs.span, error = %e, "the device does not discard: continuous discard is off");
+            }
+            give_back_queued(fs);
+        } else {
+            tracing::debug!(parent: &fs.span, error = %e, start = run.start, blocks = run.len, "discard failed");
+        }
+    }
+}
+
+/// Count a finished discard and free its run.
+fn account(fs: &FsInner, run: BlockRun, result: &Result<u32, BdevError>) {
+    fs.discard.borrow_mut().end(run);
+    fs.state.borrow_mut().alloc.free(run);
+    match result {
+        Ok(_) => fs.bump(|c| {
+            c.discards += 1;
+            c.discard_bytes += block_bytes(run.len);
+        }),
+        Err(BdevError::Unsupported(_)) => {}
+        Err(_) => fs.bump(|c| c.discard_errors += 1),
+    }
+}
+
+/// Every queued run back to the allocator, undiscarded.
+fn give_back_queued(fs: &FsInner) -> u64 {
+    let queued = {
+        let mut d = fs.discard.borrow_mut();
+        d.queued_blocks = 0;
+        std::mem::take(&mut d.queued)
+    };
+    let mut state = fs.state.borrow_mut();
+    let mut blocks = 0;
+    for (start, len) in queued {
+        state.alloc.free(BlockRun { start, len });
+        blocks += len;
+    }
+    blocks
+}
+
+/// Wait until the discards in flight now have ended.
+async fn wait_in_flight(fs: &FsInner) {
+    let target = fs.discard.borrow().issued;
+    while fs.discard.borrow().completed < target {
+        reactor::sleep(SETTLE_POLL).await;
+    }
+}
+
+/// For a writer that found no room: the queued runs come back now,
+/// undiscarded, and the discards in flight are waited for. Returns whether
+/// any blocks came back.
+pub(crate) async fn reclaim(fs: &FsInner) -> bool {
+    let (before, busy) = {
+        let d = fs.discard.borrow();
+        (d.blocks(), d.in_flight_blocks > 0)
+    };
+    give_back_queued(fs);
+    if busy {
+        wait_in_flight(fs).await;
+    }
+    before > 0
+}
+
+/// At unmount (with `unmounted` set, so nothing new starts): wait for the
+/// discards in flight, so the device is quiet once unmount returns, and
+/// drop the queue's trim.
+pub(crate) async fn settle(fs: &FsInner) {
+    while fs.discard.borrow().in_flight_blocks > 0 {
+        reactor::sleep(SETTLE_POLL).await;
+    }
+    let dropped = give_back_queued(fs);
+    if dropped > 0 {
+        tracing::debug!(parent: &fs.span, blocks = dropped, "unmount: queued discards dropped");
+    }
+    fs.discard.borrow_mut().wake();
+}
+
+/// Resolves when the discard queue is woken, its filesystem is gone, or
+/// `sleep` ends.
+struct Idle {
+    weak: Weak<FsInner>,
+    sleep: reactor::Sleep,
+}
+
+impl Future for Idle {
+    type Output = ();
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let Some(fs) = self.weak.upgrade() else { return Poll::Ready(()) };
+        {
+            let mut d = fs.discard.borrow_mut();
+            if std::mem::take(&mut d.woken) {
+                return Poll::Ready(());
+            }
+            d.waker = Some(cx.waker().clone());
+        }
+        Pin::new(&mut self.sleep).poll(cx)
+    }
+}
+
+impl Fs {
+    /// fstrim: discard every free run of at least `min_bytes` (rounded up
+    /// to whole blocks), whether or not continuous discard is on. Each
+    /// piece (64 MiB at most) is taken from the allocator, discarded and
+    /// freed again, one at a time, so requests go on between pieces and a
+    /// writer never waits for more than one. Returns the bytes discarded.
+    /// A device that cannot discard answers [`FsError::Unsupported`].
+    pub async fn trim(&self, min_bytes: u64) -> Result<u64, FsError> {
+        if self.read_only() {
+            return Err(FsError::ReadOnly);
+        }
+        let fs = &self.inner;
+        let min_blocks = whole_blocks(min_bytes).max(1);
+        let (mut cursor, mut trimmed) = (0u64, 0u64);
+        while !fs.unmounted.get() {
+            let piece = {
+                let mut state = fs.state.borrow_mut();
+                let Some(run) = state.alloc.next_free_run(cursor, min_blocks) else { break };
+                let piece = BlockRun { start: run.start, len: run.len.min(PIECE_BLOCKS_MAX) };
+                state.alloc.claim(piece).map_err(|e| FsError::Corrupt(format!("fstrim: {e}")))?;
+                piece
+            };
+            fs.discard.borrow_mut().start(piece);
+            cursor = piece.end();
+            let result = issue(fs, piece).await;
+            account(fs, piece, &result);
+            match result {
+                Ok(_) => trimmed += block_bytes(piece.len),
+                Err(BdevError::Unsupported(_)) => return Err(FsError::Unsupported),
+                Err(e) => return Err(FsError::Io(e)),
+            }
+        }
+        tracing::info!(parent: &fs.span, bytes = trimmed, min_bytes, "fstrim done");
+        Ok(trimmed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_queue_merges_adjacent_runs_and_pops_pieces() {
+        let mut d = DiscardState { active: true, ..DiscardState::default() };
+        d.push(BlockRun { start: 10, len: 5 }, true);
+        d.push(BlockRun { start: 20, len: 5 }, true);
+        d.push(BlockRun { start: 15, len: 5 }, true);
+        assert_eq!(d.runs().collect::<Vec<_>>(), vec![BlockRun { start: 10, len: 15 }]);
+        assert_eq!(d.pop(4), Some(BlockRun { start: 10, len: 4 }));
+        assert_eq!(d.blocks(), 15, "in flight still counts");
+        d.end(BlockRun { start: 10, len: 4 });
+        assert_eq!((d.blocks(), d.issued, d.completed), (11, 1, 1));
+        let mut unmerged = DiscardState::default();
+        unmerged.push(BlockRun { start: 0, len: 1 }, false);
+        unmerged.push(BlockRun { start: 1, len: 1 }, false);
+        assert_eq!(unmerged.runs().count(), 2);
+    }
+}

@@ -1,0 +1,193 @@
+//! Giving space back: continuous discard holds freed runs until their
+//! discard completes, fstrim discards all free space, and a device that
+//! cannot discard turns it off without losing space.
+
+mod common;
+
+use std::os::unix::fs::MetadataExt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{busy_reactor, channel, check, format, ram_device};
+use keelfs_base::testing::ScratchFile;
+use keelfs_bdev::{BlockDevice, UringDevice, UringOptions};
+use keelfs_fs::{Creds, DiscardConfig, Fs, FsConfig, FsError, Ino, ROOT_INO};
+use keelfs_reactor as reactor;
+
+const MIB: u64 = 1 << 20;
+
+fn image(tag: &str, bytes: u64) -> (ScratchFile, Arc<dyn BlockDevice>) {
+    let file = ScratchFile::new(tag, bytes);
+    let dev = UringDevice::open(&file.path, UringOptions::default()).expect("open image");
+    (file, Arc::new(dev))
+}
+
+fn allocated(file: &ScratchFile) -> u64 {
+    std::fs::metadata(&file.path).unwrap().blocks() * 512
+}
+
+fn config(discard: DiscardConfig) -> FsConfig {
+    FsConfig { discard, commit_interval: Duration::from_secs(3600), ..FsConfig::default() }
+}
+
+fn on() -> DiscardConfig {
+    DiscardConfig { enabled: true, ..DiscardConfig::default() }
+}
+
+/// A closed, forgotten file of `bytes`, written and synced.
+async fn write_file(fs: &Fs, name: &[u8], bytes: u64) -> Result<Ino, FsError> {
+    let (f, fh) = fs.create(&Creds::root(), ROOT_INO, name, 0o644, 2).await?;
+    let chunk = vec![0x3c; MIB as usize];
+    let mut result = Ok(());
+    for i in 0..bytes / MIB {
+        if let Err(e) = fs.write(f.ino(), i * MIB, &chunk).await {
+            result = Err(e);
+            break;
+        }
+    }
+    if result.is_ok() {
+        result = fs.sync().await;
+    }
+    fs.release(fh).await?;
+    fs.forget(f.ino(), 1).await?;
+    result.map(|()| f.ino())
+}
+
+async fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        reactor::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[test]
+fn continuous_discard_gives_freed_runs_back_after_the_commit() {
+    let (file, dev) = image("fs-discard", 64 * MIB);
+    let mut r = busy_reactor();
+    r.block_on(async move {
+        format(&dev).await;
+        let fs = Fs::mount(channel(&dev), config(on())).await.unwrap();
+        write_file(&fs, b"keep", 4 * MIB).await.unwrap();
+        write_file(&fs, b"gone", 16 * MIB).await.unwrap();
+        let before = allocated(&file);
+        assert!(before >= 20 * MIB, "{before} bytes allocated");
+        let free_before = fs.statfs().await.unwrap().blocks_free;
+        fs.unlink(&Creds::root(), ROOT_INO, b"gone").await.unwrap();
+        fs.sync().await.unwrap();
+        // Right after the commit the runs are out of the allocator, owned
+        // by the queue, and df already counts them free.
+        fs.check_block_ownership().unwrap();
+        assert!(fs.statfs().await.unwrap().blocks_free >= free_before + 16 * MIB / 4096);
+        wait_for("the queue to drain", || fs.counters().discard_pending_blocks == 0).await;
+        let c = fs.counters();
+        assert!(c.discards >= 1 && c.discard_bytes >= 16 * MIB && c.discard_errors == 0, "{c:?}");
+        let after = allocated(&file);
+        assert!(before - after >= 15 * MIB, "the image went from {before} to {after} bytes");
+        // The space is reusable, and the kept file intact.
+        write_file(&fs, b"again", 16 * MIB).await.unwrap();
+        fs.check_block_ownership().unwrap();
+        fs.unmount().await.unwrap();
+        assert!(check(&dev).await.is_clean());
+    });
+}
+
+#[test]
+fn fstrim_discards_free_space_with_continuous_discard_off() {
+    let (file, dev) = image("fs-trim", 64 * MIB);
+    let mut r = busy_reactor();
+    r.block_on(async move {
+        format(&dev).await;
+        let fs = Fs::mount(channel(&dev), config(DiscardConfig::default())).await.unwrap();
+        let keep = write_file(&fs, b"keep", 4 * MIB).await.unwrap();
+        write_file(&fs, b"gone", 16 * MIB).await.unwrap();
+        fs.unlink(&Creds::root(), ROOT_INO, b"gone").await.unwrap();
+        fs.sync().await.unwrap();
+        let before = allocated(&file);
+        assert_eq!(fs.counters().discards, 0, "discard is off");
+        // Runs shorter than the minimum are left alone.
+        assert_eq!(fs.trim(1 << 40).await.unwrap(), 0);
+        let trimmed = fs.trim(0).await.unwrap();
+        assert!(trimmed >= 16 * MIB, "trimmed {trimmed} bytes");
+        let after = allocated(&file);
+        assert!(before - after >= 15 * MIB, "the image went from {before} to {after} bytes");
+        assert_eq!(fs.counters().discard_pending_blocks, 0);
+        fs.check_block_ownership().unwrap();
+        let back = fs.read(keep, 0, MIB as u32).await.unwrap();
+        assert_eq!(back.len() as u64, MIB);
+        assert!(back.iter().all(|&b| b == 0x3c), "the kept file is intact");
+        fs.unmount().await.unwrap();
+        assert!(check(&dev).await.is_clean());
+    });
+}
+
+#[test]
+fn a_device_that_cannot_discard_turns_it_off_and_loses_no_space() {
+    let dev = ram_device(32 * MIB);
+    let mut r = busy_reactor();
+    r.block_on(async move {
+        format(&dev).await;
+        let fs = Fs::mount(channel(&dev), config(on())).await.unwrap();
+        write_file(&fs, b"gone", 8 * MIB).await.unwrap();
+        let free = fs.free_blocks();
+        fs.unlink(&Creds::root(), ROOT_INO, b"gone").await.unwrap();
+        fs.sync().await.unwrap();
+        wait_for("the queue to give up", || fs.counters().discard_pending_blocks == 0).await;
+        assert!(fs.free_blocks() >= free + 8 * MIB / 4096);
+        assert_eq!(fs.counters().discards, 0);
+        assert_eq!(fs.trim(0).await.err(), Some(FsError::Unsupported));
+        assert_eq!(FsError::Unsupported.errno(), libc::EOPNOTSUPP);
+        fs.check_block_ownership().unwrap();
+        fs.unmount().await.unwrap();
+        assert!(check(&dev).await.is_clean());
+    });
+}
+
+#[test]
+fn a_writer_short_of_room_takes_runs_awaiting_discard_back() {
+    let (_file, dev) = image("fs-discard-full", 32 * MIB);
+    let mut r = busy_reactor();
+    r.block_on(async move {
+        format(&dev).await;
+        // Paced to a crawl: the queue holds what the delete frees.
+        let slow = DiscardConfig { bytes_per_sec: 4096, ..on() };
+        let fs = Fs::mount(channel(&dev), config(slow)).await.unwrap();
+        let mut n = 0;
+        while write_file(&fs, format!("f{n}").as_bytes(), 4 * MIB).await.is_ok() {
+            n += 1;
+        }
+        assert!(n >= 4, "{n} files fit");
+        for i in 0..=n {
+            fs.unlink(&Creds::root(), ROOT_INO, format!("f{i}").as_bytes()).await.unwrap();
+        }
+        fs.sync().await.unwrap();
+        assert!(fs.counters().discard_pending_blocks > 1000, "{:?}", fs.counters());
+        fs.check_block_ownership().unwrap();
+        for i in 0..n {
+            write_file(&fs, format!("g{i}").as_bytes(), 4 * MIB).await.unwrap();
+        }
+        fs.check_block_ownership().unwrap();
+        fs.unmount().await.unwrap();
+        assert!(check(&dev).await.is_clean());
+    });
+}
+
+#[test]
+fn unmount_with_discards_queued_leaves_a_clean_image() {
+    let (_file, dev) = image("fs-discard-unmount", 32 * MIB);
+    let mut r = busy_reactor();
+    r.block_on(async move {
+        format(&dev).await;
+        let slow = DiscardConfig { bytes_per_sec: 4096, ..on() };
+        let fs = Fs::mount(channel(&dev), config(slow)).await.unwrap();
+        write_file(&fs, b"gone", 8 * MIB).await.unwrap();
+        fs.unlink(&Creds::root(), ROOT_INO, b"gone").await.unwrap();
+        fs.sync().await.unwrap();
+        assert!(fs.counters().discard_pending_blocks > 0);
+        let free = fs.statfs().await.unwrap().blocks_free;
+        fs.unmount().await.unwrap();
+        assert!(check(&dev).await.is_clean());
+        let fs = Fs::mount(channel(&dev), config(DiscardConfig::default())).await.unwrap();
+        assert_eq!(fs.statfs().await.unwrap().blocks_free, free, "the queued runs are free after remount");
+    });
+}
