@@ -510,3 +510,81 @@ fn fallocate_modes_and_rename_flags_are_parsed_once() {
         assert_eq!(err(rename2(11, libc::RENAME_NOREPLACE), 11).await, 0, "a rename with NOREPLACE");
     });
 }
+
+/// A FUSE_IOCTL body: fuse_ioctl_in, then `input`.
+fn ioctl_body(fh: u64, cmd: u32, input: &[u8], out_size: u32) -> Vec<u8> {
+    let mut r = Reply::default();
+    r.u64(fh).u32(1 << 4).u32(cmd).u64(0).u32(input.len() as u32).u32(out_size).raw(input);
+    r.bytes
+}
+
+fn fstrim_range(start: u64, len: u64, minlen: u64) -> Vec<u8> {
+    let mut r = Reply::default();
+    r.u64(start).u64(len).u64(minlen);
+    r.bytes
+}
+
+const FITRIM: u32 = 0xC018_5879;
+
+/// Open the root directory and send FITRIM on it as `uid`.
+async fn fitrim(s: &Session, unique: u64, uid: u32, cmd: u32, input: &[u8], out_size: u32) -> (i32, Vec<u8>) {
+    let opened = s.handle(&request(Opcode::Opendir as u32, unique, 1, &[0u8; 8])).await.unwrap();
+    let fh = u64_at(&reply(&opened, unique).1, 0);
+    let body = ioctl_body(fh, cmd, input, out_size);
+    let bytes = encode_request(Opcode::Ioctl as u32, unique + 1, 1, uid, 0, &body);
+    reply(&s.handle(&bytes).await.unwrap(), unique + 1)
+}
+
+#[test]
+fn fitrim_is_root_only_and_other_ioctls_are_enotty() {
+    // A RAM device cannot discard: the trim itself is EOPNOTSUPP.
+    with_session(async |s: Session| {
+        s.handle(&request(Opcode::Init as u32, 1, 0, &init_body())).await.unwrap();
+        let range = fstrim_range(0, u64::MAX, 0);
+        assert_eq!(fitrim(&s, 10, 0, FITRIM, &range, 24).await.0, -libc::EOPNOTSUPP);
+        assert_eq!(fitrim(&s, 20, 1000, FITRIM, &range, 24).await.0, -libc::EPERM);
+        assert_eq!(fitrim(&s, 30, 0, 0x5401, &[], 0).await.0, -libc::ENOTTY, "TCGETS");
+        assert_eq!(fitrim(&s, 40, 0, FITRIM, &range[..16], 24).await.0, -libc::EINVAL, "a short range");
+        // in_size saying more than came is a parse error, not a read past the end.
+        let mut body = ioctl_body(1, FITRIM, &range, 24);
+        body[24..28].copy_from_slice(&4096u32.to_le_bytes());
+        let (err, _) = reply(&s.handle(&request(Opcode::Ioctl as u32, 50, 1, &body)).await.unwrap(), 50);
+        assert!(err < 0);
+        // A handle this session does not hold.
+        let (err, _) = reply(
+            &s.handle(&request(Opcode::Ioctl as u32, 51, 1, &ioctl_body(999, FITRIM, &range, 24))).await.unwrap(),
+            51,
+        );
+        assert_eq!(err, -libc::EBADF);
+    });
+}
+
+#[test]
+fn fitrim_trims_an_image_file_and_replies_with_the_length() {
+    use keelfs_base::testing::ScratchFile;
+    use keelfs_bdev::{UringDevice, UringOptions};
+    let file = ScratchFile::new("vhost-fitrim", 64 << 20);
+    let dev: Arc<dyn BlockDevice> = Arc::new(UringDevice::open(&file.path, UringOptions::default()).unwrap());
+    let mut reactor = Reactor::new(ReactorConfig { mode: PollMode::Busy, ..ReactorConfig::default() }).unwrap();
+    reactor.block_on(async move {
+        let ch = || DeviceChannel::attach(dev.open_queue(QueueConfig::default()).unwrap());
+        mkfs(ch(), &MkfsOptions { force: true, ..MkfsOptions::default() }).await.unwrap();
+        let fs = Fs::mount(ch(), FsConfig::default()).await.unwrap();
+        let s = Session::new(fs.clone(), SessionConfig::default());
+        s.handle(&request(Opcode::Init as u32, 1, 0, &init_body())).await.unwrap();
+        let (err, body) = fitrim(&s, 10, 0, FITRIM, &fstrim_range(0, u64::MAX, 4096), 24).await;
+        assert_eq!(err, 0);
+        assert_eq!(body.len(), 16 + 24, "fuse_ioctl_out and the range");
+        assert_eq!(&body[..16], &[0u8; 16], "result 0, no retry");
+        let trimmed = u64_at(&body, 24);
+        assert!(trimmed > 32 << 20, "the free space was trimmed: {trimmed}");
+        assert_eq!((u64_at(&body, 16), u64_at(&body, 32)), (0, 4096), "start and minlen as given");
+        assert_eq!(fs.counters().discard_bytes, trimmed);
+        // Read-only exports refuse it.
+        fs.unmount().await.unwrap();
+        let ro = Fs::mount(ch(), FsConfig { read_only: true, ..FsConfig::default() }).await.unwrap();
+        let s = Session::new(ro, SessionConfig::default());
+        s.handle(&request(Opcode::Init as u32, 1, 0, &init_body())).await.unwrap();
+        assert_eq!(fitrim(&s, 10, 0, FITRIM, &fstrim_range(0, u64::MAX, 0), 24).await.0, -libc::EROFS);
+    });
+}

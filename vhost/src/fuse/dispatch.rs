@@ -16,7 +16,10 @@ use super::abi::{
     error_reply, init_flags as f, open_flags, Attr, InHeader, Opcode, Reply, KERNEL_MINOR_VERSION, KERNEL_VERSION,
     MIN_MINOR_VERSION,
 };
-use super::request::{parse, Request, OPEN_KILL_SUIDGID, SETXATTR_ACL_KILL_SGID, WRITE_CACHE, WRITE_KILL_SUIDGID};
+use super::request::{
+    parse, Request, FITRIM, FSTRIM_RANGE_BYTES, IOCTL_UNRESTRICTED, OPEN_KILL_SUIDGID, SETXATTR_ACL_KILL_SGID,
+    WRITE_CACHE, WRITE_KILL_SUIDGID,
+};
 use super::state::{SessionState, StateError};
 use super::stats::OpStats;
 
@@ -743,9 +746,40 @@ impl Session {
                 let copied = fs.copy_range(ino, off_in, nodeid_out, off_out, len).await.map_err(e)?;
                 Ok(Some(write_out(copied as u32)))
             }
+            Request::Ioctl { fh, flags, cmd, input, out_size } => {
+                self.own_handle_of(fh, ino)?;
+                self.ioctl(h, flags, cmd, input, out_size).await
+            }
             Request::Unsupported(_) => Err(libc::ENOSYS),
             Request::Forget { .. } | Request::BatchForget { .. } | Request::Interrupt { .. } => Ok(None),
         }
+    }
+
+    /// FUSE_IOCTL: FITRIM (a guest's fstrim, made on the mount's root)
+    /// runs [`Fs::trim`] over the whole filesystem; any other command gets
+    /// ENOTTY, as from a filesystem without that ioctl. The reply is
+    /// fuse_ioctl_out, then the fstrim_range with `len` set to the bytes
+    /// trimmed.
+    async fn ioctl(&self, h: &InHeader, flags: u32, cmd: u32, input: &[u8], out_size: u32) -> Outcome {
+        if cmd != FITRIM || flags & IOCTL_UNRESTRICTED != 0 {
+            return Err(libc::ENOTTY);
+        }
+        // The guest kernel checks no capability for a FUSE ioctl (only
+        // that the caller may use the mount), and a trim costs the host
+        // device time: root only, as FITRIM's CAP_SYS_ADMIN elsewhere.
+        if h.uid != 0 {
+            return Err(libc::EPERM);
+        }
+        if input.len() != FSTRIM_RANGE_BYTES || out_size as usize != FSTRIM_RANGE_BYTES {
+            return Err(libc::EINVAL);
+        }
+        let word = |i: usize| u64::from_le_bytes(input[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
+        let (start, minlen) = (word(0), word(2));
+        let trimmed = self.fs.trim(minlen).await.map_err(|e| e.errno())?;
+        let mut r = Reply::default();
+        r.u32(0).u32(0).u32(0).u32(0); // result, flags, in_iovs, out_iovs
+        r.u64(start).u64(trimmed).u64(minlen);
+        Ok(Some(r))
     }
 
     /// A WRITE whose flags say the writer lacks CAP_FSETID clears the

@@ -28,6 +28,14 @@ pub const WRITE_KILL_SUIDGID: u32 = 1 << 2;
 pub const WRITE_CACHE: u32 = 1 << 0;
 /// fuse_open_in.open_flags: clear set-id bits on an O_TRUNC open.
 pub const OPEN_KILL_SUIDGID: u32 = 1 << 0;
+/// FITRIM, `_IOWR('X', 121, struct fstrim_range)`: the one ioctl served.
+pub const FITRIM: u32 = 0xC018_5879;
+/// struct fstrim_range { u64 start, len, minlen }.
+pub const FSTRIM_RANGE_BYTES: usize = 24;
+/// fuse_ioctl_in.flags: an unrestricted ioctl (CUSE), whose data the
+/// server must ask for by retries; keelfs serves restricted ones only.
+pub const IOCTL_UNRESTRICTED: u32 = 1 << 1;
+
 /// fuse_setxattr_in.setxattr_flags: the caller is outside the file's
 /// group, so setting an access ACL clears S_ISGID.
 pub const SETXATTR_ACL_KILL_SGID: u32 = 1 << 0;
@@ -191,6 +199,15 @@ pub enum Request<'a> {
         len: u64,
         flags: u64,
     },
+    /// FUSE_IOCTL, a restricted one (the kernel sized its data from the
+    /// command): `input` is the in_size bytes that followed.
+    Ioctl {
+        fh: Fh,
+        flags: u32,
+        cmd: u32,
+        input: &'a [u8],
+        out_size: u32,
+    },
     /// A known opcode keelfs does not implement: the reply is ENOSYS.
     Unsupported(Opcode),
 }
@@ -216,6 +233,8 @@ impl Request<'_> {
             | Request::Removexattr { .. }
             | Request::Fallocate { .. }
             | Request::CopyFileRange { .. } => true,
+            // An fstrim changes no data, but writes to the device.
+            Request::Ioctl { cmd, .. } => *cmd == FITRIM,
             Request::Open { flags, .. } => {
                 let flags = *flags as i32;
                 flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0
@@ -412,6 +431,13 @@ pub fn parse<'a>(header: &InHeader, body: &'a [u8], setxattr_ext: bool) -> Resul
             len: c.u64("copy_file_range.len")?,
             flags: c.u64("copy_file_range.flags")?,
         },
+        Opcode::Ioctl => {
+            let (fh, flags, cmd) = (c.u64("ioctl.fh")?, c.u32("ioctl.flags")?, c.u32("ioctl.cmd")?);
+            c.u64("ioctl.arg")?;
+            let (in_size, out_size) = (c.u32("ioctl.in_size")?, c.u32("ioctl.out_size")?);
+            let input = c.take(in_size as usize, "ioctl input")?;
+            Request::Ioctl { fh: Fh::new(fh), flags, cmd, input, out_size }
+        }
         other => Request::Unsupported(other),
     };
     Ok(r)
@@ -497,6 +523,50 @@ mod tests {
             panic!("not a setattr")
         };
         (set, via_handle)
+    }
+
+    fn header(opcode: Opcode, body: &[u8]) -> InHeader {
+        InHeader {
+            len: 40 + body.len() as u32,
+            opcode: opcode as u32,
+            unique: 1,
+            nodeid: 1,
+            uid: 0,
+            gid: 0,
+            pid: 0,
+            total_extlen: 0,
+        }
+    }
+
+    /// fuse_ioctl_in.flags: the ioctl was made on a directory.
+    const IOCTL_DIR: u32 = 1 << 4;
+
+    fn ioctl_body(cmd: u32, in_size: u32, input: &[u8]) -> Vec<u8> {
+        let mut b = Vec::new();
+        b.extend_from_slice(&9u64.to_le_bytes()); // fh
+        b.extend_from_slice(&IOCTL_DIR.to_le_bytes());
+        b.extend_from_slice(&cmd.to_le_bytes());
+        b.extend_from_slice(&0u64.to_le_bytes()); // arg
+        b.extend_from_slice(&in_size.to_le_bytes());
+        b.extend_from_slice(&24u32.to_le_bytes()); // out_size
+        b.extend_from_slice(input);
+        b
+    }
+
+    #[test]
+    fn ioctl_carries_its_input_and_a_short_one_is_an_error() {
+        let range = [7u8; 24];
+        let body = ioctl_body(FITRIM, 24, &range);
+        let req = parse(&header(Opcode::Ioctl, &body), &body, false).unwrap();
+        assert_eq!(req, Request::Ioctl { fh: Fh::new(9), flags: IOCTL_DIR, cmd: FITRIM, input: &range, out_size: 24 });
+        assert!(req.modifies());
+        // in_size larger than what came: refused, not read past the end.
+        let body = ioctl_body(FITRIM, 4096, &range);
+        assert!(parse(&header(Opcode::Ioctl, &body), &body, false).is_err());
+        let body = ioctl_body(FITRIM, 24, &range)[..20].to_vec();
+        assert!(parse(&header(Opcode::Ioctl, &body), &body, false).is_err());
+        let body = ioctl_body(0x5401, 0, &[]);
+        assert!(!parse(&header(Opcode::Ioctl, &body), &body, false).unwrap().modifies(), "only FITRIM writes");
     }
 
     /// The FATTR mask becomes a SetAttr where the request is parsed: only
