@@ -125,6 +125,10 @@ struct RawExport {
     atime: Option<AtimeName>,
     fuse_mount: Option<PathBuf>,
     session_file: Option<PathBuf>,
+    discard: Option<bool>,
+    discard_mib_per_sec: Option<Spanned<u64>>,
+    quota_bytes: Option<Spanned<String>>,
+    quota_inodes: Option<Spanned<u64>>,
 }
 
 #[derive(Clone, Copy, Debug, Deserialize)]
@@ -174,6 +178,31 @@ fn apply_limits(src: &Source, e: &RawExport, export: &mut Export) -> Result<(), 
             return Err(src.error(n.span(), "host_dirty_ratio must be between 0 (the kernel's FUSE limit) and 100"));
         }
         export.host_dirty_ratio = *n.get_ref() as u8;
+    }
+    Ok(())
+}
+
+/// Giving space back (discard) and the export's quota.
+fn apply_space(src: &Source, e: &RawExport, export: &mut Export) -> Result<(), ConfigError> {
+    export.discard = e.discard.unwrap_or(false);
+    if let Some(n) = &e.discard_mib_per_sec {
+        if *n.get_ref() > 1 << 20 {
+            return Err(src.error(n.span(), "discard_mib_per_sec must be at most 1048576 (0: unpaced)"));
+        }
+        export.discard_mib_per_sec = *n.get_ref();
+    }
+    if let Some(size) = &e.quota_bytes {
+        let bytes = parse_size(size.get_ref()).map_err(|m| src.error(size.span(), m))?;
+        if bytes < 1 << 20 {
+            return Err(src.error(size.span(), "quota_bytes must be at least 1M"));
+        }
+        export.quota.bytes = Some(bytes);
+    }
+    if let Some(n) = &e.quota_inodes {
+        if *n.get_ref() < 16 {
+            return Err(src.error(n.span(), "quota_inodes must be at least 16"));
+        }
+        export.quota.inodes = Some(*n.get_ref());
     }
     Ok(())
 }
@@ -270,6 +299,13 @@ pub struct Export {
     /// start to restore. None: beside an image that is a regular file
     /// (IMAGE.session); an empty path: nowhere.
     pub session_file: Option<PathBuf>,
+    /// Discard the space the filesystem frees (a hole punched in an image
+    /// file, a discard on a block device), at most this many MiB/s (0:
+    /// unpaced).
+    pub discard: bool,
+    pub discard_mib_per_sec: u64,
+    /// Limits on bytes and inodes below the device's; past them EDQUOT.
+    pub quota: keelfs_fs::Quota,
 }
 
 impl Default for Config {
@@ -320,9 +356,16 @@ impl Export {
             fuse_type: "fuse.keelfs".into(),
             fuse_mount_flags: libc::MS_NOSUID | libc::MS_NODEV,
             session_file: None,
+            discard: false,
+            discard_mib_per_sec: DISCARD_MIB_PER_SEC_DEFAULT,
+            quota: keelfs_fs::Quota::default(),
         }
     }
 }
+
+/// A pace at which discards cost a fast device little and still return a
+/// large delete's space within seconds.
+pub const DISCARD_MIB_PER_SEC_DEFAULT: u64 = 256;
 
 /// 1-based line and column of a byte offset.
 fn line_column(text: &str, offset: usize) -> (usize, usize) {
@@ -506,6 +549,7 @@ fn parse_export(
     apply_socket_access(src, e, &mut export)?;
     apply_serving(src, e, &mut export)?;
     apply_limits(src, e, &mut export)?;
+    apply_space(src, e, &mut export)?;
     export.read_only = e.read_only.unwrap_or(false);
     export.fuse_mount = e.fuse_mount.clone();
     export.session_file = e.session_file.clone();
@@ -755,5 +799,25 @@ atime = "noatime"
             error_of(&format!("{base}requests_in_flight_max = 0\n")),
             "bad.toml:8:26: requests_in_flight_max must be between 1 and 32768"
         );
+    }
+
+    #[test]
+    fn discard_and_quota_keys_parse_and_default_off() {
+        let base =
+            "[[device]]\nname = \"d\"\npath = \"/x\"\n[[export]]\ntag = \"a\"\ndevice = \"d\"\nsocket = \"/s\"\n";
+        let set =
+            format!("{base}discard = true\ndiscard_mib_per_sec = 64\nquota_bytes = \"16M\"\nquota_inodes = 1000\n");
+        let e = &parse("space.toml", &set).unwrap().exports[0];
+        assert_eq!((e.discard, e.discard_mib_per_sec), (true, 64));
+        assert_eq!(e.quota, keelfs_fs::Quota { bytes: Some(16 << 20), inodes: Some(1000) });
+        let defaults = &parse("space.toml", base).unwrap().exports[0];
+        assert_eq!((defaults.discard, defaults.discard_mib_per_sec), (false, DISCARD_MIB_PER_SEC_DEFAULT));
+        assert_eq!(defaults.quota, keelfs_fs::Quota::default());
+        assert_eq!(
+            error_of(&format!("{base}quota_bytes = \"4K\"\n")),
+            "bad.toml:8:15: quota_bytes must be at least 1M"
+        );
+        assert_eq!(error_of(&format!("{base}quota_inodes = 1\n")), "bad.toml:8:16: quota_inodes must be at least 16");
+        assert!(error_of(&format!("{base}discard_mib_per_sec = 9999999\n")).contains("discard_mib_per_sec must be"));
     }
 }

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use keelfs_bdev::{BlockDevice, QueueConfig};
-use keelfs_fs::{AtimeUpdates, Fs, FsConfig};
+use keelfs_fs::{AtimeUpdates, DiscardConfig, Fs, FsConfig};
 use keelfs_reactor::DeviceChannel;
 use keelfs_reactor::{self as reactor, PollMode, Reactor, ReactorConfig, ReactorHandle};
 use keelfs_vhost::OpStats;
@@ -996,6 +996,12 @@ pub async fn mount(
         atime: atime_updates(export.atime, export.fuse_mount_flags),
         dir_atime: export.fuse_mount_flags & libc::MS_NODIRATIME == 0,
         keep_orphans,
+        quota: export.quota,
+        discard: DiscardConfig {
+            enabled: export.discard,
+            bytes_per_sec: export.discard_mib_per_sec << 20,
+            ..DiscardConfig::default()
+        },
         ..FsConfig::default()
     };
     Fs::mount(DeviceChannel::attach(queue), config)
