@@ -2,8 +2,8 @@
 # Guest test (busybox sh): namespace operations on keelfs at /mnt: mkdir and
 # rmdir, create and unlink, rename (files and directories, over existing
 # targets), hard links, symlinks, chmod/chown/utimes, a 500-entry readdir,
-# xattrs (setfattr/getfattr must be in the guest), statfs, and a large
-# sparse file. Prints PASS/FAIL per check; exits 1 when any check failed.
+# xattrs (setfattr/getfattr must be in the guest), statfs, a large
+# sparse file, and fstrim. Prints PASS/FAIL per check; exits 1 when any check failed.
 # Usage: qemu-scripts/run-guest.sh --socket S --script qemu-scripts/guest-tests/namespace.sh
 # shellcheck disable=SC2012  # readdir through ls is the point
 set -u
@@ -232,6 +232,15 @@ echo "=== cleanup"
 cd /
 check "rm -r test directory" rm -r "$d"
 check "test directory gone" test ! -e "$d"
+
+echo "=== fstrim"
+# A guest's fstrim reaches keelfs as FUSE_IOCTL(FITRIM): it trims the free
+# space and says how much (ENOTTY here would mean the ioctl is unserved).
+trimmed=$(fstrim -v /mnt 2>&1)
+echo "$trimmed"
+# shellcheck disable=SC2046  # "/mnt: N bytes trimmed", split on purpose
+set -- $(echo "$trimmed" | tail -n1)
+check "fstrim -v /mnt trims free space ($trimmed)" test "${4:-}" = trimmed -a "${2:-0}" -gt 0
 umount /mnt || fail "umount /mnt"
 
 if [ "$failed" -ne 0 ]; then
