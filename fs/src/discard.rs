@@ -56,7 +56,7 @@ impl Default for DiscardConfig {
 const IN_FLIGHT_MAX: usize = 2;
 /// The largest discard request: 64 MiB of blocks. It bounds what a write
 /// that finds no room may wait for, and what one fstrim step holds back.
-const PIECE_BLOCKS_MAX: u64 = 16 << 8;
+const PIECE_BLOCKS_MAX: u64 = whole_blocks(64 << 20);
 /// An idle task checks this often whether its filesystem is gone.
 const IDLE_CHECK: Duration = Duration::from_secs(1);
 /// How often [`settle`] and [`reclaim`] look at the discards in flight.
