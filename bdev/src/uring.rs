@@ -77,11 +77,17 @@ impl UringDevice {
     }
 
     /// A device [`Self::open`]ed by another process: `file` is its open
-    /// file (O_DIRECT, as `options` say), `geometry` what that open
-    /// probed. A sandboxed process can do neither itself: probing takes
-    /// ioctls and sysfs.
-    pub fn from_parts(file: File, name: String, geometry: Geometry, options: UringOptions) -> Self {
-        Self { file: Arc::new(file), name, geometry, options }
+    /// file (O_DIRECT, as `options` say), `geometry` and `discards`
+    /// (its [`BlockDevice::supports_discard`]) what that open probed. A
+    /// sandboxed process can do neither itself: probing takes ioctls and
+    /// sysfs.
+    pub fn from_parts(file: File, name: String, geometry: Geometry, options: UringOptions, discards: bool) -> Self {
+        let discard = match file.metadata() {
+            Ok(m) if discards && !options.read_only && m.file_type().is_file() => DiscardMethod::PunchHole,
+            Ok(m) if discards && !options.read_only && m.file_type().is_block_device() => DiscardMethod::UringCmd,
+            _ => DiscardMethod::None,
+        };
+        Self { file: Arc::new(file), name, geometry, options, discard }
     }
 }
 

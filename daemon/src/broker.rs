@@ -39,6 +39,8 @@ pub struct OpenReply {
     pub volatile_write_cache: bool,
     pub max_iovecs_per_request: u32,
     pub max_request_bytes: u32,
+    /// Whether the device can discard (a block device says so in sysfs).
+    pub discards: bool,
     pub socket_index: usize,
 }
 
@@ -72,7 +74,13 @@ impl Opened {
         let name = request.device.display().to_string();
         Ok(Opened {
             lock: ImageLock::from_locked(std::fs::File::from(lock)),
-            device: UringDevice::from_parts(std::fs::File::from(device), name, reply.geometry(), options),
+            device: UringDevice::from_parts(
+                std::fs::File::from(device),
+                name,
+                reply.geometry(),
+                options,
+                reply.discards,
+            ),
             listener: std::os::unix::net::UnixListener::from(listener),
             socket_index: reply.socket_index,
         })
@@ -130,6 +138,7 @@ pub fn open_for(request: &OpenRequest, dirs: &[PathBuf]) -> anyhow::Result<(Vec<
         volatile_write_cache: g.volatile_write_cache,
         max_iovecs_per_request: g.max_iovecs_per_request,
         max_request_bytes: g.max_request_bytes,
+        discards: keelfs_bdev::BlockDevice::supports_discard(&device),
         socket_index: 0,
     };
     let fds = vec![lock.into_file().into(), device.file().try_clone()?.into(), OwnedFd::from(listener)];
