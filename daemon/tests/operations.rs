@@ -220,12 +220,7 @@ fn a_scrape_parses_and_matches_keelfsd_stats() {
     parse_with_prometheus(&scrape(&addr, "application/openmetrics-text; version=1.0.0"), true);
 
     top_under_tmux(&rpc_path, &mnt);
-    let table = keelfsd().args(["stats", "--table", "--rpc"]).arg(&rpc_path).output().unwrap();
-    let table = String::from_utf8_lossy(&table.stdout);
-    let row = table.lines().find(|l| l.starts_with("vol-a")).unwrap_or_else(|| panic!("no vol-a row:\n{table}"));
-    let requests: u64 = row.split_whitespace().nth(2).and_then(|w| w.parse().ok()).unwrap_or(0);
-    assert!(requests >= writes, "the table's request count: {row}");
-    assert!(table.contains("REACTOR") && table.contains("BUSY%") && table.contains("FREE_MIB"), "{table}");
+    check_stats_table(&rpc_path, writes);
 
     // The sandboxed server cannot open a new export, and says so.
     let refused =
@@ -234,6 +229,17 @@ fn a_scrape_parses_and_matches_keelfsd_stats() {
     assert!(message.contains("-32004") && message.contains("sandbox"), "{message}");
     daemon.stop();
     assert_eq!(fsck(&image).0, 0);
+}
+
+/// `keelfsd stats --table`: its headers, and vol-a's row counting at least
+/// `writes` requests.
+fn check_stats_table(rpc_path: &Path, writes: u64) {
+    let table = keelfsd().args(["stats", "--table", "--rpc"]).arg(rpc_path).output().unwrap();
+    let table = String::from_utf8_lossy(&table.stdout);
+    let row = table.lines().find(|l| l.starts_with("vol-a")).unwrap_or_else(|| panic!("no vol-a row:\n{table}"));
+    let requests: u64 = row.split_whitespace().nth(2).and_then(|w| w.parse().ok()).unwrap_or(0);
+    assert!(requests >= writes, "the table's request count: {row}");
+    assert!(table.contains("REACTOR") && table.contains("BUSY%") && table.contains("FREE_MIB"), "{table}");
 }
 
 fn tmux(args: &[&str]) -> std::process::Output {
