@@ -5,11 +5,13 @@
 //! an I/O path; everything that touches an export's filesystem or server is
 //! sent to the export's reactor as a message, as the stats are.
 
-use std::sync::mpsc::Sender;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use keelfs_reactor::ReactorHandle;
+use keelfs_reactor::{self as reactor, ReactorHandle};
 use serde_json::{json, Value};
 
 use crate::config::{BackendName, Export};
@@ -122,6 +124,9 @@ pub enum ControlError {
 const START_TIMEOUT: Duration = Duration::from_secs(60);
 /// What `export_remove` waits by default for a drain and commit.
 pub const STOP_TIMEOUT_DEFAULT: Duration = Duration::from_secs(30);
+
+/// Work for an export's reactor: built there, run there as a task.
+pub type LocalJob = Box<dyn FnOnce() -> Pin<Box<dyn Future<Output = Result<Value, String>>>> + Send>;
 
 /// What the RPC thread may do to the running daemon.
 pub struct Control {
@@ -271,5 +276,28 @@ impl Control {
         }
         self.forget_socket(entry.brokered_socket);
         Ok(json!({"tag": tag, "removed": true}))
+    }
+
+    /// Run `job` on the export's reactor (as a task, so that it may await
+    /// the filesystem) and wait for its answer.
+    pub fn on_export_reactor(&self, tag: &str, timeout: Duration, job: LocalJob) -> Result<Value, ControlError> {
+        let entry = self.table.get(tag).ok_or_else(|| ControlError::NoSuchExport(tag.into()))?;
+        if entry.state != Lifecycle::Ready {
+            return Err(ControlError::Busy(tag.into()));
+        }
+        let (tx, rx) = mpsc::channel();
+        let sent = self.reactors[entry.reactor].send(move || {
+            reactor::spawn_local(async move {
+                let _ = tx.send(job().await);
+            });
+        });
+        if sent.is_err() {
+            return Err(ControlError::Failed("the export's reactor has stopped".into()));
+        }
+        match rx.recv_timeout(timeout) {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(message)) => Err(ControlError::Failed(message)),
+            Err(_) => Err(ControlError::Timeout(timeout)),
+        }
     }
 }

@@ -18,6 +18,7 @@ mod rpc;
 mod sandbox;
 mod seccomp;
 mod serve;
+mod settings;
 mod signals;
 mod supervisor;
 mod tools;

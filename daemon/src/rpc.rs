@@ -49,8 +49,16 @@ pub mod code {
 }
 
 /// Every method, for `rpc_get_methods`.
-pub const METHODS: [&str; 6] =
-    ["stats", "export_list", "export_add", "export_remove", "rpc_get_methods", "framework_uptime"];
+pub const METHODS: [&str; 8] = [
+    "stats",
+    "export_list",
+    "export_add",
+    "export_remove",
+    "export_set_quota",
+    "export_trim",
+    "rpc_get_methods",
+    "framework_uptime",
+];
 
 /// A JSON-RPC error object.
 #[derive(Debug)]
@@ -289,6 +297,8 @@ fn call(method: &str, raw: Value, control: &Control) -> Result<Value, RpcError> 
             let timeout = p.timeout_ms.map_or(STOP_TIMEOUT_DEFAULT, Duration::from_millis);
             Ok(control.remove(&p.tag, timeout)?)
         }
+        "export_set_quota" => crate::settings::set_quota(raw, control),
+        "export_trim" => crate::settings::trim(raw, control),
         "rpc_get_methods" => params::<NoParams>(raw).map(|_| json!(METHODS)),
         "framework_uptime" => params::<NoParams>(raw).map(|_| json!({"uptime_ns": uptime_ns()})),
         other => Err(RpcError::new(code::METHOD_NOT_FOUND, format!("no method {other:?}; see rpc_get_methods"))),

@@ -771,6 +771,15 @@ async fn stop_asked(tag: &str) {
     .await
 }
 
+/// On the export's reactor: its filesystem, if it is mounted here.
+pub(crate) fn local_fs(tag: &str) -> Option<Fs> {
+    LOCAL.with(|l| {
+        let l = l.borrow();
+        let e = l.exports.iter().find(|e| e.tag == tag)?;
+        e.fs.clone().or_else(|| e.server.as_ref().and_then(|s| s.fs()))
+    })
+}
+
 /// How an export's filesystem is reached: mounted here for good, or
 /// through an image its vhost-user server may give up and take back.
 enum Mounted {
@@ -1057,6 +1066,8 @@ async fn fs_json(fs: Option<&Fs>) -> (Value, Value, Value) {
         "fsyncs": c.fsyncs, "data_bytes_read": c.data_bytes_read,
         "data_bytes_written": c.data_bytes_written, "direct_overwrites": c.direct_overwrites,
         "direct_in_flight": c.direct_in_flight, "direct_in_flight_max": c.direct_in_flight_max,
+        "discards": c.discards, "discard_bytes": c.discard_bytes, "discard_errors": c.discard_errors,
+        "discard_pending_blocks": c.discard_pending_blocks,
     });
     let cache = json!({"hits": cache.hits, "misses": cache.misses, "evictions": cache.evictions,
                        "pages": cache.pages, "dirty_pages": cache.dirty_pages,
@@ -1067,6 +1078,7 @@ async fn fs_json(fs: Option<&Fs>) -> (Value, Value, Value) {
                 "size_bytes": s.blocks * u64::from(s.block_size),
                 "free_bytes": s.blocks_free * u64::from(s.block_size),
                 "inodes": s.files, "inodes_free": s.files_free,
+                "quota_bytes": fs.quota().bytes, "quota_inodes": fs.quota().inodes,
             }),
             Err(_) => Value::Null,
         },

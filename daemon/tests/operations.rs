@@ -439,3 +439,56 @@ fn a_sandboxed_daemon_adds_exports_through_its_supervisor() {
 fn fsck_repair(image: &Path) -> i32 {
     keelfsd().arg("fsck").arg(image).arg("--repair").output().unwrap().status.code().unwrap_or(-1)
 }
+
+fn allocated_bytes(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).unwrap().blocks() * 512
+}
+
+#[test]
+fn quota_and_trim_over_rpc() {
+    let scratch = Scratch::new("quota-trim-rpc");
+    let (image, mnt, rpc_path) = (scratch.path("a.img"), scratch.path("mnt"), scratch.path("rpc.sock"));
+    mkfs(&image, "512M");
+    let config = format!(
+        "[daemon]\nrpc_socket = {rpc_path:?}\n[[device]]\nname = \"a\"\npath = {image:?}\n\
+         [[export]]\ntag = \"vol-a\"\ndevice = \"a\"\nfuse_mount = {mnt:?}\ncache = \"none\"\n"
+    );
+    let daemon = Daemon::start(&scratch, &config, &[&mnt]);
+    let statvfs_mib = || {
+        let out = Command::new("stat").args(["-f", "-c", "%b %S"]).arg(&mnt).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        let mut words = text.split_whitespace().map(|w| w.parse::<u64>().unwrap());
+        (words.next().unwrap() * words.next().unwrap()) >> 20
+    };
+    assert!(statvfs_mib() > 400, "no quota yet: {} MiB", statvfs_mib());
+    let set = rpc(&rpc_path, "export_set_quota", json!({"tag": "vol-a", "bytes": 64u64 << 20})).unwrap();
+    assert_eq!(set["bytes"], 64u64 << 20);
+    assert_eq!(statvfs_mib(), 64, "df shows the quota at once");
+    let too_small = rpc(&rpc_path, "export_set_quota", json!({"tag": "vol-a", "bytes": 4096}));
+    assert!(too_small.expect_err("a 4 KiB quota").contains("-32602"));
+
+    // 48 MiB written and deleted: the image keeps its blocks until trimmed.
+    let mut big = std::fs::File::create(mnt.join("big")).unwrap();
+    std::io::Write::write_all(&mut big, &vec![7u8; 48 << 20]).unwrap();
+    big.sync_all().unwrap();
+    drop(big);
+    let before = allocated_bytes(&image);
+    std::fs::remove_file(mnt.join("big")).unwrap();
+    std::fs::File::open(&mnt).unwrap().sync_all().unwrap();
+    let trimmed = rpc(&rpc_path, "export_trim", json!({"tag": "vol-a"})).unwrap();
+    let trimmed = trimmed["trimmed_bytes"].as_u64().unwrap();
+    assert!(trimmed >= 40 << 20, "trimmed {trimmed} bytes");
+    let after = allocated_bytes(&image);
+    assert!(before.saturating_sub(after) >= 40 << 20, "allocated {before} before, {after} after");
+    let stats = stats(&rpc_path);
+    assert_eq!(stats["exports"][0]["space"]["quota_bytes"], 64u64 << 20);
+
+    let lifted = rpc(&rpc_path, "export_set_quota", json!({"tag": "vol-a", "bytes": 0})).unwrap();
+    assert!(lifted["bytes"].is_null());
+    assert!(statvfs_mib() > 400);
+    let missing = rpc(&rpc_path, "export_trim", json!({"tag": "nope"}));
+    assert!(missing.expect_err("no such export").contains("-32001"));
+    daemon.stop();
+    assert_eq!(fsck(&image).0, 0);
+}
