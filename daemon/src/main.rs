@@ -3,6 +3,7 @@
 //! Exit codes: 0 success (fsck: clean); 1 failure (fsck: damage found,
 //! listed); 2 usage error, including a device that cannot be opened.
 
+mod accept;
 mod broker;
 mod config;
 mod control;

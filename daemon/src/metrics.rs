@@ -8,11 +8,11 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+
+use crate::accept::AcceptLoop;
 use keelfs_reactor::ReactorHandle;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
@@ -49,56 +49,22 @@ pub fn bind(addr: SocketAddr) -> anyhow::Result<(TcpListener, SocketAddr)> {
 
 pub struct MetricsServer {
     addr: SocketAddr,
-    wake_accept: TcpListener,
-    stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    _accept: AcceptLoop,
 }
 
 impl MetricsServer {
     pub fn start((listener, addr): (TcpListener, SocketAddr), reactors: Vec<ReactorHandle>) -> anyhow::Result<Self> {
-        let wake_accept = listener.try_clone().context("duplicating the metrics listener")?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread = {
-            let stop = stop.clone();
-            let reactors = Arc::new(reactors);
-            std::thread::Builder::new().name("keelfsd-metrics".into()).spawn(move || {
-                let busy = Arc::new(AtomicUsize::new(0));
-                for stream in listener.incoming() {
-                    if stop.load(Ordering::Acquire) {
-                        break;
-                    }
-                    let Ok(stream) = stream else { continue };
-                    if busy.fetch_add(1, Ordering::AcqRel) >= CLIENTS_MAX {
-                        busy.fetch_sub(1, Ordering::AcqRel);
-                        let _ = reply(&stream, "503 Service Unavailable", "text/plain", "too many scrapes at once\n");
-                        continue;
-                    }
-                    let (reactors, done) = (reactors.clone(), busy.clone());
-                    let spawned = std::thread::Builder::new().name("keelfsd-scrape".into()).spawn(move || {
-                        let _ = answer(stream, &reactors);
-                        done.fetch_sub(1, Ordering::AcqRel);
-                    });
-                    if spawned.is_err() {
-                        busy.fetch_sub(1, Ordering::AcqRel);
-                    }
-                }
-            })?
+        let refuse = |stream: &TcpStream| {
+            let _ = reply(stream, "503 Service Unavailable", "text/plain", "too many scrapes at once\n");
         };
-        Ok(Self { addr, wake_accept, stop, thread: Some(thread) })
+        let accept = AcceptLoop::start("keelfsd-metrics", listener, CLIENTS_MAX, refuse, move |stream| {
+            let _ = answer(stream, &reactors);
+        })?;
+        Ok(Self { addr, _accept: accept })
     }
 
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
-    }
-}
-
-impl Drop for MetricsServer {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        keelfs_vhost::stop_accepting(&self.wake_accept);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }
 

@@ -9,7 +9,7 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -19,6 +19,7 @@ use keelfs_vhost::{bind_listener, SocketAccess};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use crate::accept::AcceptLoop;
 use crate::control::{Control, ControlError, STOP_TIMEOUT_DEFAULT};
 
 /// The longest request line a client may send (an `export_add` carries an
@@ -95,59 +96,23 @@ pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
 }
 
 pub struct RpcServer {
-    /// The listening socket, to wake the accept with on drop.
-    wake_accept: UnixListener,
-    stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    _accept: AcceptLoop,
 }
 
 impl RpcServer {
-    /// Serve on `listener`, bound by [`bind`].
+    /// Serve on `listener`, bound by [`bind`]. The path is removed by
+    /// whoever bound it (serve, or its supervisor): this thread may not
+    /// see it.
     pub fn start(listener: UnixListener, control: Arc<Control>) -> anyhow::Result<Self> {
-        let wake_accept = listener.try_clone().context("duplicating the RPC socket")?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread = {
-            let stop = stop.clone();
-            std::thread::Builder::new().name("keelfsd-rpc".into()).spawn(move || {
-                // Each client on its own thread, at most CLIENTS_MAX at once,
-                // so that one slow client does not hold up the others.
-                let busy = Arc::new(AtomicUsize::new(0));
-                for stream in listener.incoming() {
-                    if stop.load(Ordering::Acquire) {
-                        break;
-                    }
-                    let Ok(stream) = stream else { continue };
-                    if busy.fetch_add(1, Ordering::AcqRel) >= CLIENTS_MAX {
-                        busy.fetch_sub(1, Ordering::AcqRel);
-                        let busy_reply = error_reply(Value::Null, &RpcError::new(code::BUSY, "too many RPC clients"));
-                        let _ = writeln!(&stream, "{busy_reply}");
-                        continue;
-                    }
-                    let (control, done) = (control.clone(), busy.clone());
-                    let spawned = std::thread::Builder::new().name("keelfsd-rpc-client".into()).spawn(move || {
-                        let _ = answer(stream, &control);
-                        done.fetch_sub(1, Ordering::AcqRel);
-                    });
-                    if spawned.is_err() {
-                        // The closure (and its decrement) never ran.
-                        busy.fetch_sub(1, Ordering::AcqRel);
-                    }
-                }
-            })?
+        let refuse = |mut stream: &UnixStream| {
+            let _ =
+                writeln!(stream, "{}", error_reply(Value::Null, &RpcError::new(code::BUSY, "too many RPC clients")));
         };
-        Ok(Self { wake_accept, stop, thread: Some(thread) })
-    }
-}
-
-impl Drop for RpcServer {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        keelfs_vhost::stop_accepting(&self.wake_accept);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-        // The path is removed by whoever bound it (serve, or its
-        // supervisor): this thread may not see it.
+        let accept = AcceptLoop::start("keelfsd-rpc", listener, CLIENTS_MAX, refuse, move |stream| {
+            let _ = answer(stream, &control);
+        })
+        .context("starting the RPC thread")?;
+        Ok(Self { _accept: accept })
     }
 }
 
