@@ -360,23 +360,11 @@ fn exports_come_and_go_at_runtime_while_another_runs_fio() {
     assert_eq!(fsck(&a).0, 0);
 }
 
-fn frontend(socket: &Path) -> keelfs_vhost::frontend::FsFrontend {
-    use keelfs_vhost::frontend::{FrontendConfig, FsFrontend};
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        match FsFrontend::connect(socket, FrontendConfig::default()) {
-            Ok(fe) => return fe,
-            Err(e) => assert!(Instant::now() < deadline, "connecting: {e}"),
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 /// CREATE `name` with `data` through the vhost-user device, read it back.
 fn write_and_read_back(socket: &Path, name: &str, data: &[u8]) {
     use keelfs_vhost::abi::{init_flags as f, Opcode, Reply, ENTRY_OUT_BYTES};
     use keelfs_vhost::frontend::io_in;
-    let mut fe = frontend(socket);
+    let mut fe = common::connect_frontend(socket);
     fe.init(f::ASYNC_READ | f::MAX_PAGES | f::INIT_EXT).unwrap();
     let mut create = Reply::default();
     create.u32(libc::O_RDWR as u32).u32(0o100644).u32(0).u32(0).raw(name.as_bytes()).raw(&[0]);

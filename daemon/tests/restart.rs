@@ -12,10 +12,10 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use keelfs_vhost::abi::{init_flags as f, Opcode, Reply, ENTRY_OUT_BYTES};
-use keelfs_vhost::frontend::{io_in, FrontendConfig, FsFrontend};
+use keelfs_vhost::frontend::{io_in, FsFrontend};
 
 mod common;
-use common::{fsck, mkfs, Scratch, Served};
+use common::{connect_frontend, fsck, mkfs, Scratch, Served};
 
 fn serve(image: &Path, socket: &Path) -> Served {
     let args: Vec<&OsStr> = vec![
@@ -33,17 +33,6 @@ fn serve(image: &Path, socket: &Path) -> Served {
         std::thread::sleep(Duration::from_millis(20));
     }
     served
-}
-
-fn connect(socket: &Path) -> FsFrontend {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        match FsFrontend::connect(socket, FrontendConfig::default()) {
-            Ok(fe) => return fe,
-            Err(e) => assert!(Instant::now() < deadline, "connecting: {e}"),
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 fn named(name: &str) -> Vec<u8> {
@@ -77,7 +66,7 @@ fn read(fe: &mut FsFrontend, (node, fh): (u64, u64), len: u32) -> Result<Vec<u8>
 
 /// A client with a file open and an unlinked file it still holds.
 fn hold(socket: &Path) -> (FsFrontend, (u64, u64), (u64, u64)) {
-    let mut fe = connect(socket);
+    let mut fe = connect_frontend(socket);
     fe.init(f::ASYNC_READ | f::MAX_PAGES | f::INIT_EXT).unwrap();
     let file = create_with(&mut fe, "kept", b"written before the restart");
     let ghost = create_with(&mut fe, "ghost", b"unlinked, held open");
@@ -99,7 +88,7 @@ fn a_clean_restart_keeps_the_clients_handles() {
 
     let daemon = serve(&image, &socket);
     // The same client, back without an INIT: its numbers still work.
-    let mut fe = connect(&socket);
+    let mut fe = connect_frontend(&socket);
     assert_eq!(read(&mut fe, file, 26).unwrap(), b"written before the restart");
     assert_eq!(read(&mut fe, ghost, 19).unwrap(), b"unlinked, held open", "the orphan survived the restart");
     assert_eq!(fe.fuse(1, Opcode::Getattr, file.0, &[0u8; 16]).unwrap().0, 0);
@@ -126,7 +115,7 @@ fn after_a_crash_old_handles_fail_cleanly_and_node_ids_keep_their_files() {
     drop(fe);
 
     let daemon = serve(&image, &socket);
-    let mut fe = connect(&socket);
+    let mut fe = connect_frontend(&socket);
     fe.init(f::ASYNC_READ | f::MAX_PAGES | f::INIT_EXT).unwrap();
     assert_eq!(read(&mut fe, file, 26), Err(libc::EBADF), "a handle from before the crash");
     assert_eq!(read(&mut fe, ghost, 19), Err(libc::EBADF));

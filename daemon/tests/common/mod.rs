@@ -50,6 +50,20 @@ pub fn fsck(image: &Path) -> (i32, String) {
     (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).to_string())
 }
 
+/// The test frontend connected to keelfsd's vhost-user socket, retried
+/// for up to 30 s while the daemon starts.
+pub fn connect_frontend(socket: &Path) -> keelfs_vhost::frontend::FsFrontend {
+    use keelfs_vhost::frontend::{FrontendConfig, FsFrontend};
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match FsFrontend::connect(socket, FrontendConfig::default()) {
+            Ok(fe) => return fe,
+            Err(e) => assert!(Instant::now() < deadline, "connecting: {e}"),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// A running `keelfsd serve`, with the host mounts it is expected to make.
 pub struct Served {
     pub child: Child,
