@@ -77,7 +77,10 @@ impl Epoll {
         let mut events = [libc::epoll_event { events: 0, u64: 0 }; EVENTS_MAX];
         let ms = match timeout {
             None => -1,
-            Some(t) => t.as_millis().clamp(0, i32::MAX as u128) as i32,
+            // Rounded up: a timer due in under a millisecond would
+            // otherwise make the reactor spin through epoll_wait(0) until
+            // it fires, taking the CPU from everything else on the host.
+            Some(t) => t.as_nanos().div_ceil(1_000_000).min(i32::MAX as u128) as i32,
         };
         // SAFETY: events is a live array of EVENTS_MAX entries.
         let n = unsafe { libc::epoll_wait(self.0.as_raw_fd(), events.as_mut_ptr(), EVENTS_MAX as i32, ms) };
