@@ -313,6 +313,31 @@ struct PollerShape {
     in_flight_max: usize,
 }
 
+/// The owning reactor's queue poller, for the queues `Pollers::mask`
+/// gives poller 0, started on this reactor.
+fn start_owner_poller(
+    attachment: &Rc<Attachment>,
+    control: Receiver<Control>,
+    wake: Arc<EventFd>,
+    in_flight: &[Rc<Cell<usize>>],
+    stats: &Rc<DeviceStats>,
+    shape: PollerShape,
+) {
+    let owner = QueuePoller {
+        server: OwnerServer { attachment: attachment.clone() },
+        mine: Pollers::mask(0, shape.pollers, shape.queues),
+        control,
+        wake,
+        connection: None,
+        queues: in_flight.iter().map(|c| QueueState { in_flight: c.clone(), ..QueueState::default() }).collect(),
+        disconnects: Vec::new(),
+        stats: stats.clone(),
+        in_flight_max: shape.in_flight_max,
+        span: tracing::Span::current(),
+    };
+    reactor::register_poller(PollerClass::Source, Box::new(owner));
+}
+
 /// A queue poller on each helper reactor, for the queues `Pollers::mask`
 /// gives it. Helper `i` takes the `i`th receiver.
 fn start_helper_pollers(
@@ -417,20 +442,9 @@ impl VhostUserServer {
         let helper_stats = Arc::new(HelperStats::default());
         let in_flight: Vec<Rc<Cell<usize>>> = (0..queues).map(|_| Rc::default()).collect();
         let attachment = Attachment::new(id, fs, config, op_stats.clone(), options.image, options.restore);
-        let owner = QueuePoller {
-            server: OwnerServer { attachment: attachment.clone() },
-            mine: Pollers::mask(0, poller_count, queues),
-            control: receivers.next().expect("one receiver per poller"),
-            wake: pollers.owner().wake.clone(),
-            connection: None,
-            queues: in_flight.iter().map(|c| QueueState { in_flight: c.clone(), ..QueueState::default() }).collect(),
-            disconnects: Vec::new(),
-            stats: stats.clone(),
-            in_flight_max,
-            span: tracing::Span::current(),
-        };
-        reactor::register_poller(PollerClass::Source, Box::new(owner));
         let shape = PollerShape { server: id, queues, pollers: poller_count, in_flight_max };
+        let control = receivers.next().expect("one receiver per poller");
+        start_owner_poller(&attachment, control, pollers.owner().wake.clone(), &in_flight, &stats, shape);
         start_helper_pollers(&helpers, receivers, &pollers, shape, &helper_stats)?;
 
         let stopping = Arc::new(AtomicBool::new(false));
