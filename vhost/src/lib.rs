@@ -9,6 +9,8 @@
 //!   with READ and WRITE using the guest's pages in place (`guest_io`);
 //! - `vhost_user`: the virtio-fs device on vhost-user-backend, its
 //!   queues polled by the reactors, and `socket` for its listener;
+//! - `qos`: IOPS and bandwidth limits per export, shared by both
+//!   transports on the export's reactor ([`Qos`]);
 //! - `frontend`: a vhost-user-fs frontend that plays VMM and guest, for
 //!   the tests and keelfs-bench.
 
@@ -16,6 +18,7 @@ mod dirty_log;
 #[cfg(feature = "test-utils")]
 pub mod frontend;
 mod guest_io;
+mod qos;
 mod socket;
 mod vhost_user;
 mod virtio;
@@ -33,10 +36,11 @@ mod fuse {
 /// linux/fuse.h names them. It stays a module, as the header is one
 /// vocabulary, for the tests and tools that speak FUSE bytes.
 pub use fuse::abi;
-pub use fuse::dev_fuse::{serve as serve_dev_fuse, FuseMount};
+pub use fuse::dev_fuse::{serve as serve_dev_fuse, serve_with as serve_dev_fuse_with, FuseMount};
 pub use fuse::dispatch::{CacheMode, Session, SessionConfig, SESSION_HANDLES_MAX};
 pub use fuse::state::{SessionState, StateError, STATE_BYTES_MAX, STATE_VERSION};
 pub use fuse::stats::OpStats;
+pub use qos::{Qos, QosError, QosLimits, QosStats, IO_BYTES_MAX as QOS_IO_BYTES_MAX};
 pub use socket::{bind_listener, clear_stale, stop_accepting, SocketAccess};
 pub use vhost_user::{ImageAccess, LocalFuture, ServeOptions, VhostUserServer};
 pub use virtio::{serve_chain, serve_queue, ChainOutcome, GuestRam, REQUEST_BYTES_MAX};

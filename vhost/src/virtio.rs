@@ -26,6 +26,7 @@ pub type GuestRam = vm_memory::GuestMemoryMmap<crate::dirty_log::DirtyLog>;
 use crate::fuse::abi::{error_reply, Opcode, IN_HEADER_BYTES, OUT_HEADER_BYTES};
 use crate::fuse::dispatch::{Session, SharedHandle};
 use crate::guest_io::GuestBuffer;
+use crate::qos::{Charge, CHARGE_PREFIX_BYTES};
 
 /// Largest request a chain may carry: a 1 MiB write and its headers.
 pub const REQUEST_BYTES_MAX: usize = (1 << 20) + 4096;
@@ -466,6 +467,28 @@ where
         last_has_next = d.has_next();
     }
     (!last_has_next).then_some(buffers)
+}
+
+/// What admitting `chain` costs under QoS, read from its first readable
+/// bytes. A chain too odd to read is free here: the request path refuses
+/// it.
+pub(crate) fn charge_of_chain<M>(chain: &DescriptorChain<M>) -> Charge
+where
+    M: Deref<Target = GuestRam> + Clone,
+{
+    let mut prefix = [0u8; CHARGE_PREFIX_BYTES];
+    let mut filled = 0;
+    for d in chain.clone() {
+        if d.is_write_only() || filled == prefix.len() {
+            break;
+        }
+        let n = (d.len() as usize).min(prefix.len() - filled);
+        if chain.memory().read_slice(&mut prefix[filled..filled + n], d.addr()).is_err() {
+            break;
+        }
+        filled += n;
+    }
+    Charge::of_request(&prefix[..filled])
 }
 
 /// Serve every chain available on `queue`, in order, returning their

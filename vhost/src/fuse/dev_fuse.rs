@@ -15,6 +15,7 @@ use std::time::Instant;
 use keelfs_reactor::{self as reactor, Poller, PollerClass};
 
 use super::dispatch::Session;
+use crate::qos::{Charge, Gate, Qos};
 
 /// Requests read per poll: bounds one reactor iteration.
 const REQUESTS_PER_POLL_MAX: usize = 32;
@@ -128,12 +129,24 @@ impl Drop for FuseMount {
 /// the kernel ends the session: the mount was unmounted, by keelfsd or by
 /// anyone else (`umount DIR`).
 pub fn serve(session: Rc<Session>, mount: Rc<FuseMount>, on_end: Box<dyn FnOnce()>) {
+    serve_with(session, mount, None, on_end);
+}
+
+/// [`serve`], with the READs and WRITEs limited by `qos` (the export's
+/// limiter, shared with its vhost-user device on this reactor).
+pub fn serve_with(session: Rc<Session>, mount: Rc<FuseMount>, qos: Option<Rc<Qos>>, on_end: Box<dyn FnOnce()>) {
     let notify_to = Rc::clone(&mount);
     // A notification the kernel refuses (the mount is going away) needs
     // nothing more.
     session.set_notifier(Box::new(move |message| drop((&notify_to.device).write_all(message))));
-    let poller =
-        DevFusePoller { session, mount, buf: vec![0u8; REQUEST_BUFFER_BYTES], closed: false, on_end: Some(on_end) };
+    let poller = DevFusePoller {
+        session,
+        mount,
+        buf: vec![0u8; REQUEST_BUFFER_BYTES],
+        closed: false,
+        on_end: Some(on_end),
+        deferred: qos.map(Gate::new),
+    };
     reactor::register_poller(PollerClass::Source, Box::new(poller));
 }
 
@@ -143,28 +156,53 @@ struct DevFusePoller {
     buf: Vec<u8>,
     closed: bool,
     on_end: Option<Box<dyn FnOnce()>>,
+    /// Requests QoS holds back. The kernel bounds them: it has only so
+    /// many requests outstanding per mount (max_background for the
+    /// asynchronous ones, a blocked caller for each other).
+    deferred: Option<Gate<Vec<u8>>>,
+}
+
+impl DevFusePoller {
+    fn start(&self, request: Vec<u8>) {
+        let (session, mount) = (Rc::clone(&self.session), Rc::clone(&self.mount));
+        reactor::spawn_local(async move {
+            if let Some(reply) = session.handle(&request).await {
+                // ENOENT: the kernel gave up on the request
+                // (interrupted); nothing else to do.
+                let _ = (&mount.device).write_all(&reply);
+            }
+        });
+    }
+
+    /// Start the held requests whose turn came.
+    fn release_deferred(&mut self, now: Instant) -> bool {
+        let Some(mut gate) = self.deferred.take() else { return false };
+        let ran = gate.drain(now, |request| self.start(request));
+        self.deferred = Some(gate);
+        ran
+    }
 }
 
 impl Poller for DevFusePoller {
-    fn poll(&mut self, _now: Instant) -> bool {
+    fn poll(&mut self, now: Instant) -> bool {
         if self.closed {
             return false;
         }
-        let mut busy = false;
+        let mut busy = self.release_deferred(now);
         for _ in 0..REQUESTS_PER_POLL_MAX {
             match (&self.mount.device).read(&mut self.buf) {
                 Ok(0) => break,
                 Ok(n) => {
                     busy = true;
                     let request = self.buf[..n].to_vec();
-                    let (session, mount) = (Rc::clone(&self.session), Rc::clone(&self.mount));
-                    reactor::spawn_local(async move {
-                        if let Some(reply) = session.handle(&request).await {
-                            // ENOENT: the kernel gave up on the request
-                            // (interrupted); nothing else to do.
-                            let _ = (&mount.device).write_all(&reply);
-                        }
-                    });
+                    let request = match &mut self.deferred {
+                        Some(gate) => match gate.offer(request, Charge::of_request(&self.buf[..n]), now) {
+                            Some(request) => request,
+                            None => continue,
+                        },
+                        None => request,
+                    };
+                    self.start(request);
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                 Err(e) if e.raw_os_error() == Some(libc::ENOENT) || e.kind() == ErrorKind::Interrupted => continue,
@@ -172,6 +210,8 @@ impl Poller for DevFusePoller {
                     // ENODEV after unmount, or a broken session: stop.
                     // There is nothing left to unmount.
                     self.closed = true;
+                    // Nobody is left to answer.
+                    self.deferred = None;
                     self.mount.gone();
                     if let Some(on_end) = self.on_end.take() {
                         on_end();

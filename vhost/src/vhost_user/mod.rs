@@ -43,6 +43,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::fuse::dispatch::{Session, SessionConfig};
 use crate::fuse::stats::OpStats;
+use crate::qos::{Gate, Qos, QosError, QosLimits};
 
 mod backend;
 mod migration;
@@ -92,6 +93,8 @@ pub enum VhostUserError {
     Helper(usize),
     #[error("a server started without its image needs a way to take it (ServeOptions::image)")]
     NoImage,
+    #[error("QoS limits apply on one reactor: a server with helper reactors cannot have them")]
+    QosWithHelpers,
 }
 
 /// What one frontend connection shares between the vhost-user threads and
@@ -270,6 +273,11 @@ pub struct ServeOptions {
     /// A session kept across a restart ([`VhostUserServer::stop_and_release`]),
     /// restored when the image is attached if it fits it.
     pub restore: Option<crate::fuse::state::SessionState>,
+    /// The export's QoS limiter, shared with its other transports on this
+    /// reactor (see [`crate::Qos`]); its limits may change at any time.
+    /// None: never limited. Refused with helpers: their queues are polled
+    /// on other reactors, which cannot share it.
+    pub qos: Option<Rc<Qos>>,
 }
 
 static NEXT_SERVER_ID: AtomicU64 = AtomicU64::new(1);
@@ -302,6 +310,7 @@ pub struct VhostUserServer {
     helper_stats: Arc<HelperStats>,
     helpers: usize,
     attachment: Rc<Attachment>,
+    qos: Option<Rc<Qos>>,
 }
 
 /// What every queue poller of one server shares.
@@ -322,6 +331,7 @@ fn start_owner_poller(
     in_flight: &[Rc<Cell<usize>>],
     stats: &Rc<DeviceStats>,
     shape: PollerShape,
+    qos: Option<&Rc<Qos>>,
 ) {
     let owner = QueuePoller {
         server: OwnerServer { attachment: attachment.clone() },
@@ -329,7 +339,14 @@ fn start_owner_poller(
         control,
         wake,
         connection: None,
-        queues: in_flight.iter().map(|c| QueueState { in_flight: c.clone(), ..QueueState::default() }).collect(),
+        queues: in_flight
+            .iter()
+            .map(|c| QueueState {
+                in_flight: c.clone(),
+                deferred: qos.cloned().map(Gate::new),
+                ..QueueState::default()
+            })
+            .collect(),
         disconnects: Vec::new(),
         stats: stats.clone(),
         in_flight_max: shape.in_flight_max,
@@ -424,6 +441,9 @@ impl VhostUserServer {
         let in_flight_max = options.requests_in_flight_max.unwrap_or(usize::MAX).max(1);
         // A helper with no queue of its own would only cost a poller.
         let helpers: Vec<ReactorHandle> = options.helpers.into_iter().take(request_queues - 1).collect();
+        if options.qos.is_some() && !helpers.is_empty() {
+            return Err(VhostUserError::QosWithHelpers);
+        }
         let poller_count = 1 + helpers.len();
         let id = NEXT_SERVER_ID.fetch_add(1, Ordering::Relaxed);
         let (pollers, mut receivers) = Pollers::new(poller_count)?;
@@ -444,7 +464,8 @@ impl VhostUserServer {
         let attachment = Attachment::new(id, fs, config, op_stats.clone(), options.image, options.restore);
         let shape = PollerShape { server: id, queues, pollers: poller_count, in_flight_max };
         let control = receivers.next().expect("one receiver per poller");
-        start_owner_poller(&attachment, control, pollers.owner().wake.clone(), &in_flight, &stats, shape);
+        let wake = pollers.owner().wake.clone();
+        start_owner_poller(&attachment, control, wake, &in_flight, &stats, shape, options.qos.as_ref());
         start_helper_pollers(&helpers, receivers, &pollers, shape, &helper_stats)?;
 
         let stopping = Arc::new(AtomicBool::new(false));
@@ -480,6 +501,7 @@ impl VhostUserServer {
             helper_stats,
             helpers: helpers.len(),
             attachment,
+            qos: options.qos,
         })
     }
 
@@ -514,6 +536,16 @@ impl VhostUserServer {
     /// there are.
     pub fn helper_stats(&self) -> (usize, &HelperStats) {
         (self.helpers, &self.helper_stats)
+    }
+
+    /// The QoS limiter the server was started with ([`ServeOptions::qos`]).
+    pub fn qos(&self) -> Option<&Rc<Qos>> {
+        self.qos.as_ref()
+    }
+
+    /// Change the server's QoS limits, from its reactor.
+    pub fn set_qos(&self, limits: QosLimits) -> Result<(), QosError> {
+        self.qos.as_ref().ok_or(QosError::NoLimiter)?.set_limits(limits)
     }
 
     /// Per-opcode counters across every frontend this server has had.

@@ -23,7 +23,8 @@ use super::migration::Attachment;
 use super::{session_of, Connection, Control, DeviceStats, HelperStats, POLL_IDLE, POP_BATCH};
 use crate::fuse::dispatch::SharedHandle;
 use crate::fuse::state::SessionState;
-use crate::virtio::{serve_chain_zero_copy, serve_read_from_cache, ChainOutcome};
+use crate::qos::Gate;
+use crate::virtio::{charge_of_chain, serve_chain_zero_copy, serve_read_from_cache, ChainOutcome};
 
 type Chain = DescriptorChain<Arc<GuestRam>>;
 type Served = (u16, u32, ChainOutcome);
@@ -233,6 +234,18 @@ pub(super) struct QueueState {
     /// `completed`'s other half, empty between passes.
     pub(super) spare: Vec<(u16, u32)>,
     pub(super) stop_waiters: Vec<SyncSender<()>>,
+    /// Requests popped that the export's QoS holds back (None: no QoS).
+    /// They count in `in_flight`, so its cap bounds them.
+    pub(super) deferred: Option<Gate<(Chain, Arc<GuestRam>)>>,
+}
+
+impl QueueState {
+    /// Held back by QoS with no room for more: popping would find nothing
+    /// it may take, so the ring is left alone until the timer lets some
+    /// through.
+    fn throttled(&self, in_flight_max: usize) -> bool {
+        self.deferred.as_ref().is_some_and(|d| !d.is_empty()) && self.in_flight.get() >= in_flight_max
+    }
 }
 
 /// True when the driver's avail index is more than a ring ahead of the
@@ -278,6 +291,12 @@ impl<S: ChainServer> QueuePoller<S> {
                 Some(queue) => {
                     queue.polling = false;
                     queue.stop_waiters.push(done);
+                    // A stopping ring (migration, VM reset) does not wait
+                    // for the rate: what QoS holds is served now.
+                    let held = queue.deferred.as_mut().map(Gate::take_all).unwrap_or_default();
+                    for (chain, mem) in held {
+                        self.start(index, chain, mem);
+                    }
                 }
                 None => {
                     let _ = done.send(());
@@ -287,6 +306,9 @@ impl<S: ChainServer> QueuePoller<S> {
                 self.connection = None;
                 for queue in &mut self.queues {
                     queue.polling = false;
+                    // Requests of a frontend that left are not served.
+                    let held = queue.deferred.as_mut().map(Gate::take_all).unwrap_or_default();
+                    queue.in_flight.set(queue.in_flight.get() - held.len());
                 }
                 self.disconnects.push(done);
             }
@@ -348,18 +370,22 @@ impl<S: ChainServer> QueuePoller<S> {
             while popped < POP_BATCH && self.queues[index].in_flight.get() < self.in_flight_max {
                 let Some(chain) = state.get_queue_mut().pop_descriptor_chain(mem.clone()) else { break };
                 popped += 1;
-                let queue = &self.queues[index];
-                let finish = Finish {
-                    in_flight: queue.in_flight.clone(),
-                    completed: queue.completed.clone(),
-                    stats: self.stats.clone(),
-                };
-                let in_flight = &finish.in_flight;
+                let in_flight = &self.queues[index].in_flight;
                 in_flight.set(in_flight.get() + 1);
                 let stats = &self.stats;
                 stats.in_flight_max.set(stats.in_flight_max.get().max(in_flight.get()));
                 stats.chains.set(stats.chains.get() + 1);
-                reactor::spawn_local_boxed(self.server.serve(chain, mem.clone(), finish));
+                let chain = match &mut self.queues[index].deferred {
+                    Some(gate) => {
+                        let charge = charge_of_chain(&chain);
+                        match gate.offer((chain, mem.clone()), charge, now) {
+                            Some((admitted, _)) => admitted,
+                            None => continue,
+                        }
+                    }
+                    None => chain,
+                };
+                self.start(index, chain, mem.clone());
             }
         }
         let queue = &mut self.queues[index];
@@ -378,6 +404,25 @@ impl<S: ChainServer> QueuePoller<S> {
             Some(_) => {}
         }
         false
+    }
+
+    /// Start the task that serves `chain`, counted in flight already.
+    fn start(&self, index: usize, chain: Chain, mem: Arc<GuestRam>) {
+        let queue = &self.queues[index];
+        let finish = Finish {
+            in_flight: queue.in_flight.clone(),
+            completed: queue.completed.clone(),
+            stats: self.stats.clone(),
+        };
+        reactor::spawn_local_boxed(self.server.serve(chain, mem, finish));
+    }
+
+    /// Start the requests QoS held back on queue `index` whose turn came.
+    fn release_deferred(&mut self, index: usize, now: Instant) -> bool {
+        let Some(mut gate) = self.queues[index].deferred.take() else { return false };
+        let ran = gate.drain(now, |(chain, mem)| self.start(index, chain, mem));
+        self.queues[index].deferred = Some(gate);
+        ran
     }
 
     /// Stop polling a queue whose driver broke it; count and log it once.
@@ -448,7 +493,8 @@ impl<S: ChainServer> Poller for QueuePoller<S> {
                     let _ = waiter.send(());
                 }
             }
-            if self.queues[index].polling {
+            busy |= self.release_deferred(index, now);
+            if self.queues[index].polling && !self.queues[index].throttled(self.in_flight_max) {
                 busy |= self.pop(index, now);
             }
         }
@@ -461,6 +507,7 @@ impl<S: ChainServer> Poller for QueuePoller<S> {
     }
 
     fn can_sleep(&self) -> bool {
-        self.queues.iter().all(|q| !q.polling && q.completed.borrow().is_empty())
+        // A throttled queue waits for its QoS timer, which bounds the sleep.
+        self.queues.iter().all(|q| (!q.polling || q.throttled(self.in_flight_max)) && q.completed.borrow().is_empty())
     }
 }

@@ -16,7 +16,7 @@ use keelfs_reactor::{self as reactor, Reactor, ReactorConfig};
 use keelfs_vhost::abi::{Opcode, Reply, ENTRY_OUT_BYTES};
 use keelfs_vhost::frontend::{io_in, io_request, FrontendConfig, FsFrontend, Used};
 use keelfs_vhost::SessionConfig;
-use keelfs_vhost::{ServeOptions, VhostUserServer};
+use keelfs_vhost::{Qos, QosLimits, ServeOptions, VhostUserServer};
 
 pub const TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -65,6 +65,21 @@ impl Daemon {
         requests_in_flight_max: Option<usize>,
         commit_interval: Duration,
     ) -> Self {
+        Self::start_limited(request_queues, helpers, requests_in_flight_max, commit_interval, None)
+    }
+
+    /// With QoS limits too.
+    pub fn start_with_qos(request_queues: usize, qos: QosLimits) -> Self {
+        Self::start_limited(request_queues, 0, None, Duration::from_millis(50), Some(qos))
+    }
+
+    fn start_limited(
+        request_queues: usize,
+        helpers: usize,
+        requests_in_flight_max: Option<usize>,
+        commit_interval: Duration,
+        qos: Option<QosLimits>,
+    ) -> Self {
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let dir = std::env::temp_dir().join(format!(
             "keelfs-vu-{}-{}",
@@ -95,6 +110,7 @@ impl Daemon {
                         dma: None,
                         helpers: helper_handles,
                         requests_in_flight_max,
+                        qos: qos.map(|limits| Qos::new(limits).unwrap()),
                         ..ServeOptions::default()
                     };
                     let server = VhostUserServer::start_with(

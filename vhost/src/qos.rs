@@ -1,0 +1,591 @@
+//! Quality of service per export: IOPS and bandwidth limits on the data
+//! requests (FUSE READ and WRITE) of every transport serving one
+//! filesystem, enforced on the export's reactor.
+//!
+//! Token buckets in integer arithmetic, one per limit: read, write and
+//! combined operations, read, write and combined bytes. A request is
+//! admitted when every bucket of its class holds its cost, and charged
+//! then; otherwise it waits in its transport's FIFO for its class, so
+//! that reads never wait behind throttled writes (and the reverse), and
+//! requests of one class keep their order. Other requests (metadata,
+//! FORGET, FLUSH, FSYNC...) are never charged nor held.
+//!
+//! Waiting needs no polling: the earliest moment a waiting request can be
+//! admitted is armed as a reactor timer, which bounds the reactor's sleep,
+//! so a queue that is only throttled costs no CPU.
+//!
+//! Everything here lives on one reactor (`Rc`, `Cell`): no lock, no
+//! atomic. A guest chooses the sizes it sends, so every sum saturates.
+
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use keelfs_reactor as reactor;
+
+use crate::fuse::abi::{Opcode, IN_HEADER_BYTES};
+
+/// The largest READ or WRITE the protocol carries (1 MiB): a bytes
+/// bucket always holds at least this much, so that any request can pass.
+/// A larger one is refused by the request path and charged as this.
+pub const IO_BYTES_MAX: u64 = 1 << 20;
+
+/// fuse_read_in and fuse_write_in: `size` sits 16 bytes into the body.
+const IO_SIZE_AT: usize = IN_HEADER_BYTES + 16;
+/// Bytes of a request [`Charge::of_request`] looks at.
+pub(crate) const CHARGE_PREFIX_BYTES: usize = IO_SIZE_AT + 4;
+
+const NANOS_PER_SEC: u128 = 1_000_000_000;
+
+/// Limits of one export. `None` or 0: that limit is off.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QosLimits {
+    pub read_iops: Option<u64>,
+    pub write_iops: Option<u64>,
+    /// READs and WRITEs together.
+    pub iops: Option<u64>,
+    pub read_bytes_per_sec: Option<u64>,
+    pub write_bytes_per_sec: Option<u64>,
+    /// Bytes read and written together.
+    pub bytes_per_sec: Option<u64>,
+    /// How much unused allowance an idle export may save up and spend at
+    /// once, as this many milliseconds of each rate (never less than one
+    /// request, or one largest I/O for a bytes limit). Held requests are
+    /// woken by a reactor timer with millisecond resolution: a burst of a
+    /// few milliseconds or less loses what a late wake-up would have
+    /// saved, and the rate achieved falls a little short.
+    pub burst_ms: u32,
+}
+
+impl QosLimits {
+    pub const BURST_MS_DEFAULT: u32 = 100;
+    /// A minute: longer would let an export idle for a while then take the
+    /// device for many seconds.
+    pub const BURST_MS_MAX: u32 = 60_000;
+
+    /// No limit at all.
+    pub const UNLIMITED: Self = Self {
+        read_iops: None,
+        write_iops: None,
+        iops: None,
+        read_bytes_per_sec: None,
+        write_bytes_per_sec: None,
+        bytes_per_sec: None,
+        burst_ms: Self::BURST_MS_DEFAULT,
+    };
+
+    /// True when no limit is on.
+    pub fn is_unlimited(&self) -> bool {
+        [
+            self.read_iops,
+            self.write_iops,
+            self.iops,
+            self.read_bytes_per_sec,
+            self.write_bytes_per_sec,
+            self.bytes_per_sec,
+        ]
+        .iter()
+        .all(|l| l.unwrap_or(0) == 0)
+    }
+
+    /// Each rate divided by `parts` (rounded up, so never to zero): the
+    /// share of each of `parts` independent limiters.
+    pub fn split(&self, parts: u64) -> Self {
+        let parts = parts.max(1);
+        let share = |l: Option<u64>| l.map(|r| r.div_ceil(parts));
+        Self {
+            read_iops: share(self.read_iops),
+            write_iops: share(self.write_iops),
+            iops: share(self.iops),
+            read_bytes_per_sec: share(self.read_bytes_per_sec),
+            write_bytes_per_sec: share(self.write_bytes_per_sec),
+            bytes_per_sec: share(self.bytes_per_sec),
+            burst_ms: self.burst_ms,
+        }
+    }
+
+    fn check(&self) -> Result<(), QosError> {
+        if !(1..=Self::BURST_MS_MAX).contains(&self.burst_ms) {
+            return Err(QosError::Burst(self.burst_ms));
+        }
+        Ok(())
+    }
+}
+
+impl Default for QosLimits {
+    fn default() -> Self {
+        Self::UNLIMITED
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum QosError {
+    #[error("burst_ms must be between 1 and {max}, not {0}", max = QosLimits::BURST_MS_MAX)]
+    Burst(u32),
+    #[error("started without a QoS limiter (ServeOptions::qos), so it cannot be limited")]
+    NoLimiter,
+}
+
+/// The two classes of data requests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Class {
+    Read = 0,
+    Write = 1,
+}
+
+/// What admitting one request costs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Charge {
+    /// None: not a data request, never held.
+    pub(crate) class: Option<Class>,
+    pub(crate) bytes: u64,
+}
+
+impl Charge {
+    pub(crate) const FREE: Self = Self { class: None, bytes: 0 };
+
+    /// The charge of a request from its first bytes (at least
+    /// [`CHARGE_PREFIX_BYTES`] of them when there are that many). A READ
+    /// or WRITE too short to hold its size is charged as one operation of
+    /// no bytes; the request path refuses it.
+    pub(crate) fn of_request(prefix: &[u8]) -> Self {
+        let Some(opcode) = prefix.get(4..8) else { return Self::FREE };
+        let opcode = u32::from_le_bytes(opcode.try_into().expect("4 bytes"));
+        let class = match opcode {
+            o if o == Opcode::Read as u32 => Class::Read,
+            o if o == Opcode::Write as u32 => Class::Write,
+            _ => return Self::FREE,
+        };
+        let bytes = prefix
+            .get(IO_SIZE_AT..IO_SIZE_AT + 4)
+            .map_or(0, |b| u64::from(u32::from_le_bytes(b.try_into().expect("4 bytes"))));
+        Self { class: Some(class), bytes: bytes.min(IO_BYTES_MAX) }
+    }
+}
+
+/// One limit: `tokens` are units (operations or bytes) times 10^9, so
+/// that a refill of `elapsed_ns × rate` is exact.
+#[derive(Clone, Copy, Debug, Default)]
+struct Bucket {
+    /// Units per second; 0: off.
+    rate: u64,
+    tokens: u128,
+    capacity: u128,
+}
+
+impl Bucket {
+    /// A bucket for `rate` units per second, full. `least` is the most one
+    /// request can cost: the bucket always holds that much.
+    fn new(rate: Option<u64>, burst_ms: u32, least: u64) -> Self {
+        let rate = rate.unwrap_or(0);
+        let burst = u128::from(rate) * u128::from(burst_ms) * 1_000_000;
+        let capacity = burst.max(u128::from(least) * NANOS_PER_SEC);
+        Self { rate, tokens: capacity, capacity }
+    }
+
+    fn on(&self) -> bool {
+        self.rate != 0
+    }
+
+    fn refill(&mut self, elapsed_ns: u64) {
+        let earned = u128::from(elapsed_ns) * u128::from(self.rate);
+        self.tokens = self.tokens.saturating_add(earned).min(self.capacity);
+    }
+
+    fn holds(&self, cost: u64) -> bool {
+        !self.on() || self.tokens >= u128::from(cost) * NANOS_PER_SEC
+    }
+
+    fn take(&mut self, cost: u64) {
+        if self.on() {
+            self.tokens = self.tokens.saturating_sub(u128::from(cost) * NANOS_PER_SEC);
+        }
+    }
+
+    /// Nanoseconds until the bucket holds `cost`.
+    fn wait_ns(&self, cost: u64) -> u64 {
+        if self.holds(cost) {
+            return 0;
+        }
+        let missing = u128::from(cost) * NANOS_PER_SEC - self.tokens;
+        u64::try_from(missing.div_ceil(u128::from(self.rate))).unwrap_or(u64::MAX)
+    }
+
+    /// Take a new limit: the tokens saved stay, up to the new capacity.
+    fn retune(&mut self, new: Bucket) {
+        let tokens = if self.on() { self.tokens.min(new.capacity) } else { new.capacity };
+        *self = Bucket { tokens, ..new };
+    }
+}
+
+/// The buckets of a [`QosLimits`], indexed by [`Class`] then combined.
+#[derive(Debug)]
+struct Buckets {
+    ops: [Bucket; 3],
+    bytes: [Bucket; 3],
+    refilled: Instant,
+}
+
+impl Buckets {
+    fn new(limits: &QosLimits, now: Instant) -> Self {
+        let ops = |rate| Bucket::new(rate, limits.burst_ms, 1);
+        let bytes = |rate| Bucket::new(rate, limits.burst_ms, IO_BYTES_MAX);
+        Self {
+            ops: [ops(limits.read_iops), ops(limits.write_iops), ops(limits.iops)],
+            bytes: [bytes(limits.read_bytes_per_sec), bytes(limits.write_bytes_per_sec), bytes(limits.bytes_per_sec)],
+            refilled: now,
+        }
+    }
+
+    fn refill(&mut self, now: Instant) {
+        let elapsed = now.saturating_duration_since(self.refilled);
+        let elapsed_ns = u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX);
+        self.refilled = self.refilled.max(now);
+        for bucket in self.ops.iter_mut().chain(self.bytes.iter_mut()) {
+            bucket.refill(elapsed_ns);
+        }
+    }
+
+    /// The buckets `class` draws from, each with its cost.
+    fn of(&mut self, class: Class, bytes: u64) -> [(&mut Bucket, u64); 4] {
+        let [r, w, all] = &mut self.ops;
+        let [rb, wb, allb] = &mut self.bytes;
+        match class {
+            Class::Read => [(r, 1), (all, 1), (rb, bytes), (allb, bytes)],
+            Class::Write => [(w, 1), (all, 1), (wb, bytes), (allb, bytes)],
+        }
+    }
+
+    /// Charge and admit, or leave everything as it was.
+    fn admit(&mut self, class: Class, bytes: u64, now: Instant) -> bool {
+        self.refill(now);
+        let mut buckets = self.of(class, bytes);
+        if !buckets.iter().all(|(b, cost)| b.holds(*cost)) {
+            return false;
+        }
+        for (b, cost) in &mut buckets {
+            b.take(*cost);
+        }
+        true
+    }
+
+    /// When a request of `class` costing `bytes` can be admitted, if no
+    /// other takes the tokens first.
+    fn ready_at(&mut self, class: Class, bytes: u64, now: Instant) -> Instant {
+        self.refill(now);
+        let wait = self.of(class, bytes).iter().map(|(b, cost)| b.wait_ns(*cost)).max().unwrap_or(0);
+        now.checked_add(Duration::from_nanos(wait)).unwrap_or(now + Duration::from_secs(3600))
+    }
+
+    fn retune(&mut self, limits: &QosLimits, now: Instant) {
+        self.refill(now);
+        let new = Self::new(limits, now);
+        for (old, new) in self.ops.iter_mut().zip(new.ops).chain(self.bytes.iter_mut().zip(new.bytes)) {
+            old.retune(new);
+        }
+    }
+}
+
+/// Counters of one export's limiter.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QosStats {
+    /// Requests that had to wait, ever, per class (read, write).
+    pub deferred: [u64; 2],
+    /// Requests waiting now, per class.
+    pub waiting: [u64; 2],
+}
+
+/// The limiter of one export, shared by every transport serving it on its
+/// reactor (the vhost-user queues and the host mount), and the handle to
+/// change its limits at run time.
+pub struct Qos {
+    limits: Cell<QosLimits>,
+    buckets: RefCell<Buckets>,
+    deferred: [Cell<u64>; 2],
+    waiting: [Cell<u64>; 2],
+    /// The deadline of the refill timer armed last, if any.
+    timer: Rc<Cell<Option<Instant>>>,
+}
+
+impl Qos {
+    pub fn new(limits: QosLimits) -> Result<Rc<Self>, QosError> {
+        limits.check()?;
+        Ok(Rc::new(Self {
+            limits: Cell::new(limits),
+            buckets: RefCell::new(Buckets::new(&limits, Instant::now())),
+            deferred: Default::default(),
+            waiting: Default::default(),
+            timer: Rc::default(),
+        }))
+    }
+
+    pub fn limits(&self) -> QosLimits {
+        self.limits.get()
+    }
+
+    /// Change the limits at once. Tokens saved stay, up to the new burst;
+    /// waiting requests keep their order and are admitted at the new
+    /// rates from the next poll.
+    pub fn set_limits(&self, limits: QosLimits) -> Result<(), QosError> {
+        limits.check()?;
+        self.buckets.borrow_mut().retune(&limits, Instant::now());
+        self.limits.set(limits);
+        Ok(())
+    }
+
+    pub fn stats(&self) -> QosStats {
+        QosStats {
+            deferred: [self.deferred[0].get(), self.deferred[1].get()],
+            waiting: [self.waiting[0].get(), self.waiting[1].get()],
+        }
+    }
+
+    fn admit(&self, class: Class, bytes: u64, now: Instant) -> bool {
+        self.buckets.borrow_mut().admit(class, bytes, now)
+    }
+
+    /// Make sure the reactor wakes by `deadline`: a timer is its sleep's
+    /// bound, and every poller runs in the tick that fires it.
+    fn wake_at(&self, deadline: Instant, now: Instant) {
+        // One armed for later, or already fired (its task may not have run
+        // yet in this tick), does not count.
+        if self.timer.get().is_some_and(|armed| armed > now && armed <= deadline) {
+            return;
+        }
+        self.timer.set(Some(deadline));
+        let timer = Rc::clone(&self.timer);
+        reactor::spawn_local(async move {
+            reactor::sleep_until(deadline).await;
+            if timer.get() == Some(deadline) {
+                timer.set(None);
+            }
+        });
+    }
+}
+
+/// A transport's requests held by a [`Qos`]: one FIFO per class. It holds
+/// at most what its transport lets in flight.
+pub(crate) struct Gate<T> {
+    qos: Rc<Qos>,
+    fifos: [VecDeque<(T, u64)>; 2],
+    /// The class drained first next time, alternating, so that neither
+    /// takes every token of a combined limit.
+    first: usize,
+}
+
+impl<T> Gate<T> {
+    pub(crate) fn new(qos: Rc<Qos>) -> Self {
+        Self { qos, fifos: [VecDeque::new(), VecDeque::new()], first: 0 }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.fifos.iter().all(VecDeque::is_empty)
+    }
+
+    /// A new request: returned to run now, or kept (None) until its turn.
+    pub(crate) fn offer(&mut self, item: T, charge: Charge, now: Instant) -> Option<T> {
+        let Some(class) = charge.class else { return Some(item) };
+        let fifo = &mut self.fifos[class as usize];
+        if fifo.is_empty() && self.qos.admit(class, charge.bytes, now) {
+            return Some(item);
+        }
+        fifo.push_back((item, charge.bytes));
+        let (deferred, waiting) = (&self.qos.deferred[class as usize], &self.qos.waiting[class as usize]);
+        deferred.set(deferred.get() + 1);
+        waiting.set(waiting.get() + 1);
+        self.arm(now);
+        None
+    }
+
+    /// Run every waiting request whose turn has come, in order per class;
+    /// true if any ran.
+    pub(crate) fn drain(&mut self, now: Instant, mut run: impl FnMut(T)) -> bool {
+        if self.is_empty() {
+            return false;
+        }
+        let mut ran = false;
+        for class in [self.first, 1 - self.first] {
+            let class_of = if class == 0 { Class::Read } else { Class::Write };
+            while let Some(&(_, bytes)) = self.fifos[class].front() {
+                if !self.qos.admit(class_of, bytes, now) {
+                    break;
+                }
+                let (item, _) = self.fifos[class].pop_front().expect("a front");
+                self.qos.waiting[class].set(self.qos.waiting[class].get() - 1);
+                run(item);
+                ran = true;
+            }
+        }
+        self.first = 1 - self.first;
+        self.arm(now);
+        ran
+    }
+
+    /// Hand every waiting request over, charged or not: for a queue that
+    /// must stop now (its requests are served at once) or whose frontend
+    /// left (dropped).
+    pub(crate) fn take_all(&mut self) -> Vec<T> {
+        let mut all = Vec::new();
+        for (class, fifo) in self.fifos.iter_mut().enumerate() {
+            let waiting = &self.qos.waiting[class];
+            waiting.set(waiting.get() - fifo.len() as u64);
+            all.extend(fifo.drain(..).map(|(item, _)| item));
+        }
+        all
+    }
+
+    /// A timer for the first moment a waiting request can pass.
+    fn arm(&self, now: Instant) {
+        let mut buckets = self.qos.buckets.borrow_mut();
+        let next = [Class::Read, Class::Write]
+            .into_iter()
+            .filter_map(|class| self.fifos[class as usize].front().map(|&(_, bytes)| (class, bytes)))
+            .map(|(class, bytes)| buckets.ready_at(class, bytes, now))
+            .min();
+        drop(buckets);
+        if let Some(deadline) = next {
+            self.qos.wake_at(deadline, now);
+        }
+    }
+}
+
+impl<T> Drop for Gate<T> {
+    fn drop(&mut self) {
+        drop(self.take_all());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn iops(n: u64) -> QosLimits {
+        QosLimits { iops: Some(n), ..QosLimits::UNLIMITED }
+    }
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    #[test]
+    fn a_bucket_refills_at_its_rate_up_to_its_burst() {
+        let t0 = Instant::now();
+        let mut b = Buckets::new(&iops(1000), t0);
+        // 100 ms of 1000/s saved up at the start: a burst of 100.
+        let burst = (0..1000).take_while(|_| b.admit(Class::Read, 4096, t0)).count();
+        assert_eq!(burst, 100);
+        assert!(!b.admit(Class::Write, 0, t0), "the combined limit holds writes too");
+        // 10 ms later, 10 more; never more than the burst however long.
+        assert_eq!((0..1000).take_while(|_| b.admit(Class::Read, 0, t0 + ms(10))).count(), 10);
+        assert_eq!((0..1000).take_while(|_| b.admit(Class::Read, 0, t0 + ms(60_000))).count(), 100);
+    }
+
+    #[test]
+    fn waiting_is_computed_exactly_and_a_burst_holds_one_largest_io() {
+        let t0 = Instant::now();
+        // 1 MiB/s with a 1 ms burst would hold 1 KiB: it holds 1 MiB.
+        let limits = QosLimits { read_bytes_per_sec: Some(1 << 20), burst_ms: 1, ..QosLimits::UNLIMITED };
+        let mut b = Buckets::new(&limits, t0);
+        assert!(b.admit(Class::Read, IO_BYTES_MAX, t0), "a full bucket passes the largest I/O");
+        assert!(!b.admit(Class::Read, 4096, t0));
+        assert!(b.admit(Class::Write, IO_BYTES_MAX, t0), "a read limit does not hold writes");
+        let at = b.ready_at(Class::Read, 4096, t0);
+        assert_eq!(at - t0, Duration::from_nanos(3_906_250), "4 KiB at 1 MiB/s");
+        assert!(!b.admit(Class::Read, 4096, at - Duration::from_nanos(1)));
+        assert!(b.admit(Class::Read, 4096, at));
+    }
+
+    #[test]
+    fn huge_rates_and_sizes_saturate_rather_than_overflow() {
+        let t0 = Instant::now();
+        let all = Some(u64::MAX);
+        let limits = QosLimits {
+            read_iops: all,
+            write_iops: Some(1),
+            iops: all,
+            read_bytes_per_sec: all,
+            write_bytes_per_sec: Some(1),
+            bytes_per_sec: all,
+            burst_ms: QosLimits::BURST_MS_MAX,
+        };
+        let mut b = Buckets::new(&limits, t0);
+        assert!(b.admit(Class::Read, u64::MAX, t0 + Duration::from_secs(1 << 40)));
+        assert!(b.admit(Class::Write, IO_BYTES_MAX, t0));
+        // One byte a second: the next largest write is twelve days away,
+        // and that sum does not overflow.
+        let at = b.ready_at(Class::Write, u64::MAX, t0);
+        assert!(at > t0 + Duration::from_secs(3600), "{:?}", at - t0);
+        // A guest's claimed size is capped at the protocol's largest.
+        let mut read = [0u8; CHARGE_PREFIX_BYTES];
+        read[4..8].copy_from_slice(&(Opcode::Read as u32).to_le_bytes());
+        read[IO_SIZE_AT..].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(Charge::of_request(&read), Charge { class: Some(Class::Read), bytes: IO_BYTES_MAX });
+        assert_eq!(Charge::of_request(&read[..20]), Charge { class: Some(Class::Read), bytes: 0 });
+        assert_eq!(Charge::of_request(&read[..3]), Charge::FREE, "too short to say: the request path refuses it");
+        read[4..8].copy_from_slice(&(Opcode::Getattr as u32).to_le_bytes());
+        assert_eq!(Charge::of_request(&read), Charge::FREE, "metadata is never charged");
+    }
+
+    #[test]
+    fn a_new_limit_keeps_saved_tokens_up_to_its_burst() {
+        let t0 = Instant::now();
+        let mut b = Buckets::new(&iops(1000), t0);
+        b.retune(&iops(100), t0);
+        assert_eq!((0..1000).take_while(|_| b.admit(Class::Read, 0, t0)).count(), 10, "clamped to the new burst");
+        b.retune(&iops(1000), t0);
+        assert!(!b.admit(Class::Read, 0, t0), "raising a limit gives no tokens that were not earned");
+        b.retune(&QosLimits::UNLIMITED, t0);
+        assert!((0..1000).all(|_| b.admit(Class::Read, 0, t0)));
+        b.retune(&iops(10), t0);
+        assert_eq!((0..1000).take_while(|_| b.admit(Class::Read, 0, t0)).count(), 1, "a new limit starts full");
+    }
+
+    fn in_reactor(test: impl FnOnce() + 'static) {
+        let mut r = reactor::Reactor::new(reactor::ReactorConfig::default()).unwrap();
+        r.block_on(async move { test() });
+    }
+
+    fn read_of(bytes: u64) -> Charge {
+        Charge { class: Some(Class::Read), bytes }
+    }
+
+    #[test]
+    fn held_requests_keep_their_order_per_class_through_a_limit_change() {
+        in_reactor(|| {
+            let t0 = Instant::now();
+            let qos = Qos::new(QosLimits { read_iops: Some(10), burst_ms: 100, ..QosLimits::UNLIMITED }).unwrap();
+            let mut gate = Gate::new(Rc::clone(&qos));
+            assert_eq!(gate.offer(0, read_of(0), t0), Some(0), "the burst: one request");
+            for i in 1..=5 {
+                assert_eq!(gate.offer(i, read_of(0), t0), None);
+            }
+            let write = Charge { class: Some(Class::Write), bytes: 1 << 20 };
+            assert_eq!(gate.offer(100, write, t0), Some(100), "writes do not wait behind held reads");
+            assert_eq!(gate.offer(200, Charge::FREE, t0), Some(200));
+            assert_eq!(qos.stats(), QosStats { deferred: [5, 0], waiting: [5, 0] });
+            qos.set_limits(QosLimits { read_iops: Some(20), burst_ms: 100, ..QosLimits::UNLIMITED }).unwrap();
+            // The change refilled the buckets to the clock's time: count
+            // from after it.
+            let t1 = Instant::now();
+            let mut ran = Vec::new();
+            // 20/s: one every 50 ms, in the order they came.
+            assert!(!gate.drain(t1 + ms(40), |i| ran.push(i)));
+            assert!(gate.drain(t1 + ms(50), |i| ran.push(i)));
+            assert!(gate.drain(t1 + ms(150), |i| ran.push(i)));
+            assert_eq!(ran, [1, 2, 3]);
+            assert_eq!(qos.stats().waiting, [2, 0]);
+            drop(gate);
+            assert_eq!(qos.stats(), QosStats { deferred: [5, 0], waiting: [0, 0] }, "a dropped gate waits no more");
+            assert!(qos.set_limits(QosLimits { burst_ms: 0, ..QosLimits::UNLIMITED }).is_err());
+        });
+    }
+
+    #[test]
+    fn split_shares_never_round_a_limit_to_off() {
+        let l = QosLimits { iops: Some(5000), read_bytes_per_sec: Some(1), ..QosLimits::UNLIMITED }.split(3);
+        assert_eq!((l.iops, l.read_bytes_per_sec, l.write_iops), (Some(1667), Some(1), None));
+        assert!(QosLimits::UNLIMITED.is_unlimited() && !l.is_unlimited());
+        assert!(QosLimits { iops: Some(0), ..QosLimits::UNLIMITED }.is_unlimited(), "0 is off");
+    }
+}
