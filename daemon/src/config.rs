@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use keelfs_base::parse_size;
+use keelfs_vhost::QosLimits;
 use serde::Deserialize;
 use toml::Spanned;
 
@@ -129,6 +130,21 @@ struct RawExport {
     discard_mib_per_sec: Option<Spanned<u64>>,
     quota_bytes: Option<Spanned<String>>,
     quota_inodes: Option<Spanned<u64>>,
+    qos: Option<Spanned<RawQos>>,
+}
+
+/// `[export.qos]`: limits on the export's READs and WRITEs, 0 or absent
+/// for none.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawQos {
+    read_iops: Option<u64>,
+    write_iops: Option<u64>,
+    iops: Option<u64>,
+    read_mib_per_sec: Option<u64>,
+    write_mib_per_sec: Option<u64>,
+    mib_per_sec: Option<u64>,
+    burst_ms: Option<Spanned<u64>>,
 }
 
 #[derive(Clone, Copy, Debug, Deserialize)]
@@ -306,6 +322,8 @@ pub struct Export {
     pub discard_mib_per_sec: u64,
     /// Limits on bytes and inodes below the device's; past them EDQUOT.
     pub quota: keelfs_fs::Quota,
+    /// Limits on the export's READs and WRITEs, over all its transports.
+    pub qos: QosLimits,
 }
 
 impl Default for Config {
@@ -359,6 +377,7 @@ impl Export {
             discard: false,
             discard_mib_per_sec: DISCARD_MIB_PER_SEC_DEFAULT,
             quota: keelfs_fs::Quota::default(),
+            qos: QosLimits::UNLIMITED,
         }
     }
 }
@@ -553,7 +572,40 @@ fn parse_export(
     export.read_only = e.read_only.unwrap_or(false);
     export.fuse_mount = e.fuse_mount.clone();
     export.session_file = e.session_file.clone();
+    apply_qos(src, e, &mut export)?;
     Ok(export)
+}
+
+/// The export's QoS limits. Refused with spread_queues: the limiter lives
+/// on the export's reactor, and the other reactors' queues cannot share it.
+fn apply_qos(src: &Source, e: &RawExport, export: &mut Export) -> Result<(), ConfigError> {
+    let Some(spanned) = &e.qos else { return Ok(()) };
+    let q = spanned.get_ref();
+    let mib = |n: Option<u64>| n.map(|n| n.saturating_mul(1 << 20));
+    let mut limits = QosLimits {
+        read_iops: q.read_iops,
+        write_iops: q.write_iops,
+        iops: q.iops,
+        read_bytes_per_sec: mib(q.read_mib_per_sec),
+        write_bytes_per_sec: mib(q.write_mib_per_sec),
+        bytes_per_sec: mib(q.mib_per_sec),
+        ..QosLimits::UNLIMITED
+    };
+    if let Some(ms) = &q.burst_ms {
+        let max = u64::from(QosLimits::BURST_MS_MAX);
+        if !(1..=max).contains(ms.get_ref()) {
+            return Err(src.error(ms.span(), format!("burst_ms must be between 1 and {max}")));
+        }
+        limits.burst_ms = *ms.get_ref() as u32;
+    }
+    if export.spread_queues && !limits.is_unlimited() {
+        return Err(src.error(
+            spanned.span(),
+            "qos limits cannot be combined with spread_queues (the limiter lives on the export's reactor)",
+        ));
+    }
+    export.qos = limits;
+    Ok(())
 }
 
 /// Who may connect to the export's socket.
@@ -819,5 +871,40 @@ atime = "noatime"
         );
         assert_eq!(error_of(&format!("{base}quota_inodes = 1\n")), "bad.toml:8:16: quota_inodes must be at least 16");
         assert!(error_of(&format!("{base}discard_mib_per_sec = 9999999\n")).contains("discard_mib_per_sec must be"));
+    }
+
+    #[test]
+    fn qos_limits_parse_and_refuse_spread_queues() {
+        let base =
+            "[[device]]\nname = \"d\"\npath = \"/x\"\n[[export]]\ntag = \"a\"\ndevice = \"d\"\nsocket = \"/s\"\n";
+        let qos = format!(
+            "{base}[export.qos]\nread_iops = 1000\nwrite_iops = 500\niops = 1200\nread_mib_per_sec = 100\n\
+             write_mib_per_sec = 50\nmib_per_sec = 120\nburst_ms = 250\n"
+        );
+        let q = parse("qos.toml", &qos).unwrap().exports[0].qos;
+        let expected = QosLimits {
+            read_iops: Some(1000),
+            write_iops: Some(500),
+            iops: Some(1200),
+            read_bytes_per_sec: Some(100 << 20),
+            write_bytes_per_sec: Some(50 << 20),
+            bytes_per_sec: Some(120 << 20),
+            burst_ms: 250,
+        };
+        assert_eq!(q, expected);
+        assert_eq!(parse("qos.toml", base).unwrap().exports[0].qos, QosLimits::UNLIMITED, "no limits by default");
+        assert_eq!(
+            error_of(&format!("{base}[export.qos]\nburst_ms = 0\n")),
+            "bad.toml:9:12: burst_ms must be between 1 and 60000"
+        );
+        assert!(
+            error_of(&format!("{base}[export.qos]\niop = 5\n")).starts_with("bad.toml:9:1: unknown field `iop`"),
+            "{}",
+            error_of(&format!("{base}[export.qos]\niop = 5\n"))
+        );
+        let spread = format!("{base}spread_queues = true\n[export.qos]\niops = 5000\n");
+        assert!(error_of(&spread).contains("cannot be combined with spread_queues"), "{}", error_of(&spread));
+        let spread_unlimited = format!("{base}spread_queues = true\n[export.qos]\niops = 0\n");
+        assert!(parse("qos.toml", &spread_unlimited).is_ok(), "0 is no limit");
     }
 }

@@ -25,9 +25,10 @@ use keelfs_reactor::DeviceChannel;
 use keelfs_reactor::{self as reactor, PollMode, Reactor, ReactorConfig, ReactorHandle};
 use keelfs_vhost::OpStats;
 use keelfs_vhost::SocketAccess;
-use keelfs_vhost::{serve_dev_fuse as serve_fuse, FuseMount};
+use keelfs_vhost::{serve_dev_fuse_with as serve_fuse, FuseMount};
 use keelfs_vhost::{CacheMode, Session, SessionConfig, SessionState};
 use keelfs_vhost::{ImageAccess, ServeOptions, VhostUserServer};
+use keelfs_vhost::{Qos, QosError, QosLimits};
 use serde_json::{json, Value};
 
 use crate::config::{self, Config, Export, PollModeName};
@@ -727,6 +728,8 @@ struct LocalExport {
     fs: Option<Fs>,
     server: Option<Rc<VhostUserServer>>,
     fuse_stats: Option<Rc<OpStats>>,
+    /// The limiter both transports share; None with spread_queues.
+    qos: Option<Rc<Qos>>,
 }
 
 thread_local! {
@@ -837,7 +840,11 @@ async fn run_export(
     };
     let gone = (events.clone(), tag.clone());
     let on_mount_gone = Box::new(move || drop(gone.0.send(Event::MountGone { tag: gone.1 })));
-    let transports = start_transports(&export, (&mounted, restore), &dev, helpers, listener, fuse, on_mount_gone).await;
+    // Every export gets one, unlimited unless configured, so that limits
+    // can be set at run time; not with spread_queues (config refuses it).
+    let qos = (!export.spread_queues).then(|| Qos::new(export.qos).expect("limits checked by the config"));
+    let queues = (helpers, qos.clone());
+    let transports = start_transports(&export, (&mounted, restore), &dev, queues, listener, fuse, on_mount_gone).await;
     let (server, mount, fuse_stats) = match transports {
         Ok(started) => started,
         Err(e) => {
@@ -861,6 +868,7 @@ async fn run_export(
             fs: fixed_fs.clone(),
             server: server.clone(),
             fuse_stats,
+            qos,
         })
     });
     table.set_state(&tag, Lifecycle::Ready);
@@ -931,7 +939,7 @@ async fn start_transports(
     export: &Export,
     (mounted, restore): (&Mounted, Option<SessionState>),
     dev: &Arc<dyn BlockDevice>,
-    helpers: Vec<ReactorHandle>,
+    (helpers, qos): (Vec<ReactorHandle>, Option<Rc<Qos>>),
     listener: Option<std::os::unix::net::UnixListener>,
     fuse: Option<FuseMount>,
     on_mount_gone: Box<dyn FnOnce()>,
@@ -952,6 +960,7 @@ async fn start_transports(
                 requests_in_flight_max: export.requests_in_flight_max,
                 image,
                 restore,
+                qos: qos.clone(),
             };
             let queues = export.request_queues;
             let server = match fs {
@@ -967,7 +976,7 @@ async fn start_transports(
     let mount = Rc::new(mount);
     let session = Rc::new(Session::new(fs.clone(), session_config));
     let stats = session.stats().clone();
-    serve_fuse(session, mount.clone(), on_mount_gone);
+    serve_fuse(session, mount.clone(), qos, on_mount_gone);
     Ok((server, Some(mount), Some(stats)))
 }
 
@@ -1087,24 +1096,65 @@ async fn fs_json(fs: Option<&Fs>) -> (Value, Value, Value) {
     (counters, cache, space)
 }
 
+/// An export's QoS limits (null: off) and counters, per class.
+fn qos_json(qos: &Qos) -> Value {
+    let (l, s) = (qos.limits(), qos.stats());
+    let on = |limit: Option<u64>| limit.filter(|&n| n != 0);
+    json!({
+        "read_iops": on(l.read_iops), "write_iops": on(l.write_iops), "iops": on(l.iops),
+        "read_bytes_per_sec": on(l.read_bytes_per_sec), "write_bytes_per_sec": on(l.write_bytes_per_sec),
+        "bytes_per_sec": on(l.bytes_per_sec), "burst_ms": l.burst_ms,
+        "deferred": {"read": s.deferred[0], "write": s.deferred[1]},
+        "waiting": {"read": s.waiting[0], "write": s.waiting[1]},
+    })
+}
+
+/// Why an export's QoS limits could not be changed.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum SetQosError {
+    /// Not on this reactor: each reactor knows only its own exports.
+    #[error("no export {0} on this reactor")]
+    NoExport(String),
+    #[error("export {0} polls its queues on several reactors (spread_queues), which QoS does not support")]
+    SpreadQueues(String),
+    #[error("export {0}: {1}")]
+    Limits(String, QosError),
+}
+
+/// Change the QoS limits of export `tag`, on the reactor that owns it (as
+/// [`local_stats`], through a message to each reactor). Both transports
+/// take them at once; requests held keep their order.
+#[allow(dead_code)] // called by the JSON-RPC export_set_qos method
+pub(crate) fn set_export_qos(tag: &str, limits: QosLimits) -> Result<(), SetQosError> {
+    LOCAL.with(|l| {
+        let l = l.borrow();
+        let export = l.exports.iter().find(|e| e.tag == tag).ok_or_else(|| SetQosError::NoExport(tag.into()))?;
+        let qos = export.qos.as_ref().ok_or_else(|| SetQosError::SpreadQueues(tag.into()))?;
+        qos.set_limits(limits).map_err(|e| SetQosError::Limits(tag.into(), e))?;
+        tracing::info!("export {tag}: QoS limits now {limits:?}");
+        Ok(())
+    })
+}
+
 /// This reactor's exports as JSON, for the stats RPC.
 pub async fn local_stats() -> Vec<Value> {
-    type Parts = (String, Option<Fs>, Option<Rc<VhostUserServer>>, Option<Rc<OpStats>>);
+    type Parts = (String, Option<Fs>, Option<Rc<VhostUserServer>>, Option<Rc<OpStats>>, Option<Rc<Qos>>);
     let exports: Vec<Parts> = LOCAL.with(|l| {
         let l = l.borrow();
         l.exports
             .iter()
             .map(|e| {
                 let fs = e.fs.clone().or_else(|| e.server.as_ref().and_then(|s| s.fs()));
-                (e.tag.clone(), fs, e.server.clone(), e.fuse_stats.clone())
+                (e.tag.clone(), fs, e.server.clone(), e.fuse_stats.clone(), e.qos.clone())
             })
             .collect()
     });
     let mut lines = Vec::new();
-    for (tag, fs, server, fuse_stats) in exports {
+    for (tag, fs, server, fuse_stats, qos) in exports {
         let (counters, cache, space) = fs_json(fs.as_ref()).await;
         lines.push(json!({
             "tag": tag,
+            "qos": qos.as_deref().map(qos_json),
             "image_attached": fs.is_some(),
             "virtio_fs": server.as_deref().map_or(Value::Null, device_json),
             "ops": server.as_ref().map_or_else(|| Value::Object(Default::default()), |s| ops_json(s.op_stats())),
@@ -1129,4 +1179,37 @@ fn qemu_arguments(socket: &Path, tag: &str, queues: usize) -> String {
          keelfsd: then in the guest: mount -t virtiofs {tag} /mnt",
         socket.display()
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn local_export(tag: &str, qos: Option<Rc<Qos>>) -> LocalExport {
+        LocalExport { tag: tag.into(), fs: None, server: None, fuse_stats: None, qos }
+    }
+
+    #[test]
+    fn export_qos_changes_on_its_reactor_and_shows_in_the_stats() {
+        let qos = Qos::new(QosLimits::UNLIMITED).unwrap();
+        LOCAL.with(|l| {
+            let exports = &mut l.borrow_mut().exports;
+            exports.push(local_export("limited", Some(qos.clone())));
+            exports.push(local_export("spread", None));
+        });
+        let limits = QosLimits { iops: Some(5000), read_bytes_per_sec: Some(0), ..QosLimits::UNLIMITED };
+        set_export_qos("limited", limits).unwrap();
+        assert_eq!(qos.limits(), limits, "the transports' shared limiter took them");
+        let stats = local_stats();
+        let shown = &stats[0]["qos"];
+        assert_eq!((shown["iops"].as_u64(), shown["burst_ms"].as_u64()), (Some(5000), Some(100)));
+        assert!(shown["read_bytes_per_sec"].is_null(), "0 is shown as no limit");
+        assert_eq!((shown["deferred"]["read"].as_u64(), shown["waiting"]["write"].as_u64()), (Some(0), Some(0)));
+        assert!(stats[1]["qos"].is_null());
+        assert!(matches!(set_export_qos("absent", limits), Err(SetQosError::NoExport(_))));
+        assert!(matches!(set_export_qos("spread", limits), Err(SetQosError::SpreadQueues(_))));
+        let bad = QosLimits { burst_ms: 0, ..limits };
+        assert!(matches!(set_export_qos("limited", bad), Err(SetQosError::Limits(..))));
+        assert_eq!(qos.limits(), limits, "a refused change changes nothing");
+    }
 }
