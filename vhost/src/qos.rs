@@ -307,6 +307,8 @@ pub struct QosStats {
 /// change its limits at run time.
 pub struct Qos {
     limits: Cell<QosLimits>,
+    /// No limit is on: requests need not even be looked at.
+    unlimited: Cell<bool>,
     buckets: RefCell<Buckets>,
     deferred: [Cell<u64>; 2],
     waiting: [Cell<u64>; 2],
@@ -320,6 +322,7 @@ impl Qos {
         limits.check()?;
         Ok(Rc::new(Self {
             limits: Cell::new(limits),
+            unlimited: Cell::new(limits.is_unlimited()),
             buckets: RefCell::new(Buckets::new(&limits, Instant::now())),
             deferred: Default::default(),
             waiting: Default::default(),
@@ -338,6 +341,7 @@ impl Qos {
         limits.check()?;
         self.buckets.borrow_mut().retune(&limits, Instant::now());
         self.limits.set(limits);
+        self.unlimited.set(limits.is_unlimited());
         self.generation.set(self.generation.get() + 1);
         Ok(())
     }
@@ -372,6 +376,12 @@ pub(crate) struct Gate<T> {
 impl<T> Gate<T> {
     pub(crate) fn new(qos: Rc<Qos>) -> Self {
         Self { qos, fifos: [VecDeque::new(), VecDeque::new()], first: 0, not_before: None }
+    }
+
+    /// Nothing is held and no limit is on: a new request passes without
+    /// being looked at (every export has a limiter, mostly unlimited).
+    pub(crate) fn open(&self) -> bool {
+        self.qos.unlimited.get() && self.is_empty()
     }
 
     pub(crate) fn is_empty(&self) -> bool {
@@ -637,6 +647,26 @@ mod tests {
             assert!((10_450..=10_520).contains(&done), "{done} done in 2 s");
             assert!(drains <= 1000, "{drains} drains: batches closer than {RELEASE_INTERVAL_MIN:?}");
             assert_eq!(qos.stats().waiting[0] as usize, 16 - in_flight.len() - returning);
+        });
+    }
+
+    #[test]
+    fn an_unlimited_limiter_is_open_until_limits_are_set() {
+        in_reactor(|| {
+            let t0 = Instant::now();
+            let qos = Qos::new(QosLimits::UNLIMITED).unwrap();
+            let mut gate = Gate::new(Rc::clone(&qos));
+            assert!(gate.open());
+            qos.set_limits(QosLimits { write_iops: Some(1), burst_ms: 1000, ..QosLimits::UNLIMITED }).unwrap();
+            assert!(!gate.open(), "limited from now on");
+            let write = Charge { class: Some(Class::Write), bytes: 0 };
+            assert_eq!(gate.offer(1, write, t0), Some(1), "a new limit starts with its burst");
+            assert_eq!(gate.offer(2, write, t0), None);
+            qos.set_limits(QosLimits::UNLIMITED).unwrap();
+            assert!(!gate.open(), "not while requests are held: they go first");
+            let mut ran = Vec::new();
+            assert!(gate.drain(t0, |i| ran.push(i)));
+            assert_eq!((ran, gate.open()), (vec![2], true));
         });
     }
 

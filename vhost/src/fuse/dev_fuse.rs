@@ -196,11 +196,13 @@ impl Poller for DevFusePoller {
                     busy = true;
                     let request = self.buf[..n].to_vec();
                     let request = match &mut self.deferred {
-                        Some(gate) => match gate.offer(request, Charge::of_request(&self.buf[..n]), now) {
-                            Some(request) => request,
-                            None => continue,
-                        },
-                        None => request,
+                        Some(gate) if !gate.open() => {
+                            match gate.offer(request, Charge::of_request(&self.buf[..n]), now) {
+                                Some(request) => request,
+                                None => continue,
+                            }
+                        }
+                        _ => request,
                     };
                     self.start(request);
                 }

@@ -376,14 +376,14 @@ impl<S: ChainServer> QueuePoller<S> {
                 stats.in_flight_max.set(stats.in_flight_max.get().max(in_flight.get()));
                 stats.chains.set(stats.chains.get() + 1);
                 let chain = match &mut self.queues[index].deferred {
-                    Some(gate) => {
+                    Some(gate) if !gate.open() => {
                         let charge = charge_of_chain(&chain);
                         match gate.offer((chain, mem.clone()), charge, now) {
                             Some((admitted, _)) => admitted,
                             None => continue,
                         }
                     }
-                    None => chain,
+                    _ => chain,
                 };
                 self.start(index, chain, mem.clone());
             }
