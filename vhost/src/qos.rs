@@ -95,22 +95,6 @@ impl QosLimits {
         .all(|l| l.unwrap_or(0) == 0)
     }
 
-    /// Each rate divided by `parts` (rounded up, so never to zero): the
-    /// share of each of `parts` independent limiters.
-    pub fn split(&self, parts: u64) -> Self {
-        let parts = parts.max(1);
-        let share = |l: Option<u64>| l.map(|r| r.div_ceil(parts));
-        Self {
-            read_iops: share(self.read_iops),
-            write_iops: share(self.write_iops),
-            iops: share(self.iops),
-            read_bytes_per_sec: share(self.read_bytes_per_sec),
-            write_bytes_per_sec: share(self.write_bytes_per_sec),
-            bytes_per_sec: share(self.bytes_per_sec),
-            burst_ms: self.burst_ms,
-        }
-    }
-
     fn check(&self) -> Result<(), QosError> {
         if !(1..=Self::BURST_MS_MAX).contains(&self.burst_ms) {
             return Err(QosError::Burst(self.burst_ms));
@@ -671,10 +655,9 @@ mod tests {
     }
 
     #[test]
-    fn split_shares_never_round_a_limit_to_off() {
-        let l = QosLimits { iops: Some(5000), read_bytes_per_sec: Some(1), ..QosLimits::UNLIMITED }.split(3);
-        assert_eq!((l.iops, l.read_bytes_per_sec, l.write_iops), (Some(1667), Some(1), None));
-        assert!(QosLimits::UNLIMITED.is_unlimited() && !l.is_unlimited());
+    fn zero_is_no_limit() {
+        assert!(QosLimits::UNLIMITED.is_unlimited());
         assert!(QosLimits { iops: Some(0), ..QosLimits::UNLIMITED }.is_unlimited(), "0 is off");
+        assert!(!QosLimits { read_bytes_per_sec: Some(1), ..QosLimits::UNLIMITED }.is_unlimited());
     }
 }
