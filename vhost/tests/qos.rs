@@ -133,3 +133,35 @@ fn a_stopping_queue_serves_what_qos_holds_at_once() {
         assert_eq!(fuse_status(&fe.reply(1, u).unwrap()).1, 0);
     }
 }
+
+/// A frontend that leaves with requests held has them dropped with its
+/// other replies: the reactor does not wait for them (the next frontend
+/// would never be accepted) and serves the next one.
+#[test]
+fn a_frontend_that_leaves_with_requests_held_does_not_hold_up_the_next() {
+    let limits = QosLimits { read_iops: Some(1), burst_ms: 1000, ..QosLimits::UNLIMITED };
+    let daemon = Daemon::start_with_qos(1, limits);
+    let mut fe = daemon.connect(1);
+    fe.init(f::INIT_EXT).unwrap();
+    let file = create(&mut fe, 1, "left");
+    for _ in 0..8 {
+        submit_read(&mut fe, file);
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    drop(fe);
+    // Seven reads at one a second would take seven seconds to drain.
+    let asked = Instant::now();
+    let mut fe = loop {
+        match FsFrontend::connect(&daemon.socket, keelfs_vhost::frontend::FrontendConfig::default()) {
+            Ok(fe) => break fe,
+            Err(_) if asked.elapsed() < TIMEOUT => std::thread::sleep(Duration::from_millis(10)),
+            Err(e) => panic!("no new frontend accepted: {e}"),
+        }
+    };
+    fe.init(f::INIT_EXT).unwrap();
+    let (nodeid, fh) = create(&mut fe, 1, "next");
+    assert_eq!(write(&mut fe, 1, nodeid, fh, 0, b"served"), 0);
+    assert!(asked.elapsed() < Duration::from_secs(3), "the next frontend waited {:?}", asked.elapsed());
+    drop(fe);
+    daemon.stop_all();
+}
