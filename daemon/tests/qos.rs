@@ -135,17 +135,28 @@ cache = "none"
     path
 }
 
+/// Images removed however the test ends.
+struct Images([PathBuf; 2]);
+
+impl Drop for Images {
+    fn drop(&mut self) {
+        for image in &self.0 {
+            let _ = std::fs::remove_file(image);
+        }
+    }
+}
+
 #[test]
 fn a_limited_export_gets_its_limit_and_leaves_its_reactor_to_the_other() {
     fio();
     let dir = Scratch::new("qos");
     let base = if Path::new("/dev/shm").is_dir() { PathBuf::from("/dev/shm") } else { std::env::temp_dir() };
-    let images = [0, 1].map(|i| base.join(format!("keelfsd-qos-{}-{i}.img", std::process::id())));
-    for image in &images {
+    let images = Images([0, 1].map(|i| base.join(format!("keelfsd-qos-{}-{i}.img", std::process::id()))));
+    for image in &images.0 {
         mkfs(image, "1G");
     }
     let (ma, mb) = (dir.path("a"), dir.path("b"));
-    let config = config(&dir, [&images[0], &images[1]], [&ma, &mb]);
+    let config = config(&dir, [&images.0[0], &images.0[1]], [&ma, &mb]);
     let served = Served::start(&["--config".as_ref(), config.as_os_str()], &[&ma, &mb]);
     let rpc = dir.path("rpc.sock");
     let (fa, fb) = (ma.join("f"), mb.join("f"));
@@ -201,7 +212,4 @@ fn a_limited_export_gets_its_limit_and_leaves_its_reactor_to_the_other() {
     );
     assert!(b_alone > LIMIT_IOPS, "B alone ({b_alone:.0} IOPS) must outrun A's limit for the test to mean anything");
     assert!(served.stop().success(), "keelfsd shut down cleanly");
-    for image in &images {
-        let _ = std::fs::remove_file(image);
-    }
 }
