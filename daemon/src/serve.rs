@@ -1200,7 +1200,13 @@ mod tests {
         let limits = QosLimits { iops: Some(5000), read_bytes_per_sec: Some(0), ..QosLimits::UNLIMITED };
         set_export_qos("limited", limits).unwrap();
         assert_eq!(qos.limits(), limits, "the transports' shared limiter took them");
-        let stats = local_stats();
+        // Without filesystems the stats never wait: one poll finishes them.
+        let mut stats = std::pin::pin!(local_stats());
+        let std::task::Poll::Ready(stats) =
+            std::future::Future::poll(stats.as_mut(), &mut std::task::Context::from_waker(std::task::Waker::noop()))
+        else {
+            panic!("the stats waited with no filesystem to ask");
+        };
         let shown = &stats[0]["qos"];
         assert_eq!((shown["iops"].as_u64(), shown["burst_ms"].as_u64()), (Some(5000), Some(100)));
         assert!(shown["read_bytes_per_sec"].is_null(), "0 is shown as no limit");
