@@ -50,11 +50,12 @@ pub mod code {
 }
 
 /// Every method, for `rpc_get_methods`.
-pub const METHODS: [&str; 8] = [
+pub const METHODS: [&str; 9] = [
     "stats",
     "export_list",
     "export_add",
     "export_remove",
+    "export_set_qos",
     "export_set_quota",
     "export_trim",
     "rpc_get_methods",
@@ -262,6 +263,7 @@ fn call(method: &str, raw: Value, control: &Control) -> Result<Value, RpcError> 
             let timeout = p.timeout_ms.map_or(STOP_TIMEOUT_DEFAULT, Duration::from_millis);
             Ok(control.remove(&p.tag, timeout)?)
         }
+        "export_set_qos" => crate::settings::set_qos(raw, control),
         "export_set_quota" => crate::settings::set_quota(raw, control),
         "export_trim" => crate::settings::trim(raw, control),
         "rpc_get_methods" => params::<NoParams>(raw).map(|_| json!(METHODS)),

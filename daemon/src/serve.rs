@@ -1121,18 +1121,18 @@ pub(crate) enum SetQosError {
     Limits(String, QosError),
 }
 
-/// Change the QoS limits of export `tag`, on the reactor that owns it (as
-/// [`local_stats`], through a message to each reactor). Both transports
-/// take them at once; requests held keep their order.
-#[allow(dead_code)] // called by the JSON-RPC export_set_qos method
-pub(crate) fn set_export_qos(tag: &str, limits: QosLimits) -> Result<(), SetQosError> {
+/// Change the QoS limits of export `tag` to `change` of its current ones,
+/// on the reactor that owns it; returns the export's QoS as the stats show
+/// it. Both transports take them at once; requests held keep their order.
+pub(crate) fn set_export_qos(tag: &str, change: impl FnOnce(QosLimits) -> QosLimits) -> Result<Value, SetQosError> {
     LOCAL.with(|l| {
         let l = l.borrow();
         let export = l.exports.iter().find(|e| e.tag == tag).ok_or_else(|| SetQosError::NoExport(tag.into()))?;
         let qos = export.qos.as_ref().ok_or_else(|| SetQosError::SpreadQueues(tag.into()))?;
+        let limits = change(qos.limits());
         qos.set_limits(limits).map_err(|e| SetQosError::Limits(tag.into(), e))?;
         tracing::info!("export {tag}: QoS limits now {limits:?}");
-        Ok(())
+        Ok(qos_json(qos))
     })
 }
 
@@ -1198,7 +1198,7 @@ mod tests {
             exports.push(local_export("spread", None));
         });
         let limits = QosLimits { iops: Some(5000), read_bytes_per_sec: Some(0), ..QosLimits::UNLIMITED };
-        set_export_qos("limited", limits).unwrap();
+        set_export_qos("limited", |_| limits).unwrap();
         assert_eq!(qos.limits(), limits, "the transports' shared limiter took them");
         // Without filesystems the stats never wait: one poll finishes them.
         let mut stats = std::pin::pin!(local_stats());
@@ -1212,10 +1212,10 @@ mod tests {
         assert!(shown["read_bytes_per_sec"].is_null(), "0 is shown as no limit");
         assert_eq!((shown["deferred"]["read"].as_u64(), shown["waiting"]["write"].as_u64()), (Some(0), Some(0)));
         assert!(stats[1]["qos"].is_null());
-        assert!(matches!(set_export_qos("absent", limits), Err(SetQosError::NoExport(_))));
-        assert!(matches!(set_export_qos("spread", limits), Err(SetQosError::SpreadQueues(_))));
+        assert!(matches!(set_export_qos("absent", |_| limits), Err(SetQosError::NoExport(_))));
+        assert!(matches!(set_export_qos("spread", |_| limits), Err(SetQosError::SpreadQueues(_))));
         let bad = QosLimits { burst_ms: 0, ..limits };
-        assert!(matches!(set_export_qos("limited", bad), Err(SetQosError::Limits(..))));
+        assert!(matches!(set_export_qos("limited", |_| bad), Err(SetQosError::Limits(..))));
         assert_eq!(qos.limits(), limits, "a refused change changes nothing");
     }
 }

@@ -8,6 +8,8 @@ use std::time::Duration;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use keelfs_vhost::QosLimits;
+
 use crate::control::{Control, LocalJob};
 use crate::rpc::{code, RpcError};
 
@@ -24,6 +26,42 @@ struct QuotaParams {
     bytes: Option<u64>,
     /// Inodes the export may hold; 0 lifts the limit; absent: unchanged.
     inodes: Option<u64>,
+}
+
+/// `export_set_qos`: as `[export.qos]`; a key left out keeps its value,
+/// 0 lifts that limit.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct QosParams {
+    tag: String,
+    read_iops: Option<u64>,
+    write_iops: Option<u64>,
+    iops: Option<u64>,
+    read_mib_per_sec: Option<u64>,
+    write_mib_per_sec: Option<u64>,
+    mib_per_sec: Option<u64>,
+    burst_ms: Option<u32>,
+}
+
+impl QosParams {
+    /// `current` with the keys given applied.
+    fn apply(&self, current: QosLimits) -> QosLimits {
+        let count = |given: Option<u64>, now: Option<u64>| given.map_or(now, |n| (n != 0).then_some(n));
+        let mib = |given: Option<u64>, now: Option<u64>| match given {
+            None => now,
+            Some(0) => None,
+            Some(n) => Some(n.saturating_mul(1 << 20)),
+        };
+        QosLimits {
+            read_iops: count(self.read_iops, current.read_iops),
+            write_iops: count(self.write_iops, current.write_iops),
+            iops: count(self.iops, current.iops),
+            read_bytes_per_sec: mib(self.read_mib_per_sec, current.read_bytes_per_sec),
+            write_bytes_per_sec: mib(self.write_mib_per_sec, current.write_bytes_per_sec),
+            bytes_per_sec: mib(self.mib_per_sec, current.bytes_per_sec),
+            burst_ms: self.burst_ms.unwrap_or(current.burst_ms),
+        }
+    }
 }
 
 #[derive(Deserialize)]
@@ -87,4 +125,34 @@ pub fn trim(params: Value, control: &Control) -> Result<Value, RpcError> {
         Ok(json!({"trimmed_bytes": trimmed}))
     });
     Ok(control.on_export_reactor(&p.tag, TRIM_TIMEOUT, job)?)
+}
+
+/// `export_set_qos {tag, read_iops?, ...}`: the export's QoS afterwards, as
+/// the stats show it.
+pub fn set_qos(params: Value, control: &Control) -> Result<Value, RpcError> {
+    let p: QosParams = parse(params)?;
+    let tag = p.tag.clone();
+    let job: LocalJob = Box::new(move || {
+        Box::pin(async move { crate::serve::set_export_qos(&p.tag, |now| p.apply(now)).map_err(|e| e.to_string()) })
+    });
+    Ok(control.on_export_reactor(&tag, SETTING_TIMEOUT, job)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qos_params_change_only_what_they_name() {
+        let now = QosLimits { iops: Some(5000), read_bytes_per_sec: Some(100 << 20), ..QosLimits::UNLIMITED };
+        let p: QosParams =
+            serde_json::from_value(json!({"tag": "a", "write_iops": 10, "iops": 0, "mib_per_sec": 3})).unwrap();
+        let next = p.apply(now);
+        assert_eq!(next.iops, None, "0 lifts a limit");
+        assert_eq!(next.write_iops, Some(10));
+        assert_eq!(next.read_bytes_per_sec, Some(100 << 20), "left out: kept");
+        assert_eq!(next.bytes_per_sec, Some(3 << 20), "MiB/s, as the config");
+        assert_eq!(next.burst_ms, now.burst_ms);
+        assert!(serde_json::from_value::<QosParams>(json!({"tag": "a", "iop": 1})).is_err());
+    }
 }
