@@ -65,9 +65,16 @@ impl UringDevice {
             .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
             .open(path)
             .map_err(|e| BdevError::from_io("open with O_DIRECT", &e))?;
-        let geometry = probe_geometry(&file, path)?;
+        Self::from_file(file, path.display().to_string(), options)
+    }
+
+    /// A device on a file or block device already open (O_DIRECT, for
+    /// writing unless `options` say read-only), named `name`: for a
+    /// process that opens it relative to a directory descriptor.
+    pub fn from_file(file: File, name: String, options: UringOptions) -> Result<Self, BdevError> {
+        let geometry = probe_geometry(&file, Path::new(&name))?;
         let discard = probe_discard(&file, options.read_only);
-        Ok(Self { file: Arc::new(file), name: path.display().to_string(), geometry, options, discard })
+        Ok(Self { file: Arc::new(file), name, geometry, options, discard })
     }
 
     /// The open file, for a privileged process that opens devices for a

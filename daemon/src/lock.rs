@@ -44,12 +44,21 @@ impl ImageLock {
         // A write lock needs a descriptor open for writing; a read lock
         // one open for reading.
         let file = open_image(path, kind == libc::F_WRLCK)?;
+        Self::acquire_on(file, path, purpose, kind == libc::F_WRLCK).map(Some)
+    }
+
+    /// Lock `file`, already open (for writing when `write`), as
+    /// [`Self::exclusive`] (`write`) or [`Self::shared`] would lock `path`;
+    /// the lock is on `file`'s open file description, so a descriptor
+    /// duplicated from it, before or after, holds it too.
+    pub fn acquire_on(file: File, path: &Path, purpose: &str, write: bool) -> anyhow::Result<ImageLock> {
+        let kind = if write { libc::F_WRLCK } else { libc::F_RDLCK };
         // A holder that is being killed (a sandboxed daemon dies a moment
         // after its supervisor) lets go within milliseconds: wait that out.
         let deadline = std::time::Instant::now() + EXITING_HOLDER_GRACE;
         loop {
             match set_lock(&file, kind) {
-                Ok(true) => return Ok(Some(ImageLock { file })),
+                Ok(true) => return Ok(ImageLock { file }),
                 Ok(false) => {}
                 Err(err) => return Err(anyhow::Error::new(err).context(format!("locking {}", path.display()))),
             }
