@@ -39,50 +39,135 @@ pub struct ExportEntry {
     /// Bound by the supervisor for a sandboxed server: its index there,
     /// to have it removed.
     pub brokered_socket: Option<usize>,
+    /// An `export_add` waits for this entry's start and collects its
+    /// failure; once it gave up waiting, a failure removes the entry.
+    pub awaited: bool,
+}
+
+#[derive(Default)]
+struct Entries {
+    list: Vec<ExportEntry>,
+    /// Shutting down: no export may be added any more.
+    closed: bool,
+    /// Tags `export_remove` stopped whose host mount has not been reported
+    /// gone yet: their unmount is not a user's `umount`.
+    removed: Vec<String>,
 }
 
 /// The exports that are starting, running or stopping. An entry leaves
 /// once its export has stopped (or failed and was collected).
 #[derive(Default)]
 pub struct ExportTable {
-    entries: Mutex<Vec<ExportEntry>>,
+    entries: Mutex<Entries>,
     changed: Condvar,
 }
 
 impl ExportTable {
-    fn lock(&self) -> MutexGuard<'_, Vec<ExportEntry>> {
+    fn lock(&self) -> MutexGuard<'_, Entries> {
         // A panic elsewhere while holding it leaves plain data behind.
         self.entries.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     pub fn insert(&self, entry: ExportEntry) {
-        self.lock().push(entry);
+        self.lock().list.push(entry);
         self.changed.notify_all();
     }
 
+    /// Insert `entry` unless the table is closed or a listed export shares
+    /// its tag, device, socket or mount point: the check and the insert
+    /// are one step, so that two concurrent adds cannot both pass.
+    pub fn reserve(&self, entry: ExportEntry) -> Result<(), ControlError> {
+        let mut entries = self.lock();
+        if entries.closed {
+            return Err(ControlError::NotPossible("keelfsd is shutting down".into()));
+        }
+        if let Some(clash) = entries.list.iter().find_map(|running| clash(&running.export, &entry.export)) {
+            return Err(ControlError::Conflict(clash));
+        }
+        entries.list.push(entry);
+        drop(entries);
+        self.changed.notify_all();
+        Ok(())
+    }
+
+    /// No more exports may be added (shutdown has begun).
+    pub fn close(&self) {
+        self.lock().closed = true;
+    }
+
     pub fn set_state(&self, tag: &str, state: Lifecycle) {
-        if let Some(e) = self.lock().iter_mut().find(|e| e.export.tag == tag) {
+        if let Some(e) = self.lock().list.iter_mut().find(|e| e.export.tag == tag) {
             e.state = state;
         }
         self.changed.notify_all();
     }
 
-    pub fn remove(&self, tag: &str) {
-        self.lock().retain(|e| e.export.tag != tag);
+    /// Export `tag` failed to start: an `export_add` that waits collects
+    /// the failure; otherwise a runtime export leaves the table at once
+    /// (a config export's failure ends the daemon's start anyway).
+    pub fn fail(&self, tag: &str, why: String) {
+        let mut entries = self.lock();
+        let orphaned = entries.list.iter().any(|e| e.export.tag == tag && e.runtime && !e.awaited);
+        if orphaned {
+            entries.list.retain(|e| e.export.tag != tag);
+        } else if let Some(e) = entries.list.iter_mut().find(|e| e.export.tag == tag) {
+            e.state = Lifecycle::Failed(why);
+        }
+        drop(entries);
         self.changed.notify_all();
     }
 
+    /// The `export_add` waiting for `tag` gave up: remove it if it has
+    /// failed meanwhile, else leave a failure for nobody to collect.
+    pub fn stop_awaiting(&self, tag: &str) {
+        let mut entries = self.lock();
+        entries.list.retain(|e| !(e.export.tag == tag && matches!(e.state, Lifecycle::Failed(_))));
+        if let Some(e) = entries.list.iter_mut().find(|e| e.export.tag == tag) {
+            e.awaited = false;
+        }
+    }
+
+    pub fn remove(&self, tag: &str) {
+        self.lock().list.retain(|e| e.export.tag != tag);
+        self.changed.notify_all();
+    }
+
+    /// `export_remove` is stopping `tag`: mark it Stopping, and note that
+    /// its host mount's going is the RPC's doing.
+    pub fn removing(&self, tag: &str) {
+        let mut entries = self.lock();
+        let Some(e) = entries.list.iter_mut().find(|e| e.export.tag == tag) else { return };
+        e.state = Lifecycle::Stopping;
+        if e.export.fuse_mount.is_some() {
+            entries.removed.push(tag.to_string());
+        }
+    }
+
+    /// Whether the host mount of `tag` was unmounted by `export_remove`;
+    /// each removal answers yes once.
+    pub fn take_removed(&self, tag: &str) -> bool {
+        let mut entries = self.lock();
+        let found = entries.removed.iter().position(|t| t == tag);
+        found.map(|i| entries.removed.swap_remove(i)).is_some()
+    }
+
     pub fn get(&self, tag: &str) -> Option<ExportEntry> {
-        self.lock().iter().find(|e| e.export.tag == tag).cloned()
+        self.lock().list.iter().find(|e| e.export.tag == tag).cloned()
     }
 
     pub fn all(&self) -> Vec<ExportEntry> {
-        self.lock().clone()
+        self.lock().list.clone()
+    }
+
+    pub fn set_brokered_socket(&self, tag: &str, index: Option<usize>) {
+        if let Some(e) = self.lock().list.iter_mut().find(|e| e.export.tag == tag) {
+            e.brokered_socket = index;
+        }
     }
 
     /// Exports that still hold a device: not stopped, and not failed.
     pub fn live(&self) -> usize {
-        self.lock().iter().filter(|e| !matches!(e.state, Lifecycle::Failed(_))).count()
+        self.lock().list.iter().filter(|e| !matches!(e.state, Lifecycle::Failed(_))).count()
     }
 
     /// Wait until `done` holds of the entries, or `timeout` passes;
@@ -91,7 +176,7 @@ impl ExportTable {
         let deadline = Instant::now() + timeout;
         let mut entries = self.lock();
         loop {
-            if done(&entries) {
+            if done(&entries.list) {
                 return true;
             }
             let left = deadline.saturating_duration_since(Instant::now());
@@ -100,6 +185,21 @@ impl ExportTable {
             }
             entries = self.changed.wait_timeout(entries, left).unwrap_or_else(|p| p.into_inner()).0;
         }
+    }
+}
+
+/// Why `new` may not run beside `running`, if it may not.
+fn clash(running: &Export, new: &Export) -> Option<String> {
+    if running.tag == new.tag {
+        Some(format!("an export is already tagged \"{}\"", running.tag))
+    } else if running.device == new.device {
+        Some(format!("export \"{}\" already serves {}", running.tag, running.device.display()))
+    } else if running.socket.is_some() && running.socket == new.socket {
+        Some(format!("export \"{}\" already listens on that socket", running.tag))
+    } else if running.fuse_mount.is_some() && running.fuse_mount == new.fuse_mount {
+        Some(format!("export \"{}\" is already mounted there", running.tag))
+    } else {
+        None
     }
 }
 
@@ -168,34 +268,59 @@ impl Control {
         if export.backend == BackendName::Nvme {
             return Err(ControlError::NotPossible("an NVMe export is opened only at start".into()));
         }
-        self.check_conflicts(&export)?;
         let reactor = match reactor {
             Some(r) if r < self.reactors.len() => r,
             Some(r) => return Err(ControlError::Conflict(format!("there is no reactor {r}"))),
             None => self.least_loaded_reactor(),
         };
-        let (opened, brokered_socket) = self.open(&export)?;
         let tag = export.tag.clone();
-        self.table.insert(ExportEntry { export, reactor, state: Lifecycle::Starting, runtime: true, brokered_socket });
+        // Listed before it is opened, so that a concurrent add of the same
+        // tag, image or socket is refused.
+        let entry = ExportEntry {
+            export: export.clone(),
+            reactor,
+            state: Lifecycle::Starting,
+            runtime: true,
+            brokered_socket: None,
+            awaited: true,
+        };
+        self.table.reserve(entry)?;
+        let (opened, brokered_socket) = match self.open(&export) {
+            Ok(opened) => opened,
+            Err(e) => {
+                self.table.remove(&tag);
+                return Err(e);
+            }
+        };
+        self.table.set_brokered_socket(&tag, brokered_socket);
         let events = self.events.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let timing = (self.commit_interval, false);
         let started =
             crate::serve::start_export(&self.reactors, reactor, opened, timing, events, Arc::clone(&self.table));
         if let Err(e) = started {
             self.table.remove(&tag);
+            self.forget_socket(brokered_socket);
             return Err(ControlError::Failed(format!("{e:#}")));
         }
+        self.await_start(&tag, reactor, brokered_socket)
+    }
+
+    /// Wait for export `tag` to serve or fail.
+    fn await_start(&self, tag: &str, reactor: usize, brokered_socket: Option<usize>) -> Result<Value, ControlError> {
         let settled = self.table.wait_for(START_TIMEOUT, |entries| {
             entries.iter().find(|e| e.export.tag == tag).is_none_or(|e| e.state != Lifecycle::Starting)
         });
-        match self.table.get(&tag).map(|e| e.state) {
-            Some(Lifecycle::Ready) => Ok(json!({"tag": tag, "reactor": reactor})),
+        if !settled {
+            self.table.stop_awaiting(tag);
+            return Err(ControlError::Timeout(START_TIMEOUT));
+        }
+        match self.table.get(tag).map(|e| e.state) {
             Some(Lifecycle::Failed(why)) => {
-                self.table.remove(&tag);
+                self.table.remove(tag);
                 self.forget_socket(brokered_socket);
                 Err(ControlError::Failed(why))
             }
-            _ if !settled => Err(ControlError::Timeout(START_TIMEOUT)),
+            Some(Lifecycle::Ready) => Ok(json!({"tag": tag, "reactor": reactor})),
             _ => Err(ControlError::Failed("the export stopped while starting".into())),
         }
     }
@@ -228,27 +353,6 @@ impl Control {
         }
     }
 
-    fn check_conflicts(&self, export: &Export) -> Result<(), ControlError> {
-        for running in self.table.all() {
-            let r = &running.export;
-            let clash = if r.tag == export.tag {
-                Some(format!("an export is already tagged \"{}\"", r.tag))
-            } else if r.device == export.device {
-                Some(format!("export \"{}\" already serves {}", r.tag, r.device.display()))
-            } else if r.socket.is_some() && r.socket == export.socket {
-                Some(format!("export \"{}\" already listens on that socket", r.tag))
-            } else if r.fuse_mount.is_some() && r.fuse_mount == export.fuse_mount {
-                Some(format!("export \"{}\" is already mounted there", r.tag))
-            } else {
-                None
-            };
-            if let Some(clash) = clash {
-                return Err(ControlError::Conflict(clash));
-            }
-        }
-        Ok(())
-    }
-
     fn least_loaded_reactor(&self) -> usize {
         let entries = self.table.all();
         (0..self.reactors.len()).min_by_key(|&r| entries.iter().filter(|e| e.reactor == r).count()).unwrap_or(0)
@@ -261,7 +365,7 @@ impl Control {
         if entry.state != Lifecycle::Ready {
             return Err(ControlError::Busy(tag.into()));
         }
-        self.table.set_state(tag, Lifecycle::Stopping);
+        self.table.removing(tag);
         let asked = tag.to_string();
         if self.reactors[entry.reactor].send(move || crate::serve::request_export_stop(&asked)).is_err() {
             return Err(ControlError::Failed("the export's reactor has stopped".into()));

@@ -466,6 +466,7 @@ fn start_exports(
                 state: Lifecycle::Starting,
                 runtime: false,
                 brokered_socket: None,
+                awaited: false,
             };
             table.insert(entry);
             start_export(handles, id, opened, timing, events.clone(), Arc::clone(table))?;
@@ -617,7 +618,9 @@ fn run(
         let mounts = || config.exports.iter().map(|e| e.tag.clone()).collect();
         wait_for_shutdown(signals, &event_rx, &table, fuse_only.then(mounts));
     }
-    // No more runtime changes while the exports stop.
+    // No more runtime changes while the exports stop: an export_add
+    // still running is refused at its next step, or stopped with the rest.
+    table.close();
     drop(servers);
     let result = shut_down(&handles, &event_rx, signals, &table);
     for (handle, thread) in reactors {
@@ -647,10 +650,15 @@ fn wait_for_shutdown(signals: &Signals, events: &Receiver<Event>, table: &Export
         while let Ok(event) = events.try_recv() {
             if let Event::MountGone { tag } = event {
                 tracing::info!("export {tag}: its host mount was unmounted");
-                // export_remove unmounts too, and never stops the daemon.
-                let removed = table.get(&tag).is_some_and(|e| e.state == Lifecycle::Stopping);
-                if let (Some(tags), false) = (&mut mounted, removed) {
+                // export_remove unmounts too: its export leaves the list,
+                // but its going never stops the daemon.
+                let removed = table.take_removed(&tag);
+                if let Some(tags) = &mut mounted {
+                    let before = tags.len();
                     tags.retain(|t| *t != tag);
+                    if removed && before > 0 && tags.is_empty() {
+                        mounted = None;
+                    }
                 }
             }
         }
@@ -833,7 +841,7 @@ async fn run_export(
     let mounted = match mount_export(reactor_id, &export, &dev, lock, timing).await {
         Ok(mounted) => mounted,
         Err(e) => {
-            table.set_state(&tag, Lifecycle::Failed(format!("{e:#}")));
+            table.fail(&tag, format!("{e:#}"));
             let _ = events.send(Event::Failed { tag, error: format!("{e:#}") });
             return;
         }
@@ -848,7 +856,7 @@ async fn run_export(
     let (server, mount, fuse_stats) = match transports {
         Ok(started) => started,
         Err(e) => {
-            table.set_state(&tag, Lifecycle::Failed(format!("{e:#}")));
+            table.fail(&tag, format!("{e:#}"));
             let _ = events.send(Event::Failed { tag, error: format!("{e:#}") });
             let _ = match &mounted {
                 Mounted::Fixed { fs, .. } | Mounted::Movable(_, Some(fs)) => fs.unmount().await,

@@ -278,6 +278,28 @@ fn top_under_tmux(rpc_path: &Path, mnt: &Path) {
     }
 }
 
+/// Two adds of one tag at once: one wins, the other is a conflict. Then
+/// removing the config's own host mount over the API does not end a daemon
+/// that serves host mounts only: vol-b is still served.
+fn adds_race_and_the_config_mount_goes(rpc_path: &Path, b: &Path, mnt_b: &Path) {
+    let both: Vec<Result<Value, String>> = std::thread::scope(|s| {
+        let add = || {
+            s.spawn(|| {
+                rpc(rpc_path, "export_add", json!({"export": {"tag": "vol-b", "device": b, "fuse_mount": mnt_b}}))
+            })
+        };
+        let (x, y) = (add(), add());
+        vec![x.join().unwrap(), y.join().unwrap()]
+    });
+    assert_eq!(both.iter().filter(|r| r.is_ok()).count(), 1, "{both:?}");
+    assert!(both.iter().any(|r| r.as_ref().is_err_and(|e| e.contains("-32002"))), "{both:?}");
+    rpc(rpc_path, "export_remove", json!({"tag": "vol-a"})).expect("removing vol-a");
+    std::thread::sleep(Duration::from_millis(500));
+    std::fs::write(mnt_b.join("after-a"), b"still here").expect("vol-b still served");
+    let list = rpc(rpc_path, "export_list", json!({})).expect("the daemon still answers");
+    assert_eq!(list.as_array().unwrap().len(), 1, "{list}");
+}
+
 /// A small random-write fio job on `dir` for `seconds`, checked by fio.
 fn fio(dir: &Path, seconds: u32) -> std::process::Child {
     Command::new("fio")
@@ -356,7 +378,10 @@ fn exports_come_and_go_at_runtime_while_another_runs_fio() {
     assert!(said("export vol-b: serving") && said("export vol-b: stopped"), "{log}");
     assert!(events.iter().all(|e| e["level"].is_string() && e["timestamp"].is_string()));
     assert!(events.iter().any(|e| e["span"]["tag"] == "vol-b"), "events carry the export's span");
+
+    adds_race_and_the_config_mount_goes(&rpc_path, &b, &mnt_b);
     daemon.stop();
+    assert_eq!(fsck(&b).0, 0);
     assert_eq!(fsck(&a).0, 0);
 }
 
