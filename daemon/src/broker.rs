@@ -8,13 +8,12 @@
 //! directories the operator listed (`export_dirs`), with no symlink in the
 //! last component, and only io_uring images (no VFIO, no mount).
 
+use keelfs_bdev::{Geometry, UringDevice, UringOptions};
+use serde::{Deserialize, Serialize};
 use std::io::{self, IoSlice, IoSliceMut};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Component, Path, PathBuf};
-
-use keelfs_bdev::{Geometry, UringDevice, UringOptions};
-use serde::{Deserialize, Serialize};
 
 use crate::lock::ImageLock;
 
@@ -87,49 +86,83 @@ impl Opened {
     }
 }
 
-/// `path` is absolute, has no `..`, and lies in one of `dirs` once its
-/// directory's symlinks are resolved; its last component is not a symlink.
-pub fn allowed(path: &Path, dirs: &[PathBuf]) -> Result<PathBuf, String> {
+/// The directory holding `path`, open (O_PATH) by walking down from the
+/// listed directory `path` lies in without following any symlink, and
+/// `path`'s last component. `path` must be absolute and free of `..`, and
+/// must start with one of `dirs` (as listed, or with the list's own
+/// symlinks resolved: the operator's paths are trusted, the request's are
+/// not). The walk is one openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS),
+/// so nothing swapped in meanwhile can lead it elsewhere.
+pub fn beneath(path: &Path, dirs: &[PathBuf]) -> Result<(OwnedFd, std::ffi::OsString), String> {
     if !path.is_absolute() || path.components().any(|c| c == Component::ParentDir) {
         return Err(format!("{} is not an absolute path without ..", path.display()));
     }
-    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
-        return Err(format!("{} names no file", path.display()));
-    };
-    let dir = std::fs::canonicalize(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let inside = dirs.iter().filter_map(|d| std::fs::canonicalize(d).ok()).any(|d| dir.starts_with(d));
-    if !inside {
-        return Err(format!("{} is outside export_dirs {dirs:?}", path.display()));
+    let name = path.file_name().ok_or_else(|| format!("{} names no file", path.display()))?.to_owned();
+    let parent = path.parent().unwrap_or(Path::new("/"));
+    let listed = dirs.iter().flat_map(|d| [Some(d.clone()), std::fs::canonicalize(d).ok()]).flatten();
+    let (root, below) = listed
+        .filter_map(|d| parent.strip_prefix(&d).ok().map(|rest| (d.clone(), rest.to_path_buf())))
+        .next()
+        .ok_or_else(|| format!("{} is outside export_dirs {dirs:?}", path.display()))?;
+    let root = std::fs::File::open(&root).map_err(|e| format!("{}: {e}", root.display()))?;
+    let below = if below.as_os_str().is_empty() { Path::new(".") } else { below.as_path() };
+    let dir = openat2(&root, below, libc::O_PATH | libc::O_DIRECTORY)
+        .map_err(|e| format!("{}: {e} (a symlink, or not a directory)", path.display()))?;
+    if on_fuse(&dir) {
+        return Err(format!("{} is on a FUSE filesystem", path.display()));
     }
-    let resolved = dir.join(name);
-    if std::fs::symlink_metadata(&resolved).is_ok_and(|m| m.file_type().is_symlink()) {
-        return Err(format!("{} is a symlink", path.display()));
-    }
-    Ok(resolved)
+    Ok((dir, name))
 }
 
-/// The supervisor's side: check `request` against `dirs`, lock and open the
-/// image, bind the socket. Returns the descriptors to send and the reply.
-pub fn open_for(request: &OpenRequest, dirs: &[PathBuf]) -> anyhow::Result<(Vec<OwnedFd>, OpenReply)> {
-    let device_path = allowed(&request.device, dirs).map_err(anyhow::Error::msg)?;
-    let socket_path = allowed(&request.socket, dirs).map_err(anyhow::Error::msg)?;
-    if !std::fs::metadata(&device_path)
-        .is_ok_and(|m| m.is_file() || std::os::unix::fs::FileTypeExt::is_block_device(&m.file_type()))
-    {
-        anyhow::bail!("{} is not a file or block device", device_path.display());
+/// openat2(2) of `path` below `dir`, never following a symlink nor leaving
+/// `dir`; close-on-exec.
+fn openat2(dir: &impl AsRawFd, path: &Path, flags: libc::c_int) -> io::Result<OwnedFd> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|_| io::ErrorKind::InvalidInput)?;
+    // SAFETY: open_how is plain data; zeroed is valid (no mode, no resolve).
+    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
+    how.flags = (flags | libc::O_CLOEXEC) as u64;
+    how.resolve = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
+    // SAFETY: a NUL-terminated path and an open_how that outlive the call,
+    // with its true size; the kernel returns a new descriptor or -1.
+    let fd = unsafe {
+        libc::syscall(libc::SYS_openat2, dir.as_raw_fd(), path.as_ptr(), &how, std::mem::size_of::<libc::open_how>())
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
     }
-    let lock = match request.read_only {
-        true => ImageLock::shared(&device_path, "serve")?,
-        false => ImageLock::exclusive(&device_path, "serve")?,
-    };
-    let lock = lock.ok_or_else(|| anyhow::anyhow!("no lock for {}", device_path.display()))?;
+    // SAFETY: a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// Whether `fd` lies on a FUSE filesystem, which the sandboxed server
+/// itself may be serving: nothing there is opened for it.
+fn on_fuse(fd: &impl AsRawFd) -> bool {
+    // SAFETY: statfs is plain data; all zeros is a valid value.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: fstatfs writes one statfs through a valid pointer, on a
+    // descriptor the caller keeps open.
+    let rc = unsafe { libc::fstatfs(fd.as_raw_fd(), &mut st) };
+    rc != 0 || st.f_type == libc::FUSE_SUPER_MAGIC
+}
+
+/// The supervisor's side: open the image and the socket's directory
+/// beneath the listed directories, lock the very file it serves, bind the
+/// socket. Returns the descriptors to send and the reply.
+pub fn open_for(request: &OpenRequest, dirs: &[PathBuf]) -> anyhow::Result<(Vec<OwnedFd>, OpenReply)> {
+    let (dir, name) = beneath(&request.device, dirs).map_err(anyhow::Error::msg)?;
+    let access = if request.read_only { libc::O_RDONLY } else { libc::O_RDWR };
+    let file = std::fs::File::from(openat2(&dir, Path::new(&name), access | libc::O_DIRECT)?);
+    let kind = file.metadata()?.file_type();
+    if on_fuse(&file) || !(kind.is_file() || std::os::unix::fs::FileTypeExt::is_block_device(&kind)) {
+        anyhow::bail!("{} is not a file or block device", request.device.display());
+    }
+    // The lock and the device share the open file description: the lock
+    // is on the file served.
+    let lock = ImageLock::acquire_on(file.try_clone()?, &request.device, "serve", !request.read_only)?;
     let options = UringOptions { sqpoll_idle_ms: request.sqpoll_idle_ms, read_only: request.read_only };
-    let device = UringDevice::open(&device_path, options)?;
-    let access = keelfs_vhost::SocketAccess {
-        mode: request.socket_mode.unwrap_or(keelfs_vhost::SocketAccess::default().mode),
-        owner: request.socket_owner,
-    };
-    let listener = keelfs_vhost::bind_listener(&socket_path, access)?;
+    let device = UringDevice::from_file(file, request.device.display().to_string(), options)?;
+    let listener = bind_beneath(request, dirs)?;
     let g = keelfs_bdev::BlockDevice::geometry(&device);
     let reply = OpenReply {
         capacity_bytes: g.capacity_bytes,
@@ -145,9 +178,26 @@ pub fn open_for(request: &OpenRequest, dirs: &[PathBuf]) -> anyhow::Result<(Vec<
     Ok((fds, reply))
 }
 
+/// Bind the request's socket in its directory, reached as [`beneath`]
+/// does. Nothing may be at the path yet: probing a stale socket means
+/// connecting to it, which can block on a listener that is not accepting.
+fn bind_beneath(request: &OpenRequest, dirs: &[PathBuf]) -> anyhow::Result<std::os::unix::net::UnixListener> {
+    let (dir, name) = beneath(&request.socket, dirs).map_err(anyhow::Error::msg)?;
+    // Through the directory's descriptor, whatever its path becomes.
+    let path = Path::new("/proc/self/fd").join(dir.as_raw_fd().to_string()).join(&name);
+    if std::fs::symlink_metadata(&path).is_ok() {
+        anyhow::bail!("{} exists; remove it first", request.socket.display());
+    }
+    let access = keelfs_vhost::SocketAccess {
+        mode: request.socket_mode.unwrap_or(keelfs_vhost::SocketAccess::default().mode),
+        owner: request.socket_owner,
+    };
+    Ok(keelfs_vhost::bind_listener(&path, access)?)
+}
+
 /// Send `data` with `fds` attached (SCM_RIGHTS).
 pub fn send_with_fds(stream: &UnixStream, data: &[u8], fds: &[RawFd]) -> io::Result<()> {
-    let mut space = vec![0u8; cmsg_space(fds.len())];
+    let mut space = control_buffer(cmsg_space(fds.len()));
     let iov = [IoSlice::new(data)];
     // SAFETY: msghdr is plain data; zeroed is valid, and every pointer set
     // below points at live buffers that outlive the sendmsg call.
@@ -156,9 +206,9 @@ pub fn send_with_fds(stream: &UnixStream, data: &[u8], fds: &[RawFd]) -> io::Res
     msg.msg_iovlen = 1;
     if !fds.is_empty() {
         msg.msg_control = space.as_mut_ptr().cast();
-        msg.msg_controllen = space.len() as _;
-        // SAFETY: msg_control holds CMSG_SPACE(fds) bytes, so the first
-        // header and its data fit.
+        msg.msg_controllen = cmsg_space(fds.len()) as _;
+        // SAFETY: msg_control holds CMSG_SPACE(fds) bytes, aligned for
+        // cmsghdr (control_buffer), so the first header and its data fit.
         unsafe {
             let cmsg = libc::CMSG_FIRSTHDR(&msg);
             (*cmsg).cmsg_level = libc::SOL_SOCKET;
@@ -183,18 +233,25 @@ fn cmsg_space(fds: usize) -> usize {
     unsafe { libc::CMSG_SPACE((fds * std::mem::size_of::<RawFd>()) as u32) as usize }
 }
 
+/// A zeroed control buffer of at least `bytes`, aligned for cmsghdr (u64
+/// words: cmsghdr's alignment is that of size_t).
+fn control_buffer(bytes: usize) -> Vec<u64> {
+    vec![0u64; bytes.div_ceil(8)]
+}
+
 /// Receive into `buf`, taking at most `fds_max` descriptors sent with it;
 /// returns the bytes read and the descriptors (owned: closed on drop).
 pub fn recv_with_fds(stream: &UnixStream, buf: &mut [u8], fds_max: usize) -> io::Result<(usize, Vec<OwnedFd>)> {
-    let mut space = vec![0u8; cmsg_space(fds_max)];
+    let mut space = control_buffer(cmsg_space(fds_max));
     let mut iov = [IoSliceMut::new(buf)];
     // SAFETY: as in send_with_fds; the buffers outlive the call.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = iov.as_mut_ptr().cast();
     msg.msg_iovlen = 1;
     msg.msg_control = space.as_mut_ptr().cast();
-    msg.msg_controllen = space.len() as _;
-    // SAFETY: a valid msghdr on a socket the caller keeps open;
+    msg.msg_controllen = cmsg_space(fds_max) as _;
+    // SAFETY: a valid msghdr, its control buffer aligned for cmsghdr, on a
+    // socket the caller keeps open;
     // MSG_CMSG_CLOEXEC keeps the descriptors from any exec.
     let n = unsafe { libc::recvmsg(stream.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
     if n < 0 {
@@ -227,21 +284,27 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_paths_inside_the_listed_directories() {
+    fn only_paths_beneath_the_listed_directories_without_symlinks() {
         let dir = std::env::temp_dir().join(format!("keelfs-broker-{}", std::process::id()));
         let inside = dir.join("ok");
-        std::fs::create_dir_all(&inside).unwrap();
+        std::fs::create_dir_all(inside.join("sub")).unwrap();
         std::os::unix::fs::symlink("/etc/passwd", inside.join("link")).unwrap();
         std::os::unix::fs::symlink("/etc", inside.join("etc")).unwrap();
+        std::os::unix::fs::symlink(&inside, dir.join("alias")).unwrap();
         let dirs = [inside.clone()];
-        assert!(allowed(&inside.join("a.img"), &dirs).is_ok());
-        assert!(allowed(&inside.join("link"), &dirs).is_err(), "a symlink");
-        assert!(allowed(&inside.join("etc/passwd"), &dirs).is_err(), "a symlinked directory");
-        assert!(allowed(&inside.join("../x.img"), &dirs).is_err(), "..");
-        assert!(allowed(Path::new("/etc/shadow"), &dirs).is_err());
-        assert!(allowed(Path::new("rel.img"), &dirs).is_err());
-        assert!(allowed(&dir.join("b.img"), &dirs).is_err(), "the parent of a listed directory");
-        assert!(allowed(&inside.join("a.img"), &[]).is_err(), "nothing listed, nothing allowed");
+        let named = |p: &Path| beneath(p, &dirs).map(|(_, name)| name.to_string_lossy().into_owned());
+        assert_eq!(named(&inside.join("a.img")).as_deref(), Ok("a.img"));
+        assert_eq!(named(&inside.join("sub/b.img")).as_deref(), Ok("b.img"));
+        assert!(named(&inside.join("etc/passwd")).is_err(), "a symlinked directory");
+        assert!(named(&inside.join("../x.img")).is_err(), "..");
+        assert!(named(Path::new("/etc/shadow")).is_err());
+        assert!(named(Path::new("rel.img")).is_err());
+        assert!(named(&dir.join("b.img")).is_err(), "the parent of a listed directory");
+        assert!(named(&dir.join("alias/a.img")).is_err(), "a symlink to a listed directory is not listed");
+        assert!(beneath(&inside.join("a.img"), &[]).is_err(), "nothing listed, nothing allowed");
+        // The last component is opened without following it.
+        let (parent, name) = beneath(&inside.join("link"), &dirs).unwrap();
+        assert!(openat2(&parent, Path::new(&name), libc::O_RDONLY).is_err(), "a symlink at the end");
         let _ = std::fs::remove_dir_all(&dir);
     }
 

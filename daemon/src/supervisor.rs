@@ -64,6 +64,9 @@ const MESSAGE_BYTES_MAX: usize = 16 << 10;
 pub struct SupervisorLink {
     stream: Mutex<UnixStream>,
     fuse_mounts: Vec<PathBuf>,
+    /// An answer did not come in time: a late one would be read as the
+    /// next request's, so the link is not used again.
+    broken: std::sync::atomic::AtomicBool,
 }
 
 impl SupervisorLink {
@@ -102,13 +105,13 @@ impl SupervisorLink {
     /// with the supervisor's reason.
     pub fn open_export(&self, request: &OpenRequest) -> io::Result<broker::Opened> {
         let line = serde_json::to_string(request).map_err(io::Error::other)?;
-        let mut stream = self.stream.lock().unwrap_or_else(|e| e.into_inner());
-        send_line(&mut stream, &format!("open_export {line}"))?;
+        let mut stream = self.usable()?;
+        send_line(&mut stream, &format!("open_export {line}")).map_err(|e| self.broke(e))?;
         let mut buf = vec![0u8; MESSAGE_BYTES_MAX];
-        let (n, fds) = broker::recv_with_fds(&stream, &mut buf, 3)?;
+        let (n, fds) = broker::recv_with_fds(&stream, &mut buf, 3).map_err(|e| self.broke(e))?;
         let mut reply = buf[..n].to_vec();
         if !reply.ends_with(b"\n") {
-            reply.extend_from_slice(read_line(&mut stream)?.as_bytes());
+            reply.extend_from_slice(read_line(&mut stream).map_err(|e| self.broke(e))?.as_bytes());
         }
         let reply = String::from_utf8_lossy(&reply).trim_end().to_string();
         match reply.split_once(' ') {
@@ -127,11 +130,27 @@ impl SupervisorLink {
         self.request(&format!("remove_socket {index}"))
     }
 
+    /// The link, unless an earlier exchange broke it.
+    fn usable(&self) -> io::Result<std::sync::MutexGuard<'_, UnixStream>> {
+        let stream = self.stream.lock().unwrap_or_else(|e| e.into_inner());
+        if self.broken.load(std::sync::atomic::Ordering::Acquire) {
+            return Err(io::Error::other("the supervisor link broke (an answer came late or not at all)"));
+        }
+        Ok(stream)
+    }
+
+    /// An exchange failed half-way: its answer may still come, and would
+    /// be taken for the next one's.
+    fn broke(&self, e: io::Error) -> io::Error {
+        self.broken.store(true, std::sync::atomic::Ordering::Release);
+        e
+    }
+
     /// Send one request and read its answer: 0, or an errno.
     fn request(&self, message: &str) -> io::Result<()> {
-        let mut stream = self.stream.lock().unwrap_or_else(|e| e.into_inner());
-        send_line(&mut stream, message)?;
-        match read_line(&mut stream)?.as_str() {
+        let mut stream = self.usable()?;
+        send_line(&mut stream, message).map_err(|e| self.broke(e))?;
+        match read_line(&mut stream).map_err(|e| self.broke(e))?.as_str() {
             "0" => Ok(()),
             errno => {
                 Err(errno.parse().map_or_else(|_| io::ErrorKind::InvalidData.into(), io::Error::from_raw_os_error))
@@ -186,7 +205,11 @@ pub fn fork_into_pid_namespace(cleanup: Cleanup, signals: &Signals) -> anyhow::R
     if pid == 0 {
         drop(parent_end);
         become_child(&child_end)?;
-        return Ok(Role::Server(SupervisorLink { stream: Mutex::new(child_end), fuse_mounts: cleanup.fuse_mounts }));
+        return Ok(Role::Server(SupervisorLink {
+            stream: Mutex::new(child_end),
+            fuse_mounts: cleanup.fuse_mounts,
+            broken: Default::default(),
+        }));
     }
     drop(child_end);
     let code = supervise(pid, parent_end, signals, &cleanup)?;
