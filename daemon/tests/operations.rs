@@ -443,6 +443,14 @@ fn a_sandboxed_daemon_adds_exports_through_its_supervisor() {
         rpc(&rpc_path, "export_add", json!({"export": {"tag": "vm-c", "device": b, "socket": "/tmp/c.sock"}}));
     assert!(refused.expect_err("a socket outside export_dirs").contains("outside export_dirs"));
     assert!(!socket_c.exists() && !Path::new("/tmp/c.sock").exists());
+    // Nor through a symlink inside them, nor over something already there.
+    std::os::unix::fs::symlink(&outside, allowed.join("link.img")).unwrap();
+    let via_link = json!({"export": {"tag": "vm-c", "device": allowed.join("link.img"), "socket": socket_c}});
+    assert!(rpc(&rpc_path, "export_add", via_link).expect_err("a symlinked image").contains("-32005"));
+    std::fs::write(&socket_c, b"not a socket").unwrap();
+    let taken = rpc(&rpc_path, "export_add", json!({"export": {"tag": "vm-c", "device": b, "socket": socket_c}}));
+    assert!(taken.expect_err("a taken socket path").contains("exists"));
+    assert_eq!(std::fs::read(&socket_c).unwrap(), b"not a socket", "left alone");
     let list = rpc(&rpc_path, "export_list", json!({})).unwrap();
     assert_eq!(list.as_array().unwrap().len(), 1, "only vol-a is left: {list}");
     daemon.stop();
