@@ -179,15 +179,19 @@ impl Allocator {
         }
     }
 
-    /// The first free run of at least `min_len` blocks that ends after
-    /// `from`, cut to start no earlier than it (an fstrim's cursor).
+    /// The first free run that ends after `from`, cut to start no earlier
+    /// than it (an fstrim's cursor), and at least `min_len` blocks long
+    /// once cut.
     pub fn next_free_run(&self, from: u64, min_len: u64) -> Option<BlockRun> {
         for g in self.groups.iter().filter(|g| g.end > from) {
             let containing = g.free.range(..=from).next_back().filter(|(&s, &l)| s + l > from);
-            let mut runs = containing.into_iter().chain(g.free.range(from + 1..));
-            if let Some((&s, &l)) = runs.find(|(_, &l)| l >= min_len) {
+            let runs = containing.into_iter().chain(g.free.range(from + 1..));
+            let mut cut = runs.map(|(&s, &l)| {
                 let start = s.max(from);
-                return Some(BlockRun { start, len: s + l - start });
+                BlockRun { start, len: s + l - start }
+            });
+            if let Some(run) = cut.find(|r| r.len >= min_len) {
+                return Some(run);
             }
         }
         None
@@ -241,6 +245,16 @@ mod tests {
         assert_eq!(a.next_free_run(30, 20), Some(BlockRun { start: 30, len: 20 }));
         assert_eq!(a.next_free_run(50, 1), Some(BlockRun { start: 50, len: 50 }));
         assert_eq!(a.next_free_run(100, 1), None);
+    }
+
+    #[test]
+    fn next_free_run_measures_the_run_cut_at_the_cursor() {
+        let mut a = Allocator::new(0, 100, 1);
+        a.claim(BlockRun { start: 40, len: 10 }).unwrap(); // free: [0,40) [50,100)
+                                                           // 5 blocks of [0,40) lie past the cursor: too short for 10.
+        assert_eq!(a.next_free_run(35, 10), Some(BlockRun { start: 50, len: 50 }));
+        assert_eq!(a.next_free_run(35, 5), Some(BlockRun { start: 35, len: 5 }));
+        assert_eq!(a.next_free_run(95, 6), None);
     }
 
     #[test]

@@ -378,12 +378,17 @@ impl Fs {
         let fs = &self.inner;
         let min_blocks = whole_blocks(min_bytes).max(1);
         let (mut cursor, mut trimmed) = (0u64, 0u64);
+        // The last piece was cut from a longer run: its rest, at the
+        // cursor, was judged long enough already, however short it is.
+        let mut resume = false;
         while !fs.unmounted.get() {
             let piece = {
                 let mut state = fs.state.borrow_mut();
-                let Some(run) = state.alloc.next_free_run(cursor, min_blocks) else { break };
+                let rest = resume.then(|| state.alloc.next_free_run(cursor, 1)).flatten().filter(|r| r.start == cursor);
+                let Some(run) = rest.or_else(|| state.alloc.next_free_run(cursor, min_blocks)) else { break };
                 let piece = BlockRun { start: run.start, len: run.len.min(PIECE_BLOCKS_MAX) };
                 state.alloc.claim(piece).map_err(|e| FsError::Corrupt(format!("fstrim: {e}")))?;
+                resume = piece.len < run.len;
                 piece
             };
             fs.discard.borrow_mut().start(piece);
