@@ -364,6 +364,13 @@ impl Future for Idle {
     }
 }
 
+/// fstrim's minimum run in blocks: `min_bytes` rounded up to whole blocks,
+/// as ext4 rounds FITRIM's minlen (a run shorter than asked is never
+/// discarded), and at least one.
+fn trim_min_blocks(min_bytes: u64) -> u64 {
+    min_bytes.div_ceil(block_bytes(1)).max(1)
+}
+
 impl Fs {
     /// fstrim: discard every free run of at least `min_bytes` (rounded up
     /// to whole blocks), whether or not continuous discard is on. Each
@@ -376,7 +383,7 @@ impl Fs {
             return Err(FsError::ReadOnly);
         }
         let fs = &self.inner;
-        let min_blocks = whole_blocks(min_bytes).max(1);
+        let min_blocks = trim_min_blocks(min_bytes);
         let (mut cursor, mut trimmed) = (0u64, 0u64);
         // The last piece was cut from a longer run: its rest, at the
         // cursor, was judged long enough already, however short it is.
@@ -425,5 +432,16 @@ mod tests {
         unmerged.push(BlockRun { start: 0, len: 1 }, false);
         unmerged.push(BlockRun { start: 1, len: 1 }, false);
         assert_eq!(unmerged.runs().count(), 2);
+    }
+
+    #[test]
+    fn the_trim_minimum_rounds_up_to_whole_blocks() {
+        let block = block_bytes(1);
+        assert_eq!(trim_min_blocks(0), 1);
+        assert_eq!(trim_min_blocks(1), 1);
+        assert_eq!(trim_min_blocks(block), 1);
+        assert_eq!(trim_min_blocks(block + 1), 2, "a run of one block is shorter than asked");
+        assert_eq!(trim_min_blocks(16 * block - 1), 16);
+        assert_eq!(trim_min_blocks(u64::MAX), u64::MAX.div_ceil(block));
     }
 }
