@@ -389,11 +389,20 @@ impl Fs {
         // cursor, was judged long enough already, however short it is.
         let mut resume = false;
         while !fs.unmounted.get() {
+            // Never the space promised to dirty pages or kept for the
+            // checkpoint: writeback and the checkpoint allocate it without
+            // asking, and would fail while this piece is out.
+            let room = fs.device_available_blocks();
             let piece = {
                 let mut state = fs.state.borrow_mut();
                 let rest = resume.then(|| state.alloc.next_free_run(cursor, 1)).flatten().filter(|r| r.start == cursor);
                 let Some(run) = rest.or_else(|| state.alloc.next_free_run(cursor, min_blocks)) else { break };
-                let piece = BlockRun { start: run.start, len: run.len.min(PIECE_BLOCKS_MAX) };
+                let len = run.len.min(PIECE_BLOCKS_MAX);
+                if room < len && room < min_blocks {
+                    tracing::debug!(parent: &fs.span, room, "fstrim: no free space that is not reserved");
+                    break;
+                }
+                let piece = BlockRun { start: run.start, len: len.min(room) };
                 state.alloc.claim(piece).map_err(|e| FsError::Corrupt(format!("fstrim: {e}")))?;
                 resume = piece.len < run.len;
                 piece

@@ -8,7 +8,11 @@ use std::os::unix::fs::MetadataExt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{busy_reactor, channel, check, format, ram_device};
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
+
+use common::{busy_reactor, channel, check, format, ram_device, Gate, GateDevice};
 use keelfs_base::testing::ScratchFile;
 use keelfs_bdev::{BlockDevice, UringDevice, UringOptions};
 use keelfs_fs::{Creds, DiscardConfig, Fs, FsConfig, FsError, Ino, ROOT_INO};
@@ -20,6 +24,42 @@ fn image(tag: &str, bytes: u64) -> (ScratchFile, Arc<dyn BlockDevice>) {
     let file = ScratchFile::new(tag, bytes);
     let dev = UringDevice::open(&file.path, UringOptions::default()).expect("open image");
     (file, Arc::new(dev))
+}
+
+/// An image whose discard completions wait while `gate.hold_discards` is
+/// set: an fstrim then holds its piece out of the allocator.
+fn gated_image(tag: &str, bytes: u64) -> (ScratchFile, Arc<dyn BlockDevice>, Arc<Gate>) {
+    let (file, inner) = image(tag, bytes);
+    let gate = Arc::new(Gate::default());
+    let dev: Arc<dyn BlockDevice> = Arc::new(GateDevice { inner, gate: gate.clone() });
+    (file, dev, gate)
+}
+
+/// Start `fs.trim(min_bytes)` in its own task; its result lands in the
+/// returned cell.
+fn spawn_trim(fs: &Fs, min_bytes: u64) -> Rc<RefCell<Option<Result<u64, FsError>>>> {
+    let out = Rc::new(RefCell::new(None));
+    let (fs, cell) = (fs.clone(), out.clone());
+    reactor::spawn_local(async move {
+        let result = fs.trim(min_bytes).await;
+        *cell.borrow_mut() = Some(result);
+    });
+    out
+}
+
+/// Write `bytes` to a new file through the page cache, without syncing:
+/// its blocks are only promised (delayed allocation).
+async fn write_buffered(fs: &Fs, name: &[u8], bytes: u64) -> Ino {
+    let (f, fh) = fs.create(&Creds::root(), ROOT_INO, name, 0o644, 2).await.unwrap();
+    let chunk = vec![0x5a; MIB as usize];
+    let mut at = 0;
+    while at < bytes {
+        let n = (bytes - at).min(MIB);
+        fs.write(f.ino(), at, &chunk[..n as usize]).await.unwrap();
+        at += n;
+    }
+    fs.release(fh).await.unwrap();
+    f.ino()
 }
 
 fn allocated(file: &ScratchFile) -> u64 {
@@ -189,5 +229,38 @@ fn unmount_with_discards_queued_leaves_a_clean_image() {
         assert!(check(&dev).await.is_clean());
         let fs = Fs::mount(channel(&dev), config(DiscardConfig::default())).await.unwrap();
         assert_eq!(fs.statfs().await.unwrap().blocks_free, free, "the queued runs are free after remount");
+    });
+}
+
+#[test]
+fn fstrim_leaves_space_promised_to_dirty_pages_and_the_checkpoint() {
+    let (_file, dev, gate) = gated_image("fs-trim-reserved", 64 * MIB);
+    let mut r = busy_reactor();
+    r.block_on(async move {
+        format(&dev).await;
+        let cfg = FsConfig { writeback_interval: Duration::from_secs(3600), ..config(DiscardConfig::default()) };
+        let fs = Fs::mount(channel(&dev), cfg).await.unwrap();
+        // Promise all but 1 MiB of the free space to dirty pages.
+        let room = 256;
+        let dirty = (fs.free_blocks() - room) * 4096;
+        let ino = write_buffered(&fs, b"dirty", dirty).await;
+        assert!(fs.free_blocks() <= room, "{} blocks still free", fs.free_blocks());
+        // An fstrim holds its first piece while writeback allocates.
+        gate.hold_discards.store(true, Ordering::SeqCst);
+        let trim = spawn_trim(&fs, 0);
+        wait_for("the trim to hold a piece", || gate.discards_held.load(Ordering::SeqCst) > 0).await;
+        let held = fs.counters().discard_pending_blocks;
+        assert!(held <= room, "the trim holds {held} blocks, more than the {room} not promised");
+        fs.sync().await.expect("writeback gets the space it was promised");
+        gate.hold_discards.store(false, Ordering::SeqCst);
+        wait_for("the trim to end", || trim.borrow().is_some()).await;
+        trim.take().unwrap().unwrap();
+        fs.check_block_ownership().unwrap();
+        fs.unmount().await.unwrap();
+        assert!(check(&dev).await.is_clean());
+        let fs = Fs::mount(channel(&dev), config(DiscardConfig::default())).await.unwrap();
+        let back = fs.read(ino, dirty - MIB, MIB as u32).await.unwrap();
+        assert!(back.len() as u64 == MIB && back.iter().all(|&b| b == 0x5a), "the dirty file was written back whole");
+        fs.unmount().await.unwrap();
     });
 }

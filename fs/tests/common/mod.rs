@@ -53,6 +53,10 @@ pub struct Gate {
     pub trickle: AtomicUsize,
     /// Device offsets of writes in submission order.
     pub offsets: Mutex<Vec<u64>>,
+    /// While set, discard completions are held back (apart from writes).
+    pub hold_discards: AtomicBool,
+    /// Discards submitted and not yet completed to the caller.
+    pub discards_held: AtomicUsize,
 }
 
 /// Wraps a device: when the gate is closed, write completions wait, so a
@@ -69,6 +73,9 @@ impl BlockDevice for GateDevice {
     fn geometry(&self) -> Geometry {
         self.inner.geometry()
     }
+    fn supports_discard(&self) -> bool {
+        self.inner.supports_discard()
+    }
     fn open_queue(&self, config: QueueConfig) -> Result<Box<dyn IoQueue>, BdevError> {
         let depth = QueueConfig { depth: config.depth.max(256), ..config };
         Ok(Box::new(GateQueue {
@@ -76,6 +83,8 @@ impl BlockDevice for GateDevice {
             gate: self.gate.clone(),
             held: Vec::new(),
             writes: Default::default(),
+            discards: Default::default(),
+            held_discards: Vec::new(),
         }))
     }
 }
@@ -85,6 +94,8 @@ struct GateQueue {
     gate: Arc<Gate>,
     held: Vec<Completion>,
     writes: std::collections::HashSet<u64>,
+    discards: std::collections::HashSet<u64>,
+    held_discards: Vec<Completion>,
 }
 
 impl IoQueue for GateQueue {
@@ -100,6 +111,10 @@ impl IoQueue for GateQueue {
             let n = self.gate.held.fetch_add(1, Ordering::SeqCst) + 1;
             self.gate.held_max.fetch_max(n, Ordering::SeqCst);
         }
+        if matches!(req.kind, IoKind::Discard { .. }) {
+            self.discards.insert(req.token);
+            self.gate.discards_held.fetch_add(1, Ordering::SeqCst);
+        }
         Ok(())
     }
     fn poll(&mut self, out: &mut Vec<Completion>, max: usize) -> usize {
@@ -109,7 +124,16 @@ impl IoQueue for GateQueue {
         for c in got {
             if self.writes.contains(&c.token) {
                 self.held.push(c);
+            } else if self.discards.contains(&c.token) {
+                self.held_discards.push(c);
             } else {
+                out.push(c);
+            }
+        }
+        if !self.gate.hold_discards.load(Ordering::SeqCst) {
+            for c in self.held_discards.drain(..) {
+                self.discards.remove(&c.token);
+                self.gate.discards_held.fetch_sub(1, Ordering::SeqCst);
                 out.push(c);
             }
         }
@@ -127,7 +151,7 @@ impl IoQueue for GateQueue {
         out.len() - before
     }
     fn in_flight(&self) -> usize {
-        self.inner.in_flight() + self.held.len()
+        self.inner.in_flight() + self.held.len() + self.held_discards.len()
     }
 }
 
