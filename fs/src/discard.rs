@@ -83,6 +83,8 @@ pub(crate) struct DiscardState {
     /// The token bucket: bytes that may go now, and when it was filled.
     tokens: u64,
     filled: Option<Instant>,
+    /// An fstrim is running ([`Trimming`]).
+    trimming: bool,
 }
 
 impl DiscardState {
@@ -364,6 +366,26 @@ impl Future for Idle {
     }
 }
 
+/// The one fstrim running on a filesystem, until dropped: a guest may
+/// send one FITRIM per request queue slot at once, and each would hold
+/// a piece of free space out of the allocator.
+struct Trimming<'a>(&'a FsInner);
+
+impl<'a> Trimming<'a> {
+    fn begin(fs: &'a FsInner) -> Result<Self, FsError> {
+        if std::mem::replace(&mut fs.discard.borrow_mut().trimming, true) {
+            return Err(FsError::Busy);
+        }
+        Ok(Self(fs))
+    }
+}
+
+impl Drop for Trimming<'_> {
+    fn drop(&mut self) {
+        self.0.discard.borrow_mut().trimming = false;
+    }
+}
+
 /// fstrim's minimum run in blocks: `min_bytes` rounded up to whole blocks,
 /// as ext4 rounds FITRIM's minlen (a run shorter than asked is never
 /// discarded), and at least one.
@@ -377,12 +399,14 @@ impl Fs {
     /// piece (64 MiB at most) is taken from the allocator, discarded and
     /// freed again, one at a time, so requests go on between pieces and a
     /// writer never waits for more than one. Returns the bytes discarded.
-    /// A device that cannot discard answers [`FsError::Unsupported`].
+    /// A device that cannot discard answers [`FsError::Unsupported`];
+    /// while another trim runs, [`FsError::Busy`].
     pub async fn trim(&self, min_bytes: u64) -> Result<u64, FsError> {
         if self.read_only() {
             return Err(FsError::ReadOnly);
         }
         let fs = &self.inner;
+        let _alone = Trimming::begin(fs)?;
         let min_blocks = trim_min_blocks(min_bytes);
         let (mut cursor, mut trimmed) = (0u64, 0u64);
         // The last piece was cut from a longer run: its rest, at the

@@ -47,6 +47,9 @@ pub enum FsError {
     Nxio,
     #[error("read-only filesystem")]
     ReadOnly,
+    /// One of a kind that runs alone is running already (an fstrim).
+    #[error("device or resource busy")]
+    Busy,
     #[error("device I/O failed: {0}")]
     Io(#[from] BdevError),
     #[error("filesystem is damaged: {0}")]
@@ -76,6 +79,7 @@ impl FsError {
             FsError::Unsupported => libc::EOPNOTSUPP,
             FsError::Loop => libc::ELOOP,
             FsError::Nxio => libc::ENXIO,
+            FsError::Busy => libc::EBUSY,
             FsError::ReadOnly | FsError::Io(BdevError::ReadOnly) => libc::EROFS,
             FsError::Io(_) | FsError::Corrupt(_) => libc::EIO,
         }

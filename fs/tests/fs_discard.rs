@@ -264,3 +264,33 @@ fn fstrim_leaves_space_promised_to_dirty_pages_and_the_checkpoint() {
         fs.unmount().await.unwrap();
     });
 }
+
+#[test]
+fn a_second_fstrim_while_one_runs_is_busy() {
+    let (_file, dev, gate) = gated_image("fs-trim-busy", 64 * MIB);
+    let mut r = busy_reactor();
+    r.block_on(async move {
+        format(&dev).await;
+        let fs = Fs::mount(channel(&dev), config(DiscardConfig::default())).await.unwrap();
+        gate.hold_discards.store(true, Ordering::SeqCst);
+        let first = spawn_trim(&fs, 0);
+        wait_for("the trim to hold a piece", || gate.discards_held.load(Ordering::SeqCst) > 0).await;
+        let held = fs.counters().discard_pending_blocks;
+        // Spawned, so that a second trim that waits on the held discards
+        // fails the test instead of hanging it.
+        let second = spawn_trim(&fs, 0);
+        wait_for("the second trim to answer", || second.borrow().is_some()).await;
+        assert_eq!(second.take(), Some(Err(FsError::Busy)));
+        assert_eq!(FsError::Busy.errno(), libc::EBUSY);
+        assert_eq!(fs.counters().discard_pending_blocks, held, "the refused trim took nothing");
+        gate.hold_discards.store(false, Ordering::SeqCst);
+        wait_for("the trim to end", || first.borrow().is_some()).await;
+        let trimmed = first.take().unwrap().unwrap();
+        assert!(trimmed >= 32 * MIB, "trimmed {trimmed} bytes");
+        // Once it has ended, the next may run.
+        assert_eq!(fs.trim(0).await, Ok(trimmed));
+        fs.check_block_ownership().unwrap();
+        fs.unmount().await.unwrap();
+        assert!(check(&dev).await.is_clean());
+    });
+}
