@@ -85,6 +85,8 @@ pub(crate) struct DiscardState {
     filled: Option<Instant>,
     /// An fstrim is running ([`Trimming`]).
     trimming: bool,
+    /// Unmount has begun: an fstrim stops at its next piece.
+    stop_trim: bool,
 }
 
 impl DiscardState {
@@ -330,8 +332,16 @@ pub(crate) async fn reclaim(fs: &FsInner) -> bool {
     before > 0
 }
 
+/// At the start of an unmount (`true`), before its writeback: a running
+/// fstrim takes no further piece, and a new one does nothing. An unmount
+/// that fails before it is done lets them run again (`false`).
+pub(crate) fn stop_trims(fs: &FsInner, stop: bool) {
+    fs.discard.borrow_mut().stop_trim = stop;
+}
+
 /// At unmount (with `unmounted` set, so nothing new starts): wait for the
-/// discards in flight, so the device is quiet once unmount returns, and
+/// discards in flight, the queue's and an fstrim's piece, so the device is
+/// quiet and every run is back in the allocator once unmount returns, and
 /// drop the queue's trim.
 pub(crate) async fn settle(fs: &FsInner) {
     while fs.discard.borrow().in_flight_blocks > 0 {
@@ -412,7 +422,7 @@ impl Fs {
         // The last piece was cut from a longer run: its rest, at the
         // cursor, was judged long enough already, however short it is.
         let mut resume = false;
-        while !fs.unmounted.get() {
+        while !fs.unmounted.get() && !fs.discard.borrow().stop_trim {
             // Never the space promised to dirty pages or kept for the
             // checkpoint: writeback and the checkpoint allocate it without
             // asking, and would fail while this piece is out.

@@ -607,7 +607,14 @@ impl Fs {
             self.inner.unmounted.set(true);
             return Ok(());
         }
-        self.writeback_all().await?;
+        // An fstrim would compete with the writeback for the device and
+        // for free space: it stops at its next piece; settle waits for
+        // the piece it holds.
+        discard::stop_trims(&self.inner, true);
+        if let Err(e) = self.writeback_all().await {
+            discard::stop_trims(&self.inner, false);
+            return Err(e);
+        }
         self.inner.unmounted.set(true);
         discard::settle(&self.inner).await;
         journal::checkpoint(&self.inner).await

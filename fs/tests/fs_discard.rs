@@ -294,3 +294,48 @@ fn a_second_fstrim_while_one_runs_is_busy() {
         assert!(check(&dev).await.is_clean());
     });
 }
+
+#[test]
+fn unmount_stops_an_fstrim_and_waits_for_its_piece() {
+    let (_file, dev, gate) = gated_image("fs-trim-unmount", 512 * MIB);
+    let mut r = busy_reactor();
+    r.block_on(async move {
+        format(&dev).await;
+        let cfg = FsConfig { writeback_interval: Duration::from_secs(3600), ..config(DiscardConfig::default()) };
+        let fs = Fs::mount(channel(&dev), cfg).await.unwrap();
+        // Dirty pages, so that the unmount's writeback takes a while.
+        let ino = write_buffered(&fs, b"dirty", 4 * MIB).await;
+        gate.hold_discards.store(true, Ordering::SeqCst);
+        let trim = spawn_trim(&fs, 0);
+        wait_for("the trim to hold a piece", || gate.discards_held.load(Ordering::SeqCst) > 0).await;
+        // The unmount starts while the piece is out, and its writeback
+        // waits on the held writes.
+        gate.closed.store(true, Ordering::SeqCst);
+        let unmounted = Rc::new(RefCell::new(None));
+        let (fs2, cell) = (fs.clone(), unmounted.clone());
+        reactor::spawn_local(async move {
+            let result = fs2.unmount().await;
+            *cell.borrow_mut() = Some(result);
+        });
+        wait_for("the writeback to start", || gate.held.load(Ordering::SeqCst) > 0).await;
+        // The piece comes back, and the trim takes no other.
+        gate.hold_discards.store(false, Ordering::SeqCst);
+        wait_for("the trim to end", || trim.borrow().is_some()).await;
+        let trimmed = trim.take().unwrap().unwrap();
+        assert_eq!(fs.counters().discards, 1, "the trim stopped after its piece");
+        assert!(trimmed <= 64 * MIB, "trimmed {trimmed} bytes");
+        assert_eq!(fs.counters().discard_pending_blocks, 0, "no piece is left out of the allocator");
+        assert!(unmounted.borrow().is_none(), "the unmount is still writing back");
+        gate.closed.store(false, Ordering::SeqCst);
+        wait_for("the unmount to end", || unmounted.borrow().is_some()).await;
+        unmounted.take().unwrap().unwrap();
+        assert!(check(&dev).await.is_clean());
+        let fs = Fs::mount(channel(&dev), config(DiscardConfig::default())).await.unwrap();
+        fs.check_block_ownership().unwrap();
+        let back = fs.read(ino, 0, MIB as u32).await.unwrap();
+        assert!(back.iter().all(|&b| b == 0x5a));
+        // A trim after a remount covers what the stopped one left.
+        assert!(fs.trim(0).await.unwrap() > 256 * MIB);
+        fs.unmount().await.unwrap();
+    });
+}
