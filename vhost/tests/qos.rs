@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use keelfs_vhost::abi::{init_flags as f, Opcode};
-use keelfs_vhost::frontend::{io_request, FsFrontend};
+use keelfs_vhost::frontend::{io_request, FrontendConfig, FsFrontend};
 use keelfs_vhost::QosLimits;
 
 mod common;
@@ -164,4 +164,35 @@ fn a_frontend_that_leaves_with_requests_held_does_not_hold_up_the_next() {
     assert!(asked.elapsed() < Duration::from_secs(3), "the next frontend waited {:?}", asked.elapsed());
     drop(fe);
     daemon.stop_all();
+}
+
+/// A driver may publish a head again while the device still holds it:
+/// virtio-queue does not notice, and each publication pops as a new
+/// chain. QoS holding them must not let such a driver have more taken
+/// than its ring holds (without a configured cap, the held queue used to
+/// grow for as long as the driver went on), and the device keeps serving.
+#[test]
+fn a_driver_reusing_a_held_head_cannot_have_more_than_a_ring_taken() {
+    const RING: u16 = 16;
+    let limits = QosLimits { read_iops: Some(1), burst_ms: 1000, ..QosLimits::UNLIMITED };
+    let daemon = Daemon::start_with_qos(1, limits);
+    let config = FrontendConfig { request_queues: 1, queue_size: RING, slots: RING / 8, ..FrontendConfig::default() };
+    let mut fe = FsFrontend::connect(&daemon.socket, config).unwrap();
+    fe.init(f::INIT_EXT).unwrap();
+    let file = create(&mut fe, 1, "reused");
+    submit_read(&mut fe, file); // the burst
+    let held = submit_read(&mut fe, file);
+    // A few at a time, so that the device could keep up if it took them.
+    for _ in 0..100 {
+        for _ in 0..4 {
+            fe.submit_head(1, held).unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    // Still serving, on the other queue.
+    let (nodeid, fh) = create(&mut fe, 0, "still-served");
+    assert_eq!(write(&mut fe, 0, nodeid, fh, 0, b"served"), 0);
+    drop(fe);
+    let [.., in_flight_max] = daemon.stop_all();
+    assert!(in_flight_max <= u64::from(RING), "{in_flight_max} requests taken from a ring of {RING}");
 }

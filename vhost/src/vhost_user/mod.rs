@@ -262,9 +262,9 @@ pub struct ServeOptions {
     /// as the daemon does before it enters its sandbox; the caller then
     /// removes the path. None: bind here, and remove it on stop.
     pub listener: Option<std::os::unix::net::UnixListener>,
-    /// Requests in flight per queue at most (None: as many as the ring
-    /// holds). Past it, requests wait in the ring: backpressure, not an
-    /// error.
+    /// Requests in flight per queue at most (None, or more than the ring
+    /// holds: the ring's size). Past it, requests wait in the ring:
+    /// backpressure, not an error. Requests QoS holds count in it.
     pub requests_in_flight_max: Option<usize>,
     /// How the server gives its image up and takes it back, so that its
     /// guest can migrate (see [`ImageAccess`]). None: the device refuses
@@ -438,6 +438,7 @@ impl VhostUserServer {
             return Err(VhostUserError::QueueCount(request_queues));
         }
         let queues = request_queues + 1;
+        // The pollers lower it to each ring's size.
         let in_flight_max = options.requests_in_flight_max.unwrap_or(usize::MAX).max(1);
         // A helper with no queue of its own would only cost a poller.
         let helpers: Vec<ReactorHandle> = options.helpers.into_iter().take(request_queues - 1).collect();

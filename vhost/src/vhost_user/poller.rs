@@ -237,14 +237,29 @@ pub(super) struct QueueState {
     /// Requests popped that the export's QoS holds back (None: no QoS).
     /// They count in `in_flight`, so its cap bounds them.
     pub(super) deferred: Option<Gate<(Chain, Arc<GuestRam>)>>,
+    /// The ring's size when it was last popped (0: not yet).
+    pub(super) ring_size: usize,
 }
 
 impl QueueState {
+    /// Requests this queue may have in flight: the configured cap, and
+    /// never more than the ring's size. A ring holds at most that many
+    /// distinct chains; virtio-queue does not notice a driver publishing a
+    /// head again while it is in flight, so without this bound such a
+    /// driver could have chains popped (and held, or spawned) for ever.
+    fn in_flight_cap(&self, in_flight_max: usize) -> usize {
+        match self.ring_size {
+            0 => in_flight_max,
+            size => in_flight_max.min(size),
+        }
+    }
+
     /// Held back by QoS with no room for more: popping would find nothing
     /// it may take, so the ring is left alone until the timer lets some
     /// through.
     fn throttled(&self, in_flight_max: usize) -> bool {
-        self.deferred.as_ref().is_some_and(|d| !d.is_empty()) && self.in_flight.get() >= in_flight_max
+        self.deferred.as_ref().is_some_and(|d| !d.is_empty())
+            && self.in_flight.get() >= self.in_flight_cap(in_flight_max)
     }
 }
 
@@ -270,8 +285,8 @@ pub(super) struct QueuePoller<S: ChainServer> {
     pub(super) queues: Vec<QueueState>,
     pub(super) disconnects: Vec<SyncSender<()>>,
     pub(super) stats: Rc<DeviceStats>,
-    /// Requests in flight per queue at most: past it, the rest wait in the
-    /// ring until some finish.
+    /// Requests in flight per queue at most, if less than the ring's size:
+    /// past it, the rest wait in the ring until some finish.
     pub(super) in_flight_max: usize,
     /// The export's span, for events logged from the reactor's loop.
     pub(super) span: tracing::Span,
@@ -367,7 +382,9 @@ impl<S: ChainServer> QueuePoller<S> {
                 return false;
             }
             self.queues[index].broken = false;
-            while popped < POP_BATCH && self.queues[index].in_flight.get() < self.in_flight_max {
+            self.queues[index].ring_size = usize::from(state.get_queue().size());
+            let cap = self.queues[index].in_flight_cap(self.in_flight_max);
+            while popped < POP_BATCH && self.queues[index].in_flight.get() < cap {
                 let Some(chain) = state.get_queue_mut().pop_descriptor_chain(mem.clone()) else { break };
                 popped += 1;
                 let in_flight = &self.queues[index].in_flight;
