@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 pub const LOG_BURST: u32 = 10;
 pub const LOG_WINDOW: Duration = Duration::from_secs(5);
 
-/// One call site's limit. Taken only on paths that log, never per request
-/// that succeeds.
+/// One call site's limit, or one client's at a call site. Taken only on
+/// paths that log, never per request that succeeds.
 pub struct RateLimit {
     /// The window's start, lines let through in it, and lines left out
     /// since the last one let through.
@@ -51,18 +51,26 @@ impl RateLimit {
     }
 }
 
-/// Log with a per-call-site [`RateLimit`]: `ratelimited!(tracing::warn!(...))`.
-/// When lines were left out, a warning saying how many goes first.
+/// Log with a per-call-site [`RateLimit`]: `ratelimited!(tracing::warn!(...))`,
+/// or with one of the caller's: `ratelimited!(limit = &self.limit, tracing::warn!(...))`.
+/// A call site shared by many clients (every export's sessions) needs the
+/// second, one limit per client: with the first, one client provoking it
+/// silences every other's. When lines were left out, a warning saying how
+/// many goes first.
 #[macro_export]
 macro_rules! ratelimited {
-    ($event:expr) => {{
-        static LIMIT: $crate::RateLimit = $crate::RateLimit::new();
-        if let Some(left_out) = LIMIT.check() {
+    (limit = $limit:expr, $event:expr) => {{
+        let limit: &$crate::RateLimit = $limit;
+        if let Some(left_out) = limit.check() {
             if left_out > 0 {
                 tracing::warn!(suppressed = left_out, "similar messages were suppressed");
             }
             $event;
         }
+    }};
+    ($event:expr) => {{
+        static LIMIT: $crate::RateLimit = $crate::RateLimit::new();
+        $crate::ratelimited!(limit = &LIMIT, $event)
     }};
 }
 
