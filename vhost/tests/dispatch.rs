@@ -588,3 +588,54 @@ fn fitrim_trims_an_image_file_and_replies_with_the_length() {
         assert_eq!(fitrim(&s, 10, 0, FITRIM, &fstrim_range(0, u64::MAX, 0), 24).await.0, -libc::EROFS);
     });
 }
+
+/// What a test's thread logs, as text.
+#[derive(Clone, Default)]
+struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The warnings a guest can provoke are limited per session: one guest
+/// that fills its disk must not silence another's (they shared one limit
+/// per call site).
+#[test]
+fn each_session_has_its_own_burst_of_failure_warnings() {
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    tracing::subscriber::with_default(subscriber, || {
+        let mut reactor = Reactor::new(ReactorConfig { mode: PollMode::Busy, ..ReactorConfig::default() }).unwrap();
+        let dev: Arc<dyn BlockDevice> = Arc::new(MappedDevice::ram(64 << 20, 4096).unwrap());
+        reactor.block_on(async move {
+            let ch = || DeviceChannel::attach(dev.open_queue(QueueConfig::default()).unwrap());
+            mkfs(ch(), &MkfsOptions { force: true, ..MkfsOptions::default() }).await.unwrap();
+            // Room for the root only: every mkdir fails with ENOSPC.
+            let fs = Fs::mount(ch(), FsConfig { inodes_max: Some(1), ..FsConfig::default() }).await.unwrap();
+            for session in
+                [Session::new(fs.clone(), SessionConfig::default()), Session::new(fs, SessionConfig::default())]
+            {
+                session.handle(&request(Opcode::Init as u32, 1, 0, &init_body())).await.unwrap();
+                for unique in 2..50 {
+                    let mkdir_in = named(&[0o755u32.to_le_bytes(), 0u32.to_le_bytes()].concat(), &format!("d{unique}"));
+                    let failed = session.handle(&request(Opcode::Mkdir as u32, unique, 1, &mkdir_in)).await.unwrap();
+                    assert_eq!(reply(&failed, unique).0, -libc::ENOSPC);
+                }
+            }
+        });
+    });
+    let text = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    let warned = text.lines().filter(|l| l.contains("request failed")).count();
+    assert_eq!(warned, 2 * keelfs_base::LOG_BURST as usize, "each session's burst:\n{text}");
+}

@@ -113,6 +113,9 @@ pub struct Session {
     /// its reactor's): the parent of this session's events, which requests
     /// run as tasks of their own log outside it.
     span: tracing::Span,
+    /// The limit of this session's failure warnings: its own, so that a
+    /// guest that fills its disk cannot silence another export's.
+    failures_logged: keelfs_base::RateLimit,
 }
 
 /// Writes one notification message (fuse_out_header with unique 0).
@@ -201,6 +204,7 @@ impl Session {
             holdings: RefCell::default(),
             notifier: RefCell::default(),
             span: tracing::Span::current(),
+            failures_logged: keelfs_base::RateLimit::new(),
         }
     }
 
@@ -431,19 +435,22 @@ impl Session {
     /// A failed request: routine errnos (ENOENT, EEXIST, ...) at trace
     /// level, where a guest's misses would flood nothing; those an operator
     /// must hear of (the device or keelfs failed, the space or the quota
-    /// ran out) as a warning, at most a burst per window: a guest can
-    /// provoke them at will.
+    /// ran out) as a warning, at most a burst per window of this session:
+    /// a guest can provoke them at will.
     fn log_failure(&self, header: &InHeader, errno: i32) {
         let (ino, opcode) = (header.nodeid, header.opcode);
         // Fields are evaluated only when the event is enabled.
         if matches!(errno, libc::EIO | libc::ENOSPC | libc::EDQUOT) {
-            keelfs_base::ratelimited!(tracing::warn!(
-                parent: &self.span,
-                opcode = ?Opcode::from_u32(opcode),
-                ino,
-                errno,
-                "request failed"
-            ));
+            keelfs_base::ratelimited!(
+                limit = &self.failures_logged,
+                tracing::warn!(
+                    parent: &self.span,
+                    opcode = ?Opcode::from_u32(opcode),
+                    ino,
+                    errno,
+                    "request failed"
+                )
+            );
         } else {
             tracing::trace!(parent: &self.span, opcode = ?Opcode::from_u32(opcode), ino, errno, "request failed");
         }
