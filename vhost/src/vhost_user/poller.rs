@@ -227,6 +227,9 @@ pub(super) struct QueueState {
     /// the queue can be trusted until it is set up again, so it is not
     /// polled (reported once, not on every kick).
     pub(super) broken: bool,
+    /// The limit of the warnings of `broken`: a driver can break the ring,
+    /// kick, mend it and break it again at will.
+    pub(super) broken_logged: keelfs_base::RateLimit,
     pub(super) idle_since: Option<Instant>,
     pub(super) in_flight: Rc<Cell<usize>>,
     /// Finished chains waiting for the used ring: (head, bytes written).
@@ -442,17 +445,21 @@ impl<S: ChainServer> QueuePoller<S> {
         ran
     }
 
-    /// Stop polling a queue whose driver broke it; count and log it once.
+    /// Stop polling a queue whose driver broke it; count and log it once
+    /// per break, the log at most a burst per window of this queue.
     fn mark_broken(&mut self, index: usize) {
         let queue = &mut self.queues[index];
         queue.polling = false;
         if !queue.broken {
             queue.broken = true;
             self.stats.broken_queues.set(self.stats.broken_queues.get() + 1);
-            tracing::warn!(
-                parent: &self.span,
-                queue = index,
-                "the driver moved the avail index more than a ring ahead; queue not served"
+            keelfs_base::ratelimited!(
+                limit = &queue.broken_logged,
+                tracing::warn!(
+                    parent: &self.span,
+                    queue = index,
+                    "the driver moved the avail index more than a ring ahead; queue not served"
+                )
             );
         }
     }
