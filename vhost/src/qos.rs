@@ -10,6 +10,10 @@
 //! requests of one class keep their order. Other requests (metadata,
 //! FORGET, FLUSH, FSYNC...) are never charged nor held.
 //!
+//! A virtio request is charged from guest memory when it is taken, and
+//! read from it again when served: a request rewritten between the two
+//! pays the difference then, as debt (see [`Charged`]).
+//!
 //! Waiting needs no polling: the earliest moment a waiting request can be
 //! admitted is armed as a reactor timer, which bounds the reactor's sleep,
 //! so a queue that is only throttled costs no CPU.
@@ -36,7 +40,7 @@ const IO_SIZE_AT: usize = IN_HEADER_BYTES + 16;
 /// Bytes of a request [`Charge::of_request`] looks at.
 pub(crate) const CHARGE_PREFIX_BYTES: usize = IO_SIZE_AT + 4;
 
-const NANOS_PER_SEC: u128 = 1_000_000_000;
+const NANOS_PER_SEC: i128 = 1_000_000_000;
 
 /// Held requests are let through in batches at least this far apart. One
 /// at a time (every 200 µs at 5000 IOPS) would keep an adaptive reactor
@@ -155,13 +159,20 @@ impl Charge {
 }
 
 /// One limit: `tokens` are units (operations or bytes) times 10^9, so
-/// that a refill of `elapsed_ns × rate` is exact.
+/// that a refill of `elapsed_ns × rate` is exact. Below zero when a
+/// request served cost more than it was charged when admitted (see
+/// [`Charged`]): that debt is paid before anything else passes.
 #[derive(Clone, Copy, Debug, Default)]
 struct Bucket {
     /// Units per second; 0: off.
     rate: u64,
-    tokens: u128,
-    capacity: u128,
+    tokens: i128,
+    capacity: i128,
+}
+
+/// `cost` units in tokens. At most u64::MAX × 10^9, far inside i128.
+fn tokens_of(cost: u64) -> i128 {
+    i128::from(cost) * NANOS_PER_SEC
 }
 
 impl Bucket {
@@ -169,8 +180,8 @@ impl Bucket {
     /// request can cost: the bucket always holds that much.
     fn new(rate: Option<u64>, burst_ms: u32, least: u64) -> Self {
         let rate = rate.unwrap_or(0);
-        let burst = u128::from(rate) * u128::from(burst_ms) * 1_000_000;
-        let capacity = burst.max(u128::from(least) * NANOS_PER_SEC);
+        let burst = i128::from(rate) * i128::from(burst_ms) * 1_000_000;
+        let capacity = burst.max(tokens_of(least));
         Self { rate, tokens: capacity, capacity }
     }
 
@@ -179,17 +190,19 @@ impl Bucket {
     }
 
     fn refill(&mut self, elapsed_ns: u64) {
-        let earned = u128::from(elapsed_ns) * u128::from(self.rate);
+        // u64 × u64 fits a u128, not always an i128.
+        let earned = i128::from(elapsed_ns).saturating_mul(i128::from(self.rate));
         self.tokens = self.tokens.saturating_add(earned).min(self.capacity);
     }
 
     fn holds(&self, cost: u64) -> bool {
-        !self.on() || self.tokens >= u128::from(cost) * NANOS_PER_SEC
+        !self.on() || self.tokens >= tokens_of(cost)
     }
 
+    /// Take `cost`, into debt if the bucket does not hold it.
     fn take(&mut self, cost: u64) {
         if self.on() {
-            self.tokens = self.tokens.saturating_sub(u128::from(cost) * NANOS_PER_SEC);
+            self.tokens = self.tokens.saturating_sub(tokens_of(cost));
         }
     }
 
@@ -198,7 +211,8 @@ impl Bucket {
         if self.holds(cost) {
             return 0;
         }
-        let missing = u128::from(cost) * NANOS_PER_SEC - self.tokens;
+        // Positive, as the bucket does not hold `cost`.
+        let missing = tokens_of(cost).saturating_sub(self.tokens).unsigned_abs();
         u64::try_from(missing.div_ceil(u128::from(self.rate))).unwrap_or(u64::MAX)
     }
 
@@ -268,11 +282,78 @@ impl Buckets {
         now.checked_add(Duration::from_nanos(wait)).unwrap_or(now + Duration::from_secs(3600))
     }
 
+    /// Charge what a request served costs beyond what it was charged,
+    /// `charged` (per bucket, see [`Costs`]), which then covers it. The
+    /// buckets go into debt if they do not hold it. Returns when that debt
+    /// is paid, if there is any.
+    fn settle(&mut self, charged: &mut Costs, served: Charge, now: Instant) -> Option<Instant> {
+        self.refill(now);
+        let served = Costs::of(served);
+        let mut wait = None;
+        for (i, bucket) in self.ops.iter_mut().chain(self.bytes.iter_mut()).enumerate() {
+            let extra = served.0[i].saturating_sub(charged.0[i]);
+            if extra == 0 {
+                continue;
+            }
+            charged.0[i] = served.0[i];
+            bucket.take(extra);
+            wait = wait.max(Some(bucket.wait_ns(0)));
+        }
+        let wait = wait.filter(|&ns| ns > 0)?;
+        Some(now.checked_add(Duration::from_nanos(wait)).unwrap_or(now + Duration::from_secs(3600)))
+    }
+
     fn retune(&mut self, limits: &QosLimits, now: Instant) {
         self.refill(now);
         let new = Self::new(limits, now);
         for (old, new) in self.ops.iter_mut().zip(new.ops).chain(self.bytes.iter_mut().zip(new.bytes)) {
             old.retune(new);
+        }
+    }
+}
+
+/// What a request costs each bucket: ops (read, write, combined) then
+/// bytes (read, write, combined), as [`Buckets`] orders them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Costs([u64; 6]);
+
+impl Costs {
+    fn of(charge: Charge) -> Self {
+        let b = charge.bytes;
+        Self(match charge.class {
+            None => [0; 6],
+            Some(Class::Read) => [1, 0, 1, b, 0, b],
+            Some(Class::Write) => [0, 1, 1, 0, b, b],
+        })
+    }
+}
+
+/// What a request was charged when its transport took it, to settle
+/// against the request as it is served. A virtio request stays in guest
+/// memory, where the guest can rewrite it between the two (a free
+/// GETATTR when looked at, a 1 MiB WRITE when served): the limits must
+/// hold for what is served.
+pub(crate) struct Charged {
+    qos: Rc<Qos>,
+    costs: Costs,
+}
+
+impl Charged {
+    pub(crate) fn new(qos: Rc<Qos>, charge: Charge) -> Self {
+        Self { qos, costs: Costs::of(charge) }
+    }
+
+    /// `request` (its first [`CHARGE_PREFIX_BYTES`] at least, when it has
+    /// them) is about to be served: charge what it costs beyond what was
+    /// charged so far, and wait until the debt that makes is paid. A
+    /// request served as it was taken costs nothing more and never waits.
+    /// What was charged in excess stays spent.
+    pub(crate) async fn settle(&mut self, request: &[u8]) {
+        let now = Instant::now();
+        let paid_at = self.qos.buckets.borrow_mut().settle(&mut self.costs, Charge::of_request(request), now);
+        if let Some(at) = paid_at {
+            self.qos.debts.set(self.qos.debts.get() + 1);
+            reactor::sleep_until(at).await;
         }
     }
 }
@@ -284,6 +365,10 @@ pub struct QosStats {
     pub deferred: [u64; 2],
     /// Requests waiting now, per class.
     pub waiting: [u64; 2],
+    /// Requests that cost more when served than when they were charged:
+    /// their guest rewrote them meanwhile. Each waited to pay the
+    /// difference.
+    pub debts: u64,
 }
 
 /// The limiter of one export, shared by every transport serving it on its
@@ -296,6 +381,7 @@ pub struct Qos {
     buckets: RefCell<Buckets>,
     deferred: [Cell<u64>; 2],
     waiting: [Cell<u64>; 2],
+    debts: Cell<u64>,
     /// Bumped at each change of limits: a held request may then pass
     /// sooner than its gate worked out.
     generation: Cell<u64>,
@@ -310,6 +396,7 @@ impl Qos {
             buckets: RefCell::new(Buckets::new(&limits, Instant::now())),
             deferred: Default::default(),
             waiting: Default::default(),
+            debts: Cell::new(0),
             generation: Cell::new(0),
         }))
     }
@@ -334,6 +421,7 @@ impl Qos {
         QosStats {
             deferred: [self.deferred[0].get(), self.deferred[1].get()],
             waiting: [self.waiting[0].get(), self.waiting[1].get()],
+            debts: self.debts.get(),
         }
     }
 
@@ -370,6 +458,10 @@ impl<T> Gate<T> {
 
     pub(crate) fn is_empty(&self) -> bool {
         self.fifos.iter().all(VecDeque::is_empty)
+    }
+
+    pub(crate) fn qos(&self) -> &Rc<Qos> {
+        &self.qos
     }
 
     /// A new request: returned to run now, or kept (None) until its turn.
@@ -581,7 +673,7 @@ mod tests {
             let write = Charge { class: Some(Class::Write), bytes: 1 << 20 };
             assert_eq!(gate.offer(100, write, t0), Some(100), "writes do not wait behind held reads");
             assert_eq!(gate.offer(200, Charge::FREE, t0), Some(200));
-            assert_eq!(qos.stats(), QosStats { deferred: [5, 0], waiting: [5, 0] });
+            assert_eq!(qos.stats(), QosStats { deferred: [5, 0], waiting: [5, 0], debts: 0 });
             qos.set_limits(QosLimits { read_iops: Some(20), burst_ms: 100, ..QosLimits::UNLIMITED }).unwrap();
             // The change refilled the buckets to the clock's time: count
             // from after it.
@@ -594,7 +686,11 @@ mod tests {
             assert_eq!(ran, [1, 2, 3]);
             assert_eq!(qos.stats().waiting, [2, 0]);
             drop(gate);
-            assert_eq!(qos.stats(), QosStats { deferred: [5, 0], waiting: [0, 0] }, "a dropped gate waits no more");
+            assert_eq!(
+                qos.stats(),
+                QosStats { deferred: [5, 0], waiting: [0, 0], debts: 0 },
+                "a dropped gate waits no more"
+            );
             assert!(qos.set_limits(QosLimits { burst_ms: 0, ..QosLimits::UNLIMITED }).is_err());
         });
     }
@@ -651,6 +747,72 @@ mod tests {
             let mut ran = Vec::new();
             assert!(gate.drain(t0, |i| ran.push(i)));
             assert_eq!((ran, gate.open()), (vec![2], true));
+        });
+    }
+
+    #[test]
+    fn a_request_served_dearer_than_charged_pays_the_difference_as_debt() {
+        let t0 = Instant::now();
+        let limits = QosLimits { write_bytes_per_sec: Some(1 << 20), burst_ms: 1, ..QosLimits::UNLIMITED };
+        let mut b = Buckets::new(&limits, t0);
+        let write = Charge { class: Some(Class::Write), bytes: IO_BYTES_MAX };
+        // Free when taken (a GETATTR then), a 1 MiB WRITE when served.
+        let mut charged = Costs::of(Charge::FREE);
+        assert_eq!(b.settle(&mut charged, write, t0), None, "the full bucket pays at once");
+        assert_eq!(charged, Costs::of(write));
+        assert_eq!(b.settle(&mut charged, write, t0), None, "what was charged is not charged again");
+        let mut charged = Costs::of(Charge { class: Some(Class::Read), bytes: 0 });
+        assert_eq!(b.settle(&mut charged, write, t0), Some(t0 + Duration::from_secs(1)), "1 MiB owed at 1 MiB/s");
+        // The debt holds every later write until it is paid.
+        assert!(!b.admit(Class::Write, 0, t0 + ms(999)));
+        assert!(b.admit(Class::Write, 0, t0 + ms(1000)));
+        assert!(!b.admit(Class::Write, 4096, t0 + ms(1000)));
+        assert_eq!(b.ready_at(Class::Write, 4096, t0 + ms(1000)), t0 + ms(1000) + Duration::from_nanos(3_906_250));
+        // Served cheaper than charged: nothing given back, nothing owed.
+        let mut charged = Costs::of(write);
+        assert_eq!(b.settle(&mut charged, Charge::FREE, t0 + ms(1000)), None);
+        assert_eq!(charged, Costs::of(write));
+    }
+
+    /// Requests charged as reads of nothing when taken, each served as a
+    /// 64 KiB read, 16 in flight on a virtual clock: the rate served
+    /// still converges to the limit, the debts holding the gate and the
+    /// requests that made them.
+    #[test]
+    fn requests_served_dearer_than_charged_still_pass_at_the_rate() {
+        in_reactor(|| {
+            let t0 = Instant::now();
+            let limits = QosLimits { read_bytes_per_sec: Some(1 << 20), ..QosLimits::UNLIMITED };
+            let qos = Qos::new(limits).unwrap();
+            let mut gate = Gate::new(Rc::clone(&qos));
+            let served = Charge { class: Some(Class::Read), bytes: 64 << 10 };
+            let (service, tick) = (Duration::from_micros(50), Duration::from_micros(10));
+            // When each request admitted finishes: after its debt is paid.
+            let mut in_flight: Vec<Instant> = Vec::new();
+            let (mut now, mut bytes_done) = (t0, 0u64);
+            let mut returning = 16;
+            while now < t0 + Duration::from_secs(4) {
+                let mut started = Vec::new();
+                gate.drain(now, |costs: Costs| started.push(costs));
+                for _ in 0..returning {
+                    started.extend(gate.offer(Costs::of(read_of(0)), read_of(0), now));
+                }
+                for mut charged in started {
+                    let paid_at = qos.buckets.borrow_mut().settle(&mut charged, served, now).unwrap_or(now);
+                    in_flight.push(paid_at + service);
+                }
+                now += tick;
+                let before = in_flight.len();
+                in_flight.retain(|&t| t > now);
+                returning = before - in_flight.len();
+                bytes_done += returning as u64 * served.bytes;
+            }
+            // The burst (one largest I/O), then 1 MiB a second.
+            let expected = 5u64 << 20;
+            assert!(
+                (expected * 97 / 100..=expected * 101 / 100).contains(&bytes_done),
+                "{bytes_done} bytes in 4 s at 1 MiB/s"
+            );
         });
     }
 

@@ -26,7 +26,7 @@ pub type GuestRam = vm_memory::GuestMemoryMmap<crate::dirty_log::DirtyLog>;
 use crate::fuse::abi::{error_reply, Opcode, IN_HEADER_BYTES, OUT_HEADER_BYTES};
 use crate::fuse::dispatch::{Session, SharedHandle};
 use crate::guest_io::GuestBuffer;
-use crate::qos::{Charge, CHARGE_PREFIX_BYTES};
+use crate::qos::{Charge, Charged, CHARGE_PREFIX_BYTES};
 
 /// Largest request a chain may carry: a 1 MiB write and its headers.
 pub const REQUEST_BYTES_MAX: usize = (1 << 20) + 4096;
@@ -57,7 +57,7 @@ pub async fn serve_chain<M>(session: &Session, chain: DescriptorChain<M>) -> (u1
 where
     M: Deref<Target = GuestRam> + Clone,
 {
-    serve(session, chain, None).await
+    serve(session, chain, None, None).await
 }
 
 /// [`serve_chain`], except that reads and writes on O_DIRECT handles move
@@ -71,13 +71,29 @@ pub async fn serve_chain_zero_copy<M>(
 where
     M: Deref<Target = GuestRam> + Clone,
 {
-    serve(session, chain, Some(mem)).await
+    serve(session, chain, Some(mem), None).await
+}
+
+/// [`serve_chain_zero_copy`] for a request QoS charged when it was taken:
+/// what it costs as served is settled against that first (see
+/// [`Charged::settle`]).
+pub(crate) async fn serve_chain_charged<M>(
+    session: &Session,
+    chain: DescriptorChain<M>,
+    mem: Arc<GuestRam>,
+    charged: Option<Charged>,
+) -> (u16, u32, ChainOutcome)
+where
+    M: Deref<Target = GuestRam> + Clone,
+{
+    serve(session, chain, Some(mem), charged).await
 }
 
 async fn serve<M>(
     session: &Session,
     chain: DescriptorChain<M>,
     direct: Option<Arc<GuestRam>>,
+    mut charged: Option<Charged>,
 ) -> (u16, u32, ChainOutcome)
 where
     M: Deref<Target = GuestRam> + Clone,
@@ -87,7 +103,7 @@ where
         return (head, 0, ChainOutcome::Dropped("descriptor chain loops, overruns the ring or ends in NEXT"));
     };
     if let Some(mem) = direct {
-        if let Some(done) = serve_in_place(session, &buffers, chain.memory(), mem).await {
+        if let Some(done) = serve_in_place(session, &buffers, chain.memory(), mem, charged.as_mut()).await {
             return (head, done.0, done.1);
         }
     }
@@ -109,6 +125,11 @@ where
         let unique = u64::from_le_bytes(request[8..16].try_into().expect("8 bytes"));
         Some(error_reply(unique, libc::E2BIG))
     } else {
+        // These bytes are what is served, whatever the chain held when
+        // it was charged.
+        if let Some(charged) = &mut charged {
+            charged.settle(&request).await;
+        }
         session.handle(&request).await
     };
     let Some(reply) = reply else { return (head, 0, ChainOutcome::NoReply) };
@@ -119,17 +140,22 @@ where
 /// [`serve_direct`]), its headers read and its reply written straight
 /// through the walked buffers: no copy of the chain and no allocation.
 /// None when the chain is anything else, or odd: the copying path then
-/// serves it, errors included.
+/// serves it, errors included. The headers read here are settled with
+/// `charged` before they are served.
 async fn serve_in_place(
     session: &Session,
     buffers: &ChainBuffers,
     mem: &GuestRam,
     io_mem: Arc<GuestRam>,
+    charged: Option<&mut Charged>,
 ) -> Option<(u32, ChainOutcome)> {
     let len = buffers.readable.iter().try_fold(0usize, |sum, &(_, n)| sum.checked_add(n as usize))?;
     let mut prefix = [0u8; IN_HEADER_BYTES + IO_IN_BYTES];
     if !(prefix.len()..=REQUEST_BYTES_MAX).contains(&len) || !read_guest(mem, &buffers.readable, &mut prefix) {
         return None;
+    }
+    if let Some(charged) = charged {
+        charged.settle(&prefix).await;
     }
     let mut writer = ReplyWriter::new(mem, &buffers.writable);
     serve_direct(session, buffers, &prefix, len, io_mem, &mut writer).await

@@ -23,10 +23,12 @@ use super::migration::Attachment;
 use super::{session_of, Connection, Control, DeviceStats, HelperStats, POLL_IDLE, POP_BATCH};
 use crate::fuse::dispatch::SharedHandle;
 use crate::fuse::state::SessionState;
-use crate::qos::Gate;
-use crate::virtio::{charge_of_chain, serve_chain_zero_copy, serve_read_from_cache, ChainOutcome};
+use crate::qos::{Charged, Gate};
+use crate::virtio::{charge_of_chain, serve_chain_charged, serve_chain_zero_copy, serve_read_from_cache, ChainOutcome};
 
 type Chain = DescriptorChain<Arc<GuestRam>>;
+/// A chain QoS holds, and what it was charged.
+type Held = (Chain, Arc<GuestRam>, Option<Charged>);
 type Served = (u16, u32, ChainOutcome);
 /// A chain served and handed to its queue's used ring, as one task.
 type ServeTask = std::pin::Pin<Box<dyn std::future::Future<Output = ()>>>;
@@ -66,8 +68,9 @@ impl Finish {
 /// frontend leaves.
 pub(super) trait ChainServer: 'static {
     /// The task that serves `chain` and then calls `finish`: one boxed
-    /// future per request, spawned as it is.
-    fn serve(&self, chain: Chain, mem: Arc<GuestRam>, finish: Finish) -> ServeTask;
+    /// future per request, spawned as it is. `charged`: what QoS charged
+    /// it, to settle with what is served.
+    fn serve(&self, chain: Chain, mem: Arc<GuestRam>, charged: Option<Charged>, finish: Finish) -> ServeTask;
 
     /// The frontend left and every request of this poller finished; answer
     /// `waiters` when the poller is ready for the next one.
@@ -90,10 +93,10 @@ pub(super) struct OwnerServer {
 }
 
 impl ChainServer for OwnerServer {
-    fn serve(&self, chain: Chain, mem: Arc<GuestRam>, finish: Finish) -> ServeTask {
+    fn serve(&self, chain: Chain, mem: Arc<GuestRam>, charged: Option<Charged>, finish: Finish) -> ServeTask {
         self.attachment.note_request();
         if let Some(session) = self.attachment.session() {
-            return Box::pin(async move { finish.finish(serve_chain_zero_copy(&session, chain, mem).await) });
+            return Box::pin(async move { finish.finish(serve_chain_charged(&session, chain, mem, charged).await) });
         }
         // The image is elsewhere (given up at a migration that then
         // failed, or not taken yet): take it first.
@@ -101,7 +104,7 @@ impl ChainServer for OwnerServer {
         Box::pin(async move {
             let head = chain.head_index();
             let served = match attachment.attached().await {
-                Some(session) => serve_chain_zero_copy(&session, chain, mem).await,
+                Some(session) => serve_chain_charged(&session, chain, mem, charged).await,
                 None => (head, 0, ChainOutcome::Dropped("the image could not be taken")),
             };
             finish.finish(served)
@@ -183,7 +186,8 @@ impl HelperServer {
 }
 
 impl ChainServer for HelperServer {
-    fn serve(&self, chain: Chain, mem: Arc<GuestRam>, finish: Finish) -> ServeTask {
+    /// Never charged: QoS is refused with helpers.
+    fn serve(&self, chain: Chain, mem: Arc<GuestRam>, _charged: Option<Charged>, finish: Finish) -> ServeTask {
         let (id, owner, handles, stats) = (self.id, self.owner.clone(), self.handles.clone(), self.stats.clone());
         Box::pin(async move {
             stats.chains.fetch_add(1, Ordering::Relaxed);
@@ -239,7 +243,7 @@ pub(super) struct QueueState {
     pub(super) stop_waiters: Vec<SyncSender<()>>,
     /// Requests popped that the export's QoS holds back (None: no QoS).
     /// They count in `in_flight`, so its cap bounds them.
-    pub(super) deferred: Option<Gate<(Chain, Arc<GuestRam>)>>,
+    pub(super) deferred: Option<Gate<Held>>,
     /// The ring's size when it was last popped (0: not yet).
     pub(super) ring_size: usize,
 }
@@ -310,10 +314,11 @@ impl<S: ChainServer> QueuePoller<S> {
                     queue.polling = false;
                     queue.stop_waiters.push(done);
                     // A stopping ring (migration, VM reset) does not wait
-                    // for the rate: what QoS holds is served now.
+                    // for the rate: what QoS holds is served now, and
+                    // charged nothing.
                     let held = queue.deferred.as_mut().map(Gate::take_all).unwrap_or_default();
-                    for (chain, mem) in held {
-                        self.start(index, chain, mem);
+                    for (chain, mem, _) in held {
+                        self.start(index, chain, mem, None);
                     }
                 }
                 None => {
@@ -395,17 +400,18 @@ impl<S: ChainServer> QueuePoller<S> {
                 let stats = &self.stats;
                 stats.in_flight_max.set(stats.in_flight_max.get().max(in_flight.get()));
                 stats.chains.set(stats.chains.get() + 1);
-                let chain = match &mut self.queues[index].deferred {
+                let (chain, charged) = match &mut self.queues[index].deferred {
                     Some(gate) if !gate.open() => {
                         let charge = charge_of_chain(&chain);
-                        match gate.offer((chain, mem.clone()), charge, now) {
-                            Some((admitted, _)) => admitted,
+                        let charged = Charged::new(gate.qos().clone(), charge);
+                        match gate.offer((chain, mem.clone(), Some(charged)), charge, now) {
+                            Some((admitted, _, charged)) => (admitted, charged),
                             None => continue,
                         }
                     }
-                    _ => chain,
+                    _ => (chain, None),
                 };
-                self.start(index, chain, mem.clone());
+                self.start(index, chain, mem.clone(), charged);
             }
         }
         let queue = &mut self.queues[index];
@@ -427,20 +433,20 @@ impl<S: ChainServer> QueuePoller<S> {
     }
 
     /// Start the task that serves `chain`, counted in flight already.
-    fn start(&self, index: usize, chain: Chain, mem: Arc<GuestRam>) {
+    fn start(&self, index: usize, chain: Chain, mem: Arc<GuestRam>, charged: Option<Charged>) {
         let queue = &self.queues[index];
         let finish = Finish {
             in_flight: queue.in_flight.clone(),
             completed: queue.completed.clone(),
             stats: self.stats.clone(),
         };
-        reactor::spawn_local_boxed(self.server.serve(chain, mem, finish));
+        reactor::spawn_local_boxed(self.server.serve(chain, mem, charged, finish));
     }
 
     /// Start the requests QoS held back on queue `index` whose turn came.
     fn release_deferred(&mut self, index: usize, now: Instant) -> bool {
         let Some(mut gate) = self.queues[index].deferred.take() else { return false };
-        let ran = gate.drain(now, |(chain, mem)| self.start(index, chain, mem));
+        let ran = gate.drain(now, |(chain, mem, charged)| self.start(index, chain, mem, charged));
         self.queues[index].deferred = Some(gate);
         ran
     }
