@@ -7,8 +7,9 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use keelfs_vhost::abi::{init_flags as f, Opcode};
-use keelfs_vhost::frontend::{io_request, FrontendConfig, FsFrontend};
+use keelfs_vhost::frontend::{io_request, FrontendConfig, FsFrontend, RawDesc, DESC_NEXT, DESC_WRITE};
 use keelfs_vhost::QosLimits;
+use vm_memory::{Bytes, GuestAddress};
 
 mod common;
 use common::*;
@@ -195,4 +196,51 @@ fn a_driver_reusing_a_held_head_cannot_have_more_than_a_ring_taken() {
     drop(fe);
     let [.., in_flight_max] = daemon.stop_all();
     assert!(in_flight_max <= u64::from(RING), "{in_flight_max} requests taken from a ring of {RING}");
+}
+
+/// A guest can rewrite a request after the device took it and charged
+/// it, before it is served: it pays for what is served. Here a READ of
+/// 32 KiB, held by an empty bucket, is rewritten into one of 96 KiB.
+#[test]
+fn a_request_rewritten_after_it_was_charged_pays_for_what_is_served() {
+    const RATE: u64 = 128 << 10;
+    let limits = QosLimits { read_bytes_per_sec: Some(RATE), burst_ms: 1000, ..QosLimits::UNLIMITED };
+    let daemon = Daemon::start_with_qos(1, limits);
+    let mut fe = daemon.connect(1);
+    fe.init(f::INIT_EXT).unwrap();
+    let (nodeid, fh) = create(&mut fe, 1, "rewritten");
+    // The burst, 1 MiB, spent at once.
+    for _ in 0..8 {
+        let unique = fe.next_unique();
+        fe.submit_split(1, &io_request(Opcode::Read, unique, nodeid, fh, 0, 128 << 10), &[], 128 << 10).unwrap();
+    }
+    let mut done = 0;
+    while done < 8 {
+        done += fe.wait(1, TIMEOUT).unwrap().len();
+    }
+    let at = fe.scratch(1);
+    let unique = fe.next_unique();
+    let header = |size| io_request(Opcode::Read, unique, nodeid, fh, 0, size);
+    fe.memory().write_slice(&header(32 << 10), GuestAddress(at)).unwrap();
+    let posted = Instant::now();
+    let head = fe
+        .submit_raw(
+            1,
+            &[
+                RawDesc { addr: at, len: header(0).len() as u32, flags: DESC_NEXT, next: 1 },
+                RawDesc { addr: at + 4096, len: 16, flags: DESC_WRITE | DESC_NEXT, next: 2 },
+                RawDesc { addr: at + 8192, len: 96 << 10, flags: DESC_WRITE, next: 0 },
+            ],
+        )
+        .unwrap();
+    // Taken and held (for 32 KiB at 128 KiB/s, 250 ms): rewritten now.
+    std::thread::sleep(Duration::from_millis(50));
+    fe.memory().write_slice(&header(96 << 10), GuestAddress(at)).unwrap();
+    let used = fe.wait_for(1, head, TIMEOUT).unwrap();
+    let took = posted.elapsed();
+    assert!(used.len >= 16, "answered");
+    // Then 500 ms more for the 64 KiB it was not charged.
+    assert!(took >= Duration::from_millis(650), "a rewritten request was served after {took:?}");
+    drop(fe);
+    daemon.stop_all();
 }
