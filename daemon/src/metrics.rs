@@ -185,6 +185,11 @@ const EXPORT_METRICS: &[ExportMetric] = &[
     counter("keelfs_qos_deferred_writes", "WRITEs the export's QoS limits held back", "/qos/deferred/write"),
     gauge("keelfs_qos_waiting_reads", "READs waiting for the export's QoS limits now", "/qos/waiting/read"),
     gauge("keelfs_qos_waiting_writes", "WRITEs waiting for the export's QoS limits now", "/qos/waiting/write"),
+    counter(
+        "keelfs_qos_debts",
+        "requests that cost more when served than when QoS charged them (rewritten by the guest meanwhile)",
+        "/qos/debts",
+    ),
     counter("keelfs_discards", "discard (trim, punch, deallocate) requests sent to the device", "/fs/discards"),
     counter("keelfs_discard_bytes", "bytes discarded on the device", "/fs/discard_bytes"),
     counter("keelfs_discard_errors", "discards the device failed", "/fs/discard_errors"),

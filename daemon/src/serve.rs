@@ -1114,6 +1114,7 @@ fn qos_json(qos: &Qos) -> Value {
         "bytes_per_sec": on(l.bytes_per_sec), "burst_ms": l.burst_ms,
         "deferred": {"read": s.deferred[0], "write": s.deferred[1]},
         "waiting": {"read": s.waiting[0], "write": s.waiting[1]},
+        "debts": s.debts,
     })
 }
 
