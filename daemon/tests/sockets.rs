@@ -58,7 +58,7 @@ fn sockets_are_private_and_the_rpc_survives_hostile_clients() {
     // gets an error instead of an unbounded buffer.
     let silent = UnixStream::connect(&rpc).unwrap();
     let mut long = UnixStream::connect(&rpc).unwrap();
-    let _ = long.write_all(&vec![b'x'; 64 << 10]);
+    let _ = long.write_all(&vec![b'x'; 128 << 10]);
     let out = keelfsd().arg("stats").arg("--rpc").arg(&rpc).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -73,7 +73,7 @@ fn sockets_are_private_and_the_rpc_survives_hostile_clients() {
     long.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     let mut reply = String::new();
     let _ = long.read_to_string(&mut reply);
-    assert!(reply.contains("request longer than 4096 bytes"), "{reply:?}");
+    assert!(reply.contains("request longer than 65536 bytes"), "{reply:?}");
     // The silent client is cut off after the request timeout.
     let mut silent = silent;
     silent.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
