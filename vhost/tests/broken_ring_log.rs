@@ -1,7 +1,6 @@
 //! The warning of a ring its driver broke, in its own binary: it installs
 //! the process's log subscriber, to see what the device thread logs.
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keelfs_vhost::abi::init_flags as f;
@@ -9,26 +8,13 @@ use keelfs_vhost::abi::init_flags as f;
 mod common;
 use common::*;
 
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 /// A driver can break its ring (the avail index a ring ahead), kick, mend
 /// it and break it again as often as it likes: each break is counted, and
 /// warned of at most a burst per window.
 #[test]
 fn a_driver_breaking_its_ring_again_and_again_is_warned_of_a_burst() {
     const BREAKS: u64 = 3 * keelfs_base::LOG_BURST as u64;
-    let captured = Captured::default();
+    let captured = keelfs_base::testing::CapturedText::default();
     let writer = captured.clone();
     tracing_subscriber::fmt()
         .with_max_level(tracing::Level::WARN)
@@ -49,7 +35,7 @@ fn a_driver_breaking_its_ring_again_and_again_is_warned_of_a_burst() {
     assert_eq!(write(&mut fe, 1, nodeid, fh, 0, b"served"), 0);
     drop(fe);
     let [.., broken, _] = daemon.stop_all();
-    let text = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    let text = captured.text();
     let warned = text.lines().filter(|l| l.contains("more than a ring ahead")).count();
     assert!(broken > u64::from(keelfs_base::LOG_BURST) + 5, "only {broken} of {BREAKS} breaks were seen");
     assert_eq!(warned, keelfs_base::LOG_BURST as usize, "{broken} breaks:\n{text}");

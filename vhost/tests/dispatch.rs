@@ -589,26 +589,12 @@ fn fitrim_trims_an_image_file_and_replies_with_the_length() {
     });
 }
 
-/// What a test's thread logs, as text.
-#[derive(Clone, Default)]
-struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 /// The warnings a guest can provoke are limited per session: one guest
 /// that fills its disk must not silence another's (they shared one limit
 /// per call site).
 #[test]
 fn each_session_has_its_own_burst_of_failure_warnings() {
-    let captured = Captured::default();
+    let captured = keelfs_base::testing::CapturedText::default();
     let writer = captured.clone();
     let subscriber = tracing_subscriber::fmt()
         .with_max_level(tracing::Level::WARN)
@@ -635,7 +621,7 @@ fn each_session_has_its_own_burst_of_failure_warnings() {
             }
         });
     });
-    let text = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    let text = captured.text();
     let warned = text.lines().filter(|l| l.contains("request failed")).count();
     assert_eq!(warned, 2 * keelfs_base::LOG_BURST as usize, "each session's burst:\n{text}");
 }
