@@ -10,39 +10,27 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{fsck, is_mounted, keelfsd, mkfs, Scratch};
+use common::{fsck, is_mounted, keelfsd, mkfs, Scratch, Served};
 use serde_json::{json, Value};
 
 /// A `keelfsd serve --config` child whose stderr goes to a file.
 struct Daemon {
-    child: Child,
+    served: Served,
     stderr: PathBuf,
-    mounts: Vec<PathBuf>,
 }
 
 impl Daemon {
     fn start(scratch: &Scratch, config: &str, mounts: &[&Path]) -> Daemon {
         let config_path = scratch.path("keelfsd.toml");
         std::fs::write(&config_path, config).unwrap();
-        for m in mounts {
-            std::fs::create_dir_all(m).unwrap();
-        }
         let stderr = scratch.path("stderr.log");
-        let child = keelfsd()
-            .args(["serve", "--config"])
-            .arg(&config_path)
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&stderr).unwrap())
-            .spawn()
-            .unwrap();
-        let daemon = Daemon { child, stderr, mounts: mounts.iter().map(|m| m.to_path_buf()).collect() };
+        let log = std::fs::File::create(&stderr).unwrap();
+        let served = Served::start_to(&["--config".as_ref(), config_path.as_os_str()], mounts, log.into());
+        let daemon = Daemon { served, stderr };
         daemon.wait_for_log("keelfsd: ready", Duration::from_secs(60));
-        for m in mounts {
-            assert!(is_mounted(m), "{} is not mounted", m.display());
-        }
         daemon
     }
 
@@ -62,30 +50,11 @@ impl Daemon {
         }
     }
 
-    fn stop(mut self) {
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                assert!(status.success(), "keelfsd exited {status}:\n{}", self.log());
-                return;
-            }
-            assert!(Instant::now() < deadline, "keelfsd still running 60 s after SIGTERM");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        for m in &self.mounts {
-            if is_mounted(m) {
-                let _ = Command::new("umount").arg("-l").arg(m).status();
-            }
-        }
+    /// SIGTERM; keelfsd must exit 0.
+    fn stop(self) {
+        let log = self.stderr.clone();
+        let status = self.served.stop();
+        assert!(status.success(), "keelfsd exited {status}:\n{}", std::fs::read_to_string(log).unwrap_or_default());
     }
 }
 
@@ -387,22 +356,11 @@ fn exports_come_and_go_at_runtime_while_another_runs_fio() {
 
 /// CREATE `name` with `data` through the vhost-user device, read it back.
 fn write_and_read_back(socket: &Path, name: &str, data: &[u8]) {
-    use keelfs_vhost::abi::{init_flags as f, Opcode, Reply, ENTRY_OUT_BYTES};
-    use keelfs_vhost::frontend::io_in;
+    use keelfs_vhost::abi::{init_flags as f, Opcode, Reply};
     let mut fe = common::connect_frontend(socket);
     fe.init(f::ASYNC_READ | f::MAX_PAGES | f::INIT_EXT).unwrap();
-    let mut create = Reply::default();
-    create.u32(libc::O_RDWR as u32).u32(0o100644).u32(0).u32(0).raw(name.as_bytes()).raw(&[0]);
-    let (err, reply) = fe.fuse(1, Opcode::Create, 1, &create.bytes).unwrap();
-    assert_eq!(err, 0, "create {name}");
-    let node = u64::from_le_bytes(reply[..8].try_into().unwrap());
-    let fh = u64::from_le_bytes(reply[ENTRY_OUT_BYTES..ENTRY_OUT_BYTES + 8].try_into().unwrap());
-    let mut write = Reply::default();
-    write.raw(&io_in(fh, 0, data.len() as u32)).raw(data);
-    assert_eq!(fe.fuse(1, Opcode::Write, node, &write.bytes).unwrap().0, 0);
-    let mut read = Reply::default();
-    read.raw(&io_in(fh, 0, data.len() as u32));
-    assert_eq!(fe.fuse(1, Opcode::Read, node, &read.bytes).unwrap(), (0, data.to_vec()));
+    let (node, fh) = common::create_with(&mut fe, name, data);
+    assert_eq!(common::read(&mut fe, (node, fh), data.len() as u32), Ok(data.to_vec()));
     let mut fsync = Reply::default();
     fsync.u64(fh).u32(0).u32(0);
     assert_eq!(fe.fuse(1, Opcode::Fsync, node, &fsync.bytes).unwrap().0, 0);

@@ -11,11 +11,11 @@ use std::ffi::OsStr;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use keelfs_vhost::abi::{init_flags as f, Opcode, Reply, ENTRY_OUT_BYTES};
-use keelfs_vhost::frontend::{io_in, FsFrontend};
+use keelfs_vhost::abi::{init_flags as f, Opcode, Reply};
+use keelfs_vhost::frontend::FsFrontend;
 
 mod common;
-use common::{connect_frontend, fsck, mkfs, Scratch, Served};
+use common::{connect_frontend, create_with, fsck, mkfs, named, read, Scratch, Served};
 
 fn serve(image: &Path, socket: &Path) -> Served {
     let args: Vec<&OsStr> = vec![
@@ -33,35 +33,6 @@ fn serve(image: &Path, socket: &Path) -> Served {
         std::thread::sleep(Duration::from_millis(20));
     }
     served
-}
-
-fn named(name: &str) -> Vec<u8> {
-    let mut b = name.as_bytes().to_vec();
-    b.push(0);
-    b
-}
-
-/// CREATE `name` and write `data` through the handle: (node id, fh).
-fn create_with(fe: &mut FsFrontend, name: &str, data: &[u8]) -> (u64, u64) {
-    let mut body = Reply::default();
-    body.u32(libc::O_RDWR as u32).u32(0o100644).u32(0).u32(0).raw(&named(name));
-    let (err, reply) = fe.fuse(1, Opcode::Create, 1, &body.bytes).unwrap();
-    assert_eq!(err, 0, "create {name}");
-    let node = u64::from_le_bytes(reply[..8].try_into().unwrap());
-    let fh = u64::from_le_bytes(reply[ENTRY_OUT_BYTES..ENTRY_OUT_BYTES + 8].try_into().unwrap());
-    let mut write = Reply::default();
-    write.raw(&io_in(fh, 0, data.len() as u32)).raw(data);
-    assert_eq!(fe.fuse(1, Opcode::Write, node, &write.bytes).unwrap().0, 0);
-    (node, fh)
-}
-
-fn read(fe: &mut FsFrontend, (node, fh): (u64, u64), len: u32) -> Result<Vec<u8>, i32> {
-    let mut body = Reply::default();
-    body.raw(&io_in(fh, 0, len));
-    match fe.fuse(1, Opcode::Read, node, &body.bytes).unwrap() {
-        (0, data) => Ok(data),
-        (err, _) => Err(err),
-    }
 }
 
 /// A client with a file open and an unlinked file it still holds.

@@ -5,6 +5,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use keelfs_vhost::abi::{Opcode, Reply, ENTRY_OUT_BYTES};
+use keelfs_vhost::frontend::{io_in, FrontendConfig, FsFrontend};
+
 pub fn keelfsd() -> Command {
     Command::new(env!("CARGO_BIN_EXE_keelfsd"))
 }
@@ -52,8 +55,7 @@ pub fn fsck(image: &Path) -> (i32, String) {
 
 /// The test frontend connected to keelfsd's vhost-user socket, retried
 /// for up to 30 s while the daemon starts.
-pub fn connect_frontend(socket: &Path) -> keelfs_vhost::frontend::FsFrontend {
-    use keelfs_vhost::frontend::{FrontendConfig, FsFrontend};
+pub fn connect_frontend(socket: &Path) -> FsFrontend {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         match FsFrontend::connect(socket, FrontendConfig::default()) {
@@ -61,6 +63,35 @@ pub fn connect_frontend(socket: &Path) -> keelfs_vhost::frontend::FsFrontend {
             Err(e) => assert!(Instant::now() < deadline, "connecting: {e}"),
         }
         std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+pub fn named(name: &str) -> Vec<u8> {
+    let mut b = name.as_bytes().to_vec();
+    b.push(0);
+    b
+}
+
+/// CREATE `name` and write `data` through the handle: (node id, fh).
+pub fn create_with(fe: &mut FsFrontend, name: &str, data: &[u8]) -> (u64, u64) {
+    let mut body = Reply::default();
+    body.u32(libc::O_RDWR as u32).u32(0o100644).u32(0).u32(0).raw(&named(name));
+    let (err, reply) = fe.fuse(1, Opcode::Create, 1, &body.bytes).unwrap();
+    assert_eq!(err, 0, "create {name}");
+    let node = u64::from_le_bytes(reply[..8].try_into().unwrap());
+    let fh = u64::from_le_bytes(reply[ENTRY_OUT_BYTES..ENTRY_OUT_BYTES + 8].try_into().unwrap());
+    let mut write = Reply::default();
+    write.raw(&io_in(fh, 0, data.len() as u32)).raw(data);
+    assert_eq!(fe.fuse(1, Opcode::Write, node, &write.bytes).unwrap().0, 0);
+    (node, fh)
+}
+
+pub fn read(fe: &mut FsFrontend, (node, fh): (u64, u64), len: u32) -> Result<Vec<u8>, i32> {
+    let mut body = Reply::default();
+    body.raw(&io_in(fh, 0, len));
+    match fe.fuse(1, Opcode::Read, node, &body.bytes).unwrap() {
+        (0, data) => Ok(data),
+        (err, _) => Err(err),
     }
 }
 
@@ -74,10 +105,15 @@ impl Served {
     /// Start `keelfsd serve ARGS` and wait until every dir in `mounts` is
     /// mounted.
     pub fn start(args: &[&std::ffi::OsStr], mounts: &[&Path]) -> Self {
+        Self::start_to(args, mounts, Stdio::inherit())
+    }
+
+    /// [`Self::start`], with keelfsd's stderr going to `stderr`.
+    pub fn start_to(args: &[&std::ffi::OsStr], mounts: &[&Path], stderr: Stdio) -> Self {
         for m in mounts {
             std::fs::create_dir_all(m).unwrap();
         }
-        let child = keelfsd().arg("serve").args(args).stdout(Stdio::null()).spawn().unwrap();
+        let child = keelfsd().arg("serve").args(args).stdout(Stdio::null()).stderr(stderr).spawn().unwrap();
         let served = Served { child, mounts: mounts.iter().map(|m| m.to_path_buf()).collect() };
         let deadline = Instant::now() + Duration::from_secs(30);
         for m in mounts {
