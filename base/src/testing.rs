@@ -70,3 +70,11 @@ impl std::io::Write for CapturedText {
         Ok(())
     }
 }
+
+/// Bytes the host filesystem holds for `path` (st_blocks, in 512-byte
+/// units whatever the filesystem's block size): what a hole punched or a
+/// discard gives back shows here.
+pub fn allocated_bytes(path: &std::path::Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).expect("stat").blocks() * 512
+}

@@ -228,12 +228,6 @@ fn uring_resumes_a_short_transfer_and_reports_where_it_stopped() {
     assert!(r[..4096] == w[..4096], "the part before the short transfer was kept");
 }
 
-/// Bytes the host filesystem holds for `path` (st_blocks, 512-byte units).
-fn allocated_bytes(path: &std::path::Path) -> u64 {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata(path).unwrap().blocks() * 512
-}
-
 #[test]
 fn uring_discard_punches_a_hole_that_reads_back_zeros() {
     let file = ScratchFile::new("uring-discard", CAPACITY);
@@ -245,11 +239,11 @@ fn uring_discard_punches_a_hole_that_reads_back_zeros() {
         assert_eq!(io.write_at(i << 20, &mut data), Ok(1 << 20));
     }
     assert_eq!(io.flush(), Ok(0));
-    let before = allocated_bytes(&file.path);
+    let before = keelfs_base::testing::allocated_bytes(&file.path);
     assert!(before >= 4 << 20, "4 MiB written, {before} bytes allocated");
     // The middle 2 MiB go; the first and last MiB stay.
     assert_eq!(io.discard(1 << 20, 2 << 20), Ok(0));
-    let after = allocated_bytes(&file.path);
+    let after = keelfs_base::testing::allocated_bytes(&file.path);
     assert!(before - after >= 2 << 20, "allocation went from {before} to {after} bytes");
     let mut r = AlignedBuf::zeroed(1 << 20, 4096);
     for i in 1..3u64 {

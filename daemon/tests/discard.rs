@@ -8,7 +8,7 @@ mod common;
 use std::fs::File;
 use std::io::Write;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -18,11 +18,6 @@ const MIB: u64 = 1 << 20;
 
 /// FITRIM, `_IOWR('X', 121, struct fstrim_range)`.
 const FITRIM: libc::c_ulong = 0xC018_5879;
-
-/// Bytes the host filesystem holds for the image.
-fn allocated(image: &Path) -> u64 {
-    std::fs::metadata(image).unwrap().blocks() * 512
-}
 
 /// Serve `image` on a host mount at DIR/mnt with `extra` config lines.
 fn serve(dir: &Scratch, image: &Path, extra: &str) -> (Served, PathBuf) {
@@ -60,7 +55,7 @@ fn wait_for_shrink(image: &Path, mnt: &Path, from: u64, by: u64) -> u64 {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         commit(mnt);
-        let now = allocated(image);
+        let now = keelfs_base::testing::allocated_bytes(image);
         if from.saturating_sub(now) >= by {
             return now;
         }
@@ -87,7 +82,7 @@ fn continuous_discard_punches_deleted_files_out_of_the_image() {
     let file = mnt.join("big");
     write_file(&file, 64 * MIB);
     commit(&mnt);
-    let full = allocated(&image);
+    let full = keelfs_base::testing::allocated_bytes(&image);
     assert!(full >= 64 * MIB, "64 MiB written, the image holds {full} bytes");
     std::fs::remove_file(&file).unwrap();
     let started = Instant::now();
@@ -120,7 +115,7 @@ fn fitrim_on_the_mount_trims_with_continuous_discard_off() {
         commit(&mnt);
         std::thread::sleep(Duration::from_millis(100));
     }
-    let full = allocated(&image);
+    let full = keelfs_base::testing::allocated_bytes(&image);
     assert!(full >= 64 * MIB, "the image holds {full} bytes");
     let root = File::open(&mnt).unwrap();
     let mut range = [0u64, u64::MAX, 0]; // start, len, minlen
@@ -128,7 +123,7 @@ fn fitrim_on_the_mount_trims_with_continuous_discard_off() {
     let rc = unsafe { libc::ioctl(root.as_raw_fd(), FITRIM, range.as_mut_ptr()) };
     assert_eq!(rc, 0, "FITRIM: {}", std::io::Error::last_os_error());
     assert!(range[1] >= 64 * MIB, "trimmed {} bytes", range[1]);
-    let after = allocated(&image);
+    let after = keelfs_base::testing::allocated_bytes(&image);
     assert!(full - after >= 48 * MIB, "the image went from {full} to {after} bytes");
     eprintln!("fitrim: {} MiB trimmed, image {} -> {} MiB", range[1] / MIB, full / MIB, after / MIB);
     drop(root);

@@ -419,11 +419,6 @@ fn fsck_repair(image: &Path) -> i32 {
     keelfsd().arg("fsck").arg(image).arg("--repair").output().unwrap().status.code().unwrap_or(-1)
 }
 
-fn allocated_bytes(path: &Path) -> u64 {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata(path).unwrap().blocks() * 512
-}
-
 #[test]
 fn quota_and_trim_over_rpc() {
     let scratch = Scratch::new("quota-trim-rpc");
@@ -452,13 +447,13 @@ fn quota_and_trim_over_rpc() {
     std::io::Write::write_all(&mut big, &vec![7u8; 48 << 20]).unwrap();
     big.sync_all().unwrap();
     drop(big);
-    let before = allocated_bytes(&image);
+    let before = keelfs_base::testing::allocated_bytes(&image);
     std::fs::remove_file(mnt.join("big")).unwrap();
     std::fs::File::open(&mnt).unwrap().sync_all().unwrap();
     let trimmed = rpc(&rpc_path, "export_trim", json!({"tag": "vol-a"})).unwrap();
     let trimmed = trimmed["trimmed_bytes"].as_u64().unwrap();
     assert!(trimmed >= 40 << 20, "trimmed {trimmed} bytes");
-    let after = allocated_bytes(&image);
+    let after = keelfs_base::testing::allocated_bytes(&image);
     assert!(before.saturating_sub(after) >= 40 << 20, "allocated {before} before, {after} after");
     let stats = stats(&rpc_path);
     assert_eq!(stats["exports"][0]["space"]["quota_bytes"], 64u64 << 20);

@@ -4,7 +4,6 @@
 
 mod common;
 
-use std::os::unix::fs::MetadataExt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -62,10 +61,6 @@ async fn write_buffered(fs: &Fs, name: &[u8], bytes: u64) -> Ino {
     f.ino()
 }
 
-fn allocated(file: &ScratchFile) -> u64 {
-    std::fs::metadata(&file.path).unwrap().blocks() * 512
-}
-
 fn config(discard: DiscardConfig) -> FsConfig {
     FsConfig { discard, commit_interval: Duration::from_secs(3600), ..FsConfig::default() }
 }
@@ -110,7 +105,7 @@ fn continuous_discard_gives_freed_runs_back_after_the_commit() {
         let fs = Fs::mount(channel(&dev), config(on())).await.unwrap();
         write_file(&fs, b"keep", 4 * MIB).await.unwrap();
         write_file(&fs, b"gone", 16 * MIB).await.unwrap();
-        let before = allocated(&file);
+        let before = keelfs_base::testing::allocated_bytes(&file.path);
         assert!(before >= 20 * MIB, "{before} bytes allocated");
         let free_before = fs.statfs().await.unwrap().blocks_free;
         fs.unlink(&Creds::root(), ROOT_INO, b"gone").await.unwrap();
@@ -122,7 +117,7 @@ fn continuous_discard_gives_freed_runs_back_after_the_commit() {
         wait_for("the queue to drain", || fs.counters().discard_pending_blocks == 0).await;
         let c = fs.counters();
         assert!(c.discards >= 1 && c.discard_bytes >= 16 * MIB && c.discard_errors == 0, "{c:?}");
-        let after = allocated(&file);
+        let after = keelfs_base::testing::allocated_bytes(&file.path);
         assert!(before - after >= 15 * MIB, "the image went from {before} to {after} bytes");
         // The space is reusable, and the kept file intact.
         write_file(&fs, b"again", 16 * MIB).await.unwrap();
@@ -143,13 +138,13 @@ fn fstrim_discards_free_space_with_continuous_discard_off() {
         write_file(&fs, b"gone", 16 * MIB).await.unwrap();
         fs.unlink(&Creds::root(), ROOT_INO, b"gone").await.unwrap();
         fs.sync().await.unwrap();
-        let before = allocated(&file);
+        let before = keelfs_base::testing::allocated_bytes(&file.path);
         assert_eq!(fs.counters().discards, 0, "discard is off");
         // Runs shorter than the minimum are left alone.
         assert_eq!(fs.trim(1 << 40).await.unwrap(), 0);
         let trimmed = fs.trim(0).await.unwrap();
         assert!(trimmed >= 16 * MIB, "trimmed {trimmed} bytes");
-        let after = allocated(&file);
+        let after = keelfs_base::testing::allocated_bytes(&file.path);
         assert!(before - after >= 15 * MIB, "the image went from {before} to {after} bytes");
         assert_eq!(fs.counters().discard_pending_blocks, 0);
         fs.check_block_ownership().unwrap();
