@@ -114,7 +114,7 @@ fn answer(stream: TcpStream, reactors: &[ReactorHandle]) -> std::io::Result<()> 
         })
     });
     let snapshot = crate::rpc::snapshot(reactors);
-    match render(&snapshot, openmetrics) {
+    match render(snapshot, openmetrics) {
         Ok(body) => reply(&stream, "200 OK", if openmetrics { OPENMETRICS_TYPE } else { PROMETHEUS_TYPE }, &body),
         Err(_) => reply(&stream, "500 Internal Server Error", "text/plain", "encoding failed\n"),
     }
@@ -130,9 +130,9 @@ fn reply(stream: &TcpStream, status: &str, content_type: &str, body: &str) -> st
 }
 
 /// The snapshot in the Prometheus text format (0.0.4), or OpenMetrics 1.0.
-pub fn render(snapshot: &Value, openmetrics: bool) -> Result<String, std::fmt::Error> {
+pub fn render(snapshot: Value, openmetrics: bool) -> Result<String, std::fmt::Error> {
     let mut registry = Registry::default();
-    registry.register_collector(Box::new(Snapshot(snapshot.clone())));
+    registry.register_collector(Box::new(Snapshot(snapshot)));
     let mut body = String::new();
     if openmetrics {
         prometheus_client::encoding::text::encode(&mut body, &registry)?;
@@ -338,7 +338,7 @@ mod tests {
 
     #[test]
     fn renders_counters_gauges_and_cumulative_buckets() {
-        let text = render(&sample(), false).expect("encodes");
+        let text = render(sample(), false).expect("encodes");
         assert!(text.contains("keelfs_cache_hits_total{export=\"vm\\\"1\"} 7"), "{text}");
         assert!(text.contains("keelfs_cache_dirty_pages{export=\"vm\\\"1\"} 1"), "{text}");
         assert!(text.contains("keelfs_reactor_busy_seconds_total{reactor=\"0\"} 2"), "{text}");
@@ -358,13 +358,13 @@ mod tests {
 
     #[test]
     fn openmetrics_ends_with_eof() {
-        let text = render(&sample(), true).expect("encodes");
+        let text = render(sample(), true).expect("encodes");
         assert!(text.ends_with("# EOF\n"), "{text}");
     }
 
     #[test]
     fn a_snapshot_without_exports_still_renders() {
-        let text = render(&json!({"reactors": [], "exports": []}), false).expect("encodes");
+        let text = render(json!({"reactors": [], "exports": []}), false).expect("encodes");
         assert!(text.contains("# TYPE keelfs_requests_total counter"), "{text}");
     }
 }
