@@ -1,4 +1,5 @@
-//! The block-device layer.
+//! The block-device layer: io_uring files and block devices, pmem and RAM
+//! mappings, NVMe through VFIO, and Ceph RBD images through librbd.
 //!
 //! A [`BlockDevice`] is shared by every core that uses it and hands out one
 //! [`IoQueue`] per core. A queue belongs to exactly one thread, so it takes
@@ -17,6 +18,7 @@ mod buf;
 mod fault;
 mod mapped;
 mod nvme;
+mod rbd;
 mod uring;
 
 pub use blocking::BlockingIo;
@@ -25,6 +27,11 @@ pub use buf::{AlignedBuf, BufferPool, PoolBuf};
 pub use fault::{FaultDevice, FaultRule, LogEntry, Persist, WriteLog};
 pub use mapped::{FlushInstruction, MappedDevice};
 pub use nvme::{NvmeAddress, NvmeDevice, NvmeError, NvmeOptions, NvmeQueue};
+#[cfg(feature = "test-utils")]
+pub use rbd::{dev_cluster_up, ScratchImage as RbdScratchImage};
+pub use rbd::{
+    RbdAddress, RbdDevice, RbdError, RbdOptions, RbdQueue, CONNECT_TIMEOUT_SECS as RBD_CONNECT_TIMEOUT_SECS,
+};
 pub use uring::{UringDevice, UringOptions};
 
 use std::os::fd::RawFd;

@@ -6,13 +6,17 @@ use std::sync::Arc;
 use keelfs_base::testing::{fill_pattern, ScratchFile};
 use keelfs_bdev::{
     AlignedBuf, BdevError, BlockDevice, BlockingIo, BufferPool, FaultDevice, IoRequest, IoVec, MappedDevice,
-    QueueConfig, UringDevice, UringOptions,
+    QueueConfig, RbdScratchImage, UringDevice, UringOptions,
 };
 
 const CAPACITY: u64 = 16 << 20;
 
-/// Each backend under test, with the scratch file that must outlive it.
-fn backends() -> Vec<(&'static str, Arc<dyn BlockDevice>, Option<ScratchFile>)> {
+/// What must outlive a backend under test: its scratch file or image.
+type Guard = Option<Box<dyn std::any::Any>>;
+
+/// Each backend under test, with the scratch file or image that must
+/// outlive it. RBD runs on the dev cluster (scripts/ceph-dev.sh).
+fn backends() -> Vec<(&'static str, Arc<dyn BlockDevice>, Guard)> {
     let uring_file = ScratchFile::new("uring", CAPACITY);
     let uring = UringDevice::open(&uring_file.path, UringOptions::default()).expect("open io_uring device");
     let sqpoll_file = ScratchFile::new("sqpoll", CAPACITY);
@@ -22,10 +26,13 @@ fn backends() -> Vec<(&'static str, Arc<dyn BlockDevice>, Option<ScratchFile>)> 
     let pmem_file = ScratchFile::new("pmem", CAPACITY);
     let pmem = MappedDevice::pmem(&pmem_file.path, 4096).expect("map pmem");
     let ram: Arc<dyn BlockDevice> = Arc::new(MappedDevice::ram(CAPACITY, 4096).expect("map ram"));
+    let rbd_image = RbdScratchImage::new("bdev", CAPACITY);
+    let rbd = rbd_image.open();
     vec![
-        ("uring", Arc::new(uring), Some(uring_file)),
-        ("uring-sqpoll", Arc::new(sqpoll), Some(sqpoll_file)),
-        ("pmem", Arc::new(pmem), Some(pmem_file)),
+        ("uring", Arc::new(uring), Some(Box::new(uring_file))),
+        ("uring-sqpoll", Arc::new(sqpoll), Some(Box::new(sqpoll_file))),
+        ("pmem", Arc::new(pmem), Some(Box::new(pmem_file))),
+        ("rbd", rbd, Some(Box::new(rbd_image))),
         ("ram", Arc::clone(&ram), None),
         ("fault(ram)", Arc::new(FaultDevice::new(ram)), None),
     ]

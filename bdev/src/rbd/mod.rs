@@ -1,0 +1,549 @@
+//! Ceph RBD backend: an image in a Ceph pool, through librbd's
+//! asynchronous API.
+//!
+//! Each queue submits with `rbd_aio_*` from its reactor; librbd's threads
+//! finish the requests and leave completions in the queue's lock-free
+//! [`sys::Sink`], which `poll` drains. librbd's own cache is off: keelfs
+//! has a page cache, and without librbd's a completed write is on the OSDs
+//! (so the device has no volatile cache to flush).
+//!
+//! A writable open takes the image's exclusive lock (enabling the
+//! exclusive-lock feature if the image lacks it) and keeps it: librbd then
+//! refuses other clients' requests for it, so a second keelfsd, on this
+//! host or another, is refused and told who holds it.
+
+#[cfg(feature = "test-utils")]
+mod scratch;
+mod sys;
+
+#[cfg(feature = "test-utils")]
+pub use scratch::{dev_cluster_up, ScratchImage};
+
+use std::fmt;
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::sync::Arc;
+
+use super::{
+    validate_request, BdevError, BlockDevice, Completion, Geometry, IoKind, IoQueue, IoRequest, QueueConfig, Token,
+    MAX_IOVECS_PER_REQUEST, MAX_REQUEST_BYTES,
+};
+
+/// How long connecting waits for the monitors before saying the cluster
+/// is unreachable (librados's own default is 300 s).
+pub const CONNECT_TIMEOUT_SECS: u32 = 10;
+
+/// The features `keelfsd mkfs` gives an image it creates: rbd's defaults.
+/// Object map and fast-diff make discards and sparse reads cheap; they
+/// need the exclusive lock, which keelfs relies on anyway.
+const CREATE_FEATURES: u64 = sys::FEATURE_LAYERING
+    | sys::FEATURE_EXCLUSIVE_LOCK
+    | sys::FEATURE_OBJECT_MAP
+    | sys::FEATURE_FAST_DIFF
+    | sys::FEATURE_DEEP_FLATTEN;
+
+/// `rbd:POOL/IMAGE[@CLUSTER_CONF][:id=CLIENT]`, parsed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RbdAddress {
+    pub pool: String,
+    pub image: String,
+    /// The cluster's ceph.conf; None: Ceph's default search
+    /// (`$CEPH_CONF`, /etc/ceph/ceph.conf, ...).
+    pub conf: Option<String>,
+    /// The client's id (`keelfs` for client.keelfs); None: admin.
+    pub client: Option<String>,
+}
+
+const NAME_FORM: &str = "rbd:POOL/IMAGE[@CLUSTER_CONF][:id=CLIENT]";
+
+impl RbdAddress {
+    pub fn is_rbd_name(name: &str) -> bool {
+        name.starts_with("rbd:")
+    }
+
+    pub fn parse(name: &str) -> Result<Self, RbdError> {
+        let bad = |why: &'static str| RbdError::BadName { name: name.to_string(), why };
+        let rest = name.strip_prefix("rbd:").ok_or_else(|| bad("it does not start with rbd:"))?;
+        let (rest, client) = match rest.rsplit_once(":id=") {
+            Some((rest, client)) => (rest, Some(client.to_string())),
+            None => (rest, None),
+        };
+        let (spec, conf) = match rest.split_once('@') {
+            Some((spec, conf)) => (spec, Some(conf.to_string())),
+            None => (rest, None),
+        };
+        let (pool, image) = spec.split_once('/').ok_or_else(|| bad("no '/' between pool and image"))?;
+        let valid = |s: &str| {
+            !s.is_empty() && s.len() <= 128 && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+        };
+        if !valid(pool) || !valid(image) {
+            return Err(bad("pool and image are 1 to 128 of A-Z a-z 0-9 . _ -"));
+        }
+        if conf.as_deref().is_some_and(|c| c.is_empty() || c.contains('\0')) {
+            return Err(bad("an empty or invalid CLUSTER_CONF after '@'"));
+        }
+        if client.as_deref().is_some_and(|c| !valid(c)) {
+            return Err(bad("CLIENT after ':id=' is 1 to 128 of A-Z a-z 0-9 . _ -"));
+        }
+        Ok(Self { pool: pool.to_string(), image: image.to_string(), conf, client })
+    }
+
+    fn client_name(&self) -> String {
+        format!("client.{}", self.client.as_deref().unwrap_or("admin"))
+    }
+
+    fn conf_name(&self) -> &str {
+        self.conf.as_deref().unwrap_or("the default ceph.conf")
+    }
+}
+
+impl fmt::Display for RbdAddress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "rbd:{}/{}", self.pool, self.image)?;
+        if let Some(conf) = &self.conf {
+            write!(f, "@{conf}")?;
+        }
+        if let Some(client) = &self.client {
+            write!(f, ":id={client}")?;
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RbdError {
+    #[error("bad RBD device name {name:?}: {why} (expected {NAME_FORM})")]
+    BadName { name: String, why: &'static str },
+    #[error("cannot read the Ceph configuration ({conf}): {}", strerror(*errno))]
+    Config { conf: String, errno: i32 },
+    #[error("cannot reach the Ceph cluster of {conf} within {CONNECT_TIMEOUT_SECS} s: {}", strerror(*errno))]
+    Unreachable { conf: String, errno: i32 },
+    #[error("the Ceph cluster refused {client}: {} (check its keyring and caps)", strerror(*errno))]
+    Credentials { client: String, errno: i32 },
+    #[error("pool {pool} does not exist in the Ceph cluster")]
+    NoPool { pool: String },
+    #[error("RBD image {pool}/{image} does not exist (keelfsd mkfs rbd:{pool}/{image} --size SIZE creates it)")]
+    NoImage { pool: String, image: String },
+    #[error("rbd:{device} is locked by {holder}: another keelfsd serves it")]
+    Locked { device: String, holder: String },
+    #[error("rbd:{device}: {call}: {}", strerror(*errno))]
+    Ceph { device: String, call: &'static str, errno: i32 },
+}
+
+fn strerror(errno: i32) -> String {
+    format!("{} (errno {errno})", std::io::Error::from_raw_os_error(errno))
+}
+
+impl RbdError {
+    fn ceph(addr: &RbdAddress, e: sys::CephError) -> Self {
+        RbdError::Ceph { device: format!("{}/{}", addr.pool, addr.image), call: e.call, errno: e.errno }
+    }
+
+    /// Whether the name, the configuration or the cluster's contents are
+    /// wrong (the operator's to fix) rather than the cluster failing.
+    pub fn is_usage(&self) -> bool {
+        !matches!(self, RbdError::Ceph { .. })
+    }
+}
+
+/// How to open an image.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RbdOptions {
+    /// Open it read-only: no lock is taken, and queues refuse writes.
+    pub read_only: bool,
+    /// Leave the exclusive lock to [`RbdDevice::take_lock`] (the
+    /// destination of a migration takes it when the session arrives).
+    pub defer_lock: bool,
+}
+
+pub struct RbdDevice {
+    address: RbdAddress,
+    name: String,
+    image: Arc<sys::Image>,
+    cluster: Arc<sys::Cluster>,
+    geometry: Geometry,
+    read_only: bool,
+}
+
+/// Whether `client` ("client.4123") is among an image's watchers: a live
+/// client watches the images it has open.
+fn watching(watchers: &[(i64, String)], client: &str) -> bool {
+    let id = client.strip_prefix("client.").and_then(|id| id.parse::<i64>().ok());
+    watchers.iter().any(|(w, _)| Some(*w) == id)
+}
+
+/// Connect to the cluster `address` names and open its pool.
+fn connect(address: &RbdAddress) -> Result<(Arc<sys::Cluster>, Arc<sys::Pool>), RbdError> {
+    let timeout = CONNECT_TIMEOUT_SECS.to_string();
+    let settings = [
+        ("client_mount_timeout", timeout.as_str()),
+        ("rbd_cache", "false"),
+        // librados logs to files by default; keelfsd logs through tracing.
+        ("log_file", ""),
+        ("log_to_stderr", "false"),
+    ];
+    let conf = address.conf_name().to_string();
+    let cluster =
+        sys::Cluster::connect(address.conf.as_deref(), address.client.as_deref(), &settings).map_err(|e| {
+            match (e.call, e.errno) {
+                ("reading the Ceph configuration", errno) => RbdError::Config { conf: conf.clone(), errno },
+                ("connecting to the Ceph cluster", errno @ (libc::EACCES | libc::EPERM | libc::ENOENT)) => {
+                    RbdError::Credentials { client: address.client_name(), errno }
+                }
+                ("connecting to the Ceph cluster", errno) => RbdError::Unreachable { conf: conf.clone(), errno },
+                _ => RbdError::ceph(address, e),
+            }
+        })?;
+    let cluster = Arc::new(cluster);
+    let pool = cluster.pool(&address.pool).map_err(|e| match e.errno {
+        libc::ENOENT => RbdError::NoPool { pool: address.pool.clone() },
+        _ => RbdError::ceph(address, e),
+    })?;
+    Ok((cluster, Arc::new(pool)))
+}
+
+impl RbdDevice {
+    /// Create the image with `size_bytes` if it does not exist, or grow it
+    /// to that size if it is smaller: `keelfsd mkfs --size`. Returns
+    /// whether it created or grew it, and its size.
+    pub fn create_or_grow(address: &RbdAddress, size_bytes: u64) -> Result<(bool, u64), RbdError> {
+        let (_cluster, pool) = connect(address)?;
+        match pool.create_image(&address.image, size_bytes, CREATE_FEATURES) {
+            Ok(()) => return Ok((true, size_bytes)),
+            Err(e) if e.errno == libc::EEXIST => {}
+            Err(e) => return Err(RbdError::ceph(address, e)),
+        }
+        let image = pool.open_image(&address.image, false).map_err(|e| RbdError::ceph(address, e))?;
+        let size = image.size().map_err(|e| RbdError::ceph(address, e))?;
+        if size >= size_bytes {
+            return Ok((false, size));
+        }
+        image.resize(size_bytes).map_err(|e| RbdError::ceph(address, e))?;
+        Ok((true, size_bytes))
+    }
+
+    /// Remove the image and its data; refused while a client has it open.
+    pub fn remove(address: &RbdAddress) -> Result<(), RbdError> {
+        let (_cluster, pool) = connect(address)?;
+        pool.remove_image(&address.image).map_err(|e| RbdError::ceph(address, e))
+    }
+
+    pub fn open(address: &RbdAddress, options: RbdOptions) -> Result<Self, RbdError> {
+        let (cluster, pool) = connect(address)?;
+        let image = pool.open_image(&address.image, options.read_only).map_err(|e| match e.errno {
+            libc::ENOENT => RbdError::NoImage { pool: address.pool.clone(), image: address.image.clone() },
+            _ => RbdError::ceph(address, e),
+        })?;
+        let size = image.size().map_err(|e| RbdError::ceph(address, e))?;
+        let capacity = size - size % 4096;
+        if capacity == 0 {
+            return Err(RbdError::Ceph { device: address.to_string(), call: "sizing the image", errno: libc::EINVAL });
+        }
+        let geometry = Geometry {
+            capacity_bytes: capacity,
+            logical_block_size: 512,
+            memory_alignment: 512,
+            volatile_write_cache: false,
+            max_iovecs_per_request: MAX_IOVECS_PER_REQUEST,
+            max_request_bytes: MAX_REQUEST_BYTES,
+        };
+        let device = Self {
+            name: address.to_string(),
+            address: address.clone(),
+            image: Arc::new(image),
+            cluster,
+            geometry,
+            read_only: options.read_only,
+        };
+        if !options.read_only {
+            device.ensure_exclusive_lock_feature()?;
+            if !options.defer_lock {
+                device.take_lock()?;
+            }
+        }
+        Ok(device)
+    }
+
+    fn ensure_exclusive_lock_feature(&self) -> Result<(), RbdError> {
+        let features = self.image.features().map_err(|e| RbdError::ceph(&self.address, e))?;
+        if features & sys::FEATURE_EXCLUSIVE_LOCK == 0 {
+            self.image.enable_features(sys::FEATURE_EXCLUSIVE_LOCK).map_err(|e| RbdError::ceph(&self.address, e))?;
+            tracing::info!("{}: enabled the exclusive-lock feature", self.name);
+        }
+        Ok(())
+    }
+
+    /// Take the image's exclusive lock, or say who holds it. Blocks for a
+    /// round trip to the cluster (more if it must fence a dead holder).
+    pub fn take_lock(&self) -> Result<(), RbdError> {
+        match self.image.lock_acquire() {
+            Ok(()) => Ok(()),
+            Err(e) if matches!(e.errno, libc::EROFS | libc::EBUSY | libc::EAGAIN) => Err(self.locked_error()),
+            Err(e) => Err(RbdError::ceph(&self.address, e)),
+        }
+    }
+
+    /// Let go of the lock (a clean handover); the image stays open.
+    pub fn release_lock(&self) -> Result<(), RbdError> {
+        self.image.lock_release().map_err(|e| RbdError::ceph(&self.address, e))
+    }
+
+    pub fn owns_lock(&self) -> Result<bool, RbdError> {
+        self.image.is_lock_owner().map_err(|e| RbdError::ceph(&self.address, e))
+    }
+
+    fn locked_error(&self) -> RbdError {
+        let holder = self.holders().unwrap_or_else(|e| format!("another client ({e})"));
+        RbdError::Locked { device: format!("{}/{}", self.address.pool, self.address.image), holder }
+    }
+
+    /// The lock's holders with their addresses, each marked when it no
+    /// longer watches the image ("client.4123 at 10.87.0.11:0/2345"), or
+    /// "nobody".
+    pub fn holders(&self) -> Result<String, RbdError> {
+        let lockers = self.image.lockers().map_err(|e| RbdError::ceph(&self.address, e))?;
+        if lockers.is_empty() {
+            return Ok("nobody".into());
+        }
+        let watchers = self.image.watchers().unwrap_or_default();
+        let named: Vec<String> = lockers
+            .iter()
+            .map(|(client, addr)| match watching(&watchers, client) {
+                true => format!("{client} at {addr}"),
+                false => format!("{client} at {addr} (no longer watching the image: dead, or cut off)"),
+            })
+            .collect();
+        Ok(named.join(", "))
+    }
+
+    /// This client's name in the cluster ("client.4123").
+    pub fn client_name(&self) -> String {
+        format!("client.{}", self.cluster.instance_id())
+    }
+
+    /// Fence the lock's holder and break its lock (`keelfsd break-lock`).
+    /// librbd blocklists the holder first (rbd_blocklist_on_break_lock), so
+    /// a holder that is only cut off, not dead, can write no more. Refuses
+    /// while the holder still watches the image, unless `live_too`.
+    /// Returns the holders it broke.
+    pub fn break_lock(&self, live_too: bool) -> Result<Vec<String>, RbdError> {
+        let lockers = self.image.lockers().map_err(|e| RbdError::ceph(&self.address, e))?;
+        let watchers = self.image.watchers().map_err(|e| RbdError::ceph(&self.address, e))?;
+        if !live_too && lockers.iter().any(|(client, _)| watching(&watchers, client)) {
+            return Err(self.locked_error());
+        }
+        for (client, _) in &lockers {
+            self.image.lock_break(client).map_err(|e| RbdError::ceph(&self.address, e))?;
+        }
+        Ok(lockers.into_iter().map(|(client, addr)| format!("{client} at {addr}")).collect())
+    }
+
+    pub fn address(&self) -> &RbdAddress {
+        &self.address
+    }
+}
+
+impl BlockDevice for RbdDevice {
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn geometry(&self) -> Geometry {
+        self.geometry
+    }
+    fn open_queue(&self, config: QueueConfig) -> Result<Box<dyn IoQueue>, BdevError> {
+        Ok(Box::new(RbdQueue::new(Arc::clone(&self.image), self.geometry, self.read_only, config)?))
+    }
+    fn read_only(&self) -> bool {
+        self.read_only
+    }
+    fn supports_discard(&self) -> bool {
+        !self.read_only
+    }
+}
+
+struct Slot {
+    token: Token,
+    kind: IoKind,
+    /// Bytes a read or write moves; librbd returns it on success.
+    bytes: u64,
+    /// The request's segments, kept until it completes (librbd reads
+    /// them after submission returns).
+    iov: Vec<libc::iovec>,
+}
+
+pub struct RbdQueue {
+    image: Arc<sys::Image>,
+    geometry: Geometry,
+    read_only: bool,
+    sink: Arc<sys::Sink>,
+    /// One per slot, at a fixed address librbd hands back.
+    args: Box<[sys::SlotArg]>,
+    slots: Vec<Slot>,
+    free_slots: Vec<u32>,
+    in_flight: usize,
+}
+
+// SAFETY: the iovec pointers in slots name caller memory that the
+// `IoQueue::submit` contract keeps valid; the queue is used by one thread
+// at a time, and librbd's threads touch only the Sink (lock-free).
+unsafe impl Send for RbdQueue {}
+
+impl RbdQueue {
+    fn new(
+        image: Arc<sys::Image>,
+        geometry: Geometry,
+        read_only: bool,
+        config: QueueConfig,
+    ) -> Result<Self, BdevError> {
+        let depth = config.depth.clamp(1, 4096);
+        let wake = if config.completion_eventfd {
+            // SAFETY: eventfd takes no pointers.
+            let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+            if fd < 0 {
+                return Err(BdevError::last_os("eventfd"));
+            }
+            // SAFETY: a descriptor we just opened and own.
+            Some(unsafe { OwnedFd::from_raw_fd(fd) })
+        } else {
+            None
+        };
+        let sink = Arc::new(sys::Sink::new(depth as usize, wake));
+        let args = (0..depth).map(|slot| sys::SlotArg { sink: Arc::clone(&sink), slot }).collect();
+        let slots =
+            (0..depth).map(|_| Slot { token: 0, kind: IoKind::Flush, bytes: 0, iov: Vec::with_capacity(8) }).collect();
+        let free_slots = (0..depth).rev().collect();
+        Ok(Self { image, geometry, read_only, sink, args, slots, free_slots, in_flight: 0 })
+    }
+
+    fn result_of(slot: &Slot, ret: i64) -> Result<u32, BdevError> {
+        match (slot.kind, ret) {
+            (_, ret) if ret == -i64::from(libc::EOPNOTSUPP) => {
+                Err(BdevError::Unsupported("the image refused a discard"))
+            }
+            (_, ret) if ret < 0 => Err(BdevError::Io(i32::try_from(-ret).unwrap_or(libc::EIO))),
+            // A write answers 0; a read the bytes it filled (all of them:
+            // librbd zero-fills what was never written).
+            (IoKind::Read, ret) if (ret as u64) < slot.bytes => {
+                Err(BdevError::ShortTransfer { done: ret as u64, len: slot.bytes })
+            }
+            _ => Ok(slot.bytes as u32),
+        }
+    }
+}
+
+impl IoQueue for RbdQueue {
+    fn geometry(&self) -> Geometry {
+        self.geometry
+    }
+
+    unsafe fn submit(&mut self, req: &IoRequest<'_>) -> Result<(), BdevError> {
+        let bytes = validate_request(&self.geometry, req)?;
+        if self.read_only && matches!(req.kind, IoKind::Write | IoKind::Discard { .. }) {
+            return Err(BdevError::ReadOnly);
+        }
+        let Some(&slot_id) = self.free_slots.last() else { return Err(BdevError::QueueFull) };
+        let slot = &mut self.slots[slot_id as usize];
+        slot.token = req.token;
+        slot.kind = req.kind;
+        slot.bytes = bytes;
+        slot.iov.clear();
+        slot.iov.extend(req.iovecs.iter().map(|v| libc::iovec { iov_base: v.base.cast(), iov_len: v.len }));
+        let op = match req.kind {
+            IoKind::Read => sys::Op::Read { offset: req.offset_bytes, iov: &slot.iov },
+            IoKind::Write => sys::Op::Write { offset: req.offset_bytes, iov: &slot.iov },
+            IoKind::Flush => sys::Op::Flush,
+            IoKind::Discard { bytes } => sys::Op::Discard { offset: req.offset_bytes, bytes },
+        };
+        // SAFETY: the caller keeps the iovecs' memory valid until the
+        // completion (submit's contract); the slot's iovec array and its
+        // SlotArg stay put until the slot is freed in `poll`, after the
+        // completion was popped; Drop waits for every slot in flight.
+        unsafe { sys::submit(&self.image, &op, &self.args[slot_id as usize]) }.map_err(|e| BdevError::Io(e.errno))?;
+        self.free_slots.pop();
+        self.in_flight += 1;
+        Ok(())
+    }
+
+    fn poll(&mut self, out: &mut Vec<Completion>, max: usize) -> usize {
+        let mut n = 0;
+        while n < max {
+            let Some(done) = self.sink.pop() else { break };
+            let slot = &self.slots[done.slot as usize];
+            out.push(Completion { token: slot.token, result: Self::result_of(slot, done.ret) });
+            self.free_slots.push(done.slot);
+            self.in_flight -= 1;
+            n += 1;
+        }
+        n
+    }
+
+    fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    fn completion_eventfd(&self) -> Option<RawFd> {
+        self.sink.wake_fd()
+    }
+}
+
+impl Drop for RbdQueue {
+    fn drop(&mut self) {
+        // librbd may still write into caller memory and will call back with
+        // our slots' arguments: wait for every request in flight. A cluster
+        // that never answers holds shutdown here, and says so.
+        let mut waited = std::time::Duration::ZERO;
+        let step = std::time::Duration::from_millis(1);
+        while self.in_flight > 0 {
+            match self.sink.pop() {
+                Some(done) => {
+                    self.free_slots.push(done.slot);
+                    self.in_flight -= 1;
+                }
+                None => {
+                    std::thread::sleep(step);
+                    waited += step;
+                    if waited.as_millis().is_multiple_of(10_000) {
+                        tracing::warn!(in_flight = self.in_flight, "waiting for librbd to finish requests");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_and_print_back() {
+        let a = RbdAddress::parse("rbd:keelfs/vm1").unwrap();
+        assert_eq!(
+            (a.pool.as_str(), a.image.as_str(), a.conf.as_deref(), a.client.as_deref()),
+            ("keelfs", "vm1", None, None)
+        );
+        assert_eq!(a.to_string(), "rbd:keelfs/vm1");
+        let full = "rbd:p.1/img_2@/etc/ceph/other.conf:id=keelfs";
+        let b = RbdAddress::parse(full).unwrap();
+        assert_eq!(b.conf.as_deref(), Some("/etc/ceph/other.conf"));
+        assert_eq!(b.client.as_deref(), Some("keelfs"));
+        assert_eq!(b.to_string(), full);
+        let c = RbdAddress::parse("rbd:p/i:id=x").unwrap();
+        assert_eq!((c.conf, c.client.as_deref()), (None, Some("x")));
+    }
+
+    #[test]
+    fn bad_names_say_what_is_wrong() {
+        for (name, why) in [
+            ("rbd:keelfs", "no '/'"),
+            ("rbd:/vm1", "pool and image"),
+            ("rbd:k/", "pool and image"),
+            ("rbd:k/a b", "pool and image"),
+            ("rbd:k/v@", "CLUSTER_CONF"),
+            ("rbd:k/v:id=", "CLIENT"),
+            ("nvme:0000:00:05.0", "rbd:"),
+        ] {
+            let e = RbdAddress::parse(name).unwrap_err().to_string();
+            assert!(e.contains(why) && e.contains(NAME_FORM), "{name}: {e}");
+        }
+    }
+}
