@@ -8,6 +8,7 @@
 //! directories the operator listed (`export_dirs`), with no symlink in the
 //! last component, and only io_uring images (no VFIO, no mount).
 
+use anyhow::Context;
 use keelfs_bdev::{Geometry, UringDevice, UringOptions};
 use serde::{Deserialize, Serialize};
 use std::io::{self, IoSlice, IoSliceMut};
@@ -174,7 +175,8 @@ pub fn open_for(request: &OpenRequest, dirs: &[PathBuf]) -> anyhow::Result<(Vec<
         discards: keelfs_bdev::BlockDevice::supports_discard(&device),
         socket_index: 0,
     };
-    let fds = vec![lock.into_file().into(), device.file().try_clone()?.into(), OwnedFd::from(listener)];
+    let lock = lock.into_file().context("an image file's lock is a file")?;
+    let fds = vec![lock.into(), device.file().try_clone()?.into(), OwnedFd::from(listener)];
     Ok((fds, reply))
 }
 

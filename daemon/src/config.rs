@@ -89,6 +89,8 @@ pub enum BackendName {
     Pmem,
     /// A PCI NVMe controller driven from userspace through VFIO.
     Nvme,
+    /// A Ceph RBD image through librbd: `path = "rbd:POOL/IMAGE..."`.
+    Rbd,
 }
 
 #[derive(Debug, Deserialize)]
@@ -236,6 +238,10 @@ fn device_path(device: &RawDevice) -> Result<PathBuf, String> {
         (BackendName::Nvme, _, _) => Err(format!(
             "device \"{name}\": an nvme device takes pci = \"DOMAIN:BUS:DEVICE.FUNCTION\" (and namespace), not path"
         )),
+        (BackendName::Rbd, Some(path), None) if device.namespace.is_none() => {
+            keelfs_bdev::RbdAddress::parse(&path.to_string_lossy()).map_err(|e| format!("device \"{name}\": {e}"))?;
+            Ok(path.clone())
+        }
         (_, Some(path), None) if device.namespace.is_none() => Ok(path.clone()),
         (_, None, _) => Err(format!("device \"{name}\" needs a path")),
         _ => Err(format!("device \"{name}\": pci and namespace apply only to backend = \"nvme\"")),
@@ -260,6 +266,9 @@ pub struct Config {
     pub commit_interval: Duration,
     /// The sandbox `serve` enters once its files are open.
     pub sandbox: SandboxMode,
+    /// Whether the config file or a flag chose `sandbox` (not the
+    /// default): a default gives way to an RBD export, a choice does not.
+    pub sandbox_chosen: bool,
     /// The destination of a live migration (`serve --incoming`): images
     /// are taken when the guests' sessions arrive.
     pub incoming: bool,
@@ -338,6 +347,7 @@ impl Default for Config {
             export_dirs: Vec::new(),
             commit_interval: Duration::from_secs(5),
             sandbox: SandboxMode::Namespace,
+            sandbox_chosen: false,
             incoming: false,
             exports: Vec::new(),
         }
@@ -499,6 +509,7 @@ fn apply_daemon(src: &Source, daemon: RawDaemon, config: &mut Config) -> Result<
     config.poll_mode = daemon.poll_mode.unwrap_or_default();
     config.rpc_socket = daemon.rpc_socket;
     config.sandbox = daemon.sandbox.unwrap_or_default();
+    config.sandbox_chosen = daemon.sandbox.is_some();
     if let Some(log) = daemon.log {
         config.log = log;
     }

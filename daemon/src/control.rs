@@ -335,10 +335,11 @@ impl Control {
         let Some(link) = &self.link else {
             return Err(ControlError::NotPossible("no supervisor to open the export".into()));
         };
-        if export.fuse_mount.is_some() || export.backend != BackendName::Uring {
+        if export.fuse_mount.is_some() || export.backend != BackendName::Uring || crate::device::is_rbd(&export.device)
+        {
             return Err(ControlError::NotPossible(
-                "a sandboxed daemon adds only vhost-user exports on io_uring images: it cannot mount, map or \
-                 attach devices at runtime (use sandbox = \"none\")"
+                "a sandboxed daemon adds only vhost-user exports on io_uring images: it cannot mount, map, attach \
+                 devices or reach a Ceph cluster at runtime (use sandbox = \"none\")"
                     .into(),
             ));
         }

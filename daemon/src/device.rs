@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use keelfs_bdev::{
-    BlockDevice, MappedDevice, NvmeAddress, NvmeDevice, NvmeError, NvmeOptions, UringDevice, UringOptions,
+    BlockDevice, MappedDevice, NvmeAddress, NvmeDevice, NvmeError, NvmeOptions, RbdAddress, RbdDevice, RbdError,
+    RbdOptions, UringDevice, UringOptions,
 };
 
 use crate::config::BackendName;
@@ -26,6 +27,9 @@ pub fn open_backend(
     read_only: bool,
 ) -> anyhow::Result<Arc<dyn BlockDevice>> {
     let name = path.to_string_lossy();
+    if RbdAddress::is_rbd_name(&name) || backend == BackendName::Rbd {
+        return Ok(Arc::new(open_rbd(path, RbdOptions { read_only, defer_lock: false })?));
+    }
     if NvmeAddress::is_nvme_name(&name) || backend == BackendName::Nvme {
         if read_only {
             // The driver has no read-only mode: a controller cannot be
@@ -55,10 +59,37 @@ pub fn open_backend(
             UringDevice::open(path, UringOptions { sqpoll_idle_ms, read_only })
                 .with_context(|| format!("opening {} with io_uring and O_DIRECT", path.display()))?,
         ),
-        BackendName::Nvme => unreachable!("handled above"),
+        BackendName::Nvme | BackendName::Rbd => unreachable!("handled above"),
         BackendName::Pmem => Arc::new(
             MappedDevice::pmem_with(path, 4096, read_only)
                 .with_context(|| format!("mapping {} as pmem", path.display()))?,
         ),
     })
+}
+
+/// Whether `path` names an RBD image (`rbd:POOL/IMAGE...`).
+pub fn is_rbd(path: &Path) -> bool {
+    RbdAddress::is_rbd_name(&path.to_string_lossy())
+}
+
+/// Parse an `rbd:` name; a malformed one is a usage error.
+pub fn rbd_address(path: &Path) -> anyhow::Result<RbdAddress> {
+    RbdAddress::parse(&path.to_string_lossy()).map_err(|e| UsageError(e.to_string()).into())
+}
+
+/// Open an RBD image. A wrong name, configuration, credential, pool or
+/// image, or a lock another client holds, is a usage error (exit 2) whose
+/// message says what to fix; a failing cluster is not.
+pub fn open_rbd(path: &Path, options: RbdOptions) -> anyhow::Result<RbdDevice> {
+    let address = rbd_address(path)?;
+    RbdDevice::open(&address, options).map_err(rbd_error)
+}
+
+/// An RBD error as keelfsd reports it (see [`open_rbd`]).
+pub fn rbd_error(e: RbdError) -> anyhow::Error {
+    if e.is_usage() {
+        UsageError(e.to_string()).into()
+    } else {
+        anyhow::Error::new(e)
+    }
 }

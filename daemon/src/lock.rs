@@ -17,15 +17,30 @@ use crate::tools::UsageError;
 /// How long a lock request waits for a holder to let go before refusing.
 const EXITING_HOLDER_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// A held lock; dropping it (closing the file) releases it.
-#[derive(Debug)]
-pub struct ImageLock {
-    file: File,
+/// A held lock; dropping it (closing the file, or the RBD image)
+/// releases it.
+pub enum ImageLock {
+    /// An OFD lock on an image file or block device.
+    File(File),
+    /// An RBD image's exclusive lock, which librbd holds for the open
+    /// image: the device is the lock.
+    Rbd(std::sync::Arc<keelfs_bdev::RbdDevice>),
+}
+
+impl std::fmt::Debug for ImageLock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ImageLock::File(file) => f.debug_tuple("File").field(file).finish(),
+            ImageLock::Rbd(dev) => f.debug_tuple("Rbd").field(&keelfs_bdev::BlockDevice::name(dev.as_ref())).finish(),
+        }
+    }
 }
 
 impl ImageLock {
     /// Lock `path` for this process alone, or say who holds it. NVMe names
     /// are not files: VFIO gives a group to one process at a time already.
+    /// Nor are RBD names: opening the image writable takes its lock
+    /// ([`Self::Rbd`]).
     pub fn exclusive(path: &Path, purpose: &str) -> anyhow::Result<Option<ImageLock>> {
         Self::acquire(path, purpose, libc::F_WRLCK)
     }
@@ -38,7 +53,7 @@ impl ImageLock {
     }
 
     fn acquire(path: &Path, purpose: &str, kind: libc::c_int) -> anyhow::Result<Option<ImageLock>> {
-        if keelfs_bdev::NvmeAddress::is_nvme_name(&path.to_string_lossy()) {
+        if is_not_a_file(path) {
             return Ok(None);
         }
         // A write lock needs a descriptor open for writing; a read lock
@@ -58,7 +73,7 @@ impl ImageLock {
         let deadline = std::time::Instant::now() + EXITING_HOLDER_GRACE;
         loop {
             match set_lock(&file, kind) {
-                Ok(true) => return Ok(ImageLock { file }),
+                Ok(true) => return Ok(ImageLock::File(file)),
                 Ok(false) => {}
                 Err(err) => return Err(anyhow::Error::new(err).context(format!("locking {}", path.display()))),
             }
@@ -74,34 +89,49 @@ impl ImageLock {
     /// the lock later ([`Self::try_lock`]): the destination of a
     /// migration. None for NVMe names, as with [`Self::exclusive`].
     pub fn unlocked(path: &Path) -> anyhow::Result<Option<ImageLock>> {
-        if keelfs_bdev::NvmeAddress::is_nvme_name(&path.to_string_lossy()) {
+        if is_not_a_file(path) {
             return Ok(None);
         }
-        Ok(Some(ImageLock { file: open_image(path, true)? }))
+        Ok(Some(ImageLock::File(open_image(path, true)?)))
     }
 
     /// A file another process opened and locked, handed over: the lock is
     /// the open file description's, so it comes along.
     pub fn from_locked(file: File) -> ImageLock {
-        ImageLock { file }
+        ImageLock::File(file)
     }
 
     /// The locked file, to hand to another process (see
-    /// [`Self::from_locked`]).
-    pub fn into_file(self) -> File {
-        self.file
+    /// [`Self::from_locked`]); None for an RBD image's lock, which stays
+    /// with the client that took it.
+    pub fn into_file(self) -> Option<File> {
+        match self {
+            ImageLock::File(file) => Some(file),
+            ImageLock::Rbd(_) => None,
+        }
     }
 
     /// Take the write lock if nobody holds it; false if somebody does.
-    pub fn try_lock(&self) -> std::io::Result<bool> {
-        set_lock(&self.file, libc::F_WRLCK)
+    /// An RBD lock costs a round trip to the cluster.
+    pub fn try_lock(&self) -> anyhow::Result<bool> {
+        match self {
+            ImageLock::File(file) => Ok(set_lock(file, libc::F_WRLCK)?),
+            ImageLock::Rbd(dev) => match dev.take_lock() {
+                Ok(()) => Ok(true),
+                Err(keelfs_bdev::RbdError::Locked { .. }) => Ok(false),
+                Err(e) => Err(e.into()),
+            },
+        }
     }
 
-    /// Let go of the lock, keeping the file open to take it again: a
-    /// migration's source hands the image over, and takes it back if the
-    /// migration fails.
-    pub fn unlock(&self) -> std::io::Result<()> {
-        set_lock(&self.file, libc::F_UNLCK).map(drop)
+    /// Let go of the lock, keeping the file (or image) open to take it
+    /// again: a migration's source hands the image over, and takes it back
+    /// if the migration fails.
+    pub fn unlock(&self) -> anyhow::Result<()> {
+        match self {
+            ImageLock::File(file) => Ok(set_lock(file, libc::F_UNLCK).map(drop)?),
+            ImageLock::Rbd(dev) => Ok(dev.release_lock()?),
+        }
     }
 
     /// Whether another open file holds a lock on `path` (it is being served):
@@ -113,6 +143,13 @@ impl ImageLock {
         let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_GETLK, &mut probe) };
         rc == 0 && probe.l_type != libc::F_UNLCK as libc::c_short
     }
+}
+
+/// Whether `path` names something other than a file or block device: an
+/// NVMe controller or an RBD image, whose ownership is not an OFD lock.
+fn is_not_a_file(path: &Path) -> bool {
+    let name = path.to_string_lossy();
+    keelfs_bdev::NvmeAddress::is_nvme_name(&name) || keelfs_bdev::RbdAddress::is_rbd_name(&name)
 }
 
 /// The image at `path`, open for reading and, with `write`, writing.

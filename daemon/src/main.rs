@@ -183,6 +183,19 @@ enum Command {
         #[arg(long)]
         repair: bool,
     },
+    /// Break the exclusive lock on an RBD image that a keelfsd which died
+    /// (or lost its host) still holds, so another can serve the image.
+    /// The holder is blocklisted in the cluster first, so it can write no
+    /// more even if it was only cut off. librbd also does this by itself
+    /// once the holder's watch on the image has expired (about 30 s).
+    BreakLock {
+        /// The image: rbd:POOL/IMAGE[@CLUSTER_CONF][:id=CLIENT].
+        device: PathBuf,
+        /// Also fence a holder that still watches the image (it may be
+        /// alive): its keelfsd will fail every write after this.
+        #[arg(long)]
+        fence_live: bool,
+    },
 }
 
 /// Journal transactions and checkpoints allocate buffers of hundreds of KiB
@@ -213,6 +226,7 @@ fn main() -> ExitCode {
             tools::mkfs(&path, size, force, journal_size, allocation_groups)
         }
         Command::Fsck { path, json, repair } => tools::fsck(&path, json, repair),
+        Command::BreakLock { device, fence_live } => tools::break_lock(&device, fence_live),
         Command::Serve {
             config,
             device,

@@ -108,6 +108,7 @@ fn resolve(args: ServeArgs) -> anyhow::Result<Config> {
     }
     if let Some(mode) = args.sandbox {
         config.sandbox = mode;
+        config.sandbox_chosen = true;
     }
     config.incoming |= args.incoming;
     let flags_shape_an_export = args.device.is_some()
@@ -236,7 +237,11 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
             )));
         }
     }
+    let rbd_unsandboxed = leave_sandbox_for_rbd(&mut config)?;
     init_logging(&config);
+    if let Some(tag) = rbd_unsandboxed {
+        tracing::warn!("export {tag} is on RBD: serving without the namespace sandbox (see docs/ARCHITECTURE.md)");
+    }
     // Everything up to here is single-threaded, as a pid namespace and the
     // sandbox need.
     let link = match config.sandbox {
@@ -326,6 +331,29 @@ fn cleanup_of(config: &Config) -> Cleanup {
     }
 }
 
+/// librados starts its threads when it connects and talks to every
+/// monitor and OSD for as long as an image is open, while the namespace
+/// sandbox must be entered by a single thread and takes the network away.
+/// So a daemon with an RBD export runs unsandboxed: by default with a
+/// warning (returns the export's tag), and a sandbox asked for is refused.
+fn leave_sandbox_for_rbd(config: &mut Config) -> anyhow::Result<Option<String>> {
+    let rbd = config.exports.iter().find(|e| device::is_rbd(&e.device) || e.backend == config::BackendName::Rbd);
+    let Some(export) = rbd else { return Ok(None) };
+    if config.sandbox == SandboxMode::None {
+        return Ok(None);
+    }
+    if config.sandbox_chosen {
+        bail!(tools::UsageError(format!(
+            "export {}: an RBD image cannot be served in the namespace sandbox (librados needs the network and \
+             threads of its own); use --sandbox none",
+            export.tag
+        )));
+    }
+    let tag = export.tag.clone();
+    config.sandbox = SandboxMode::None;
+    Ok(Some(tag))
+}
+
 /// What the sandbox must leave to the configured backends.
 fn needs_of(config: &Config) -> Needs {
     let vfio = config.exports.iter().any(|e| {
@@ -364,12 +392,7 @@ pub(crate) fn open_export(
     incoming: bool,
     link: Option<&Arc<SupervisorLink>>,
 ) -> anyhow::Result<Opened> {
-    let lock = match (export.read_only, incoming) {
-        (true, _) => ImageLock::shared(&export.device, "serve")?,
-        (false, false) => ImageLock::exclusive(&export.device, "serve")?,
-        (false, true) => ImageLock::unlocked(&export.device)?,
-    };
-    let dev = device::open_backend(&export.device, export.backend, export.sqpoll_idle_ms, export.read_only)?;
+    let (dev, lock) = open_locked(export, incoming)?;
     let listener = match &export.socket {
         Some(socket) => {
             let access = SocketAccess {
@@ -397,6 +420,42 @@ pub(crate) fn open_export(
             .ok(),
     };
     Ok(Opened { export: export.clone(), dev, listener, fuse, lock, session })
+}
+
+/// Lock and open an export's device (see [`open_export`]). An RBD
+/// image's lock is its exclusive lock, which opening it writable takes
+/// (or, with `incoming`, leaves for the session's arrival).
+fn open_locked(export: &Export, incoming: bool) -> anyhow::Result<(Arc<dyn BlockDevice>, Option<ImageLock>)> {
+    if device::is_rbd(&export.device) || export.backend == config::BackendName::Rbd {
+        let options = keelfs_bdev::RbdOptions { read_only: export.read_only, defer_lock: incoming };
+        let rbd = Arc::new(device::open_rbd(&export.device, options)?);
+        if export.read_only {
+            refuse_rbd_in_use(&rbd)?;
+        }
+        let lock = (!export.read_only).then(|| ImageLock::Rbd(Arc::clone(&rbd)));
+        return Ok((rbd, lock));
+    }
+    let lock = match (export.read_only, incoming) {
+        (true, _) => ImageLock::shared(&export.device, "serve")?,
+        (false, false) => ImageLock::exclusive(&export.device, "serve")?,
+        (false, true) => ImageLock::unlocked(&export.device)?,
+    };
+    let dev = device::open_backend(&export.device, export.backend, export.sqpoll_idle_ms, export.read_only)?;
+    Ok((dev, lock))
+}
+
+/// A read-only export reads the image without a lock of its own (RBD has
+/// no reader's lock to share): refuse one while a writer holds the image,
+/// as a file's shared lock would.
+fn refuse_rbd_in_use(rbd: &keelfs_bdev::RbdDevice) -> anyhow::Result<()> {
+    let holders = rbd.holders().map_err(device::rbd_error)?;
+    if holders != "nobody" {
+        bail!(tools::UsageError(format!(
+            "{} is in use (locked by {holders}): refusing to serve it read-only",
+            keelfs_bdev::BlockDevice::name(rbd)
+        )));
+    }
+    Ok(())
 }
 
 /// Open an export for a sandboxed server through its supervisor (see

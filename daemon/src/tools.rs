@@ -44,6 +44,9 @@ fn run_on_reactor<T: 'static>(
 /// Create a sparse file of `size` if `path` does not exist, or grow a file
 /// that is smaller than `size`.
 fn prepare_file(path: &Path, size: Option<u64>) -> anyhow::Result<()> {
+    if device::is_rbd(path) {
+        return prepare_rbd_image(path, size);
+    }
     if keelfs_bdev::NvmeAddress::is_nvme_name(&path.to_string_lossy()) {
         if size.is_some() {
             return Err(UsageError("--size applies only to regular files, not to an NVMe namespace".into()).into());
@@ -70,6 +73,22 @@ fn prepare_file(path: &Path, size: Option<u64>) -> anyhow::Result<()> {
             return Err(UsageError("--size applies only to regular files".into()).into());
         }
         Ok(_) => {}
+    }
+    Ok(())
+}
+
+/// An RBD image's counterpart of [`prepare_file`]: create the image if it
+/// does not exist (`--size` is then required: an image in a shared cluster
+/// has no sensible default), or grow it to `--size`.
+fn prepare_rbd_image(path: &Path, size: Option<u64>) -> anyhow::Result<()> {
+    let address = device::rbd_address(path)?;
+    let Some(size) = size else { return Ok(()) };
+    if size % 4096 != 0 {
+        return Err(UsageError("--size of an RBD image is a multiple of 4096 bytes".into()).into());
+    }
+    match keelfs_bdev::RbdDevice::create_or_grow(&address, size).map_err(device::rbd_error)? {
+        (true, size) => eprintln!("keelfsd mkfs: {address} is {size} bytes (created or grown)"),
+        (false, size) => eprintln!("keelfsd mkfs: {address} exists with {size} bytes"),
     }
     Ok(())
 }
@@ -107,7 +126,7 @@ pub fn fsck(path: &Path, as_json: bool, repair: bool) -> anyhow::Result<ExitCode
     // Repair writes: it needs the image to itself. A check only reads, so
     // it may look at a live image, and says so.
     let _lock = if repair { ImageLock::exclusive(path, "repair")? } else { None };
-    let live = !repair && ImageLock::is_held(path);
+    let live = !repair && is_served(path)?;
     if live {
         eprintln!(
             "keelfsd fsck: {} is in use (being served): checking it live, read-only; damage reported now may be \
@@ -115,7 +134,11 @@ pub fn fsck(path: &Path, as_json: bool, repair: bool) -> anyhow::Result<ExitCode
             path.display()
         );
     }
-    let dev = device::open(path)?;
+    let dev = match device::is_rbd(path) {
+        // Checking only reads: no lock, so a served image can be checked.
+        true => Arc::new(device::open_rbd(path, keelfs_bdev::RbdOptions { read_only: !repair, defer_lock: false })?),
+        false => device::open(path)?,
+    };
     let progress = |stage: &str| eprintln!("keelfsd fsck: checking {stage}");
     let report = run_on_reactor(dev, async move |ch| {
         if repair {
@@ -132,6 +155,38 @@ pub fn fsck(path: &Path, as_json: bool, repair: bool) -> anyhow::Result<ExitCode
         print_report(path, &report);
     }
     Ok(if report.is_clean() { ExitCode::SUCCESS } else { ExitCode::from(1) })
+}
+
+/// Whether another process serves the image (holds its lock).
+fn is_served(path: &Path) -> anyhow::Result<bool> {
+    if !device::is_rbd(path) {
+        return Ok(ImageLock::is_held(path));
+    }
+    let rbd = device::open_rbd(path, keelfs_bdev::RbdOptions { read_only: true, defer_lock: false })?;
+    Ok(rbd.holders().map_err(device::rbd_error)? != "nobody")
+}
+
+/// `keelfsd break-lock rbd:...`: fence a dead keelfsd's client and break
+/// its lock on the image, so another can serve it. librbd blocklists the
+/// holder before it breaks the lock, so a holder that was only cut off
+/// can write no more. A holder that still watches the image may be alive:
+/// refused unless `fence_live`.
+pub fn break_lock(path: &Path, fence_live: bool) -> anyhow::Result<ExitCode> {
+    if !device::is_rbd(path) {
+        return Err(UsageError(format!(
+            "{}: only RBD images have a lock to break; a file's lock ends with its process",
+            path.display()
+        ))
+        .into());
+    }
+    let rbd = device::open_rbd(path, keelfs_bdev::RbdOptions { read_only: false, defer_lock: true })?;
+    let broken = rbd.break_lock(fence_live).map_err(device::rbd_error)?;
+    if broken.is_empty() {
+        println!("{}: nobody holds the lock", path.display());
+    } else {
+        println!("{}: blocklisted and broke the lock of {}", path.display(), broken.join(", "));
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn report_json(r: &FsckReport) -> serde_json::Value {
