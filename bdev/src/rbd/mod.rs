@@ -331,8 +331,9 @@ impl RbdDevice {
         if !live_too && lockers.iter().any(|(client, _)| watching(&watchers, client)) {
             return Err(self.locked_error());
         }
-        for (client, _) in &lockers {
-            self.image.lock_break(client).map_err(|e| RbdError::ceph(&self.address, e))?;
+        for (_, addr) in &lockers {
+            // librbd names a lock's owner by its address here.
+            self.image.lock_break(addr).map_err(|e| RbdError::ceph(&self.address, e))?;
         }
         Ok(lockers.into_iter().map(|(client, addr)| format!("{client} at {addr}")).collect())
     }

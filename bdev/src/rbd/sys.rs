@@ -313,8 +313,9 @@ impl Image {
         Ok(clients.into_iter().zip(addrs.into_iter().chain(std::iter::repeat(String::new()))).collect())
     }
 
-    /// Fence `owner` (librbd blocklists it when rbd_blocklist_on_break_lock
-    /// is on, its default) and break its lock.
+    /// Fence `owner`, the holder's address as the lockers list gives it
+    /// (librbd blocklists it when rbd_blocklist_on_break_lock is on, its
+    /// default), and break its lock.
     pub fn lock_break(&self, owner: &str) -> Result<(), CephError> {
         let owner = cstring("rbd_lock_break", owner)?;
         // SAFETY: an open image and a C string.
