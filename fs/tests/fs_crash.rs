@@ -247,6 +247,10 @@ async fn verify_appends(fs: &Fs, promised: Option<&u64>) {
 
 #[test]
 fn appends_with_fsync_never_show_stale_data() {
+    appends_with_fsync_never_show_stale_data_workload();
+}
+
+fn appends_with_fsync_never_show_stale_data_workload() {
     let seed = test_seed();
     let rec = record(async move |fs: Fs, f, promises: &mut Vec<(usize, u64)>| {
         let c = Creds::root();
@@ -272,6 +276,10 @@ fn appends_with_fsync_never_show_stale_data() {
 /// allocated, submitted, and converted on completion.
 #[test]
 fn direct_appends_with_fsync_never_show_stale_data() {
+    direct_appends_with_fsync_never_show_stale_data_workload();
+}
+
+fn direct_appends_with_fsync_never_show_stale_data_workload() {
     let seed = test_seed();
     let rec = record(async move |fs: Fs, f, promises: &mut Vec<(usize, u64)>| {
         let c = Creds::root();
@@ -308,6 +316,10 @@ fn direct_appends_with_fsync_never_show_stale_data() {
 /// Direct overwrites: no journal at all, only the device and its flushes.
 #[test]
 fn direct_overwrites_with_fsync_keep_a_synced_or_newer_version() {
+    direct_overwrites_with_fsync_keep_a_synced_or_newer_version_workload();
+}
+
+fn direct_overwrites_with_fsync_keep_a_synced_or_newer_version_workload() {
     const BLOCKS: u64 = 32;
     let seed = test_seed();
     let rec = record(async move |fs: Fs, f, promises: &mut Vec<(usize, Vec<u64>)>| {

@@ -335,33 +335,39 @@ async fn apply(fs: &mut Fs, dev: &std::sync::Arc<dyn keelfs_bdev::BlockDevice>, 
     }
 }
 
+/// Run `ops` on a fresh filesystem on `dev` and against the model, then
+/// check the tree after a synced crash, after replay and after remount.
+fn matches_the_model(dev: std::sync::Arc<dyn keelfs_bdev::BlockDevice>, ops: &[Op]) {
+    let mut r = busy_reactor();
+    let ops = ops.to_vec();
+    r.block_on(async move {
+        format(&dev).await;
+        let mut fs = mount(&dev).await;
+        let mut m = Model::default();
+        for op in &ops {
+            apply(&mut fs, &dev, &mut m, op).await;
+        }
+        assert_eq!(digest(snapshot(&fs).await), digest(model_view(&m)), "tree differs from the model");
+        // A crash right after a sync must keep everything.
+        fs.sync().await.unwrap();
+        drop(fs);
+        let report = check(&dev).await;
+        assert!(report.is_clean(), "fsck after a synced crash: {report:?}");
+        let fs = mount(&dev).await;
+        assert_eq!(digest(snapshot(&fs).await), digest(model_view(&m)), "tree differs after replay");
+        fs.unmount().await.unwrap();
+        let report = check(&dev).await;
+        assert!(report.is_clean(), "fsck after unmount: {report:?}");
+        let fs = mount(&dev).await;
+        assert_eq!(digest(snapshot(&fs).await), digest(model_view(&m)), "tree differs after remount");
+    });
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 128, max_shrink_iters: 200, ..ProptestConfig::default() })]
 
     #[test]
     fn keelfs_matches_the_model(ops in proptest::collection::vec(op(), 1..50)) {
-        let mut r = busy_reactor();
-        let dev = ram_device(48 << 20);
-        r.block_on(async move {
-            format(&dev).await;
-            let mut fs = mount(&dev).await;
-            let mut m = Model::default();
-            for op in &ops {
-                apply(&mut fs, &dev, &mut m, op).await;
-            }
-            assert_eq!(digest(snapshot(&fs).await), digest(model_view(&m)), "tree differs from the model");
-            // A crash right after a sync must keep everything.
-            fs.sync().await.unwrap();
-            drop(fs);
-            let report = check(&dev).await;
-            assert!(report.is_clean(), "fsck after a synced crash: {report:?}");
-            let fs = mount(&dev).await;
-            assert_eq!(digest(snapshot(&fs).await), digest(model_view(&m)), "tree differs after replay");
-            fs.unmount().await.unwrap();
-            let report = check(&dev).await;
-            assert!(report.is_clean(), "fsck after unmount: {report:?}");
-            let fs = mount(&dev).await;
-            assert_eq!(digest(snapshot(&fs).await), digest(model_view(&m)), "tree differs after remount");
-        });
+        matches_the_model(ram_device(48 << 20), &ops);
     }
 }
