@@ -49,11 +49,17 @@ fn record_with_config<P: 'static>(
     workload: impl AsyncFnOnce(Fs, Arc<FaultDevice>, &mut Vec<(usize, P)>) + 'static,
 ) -> Recorded<P> {
     let mut r = busy_reactor();
-    let ram = Arc::new(MappedDevice::ram(DEVICE_BYTES, 4096).unwrap());
-    let fault = Arc::new(FaultDevice::new(ram.clone()));
+    let (inner, _image) = match ON_RBD.get() {
+        false => (common::ram_device(DEVICE_BYTES), None),
+        true => {
+            let (dev, image) = common::rbd_device("crash", DEVICE_BYTES);
+            (dev, Some(image))
+        }
+    };
+    let fault = Arc::new(FaultDevice::new(inner.clone()));
     let dev: Arc<dyn BlockDevice> = fault.clone();
-    let (ram2, fault2) = (ram.clone(), fault.clone());
-    r.block_on(async move {
+    let (inner2, fault2) = (inner.clone(), fault.clone());
+    let recorded = r.block_on(async move {
         let options = MkfsOptions { force: true, journal_blocks, ..MkfsOptions::default() };
         mkfs(channel(&dev), &options).await.unwrap();
         let fs = mount(&dev).await;
@@ -64,13 +70,30 @@ fn record_with_config<P: 'static>(
         fs.unlink(&c, ROOT_INO, b"junk").await.unwrap();
         fs.forget(junk.ino(), 1).await.unwrap();
         fs.unmount().await.unwrap();
-        let base = ram2.snapshot();
+        let base = common::read_whole(inner2.as_ref());
         fault2.start_recording();
         let fs = Fs::mount(channel(&dev), config).await.expect("mount");
         let mut promises = Vec::new();
         workload(fs, fault2.clone(), &mut promises).await;
         Recorded { base, log: fault2.log(), promises }
-    })
+    });
+    drop((fault, inner));
+    recorded
+}
+
+thread_local! {
+    /// Record the workload on an RBD image of the dev cluster instead of
+    /// RAM (the `_on_rbd` tests): the filesystem's requests then complete
+    /// from librbd's threads, in librbd's order. The crash images are
+    /// rebuilt from the log in memory either way.
+    static ON_RBD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Run `test` with its workload recorded on RBD.
+fn on_rbd(test: impl FnOnce()) {
+    ON_RBD.set(true);
+    test();
+    ON_RBD.set(false);
 }
 
 /// Crash positions: every flush point, the end, and `extra` random ones.
@@ -150,6 +173,11 @@ fn storm_with_a_tiny_journal_crosses_wraps_and_checkpoints() {
 #[test]
 fn storm_with_checkpoints_in_small_pieces() {
     storm(24, 40, FsConfig { checkpoint_piece_nodes: 4, ..FsConfig::default() });
+}
+
+#[test]
+fn create_rename_unlink_storm_on_rbd() {
+    on_rbd(|| storm(16, 24, FsConfig::default()));
 }
 
 fn storm(journal_blocks: u64, rounds: usize, config: FsConfig) {
@@ -250,6 +278,11 @@ fn appends_with_fsync_never_show_stale_data() {
     appends_with_fsync_never_show_stale_data_workload();
 }
 
+#[test]
+fn appends_with_fsync_never_show_stale_data_on_rbd() {
+    on_rbd(appends_with_fsync_never_show_stale_data_workload);
+}
+
 fn appends_with_fsync_never_show_stale_data_workload() {
     let seed = test_seed();
     let rec = record(async move |fs: Fs, f, promises: &mut Vec<(usize, u64)>| {
@@ -277,6 +310,11 @@ fn appends_with_fsync_never_show_stale_data_workload() {
 #[test]
 fn direct_appends_with_fsync_never_show_stale_data() {
     direct_appends_with_fsync_never_show_stale_data_workload();
+}
+
+#[test]
+fn direct_appends_with_fsync_never_show_stale_data_on_rbd() {
+    on_rbd(direct_appends_with_fsync_never_show_stale_data_workload);
 }
 
 fn direct_appends_with_fsync_never_show_stale_data_workload() {
@@ -317,6 +355,11 @@ fn direct_appends_with_fsync_never_show_stale_data_workload() {
 #[test]
 fn direct_overwrites_with_fsync_keep_a_synced_or_newer_version() {
     direct_overwrites_with_fsync_keep_a_synced_or_newer_version_workload();
+}
+
+#[test]
+fn direct_overwrites_with_fsync_keep_a_synced_or_newer_version_on_rbd() {
+    on_rbd(direct_overwrites_with_fsync_keep_a_synced_or_newer_version_workload);
 }
 
 fn direct_overwrites_with_fsync_keep_a_synced_or_newer_version_workload() {

@@ -371,3 +371,15 @@ proptest! {
         matches_the_model(ram_device(48 << 20), &ops);
     }
 }
+
+proptest! {
+    // Fewer cases: each formats an image on the dev cluster.
+    #![proptest_config(ProptestConfig { cases: 12, max_shrink_iters: 50, ..ProptestConfig::default() })]
+
+    /// The same on an RBD image: requests complete from librbd's threads.
+    #[test]
+    fn keelfs_matches_the_model_on_rbd(ops in proptest::collection::vec(op(), 1..50)) {
+        let (dev, _image) = common::rbd_device("model", 48 << 20);
+        matches_the_model(dev, &ops);
+    }
+}

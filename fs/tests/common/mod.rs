@@ -17,6 +17,27 @@ pub fn ram_device(bytes: u64) -> Arc<dyn BlockDevice> {
     Arc::new(MappedDevice::ram(bytes, 4096).expect("ram device"))
 }
 
+/// A fresh RBD image of `bytes` on the dev cluster (scripts/ceph-dev.sh,
+/// brought up if it is not), opened, with the guard that removes it: the
+/// device must be dropped first.
+pub fn rbd_device(tag: &str, bytes: u64) -> (Arc<dyn BlockDevice>, keelfs_bdev::RbdScratchImage) {
+    let image = keelfs_bdev::RbdScratchImage::new(tag, bytes);
+    (image.open(), image)
+}
+
+/// Every byte of `dev`, read 1 MiB at a time.
+pub fn read_whole(dev: &dyn BlockDevice) -> Vec<u8> {
+    let bytes = dev.geometry().capacity_bytes;
+    let mut io = keelfs_bdev::BlockingIo::open(dev).expect("blocking queue");
+    let mut buf = keelfs_bdev::AlignedBuf::zeroed(1 << 20, 4096);
+    let mut out = Vec::with_capacity(bytes as usize);
+    for offset in (0..bytes).step_by(1 << 20) {
+        let n = io.read_at(offset, &mut buf).expect("read") as usize;
+        out.extend_from_slice(&buf[..n]);
+    }
+    out
+}
+
 /// A channel to `dev` on the current reactor.
 pub fn channel(dev: &Arc<dyn BlockDevice>) -> DeviceChannel {
     DeviceChannel::attach(dev.open_queue(QueueConfig { depth: 64, completion_eventfd: false }).expect("queue"))
