@@ -226,7 +226,7 @@ fn apply_space(src: &Source, e: &RawExport, export: &mut Export) -> Result<(), C
 }
 
 /// The path an export's device is opened by: the file for uring and pmem,
-/// `nvme:PCI/NSID` for NVMe.
+/// `nvme:PCI/NSID` for NVMe, the `rbd:POOL/IMAGE...` name for RBD.
 fn device_path(device: &RawDevice) -> Result<PathBuf, String> {
     let name = device.name.get_ref();
     match (device.backend, &device.path, &device.pci) {
@@ -827,6 +827,21 @@ atime = "noatime"
         );
         let bad_pci = format!("[[device]]\nname = \"n\"\nbackend = \"nvme\"\npci = \"00:05.0\"\n{export}");
         assert!(error_of(&bad_pci).contains("nvme:DOMAIN:BUS:DEVICE.FUNCTION"), "{}", error_of(&bad_pci));
+    }
+
+    #[test]
+    fn rbd_devices_take_an_rbd_name_as_their_path() {
+        let export = "[[export]]\ntag = \"a\"\ndevice = \"r\"\nsocket = \"/s\"\n";
+        let text = format!(
+            "[[device]]\nname = \"r\"\nbackend = \"rbd\"\npath = \"rbd:keelfs/vm1@/etc/ceph/c.conf:id=keelfs\"\n{export}"
+        );
+        let c = parse("rbd.toml", &text).unwrap();
+        assert_eq!(c.exports[0].device, Path::new("rbd:keelfs/vm1@/etc/ceph/c.conf:id=keelfs"));
+        assert_eq!(c.exports[0].backend, BackendName::Rbd);
+        let not_rbd = format!("[[device]]\nname = \"r\"\nbackend = \"rbd\"\npath = \"/dev/rbd0\"\n{export}");
+        assert!(error_of(&not_rbd).contains("rbd:POOL/IMAGE"), "{}", error_of(&not_rbd));
+        let no_pool = format!("[[device]]\nname = \"r\"\nbackend = \"rbd\"\npath = \"rbd:vm1\"\n{export}");
+        assert!(error_of(&no_pool).contains("no '/' between pool and image"), "{}", error_of(&no_pool));
     }
 
     #[test]
