@@ -91,6 +91,17 @@ have tmux || want_apt tmux "the terminal that keelfsd top is tested in"
 # bookworm's QEMU 7.2 and Linux 6.1 lack multi-queue virtio-fs.
 (($(qemu_major) >= 10)) || want_bpo qemu-system-x86 "QEMU 10 to boot the test guests"
 guest_kernel_present || want_bpo linux-image-amd64 "Linux 6.12, the test guests' kernel"
+# The RBD backend: scripts/ceph-dev.sh's one-node cluster, librbd to link,
+# and QEMU's rbd driver to compare with (it must match the QEMU above).
+have ceph-mon || want_apt ceph-mon "the dev cluster's monitor (scripts/ceph-dev.sh)"
+have ceph-osd || want_apt ceph-osd "the dev cluster's BlueStore OSD (scripts/ceph-dev.sh)"
+have ceph-mgr || want_apt ceph-mgr "the dev cluster's manager (scripts/ceph-dev.sh)"
+{ have ceph && have rbd; } || want_apt ceph-common "the ceph and rbd CLIs that set up and check the dev cluster"
+installed librbd-dev || want_apt librbd-dev "librbd, which keelfs's RBD backend links"
+installed librados-dev || want_apt librados-dev "librados, the RADOS client under librbd"
+have ip || want_apt iproute2 "the dev cluster's bridge and the test hosts' network namespaces"
+{ installed qemu-block-extra && (($(qemu_major) >= 10)); } ||
+  want_bpo qemu-block-extra "QEMU's rbd driver, the RBD benchmark peer"
 
 cargo_bin=${CARGO_HOME:-$HOME/.cargo}/bin
 export PATH="$cargo_bin:$PATH"
@@ -148,7 +159,11 @@ fi
 step="checking the result"
 (($(qemu_major) >= 10)) || { echo "$prog: error: QEMU 10 is still missing after the install" >&2; exit 1; }
 guest_kernel_present || { echo "$prog: error: no /boot/vmlinuz-6.12.* after the install" >&2; exit 1; }
-for t in fio cpio xz setfattr mkfs.xfs shellcheck systemd-analyze python3 pjdfstest fsx; do
+for t in fio cpio xz setfattr mkfs.xfs shellcheck systemd-analyze python3 pjdfstest fsx \
+  ceph-mon ceph-osd ceph-mgr ceph rbd ip; do
   have "$t" || { echo "$prog: error: $t is still missing after the install" >&2; exit 1; }
 done
-say "ok (fio $(fio --version), QEMU $(qemu_major), $(cargo --version))"
+for p in librbd-dev librados-dev qemu-block-extra; do
+  installed "$p" || { echo "$prog: error: package $p is still missing after the install" >&2; exit 1; }
+done
+say "ok (fio $(fio --version), QEMU $(qemu_major), Ceph $(ceph --version | cut -d' ' -f3), $(cargo --version))"
