@@ -157,7 +157,10 @@ fn set_limit(resource: libc::__rlimit_resource_t, value: u64) -> io::Result<()> 
     check(unsafe { libc::setrlimit(resource, &limit) })
 }
 
-fn limit_resources() -> anyhow::Result<()> {
+/// A zero core limit and no dumping (a core would hold guest memory), and
+/// at most [`OPEN_FILES_MAX`] descriptors: process-wide, so it also holds
+/// for a daemon that cannot enter the sandbox (an RBD export's).
+pub fn limit_resources() -> anyhow::Result<()> {
     // A core dump would write out guest memory.
     set_limit(libc::RLIMIT_CORE, 0).context("RLIMIT_CORE")?;
     // SAFETY: prctl with integer arguments only. Not dumpable: no core, and

@@ -239,7 +239,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     }
     let rbd_unsandboxed = leave_sandbox_for_rbd(&mut config)?;
     init_logging(&config);
-    if let Some(tag) = rbd_unsandboxed {
+    if let Some(tag) = &rbd_unsandboxed {
         tracing::warn!("export {tag} is on RBD: serving without the namespace sandbox (see docs/ARCHITECTURE.md)");
     }
     // Everything up to here is single-threaded, as a pid namespace and the
@@ -258,6 +258,10 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     };
     if config.sandbox == SandboxMode::Namespace {
         sandbox::enter(needs_of(&config), seccomp::Action::from_env()).context("entering the sandbox")?;
+    } else if rbd_unsandboxed.is_some() {
+        // What of the sandbox holds for a process with threads: no core
+        // dump of guest memory, bounded descriptors.
+        sandbox::limit_resources().context("limiting resources")?;
     }
     let sandboxed = link.is_some();
     let result = run(&config, opened, listeners, &signals, link);
