@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A one-node Ceph cluster (one monitor, one manager, one BlueStore OSD on a
-# sparse file) for keelfs's RBD tests and demos, from Debian's packages
+# loop device over a sparse file) for keelfs's RBD tests and demos, from Debian's packages
 # only: no cephadm, no containers, no ceph-volume. The cluster listens on
 # the bridge keelfs-ceph0 (10.87.0.1/24), so that network namespaces made
 # by `host add` reach it as if they were other machines.
@@ -30,8 +30,8 @@ Usage: scripts/$prog up | down | status
        scripts/$prog host add NAME ADDR | host del NAME
 
 A one-node Ceph cluster for keelfs's RBD tests and demos: one monitor, one
-manager and one BlueStore OSD on a sparse $((block_size >> 30)) GiB file, cephx on, all
-listening on $addr, the address of the bridge $bridge ($net.0/24).
+manager and one BlueStore OSD on a loop device over a sparse
+$((block_size >> 30)) GiB file, cephx on, all listening on $addr, the address of the bridge $bridge ($net.0/24).
 
 up              Start the cluster (about 20 s from nothing), make pool
                 '$pool' (size 1, rbd), wait for HEALTH_OK and print the
@@ -41,7 +41,7 @@ up              Start the cluster (about 20 s from nothing), make pool
                 $etc/ceph.client.keelfs.keyring (client.keelfs: rbd on pool
                 '$pool' only), each marked as written here, and refuses to
                 overwrite files it did not write.
-down            Stop the daemons, remove the state, the block file, the
+down            Stop the daemons, remove the state, the loop device and block file, the
                 bridge, the 'host add' namespaces and the files in $etc
                 written here. Fine when nothing is up.
 status          Print 'ceph -s'; exit 1 when the cluster is not up.
@@ -57,8 +57,9 @@ There is one such cluster on a machine: the bridge, its address and the
 files in $etc are the same whatever the environment says.
 Environment: KEELFS_CEPH_DIR (state: data, logs, pid files; default
 /var/lib/keelfs-ceph), KEELFS_CEPH_BLOCK (the OSD's sparse block file;
-default /dev/shm/keelfs-ceph-osd0.block: in RAM, so the data written to
-the cluster counts against memory and /dev/shm's size).
+default /dev/shm/keelfs-ceph-osd0.block: in RAM, so the live data in the
+cluster counts against memory and /dev/shm's size; BlueStore discards
+what it frees through the loop device, which gives it back).
 Exit status: 0 done, 1 failed, 2 usage error.
 EOF
 }
@@ -241,9 +242,12 @@ mgr_data = $dir/mgr/ceph-x
 [osd]
 osd_data = $dir/osd/ceph-0
 osd_objectstore = bluestore
-bluestore_block_path = $block
-bluestore_block_size = $block_size
-bluestore_block_create = true
+# A loop device over the block file: BlueStore discards what it frees, and
+# the loop driver punches the file, so RAM holds only live data (BlueStore
+# cannot discard on a plain file, which then only grows).
+bluestore_block_path = $2
+bdev_enable_discard = true
+bdev_async_discard = true
 # A file reports itself rotational; one in RAM (tmpfs) is better served
 # by the SSD settings (no deferred writes). Few threads: a small machine.
 bluestore_debug_enforce_settings = ssd
@@ -314,6 +318,14 @@ teardown() {
   if ip link show "$bridge" >/dev/null 2>&1; then
     ip link del "$bridge"
   fi
+  step="detaching the loop device"
+  if [[ -f $dir/loop-path ]]; then
+    local loopdev
+    read -r loopdev <"$dir/loop-path"
+    if [[ -n $loopdev ]] && losetup "$loopdev" 2>/dev/null | grep -qF "$block"; then
+      losetup -d "$loopdev"
+    fi
+  fi
   step="removing the block file"
   local recorded=""
   if [[ -f $dir/block-path ]]; then read -r recorded <"$dir/block-path"; fi
@@ -335,6 +347,14 @@ teardown() {
       fail "$dir has no KEELFS-CEPH-DEV mark: not ceph-dev.sh's state; not removing it"
     fi
   fi
+}
+
+# Whether the OSD's loop device is still attached to the block file (it
+# is gone after a reboot, and the cluster must be made again).
+loop_attached() {
+  local loopdev=""
+  [[ -f $dir/loop-path ]] && read -r loopdev <"$dir/loop-path"
+  [[ -n $loopdev ]] && losetup "$loopdev" 2>/dev/null | grep -qF "$block"
 }
 
 # Starts a daemon of a cluster set up before, if it is not running.
@@ -390,7 +410,7 @@ up() {
   local recorded=""
   if [[ -f $dir/block-path ]]; then read -r recorded <"$dir/block-path"; fi
   # A cluster set up before, whose data and client files are all there.
-  if [[ -e $dir/up.done && -n $recorded && -f $recorded ]] && ours "$etc/ceph.conf" &&
+  if [[ -e $dir/up.done && -n $recorded && -f $recorded ]] && loop_attached && ours "$etc/ceph.conf" &&
     ours "$etc/ceph.client.admin.keyring" && ours "$etc/ceph.client.keelfs.keyring"; then
     step="checking the running cluster"
     if all_alive && healthy; then
@@ -426,7 +446,14 @@ up() {
   say "$step"
   local fsid
   fsid=$(cat /proc/sys/kernel/random/uuid)
-  write_daemon_conf "$fsid"
+  step="making the loop device over $block"
+  say "$step"
+  rm -f -- "$block"
+  truncate -s "$block_size" "$block"
+  local loopdev
+  loopdev=$(losetup --find --show "$block")
+  echo "$loopdev" >"$dir/loop-path"
+  write_daemon_conf "$fsid" "$loopdev"
   write_client_conf "$fsid"
   local k=$dir/mon/keyring
   quiet ceph-authtool --create-keyring "$k" --gen-key -n mon. --cap mon 'allow *'
@@ -455,7 +482,7 @@ up() {
   say "$step"
   start_daemon mgr.x ceph-mgr --id x
 
-  step="making the OSD (BlueStore on $block, $((block_size >> 30)) GiB sparse)"
+  step="making the OSD (BlueStore on a loop device over $block, $((block_size >> 30)) GiB sparse)"
   say "$step"
   local uuid key id
   uuid=$(cat /proc/sys/kernel/random/uuid)
@@ -463,7 +490,6 @@ up() {
   id=$(printf '{"cephx_secret": "%s"}' "$key" | cceph osd new "$uuid" -i -)
   [[ $id == 0 ]] || fail "ceph osd new gave the OSD id '$id', not 0"
   keyring_of "$key" osd.0 >"$dir/osd/ceph-0/keyring"
-  rm -f -- "$block"
   if ! ceph-osd --conf "$dir/ceph.conf" --id 0 --mkfs --osd-uuid "$uuid" >>"$dir/log/osd.0.mkfs.out" 2>&1; then
     grep -a ERROR "$dir/log/osd.0.mkfs.out" | tail -n 3 >&2 || true
     fail "step \"$step\": ceph-osd --mkfs failed (see $dir/log/osd.0.mkfs.out and osd.0.log)"
