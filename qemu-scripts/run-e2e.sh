@@ -3,8 +3,9 @@
 # count, a fresh image, keelfsd serving it over vhost-user-fs, and a QEMU
 # guest per test script (qemu-scripts/guest-tests/); then SIGTERM (the
 # daemon must exit 0), fsck, a restart on the same image and a second guest
-# that checks what the first wrote, SIGTERM and fsck again. Prints a summary
-# table and exits non-zero when anything failed.
+# that checks what the first wrote, SIGTERM and fsck again. With --rbd-pool
+# the images are Ceph RBD images instead of files. Prints a summary table
+# and exits non-zero when anything failed.
 set -euo pipefail
 
 script_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -21,6 +22,7 @@ Usage: qemu-scripts/$prog [options]
 Runs the guest end-to-end suite against keelfsd. For each queue count N in
 --queues-list:
   1. keelfsd mkfs IMG; keelfsd serve --device IMG --socket SOCK --queues N
+     (IMG: WORKDIR/q<N>/keelfs.img, or with --rbd-pool an RBD image)
   2. one guest boot (run-guest.sh --queues N) per test:
        namespace  guest-tests/namespace.sh   namespace operations
        fio-seeds  guest-tests/fio-seeds.sh   fio + crc32c verify, seed paths
@@ -32,8 +34,9 @@ Runs the guest end-to-end suite against keelfsd. For each queue count N in
   4. (persist) keelfsd serve again on IMG; a guest runs
      guest-tests/persist-check.sh; SIGTERM, exit 0, fsck again
   5. (crash) on a second image:
-     SIGKILL keelfsd in the middle of stress.sh; fsck must exit 0 (journal
-     replay); keelfsd must start again; a guest runs
+     SIGKILL keelfsd in the middle of stress.sh; (RBD) keelfsd break-lock
+     IMG --fence-live must exit 0 (a killed daemon's lock outlives it);
+     fsck must exit 0 (journal replay); keelfsd must start again; a guest runs
      guest-tests/crash-check.sh; SIGTERM, exit 0, fsck again
 
 Options:
@@ -55,6 +58,14 @@ Options:
   --crash-after SECS   crash test: SIGKILL this long after the stress workers
                        start (default: 8)
   --image-size SIZE    image size for keelfsd mkfs (default: 4G; sparse)
+  --rbd-pool POOL      make every image an RBD image in Ceph pool POOL
+                       (rbd:POOL/e2e-<pid>-<time>-q<N>[-crash], one per
+                       run; keelfsd mkfs creates it) instead of a file in
+                       the work directory, and serve with --sandbox none.
+                       The cluster is the default one (/etc/ceph/ceph.conf,
+                       client.admin; e.g. scripts/ceph-dev.sh up, pool
+                       keelfs). Images are removed (rbd rm) when the files
+                       would be: kept after a failure or with --keep
   --timeout SECS       per guest boot (default: 600)
   --keep               keep the work directory (images, logs) after a pass
   --verbose            stream the guests' consoles (default: only on failure,
@@ -63,7 +74,8 @@ Options:
 
 Logs: WORKDIR/logs/q<N>-<test>.log (guest console and run-guest.sh),
 WORKDIR/q<N>/daemon-<k>.log (keelfsd stdout/stderr), fsck output in
-WORKDIR/logs/q<N>-fsck-<k>.log.
+WORKDIR/logs/q<N>-fsck-<k>.log, break-lock's in
+WORKDIR/logs/q<N>-crash-break-lock.log.
 EOF
 }
 
@@ -83,6 +95,7 @@ with_crash=0
 crash_after=8
 spread=0
 cache=auto
+rbd_pool=""
 while (($#)); do
   case "$1" in
     --keelfsd) need_arg "$1" $#; keelfsd_src=$2; shift 2 ;;
@@ -96,6 +109,7 @@ while (($#)); do
     --spread) spread=1; shift ;;
     --cache) need_arg "$1" $#; cache=$2; shift 2 ;;
     --crash-after) need_arg "$1" $#; crash_after=$2; shift 2 ;;
+    --rbd-pool) need_arg "$1" $#; rbd_pool=$2; shift 2 ;;
     --verbose) verbose=1; shift ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
@@ -110,6 +124,10 @@ for t in "${only[@]}"; do
 done
 [[ $cache =~ ^(none|auto|always)$ ]] || die "--cache '$cache': none, auto or always"
 [[ $crash_after =~ ^[0-9]+$ ]] || die "--crash-after '$crash_after' is not a number of seconds"
+if [[ -n $rbd_pool ]]; then
+  [[ $rbd_pool =~ ^[A-Za-z0-9._-]{1,128}$ ]] || die "--rbd-pool '$rbd_pool': 1 to 128 of A-Z a-z 0-9 . _ -"
+  command -v rbd >/dev/null || die "rbd not found (scripts/setup.sh installs ceph-common)"
+fi
 ((${#only[@]})) || only=("${default_tests[@]}")
 ((with_crash == 0)) || only+=(crash)
 selected() { [[ " ${only[*]} " == *" $1 "* ]]; }
@@ -122,6 +140,44 @@ make_workdir e2e
 mkdir -p "$workdir/logs"
 keelfsd=$workdir/keelfsd
 cp "$keelfsd_src" "$keelfsd"
+
+# ------------------------------------------------------------ images --
+# With --rbd-pool, image names unique to this run: a name left by an
+# earlier run that failed is never formatted over.
+rbd_run=e2e-$$-$(date +%s)
+rbd_images=()
+# image_for FILE NAME: FILE, or with --rbd-pool the RBD image NAME of
+# this run.
+image_for() {
+  if [[ -n $rbd_pool ]]; then
+    echo "rbd:$rbd_pool/$rbd_run-$2"
+  else
+    echo "$1"
+  fi
+}
+# remove_image IMG: a file, or an RBD image (rbd rm; one that does not
+# exist is fine, one still open elsewhere is reported and kept).
+remove_image() {
+  case $1 in
+    rbd:*)
+      local spec=${1#rbd:} out i
+      if ! out=$(rbd rm --no-progress "$spec" 2>&1) && [[ $out != *"No such file"* ]]; then
+        log "rbd rm $spec failed, image kept: $out"
+        return 0
+      fi
+      for i in "${!rbd_images[@]}"; do
+        [[ ${rbd_images[i]} != "$1" ]] || unset 'rbd_images[i]'
+      done
+      ;;
+    *) rm -f "$1" ;;
+  esac
+}
+# mkfs_image IMG LOG: keelfsd mkfs (which creates an RBD image).
+mkfs_image() {
+  remove_image "$1"
+  [[ $1 != rbd:* ]] || rbd_images+=("$1")
+  "$keelfsd" mkfs "$1" --size "$image_size" >"$2" 2>&1
+}
 
 # ------------------------------------------------------------ processes --
 daemon_pid=""
@@ -153,6 +209,8 @@ start_daemon() {
   rm -f "$sock"
   ((spread && q > 1)) && extra=(--reactors 2 --spread-queues)
   [[ -z ${5:-} ]] || extra+=(--rpc "$5")
+  # librados needs the network and threads of its own: no namespace sandbox.
+  [[ -z $rbd_pool ]] || extra+=(--sandbox none)
   "$keelfsd" serve --device "$img" --socket "$sock" --queues "$q" --cache "$cache" "${extra[@]}" >"$dlog" 2>&1 &
   daemon_pid=$!
   for _ in $(seq 1 150); do
@@ -277,10 +335,10 @@ requests_served() {
 # still at work when it landed: keelfsd answered requests in the second
 # before it, and the workers had not finished.
 run_crash() {
-  local q=$1 dir=$2 img=$2/crash.img sock=$2/crash.sock rpc=$2/crash.rpc t0=$SECONDS
+  local q=$1 dir=$2 img sock=$2/crash.sock rpc=$2/crash.rpc t0=$SECONDS
   local glog="$workdir/logs/q$q-crash-load.log" started=0 before=unknown after=unknown busy=0
-  rm -f "$img"
-  if ! "$keelfsd" mkfs "$img" --size "$image_size" >"$workdir/logs/q$q-crash-mkfs.log" 2>&1; then
+  img=$(image_for "$dir/crash.img" "q$q-crash")
+  if ! mkfs_image "$img" "$workdir/logs/q$q-crash-mkfs.log"; then
     record "crash: mkfs" "$q" FAIL 0 "see $workdir/logs/q$q-crash-mkfs.log"
     return 1
   fi
@@ -322,6 +380,7 @@ run_crash() {
   else
     record "crash: SIGKILL mid-stress" "$q" FAIL $((SECONDS - t0)) "the stress workers never started (see $glog)"
   fi
+  [[ $img != rbd:* ]] || break_lock "$img" "$q"
   run_fsck "$img" "$q" crash
   current_dlog=$dir/daemon-crash-2.log
   t0=$SECONDS
@@ -333,7 +392,21 @@ run_crash() {
   run_test crash-check "$q" "$sock" "$tests_dir/crash-check.sh" || true
   stop_daemon "$q" "$current_dlog" "keelfsd SIGTERM (crash)" || true
   run_fsck "$img" "$q" crash-2
-  ((nfail > 0 || keep)) || rm -f "$img"
+  ((nfail > 0 || keep)) || remove_image "$img"
+}
+
+# break_lock IMG QUEUES: an RBD image's lock outlives a killed keelfsd
+# (its client's watch lingers for about 30 s): fence the dead client and
+# break its lock, as an operator would before serving the image again.
+break_lock() {
+  local img=$1 q=$2 t0=$SECONDS st=0 blog="$workdir/logs/q$2-crash-break-lock.log"
+  "$keelfsd" break-lock "$img" --fence-live >"$blog" 2>&1 || st=$?
+  if ((st == 0)); then
+    record "crash: break-lock" "$q" PASS $((SECONDS - t0)) "$(tail -n 1 "$blog" | sed 's/^rbd:[^ ]*: //')"
+  else
+    record "crash: break-lock" "$q" FAIL $((SECONDS - t0)) "keelfsd break-lock --fence-live exited $st"
+    sed 's/^/  | /' "$blog" | tail -n 20
+  fi
 }
 
 # ------------------------------------------------------------ the run --
@@ -341,6 +414,7 @@ suite_t0=$SECONDS
 log "keelfsd: $keelfsd_src (copied to $keelfsd)"
 log "work directory: $workdir"
 log "queues: $queues_list; cache: $cache; tests: ${only[*]}"
+[[ -z $rbd_pool ]] || log "images: RBD, rbd:$rbd_pool/$rbd_run-*"
 "$script_dir/build-guest.sh" --quiet || die "building the guest failed"
 log "guest: kernel $(cat "$script_dir/.guest/kernel-version"), $(qemu-system-x86_64 --version | head -n1)"
 
@@ -348,10 +422,9 @@ current_dlog=""
 for q in $queues_list; do
   dir=$workdir/q$q
   mkdir -p "$dir"
-  img=$dir/keelfs.img
+  img=$(image_for "$dir/keelfs.img" "q$q")
   sock=$dir/keelfs.sock
-  rm -f "$img"
-  if ! "$keelfsd" mkfs "$img" --size "$image_size" >"$workdir/logs/q$q-mkfs.log" 2>&1; then
+  if ! mkfs_image "$img" "$workdir/logs/q$q-mkfs.log"; then
     record mkfs "$q" FAIL 0 "keelfsd mkfs failed (see $workdir/logs/q$q-mkfs.log)"
     cat "$workdir/logs/q$q-mkfs.log"
     continue
@@ -395,16 +468,17 @@ for q in $queues_list; do
     grep -a -A5 'panicked' "$dir"/daemon-*.log | head -n 30
   fi
   # The image is only worth keeping when something failed.
-  ((nfail > 0 || keep)) || rm -f "$img"
+  ((nfail > 0 || keep)) || remove_image "$img"
 done
 
 total=$((SECONDS - suite_t0))
 echo
-echo "keelfs e2e summary (keelfsd: $keelfsd_src, cache $cache)"
+echo "keelfs e2e summary (keelfsd: $keelfsd_src, cache $cache${rbd_pool:+, RBD pool $rbd_pool})"
 printf '%-26s %-6s %-6s %7s  %s\n' TEST QUEUES RESULT SECONDS NOTE
 printf '%s\n' "${rows[@]}"
 echo "total wall time: ${total}s ($((total / 60))m$((total % 60))s)"
 echo "e2e: $((${#rows[@]} - nfail)) passed, $nfail failed"
+((${#rbd_images[@]} == 0)) || echo "RBD images kept: ${rbd_images[*]} (rbd rm POOL/IMAGE removes one)"
 if ((nfail > 0)); then
   echo "logs and images kept in $workdir"
   exit 1
