@@ -8,11 +8,14 @@
 //! and with 2 request queues spread over 2 reactors (`--spread-queues`:
 //! the second queue's cached reads served on the other reactor, the rest
 //! sent to the export's); and once more with 1 queue in the `always`
-//! cache mode, where the guest kernel caches writes (writeback).
+//! cache mode, where the guest kernel caches writes (writeback); and once
+//! more with 1 queue on Ceph RBD images (the dev cluster of
+//! scripts/ceph-dev.sh), where the crash test must fence the killed
+//! daemon (`keelfsd break-lock --fence-live`) before serving it again.
 //!
-//! scripts/setup.sh installs QEMU 10, the 6.12 kernel, busybox-static, fio
-//! and fsx. Nothing here is skipped when they are missing: the test fails
-//! and says what to install.
+//! scripts/setup.sh installs QEMU 10, the 6.12 kernel, busybox-static, fio,
+//! fsx and Ceph. Nothing here is skipped when they are missing: the test
+//! fails and says what to install.
 
 use std::process::Command;
 use std::sync::Mutex;
@@ -24,7 +27,8 @@ use common::run_qemu_script;
 static ONE_GUEST_SUITE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 /// run-e2e.sh with `args`; fails with its log when any check failed.
-fn run_suite(name: &str, args: &[&str]) {
+/// Returns the summary's lines.
+fn run_suite(name: &str, args: &[&str]) -> Vec<String> {
     let _turn = ONE_GUEST_SUITE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     assert!(
         Command::new("sh").arg("-c").arg("command -v qemu-system-x86_64").status().unwrap().success(),
@@ -32,8 +36,9 @@ fn run_suite(name: &str, args: &[&str]) {
     );
     let mut all = vec!["--keelfsd", env!("CARGO_BIN_EXE_keelfsd")];
     all.extend_from_slice(args);
-    let (passed, text, _) = run_qemu_script(&format!("e2e-{name}"), "run-e2e.sh", &all);
+    let (passed, text, summary) = run_qemu_script(&format!("e2e-{name}"), "run-e2e.sh", &all);
     assert!(passed, "the {name} guest suite failed:\n{text}");
+    summary
 }
 
 #[test]
@@ -46,4 +51,16 @@ fn a_linux_guest_passes_the_end_to_end_suite() {
 #[test]
 fn a_linux_guest_passes_the_suite_with_writeback_caching() {
     run_suite("writeback", &["--cache", "always", "--queues-list", "1"]);
+}
+
+/// The whole default suite with every image on RBD (`rbd:keelfs/e2e-...`,
+/// made by `keelfsd mkfs`, served with `--sandbox none`). After the crash
+/// test's SIGKILL the dead daemon's lock outlives it: run-e2e.sh fences it
+/// with `keelfsd break-lock --fence-live`, its own row, before the restart.
+#[test]
+fn a_linux_guest_passes_the_suite_on_rbd() {
+    keelfs_bdev::dev_cluster_up();
+    let summary = run_suite("rbd", &["--rbd-pool", "keelfs", "--queues-list", "1"]);
+    let fenced = summary.iter().any(|l| l.starts_with("crash: break-lock") && l.contains(" PASS "));
+    assert!(fenced, "no PASS row for crash: break-lock:\n{}", summary.join("\n"));
 }
