@@ -5,8 +5,10 @@
 # The guest runs guest-tests/migrate.sh (held files and directories, listing
 # loops, fio with crc32c verification) across the migration and checks the
 # result on the destination; then both daemons get SIGTERM (exit 0) and
-# keelfsd fsck must pass. Exits with the guest script's status, or 1 when a
-# host-side check failed.
+# keelfsd fsck must pass. The image may be a Ceph RBD image (--rbd-pool),
+# and each keelfsd may run in a network namespace of its own (--src-netns,
+# --dst-netns: two "hosts" on one machine). Exits with the guest script's
+# status, or 1 when a host-side check failed.
 set -euo pipefail
 
 script_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -20,14 +22,17 @@ Usage: qemu-scripts/$prog [options]
 Live-migrates a running guest from one QEMU to another on this host, each
 QEMU with its own keelfsd serving the same image, and checks the guest:
 
-  1. keelfsd mkfs IMG --size 1G
+  1. keelfsd mkfs IMG --size 1G (IMG: WORKDIR/keelfs.img, or with
+     --rbd-pool the RBD image rbd:POOL/migrate-<pid>-<time>)
   2. source: keelfsd serve --device IMG --socket SRC.sock --tag keelfs
-     --sandbox none; QEMU (run-guest.sh --qmp SRC.qmp) boots the guest
-     running guest-tests/migrate.sh
+     (sandboxed as by default; --sandbox none on RBD), in the network
+     namespace --src-netns if given; QEMU (run-guest.sh --qmp SRC.qmp)
+     boots the guest running guest-tests/migrate.sh. On RBD: rbd lock ls
+     shows one lock holder, at the source namespace's address if given
   3. destination: keelfsd serve --device IMG --socket DST.sock --tag keelfs
-     --sandbox none --incoming (does not lock or mount IMG until QEMU hands
-     it the migrated state); QEMU (run-guest.sh --qmp DST.qmp --incoming
-     defer) with the same device arguments
+     --incoming (does not lock or mount IMG until QEMU hands it the
+     migrated state), in --dst-netns if given; QEMU (run-guest.sh --qmp
+     DST.qmp --incoming defer) with the same device arguments
   4. QMP, destination: migrate-set-capabilities return-path;
      migrate-incoming {"uri": "unix:WORKDIR/migrate.sock"}
   5. when the guest prints KEELFS-MIGRATE-NOW (a quiet moment: only its
@@ -38,11 +43,17 @@ QEMU with its own keelfsd serving the same image, and checks the guest:
      migrate {"uri": "unix:WORKDIR/migrate.sock"}; query-migrate every
      0.5 s until "completed"
   6. the source QEMU must be paused (query-status: postmigrate): QMP quit;
+     on RBD, while the source keelfsd still runs: rbd lock ls POOL/IMAGE
+     must show exactly one lock holder, at the destination namespace's
+     address if given (waiting up to 30 s for the destination to take it);
      SIGTERM to the source keelfsd, which must exit 0; the destination
      QEMU must be running; the guest finishes its checks there and powers
      off
-  7. SIGTERM to the destination keelfsd (exit 0); keelfsd fsck IMG (exit 0)
+  7. SIGTERM to the destination keelfsd (exit 0); keelfsd fsck IMG (exit 0);
+     on RBD, rbd rm POOL/IMAGE after a pass (unless --keep)
 
+QEMU always runs in this shell's network namespace and reaches each
+keelfsd through its unix socket (a path: it works across namespaces).
 QEMU (both sides; see run-guest.sh): -machine q35,accel=tcg|kvm -cpu max|host
   -smp 2 -m 1G -object memory-backend-memfd,id=mem,size=1G,share=on
   -numa node,memdev=mem -chardev socket,id=char0,path=SOCK
@@ -65,6 +76,19 @@ Options:
                        build here
   --during-io          migrate while fio I/O is in flight (5 s after the
                        guest starts fio) instead of in the quiet period
+  --rbd-pool POOL      the image is a new RBD image in Ceph pool POOL
+                       (rbd:POOL/migrate-<pid>-<time>; default cluster:
+                       /etc/ceph/ceph.conf, client.admin), made by keelfsd
+                       mkfs, served by both daemons with --sandbox none, its
+                       lock holder checked with rbd lock ls, and removed
+                       (rbd rm) after a pass unless --keep
+  --src-netns NAME     run the source keelfsd in network namespace NAME
+                       (/run/netns/NAME; nsenter --net: only the network is
+                       the namespace's, files and sockets are shared), e.g.
+                       one made by scripts/ceph-dev.sh host add NAME ADDR
+  --dst-netns NAME     the same for the destination keelfsd; with
+                       --rbd-pool, the lock holder after the migration must
+                       have this namespace's IPv4 address
   --timeout SECS       give up after SECS (default: 300)
   --workdir DIR        work directory (default: a new directory in /dev/shm,
                        else in \$TMPDIR or /tmp, removed after a pass unless
@@ -83,7 +107,8 @@ Options:
 Logs in WORKDIR: source.log and dest.log (run-guest.sh and the guest's
 console on each QEMU), console.log (the guest's console: the source's until
 the switch-over, then the destination's), keelfsd-source.log,
-keelfsd-dest.log, fsck.log, qmp.log (every QMP command and its answer).
+keelfsd-dest.log, fsck.log, qmp.log (every QMP command and its answer),
+rbd-lock.log (on RBD: each rbd lock ls the checks ran).
 EOF
 }
 
@@ -100,6 +125,9 @@ keep=0
 verbose=0
 peer=keelfsd
 virtiofsd_bin=""
+rbd_pool=""
+src_netns=""
+dst_netns=""
 while (($#)); do
   case "$1" in
     --keelfsd) need_arg "$1" $#; keelfsd_src=$2; shift 2 ;;
@@ -111,6 +139,9 @@ while (($#)); do
     --verbose) verbose=1; shift ;;
     --peer) need_arg "$1" $#; peer=$2; shift 2 ;;
     --virtiofsd) need_arg "$1" $#; virtiofsd_bin=$2; shift 2 ;;
+    --rbd-pool) need_arg "$1" $#; rbd_pool=$2; shift 2 ;;
+    --src-netns) need_arg "$1" $#; src_netns=$2; shift 2 ;;
+    --dst-netns) need_arg "$1" $#; dst_netns=$2; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac
@@ -127,6 +158,7 @@ case "$peer" in
     ;;
   virtiofsd)
     [[ -z $keelfsd_src && -z $keelfsd_dest_src ]] || die "--peer virtiofsd runs no keelfsd: drop --keelfsd/--keelfsd-dest"
+    [[ -z $rbd_pool$src_netns$dst_netns ]] || die "--peer virtiofsd: no --rbd-pool, --src-netns or --dst-netns"
     if [[ -z $virtiofsd_bin ]]; then
       virtiofsd_bin=$(command -v virtiofsd || echo "$HOME/.cargo/bin/virtiofsd")
     fi
@@ -134,6 +166,25 @@ case "$peer" in
     ;;
   *) die "--peer must be keelfsd or virtiofsd" ;;
 esac
+if [[ -n $rbd_pool ]]; then
+  [[ $rbd_pool =~ ^[A-Za-z0-9._-]{1,128}$ ]] || die "--rbd-pool '$rbd_pool': 1 to 128 of A-Z a-z 0-9 . _ -"
+  command -v rbd >/dev/null || die "rbd not found (scripts/setup.sh installs ceph-common)"
+fi
+for ns in "$src_netns" "$dst_netns"; do
+  [[ -z $ns ]] && continue
+  [[ -e /run/netns/$ns ]] || die "no network namespace /run/netns/$ns (scripts/ceph-dev.sh host add NAME ADDR makes one)"
+  command -v nsenter >/dev/null || die "nsenter not found (package util-linux)"
+done
+# netns_ip NAME: the namespace's (first) global IPv4 address.
+netns_ip() {
+  ip -n "$1" -4 -o addr show scope global | awk '{ sub("/.*", "", $4); print $4; exit }'
+}
+src_ip=""
+dst_ip=""
+[[ -z $src_netns ]] || src_ip=$(netns_ip "$src_netns")
+[[ -z $dst_netns ]] || dst_ip=$(netns_ip "$dst_netns")
+[[ -z $src_netns || -n $src_ip ]] || die "--src-netns $src_netns: the namespace has no IPv4 address"
+[[ -z $dst_netns || -n $dst_ip ]] || die "--dst-netns $dst_netns: the namespace has no IPv4 address"
 command -v qemu-system-x86_64 >/dev/null || die "qemu-system-x86_64 not found (scripts/setup.sh installs it)"
 command -v python3 >/dev/null || die "python3 not found (scripts/setup.sh installs it; qmp.py needs it)"
 command -v cc >/dev/null || die "cc not found (scripts/setup.sh installs build-essential; dirloop.c needs it)"
@@ -142,6 +193,10 @@ make_workdir migrate
 t_start=$SECONDS
 deadline=$((SECONDS + timeout))
 img=$workdir/keelfs.img
+image_made=0
+# An RBD image new for this run: one an earlier failed run kept is never
+# formatted over.
+[[ -z $rbd_pool ]] || img=rbd:$rbd_pool/migrate-$$-$(date +%s)
 src_sock=$workdir/source.sock
 dst_sock=$workdir/dest.sock
 src_qmp=$workdir/source.qmp
@@ -201,6 +256,15 @@ finish() {
     rc=$guest_status
   elif ((nfail > 0)); then
     rc=1
+  fi
+  if [[ $img == rbd:* ]] && ((image_made)); then
+    if ((rc != 0 || keep)); then
+      echo "RBD image kept: $img (rbd rm ${img#rbd:} removes it)"
+    else
+      cleanup
+      local out
+      out=$(rbd rm --no-progress "${img#rbd:}" 2>&1) || echo "rbd rm ${img#rbd:} failed, image kept: $out"
+    fi
   fi
   if ((rc != 0 || keep || !auto_workdir)); then
     echo "logs in $workdir"
@@ -285,6 +349,45 @@ wait_log() {
   return 1
 }
 
+# rbd_lockers: "LOCKER ADDRESS" per holder of the image's lock (rbd lock ls),
+# each also logged to rbd-lock.log.
+rbd_lockers() {
+  local out
+  out=$(rbd lock ls --format json "${img#rbd:}" 2>&1) || { echo "rbd lock ls failed: $out" >&2; return 1; }
+  echo "$(date +%T) rbd lock ls ${img#rbd:}: $out" >>"$workdir/rbd-lock.log"
+  # A list in current releases; a map keyed by lock id in old ones.
+  python3 -c '
+import json, sys
+v = json.loads(sys.argv[1])
+for lock in (v if isinstance(v, list) else list(v.values())):
+    print(lock["locker"], lock["address"])' "$out"
+}
+
+# check_lock WHEN SIDE IP NETNS: within 30 s, exactly one client holds the
+# RBD image's lock, and when IP is given (the keelfsd of SIDE runs in
+# namespace NETNS) at that address. Prints what it saw last.
+check_lock() {
+  local when=$1 side=$2 want=$3 netns=$4 seen="" n="?" ip="" end=$((SECONDS + 30))
+  local whose=""
+  [[ -z $want ]] || whose=": the $side's address (namespace $netns, $want)"
+  while :; do
+    if seen=$(rbd_lockers 2>&1); then
+      n=$(grep -c . <<<"$seen" || true)
+      ip=$(sed -E 's/^[^ ]+ (v[12]:)?([0-9.]+):.*/\2/' <<<"$seen")
+      if ((n == 1)) && [[ -z $want || $ip == "$want" ]]; then
+        pass "RBD lock $when: one holder, ${seen/ / at }$whose"
+        return 0
+      fi
+    else
+      n="?"
+    fi
+    ((SECONDS < end)) || break
+    sleep 0.5
+  done
+  fail "RBD lock $when: want one holder${want:+ at $want (the $side, namespace $netns)}; saw $n: ${seen//$'\n'/; }"
+  return 1
+}
+
 # ------------------------------------------------------------ set-up --
 log "work directory: $workdir"
 if [[ $peer == keelfsd ]]; then
@@ -301,15 +404,25 @@ cc -O2 -Wall -o "$workdir/dirloop" "$script_dir/dirloop.c" || die "cc dirloop.c 
 log "guest: kernel $(cat "$script_dir/.guest/kernel-version"), $(qemu-system-x86_64 --version | head -n1)"
 
 if [[ $peer == keelfsd ]]; then
-  rm -f "$img"
+  [[ $img == rbd:* ]] || rm -f "$img"
+  image_made=1
   if ! "$keelfsd" mkfs "$img" --size 1G >"$workdir/mkfs.log" 2>&1; then
     fail "keelfsd mkfs $img --size 1G (see $workdir/mkfs.log)"
     tail_of "mkfs" "$workdir/mkfs.log"
     finish
   fi
-  # Sandboxed, as keelfsd serves by default.
+  # Sandboxed, as keelfsd serves by default; librados cannot be (it needs
+  # the network and threads of its own).
   src_cmd=("$keelfsd" serve --device "$img" --socket "$src_sock" --tag keelfs)
   dst_cmd=("$keelfsd_dest" serve --device "$img" --socket "$dst_sock" --tag keelfs --incoming)
+  if [[ $img == rbd:* ]]; then
+    src_cmd+=(--sandbox none)
+    dst_cmd+=(--sandbox none)
+    log "image: $img"
+  fi
+  # Another "host": only the network namespace changes.
+  [[ -z $src_netns ]] || src_cmd=(nsenter "--net=/run/netns/$src_netns" "${src_cmd[@]}")
+  [[ -z $dst_netns ]] || dst_cmd=(nsenter "--net=/run/netns/$dst_netns" "${dst_cmd[@]}")
 else
   rm -rf "$workdir/shared"
   mkdir -p "$workdir/shared"
@@ -318,6 +431,7 @@ else
 fi
 
 start_daemon src_daemon "source $peer" "$workdir/$peer-source.log" "$src_sock" "${src_cmd[@]}" || finish
+[[ $img != rbd:* ]] || check_lock "before the migration" source "$src_ip" "$src_netns" || true
 guest_args=(--tag keelfs --script "$guest_script" --add-bin "$workdir/dirloop")
 if [[ $peer == virtiofsd ]]; then
   # virtiofsd re-finds files by path, so a file unlinked while open
@@ -444,6 +558,9 @@ else
   fail "source run-guest.sh exited $st after quit"
   tail_of "source run-guest.sh" "$src_log"
 fi
+# The source keelfsd still runs: it gave the lock up at the switch-over,
+# and the destination took it when the session arrived.
+[[ $img != rbd:* ]] || check_lock "after the migration" destination "$dst_ip" "$dst_netns" || true
 if [[ $peer == keelfsd ]]; then
   stop_daemon src_daemon "source keelfsd" "$workdir/keelfsd-source.log" || true
 else
