@@ -11,6 +11,7 @@ mod hist;
 mod hostile;
 mod migrate;
 mod procstat;
+mod qemu_img;
 mod vhost;
 
 use clap::{Parser, Subcommand};
@@ -24,7 +25,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Drive a block-device backend from one thread (optionally against fio's io_uring engine).
+    /// Drive a block-device backend from one thread (optionally against fio's io_uring engine or qemu-img's rbd driver).
     Bdev(bdev::BdevArgs),
     /// Check a block-device backend's correctness (the NVMe driver, or io_uring on a file).
     BdevCheck(bdev_check::BdevCheckArgs),

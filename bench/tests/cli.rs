@@ -50,6 +50,38 @@ fn bad_arguments_fail_with_a_message() {
     let out = bench().args(["bdev", "--backend", "uring", "--size", "12q", "--path"]).arg(&path).output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown size suffix"));
+    let refused: &[(&[&str], &str)] = &[
+        (&["--backend", "uring", "--rw", "randread", "--step", "8k"], "--step is for --rw read or write"),
+        (&["--backend", "uring", "--rw", "write", "--step", "6k"], "--step must be a non-zero multiple of --bs"),
+        (&["--backend", "uring", "--rw", "read", "--vs-qemu-img", "rbd:p/i"], "--vs-qemu-img is the peer of"),
+        (&["--backend", "rbd", "--rw", "randread", "--vs-qemu-img", "rbd:p/i"], "qemu-img bench cannot do random"),
+        (&["--backend", "rbd", "--vs-fio"], "with --backend rbd use --vs-qemu-img"),
+    ];
+    for (args, message) in refused {
+        let out = bench().arg("bdev").args(*args).args(["--seconds", "1", "--path"]).arg(&path).output().unwrap();
+        assert!(!out.status.success(), "{args:?} was accepted");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(message), "{args:?}: {stderr}");
+    }
+    let _ = std::fs::remove_file(&path);
+}
+
+/// --step walks the device as qemu-img bench's --step-size does, and
+/// --wait eventfd sleeps on the queue's eventfd between completions.
+#[test]
+fn bdev_steps_through_the_device_and_can_sleep() {
+    let path = scratch("step");
+    let out = bench()
+        .args(["bdev", "--backend", "uring", "--size", "16M", "--rw", "write", "--bs", "4k", "--step", "1028k"])
+        .args(["--iodepth", "4", "--seconds", "1", "--wait", "eventfd", "--json", "--path"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["step"], 1028 << 10, "{v}");
+    assert_eq!(v["wait"], "eventfd", "{v}");
+    assert!(v["iops"].as_f64().is_some_and(|x| x > 0.0), "{v}");
     let _ = std::fs::remove_file(&path);
 }
 
