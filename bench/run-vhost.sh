@@ -65,8 +65,9 @@ if [[ " $systems " == *" virtiofsd"* && ! -x $virtiofsd ]]; then
   exit 2
 fi
 cargo build --release -q -p keelfsd -p keelfs-bench
-keelfsd=$PWD/target/release/keelfsd
-bench=$PWD/target/release/keelfs-bench
+target=${CARGO_TARGET_DIR:-$PWD/target}
+keelfsd=$target/release/keelfsd
+bench=$target/release/keelfs-bench
 work=$(mktemp -d /dev/shm/keelfs-vhost-bench.XXXXXX)
 loops=()
 daemon_pid=
