@@ -21,6 +21,12 @@
 #             queue's thread)
 #   virtiofsd-pool  the same with --thread-pool-size 16, so that requests
 #             in flight are served in parallel
+#   keelfsd-rbd  (with --rbd-pool POOL) keelfsd serving a 3 GiB RBD image
+#             in that pool through librbd (--sandbox none: an RBD export
+#             runs unsandboxed); keelfsd-rbd-irq the same with poll_mode
+#             interrupt. virtiofsd has no counterpart: it needs a host
+#             filesystem, and on RBD that needs the kernel's rbd or nbd
+#             driver (or a FUSE layer of its own in between).
 #
 # The driver (`keelfs-bench vhost`) sleeps on the call eventfd while all
 # its requests are in flight, as a guest's vCPU halts; --driver spin makes
@@ -33,16 +39,29 @@
 #
 # Each round also measures the device limit: fio's io_uring engine and
 # keelfs's block layer, 4k random writes at QD32, on the raw tmpfs file
-# ("device") and on a loop device over it ("device-loop").
+# ("device") and on a loop device over it ("device-loop"). With
+# --rbd-pool, the RBD limit instead: qemu-img bench through QEMU's rbd
+# driver (what a virtio-blk guest's requests go through) beside keelfs's
+# block layer, each on a 256 MiB image of its own in the pool, 4k writes
+# ("device-rbd") and reads ("device-rbd-read") at --depth, and 4k
+# sequential writes ("device-rbd-seq", the appends' counterpart: the OSD
+# serves writes within one object much faster). qemu-img bench only
+# steps through an image, so the first two step 4099 blocks
+# (bench/run-rbd.sh says why); which side goes first alternates over
+# rounds; the OSD's CPU is reported apart (osd_cpu_us_per_op).
 #
 # Usage: bench/run-vhost.sh [--rounds N] [--seconds N] [--systems "A B ..."]
-#                           [--driver eventfd|spin] [--depth N] [OUT.json]
+#                           [--driver eventfd|spin] [--depth N]
+#                           [--rbd-pool POOL] [OUT.json]
 #   --depth: requests in flight for the three direct-I/O workloads (32)
-#   default systems: "keelfsd keelfsd-irq keelfsd-tmpfs keelfsd-pmem virtiofsd virtiofsd-pool"
-# Needs: virtiofsd (`cargo install virtiofsd`), root (loop devices).
+#   default systems: "keelfsd keelfsd-irq keelfsd-tmpfs keelfsd-pmem virtiofsd virtiofsd-pool",
+#     or "keelfsd-rbd keelfsd-rbd-irq" with --rbd-pool
+# Needs: virtiofsd (`cargo install virtiofsd`), root (loop devices); with
+# --rbd-pool, a Ceph cluster whose one OSD runs on this host
+# (scripts/ceph-dev.sh up) and qemu-img's rbd driver (qemu-block-extra).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rounds=3 seconds=5 systems="keelfsd keelfsd-irq keelfsd-tmpfs keelfsd-pmem virtiofsd virtiofsd-pool" driver=eventfd depth=32
+rounds=3 seconds=5 systems='' driver=eventfd depth=32 rbd_pool=''
 while [[ $# -gt 0 ]]; do
   case $1 in
     --rounds) rounds=$2; shift 2 ;;
@@ -50,10 +69,36 @@ while [[ $# -gt 0 ]]; do
     --systems) systems=$2; shift 2 ;;
     --driver) driver=$2; shift 2 ;;
     --depth) depth=$2; shift 2 ;;
+    --rbd-pool) rbd_pool=$2; shift 2 ;;
     *) break ;;
   esac
 done
-out=${1:-bench/results/vhost-$(date +%F).json}
+kind=vhost
+if [[ -n $rbd_pool ]]; then
+  kind=vhost-rbd
+  : "${systems:=keelfsd-rbd keelfsd-rbd-irq}"
+else
+  : "${systems:=keelfsd keelfsd-irq keelfsd-tmpfs keelfsd-pmem virtiofsd virtiofsd-pool}"
+fi
+out=${1:-bench/results/$kind-$(date +%F).json}
+# Whether any system serves a local image (the RAM images, loop devices
+# and ext4 mount are made only then).
+local_systems=0
+for sys in $systems; do
+  case $sys in
+    keelfsd-rbd*) [[ -n $rbd_pool ]] || { echo "run-vhost: $sys needs --rbd-pool POOL" >&2; exit 2; } ;;
+    *) local_systems=1 ;;
+  esac
+done
+osd_flags=()
+if [[ -n $rbd_pool ]]; then
+  mapfile -t osds < <(pgrep -x ceph-osd)
+  if [[ ${#osds[@]} -ne 1 ]]; then
+    echo "run-vhost: --rbd-pool wants exactly one ceph-osd on this host, found ${#osds[@]}" >&2
+    exit 2
+  fi
+  osd_flags=(--osd-pid "${osds[0]}")
+fi
 case $driver in
   eventfd) driver_flags=() ;;
   spin) driver_flags=(--spin) ;;
@@ -70,6 +115,7 @@ keelfsd=$target/release/keelfsd
 bench=$target/release/keelfs-bench
 work=$(mktemp -d /dev/shm/keelfs-vhost-bench.XXXXXX)
 loops=()
+rbd_images=()
 daemon_pid=
 cleanup() {
   if [[ -n $daemon_pid ]] && kill -TERM "$daemon_pid" 2>/dev/null; then
@@ -77,6 +123,7 @@ cleanup() {
   fi
   mountpoint -q "$work/ext4" && umount "$work/ext4"
   for l in "${loops[@]}"; do losetup -d "$l" 2>/dev/null || true; done
+  for i in "${rbd_images[@]}"; do rbd rm --no-progress "$rbd_pool/$i" 2>/dev/null || true; done
   rm -rf "$work"
 }
 trap cleanup EXIT
@@ -90,24 +137,41 @@ trap cleanup EXIT
 # appends more than overwrites; a device that has been in use pays nothing
 # of the kind.
 size=3G
-for img in keelfs keelfs-tmpfs keelfs-pmem ext4; do
-  fallocate -l $size "$work/$img.img"
-  dd if=/dev/zero of="$work/$img.img" bs=1M count=3072 conv=notrunc status=none
-done
 # attach IMG: a loop device over it, configured alike for both daemons,
 # in $attached (not in a subshell, so that cleanup sees it in $loops).
 attach() {
   attached=$(losetup -f --show "$1")
   loops+=("$attached")
 }
-attach "$work/keelfs.img"; keelfs_loop=$attached
-attach "$work/ext4.img"; ext4_loop=$attached
-"$keelfsd" mkfs "$keelfs_loop" --force >/dev/null 2>&1
-"$keelfsd" mkfs "$work/keelfs-tmpfs.img" --force >/dev/null 2>&1
-"$keelfsd" mkfs "$work/keelfs-pmem.img" --force >/dev/null 2>&1
-mkfs.ext4 -q -F "$ext4_loop"
-mkdir -p "$work/ext4"
-mount "$ext4_loop" "$work/ext4"
+if ((local_systems)); then
+  for img in keelfs keelfs-tmpfs keelfs-pmem ext4; do
+    fallocate -l $size "$work/$img.img"
+    dd if=/dev/zero of="$work/$img.img" bs=1M count=3072 conv=notrunc status=none
+  done
+  attach "$work/keelfs.img"; keelfs_loop=$attached
+  attach "$work/ext4.img"; ext4_loop=$attached
+  "$keelfsd" mkfs "$keelfs_loop" --force >/dev/null 2>&1
+  "$keelfsd" mkfs "$work/keelfs-tmpfs.img" --force >/dev/null 2>&1
+  "$keelfsd" mkfs "$work/keelfs-pmem.img" --force >/dev/null 2>&1
+  mkfs.ext4 -q -F "$ext4_loop"
+  mkdir -p "$work/ext4"
+  mount "$ext4_loop" "$work/ext4"
+fi
+# rbd_image NAME MiB: an image in the pool, written once through like the
+# RAM images (a write to an RBD object that does not exist yet creates
+# it, and a read of one never reaches the OSD).
+rbd_image() {
+  rbd create --size "$2M" "$rbd_pool/$1"
+  rbd_images+=("$1")
+  qemu-img bench -q -f raw -t none -w --pattern=90 -s 4M -d 8 -c "$(($2 / 4))" "rbd:$rbd_pool/$1"
+}
+if [[ -n $rbd_pool ]]; then
+  keelfs_rbd=rbd:$rbd_pool/bench-vhost-keelfs-$$
+  rbd_image "bench-vhost-keelfs-$$" 3072
+  "$keelfsd" mkfs "$keelfs_rbd" --force >/dev/null 2>&1
+  rbd_image "bench-vhost-dev-$$" 256
+  rbd_image "bench-vhost-qemu-$$" 256
+fi
 
 wait_socket() {
   for _ in $(seq 200); do [[ -S $1 ]] && return 0; sleep 0.05; done
@@ -126,6 +190,8 @@ start() {
     keelfsd|keelfsd-nosandbox) "$keelfsd" serve --sandbox "$sandbox" --device "$keelfs_loop" --socket "$socket" --queues 2 --cache "$cache" 2>"$work/$sys.log" & ;;
     keelfsd-irq) "$keelfsd" serve --config <(printf '[daemon]\npoll_mode="interrupt"\n[[device]]\nname="d"\npath="%s"\n[[export]]\ntag="d"\ndevice="d"\nsocket="%s"\nrequest_queues=2\ncache="%s"\n' "$keelfs_loop" "$socket" "$cache") 2>"$work/$sys.log" & ;;
     keelfsd-tmpfs) "$keelfsd" serve --device "$work/keelfs-tmpfs.img" --socket "$socket" --queues 2 --cache "$cache" 2>"$work/$sys.log" & ;;
+    keelfsd-rbd) "$keelfsd" serve --sandbox none --device "$keelfs_rbd" --socket "$socket" --queues 2 --cache "$cache" 2>"$work/$sys.log" & ;;
+    keelfsd-rbd-irq) "$keelfsd" serve --sandbox none --config <(printf '[daemon]\npoll_mode="interrupt"\n[[device]]\nname="r"\nbackend="rbd"\npath="%s"\n[[export]]\ntag="r"\ndevice="r"\nsocket="%s"\nrequest_queues=2\ncache="%s"\n' "$keelfs_rbd" "$socket" "$cache") 2>"$work/$sys.log" & ;;
     keelfsd-pmem|keelfsd-pmem-nosandbox) "$keelfsd" serve --sandbox "$sandbox" --config <(printf '[[device]]\nname="p"\nbackend="pmem"\npath="%s"\n[[export]]\ntag="p"\ndevice="p"\nsocket="%s"\nrequest_queues=2\ncache="%s"\n' "$work/keelfs-pmem.img" "$socket" "$cache") 2>"$work/$sys.log" & ;;
     virtiofsd) "$virtiofsd" --socket-path "$socket" --shared-dir "$work/ext4" --cache "$cache" --sandbox none --allow-direct-io 2>"$work/$sys.log" & ;;
     virtiofsd-pool) "$virtiofsd" --socket-path "$socket" --shared-dir "$work/ext4" --cache "$cache" --sandbox none --allow-direct-io \
@@ -152,17 +218,37 @@ workloads=(
   "byte-writes|--threads 1 --iodepth 1 --file-size 256M|auto|auto"
 )
 : >"$out"
-fallocate -l 256M "$work/raw.img"
-dd if=/dev/zero of="$work/raw.img" bs=1M count=256 conv=notrunc status=none
-attach "$work/raw.img"; raw_loop=$attached
+if ((local_systems)); then
+  fallocate -l 256M "$work/raw.img"
+  dd if=/dev/zero of="$work/raw.img" bs=1M count=256 conv=notrunc status=none
+  attach "$work/raw.img"; raw_loop=$attached
+fi
 for round in $(seq "$rounds"); do
   # The device limit, in the same round: fio's io_uring engine on a raw
   # RAM-backed file and on a loop device over it (and keelfs's own block
   # layer beside it), 4k random writes at the DIO workloads' depth.
-  for dev in device:"$work/raw.img" device-loop:"$raw_loop"; do
-    "$bench" bdev --backend uring --path "${dev#*:}" --size 256M --rw randwrite --bs 4k --iodepth 32 \
-      --seconds "$seconds" --vs-fio --json | sed "s/^{/{\"round\":$round,\"label\":\"${dev%%:*}\",/" | tee -a "$out"
-  done
+  if ((local_systems)); then
+    for dev in device:"$work/raw.img" device-loop:"$raw_loop"; do
+      "$bench" bdev --backend uring --path "${dev#*:}" --size 256M --rw randwrite --bs 4k --iodepth 32 \
+        --seconds "$seconds" --vs-fio --json | sed "s/^{/{\"round\":$round,\"label\":\"${dev%%:*}\",/" | tee -a "$out"
+    done
+  fi
+  # On RBD: qemu-img bench through QEMU's rbd driver, and keelfs's block
+  # layer, each on an image of its own: 4k writes and reads stepping
+  # through it, and 4k sequential writes.
+  if [[ -n $rbd_pool ]]; then
+    first=()
+    ((round % 2)) || first=(--peer-first)
+    stride=$((4099 * 4096))
+    for dev in "device-rbd:--rw write --step $stride" "device-rbd-read:--rw read --step $stride" \
+      "device-rbd-seq:--rw write"; do
+      # shellcheck disable=SC2086
+      "$bench" bdev --backend rbd --path "rbd:$rbd_pool/bench-vhost-dev-$$" --size 256M ${dev#*:} \
+        --bs 4k --iodepth "$depth" --wait eventfd --seconds "$seconds" \
+        --vs-qemu-img "rbd:$rbd_pool/bench-vhost-qemu-$$" "${first[@]}" "${osd_flags[@]}" --json |
+        sed "s/^{/{\"round\":$round,\"label\":\"${dev%%:*}\",/" | tee -a "$out"
+    done
+  fi
   for line in "${workloads[@]}"; do
     IFS='|' read -r workload flags kcache vcache <<<"$line"
     for sys in $systems; do
@@ -170,7 +256,7 @@ for round in $(seq "$rounds"); do
       start "$sys" "$cache"
       # shellcheck disable=SC2086
       "$bench" vhost --socket "$socket" --workload "$workload" $flags --seconds "$seconds" \
-        --daemon-pid "$daemon_pid" --label "$sys" "${driver_flags[@]}" --json |
+        --daemon-pid "$daemon_pid" --label "$sys" "${driver_flags[@]}" "${osd_flags[@]}" --json |
         sed "s/^{/{\"round\":$round,/" | tee -a "$out"
       stop
     done
@@ -179,7 +265,7 @@ done
 echo "run-vhost: results in $out" >&2
 
 # The regression guard: against the vhost results committed last.
-last=$(git log --format= --name-only --diff-filter=AM -- 'bench/results/vhost-2*.json' |
+last=$(git log --format= --name-only --diff-filter=AM -- "bench/results/$kind-2*.json" |
   grep -v -x -F -e '' -e "$out" | head -n 1 || true)
 if [[ -n $last ]]; then
   echo "run-vhost: against $last (bench/compare.py):" >&2

@@ -57,6 +57,11 @@ pub struct VhostArgs {
     /// The daemon's pid, to report its CPU time per operation.
     #[arg(long)]
     daemon_pid: Option<u32>,
+    /// A process serving the daemon's device but charged to neither (a
+    /// Ceph OSD): its CPU time per operation is reported apart, and left
+    /// out of "other".
+    #[arg(long)]
+    osd_pid: Option<u32>,
     /// A label for the JSON line (the system under test).
     #[arg(long, default_value = "")]
     label: String,
@@ -354,9 +359,7 @@ pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
     };
     let mut drivers: Vec<QueueDriver> = (1..=args.threads).map(|q| fe.take_queue(q)).collect();
     let targets = create_targets(args, &mut drivers, direct)?;
-    let cpu_before = args.daemon_pid.map(crate::procstat::tree_cpu_ns).transpose()?;
-    let own_before = crate::procstat::own_cpu_ns(std::process::id())?;
-    let machine_before = crate::procstat::machine_busy_ns()?;
+    let cpu = CpuCounters::read(args)?;
     let started = Instant::now();
     let worker_args = WorkerArgs {
         workload: args.workload,
@@ -367,9 +370,7 @@ pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
     };
     let results = run_workers(drivers, targets, &worker_args);
     let secs = started.elapsed().as_secs_f64().min(args.seconds as f64).max(1e-9);
-    let cpu_after = args.daemon_pid.map(crate::procstat::tree_cpu_ns).transpose()?;
-    let own_ns = crate::procstat::own_cpu_ns(std::process::id())? - own_before;
-    let machine_ns = crate::procstat::machine_busy_ns()?.saturating_sub(machine_before);
+    let cpu = CpuCounters::read(args)?.since(&cpu);
     let WorkerResult { reads, writes, bytes, latency } = results?;
     let ops = reads + writes;
     let percentiles: serde_json::Map<String, serde_json::Value> =
@@ -394,16 +395,20 @@ pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
         "lat_us_p99": latency.quantile(0.99) as f64 / 1000.0,
         "lat_us_p999": latency.quantile(0.999) as f64 / 1000.0,
         "lat_us_percentiles": percentiles,
-        "bench_cpu_us_per_op": us_per_op(own_ns, ops),
-        "machine_cpu_us_per_op": us_per_op(machine_ns, ops),
+        "bench_cpu_us_per_op": us_per_op(cpu.own, ops),
+        "machine_cpu_us_per_op": us_per_op(cpu.machine, ops),
     });
-    if let (Some(before), Some(after)) = (cpu_before, cpu_after) {
-        let daemon_ns = after - before;
-        line["daemon_cpu_us_per_op"] = us_per_op(daemon_ns, ops);
-        line["daemon_cpu_share"] = json!((daemon_ns as f64 / 1e9 / secs * 100.0).round() / 100.0);
-        // Neither the daemon's nor the load generator's: kernel workers
-        // (loop, io-wq punts not charged to the submitter) and noise.
-        line["other_cpu_us_per_op"] = us_per_op(machine_ns.saturating_sub(daemon_ns + own_ns), ops);
+    if let Some(osd) = cpu.osd {
+        line["osd_cpu_us_per_op"] = us_per_op(osd, ops);
+    }
+    if let Some(daemon) = cpu.daemon {
+        line["daemon_cpu_us_per_op"] = us_per_op(daemon, ops);
+        line["daemon_cpu_share"] = json!((daemon as f64 / 1e9 / secs * 100.0).round() / 100.0);
+        // Neither the daemon's nor the load generator's (nor the OSD's):
+        // kernel workers (loop, io-wq punts not charged to the submitter)
+        // and noise.
+        let others = cpu.machine.saturating_sub(daemon + cpu.own + cpu.osd.unwrap_or(0));
+        line["other_cpu_us_per_op"] = us_per_op(others, ops);
     }
     if args.json {
         println!("{line}");
@@ -411,6 +416,37 @@ pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&line)?);
     }
     Ok(())
+}
+
+/// CPU time counters, in nanoseconds: the daemon's (with its children),
+/// the OSD's, this process's and the whole machine's busy time.
+struct CpuCounters {
+    daemon: Option<u64>,
+    osd: Option<u64>,
+    own: u64,
+    machine: u64,
+}
+
+impl CpuCounters {
+    fn read(args: &VhostArgs) -> anyhow::Result<Self> {
+        Ok(Self {
+            daemon: args.daemon_pid.map(crate::procstat::tree_cpu_ns).transpose()?,
+            osd: args.osd_pid.map(crate::procstat::own_cpu_ns).transpose()?,
+            own: crate::procstat::own_cpu_ns(std::process::id())?,
+            machine: crate::procstat::machine_busy_ns()?,
+        })
+    }
+
+    /// What each spent between `earlier` and `self`.
+    fn since(&self, earlier: &Self) -> Self {
+        let diff = |a: Option<u64>, b: Option<u64>| a.zip(b).map(|(a, b)| a.saturating_sub(b));
+        Self {
+            daemon: diff(self.daemon, earlier.daemon),
+            osd: diff(self.osd, earlier.osd),
+            own: self.own.saturating_sub(earlier.own),
+            machine: self.machine.saturating_sub(earlier.machine),
+        }
+    }
 }
 
 /// CPU nanoseconds spread over `ops`, in µs per operation to 0.01.
