@@ -32,23 +32,42 @@
 # The images are written in full first: a read of a never-written RBD
 # object never reaches the OSD.
 #
+# What the run writes is bounded (--count on each write workload: 256 MiB
+# per side for 4k, 512 MiB for 1 MiB), and it stops when the host has less
+# than --min-avail MiB of memory available: the dev cluster's OSD keeps
+# BlueStore in a sparse file in /dev/shm larger than RAM and never gives
+# back a page it has written (no discard), so every byte written to the
+# cluster may take RAM for good. Unbounded 1 MiB write rounds drove this
+# host out of memory once.
+#
 # Usage: bench/run-rbd.sh [--rounds N] [--seconds N] [--pool POOL]
-#                         [--size SIZE] [OUT.json]
+#                         [--size SIZE] [--min-avail MiB] [OUT.json]
 # Needs: a Ceph cluster with one OSD on this host (scripts/ceph-dev.sh up),
 # /etc/ceph's conf and admin keyring, qemu-img with its rbd driver
 # (qemu-utils, qemu-block-extra).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rounds=3 seconds=5 pool=keelfs size=1G
+rounds=3 seconds=5 pool=keelfs size=512M min_avail=4096
 while [[ $# -gt 0 ]]; do
   case $1 in
     --rounds) rounds=$2; shift 2 ;;
     --seconds) seconds=$2; shift 2 ;;
     --pool) pool=$2; shift 2 ;;
     --size) size=$2; shift 2 ;;
+    --min-avail) min_avail=$2; shift 2 ;;
     *) break ;;
   esac
 done
+# Stop (cleanly, removing the images) when memory runs low.
+check_memory() {
+  local avail
+  avail=$(awk '/^MemAvailable:/ { print int($2 / 1024) }' /proc/meminfo)
+  if ((avail < min_avail)); then
+    echo "run-rbd: only $avail MiB of memory available (--min-avail $min_avail): stopping" >&2
+    exit 3
+  fi
+}
+check_memory
 out=${1:-bench/results/rbd-$(date +%F).json}
 mapfile -t osds < <(pgrep -x ceph-osd)
 if [[ ${#osds[@]} -ne 1 ]]; then
@@ -71,22 +90,24 @@ for img in "$ours" "$peer"; do
 done
 
 stride=$((4099 * 4096))
+w4k=--count=65536 w1m=--count=512
 # label | keelfs-bench flags | with the qemu-img peer
 workloads=(
   "read-4k-qd16|--rw read --step $stride --bs 4k --iodepth 16 --wait eventfd|peer"
-  "write-4k-qd16|--rw write --step $stride --bs 4k --iodepth 16 --wait eventfd|peer"
-  "write-4k-qd1|--rw write --step $stride --bs 4k --iodepth 1 --wait eventfd|peer"
-  "write-1m-qd4|--rw write --bs 1M --iodepth 4 --wait eventfd|peer"
+  "write-4k-qd16|--rw write --step $stride --bs 4k --iodepth 16 --wait eventfd $w4k|peer"
+  "write-4k-qd1|--rw write --step $stride --bs 4k --iodepth 1 --wait eventfd $w4k|peer"
+  "write-1m-qd4|--rw write --bs 1M --iodepth 4 --wait eventfd $w1m|peer"
   "read-1m-qd4|--rw read --bs 1M --iodepth 4 --wait eventfd|peer"
   "read-4k-qd16-spin|--rw read --step $stride --bs 4k --iodepth 16 --wait spin|peer"
-  "write-4k-qd1-spin|--rw write --step $stride --bs 4k --iodepth 1 --wait spin|peer"
+  "write-4k-qd1-spin|--rw write --step $stride --bs 4k --iodepth 1 --wait spin $w4k|peer"
   "randread-4k-qd16|--rw randread --bs 4k --iodepth 16 --wait eventfd|"
-  "randwrite-4k-qd16|--rw randwrite --bs 4k --iodepth 16 --wait eventfd|"
+  "randwrite-4k-qd16|--rw randwrite --bs 4k --iodepth 16 --wait eventfd $w4k|"
 )
 : >"$out"
 for round in $(seq "$rounds"); do
   for line in "${workloads[@]}"; do
     IFS='|' read -r label flags with_peer <<<"$line"
+    check_memory
     peer_flags=()
     if [[ -n $with_peer ]]; then
       peer_flags=(--vs-qemu-img "rbd:$pool/$peer")

@@ -21,7 +21,7 @@
 #             queue's thread)
 #   virtiofsd-pool  the same with --thread-pool-size 16, so that requests
 #             in flight are served in parallel
-#   keelfsd-rbd  (with --rbd-pool POOL) keelfsd serving a 3 GiB RBD image
+#   keelfsd-rbd  (with --rbd-pool POOL) keelfsd serving a 1 GiB RBD image
 #             in that pool through librbd (--sandbox none: an RBD export
 #             runs unsandboxed); keelfsd-rbd-irq the same with poll_mode
 #             interrupt. virtiofsd has no counterpart: it needs a host
@@ -50,9 +50,16 @@
 # (bench/run-rbd.sh says why); which side goes first alternates over
 # rounds; the OSD's CPU is reported apart (osd_cpu_us_per_op).
 #
+# With --rbd-pool, what the run writes to the cluster is kept small (a
+# 1 GiB image, aio-append's file wrapping at 512 MiB, at most 256 MiB per
+# side in each device run), and it stops when the host has less than
+# --min-avail MiB of memory available: the dev cluster's OSD keeps
+# BlueStore in a sparse file in /dev/shm larger than RAM and never gives
+# back a page it has written (bench/run-rbd.sh).
+#
 # Usage: bench/run-vhost.sh [--rounds N] [--seconds N] [--systems "A B ..."]
 #                           [--driver eventfd|spin] [--depth N]
-#                           [--rbd-pool POOL] [OUT.json]
+#                           [--rbd-pool POOL] [--min-avail MiB] [OUT.json]
 #   --depth: requests in flight for the three direct-I/O workloads (32)
 #   default systems: "keelfsd keelfsd-irq keelfsd-tmpfs keelfsd-pmem virtiofsd virtiofsd-pool",
 #     or "keelfsd-rbd keelfsd-rbd-irq" with --rbd-pool
@@ -61,7 +68,7 @@
 # (scripts/ceph-dev.sh up) and qemu-img's rbd driver (qemu-block-extra).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rounds=3 seconds=5 systems='' driver=eventfd depth=32 rbd_pool=''
+rounds=3 seconds=5 systems='' driver=eventfd depth=32 rbd_pool='' min_avail=4096
 while [[ $# -gt 0 ]]; do
   case $1 in
     --rounds) rounds=$2; shift 2 ;;
@@ -70,6 +77,7 @@ while [[ $# -gt 0 ]]; do
     --driver) driver=$2; shift 2 ;;
     --depth) depth=$2; shift 2 ;;
     --rbd-pool) rbd_pool=$2; shift 2 ;;
+    --min-avail) min_avail=$2; shift 2 ;;
     *) break ;;
   esac
 done
@@ -99,6 +107,17 @@ if [[ -n $rbd_pool ]]; then
   fi
   osd_flags=(--osd-pid "${osds[0]}")
 fi
+# With --rbd-pool, stop (cleanly, removing the images) when memory runs low.
+check_memory() {
+  [[ -n $rbd_pool ]] || return 0
+  local avail
+  avail=$(awk '/^MemAvailable:/ { print int($2 / 1024) }' /proc/meminfo)
+  if ((avail < min_avail)); then
+    echo "run-vhost: only $avail MiB of memory available (--min-avail $min_avail): stopping" >&2
+    exit 3
+  fi
+}
+check_memory
 case $driver in
   eventfd) driver_flags=() ;;
   spin) driver_flags=(--spin) ;;
@@ -167,7 +186,7 @@ rbd_image() {
 }
 if [[ -n $rbd_pool ]]; then
   keelfs_rbd=rbd:$rbd_pool/bench-vhost-keelfs-$$
-  rbd_image "bench-vhost-keelfs-$$" 3072
+  rbd_image "bench-vhost-keelfs-$$" 1024
   "$keelfsd" mkfs "$keelfs_rbd" --force >/dev/null 2>&1
   rbd_image "bench-vhost-dev-$$" 256
   rbd_image "bench-vhost-qemu-$$" 256
@@ -209,11 +228,13 @@ stop() {
 
 # workload, bench flags, keelfsd cache mode, virtiofsd cache mode
 # aio-append's file wraps at 2 GiB (the bench truncates it and starts over),
-# so that the preallocated images never fill.
+# so that the preallocated images never fill; at 512 MiB with --rbd-pool.
+append_size=2G
+[[ -z $rbd_pool ]] || append_size=512M
 workloads=(
   "dio-overwrite|--threads 1 --iodepth $depth --file-size 256M|none|never"
   "dio-randrw|--threads 1 --iodepth $depth --file-size 256M|none|never"
-  "aio-append|--threads 1 --iodepth $depth --file-size 2G|none|never"
+  "aio-append|--threads 1 --iodepth $depth --file-size $append_size|none|never"
   "buffered-randrw|--threads 1 --iodepth 4 --file-size 256M|auto|auto"
   "byte-writes|--threads 1 --iodepth 1 --file-size 256M|auto|auto"
 )
@@ -240,8 +261,9 @@ for round in $(seq "$rounds"); do
     first=()
     ((round % 2)) || first=(--peer-first)
     stride=$((4099 * 4096))
-    for dev in "device-rbd:--rw write --step $stride" "device-rbd-read:--rw read --step $stride" \
-      "device-rbd-seq:--rw write"; do
+    for dev in "device-rbd:--rw write --step $stride --count 65536" "device-rbd-read:--rw read --step $stride" \
+      "device-rbd-seq:--rw write --count 65536"; do
+      check_memory
       # shellcheck disable=SC2086
       "$bench" bdev --backend rbd --path "rbd:$rbd_pool/bench-vhost-dev-$$" --size 256M ${dev#*:} \
         --bs 4k --iodepth "$depth" --wait eventfd --seconds "$seconds" \
@@ -253,6 +275,7 @@ for round in $(seq "$rounds"); do
     IFS='|' read -r workload flags kcache vcache <<<"$line"
     for sys in $systems; do
       cache=$kcache; [[ $sys == virtiofsd* ]] && cache=$vcache
+      check_memory
       start "$sys" "$cache"
       # shellcheck disable=SC2086
       "$bench" vhost --socket "$socket" --workload "$workload" $flags --seconds "$seconds" \

@@ -88,6 +88,10 @@ pub struct BdevArgs {
     iodepth: u32,
     #[arg(long, default_value_t = 10)]
     seconds: u64,
+    /// Stop after this many requests, if --seconds has not passed first:
+    /// a bound on what a round writes.
+    #[arg(long)]
+    count: Option<u64>,
     /// With --rw read or write: each offset is the previous one plus STEP,
     /// wrapping at --size, as qemu-img bench's --step-size (default --bs).
     #[arg(long, value_parser = parse_size)]
@@ -212,6 +216,9 @@ fn check_args(args: &BdevArgs) -> anyhow::Result<()> {
     if args.size < args.bs {
         bail!("--size {} is smaller than --bs {}", args.size, args.bs);
     }
+    if args.count == Some(0) {
+        bail!("--count must be at least 1");
+    }
     if let Some(step) = args.step {
         if args.rw.is_random() {
             bail!("--step is for --rw read or write: random offsets take no step");
@@ -260,11 +267,14 @@ fn open_device(args: &BdevArgs) -> anyhow::Result<Arc<dyn BlockDevice>> {
     })
 }
 
-/// How many requests qemu-img does in --seconds, from a short run's rate.
+/// How many requests qemu-img does in --seconds (at most --count), from a
+/// short run's rate.
 fn probe_count(args: &BdevArgs, image: &RbdAddress) -> anyhow::Result<u64> {
-    let probe = qemu_img::run(&qemu_job(args, image, (u64::from(args.iodepth) * 64).max(256)))?;
+    let depth = u64::from(args.iodepth);
+    let budget = args.count.unwrap_or(u64::MAX);
+    let probe = qemu_img::run(&qemu_job(args, image, (depth * 64).max(256).min(budget / 4).max(depth)))?;
     let rate = probe.ios as f64 / probe.elapsed.as_secs_f64();
-    Ok(((rate * args.seconds as f64) as u64).max(u64::from(args.iodepth)))
+    Ok(((rate * args.seconds as f64) as u64).min(budget).max(depth))
 }
 
 fn qemu_job<'a>(args: &BdevArgs, image: &'a RbdAddress, count: u64) -> QemuImgJob<'a> {
@@ -350,6 +360,18 @@ fn wait_for_completion(fd: std::os::fd::RawFd) {
     unsafe { libc::read(fd, (&mut count as *mut u64).cast(), 8) };
 }
 
+/// A buffer of --bs per slot, from a pool registered with the queue, each
+/// filled with a non-zero byte of its own.
+fn buffers(queue: &mut dyn keelfs_bdev::IoQueue, args: &BdevArgs) -> anyhow::Result<(BufferPool, Vec<PoolBuf>)> {
+    let mut pool = BufferPool::new(args.iodepth as usize, args.bs as usize, 4096);
+    queue.register_pool(&pool)?;
+    let mut buffers: Vec<PoolBuf> = (0..args.iodepth).map(|_| pool.take().expect("pool sized to depth")).collect();
+    for (i, b) in buffers.iter_mut().enumerate() {
+        b.as_mut_slice().fill(i as u8 ^ 0x5a);
+    }
+    Ok((pool, buffers))
+}
+
 fn drive(device: &dyn BlockDevice, args: &BdevArgs) -> anyhow::Result<RoundResult> {
     let depth = args.iodepth;
     let sleep = args.wait == Wait::Eventfd;
@@ -358,12 +380,7 @@ fn drive(device: &dyn BlockDevice, args: &BdevArgs) -> anyhow::Result<RoundResul
     if sleep && wake.is_none() {
         bail!("--wait eventfd: {}'s queues have no completion eventfd", device.name());
     }
-    let mut pool = BufferPool::new(depth as usize, args.bs as usize, 4096);
-    queue.register_pool(&pool)?;
-    let mut buffers: Vec<PoolBuf> = (0..depth).map(|_| pool.take().expect("pool sized to depth")).collect();
-    for (i, b) in buffers.iter_mut().enumerate() {
-        b.as_mut_slice().fill(i as u8 ^ 0x5a);
-    }
+    let (mut pool, mut buffers) = buffers(queue.as_mut(), args)?;
     let mut driver = Driver::new(args);
     let mut started = vec![Instant::now(); depth as usize];
     let mut hist = Histogram::new();
@@ -381,7 +398,9 @@ fn drive(device: &dyn BlockDevice, args: &BdevArgs) -> anyhow::Result<RoundResul
     let cpu_start = crate::procstat::own_cpu_ns(std::process::id())?;
     let start = Instant::now();
     let deadline = start + Duration::from_secs(args.seconds);
-    for slot in 0..depth as usize {
+    let budget = args.count.unwrap_or(u64::MAX);
+    let mut submitted = u64::from(depth).min(budget);
+    for slot in 0..submitted as usize {
         started[slot] = Instant::now();
         submit(&mut queue, &mut buffers[slot], slot as u64, driver.next_offset())?;
     }
@@ -407,10 +426,13 @@ fn drive(device: &dyn BlockDevice, args: &BdevArgs) -> anyhow::Result<RoundResul
             }
             if now >= deadline {
                 stopping = true;
+            }
+            if stopping || submitted >= budget {
                 continue;
             }
             started[slot] = now;
             submit(&mut queue, &mut buffers[slot], slot as u64, driver.next_offset())?;
+            submitted += 1;
         }
     }
     drop(queue);

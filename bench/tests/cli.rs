@@ -66,14 +66,15 @@ fn bad_arguments_fail_with_a_message() {
     let _ = std::fs::remove_file(&path);
 }
 
-/// --step walks the device as qemu-img bench's --step-size does, and
-/// --wait eventfd sleeps on the queue's eventfd between completions.
+/// --step walks the device as qemu-img bench's --step-size does,
+/// --wait eventfd sleeps on the queue's eventfd between completions, and
+/// --count bounds the requests.
 #[test]
 fn bdev_steps_through_the_device_and_can_sleep() {
     let path = scratch("step");
     let out = bench()
         .args(["bdev", "--backend", "uring", "--size", "16M", "--rw", "write", "--bs", "4k", "--step", "1028k"])
-        .args(["--iodepth", "4", "--seconds", "1", "--wait", "eventfd", "--json", "--path"])
+        .args(["--iodepth", "4", "--seconds", "5", "--count", "1000", "--wait", "eventfd", "--json", "--path"])
         .arg(&path)
         .output()
         .unwrap();
@@ -81,6 +82,7 @@ fn bdev_steps_through_the_device_and_can_sleep() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["step"], 1028 << 10, "{v}");
     assert_eq!(v["wait"], "eventfd", "{v}");
+    assert_eq!(v["ios"], 1000, "{v}");
     assert!(v["iops"].as_f64().is_some_and(|x| x > 0.0), "{v}");
     let _ = std::fs::remove_file(&path);
 }
