@@ -254,6 +254,9 @@ pub struct Config {
     /// One entry per reactor: the CPU it is pinned to, if a list was given.
     pub reactors: Vec<Option<usize>>,
     pub poll_mode: PollModeName,
+    /// Whether the config file chose `poll_mode` (not the default): a
+    /// default gives way to RBD exports, a choice does not.
+    pub poll_mode_chosen: bool,
     pub rpc_socket: Option<PathBuf>,
     /// A tracing filter (`info`, `keelfs=debug`, ...); RUST_LOG wins.
     pub log: String,
@@ -340,6 +343,7 @@ impl Default for Config {
         Self {
             reactors: vec![None],
             poll_mode: PollModeName::Adaptive,
+            poll_mode_chosen: false,
             rpc_socket: None,
             log: "info".into(),
             log_format: LogFormat::Plain,
@@ -507,6 +511,7 @@ fn apply_daemon(src: &Source, daemon: RawDaemon, config: &mut Config) -> Result<
         };
     }
     config.poll_mode = daemon.poll_mode.unwrap_or_default();
+    config.poll_mode_chosen = daemon.poll_mode.is_some();
     config.rpc_socket = daemon.rpc_socket;
     config.sandbox = daemon.sandbox.unwrap_or_default();
     config.sandbox_chosen = daemon.sandbox.is_some();

@@ -102,6 +102,7 @@ fn mkfs_creates_the_image_serve_mounts_it_and_a_second_writer_is_refused() {
     std::fs::write(mnt.join("f"), &data).unwrap();
     let logged = std::fs::read_to_string(&log).unwrap();
     assert!(logged.contains("serving without the namespace sandbox"), "{logged}");
+    assert!(logged.contains("the reactors sleep between completions"), "{logged}");
     // What of the sandbox a threaded process can keep: no core dumps.
     let limits = std::fs::read_to_string(format!("/proc/{}/limits", served.child.id())).unwrap();
     let core = limits.lines().find(|l| l.starts_with("Max core file size")).unwrap();
