@@ -5,7 +5,8 @@
 //! finish the requests and leave completions in the queue's lock-free
 //! [`sys::Sink`], which `poll` drains. librbd's own cache is off: keelfs
 //! has a page cache, and without librbd's a completed write is on the OSDs
-//! (so the device has no volatile cache to flush).
+//! (the device still asks for flushes, in case an image's config turns
+//! the cache back on).
 //!
 //! A writable open takes the image's exclusive lock (enabling the
 //! exclusive-lock feature if the image lacks it) and keeps it: librbd then
@@ -177,6 +178,9 @@ fn connect(address: &RbdAddress) -> Result<(Arc<sys::Cluster>, Arc<sys::Pool>), 
     let settings = [
         ("client_mount_timeout", timeout.as_str()),
         ("rbd_cache", "false"),
+        // Breaking a lock (ours, or librbd's own of a dead holder) must
+        // fence the holder first; a site's conf may not turn that off.
+        ("rbd_blocklist_on_break_lock", "true"),
         // librados logs to files by default; keelfsd logs through tracing.
         ("log_file", ""),
         ("log_to_stderr", "false"),
@@ -242,7 +246,11 @@ impl RbdDevice {
             capacity_bytes: capacity,
             logical_block_size: 512,
             memory_alignment: 512,
-            volatile_write_cache: false,
+            // With librbd's cache off a completed write is on the OSDs,
+            // but a pool's or image's own config (`rbd config pool set`)
+            // can turn the cache back on: flush as if it could be on (a
+            // flush with nothing cached costs one call into librbd).
+            volatile_write_cache: true,
             max_iovecs_per_request: MAX_IOVECS_PER_REQUEST,
             max_request_bytes: MAX_REQUEST_BYTES,
         };
