@@ -142,7 +142,7 @@ impl RbdError {
     /// Whether the name, the configuration or the cluster's contents are
     /// wrong (the operator's to fix) rather than the cluster failing.
     pub fn is_usage(&self) -> bool {
-        !matches!(self, RbdError::Ceph { .. })
+        !matches!(self, RbdError::Ceph { .. } | RbdError::Unreachable { .. })
     }
 }
 
@@ -172,6 +172,19 @@ fn watching(watchers: &[(i64, String)], client: &str) -> bool {
     watchers.iter().any(|(w, _)| Some(*w) == id)
 }
 
+/// Whether Ceph's default search finds a conf: `$CEPH_CONF`,
+/// /etc/ceph/ceph.conf, ~/.ceph/ceph.conf or ./ceph.conf.
+fn default_conf_exists() -> bool {
+    let home = std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".ceph/ceph.conf"));
+    let candidates = [
+        std::env::var_os("CEPH_CONF").map(std::path::PathBuf::from),
+        Some("/etc/ceph/ceph.conf".into()),
+        home,
+        Some("ceph.conf".into()),
+    ];
+    candidates.into_iter().flatten().any(|p| p.is_file())
+}
+
 /// Connect to the cluster `address` names and open its pool.
 fn connect(address: &RbdAddress) -> Result<(Arc<sys::Cluster>, Arc<sys::Pool>), RbdError> {
     let timeout = CONNECT_TIMEOUT_SECS.to_string();
@@ -190,6 +203,11 @@ fn connect(address: &RbdAddress) -> Result<(Arc<sys::Cluster>, Arc<sys::Pool>), 
         sys::Cluster::connect(address.conf.as_deref(), address.client.as_deref(), &settings).map_err(|e| {
             match (e.call, e.errno) {
                 ("reading the Ceph configuration", errno) => RbdError::Config { conf: conf.clone(), errno },
+                // No conf was found (CEPH_ARGS alone may do), and connecting
+                // failed: the missing conf is the likelier cause.
+                ("connecting to the Ceph cluster", _) if address.conf.is_none() && !default_conf_exists() => {
+                    RbdError::Config { conf: conf.clone(), errno: libc::ENOENT }
+                }
                 ("connecting to the Ceph cluster", errno @ (libc::EACCES | libc::EPERM | libc::ENOENT)) => {
                     RbdError::Credentials { client: address.client_name(), errno }
                 }
@@ -235,12 +253,14 @@ impl RbdDevice {
         let (cluster, pool) = connect(address)?;
         let image = pool.open_image(&address.image, options.read_only).map_err(|e| match e.errno {
             libc::ENOENT => RbdError::NoImage { pool: address.pool.clone(), image: address.image.clone() },
+            errno @ (libc::EPERM | libc::EACCES) => RbdError::Credentials { client: address.client_name(), errno },
             _ => RbdError::ceph(address, e),
         })?;
         let size = image.size().map_err(|e| RbdError::ceph(address, e))?;
         let capacity = size - size % 4096;
         if capacity == 0 {
-            return Err(RbdError::Ceph { device: address.to_string(), call: "sizing the image", errno: libc::EINVAL });
+            let device = format!("{}/{}", address.pool, address.image);
+            return Err(RbdError::Ceph { device, call: "sizing the image", errno: libc::EINVAL });
         }
         let geometry = Geometry {
             capacity_bytes: capacity,

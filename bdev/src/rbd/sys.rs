@@ -135,7 +135,13 @@ impl Cluster {
         let conf_ptr = conf.as_ref().map_or(std::ptr::null(), |c| c.as_ptr());
         // SAFETY: a live handle not yet connected; NULL asks for the default
         // search path.
-        check("reading the Ceph configuration", unsafe { rados_conf_read_file(cluster.handle, conf_ptr) })?;
+        let read = check("reading the Ceph configuration", unsafe { rados_conf_read_file(cluster.handle, conf_ptr) });
+        match read {
+            // No conf named and none found: CEPH_ARGS may say it all (as
+            // QEMU allows); connecting says what is missing otherwise.
+            Err(e) if conf.is_none() && e.errno == libc::ENOENT => {}
+            other => other?,
+        }
         // SAFETY: as above; NULL names CEPH_ARGS.
         check("rados_conf_parse_env", unsafe { rados_conf_parse_env(cluster.handle, std::ptr::null()) })?;
         for (key, value) in settings {
