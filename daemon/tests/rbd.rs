@@ -187,6 +187,8 @@ fn an_export_moves_between_two_hosts_and_a_dead_owner_is_fenced() {
     drop(served_b);
     let refused = a.run(&[os("break-lock"), os(&name)]);
     assert_eq!(refused.status.code(), Some(2), "{}", text(&refused));
+    assert!(text(&refused).contains("still watches the image"), "{}", text(&refused));
+    assert!(text(&refused).contains(&format!(" at {}:", b.addr)), "{}", text(&refused));
     let fenced = a.run(&[os("break-lock"), os(&name), os("--fence-live")]);
     assert!(fenced.status.success(), "{}", text(&fenced));
     assert!(text(&fenced).contains("blocklisted"), "{}", text(&fenced));

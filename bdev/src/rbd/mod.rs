@@ -126,6 +126,12 @@ pub enum RbdError {
     NoImage { pool: String, image: String },
     #[error("rbd:{device} is locked by {holder}: another keelfsd serves it")]
     Locked { device: String, holder: String },
+    #[error(
+        "rbd:{device} is locked by {holder}, which still watches the image: it may be alive. Wait until its watch \
+         expires (about 30 s after its death), or, once its host is known to be down, break the lock with \
+         --fence-live"
+    )]
+    StillWatched { device: String, holder: String },
     #[error("rbd:{device}: {call}: {}", strerror(*errno))]
     Ceph { device: String, call: &'static str, errno: i32 },
 }
@@ -332,12 +338,13 @@ impl RbdDevice {
         if lockers.is_empty() {
             return Ok("nobody".into());
         }
-        let watchers = self.image.watchers().unwrap_or_default();
+        let watchers = self.image.watchers();
         let named: Vec<String> = lockers
             .iter()
-            .map(|(client, addr)| match watching(&watchers, client) {
-                true => format!("{client} at {addr}"),
-                false => format!("{client} at {addr} (no longer watching the image: dead, or cut off)"),
+            .map(|(client, addr)| match &watchers {
+                Ok(watchers) if watching(watchers, client) => format!("{client} at {addr}"),
+                Ok(_) => format!("{client} at {addr} (no longer watching the image: dead, or cut off)"),
+                Err(e) => format!("{client} at {addr} (alive or not: watchers unknown, {} failed)", e.call),
             })
             .collect();
         Ok(named.join(", "))
@@ -357,7 +364,11 @@ impl RbdDevice {
         let lockers = self.image.lockers().map_err(|e| RbdError::ceph(&self.address, e))?;
         let watchers = self.image.watchers().map_err(|e| RbdError::ceph(&self.address, e))?;
         if !live_too && lockers.iter().any(|(client, _)| watching(&watchers, client)) {
-            return Err(self.locked_error());
+            let holder = self.holders().unwrap_or_else(|e| e.to_string());
+            return Err(RbdError::StillWatched {
+                device: format!("{}/{}", self.address.pool, self.address.image),
+                holder,
+            });
         }
         for (_, addr) in &lockers {
             // librbd names a lock's owner by its address here.

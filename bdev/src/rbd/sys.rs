@@ -328,9 +328,11 @@ impl Image {
         check("breaking the lock", unsafe { rbd_lock_break(self.handle, LOCK_MODE_EXCLUSIVE, owner.as_ptr()) })
     }
 
-    /// The image's watchers: (client id, address), at most 16.
+    /// The image's watchers: (client id, address). More than
+    /// WATCHERS_MAX is an error (-ERANGE), never a partial list: a holder
+    /// left out would look dead.
     pub fn watchers(&self) -> Result<Vec<(i64, String)>, CephError> {
-        const WATCHERS_MAX: usize = 16;
+        const WATCHERS_MAX: usize = 256;
         let mut list: Vec<ImageWatcher> =
             (0..WATCHERS_MAX).map(|_| ImageWatcher { addr: std::ptr::null_mut(), id: 0, cookie: 0 }).collect();
         let mut count = WATCHERS_MAX;
