@@ -61,6 +61,12 @@ impl ExportImage {
             return Ok(());
         }
         let deadline = Instant::now() + LOCK_WAIT;
+        if let ImageLock::Rbd(dev) = lock {
+            let dev = Arc::clone(dev);
+            off_reactor(move || take_rbd_lock_by(&dev, deadline)).await?;
+            self.locked.set(true);
+            return Ok(());
+        }
         loop {
             match lock.try_lock() {
                 Ok(true) => {
@@ -80,13 +86,62 @@ impl ExportImage {
         }
     }
 
-    fn let_go(&self) {
-        if let Some(lock) = &self.lock {
-            if self.locked.replace(false) {
-                if let Err(e) = lock.unlock() {
-                    tracing::warn!("unlocking {}: {e}", self.export.device.display());
-                }
+    async fn let_go(&self) {
+        let Some(lock) = &self.lock else { return };
+        if !self.locked.replace(false) {
+            return;
+        }
+        let unlocked = match lock {
+            ImageLock::Rbd(dev) => {
+                let dev = Arc::clone(dev);
+                off_reactor(move || dev.release_lock().map_err(|e| e.to_string())).await
             }
+            ImageLock::File(_) => lock.unlock().map_err(|e| e.to_string()),
+        };
+        if let Err(e) = unlocked {
+            tracing::warn!("unlocking {}: {e}", self.export.device.display());
+        }
+    }
+}
+
+/// Run `job` on a thread of its own and wait for it without blocking the
+/// reactor: an RBD lock call waits on the cluster, for seconds when the
+/// holder is dead but its watch lingers, and the reactor serves other
+/// exports meanwhile.
+async fn off_reactor<T: Send + 'static>(job: impl FnOnce() -> Result<T, String> + Send + 'static) -> Result<T, String> {
+    const POLL: Duration = Duration::from_millis(2);
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    let spawned = std::thread::Builder::new().name("keelfs-lock".into()).spawn(move || {
+        let _ = tx.send(job());
+    });
+    spawned.map_err(|e| format!("starting a thread for the image's lock: {e}"))?;
+    loop {
+        match rx.try_recv() {
+            Ok(result) => return result,
+            Err(std::sync::mpsc::TryRecvError::Empty) => reactor::sleep(POLL).await,
+            Err(std::sync::mpsc::TryRecvError::Disconnected) => return Err("the image's lock thread died".into()),
+        }
+    }
+}
+
+/// Take an RBD image's lock, trying every [`LOCK_RETRY`] while another
+/// client holds it, until `deadline`. A lock taken only after the deadline
+/// (one call can outlast it) is let go again: the caller has given up.
+fn take_rbd_lock_by(dev: &keelfs_bdev::RbdDevice, deadline: Instant) -> Result<(), String> {
+    let name = keelfs_bdev::BlockDevice::name(dev).to_string();
+    loop {
+        match dev.try_take_lock() {
+            Ok(true) if Instant::now() <= deadline => return Ok(()),
+            Ok(true) => {
+                let _ = dev.release_lock();
+                return Err(format!("{name}: took the lock only after {} s; let it go", LOCK_WAIT.as_secs()));
+            }
+            Ok(false) if Instant::now() < deadline => std::thread::sleep(LOCK_RETRY),
+            Ok(false) => {
+                let holders = dev.holders().unwrap_or_else(|e| e.to_string());
+                return Err(format!("{name} is still locked by {holders} after {} s", LOCK_WAIT.as_secs()));
+            }
+            Err(e) => return Err(format!("locking {name}: {e}")),
         }
     }
 }
@@ -97,17 +152,20 @@ impl ImageAccess for ExportImage {
             self.take_lock().await?;
             let mounted =
                 crate::serve::mount(self.reactor_id, &self.export, &self.dev, self.commit_interval, true).await;
-            mounted.map_err(|e| {
-                self.let_go();
-                format!("{e:#}")
-            })
+            match mounted {
+                Ok(fs) => Ok(fs),
+                Err(e) => {
+                    self.let_go().await;
+                    Err(format!("{e:#}"))
+                }
+            }
         })
     }
 
     fn detach(&self, fs: Fs) -> LocalFuture<'_, Result<(), String>> {
         Box::pin(async move {
             let unmounted = fs.unmount().await.map_err(|e| format!("committing and checkpointing: {e}"));
-            self.let_go();
+            self.let_go().await;
             unmounted
         })
     }

@@ -116,11 +116,7 @@ impl ImageLock {
     pub fn try_lock(&self) -> anyhow::Result<bool> {
         match self {
             ImageLock::File(file) => Ok(set_lock(file, libc::F_WRLCK)?),
-            ImageLock::Rbd(dev) => match dev.take_lock() {
-                Ok(()) => Ok(true),
-                Err(keelfs_bdev::RbdError::Locked { .. }) => Ok(false),
-                Err(e) => Err(e.into()),
-            },
+            ImageLock::Rbd(dev) => Ok(dev.try_take_lock()?),
         }
     }
 

@@ -309,9 +309,19 @@ impl RbdDevice {
     /// Take the image's exclusive lock, or say who holds it. Blocks for a
     /// round trip to the cluster (more if it must fence a dead holder).
     pub fn take_lock(&self) -> Result<(), RbdError> {
+        match self.try_take_lock()? {
+            true => Ok(()),
+            false => Err(self.locked_error()),
+        }
+    }
+
+    /// Take the lock if nobody else holds it: false if somebody does. Blocks
+    /// as [`Self::take_lock`] does, but asks nothing more of the cluster
+    /// when refused (a caller that retries needs no holder's name).
+    pub fn try_take_lock(&self) -> Result<bool, RbdError> {
         match self.image.lock_acquire() {
-            Ok(()) => Ok(()),
-            Err(e) if matches!(e.errno, libc::EROFS | libc::EBUSY | libc::EAGAIN) => Err(self.locked_error()),
+            Ok(()) => Ok(true),
+            Err(e) if matches!(e.errno, libc::EROFS | libc::EBUSY | libc::EAGAIN) => Ok(false),
             Err(e) => Err(RbdError::ceph(&self.address, e)),
         }
     }
