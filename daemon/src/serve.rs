@@ -223,6 +223,8 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let signals = Signals::new().context("opening a signalfd")?;
     let check = args.check;
     let mut config = resolve(args)?;
+    let rbd_unsandboxed = leave_sandbox_for_rbd(&mut config)?;
+    let rbd_interrupt = sleep_between_rbd_completions(&mut config);
     if check {
         print_check(&config);
         return Ok(ExitCode::SUCCESS);
@@ -237,8 +239,6 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
             )));
         }
     }
-    let rbd_unsandboxed = leave_sandbox_for_rbd(&mut config)?;
-    let rbd_interrupt = sleep_between_rbd_completions(&mut config);
     init_logging(&config);
     if let Some(tag) = &rbd_unsandboxed {
         tracing::warn!("export {tag} is on RBD: serving without the namespace sandbox (see docs/ARCHITECTURE.md)");
@@ -262,9 +262,11 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     };
     if config.sandbox == SandboxMode::Namespace {
         sandbox::enter(needs_of(&config), seccomp::Action::from_env()).context("entering the sandbox")?;
-    } else if rbd_unsandboxed.is_some() {
+    } else if has_rbd_export(&config) {
         // What of the sandbox holds for a process with threads: no core
-        // dump of guest memory, bounded descriptors.
+        // dump of guest memory, bounded descriptors. An RBD daemon gets it
+        // whether the sandbox was left by default or by --sandbox none,
+        // which is the only choice it has.
         sandbox::limit_resources().context("limiting resources")?;
     }
     let sandboxed = link.is_some();
@@ -339,13 +341,21 @@ fn cleanup_of(config: &Config) -> Cleanup {
     }
 }
 
+fn is_rbd_export(export: &Export) -> bool {
+    device::is_rbd(&export.device) || export.backend == config::BackendName::Rbd
+}
+
+fn has_rbd_export(config: &Config) -> bool {
+    config.exports.iter().any(is_rbd_export)
+}
+
 /// librados starts its threads when it connects and talks to every
 /// monitor and OSD for as long as an image is open, while the namespace
 /// sandbox must be entered by a single thread and takes the network away.
 /// So a daemon with an RBD export runs unsandboxed: by default with a
 /// warning (returns the export's tag), and a sandbox asked for is refused.
 fn leave_sandbox_for_rbd(config: &mut Config) -> anyhow::Result<Option<String>> {
-    let rbd = config.exports.iter().find(|e| device::is_rbd(&e.device) || e.backend == config::BackendName::Rbd);
+    let rbd = config.exports.iter().find(|e| is_rbd_export(e));
     let Some(export) = rbd else { return Ok(None) };
     if config.sandbox == SandboxMode::None {
         return Ok(None);
@@ -371,8 +381,7 @@ fn leave_sandbox_for_rbd(config: &mut Config) -> anyhow::Result<Option<String>> 
 /// (bench/RESULTS.md, issue 22: more IOPS at half the CPU per op).
 /// Returns whether it chose so.
 fn sleep_between_rbd_completions(config: &mut Config) -> bool {
-    let is_rbd = |e: &Export| device::is_rbd(&e.device) || e.backend == config::BackendName::Rbd;
-    if config.poll_mode_chosen || config.exports.is_empty() || !config.exports.iter().all(is_rbd) {
+    if config.poll_mode_chosen || config.exports.is_empty() || !config.exports.iter().all(is_rbd_export) {
         return false;
     }
     config.poll_mode = PollModeName::Interrupt;
@@ -469,9 +478,11 @@ fn open_locked(export: &Export, incoming: bool) -> anyhow::Result<(Arc<dyn Block
     Ok((dev, lock))
 }
 
-/// A read-only export reads the image without a lock of its own (RBD has
-/// no reader's lock to share): refuse one while a writer holds the image,
-/// as a file's shared lock would.
+/// A read-only export reads the image without a lock of its own (RBD's
+/// exclusive lock has no shared mode): refuse one while a writer holds
+/// the image. Unlike a file's shared lock, nothing keeps a writer from
+/// taking the image later, under the reader (docs/ARCHITECTURE.md,
+/// "Scale-out").
 fn refuse_rbd_in_use(rbd: &keelfs_bdev::RbdDevice) -> anyhow::Result<()> {
     let holders = rbd.holders().map_err(device::rbd_error)?;
     if holders != "nobody" {
