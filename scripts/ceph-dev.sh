@@ -318,20 +318,20 @@ teardown() {
   if ip link show "$bridge" >/dev/null 2>&1; then
     ip link del "$bridge"
   fi
+  # Only the block file up recorded is ours to detach and remove, whatever
+  # KEELFS_CEPH_BLOCK says now.
+  local recorded=""
+  if [[ -f $dir/block-path ]]; then read -r recorded <"$dir/block-path"; fi
   step="detaching the loop device"
-  if [[ -f $dir/loop-path ]]; then
+  if [[ -f $dir/loop-path && -n $recorded ]]; then
     local loopdev
     read -r loopdev <"$dir/loop-path"
-    if [[ -n $loopdev ]] && losetup "$loopdev" 2>/dev/null | grep -qF "$block"; then
+    if [[ -n $loopdev ]] && losetup "$loopdev" 2>/dev/null | grep -qF "($recorded)"; then
       losetup -d "$loopdev"
     fi
   fi
   step="removing the block file"
-  local recorded=""
-  if [[ -f $dir/block-path ]]; then read -r recorded <"$dir/block-path"; fi
-  for f in "$recorded" "$block"; do
-    if [[ -n $f && -f $f ]]; then rm -f -- "$f"; fi
-  done
+  if [[ -n $recorded && -f $recorded ]]; then rm -f -- "$recorded"; fi
   step="removing the files in $etc written here"
   for f in "$etc"/*; do
     if ours "$f"; then rm -f -- "$f"; fi
@@ -352,9 +352,10 @@ teardown() {
 # Whether the OSD's loop device is still attached to the block file (it
 # is gone after a reboot, and the cluster must be made again).
 loop_attached() {
-  local loopdev=""
+  local loopdev="" recorded=""
   [[ -f $dir/loop-path ]] && read -r loopdev <"$dir/loop-path"
-  [[ -n $loopdev ]] && losetup "$loopdev" 2>/dev/null | grep -qF "$block"
+  [[ -f $dir/block-path ]] && read -r recorded <"$dir/block-path"
+  [[ -n $loopdev && -n $recorded ]] && losetup "$loopdev" 2>/dev/null | grep -qF "($recorded)"
 }
 
 # Starts a daemon of a cluster set up before, if it is not running.
@@ -448,7 +449,8 @@ up() {
   fsid=$(cat /proc/sys/kernel/random/uuid)
   step="making the loop device over $block"
   say "$step"
-  rm -f -- "$block"
+  # Never another's file: teardown above removed any block file of ours.
+  [[ ! -e $block ]] || fail "$block exists and is not this cluster's block file; not overwriting it"
   truncate -s "$block_size" "$block"
   local loopdev
   loopdev=$(losetup --find --show "$block")
