@@ -1,6 +1,7 @@
 //! librados and librbd (Ceph's client libraries, 16.2 on Debian bookworm),
-//! declared by hand from their headers: every unsafe call of the RBD
-//! backend is in this file, behind types that own what they open.
+//! declared by hand from their headers: every call into them is in this
+//! file, behind types that own what they open (mod.rs keeps only the
+//! queue's eventfd and the submit contract's unsafe).
 //!
 //! Completions arrive on librbd's own threads. [`on_complete`] moves each
 //! one into a lock-free queue ([`Sink`]) that the owning reactor polls,
