@@ -555,20 +555,28 @@ host_add() {
   step="host add $name $a"
   [[ -e $dir/up.done ]] || fail "the dev cluster is not up: run scripts/$prog up first"
   if [[ -e $dir/hosts/$name ]]; then
-    if [[ $(cat "$dir/hosts/$name") == "$a" ]] && netns_exists "$name"; then
+    [[ $(cat "$dir/hosts/$name") == "$a" ]] || fail "host $name already exists with address $(cat "$dir/hosts/$name")"
+    if netns_exists "$name" && ip -n "$name" -4 addr show dev eth0 2>/dev/null | grep -qF " $a/"; then
       say "host $name ($a) is already there"
       return 0
     fi
-    fail "host $name already exists with address $(cat "$dir/hosts/$name")"
+    say "host $name was left half made: making it again"
+    del_host "$name"
   fi
   if netns_exists "$name"; then
     fail "network namespace $name exists and was not made by $prog"
   fi
   for f in "$dir"/hosts/*; do
     [[ -e $f ]] || continue
-    [[ $(cat "$f") != "$a" ]] || fail "address $a is taken by host ${f##*/}"
+    [[ $(cat "$f") == "$a" ]] || continue
+    # A host no process runs in is one an interrupted test left behind.
+    [[ -z $(ip netns pids "${f##*/}" 2>/dev/null) ]] || fail "address $a is taken by host ${f##*/}"
+    say "reclaiming $a from host ${f##*/}, which nothing runs in"
+    del_host "${f##*/}"
   done
   local outer=kceph-h${a##*.}
+  ip link del "$outer" 2>/dev/null || true
+  # Recorded first, so that down removes a host that failed half way.
   echo "$a" >"$dir/hosts/$name"
   ip netns add "$name"
   ip link add "$outer" type veth peer name eth0 netns "$name"
