@@ -55,6 +55,8 @@ while [[ $# -gt 0 ]]; do
     --pool) pool=$2; shift 2 ;;
     --size) size=$2; shift 2 ;;
     --min-avail) min_avail=$2; shift 2 ;;
+    -h|--help) sed -n '2,47p' "bench/${0##*/}"; exit 0 ;;
+    -*) echo "run-rbd: unknown option '$1' (--help)" >&2; exit 2 ;;
     *) break ;;
   esac
 done

@@ -78,6 +78,8 @@ while [[ $# -gt 0 ]]; do
     --depth) depth=$2; shift 2 ;;
     --rbd-pool) rbd_pool=$2; shift 2 ;;
     --min-avail) min_avail=$2; shift 2 ;;
+    -h|--help) sed -n '2,68p' "bench/${0##*/}"; exit 0 ;;
+    -*) echo "run-vhost: unknown option '$1' (--help)" >&2; exit 2 ;;
     *) break ;;
   esac
 done
