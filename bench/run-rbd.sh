@@ -35,10 +35,10 @@
 # What the run writes is bounded (--count on each write workload: 256 MiB
 # per side for 4k, 512 MiB for 1 MiB), and it stops when the host has less
 # than --min-avail MiB of memory available: the dev cluster's OSD keeps
-# BlueStore in a sparse file in /dev/shm larger than RAM and never gives
-# back a page it has written (no discard), so every byte written to the
-# cluster may take RAM for good. Unbounded 1 MiB write rounds drove this
-# host out of memory once.
+# BlueStore on a loop device over a sparse file in /dev/shm, larger than
+# RAM, so the live data in the cluster takes RAM until BlueStore frees and
+# discards it. Unbounded 1 MiB write rounds drove this host out of memory
+# once, before the OSD discarded (then, nothing written was given back).
 #
 # Usage: bench/run-rbd.sh [--rounds N] [--seconds N] [--pool POOL]
 #                         [--size SIZE] [--min-avail MiB] [OUT.json]

@@ -53,9 +53,9 @@
 # With --rbd-pool, what the run writes to the cluster is kept small (a
 # 1 GiB image, aio-append's file wrapping at 512 MiB, at most 256 MiB per
 # side in each device run), and it stops when the host has less than
-# --min-avail MiB of memory available: the dev cluster's OSD keeps
-# BlueStore in a sparse file in /dev/shm larger than RAM and never gives
-# back a page it has written (bench/run-rbd.sh).
+# --min-avail MiB of memory available: the dev cluster's OSD keeps its
+# data in RAM, in a sparse file in /dev/shm larger than RAM
+# (bench/run-rbd.sh).
 #
 # Usage: bench/run-vhost.sh [--rounds N] [--seconds N] [--systems "A B ..."]
 #                           [--driver eventfd|spin] [--depth N]
