@@ -61,14 +61,9 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 # Stop (cleanly, removing the images) when memory runs low.
-check_memory() {
-  local avail
-  avail=$(awk '/^MemAvailable:/ { print int($2 / 1024) }' /proc/meminfo)
-  if ((avail < min_avail)); then
-    echo "run-rbd: only $avail MiB of memory available (--min-avail $min_avail): stopping" >&2
-    exit 3
-  fi
-}
+# shellcheck source=bench/memory.sh
+. bench/memory.sh
+check_memory() { stop_below_min_avail run-rbd "$min_avail"; }
 check_memory
 out=${1:-bench/results/rbd-$(date +%F).json}
 mapfile -t osds < <(pgrep -x ceph-osd)

@@ -110,15 +110,9 @@ if [[ -n $rbd_pool ]]; then
   osd_flags=(--osd-pid "${osds[0]}")
 fi
 # With --rbd-pool, stop (cleanly, removing the images) when memory runs low.
-check_memory() {
-  [[ -n $rbd_pool ]] || return 0
-  local avail
-  avail=$(awk '/^MemAvailable:/ { print int($2 / 1024) }' /proc/meminfo)
-  if ((avail < min_avail)); then
-    echo "run-vhost: only $avail MiB of memory available (--min-avail $min_avail): stopping" >&2
-    exit 3
-  fi
-}
+# shellcheck source=bench/memory.sh
+. bench/memory.sh
+check_memory() { [[ -z $rbd_pool ]] || stop_below_min_avail run-vhost "$min_avail"; }
 check_memory
 case $driver in
   eventfd) driver_flags=() ;;
