@@ -386,10 +386,6 @@ impl RbdDevice {
         }
         Ok(lockers.into_iter().map(|(client, addr)| format!("{client} at {addr}")).collect())
     }
-
-    pub fn address(&self) -> &RbdAddress {
-        &self.address
-    }
 }
 
 impl BlockDevice for RbdDevice {
