@@ -87,9 +87,56 @@ fn default_device() -> anyhow::Result<PathBuf> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let image = dir.join("keelfs.img");
     if !image.exists() {
-        tools::mkfs(&image, Some(tools::DEFAULT_IMAGE_BYTES), false, None, 1)?;
+        format_default_image(&image)?;
     }
     Ok(image)
+}
+
+/// Format the embedded default image in a child `keelfsd mkfs`, under a
+/// temporary name that becomes `image` only once the format succeeded.
+///
+/// A child, because formatting uses io_uring, whose kernel workers are
+/// threads of the process that submitted and outlive the ring for a
+/// while; the sandbox must then be entered by a process of one thread
+/// (issue 32: the first `keelfsd serve` in an empty directory failed on
+/// exactly this). The temporary name keeps an interrupted format from
+/// leaving an unformatted image that the next run would try to serve.
+fn format_default_image(image: &Path) -> anyhow::Result<()> {
+    let exe = std::env::current_exe().context("finding keelfsd's own binary to run mkfs")?;
+    let partial = image.with_extension("img.new");
+    // A leftover of an interrupted first run: it was never served.
+    match std::fs::remove_file(&partial) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(e).with_context(|| format!("removing {}", partial.display()));
+        }
+        _ => {}
+    }
+    // std::process resets the child's signal mask, so a ^C during the
+    // format reaches it.
+    let out = std::process::Command::new(exe)
+        .arg("mkfs")
+        .arg(&partial)
+        .arg("--size")
+        .arg(tools::DEFAULT_IMAGE_BYTES.to_string())
+        .output()
+        .context("starting keelfsd mkfs for the embedded default image")?;
+    if !out.status.success() {
+        let _ = std::fs::remove_file(&partial);
+        bail!(
+            "formatting the embedded default image {} failed ({}): {}",
+            image.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    std::fs::rename(&partial, image)
+        .with_context(|| format!("renaming {} to {}", partial.display(), image.display()))?;
+    eprintln!(
+        "keelfsd: created and formatted the embedded default image {} ({} GiB, sparse)",
+        image.display(),
+        tools::DEFAULT_IMAGE_BYTES >> 30
+    );
+    Ok(())
 }
 
 /// The config file (or the defaults), with the flags applied on top.
