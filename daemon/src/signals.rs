@@ -19,13 +19,27 @@ fn signal_set() -> libc::sigset_t {
 }
 
 /// Block SIGTERM and SIGINT in the calling thread and every thread it
-/// starts afterwards. Call first thing in main.
+/// starts afterwards, and give them their default dispositions. Call first
+/// thing in main.
+///
+/// A blocked signal waits for the signalfd whatever its disposition, but
+/// keelfsd does not rely on that alone: a non-interactive shell starts its
+/// background jobs with SIGINT ignored (issue 32), and an ignored signal
+/// that reaches a thread without it blocked is dropped. The defaults also
+/// reach the processes keelfsd starts (the embedded default's mkfs), so
+/// ^C stops them. Blocked first, so the default action never runs here.
 pub fn block_termination_signals() -> std::io::Result<()> {
     let set = signal_set();
     // SAFETY: a valid, initialised signal set; no old mask requested.
     let rc = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
     if rc != 0 {
         return Err(std::io::Error::from_raw_os_error(rc));
+    }
+    for signal in [libc::SIGTERM, libc::SIGINT] {
+        // SAFETY: SIG_DFL for a catchable signal; no handler is installed.
+        if unsafe { libc::signal(signal, libc::SIG_DFL) } == libc::SIG_ERR {
+            return Err(std::io::Error::last_os_error());
+        }
     }
     Ok(())
 }

@@ -2,7 +2,9 @@
 //! arguments, in an empty directory (issue 32). It must create and format
 //! the embedded default image, enter the sandbox, print the QEMU
 //! arguments and `ready`, and stop cleanly on a signal; and the same again
-//! with the image already there.
+//! with the image already there. A daemon started as a non-interactive
+//! shell's background job inherits SIGINT ignored, and must still stop on
+//! it.
 
 mod common;
 
@@ -127,4 +129,21 @@ fn serve_with_no_arguments_works_the_first_time_and_the_second() {
 
     let (code, report) = common::fsck(&dir.join("keelfs-data/keelfs.img"));
     assert_eq!(code, 0, "fsck after two clean runs:\n{report}");
+}
+
+#[test]
+fn sigint_stops_a_daemon_that_inherited_it_ignored() {
+    let scratch = Scratch::new("first-run-sigint");
+    // `trap '' INT` is what a non-interactive shell gives its background
+    // jobs: SIGINT ignored, inherited through exec.
+    let mut run = FirstRun::start(&scratch.0, "trap '' INT", "serve.log");
+    run.wait_ready();
+    // keelfsd took SIGINT back to its default: not ignored any more.
+    let status = std::fs::read_to_string(format!("/proc/{}/status", run.child.id())).unwrap();
+    let ignored = status.lines().find_map(|l| l.strip_prefix("SigIgn:")).expect("SigIgn line").trim();
+    let ignored = u64::from_str_radix(ignored, 16).unwrap();
+    assert_eq!(ignored & (1 << (libc::SIGINT - 1)), 0, "SIGINT is still ignored (SigIgn {ignored:x})");
+    let (status, text) = run.stop_with(libc::SIGINT);
+    assert!(status.success(), "SIGINT: exit {status}:\n{text}");
+    assert!(text.contains("keelfsd: clean shutdown"), "{text}");
 }
