@@ -34,6 +34,8 @@ Options:
                    10 s runs)
   --keep           keep the temporary directory (image, logs)
   --verbose        show the guest's console (fio's full reports)
+  --accel A        auto, kvm or tcg for the guests (run-guest.sh --accel;
+                   default auto: KVM only when it boots the guest kernel)
   -h, --help       show this help
 EOF
 }
@@ -54,6 +56,7 @@ while (($#)); do
     --full) full=1; shift ;;
     --keep) keep=1; shift ;;
     --verbose) verbose=1; shift ;;
+    --accel) need_arg "$1" $#; set_accel "$2"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac

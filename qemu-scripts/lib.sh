@@ -7,6 +7,12 @@ die() { echo "$prog: error: $*" >&2; exit 2; }
 # need_arg FLAG ARGC: an option that takes a value must have one.
 need_arg() { (($2 >= 2)) || die "$1 needs a value (see --help)"; }
 
+# set_accel A: every guest this driver boots uses accelerator A (auto, kvm
+# or tcg), through run-guest.sh's KEELFS_ACCEL.
+set_accel() {
+  case "$1" in auto|kvm|tcg) export KEELFS_ACCEL=$1 ;; *) die "--accel must be auto, kvm or tcg" ;; esac
+}
+
 # make_workdir NAME: use $workdir (created, made absolute) or, when empty,
 # a fresh keelfs-NAME.XXXXXX in /dev/shm (else $TMPDIR or /tmp); sets
 # auto_workdir=1 in the second case, so the caller may remove it.

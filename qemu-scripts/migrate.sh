@@ -102,6 +102,8 @@ Options:
                        of keelfsd, sharing WORKDIR/shared (virtiofsd
                        --socket-path SOCK --shared-dir DIR --sandbox none
                        --allow-direct-io); no mkfs, no fsck
+  --accel A            auto, kvm or tcg for the guests (run-guest.sh --accel;
+                       default auto: KVM only when it boots the guest kernel)
   -h, --help           show this help
 
 Logs in WORKDIR: source.log and dest.log (run-guest.sh and the guest's
@@ -142,6 +144,7 @@ while (($#)); do
     --rbd-pool) need_arg "$1" $#; rbd_pool=$2; shift 2 ;;
     --src-netns) need_arg "$1" $#; src_netns=$2; shift 2 ;;
     --dst-netns) need_arg "$1" $#; dst_netns=$2; shift 2 ;;
+    --accel) need_arg "$1" $#; set_accel "$2"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac

@@ -36,6 +36,8 @@ Options:
                    /tmp, not /dev/shm: tmpfs would not show the image's
                    allocated size as a disk filesystem does)
   --keep           keep the work directory after a pass
+  --accel A        auto, kvm or tcg for the guests (run-guest.sh --accel;
+                   default auto: KVM only when it boots the guest kernel)
   -h, --help       show this help
 EOF
 }
@@ -54,6 +56,7 @@ while (($#)); do
     --workdir) need_arg "$1" $#; workdir=$2; shift 2 ;;
     --timeout) need_arg "$1" $#; timeout=$2; shift 2 ;;
     --keep) keep=1; shift ;;
+    --accel) need_arg "$1" $#; set_accel "$2"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac

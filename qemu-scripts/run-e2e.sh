@@ -70,6 +70,8 @@ Options:
   --keep               keep the work directory (images, logs) after a pass
   --verbose            stream the guests' consoles (default: only on failure,
                        the log tail)
+  --accel A            auto, kvm or tcg for the guests (run-guest.sh --accel;
+                       default auto: KVM only when it boots the guest kernel)
   -h, --help           show this help
 
 Logs: WORKDIR/logs/q<N>-<test>.log (guest console and run-guest.sh),
@@ -111,6 +113,7 @@ while (($#)); do
     --crash-after) need_arg "$1" $#; crash_after=$2; shift 2 ;;
     --rbd-pool) need_arg "$1" $#; rbd_pool=$2; shift 2 ;;
     --verbose) verbose=1; shift ;;
+    --accel) need_arg "$1" $#; set_accel "$2"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac

@@ -60,8 +60,11 @@ Options:
                      with --interactive; 0 = none)
   --stall-after SECS with --script: a guest silent on its heartbeat this
                      long has stalled (default: 60)
-  --accel A          auto, kvm or tcg (default: auto: KVM when a quick probe
-                     boots, else TCG)
+  --accel A          auto, kvm or tcg (default: \$KEELFS_ACCEL, else auto:
+                     KVM when it boots the guest kernel to its first console
+                     line, else TCG, saying why; the answer is kept for this
+                     boot of the host in \$KEELFS_KVM_PROBE_CACHE, default
+                     /run/keelfs-kvm-probe or \$TMPDIR/keelfs-kvm-probe)
   --log FILE         also keep the raw console output in FILE
   --append ARGS      extra kernel command line arguments
   --verbose          show kernel boot messages (no "quiet")
@@ -125,7 +128,7 @@ script=""
 interactive=0
 timeout=""
 stall_after=60
-accel=auto
+accel=${KEELFS_ACCEL:-auto}
 logfile=""
 append_extra=""
 verbose=0
@@ -211,18 +214,67 @@ command -v qemu-system-x86_64 >/dev/null || die "qemu-system-x86_64 not found (a
 kernel=$guest_dir/vmlinuz
 base_initrd=$guest_dir/initramfs.cpio.gz
 
-# KVM when it actually runs a guest: some hosts have /dev/kvm but abort on
-# the first vCPU register load. A guest still running after 2 s is good.
-kvm_works() {
-  [[ -r /dev/kvm && -w /dev/kvm ]] || return 1
-  local rc=0
-  # (In a subshell so that bash's "Aborted" notice stays quiet.)
-  (timeout 2 qemu-system-x86_64 -machine q35,accel=kvm -cpu host -m 64 -nodefaults \
-    -display none -monitor none -serial none -no-reboot >/dev/null 2>&1; exit $?) 2>/dev/null || rc=$?
-  ((rc == 124))
+# KVM only when it runs the guest kernel itself. /dev/kvm can pass a
+# probe that boots no kernel and still fail a Linux guest: some hosts abort
+# on the first vCPU register load ("failed to set MSR"), others run the
+# firmware but stop a kernel at once with "KVM internal error" and then sit
+# paused, silent, until killed (issue 32). So boot the guest kernel under
+# KVM and wait for its first console line. The answer holds for this boot
+# of the host, QEMU and kernel, and is kept so that a test suite probes
+# once. KEELFS_KVM_DEV (default /dev/kvm) names the device to look for.
+kvm_dev=${KEELFS_KVM_DEV:-/dev/kvm}
+probe_cache=${KEELFS_KVM_PROBE_CACHE:-}
+if [[ -z $probe_cache ]]; then
+  if [[ -d /run && -w /run ]]; then probe_cache=/run/keelfs-kvm-probe; else probe_cache=${TMPDIR:-/tmp}/keelfs-kvm-probe; fi
+fi
+# kvm_probe_key: what the answer depends on, as one line.
+kvm_probe_key() {
+  local boot qemu_version
+  boot=$(cat /proc/sys/kernel/random/boot_id 2>/dev/null || echo unknown-boot)
+  qemu_version=$(qemu-system-x86_64 --version 2>/dev/null | head -n1)
+  echo "$boot $(command -v qemu-system-x86_64) $qemu_version $(stat -Lc '%i %Y %s' "$kernel")"
+}
+# kvm_probe: "kvm" or "tcg REASON", from a boot of the guest kernel.
+kvm_probe() {
+  [[ -r $kvm_dev && -w $kvm_dev ]] || { echo "tcg $kvm_dev is missing or not usable"; return; }
+  local dir pid i reason="" probe_secs=20
+  dir=$(mktemp -d "${TMPDIR:-/tmp}/keelfs-kvm-probe.XXXXXX")
+  : >"$dir/console"
+  # No initramfs: the kernel prints its banner long before it needs one.
+  qemu-system-x86_64 -machine q35,accel=kvm -cpu host -smp 1 -m 256 -nodefaults -display none \
+    -monitor none -no-reboot -kernel "$kernel" -append "console=ttyS0 panic=-1" \
+    -chardev "file,id=con,path=$dir/console" -serial chardev:con </dev/null >/dev/null 2>"$dir/err" &
+  pid=$!
+  for ((i = 0; i < probe_secs * 10; i++)); do
+    if grep -aq '[[:print:]]' "$dir/console"; then reason=ok; break; fi
+    if grep -aq 'KVM internal error' "$dir/err"; then reason="KVM stopped the guest kernel (KVM internal error)"; break; fi
+    if ! kill -0 "$pid" 2>/dev/null; then
+      reason="QEMU with KVM exited at once: $(grep -am1 . "$dir/err" || echo 'no message')"
+      break
+    fi
+    sleep 0.1
+  done
+  [[ -n $reason ]] || reason="the guest kernel printed nothing in ${probe_secs}s under KVM"
+  kill -KILL "$pid" 2>/dev/null || true
+  wait "$pid" 2>/dev/null || true
+  rm -rf "$dir"
+  if [[ $reason == ok ]]; then echo kvm; else echo "tcg $reason"; fi
 }
 if [[ $accel == auto ]]; then
-  if kvm_works; then accel=kvm; else accel=tcg; fi
+  key=$(kvm_probe_key)
+  answer=""
+  if [[ -r $probe_cache ]] && [[ $(head -n1 "$probe_cache") == "$key" ]]; then
+    answer=$(sed -n 2p "$probe_cache")
+  fi
+  if [[ -z $answer ]]; then
+    answer=$(kvm_probe)
+    # (Written whole, then renamed: parallel runs read one answer or none.)
+    if ! { printf '%s\n%s\n' "$key" "$answer" >"$probe_cache.$$" && mv -f "$probe_cache.$$" "$probe_cache"; }; then
+      rm -f "$probe_cache.$$"
+    fi
+  fi
+  accel=${answer%% *}
+  [[ $accel == kvm ]] || log "KVM cannot run the guest here (${answer#tcg }); falling back to TCG"
 fi
 if [[ $accel == kvm ]]; then cpu=host; else cpu=max; fi
 
@@ -375,7 +427,15 @@ test_lines=0
 progress_at=""
 stall_reason=""
 migrated_at=""
+kvm_failed=0
 while kill -0 "$qpid" 2>/dev/null; do
+  # A KVM that stops the kernel leaves QEMU paused and silent: end it now
+  # rather than at the stall clock (the probe keeps "auto" from this).
+  if [[ $accel == kvm ]] && grep -aq 'KVM internal error' "$tmp/qemu.err"; then
+    kvm_failed=1
+    kill -KILL "$qpid" 2>/dev/null || true
+    break
+  fi
   if [[ -z $marker_at ]] && grep -aEq "$marker_re" "$console"; then
     marker_at=$SECONDS
   fi
@@ -466,6 +526,7 @@ if ((timed_out)); then
   exit 124
 fi
 why="the guest crashed, panicked or never started"
+((!kvm_failed)) || why="KVM stopped the guest (KVM internal error): use --accel tcg (or auto)"
 grep -aq 'Kernel panic' "$console" && why="the guest kernel panicked (see the console output above)"
 log "error: QEMU exited (status $qrc) after ${elapsed}s without the guest's exit status (KEELFS-GUEST-EXIT): $why"
 [[ ! -s $tmp/qemu.err ]] || sed 's/^/  qemu: /' "$tmp/qemu.err" >&2

@@ -37,6 +37,8 @@ Options:
   --log FILE         also keep the guest's console output in FILE
   --keep             keep the work directory after a pass
   --quiet            print only the summary (default: stream the console)
+  --accel A          auto, kvm or tcg for the guests (run-guest.sh --accel;
+                     default auto: KVM only when it boots the guest kernel)
   -h, --help         show this help
 
 Exit status: the guest script's (0: every check passed), 124 when the guest
@@ -74,6 +76,7 @@ while (($#)); do
     --log) need_arg "$1" $#; logfile=$2; shift 2 ;;
     --keep) keep=1; shift ;;
     --quiet) quiet=1; shift ;;
+    --accel) need_arg "$1" $#; set_accel "$2"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac

@@ -42,6 +42,8 @@ Options:
   --keelfsd PATH       the old keelfsd (default: target/release/keelfsd, else
                        target/debug/keelfsd)
   --keelfsd-new PATH   the new keelfsd (required)
+  --accel A            auto, kvm or tcg for the guests (run-guest.sh --accel;
+                       default auto: KVM only when it boots the guest kernel)
   -h, --help           show this help
 Any other option goes to migrate.sh: --during-io, --timeout SECS,
 --workdir DIR, --keep, --verbose (see migrate.sh --help).
@@ -59,6 +61,7 @@ while (($#)); do
     --keelfsd) need_arg "$1" $#; old=$2; shift 2 ;;
     --keelfsd-new) need_arg "$1" $#; new=$2; shift 2 ;;
     --keelfsd-dest|--peer|--virtiofsd) die "$1 is not an upgrade option (use migrate.sh)" ;;
+    --accel) need_arg "$1" $#; set_accel "$2"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) rest+=("$1"); shift ;;
   esac

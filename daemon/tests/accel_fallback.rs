@@ -1,0 +1,163 @@
+//! Guests run under TCG on a host whose KVM cannot boot Linux (issue 32).
+//! Some hosts have a /dev/kvm that runs firmware but stops a Linux kernel
+//! at once ("KVM internal error. Suberror: 1"), after which QEMU sits
+//! paused and silent. run-guest.sh must see that by booting the guest
+//! kernel itself, fall back to TCG and say so, and every driver script
+//! must then pass. Here a stand-in `qemu-system-x86_64`, first on PATH,
+//! behaves like such a host with accel=kvm and runs the real QEMU
+//! otherwise; a scratch file stands in for /dev/kvm, so the probe runs
+//! whatever this host has.
+//!
+//! scripts/setup.sh installs QEMU and the guest kernel; nothing is skipped
+//! when they are missing.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use common::Scratch;
+
+fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap()
+}
+
+fn real_qemu() -> String {
+    let out = Command::new("sh").arg("-c").arg("command -v qemu-system-x86_64").output().unwrap();
+    assert!(out.status.success(), "qemu-system-x86_64 is missing: run scripts/setup.sh");
+    String::from_utf8(out.stdout).unwrap().trim().to_owned()
+}
+
+/// A host whose KVM stops Linux: the fake QEMU, a usable-looking KVM
+/// device, and a probe cache of its own.
+struct BrokenKvmHost {
+    scratch: Scratch,
+}
+
+impl BrokenKvmHost {
+    fn new(name: &str) -> Self {
+        let scratch = Scratch::new(name);
+        let bin = scratch.path("bin");
+        std::fs::create_dir(&bin).unwrap();
+        let fake = bin.join("qemu-system-x86_64");
+        // With accel=kvm: what QEMU printed on such a host, then silence
+        // until killed. Every KVM start is counted.
+        std::fs::write(
+            &fake,
+            format!(
+                "#!/bin/sh\ncase \"$*\" in\n*accel=kvm*)\n  echo kvm >>'{count}'\n  \
+                 echo 'KVM internal error. Suberror: 1' >&2\n  echo 'emulation failure' >&2\n  \
+                 exec sleep 3600 ;;\nesac\nexec '{real}' \"$@\"\n",
+                count = scratch.path("kvm-starts").display(),
+                real = real_qemu()
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::write(scratch.path("kvm"), b"").unwrap();
+        BrokenKvmHost { scratch }
+    }
+
+    /// `bash SCRIPT ARGS` with this host's QEMU, KVM device and cache.
+    fn run(&self, script: &str, args: &[&std::ffi::OsStr]) -> (Output, String) {
+        let path = format!("{}:{}", self.scratch.path("bin").display(), std::env::var("PATH").unwrap());
+        let out = Command::new("bash")
+            .arg(repo().join(script))
+            .args(args)
+            .env("PATH", path)
+            .env("KEELFS_KVM_DEV", self.scratch.path("kvm"))
+            .env("KEELFS_KVM_PROBE_CACHE", self.scratch.path("probe-cache"))
+            .env_remove("KEELFS_ACCEL")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+        (out, text)
+    }
+
+    fn kvm_starts(&self) -> usize {
+        std::fs::read_to_string(self.scratch.path("kvm-starts")).unwrap_or_default().lines().count()
+    }
+
+    fn guest_script(&self, text: &str) -> PathBuf {
+        let script = self.scratch.path("guest.sh");
+        std::fs::write(&script, text).unwrap();
+        script
+    }
+
+    fn nvme_image(&self) -> PathBuf {
+        let image = self.scratch.path("nvme.img");
+        std::fs::File::create(&image).unwrap().set_len(64 << 20).unwrap();
+        image
+    }
+}
+
+#[test]
+fn a_kvm_that_stops_linux_falls_back_to_tcg_once_per_boot() {
+    let host = BrokenKvmHost::new("accel-fallback");
+    let script = host.guest_script(
+        "#!/bin/sh\necho \"guest: running under $(cat /proc/cpuinfo | grep -c ^processor) CPUs\"\nexit 0\n",
+    );
+    let image = host.nvme_image();
+    let args = [
+        "--nvme".as_ref(),
+        image.as_os_str(),
+        "--timeout".as_ref(),
+        "600".as_ref(),
+        "--script".as_ref(),
+        script.as_os_str(),
+    ];
+    let (out, text) = host.run("qemu-scripts/run-guest.sh", &args);
+    assert!(out.status.success(), "the guest must pass under TCG:\n{text}");
+    assert!(
+        text.contains(
+            "KVM cannot run the guest here (KVM stopped the guest kernel (KVM internal error)); falling back to TCG"
+        ),
+        "the fallback is logged with its reason:\n{text}"
+    );
+    assert!(text.contains("booting: accel=tcg"), "{text}");
+    assert!(text.contains("guest: running under"), "the guest ran its script:\n{text}");
+    assert_eq!(host.kvm_starts(), 1, "one probe under KVM");
+
+    // The answer holds for this boot: a second guest does not probe again.
+    let (out, text) = host.run("qemu-scripts/run-guest.sh", &args);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("falling back to TCG") && text.contains("booting: accel=tcg"), "{text}");
+    assert_eq!(host.kvm_starts(), 1, "the probe's answer was reused");
+}
+
+#[test]
+fn kvm_asked_for_by_name_fails_at_once_instead_of_hanging() {
+    let host = BrokenKvmHost::new("accel-kvm");
+    let script = host.guest_script("#!/bin/sh\nexit 0\n");
+    let image = host.nvme_image();
+    let args = [
+        "--accel".as_ref(),
+        "kvm".as_ref(),
+        "--nvme".as_ref(),
+        image.as_os_str(),
+        "--script".as_ref(),
+        script.as_os_str(),
+    ];
+    let (out, text) = host.run("qemu-scripts/run-guest.sh", &args);
+    assert_eq!(out.status.code(), Some(125), "QEMU stopped without the guest's status:\n{text}");
+    assert!(text.contains("KVM stopped the guest (KVM internal error): use --accel tcg (or auto)"), "{text}");
+    assert_eq!(host.kvm_starts(), 1, "no probe when KVM was named");
+}
+
+#[test]
+fn the_demo_runs_to_its_summary_on_such_a_host() {
+    let host = BrokenKvmHost::new("accel-demo");
+    let keelfsd = env!("CARGO_BIN_EXE_keelfsd");
+    let (out, text) = host.run("qemu-scripts/demo.sh", &["--keelfsd".as_ref(), keelfsd.as_ref()]);
+    eprintln!("{text}");
+    assert!(out.status.success(), "demo.sh failed:\n{text}");
+    assert!(text.contains("falling back to TCG"), "{text}");
+    assert!(text.contains("keelfs demo: fio workloads in a QEMU guest (accel=tcg) over vhost-user-fs"), "{text}");
+    for workload in ["w1-dio-overwrite", "w2-aio-append", "w3-buffered-randrw"] {
+        let row =
+            text.lines().find(|l| l.starts_with(workload)).unwrap_or_else(|| panic!("no {workload} row:\n{text}"));
+        assert!(row.trim_end().ends_with(" ok"), "{workload}: {row}\n{text}");
+    }
+    assert!(text.contains("demo.sh: done"), "{text}");
+}
