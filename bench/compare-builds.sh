@@ -67,7 +67,7 @@ for round in $(seq "$rounds"); do
       fi
       daemon_pid=$!
       for _ in $(seq 200); do [[ -S $work/sock ]] && break; sleep 0.05; done
-      # shellcheck disable=SC2086
+      # shellcheck disable=SC2086  # $flags is a list of options: split on purpose
       "$bench" vhost --socket "$work/sock" --workload "$workload" $flags --seconds "$seconds" \
         --daemon-pid "$daemon_pid" --label "$label" --json | sed "s/^{/{\"round\":$round,/" | tee -a "$results"
       kill -TERM "$daemon_pid"

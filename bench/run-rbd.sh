@@ -110,7 +110,7 @@ for round in $(seq "$rounds"); do
       peer_flags=(--vs-qemu-img "rbd:$pool/$peer")
       ((round % 2)) || peer_flags+=(--peer-first)
     fi
-    # shellcheck disable=SC2086
+    # shellcheck disable=SC2086  # $flags is a list of options: split on purpose
     "$bench" bdev --backend rbd --path "rbd:$pool/$ours" --size "$size" $flags --seconds "$seconds" \
       --osd-pid "$osd" "${peer_flags[@]}" --json |
       sed "s/^{/{\"round\":$round,\"label\":\"$label\",/" | tee -a "$out"

@@ -260,7 +260,7 @@ for round in $(seq "$rounds"); do
     for dev in "device-rbd:--rw write --step $stride --count 65536" "device-rbd-read:--rw read --step $stride" \
       "device-rbd-seq:--rw write --count 65536"; do
       check_memory
-      # shellcheck disable=SC2086
+      # shellcheck disable=SC2086  # ${dev#*:} is a list of options: split on purpose
       "$bench" bdev --backend rbd --path "rbd:$rbd_pool/bench-vhost-dev-$$" --size 256M ${dev#*:} \
         --bs 4k --iodepth "$depth" --wait eventfd --seconds "$seconds" \
         --vs-qemu-img "rbd:$rbd_pool/bench-vhost-qemu-$$" "${first[@]}" "${osd_flags[@]}" --json |
@@ -273,7 +273,7 @@ for round in $(seq "$rounds"); do
       cache=$kcache; [[ $sys == virtiofsd* ]] && cache=$vcache
       check_memory
       start "$sys" "$cache"
-      # shellcheck disable=SC2086
+      # shellcheck disable=SC2086  # $flags is a list of options: split on purpose
       "$bench" vhost --socket "$socket" --workload "$workload" $flags --seconds "$seconds" \
         --daemon-pid "$daemon_pid" --label "$sys" "${driver_flags[@]}" "${osd_flags[@]}" --json |
         sed "s/^{/{\"round\":$round,/" | tee -a "$out"

@@ -106,7 +106,7 @@ rm -f /tmp/stop-ls /tmp/stop-dirloop
   cd "$d/dir" || exit 1
   passes=0
   while [ ! -e /tmp/stop-ls ]; do
-    # shellcheck disable=SC2012
+    # shellcheck disable=SC2012  # readdir through ls is the point (names f1..f200)
     c=$(ls . | wc -l)
     if [ "$c" -ne 200 ]; then
       echo "ls loop: pass $passes listed $c entries, want 200 (uptime $(up))"
@@ -224,7 +224,7 @@ for l in "ls:$ls_pid:/tmp/stop-ls" "dirloop:$dirloop_pid:/tmp/stop-dirloop"; do
     fail "$name loop exited $st (see its message above)"
   fi
 done
-# shellcheck disable=SC2012
+# shellcheck disable=SC2012  # readdir through ls is the point (names f1..f200)
 n=$(ls "$d/dir" | wc -l)
 if [ "$n" -eq 200 ]; then
   pass "ls $d/dir: 200 entries"

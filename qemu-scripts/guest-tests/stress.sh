@@ -65,7 +65,7 @@ worker() {
     cp "$src" "$shared/.latest.$k" && mv "$shared/.latest.$k" "$shared/latest" || err "replace $shared/latest"
     echo "$sum" >>"/tmp/latest.sums.$k"
     # a subdirectory: create, fill, rename, read, remove
-    # shellcheck disable=SC2015
+    # shellcheck disable=SC2015  # any step failing is one error: the || covers the whole chain
     mkdir "$own/sub.$i" && echo "$k $i" >"$own/sub.$i/x" &&
       mv "$own/sub.$i" "$own/subr.$i" || err "subdirectory create/rename"
     [ "$(cat "$own/subr.$i/x" 2>/dev/null)" = "$k $i" ] || err "file in renamed subdirectory"
