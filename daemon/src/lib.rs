@@ -1,5 +1,7 @@
 //! keelfsd: the keelfs daemon and its tools. The binary (src/main.rs)
-//! only calls [`run`].
+//! only calls [`run`]; the daemon is a library so that its tests can build
+//! it with the `test-utils` feature (their hooks), which the release binary
+//! never has.
 //!
 //! Exit codes: 0 success (fsck: clean); 1 failure (fsck: damage found,
 //! listed); 2 usage error, including a device that cannot be opened.
@@ -25,6 +27,23 @@ mod signals;
 mod supervisor;
 mod tools;
 mod top;
+
+/// The tests' hooks ([`test_hooks`]), or none: the release binary reads
+/// no test hook from its environment.
+#[cfg(feature = "test-utils")]
+mod test_hooks;
+#[cfg(feature = "test-utils")]
+use test_hooks as hooks;
+#[cfg(not(feature = "test-utils"))]
+mod hooks {
+    /// A forbidden system call kills the daemon.
+    pub fn seccomp_action() -> crate::seccomp::Action {
+        crate::seccomp::Action::Kill
+    }
+
+    /// Nothing to do once ready.
+    pub fn after_ready() {}
+}
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -22,22 +22,12 @@ use crate::sandbox::Needs;
 /// What a forbidden system call does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Action {
-    /// Kill the process (the default).
+    /// Kill the process (always, in the release binary).
     Kill,
-    /// Allow it and have the kernel log it (dmesg: `type=1326 ...
-    /// syscall=N`). A developer's aid, for finding what a new code path
-    /// calls: `KEELFS_SECCOMP=log`.
+    /// Allow it and have the kernel log it: a developer's aid, which only
+    /// a build with the `test-utils` feature can choose (test_hooks.rs).
+    #[cfg_attr(not(feature = "test-utils"), allow(dead_code))]
     Log,
-}
-
-impl Action {
-    /// The action the environment asks for: `KEELFS_SECCOMP=log`, or kill.
-    pub fn from_env() -> Self {
-        match std::env::var("KEELFS_SECCOMP").as_deref() {
-            Ok("log") => Action::Log,
-            _ => Action::Kill,
-        }
-    }
 }
 
 /// Allowed whatever their arguments.
@@ -145,18 +135,6 @@ pub fn programs(needs: Needs, action: Action) -> [BpfProgram; 2] {
     let clone3 = BTreeMap::from([(libc::SYS_clone3, Vec::new())]);
     let no_clone3 = compile(clone3, SeccompAction::Allow, SeccompAction::Errno(libc::ENOSYS as u32));
     [no_clone3, allow]
-}
-
-/// With this variable set, `serve` makes one forbidden system call once it
-/// is ready: the test that the filter kills the daemon uses it.
-pub const PROBE_ENV: &str = "KEELFS_TEST_FORBIDDEN_SYSCALL";
-
-/// Try to open a file: forbidden, so the filter kills the process (or,
-/// unsandboxed, it just fails).
-pub fn probe_forbidden_call() {
-    eprintln!("keelfsd: {PROBE_ENV} is set: opening /etc/hostname, which the sandbox forbids");
-    let opened = std::fs::File::open("/etc/hostname");
-    eprintln!("keelfsd: the forbidden open returned {:?}", opened.map(drop));
 }
 
 /// Install both filters on every thread of the process. Needs

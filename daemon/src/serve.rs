@@ -38,7 +38,7 @@ use crate::lock::ImageLock;
 use crate::sandbox::{Needs, SandboxMode};
 use crate::signals::{block_termination_signals, Signals};
 use crate::supervisor::{Cleanup, Role, SupervisorLink};
-use crate::{device, rpc, sandbox, seccomp, supervisor, tools};
+use crate::{device, rpc, sandbox, supervisor, tools};
 
 pub const DEFAULT_DIR: &str = "keelfs-data";
 
@@ -308,7 +308,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         metrics: config.metrics_listen.map(crate::metrics::bind).transpose()?,
     };
     if config.sandbox == SandboxMode::Namespace {
-        sandbox::enter(needs_of(&config), seccomp::Action::from_env()).context("entering the sandbox")?;
+        sandbox::enter(needs_of(&config), crate::hooks::seccomp_action()).context("entering the sandbox")?;
     } else if has_rbd_export(&config) {
         // What of the sandbox holds for a process with threads: no core
         // dump of guest memory, bounded descriptors. An RBD daemon gets it
@@ -753,9 +753,7 @@ fn run(
         if let Some(metrics) = &servers.1 {
             eprintln!("keelfsd: metrics on http://{}/metrics", metrics.local_addr());
         }
-        if std::env::var_os(seccomp::PROBE_ENV).is_some() {
-            seccomp::probe_forbidden_call();
-        }
+        crate::hooks::after_ready();
         let fuse_only = config.exports.iter().all(|e| e.socket.is_none());
         let mounts = || config.exports.iter().map(|e| e.tag.clone()).collect();
         wait_for_shutdown(signals, &event_rx, &table, fuse_only.then(mounts));

@@ -1,0 +1,39 @@
+//! Hooks for keelfsd's own tests, read from the environment. Only a build
+//! with the `test-utils` feature has this module (the daemon's tests turn
+//! it on through a dev-dependency on the package itself); the release
+//! binary never reads these variables, so whoever can set its environment
+//! cannot weaken its seccomp filter (issue 32).
+//! scripts/check-release-symbols.sh finds this module by its cfg and
+//! checks that neither its code nor its variable names are in the release
+//! binary.
+
+use crate::seccomp::Action;
+
+/// With this variable set, `serve` makes one forbidden system call once it
+/// is ready: the test that the filter kills the daemon uses it.
+const PROBE_ENV: &str = "KEELFS_TEST_FORBIDDEN_SYSCALL";
+
+/// `KEELFS_SECCOMP=log`: the kernel logs a forbidden call (dmesg: `type=1326
+/// ... syscall=N`) instead of killing the daemon. A developer's aid for
+/// finding what a new code path calls, in a `--features test-utils` build.
+const ACTION_ENV: &str = "KEELFS_SECCOMP";
+
+/// What a forbidden system call does: kill, unless [`ACTION_ENV`] says log.
+pub fn seccomp_action() -> Action {
+    match std::env::var(ACTION_ENV).as_deref() {
+        Ok("log") => Action::Log,
+        _ => Action::Kill,
+    }
+}
+
+/// Called once the daemon is ready: with [`PROBE_ENV`] set, try to open a
+/// file, which the sandbox forbids (the filter kills the process;
+/// unsandboxed, the open just fails).
+pub fn after_ready() {
+    if std::env::var_os(PROBE_ENV).is_none() {
+        return;
+    }
+    eprintln!("keelfsd: {PROBE_ENV} is set: opening /etc/hostname, which the sandbox forbids");
+    let opened = std::fs::File::open("/etc/hostname");
+    eprintln!("keelfsd: the forbidden open returned {:?}", opened.map(drop));
+}
