@@ -19,13 +19,19 @@ fn children(pid: u32) -> Vec<u32> {
 
 /// The one child of the daemon started (its sandboxed server), waiting for
 /// it to appear.
+/// The sandboxed server under `supervisor`, once it is sandboxed: it
+/// mounts and binds before it enters the sandbox, whose last step is the
+/// seccomp filter, so a mount seen is no sign of the sandbox yet.
 fn server_of(supervisor: u32) -> u32 {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         if let [server] = children(supervisor)[..] {
-            return server;
+            let status = std::fs::read_to_string(format!("/proc/{server}/status")).unwrap_or_default();
+            if status.lines().any(|l| l.starts_with("Seccomp:") && l.ends_with('2')) {
+                return server;
+            }
         }
-        assert!(Instant::now() < deadline, "the sandboxed server never started");
+        assert!(Instant::now() < deadline, "the sandboxed server never started, or never entered the sandbox");
         std::thread::sleep(Duration::from_millis(20));
     }
 }
