@@ -295,12 +295,13 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     }
     // Everything up to here is single-threaded, as a pid namespace and the
     // sandbox need.
-    let link = match config.sandbox {
+    let (link, signals) = match config.sandbox {
         SandboxMode::Namespace => match supervisor::fork_into_pid_namespace(cleanup_of(&config), &signals)? {
             Role::Supervisor(code) => return Ok(code),
-            Role::Server(link) => Some(Arc::new(link)),
+            // The supervisor passes each SIGTERM or SIGINT on as this one.
+            Role::Server(link) => (Some(Arc::new(link)), Signals::forwarded().context("opening a signalfd")?),
         },
-        SandboxMode::None => None,
+        SandboxMode::None => (None, signals),
     };
     let opened = open_exports(&config, link.as_ref())?;
     let listeners = Listeners {

@@ -7,13 +7,21 @@
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::time::Duration;
 
-fn signal_set() -> libc::sigset_t {
+/// The signal by which the sandbox's supervisor passes a termination
+/// signal on to the server it started. The server reads only this one:
+/// `pkill keelfsd` or `killall keelfsd` signals both processes, and if the
+/// server also acted on what it got directly, the forwarded copy would be
+/// the "second signal" that forces an exit without a clean shutdown.
+pub const FORWARDED: libc::c_int = libc::SIGUSR1;
+
+fn signal_set(signals: &[libc::c_int]) -> libc::sigset_t {
     // SAFETY: sigset_t is plain data; sigemptyset/sigaddset initialise it.
     unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGTERM);
-        libc::sigaddset(&mut set, libc::SIGINT);
+        for &signal in signals {
+            libc::sigaddset(&mut set, signal);
+        }
         set
     }
 }
@@ -29,7 +37,7 @@ fn signal_set() -> libc::sigset_t {
 /// reach the processes keelfsd starts (the embedded default's mkfs), so
 /// ^C stops them. Blocked first, so the default action never runs here.
 pub fn block_termination_signals() -> std::io::Result<()> {
-    let set = signal_set();
+    let set = signal_set(&[libc::SIGTERM, libc::SIGINT, FORWARDED]);
     // SAFETY: a valid, initialised signal set; no old mask requested.
     let rc = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
     if rc != 0 {
@@ -50,8 +58,19 @@ pub struct Signals {
 }
 
 impl Signals {
+    /// SIGTERM and SIGINT.
     pub fn new() -> std::io::Result<Self> {
-        let set = signal_set();
+        Self::of(&[libc::SIGTERM, libc::SIGINT])
+    }
+
+    /// [`FORWARDED`] only: the sandboxed server's, whose supervisor
+    /// passes each SIGTERM or SIGINT on.
+    pub fn forwarded() -> std::io::Result<Self> {
+        Self::of(&[FORWARDED])
+    }
+
+    fn of(signals: &[libc::c_int]) -> std::io::Result<Self> {
+        let set = signal_set(signals);
         // SAFETY: a valid signal set; -1 asks for a new fd.
         let fd = unsafe { libc::signalfd(-1, &set, libc::SFD_NONBLOCK | libc::SFD_CLOEXEC) };
         if fd < 0 {

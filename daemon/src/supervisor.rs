@@ -4,8 +4,10 @@
 //! forks: the child becomes pid 1 of a new pid namespace and serves,
 //! sandboxed; the parent, the process its caller started, stays in the
 //! host's namespaces and does only what the child can no longer do:
-//! - it passes SIGTERM and SIGINT on to the child, which has a process
-//!   group of its own so that it hears a terminal's ^C once;
+//! - it passes SIGTERM and SIGINT on to the child as SIGUSR1, the only
+//!   signal the child acts on, so that `pkill keelfsd`, which signals both,
+//!   is heard once; the child also has a process group of its own, so a
+//!   terminal's ^C reaches only the supervisor;
 //! - it takes down the child's /dev/fuse mounts when asked (the child
 //!   cannot see their mount points), and after the child exits;
 //! - it removes the child's stale sockets after it exits;
@@ -267,9 +269,9 @@ fn supervise(
             r => r.context("poll")?,
         };
         if fds[0].revents != 0 {
-            if let Some(signal) = signals.wait(Some(Duration::ZERO)) {
+            if signals.wait(Some(Duration::ZERO)).is_some() {
                 // SAFETY: kill takes a pid and a signal number.
-                unsafe { libc::kill(child, signal) };
+                unsafe { libc::kill(child, crate::signals::FORWARDED) };
             }
         }
         if fds[2].revents != 0 {

@@ -256,3 +256,36 @@ fn a_signal_to_the_process_group_shuts_down_cleanly() {
     assert!(out.status.success(), "{stderr}");
     assert!(stderr.contains("clean shutdown") && !stderr.contains("second signal, exiting"), "{stderr}");
 }
+
+#[test]
+fn a_signal_to_every_keelfsd_process_shuts_down_cleanly() {
+    let dir = Scratch::new("pkill-signal");
+    let (image, mnt) = (dir.path("k.img"), dir.path("mnt"));
+    std::fs::create_dir_all(&mnt).unwrap();
+    mkfs(&image, "256M");
+    let child = keelfsd()
+        .arg("serve")
+        .args(["--device".as_ref(), image.as_os_str(), "--fuse-mount".as_ref(), mnt.as_os_str()])
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !is_mounted(&mnt) {
+        assert!(Instant::now() < deadline, "keelfsd did not mount");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // As `pkill keelfsd` or `killall keelfsd` do: one signal to each
+    // process, the sandboxed server included. The server acts only on the
+    // supervisor's forwarded copy, so this is one request, not the second
+    // signal that forces an exit.
+    let server = server_of(child.id());
+    for pid in [server, child.id()] {
+        // SAFETY: kill(2) on our child and on its child, both alive.
+        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+    }
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("clean shutdown") && !stderr.contains("second signal, exiting"), "{stderr}");
+}
