@@ -39,6 +39,9 @@ Options:
   --quiet            print only the summary (default: stream the console)
   --accel A          auto, kvm or tcg for the guests (run-guest.sh --accel;
                      default auto: KVM only when it boots the guest kernel)
+  --guest-arg ARG    pass ARG on to run-guest.sh (repeatable), e.g.
+                     --guest-arg --verbose for the kernel's boot messages,
+                     or --guest-arg --qemu-arg --guest-arg -monitor ...
   -h, --help         show this help
 
 Exit status: the guest script's (0: every check passed), 124 when the guest
@@ -63,6 +66,7 @@ bench_out=""
 logfile=""
 keep=0
 quiet=0
+guest_extra=()
 while (($#)); do
   case "$1" in
     --keelfsd) need_arg "$1" $#; keelfsd=$2; shift 2 ;;
@@ -77,6 +81,7 @@ while (($#)); do
     --keep) keep=1; shift ;;
     --quiet) quiet=1; shift ;;
     --accel) need_arg "$1" $#; set_accel "$2"; shift 2 ;;
+    --guest-arg) need_arg "$1" $#; guest_extra+=("$2"); shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac
@@ -113,7 +118,7 @@ t0=$SECONDS
 args=(--nvme "$img" --mem "$mem" --timeout "$timeout"
   --add-bin "$keelfsd" --add-bin "$bench" --add-bin "$repo/scripts/nvme-setup.sh"
   --append "keelfs.fsx_ops=$fsx_ops"
-  --script "$script_dir/guest-tests/nvme.sh")
+  --script "$script_dir/guest-tests/nvme.sh" "${guest_extra[@]}")
 st=0
 if ((quiet)); then
   "$script_dir/run-guest.sh" "${args[@]}" >"$console" 2>&1 &
