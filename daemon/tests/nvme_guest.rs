@@ -1,7 +1,8 @@
 //! keelfs's userspace NVMe driver in a real guest: a Linux 6.12 guest under
-//! QEMU (TCG here) with an emulated NVMe controller behind a vIOMMU binds it
-//! to vfio-pci (scripts/nvme-setup.sh) and runs
-//! qemu-scripts/guest-tests/nvme.sh through qemu-scripts/run-nvme.sh:
+//! QEMU (TCG here, one vCPU: run-nvme.sh --help says why) with an emulated
+//! NVMe controller behind a vIOMMU binds it to vfio-pci
+//! (scripts/nvme-setup.sh) and runs qemu-scripts/guest-tests/nvme.sh through
+//! qemu-scripts/run-nvme.sh:
 //! keelfs-bench bdev-check, keelfsd mkfs/fsck, keelfsd serve over /dev/fuse
 //! with fsx and a restart, and the bdev benches on nvme: and, after handing
 //! the controller back to the kernel, on /dev/nvme0n1 with io_uring.
