@@ -123,4 +123,10 @@ fn the_units_filter_admits_keelfsds_start_up() {
     ];
     let refused: Vec<_> = needed.iter().filter(|c| !allowed.contains(**c) || denied.contains(**c)).collect();
     assert!(refused.is_empty(), "the unit's SystemCallFilter refuses {refused:?}");
+    // ProtectHostname=yes adds a filter of its own that refuses
+    // sethostname, which the sandbox calls to name its uts namespace.
+    assert!(
+        !text.lines().any(|l| l.starts_with("ProtectHostname=") && l != "ProtectHostname=no"),
+        "ProtectHostname= refuses sethostname"
+    );
 }
