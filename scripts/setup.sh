@@ -83,6 +83,10 @@ have mkfs.xfs || want_apt xfsprogs "xfs, a kernel peer in bench/run-seeds.sh"
 have mkfs.ext4 || want_apt e2fsprogs "ext4, a kernel peer in bench/run-seeds.sh"
 have shellcheck || want_apt shellcheck "linting the project's shell scripts in CI"
 have systemd-analyze || want_apt systemd "systemd-analyze checks contrib/keelfsd.service"
+# From backports: it must be systemd's exact version, and installing it
+# with -t bookworm-backports moves both to the backports one, wherever
+# systemd came from.
+have systemd-nspawn || want_bpo systemd-container "systemd-nspawn boots a real systemd that runs keelfsd under contrib/keelfsd.service"
 have python3 || want_apt python3 "qemu-scripts/qmp.py, the QMP client of migrate.sh and upgrade.sh (and run-e2e.sh's stats)"
 # Debian's module, for Debian's python3: the tests call /usr/bin/python3.
 "$root/usr/bin/python3" -c 'import prometheus_client' 2>/dev/null ||
@@ -159,7 +163,7 @@ fi
 step="checking the result"
 (($(qemu_major) >= 10)) || { echo "$prog: error: QEMU 10 is still missing after the install" >&2; exit 1; }
 guest_kernel_present || { echo "$prog: error: no /boot/vmlinuz-6.12.* after the install" >&2; exit 1; }
-for t in fio cpio xz setfattr mkfs.xfs shellcheck systemd-analyze python3 pjdfstest fsx \
+for t in fio cpio xz setfattr mkfs.xfs shellcheck systemd-analyze systemd-nspawn python3 pjdfstest fsx \
   ceph-mon ceph-osd ceph-mgr ceph rbd ip; do
   have "$t" || { echo "$prog: error: $t is still missing after the install" >&2; exit 1; }
 done

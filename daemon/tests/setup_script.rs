@@ -22,6 +22,7 @@ const NEEDED: &[(&str, &str)] = &[
     ("apt package", "e2fsprogs"),
     ("apt package", "shellcheck"),
     ("apt package", "systemd"),
+    ("apt package", "systemd-container from bookworm-backports"),
     ("apt package", "python3"),
     ("apt package", "python3-prometheus-client"),
     ("apt package", "tmux"),

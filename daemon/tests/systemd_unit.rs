@@ -9,17 +9,31 @@
 //!   host network and no address; with metrics.conf internet sockets, the
 //!   host's network and localhost only; with rbd.conf any address;
 //! - its system call filter admits what keelfsd's start-up needs before it
-//!   installs its own, stricter filter.
+//!   installs its own, stricter filter;
+//! - under a real systemd (PID 1 of a systemd-nspawn container over this
+//!   machine's root, sharing its network): keelfsd with metrics_listen
+//!   cannot start under the unit alone, serves /metrics to localhost and
+//!   nobody else with metrics.conf, and to another address once a drop-in
+//!   allows it; an RBD export cannot start under the unit alone and serves
+//!   I/O with rbd.conf.
 //!
-//! scripts/setup.sh installs systemd for systemd-analyze.
+//! scripts/setup.sh installs systemd (systemd-analyze) and systemd-container
+//! (systemd-nspawn); these tests fail without them.
 
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use common::Scratch;
+use keelfs_bdev::{RbdDevice, RbdOptions, RbdScratchImage};
+use keelfs_vhost::abi::{init_flags, Opcode};
+use keelfs_vhost::frontend::{FrontendConfig, FsFrontend};
 use serde_json::Value;
 
 fn contrib() -> PathBuf {
@@ -65,6 +79,13 @@ impl Units {
 
     fn add(&self, file: &str, text: &str) {
         std::fs::write(self.drop_in_dir().join(file), text).unwrap();
+    }
+
+    fn add_contrib(&self, name: &str) {
+        self.add(
+            &format!("{name}.conf"),
+            &std::fs::read_to_string(contrib().join(format!("keelfsd.service.d/{name}.conf"))).unwrap(),
+        );
     }
 
     /// `systemd-analyze ARGS... keelfsd.service`. systemd-analyze finds
@@ -280,4 +301,441 @@ fn the_units_filter_admits_keelfsds_start_up() {
         !text.lines().any(|l| l.starts_with("ProtectHostname=") && l != "ProtectHostname=no"),
         "ProtectHostname= refuses sethostname"
     );
+}
+
+// ---- Under a real systemd ----
+
+/// One booted container at a time in this process: each is named, and
+/// given cgroups, after the process, and two would only compete for cores.
+static BOOTS: Mutex<()> = Mutex::new(());
+
+/// How long a step under the booted systemd may take: generous, since the
+/// machine may be busy; none is timed.
+const STEP: Duration = Duration::from_secs(60);
+
+/// A systemd booted as PID 1 of a systemd-nspawn container, so that
+/// keelfsd runs under contrib/keelfsd.service exactly as on a host.
+///
+/// The container sees this machine's root read-only, with its writes going
+/// to a tmpfs overlay (--volatile=overlay; nspawn takes no root directory
+/// itself, so `/` is bind-mounted, without its submounts, inside a mount
+/// namespace of the container's own), and shares its network, so the test
+/// scrapes keelfsd's metrics from outside. /etc/systemd/system is `units`
+/// (the host's enabled services stay out); `binds` are further
+/// (host path, container path) bind mounts.
+///
+/// nspawn's own system call filter leaves out bpf(2), without which systemd
+/// cannot attach its IP firewall and IPAddressDeny= would go unenforced:
+/// --system-call-filter=bpf puts it back. The machine has no systemd of
+/// its own to register with (--register=no, --keep-unit), so nspawn makes
+/// the container's cgroups below its own: a cgroup of this test's, or two
+/// test processes' containers would share them, and the units in them.
+struct Booted {
+    nspawn: Child,
+    init: u32,
+    log: PathBuf,
+    root: PathBuf,
+    cgroups: Vec<PathBuf>,
+}
+
+/// The cgroup hierarchies nspawn splits its own cgroup in (a payload for
+/// the container, a supervisor for itself): the unified one and, on a
+/// hybrid host, systemd's named v1 one.
+fn cgroup_roots() -> Vec<PathBuf> {
+    let all = Path::new("/sys/fs/cgroup");
+    if all.join("cgroup.subtree_control").exists() {
+        return vec![all.to_path_buf()];
+    }
+    let roots: Vec<PathBuf> =
+        ["unified", "systemd"].iter().map(|h| all.join(h)).filter(|h| h.join("cgroup.procs").exists()).collect();
+    assert!(!roots.is_empty(), "no cgroup hierarchy for systemd under {}", all.display());
+    roots
+}
+
+/// rmdir a cgroup and the cgroups below it, deepest first (their files go
+/// with them; a cgroup still holding a process stays).
+fn remove_cgroup(dir: &Path) {
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        if entry.file_type().is_ok_and(|t| t.is_dir()) {
+            remove_cgroup(&entry.path());
+        }
+    }
+    let _ = std::fs::remove_dir(dir);
+}
+
+impl Booted {
+    fn boot(scratch: &Scratch, units: &Units, binds: &[(&Path, &str)]) -> Self {
+        which("systemd-nspawn", "systemd-container");
+        // The mount point of `/`, outside any Scratch: nothing may ever
+        // delete it recursively (the bind exists only in the container's
+        // mount namespace, but should it ever leak...).
+        let root = std::env::temp_dir().join(format!("keelfsd-nspawn-root-{}", std::process::id()));
+        std::fs::create_dir_all(&root).unwrap();
+        let log = scratch.path("nspawn.log");
+        let machine = format!("keelfsd-unit-{}", std::process::id());
+        let cgroups: Vec<PathBuf> = cgroup_roots().iter().map(|h| h.join(&machine)).collect();
+        let mut procs = String::new();
+        for cgroup in &cgroups {
+            std::fs::create_dir_all(cgroup).unwrap_or_else(|e| panic!("creating cgroup {}: {e}", cgroup.display()));
+            procs += &format!(" {}", cgroup.join("cgroup.procs").display());
+        }
+        let mut nspawn = Command::new("unshare");
+        nspawn
+            .args(["--mount", "--propagation", "private", "sh", "-c"])
+            .arg(format!(
+                r#"for p in{procs}; do echo $$ >"$p" || exit 1; done && mount --bind / "$0" && exec systemd-nspawn --directory="$0" "$@""#
+            ))
+            .arg(&root)
+            .args(["--volatile=overlay", "--register=no", "--keep-unit", "--capability=all"])
+            .args(["--system-call-filter=bpf", "--console=read-only", "--machine", &machine])
+            .arg(format!("--bind={}:/etc/systemd/system", units.0 .0.display()));
+        for (host, inside) in binds {
+            nspawn.arg(format!("--bind={}:{inside}", host.display()));
+        }
+        nspawn.args(["--boot", "--", "--unit=basic.target"]);
+        let out = std::fs::File::create(&log).unwrap();
+        let child = nspawn
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .unwrap_or_else(|e| panic!("unshare ({e}) is missing"));
+        let mut booted = Booted { nspawn: child, init: 0, log, root, cgroups };
+        booted.init = booted.wait_for_init();
+        // Boot is done once is-system-running can answer and stops waiting.
+        let deadline = Instant::now() + STEP;
+        loop {
+            let out = booted.run(&["systemctl", "is-system-running", "--wait"]);
+            let state = String::from_utf8_lossy(&out.stdout).trim().to_string();
+            if state == "running" || state == "degraded" {
+                break;
+            }
+            assert!(Instant::now() < deadline, "systemd did not boot ({state}): {}", booted.console());
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        booted
+    }
+
+    /// The container's PID 1: nspawn's child, once it has become systemd.
+    fn wait_for_init(&mut self) -> u32 {
+        let pid = self.nspawn.id();
+        let deadline = Instant::now() + STEP;
+        loop {
+            if let Some(status) = self.nspawn.try_wait().unwrap() {
+                panic!("systemd-nspawn exited ({status}): {}", self.console());
+            }
+            let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+            for child in children.split_whitespace() {
+                let comm = std::fs::read_to_string(format!("/proc/{child}/comm")).unwrap_or_default();
+                if comm.trim() == "systemd" {
+                    return child.parse().unwrap();
+                }
+            }
+            assert!(Instant::now() < deadline, "no systemd in the container: {}", self.console());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn console(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// A command run inside the container (all its namespaces).
+    fn run(&self, args: &[&str]) -> Output {
+        Command::new("nsenter")
+            .args(["--target", &self.init.to_string(), "--all"])
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("nsenter ({e}) is missing"))
+    }
+
+    fn systemctl(&self, args: &[&str]) {
+        let out = self.run(&[&["systemctl"], args].concat());
+        assert!(out.status.success(), "systemctl {args:?}: {}", text(&out));
+    }
+
+    fn property(&self, name: &str) -> String {
+        let out = self.run(&["systemctl", "show", "--value", "--property", name, "keelfsd.service"]);
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+
+    /// keelfsd's journal.
+    fn journal(&self) -> String {
+        text(&self.run(&["journalctl", "--no-pager", "--output=cat", "--unit=keelfsd.service"]))
+    }
+
+    /// Start keelfsd afresh after the drop-ins changed.
+    fn restart(&self) {
+        self.systemctl(&["daemon-reload"]);
+        // Every unit's: an inactive keelfsd is no longer loaded.
+        self.systemctl(&["reset-failed"]);
+        self.systemctl(&["restart", "keelfsd.service"]);
+    }
+
+    /// Wait until keelfsd's journal says `what` (or fails to within STEP).
+    fn wait_for_journal(&self, what: &str) -> String {
+        let deadline = Instant::now() + STEP;
+        loop {
+            let journal = self.journal();
+            if journal.contains(what) {
+                return journal;
+            }
+            assert!(Instant::now() < deadline, "keelfsd's journal never said {what:?}:\n{journal}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Booted {
+    fn drop(&mut self) {
+        // SIGTERM: nspawn asks the container's systemd to halt, and waits.
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(self.nspawn.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + STEP;
+        while self.nspawn.try_wait().unwrap().is_none() {
+            if Instant::now() > deadline {
+                let _ = self.nspawn.kill();
+                let _ = self.nspawn.wait();
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // Not remove_dir_all: an empty directory or nothing.
+        let _ = std::fs::remove_dir(&self.root);
+        for cgroup in &self.cgroups {
+            remove_cgroup(cgroup);
+        }
+    }
+}
+
+/// Fails the test when `tool` is missing.
+fn which(tool: &str, package: &str) {
+    let found = std::env::var_os("PATH")
+        .map(|path| std::env::split_paths(&path).any(|dir| dir.join(tool).is_file()))
+        .unwrap_or(false);
+    assert!(found, "{tool} is missing: run scripts/setup.sh (it installs {package})");
+}
+
+/// An extra address of this machine's, on lo, removed on drop: traffic
+/// from it to keelfsd comes from an address that is not localhost, as a
+/// remote scraper's would.
+struct ExtraAddress(String);
+
+impl ExtraAddress {
+    /// One of 198.51.100.0/24 (TEST-NET-2) that no other test holds.
+    fn add() -> Self {
+        which("ip", "iproute2");
+        for n in 0..254 {
+            let addr = format!("198.51.100.{}", 1 + (std::process::id() + n) % 254);
+            let out = Command::new("ip").args(["addr", "add", &format!("{addr}/32"), "dev", "lo"]).output().unwrap();
+            if out.status.success() {
+                return ExtraAddress(addr);
+            }
+            assert!(text(&out).contains("File exists"), "ip addr add {addr}: {}", text(&out));
+        }
+        panic!("every address of 198.51.100.0/24 is taken on lo");
+    }
+}
+
+impl Drop for ExtraAddress {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["addr", "del", &format!("{}/32", self.0), "dev", "lo"]).output();
+    }
+}
+
+/// GET /metrics: the reply's head and body, or why there was none.
+fn scrape(addr: SocketAddr) -> Result<(String, String), String> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(3)).map_err(|e| e.to_string())?;
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(stream, "GET /metrics HTTP/1.1\r\nHost: {addr}\r\n\r\n").map_err(|e| e.to_string())?;
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply).map_err(|e| e.to_string())?;
+    let (head, body) = reply.split_once("\r\n\r\n").ok_or(format!("not an HTTP reply: {reply:?}"))?;
+    Ok((head.to_string(), body.to_string()))
+}
+
+/// Scrape `addr` until keelfsd answers (it may still be starting), failing
+/// as soon as systemd gives up on it.
+fn scrape_when_up(booted: &Booted, addr: SocketAddr) -> String {
+    let deadline = Instant::now() + STEP;
+    loop {
+        match scrape(addr) {
+            Ok((head, body)) => {
+                assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+                return body;
+            }
+            Err(e) => {
+                let state = booted.property("ActiveState");
+                assert!(state != "failed", "keelfsd failed, scraping {addr}: {e}\n{}", booted.journal());
+                assert!(Instant::now() < deadline, "no metrics on {addr} ({state}): {e}\n{}", booted.journal());
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The test frontend on keelfsd's socket once it accepts, failing as soon
+/// as systemd gives up on keelfsd.
+fn connect_when_up(booted: &Booted, socket: &Path) -> FsFrontend {
+    let deadline = Instant::now() + STEP;
+    loop {
+        match FsFrontend::connect(socket, FrontendConfig::default()) {
+            Ok(mut fe) => {
+                fe.init(init_flags::ASYNC_READ | init_flags::MAX_PAGES | init_flags::INIT_EXT).unwrap();
+                return fe;
+            }
+            Err(e) => {
+                let state = booted.property("ActiveState");
+                assert!(state != "failed", "keelfsd failed: {e}\n{}", booted.journal());
+                assert!(
+                    Instant::now() < deadline,
+                    "no keelfsd on {} ({state}): {e}\n{}",
+                    socket.display(),
+                    booted.journal()
+                );
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// `f()`, and keelfsd's journal printed should it panic.
+fn with_journal<T>(booted: &Booted, f: impl FnOnce() -> T) -> T {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(value) => value,
+        Err(panic) => {
+            eprintln!("keelfsd's journal:\n{}", booted.journal());
+            std::panic::resume_unwind(panic)
+        }
+    }
+}
+
+/// A port nothing listens on now.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+#[test]
+fn keelfsd_serves_metrics_under_systemd_only_with_the_metrics_drop_in() {
+    let _one = BOOTS.lock().unwrap_or_else(|e| e.into_inner());
+    let scratch = Scratch::new("unit-metrics");
+    let lib = scratch.path("lib");
+    std::fs::create_dir_all(&lib).unwrap();
+    common::mkfs(&lib.join("vm.img"), "256M");
+    let port = free_port();
+    // On every address, so that only the unit's IP filter keeps others out.
+    let config = scratch.path("keelfsd.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[daemon]\nmetrics_listen = \"0.0.0.0:{port}\"\nreactors = 1\n\n\
+             [[device]]\nname = \"disk\"\nbackend = \"uring\"\npath = \"/var/lib/keelfs/vm.img\"\n\n\
+             [[export]]\ntag = \"vm\"\ndevice = \"disk\"\nsocket = \"/run/keelfsd/vm.sock\"\n"
+        ),
+    )
+    .unwrap();
+    let units = Units::new("unit-metrics-units", &[], &[]);
+    let booted = Booted::boot(&scratch, &units, &[(&lib, "/var/lib/keelfs"), (&config, "/etc/keelfsd.toml")]);
+
+    // The unit alone: no internet sockets, so keelfsd cannot bind the
+    // listener and fails at start (systemd restarts it, then gives up).
+    booted.systemctl(&["start", "keelfsd.service"]);
+    let journal = booted.wait_for_journal("binding the metrics listener");
+    assert!(journal.contains("Address family not supported"), "{journal}");
+    let local = SocketAddr::from(([127, 0, 0, 1], port));
+    assert!(scrape(local).is_err(), "metrics served under the unit alone");
+
+    // With metrics.conf: localhost scrapes, any other address does not.
+    let other = ExtraAddress::add();
+    let remote: SocketAddr = format!("{}:{port}", other.0).parse().unwrap();
+    units.add_contrib("metrics");
+    booted.restart();
+    let body = scrape_when_up(&booted, local);
+    assert!(body.contains("keelfs_image_attached{export=\"vm\"} 1"), "{body}");
+    // Its server sandboxed itself under the unit (sethostname included).
+    assert!(booted.journal().contains("sandboxed: namespaces"), "{}", booted.journal());
+    let refused = scrape(remote);
+    assert!(refused.is_err(), "scraped from {remote} though only localhost is allowed: {refused:?}");
+
+    // metrics.conf's advice for a remote scraper: allow its address.
+    units.add("remote-scraper.conf", &format!("[Service]\nIPAddressAllow={}\n", other.0));
+    booted.restart();
+    let body = scrape_when_up(&booted, remote);
+    assert!(body.contains("keelfs_image_attached{export=\"vm\"} 1"), "{body}");
+
+    // And it stops as the unit says: drained, flushed, exit 0.
+    booted.systemctl(&["stop", "keelfsd.service"]);
+    assert_eq!(booted.property("Result"), "success", "{}", booted.journal());
+    assert_eq!(booted.property("ExecMainStatus"), "0", "{}", booted.journal());
+}
+
+/// Who holds the image's lock, as its lock record says.
+fn holders(image: &RbdScratchImage) -> String {
+    let reader = RbdDevice::open(&image.address, RbdOptions { read_only: true, ..RbdOptions::default() }).unwrap();
+    reader.holders().unwrap()
+}
+
+#[test]
+fn keelfsd_serves_rbd_under_systemd_only_with_the_rbd_drop_in() {
+    let _one = BOOTS.lock().unwrap_or_else(|e| e.into_inner());
+    // The dev cluster is up (or brought up) before the container is made,
+    // so its /etc/ceph is the one the container sees.
+    let image = RbdScratchImage::new("unit", 1 << 30);
+    let name = image.name();
+    let out = common::keelfsd().args(["mkfs", &name]).output().unwrap();
+    assert!(out.status.success(), "mkfs: {}", text(&out));
+    let scratch = Scratch::new("unit-rbd");
+    let lib = scratch.path("lib");
+    std::fs::create_dir_all(&lib).unwrap();
+    let config = scratch.path("keelfsd.toml");
+    // The socket in the bind-mounted directory, so the test connects to it.
+    std::fs::write(
+        &config,
+        format!(
+            "[daemon]\nreactors = 1\n\n\
+             [[device]]\nname = \"disk\"\nbackend = \"rbd\"\npath = \"{name}\"\n\n\
+             [[export]]\ntag = \"vm\"\ndevice = \"disk\"\nsocket = \"/var/lib/keelfs/vm.sock\"\n"
+        ),
+    )
+    .unwrap();
+    let units = Units::new("unit-rbd-units", &[], &[]);
+    let booted = Booted::boot(&scratch, &units, &[(&lib, "/var/lib/keelfs"), (&config, "/etc/keelfsd.toml")]);
+
+    // The unit alone: librados cannot reach the cluster.
+    booted.systemctl(&["start", "keelfsd.service"]);
+    booted.wait_for_journal("cannot reach the Ceph cluster");
+    booted.systemctl(&["stop", "keelfsd.service"]);
+    assert_eq!(holders(&image), "nobody");
+
+    // With rbd.conf it serves: a file written through the socket reads
+    // back, and keelfsd holds the image's lock.
+    units.add_contrib("rbd");
+    booted.restart();
+    let mut fe = connect_when_up(&booted, &lib.join("vm.sock"));
+    let data = common::named("written under keelfsd.service with rbd.conf");
+    with_journal(&booted, || {
+        let file = common::create_with(&mut fe, "f", &data);
+        assert_eq!(common::read(&mut fe, file, 4096).unwrap(), data);
+    });
+    let held = holders(&image);
+    assert!(held.contains("client."), "{held}\n{}", booted.journal());
+    assert_eq!(booted.property("ActiveState"), "active", "{}", booted.journal());
+    drop(fe);
+
+    // rbd.conf kept to the cluster's network, as its comments say: the
+    // cluster is still reached (monitor and OSD on the dev bridge).
+    units.add("rbd.conf", &rbd_kept_to("10.87.0.0/24"));
+    booted.restart();
+    let mut fe = connect_when_up(&booted, &lib.join("vm.sock"));
+    let lookup = fe.fuse(1, Opcode::Lookup, 1, &common::named("f")).unwrap();
+    assert_eq!(lookup.0, 0, "f after a restart\n{}", booted.journal());
+    assert!(holders(&image).contains("client."), "{}", booted.journal());
+    drop(fe);
+
+    // A clean stop releases the lock.
+    booted.systemctl(&["stop", "keelfsd.service"]);
+    assert_eq!(booted.property("Result"), "success", "{}", booted.journal());
+    assert_eq!(holders(&image), "nobody", "{}", booted.journal());
+    let fsck = common::keelfsd().args(["fsck", &name]).output().unwrap();
+    assert_eq!(fsck.status.code(), Some(0), "{}", text(&fsck));
 }
