@@ -13,6 +13,13 @@
 //! or torn (a prefix of its sectors written), independently of the others,
 //! as on a disk with a volatile, reordering cache. This is the dm-log-writes
 //! model.
+//!
+//! "Completes" means: returned to the caller by [`IoQueue::poll`]. With
+//! [`FaultRule::ReorderCompletions`] the wrapper holds each completion of
+//! the inner device back for a random number of polls and hands them out
+//! out of order, as librbd's threads do; the log follows the order the
+//! caller sees, so a caller that submits a flush before a write's
+//! completion has come back gets a flush that does not cover that write.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -38,6 +45,13 @@ pub enum FaultRule {
     /// The `nth` write puts only its first `sectors_kept` logical blocks on
     /// the device, then completes with EIO.
     TearNthWrite { nth: u64, sectors_kept: u32 },
+    /// Hold each completion of the inner device (every kind) back for 0 to
+    /// `max_polls` polls of its queue, drawn from a generator seeded with
+    /// `seed`, and hand out those due at one poll in a shuffled order.
+    /// The draws depend only on the seed and the sequence of polls and
+    /// completions, so a single-threaded caller over a device that
+    /// completes at once (RAM) replays exactly.
+    ReorderCompletions { max_polls: u32, seed: u64 },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -189,6 +203,7 @@ impl FaultState {
                     }
                     false
                 }
+                FaultRule::ReorderCompletions { .. } => false,
             };
             if hit {
                 action = Action::Fail;
@@ -198,6 +213,14 @@ impl FaultState {
             self.injected += 1;
         }
         action
+    }
+
+    /// The reordering rule's bound and generator, if one is set.
+    fn reorder(&mut self) -> Option<(u32, &mut u64)> {
+        self.rules.iter_mut().find_map(|(rule, rng)| match *rule {
+            FaultRule::ReorderCompletions { max_polls, .. } => Some((max_polls, rng)),
+            _ => None,
+        })
     }
 }
 
@@ -224,7 +247,7 @@ impl FaultDevice {
 
     pub fn add_rule(&self, rule: FaultRule) {
         let seed = match rule {
-            FaultRule::FailRandom { seed, .. } => seed,
+            FaultRule::FailRandom { seed, .. } | FaultRule::ReorderCompletions { seed, .. } => seed,
             _ => 0,
         };
         self.state().rules.push((rule, seed));
@@ -273,6 +296,7 @@ impl BlockDevice for FaultDevice {
             local: VecDeque::new(),
             pending: HashMap::new(),
             scratch: Vec::new(),
+            held: Vec::new(),
         }))
     }
 }
@@ -292,6 +316,9 @@ struct FaultQueue {
     local: VecDeque<Completion>,
     pending: HashMap<Token, Pending>,
     scratch: Vec<Completion>,
+    /// Completions of the inner device held back by
+    /// [`FaultRule::ReorderCompletions`], with the polls each still waits.
+    held: Vec<(u32, Completion)>,
 }
 
 /// Copy `len` bytes out of caller memory.
@@ -323,6 +350,38 @@ fn trim_iovecs(iovecs: &[IoVec], mut len: usize) -> Vec<IoVec> {
         len -= take;
     }
     out
+}
+
+impl FaultQueue {
+    /// One poll under [`FaultRule::ReorderCompletions`]: age the held
+    /// completions, take the inner device's new ones with a drawn delay,
+    /// and move up to `max` of those due into `scratch`, shuffled.
+    fn hold_and_release(&mut self, max_polls: u32, rng: &mut u64, max: usize) {
+        for (wait, _) in &mut self.held {
+            *wait = wait.saturating_sub(1);
+        }
+        let mut fresh = Vec::new();
+        self.inner.poll(&mut fresh, usize::MAX);
+        for c in fresh {
+            let wait = (splitmix64(rng) % (u64::from(max_polls) + 1)) as u32;
+            self.held.push((wait, c));
+        }
+        let mut due = Vec::new();
+        let mut i = 0;
+        while i < self.held.len() {
+            if self.held[i].0 == 0 && due.len() < max {
+                due.push(self.held.remove(i).1);
+            } else {
+                i += 1;
+            }
+        }
+        // Fisher-Yates with the rule's generator.
+        for k in (1..due.len()).rev() {
+            let j = (splitmix64(rng) % (k as u64 + 1)) as usize;
+            due.swap(k, j);
+        }
+        self.scratch.extend(due);
+    }
 }
 
 impl IoQueue for FaultQueue {
@@ -376,8 +435,16 @@ impl IoQueue for FaultQueue {
         let local = max.min(self.local.len());
         out.extend(self.local.drain(..local));
         self.scratch.clear();
-        self.inner.poll(&mut self.scratch, max - local);
-        let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let shared = Arc::clone(&self.state);
+        let mut state = shared.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some((max_polls, rng)) = state.reorder() {
+            self.hold_and_release(max_polls, rng, max - local);
+        } else {
+            // Completions held under a rule since cleared go first.
+            let n = self.held.len().min(max - local);
+            self.scratch.extend(self.held.drain(..n).map(|(_, c)| c));
+            self.inner.poll(&mut self.scratch, max - local - n);
+        }
         for c in self.scratch.drain(..) {
             let pending = self.pending.remove(&c.token).expect("completion for a request this queue submitted");
             let mut result = c.result;
@@ -397,11 +464,16 @@ impl IoQueue for FaultQueue {
     }
 
     fn in_flight(&self) -> usize {
-        self.inner.in_flight() + self.local.len()
+        self.inner.in_flight() + self.local.len() + self.held.len()
     }
 
+    /// None while completions are held: they come out only by polling.
     fn completion_eventfd(&self) -> Option<std::os::fd::RawFd> {
-        self.inner.completion_eventfd()
+        if self.held.is_empty() {
+            self.inner.completion_eventfd()
+        } else {
+            None
+        }
     }
 
     fn register_pool(&mut self, pool: &super::BufferPool) -> Result<(), BdevError> {
