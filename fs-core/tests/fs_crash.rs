@@ -231,28 +231,32 @@ fn storm(journal_blocks: u64, rounds: usize, config: FsConfig) {
                 assert!(done_during_pieces > 0, "files were made while a checkpoint was written in pieces");
             }
         });
-    check_crashes(&rec, seed, async |fs: &Fs, promised: Option<&Promise>, _next| {
-        let Some(promised) = promised else { return };
-        for (dname, files) in promised {
-            let d = lookup(fs, ROOT_INO, dname).await.unwrap_or_else(|| panic!("synced directory {dname} lost"));
-            let listed: Vec<String> = fs
-                .readdir(d, 0, 1000)
-                .await
-                .unwrap()
-                .into_iter()
-                .map(|e| String::from_utf8(e.name).unwrap())
-                .filter(|n| n != "." && n != "..")
-                .collect();
-            let mut listed = listed;
-            listed.sort();
-            let want: Vec<String> = files.iter().map(|(n, _)| n.clone()).collect();
-            assert_eq!(listed, want, "directory {dname} after crash");
-            for (name, body) in files {
-                let ino = lookup(fs, d, name).await.unwrap();
-                assert_eq!(&read_all(fs, ino).await, body, "{dname}/{name} content");
-            }
+    check_crashes(&rec, seed, async |fs: &Fs, promised: Option<&Promise>, _next| verify_storm(fs, promised).await);
+}
+
+/// Every directory and file a storm's sync promised is there, with its
+/// contents.
+async fn verify_storm(fs: &Fs, promised: Option<&StormPromise>) {
+    let Some(promised) = promised else { return };
+    for (dname, files) in promised {
+        let d = lookup(fs, ROOT_INO, dname).await.unwrap_or_else(|| panic!("synced directory {dname} lost"));
+        let listed: Vec<String> = fs
+            .readdir(d, 0, 1000)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|e| String::from_utf8(e.name).unwrap())
+            .filter(|n| n != "." && n != "..")
+            .collect();
+        let mut listed = listed;
+        listed.sort();
+        let want: Vec<String> = files.iter().map(|(n, _)| n.clone()).collect();
+        assert_eq!(listed, want, "directory {dname} after crash");
+        for (name, body) in files {
+            let ino = lookup(fs, d, name).await.unwrap();
+            assert_eq!(&read_all(fs, ino).await, body, "{dname}/{name} content");
         }
-    });
+    }
 }
 
 fn append_byte(offset: u64) -> u8 {
