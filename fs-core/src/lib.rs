@@ -237,6 +237,9 @@ pub(crate) struct FsInner {
     commit_lock: sync::AsyncMutex,
     cache: RefCell<cache::PageCache>,
     ranges: Rc<sync::RangeLocks>,
+    /// Files whose writeback is running: pages it took are clean in the
+    /// cache but neither on the device nor mapped until it ends.
+    writing_back: RefCell<BTreeSet<u64>>,
     /// Freed runs out of the allocator until their discard completes.
     discard: RefCell<discard::DiscardState>,
     counters: Cell<FsCounters>,
@@ -658,6 +661,7 @@ impl Fs {
                 cache: RefCell::new(cache::PageCache::new(config.cache_bytes)),
                 commit_lock: sync::AsyncMutex::default(),
                 ranges: Rc::new(sync::RangeLocks::default()),
+                writing_back: RefCell::new(BTreeSet::new()),
                 discard: RefCell::new(discard::DiscardState::new(&config.discard, config.read_only)),
                 counters: Cell::new(FsCounters::default()),
                 unmounted: Cell::new(false),

@@ -446,7 +446,17 @@ impl Fs {
     }
 
     /// Write back the dirty pages of `ino` in [from, to) (page indices).
+    /// Returns once they are on the device and their extents logged, and
+    /// so is any writeback of the file that was running when it began.
     pub(crate) async fn writeback(&self, ino: u64, from: u64, to: u64) -> FsResult<()> {
+        // One writeback per file at a time (two could allocate the same
+        // hole), holding a token range past any data. Taken before looking
+        // for dirty pages: a running writeback has marked the pages it took
+        // clean, but they are neither on the device nor mapped until it
+        // ends, and a caller that finds nothing dirty (sync, fsync, a
+        // direct write) must still wait for them.
+        let _token = self.inner.ranges.lock(ino, WRITEBACK_TOKEN, u64::MAX, true).await;
+        let _busy = WritingBack::start(&self.inner, ino);
         let pages = self.inner.cache.borrow().dirty_of(ino, from, to);
         let mut i = 0;
         while i < pages.len() {
@@ -468,11 +478,11 @@ impl Fs {
         Ok(())
     }
 
+    /// Write back the pages of one run. The caller holds the file's
+    /// writeback token.
     async fn writeback_run(&self, ino: u64, first: u64, count: u64) -> FsResult<()> {
-        // One writeback per file at a time (two could allocate the same
-        // hole), holding a token range past any data; and a *shared* lock
-        // on the pages: writers of them wait, readers never do.
-        let _token = self.inner.ranges.lock(ino, WRITEBACK_TOKEN, u64::MAX, true).await;
+        // A *shared* lock on the pages: writers of them wait, readers
+        // never do.
         let _range =
             self.inner.ranges.lock(ino, FileBlock(first).offset(), FileBlock(first + count).offset(), false).await;
         if self.inner.state.borrow().node(ino).is_none() {
@@ -531,9 +541,13 @@ impl Fs {
         Ok(())
     }
 
-    /// Write back every dirty page.
+    /// Write back every dirty page, and wait for writebacks already
+    /// running (the timer's), whose pages no longer look dirty.
     pub async fn writeback_all(&self) -> FsResult<()> {
-        let inodes = self.inner.cache.borrow().dirty_inodes();
+        let mut inodes = self.inner.cache.borrow().dirty_inodes();
+        inodes.extend(self.inner.writing_back.borrow().iter().copied());
+        inodes.sort_unstable();
+        inodes.dedup();
         for ino in inodes {
             self.writeback(ino, 0, u64::MAX).await?;
         }
@@ -564,5 +578,25 @@ impl Fs {
         }
         let _ = datasync;
         journal::sync(&self.inner).await
+    }
+}
+
+/// Marks a file as being written back (see `FsInner::writing_back`) for as
+/// long as it lives.
+struct WritingBack<'a> {
+    inner: &'a crate::FsInner,
+    ino: u64,
+}
+
+impl<'a> WritingBack<'a> {
+    fn start(inner: &'a crate::FsInner, ino: u64) -> Self {
+        inner.writing_back.borrow_mut().insert(ino);
+        Self { inner, ino }
+    }
+}
+
+impl Drop for WritingBack<'_> {
+    fn drop(&mut self) {
+        self.inner.writing_back.borrow_mut().remove(&self.ino);
     }
 }
