@@ -4,6 +4,8 @@
 //! from a printed seed). Every rebuilt image must pass fsck and mount, keep
 //! everything whose fsync returned byte for byte, and never show stale
 //! device content (freed blocks are filled with 0xEE first to catch it).
+//! The `_reordered` variants hold completions back and reorder them as
+//! RBD does, from the printed seed; the `_on_rbd` ones record on RBD.
 
 mod common;
 
@@ -11,7 +13,7 @@ use std::sync::Arc;
 
 use common::{busy_reactor, channel, check, mount};
 use keelfs_base::testing::splitmix64;
-use keelfs_bdev::{AlignedBuf, BlockDevice, FaultDevice, MappedDevice};
+use keelfs_bdev::{AlignedBuf, BlockDevice, FaultDevice, FaultRule, MappedDevice};
 use keelfs_fs::Ino;
 use keelfs_fs::RenameMode;
 use keelfs_fs::ROOT_INO;
@@ -71,6 +73,14 @@ fn record_with_config<P: 'static>(
         fs.forget(junk.ino(), 1).await.unwrap();
         fs.unmount().await.unwrap();
         let base = common::read_whole(inner2.as_ref());
+        let mut config = config;
+        if let Some(seed) = REORDER.get() {
+            fault2.add_rule(FaultRule::ReorderCompletions { max_polls: REORDER_MAX_POLLS, seed });
+            // The writeback timer runs by the wall clock: off, so that the
+            // seed replays exactly. Workloads that want background
+            // writeback start it themselves at fixed points.
+            config.writeback_interval = std::time::Duration::from_secs(3600);
+        }
         fault2.start_recording();
         let fs = Fs::mount(channel(&dev), config).await.expect("mount");
         let mut promises = Vec::new();
@@ -94,6 +104,25 @@ fn on_rbd(test: impl FnOnce()) {
     ON_RBD.set(true);
     test();
     ON_RBD.set(false);
+}
+
+thread_local! {
+    /// Record the workload with the device's completions held back and
+    /// reordered from this seed (the `_reordered` tests): what RBD does,
+    /// but on RAM and replayable.
+    static REORDER: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
+}
+
+/// How many polls a completion may be held back under `reordered`.
+const REORDER_MAX_POLLS: u32 = 24;
+
+/// Run `test` with its workload's completions reordered from the crash
+/// seed (printed, and replayable with KEELFS_CRASH_SEED).
+fn reordered(test: impl FnOnce()) {
+    let seed = test_seed();
+    REORDER.set(Some(seed));
+    test();
+    REORDER.set(None);
 }
 
 /// Crash positions: every flush point, the end, and `extra` random ones.
@@ -180,7 +209,32 @@ fn create_rename_unlink_storm_on_rbd() {
     on_rbd(|| storm(16, 24, FsConfig::default()));
 }
 
+/// A writeback of everything started after each file and not waited for,
+/// as the writeback timer does: the round's sync runs while it still has
+/// a file's data in flight, and must wait for it. On RAM, completions at
+/// once; the timer is off so that runs replay.
+#[test]
+fn create_rename_unlink_storm_with_background_writeback() {
+    let config = FsConfig { writeback_interval: std::time::Duration::from_secs(3600), ..FsConfig::default() };
+    storm_with(16, 24, config, true);
+}
+
+/// The RBD storm on RAM, replayable: completions come back late and out
+/// of order, and a background writeback (what the writeback timer starts)
+/// begins after every file, so it often has a file's data in flight when
+/// the round's sync runs.
+#[test]
+fn create_rename_unlink_storm_reordered() {
+    reordered(|| storm_with(16, 24, FsConfig::default(), true));
+}
+
 fn storm(journal_blocks: u64, rounds: usize, config: FsConfig) {
+    storm_with(journal_blocks, rounds, config, false);
+}
+
+/// `background`: start a writeback of everything, not waited for, after
+/// each file is written.
+fn storm_with(journal_blocks: u64, rounds: usize, config: FsConfig, background: bool) {
     let seed = test_seed();
     type Promise = StormPromise;
     let in_pieces = config.checkpoint_piece_nodes < 16;
@@ -198,6 +252,14 @@ fn storm(journal_blocks: u64, rounds: usize, config: FsConfig) {
                     let (f, fh) = fs.create(&c, d, format!("t{i}").as_bytes(), 0o644, 2).await.unwrap();
                     fs.write(f.ino(), 0, &body).await.unwrap();
                     fs.release(fh).await.unwrap();
+                    if background {
+                        let fs = fs.clone();
+                        // As the timer does, ignoring failures: the file may
+                        // be unlinked and forgotten before its write is done.
+                        keelfs_reactor::spawn_local(async move {
+                            let _ = fs.writeback_all().await;
+                        });
+                    }
                     let name = if i % 2 == 0 {
                         let (from, to) = (format!("t{i}"), format!("f{i}"));
                         fs.rename(&c, d, from.as_bytes(), d, to.as_bytes(), RenameMode::Replace).await.unwrap();
@@ -283,6 +345,11 @@ fn appends_with_fsync_never_show_stale_data() {
 }
 
 #[test]
+fn appends_with_fsync_never_show_stale_data_reordered() {
+    reordered(appends_with_fsync_never_show_stale_data_workload);
+}
+
+#[test]
 fn appends_with_fsync_never_show_stale_data_on_rbd() {
     on_rbd(appends_with_fsync_never_show_stale_data_workload);
 }
@@ -314,6 +381,11 @@ fn appends_with_fsync_never_show_stale_data_workload() {
 #[test]
 fn direct_appends_with_fsync_never_show_stale_data() {
     direct_appends_with_fsync_never_show_stale_data_workload();
+}
+
+#[test]
+fn direct_appends_with_fsync_never_show_stale_data_reordered() {
+    reordered(direct_appends_with_fsync_never_show_stale_data_workload);
 }
 
 #[test]
@@ -359,6 +431,11 @@ fn direct_appends_with_fsync_never_show_stale_data_workload() {
 #[test]
 fn direct_overwrites_with_fsync_keep_a_synced_or_newer_version() {
     direct_overwrites_with_fsync_keep_a_synced_or_newer_version_workload();
+}
+
+#[test]
+fn direct_overwrites_with_fsync_keep_a_synced_or_newer_version_reordered() {
+    reordered(direct_overwrites_with_fsync_keep_a_synced_or_newer_version_workload);
 }
 
 #[test]
