@@ -268,11 +268,9 @@ fn supervise(
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             r => r.context("poll")?,
         };
-        if fds[0].revents != 0 {
-            if signals.wait(Some(Duration::ZERO)).is_some() {
-                // SAFETY: kill takes a pid and a signal number.
-                unsafe { libc::kill(child, crate::signals::FORWARDED) };
-            }
+        if fds[0].revents != 0 && signals.wait(Some(Duration::ZERO)).is_some() {
+            // SAFETY: kill takes a pid and a signal number.
+            unsafe { libc::kill(child, crate::signals::FORWARDED) };
         }
         if fds[2].revents != 0 {
             link_open = answer(&mut link, cleanup, &mut made, &mut runtime_sockets);
