@@ -10,40 +10,16 @@
 //! is measured by bench/run-hostile.sh (bench/RESULTS.md, issue 16); the
 //! ratio is printed here for information only.
 
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::{keelfsd, wait_for, Daemon};
 
 fn bench() -> Command {
     Command::new(env!("CARGO_BIN_EXE_keelfs-bench"))
-}
-
-/// keelfsd, built beside keelfs-bench by `cargo test --workspace`.
-fn keelfsd() -> Command {
-    let bin = Path::new(env!("CARGO_BIN_EXE_keelfs-bench")).with_file_name("keelfsd");
-    assert!(
-        bin.exists(),
-        "{} is missing: build it (cargo build -p keelfsd) or run cargo test --workspace",
-        bin.display()
-    );
-    Command::new(bin)
-}
-
-struct Daemon(Child);
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn wait_for(path: &Path) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !path.exists() {
-        assert!(Instant::now() < deadline, "{} never appeared", path.display());
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 fn json_of(out: &std::process::Output, what: &str) -> serde_json::Value {

@@ -5,38 +5,12 @@
 //! What the figures are worth is bench/RESULTS.md's business, not this
 //! test's.
 
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
 
-/// keelfsd, built beside keelfs-bench by `cargo test --workspace`.
-fn keelfsd() -> Command {
-    let bin = Path::new(env!("CARGO_BIN_EXE_keelfs-bench")).with_file_name("keelfsd");
-    assert!(
-        bin.exists(),
-        "{} is missing: build it (cargo build -p keelfsd) or run cargo test --workspace",
-        bin.display()
-    );
-    Command::new(bin)
-}
-
-struct Daemon(Child);
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// A liveness bound for a daemon's start, not a speed check.
-fn wait_for(path: &Path) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !path.exists() {
-        assert!(Instant::now() < deadline, "{} never appeared", path.display());
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
+use common::{keelfsd, wait_for, Daemon};
 
 fn serve(image: &Path, socket: &Path, incoming: bool) -> Daemon {
     let mut cmd = keelfsd();
