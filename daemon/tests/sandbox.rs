@@ -5,7 +5,7 @@
 //! keeps the old process model.
 
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
@@ -222,35 +222,28 @@ fn a_failed_daemon_leaves_another_daemons_mount_alone() {
     assert!(first.stop().success());
 }
 
-#[test]
-fn a_signal_to_the_process_group_shuts_down_cleanly() {
-    use std::os::unix::process::CommandExt;
-    let dir = Scratch::new("pgrp-signal");
+/// `keelfsd serve` of a fresh image mounted at `dir`/mnt, as `shape`
+/// starts it (stderr piped), once the mount is there.
+fn serve_mounted(dir: &Scratch, shape: impl FnOnce(&mut Command) -> &mut Command) -> Child {
     let (image, mnt) = (dir.path("k.img"), dir.path("mnt"));
     std::fs::create_dir_all(&mnt).unwrap();
     mkfs(&image, "256M");
-    // As at a terminal: the daemon leads a process group, and ^C signals
-    // the whole group.
-    let child = keelfsd()
-        .arg("serve")
+    let mut cmd = keelfsd();
+    cmd.arg("serve")
         .args(["--device".as_ref(), image.as_os_str(), "--fuse-mount".as_ref(), mnt.as_os_str()])
-        .process_group(0)
         .stderr(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
+        .stdout(Stdio::null());
+    let child = shape(&mut cmd).spawn().unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
     while !is_mounted(&mnt) {
         assert!(Instant::now() < deadline, "keelfsd did not mount");
         std::thread::sleep(Duration::from_millis(20));
     }
-    // The server leads a group of its own, so that the group's signal
-    // reaches it once (forwarded), not twice (which forces an exit).
-    let server = server_of(child.id());
-    // SAFETY: getpgid(2) reads another process's group id.
-    assert_eq!(unsafe { libc::getpgid(server as i32) }, server as i32, "the server is in its supervisor's group");
-    // SAFETY: killpg(2) on the group our child leads.
-    unsafe { libc::killpg(child.id() as i32, libc::SIGINT) };
+    child
+}
+
+/// The daemon's exit after a shutdown signal: clean, and taken as one.
+fn assert_one_clean_shutdown(child: Child) {
     let out = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
@@ -258,23 +251,26 @@ fn a_signal_to_the_process_group_shuts_down_cleanly() {
 }
 
 #[test]
+fn a_signal_to_the_process_group_shuts_down_cleanly() {
+    use std::os::unix::process::CommandExt;
+    let dir = Scratch::new("pgrp-signal");
+    // As at a terminal: the daemon leads a process group, and ^C signals
+    // the whole group.
+    let child = serve_mounted(&dir, |cmd| cmd.process_group(0));
+    // The server leads a group of its own, so that the group's signal
+    // reaches it once (forwarded), not twice (which forces an exit).
+    let server = server_of(child.id());
+    // SAFETY: getpgid(2) reads another process's group id.
+    assert_eq!(unsafe { libc::getpgid(server as i32) }, server as i32, "the server is in its supervisor's group");
+    // SAFETY: killpg(2) on the group our child leads.
+    unsafe { libc::killpg(child.id() as i32, libc::SIGINT) };
+    assert_one_clean_shutdown(child);
+}
+
+#[test]
 fn a_signal_to_every_keelfsd_process_shuts_down_cleanly() {
     let dir = Scratch::new("pkill-signal");
-    let (image, mnt) = (dir.path("k.img"), dir.path("mnt"));
-    std::fs::create_dir_all(&mnt).unwrap();
-    mkfs(&image, "256M");
-    let child = keelfsd()
-        .arg("serve")
-        .args(["--device".as_ref(), image.as_os_str(), "--fuse-mount".as_ref(), mnt.as_os_str()])
-        .stderr(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !is_mounted(&mnt) {
-        assert!(Instant::now() < deadline, "keelfsd did not mount");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let child = serve_mounted(&dir, |cmd| cmd);
     // As `pkill keelfsd` or `killall keelfsd` do: one signal to each
     // process, the sandboxed server included. The server acts only on the
     // supervisor's forwarded copy, so this is one request, not the second
@@ -284,8 +280,5 @@ fn a_signal_to_every_keelfsd_process_shuts_down_cleanly() {
         // SAFETY: kill(2) on our child and on its child, both alive.
         unsafe { libc::kill(pid as i32, libc::SIGTERM) };
     }
-    let out = child.wait_with_output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
-    assert!(stderr.contains("clean shutdown") && !stderr.contains("second signal, exiting"), "{stderr}");
+    assert_one_clean_shutdown(child);
 }
