@@ -14,11 +14,13 @@
 //! itself. Tasks are plain futures polled by this executor; there is no
 //! general-purpose async runtime underneath.
 //!
-//! Idle policy ([`PollMode`]): `Busy` never sleeps; `Adaptive` sleeps in
-//! epoll after an idle spell; `Interrupt` sleeps whenever an iteration found
-//! no work. A sleeping reactor wakes on its own eventfd (signalled by
-//! senders and cross-thread wakers), on its pollers' eventfds, or at the
-//! next timer deadline.
+//! Idle policy ([`PollMode`]): `Busy` never sleeps; `Interrupt` sleeps
+//! whenever an iteration found no work; `Adaptive` decides for itself
+//! ([`policy`]): it spins through short idle spells while its core is its
+//! own and spinning catches work, and sleeps at once while another thread
+//! wants the core or work comes too seldom. A sleeping reactor wakes on its
+//! own eventfd (signalled by senders and cross-thread wakers), on its
+//! pollers' eventfds, or at the next timer deadline.
 
 // Unsafe code lives in two modules: `sys` (system calls) and `io` (handing
 // buffers to the device).
@@ -26,6 +28,8 @@
 
 #[allow(unsafe_code)]
 mod io;
+pub mod policy;
+mod probe;
 mod remote;
 #[allow(unsafe_code)]
 mod sys;
@@ -34,6 +38,8 @@ pub use io::{
     await_all, BufferSlice, ChannelStats, DeviceChannel, IntoAny, IoBuffer, IoFuture, IoVecs, NoBuffer, RangeBusy,
     SharedBuffer,
 };
+pub use policy::{Regime, SwitchReason};
+pub use probe::{CpuLoad, CpuLoadProbe};
 pub use remote::{call, call_and_wait, Call, CallError, Unsent};
 pub use sys::thread_cpu_time;
 
@@ -50,6 +56,7 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
 use crossbeam::queue::{ArrayQueue, SegQueue};
+use policy::{CpuSample, IdleAction, IdlePolicy, PolicyConfig};
 
 /// When an idle reactor gives up the CPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -72,6 +79,10 @@ pub struct ReactorConfig {
     pub inbox_capacity: usize,
     pub messages_per_tick_max: usize,
     pub tasks_per_tick_max: usize,
+    /// The machine's run queue and CPU pressure, for the adaptive policy,
+    /// opened by the caller (before a sandbox). None: the policy judges by
+    /// the reactor's own time off the CPU alone.
+    pub cpu_load: Option<Arc<CpuLoadProbe>>,
 }
 
 impl Default for ReactorConfig {
@@ -83,6 +94,7 @@ impl Default for ReactorConfig {
             inbox_capacity: 4096,
             messages_per_tick_max: 64,
             tasks_per_tick_max: 256,
+            cpu_load: None,
         }
     }
 }
@@ -125,11 +137,103 @@ pub struct ReactorStats {
     pub sleep_ns: AtomicU64,
     pub messages: AtomicU64,
     pub task_polls: AtomicU64,
+    /// The idle policy's state, as [`ReactorStats::poll_state`] reads it.
+    poll: PollCounters,
+}
+
+/// What the idle policy publishes at the end of each window.
+#[derive(Default, Debug)]
+struct PollCounters {
+    /// 0: busy, 1: adaptive, 2: interrupt.
+    mode: AtomicU64,
+    /// 0: spin, 1: sleep.
+    regime: AtomicU64,
+    reason: AtomicU64,
+    switches: AtomicU64,
+    off_cpu_ppm: AtomicU64,
+    /// u64::MAX: unknown (both).
+    others_runnable: AtomicU64,
+    pressure_ppm: AtomicU64,
+    spin_hits: AtomicU64,
+    spin_misses: AtomicU64,
+    quick_wakes: AtomicU64,
+}
+
+/// The idle policy's state and its last window, for stats and `top`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PollState {
+    pub mode: &'static str,
+    /// What an idle iteration does now.
+    pub regime: Regime,
+    pub reason: SwitchReason,
+    pub switches: u64,
+    /// The share of the last window (ppm) another thread held the core.
+    pub off_cpu_ppm: u32,
+    /// Threads runnable on the machine besides the reactor, last window.
+    pub others_runnable: Option<u32>,
+    /// The share of the last window (ppm) some thread waited for a CPU.
+    pub pressure_ppm: Option<u32>,
+    /// Since start: idle spins that caught work, spins that gave up, and
+    /// sleeps shorter than the spin budget.
+    pub spin_hits: u64,
+    pub spin_misses: u64,
+    pub quick_wakes: u64,
 }
 
 impl ReactorStats {
     fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub fn poll_state(&self) -> PollState {
+        let p = &self.poll;
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        PollState {
+            mode: match load(&p.mode) {
+                0 => "busy",
+                1 => "adaptive",
+                _ => "interrupt",
+            },
+            regime: if load(&p.regime) == 0 { Regime::Spin } else { Regime::Sleep },
+            reason: SwitchReason::from_code(load(&p.reason)),
+            switches: load(&p.switches),
+            off_cpu_ppm: load(&p.off_cpu_ppm).min(1_000_000) as u32,
+            others_runnable: u32::try_from(load(&p.others_runnable)).ok(),
+            pressure_ppm: u32::try_from(load(&p.pressure_ppm)).ok(),
+            spin_hits: load(&p.spin_hits),
+            spin_misses: load(&p.spin_misses),
+            quick_wakes: load(&p.quick_wakes),
+        }
+    }
+
+    fn publish_mode(&self, mode: PollMode) {
+        let (code, regime) = match mode {
+            PollMode::Busy => (0, 0),
+            PollMode::Adaptive { .. } => (1, 0),
+            PollMode::Interrupt => (2, 1),
+        };
+        self.poll.mode.store(code, Ordering::Relaxed);
+        self.poll.regime.store(regime, Ordering::Relaxed);
+        self.poll.others_runnable.store(u64::MAX, Ordering::Relaxed);
+        self.poll.pressure_ppm.store(u64::MAX, Ordering::Relaxed);
+    }
+
+    fn publish_window(&self, policy: &IdlePolicy) {
+        let p = &self.poll;
+        let report = policy.last_window();
+        let regime = match policy.regime() {
+            Regime::Spin => 0,
+            Regime::Sleep => 1,
+        };
+        p.regime.store(regime, Ordering::Relaxed);
+        p.reason.store(policy.reason().code(), Ordering::Relaxed);
+        p.switches.store(policy.switches(), Ordering::Relaxed);
+        p.off_cpu_ppm.store(u64::from(report.off_cpu_ppm), Ordering::Relaxed);
+        p.others_runnable.store(report.others_runnable.map_or(u64::MAX, u64::from), Ordering::Relaxed);
+        p.pressure_ppm.store(report.pressure_ppm.map_or(u64::MAX, u64::from), Ordering::Relaxed);
+        Self::add(&p.spin_hits, u64::from(report.spin_hits));
+        Self::add(&p.spin_misses, u64::from(report.spin_misses));
+        Self::add(&p.quick_wakes, u64::from(report.quick_wakes));
     }
 }
 
@@ -401,6 +505,36 @@ pub struct Reactor {
     device_pollers: Vec<Box<dyn Poller>>,
     source_pollers: Vec<Box<dyn Poller>>,
     epoll: sys::Epoll,
+    idle: Idle,
+}
+
+/// The idle policy of a running reactor.
+enum Idle {
+    Busy,
+    Interrupt,
+    // Boxed: the policy is 256 bytes, the other variants none.
+    Adaptive { policy: Box<IdlePolicy>, cpu_load: Option<Arc<CpuLoadProbe>> },
+}
+
+impl Idle {
+    /// `cpus`: the CPUs the daemon may use, counted before the reactor's
+    /// thread is pinned (the run queue it is compared with is the
+    /// machine's, not one CPU's).
+    fn new(config: &ReactorConfig, cpus: u32, now: Instant) -> Self {
+        match config.mode {
+            PollMode::Busy => Idle::Busy,
+            PollMode::Interrupt => Idle::Interrupt,
+            PollMode::Adaptive { idle_before_sleep } => {
+                // Never opened here: a sandboxed reactor may not open files.
+                let cpu_load = config.cpu_load.clone();
+                if cpu_load.is_none() {
+                    tracing::debug!("no CPU load probe given: the idle policy judges by time off the CPU alone");
+                }
+                let policy = Box::new(IdlePolicy::new(PolicyConfig::new(idle_before_sleep, cpus), now));
+                Idle::Adaptive { policy, cpu_load }
+            }
+        }
+    }
 }
 
 impl Reactor {
@@ -410,6 +544,7 @@ impl Reactor {
     /// If the thread already has a reactor.
     pub fn new(config: ReactorConfig) -> std::io::Result<Self> {
         assert!(config.inbox_capacity > 0 && config.messages_per_tick_max > 0 && config.tasks_per_tick_max > 0);
+        let cpus = sys::cpus_allowed();
         if let Some(cpu) = config.cpu {
             sys::pin_current_thread(cpu)?;
         }
@@ -424,6 +559,8 @@ impl Reactor {
         });
         let epoll = sys::Epoll::new()?;
         epoll.add(shared.wake_fd.raw(), true)?;
+        shared.stats.publish_mode(config.mode);
+        let idle = Idle::new(&config, cpus, Instant::now());
         let local = Rc::new(Local {
             shared,
             now: Cell::new(Instant::now()),
@@ -447,6 +584,7 @@ impl Reactor {
             device_pollers: Vec::new(),
             source_pollers: Vec::new(),
             epoll,
+            idle,
         })
     }
 
@@ -524,58 +662,85 @@ impl Reactor {
     }
 
     fn run_until(&mut self, mut done: impl FnMut() -> bool) {
-        let stats = &Arc::clone(&self.local.shared);
-        let mut last_busy = Instant::now();
-        let mut now = last_busy;
-        while !done() && !stats.stop.load(Ordering::Acquire) {
+        let shared = Arc::clone(&self.local.shared);
+        let mut now = Instant::now();
+        while !done() && !shared.stop.load(Ordering::Acquire) {
             let busy = self.tick(now);
             let end = Instant::now();
             let spent = (end - now).as_nanos() as u64;
-            ReactorStats::add(&stats.stats.ticks, 1);
-            ReactorStats::add(&stats.stats.loop_ns, spent);
+            ReactorStats::add(&shared.stats.ticks, 1);
+            ReactorStats::add(&shared.stats.loop_ns, spent);
             if busy {
-                ReactorStats::add(&stats.stats.busy_ticks, 1);
-                ReactorStats::add(&stats.stats.busy_ns, spent);
-                last_busy = end;
-                now = end;
-            } else if !done() {
-                let slept = match self.config.mode {
-                    PollMode::Busy => {
-                        std::hint::spin_loop();
-                        false
-                    }
-                    PollMode::Adaptive { idle_before_sleep } => end - last_busy >= idle_before_sleep && self.sleep(end),
-                    PollMode::Interrupt => self.sleep(end),
-                };
-                // One clock read per iteration, except after a sleep.
-                now = if slept { Instant::now() } else { end };
-            } else {
-                now = end;
+                ReactorStats::add(&shared.stats.busy_ticks, 1);
+                ReactorStats::add(&shared.stats.busy_ns, spent);
             }
+            // Work just finished (`done`) counts as work: no sleep after it.
+            now = self.idle(end, busy || done());
         }
     }
 
-    /// Wait in epoll until something may have work. Returns whether it
-    /// actually waited.
-    fn sleep(&mut self, now: Instant) -> bool {
+    /// After an iteration that ended at `end`: spin or sleep as the idle
+    /// policy says, and close the policy's window when one is due. Returns
+    /// the time the next iteration starts at (one clock read per
+    /// iteration, except after a sleep).
+    fn idle(&mut self, end: Instant, busy: bool) -> Instant {
+        let action = match &mut self.idle {
+            Idle::Busy => IdleAction::Spin,
+            Idle::Interrupt => IdleAction::Sleep,
+            Idle::Adaptive { policy, .. } => policy.after_tick(end, busy),
+        };
+        let mut now = end;
+        if !busy {
+            match action {
+                IdleAction::Spin => std::hint::spin_loop(),
+                IdleAction::Sleep => {
+                    let slept = self.sleep(end);
+                    if !slept.is_zero() {
+                        now = Instant::now();
+                    }
+                    if let Idle::Adaptive { policy, .. } = &mut self.idle {
+                        policy.after_sleep(slept);
+                    }
+                }
+            }
+        }
+        if let Idle::Adaptive { policy, cpu_load } = &mut self.idle {
+            if policy.window_due(now) {
+                let load = cpu_load.as_ref().map(|probe| probe.read()).unwrap_or_default();
+                let sample =
+                    CpuSample { thread_cpu: sys::thread_cpu_time(), runnable: load.runnable, stalled: load.stalled };
+                if let Some(regime) = policy.end_window(now, sample) {
+                    let report = policy.last_window();
+                    tracing::debug!(?regime, reason = policy.reason().name(), ?report, "idle policy switched");
+                }
+                self.local.shared.stats.publish_window(policy);
+            }
+        }
+        now
+    }
+
+    /// Wait in epoll until something may have work. Returns how long it
+    /// waited: zero when it did not.
+    fn sleep(&mut self, now: Instant) -> Duration {
         let all_can_sleep = self.device_pollers.iter().chain(&self.source_pollers).all(|p| p.can_sleep());
         if !all_can_sleep || !self.local.spawned.borrow().is_empty() || !self.local.new_pollers.borrow().is_empty() {
-            return false;
+            return Duration::ZERO;
         }
         let shared = &self.local.shared;
         shared.sleeping.store(true, Ordering::SeqCst);
         fence(Ordering::SeqCst);
+        let mut slept = Duration::ZERO;
         if shared.inbox.is_empty() && shared.woken.is_empty() && !shared.stop.load(Ordering::Acquire) {
             let timeout = self.local.timers.borrow().peek().map(|Reverse(t)| t.deadline.saturating_duration_since(now));
             let asleep = Instant::now();
             self.epoll.wait(timeout);
+            // At least a nanosecond: a wait happened, however short.
+            slept = asleep.elapsed().max(Duration::from_nanos(1));
             ReactorStats::add(&shared.stats.sleeps, 1);
-            ReactorStats::add(&shared.stats.sleep_ns, asleep.elapsed().as_nanos() as u64);
-            shared.sleeping.store(false, Ordering::SeqCst);
-            return true;
+            ReactorStats::add(&shared.stats.sleep_ns, slept.as_nanos() as u64);
         }
         shared.sleeping.store(false, Ordering::SeqCst);
-        false
+        slept
     }
 
     fn adopt_new_pollers(&mut self) {

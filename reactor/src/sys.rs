@@ -93,6 +93,22 @@ impl Epoll {
 }
 
 /// Pin the calling thread to one CPU.
+/// The CPUs the calling thread may run on (at least one). A system call
+/// only: sysconf and std's available_parallelism read /sys and /proc,
+/// which a sandboxed daemon has neither of (and may not open).
+pub fn cpus_allowed() -> u32 {
+    // SAFETY: cpu_set_t is plain data; sched_getaffinity writes at most
+    // size_of::<cpu_set_t>() bytes into it, and CPU_COUNT only reads it.
+    let count = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return 1;
+        }
+        libc::CPU_COUNT(&set)
+    };
+    u32::try_from(count).unwrap_or(1).max(1)
+}
+
 pub fn pin_current_thread(cpu: usize) -> io::Result<()> {
     // SAFETY: cpu_set_t is plain data; CPU_SET writes inside it; the
     // syscall reads size_of::<cpu_set_t>() bytes from it.

@@ -1,0 +1,387 @@
+//! The adaptive idle policy: whether an idle reactor spins or sleeps.
+//!
+//! Spinning buys latency (no eventfd round trip, no wake-up) with a core.
+//! It pays only when the core is effectively the reactor's own and work
+//! arrives soon enough to be caught by the spin. It hurts when another
+//! thread that the load needs (a running vCPU, a kernel worker, another
+//! tenant) wants the same core: then every spin takes that thread's time.
+//!
+//! The policy has two regimes. In `Spin`, an idle reactor spins for
+//! `spin_budget` and then sleeps; in `Sleep`, it sleeps as soon as an
+//! iteration finds nothing. It decides once per `window` from:
+//! - its own time off the CPU while it wanted to run (elapsed time minus
+//!   its CPU time minus its sleeps): the share of a window that another
+//!   thread held its core;
+//! - the machine's CPU pressure (PSI "some"): the share of a window in
+//!   which some thread waited for a CPU. While the reactor spins, that is
+//!   time its spinning may have taken from a thread the load needs (a
+//!   vCPU, the thread that injects its interrupts, a kernel worker);
+//! - the machine's run queue (threads runnable besides itself) against the
+//!   CPUs it may use: whether a spinner would have a core to itself;
+//! - how idle spells end: spins that caught work within the budget
+//!   (`spin_hits`) against spins that gave up (`spin_misses`), and sleeps
+//!   that ended within the budget (`quick_wakes`, work that a spin would
+//!   have caught without a wake-up) against all sleeps.
+//!
+//! Leaving `Spin` because of contention holds `Sleep` for a back-off that
+//! doubles when spinning turns out contended again soon, so that a
+//! contended reactor tries spinning ever less often. The policy is pure:
+//! time and CPU samples are inputs, which is how it is tested in virtual
+//! time.
+
+use std::time::{Duration, Instant};
+
+/// What an idle iteration does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IdleAction {
+    Spin,
+    Sleep,
+}
+
+/// The regime the adaptive policy is in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Regime {
+    Spin,
+    Sleep,
+}
+
+/// Why the policy last changed regime.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SwitchReason {
+    /// The regime it started in.
+    Start,
+    /// Another thread held the reactor's core for too much of a window.
+    Contended,
+    /// Idle spells mostly outlasted the spin budget: spinning caught
+    /// little work.
+    SpinsMissed,
+    /// A core was free and work arrived within the spin budget.
+    CoreFree,
+}
+
+impl SwitchReason {
+    pub fn name(self) -> &'static str {
+        match self {
+            SwitchReason::Start => "start",
+            SwitchReason::Contended => "contended",
+            SwitchReason::SpinsMissed => "spins-missed",
+            SwitchReason::CoreFree => "core-free",
+        }
+    }
+
+    pub(crate) fn code(self) -> u64 {
+        self as u64
+    }
+
+    pub(crate) fn from_code(code: u64) -> Self {
+        match code {
+            1 => SwitchReason::Contended,
+            2 => SwitchReason::SpinsMissed,
+            3 => SwitchReason::CoreFree,
+            _ => SwitchReason::Start,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PolicyConfig {
+    /// How often the regime is reconsidered.
+    pub window: Duration,
+    /// How long an idle reactor spins, in `Spin`, before it sleeps.
+    pub spin_budget: Duration,
+    /// The share of a window (parts per million) another thread may hold
+    /// the reactor's core, or some thread may wait for a CPU, while the
+    /// reactor spins before spinning counts as contended.
+    pub off_cpu_ppm_max: u32,
+    pub pressure_ppm_max: u32,
+    /// The CPU pressure below which a core counts as free for a spinner.
+    pub pressure_ppm_free: u32,
+    /// The shortest and longest hold of `Sleep` after contention.
+    pub hold_min: Duration,
+    pub hold_max: Duration,
+    /// CPUs the daemon may run on.
+    pub cpus: u32,
+}
+
+impl PolicyConfig {
+    pub fn new(spin_budget: Duration, cpus: u32) -> Self {
+        Self {
+            window: Duration::from_millis(10),
+            spin_budget,
+            off_cpu_ppm_max: 100_000,
+            pressure_ppm_max: 100_000,
+            pressure_ppm_free: 20_000,
+            hold_min: Duration::from_millis(50),
+            hold_max: Duration::from_secs(2),
+            cpus: cpus.max(1),
+        }
+    }
+}
+
+/// A sample of the reactor thread's CPU use and the machine's run queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CpuSample {
+    /// The reactor thread's CPU time so far.
+    pub thread_cpu: Duration,
+    /// Threads running or runnable on the machine, this one included;
+    /// None when unknown.
+    pub runnable: Option<u32>,
+    /// Time so far that some thread on the machine waited for a CPU (PSI
+    /// "some" total); None when unknown.
+    pub stalled: Option<Duration>,
+}
+
+/// What the last window showed: for stats and logs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WindowReport {
+    pub off_cpu_ppm: u32,
+    /// The share of the window (ppm) that some thread waited for a CPU;
+    /// None when unknown.
+    pub pressure_ppm: Option<u32>,
+    /// Runnable threads besides the reactor; None when unknown.
+    pub others_runnable: Option<u32>,
+    pub spin_hits: u32,
+    pub spin_misses: u32,
+    pub sleeps: u32,
+    pub quick_wakes: u32,
+}
+
+/// Idle spells and sleeps seen within the current window.
+#[derive(Clone, Copy, Debug, Default)]
+struct WindowCounts {
+    slept: Duration,
+    spin_hits: u32,
+    spin_misses: u32,
+    sleeps: u32,
+    quick_wakes: u32,
+}
+
+/// Windows in a row that must show a free core before `Sleep` gives way
+/// to `Spin`: one window can be a lull.
+const FREE_WINDOWS_TO_SPIN: u32 = 2;
+/// Sleeps in a window below which the window says nothing of whether
+/// spinning would catch work.
+const SLEEPS_TO_JUDGE_MIN: u32 = 8;
+/// Spin misses in a window below which they are not a pattern.
+const SPIN_MISSES_TO_JUDGE_MIN: u32 = 4;
+/// Spinning that stays uncontended this long resets the back-off.
+const CALM_SPIN_RESETS_BACKOFF: Duration = Duration::from_secs(1);
+
+pub struct IdlePolicy {
+    config: PolicyConfig,
+    regime: Regime,
+    reason: SwitchReason,
+    switches: u64,
+    window_start: Instant,
+    window_cpu_start: Option<Duration>,
+    window_stalled_start: Option<Duration>,
+    counts: WindowCounts,
+    /// When the current idle spell began (an iteration found nothing).
+    idle_since: Option<Instant>,
+    hold_until: Instant,
+    backoff: Duration,
+    spin_since: Instant,
+    free_windows: u32,
+    report: WindowReport,
+}
+
+impl IdlePolicy {
+    pub fn new(config: PolicyConfig, now: Instant) -> Self {
+        assert!(config.window > Duration::ZERO && config.hold_min <= config.hold_max);
+        assert!(config.off_cpu_ppm_max <= 1_000_000 && config.cpus > 0);
+        assert!(config.pressure_ppm_free <= config.pressure_ppm_max && config.pressure_ppm_max <= 1_000_000);
+        Self {
+            config,
+            regime: Regime::Spin,
+            reason: SwitchReason::Start,
+            switches: 0,
+            window_start: now,
+            window_cpu_start: None,
+            window_stalled_start: None,
+            counts: WindowCounts::default(),
+            idle_since: None,
+            hold_until: now,
+            backoff: config.hold_min,
+            spin_since: now,
+            free_windows: 0,
+            report: WindowReport::default(),
+        }
+    }
+
+    pub fn regime(&self) -> Regime {
+        self.regime
+    }
+
+    pub fn reason(&self) -> SwitchReason {
+        self.reason
+    }
+
+    pub fn switches(&self) -> u64 {
+        self.switches
+    }
+
+    pub fn last_window(&self) -> WindowReport {
+        self.report
+    }
+
+    /// After an iteration at `now` that found work (`busy`) or not: what
+    /// the reactor does next if it found none.
+    pub fn after_tick(&mut self, now: Instant, busy: bool) -> IdleAction {
+        if busy {
+            if self.idle_since.take().is_some() {
+                self.counts.spin_hits = self.counts.spin_hits.saturating_add(1);
+            }
+            return IdleAction::Spin;
+        }
+        if self.regime == Regime::Sleep {
+            return IdleAction::Sleep;
+        }
+        let since = *self.idle_since.get_or_insert(now);
+        if now.saturating_duration_since(since) < self.config.spin_budget {
+            return IdleAction::Spin;
+        }
+        IdleAction::Sleep
+    }
+
+    /// The reactor slept for `slept` (or tried to: `slept` is zero when
+    /// it found work before waiting).
+    pub fn after_sleep(&mut self, slept: Duration) {
+        if slept.is_zero() {
+            return;
+        }
+        if self.idle_since.take().is_some() && self.regime == Regime::Spin {
+            self.counts.spin_misses = self.counts.spin_misses.saturating_add(1);
+        }
+        self.counts.slept = self.counts.slept.saturating_add(slept);
+        self.counts.sleeps = self.counts.sleeps.saturating_add(1);
+        if slept < self.config.spin_budget {
+            self.counts.quick_wakes = self.counts.quick_wakes.saturating_add(1);
+        }
+    }
+
+    /// Whether a window has passed and wants a [`CpuSample`].
+    pub fn window_due(&self, now: Instant) -> bool {
+        now.saturating_duration_since(self.window_start) >= self.config.window
+    }
+
+    /// Close the window at `now` with `sample`, and maybe change regime.
+    /// Returns the new regime when it changed.
+    pub fn end_window(&mut self, now: Instant, sample: CpuSample) -> Option<Regime> {
+        let elapsed = now.saturating_duration_since(self.window_start);
+        let counts = std::mem::take(&mut self.counts);
+        let off_cpu_ppm = match self.window_cpu_start.replace(sample.thread_cpu) {
+            Some(cpu_start) => off_cpu_ppm(elapsed, sample.thread_cpu.saturating_sub(cpu_start), counts.slept),
+            None => 0,
+        };
+        let pressure_ppm = match (self.window_stalled_start, sample.stalled) {
+            (Some(start), Some(stalled)) => Some(share_ppm(stalled.saturating_sub(start), elapsed)),
+            _ => None,
+        };
+        self.window_stalled_start = sample.stalled;
+        self.window_start = now;
+        self.report = WindowReport {
+            off_cpu_ppm,
+            pressure_ppm,
+            others_runnable: sample.runnable.map(|r| r.saturating_sub(1)),
+            spin_hits: counts.spin_hits,
+            spin_misses: counts.spin_misses,
+            sleeps: counts.sleeps,
+            quick_wakes: counts.quick_wakes,
+        };
+        let next = match self.regime {
+            Regime::Spin => self.judge_spin(now),
+            Regime::Sleep => self.judge_sleep(now),
+        };
+        let (regime, reason) = next?;
+        debug_assert_ne!(regime, self.regime);
+        self.regime = regime;
+        self.reason = reason;
+        self.switches += 1;
+        self.idle_since = None;
+        self.free_windows = 0;
+        if regime == Regime::Spin {
+            self.spin_since = now;
+        }
+        Some(regime)
+    }
+
+    fn judge_spin(&mut self, now: Instant) -> Option<(Regime, SwitchReason)> {
+        let r = self.report;
+        let pressed = r.pressure_ppm.is_some_and(|ppm| ppm > self.config.pressure_ppm_max);
+        if r.off_cpu_ppm > self.config.off_cpu_ppm_max || pressed {
+            let calm = now.saturating_duration_since(self.spin_since);
+            self.backoff = if calm >= CALM_SPIN_RESETS_BACKOFF {
+                self.config.hold_min
+            } else {
+                (self.backoff * 2).clamp(self.config.hold_min, self.config.hold_max)
+            };
+            self.hold_until = now + self.backoff;
+            return Some((Regime::Sleep, SwitchReason::Contended));
+        }
+        if r.spin_misses >= SPIN_MISSES_TO_JUDGE_MIN && r.spin_misses > r.spin_hits {
+            self.hold_until = now + self.config.hold_min;
+            return Some((Regime::Sleep, SwitchReason::SpinsMissed));
+        }
+        None
+    }
+
+    fn judge_sleep(&mut self, now: Instant) -> Option<(Regime, SwitchReason)> {
+        let r = self.report;
+        // Unknown run queue: the reactor's own time off the CPU decides.
+        let spare_core = match r.others_runnable {
+            Some(others) => others < self.config.cpus,
+            None => true,
+        };
+        let calm = match r.pressure_ppm {
+            Some(ppm) => ppm <= self.config.pressure_ppm_free,
+            None => true,
+        };
+        let core_free = spare_core && calm && r.off_cpu_ppm <= self.config.off_cpu_ppm_max;
+        let spin_would_catch = r.sleeps >= SLEEPS_TO_JUDGE_MIN && r.quick_wakes * 2 >= r.sleeps;
+        self.free_windows = if core_free && spin_would_catch { self.free_windows + 1 } else { 0 };
+        if now < self.hold_until || self.free_windows < FREE_WINDOWS_TO_SPIN {
+            return None;
+        }
+        Some((Regime::Spin, SwitchReason::CoreFree))
+    }
+}
+
+/// The share of `elapsed` (ppm) that the thread spent neither on a CPU
+/// nor asleep: waiting for a core another thread held.
+fn off_cpu_ppm(elapsed: Duration, cpu: Duration, slept: Duration) -> u32 {
+    if elapsed.is_zero() {
+        return 0;
+    }
+    share_ppm(elapsed.saturating_sub(cpu).saturating_sub(slept), elapsed)
+}
+
+/// `part` of `whole` in parts per million, at most a million.
+fn share_ppm(part: Duration, whole: Duration) -> u32 {
+    if whole.is_zero() {
+        return 0;
+    }
+    let ppm = part.as_nanos().saturating_mul(1_000_000) / whole.as_nanos();
+    ppm.min(1_000_000) as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn off_cpu_share_excludes_sleep_and_cpu() {
+        let ms = Duration::from_millis;
+        assert_eq!(off_cpu_ppm(ms(10), ms(5), ms(5)), 0);
+        assert_eq!(off_cpu_ppm(ms(10), ms(5), ms(0)), 500_000);
+        assert_eq!(off_cpu_ppm(ms(10), ms(12), ms(0)), 0, "CPU time past the window is clamped");
+        assert_eq!(off_cpu_ppm(Duration::ZERO, ms(1), ms(1)), 0);
+    }
+
+    #[test]
+    fn reason_codes_round_trip() {
+        for reason in [SwitchReason::Start, SwitchReason::Contended, SwitchReason::SpinsMissed, SwitchReason::CoreFree]
+        {
+            assert_eq!(SwitchReason::from_code(reason.code()), reason);
+        }
+    }
+}
