@@ -244,12 +244,24 @@ fn encode_reactors(encoder: &mut DescriptorEncoder, reactors: &[Value]) -> Resul
             ConstCounter::new(seconds).encode(family.encode_family(&[("reactor", id.as_str())])?)?;
         }
     }
-    let mut family =
-        encoder.encode_descriptor("keelfs_reactor_sleeps", "times asleep in epoll", None, MetricType::Counter)?;
+    let counts = [
+        ("keelfs_reactor_sleeps", "times asleep in epoll", &["sleeps"][..]),
+        ("keelfs_reactor_poll_switches", "times the adaptive idle policy changed regime", &["poll", "switches"]),
+    ];
+    for (name, help, path) in counts {
+        let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+        for r in reactors {
+            let id = r["id"].to_string();
+            let value = path.iter().fold(r, |v, key| &v[*key]).as_u64().unwrap_or(0);
+            ConstCounter::new(value).encode(family.encode_family(&[("reactor", id.as_str())])?)?;
+        }
+    }
+    let help = "1 while an idle reactor spins, 0 while it sleeps at once";
+    let mut family = encoder.encode_descriptor("keelfs_reactor_spinning", help, None, MetricType::Gauge)?;
     for r in reactors {
         let id = r["id"].to_string();
-        ConstCounter::new(r["sleeps"].as_u64().unwrap_or(0))
-            .encode(family.encode_family(&[("reactor", id.as_str())])?)?;
+        let spinning = u64::from(r["poll"]["regime"].as_str() == Some("spin"));
+        ConstGauge::new(spinning).encode(family.encode_family(&[("reactor", id.as_str())])?)?;
     }
     Ok(())
 }
@@ -325,7 +337,8 @@ mod tests {
 
     fn sample() -> Value {
         json!({
-            "reactors": [{"id": 0, "busy_ns": 2_000_000_000u64, "idle_ns": 1_000_000_000u64, "sleeps": 5}],
+            "reactors": [{"id": 0, "busy_ns": 2_000_000_000u64, "idle_ns": 1_000_000_000u64, "sleeps": 5,
+                          "poll": {"mode": "adaptive", "regime": "spin", "reason": "core-free", "switches": 3}}],
             "exports": [{
                 "tag": "vm\"1", "image_attached": true,
                 "cache": {"hits": 7, "misses": 3, "evictions": 0, "pages": 2, "dirty_pages": 1, "capacity_pages": 9},
@@ -342,6 +355,8 @@ mod tests {
         assert!(text.contains("keelfs_cache_hits_total{export=\"vm\\\"1\"} 7"), "{text}");
         assert!(text.contains("keelfs_cache_dirty_pages{export=\"vm\\\"1\"} 1"), "{text}");
         assert!(text.contains("keelfs_reactor_busy_seconds_total{reactor=\"0\"} 2"), "{text}");
+        assert!(text.contains("keelfs_reactor_poll_switches_total{reactor=\"0\"} 3"), "{text}");
+        assert!(text.contains("keelfs_reactor_spinning{reactor=\"0\"} 1"), "{text}");
         assert!(text.contains("keelfs_requests_total{export=\"vm\\\"1\",transport=\"virtiofs\",op=\"read\"} 3"));
         // 512 ns folds into the first bound (1024 ns), 2048 into 2^11, 2^40
         // past the last bound into +Inf; the encoder accumulates.

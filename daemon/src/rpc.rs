@@ -316,9 +316,29 @@ pub fn snapshot(reactors: &[ReactorHandle]) -> Value {
             "messages": s.messages.load(Ordering::Relaxed),
             "task_polls": s.task_polls.load(Ordering::Relaxed),
             "virtio_fs_requests": requests,
+            "poll": poll_json(&s.poll_state()),
         }));
     }
     json!({"uptime_ns": taken_at, "reactors": reactor_lines, "exports": exports})
+}
+
+/// The idle policy's state: what an idle iteration does now and why.
+fn poll_json(p: &keelfs_reactor::PollState) -> Value {
+    json!({
+        "mode": p.mode,
+        "regime": match p.regime {
+            keelfs_reactor::Regime::Spin => "spin",
+            keelfs_reactor::Regime::Sleep => "sleep",
+        },
+        "reason": p.reason.name(),
+        "switches": p.switches,
+        "off_cpu_share": f64::from(p.off_cpu_ppm) / 1e6,
+        "others_runnable": p.others_runnable,
+        "cpu_pressure_share": p.pressure_ppm.map(|ppm| f64::from(ppm) / 1e6),
+        "spin_hits": p.spin_hits,
+        "spin_misses": p.spin_misses,
+        "quick_wakes": p.quick_wakes,
+    })
 }
 
 /// Connect to a running keelfsd's RPC socket.

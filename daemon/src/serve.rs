@@ -22,7 +22,7 @@ use anyhow::{bail, Context};
 use keelfs_bdev::{BlockDevice, QueueConfig};
 use keelfs_fs::{AtimeUpdates, DiscardConfig, Fs, FsConfig};
 use keelfs_reactor::DeviceChannel;
-use keelfs_reactor::{self as reactor, PollMode, Reactor, ReactorConfig, ReactorHandle};
+use keelfs_reactor::{self as reactor, CpuLoadProbe, PollMode, Reactor, ReactorConfig, ReactorHandle};
 use keelfs_vhost::OpStats;
 use keelfs_vhost::SocketAccess;
 use keelfs_vhost::{serve_dev_fuse_with as serve_fuse, FuseMount};
@@ -307,6 +307,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let listeners = Listeners {
         rpc: config.rpc_socket.as_deref().map(rpc::bind).transpose()?,
         metrics: config.metrics_listen.map(crate::metrics::bind).transpose()?,
+        cpu_load: open_cpu_load(config.poll_mode),
     };
     if config.sandbox == SandboxMode::Namespace {
         sandbox::enter(needs_of(&config), crate::hooks::seccomp_action()).context("entering the sandbox")?;
@@ -665,13 +666,39 @@ fn await_start_up(event_rx: &mpsc::Receiver<Event>, exports: usize) -> Option<St
     None
 }
 
-/// The listeners bound before the sandbox, for the RPC and the metrics.
+/// The listeners bound before the sandbox, for the RPC and the metrics,
+/// and the run queue the adaptive reactors read (the sandbox has no /proc).
 pub(crate) struct Listeners {
     pub rpc: Option<std::os::unix::net::UnixListener>,
     pub metrics: Option<(std::net::TcpListener, std::net::SocketAddr)>,
+    pub cpu_load: Option<Arc<CpuLoadProbe>>,
 }
 
-fn start_reactors(config: &Config) -> anyhow::Result<Vec<(ReactorHandle, std::thread::JoinHandle<()>)>> {
+/// The machine's run queue and CPU pressure for the adaptive idle policy;
+/// without them the policy still works, from the reactors' own time off
+/// the CPU.
+fn open_cpu_load(mode: PollModeName) -> Option<Arc<CpuLoadProbe>> {
+    if mode != PollModeName::Adaptive {
+        return None;
+    }
+    match CpuLoadProbe::open() {
+        Ok(probe) => {
+            if !probe.has_pressure() {
+                tracing::info!("no CPU pressure (PSI) here: adaptive polling judges by the run queue and CPU time");
+            }
+            Some(Arc::new(probe))
+        }
+        Err(e) => {
+            tracing::warn!("adaptive polling without the run queue (/proc/loadavg: {e}): it judges by CPU time alone");
+            None
+        }
+    }
+}
+
+fn start_reactors(
+    config: &Config,
+    cpu_load: Option<Arc<CpuLoadProbe>>,
+) -> anyhow::Result<Vec<(ReactorHandle, std::thread::JoinHandle<()>)>> {
     let mode = match config.poll_mode {
         PollModeName::Busy => PollMode::Busy,
         PollModeName::Adaptive => PollMode::ADAPTIVE_DEFAULT,
@@ -679,7 +706,8 @@ fn start_reactors(config: &Config) -> anyhow::Result<Vec<(ReactorHandle, std::th
     };
     let mut reactors = Vec::new();
     for (id, cpu) in config.reactors.iter().enumerate() {
-        let reactor_config = ReactorConfig { id, cpu: *cpu, mode, ..ReactorConfig::default() };
+        let reactor_config =
+            ReactorConfig { id, cpu: *cpu, mode, cpu_load: cpu_load.clone(), ..ReactorConfig::default() };
         let spawned = Reactor::spawn(reactor_config, || {}).with_context(|| format!("starting reactor {id}"))?;
         reactors.push(spawned);
     }
@@ -734,7 +762,7 @@ fn run(
     for (i, export) in opened.into_iter().enumerate() {
         assigned[i % reactor_count].push(export);
     }
-    let reactors = start_reactors(config)?;
+    let reactors = start_reactors(config, listeners.cpu_load.clone())?;
     let handles: Vec<ReactorHandle> = reactors.iter().map(|(h, _)| h.clone()).collect();
     let table = Arc::new(ExportTable::default());
     // Exports start once every reactor runs, so that each knows the others

@@ -22,6 +22,20 @@ pub struct ReactorRow {
     pub id: u64,
     pub busy_percent: f64,
     pub sleeps_per_sec: f64,
+    /// What the idle policy has the reactor do when idle, and why:
+    /// "spin (core-free)", "sleep (contended)", "sleep (interrupt)".
+    pub poll: String,
+}
+
+/// The idle policy's line: a forced mode names itself, the adaptive one
+/// its regime and the reason it chose it.
+fn poll_text(poll: &Value) -> String {
+    let (mode, regime, reason) = (poll["mode"].as_str(), poll["regime"].as_str(), poll["reason"].as_str());
+    match (mode, regime, reason) {
+        (Some("adaptive"), Some(regime), Some(reason)) => format!("{regime} ({reason})"),
+        (Some(mode), Some(regime), _) => format!("{regime} ({mode})"),
+        _ => "-".into(),
+    }
 }
 
 /// One export's line.
@@ -108,6 +122,7 @@ pub fn rows(prev: Option<&Value>, cur: &Value) -> (Vec<ReactorRow>, Vec<ExportRo
                 id: u(&r["id"]),
                 busy_percent: busy as f64 * 100.0 / (busy + idle).max(1) as f64,
                 sleeps_per_sec: sleeps as f64 / seconds,
+                poll: poll_text(&r["poll"]),
             }
         })
         .collect();
@@ -155,12 +170,17 @@ pub fn draw(
     frame.render_widget(Paragraph::new(header).block(Block::bordered()), areas[0]);
     let bold = Style::default().add_modifier(Modifier::BOLD);
     let reactor_rows = reactors.iter().map(|r| {
-        Row::new(vec![r.id.to_string(), format!("{:.1}", r.busy_percent), format!("{:.0}", r.sleeps_per_sec)])
+        Row::new(vec![
+            r.id.to_string(),
+            format!("{:.1}", r.busy_percent),
+            format!("{:.0}", r.sleeps_per_sec),
+            r.poll.clone(),
+        ])
     });
-    let reactor_table =
-        Table::new(reactor_rows, [Constraint::Length(8), Constraint::Length(8), Constraint::Length(10)])
-            .header(Row::new(vec!["REACTOR", "BUSY%", "SLEEPS/s"]).style(bold))
-            .block(Block::bordered().title("Reactors"));
+    let widths = [Constraint::Length(8), Constraint::Length(8), Constraint::Length(10), Constraint::Length(24)];
+    let reactor_table = Table::new(reactor_rows, widths)
+        .header(Row::new(vec!["REACTOR", "BUSY%", "SLEEPS/s", "IDLE POLICY"]).style(bold))
+        .block(Block::bordered().title("Reactors"));
     frame.render_widget(reactor_table, areas[1]);
     let export_rows = exports.iter().map(|e| {
         Row::new(vec![
@@ -228,7 +248,8 @@ mod tests {
     fn sample(uptime_s: u64, reads: u64, busy_ns: u64, buckets: Value) -> Value {
         json!({
             "uptime_ns": uptime_s * 1_000_000_000,
-            "reactors": [{"id": 0, "busy_ns": busy_ns, "idle_ns": uptime_s * 1_000_000_000 - busy_ns, "sleeps": 0}],
+            "reactors": [{"id": 0, "busy_ns": busy_ns, "idle_ns": uptime_s * 1_000_000_000 - busy_ns, "sleeps": 0,
+                          "poll": {"mode": "adaptive", "regime": "sleep", "reason": "contended"}}],
             "exports": [{"tag": "vm1", "reactor": 0, "virtio_fs": {"in_flight": 3},
                          "ops": {"read": {"requests": reads, "errors": 0, "bytes": reads * 4096,
                                           "latency_buckets": buckets}}}],
@@ -242,6 +263,10 @@ mod tests {
         let cur = sample(12, 6000, 2_000_000_000, json!([[1024, 1000], [8192, 4950], [1_048_576, 50]]));
         let (reactors, exports) = rows(Some(&prev), &cur);
         assert!((reactors[0].busy_percent - 50.0).abs() < 0.01, "{reactors:?}");
+        assert_eq!(reactors[0].poll, "sleep (contended)");
+        let forced = json!({"mode": "busy", "regime": "spin", "reason": "start"});
+        assert_eq!(poll_text(&forced), "spin (busy)");
+        assert_eq!(poll_text(&Value::Null), "-", "an older daemon's stats have no poll");
         let e = &exports[0];
         assert!((e.iops - 2500.0).abs() < 0.01, "{e:?}");
         assert!((e.read_mib_s - 2500.0 * 4096.0 / 1048576.0).abs() < 0.01);
@@ -256,7 +281,7 @@ mod tests {
         let mut terminal = ratatui::Terminal::new(ratatui::backend::TestBackend::new(100, 20)).unwrap();
         terminal.draw(|f| draw(f, Path::new("/r.sock"), Duration::from_secs(1), &rows(None, &cur))).unwrap();
         let text: String = terminal.backend().buffer().content().iter().map(|c| c.symbol()).collect();
-        for word in ["Reactors", "Exports", "BUSY%", "P99 us", "vm1"] {
+        for word in ["Reactors", "Exports", "BUSY%", "IDLE POLICY", "sleep (contended)", "P99 us", "vm1"] {
             assert!(text.contains(word), "{word} missing");
         }
     }

@@ -62,9 +62,10 @@ fn args<'a>(image: &'a Path, mnt: &'a Path, socket: &'a Path, extra: &[&'a str])
 #[test]
 fn serve_is_sandboxed_by_default_and_still_serves() {
     let dir = Scratch::new("sandboxed");
-    let (image, mnt, socket) = (dir.path("k.img"), dir.path("mnt"), dir.path("k.sock"));
+    let (image, mnt, socket, rpc) = (dir.path("k.img"), dir.path("mnt"), dir.path("k.sock"), dir.path("rpc.sock"));
     mkfs(&image, "256M");
-    let served = Served::start(&args(&image, &mnt, &socket, &[]), &[&mnt]);
+    let rpc_arg = rpc.to_str().unwrap();
+    let served = Served::start(&args(&image, &mnt, &socket, &["--rpc", rpc_arg]), &[&mnt]);
     let server = server_of(served.child.id());
 
     // The serving process: namespaces of its own, for every kind.
@@ -91,6 +92,7 @@ fn serve_is_sandboxed_by_default_and_still_serves() {
     std::fs::write(mnt.join("hello"), b"sandboxed").unwrap();
     assert_eq!(std::fs::read(mnt.join("hello")).unwrap(), b"sandboxed");
     assert!(socket.exists());
+    assert_idle_policy_sees_the_run_queue(&rpc, &mnt);
 
     // A clean stop: the supervisor unmounts (the server cannot see the
     // mount point) and removes the socket.
@@ -99,6 +101,27 @@ fn serve_is_sandboxed_by_default_and_still_serves() {
     assert!(!is_mounted(&mnt), "the host mount is left behind");
     assert!(!socket.exists(), "the socket is left behind");
     assert_eq!(common::fsck(&image).0, 0);
+}
+
+/// The adaptive idle policy reads the machine's run queue from a file the
+/// server opened before its sandbox took /proc away: the stats show a
+/// count, not null. Each write to the mount wakes the reactor, which ends
+/// a policy window once 10 ms have passed; bounded tries, no timing.
+fn assert_idle_policy_sees_the_run_queue(rpc: &Path, mnt: &Path) {
+    for attempt in 0..200 {
+        std::fs::write(mnt.join("wake"), attempt.to_string()).unwrap();
+        let out = keelfsd().arg("stats").arg("--rpc").arg(rpc).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let poll = &stats["reactors"][0]["poll"];
+        assert_eq!(poll["mode"], "adaptive", "{stats}");
+        assert!(poll["regime"] == "spin" || poll["regime"] == "sleep", "{stats}");
+        if poll["others_runnable"].is_u64() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("the sandboxed reactor's idle policy never saw the run queue");
 }
 
 #[test]
