@@ -30,16 +30,23 @@ mod fuse {
     pub mod request;
     pub mod state;
     pub mod stats;
+    pub mod uring;
 }
 
 /// The FUSE wire format: opcodes, init flags and reply layouts, named as
 /// linux/fuse.h names them. It stays a module, as the header is one
 /// vocabulary, for the tests and tools that speak FUSE bytes.
 pub use fuse::abi;
-pub use fuse::dev_fuse::{serve as serve_dev_fuse, serve_with as serve_dev_fuse_with, FuseMount};
+pub use fuse::dev_fuse::{
+    serve as serve_dev_fuse, serve_over as serve_dev_fuse_over, serve_with as serve_dev_fuse_with, FuseMount,
+};
 pub use fuse::dispatch::{CacheMode, Session, SessionConfig, SESSION_HANDLES_MAX};
 pub use fuse::state::{SessionState, StateError, STATE_BYTES_MAX, STATE_VERSION};
 pub use fuse::stats::OpStats;
+pub use fuse::uring::{
+    probe as probe_fuse_uring, UringError as FuseUringError, UringPlan as FuseUringPlan,
+    ENABLE_PARAMETER as FUSE_URING_PARAMETER,
+};
 pub use qos::{Qos, QosError, QosLimits, QosStats, IO_BYTES_MAX as QOS_IO_BYTES_MAX};
 pub use socket::{bind_listener, clear_stale, stop_accepting, SocketAccess};
 pub use vhost_user::{ImageAccess, LocalFuture, ServeOptions, VhostUserServer};

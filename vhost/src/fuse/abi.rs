@@ -163,6 +163,9 @@ pub mod init_flags {
     pub const CREATE_SUPP_GROUP: u64 = 1 << 34;
     pub const HAS_EXPIRE_ONLY: u64 = 1 << 35;
     pub const DIRECT_IO_ALLOW_MMAP: u64 = 1 << 36;
+    /// FUSE_OVER_IO_URING (protocol 7.42): requests after INIT may come
+    /// through io_uring ring entries (fuse-io-uring.rst).
+    pub const OVER_IO_URING: u64 = 1 << 41;
     pub const SETXATTR_EXT: u64 = 1 << 29;
     pub const HANDLE_KILLPRIV_V2: u64 = 1 << 28;
 }

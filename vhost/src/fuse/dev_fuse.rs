@@ -15,7 +15,11 @@ use std::time::Instant;
 use keelfs_reactor::{self as reactor, Poller, PollerClass};
 
 use super::dispatch::Session;
+use super::uring::{self, UringError, UringPlan};
 use crate::qos::{Charge, Gate, Qos};
+
+/// fuse_opcode FUSE_INIT.
+const OPCODE_INIT: u32 = 26;
 
 /// Requests read per poll: bounds one reactor iteration.
 const REQUESTS_PER_POLL_MAX: usize = 32;
@@ -135,6 +139,28 @@ pub fn serve(session: Rc<Session>, mount: Rc<FuseMount>, on_end: Box<dyn FnOnce(
 /// [`serve`], with the READs and WRITEs limited by `qos` (the export's
 /// limiter, shared with its vhost-user device on this reactor).
 pub fn serve_with(session: Rc<Session>, mount: Rc<FuseMount>, qos: Option<Rc<Qos>>, on_end: Box<dyn FnOnce()>) {
+    serve_over(session, mount, qos, None, on_end).expect("no ring to set up");
+}
+
+/// [`serve_with`], moving the requests to FUSE over io_uring after INIT
+/// when `uring` is given (see [`uring`]). The ring is set up here, before
+/// INIT: failing that is an error. Should the kernel not agree at INIT or
+/// refuse the ring's registration, /dev/fuse serves on, unless
+/// `uring.required`, which unmounts. `session.stats()` names the transport
+/// in use.
+pub fn serve_over(
+    session: Rc<Session>,
+    mount: Rc<FuseMount>,
+    qos: Option<Rc<Qos>>,
+    uring: Option<UringPlan>,
+    on_end: Box<dyn FnOnce()>,
+) -> Result<(), UringError> {
+    let ring = match uring {
+        Some(plan) => Some((uring::prepare(Rc::clone(&mount), plan, session.max_write())?, plan.required)),
+        None => None,
+    };
+    session.offer_io_uring(ring.is_some());
+    session.stats().set_transport("dev");
     let notify_to = Rc::clone(&mount);
     // A notification the kernel refuses (the mount is going away) needs
     // nothing more.
@@ -145,9 +171,51 @@ pub fn serve_with(session: Rc<Session>, mount: Rc<FuseMount>, qos: Option<Rc<Qos
         buf: vec![0u8; REQUEST_BUFFER_BYTES],
         closed: false,
         on_end: Some(on_end),
-        deferred: qos.map(Gate::new),
+        deferred: qos.clone().map(Gate::new),
+        after_init: Rc::new(AfterInit { ring: std::cell::Cell::new(ring), qos, ended: Rc::default() }),
     };
     reactor::register_poller(PollerClass::Source, Box::new(poller));
+    Ok(())
+}
+
+/// What the first INIT's answer leads to: the ring, if one is ready.
+struct AfterInit {
+    ring: std::cell::Cell<Option<(uring::Prepared, bool)>>,
+    qos: Option<Rc<Qos>>,
+    /// Set when the kernel ends the session, for the ring's poller.
+    ended: Rc<std::cell::Cell<bool>>,
+}
+
+impl AfterInit {
+    /// INIT was answered: register the ring if the kernel agreed to it.
+    fn run(&self, session: &Rc<Session>, mount: &FuseMount) {
+        let Some((prepared, required)) = self.ring.take() else {
+            tracing::info!("host mount served through /dev/fuse");
+            return;
+        };
+        let entries = prepared.entries();
+        let outcome = match session.over_io_uring() {
+            true => uring::start(Rc::clone(session), prepared, self.qos.clone(), Rc::clone(&self.ended)),
+            false => Err(UringError::Unavailable("the kernel did not offer FUSE_OVER_IO_URING at INIT".into())),
+        };
+        match outcome {
+            Ok(()) => {
+                session.stats().set_transport("uring");
+                tracing::info!(entries, "host mount served through FUSE over io_uring");
+            }
+            // Refused or never offered: the kernel sends everything
+            // through /dev/fuse.
+            Err(e @ (UringError::Refused(_) | UringError::Unavailable(_))) if !required => {
+                tracing::warn!("{e}; host mount served through /dev/fuse");
+            }
+            // Otherwise the kernel may hold every request for a ring that
+            // will not come, or the configuration asked for io_uring only.
+            Err(e) => {
+                tracing::error!("{e}; unmounting the host mount");
+                let _ = mount.unmount();
+            }
+        }
+    }
 }
 
 struct DevFusePoller {
@@ -160,16 +228,24 @@ struct DevFusePoller {
     /// many requests outstanding per mount (max_background for the
     /// asynchronous ones, a blocked caller for each other).
     deferred: Option<Gate<Vec<u8>>>,
+    after_init: Rc<AfterInit>,
 }
 
 impl DevFusePoller {
     fn start(&self, request: Vec<u8>) {
         let (session, mount) = (Rc::clone(&self.session), Rc::clone(&self.mount));
+        let is_init = request.get(4..8) == Some(&OPCODE_INIT.to_le_bytes()[..]);
+        let after_init = is_init.then(|| Rc::clone(&self.after_init));
         reactor::spawn_local(async move {
             if let Some(reply) = session.handle(&request).await {
                 // ENOENT: the kernel gave up on the request
                 // (interrupted); nothing else to do.
                 let _ = (&mount.device).write_all(&reply);
+            }
+            // The kernel took the INIT reply in the write: the ring's
+            // registration needs it to have.
+            if let Some(after_init) = after_init {
+                after_init.run(&session, &mount);
             }
         });
     }
@@ -212,6 +288,7 @@ impl Poller for DevFusePoller {
                     // ENODEV after unmount, or a broken session: stop.
                     // There is nothing left to unmount.
                     self.closed = true;
+                    self.after_init.ended.set(true);
                     // Nobody is left to answer.
                     self.deferred = None;
                     self.mount.gone();

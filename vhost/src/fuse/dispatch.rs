@@ -100,6 +100,9 @@ pub struct Session {
     stats: Rc<OpStats>,
     initialized: Cell<bool>,
     flags: Cell<u64>,
+    /// Offer FUSE_OVER_IO_URING at INIT: set by the /dev/fuse transport
+    /// when it has a ring ready (`fuse::uring`).
+    offer_io_uring: Cell<bool>,
     /// Handles whose reads other reactors serve from the page cache
     /// ([`Self::shared_reader`]), and the flag that tells them the handle
     /// was released.
@@ -199,6 +202,7 @@ impl Session {
             config,
             stats,
             initialized: Cell::new(false),
+            offer_io_uring: Cell::new(false),
             flags: Cell::new(0),
             shared_handles: RefCell::default(),
             holdings: RefCell::default(),
@@ -376,6 +380,22 @@ impl Session {
         self.stats.record(opcode, bytes, failed, started.elapsed());
     }
 
+    /// The kernel and this session agreed at INIT to move requests to
+    /// io_uring ring entries.
+    /// The largest WRITE (and READ) this session agreed to at INIT.
+    pub fn max_write(&self) -> usize {
+        self.config.max_write as usize
+    }
+
+    /// Offer FUSE_OVER_IO_URING at the next INIT.
+    pub fn offer_io_uring(&self, offer: bool) {
+        self.offer_io_uring.set(offer);
+    }
+
+    pub fn over_io_uring(&self) -> bool {
+        self.flags.get() & f::OVER_IO_URING != 0
+    }
+
     pub fn fs(&self) -> &Fs {
         &self.fs
     }
@@ -508,6 +528,9 @@ impl Session {
         let mut offered = OFFERED;
         if self.config.writeback_cache {
             offered |= f::WRITEBACK_CACHE;
+        }
+        if self.offer_io_uring.get() {
+            offered |= f::OVER_IO_URING;
         }
         let flags = kernel_flags & offered;
         self.flags.set(flags);

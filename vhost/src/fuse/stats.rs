@@ -2,7 +2,7 @@
 //! latency histogram. Kept outside the session so that they outlive
 //! reconnects; read on the session's reactor (no atomics, no locks).
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -120,12 +120,33 @@ pub struct OpStats {
     /// key [`UNKNOWN_OPCODE`], so a client sending many distinct numbers
     /// cannot grow the table past the known opcodes plus one.
     ops: RefCell<BTreeMap<u32, OpCounter>>,
+    /// The transport that carries the requests, where there is a choice
+    /// (the host mount: "dev" or "uring").
+    transport: Cell<Option<&'static str>>,
+    /// Requests that came through io_uring ring entries.
+    ring_requests: Cell<u64>,
 }
 
 /// The key of every opcode that is not a FUSE opcode keelfs knows.
 const UNKNOWN_OPCODE: u32 = u32::MAX;
 
 impl OpStats {
+    pub fn set_transport(&self, name: &'static str) {
+        self.transport.set(Some(name));
+    }
+
+    pub fn transport(&self) -> Option<&'static str> {
+        self.transport.get()
+    }
+
+    pub fn count_ring_request(&self) {
+        self.ring_requests.set(self.ring_requests.get() + 1);
+    }
+
+    pub fn ring_requests(&self) -> u64 {
+        self.ring_requests.get()
+    }
+
     pub fn record(&self, opcode: u32, bytes: usize, failed: bool, latency: Duration) {
         let key = if Opcode::from_u32(opcode).is_some() { opcode } else { UNKNOWN_OPCODE };
         let mut ops = self.ops.borrow_mut();
