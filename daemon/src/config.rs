@@ -127,6 +127,7 @@ struct RawExport {
     read_only: Option<bool>,
     atime: Option<AtimeName>,
     fuse_mount: Option<PathBuf>,
+    fuse_transport: Option<FuseTransport>,
     session_file: Option<PathBuf>,
     discard: Option<bool>,
     discard_mib_per_sec: Option<Spanned<u64>>,
@@ -155,6 +156,19 @@ enum AtimeName {
     Relatime,
     Noatime,
     Strictatime,
+}
+
+/// How a host mount's requests travel after INIT (`fuse_transport`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum FuseTransport {
+    /// FUSE over io_uring where the kernel has it on, else /dev/fuse.
+    #[default]
+    Auto,
+    /// FUSE over io_uring only: an error at start without it.
+    Uring,
+    /// /dev/fuse read and write.
+    Dev,
 }
 
 #[derive(Clone, Copy, Debug, Deserialize)]
@@ -323,6 +337,8 @@ pub struct Export {
     /// mount(2) flags of the host mount (MS_RDONLY is added for a
     /// read-only export): nosuid and nodev unless asked otherwise.
     pub fuse_mount_flags: libc::c_ulong,
+    /// How the host mount's requests travel.
+    pub fuse_transport: FuseTransport,
     /// Where a clean shutdown keeps the guest's session for the next
     /// start to restore. None: beside an image that is a regular file
     /// (IMAGE.session); an empty path: nowhere.
@@ -387,6 +403,7 @@ impl Export {
             fuse_source: "keelfs".into(),
             fuse_type: "fuse.keelfs".into(),
             fuse_mount_flags: libc::MS_NOSUID | libc::MS_NODEV,
+            fuse_transport: FuseTransport::Auto,
             session_file: None,
             discard: false,
             discard_mib_per_sec: DISCARD_MIB_PER_SEC_DEFAULT,
@@ -656,6 +673,7 @@ fn apply_serving(src: &Source, e: &RawExport, export: &mut Export) -> Result<(),
         export.request_queues = usize::from(n);
     }
     export.spread_queues = e.spread_queues.unwrap_or(false);
+    export.fuse_transport = e.fuse_transport.unwrap_or_default();
     if let Some(size) = &e.page_cache {
         let bytes = parse_size(size.get_ref()).map_err(|m| src.error(size.span(), m))?;
         if bytes < 1 << 20 {
@@ -847,6 +865,17 @@ atime = "noatime"
         assert!(error_of(&not_rbd).contains("rbd:POOL/IMAGE"), "{}", error_of(&not_rbd));
         let no_pool = format!("[[device]]\nname = \"r\"\nbackend = \"rbd\"\npath = \"rbd:vm1\"\n{export}");
         assert!(error_of(&no_pool).contains("no '/' between pool and image"), "{}", error_of(&no_pool));
+    }
+
+    #[test]
+    fn fuse_transport_is_auto_unless_set() {
+        let base = "[[device]]\nname = \"d\"\npath = \"/x\"\n[[export]]\ntag = \"a\"\ndevice = \"d\"\n";
+        let e =
+            |extra: &str| parse("t.toml", &format!("{base}fuse_mount = \"/m\"\n{extra}")).map(|c| c.exports[0].clone());
+        assert_eq!(e("").unwrap().fuse_transport, FuseTransport::Auto);
+        assert_eq!(e("fuse_transport = \"uring\"\n").unwrap().fuse_transport, FuseTransport::Uring);
+        assert_eq!(e("fuse_transport = \"dev\"\n").unwrap().fuse_transport, FuseTransport::Dev);
+        assert!(e("fuse_transport = \"splice\"\n").is_err());
     }
 
     #[test]

@@ -43,6 +43,11 @@ mod hooks {
 
     /// Nothing to do once ready.
     pub fn after_ready() {}
+
+    /// The kernel's switch for FUSE over io_uring.
+    pub fn fuse_uring_parameter() -> std::path::PathBuf {
+        keelfs_vhost::FUSE_URING_PARAMETER.into()
+    }
 }
 
 use std::path::PathBuf;
@@ -156,6 +161,11 @@ enum Command {
         /// relatime, strictatime, lazytime, sync, dirsync.
         #[arg(long)]
         fuse_options: Option<String>,
+        /// How the --fuse-mount mount's requests travel: auto (default:
+        /// FUSE over io_uring where the kernel has it on, else /dev/fuse),
+        /// uring (an error without it) or dev (/dev/fuse read/write).
+        #[arg(long, value_enum)]
+        fuse_transport: Option<config::FuseTransport>,
     },
     /// Print a running daemon's counters as JSON.
     Stats {
@@ -266,6 +276,7 @@ pub fn run() -> ExitCode {
             fuse_source,
             fuse_type,
             fuse_options,
+            fuse_transport,
         } => serve::serve(serve::ServeArgs {
             config,
             device,
@@ -284,6 +295,7 @@ pub fn run() -> ExitCode {
             fuse_source,
             fuse_type,
             fuse_options,
+            fuse_transport,
         }),
         Command::Stats { rpc, table } => rpc::query(&rpc).map(|stats| {
             let text = if table {

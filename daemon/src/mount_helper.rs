@@ -108,6 +108,7 @@ fn parse_options(request: &mut Request, options: &str) -> Result<(), UsageError>
             ("cache" | "sandbox" | "reactors" | "rpc" | "socket" | "tag" | "queues" | "config", Some(v)) => {
                 request.serve_flags.extend([format!("--{key}"), v.to_owned()]);
             }
+            ("fuse_transport", Some(v)) => request.serve_flags.extend(["--fuse-transport".into(), v.to_owned()]),
             ("log", Some(v)) => request.log = Some(PathBuf::from(v)),
             (k, None) if mount_flags(k).is_ok() => request.mount_options.push(k.to_owned()),
             (k, None) if IGNORED.contains(&k) => {}
@@ -254,5 +255,7 @@ mod tests {
         assert!(parsed(&["/img", "/mnt", "-o", "bogus"]).is_err());
         assert!(parsed(&["/img", "/mnt", "-o", "cache"]).is_err(), "cache needs a value");
         assert!(parsed(&["/img", "/mnt", "-X"]).is_err());
+        let r = parsed(&["/img", "/mnt", "-o", "fuse_transport=uring"]).unwrap();
+        assert_eq!(r.serve_flags, ["--fuse-transport", "uring"]);
     }
 }

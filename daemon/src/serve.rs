@@ -25,13 +25,13 @@ use keelfs_reactor::DeviceChannel;
 use keelfs_reactor::{self as reactor, CpuLoadProbe, PollMode, Reactor, ReactorConfig, ReactorHandle};
 use keelfs_vhost::OpStats;
 use keelfs_vhost::SocketAccess;
-use keelfs_vhost::{serve_dev_fuse_with as serve_fuse, FuseMount};
+use keelfs_vhost::{probe_fuse_uring, serve_dev_fuse_over as serve_fuse, FuseMount, FuseUringPlan};
 use keelfs_vhost::{CacheMode, Session, SessionConfig, SessionState};
 use keelfs_vhost::{ImageAccess, ServeOptions, VhostUserServer};
 use keelfs_vhost::{Qos, QosError, QosLimits};
 use serde_json::{json, Value};
 
-use crate::config::{self, Config, Export, PollModeName};
+use crate::config::{self, Config, Export, FuseTransport, PollModeName};
 use crate::control::{Control, ExportEntry, ExportTable, Lifecycle};
 use crate::image::{ExportImage, SessionFile};
 use crate::lock::ImageLock;
@@ -51,6 +51,7 @@ pub struct ServeArgs {
     pub fuse_source: Option<String>,
     pub fuse_type: Option<String>,
     pub fuse_options: Option<String>,
+    pub fuse_transport: Option<config::FuseTransport>,
     pub socket: Option<PathBuf>,
     pub tag: Option<String>,
     pub queues: Option<usize>,
@@ -164,6 +165,7 @@ fn resolve(args: ServeArgs) -> anyhow::Result<Config> {
         || args.fuse_source.is_some()
         || args.fuse_type.is_some()
         || args.fuse_options.is_some()
+        || args.fuse_transport.is_some()
         || args.tag.is_some()
         || args.queues.is_some()
         || args.spread_queues
@@ -208,6 +210,9 @@ fn apply_export_flags(args: &ServeArgs, export: &mut Export) -> anyhow::Result<(
     }
     if let Some(options) = &args.fuse_options {
         export.fuse_mount_flags = crate::mount_helper::mount_flags(options)?;
+    }
+    if let Some(transport) = args.fuse_transport {
+        export.fuse_transport = transport;
     }
     if let Some(queues) = args.queues {
         export.request_queues = queues;
@@ -451,7 +456,7 @@ pub(crate) struct Opened {
     export: Export,
     dev: Arc<dyn BlockDevice>,
     listener: Option<std::os::unix::net::UnixListener>,
-    fuse: Option<FuseMount>,
+    fuse: Option<HostMount>,
     /// The image's lock, held until the export stops (taken later by an
     /// `--incoming` export); None for NVMe.
     lock: Option<ImageLock>,
@@ -489,7 +494,10 @@ pub(crate) fn open_export(
         None => None,
     };
     let fuse = match &export.fuse_mount {
-        Some(dir) => Some(mount_on_host(export, dir, link)?),
+        Some(dir) => {
+            let uring = fuse_uring_plan(export)?;
+            Some(HostMount { mount: mount_on_host(export, dir, link)?, uring })
+        }
         None => None,
     };
     let session = match SessionFile::path_of(export) {
@@ -564,6 +572,32 @@ pub(crate) fn open_export_brokered(export: &Export, link: &SupervisorLink) -> an
     let opened =
         Opened { export, dev, listener: Some(opened.listener), fuse: None, lock: Some(opened.lock), session: None };
     Ok((opened, index))
+}
+
+/// A host mount, and the ring to move its requests to after INIT.
+pub(crate) struct HostMount {
+    mount: FuseMount,
+    uring: Option<FuseUringPlan>,
+}
+
+/// Whether the export's host mount moves to FUSE over io_uring after INIT
+/// (`fuse_transport`): decided before the sandbox hides /sys. `uring`
+/// without it is an error; `auto` says why it serves /dev/fuse.
+fn fuse_uring_plan(export: &Export) -> anyhow::Result<Option<FuseUringPlan>> {
+    let parameter = crate::hooks::fuse_uring_parameter();
+    match export.fuse_transport {
+        FuseTransport::Dev => Ok(None),
+        FuseTransport::Uring => probe_fuse_uring(&parameter, true)
+            .map(Some)
+            .with_context(|| format!("export {}: fuse_transport = \"uring\"", export.tag)),
+        FuseTransport::Auto => match probe_fuse_uring(&parameter, false) {
+            Ok(plan) => Ok(Some(plan)),
+            Err(e) => {
+                tracing::info!("export {}: {e}; the host mount is served through /dev/fuse", export.tag);
+                Ok(None)
+            }
+        },
+    }
 }
 
 /// Mount the export at `dir` through /dev/fuse.
@@ -1118,7 +1152,7 @@ async fn start_transports(
     dev: &Arc<dyn BlockDevice>,
     (helpers, qos): (Vec<ReactorHandle>, Option<Rc<Qos>>),
     listener: Option<std::os::unix::net::UnixListener>,
-    fuse: Option<FuseMount>,
+    fuse: Option<HostMount>,
     on_mount_gone: Box<dyn FnOnce()>,
 ) -> anyhow::Result<(Option<VhostUserServer>, Option<Rc<FuseMount>>, Option<Rc<OpStats>>)> {
     let session_config =
@@ -1148,12 +1182,12 @@ async fn start_transports(
         }
         _ => None,
     };
-    let Some(mount) = fuse else { return Ok((server, None, None)) };
+    let Some(HostMount { mount, uring }) = fuse else { return Ok((server, None, None)) };
     let fs = fs.context("a host mount needs its filesystem mounted")?;
     let mount = Rc::new(mount);
     let session = Rc::new(Session::new(fs.clone(), session_config));
     let stats = session.stats().clone();
-    serve_fuse(session, mount.clone(), qos, on_mount_gone);
+    serve_fuse(session, mount.clone(), qos, uring, on_mount_gone).context("setting up FUSE over io_uring")?;
     Ok((server, Some(mount), Some(stats)))
 }
 
@@ -1337,6 +1371,8 @@ pub async fn local_stats() -> Vec<Value> {
             "virtio_fs": server.as_deref().map_or(Value::Null, device_json),
             "ops": server.as_ref().map_or_else(|| Value::Object(Default::default()), |s| ops_json(s.op_stats())),
             "fuse_mount_ops": fuse_stats.as_deref().map(ops_json),
+            "fuse_transport": fuse_stats.as_deref().and_then(OpStats::transport),
+            "fuse_ring_requests": fuse_stats.as_deref().map(OpStats::ring_requests),
             "fs": counters,
             "cache": cache,
             "space": space,

@@ -26,6 +26,15 @@ pub fn seccomp_action() -> Action {
     }
 }
 
+/// `KEELFS_TEST_FUSE_URING_PARAMETER=PATH`: read PATH instead of the fuse
+/// module's enable_uring, to play a kernel without FUSE over io_uring.
+const FUSE_URING_PARAMETER_ENV: &str = "KEELFS_TEST_FUSE_URING_PARAMETER";
+
+/// The kernel's switch for FUSE over io_uring, or the test's stand-in.
+pub fn fuse_uring_parameter() -> std::path::PathBuf {
+    std::env::var_os(FUSE_URING_PARAMETER_ENV).map_or_else(|| keelfs_vhost::FUSE_URING_PARAMETER.into(), Into::into)
+}
+
 /// Called once the daemon is ready: with [`PROBE_ENV`] set, try to open a
 /// file, which the sandbox forbids (the filter kills the process;
 /// unsandboxed, the open just fails).
