@@ -1,7 +1,8 @@
 //! `keelfsd serve --fuse-mount` passes the real POSIX suites from
 //! crates.io (pjdfstest, fsx), shuts down cleanly on SIGTERM, and leaves a
-//! clean filesystem. scripts/setup.sh installs the suites and the dummy
-//! user pjdfstest needs.
+//! clean filesystem, on each FUSE transport: /dev/fuse and io_uring.
+//! scripts/setup.sh installs the suites and the dummy user pjdfstest
+//! needs, and turns FUSE over io_uring on.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -19,11 +20,13 @@ fn tool(name: &str) -> PathBuf {
 }
 
 mod common;
-use common::{is_mounted, keelfsd, Served};
+use common::{is_mounted, keelfsd, require_fuse_transport, Served};
 
-fn serve(image: &Path, mountpoint: &Path, cache: &str) -> Served {
+fn serve(image: &Path, mountpoint: &Path, cache: &str, transport: &str) -> Served {
     Served::start(
         &[
+            "--fuse-transport".as_ref(),
+            transport.as_ref(),
             "--cache".as_ref(),
             cache.as_ref(),
             "--device".as_ref(),
@@ -110,17 +113,27 @@ const FSX_BUFFERED_OPS: &[&str] = &[
 const FSX_MMAP_OPS: &[&str] = &["read", "write", "mapread", "mapwrite", "msync", "truncate", "fsync"];
 
 #[test]
-fn pjdfstest_and_fsx_pass_on_a_host_mount() {
+fn pjdfstest_and_fsx_pass_on_a_host_mount_on_dev_fuse() {
+    suites_pass("dev");
+}
+
+#[test]
+fn pjdfstest_and_fsx_pass_on_a_host_mount_over_io_uring() {
+    suites_pass("uring");
+}
+
+fn suites_pass(transport: &str) {
+    require_fuse_transport(transport);
     let base = if Path::new("/dev/shm").is_dir() { PathBuf::from("/dev/shm") } else { std::env::temp_dir() };
-    let image = base.join(format!("keelfsd-suites-{}.img", std::process::id()));
-    let mountpoint = std::env::temp_dir().join(format!("keelfsd-suites-mnt-{}", std::process::id()));
+    let image = base.join(format!("keelfsd-suites-{transport}-{}.img", std::process::id()));
+    let mountpoint = std::env::temp_dir().join(format!("keelfsd-suites-mnt-{transport}-{}", std::process::id()));
     let _ = std::fs::remove_file(&image);
     assert!(keelfsd().arg("mkfs").arg(&image).args(["--size", "1G"]).status().unwrap().success());
-    let served = serve(&image, &mountpoint, "auto");
+    let served = serve(&image, &mountpoint, "auto", transport);
 
     let work = mountpoint.join("pjd");
     std::fs::create_dir(&work).unwrap();
-    let config = std::env::temp_dir().join(format!("pjdfstest-{}.toml", std::process::id()));
+    let config = std::env::temp_dir().join(format!("pjdfstest-{transport}-{}.toml", std::process::id()));
     std::fs::write(&config, PJDFSTEST_CONFIG).unwrap();
     let out = Command::new(tool("pjdfstest"))
         .arg("-c")
@@ -167,14 +180,14 @@ fn pjdfstest_and_fsx_pass_on_a_host_mount() {
 
     // And with --cache none, where every open is direct I/O: keelfs's
     // direct paths (aligned and bounced), mmap allowed on direct files.
-    let served = serve(&image, &mountpoint, "none");
+    let served = serve(&image, &mountpoint, "none", transport);
     run_fsx(&mountpoint.join("fsx-direct"), "buffered", "8", FSX_BUFFERED_OPS);
     run_fsx(&mountpoint.join("fsx-direct-mmap"), "mmap", "18", FSX_MMAP_OPS);
     assert!(served.stop().success());
 
     // And with --cache always: writeback caching in the host kernel,
     // which reads through write-only handles and owns size and mtime.
-    let served = serve(&image, &mountpoint, "always");
+    let served = serve(&image, &mountpoint, "always", transport);
     run_fsx(&mountpoint.join("fsx-writeback"), "buffered", "9", FSX_BUFFERED_OPS);
     run_fsx(&mountpoint.join("fsx-writeback-mmap"), "mmap", "19", FSX_MMAP_OPS);
     assert!(served.stop().success());

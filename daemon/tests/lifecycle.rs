@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{fsck, is_mounted, keelfsd, mkfs, Scratch, Served};
+use common::{fsck, is_mounted, keelfsd, mkfs, require_fuse_transport, Scratch, Served};
 
 fn os(s: &str) -> &OsStr {
     OsStr::new(s)
@@ -64,11 +64,22 @@ fn sigterm_leaves_a_clean_filesystem_that_a_restart_serves() {
 type SyncedFile = (String, Vec<u8>);
 
 #[test]
-fn kill_9_under_a_write_load_loses_no_fsynced_file() {
-    let dir = Scratch::new("kill9");
+fn kill_9_under_a_write_load_loses_no_fsynced_file_on_dev_fuse() {
+    kill_9_under_a_write_load("dev");
+}
+
+#[test]
+fn kill_9_under_a_write_load_loses_no_fsynced_file_over_io_uring() {
+    kill_9_under_a_write_load("uring");
+}
+
+fn kill_9_under_a_write_load(transport: &str) {
+    require_fuse_transport(transport);
+    let dir = Scratch::new(&format!("kill9-{transport}"));
     let (image, mnt) = (dir.path("fs.img"), dir.path("mnt"));
     mkfs(&image, "256M");
-    let args = [os("--device"), image.as_os_str(), os("--fuse-mount"), mnt.as_os_str()];
+    let args =
+        [os("--fuse-transport"), os(transport), os("--device"), image.as_os_str(), os("--fuse-mount"), mnt.as_os_str()];
     let mut served = Served::start(&args, &[&mnt]);
 
     let synced: Arc<Mutex<Vec<SyncedFile>>> = Arc::default();

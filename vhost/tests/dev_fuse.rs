@@ -1,5 +1,8 @@
 //! keelfs mounted on the host through /dev/fuse: ordinary file calls from
-//! this thread, served by a reactor thread, leave a clean filesystem.
+//! this thread, served by a reactor thread, leave a clean filesystem. Each
+//! test runs on both transports: /dev/fuse read/write, and FUSE over
+//! io_uring (which needs `enable_uring`, as scripts/setup.sh sets it; the
+//! io_uring test fails without it rather than skip).
 
 use std::cell::RefCell;
 use std::io::{Read, Write};
@@ -13,22 +16,54 @@ use keelfs_fs::{mkfs, MkfsOptions};
 use keelfs_fs::{Fs, FsConfig};
 use keelfs_reactor::DeviceChannel;
 use keelfs_reactor::{self as reactor, PollMode, Reactor, ReactorConfig};
-use keelfs_vhost::{serve_dev_fuse as serve, FuseMount};
+use keelfs_vhost::{probe_fuse_uring, serve_dev_fuse_over, FuseMount, FuseUringPlan, FUSE_URING_PARAMETER};
 use keelfs_vhost::{Session, SessionConfig};
 
+/// What the reactor serves: the filesystem, the mount and its session.
+type Served = (Fs, Rc<FuseMount>, Rc<Session>);
+
 thread_local! {
-    static SERVED: RefCell<Option<(Fs, Rc<FuseMount>)>> = const { RefCell::new(None) };
+    static SERVED: RefCell<Option<Served>> = const { RefCell::new(None) };
 }
 
 fn channel(dev: &Arc<dyn BlockDevice>) -> DeviceChannel {
     DeviceChannel::attach(dev.open_queue(QueueConfig::default()).unwrap())
 }
 
+/// The plan for FUSE over io_uring, or a failure that says how to get it.
+fn uring_plan() -> FuseUringPlan {
+    probe_fuse_uring(std::path::Path::new(FUSE_URING_PARAMETER), true)
+        .unwrap_or_else(|e| panic!("this test needs FUSE over io_uring (scripts/setup.sh turns it on): {e}"))
+}
+
 #[test]
-fn host_mount_serves_ordinary_file_calls_and_unmounts_clean() {
+fn host_mount_serves_ordinary_file_calls_and_unmounts_clean_on_dev_fuse() {
+    serves_ordinary_file_calls(None);
+}
+
+#[test]
+fn host_mount_serves_ordinary_file_calls_and_unmounts_clean_over_io_uring() {
+    serves_ordinary_file_calls(Some(uring_plan()));
+}
+
+/// The served session's transport and the requests that came through
+/// ring entries, asked on its reactor.
+fn served_transport(handle: &keelfs_reactor::ReactorHandle) -> (Option<&'static str>, u64) {
+    let (stats_tx, stats_rx) = mpsc::channel();
+    handle
+        .send(move || {
+            let stats = SERVED.with(|s| s.borrow().as_ref().map(|(_, _, session)| Rc::clone(session.stats()))).unwrap();
+            stats_tx.send((stats.transport(), stats.ring_requests())).unwrap();
+        })
+        .unwrap();
+    stats_rx.recv_timeout(Duration::from_secs(30)).expect("stats")
+}
+
+fn serves_ordinary_file_calls(uring: Option<FuseUringPlan>) {
     assert!(std::path::Path::new("/dev/fuse").exists(), "/dev/fuse is required (CI runs as root with it)");
+    let want = if uring.is_some() { "uring" } else { "dev" };
     let dev: Arc<dyn BlockDevice> = Arc::new(MappedDevice::ram(64 << 20, 4096).unwrap());
-    let dir = std::env::temp_dir().join(format!("keelfs-fuse-test-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("keelfs-fuse-test-{want}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let (ready_tx, ready_rx) = mpsc::channel();
     let (dev2, dir2) = (dev.clone(), dir.clone());
@@ -39,8 +74,8 @@ fn host_mount_serves_ordinary_file_calls_and_unmounts_clean() {
             let fs = Fs::mount(channel(&dev2), FsConfig::default()).await.unwrap();
             let session = Rc::new(Session::new(fs.clone(), SessionConfig::default()));
             let mount = Rc::new(FuseMount::mount(&dir2, "keelfs").expect("mount through /dev/fuse"));
-            serve(session, mount.clone(), Box::new(|| {}));
-            SERVED.with(|s| *s.borrow_mut() = Some((fs, mount)));
+            serve_dev_fuse_over(session.clone(), mount.clone(), None, uring, Box::new(|| {})).expect("the ring set up");
+            SERVED.with(|s| *s.borrow_mut() = Some((fs, mount, session)));
             ready_tx.send(()).unwrap();
         });
     })
@@ -73,12 +108,16 @@ fn host_mount_serves_ordinary_file_calls_and_unmounts_clean() {
     assert!(std::fs::metadata(dir.join("small")).is_err());
     std::fs::remove_dir(&sub).unwrap();
 
+    // The transport asked for is the one that served, not a fallback.
+    let (transport, ring_requests) = served_transport(&handle);
+    assert_eq!((transport, ring_requests > 0), (Some(want), uring.is_some()), "{ring_requests} through the ring");
+
     // Unmount, then check the device offline.
     let (done_tx, done_rx) = mpsc::channel();
     handle
         .send(move || {
             reactor::spawn_local(async move {
-                let (fs, mount) = SERVED.with(|s| s.borrow_mut().take()).unwrap();
+                let (fs, mount, _) = SERVED.with(|s| s.borrow_mut().take()).unwrap();
                 mount.unmount().unwrap();
                 fs.unmount().await.unwrap();
                 done_tx.send(()).unwrap();

@@ -20,6 +20,32 @@ pub fn is_mounted(dir: &Path) -> bool {
         .any(|l| l.split_whitespace().nth(1) == dir.to_str())
 }
 
+/// The fuse module's switch for FUSE over io_uring.
+pub const FUSE_URING_PARAMETER: &str = "/sys/module/fuse/parameters/enable_uring";
+
+/// Fail, never skip, a host-mount test on `transport` ("dev" or "uring")
+/// that the kernel cannot serve: FUSE over io_uring must be on (as
+/// scripts/setup.sh turns it on).
+pub fn require_fuse_transport(transport: &str) {
+    assert!(transport == "dev" || transport == "uring", "unknown FUSE transport {transport:?}");
+    if transport == "uring" {
+        let value = std::fs::read_to_string(FUSE_URING_PARAMETER).unwrap_or_else(|e| format!("unreadable ({e})"));
+        assert_eq!(
+            value.trim(),
+            "Y",
+            "this test needs FUSE over io_uring, but {FUSE_URING_PARAMETER} is {value:?}: \
+             run scripts/setup.sh (as root) or `echo Y > {FUSE_URING_PARAMETER}`"
+        );
+    }
+}
+
+/// `keelfsd stats` of the daemon at `rpc`.
+pub fn stats(rpc: &Path) -> serde_json::Value {
+    let out = keelfsd().arg("stats").arg("--rpc").arg(rpc).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 /// A scratch directory under the system temp dir, removed on drop.
 pub struct Scratch(pub PathBuf);
 
@@ -114,6 +140,14 @@ impl Served {
             std::fs::create_dir_all(m).unwrap();
         }
         let child = keelfsd().arg("serve").args(args).stdout(Stdio::null()).stderr(stderr).spawn().unwrap();
+        Self::adopt(child, mounts)
+    }
+
+    /// A `keelfsd serve` started by the caller; waits for its mounts.
+    pub fn adopt(child: Child, mounts: &[&Path]) -> Self {
+        for m in mounts {
+            std::fs::create_dir_all(m).unwrap();
+        }
         let served = Served { child, mounts: mounts.iter().map(|m| m.to_path_buf()).collect() };
         let deadline = Instant::now() + Duration::from_secs(30);
         for m in mounts {
