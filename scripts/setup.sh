@@ -13,13 +13,14 @@ Usage: scripts/$prog [--dry-run]
 
 Installs the Debian packages (some from bookworm-backports) and cargo tools
 that keelfs's tests and benchmarks need, and the 'tests' user pjdfstest
-switches to. Each missing piece is one line: "setup: install KIND NAME: WHY".
+switches to, and turns FUSE over io_uring on (a run-time kernel parameter,
+lost at reboot). Each missing piece is one line: "setup: install KIND NAME: WHY".
 
   --dry-run   print what would be installed; change nothing; exit 0
   -h, --help  show this help
 
-Environment: KEELFS_SETUP_ROOT=DIR probes DIR/boot and DIR/etc/apt instead
-of /boot and /etc/apt (tests use it to look at an empty machine).
+Environment: KEELFS_SETUP_ROOT=DIR probes DIR/boot, DIR/etc/apt and DIR/sys
+instead of /boot, /etc/apt and /sys (tests use it to look at an empty machine).
 EOF
 }
 
@@ -118,6 +119,21 @@ if ! getent passwd tests >/dev/null 2>&1; then
   need_user=1
   say "add user tests: pjdfstest switches to it"
 fi
+# FUSE over io_uring (Linux 6.14+, CONFIG_FUSE_IO_URING=y) stays off
+# until the fuse module's parameter says Y; the host-mount tests run on it
+# as well as on /dev/fuse, and fail (never skip) without it.
+fuse_uring=$root/sys/module/fuse/parameters/enable_uring
+fuse_uring_on() {
+  local v=""
+  [[ -r $fuse_uring ]] || return 1
+  read -r v <"$fuse_uring" || true
+  [[ $v == Y ]]
+}
+need_fuse_uring=0
+if ! fuse_uring_on; then
+  need_fuse_uring=1
+  say "enable FUSE over io_uring ($fuse_uring = Y): the host-mount tests run on it as well as on /dev/fuse"
+fi
 if ! have cargo; then
   say "missing: cargo; install a Rust toolchain (rustup) first"
   ((dry_run)) || { echo "$prog: error: cargo is missing; install a Rust toolchain (rustup) first" >&2; exit 1; }
@@ -158,6 +174,19 @@ if ((need_user)); then
   step="adding user tests"
   printf 'tests:x:::pjdfstest dummy user:/:/usr/sbin/nologin\n' | newusers
 fi
+if ((need_fuse_uring)); then
+  step="enabling FUSE over io_uring"
+  say "$step"
+  if [[ ! -e $fuse_uring ]] && have modprobe; then
+    modprobe fuse || true
+  fi
+  if [[ ! -e $fuse_uring ]]; then
+    echo "$prog: error: no $fuse_uring: this kernel ($(uname -r)) lacks FUSE over io_uring" \
+      "(Linux 6.14+ built with CONFIG_FUSE_IO_URING=y)" >&2
+    exit 1
+  fi
+  echo Y >"$fuse_uring"
+fi
 
 # Check that what the tests call is really there now.
 step="checking the result"
@@ -167,6 +196,7 @@ for t in fio cpio xz setfattr mkfs.xfs shellcheck systemd-analyze systemd-nspawn
   ceph-mon ceph-osd ceph-mgr ceph rbd ip; do
   have "$t" || { echo "$prog: error: $t is still missing after the install" >&2; exit 1; }
 done
+fuse_uring_on || { echo "$prog: error: $fuse_uring is still not Y" >&2; exit 1; }
 for p in librbd-dev librados-dev qemu-block-extra; do
   installed "$p" || { echo "$prog: error: package $p is still missing after the install" >&2; exit 1; }
 done

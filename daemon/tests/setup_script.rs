@@ -112,6 +112,7 @@ fn setup_dry_run_on_a_bare_machine_names_every_needed_package() {
     let missing = unnamed(&stdout);
     assert!(missing.is_empty(), "setup.sh --dry-run does not name {missing:#?}\n{text}");
     assert!(stdout.contains("setup: add user tests"), "the pjdfstest user is not named:\n{text}");
+    assert!(stdout.contains("setup: enable FUSE over io_uring"), "FUSE over io_uring is not named:\n{text}");
     assert!(stdout.contains("missing: cargo"), "a machine without cargo is not told so:\n{text}");
     assert!(stdout.contains("nothing changed"), "{text}");
     // A dry run writes nothing, not even the backports source.
