@@ -10,18 +10,22 @@
 #   ext4, xfs    the host kernel on a loop device
 #   device       fio's io_uring engine on the raw image (w1 only: the limit)
 #
-# plus 1-byte writes with dd (per-write metadata upkeep). The vhost-user systems (keelfsd,
+# plus 1-byte writes with dd (per-write metadata upkeep). --transports
+# "dev uring" runs each keelfs system once per FUSE transport (named
+# keelfs-fuse-dev, keelfs-fuse-uring, ...), interleaved in every round;
+# without it keelfsd picks (fuse_transport auto). The vhost-user systems (keelfsd,
 # virtiofsd) are measured by bench/run-vhost.sh with the host-side driver.
 # Each line of OUT.json is one result; bench/plot.py draws them.
 #
-# Usage: bench/run-seeds.sh [--rounds N] [--runtime SECS] [OUT.json]
+# Usage: bench/run-seeds.sh [--rounds N] [--runtime SECS] [--transports LIST] [OUT.json]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rounds=3 runtime=8
+rounds=3 runtime=8 transports=
 while [[ $# -gt 0 ]]; do
   case $1 in
     --rounds) rounds=$2; shift 2 ;;
     --runtime) runtime=$2; shift 2 ;;
+    --transports) transports=$2; shift 2 ;;
     *) break ;;
   esac
 done
@@ -54,11 +58,22 @@ done
 truncate -s 1G "$work/raw.img"
 mkdir -p "$work/mnt-keelfs-fuse"
 
-# start_keelfs SYSTEM: keelfs-fuse (cache auto) or keelfs-fuse-wb (always).
+fuse_systems=(keelfs-fuse keelfs-fuse-wb)
+if [[ -n $transports ]]; then
+  fuse_systems=()
+  for s in keelfs-fuse keelfs-fuse-wb; do
+    for t in $transports; do fuse_systems+=("$s-$t"); done
+  done
+fi
+
+# start_keelfs SYSTEM: keelfs-fuse (cache auto) or keelfs-fuse-wb (always),
+# with -dev or -uring: that FUSE transport.
 start_keelfs() {
-  local cache=auto
-  [[ $1 == keelfs-fuse-wb ]] && cache=always
-  "$keelfsd" serve --device "$work/keelfs.img" --fuse-mount "$work/mnt-keelfs-fuse" --cache $cache 2>>"$work/keelfsd.log" &
+  local cache=auto transport=auto
+  [[ $1 == keelfs-fuse-wb* ]] && cache=always
+  [[ $1 =~ -(dev|uring)$ ]] && transport=${BASH_REMATCH[1]}
+  "$keelfsd" serve --device "$work/keelfs.img" --fuse-mount "$work/mnt-keelfs-fuse" --cache $cache \
+    --fuse-transport "$transport" 2>>"$work/keelfsd.log" &
   daemon_pid=$!
   for _ in $(seq 200); do mountpoint -q "$work/mnt-keelfs-fuse" && return 0; sleep 0.05; done
   echo "run-seeds: keelfsd did not mount" >&2; exit 1
@@ -128,9 +143,9 @@ run_bytes() {
 : >"$out"
 for round in $(seq "$rounds"); do
   for job in "$workloads"/w1-dio-overwrite.fio "$workloads"/w2-aio-append.fio "$workloads"/w3-buffered-randrw.fio; do
-    for system in keelfs-fuse keelfs-fuse-wb; do
-      start_keelfs $system
-      run_fio $system "$work/mnt-keelfs-fuse" "$job" "$round" "$daemon_pid"
+    for system in "${fuse_systems[@]}"; do
+      start_keelfs "$system"
+      run_fio "$system" "$work/mnt-keelfs-fuse" "$job" "$round" "$daemon_pid"
       stop_keelfs
     done
     run_fio ext4 "$work/mnt-ext4" "$job" "$round"
@@ -140,9 +155,9 @@ for round in $(seq "$rounds"); do
   fio --output-format=json --name=device --filename="$work/raw.img" --size=1G --rw=randrw --bs=4k \
     --ioengine=io_uring --iodepth=4 --direct=1 --runtime="$runtime" --time_based --ramp_time=1 >"$work/fio.json"
   fio_line device w1-dio-overwrite "$round" "$work/fio.json" 0 | tee -a "$out"
-  for system in keelfs-fuse keelfs-fuse-wb; do
-    start_keelfs $system
-    run_bytes $system "$work/mnt-keelfs-fuse" "$round"
+  for system in "${fuse_systems[@]}"; do
+    start_keelfs "$system"
+    run_bytes "$system" "$work/mnt-keelfs-fuse" "$round"
     stop_keelfs
   done
   run_bytes ext4 "$work/mnt-ext4" "$round"
