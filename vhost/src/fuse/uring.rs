@@ -32,12 +32,15 @@ use crate::qos::{Charge, Gate, Qos};
 pub const ENABLE_PARAMETER: &str = "/sys/module/fuse/parameters/enable_uring";
 /// The CPUs the kernel may ever run: it keeps one queue for each.
 const POSSIBLE_CPUS: &str = "/sys/devices/system/cpu/possible";
-/// Ring entries registered per queue: requests one CPU may have in this
-/// server at once (the rest wait in the kernel's queue).
-pub const ENTRIES_PER_QUEUE: usize = 8;
-/// Queues this server serves at most (possible CPUs); with
-/// [`ENTRIES_PER_QUEUE`] and the payload size, it bounds the memory.
-pub const QUEUES_MAX: usize = 64;
+/// Ring entries registered per queue at most: requests one CPU may have
+/// in this server at once (the rest wait in the kernel's queue).
+pub const ENTRIES_PER_QUEUE_MAX: usize = 8;
+/// Ring entries in all, unless the queues need more for one each: each
+/// holds a payload buffer of max_write (1 MiB).
+pub const ENTRIES_MAX: usize = 64;
+/// Queues this server serves at most (possible CPUs): with one entry
+/// each, the bound on its buffers' memory.
+pub const QUEUES_MAX: usize = 128;
 /// Completions handled per poll: bounds one reactor iteration.
 const COMPLETIONS_PER_POLL_MAX: usize = 32;
 
@@ -105,6 +108,12 @@ pub fn probe(parameter: &Path, required: bool) -> Result<UringPlan, UringError> 
         return Err(UringError::Unavailable(format!("{queues} possible CPUs; at most {QUEUES_MAX} served")));
     }
     Ok(UringPlan { queues, required })
+}
+
+/// Entries for each of `queues` queues: [`ENTRIES_MAX`] shared out, at
+/// least one (the kernel uses the ring only once every queue has one).
+fn entries_per_queue(queues: usize) -> usize {
+    (ENTRIES_MAX / queues.max(1)).clamp(1, ENTRIES_PER_QUEUE_MAX)
 }
 
 /// The number of CPUs in a list such as "0-3,6".
@@ -223,7 +232,8 @@ fn cmd_req(commit_id: u64, qid: u16) -> [u8; 80] {
 impl Ring {
     fn new(mount: Rc<FuseMount>, plan: UringPlan, payload_bytes: usize) -> Result<Self, UringError> {
         assert!(plan.queues > 0 && plan.queues <= QUEUES_MAX, "queues checked by probe");
-        let total = plan.queues * ENTRIES_PER_QUEUE;
+        let per_queue = entries_per_queue(plan.queues);
+        let total = plan.queues * per_queue;
         let depth = u32::try_from(total.next_power_of_two()).expect("bounded");
         let setup = |what| move |source| UringError::Setup { what, source };
         // The kernel hands a request to an entry as task work of this
@@ -246,7 +256,7 @@ impl Ring {
         // has an entry, so a failure before that leaves /dev/fuse in use.
         let entries = (0..plan.queues)
             .rev()
-            .flat_map(|q| (0..ENTRIES_PER_QUEUE).map(move |_| q as u16))
+            .flat_map(|q| (0..per_queue).map(move |_| q as u16))
             .map(|qid| Entry::new(qid, payload_bytes))
             .collect();
         Ok(Self { ring, wake, entries, unsubmitted: 0, early: Vec::new(), _mount: mount })
@@ -353,7 +363,9 @@ fn restrict(ring: &IoUring<squeue::Entry128, cqueue::Entry>) -> io::Result<()> {
 /// Serves a host mount's ring entries on the export's reactor.
 struct UringPoller {
     session: Rc<Session>,
-    ring: Rc<RefCell<Ring>>,
+    /// None once closed; requests still being served hold it until they
+    /// are answered.
+    ring: Option<Rc<RefCell<Ring>>>,
     wake_fd: RawFd,
     /// Set by the /dev/fuse poller when the kernel ends the session.
     ended: Rc<Cell<bool>>,
@@ -374,7 +386,7 @@ pub fn prepare(mount: Rc<FuseMount>, plan: UringPlan, payload_bytes: usize) -> R
 }
 
 impl Prepared {
-    /// Ring entries in all: queues × [`ENTRIES_PER_QUEUE`].
+    /// Ring entries in all.
     pub fn entries(&self) -> usize {
         self.0.entries.len()
     }
@@ -394,7 +406,7 @@ pub(super) fn start(
     let wake_fd = ring.wake.as_raw_fd();
     let poller = UringPoller {
         session,
-        ring: Rc::new(RefCell::new(ring)),
+        ring: Some(Rc::new(RefCell::new(ring))),
         wake_fd,
         ended,
         closed: false,
@@ -405,8 +417,12 @@ pub(super) fn start(
 }
 
 impl UringPoller {
+    fn ring(&self) -> &Rc<RefCell<Ring>> {
+        self.ring.as_ref().expect("an open poller has its ring")
+    }
+
     fn start_request(&self, index: usize, commit_id: u64, request: Vec<u8>) {
-        let (session, ring) = (Rc::clone(&self.session), Rc::clone(&self.ring));
+        let (session, ring) = (Rc::clone(&self.session), Rc::clone(self.ring()));
         reactor::spawn_local(async move {
             let reply = session.handle(&request).await;
             ring.borrow_mut().commit(index, commit_id, reply);
@@ -415,7 +431,7 @@ impl UringPoller {
 
     /// A completion: a request in the entry, or the entry's end.
     fn complete(&mut self, index: usize, result: i32, now: Instant) {
-        let mut ring = self.ring.borrow_mut();
+        let mut ring = self.ring().borrow_mut();
         let Some(entry) = ring.entries.get_mut(index) else {
             tracing::error!(index, "FUSE over io_uring: a completion for no entry");
             return;
@@ -437,12 +453,12 @@ impl UringPoller {
             Ok(parsed) => parsed,
             Err(e) => {
                 tracing::error!(index, "{e}");
-                let commit_id = self.ring.borrow().entries[index].u64_at(COMMIT_ID_AT);
+                let commit_id = self.ring().borrow().entries[index].u64_at(COMMIT_ID_AT);
                 if commit_id == 0 {
                     // Nothing to answer with: the entry is lost.
-                    self.ring.borrow_mut().entries[index].dead = true;
+                    self.ring().borrow_mut().entries[index].dead = true;
                 } else {
-                    self.ring.borrow_mut().commit(index, commit_id, Some(error_reply(commit_id, libc::EIO)));
+                    self.ring().borrow_mut().commit(index, commit_id, Some(error_reply(commit_id, libc::EIO)));
                 }
                 return;
             }
@@ -472,6 +488,7 @@ impl UringPoller {
     fn close(&mut self) {
         self.closed = true;
         self.deferred = None;
+        self.ring = None;
         tracing::debug!("FUSE over io_uring: ring closed");
     }
 }
@@ -482,19 +499,19 @@ impl Poller for UringPoller {
             return false;
         }
         let mut busy = self.release_deferred(now);
-        if let Err(e) = self.ring.borrow_mut().submit() {
+        if let Err(e) = self.ring().borrow_mut().submit() {
             tracing::error!("FUSE over io_uring: submitting: {e}");
         }
         for _ in 0..COMPLETIONS_PER_POLL_MAX {
             let next = {
-                let mut ring = self.ring.borrow_mut();
+                let mut ring = self.ring().borrow_mut();
                 ring.early.pop().or_else(|| ring.ring.completion().next().map(|c| (c.user_data(), c.result())))
             };
             let Some((user_data, result)) = next else { break };
             busy = true;
             self.complete(usize::try_from(user_data).unwrap_or(usize::MAX), result, now);
         }
-        let all_dead = self.ring.borrow().entries.iter().all(|e| e.dead);
+        let all_dead = self.ring().borrow().entries.iter().all(|e| e.dead);
         if self.ended.get() || all_dead {
             self.close();
         }
@@ -509,7 +526,7 @@ impl Poller for UringPoller {
         if self.closed {
             return true;
         }
-        let mut ring = self.ring.borrow_mut();
+        let mut ring = self.ring().borrow_mut();
         let idle = ring.unsubmitted == 0 && ring.early.is_empty();
         idle && !ring.ring.submission().taskrun() && ring.ring.completion().is_empty()
     }
@@ -535,6 +552,7 @@ mod tests {
         std::fs::write(&off, "N\n").unwrap();
         assert!(matches!(probe(&off, true), Err(UringError::Unavailable(_))));
         assert!(matches!(probe(&dir.join("missing"), false), Err(UringError::Unavailable(_))));
+        assert_eq!((entries_per_queue(2), entries_per_queue(16), entries_per_queue(QUEUES_MAX)), (8, 4, 1));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
