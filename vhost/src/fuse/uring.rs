@@ -436,6 +436,11 @@ impl UringPoller {
             tracing::error!(index, "FUSE over io_uring: a completion for no entry");
             return;
         };
+        if entry.in_server || entry.dead {
+            // Only one command per entry is ever in the kernel's hands.
+            tracing::error!(index, result, "FUSE over io_uring: a completion for an entry not in the kernel");
+            return;
+        }
         if result < 0 {
             // ENOTCONN or ECANCELED: the connection ended; anything else
             // is a broken entry. Either way the kernel gave it back.
