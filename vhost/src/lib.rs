@@ -40,7 +40,7 @@ pub use fuse::abi;
 pub use fuse::dev_fuse::{
     serve as serve_dev_fuse, serve_over as serve_dev_fuse_over, serve_with as serve_dev_fuse_with, FuseMount,
 };
-pub use fuse::dispatch::{CacheMode, Session, SessionConfig, SESSION_HANDLES_MAX};
+pub use fuse::dispatch::{CacheMode, Clients, Session, SessionConfig, SESSION_HANDLES_MAX};
 pub use fuse::state::{SessionState, StateError, STATE_BYTES_MAX, STATE_VERSION};
 pub use fuse::stats::OpStats;
 pub use fuse::uring::{

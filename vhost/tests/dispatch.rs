@@ -223,6 +223,34 @@ fn cache_modes_set_timeouts_and_open_flags() {
     });
 }
 
+/// The WRITEBACK_CACHE flag INIT negotiates in a session with `config`.
+fn negotiates_writeback(config: keelfs_vhost::SessionConfig) -> bool {
+    let offered = std::rc::Rc::new(std::cell::Cell::new(None));
+    let seen = offered.clone();
+    with_session_config(config, async move |s: Session| {
+        let init = s.handle(&request(Opcode::Init as u32, 1, 0, &init_body())).await.unwrap();
+        let (err, body) = reply(&init, 1);
+        assert_eq!(err, 0);
+        seen.set(Some(u32::from_le_bytes(body[12..16].try_into().unwrap()) & (1 << 16) != 0));
+    });
+    offered.get().expect("INIT answered")
+}
+
+/// A sole client (a host mount no guest shares) gets the writeback cache
+/// in the default mode; a shared one only in `always`; `none` never.
+#[test]
+fn writeback_cache_for_a_sole_client_in_the_default_mode() {
+    use keelfs_vhost::{CacheMode, Clients};
+    for (mode, sole, shared) in
+        [(CacheMode::None, false, false), (CacheMode::Auto, true, false), (CacheMode::Always, true, true)]
+    {
+        assert_eq!(negotiates_writeback(mode.session_config_for(Clients::Sole)), sole, "{mode:?}, sole client");
+        assert_eq!(negotiates_writeback(mode.session_config_for(Clients::Shared)), shared, "{mode:?}, shared");
+        assert_eq!(mode.session_config().writeback_cache, shared, "{mode:?}: shared by default");
+    }
+    assert!(!negotiates_writeback(SessionConfig::default()), "the default session is shared");
+}
+
 /// Two sessions on one filesystem (a guest and the host mount): each uses,
 /// releases and forgets only its own handles and references, and a second
 /// INIT (a guest reboot) gives back only that session's.

@@ -28,13 +28,26 @@ pub struct SessionConfig {
     pub entry_timeout: Duration,
     pub attr_timeout: Duration,
     pub max_write: u32,
-    /// Let the guest cache writes (the `always` cache mode).
+    /// Let the client cache writes: the `always` cache mode, and `auto`
+    /// for a sole client ([`CacheMode::session_config_for`]).
     pub writeback_cache: bool,
     /// What the client may cache, as virtiofsd's `--cache`.
     pub cache: CacheMode,
     /// Open handles the session may hold at once; past it, opens fail
     /// with EMFILE. Default [`SESSION_HANDLES_MAX`].
     pub open_handles_max: usize,
+}
+
+/// Who else uses the filesystem a session serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Clients {
+    /// This session's client is the only one (a host mount of an export
+    /// that no guest shares): its kernel may own written pages, the size
+    /// and mtime, since nobody else can see them stale.
+    Sole,
+    /// Other clients may share it (a guest, or a host mount beside one):
+    /// writes reach the filesystem before write(2) returns.
+    Shared,
 }
 
 /// How much the client (guest or host kernel) may cache.
@@ -51,8 +64,16 @@ pub enum CacheMode {
 }
 
 impl CacheMode {
-    /// Session settings for this mode.
+    /// Session settings for this mode, for a client that may share the
+    /// filesystem with others.
     pub fn session_config(self) -> SessionConfig {
+        self.session_config_for(Clients::Shared)
+    }
+
+    /// Session settings for this mode and these clients: `auto` caches
+    /// writes in a sole client's kernel too (writeback caching), as
+    /// `always` does in any; `none` never caches.
+    pub fn session_config_for(self, clients: Clients) -> SessionConfig {
         let timeout = match self {
             CacheMode::None => Duration::ZERO,
             CacheMode::Auto => Duration::from_secs(1),
@@ -62,7 +83,11 @@ impl CacheMode {
             entry_timeout: timeout,
             attr_timeout: timeout,
             max_write: 1 << 20,
-            writeback_cache: self == CacheMode::Always,
+            writeback_cache: match self {
+                CacheMode::None => false,
+                CacheMode::Auto => clients == Clients::Sole,
+                CacheMode::Always => true,
+            },
             cache: self,
             open_handles_max: SESSION_HANDLES_MAX,
         }
