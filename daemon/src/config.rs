@@ -317,7 +317,8 @@ pub struct Export {
     pub xattr_bytes_per_inode_max: usize,
     /// Requests in flight per virtqueue; None: as many as the ring holds.
     pub requests_in_flight_max: Option<usize>,
-    /// With cache `always`, the share (percent) of the host's dirty-page
+    /// With a writeback-cached host mount (cache `always`, or `auto` on
+    /// an export no guest shares), the share (percent) of the host's dirty-page
     /// allowance the host mount's writeback cache may hold, without
     /// FUSE's strict per-mount limit; 0 keeps the kernel's FUSE default
     /// (1%, strict), under which writers stall on writeback at once.

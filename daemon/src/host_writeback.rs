@@ -7,9 +7,10 @@
 //! after a few MiB (buffered random writes through a writeback-cached
 //! mount ran at 0.06x ext4; bench/RESULTS.md has the figures with the
 //! limit lifted). keelfsd
-//! runs as root and answers writeback like a disk, so for cache `always`
-//! it lifts the strict limit and grants the mount `host_dirty_ratio`
-//! percent of the allowance.
+//! runs as root and answers writeback like a disk, so wherever the host
+//! mount has the writeback cache (cache `always`, or `auto` on an export
+//! no guest shares) it lifts the strict limit and grants the mount
+//! `host_dirty_ratio` percent of the allowance.
 
 use std::path::{Path, PathBuf};
 

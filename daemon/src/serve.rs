@@ -26,7 +26,7 @@ use keelfs_reactor::{self as reactor, CpuLoadProbe, PollMode, Reactor, ReactorCo
 use keelfs_vhost::OpStats;
 use keelfs_vhost::SocketAccess;
 use keelfs_vhost::{probe_fuse_uring, serve_dev_fuse_over as serve_fuse, FuseMount, FuseUringPlan};
-use keelfs_vhost::{CacheMode, Session, SessionConfig, SessionState};
+use keelfs_vhost::{CacheMode, Clients, Session, SessionConfig, SessionState};
 use keelfs_vhost::{ImageAccess, ServeOptions, VhostUserServer};
 use keelfs_vhost::{Qos, QosError, QosLimits};
 use serde_json::{json, Value};
@@ -600,12 +600,24 @@ fn fuse_uring_plan(export: &Export) -> anyhow::Result<Option<FuseUringPlan>> {
     }
 }
 
+/// The session settings of the export's host mount. Without a vhost-user
+/// socket no guest shares the export, so the host kernel is its sole
+/// client and cache `auto` gives it the writeback cache; beside a guest
+/// it gets what the guest does, and both stay coherent.
+fn host_session_config(export: &Export) -> SessionConfig {
+    let clients = if export.socket.is_some() { Clients::Shared } else { Clients::Sole };
+    SessionConfig {
+        open_handles_max: export.open_handles_max,
+        ..CacheMode::from(export.cache).session_config_for(clients)
+    }
+}
+
 /// Mount the export at `dir` through /dev/fuse.
 fn mount_on_host(export: &Export, dir: &Path, link: Option<&Arc<SupervisorLink>>) -> anyhow::Result<FuseMount> {
     let flags = export.fuse_mount_flags | if export.read_only { libc::MS_RDONLY } else { 0 };
     let mut mount = FuseMount::mount_with(dir, &export.fuse_source, &export.fuse_type, flags)
         .with_context(|| format!("export {}: mounting {} through /dev/fuse", export.tag, dir.display()))?;
-    if export.cache == Cache::Always && export.host_dirty_ratio > 0 {
+    if host_session_config(export).writeback_cache && export.host_dirty_ratio > 0 {
         // Not fatal: the cache still works, only stalls sooner.
         match crate::host_writeback::lift_dirty_limit(dir, &export.fuse_type, export.host_dirty_ratio) {
             Ok(bdi) => tracing::info!(
@@ -1155,7 +1167,8 @@ async fn start_transports(
     fuse: Option<HostMount>,
     on_mount_gone: Box<dyn FnOnce()>,
 ) -> anyhow::Result<(Option<VhostUserServer>, Option<Rc<FuseMount>>, Option<Rc<OpStats>>)> {
-    let session_config =
+    // A guest's session: others (the host mount, other daemons) may share the export.
+    let guest_config =
         SessionConfig { open_handles_max: export.open_handles_max, ..CacheMode::from(export.cache).session_config() };
     let (fs, image) = match mounted {
         Mounted::Fixed { fs, .. } => (Some(fs), None),
@@ -1175,8 +1188,8 @@ async fn start_transports(
             };
             let queues = export.request_queues;
             let server = match fs {
-                Some(fs) => VhostUserServer::start_with(fs.clone(), session_config.clone(), socket, queues, options),
-                None => VhostUserServer::start_detached(session_config.clone(), socket, queues, options),
+                Some(fs) => VhostUserServer::start_with(fs.clone(), guest_config.clone(), socket, queues, options),
+                None => VhostUserServer::start_detached(guest_config.clone(), socket, queues, options),
             };
             Some(server.context("starting the vhost-user-fs device")?)
         }
@@ -1185,7 +1198,7 @@ async fn start_transports(
     let Some(HostMount { mount, uring }) = fuse else { return Ok((server, None, None)) };
     let fs = fs.context("a host mount needs its filesystem mounted")?;
     let mount = Rc::new(mount);
-    let session = Rc::new(Session::new(fs.clone(), session_config));
+    let session = Rc::new(Session::new(fs.clone(), host_session_config(export)));
     let stats = session.stats().clone();
     serve_fuse(session, mount.clone(), qos, uring, on_mount_gone).context("setting up FUSE over io_uring")?;
     Ok((server, Some(mount), Some(stats)))

@@ -23,19 +23,17 @@ mod common;
 use common::{is_mounted, keelfsd, require_fuse_transport, Served};
 
 fn serve(image: &Path, mountpoint: &Path, cache: &str, transport: &str) -> Served {
-    Served::start(
-        &[
-            "--fuse-transport".as_ref(),
-            transport.as_ref(),
-            "--cache".as_ref(),
-            cache.as_ref(),
-            "--device".as_ref(),
-            image.as_os_str(),
-            "--fuse-mount".as_ref(),
-            mountpoint.as_os_str(),
-        ],
-        &[mountpoint],
+    serve_with(
+        image,
+        mountpoint,
+        &["--fuse-transport".as_ref(), transport.as_ref(), "--cache".as_ref(), cache.as_ref()],
     )
+}
+
+fn serve_with(image: &Path, mountpoint: &Path, args: &[&std::ffi::OsStr]) -> Served {
+    let mut all = args.to_vec();
+    all.extend(["--device".as_ref(), image.as_os_str(), "--fuse-mount".as_ref(), mountpoint.as_os_str()]);
+    Served::start(&all, &[mountpoint])
 }
 
 const PJDFSTEST_CONFIG: &str = r#"
@@ -169,14 +167,25 @@ fn suites_pass(transport: &str) {
         skipped.len()
     );
 
-    // fsx in the default cache mode, through the page caches: pread and
-    // pwrite, truncate, fsync, fdatasync, fallocate, punch hole,
+    // fsx in the default cache mode, through the page caches (with the
+    // host kernel's writeback cache: no guest shares this export): pread
+    // and pwrite, truncate, fsync, fdatasync, fallocate, punch hole,
     // copy_file_range, sendfile; then mmap reads and writes with msync.
     run_fsx(&mountpoint.join("fsx-cached"), "buffered", "7", FSX_BUFFERED_OPS);
     run_fsx(&mountpoint.join("fsx-cached-mmap"), "mmap", "17", FSX_MMAP_OPS);
     let status = served.stop();
     assert!(status.success(), "keelfsd exit after SIGTERM: {status}");
     assert!(!is_mounted(&mountpoint), "unmounted at shutdown");
+
+    // And in the default mode beside a guest's socket (none connects):
+    // the page cache without writeback caching, each write(2) a WRITE.
+    let socket = std::env::temp_dir().join(format!("keelfsd-suites-{}.sock", std::process::id()));
+    let args = ["--fuse-transport".as_ref(), transport.as_ref(), "--socket".as_ref(), socket.as_os_str()];
+    let served = serve_with(&image, &mountpoint, &args);
+    run_fsx(&mountpoint.join("fsx-shared"), "buffered", "6", FSX_BUFFERED_OPS);
+    run_fsx(&mountpoint.join("fsx-shared-mmap"), "mmap", "16", FSX_MMAP_OPS);
+    assert!(served.stop().success());
+    let _ = std::fs::remove_file(&socket);
 
     // And with --cache none, where every open is direct I/O: keelfs's
     // direct paths (aligned and bounced), mmap allowed on direct files.

@@ -1,7 +1,8 @@
-//! Writeback caching (`--cache always`) on a host mount: the kernel
-//! caches writes and owns the size and mtime; fsync and close flush to
-//! the daemon (issue 18). Each property here fails without the
-//! semantics that writeback caching needs.
+//! Writeback caching (`--cache always`, and the default `auto` on a host
+//! mount no guest shares) on a host mount: the kernel caches writes and
+//! owns the size and mtime; fsync and close flush to the daemon (issues
+//! 18 and 33). Each property here fails without the semantics that
+//! writeback caching needs.
 
 use std::ffi::OsStr;
 use std::io::Write;
@@ -13,23 +14,18 @@ mod common;
 use common::{fsck, keelfsd, mkfs, Scratch, Served};
 
 fn serve(image: &Path, mountpoint: &Path, rpc: &Path) -> Served {
+    let os = |s: &'static str| OsStr::new(s);
+    serve_with(&[os("--cache"), os("always"), os("--sandbox"), os("none")], image, mountpoint, rpc)
+}
+
+/// keelfsd serving `image` at `mountpoint` with `args` besides.
+fn serve_with(args: &[&OsStr], image: &Path, mountpoint: &Path, rpc: &Path) -> Served {
     let _ = std::fs::remove_file(rpc);
     let os = |s: &'static str| OsStr::new(s);
-    Served::start(
-        &[
-            os("--cache"),
-            os("always"),
-            os("--sandbox"),
-            os("none"),
-            os("--device"),
-            image.as_os_str(),
-            os("--fuse-mount"),
-            mountpoint.as_os_str(),
-            os("--rpc"),
-            rpc.as_os_str(),
-        ],
-        &[mountpoint],
-    )
+    let mut all = args.to_vec();
+    all.extend([os("--device"), image.as_os_str(), os("--fuse-mount"), mountpoint.as_os_str()]);
+    all.extend([os("--rpc"), rpc.as_os_str()]);
+    Served::start(&all, &[mountpoint])
 }
 
 /// WRITE requests the daemon has answered through the host mount.
@@ -142,4 +138,98 @@ fn writeback_caching_on_a_host_mount() {
     let (code, report) = fsck(&image);
     assert_eq!(code, 0, "{report}");
     assert!(!Command::new("mountpoint").arg("-q").arg(&mnt).status().unwrap().success());
+}
+
+/// The contents `small_writes` leaves in its file.
+fn small_writes_contents(count: usize) -> Vec<u8> {
+    (0..count).flat_map(|i| std::iter::repeat_n(b'a' + (i % 26) as u8, 1 + i % 100)).collect()
+}
+
+/// `count` buffered writes of 1 to 100 bytes to `path`, then fsync: the
+/// WRITE requests the daemon answered meanwhile.
+fn small_writes(path: &Path, rpc: &Path, count: usize) -> u64 {
+    let expected = small_writes_contents(count);
+    let before = write_requests(rpc);
+    let mut file = std::fs::File::create(path).unwrap();
+    let mut at = 0;
+    for i in 0..count {
+        let len = 1 + i % 100;
+        file.write_all(&expected[at..at + len]).unwrap();
+        at += len;
+    }
+    assert_eq!(at, expected.len());
+    file.sync_all().unwrap();
+    drop(file);
+    write_requests(rpc) - before
+}
+
+const SMALL_WRITES: usize = 4096;
+
+/// The default cache mode on a host mount no guest shares: the kernel's
+/// writeback cache, with FUSE's dirty limit lifted, so small buffered
+/// writes reach the daemon batched; what was written survives fsync, a
+/// clean unmount and a remount.
+#[test]
+fn the_default_cache_batches_writes_on_a_host_only_mount() {
+    let scratch = Scratch::new("writeback-default");
+    let (image, mnt, rpc) = (scratch.path("img"), scratch.path("mnt"), scratch.path("rpc.sock"));
+    mkfs(&image, "256M");
+    // The default sandbox, as a plain `keelfsd serve --fuse-mount` runs.
+    let served = serve_with(&[], &image, &mnt, &rpc);
+    let bdi = bdi_of(&mnt);
+    let knob = |name: &str| std::fs::read_to_string(bdi.join(name)).unwrap().trim().to_string();
+    assert_eq!((knob("strict_limit"), knob("max_ratio")), ("0".into(), "20".into()), "{}", bdi.display());
+
+    let sent = small_writes(&mnt.join("small"), &rpc, SMALL_WRITES);
+    assert!(
+        (1..=SMALL_WRITES as u64 / 16).contains(&sent),
+        "{SMALL_WRITES} small writes(2) reached the daemon as {sent} WRITE requests"
+    );
+    // Scattered pages, closed without fsync: the unmount flushes them.
+    let scattered = std::fs::File::create(mnt.join("scattered")).unwrap();
+    for page in 0..256u64 {
+        scattered.write_at(&page.to_le_bytes(), page * 12_288 + 100).unwrap();
+    }
+    drop(scattered);
+    assert!(served.stop().success());
+    assert!(!Command::new("mountpoint").arg("-q").arg(&mnt).status().unwrap().success());
+    let (code, report) = fsck(&image);
+    assert_eq!(code, 0, "{report}");
+
+    let served = serve_with(&[], &image, &mnt, &rpc);
+    assert!(std::fs::read(mnt.join("small")).unwrap() == small_writes_contents(SMALL_WRITES), "small writes kept");
+    let scattered = std::fs::read(mnt.join("scattered")).unwrap();
+    assert_eq!(scattered.len() as u64, 255 * 12_288 + 108);
+    for page in 0..256u64 {
+        let at = (page * 12_288 + 100) as usize;
+        assert_eq!(scattered[at..at + 8], page.to_le_bytes(), "page {page}");
+    }
+    assert!(served.stop().success());
+    let (code, report) = fsck(&image);
+    assert_eq!(code, 0, "{report}");
+}
+
+/// A host mount beside a guest (the export has a vhost-user socket)
+/// keeps the default mode coherent: no writeback cache, FUSE's dirty
+/// limit untouched, each write(2) a WRITE the daemon answers at once.
+#[test]
+fn the_default_cache_writes_through_beside_a_guest() {
+    let scratch = Scratch::new("writeback-shared");
+    let (image, mnt, rpc) = (scratch.path("img"), scratch.path("mnt"), scratch.path("rpc.sock"));
+    let socket = scratch.path("vhost.sock");
+    mkfs(&image, "256M");
+    let served = serve_with(&[OsStr::new("--socket"), socket.as_os_str()], &image, &mnt, &rpc);
+    let bdi = bdi_of(&mnt);
+    let knob = |name: &str| std::fs::read_to_string(bdi.join(name)).unwrap().trim().to_string();
+    assert_eq!(knob("strict_limit"), "1", "FUSE's strict limit stays: {}", bdi.display());
+
+    const WRITES: usize = 200;
+    let sent = small_writes(&mnt.join("small"), &rpc, WRITES);
+    assert!(sent >= WRITES as u64, "{WRITES} writes(2) reached the daemon as only {sent} WRITE requests");
+    assert!(served.stop().success());
+    let served = serve_with(&[OsStr::new("--socket"), socket.as_os_str()], &image, &mnt, &rpc);
+    assert!(std::fs::read(mnt.join("small")).unwrap() == small_writes_contents(WRITES));
+    assert!(served.stop().success());
+    let (code, report) = fsck(&image);
+    assert_eq!(code, 0, "{report}");
 }
