@@ -395,21 +395,8 @@ pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
         "lat_us_p99": latency.quantile(0.99) as f64 / 1000.0,
         "lat_us_p999": latency.quantile(0.999) as f64 / 1000.0,
         "lat_us_percentiles": percentiles,
-        "bench_cpu_us_per_op": us_per_op(cpu.own, ops),
-        "machine_cpu_us_per_op": us_per_op(cpu.machine, ops),
     });
-    if let Some(osd) = cpu.osd {
-        line["osd_cpu_us_per_op"] = us_per_op(osd, ops);
-    }
-    if let Some(daemon) = cpu.daemon {
-        line["daemon_cpu_us_per_op"] = us_per_op(daemon, ops);
-        line["daemon_cpu_share"] = json!((daemon as f64 / 1e9 / secs * 100.0).round() / 100.0);
-        // Neither the daemon's nor the load generator's (nor the OSD's):
-        // kernel workers (loop, io-wq punts not charged to the submitter)
-        // and noise.
-        let others = cpu.machine.saturating_sub(daemon + cpu.own + cpu.osd.unwrap_or(0));
-        line["other_cpu_us_per_op"] = us_per_op(others, ops);
-    }
+    cpu.charge(&mut line, ops, secs);
     if args.json {
         println!("{line}");
     } else {
@@ -435,6 +422,27 @@ impl CpuCounters {
             own: crate::procstat::own_cpu_ns(std::process::id())?,
             machine: crate::procstat::machine_busy_ns()?,
         })
+    }
+
+    /// Each one's CPU over `ops` operations in `secs` of run, into
+    /// `line`: the load generator's (the driver's), the machine's, and
+    /// where known the daemon's, the OSD's and what none of them was
+    /// charged for.
+    fn charge(&self, line: &mut serde_json::Value, ops: u64, secs: f64) {
+        line["bench_cpu_us_per_op"] = us_per_op(self.own, ops);
+        line["machine_cpu_us_per_op"] = us_per_op(self.machine, ops);
+        if let Some(osd) = self.osd {
+            line["osd_cpu_us_per_op"] = us_per_op(osd, ops);
+        }
+        if let Some(daemon) = self.daemon {
+            line["daemon_cpu_us_per_op"] = us_per_op(daemon, ops);
+            line["daemon_cpu_share"] = json!((daemon as f64 / 1e9 / secs * 100.0).round() / 100.0);
+            // Neither the daemon's nor the load generator's (nor the OSD's):
+            // kernel workers (loop, io-wq punts not charged to the submitter)
+            // and noise.
+            let others = self.machine.saturating_sub(daemon + self.own + self.osd.unwrap_or(0));
+            line["other_cpu_us_per_op"] = us_per_op(others, ops);
+        }
     }
 
     /// What each spent between `earlier` and `self`.
