@@ -33,6 +33,27 @@ pub enum Workload {
     ByteWrites,
 }
 
+/// How the driver threads wait for replies, as a guest's vCPUs would.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Driver {
+    /// Sleep on the call eventfd while every request is in flight, as a
+    /// halted vCPU does: the driver leaves its core to the daemon.
+    Sleep,
+    /// Keep the CPU busy between submissions, spinning on the used ring,
+    /// as a running vCPU does: the driver's threads never leave their
+    /// cores, and a daemon on the same cores competes with them.
+    Busy,
+}
+
+impl Driver {
+    fn name(self) -> &'static str {
+        match self {
+            Driver::Sleep => "sleep",
+            Driver::Busy => "busy",
+        }
+    }
+}
+
 #[derive(Args, Debug)]
 pub struct VhostArgs {
     /// The vhost-user-fs socket of the daemon under test.
@@ -65,10 +86,13 @@ pub struct VhostArgs {
     /// A label for the JSON line (the system under test).
     #[arg(long, default_value = "")]
     label: String,
-    /// Poll the used rings without pause instead of sleeping on the call
-    /// eventfd while every request is in flight. A guest's vCPU halts
-    /// while it waits; a spinning driver takes a core from the daemon.
-    #[arg(long)]
+    /// How the driver threads wait: `sleep` on the call eventfd (a halted
+    /// vCPU), or `busy` spinning on the used ring (a running vCPU, which
+    /// takes its core from the daemon).
+    #[arg(long, value_enum, default_value = "sleep")]
+    driver: Driver,
+    /// The same as `--driver busy` (its older name).
+    #[arg(long, conflicts_with = "driver")]
     spin: bool,
     #[arg(long)]
     json: bool,
@@ -199,7 +223,7 @@ fn worker(q: QueueDriver, args: &WorkerArgs, target: Target) -> anyhow::Result<W
         }
         let used = if w.in_flight.is_empty() {
             Vec::new()
-        } else if args.spin {
+        } else if args.driver == Driver::Busy {
             w.q.poll()?
         } else {
             w.q.wait_signalled(Duration::from_secs(30))?
@@ -340,7 +364,7 @@ struct WorkerArgs {
     iodepth: usize,
     seconds: u64,
     file_size: u64,
-    spin: bool,
+    driver: Driver,
 }
 
 pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
@@ -359,6 +383,7 @@ pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
     };
     let mut drivers: Vec<QueueDriver> = (1..=args.threads).map(|q| fe.take_queue(q)).collect();
     let targets = create_targets(args, &mut drivers, direct)?;
+    let driver = if args.spin { Driver::Busy } else { args.driver };
     let cpu = CpuCounters::read(args)?;
     let started = Instant::now();
     let worker_args = WorkerArgs {
@@ -366,7 +391,7 @@ pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
         iodepth: args.iodepth,
         seconds: args.seconds,
         file_size: args.file_size,
-        spin: args.spin,
+        driver,
     };
     let results = run_workers(drivers, targets, &worker_args);
     let secs = started.elapsed().as_secs_f64().min(args.seconds as f64).max(1e-9);
@@ -386,7 +411,8 @@ pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
         "queues": queues,
         "iodepth": args.iodepth,
         "seconds": args.seconds,
-        "driver_waits": if args.spin { "spin" } else { "eventfd" },
+        "driver": driver.name(),
+        "driver_waits": if driver == Driver::Busy { "spin" } else { "eventfd" },
         "iops": (ops as f64 / secs).round(),
         "read_iops": (reads as f64 / secs).round(),
         "write_iops": (writes as f64 / secs).round(),
@@ -425,18 +451,20 @@ impl CpuCounters {
     }
 
     /// Each one's CPU over `ops` operations in `secs` of run, into
-    /// `line`: the load generator's (the driver's), the machine's, and
-    /// where known the daemon's, the OSD's and what none of them was
-    /// charged for.
+    /// `line`: the load generator's (the driver's: a busy driver is
+    /// charged its spinning too), the machine's, and where known the
+    /// daemon's, the OSD's and what none of them was charged for.
+    /// `*_cpu_share`: cores' worth over the run.
     fn charge(&self, line: &mut serde_json::Value, ops: u64, secs: f64) {
         line["bench_cpu_us_per_op"] = us_per_op(self.own, ops);
+        line["driver_cpu_share"] = cpu_share(self.own, secs);
         line["machine_cpu_us_per_op"] = us_per_op(self.machine, ops);
         if let Some(osd) = self.osd {
             line["osd_cpu_us_per_op"] = us_per_op(osd, ops);
         }
         if let Some(daemon) = self.daemon {
             line["daemon_cpu_us_per_op"] = us_per_op(daemon, ops);
-            line["daemon_cpu_share"] = json!((daemon as f64 / 1e9 / secs * 100.0).round() / 100.0);
+            line["daemon_cpu_share"] = cpu_share(daemon, secs);
             // Neither the daemon's nor the load generator's (nor the OSD's):
             // kernel workers (loop, io-wq punts not charged to the submitter)
             // and noise.
@@ -455,6 +483,11 @@ impl CpuCounters {
             machine: self.machine.saturating_sub(earlier.machine),
         }
     }
+}
+
+/// CPU nanoseconds over `secs` of run, in cores' worth to 0.01.
+fn cpu_share(ns: u64, secs: f64) -> serde_json::Value {
+    json!((ns as f64 / 1e9 / secs * 100.0).round() / 100.0)
 }
 
 /// CPU nanoseconds spread over `ops`, in µs per operation to 0.01.

@@ -161,19 +161,20 @@ fn vhost_drives_a_vhost_user_fs_daemon_and_reports_iops_and_latency() {
         })
     };
     ready_rx.recv().unwrap();
-    for (workload, threads, driver) in [
-        ("dio-overwrite", "2", "--spin"),
-        ("dio-overwrite", "1", ""),
-        ("dio-randrw", "1", ""),
-        ("aio-append", "1", ""),
-        ("buffered-randrw", "1", ""),
-        ("byte-writes", "1", "--spin"),
+    // (workload, threads, driver flags, the driver reported)
+    for (workload, threads, driver, kind) in [
+        ("dio-overwrite", "2", &["--driver", "busy"][..], "busy"),
+        ("dio-overwrite", "1", &[][..], "sleep"),
+        ("dio-randrw", "1", &["--driver", "sleep"][..], "sleep"),
+        ("aio-append", "1", &[][..], "sleep"),
+        ("buffered-randrw", "1", &["--driver", "busy"][..], "busy"),
+        ("byte-writes", "1", &["--spin"][..], "busy"),
     ] {
         let out = bench()
             .args(["vhost", "--workload", workload, "--threads", threads, "--iodepth", "4", "--seconds", "1"])
             .args(["--file-size", "4M", "--json", "--socket"])
             .arg(&socket)
-            .args(Some(driver).filter(|d| !d.is_empty()))
+            .args(driver)
             .output()
             .unwrap();
         assert!(out.status.success(), "{workload}: {}", String::from_utf8_lossy(&out.stderr));
@@ -181,16 +182,38 @@ fn vhost_drives_a_vhost_user_fs_daemon_and_reports_iops_and_latency() {
         for key in ["iops", "read_iops", "write_iops", "mib_s", "lat_us_p50", "lat_us_p99", "lat_us_p999"] {
             assert!(v[key].as_f64().is_some(), "{workload}: {key} missing in {v}");
         }
-        for key in ["bench_cpu_us_per_op", "machine_cpu_us_per_op"] {
+        for key in ["bench_cpu_us_per_op", "machine_cpu_us_per_op", "driver_cpu_share"] {
             assert!(v[key].as_f64().unwrap() > 0.0, "{workload}: {key} in {v}");
         }
-        assert_eq!(v["driver_waits"], if driver.is_empty() { "eventfd" } else { "spin" }, "{v}");
+        assert_eq!(v["driver"], kind, "{v}");
+        assert_eq!(v["driver_waits"], if kind == "sleep" { "eventfd" } else { "spin" }, "{v}");
+        assert_eq!(v["threads"].as_u64(), threads.parse().ok(), "{v}");
+        assert!(v.get("daemon_cpu_share").is_none(), "no daemon pid given, no daemon charged: {v}");
         assert!(v["iops"].as_f64().unwrap() > 0.0, "{workload}: {v}");
         let mixed = matches!(workload, "dio-randrw" | "buffered-randrw");
         assert_eq!(v["read_iops"].as_f64().unwrap() > 0.0, mixed, "{workload}: {v}");
     }
+    busy_driver_and_daemon_are_charged_apart(&socket);
     stop.store(true, Ordering::Release);
     daemon.join().unwrap();
+}
+
+/// A busy driver beside a daemon (here the test process, whose reactor
+/// thread serves on `socket`): each is charged its own CPU.
+fn busy_driver_and_daemon_are_charged_apart(socket: &std::path::Path) {
+    let out = bench()
+        .args(["vhost", "--workload", "dio-randrw", "--driver", "busy", "--iodepth", "4", "--seconds", "1"])
+        .args(["--file-size", "4M", "--json", "--daemon-pid", &std::process::id().to_string(), "--socket"])
+        .arg(socket)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["driver"], "busy", "{v}");
+    for key in ["bench_cpu_us_per_op", "driver_cpu_share", "daemon_cpu_us_per_op", "daemon_cpu_share"] {
+        assert!(v[key].as_f64().unwrap() > 0.0, "{key} in {v}");
+    }
+    assert!(v["other_cpu_us_per_op"].as_f64().is_some(), "{v}");
 }
 
 /// Every subcommand runs with its defaults: only what it cannot default
