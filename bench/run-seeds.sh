@@ -34,7 +34,7 @@ workloads=bench/workloads
 [[ -f $workloads/w1-dio-overwrite.fio ]] || { echo "run-seeds: no fio workloads at $workloads" >&2; exit 2; }
 command -v fio >/dev/null || { echo "run-seeds: fio is missing (scripts/setup.sh)" >&2; exit 2; }
 cargo build --release -q -p keelfsd
-keelfsd=$PWD/target/release/keelfsd
+keelfsd=${CARGO_TARGET_DIR:-$PWD/target}/release/keelfsd
 work=$(mktemp -d /dev/shm/keelfs-seeds.XXXXXX)
 declare -A loops=()
 daemon_pid=
@@ -82,10 +82,15 @@ stop_keelfs() {
   kill -TERM "$daemon_pid"; wait "$daemon_pid" || true; daemon_pid=
 }
 
-# cpu_ns PID: utime+stime of a process in ns (0 when there is none).
+# cpu_ns PID: utime+stime of a process and its children in ns (0 when
+# there is none): a sandboxed keelfsd serves from a child of the process
+# started, whose time its parent sees only once it has exited.
 cpu_ns() {
   [[ -n ${1:-} ]] || { echo 0; return; }
-  awk -v hz="$(getconf CLK_TCK)" '{ sub(/.*\) /, ""); split($0, f, " "); printf "%d\n", (f[12] + f[13]) * 1e9 / hz }' "/proc/$1/stat"
+  local stats=("/proc/$1/stat") child
+  for child in $(pgrep -P "$1"); do stats+=("/proc/$child/stat"); done
+  awk -v hz="$(getconf CLK_TCK)" '{ sub(/.*\) /, ""); split($0, f, " "); t += f[12] + f[13] }
+    END { printf "%d\n", t * 1e9 / hz }' "${stats[@]}"
 }
 
 # fio_line SYSTEM WORKLOAD ROUND JSONFILE CPU_NS: one result line.
