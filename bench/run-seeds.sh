@@ -4,9 +4,10 @@
 # RAM-backed images, interleaved and repeated (issue 8):
 #
 #   keelfs-fuse  keelfsd (io_uring backend) mounted through /dev/fuse,
-#                cache auto: every buffered write is a round trip
-#   keelfs-fuse-wb  the same with cache always: writeback caching in the
-#                host kernel, which sends dirty pages in batches
+#                cache auto: with no guest sharing the export, writeback
+#                caching in the host kernel, which sends dirty pages in
+#                batches
+#   keelfs-fuse-wb  the same with cache always (also kept across opens)
 #   ext4, xfs    the host kernel on a loop device
 #   device       fio's io_uring engine on the raw image (w1 only: the limit)
 #
@@ -17,19 +18,64 @@
 # virtiofsd) are measured by bench/run-vhost.sh with the host-side driver.
 # Each line of OUT.json is one result; bench/plot.py draws them.
 #
-# Usage: bench/run-seeds.sh [--rounds N] [--runtime SECS] [--transports LIST] [OUT.json]
+# The poll-mode matrix (--matrix poll, the default): keelfs-fuse in each
+# keelfsd poll_mode (busy, adaptive, interrupt), with each kind of fio
+# driver: sleep (the job files as they are: each job blocks in its
+# syscalls and leaves its core while it waits) and busy (beside them, one
+# fio cpuio job per CPU fio may use keeps that CPU busy, as running vCPUs
+# or busy applications do; fio's thinktime_spin would model it per job,
+# but fio 3.33 hangs with it), in two setups:
+#   oversubscribed  keelfsd's one reactor unpinned beside the jobs (four
+#             per job file: load threads >= cores)
+#   dedicated  the reactor pinned to the last CPU (reactors = [N]), fio
+#             pinned to the others (taskset)
+# ext4 runs beside each round as the peer. Rounds interleave the modes
+# (their order rotates each round); each keelfs line carries poll_mode,
+# setup and driver, and bench/poll_summary.py prints every mode's median
+# as a ratio to the better of busy and interrupt (OUT.summary.txt). By
+# default w3 only, 2 rounds of 3 s: a few minutes. --full runs w1, w2 and
+# w3, 3 rounds of 8 s, and the systems comparison above (--matrix all).
+#
+# Usage: bench/run-seeds.sh [--matrix poll|systems|all] [--full] [--rounds N] [--runtime SECS]
+#                           [--transports LIST]
+#                           [--modes "busy adaptive interrupt"] [--drivers "sleep busy"]
+#                           [--setups "oversubscribed dedicated"] [OUT.json]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rounds=3 runtime=8 transports=
+rounds='' runtime='' matrix=poll full=0 transports=
+modes='busy adaptive interrupt' drivers='sleep busy' setups='oversubscribed dedicated'
 while [[ $# -gt 0 ]]; do
   case $1 in
     --rounds) rounds=$2; shift 2 ;;
     --runtime) runtime=$2; shift 2 ;;
     --transports) transports=$2; shift 2 ;;
+    --matrix) matrix=$2; shift 2 ;;
+    --full) full=1 matrix=all; shift ;;
+    --modes) modes=$2; shift 2 ;;
+    --drivers) drivers=$2; shift 2 ;;
+    --setups) setups=$2; shift 2 ;;
     *) break ;;
   esac
 done
-out=${1:-bench/results/seeds-$(date +%F).json}
+case $matrix in
+  poll|systems|all) ;;
+  *) echo "run-seeds: --matrix poll, systems or all, not '$matrix'" >&2; exit 2 ;;
+esac
+if [[ $matrix == poll ]]; then : "${rounds:=2}" "${runtime:=3}"; fi
+: "${rounds:=3}" "${runtime:=8}"
+# The systems comparison runs its rounds only when asked for.
+systems_rounds=$rounds
+[[ $matrix != poll ]] || systems_rounds=0
+last_cpu=$(($(nproc) - 1))
+if [[ $matrix != systems && " $setups " == *" dedicated "* && $last_cpu -lt 1 ]]; then
+  echo "run-seeds: the dedicated setup needs two CPUs or more" >&2
+  exit 2
+fi
+if [[ $matrix == poll ]]; then
+  out=${1:-bench/results/seeds-poll-$(date +%F).json}
+else
+  out=${1:-bench/results/seeds-$(date +%F).json}
+fi
 workloads=bench/workloads
 [[ -f $workloads/w1-dio-overwrite.fio ]] || { echo "run-seeds: no fio workloads at $workloads" >&2; exit 2; }
 command -v fio >/dev/null || { echo "run-seeds: fio is missing (scripts/setup.sh)" >&2; exit 2; }
@@ -78,6 +124,17 @@ start_keelfs() {
   for _ in $(seq 200); do mountpoint -q "$work/mnt-keelfs-fuse" && return 0; sleep 0.05; done
   echo "run-seeds: keelfsd did not mount" >&2; exit 1
 }
+# start_keelfs_poll MODE SETUP: keelfs-fuse (cache auto) in poll_mode
+# MODE, its reactor pinned to the last CPU when SETUP is dedicated.
+start_keelfs_poll() {
+  local reactors=1
+  [[ $2 == dedicated ]] && reactors="[$last_cpu]"
+  "$keelfsd" serve --config <(printf '[daemon]\npoll_mode="%s"\nreactors=%s\n[[device]]\nname="d"\npath="%s"\n[[export]]\ntag="d"\ndevice="d"\nfuse_mount="%s"\ncache="auto"\n' \
+    "$1" "$reactors" "$work/keelfs.img" "$work/mnt-keelfs-fuse") 2>>"$work/keelfsd.log" &
+  daemon_pid=$!
+  for _ in $(seq 200); do mountpoint -q "$work/mnt-keelfs-fuse" && return 0; sleep 0.05; done
+  echo "run-seeds: keelfsd did not mount" >&2; exit 1
+}
 stop_keelfs() {
   kill -TERM "$daemon_pid"; wait "$daemon_pid" || true; daemon_pid=
 }
@@ -98,7 +155,8 @@ fio_line() {
   python3 - "$@" <<'EOF'
 import json, sys
 system, workload, rnd, path, cpu_ns = sys.argv[1:6]
-d = json.load(open(path))
+text = open(path).read()
+d = json.loads(text[text.index("{"):])  # after what a cpuio job prints first
 j = d["jobs"][0]
 r, w = j["read"], j["write"]
 ops = r["total_ios"] + w["total_ios"]
@@ -116,6 +174,11 @@ print(json.dumps(line))
 EOF
 }
 
+# What run_fio adds: fields at the head of each line (tags: '"k":"v",'),
+# a command fio runs under (fio_pin: taskset) and jobs after the job
+# file's own (job_append, printf %b).
+tags='' job_append='' fio_pin=()
+
 # run_fio SYSTEM DIR JOB ROUND [PID]
 run_fio() {
   local system=$1 dir=$2 job=$3 round=$4 pid=${5:-}
@@ -126,10 +189,11 @@ run_fio() {
   # The job files' own runtimes, scaled: a job file's [global] wins over
   # command-line options, so edit a copy.
   sed -e "s/^runtime=.*/runtime=$runtime/" -e "s/^ramp_time=.*/ramp_time=1/" "$job" >"$work/$name.fio"
-  (cd "$dir/seed" && fio --output-format=json "$work/$name.fio" >"$work/fio.json" 2>"$work/fio.err") ||
+  printf '%b' "$job_append" >>"$work/$name.fio"
+  (cd "$dir/seed" && "${fio_pin[@]}" fio --output-format=json "$work/$name.fio" >"$work/fio.json" 2>"$work/fio.err") ||
     { echo "run-seeds: fio $name on $system failed: $(tail -3 "$work/fio.err")" >&2; return 1; }
   after=$(cpu_ns "$pid")
-  fio_line "$system" "$name" "$round" "$work/fio.json" $((after - before)) | tee -a "$out"
+  fio_line "$system" "$name" "$round" "$work/fio.json" $((after - before)) | sed "s/^{/{$tags/" | tee -a "$out"
   rm -rf "${dir:?}/seed"
 }
 
@@ -146,7 +210,7 @@ run_bytes() {
 }
 
 : >"$out"
-for round in $(seq "$rounds"); do
+for round in $(seq "$systems_rounds"); do
   for job in "$workloads"/w1-dio-overwrite.fio "$workloads"/w2-aio-append.fio "$workloads"/w3-buffered-randrw.fio; do
     for system in "${fuse_systems[@]}"; do
       start_keelfs "$system"
@@ -168,4 +232,49 @@ for round in $(seq "$rounds"); do
   run_bytes ext4 "$work/mnt-ext4" "$round"
   run_bytes xfs "$work/mnt-xfs" "$round"
 done
+
+# driver_kind DRIVER CPUS: job_append for a sleeping fio driver, or a
+# busy one on CPUS cpus (a group of its own, after the measured one).
+driver_kind() {
+  case $1 in
+    sleep) job_append='' ;;
+    busy) job_append="\n[busy]\nnew_group\nioengine=cpuio\ncpuload=100\nnumjobs=$2\n" ;;
+    *) echo "run-seeds: drivers are sleep and busy, not '$1'" >&2; exit 2 ;;
+  esac
+}
+
+if [[ $matrix != systems ]]; then
+  poll_jobs=("$workloads"/w3-buffered-randrw.fio)
+  ((full)) && poll_jobs=("$workloads"/w1-dio-overwrite.fio "$workloads"/w2-aio-append.fio "${poll_jobs[@]}")
+  read -ra mode_list <<<"$modes"
+  for round in $(seq "$rounds"); do
+    # The modes' order rotates each round, so that none always runs first.
+    shift_by=$(((round - 1) % ${#mode_list[@]}))
+    order=("${mode_list[@]:shift_by}" "${mode_list[@]:0:shift_by}")
+    for job in "${poll_jobs[@]}"; do
+      for drv in $drivers; do
+        for setup in $setups; do
+          fio_pin=()
+          driver_kind "$drv" $((last_cpu + 1))
+          if [[ $setup == dedicated ]]; then
+            fio_pin=(taskset -c "0-$((last_cpu - 1))")
+            driver_kind "$drv" "$last_cpu"
+          fi
+          for mode in "${order[@]}"; do
+            tags="\"poll_mode\":\"$mode\",\"setup\":\"$setup\",\"driver\":\"$drv\","
+            start_keelfs_poll "$mode" "$setup"
+            run_fio keelfs-fuse "$work/mnt-keelfs-fuse" "$job" "$round" "$daemon_pid"
+            stop_keelfs
+          done
+        done
+        # The peer, unpinned, with the same driver.
+        tags="\"driver\":\"$drv\"," fio_pin=()
+        driver_kind "$drv" $((last_cpu + 1))
+        run_fio ext4 "$work/mnt-ext4" "$job" "$round"
+      done
+    done
+  done
+  tags='' job_append=''
+  python3 bench/poll_summary.py "$out" | tee "${out%.json}.summary.txt" >&2
+fi
 echo "run-seeds: results in $out" >&2

@@ -29,8 +29,24 @@
 #             driver (or a FUSE layer of its own in between).
 #
 # The driver (`keelfs-bench vhost`) sleeps on the call eventfd while all
-# its requests are in flight, as a guest's vCPU halts; --driver spin makes
-# it poll the used ring without pause (it then takes a core of its own).
+# its requests are in flight, as a guest's vCPU halts; --driver busy
+# (formerly spin) makes it poll the used ring without pause, as a running
+# vCPU keeps its core busy (it then takes a core of its own).
+#
+# The poll-mode matrix (--matrix poll, the default): keelfsd on the loop
+# device in each poll_mode (busy, adaptive, interrupt) with each driver
+# (sleep, busy), in two setups:
+#   oversubscribed  two driver threads (two queues) and the daemon's one
+#             unpinned reactor on the machine's cores: load threads >=
+#             cores, as busy guests on a full host
+#   dedicated  the reactor pinned to the last CPU (reactors = [N]), one
+#             driver thread pinned to the others (taskset)
+# Rounds interleave the modes (their order rotates each round); each line
+# carries poll_mode, setup and driver, and bench/poll_summary.py prints
+# every mode's median as a ratio to the better of busy and interrupt
+# (OUT.summary.txt). By default two workloads (dio-randrw, byte-writes),
+# 2 rounds of 3 s: a few minutes. --full runs every workload, 3 rounds of
+# 5 s, and the systems comparison above as well (--matrix all).
 #
 # CPU: each line charges the daemon (with its children) its own utime +
 # stime, the load generator its own, and "other" the rest of the
@@ -57,9 +73,16 @@
 # data in RAM, in a sparse file in /dev/shm larger than RAM
 # (bench/run-rbd.sh).
 #
-# Usage: bench/run-vhost.sh [--rounds N] [--seconds N] [--systems "A B ..."]
-#                           [--driver eventfd|spin] [--depth N]
+# Usage: bench/run-vhost.sh [--matrix poll|systems|all] [--full]
+#                           [--rounds N] [--seconds N] [--systems "A B ..."]
+#                           [--driver sleep|busy] [--depth N]
+#                           [--modes "busy adaptive interrupt"] [--drivers "sleep busy"]
+#                           [--setups "oversubscribed dedicated"]
 #                           [--rbd-pool POOL] [--min-avail MiB] [OUT.json]
+#   --matrix: the poll-mode matrix (default), the systems comparison
+#     (the default with --systems or --rbd-pool), or both
+#   --driver: the systems comparison's driver (sleep); --drivers, --modes
+#     and --setups narrow the poll-mode matrix
 #   --depth: requests in flight for the three direct-I/O workloads (32)
 #   default systems: "keelfsd keelfsd-irq keelfsd-tmpfs keelfsd-pmem virtiofsd virtiofsd-pool",
 #     or "keelfsd-rbd keelfsd-rbd-irq" with --rbd-pool
@@ -68,9 +91,15 @@
 # (scripts/ceph-dev.sh up) and qemu-img's rbd driver (qemu-block-extra).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rounds=3 seconds=5 systems='' driver=eventfd depth=32 rbd_pool='' min_avail=4096
+rounds='' seconds='' systems='' driver=sleep depth=32 rbd_pool='' min_avail=4096
+matrix='' full=0 modes='busy adaptive interrupt' drivers='sleep busy' setups='oversubscribed dedicated'
 while [[ $# -gt 0 ]]; do
   case $1 in
+    --matrix) matrix=$2; shift 2 ;;
+    --full) full=1; shift ;;
+    --modes) modes=$2; shift 2 ;;
+    --drivers) drivers=$2; shift 2 ;;
+    --setups) setups=$2; shift 2 ;;
     --rounds) rounds=$2; shift 2 ;;
     --seconds) seconds=$2; shift 2 ;;
     --systems) systems=$2; shift 2 ;;
@@ -78,11 +107,25 @@ while [[ $# -gt 0 ]]; do
     --depth) depth=$2; shift 2 ;;
     --rbd-pool) rbd_pool=$2; shift 2 ;;
     --min-avail) min_avail=$2; shift 2 ;;
-    -h|--help) sed -n '2,68p' "bench/${0##*/}"; exit 0 ;;
+    -h|--help) sed -n '2,91p' "bench/${0##*/}"; exit 0 ;;
     -*) echo "run-vhost: unknown option '$1' (--help)" >&2; exit 2 ;;
     *) break ;;
   esac
 done
+if [[ -z $matrix ]]; then
+  matrix=poll
+  if ((full)); then matrix=all; elif [[ -n $systems || -n $rbd_pool ]]; then matrix=systems; fi
+fi
+case $matrix in
+  poll|systems|all) ;;
+  *) echo "run-vhost: --matrix poll, systems or all, not '$matrix'" >&2; exit 2 ;;
+esac
+if ((full)); then : "${rounds:=3}" "${seconds:=5}"; fi
+if [[ $matrix == poll ]]; then : "${rounds:=2}" "${seconds:=3}"; fi
+: "${rounds:=3}" "${seconds:=5}"
+# The systems comparison runs its rounds only when asked for.
+systems_rounds=$rounds
+[[ $matrix != poll ]] || systems_rounds=0
 kind=vhost
 if [[ -n $rbd_pool ]]; then
   kind=vhost-rbd
@@ -90,7 +133,13 @@ if [[ -n $rbd_pool ]]; then
 else
   : "${systems:=keelfsd keelfsd-irq keelfsd-tmpfs keelfsd-pmem virtiofsd virtiofsd-pool}"
 fi
-out=${1:-bench/results/$kind-$(date +%F).json}
+[[ $matrix != poll ]] || systems=''
+[[ $matrix == systems || -z $rbd_pool ]] || { echo "run-vhost: the poll-mode matrix runs on a local image, not --rbd-pool" >&2; exit 2; }
+if [[ $matrix == poll ]]; then
+  out=${1:-bench/results/$kind-poll-$(date +%F).json}
+else
+  out=${1:-bench/results/$kind-$(date +%F).json}
+fi
 # Whether any system serves a local image (the RAM images, loop devices
 # and ext4 mount are made only then).
 local_systems=0
@@ -115,10 +164,15 @@ fi
 check_memory() { [[ -z $rbd_pool ]] || stop_below_min_avail run-vhost "$min_avail"; }
 check_memory
 case $driver in
-  eventfd) driver_flags=() ;;
-  spin) driver_flags=(--spin) ;;
-  *) echo "run-vhost: --driver eventfd or spin, not '$driver'" >&2; exit 2 ;;
+  sleep|eventfd) driver_flags=(--driver sleep) ;;
+  busy|spin) driver_flags=(--driver busy) ;;
+  *) echo "run-vhost: --driver sleep or busy, not '$driver'" >&2; exit 2 ;;
 esac
+last_cpu=$(($(nproc) - 1))
+if [[ $matrix != systems && " $setups " == *" dedicated "* && $last_cpu -lt 1 ]]; then
+  echo "run-vhost: the dedicated setup needs two CPUs or more" >&2
+  exit 2
+fi
 virtiofsd=$(command -v virtiofsd || echo "$HOME/.cargo/bin/virtiofsd")
 if [[ " $systems " == *" virtiofsd"* && ! -x $virtiofsd ]]; then
   echo "run-vhost: virtiofsd is missing: cargo install virtiofsd" >&2
@@ -240,7 +294,7 @@ if ((local_systems)); then
   dd if=/dev/zero of="$work/raw.img" bs=1M count=256 conv=notrunc status=none
   attach "$work/raw.img"; raw_loop=$attached
 fi
-for round in $(seq "$rounds"); do
+for round in $(seq "$systems_rounds"); do
   # The device limit, in the same round: fio's io_uring engine on a raw
   # RAM-backed file and on a loop device over it (and keelfs's own block
   # layer beside it), 4k random writes at the DIO workloads' depth.
@@ -281,7 +335,56 @@ for round in $(seq "$rounds"); do
     done
   done
 done
+
+# poll_run ROUND WORKLOAD FLAGS CACHE SETUP DRIVER MODE: one result line of
+# the poll-mode matrix.
+poll_run() {
+  local round=$1 workload=$2 flags=$3 cache=$4 setup=$5 drv=$6 mode=$7
+  local reactors=1 threads=2 pin=()
+  if [[ $setup == dedicated ]]; then
+    reactors="[$last_cpu]" threads=1 pin=(taskset -c "0-$((last_cpu - 1))")
+  fi
+  socket=$work/poll.sock
+  rm -f "$socket"
+  "$keelfsd" serve --config <(printf '[daemon]\npoll_mode="%s"\nreactors=%s\n[[device]]\nname="d"\npath="%s"\n[[export]]\ntag="d"\ndevice="d"\nsocket="%s"\nrequest_queues=2\ncache="%s"\n' \
+    "$mode" "$reactors" "$poll_loop" "$socket" "$cache") 2>"$work/poll-$mode.log" &
+  daemon_pid=$!
+  wait_socket "$socket"
+  # shellcheck disable=SC2086  # $flags is a list of options: split on purpose
+  "${pin[@]}" "$bench" vhost --socket "$socket" --workload "$workload" $flags --threads "$threads" --queues 2 \
+    --seconds "$seconds" --daemon-pid "$daemon_pid" --label "keelfsd-$mode-$setup" --driver "$drv" --json |
+    sed "s/^{/{\"round\":$round,\"poll_mode\":\"$mode\",\"setup\":\"$setup\",/" | tee -a "$out"
+  stop
+}
+
+if [[ $matrix != systems ]]; then
+  fallocate -l $size "$work/poll.img"
+  dd if=/dev/zero of="$work/poll.img" bs=1M count=3072 conv=notrunc status=none
+  attach "$work/poll.img"; poll_loop=$attached
+  "$keelfsd" mkfs "$poll_loop" --force >/dev/null 2>&1
+  poll_workloads=("${workloads[@]}")
+  ((full)) || poll_workloads=("${workloads[1]}" "${workloads[4]}")
+  read -ra mode_list <<<"$modes"
+  for round in $(seq "$rounds"); do
+    # The modes' order rotates each round, so that none always runs first.
+    shift_by=$(((round - 1) % ${#mode_list[@]}))
+    order=("${mode_list[@]:shift_by}" "${mode_list[@]:0:shift_by}")
+    for line in "${poll_workloads[@]}"; do
+      IFS='|' read -r workload flags kcache _ <<<"$line"
+      flags=${flags/--threads 1/}
+      for setup in $setups; do
+        for drv in $drivers; do
+          for mode in "${order[@]}"; do
+            poll_run "$round" "$workload" "$flags" "$kcache" "$setup" "$drv" "$mode"
+          done
+        done
+      done
+    done
+  done
+  python3 bench/poll_summary.py "$out" | tee "${out%.json}.summary.txt" >&2
+fi
 echo "run-vhost: results in $out" >&2
+[[ $matrix != poll ]] || exit 0
 
 # The regression guard: against the vhost results committed last.
 last=$(git log --format= --name-only --diff-filter=AM -- "bench/results/$kind-2*.json" |
