@@ -222,10 +222,15 @@ fn top_under_tmux(rpc_path: &Path, mnt: &Path) {
     let command = format!("{} top --rpc {} --interval-ms 300", env!("CARGO_BIN_EXE_keelfsd"), rpc_path.display());
     let started = tmux(&["new-session", "-d", "-s", &session, "-x", "110", "-y", "30", &command]);
     assert!(started.status.success(), "tmux: {}", String::from_utf8_lossy(&started.stderr));
-    // Reads while it samples, so that the export has a rate to show.
+    // Reads while it samples, so that the export has a rate to show:
+    // direct ones, since this host mount (no guest beside it) keeps f0's
+    // pages cached across opens.
     let deadline = Instant::now() + Duration::from_secs(2);
     while Instant::now() < deadline {
-        std::fs::read(mnt.join("f0")).unwrap();
+        use std::io::Read;
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut f = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(mnt.join("f0")).unwrap();
+        f.read_to_end(&mut Vec::new()).unwrap();
         std::thread::sleep(Duration::from_millis(5));
     }
     let frame = String::from_utf8_lossy(&tmux(&["capture-pane", "-p", "-t", &session]).stdout).to_string();

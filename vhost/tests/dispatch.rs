@@ -221,6 +221,13 @@ fn cache_modes_set_timeouts_and_open_flags() {
         assert_eq!(valid, 86_400);
         assert_ne!(open & KEEP_CACHE, 0);
     });
+    // A sole client (a host mount no guest shares) keeps its pages.
+    with_session_config(CacheMode::Auto.session_config_for(keelfs_vhost::Clients::Sole), async |s: Session| {
+        let (valid, create, open) = cache_behaviour(&s).await;
+        assert_eq!(valid, 1);
+        assert_eq!((create & DIRECT_IO, open & DIRECT_IO), (0, 0));
+        assert_ne!(open & KEEP_CACHE, 0, "auto, sole client: page cache kept across opens");
+    });
 }
 
 /// The WRITEBACK_CACHE flag INIT negotiates in a session with `config`.

@@ -33,6 +33,10 @@ pub struct SessionConfig {
     pub writeback_cache: bool,
     /// What the client may cache, as virtiofsd's `--cache`.
     pub cache: CacheMode,
+    /// Let the client keep a file's cached pages across opens
+    /// (FOPEN_KEEP_CACHE): the `always` mode, and `auto` for a sole
+    /// client, whose cache nobody else can make stale.
+    pub keep_cache: bool,
     /// Open handles the session may hold at once; past it, opens fail
     /// with EMFILE. Default [`SESSION_HANDLES_MAX`].
     pub open_handles_max: usize,
@@ -71,9 +75,15 @@ impl CacheMode {
     }
 
     /// Session settings for this mode and these clients: `auto` caches
-    /// writes in a sole client's kernel too (writeback caching), as
-    /// `always` does in any; `none` never caches.
+    /// writes in a sole client's kernel too (writeback caching) and keeps
+    /// its pages across opens, as `always` does in any; `none` never
+    /// caches.
     pub fn session_config_for(self, clients: Clients) -> SessionConfig {
+        let sole_or_always = match self {
+            CacheMode::None => false,
+            CacheMode::Auto => clients == Clients::Sole,
+            CacheMode::Always => true,
+        };
         let timeout = match self {
             CacheMode::None => Duration::ZERO,
             CacheMode::Auto => Duration::from_secs(1),
@@ -83,12 +93,9 @@ impl CacheMode {
             entry_timeout: timeout,
             attr_timeout: timeout,
             max_write: 1 << 20,
-            writeback_cache: match self {
-                CacheMode::None => false,
-                CacheMode::Auto => clients == Clients::Sole,
-                CacheMode::Always => true,
-            },
+            writeback_cache: sole_or_always,
             cache: self,
+            keep_cache: sole_or_always,
             open_handles_max: SESSION_HANDLES_MAX,
         }
     }
@@ -616,7 +623,7 @@ impl Session {
         }
         let fh = self.own_handle(fh).await?;
         let mut r = self.entry(a);
-        r.raw(&open_out(fh, flags, self.config.cache).bytes);
+        r.raw(&open_out(fh, flags, self.config.cache, self.config.keep_cache).bytes);
         Ok(Some(r))
     }
 
@@ -712,11 +719,11 @@ impl Session {
                 if open_flags & OPEN_KILL_SUIDGID != 0 && flags as i32 & libc::O_TRUNC != 0 {
                     self.kill_setid(ino, &c)?;
                 }
-                Ok(Some(open_out(fh, flags, self.config.cache)))
+                Ok(Some(open_out(fh, flags, self.config.cache, self.config.keep_cache)))
             }
             Request::Opendir { .. } => {
                 let fh = self.own_handle(fs.opendir(&c, ino).await.map_err(e)?).await?;
-                Ok(Some(open_out(fh, 0, CacheMode::Auto)))
+                Ok(Some(open_out(fh, 0, CacheMode::Auto, false)))
             }
             Request::Create { flags, mode, name, open_flags, .. } => {
                 let flags = self.handle_flags(flags);
@@ -1005,12 +1012,12 @@ fn write_out(written: u32) -> Reply {
     r
 }
 
-fn open_out(fh: Fh, flags: u32, cache: CacheMode) -> Reply {
+fn open_out(fh: Fh, flags: u32, cache: CacheMode, keep_cache: bool) -> Reply {
     let mut open = 0;
     if flags as i32 & libc::O_DIRECT != 0 || cache == CacheMode::None {
         open |= open_flags::DIRECT_IO | open_flags::PARALLEL_DIRECT_WRITES;
     }
-    if cache == CacheMode::Always {
+    if keep_cache {
         open |= open_flags::KEEP_CACHE;
     }
     let mut r = Reply::default();
