@@ -57,6 +57,10 @@ pub enum SwitchReason {
     SpinsMissed,
     /// A core was free and work arrived within the spin budget.
     CoreFree,
+    /// The CPU pressure that sent it to sleep stayed while it slept: the
+    /// load makes it (more runnable threads than CPUs), not the spinning,
+    /// and work arrived within the spin budget.
+    PressureNotOurs,
 }
 
 impl SwitchReason {
@@ -66,6 +70,7 @@ impl SwitchReason {
             SwitchReason::Contended => "contended",
             SwitchReason::SpinsMissed => "spins-missed",
             SwitchReason::CoreFree => "core-free",
+            SwitchReason::PressureNotOurs => "pressure-not-ours",
         }
     }
 
@@ -78,6 +83,7 @@ impl SwitchReason {
             1 => SwitchReason::Contended,
             2 => SwitchReason::SpinsMissed,
             3 => SwitchReason::CoreFree,
+            4 => SwitchReason::PressureNotOurs,
             _ => SwitchReason::Start,
         }
     }
@@ -183,6 +189,15 @@ pub struct IdlePolicy {
     spin_since: Instant,
     free_windows: u32,
     report: WindowReport,
+    /// The CPU pressure (ppm) of the window that ended the last spell of
+    /// spinning, when pressure ended it.
+    left_spin_at_pressure: Option<u32>,
+    /// The CPU pressure over the windows of the current `Sleep`.
+    sleep_pressure_sum: u64,
+    sleep_pressure_windows: u32,
+    /// The pressure the load makes without the reactor spinning, as last
+    /// measured asleep: spinning is judged by what it adds to it.
+    pressure_floor: u32,
 }
 
 impl IdlePolicy {
@@ -205,6 +220,10 @@ impl IdlePolicy {
             spin_since: now,
             free_windows: 0,
             report: WindowReport::default(),
+            left_spin_at_pressure: None,
+            sleep_pressure_sum: 0,
+            sleep_pressure_windows: 0,
+            pressure_floor: 0,
         }
     }
 
@@ -299,16 +318,21 @@ impl IdlePolicy {
         self.switches += 1;
         self.idle_since = None;
         self.free_windows = 0;
-        if regime == Regime::Spin {
-            self.spin_since = now;
+        match regime {
+            Regime::Spin => self.spin_since = now,
+            Regime::Sleep => (self.sleep_pressure_sum, self.sleep_pressure_windows) = (0, 0),
         }
         Some(regime)
     }
 
     fn judge_spin(&mut self, now: Instant) -> Option<(Regime, SwitchReason)> {
         let r = self.report;
-        let pressed = r.pressure_ppm.is_some_and(|ppm| ppm > self.config.pressure_ppm_max);
-        if r.off_cpu_ppm > self.config.off_cpu_ppm_max || pressed {
+        // What spinning adds to the load's own pressure is what counts.
+        let allowed = self.config.pressure_ppm_max.max(self.pressure_floor + self.config.pressure_ppm_max / 2);
+        let pressed = r.pressure_ppm.is_some_and(|ppm| ppm > allowed);
+        let off_cpu = r.off_cpu_ppm > self.config.off_cpu_ppm_max;
+        if off_cpu || pressed {
+            self.left_spin_at_pressure = if off_cpu { None } else { r.pressure_ppm };
             let calm = now.saturating_duration_since(self.spin_since);
             self.backoff = if calm >= CALM_SPIN_RESETS_BACKOFF {
                 self.config.hold_min
@@ -336,13 +360,33 @@ impl IdlePolicy {
             Some(ppm) => ppm <= self.config.pressure_ppm_free,
             None => true,
         };
-        let core_free = spare_core && calm && r.off_cpu_ppm <= self.config.off_cpu_ppm_max;
+        let own_core_free = r.off_cpu_ppm <= self.config.off_cpu_ppm_max;
+        let core_free = spare_core && calm && own_core_free;
+        let asleep_pressure = self.asleep_pressure(r.pressure_ppm);
+        // Asleep, the load still makes four fifths of the pressure seen
+        // while spinning: the spinning did not make it.
+        let not_ours = match (self.left_spin_at_pressure, asleep_pressure) {
+            (Some(spinning), Some(asleep)) => own_core_free && u64::from(asleep) * 5 >= u64::from(spinning) * 4,
+            _ => false,
+        };
         let spin_would_catch = r.sleeps >= SLEEPS_TO_JUDGE_MIN && r.quick_wakes * 2 >= r.sleeps;
-        self.free_windows = if core_free && spin_would_catch { self.free_windows + 1 } else { 0 };
+        let worth_spinning = (core_free || not_ours) && spin_would_catch;
+        self.free_windows = if worth_spinning { self.free_windows + 1 } else { 0 };
         if now < self.hold_until || self.free_windows < FREE_WINDOWS_TO_SPIN {
             return None;
         }
-        Some((Regime::Spin, SwitchReason::CoreFree))
+        self.pressure_floor = asleep_pressure.unwrap_or(0);
+        let reason = if core_free { SwitchReason::CoreFree } else { SwitchReason::PressureNotOurs };
+        Some((Regime::Spin, reason))
+    }
+
+    /// Fold this window's pressure into the current sleep's mean.
+    fn asleep_pressure(&mut self, window: Option<u32>) -> Option<u32> {
+        let ppm = window?;
+        self.sleep_pressure_sum = self.sleep_pressure_sum.saturating_add(u64::from(ppm));
+        self.sleep_pressure_windows = self.sleep_pressure_windows.saturating_add(1);
+        let mean = self.sleep_pressure_sum / u64::from(self.sleep_pressure_windows);
+        Some(u32::try_from(mean).expect("a mean of ppm values is a ppm value"))
     }
 }
 
@@ -379,8 +423,13 @@ mod tests {
 
     #[test]
     fn reason_codes_round_trip() {
-        for reason in [SwitchReason::Start, SwitchReason::Contended, SwitchReason::SpinsMissed, SwitchReason::CoreFree]
-        {
+        for reason in [
+            SwitchReason::Start,
+            SwitchReason::Contended,
+            SwitchReason::SpinsMissed,
+            SwitchReason::CoreFree,
+            SwitchReason::PressureNotOurs,
+        ] {
             assert_eq!(SwitchReason::from_code(reason.code()), reason);
         }
     }

@@ -28,6 +28,9 @@ struct Machine {
     /// (QEMU's thread that injects interrupts, a kernel worker) waits for
     /// the core the reactor holds. A hog on its core always waits.
     waiter_share: f64,
+    /// The share of all time that the load's own threads wait for a CPU
+    /// (more of them runnable than CPUs), whatever the reactor does.
+    load_pressure: f64,
 }
 
 /// What a run of the simulation saw.
@@ -84,7 +87,8 @@ impl Sim {
             let shared = machine.hog_on_core && self.now - self.running_since > SLICE;
             let wall = if shared { work * 2 } else { work };
             let waiting = if machine.hog_on_core { 1.0 } else { machine.waiter_share };
-            self.stalled += wall.mul_f64(waiting);
+            let pressure = machine.load_pressure + waiting * (1.0 - machine.load_pressure);
+            self.stalled += wall.mul_f64(pressure);
             self.now += wall;
             let action = self.policy.after_tick(self.now, busy);
             if !busy && action == IdleAction::Spin {
@@ -95,6 +99,7 @@ impl Sim {
                 let latency = if machine.hog_on_core { 30 * US } else { 5 * US };
                 let wake = self.next_arrival.max(self.now) + latency;
                 self.policy.after_sleep(wake - self.now);
+                self.stalled += (wake - self.now).mul_f64(machine.load_pressure);
                 self.now = wake;
                 self.running_since = wake;
             }
@@ -123,6 +128,7 @@ const DEDICATED: Machine = Machine {
     others_runnable: Some(1),
     psi: true,
     waiter_share: 0.0,
+    load_pressure: 0.0,
 };
 
 #[test]
@@ -228,4 +234,25 @@ fn without_psi_the_same_waiter_goes_unseen() {
     let out = sim.run(blind, Duration::from_secs(1));
     assert_eq!(sim.policy.regime(), Regime::Spin, "{out:?}");
     assert_eq!(out.switches, 0, "{out:?}");
+}
+
+#[test]
+fn pressure_the_load_makes_itself_does_not_stop_the_spinning() {
+    // More load threads than CPUs: they wait for a CPU whether or not the
+    // reactor spins, and spinning adds little to it. The policy leaves Spin
+    // on the pressure, sees it stay while asleep, and spins again.
+    let mut sim = Sim::new();
+    let oversubscribed = Machine { others_runnable: Some(3), load_pressure: 0.5, waiter_share: 0.05, ..DEDICATED };
+    let out = sim.run(oversubscribed, Duration::from_secs(2));
+    assert_eq!(sim.policy.regime(), Regime::Spin, "{out:?}");
+    assert_eq!(sim.policy.reason(), SwitchReason::PressureNotOurs);
+    assert_eq!(out.switches, 2, "{out:?}");
+    // Back after the first hold (100 ms) and two windows.
+    assert!(out.in_spin >= out.elapsed - Duration::from_millis(140), "{out:?}");
+    // Were the spinning to double the pressure, it would be its own.
+    let mut sim = Sim::new();
+    let doubled = Machine { waiter_share: 0.5, load_pressure: 0.25, ..oversubscribed };
+    let out = sim.run(doubled, Duration::from_secs(2));
+    assert_eq!(sim.policy.regime(), Regime::Sleep, "{out:?}");
+    assert_eq!(out.switches, 1, "{out:?}");
 }
