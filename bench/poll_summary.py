@@ -8,7 +8,9 @@ two fixed policies that `adaptive`, the default, chooses between).
 Usage: bench/poll_summary.py RESULTS.json [--field iops]
 
 Lines without a poll_mode (peers such as ext4, the device limit) are
-listed apart with their medians, for scale. A ratio is within one run,
+listed apart with their medians, for scale. "poll-state" lines (what
+each adaptive run's reactor ended in: regime, reason, switches) are
+counted per cell beneath the table. A ratio is within one run,
 so machine noise hits both sides alike; on a shared machine treat small
 differences as noise.
 """
@@ -43,6 +45,24 @@ def load(path, field):
     return matrix, peers
 
 
+def adaptive_endings(path):
+    """{(workload, setup, driver): Counter of "regime (reason)"} over the
+    adaptive runs' poll-state lines."""
+    endings = collections.defaultdict(collections.Counter)
+    with open(path) as f:
+        for line in f:
+            if not line.startswith("{"):
+                continue
+            r = json.loads(line)
+            if r.get("bench") != "poll-state" or r.get("poll_mode") != "adaptive":
+                continue
+            key = (str(r.get("workload")), r.get("setup", "?"), r.get("driver", "?"))
+            for poll in r.get("reactors") or []:
+                if poll:
+                    endings[key][f"{poll.get('regime')} ({poll.get('reason')}, {poll.get('switches')} sw)"] += 1
+    return endings
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("results")
@@ -65,6 +85,12 @@ def main():
         print(f"{workload:<22} {setup:<15} {driver:<7} " + " ".join(cells))
     for (workload, system), values in sorted(peers.items()):
         print(f"{workload:<22} {system:<23} {statistics.median(values):>12.0f} (peer, n={len(values)})")
+    endings = adaptive_endings(a.results)
+    if endings:
+        print("adaptive runs ended in:")
+    for (workload, setup, driver), counts in sorted(endings.items()):
+        ended = ", ".join(f"{n}x {what}" for what, n in counts.most_common())
+        print(f"{workload:<22} {setup:<15} {driver:<7} {ended}")
 
 
 if __name__ == "__main__":

@@ -77,6 +77,7 @@ else
   out=${1:-bench/results/seeds-$(date +%F).json}
 fi
 workloads=bench/workloads
+. bench/poll_state.sh
 [[ -f $workloads/w1-dio-overwrite.fio ]] || { echo "run-seeds: no fio workloads at $workloads" >&2; exit 2; }
 command -v fio >/dev/null || { echo "run-seeds: fio is missing (scripts/setup.sh)" >&2; exit 2; }
 cargo build --release -q -p keelfsd
@@ -129,8 +130,8 @@ start_keelfs() {
 start_keelfs_poll() {
   local reactors=1
   [[ $2 == dedicated ]] && reactors="[$last_cpu]"
-  "$keelfsd" serve --config <(printf '[daemon]\npoll_mode="%s"\nreactors=%s\n[[device]]\nname="d"\npath="%s"\n[[export]]\ntag="d"\ndevice="d"\nfuse_mount="%s"\ncache="auto"\n' \
-    "$1" "$reactors" "$work/keelfs.img" "$work/mnt-keelfs-fuse") 2>>"$work/keelfsd.log" &
+  "$keelfsd" serve --config <(printf '[daemon]\npoll_mode="%s"\nreactors=%s\nrpc_socket="%s"\n[[device]]\nname="d"\npath="%s"\n[[export]]\ntag="d"\ndevice="d"\nfuse_mount="%s"\ncache="auto"\n' \
+    "$1" "$reactors" "$work/poll.rpc" "$work/keelfs.img" "$work/mnt-keelfs-fuse") 2>>"$work/keelfsd.log" &
   daemon_pid=$!
   for _ in $(seq 200); do mountpoint -q "$work/mnt-keelfs-fuse" && return 0; sleep 0.05; done
   echo "run-seeds: keelfsd did not mount" >&2; exit 1
@@ -264,6 +265,8 @@ if [[ $matrix != systems ]]; then
             tags="\"poll_mode\":\"$mode\",\"setup\":\"$setup\",\"driver\":\"$drv\","
             start_keelfs_poll "$mode" "$setup"
             run_fio keelfs-fuse "$work/mnt-keelfs-fuse" "$job" "$round" "$daemon_pid"
+            poll_state "$keelfsd" "$work/poll.rpc" "\"round\":$round,$tags\"workload\":\"$(basename "$job" .fio)\"," |
+              tee -a "$out"
             stop_keelfs
           done
         done

@@ -161,6 +161,7 @@ fi
 # With --rbd-pool, stop (cleanly, removing the images) when memory runs low.
 # shellcheck source=bench/memory.sh
 . bench/memory.sh
+. bench/poll_state.sh
 check_memory() { [[ -z $rbd_pool ]] || stop_below_min_avail run-vhost "$min_avail"; }
 check_memory
 case $driver in
@@ -346,14 +347,17 @@ poll_run() {
   fi
   socket=$work/poll.sock
   rm -f "$socket"
-  "$keelfsd" serve --config <(printf '[daemon]\npoll_mode="%s"\nreactors=%s\n[[device]]\nname="d"\npath="%s"\n[[export]]\ntag="d"\ndevice="d"\nsocket="%s"\nrequest_queues=2\ncache="%s"\n' \
-    "$mode" "$reactors" "$poll_loop" "$socket" "$cache") 2>"$work/poll-$mode.log" &
+  "$keelfsd" serve --config <(printf '[daemon]\npoll_mode="%s"\nreactors=%s\nrpc_socket="%s"\n[[device]]\nname="d"\npath="%s"\n[[export]]\ntag="d"\ndevice="d"\nsocket="%s"\nrequest_queues=2\ncache="%s"\n' \
+    "$mode" "$reactors" "$work/poll.rpc" "$poll_loop" "$socket" "$cache") 2>"$work/poll-$mode.log" &
   daemon_pid=$!
   wait_socket "$socket"
   # shellcheck disable=SC2086  # $flags is a list of options: split on purpose
   "${pin[@]}" "$bench" vhost --socket "$socket" --workload "$workload" $flags --threads "$threads" --queues 2 \
     --seconds "$seconds" --daemon-pid "$daemon_pid" --label "keelfsd-$mode-$setup" --driver "$drv" --json |
     sed "s/^{/{\"round\":$round,\"poll_mode\":\"$mode\",\"setup\":\"$setup\",/" | tee -a "$out"
+  poll_state "$keelfsd" "$work/poll.rpc" \
+    "\"round\":$round,\"poll_mode\":\"$mode\",\"setup\":\"$setup\",\"driver\":\"$drv\",\"workload\":\"$workload\"," |
+    tee -a "$out"
   stop
 }
 
