@@ -179,7 +179,7 @@ fn suites_pass(transport: &str) {
 
     // And in the default mode beside a guest's socket (none connects):
     // the page cache without writeback caching, each write(2) a WRITE.
-    let socket = std::env::temp_dir().join(format!("keelfsd-suites-{}.sock", std::process::id()));
+    let socket = std::env::temp_dir().join(format!("keelfsd-suites-{transport}-{}.sock", std::process::id()));
     let args = ["--fuse-transport".as_ref(), transport.as_ref(), "--socket".as_ref(), socket.as_os_str()];
     let served = serve_with(&image, &mountpoint, &args);
     run_fsx(&mountpoint.join("fsx-shared"), "buffered", "6", FSX_BUFFERED_OPS);
