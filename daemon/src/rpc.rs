@@ -326,10 +326,7 @@ pub fn snapshot(reactors: &[ReactorHandle]) -> Value {
 fn poll_json(p: &keelfs_reactor::PollState) -> Value {
     json!({
         "mode": p.mode,
-        "regime": match p.regime {
-            keelfs_reactor::Regime::Spin => "spin",
-            keelfs_reactor::Regime::Sleep => "sleep",
-        },
+        "regime": p.regime.name(),
         "reason": p.reason.name(),
         "switches": p.switches,
         "off_cpu_share": f64::from(p.off_cpu_ppm) / 1e6,

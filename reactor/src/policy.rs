@@ -45,6 +45,16 @@ pub enum Regime {
     Sleep,
 }
 
+impl Regime {
+    /// As stats and logs name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Regime::Spin => "spin",
+            Regime::Sleep => "sleep",
+        }
+    }
+}
+
 /// Why the policy last changed regime.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SwitchReason {
