@@ -78,12 +78,15 @@
 #                           [--driver sleep|busy] [--depth N]
 #                           [--modes "busy adaptive interrupt"] [--drivers "sleep busy"]
 #                           [--setups "oversubscribed dedicated"]
+#                           [--workloads "dio-randrw ..."]
 #                           [--rbd-pool POOL] [--min-avail MiB] [OUT.json]
 #   --matrix: the poll-mode matrix (default), the systems comparison
 #     (the default with --systems or --rbd-pool), or both
 #   --driver: the systems comparison's driver (sleep); --drivers, --modes
 #     and --setups narrow the poll-mode matrix
 #   --depth: requests in flight for the three direct-I/O workloads (32)
+#   --workloads: run only these (dio-overwrite dio-randrw aio-append
+#     buffered-randrw byte-writes), in both matrices
 #   default systems: "keelfsd keelfsd-irq keelfsd-tmpfs keelfsd-pmem virtiofsd virtiofsd-pool",
 #     or "keelfsd-rbd keelfsd-rbd-irq" with --rbd-pool
 # Needs: virtiofsd (`cargo install virtiofsd`), root (loop devices); with
@@ -91,7 +94,7 @@
 # (scripts/ceph-dev.sh up) and qemu-img's rbd driver (qemu-block-extra).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rounds='' seconds='' systems='' driver=sleep depth=32 rbd_pool='' min_avail=4096
+rounds='' seconds='' systems='' driver=sleep depth=32 rbd_pool='' min_avail=4096 only_workloads=''
 matrix='' full=0 modes='busy adaptive interrupt' drivers='sleep busy' setups='oversubscribed dedicated'
 while [[ $# -gt 0 ]]; do
   case $1 in
@@ -105,9 +108,10 @@ while [[ $# -gt 0 ]]; do
     --systems) systems=$2; shift 2 ;;
     --driver) driver=$2; shift 2 ;;
     --depth) depth=$2; shift 2 ;;
+    --workloads) only_workloads=$2; shift 2 ;;
     --rbd-pool) rbd_pool=$2; shift 2 ;;
     --min-avail) min_avail=$2; shift 2 ;;
-    -h|--help) sed -n '2,91p' "bench/${0##*/}"; exit 0 ;;
+    -h|--help) sed -n '2,94p' "bench/${0##*/}"; exit 0 ;;
     -*) echo "run-vhost: unknown option '$1' (--help)" >&2; exit 2 ;;
     *) break ;;
   esac
@@ -289,6 +293,17 @@ workloads=(
   "buffered-randrw|--threads 1 --iodepth 4 --file-size 256M|auto|auto"
   "byte-writes|--threads 1 --iodepth 1 --file-size 256M|auto|auto"
 )
+if [[ -n $only_workloads ]]; then
+  chosen=()
+  for name in $only_workloads; do
+    found=''
+    for line in "${workloads[@]}"; do
+      [[ ${line%%|*} != "$name" ]] || { chosen+=("$line"); found=1; }
+    done
+    [[ -n $found ]] || { echo "run-vhost: no workload '$name' (--help)" >&2; exit 2; }
+  done
+  workloads=("${chosen[@]}")
+fi
 : >"$out"
 if ((local_systems)); then
   fallocate -l 256M "$work/raw.img"
@@ -367,7 +382,7 @@ if [[ $matrix != systems ]]; then
   attach "$work/poll.img"; poll_loop=$attached
   "$keelfsd" mkfs "$poll_loop" --force >/dev/null 2>&1
   poll_workloads=("${workloads[@]}")
-  ((full)) || poll_workloads=("${workloads[1]}" "${workloads[4]}")
+  ((full)) || [[ -n $only_workloads ]] || poll_workloads=("${workloads[1]}" "${workloads[4]}")
   read -ra mode_list <<<"$modes"
   for round in $(seq "$rounds"); do
     # The modes' order rotates each round, so that none always runs first.
