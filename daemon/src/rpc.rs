@@ -335,6 +335,12 @@ fn poll_json(p: &keelfs_reactor::PollState) -> Value {
         "spin_hits": p.spin_hits,
         "spin_misses": p.spin_misses,
         "quick_wakes": p.quick_wakes,
+        "served": p.served,
+        "comparison": p.comparison.map(|c| json!({
+            "spinning_per_s": c.spinning_per_s,
+            "asleep_per_s": c.asleep_per_s,
+            "winner": if c.spin_won { "spin" } else { "sleep" },
+        })),
     })
 }
 

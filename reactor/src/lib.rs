@@ -157,6 +157,12 @@ struct PollCounters {
     spin_hits: AtomicU64,
     spin_misses: AtomicU64,
     quick_wakes: AtomicU64,
+    served: AtomicU64,
+    /// The last comparison: requests per second spinning and asleep (0:
+    /// none yet), and 1 when spinning won.
+    spinning_per_s: AtomicU64,
+    asleep_per_s: AtomicU64,
+    spin_won: AtomicU64,
 }
 
 /// The idle policy's state and its last window, for stats and `top`.
@@ -178,6 +184,18 @@ pub struct PollState {
     pub spin_hits: u64,
     pub spin_misses: u64,
     pub quick_wakes: u64,
+    /// Requests served since start, as the policy counts them.
+    pub served: u64,
+    /// The last comparison of spinning against sleeping, if any.
+    pub comparison: Option<ComparisonState>,
+}
+
+/// Requests per second spinning and asleep, and which regime won.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ComparisonState {
+    pub spinning_per_s: u64,
+    pub asleep_per_s: u64,
+    pub spin_won: bool,
 }
 
 impl ReactorStats {
@@ -203,6 +221,12 @@ impl ReactorStats {
             spin_hits: load(&p.spin_hits),
             spin_misses: load(&p.spin_misses),
             quick_wakes: load(&p.quick_wakes),
+            served: load(&p.served),
+            comparison: (load(&p.spinning_per_s) != 0 || load(&p.asleep_per_s) != 0).then(|| ComparisonState {
+                spinning_per_s: load(&p.spinning_per_s),
+                asleep_per_s: load(&p.asleep_per_s),
+                spin_won: load(&p.spin_won) == 1,
+            }),
         }
     }
 
@@ -234,6 +258,13 @@ impl ReactorStats {
         Self::add(&p.spin_hits, u64::from(report.spin_hits));
         Self::add(&p.spin_misses, u64::from(report.spin_misses));
         Self::add(&p.quick_wakes, u64::from(report.quick_wakes));
+        Self::add(&p.served, u64::from(report.served));
+        if let Some(c) = policy.last_comparison() {
+            // A rate of zero is not stored: zero in both means "none yet".
+            p.spinning_per_s.store(c.spinning.per_second().max(1), Ordering::Relaxed);
+            p.asleep_per_s.store(c.asleep.per_second().max(1), Ordering::Relaxed);
+            p.spin_won.store(u64::from(c.spin_won), Ordering::Relaxed);
+        }
     }
 }
 
@@ -391,6 +422,9 @@ struct Local {
     timers: RefCell<BinaryHeap<Reverse<TimerEntry>>>,
     timer_seq: Cell<u64>,
     new_pollers: RefCell<Vec<(PollerClass, Box<dyn Poller>)>>,
+    /// Requests the frontends on this reactor have served: the adaptive
+    /// idle policy compares their rate spinning and asleep.
+    served: Cell<u64>,
 }
 
 thread_local! {
@@ -422,6 +456,17 @@ pub fn spawn_local_boxed(future: Pin<Box<dyn Future<Output = ()>>>) {
 /// Register a poller with the current reactor; it joins at the next tick.
 pub fn register_poller(class: PollerClass, poller: Box<dyn Poller>) {
     with_local(|l| l.new_pollers.borrow_mut().push((class, poller)));
+}
+
+/// Count `requests` served by a frontend on the current reactor (a FUSE
+/// request answered, whichever transport brought it). Outside a reactor
+/// thread (a tool driving a session by hand) it counts nothing.
+pub fn note_served(requests: u64) {
+    CURRENT.with(|c| {
+        if let Some(local) = c.borrow().as_ref() {
+            local.served.set(local.served.get().wrapping_add(requests));
+        }
+    });
 }
 
 /// The time the current iteration started.
@@ -568,6 +613,7 @@ impl Reactor {
             timers: RefCell::new(BinaryHeap::new()),
             timer_seq: Cell::new(0),
             new_pollers: RefCell::new(Vec::new()),
+            served: Cell::new(0),
         });
         CURRENT.with(|c| {
             let mut c = c.borrow_mut();
@@ -707,8 +753,12 @@ impl Reactor {
         if let Idle::Adaptive { policy, cpu_load } = &mut self.idle {
             if policy.window_due(now) {
                 let load = cpu_load.as_ref().map(|probe| probe.read()).unwrap_or_default();
-                let sample =
-                    CpuSample { thread_cpu: sys::thread_cpu_time(), runnable: load.runnable, stalled: load.stalled };
+                let sample = CpuSample {
+                    thread_cpu: sys::thread_cpu_time(),
+                    runnable: load.runnable,
+                    stalled: load.stalled,
+                    served: self.local.served.get(),
+                };
                 if let Some(regime) = policy.end_window(now, sample) {
                     let report = policy.last_window();
                     tracing::debug!(?regime, reason = policy.reason().name(), ?report, "idle policy switched");

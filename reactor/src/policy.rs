@@ -25,9 +25,25 @@
 //!
 //! Leaving `Spin` because of contention holds `Sleep` for a back-off that
 //! doubles when spinning turns out contended again soon, so that a
-//! contended reactor tries spinning ever less often. The policy is pure:
-//! time and CPU samples are inputs, which is how it is tested in virtual
-//! time.
+//! contended reactor tries spinning ever less often.
+//!
+//! Contention is not always a loss. A driver thread that spins on the
+//! reactor's core while it waits for a completion (a running vCPU polling
+//! its used ring) gives the core nothing useful to do while the reactor
+//! sleeps, and a sleeping reactor costs it a notification and a wake-up
+//! per request. So a hold that contention began ends in an experiment:
+//! the reactor spins for a short probe, deaf to contention, and the
+//! requests it serves per second there are compared with those of the
+//! hold's last windows, just before. When spinning served clearly more,
+//! the load waits on the reactor, and it spins on, deaf to contention for
+//! a trust period that doubles each time the comparison is repeated with
+//! the same outcome. When it did not, it is the neighbours' time that
+//! spinning took: it sleeps again, for a hold that doubles. The two sides
+//! are adjacent and equally long, so a load that ramps up or changes
+//! phase rarely decides it.
+//!
+//! The policy is pure: time, CPU samples and request counts are inputs,
+//! which is how it is tested in virtual time.
 
 use std::time::{Duration, Instant};
 
@@ -71,6 +87,12 @@ pub enum SwitchReason {
     /// load makes it (more runnable threads than CPUs), not the spinning,
     /// and work arrived within the spin budget.
     PressureNotOurs,
+    /// Contended, spinning still served clearly more requests per second
+    /// than sleeping did: the load waits on the reactor.
+    SpinServedMore,
+    /// A hold asleep that contention began has ended: spinning for a few
+    /// windows, deaf to contention, to compare the two.
+    Probe,
 }
 
 impl SwitchReason {
@@ -81,6 +103,8 @@ impl SwitchReason {
             SwitchReason::SpinsMissed => "spins-missed",
             SwitchReason::CoreFree => "core-free",
             SwitchReason::PressureNotOurs => "pressure-not-ours",
+            SwitchReason::SpinServedMore => "spin-served-more",
+            SwitchReason::Probe => "probe",
         }
     }
 
@@ -94,6 +118,8 @@ impl SwitchReason {
             2 => SwitchReason::SpinsMissed,
             3 => SwitchReason::CoreFree,
             4 => SwitchReason::PressureNotOurs,
+            5 => SwitchReason::SpinServedMore,
+            6 => SwitchReason::Probe,
             _ => SwitchReason::Start,
         }
     }
@@ -145,6 +171,8 @@ pub struct CpuSample {
     /// Time so far that some thread on the machine waited for a CPU (PSI
     /// "some" total); None when unknown.
     pub stalled: Option<Duration>,
+    /// Requests the reactor has served so far (its frontends count them).
+    pub served: u64,
 }
 
 /// What the last window showed: for stats and logs.
@@ -160,6 +188,51 @@ pub struct WindowReport {
     pub spin_misses: u32,
     pub sleeps: u32,
     pub quick_wakes: u32,
+    /// Requests served in the window.
+    pub served: u32,
+}
+
+/// Requests served over a span of time: a rate that keeps its weight.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Served {
+    pub requests: u64,
+    pub elapsed: Duration,
+}
+
+impl Served {
+    fn add(self, requests: u64, elapsed: Duration) -> Self {
+        Self { requests: self.requests.saturating_add(requests), elapsed: self.elapsed.saturating_add(elapsed) }
+    }
+
+    /// Requests per second; zero over no time.
+    pub fn per_second(&self) -> u64 {
+        let nanos = self.elapsed.as_nanos();
+        if nanos == 0 {
+            return 0;
+        }
+        u64::try_from(u128::from(self.requests) * 1_000_000_000 / nanos).unwrap_or(u64::MAX)
+    }
+
+    /// Whether this rate beats `other` by more than `margin_ppm`, both
+    /// having served enough requests to say.
+    fn beats(&self, other: &Served, margin_ppm: u32) -> bool {
+        if self.requests < SERVED_TO_COMPARE_MIN || other.requests < SERVED_TO_COMPARE_MIN {
+            return false;
+        }
+        // self.requests / self.elapsed > other.requests / other.elapsed * (1 + margin)
+        let lhs = u128::from(self.requests) * other.elapsed.as_nanos() * 1_000_000;
+        let rhs = u128::from(other.requests) * self.elapsed.as_nanos() * u128::from(1_000_000 + margin_ppm);
+        lhs > rhs
+    }
+}
+
+/// The last comparison of spinning against sleeping, for stats.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Comparison {
+    pub spinning: Served,
+    pub asleep: Served,
+    /// Whether spinning won, and the reactor went back to `Spin`.
+    pub spin_won: bool,
 }
 
 /// Idle spells and sleeps seen within the current window.
@@ -182,6 +255,19 @@ const SLEEPS_TO_JUDGE_MIN: u32 = 8;
 const SPIN_MISSES_TO_JUDGE_MIN: u32 = 4;
 /// Spinning that stays uncontended this long resets the back-off.
 const CALM_SPIN_RESETS_BACKOFF: Duration = Duration::from_secs(1);
+/// Windows on each side of a comparison: a probe spins this long, and
+/// the hold's last windows as long are its other side.
+const RATE_WINDOWS: usize = 4;
+/// Requests each side of a comparison must have served for it to count.
+const SERVED_TO_COMPARE_MIN: u64 = 64;
+/// How much more (ppm) spinning must serve than sleeping to win: more
+/// than the noise of two spans of tens of milliseconds, so that a load
+/// which does not wait on the reactor (the same rate either way) leaves it
+/// asleep.
+const SPIN_WIN_MARGIN_PPM: u32 = 100_000;
+/// The first trust after spinning wins, in shortest holds: each test of
+/// it costs a hold in the worse regime, so trusts start well above it.
+const TRUST_FIRST_HOLDS: u32 = 4;
 
 pub struct IdlePolicy {
     config: PolicyConfig,
@@ -208,6 +294,19 @@ pub struct IdlePolicy {
     /// The pressure the load makes without the reactor spinning, as last
     /// measured asleep: spinning is judged by what it adds to it.
     pressure_floor: u32,
+    window_served_start: Option<u64>,
+    /// Requests served in the last windows of the current regime (a ring,
+    /// `recent_next` its next slot), and how many windows it has had.
+    recent: [Served; RATE_WINDOWS],
+    recent_next: usize,
+    recent_windows: u32,
+    /// While a probe spins: what the hold before it served.
+    probe: Option<Served>,
+    /// Until when contention does not end spinning, and how long the next
+    /// trust lasts: spinning won the last comparison.
+    trust_until: Instant,
+    trust: Duration,
+    comparison: Option<Comparison>,
 }
 
 impl IdlePolicy {
@@ -234,6 +333,14 @@ impl IdlePolicy {
             sleep_pressure_sum: 0,
             sleep_pressure_windows: 0,
             pressure_floor: 0,
+            window_served_start: None,
+            recent: [Served::default(); RATE_WINDOWS],
+            recent_next: 0,
+            recent_windows: 0,
+            probe: None,
+            trust_until: now,
+            trust: config.hold_min * TRUST_FIRST_HOLDS,
+            comparison: None,
         }
     }
 
@@ -251,6 +358,11 @@ impl IdlePolicy {
 
     pub fn last_window(&self) -> WindowReport {
         self.report
+    }
+
+    /// The last comparison of spinning against sleeping, if any.
+    pub fn last_comparison(&self) -> Option<Comparison> {
+        self.comparison
     }
 
     /// After an iteration at `now` that found work (`busy`) or not: what
@@ -308,6 +420,15 @@ impl IdlePolicy {
         };
         self.window_stalled_start = sample.stalled;
         self.window_start = now;
+        // The first window has no count to start from: it says nothing.
+        let served = match self.window_served_start.replace(sample.served) {
+            Some(start) => {
+                let served = sample.served.wrapping_sub(start);
+                self.record_served(served, elapsed);
+                served
+            }
+            None => 0,
+        };
         self.report = WindowReport {
             off_cpu_ppm,
             pressure_ppm,
@@ -316,18 +437,23 @@ impl IdlePolicy {
             spin_misses: counts.spin_misses,
             sleeps: counts.sleeps,
             quick_wakes: counts.quick_wakes,
+            served: u32::try_from(served).unwrap_or(u32::MAX),
         };
         let next = match self.regime {
             Regime::Spin => self.judge_spin(now),
             Regime::Sleep => self.judge_sleep(now),
         };
         let (regime, reason) = next?;
-        debug_assert_ne!(regime, self.regime);
-        self.regime = regime;
         self.reason = reason;
+        if regime == self.regime {
+            // A probe that spinning won: it spins on, for a new reason.
+            return None;
+        }
+        self.regime = regime;
         self.switches += 1;
         self.idle_since = None;
         self.free_windows = 0;
+        (self.recent, self.recent_next, self.recent_windows) = ([Served::default(); RATE_WINDOWS], 0, 0);
         match regime {
             Regime::Spin => self.spin_since = now,
             Regime::Sleep => (self.sleep_pressure_sum, self.sleep_pressure_windows) = (0, 0),
@@ -335,16 +461,72 @@ impl IdlePolicy {
         Some(regime)
     }
 
+    /// Count a window's requests towards the rate of the current regime.
+    fn record_served(&mut self, served: u64, elapsed: Duration) {
+        self.recent[self.recent_next] = Served { requests: served, elapsed };
+        self.recent_next = (self.recent_next + 1) % RATE_WINDOWS;
+        self.recent_windows = self.recent_windows.saturating_add(1);
+    }
+
+    /// What the last windows of the current regime served.
+    fn recent_served(&self) -> Served {
+        self.recent.iter().fold(Served::default(), |sum, w| sum.add(w.requests, w.elapsed))
+    }
+
+    /// At the end of a probe: whether spinning served clearly more than
+    /// the hold asleep before it. Starts a trust when it did.
+    fn judge_probe(&mut self, now: Instant, asleep: Served) -> bool {
+        let spinning = self.recent_served();
+        let spin_won = spinning.beats(&asleep, SPIN_WIN_MARGIN_PPM);
+        self.comparison = Some(Comparison { spinning, asleep, spin_won });
+        if spin_won {
+            self.trust_until = now + self.trust;
+            self.trust = (self.trust * 2).min(self.config.hold_max);
+        } else {
+            self.trust = self.config.hold_min * TRUST_FIRST_HOLDS;
+        }
+        spin_won
+    }
+
+    /// The end of contention's hold: whether to probe spinning. Only with
+    /// enough work in the hold's last windows to compare.
+    fn probe_due(&self) -> bool {
+        self.reason == SwitchReason::Contended
+            && self.recent_windows >= RATE_WINDOWS as u32
+            && self.recent_served().requests >= SERVED_TO_COMPARE_MIN
+    }
+
     fn judge_spin(&mut self, now: Instant) -> Option<(Regime, SwitchReason)> {
+        if let Some(asleep) = self.probe {
+            if self.recent_windows < RATE_WINDOWS as u32 {
+                return None;
+            }
+            self.probe = None;
+            if self.judge_probe(now, asleep) {
+                return Some((Regime::Spin, SwitchReason::SpinServedMore));
+            }
+            // Sleeping served as much: the probe's contention was a cost.
+            let r = self.report;
+            let off_cpu = r.off_cpu_ppm > self.config.off_cpu_ppm_max;
+            self.left_spin_at_pressure = if off_cpu { None } else { r.pressure_ppm };
+            self.backoff = (self.backoff * 2).clamp(self.config.hold_min, self.config.hold_max);
+            self.hold_until = now + self.backoff;
+            return Some((Regime::Sleep, SwitchReason::Contended));
+        }
         let r = self.report;
         // What spinning adds to the load's own pressure is what counts.
         let allowed = self.config.pressure_ppm_max.max(self.pressure_floor + self.config.pressure_ppm_max / 2);
         let pressed = r.pressure_ppm.is_some_and(|ppm| ppm > allowed);
         let off_cpu = r.off_cpu_ppm > self.config.off_cpu_ppm_max;
-        if off_cpu || pressed {
+        // Spinning won the last comparison: contention is the price of
+        // serving more, paid until the trust runs out.
+        let trusted = now < self.trust_until;
+        if (off_cpu || pressed) && !trusted {
             self.left_spin_at_pressure = if off_cpu { None } else { r.pressure_ppm };
             let calm = now.saturating_duration_since(self.spin_since);
-            self.backoff = if calm >= CALM_SPIN_RESETS_BACKOFF {
+            let spin_won_last = self.comparison.is_some_and(|c| c.spin_won);
+            self.backoff = if calm >= CALM_SPIN_RESETS_BACKOFF || spin_won_last {
+                // A fresh look, or a probe of sleeping between trusts.
                 self.config.hold_min
             } else {
                 (self.backoff * 2).clamp(self.config.hold_min, self.config.hold_max)
@@ -382,8 +564,15 @@ impl IdlePolicy {
         let spin_would_catch = r.sleeps >= SLEEPS_TO_JUDGE_MIN && r.quick_wakes * 2 >= r.sleeps;
         let worth_spinning = (core_free || not_ours) && spin_would_catch;
         self.free_windows = if worth_spinning { self.free_windows + 1 } else { 0 };
-        if now < self.hold_until || self.free_windows < FREE_WINDOWS_TO_SPIN {
+        if now < self.hold_until {
             return None;
+        }
+        if self.free_windows < FREE_WINDOWS_TO_SPIN {
+            if !self.probe_due() {
+                return None;
+            }
+            self.probe = Some(self.recent_served());
+            return Some((Regime::Spin, SwitchReason::Probe));
         }
         self.pressure_floor = asleep_pressure.unwrap_or(0);
         let reason = if core_free { SwitchReason::CoreFree } else { SwitchReason::PressureNotOurs };
@@ -439,6 +628,8 @@ mod tests {
             SwitchReason::SpinsMissed,
             SwitchReason::CoreFree,
             SwitchReason::PressureNotOurs,
+            SwitchReason::SpinServedMore,
+            SwitchReason::Probe,
         ] {
             assert_eq!(SwitchReason::from_code(reason.code()), reason);
         }

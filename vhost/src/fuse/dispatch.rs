@@ -408,8 +408,11 @@ impl Session {
 
     /// Count a request served outside [`Self::handle`] (the zero-copy
     /// path): its opcode, bytes moved, whether it failed, and its latency.
+    /// The reactor's idle policy counts it too: it compares how many
+    /// requests are served per second spinning and asleep.
     pub fn record(&self, opcode: u32, bytes: usize, failed: bool, started: Instant) {
         self.stats.record(opcode, bytes, failed, started.elapsed());
+        keelfs_reactor::note_served(1);
     }
 
     /// The kernel and this session agreed at INIT to move requests to
