@@ -265,6 +265,10 @@ const SERVED_TO_COMPARE_MIN: u64 = 64;
 /// which does not wait on the reactor (the same rate either way) leaves it
 /// asleep.
 const SPIN_WIN_MARGIN_PPM: u32 = 100_000;
+/// How much the hold grows after a probe that sleeping won: each probe
+/// spins through contention, so a contended reactor must probe rarely
+/// soon (50 ms, 200 ms, 800 ms, then the longest hold).
+const LOST_PROBE_HOLD_GROWTH: u32 = 4;
 /// The first trust after spinning wins, in shortest holds: each test of
 /// it costs a hold in the worse regime, so trusts start well above it.
 const TRUST_FIRST_HOLDS: u32 = 4;
@@ -505,11 +509,13 @@ impl IdlePolicy {
             if self.judge_probe(now, asleep) {
                 return Some((Regime::Spin, SwitchReason::SpinServedMore));
             }
-            // Sleeping served as much: the probe's contention was a cost.
+            // Sleeping served as much: the probe's contention was a cost,
+            // and a load that contends stays so for a while. The hold grows
+            // fourfold, to its longest within three probes.
             let r = self.report;
             let off_cpu = r.off_cpu_ppm > self.config.off_cpu_ppm_max;
             self.left_spin_at_pressure = if off_cpu { None } else { r.pressure_ppm };
-            self.backoff = (self.backoff * 2).clamp(self.config.hold_min, self.config.hold_max);
+            self.backoff = (self.backoff * LOST_PROBE_HOLD_GROWTH).clamp(self.config.hold_min, self.config.hold_max);
             self.hold_until = now + self.backoff;
             return Some((Regime::Sleep, SwitchReason::Contended));
         }

@@ -229,7 +229,7 @@ fn a_hog_on_the_core_sends_the_reactor_to_sleep_and_back_off_keeps_it_there() {
     let out = sim.run(hog, Duration::from_secs(2));
     // It left Spin within two windows. Work came on its own schedule, so
     // each probe found sleeping to serve as much, and the holds between
-    // probes double: 50 ms, 100 ms, ... up to 2 s.
+    // probes grow fourfold: 50 ms, 200 ms, 800 ms, then 2 s.
     assert_asleep_but_for_probes(&sim, &out, 0.10);
     assert!(out.switches <= 10, "{out:?}");
     let later = sim.run(hog, Duration::from_secs(8));
@@ -268,18 +268,20 @@ fn sparse_work_is_not_worth_a_spin() {
 fn busy_vcpus_keep_it_asleep_and_their_halt_lets_it_spin_again() {
     let mut sim = Sim::new();
     let busy_vcpus = Machine { others_runnable: Some(CPUS), hog_on_core: true, ..DEDICATED };
-    let contended = sim.run(busy_vcpus, Duration::from_secs(1));
-    assert_asleep_but_for_probes(&sim, &contended, 0.15);
+    let contended = sim.run(busy_vcpus, Duration::from_millis(300));
+    assert_asleep_but_for_probes(&sim, &contended, 0.25);
     // The vCPUs halt while their requests are in flight: the core is free
     // and work keeps arriving within the spin budget.
-    let halted = sim.run(DEDICATED, Duration::from_secs(2));
+    let halted = sim.run(DEDICATED, Duration::from_secs(1));
     assert_eq!(sim.policy.regime(), Regime::Spin, "{halted:?}");
     assert_eq!(sim.policy.reason(), SwitchReason::CoreFree);
     assert!(halted.switches <= 3, "{halted:?}");
-    // Back once the hold that the last lost probe began has passed (after
-    // a second of probes it has doubled to 800 ms, begun before the halt),
-    // and two windows: the price of probing ever less often.
-    assert!(halted.in_spin >= halted.elapsed - Duration::from_millis(850), "{halted:?}");
+    // Back once the hold that the lost probe began has passed (contention
+    // at 20 ms, a hold of 100 ms, the probe, then a hold of 400 ms to about
+    // 560 ms, 260 ms after the halt) and two windows. Holds that grow are
+    // the price of probing rarely: after longer contention this waits up
+    // to 2 s.
+    assert!(halted.in_spin >= halted.elapsed - Duration::from_millis(300), "{halted:?}");
 }
 
 #[test]
