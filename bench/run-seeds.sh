@@ -54,6 +54,8 @@ while [[ $# -gt 0 ]]; do
     --modes) modes=$2; shift 2 ;;
     --drivers) drivers=$2; shift 2 ;;
     --setups) setups=$2; shift 2 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "bench/${0##*/}" | sed '$d'; exit 0 ;;
+    -*) echo "run-seeds: unknown option '$1' (--help)" >&2; exit 2 ;;
     *) break ;;
   esac
 done
