@@ -260,6 +260,10 @@ const CALM_SPIN_RESETS_BACKOFF: Duration = Duration::from_secs(1);
 const RATE_WINDOWS: usize = 4;
 /// Requests each side of a comparison must have served for it to count.
 const SERVED_TO_COMPARE_MIN: u64 = 64;
+/// Requests every window of a side must have served: a side with a lull
+/// in it measured a load that paused or changed phase (a guest between
+/// two programs), not the regime.
+const SERVED_PER_WINDOW_MIN: u64 = 8;
 /// How much more (ppm) spinning must serve than sleeping to win: more
 /// than the noise of two spans of tens of milliseconds, so that a load
 /// which does not wait on the reactor (the same rate either way) leaves it
@@ -477,11 +481,18 @@ impl IdlePolicy {
         self.recent.iter().fold(Served::default(), |sum, w| sum.add(w.requests, w.elapsed))
     }
 
+    /// Whether each of the last windows of the current regime had work.
+    fn recent_steady(&self) -> bool {
+        self.recent_windows >= RATE_WINDOWS as u32 && self.recent.iter().all(|w| w.requests >= SERVED_PER_WINDOW_MIN)
+    }
+
     /// At the end of a probe: whether spinning served clearly more than
     /// the hold asleep before it. Starts a trust when it did.
     fn judge_probe(&mut self, now: Instant, asleep: Served) -> bool {
         let spinning = self.recent_served();
-        let spin_won = spinning.beats(&asleep, SPIN_WIN_MARGIN_PPM);
+        // A lull in the probe: the load paused, and spinning through it
+        // is what sleeping is for.
+        let spin_won = self.recent_steady() && spinning.beats(&asleep, SPIN_WIN_MARGIN_PPM);
         self.comparison = Some(Comparison { spinning, asleep, spin_won });
         if spin_won {
             self.trust_until = now + self.trust;
@@ -496,7 +507,7 @@ impl IdlePolicy {
     /// enough work in the hold's last windows to compare.
     fn probe_due(&self) -> bool {
         self.reason == SwitchReason::Contended
-            && self.recent_windows >= RATE_WINDOWS as u32
+            && self.recent_steady()
             && self.recent_served().requests >= SERVED_TO_COMPARE_MIN
     }
 
@@ -624,6 +635,50 @@ mod tests {
         assert_eq!(off_cpu_ppm(ms(10), ms(5), ms(0)), 500_000);
         assert_eq!(off_cpu_ppm(ms(10), ms(12), ms(0)), 0, "CPU time past the window is clamped");
         assert_eq!(off_cpu_ppm(Duration::ZERO, ms(1), ms(1)), 0);
+    }
+
+    /// Close a window of the policy's length at `*now`: `requests` served
+    /// in it, and the reactor off the CPU half of it (contended).
+    fn contended_window(p: &mut IdlePolicy, now: &mut Instant, cpu: &mut Duration, served: &mut u64, requests: u64) {
+        let window = Duration::from_millis(10);
+        *now += window;
+        *cpu += window / 2;
+        *served += requests;
+        p.end_window(*now, CpuSample { thread_cpu: *cpu, runnable: Some(3), stalled: None, served: *served });
+    }
+
+    /// Contention, a hold asleep at 100 requests a window, then a probe
+    /// whose four windows served `probe`: the regime it ends in.
+    fn probe_outcome(probe: [u64; 4]) -> (Regime, Option<Comparison>) {
+        let start = Instant::now();
+        let mut p = IdlePolicy::new(PolicyConfig::new(Duration::from_millis(1), 2), start);
+        let (mut now, mut cpu, mut served) = (start, Duration::ZERO, 0);
+        contended_window(&mut p, &mut now, &mut cpu, &mut served, 100);
+        contended_window(&mut p, &mut now, &mut cpu, &mut served, 100);
+        assert_eq!((p.regime(), p.reason()), (Regime::Sleep, SwitchReason::Contended));
+        while p.regime() == Regime::Sleep {
+            assert!(now - start < Duration::from_secs(1), "no probe began");
+            contended_window(&mut p, &mut now, &mut cpu, &mut served, 100);
+        }
+        assert_eq!(p.reason(), SwitchReason::Probe);
+        for requests in probe {
+            contended_window(&mut p, &mut now, &mut cpu, &mut served, requests);
+        }
+        (p.regime(), p.last_comparison())
+    }
+
+    #[test]
+    fn a_probe_wins_on_a_steady_load_and_not_across_a_lull() {
+        let (regime, comparison) = probe_outcome([300, 300, 300, 300]);
+        assert_eq!(regime, Regime::Spin);
+        assert!(comparison.is_some_and(|c| c.spin_won), "{comparison:?}");
+        // As many requests, all in three windows: the load paused.
+        let (regime, comparison) = probe_outcome([400, 400, 400, 0]);
+        assert_eq!(regime, Regime::Sleep);
+        assert!(comparison.is_some_and(|c| !c.spin_won), "{comparison:?}");
+        // Too little gain to count.
+        let (regime, _) = probe_outcome([105, 105, 105, 105]);
+        assert_eq!(regime, Regime::Sleep);
     }
 
     #[test]
