@@ -158,12 +158,17 @@ struct PollCounters {
     spin_misses: AtomicU64,
     quick_wakes: AtomicU64,
     served: AtomicU64,
-    /// The last comparison: requests per second spinning and asleep (0:
-    /// none yet), and 1 when spinning won.
+    /// The last comparison: requests per second spinning and asleep, and
+    /// its winner (`WINNER_*`).
     spinning_per_s: AtomicU64,
     asleep_per_s: AtomicU64,
-    spin_won: AtomicU64,
+    winner: AtomicU64,
 }
+
+/// `PollCounters::winner`: no comparison yet, or which regime won it.
+const WINNER_NONE: u64 = 0;
+const WINNER_SLEEP: u64 = 1;
+const WINNER_SPIN: u64 = 2;
 
 /// The idle policy's state and its last window, for stats and `top`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -222,10 +227,10 @@ impl ReactorStats {
             spin_misses: load(&p.spin_misses),
             quick_wakes: load(&p.quick_wakes),
             served: load(&p.served),
-            comparison: (load(&p.spinning_per_s) != 0 || load(&p.asleep_per_s) != 0).then(|| ComparisonState {
+            comparison: (load(&p.winner) != WINNER_NONE).then(|| ComparisonState {
                 spinning_per_s: load(&p.spinning_per_s),
                 asleep_per_s: load(&p.asleep_per_s),
-                spin_won: load(&p.spin_won) == 1,
+                spin_won: load(&p.winner) == WINNER_SPIN,
             }),
         }
     }
@@ -260,10 +265,9 @@ impl ReactorStats {
         Self::add(&p.quick_wakes, u64::from(report.quick_wakes));
         Self::add(&p.served, u64::from(report.served));
         if let Some(c) = policy.last_comparison() {
-            // A rate of zero is not stored: zero in both means "none yet".
-            p.spinning_per_s.store(c.spinning.per_second().max(1), Ordering::Relaxed);
-            p.asleep_per_s.store(c.asleep.per_second().max(1), Ordering::Relaxed);
-            p.spin_won.store(u64::from(c.spin_won), Ordering::Relaxed);
+            p.spinning_per_s.store(c.spinning.per_second(), Ordering::Relaxed);
+            p.asleep_per_s.store(c.asleep.per_second(), Ordering::Relaxed);
+            p.winner.store(if c.spin_won { WINNER_SPIN } else { WINNER_SLEEP }, Ordering::Relaxed);
         }
     }
 }

@@ -38,7 +38,8 @@
 //! the load waits on the reactor, and it spins on, deaf to contention for
 //! a trust period that doubles each time the comparison is repeated with
 //! the same outcome. When it did not, it is the neighbours' time that
-//! spinning took: it sleeps again, for a hold that doubles. The two sides
+//! spinning took: it sleeps again, for a hold that grows fourfold. A side
+//! with an idle window does not count. The two sides
 //! are adjacent and equally long, so a load that ramps up or changes
 //! phase rarely decides it.
 //!
