@@ -98,6 +98,17 @@ pub struct VhostArgs {
     json: bool,
 }
 
+impl VhostArgs {
+    /// How the driver threads wait (--spin is --driver busy).
+    pub(crate) fn driver(&self) -> Driver {
+        if self.spin {
+            Driver::Busy
+        } else {
+            self.driver
+        }
+    }
+}
+
 /// An errno from a FUSE reply as an error naming `what` failed.
 pub(crate) fn check(err: i32, what: &str) -> anyhow::Result<()> {
     if err != 0 {
@@ -376,14 +387,14 @@ pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
         bail!("each thread drives its own queue: --queues must be at least --threads");
     }
     let mut fe = connect(&args.socket, queues, args.iodepth as u16, 128 << 10)?;
-    fe.init(f::ASYNC_READ | f::BIG_WRITES | f::MAX_PAGES | f::PARALLEL_DIROPS | f::INIT_EXT)?;
+    init(&mut fe)?;
     let direct = match args.workload {
         Workload::DioOverwrite | Workload::DioRandrw | Workload::AioAppend => libc::O_DIRECT,
         _ => 0,
     };
     let mut drivers: Vec<QueueDriver> = (1..=args.threads).map(|q| fe.take_queue(q)).collect();
     let targets = create_targets(args, &mut drivers, direct)?;
-    let driver = if args.spin { Driver::Busy } else { args.driver };
+    let driver = args.driver();
     let cpu = CpuCounters::read(args)?;
     let started = Instant::now();
     let worker_args = WorkerArgs {
@@ -398,42 +409,60 @@ pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
     let cpu = CpuCounters::read(args)?.since(&cpu);
     let WorkerResult { reads, writes, bytes, latency } = results?;
     let ops = reads + writes;
+    let mut line = result_line(args, ops, secs, &latency);
+    line["read_iops"] = json!((reads as f64 / secs).round());
+    line["write_iops"] = json!((writes as f64 / secs).round());
+    line["mib_s"] = json!(((bytes as f64 / secs / (1 << 20) as f64) * 100.0).round() / 100.0);
+    cpu.charge(&mut line, ops, secs);
+    print_line(args, &line)
+}
+
+/// Negotiate the session as Linux's virtio-fs driver does.
+pub(crate) fn init(fe: &mut FsFrontend) -> anyhow::Result<()> {
+    fe.init(f::ASYNC_READ | f::BIG_WRITES | f::MAX_PAGES | f::PARALLEL_DIROPS | f::INIT_EXT)?;
+    Ok(())
+}
+
+/// The fields every workload's JSON line has: what ran, its rate in
+/// operations per second over `secs`, and their latencies.
+pub(crate) fn result_line(args: &VhostArgs, ops: u64, secs: f64, latency: &Histogram) -> serde_json::Value {
+    let driver = args.driver();
     let percentiles: serde_json::Map<String, serde_json::Value> =
         [1.0, 5.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0, 95.0, 99.0, 99.9]
             .iter()
             .map(|p: &f64| (format!("{p:.6}"), json!(latency.quantile(p / 100.0) as f64 / 1000.0)))
             .collect();
-    let mut line = json!({
+    json!({
         "bench": "vhost",
         "label": args.label,
         "workload": format!("{:?}", args.workload),
         "threads": args.threads,
-        "queues": queues,
+        "queues": args.queues.unwrap_or(args.threads),
         "iodepth": args.iodepth,
         "seconds": args.seconds,
         "driver": driver.name(),
         "driver_waits": if driver == Driver::Busy { "spin" } else { "eventfd" },
         "iops": (ops as f64 / secs).round(),
-        "read_iops": (reads as f64 / secs).round(),
-        "write_iops": (writes as f64 / secs).round(),
-        "mib_s": ((bytes as f64 / secs / (1 << 20) as f64) * 100.0).round() / 100.0,
         "lat_us_p50": latency.quantile(0.5) as f64 / 1000.0,
         "lat_us_p99": latency.quantile(0.99) as f64 / 1000.0,
         "lat_us_p999": latency.quantile(0.999) as f64 / 1000.0,
         "lat_us_percentiles": percentiles,
-    });
-    cpu.charge(&mut line, ops, secs);
+    })
+}
+
+/// Print `line`: one JSON object per line with --json, else pretty.
+pub(crate) fn print_line(args: &VhostArgs, line: &serde_json::Value) -> anyhow::Result<()> {
     if args.json {
         println!("{line}");
     } else {
-        println!("{}", serde_json::to_string_pretty(&line)?);
+        println!("{}", serde_json::to_string_pretty(line)?);
     }
     Ok(())
 }
 
 /// CPU time counters, in nanoseconds: the daemon's (with its children),
 /// the OSD's, this process's and the whole machine's busy time.
-struct CpuCounters {
+pub(crate) struct CpuCounters {
     daemon: Option<u64>,
     osd: Option<u64>,
     own: u64,
@@ -441,7 +470,7 @@ struct CpuCounters {
 }
 
 impl CpuCounters {
-    fn read(args: &VhostArgs) -> anyhow::Result<Self> {
+    pub(crate) fn read(args: &VhostArgs) -> anyhow::Result<Self> {
         Ok(Self {
             daemon: args.daemon_pid.map(crate::procstat::tree_cpu_ns).transpose()?,
             osd: args.osd_pid.map(crate::procstat::own_cpu_ns).transpose()?,
@@ -455,7 +484,7 @@ impl CpuCounters {
     /// charged its spinning too), the machine's, and where known the
     /// daemon's, the OSD's and what none of them was charged for.
     /// `*_cpu_share`: cores' worth over the run.
-    fn charge(&self, line: &mut serde_json::Value, ops: u64, secs: f64) {
+    pub(crate) fn charge(&self, line: &mut serde_json::Value, ops: u64, secs: f64) {
         line["bench_cpu_us_per_op"] = us_per_op(self.own, ops);
         line["driver_cpu_share"] = cpu_share(self.own, secs);
         line["machine_cpu_us_per_op"] = us_per_op(self.machine, ops);
@@ -474,7 +503,7 @@ impl CpuCounters {
     }
 
     /// What each spent between `earlier` and `self`.
-    fn since(&self, earlier: &Self) -> Self {
+    pub(crate) fn since(&self, earlier: &Self) -> Self {
         let diff = |a: Option<u64>, b: Option<u64>| a.zip(b).map(|(a, b)| a.saturating_sub(b));
         Self {
             daemon: diff(self.daemon, earlier.daemon),
