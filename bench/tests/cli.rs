@@ -123,44 +123,65 @@ fn core_workloads_print_their_figures() {
     }
 }
 
+/// A keelfs vhost-user-fs device served from this process, on a RAM
+/// device, until stopped.
+struct InProcessDaemon {
+    socket: std::path::PathBuf,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl InProcessDaemon {
+    fn start(tag: &str) -> Self {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::Arc;
+
+        use keelfs_bdev::{BlockDevice, MappedDevice, QueueConfig};
+        use keelfs_fs::{mkfs, MkfsOptions};
+        use keelfs_fs::{Fs, FsConfig};
+        use keelfs_reactor::DeviceChannel;
+        use keelfs_reactor::{self as reactor, Reactor, ReactorConfig};
+        use keelfs_vhost::SessionConfig;
+        use keelfs_vhost::VhostUserServer;
+
+        let socket = scratch(tag);
+        let stop = Arc::new(AtomicBool::new(false));
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let thread = {
+            let (socket, stop) = (socket.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut reactor = Reactor::new(ReactorConfig::default()).unwrap();
+                let dev: Arc<dyn BlockDevice> = Arc::new(MappedDevice::ram(256 << 20, 4096).unwrap());
+                reactor.block_on(async move {
+                    let ch = || DeviceChannel::attach(dev.open_queue(QueueConfig::default()).unwrap());
+                    mkfs(ch(), &MkfsOptions { force: true, ..MkfsOptions::default() }).await.unwrap();
+                    let fs = Fs::mount(ch(), FsConfig::default()).await.unwrap();
+                    let server = VhostUserServer::start(fs.clone(), SessionConfig::default(), &socket, 2).unwrap();
+                    ready_tx.send(()).unwrap();
+                    while !stop.load(Ordering::Acquire) {
+                        reactor::sleep(std::time::Duration::from_millis(2)).await;
+                    }
+                    server.stop().await;
+                    fs.unmount().await.unwrap();
+                });
+            })
+        };
+        ready_rx.recv().unwrap();
+        Self { socket, stop, thread }
+    }
+
+    fn stop(self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Release);
+        self.thread.join().unwrap();
+    }
+}
+
 /// The vhost load generator against an in-process keelfs vhost-user-fs
 /// device: every workload runs and reports the promised fields.
 #[test]
 fn vhost_drives_a_vhost_user_fs_daemon_and_reports_iops_and_latency() {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::Arc;
-
-    use keelfs_bdev::{BlockDevice, MappedDevice, QueueConfig};
-    use keelfs_fs::{mkfs, MkfsOptions};
-    use keelfs_fs::{Fs, FsConfig};
-    use keelfs_reactor::DeviceChannel;
-    use keelfs_reactor::{self as reactor, Reactor, ReactorConfig};
-    use keelfs_vhost::SessionConfig;
-    use keelfs_vhost::VhostUserServer;
-
-    let socket = scratch("vhost.sock");
-    let stop = Arc::new(AtomicBool::new(false));
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-    let daemon = {
-        let (socket, stop) = (socket.clone(), stop.clone());
-        std::thread::spawn(move || {
-            let mut reactor = Reactor::new(ReactorConfig::default()).unwrap();
-            let dev: Arc<dyn BlockDevice> = Arc::new(MappedDevice::ram(256 << 20, 4096).unwrap());
-            reactor.block_on(async move {
-                let ch = || DeviceChannel::attach(dev.open_queue(QueueConfig::default()).unwrap());
-                mkfs(ch(), &MkfsOptions { force: true, ..MkfsOptions::default() }).await.unwrap();
-                let fs = Fs::mount(ch(), FsConfig::default()).await.unwrap();
-                let server = VhostUserServer::start(fs.clone(), SessionConfig::default(), &socket, 2).unwrap();
-                ready_tx.send(()).unwrap();
-                while !stop.load(Ordering::Acquire) {
-                    reactor::sleep(std::time::Duration::from_millis(2)).await;
-                }
-                server.stop().await;
-                fs.unmount().await.unwrap();
-            });
-        })
-    };
-    ready_rx.recv().unwrap();
+    let daemon = InProcessDaemon::start("vhost.sock");
+    let socket = daemon.socket.clone();
     // (workload, threads, driver flags, the driver reported)
     for (workload, threads, driver, kind) in [
         ("dio-overwrite", "2", &["--driver", "busy"][..], "busy"),
@@ -194,8 +215,7 @@ fn vhost_drives_a_vhost_user_fs_daemon_and_reports_iops_and_latency() {
         assert_eq!(v["read_iops"].as_f64().unwrap() > 0.0, mixed, "{workload}: {v}");
     }
     busy_driver_and_daemon_are_charged_apart(&socket);
-    stop.store(true, Ordering::Release);
-    daemon.join().unwrap();
+    daemon.stop();
 }
 
 /// A busy driver beside a daemon (here the test process, whose reactor
