@@ -13,6 +13,7 @@ mod migrate;
 mod procstat;
 mod qemu_img;
 mod vhost;
+mod vhost_meta;
 
 use clap::{Parser, Subcommand};
 

@@ -31,6 +31,42 @@ pub enum Workload {
     BufferedRandrw,
     /// Seed 003: 1-byte buffered appends.
     ByteWrites,
+    /// Metadata (bench/src/vhost_meta.rs): make the tree of --files, each
+    /// file a CREATE, a 1-4 KiB WRITE, FLUSH and RELEASE.
+    Create,
+    /// LOOKUP and GETATTR of every file in the tree (what `git status`,
+    /// `find` and `ls -lR` send).
+    Stat,
+    /// OPEN, a 4 KiB READ, FLUSH and RELEASE of every file in the tree.
+    OpenReadClose,
+    /// OPENDIR, READDIRPLUS to the end, RELEASEDIR of each directory.
+    Readdirplus,
+    /// UNLINK every file of the tree, then its directories.
+    Unlink,
+    /// RENAME a file back and forth, one per slot.
+    Rename,
+    /// MKDIR and RMDIR of a directory, one per slot.
+    MkdirRmdir,
+}
+
+impl Workload {
+    /// Whether this is one of the metadata workloads.
+    pub(crate) fn is_metadata(self) -> bool {
+        !matches!(
+            self,
+            Workload::DioOverwrite
+                | Workload::DioRandrw
+                | Workload::AioAppend
+                | Workload::BufferedRandrw
+                | Workload::ByteWrites
+        )
+    }
+
+    /// Whether the workload runs a count of operations (the whole tree)
+    /// rather than until --seconds pass.
+    pub(crate) fn counted(self) -> bool {
+        matches!(self, Workload::Create | Workload::Unlink)
+    }
 }
 
 /// How the driver threads wait for replies, as a guest's vCPUs would.
@@ -58,20 +94,20 @@ impl Driver {
 pub struct VhostArgs {
     /// The vhost-user-fs socket of the daemon under test.
     #[arg(long)]
-    socket: PathBuf,
+    pub(crate) socket: PathBuf,
     #[arg(long, value_enum)]
-    workload: Workload,
+    pub(crate) workload: Workload,
     /// Worker threads, each driving its own request queue.
     #[arg(long, default_value_t = 1)]
-    threads: usize,
+    pub(crate) threads: usize,
     /// Requests in flight per thread.
     #[arg(long, default_value_t = 32)]
-    iodepth: usize,
+    pub(crate) iodepth: usize,
     /// Request queues to ask for (at least --threads).
     #[arg(long)]
-    queues: Option<usize>,
+    pub(crate) queues: Option<usize>,
     #[arg(long, default_value_t = 5)]
-    seconds: u64,
+    pub(crate) seconds: u64,
     /// Bytes per file (overwrite and randrw workloads).
     #[arg(long, value_parser = keelfs_base::parse_size, default_value = "64M")]
     file_size: u64,
@@ -85,17 +121,27 @@ pub struct VhostArgs {
     osd_pid: Option<u32>,
     /// A label for the JSON line (the system under test).
     #[arg(long, default_value = "")]
-    label: String,
+    pub(crate) label: String,
     /// How the driver threads wait: `sleep` on the call eventfd (a halted
     /// vCPU), or `busy` spinning on the used ring (a running vCPU, which
     /// takes its core from the daemon).
     #[arg(long, value_enum, default_value = "sleep")]
-    driver: Driver,
+    pub(crate) driver: Driver,
     /// The same as `--driver busy` (its older name).
     #[arg(long, conflicts_with = "driver")]
-    spin: bool,
+    pub(crate) spin: bool,
+    /// Metadata workloads: files in each thread's tree.
+    #[arg(long, default_value_t = 10_000)]
+    pub(crate) files: u64,
+    /// Metadata workloads: the tree's shape.
+    #[arg(long, value_enum, default_value = "wide")]
+    pub(crate) tree: crate::vhost_meta::Tree,
+    /// stat, open-read-close and readdirplus: whole passes over the tree
+    /// (1: a cold pass), instead of running for --seconds.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) passes: u64,
     #[arg(long)]
-    json: bool,
+    pub(crate) json: bool,
 }
 
 impl VhostArgs {
@@ -381,6 +427,9 @@ struct WorkerArgs {
 pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
     if args.threads == 0 || args.iodepth == 0 {
         bail!("--threads and --iodepth must be at least 1");
+    }
+    if args.workload.is_metadata() {
+        return crate::vhost_meta::run(args);
     }
     let queues = args.queues.unwrap_or(args.threads);
     if queues < args.threads {

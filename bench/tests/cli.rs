@@ -218,6 +218,57 @@ fn vhost_drives_a_vhost_user_fs_daemon_and_reports_iops_and_latency() {
     daemon.stop();
 }
 
+/// The metadata workloads as phases over one tree, against an
+/// in-process keelfs device: each counts what it promises, and unlink
+/// leaves nothing behind.
+#[test]
+fn vhost_metadata_workloads_make_read_and_remove_a_tree() {
+    let daemon = InProcessDaemon::start("vhost-meta.sock");
+    let run = |workload: &str, extra: &[&str]| -> Result<serde_json::Value, String> {
+        let out = bench()
+            .args(["vhost", "--workload", workload, "--threads", "2", "--iodepth", "3", "--seconds", "1"])
+            .args(["--json", "--socket"])
+            .arg(&daemon.socket)
+            .args(extra)
+            .output()
+            .unwrap();
+        if !out.status.success() {
+            return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+        }
+        Ok(serde_json::from_slice(&out.stdout).unwrap())
+    };
+    for tree in ["wide", "deep"] {
+        let shape = ["--files", "1100", "--tree", tree];
+        let missing = run("stat", &shape).unwrap_err();
+        assert!(missing.contains("run --workload create"), "{tree}: {missing}");
+        let made = run("create", &shape).unwrap();
+        assert_eq!(made["ops"], 2 * 1100, "{tree}: a file per op, 1100 per thread: {made}");
+        let per_op = made["requests_per_op"].as_f64().unwrap();
+        assert!((4.0..4.1).contains(&per_op), "CREATE, WRITE, FLUSH, RELEASE and a share of forgets: {made}");
+        let cold = run("stat", &[&shape[..], &["--passes", "1"]].concat()).unwrap();
+        assert_eq!(cold["ops"], 2 * 1100, "one pass over both trees: {cold}");
+        let warm = run("stat", &[&shape[..], &["--driver", "busy"]].concat()).unwrap();
+        assert!(warm["ops"].as_u64().unwrap() > 0 && warm["driver"] == "busy", "{warm}");
+        let listed = run("readdirplus", &[&shape[..], &["--passes", "1"]].concat()).unwrap();
+        let dirs = if tree == "wide" { 2 } else { 1100_u64.div_ceil(16) };
+        assert_eq!(listed["ops"], 2 * dirs, "{tree}: each directory listed once: {listed}");
+        assert!(listed["entries_s"].as_f64().unwrap() > 0.0, "{listed}");
+        let read = run("open-read-close", &shape).unwrap();
+        assert!(read["requests_per_op"].as_f64().unwrap() >= 4.0, "OPEN, READ, FLUSH, RELEASE: {read}");
+        let gone = run("unlink", &shape).unwrap();
+        assert_eq!(gone["ops"], 2 * 1100, "{gone}");
+        let after = run("stat", &shape).unwrap_err();
+        assert!(after.contains("is missing"), "unlink removed the directories too: {after}");
+    }
+    for storm in ["rename", "mkdir-rmdir"] {
+        let v = run(storm, &[]).unwrap();
+        assert!(v["iops"].as_f64().unwrap() > 0.0, "{storm}: {v}");
+        let again = run(storm, &[]).unwrap();
+        assert!(again["ops"].as_u64().unwrap() > 0, "{storm} runs again over what it left: {again}");
+    }
+    daemon.stop();
+}
+
 /// A busy driver beside a daemon (here the test process, whose reactor
 /// thread serves on `socket`): each is charged its own CPU.
 fn busy_driver_and_daemon_are_charged_apart(socket: &std::path::Path) {
