@@ -73,15 +73,29 @@
 # data in RAM, in a sparse file in /dev/shm larger than RAM
 # (bench/run-rbd.sh).
 #
-# Usage: bench/run-vhost.sh [--matrix poll|systems|all] [--full]
+# The metadata matrix (--matrix metadata, issue 34): keelfsd (its
+# defaults) beside virtiofsd and virtiofsd-pool (--cache auto, their
+# default) on the same fair devices, through the metadata workloads of
+# `keelfs-bench vhost` as phases over one tree per system: create, stat
+# cold (one pass, right after the daemon starts and the host's caches are
+# dropped), stat warm, open-read-close, readdirplus (of the whole tree),
+# rename and mkdir-rmdir storms, and unlink. Each system runs the phases
+# in order with one driver, then the next system; the systems' order
+# rotates each round, and both drivers run. --tree wide|deep and --files
+# N (per thread; 20000) shape the tree; --meta-depth operations in
+# flight per thread (4), --meta-threads threads (1).
+#
+# Usage: bench/run-vhost.sh [--matrix poll|systems|metadata|all] [--full]
 #                           [--rounds N] [--seconds N] [--systems "A B ..."]
 #                           [--driver sleep|busy] [--depth N]
 #                           [--modes "busy adaptive interrupt"] [--drivers "sleep busy"]
 #                           [--setups "oversubscribed dedicated"]
 #                           [--workloads "dio-randrw ..."]
 #                           [--rbd-pool POOL] [--min-avail MiB] [OUT.json]
+#                           [--tree wide|deep] [--files N] [--meta-depth N] [--meta-threads N]
 #   --matrix: the poll-mode matrix (default), the systems comparison
-#     (the default with --systems or --rbd-pool), or both
+#     (the default with --systems or --rbd-pool), both (all), or the
+#     metadata matrix
 #   --driver: the systems comparison's driver (sleep); --drivers, --modes
 #     and --setups narrow the poll-mode matrix
 #   --depth: requests in flight for the three direct-I/O workloads (32)
@@ -95,6 +109,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds='' seconds='' systems='' driver=sleep depth=32 rbd_pool='' min_avail=4096 only_workloads=''
+tree=wide files=20000 meta_depth=4 meta_threads=1
 matrix='' full=0 modes='busy adaptive interrupt' drivers='sleep busy' setups='oversubscribed dedicated'
 while [[ $# -gt 0 ]]; do
   case $1 in
@@ -111,7 +126,11 @@ while [[ $# -gt 0 ]]; do
     --workloads) only_workloads=$2; shift 2 ;;
     --rbd-pool) rbd_pool=$2; shift 2 ;;
     --min-avail) min_avail=$2; shift 2 ;;
-    -h|--help) sed -n '2,94p' "bench/${0##*/}"; exit 0 ;;
+    --tree) tree=$2; shift 2 ;;
+    --files) files=$2; shift 2 ;;
+    --meta-depth) meta_depth=$2; shift 2 ;;
+    --meta-threads) meta_threads=$2; shift 2 ;;
+    -h|--help) sed -n '2,109p' "bench/${0##*/}"; exit 0 ;;
     -*) echo "run-vhost: unknown option '$1' (--help)" >&2; exit 2 ;;
     *) break ;;
   esac
@@ -121,15 +140,23 @@ if [[ -z $matrix ]]; then
   if ((full)); then matrix=all; elif [[ -n $systems || -n $rbd_pool ]]; then matrix=systems; fi
 fi
 case $matrix in
-  poll|systems|all) ;;
-  *) echo "run-vhost: --matrix poll, systems or all, not '$matrix'" >&2; exit 2 ;;
+  poll|systems|all|metadata) ;;
+  *) echo "run-vhost: --matrix poll, systems, metadata or all, not '$matrix'" >&2; exit 2 ;;
+esac
+case $tree in
+  wide|deep) ;;
+  *) echo "run-vhost: --tree wide or deep, not '$tree'" >&2; exit 2 ;;
 esac
 if ((full)); then : "${rounds:=3}" "${seconds:=5}"; fi
-if [[ $matrix == poll ]]; then : "${rounds:=2}" "${seconds:=3}"; fi
+if [[ $matrix == poll || $matrix == metadata ]]; then : "${rounds:=2}" "${seconds:=3}"; fi
 : "${rounds:=3}" "${seconds:=5}"
 # The systems comparison runs its rounds only when asked for.
 systems_rounds=$rounds
-[[ $matrix != poll ]] || systems_rounds=0
+[[ $matrix != poll && $matrix != metadata ]] || systems_rounds=0
+if [[ $matrix == metadata ]]; then
+  [[ -z $rbd_pool ]] || { echo "run-vhost: the metadata matrix runs on local images, not --rbd-pool" >&2; exit 2; }
+  : "${systems:=keelfsd virtiofsd virtiofsd-pool}"
+fi
 kind=vhost
 if [[ -n $rbd_pool ]]; then
   kind=vhost-rbd
@@ -141,6 +168,8 @@ fi
 [[ $matrix == systems || -z $rbd_pool ]] || { echo "run-vhost: the poll-mode matrix runs on a local image, not --rbd-pool" >&2; exit 2; }
 if [[ $matrix == poll ]]; then
   out=${1:-bench/results/$kind-poll-$(date +%F).json}
+elif [[ $matrix == metadata ]]; then
+  out=${1:-bench/results/$kind-meta-$(date +%F).json}
 else
   out=${1:-bench/results/$kind-$(date +%F).json}
 fi
@@ -174,7 +203,7 @@ case $driver in
   *) echo "run-vhost: --driver sleep or busy, not '$driver'" >&2; exit 2 ;;
 esac
 last_cpu=$(($(nproc) - 1))
-if [[ $matrix != systems && " $setups " == *" dedicated "* && $last_cpu -lt 1 ]]; then
+if [[ $matrix != systems && $matrix != metadata && " $setups " == *" dedicated "* && $last_cpu -lt 1 ]]; then
   echo "run-vhost: the dedicated setup needs two CPUs or more" >&2
   exit 2
 fi
@@ -253,15 +282,18 @@ wait_socket() {
   return 1
 }
 
-# start SYSTEM CACHE: sets daemon_pid and socket
+# start SYSTEM CACHE: sets daemon_pid and socket; CACHE "default" gives
+# each daemon its own default
 start() {
   local sys=$1 cache=$2
+  local cache_flag=(--cache "$cache")
+  [[ $cache != default ]] || { cache=auto; [[ $sys == virtiofsd* ]] || cache_flag=(); }
   socket=$work/$sys.sock
   rm -f "$socket"
   local sandbox=namespace
   [[ $sys == *-nosandbox ]] && sandbox=none
   case $sys in
-    keelfsd|keelfsd-nosandbox) "$keelfsd" serve --sandbox "$sandbox" --device "$keelfs_loop" --socket "$socket" --queues 2 --cache "$cache" 2>"$work/$sys.log" & ;;
+    keelfsd|keelfsd-nosandbox) "$keelfsd" serve --sandbox "$sandbox" --device "$keelfs_loop" --socket "$socket" --queues 2 "${cache_flag[@]}" 2>"$work/$sys.log" & ;;
     keelfsd-irq) "$keelfsd" serve --config <(printf '[daemon]\npoll_mode="interrupt"\n[[device]]\nname="d"\npath="%s"\n[[export]]\ntag="d"\ndevice="d"\nsocket="%s"\nrequest_queues=2\ncache="%s"\n' "$keelfs_loop" "$socket" "$cache") 2>"$work/$sys.log" & ;;
     keelfsd-tmpfs) "$keelfsd" serve --device "$work/keelfs-tmpfs.img" --socket "$socket" --queues 2 --cache "$cache" 2>"$work/$sys.log" & ;;
     keelfsd-rbd) "$keelfsd" serve --sandbox none --device "$keelfs_rbd" --socket "$socket" --queues 2 --cache "$cache" 2>"$work/$sys.log" & ;;
@@ -376,7 +408,7 @@ poll_run() {
   stop
 }
 
-if [[ $matrix != systems ]]; then
+if [[ $matrix == poll || $matrix == all ]]; then
   fallocate -l $size "$work/poll.img"
   dd if=/dev/zero of="$work/poll.img" bs=1M count=3072 conv=notrunc status=none
   attach "$work/poll.img"; poll_loop=$attached
@@ -402,8 +434,46 @@ if [[ $matrix != systems ]]; then
   done
   python3 bench/poll_summary.py "$out" | tee "${out%.json}.summary.txt" >&2
 fi
+
+# meta_run ROUND SYSTEM DRIVER PHASE WORKLOAD FLAGS...: one phase of the
+# metadata matrix, on a daemon started for it.
+meta_run() {
+  local round=$1 sys=$2 drv=$3 phase=$4 workload=$5
+  shift 5
+  start "$sys" default
+  "$bench" vhost --socket "$socket" --workload "$workload" --tree "$tree" --files "$files" \
+    --threads "$meta_threads" --iodepth "$meta_depth" --seconds "$seconds" --driver "$drv" \
+    --daemon-pid "$daemon_pid" --label "$sys" --json "$@" |
+    sed "s/^{/{\"round\":$round,\"phase\":\"$phase\",/" | tee -a "$out"
+  stop
+}
+
+if [[ $matrix == metadata ]]; then
+  read -ra meta_systems <<<"$systems"
+  for round in $(seq "$rounds"); do
+    shift_by=$(((round - 1) % ${#meta_systems[@]}))
+    order=("${meta_systems[@]:shift_by}" "${meta_systems[@]:0:shift_by}")
+    for drv in $drivers; do
+      for sys in "${order[@]}"; do
+        meta_run "$round" "$sys" "$drv" create create
+        # Cold: the host's dentry, inode and page caches dropped, and the
+        # daemon just started (keelfsd mounts its image again).
+        sync
+        echo 3 >/proc/sys/vm/drop_caches
+        meta_run "$round" "$sys" "$drv" stat-cold stat --passes 1
+        meta_run "$round" "$sys" "$drv" stat-warm stat
+        meta_run "$round" "$sys" "$drv" open-read-close open-read-close
+        meta_run "$round" "$sys" "$drv" readdirplus readdirplus
+        meta_run "$round" "$sys" "$drv" rename rename
+        meta_run "$round" "$sys" "$drv" mkdir-rmdir mkdir-rmdir
+        meta_run "$round" "$sys" "$drv" unlink unlink
+      done
+    done
+  done
+  python3 bench/meta_summary.py "$out" | tee "${out%.json}.summary.txt" >&2
+fi
 echo "run-vhost: results in $out" >&2
-[[ $matrix != poll ]] || exit 0
+[[ $matrix != poll && $matrix != metadata ]] || exit 0
 
 # The regression guard: against the vhost results committed last.
 last=$(git log --format= --name-only --diff-filter=AM -- "bench/results/$kind-2*.json" |

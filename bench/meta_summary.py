@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""Summarise a metadata matrix (JSON lines from `run-vhost.sh --matrix
+metadata`, each with "round", "phase", "driver" and "label"): for each
+driver and phase, keelfsd's ops/s and daemon CPU per op against the
+stronger of virtiofsd's two configurations, as medians over rounds of
+the per-round ratios.
+
+Usage: bench/meta_summary.py RESULTS.json [--system keelfsd]
+
+The stronger peer is chosen per round: the one with more ops/s in that
+round, and its CPU per op is the one compared. A ratio is within one
+round, so machine noise hits both sides alike.
+"""
+import argparse
+import collections
+import json
+import statistics
+
+PEERS = ("virtiofsd", "virtiofsd-pool")
+PHASES = ("create", "stat-cold", "stat-warm", "open-read-close", "readdirplus", "rename", "mkdir-rmdir", "unlink")
+
+
+def load(path):
+    """{(driver, phase): {round: {label: line}}}."""
+    cells = collections.defaultdict(lambda: collections.defaultdict(dict))
+    with open(path) as f:
+        for text in f:
+            text = text.strip()
+            if not text.startswith("{"):
+                continue
+            line = json.loads(text)
+            if "phase" not in line:
+                continue
+            cells[(line["driver"], line["phase"])][line["round"]][line["label"]] = line
+    return cells
+
+
+def ratios(rounds, system):
+    """Per round: (ops ratio, CPU-per-op ratio, the stronger peer)."""
+    out = []
+    for by_label in rounds.values():
+        ours = by_label.get(system)
+        peers = [by_label[p] for p in PEERS if p in by_label]
+        if ours is None or not peers:
+            continue
+        best = max(peers, key=lambda p: p["iops"])
+        ops = ours["iops"] / best["iops"] if best["iops"] else float("nan")
+        cpu_ours, cpu_peer = ours.get("daemon_cpu_us_per_op"), best.get("daemon_cpu_us_per_op")
+        cpu = cpu_ours / cpu_peer if cpu_ours is not None and cpu_peer else float("nan")
+        out.append((ops, cpu, best["label"]))
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results")
+    parser.add_argument("--system", default="keelfsd")
+    args = parser.parse_args()
+    cells = load(args.results)
+    print(f"{args.system} / the stronger virtiofsd per round: medians of per-round ratios")
+    print(f"{'driver':6} {'phase':16} {'rounds':>6} {'ops/s':>7} {'cpu/op':>7}  "
+          f"{'ours ops/s':>10} {'peer ops/s':>10} {'ours cpu':>8} {'peer cpu':>8}  stronger peer")
+    order = {p: i for i, p in enumerate(PHASES)}
+    for (driver, phase) in sorted(cells, key=lambda k: (k[0], order.get(k[1], 99))):
+        rounds = cells[(driver, phase)]
+        rs = ratios(rounds, args.system)
+        if not rs:
+            continue
+
+        def median_of(label_pick, field):
+            values = [label_pick(by)[field] for by in rounds.values() if label_pick(by) is not None]
+            values = [v for v in values if v is not None]
+            return statistics.median(values) if values else float("nan")
+
+        ours = lambda by: by.get(args.system)  # noqa: E731
+        peer = lambda by: max((by[p] for p in PEERS if p in by), key=lambda p: p["iops"], default=None)  # noqa: E731
+        stronger = collections.Counter(r[2] for r in rs).most_common(1)[0][0]
+        print(f"{driver:6} {phase:16} {len(rs):>6} {statistics.median(r[0] for r in rs):>6.2f}x "
+              f"{statistics.median(r[1] for r in rs):>6.2f}x  "
+              f"{median_of(ours, 'iops'):>10.0f} {median_of(peer, 'iops'):>10.0f} "
+              f"{median_of(ours, 'daemon_cpu_us_per_op'):>8.2f} {median_of(peer, 'daemon_cpu_us_per_op'):>8.2f}  {stronger}")
+
+
+if __name__ == "__main__":
+    main()
