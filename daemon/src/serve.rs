@@ -26,7 +26,7 @@ use keelfs_reactor::{self as reactor, CpuLoadProbe, PollMode, Reactor, ReactorCo
 use keelfs_vhost::OpStats;
 use keelfs_vhost::SocketAccess;
 use keelfs_vhost::{probe_fuse_uring, serve_dev_fuse_over as serve_fuse, FuseMount, FuseUringPlan};
-use keelfs_vhost::{CacheMode, Clients, Session, SessionConfig, SessionState};
+use keelfs_vhost::{CacheMode, Clients, Coherence, Session, SessionConfig, SessionState};
 use keelfs_vhost::{ImageAccess, ServeOptions, VhostUserServer};
 use keelfs_vhost::{Qos, QosError, QosLimits};
 use serde_json::{json, Value};
@@ -602,12 +602,29 @@ fn fuse_uring_plan(export: &Export) -> anyhow::Result<Option<FuseUringPlan>> {
 
 /// The session settings of the export's host mount. Without a vhost-user
 /// socket no guest shares the export, so the host kernel is its sole
-/// client and cache `auto` gives it the writeback cache; beside a guest
-/// it gets what the guest does, and both stay coherent.
-fn host_session_config(export: &Export) -> SessionConfig {
-    let clients = if export.socket.is_some() { Clients::Shared } else { Clients::Sole };
+/// client and cache `auto` gives it long timeouts and the writeback
+/// cache. Beside a guest it is told of each of the guest's changes
+/// (`coherence`), so it keeps the long timeouts, but writes through, so
+/// that the guest sees its writes.
+fn host_session_config(export: &Export, coherence: Option<Rc<Coherence>>) -> SessionConfig {
+    let clients = if export.socket.is_some() { Clients::SharedNotified } else { Clients::Sole };
     SessionConfig {
         open_handles_max: export.open_handles_max,
+        coherence,
+        ..CacheMode::from(export.cache).session_config_for(clients)
+    }
+}
+
+/// The session settings of the export's guest. A guest cannot be told of
+/// another client's changes (Linux's virtio-fs has no notification
+/// queue), so beside a host mount it keeps names and attributes for
+/// short timeouts only; alone, it is the sole client, with long timeouts
+/// and the writeback cache.
+fn guest_session_config(export: &Export, coherence: Option<Rc<Coherence>>) -> SessionConfig {
+    let clients = if export.fuse_mount.is_some() { Clients::Shared } else { Clients::Sole };
+    SessionConfig {
+        open_handles_max: export.open_handles_max,
+        coherence,
         ..CacheMode::from(export.cache).session_config_for(clients)
     }
 }
@@ -617,7 +634,7 @@ fn mount_on_host(export: &Export, dir: &Path, link: Option<&Arc<SupervisorLink>>
     let flags = export.fuse_mount_flags | if export.read_only { libc::MS_RDONLY } else { 0 };
     let mut mount = FuseMount::mount_with(dir, &export.fuse_source, &export.fuse_type, flags)
         .with_context(|| format!("export {}: mounting {} through /dev/fuse", export.tag, dir.display()))?;
-    if host_session_config(export).writeback_cache && export.host_dirty_ratio > 0 {
+    if host_session_config(export, None).writeback_cache && export.host_dirty_ratio > 0 {
         // Not fatal: the cache still works, only stalls sooner.
         match crate::host_writeback::lift_dirty_limit(dir, &export.fuse_type, export.host_dirty_ratio) {
             Ok(bdi) => tracing::info!(
@@ -1167,9 +1184,10 @@ async fn start_transports(
     fuse: Option<HostMount>,
     on_mount_gone: Box<dyn FnOnce()>,
 ) -> anyhow::Result<(Option<VhostUserServer>, Option<Rc<FuseMount>>, Option<Rc<OpStats>>)> {
-    // A guest's session: others (the host mount, other daemons) may share the export.
-    let guest_config =
-        SessionConfig { open_handles_max: export.open_handles_max, ..CacheMode::from(export.cache).session_config() };
+    // A guest beside a host mount: the host mount is told of the guest's
+    // changes.
+    let coherence = (export.socket.is_some() && fuse.is_some()).then(Coherence::new);
+    let guest_config = guest_session_config(export, coherence.clone());
     let (fs, image) = match mounted {
         Mounted::Fixed { fs, .. } => (Some(fs), None),
         Mounted::Movable(image, fs) => (fs.as_ref(), Some(Rc::clone(image) as Rc<dyn ImageAccess>)),
@@ -1198,7 +1216,7 @@ async fn start_transports(
     let Some(HostMount { mount, uring }) = fuse else { return Ok((server, None, None)) };
     let fs = fs.context("a host mount needs its filesystem mounted")?;
     let mount = Rc::new(mount);
-    let session = Rc::new(Session::new(fs.clone(), host_session_config(export)));
+    let session = Rc::new(Session::new(fs.clone(), host_session_config(export, coherence)));
     let stats = session.stats().clone();
     serve_fuse(session, mount.clone(), qos, uring, on_mount_gone).context("setting up FUSE over io_uring")?;
     Ok((server, Some(mount), Some(stats)))
@@ -1386,6 +1404,7 @@ pub async fn local_stats() -> Vec<Value> {
             "fuse_mount_ops": fuse_stats.as_deref().map(ops_json),
             "fuse_transport": fuse_stats.as_deref().and_then(OpStats::transport),
             "fuse_ring_requests": fuse_stats.as_deref().map(OpStats::ring_requests),
+            "fuse_mount_notifications": fuse_stats.as_deref().map(OpStats::notifications),
             "fs": counters,
             "cache": cache,
             "space": space,

@@ -25,6 +25,7 @@ mod virtio;
 
 mod fuse {
     pub mod abi;
+    pub mod coherence;
     pub mod dev_fuse;
     pub mod dispatch;
     pub mod request;
@@ -37,10 +38,14 @@ mod fuse {
 /// linux/fuse.h names them. It stays a module, as the header is one
 /// vocabulary, for the tests and tools that speak FUSE bytes.
 pub use fuse::abi;
+pub use fuse::coherence::{Change, Coherence};
 pub use fuse::dev_fuse::{
     serve as serve_dev_fuse, serve_over as serve_dev_fuse_over, serve_with as serve_dev_fuse_with, FuseMount,
 };
-pub use fuse::dispatch::{CacheMode, Clients, Session, SessionConfig, SESSION_HANDLES_MAX};
+pub use fuse::dispatch::{
+    CacheMode, Clients, Session, SessionConfig, LONG_TIMEOUT as LONG_CACHE_TIMEOUT, SESSION_HANDLES_MAX,
+    SHARED_TIMEOUT as SHARED_CACHE_TIMEOUT,
+};
 pub use fuse::state::{SessionState, StateError, STATE_BYTES_MAX, STATE_VERSION};
 pub use fuse::stats::OpStats;
 pub use fuse::uring::{

@@ -418,6 +418,9 @@ async fn serve_direct(
         } else {
             session.write_buffered_from(nodeid, offset, write_flags, &data).await
         };
+        if result.is_ok() {
+            session.data_changed(nodeid, offset, size as u64);
+        }
         let (reply, reply_len) = write_reply_of(unique, result);
         session.record(opcode, len + reply_len, result.is_err(), started);
         let (_, written, outcome) = write_reply(0, &reply[..reply_len], writer);

@@ -221,13 +221,24 @@ fn cache_modes_set_timeouts_and_open_flags() {
         assert_eq!(valid, 86_400);
         assert_ne!(open & KEEP_CACHE, 0);
     });
-    // A sole client (a host mount no guest shares) keeps its pages.
+    // A sole client (a guest alone, a host mount no guest shares) keeps
+    // names and attributes long, and its pages.
     with_session_config(CacheMode::Auto.session_config_for(keelfs_vhost::Clients::Sole), async |s: Session| {
         let (valid, create, open) = cache_behaviour(&s).await;
-        assert_eq!(valid, 1);
+        assert_eq!(valid, 86_400, "auto, sole client: names and attributes kept long");
         assert_eq!((create & DIRECT_IO, open & DIRECT_IO), (0, 0));
         assert_ne!(open & KEEP_CACHE, 0, "auto, sole client: page cache kept across opens");
     });
+    // A host mount told of a guest's changes keeps names and attributes
+    // long too, but not its pages across opens.
+    with_session_config(
+        CacheMode::Auto.session_config_for(keelfs_vhost::Clients::SharedNotified),
+        async |s: Session| {
+            let (valid, _, open) = cache_behaviour(&s).await;
+            assert_eq!(valid, 86_400);
+            assert_eq!(open & (DIRECT_IO | KEEP_CACHE), 0);
+        },
+    );
 }
 
 /// The WRITEBACK_CACHE flag INIT negotiates in a session with `config`.
@@ -253,6 +264,8 @@ fn writeback_cache_for_a_sole_client_in_the_default_mode() {
     {
         assert_eq!(negotiates_writeback(mode.session_config_for(Clients::Sole)), sole, "{mode:?}, sole client");
         assert_eq!(negotiates_writeback(mode.session_config_for(Clients::Shared)), shared, "{mode:?}, shared");
+        let notified = mode.session_config_for(Clients::SharedNotified);
+        assert_eq!(negotiates_writeback(notified), shared, "{mode:?}, shared and told of changes");
         assert_eq!(mode.session_config().writeback_cache, shared, "{mode:?}: shared by default");
     }
     assert!(!negotiates_writeback(SessionConfig::default()), "the default session is shared");
@@ -659,4 +672,85 @@ fn each_session_has_its_own_burst_of_failure_warnings() {
     let text = captured.text();
     let warned = text.lines().filter(|l| l.contains("request failed")).count();
     assert_eq!(warned, 2 * keelfs_base::LOG_BURST as usize, "each session's burst:\n{text}");
+}
+
+/// A guest and a host mount on one export (issue 34): each of the
+/// guest's changes becomes the FUSE notifications that make the host's
+/// kernel forget what it changed, and only the host, which listens, is
+/// told; the host's own changes tell nobody.
+#[test]
+fn a_listening_session_is_told_of_the_others_changes() {
+    use std::cell::RefCell;
+    use std::rc::Rc;
+
+    use keelfs_vhost::{Coherence, SessionConfig};
+
+    let coherence = Coherence::new();
+    let config = SessionConfig { coherence: Some(Rc::clone(&coherence)), ..SessionConfig::default() };
+    with_session_config(config.clone(), async move |guest: Session| {
+        let host = Rc::new(Session::new(guest.fs().clone(), config));
+        let heard: Rc<RefCell<Vec<Vec<u8>>>> = Rc::default();
+        let h = Rc::clone(&heard);
+        host.set_notifier(Box::new(move |m: &[u8]| h.borrow_mut().push(m.to_vec())));
+        host.listen_for_changes();
+        for s in [&guest, &*host] {
+            s.handle(&request(Opcode::Init as u32, 1, 0, &init_body())).await.unwrap();
+        }
+        let call = async |s: &Session, op: Opcode, nodeid: u64, body: &[u8]| {
+            reply(&s.handle(&request(op as u32, 9, nodeid, body)).await.unwrap(), 9)
+        };
+        // (code, nodeid, name or the pages' offset) of each notification
+        // heard since the last look.
+        let take = || -> Vec<(u32, u64, Vec<u8>)> {
+            heard
+                .borrow_mut()
+                .drain(..)
+                .map(|m| {
+                    let code = u32::from_le_bytes(m[4..8].try_into().unwrap());
+                    let tail = if code == 3 { m[32..m.len() - 1].to_vec() } else { m[24..32].to_vec() };
+                    (code, u64_at(&m, 16), tail)
+                })
+                .collect()
+        };
+        let attrs_only = (-1i64).to_le_bytes().to_vec();
+        let mkdir_in = [0o755u32, 0].map(u32::to_le_bytes).concat();
+        let (err, body) = call(&guest, Opcode::Mkdir, 1, &named(&mkdir_in, "d")).await;
+        assert_eq!(err, 0);
+        let dir = u64_at(&body, 0);
+        assert_eq!(take(), vec![(3, 1, b"d".to_vec()), (2, 1, attrs_only.clone())], "a new name, its parent");
+
+        let create_in = [libc::O_RDWR as u32, 0o644, 0, 0].map(u32::to_le_bytes).concat();
+        let (err, body) = call(&guest, Opcode::Create, dir, &named(&create_in, "f")).await;
+        assert_eq!(err, 0);
+        let (ino, fh) = (u64_at(&body, 0), u64_at(&body, 128));
+        assert_eq!(take(), vec![(3, dir, b"f".to_vec()), (2, dir, attrs_only.clone())]);
+        let mut write = Reply::default();
+        write.u64(fh).u64(8192).u32(5).u32(0).u64(0).u32(0).u32(0).raw(b"hello");
+        assert_eq!(call(&guest, Opcode::Write, ino, &write.bytes).await.0, 0);
+        assert_eq!(take(), vec![(2, ino, 8192u64.to_le_bytes().to_vec())], "the pages written");
+
+        let rename_in = [&dir.to_le_bytes()[..], b"f\0g\0"].concat();
+        assert_eq!(call(&guest, Opcode::Rename, dir, &rename_in).await.0, 0);
+        let renamed = take();
+        assert_eq!(renamed.len(), 4, "{renamed:?}");
+        assert_eq!(renamed[..2], [(3, dir, b"f".to_vec()), (3, dir, b"g".to_vec())]);
+        assert_eq!(
+            call(&guest, Opcode::Rename, dir, &[&dir.to_le_bytes()[..], b"nope\0x\0"].concat()).await.0,
+            -libc::ENOENT
+        );
+        assert!(take().is_empty(), "a failed request changes nothing");
+
+        let mut setattr = Reply::default();
+        // fuse_setattr_in: valid = FATTR_MODE, and the mode at byte 68.
+        setattr.u32(1).u32(0).raw(&[0u8; 60]).u32(0o600).raw(&[0u8; 16]);
+        assert_eq!(setattr.bytes.len(), 88);
+        assert_eq!(call(&guest, Opcode::Setattr, ino, &setattr.bytes).await.0, 0);
+        assert_eq!(take(), vec![(2, ino, attrs_only.clone())], "a chmod: attributes only");
+
+        assert_eq!(call(&guest, Opcode::Unlink, dir, b"g\0").await.0, 0);
+        assert_eq!(take(), vec![(3, dir, b"g".to_vec()), (2, dir, attrs_only.clone())]);
+        assert_eq!(call(&host, Opcode::Rmdir, 1, b"d\0").await.0, 0);
+        assert!(take().is_empty(), "the host is not told of its own changes");
+        assert!(coherence.sent() >= 11, "{coherence:?}");
+    });
 }

@@ -161,10 +161,9 @@ pub fn serve_over(
     };
     session.offer_io_uring(ring.is_some());
     session.stats().set_transport("dev");
-    let notify_to = Rc::clone(&mount);
-    // A notification the kernel refuses (the mount is going away) needs
-    // nothing more.
-    session.set_notifier(Box::new(move |message| drop((&notify_to.device).write_all(message))));
+    let writer = NotifyWriter::new(Rc::clone(&mount));
+    session.set_notifier(Box::new(move |message| writer.send(message)));
+    session.listen_for_changes();
     let poller = DevFusePoller {
         session,
         mount,
@@ -176,6 +175,69 @@ pub fn serve_over(
     };
     reactor::register_poller(PollerClass::Source, Box::new(poller));
     Ok(())
+}
+
+/// Notifications queued for the kernel at most; past it they are dropped
+/// (and counted), rather than the reactor waiting.
+pub const NOTIFY_QUEUE_MAX: usize = 4096;
+
+/// Writes notifications to /dev/fuse from a thread of its own, in order.
+/// The kernel may hold such a write on a lock that a request this reactor
+/// has yet to answer holds (a directory's, for FUSE_NOTIFY_INVAL_ENTRY
+/// beside a create in it; a page's, for pages being read), so the reactor
+/// never writes one itself. The thread starts with the first
+/// notification, and ends when the session is gone.
+struct NotifyWriter {
+    mount: Rc<FuseMount>,
+    queue: std::cell::RefCell<Option<std::sync::mpsc::SyncSender<Vec<u8>>>>,
+    dropped: std::cell::Cell<u64>,
+    dropped_logged: keelfs_base::RateLimit,
+}
+
+impl NotifyWriter {
+    fn new(mount: Rc<FuseMount>) -> Self {
+        Self {
+            mount,
+            queue: std::cell::RefCell::default(),
+            dropped: std::cell::Cell::new(0),
+            dropped_logged: keelfs_base::RateLimit::new(),
+        }
+    }
+
+    fn send(&self, message: &[u8]) {
+        let mut queue = self.queue.borrow_mut();
+        if queue.is_none() {
+            match self.start() {
+                Ok(tx) => *queue = Some(tx),
+                Err(e) => return self.drop_one(&format!("no writer thread: {e}")),
+            }
+        }
+        let tx = queue.as_ref().expect("started above");
+        if let Err(e) = tx.try_send(message.to_vec()) {
+            self.drop_one(&e.to_string());
+        }
+    }
+
+    fn start(&self) -> std::io::Result<std::sync::mpsc::SyncSender<Vec<u8>>> {
+        let device = self.mount.device.try_clone()?;
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<u8>>(NOTIFY_QUEUE_MAX);
+        std::thread::Builder::new().name("keelfs-notify".into()).spawn(move || {
+            for message in rx {
+                // A notification the kernel refuses (the mount is going
+                // away, or the inode is gone) needs nothing more.
+                let _ = (&device).write_all(&message);
+            }
+        })?;
+        Ok(tx)
+    }
+
+    fn drop_one(&self, why: &str) {
+        self.dropped.set(self.dropped.get() + 1);
+        keelfs_base::ratelimited!(
+            limit = &self.dropped_logged,
+            tracing::warn!(dropped = self.dropped.get(), "a notification to the host kernel was dropped: {why}")
+        );
+    }
 }
 
 /// What the first INIT's answer leads to: the ring, if one is ready.

@@ -16,6 +16,7 @@ use super::abi::{
     error_reply, init_flags as f, open_flags, Attr, InHeader, Opcode, Reply, KERNEL_MINOR_VERSION, KERNEL_VERSION,
     MIN_MINOR_VERSION,
 };
+use super::coherence::{Change, Coherence};
 use super::request::{
     parse, Request, FITRIM, FSTRIM_RANGE_BYTES, IOCTL_UNRESTRICTED, OPEN_KILL_SUIDGID, SETXATTR_ACL_KILL_SGID,
     WRITE_CACHE, WRITE_KILL_SUIDGID,
@@ -40,18 +41,31 @@ pub struct SessionConfig {
     /// Open handles the session may hold at once; past it, opens fail
     /// with EMFILE. Default [`SESSION_HANDLES_MAX`].
     pub open_handles_max: usize,
+    /// The export's other clients, told of this session's changes (and,
+    /// for a host mount that listens, telling it of theirs). None: no
+    /// other client can be told anything.
+    pub coherence: Option<Rc<Coherence>>,
 }
 
 /// Who else uses the filesystem a session serves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Clients {
-    /// This session's client is the only one (a host mount of an export
-    /// that no guest shares): its kernel may own written pages, the size
-    /// and mtime, since nobody else can see them stale.
+    /// This session's client is the only one (a guest whose export has no
+    /// host mount, or a host mount no guest shares): nobody else can
+    /// change a name, an attribute or a page behind its kernel's back,
+    /// so it may keep them as long as it likes, and own written pages,
+    /// the size and mtime (writeback caching).
     Sole,
-    /// Other clients may share it (a guest, or a host mount beside one):
+    /// Other clients may share it and this one cannot be told of their
+    /// changes (a guest beside a host mount: Linux's virtio-fs has no
+    /// notification queue): names and attributes for short timeouts, and
     /// writes reach the filesystem before write(2) returns.
     Shared,
+    /// Other clients share it, and this one is told of each of their
+    /// changes as they happen ([`Coherence`]: a host mount beside a
+    /// guest): it may keep names and attributes long, but its writes still
+    /// reach the filesystem before write(2) returns, for the others.
+    SharedNotified,
 }
 
 /// How much the client (guest or host kernel) may cache.
@@ -74,20 +88,21 @@ impl CacheMode {
         self.session_config_for(Clients::Shared)
     }
 
-    /// Session settings for this mode and these clients: `auto` caches
-    /// writes in a sole client's kernel too (writeback caching) and keeps
-    /// its pages across opens, as `always` does in any; `none` never
-    /// caches.
+    /// Session settings for this mode and these clients: `auto` gives a
+    /// sole client what `always` gives any (names and attributes for a
+    /// day, writeback caching, pages kept across opens), a client told of
+    /// the others' changes the long timeouts only, and a shared client
+    /// that cannot be told 1 s; `none` never caches.
     pub fn session_config_for(self, clients: Clients) -> SessionConfig {
         let sole_or_always = match self {
             CacheMode::None => false,
             CacheMode::Auto => clients == Clients::Sole,
             CacheMode::Always => true,
         };
-        let timeout = match self {
-            CacheMode::None => Duration::ZERO,
-            CacheMode::Auto => Duration::from_secs(1),
-            CacheMode::Always => Duration::from_secs(86_400),
+        let timeout = match (self, clients) {
+            (CacheMode::None, _) => Duration::ZERO,
+            (CacheMode::Auto, Clients::Shared) => SHARED_TIMEOUT,
+            (CacheMode::Auto, Clients::Sole | Clients::SharedNotified) | (CacheMode::Always, _) => LONG_TIMEOUT,
         };
         SessionConfig {
             entry_timeout: timeout,
@@ -97,9 +112,18 @@ impl CacheMode {
             cache: self,
             keep_cache: sole_or_always,
             open_handles_max: SESSION_HANDLES_MAX,
+            coherence: None,
         }
     }
 }
+
+/// How long a client that nobody else can surprise keeps names and
+/// attributes: as long as they live, in effect (a day, then one
+/// revalidation).
+pub const LONG_TIMEOUT: Duration = Duration::from_secs(86_400);
+/// How long a client that shares the export and cannot be told of the
+/// others' changes keeps them: a change elsewhere shows within this.
+pub const SHARED_TIMEOUT: Duration = Duration::from_secs(1);
 
 impl Default for SessionConfig {
     fn default() -> Self {
@@ -151,13 +175,14 @@ pub struct Session {
     /// The limit of this session's failure warnings: its own, so that a
     /// guest that fills its disk cannot silence another export's.
     failures_logged: keelfs_base::RateLimit,
+    /// This session among the export's clients (from
+    /// [`SessionConfig::coherence`]): the export's coherence and this
+    /// session's member id in it.
+    member: Option<(Rc<Coherence>, u64)>,
 }
 
 /// Writes one notification message (fuse_out_header with unique 0).
 pub type Notifier = Box<dyn Fn(&[u8])>;
-
-/// fuse_notify_code FUSE_NOTIFY_INVAL_INODE.
-const NOTIFY_INVAL_INODE: i32 = 2;
 
 /// The open handles and lookup references one session (one guest, or the
 /// host mount) holds. A filesystem serves several sessions at once, and
@@ -177,6 +202,9 @@ pub const SESSION_HANDLES_MAX: usize = 1 << 16;
 
 impl Drop for Session {
     fn drop(&mut self) {
+        if let Some((coherence, member)) = &self.member {
+            coherence.leave(*member);
+        }
         // The frontend is gone: every handle it had is.
         for released in self.shared_handles.borrow().values() {
             released.store(true, Ordering::Release);
@@ -221,6 +249,44 @@ fn to_abi_attr(a: &FsAttr) -> Attr {
 
 type Outcome = Result<Option<Reply>, i32>;
 
+/// What `req` changes, should it succeed, that another client of the
+/// export may hold in its cache: names it adds, removes or replaces, and
+/// the inodes whose attributes (or pages) it changes.
+fn changes_of<'a>(h: &InHeader, req: &Request<'a>) -> Vec<Change<'a>> {
+    let ino = Ino::new(h.nodeid);
+    let attrs = |ino| Change::Inode { ino, pages: None };
+    let entry = |parent, name| Change::Entry { parent, name };
+    match *req {
+        Request::Symlink { name, .. }
+        | Request::Mknod { name, .. }
+        | Request::Mkdir { name, .. }
+        | Request::Create { name, .. }
+        | Request::Unlink { name }
+        | Request::Rmdir { name } => vec![entry(ino, name), attrs(ino)],
+        Request::Link { oldnodeid, newname } => vec![entry(ino, newname), attrs(ino), attrs(oldnodeid)],
+        Request::Rename { newdir, name, newname, .. } => {
+            vec![entry(ino, name), entry(newdir, newname), attrs(ino), attrs(newdir)]
+        }
+        // A new size drops the pages past it; other attributes only
+        // themselves.
+        Request::Setattr { ref set, .. } => {
+            vec![Change::Inode { ino, pages: set.size.map(|size| (size, 0)) }]
+        }
+        Request::Open { flags, .. } if flags as i32 & libc::O_TRUNC != 0 => {
+            vec![Change::Inode { ino, pages: Some((0, 0)) }]
+        }
+        Request::Write { offset, data, .. } => {
+            vec![Change::Inode { ino, pages: Some((offset, (data.len() as u64).max(1))) }]
+        }
+        Request::Fallocate { offset, length, .. } => vec![Change::Inode { ino, pages: Some((offset, length.max(1))) }],
+        Request::CopyFileRange { nodeid_out, off_out, len, .. } => {
+            vec![Change::Inode { ino: nodeid_out, pages: Some((off_out, len.max(1))) }]
+        }
+        Request::Setxattr { .. } | Request::Removexattr { .. } => vec![attrs(ino)],
+        _ => Vec::new(),
+    }
+}
+
 impl Session {
     pub fn new(fs: Fs, config: SessionConfig) -> Self {
         Self::with_stats(fs, config, Rc::default())
@@ -229,7 +295,9 @@ impl Session {
     /// A session that counts into `stats`, which may outlive it (a
     /// reconnecting guest gets a new session and keeps the counters).
     pub fn with_stats(fs: Fs, config: SessionConfig, stats: Rc<OpStats>) -> Self {
+        let member = config.coherence.as_ref().map(|c| (Rc::clone(c), c.member()));
         Self {
+            member,
             fs,
             config,
             stats,
@@ -319,17 +387,57 @@ impl Session {
         *self.notifier.borrow_mut() = Some(notifier);
     }
 
+    /// Tell this session's kernel of the export's other clients'
+    /// changes as they happen (a host mount, whose notifier is set).
+    pub fn listen_for_changes(self: &Rc<Self>) {
+        let Some((coherence, member)) = &self.member else { return };
+        let session = Rc::downgrade(self);
+        coherence.listen(
+            *member,
+            Rc::new(move |message: &[u8]| {
+                if let Some(session) = session.upgrade() {
+                    session.notify(message);
+                }
+            }),
+        );
+    }
+
+    /// Send `message` to this session's kernel, if its transport can.
+    fn notify(&self, message: &[u8]) {
+        if let Some(notify) = self.notifier.borrow().as_ref() {
+            notify(message);
+            self.stats.count_notification();
+        }
+    }
+
+    /// Whether another client listens for this session's changes.
+    fn watched(&self) -> bool {
+        self.member.as_ref().is_some_and(|(c, member)| c.has_listeners_besides(*member))
+    }
+
+    /// Tell the export's other clients of `changes`.
+    fn publish(&self, changes: &[Change<'_>]) {
+        if let Some((coherence, member)) = &self.member {
+            coherence.publish(*member, changes);
+        }
+    }
+
+    /// `len` bytes at `offset` of `ino` were written outside
+    /// [`Self::handle`] (the zero-copy path): tell the other clients.
+    pub fn data_changed(&self, ino: Ino, offset: u64, len: u64) {
+        if self.watched() {
+            self.publish(&[Change::Inode { ino, pages: Some((offset, len.max(1))) }]);
+        }
+    }
+
     /// The daemon changed `ino`'s attributes behind the kernel's back
     /// (cleared set-id bits on a write): have it drop its cached ones, so
     /// that a stat right after sees the new mode.
     fn attributes_changed(&self, ino: Ino) {
-        if let Some(notify) = self.notifier.borrow().as_ref() {
-            // fuse_out_header {len, error: the code, unique 0}, then
-            // fuse_notify_inval_inode_out with offset -1: attributes only.
-            let mut r = Reply::default();
-            r.u32(16 + 24).u32(NOTIFY_INVAL_INODE as u32).u64(0);
-            r.u64(ino.get()).u64(u64::MAX).u64(0);
-            notify(&r.bytes);
+        let change = Change::Inode { ino, pages: None };
+        self.notify(&change.notification());
+        if self.watched() {
+            self.publish(&[change]);
         }
     }
 
@@ -477,7 +585,14 @@ impl Session {
         if !self.initialized.get() && !matches!(req, Request::Init { .. }) {
             return Some(error_reply(header.unique, libc::EIO));
         }
-        Some(match self.dispatch(&header, req, extensions).await {
+        // What the request changes, worked out only when another client
+        // listens, and told to it only if the request succeeds.
+        let changes = if self.watched() { changes_of(&header, &req) } else { Vec::new() };
+        let outcome = self.dispatch(&header, req, extensions).await;
+        if outcome.is_ok() && !changes.is_empty() {
+            self.publish(&changes);
+        }
+        Some(match outcome {
             Ok(Some(reply)) => reply.finish(header.unique, 0),
             Ok(None) => Reply::default().finish(header.unique, 0),
             Err(errno) => {

@@ -125,6 +125,8 @@ pub struct OpStats {
     transport: Cell<Option<&'static str>>,
     /// Requests that came through io_uring ring entries.
     ring_requests: Cell<u64>,
+    /// Notifications sent to the client kernel (FUSE_NOTIFY_INVAL_*).
+    notifications: Cell<u64>,
 }
 
 /// The key of every opcode that is not a FUSE opcode keelfs knows.
@@ -145,6 +147,14 @@ impl OpStats {
 
     pub fn ring_requests(&self) -> u64 {
         self.ring_requests.get()
+    }
+
+    pub fn count_notification(&self) {
+        self.notifications.set(self.notifications.get() + 1);
+    }
+
+    pub fn notifications(&self) -> u64 {
+        self.notifications.get()
     }
 
     pub fn record(&self, opcode: u32, bytes: usize, failed: bool, latency: Duration) {
