@@ -393,9 +393,19 @@ pub struct Attr {
 }
 
 /// Building replies: fixed-size little-endian fields appended in order.
-#[derive(Default)]
 pub struct Reply {
     pub bytes: Vec<u8>,
+}
+
+/// Bytes a new [`Reply`] has room for: the largest fixed-size reply
+/// (fuse_statx_out, 288 bytes; fuse_entry_out and fuse_open_out, 144)
+/// and its header, so that building and finishing one allocates once.
+pub const REPLY_ROOM: usize = OUT_HEADER_BYTES + 288;
+
+impl Default for Reply {
+    fn default() -> Self {
+        Self { bytes: Vec::with_capacity(REPLY_ROOM) }
+    }
 }
 
 impl Reply {
@@ -446,14 +456,21 @@ impl Reply {
         let (major, minor) = ((a.rdev & 0xfff00) >> 8, (a.rdev & 0xff) | ((a.rdev >> 12) & 0xfff00));
         self.u32(major).u32(minor).u32(0).u32(0).raw(&[0u8; 14 * 8])
     }
-    /// The whole reply: fuse_out_header then this body.
-    pub fn finish(&self, unique: u64, error: i32) -> Vec<u8> {
-        let body: &[u8] = if error == 0 { &self.bytes } else { &[] };
-        let mut out = Vec::with_capacity(OUT_HEADER_BYTES + body.len());
-        out.extend_from_slice(&((OUT_HEADER_BYTES + body.len()) as u32).to_le_bytes());
-        out.extend_from_slice(&error.to_le_bytes());
-        out.extend_from_slice(&unique.to_le_bytes());
-        out.extend_from_slice(body);
+    /// The whole reply: fuse_out_header then this body (none with an
+    /// error), made in this reply's own buffer.
+    pub fn finish(self, unique: u64, error: i32) -> Vec<u8> {
+        let mut out = self.bytes;
+        if error != 0 {
+            out.clear();
+        }
+        let mut header = [0u8; OUT_HEADER_BYTES];
+        header[..4].copy_from_slice(&((OUT_HEADER_BYTES + out.len()) as u32).to_le_bytes());
+        header[4..8].copy_from_slice(&error.to_le_bytes());
+        header[8..].copy_from_slice(&unique.to_le_bytes());
+        let body = out.len();
+        out.resize(OUT_HEADER_BYTES + body, 0);
+        out.copy_within(..body, OUT_HEADER_BYTES);
+        out[..OUT_HEADER_BYTES].copy_from_slice(&header);
         out
     }
 }
