@@ -754,3 +754,54 @@ fn a_listening_session_is_told_of_the_others_changes() {
         assert!(coherence.sent() >= 11, "{coherence:?}");
     });
 }
+
+/// A directory larger than a page is listed page by page, each entry
+/// once, whether the pages carry attributes or not; each page asks the
+/// filesystem only for what fits.
+#[test]
+fn a_large_directory_is_listed_once_page_by_page() {
+    with_session(async |s: Session| {
+        s.handle(&request(Opcode::Init as u32, 1, 0, &init_body())).await.unwrap();
+        let mknod_in = [0o100644u32, 0, 0, 0].map(u32::to_le_bytes).concat();
+        for i in 0..300 {
+            let (err, _) = reply(
+                &s.handle(&request(Opcode::Mknod as u32, 2, 1, &named(&mknod_in, &format!("entry-{i:03}"))))
+                    .await
+                    .unwrap(),
+                2,
+            );
+            assert_eq!(err, 0);
+        }
+        for (opcode, entry_bytes) in [(Opcode::Readdir, 0), (Opcode::Readdirplus, 128)] {
+            let (err, open) = reply(&s.handle(&request(Opcode::Opendir as u32, 3, 1, &[0u8; 8])).await.unwrap(), 3);
+            assert_eq!(err, 0);
+            let fh = u64_at(&open, 0);
+            let (mut offset, mut names, mut pages) = (0u64, Vec::new(), 0);
+            loop {
+                let mut read_in = Reply::default();
+                read_in.u64(fh).u64(offset).u32(4096).u32(0).u64(0).u32(0).u32(0);
+                let (err, page) = reply(&s.handle(&request(opcode as u32, 4, 1, &read_in.bytes)).await.unwrap(), 4);
+                assert_eq!(err, 0);
+                assert!(page.len() <= 4096, "a page is at most what was asked for");
+                if page.is_empty() {
+                    break;
+                }
+                pages += 1;
+                let mut at = 0;
+                while at < page.len() {
+                    let d = at + entry_bytes;
+                    offset = u64_at(&page, d + 8);
+                    let len = u32::from_le_bytes(page[d + 16..d + 20].try_into().unwrap()) as usize;
+                    names.push(String::from_utf8(page[d + 24..d + 24 + len].to_vec()).unwrap());
+                    at = d + (24 + len).div_ceil(8) * 8;
+                }
+            }
+            names.retain(|n| n != "." && n != "..");
+            let count = names.len();
+            names.sort();
+            names.dedup();
+            assert_eq!((count, names.len()), (300, 300), "{opcode:?}: every entry, once");
+            assert!(pages > 1, "{opcode:?}: more than one page");
+        }
+    });
+}

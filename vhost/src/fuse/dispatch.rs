@@ -659,10 +659,15 @@ impl Session {
 
     /// An entry reply: the kernel holds one more lookup reference on it.
     fn entry(&self, a: &FsAttr) -> Reply {
-        self.hold_entry(a.ino());
         let mut r = Reply::default();
-        r.entry(a.ino().get(), a.inode.generation, Self::valid_ns(self.config.entry_timeout), &to_abi_attr(a));
+        self.entry_into(&mut r, a);
         r
+    }
+
+    /// fuse_entry_out for `a`, appended to `r`, holding a lookup of it.
+    fn entry_into(&self, r: &mut Reply, a: &FsAttr) {
+        self.hold_entry(a.ino());
+        r.entry(a.ino().get(), a.inode.generation, Self::valid_ns(self.config.entry_timeout), &to_abi_attr(a));
     }
 
     fn attr(&self, a: &FsAttr) -> Reply {
@@ -1077,8 +1082,15 @@ impl Session {
     }
 
     async fn readdir(&self, c: &Creds, fh: Fh, ino: Ino, offset: u64, size: u32, plus: bool) -> Outcome {
-        let entries = self.fs.readdir_handle(fh, offset, 4096, false).await.map_err(|e| e.errno())?;
+        // No more entries than the reply can hold: each takes at least a
+        // dirent of 32 bytes (a name of 1 to 8 bytes), and fuse_entry_out
+        // with plus. Asking for more made listing a large directory
+        // quadratic: every page built the names of all the entries after it.
+        let entry_min = 32 + if plus { super::abi::ENTRY_OUT_BYTES } else { 0 };
+        let most = (size as usize / entry_min).clamp(1, READDIR_ENTRIES_MAX);
+        let entries = self.fs.readdir_handle(fh, offset, most, false).await.map_err(|e| e.errno())?;
         let mut r = Reply::default();
+        r.bytes.reserve((size as usize).min(REPLY_BYTES_MAX));
         for ent in entries {
             let namelen = ent.name.len();
             let dirent_len = (24 + namelen).div_ceil(8) * 8;
@@ -1093,7 +1105,7 @@ impl Session {
                     r.raw(&[0u8; super::abi::ENTRY_OUT_BYTES]);
                 } else {
                     let a = self.fs.lookup(c, ino, &ent.name).await.map_err(|e| e.errno())?;
-                    r.raw(&self.entry(&a).bytes);
+                    self.entry_into(&mut r, &a);
                 }
             }
             r.u64(ent.ino.get()).u64(ent.next_offset).u32(namelen as u32).u32(ent.file_type >> 12);
@@ -1103,6 +1115,11 @@ impl Session {
         Ok(Some(r))
     }
 }
+
+/// Directory entries one READDIR reply holds at most.
+const READDIR_ENTRIES_MAX: usize = 4096;
+/// Bytes reserved for one READDIR reply at most, whatever the kernel asks.
+const REPLY_BYTES_MAX: usize = 1 << 20;
 
 /// A handle's flags if it was opened for reading, else EBADF (read(2) on a
 /// write-only fd).
