@@ -8,7 +8,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use keelfs_vhost::abi::{init_flags as f, Opcode, Reply, ENTRY_OUT_BYTES};
+use keelfs_vhost::abi::{encode_request, init_flags as f, Opcode, Reply, ENTRY_OUT_BYTES};
 use keelfs_vhost::frontend::FsFrontend;
 
 mod common;
@@ -78,6 +78,9 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static COUNTING: Counting = Counting;
 
+/// The counter is the whole process's: the tests take turns.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Requests per measured workload.
 const REQUESTS: u64 = 2_000;
 const FILE_BYTES: u64 = 1 << 20;
@@ -119,6 +122,7 @@ fn allocations_per_request(fe: &mut FsFrontend, file: (u64, u64), opcode: Opcode
 
 #[test]
 fn steady_reads_and_writes_stay_within_their_allocation_budget() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     UNCOUNTED.with(|u| u.set(true));
     // No timed commit inside the measured windows: its records are
     // metadata work, not the requests', and a slow machine would see more
@@ -155,3 +159,145 @@ fn steady_reads_and_writes_stay_within_their_allocation_budget() {
 ///   shared buffer that lets the request's extents go out in pieces.
 const BUFFERED_BUDGET: f64 = 1.25;
 const DIRECT_BUDGET: f64 = 3.25;
+
+/// Allocations per operation of `op` over REQUESTS operations, after as
+/// many to warm up; `op(fe, i)` runs the i-th.
+fn allocations_per_op(fe: &mut FsFrontend, what: &str, mut op: impl FnMut(&mut FsFrontend, u64)) -> f64 {
+    let mut next = 0u64;
+    let mut run = |fe: &mut FsFrontend, n: u64| {
+        for _ in 0..n {
+            op(fe, next);
+            next += 1;
+        }
+    };
+    run(fe, REQUESTS);
+    if std::env::var_os("KEELFS_ALLOC_TRACE").is_some() {
+        TRACING.store(true, Ordering::Relaxed);
+        run(fe, 1);
+        TRACING.store(false, Ordering::Relaxed);
+        eprintln!("^ one {what}");
+    }
+    let before = ALLOCATIONS.load(Ordering::Relaxed);
+    run(fe, REQUESTS);
+    (ALLOCATIONS.load(Ordering::Relaxed) - before) as f64 / REQUESTS as f64
+}
+
+/// FORGET one lookup of `nodeid`, on the hiprio queue as Linux sends it.
+fn forget(fe: &mut FsFrontend, nodeid: u64) {
+    let unique = fe.next_unique();
+    let request = encode_request(Opcode::Forget as u32, unique, nodeid, 0, 0, &1u64.to_le_bytes());
+    let head = fe.submit(0, &request, 16).unwrap();
+    fe.wait_for(0, head, std::time::Duration::from_secs(10)).unwrap();
+}
+
+fn entry_of(fe: &mut FsFrontend, opcode: Opcode, parent: u64, body: &[u8]) -> u64 {
+    let (err, reply) = fe.fuse(1, opcode, parent, body).unwrap();
+    assert_eq!(err, 0, "{opcode:?}");
+    u64::from_le_bytes(reply[..8].try_into().unwrap())
+}
+
+/// The metadata requests a guest sends most, each paired with what pays
+/// it back (a LOOKUP with its FORGET, a CREATE with its RELEASE), in a
+/// directory already holding files: allocations per operation.
+fn measure_metadata(fe: &mut FsFrontend) -> Vec<(&'static str, f64)> {
+    let dir = entry_of(fe, Opcode::Mkdir, 1, &[&0o755u32.to_le_bytes()[..], &[0; 4], &named("meta")].concat());
+    let files: Vec<u64> = (0..64)
+        .map(|i| {
+            let mut body = Reply::default();
+            body.u32(0o100644).u32(0).u32(0).u32(0).raw(&named(&format!("present-{i:03}")));
+            entry_of(fe, Opcode::Mknod, dir, &body.bytes)
+        })
+        .collect();
+    let mut measured = Vec::new();
+    measured.push((
+        "LOOKUP+FORGET",
+        allocations_per_op(fe, "LOOKUP", |fe, i| {
+            let nodeid = entry_of(fe, Opcode::Lookup, dir, &named(&format!("present-{:03}", i % 64)));
+            forget(fe, nodeid);
+        }),
+    ));
+    measured.push((
+        "GETATTR",
+        allocations_per_op(fe, "GETATTR", |fe, i| {
+            let (err, _) = fe.fuse(1, Opcode::Getattr, files[(i % 64) as usize], &[0u8; 16]).unwrap();
+            assert_eq!(err, 0);
+        }),
+    ));
+    measured.push((
+        "CREATE+RELEASE+FORGET",
+        allocations_per_op(fe, "CREATE", |fe, i| {
+            let mut body = Reply::default();
+            body.u32(libc::O_WRONLY as u32).u32(0o100644).u32(0).u32(0).raw(&named(&format!("new-{i:06}")));
+            let (err, reply) = fe.fuse(1, Opcode::Create, dir, &body.bytes).unwrap();
+            assert_eq!(err, 0, "create");
+            let at = |o: usize| u64::from_le_bytes(reply[o..o + 8].try_into().unwrap());
+            let (nodeid, fh) = (at(0), at(ENTRY_OUT_BYTES));
+            let mut release = Reply::default();
+            release.u64(fh).u32(0).u32(0).u64(0);
+            assert_eq!(fe.fuse(1, Opcode::Release, nodeid, &release.bytes).unwrap().0, 0);
+            forget(fe, nodeid);
+        }),
+    ));
+    measured.push((
+        "UNLINK",
+        allocations_per_op(fe, "UNLINK", |fe, i| {
+            let (err, _) = fe.fuse(1, Opcode::Unlink, dir, &named(&format!("new-{i:06}"))).unwrap();
+            assert_eq!(err, 0, "unlink new-{i:06}");
+        }),
+    ));
+    let mut open = Reply::default();
+    open.u32((libc::O_RDONLY | libc::O_DIRECTORY) as u32).u32(0);
+    let (err, reply) = fe.fuse(1, Opcode::Opendir, dir, &open.bytes).unwrap();
+    assert_eq!(err, 0);
+    let fh = u64::from_le_bytes(reply[..8].try_into().unwrap());
+    measured.push((
+        "READDIRPLUS",
+        allocations_per_op(fe, "READDIRPLUS", |fe, _| {
+            let (err, reply) = fe.fuse(1, Opcode::Readdirplus, dir, &io_body(fh, 0, 4096).bytes).unwrap();
+            assert_eq!(err, 0);
+            assert!(reply.len() > 1024, "a page of entries");
+        }),
+    ));
+    measured
+}
+
+#[test]
+fn metadata_requests_stay_within_their_allocation_budget() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    UNCOUNTED.with(|u| u.set(true));
+    let daemon = Daemon::start_with_commit_interval(1, 0, None, std::time::Duration::from_secs(3600));
+    let mut fe = daemon.connect(1);
+    fe.init(f::INIT_EXT | f::DO_READDIRPLUS).unwrap();
+    let measured = measure_metadata(&mut fe);
+    drop(fe);
+    daemon.stop();
+    for (what, per_op) in &measured {
+        eprintln!("{what}: {per_op:.2} allocations per operation");
+    }
+    let over: Vec<_> = measured
+        .iter()
+        .zip(METADATA_BUDGETS)
+        .filter(|((what, per_op), (named, budget))| {
+            assert_eq!(what, named, "the budgets are listed in the order measured");
+            per_op > budget
+        })
+        .collect();
+    assert!(over.is_empty(), "over the budget: {over:?}");
+}
+
+/// What each metadata operation may allocate on the device's side, with
+/// a quarter for what is amortised. Every request the copying path serves
+/// costs six today: its task, the chain's walk, virtio-queue's reader and
+/// writer, the request's copy and its reply (a FORGET, with no reply,
+/// five); on top of that a CREATE makes an inode and a name, an UNLINK
+/// drops a name, and a READDIRPLUS of 64 entries copies their names out
+/// of the directory (about half an allocation each). Issue 34 asks for
+/// none in steady state: these budgets hold what is against regressions,
+/// and the goal is not met (bench/RESULTS.md says what would meet it).
+const METADATA_BUDGETS: [(&str, f64); 5] = [
+    ("LOOKUP+FORGET", 12.25),
+    ("GETATTR", 7.25),
+    ("CREATE+RELEASE+FORGET", 22.75),
+    ("UNLINK", 8.25),
+    ("READDIRPLUS", 37.25),
+];
