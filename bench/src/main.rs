@@ -10,6 +10,7 @@ mod fio;
 mod hist;
 mod hostile;
 mod migrate;
+mod posix_meta;
 mod procstat;
 mod qemu_img;
 mod vhost;
@@ -34,6 +35,8 @@ enum Command {
     Core(core::CoreArgs),
     /// Drive any vhost-user-fs daemon (keelfsd, virtiofsd) over its socket.
     Vhost(vhost::VhostArgs),
+    /// The metadata workloads through system calls on a mounted filesystem (keelfs's host mount, ext4, xfs).
+    PosixMeta(posix_meta::PosixMetaArgs),
     /// Misbehave on a vhost-user-fs socket: absurd but well-formed requests, many in flight.
     Hostile(hostile::HostileArgs),
     /// Move a session with many lookups and handles between two daemons, as QEMU's migration does.
@@ -48,6 +51,7 @@ fn main() -> std::process::ExitCode {
         Command::Core(args) => core::run(&args),
         Command::Vhost(args) => vhost::run(&args),
         Command::Hostile(args) => hostile::run(&args),
+        Command::PosixMeta(args) => posix_meta::run(&args),
         Command::Migrate(args) => migrate::run(&args),
     };
     // An expected error (a bad argument, a full device, a daemon that is

@@ -66,7 +66,7 @@ pub enum Tree {
 }
 
 impl Tree {
-    fn files_per_dir(self) -> u64 {
+    pub(crate) fn files_per_dir(self) -> u64 {
         match self {
             Tree::Wide => 1000,
             Tree::Deep => 16,
@@ -74,7 +74,7 @@ impl Tree {
     }
 
     /// The names from `meta-T/` down to directory `k`.
-    fn dir_path(self, thread: usize, k: u64) -> Vec<String> {
+    pub(crate) fn dir_path(self, thread: usize, k: u64) -> Vec<String> {
         let mut path = vec![format!("meta-{thread}"), format!("d{k:05}")];
         if self == Tree::Deep {
             path.extend((1..DEEP_LEVELS).map(|l| format!("l{l}")));
@@ -84,7 +84,7 @@ impl Tree {
 }
 
 /// The name of file `i` of a directory: as long as a source file's.
-fn file_name(i: u64) -> String {
+pub(crate) fn file_name(i: u64) -> String {
     format!("file-{i:04}.c")
 }
 

@@ -269,6 +269,40 @@ fn vhost_metadata_workloads_make_read_and_remove_a_tree() {
     daemon.stop();
 }
 
+/// posix-meta runs the same phases through system calls on a directory:
+/// each counts what it promises, and unlink leaves the directory empty.
+#[test]
+fn posix_metadata_workloads_make_read_and_remove_a_tree() {
+    let dir = scratch("posix-meta");
+    std::fs::create_dir_all(&dir).unwrap();
+    let run = |workload: &str, extra: &[&str]| -> Result<serde_json::Value, String> {
+        let out = bench()
+            .args(["posix-meta", "--workload", workload, "--threads", "2", "--seconds", "1", "--files", "1100"])
+            .args(["--tree", "deep", "--json", "--dir"])
+            .arg(&dir)
+            .args(extra)
+            .output()
+            .unwrap();
+        if !out.status.success() {
+            return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+        }
+        Ok(serde_json::from_slice(&out.stdout).unwrap())
+    };
+    let missing = run("stat", &[]).unwrap_err();
+    assert!(missing.contains("run --workload create"), "{missing}");
+    assert_eq!(run("create", &[]).unwrap()["ops"], 2 * 1100);
+    assert_eq!(run("stat", &["--passes", "1"]).unwrap()["ops"], 2 * 1100);
+    assert_eq!(run("readdir", &["--passes", "1"]).unwrap()["ops"], 2 * 1100_u64.div_ceil(16));
+    let read = run("open-read-close", &[]).unwrap();
+    assert!(read["ops"].as_u64().unwrap() > 0 && read["bench_cpu_us_per_op"].as_f64().is_some(), "{read}");
+    for storm in ["rename", "mkdir-rmdir"] {
+        assert!(run(storm, &[]).unwrap()["iops"].as_f64().unwrap() > 0.0, "{storm}");
+    }
+    assert_eq!(run("unlink", &[]).unwrap()["ops"], 2 * 1100);
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "the trees and storms are gone");
+    std::fs::remove_dir(&dir).unwrap();
+}
+
 /// A busy driver beside a daemon (here the test process, whose reactor
 /// thread serves on `socket`): each is charged its own CPU.
 fn busy_driver_and_daemon_are_charged_apart(socket: &std::path::Path) {
