@@ -5,7 +5,11 @@ driver and phase, keelfsd's ops/s and daemon CPU per op against the
 stronger of virtiofsd's two configurations, as medians over rounds of
 the per-round ratios.
 
-Usage: bench/meta_summary.py RESULTS.json [--system keelfsd]
+Usage: bench/meta_summary.py RESULTS.json [--system keelfsd] [--peers virtiofsd virtiofsd-pool]
+
+The host mount's matrix (run-seeds.sh --matrix metadata) compares
+keelfs-fuse with ext4 and xfs: --system keelfs-fuse --peers ext4 (a peer
+without a daemon has no daemon CPU: that ratio is nan).
 
 The stronger peer is chosen per round: the one with more ops/s in that
 round, and its CPU per op is the one compared. A ratio is within one
@@ -17,7 +21,8 @@ import json
 import statistics
 
 PEERS = ("virtiofsd", "virtiofsd-pool")
-PHASES = ("create", "stat-cold", "stat-warm", "open-read-close", "readdirplus", "rename", "mkdir-rmdir", "unlink")
+PHASES = ("create", "stat-cold", "stat-warm", "open-read-close", "readdirplus", "readdir", "rename", "mkdir-rmdir",
+          "unlink")
 
 
 def load(path):
@@ -31,16 +36,16 @@ def load(path):
             line = json.loads(text)
             if "phase" not in line:
                 continue
-            cells[(line["driver"], line["phase"])][line["round"]][line["label"]] = line
+            cells[(line.get("driver", "sleep"), line["phase"])][line["round"]][line["label"]] = line
     return cells
 
 
-def ratios(rounds, system):
+def ratios(rounds, system, peer_names):
     """Per round: (ops ratio, CPU-per-op ratio, the stronger peer)."""
     out = []
     for by_label in rounds.values():
         ours = by_label.get(system)
-        peers = [by_label[p] for p in PEERS if p in by_label]
+        peers = [by_label[p] for p in peer_names if p in by_label]
         if ours is None or not peers:
             continue
         best = max(peers, key=lambda p: p["iops"])
@@ -55,15 +60,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results")
     parser.add_argument("--system", default="keelfsd")
+    parser.add_argument("--peers", nargs="+", default=list(PEERS))
     args = parser.parse_args()
     cells = load(args.results)
-    print(f"{args.system} / the stronger virtiofsd per round: medians of per-round ratios")
+    print(f"{args.system} / the stronger of {' and '.join(args.peers)} per round: medians of per-round ratios")
     print(f"{'driver':6} {'phase':16} {'rounds':>6} {'ops/s':>7} {'cpu/op':>7}  "
           f"{'ours ops/s':>10} {'peer ops/s':>10} {'ours cpu':>8} {'peer cpu':>8}  stronger peer")
     order = {p: i for i, p in enumerate(PHASES)}
     for (driver, phase) in sorted(cells, key=lambda k: (k[0], order.get(k[1], 99))):
         rounds = cells[(driver, phase)]
-        rs = ratios(rounds, args.system)
+        rs = ratios(rounds, args.system, args.peers)
         if not rs:
             continue
 
@@ -73,7 +79,7 @@ def main():
             return statistics.median(values) if values else float("nan")
 
         ours = lambda by: by.get(args.system)  # noqa: E731
-        peer = lambda by: max((by[p] for p in PEERS if p in by), key=lambda p: p["iops"], default=None)  # noqa: E731
+        peer = lambda by: max((by[p] for p in args.peers if p in by), key=lambda p: p["iops"], default=None)  # noqa: E731
         stronger = collections.Counter(r[2] for r in rs).most_common(1)[0][0]
         print(f"{driver:6} {phase:16} {len(rs):>6} {statistics.median(r[0] for r in rs):>6.2f}x "
               f"{statistics.median(r[1] for r in rs):>6.2f}x  "

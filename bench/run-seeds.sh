@@ -36,13 +36,22 @@
 # default w3 only, 2 rounds of 3 s: a few minutes. --full runs w1, w2 and
 # w3, 3 rounds of 8 s, and the systems comparison above (--matrix all).
 #
-# Usage: bench/run-seeds.sh [--matrix poll|systems|all] [--full] [--rounds N] [--runtime SECS]
+# The metadata matrix (--matrix metadata, issue 34): keelfs's host mount
+# (keelfs-fuse, keelfsd's defaults) beside ext4 and xfs, through the
+# phases of `keelfs-bench posix-meta` over one tree of --files files
+# (20000): create, stat cold (after keelfsd restarts and the host's
+# caches are dropped), stat warm, open-read-close, readdir (ls -l),
+# rename and mkdir-rmdir storms, and unlink, one system after another,
+# their order rotating each round; bench/meta_summary.py prints keelfs's
+# ratios to ext4 and to xfs (OUT.summary.txt).
+#
+# Usage: bench/run-seeds.sh [--matrix poll|systems|metadata|all] [--full] [--rounds N] [--runtime SECS]
 #                           [--transports LIST]
 #                           [--modes "busy adaptive interrupt"] [--drivers "sleep busy"]
-#                           [--setups "oversubscribed dedicated"] [OUT.json]
+#                           [--setups "oversubscribed dedicated"] [--files N] [OUT.json]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rounds='' runtime='' matrix=poll full=0 transports=
+rounds='' runtime='' matrix=poll full=0 transports='' files=20000
 modes='busy adaptive interrupt' drivers='sleep busy' setups='oversubscribed dedicated'
 while [[ $# -gt 0 ]]; do
   case $1 in
@@ -54,27 +63,30 @@ while [[ $# -gt 0 ]]; do
     --modes) modes=$2; shift 2 ;;
     --drivers) drivers=$2; shift 2 ;;
     --setups) setups=$2; shift 2 ;;
+    --files) files=$2; shift 2 ;;
     -h|--help) sed -n '2,/^set -euo/p' "bench/${0##*/}" | sed '$d'; exit 0 ;;
     -*) echo "run-seeds: unknown option '$1' (--help)" >&2; exit 2 ;;
     *) break ;;
   esac
 done
 case $matrix in
-  poll|systems|all) ;;
-  *) echo "run-seeds: --matrix poll, systems or all, not '$matrix'" >&2; exit 2 ;;
+  poll|systems|all|metadata) ;;
+  *) echo "run-seeds: --matrix poll, systems, metadata or all, not '$matrix'" >&2; exit 2 ;;
 esac
-if [[ $matrix == poll ]]; then : "${rounds:=2}" "${runtime:=3}"; fi
+if [[ $matrix == poll || $matrix == metadata ]]; then : "${rounds:=2}" "${runtime:=3}"; fi
 : "${rounds:=3}" "${runtime:=8}"
 # The systems comparison runs its rounds only when asked for.
 systems_rounds=$rounds
-[[ $matrix != poll ]] || systems_rounds=0
+[[ $matrix != poll && $matrix != metadata ]] || systems_rounds=0
 last_cpu=$(($(nproc) - 1))
-if [[ $matrix != systems && " $setups " == *" dedicated "* && $last_cpu -lt 1 ]]; then
+if [[ $matrix != systems && $matrix != metadata && " $setups " == *" dedicated "* && $last_cpu -lt 1 ]]; then
   echo "run-seeds: the dedicated setup needs two CPUs or more" >&2
   exit 2
 fi
 if [[ $matrix == poll ]]; then
   out=${1:-bench/results/seeds-poll-$(date +%F).json}
+elif [[ $matrix == metadata ]]; then
+  out=${1:-bench/results/seeds-meta-$(date +%F).json}
 else
   out=${1:-bench/results/seeds-$(date +%F).json}
 fi
@@ -82,8 +94,9 @@ workloads=bench/workloads
 . bench/poll_state.sh
 [[ -f $workloads/w1-dio-overwrite.fio ]] || { echo "run-seeds: no fio workloads at $workloads" >&2; exit 2; }
 command -v fio >/dev/null || { echo "run-seeds: fio is missing (scripts/setup.sh)" >&2; exit 2; }
-cargo build --release -q -p keelfsd
+cargo build --release -q -p keelfsd -p keelfs-bench
 keelfsd=${CARGO_TARGET_DIR:-$PWD/target}/release/keelfsd
+bench=${CARGO_TARGET_DIR:-$PWD/target}/release/keelfs-bench
 work=$(mktemp -d /dev/shm/keelfs-seeds.XXXXXX)
 declare -A loops=()
 daemon_pid=
@@ -246,7 +259,7 @@ driver_kind() {
   esac
 }
 
-if [[ $matrix != systems ]]; then
+if [[ $matrix == poll || $matrix == all ]]; then
   poll_jobs=("$workloads"/w3-buffered-randrw.fio)
   ((full)) && poll_jobs=("$workloads"/w1-dio-overwrite.fio "$workloads"/w2-aio-append.fio "${poll_jobs[@]}")
   read -ra mode_list <<<"$modes"
@@ -281,5 +294,47 @@ if [[ $matrix != systems ]]; then
   done
   tags='' job_append=''
   python3 bench/poll_summary.py "$out" | tee "${out%.json}.summary.txt" >&2
+fi
+# meta_run ROUND SYSTEM DIR PHASE WORKLOAD [FLAGS...]: one phase of the
+# metadata matrix, charging keelfsd's CPU when it serves DIR.
+meta_run() {
+  local round=$1 system=$2 dir=$3 phase=$4 workload=$5
+  shift 5
+  local pid_flags=()
+  [[ -z $daemon_pid ]] || pid_flags=(--daemon-pid "$daemon_pid")
+  "$bench" posix-meta --dir "$dir" --workload "$workload" --files "$files" --seconds "$runtime" \
+    "${pid_flags[@]}" --label "$system" --json "$@" |
+    sed "s/^{/{\"round\":$round,\"phase\":\"$phase\",/" | tee -a "$out"
+}
+
+# meta_system ROUND SYSTEM: every phase on one system, in order.
+meta_system() {
+  local round=$1 system=$2 dir=$work/mnt-$2
+  [[ $system == keelfs-fuse ]] && start_keelfs keelfs-fuse
+  meta_run "$round" "$system" "$dir" create create
+  # Cold: keelfsd mounts its image again, and the host's dentry, inode
+  # and page caches are dropped (ext4's, xfs's and the FUSE client's).
+  [[ $system == keelfs-fuse ]] && stop_keelfs
+  sync
+  echo 3 >/proc/sys/vm/drop_caches
+  [[ $system == keelfs-fuse ]] && start_keelfs keelfs-fuse
+  meta_run "$round" "$system" "$dir" stat-cold stat --passes 1
+  for phase in stat open-read-close readdir rename mkdir-rmdir unlink; do
+    meta_run "$round" "$system" "$dir" "${phase/#stat/stat-warm}" "$phase"
+  done
+  [[ $system != keelfs-fuse ]] || stop_keelfs
+}
+
+if [[ $matrix == metadata ]]; then
+  meta_systems=(keelfs-fuse ext4 xfs)
+  for round in $(seq "$rounds"); do
+    shift_by=$(((round - 1) % ${#meta_systems[@]}))
+    for system in "${meta_systems[@]:shift_by}" "${meta_systems[@]:0:shift_by}"; do
+      meta_system "$round" "$system"
+    done
+  done
+  for peer in ext4 xfs; do
+    python3 bench/meta_summary.py "$out" --system keelfs-fuse --peers "$peer"
+  done | tee "${out%.json}.summary.txt" >&2
 fi
 echo "run-seeds: results in $out" >&2
