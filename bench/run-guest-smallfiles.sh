@@ -4,6 +4,8 @@
 # in turn, round after round, the systems' order rotating each round:
 #   create  N files of SIZE bytes
 #   stat    each (after dropping the guest's caches)
+#   stat-warm  each again 2 s later, caches kept: what a second `git
+#           status` or `ls -lR` asks for, once 1 s timeouts have passed
 #   read    each, whole (after dropping the caches)
 #   unlink  each
 # A TCG vCPU is a busy host thread, so this is the load of a running
@@ -126,9 +128,14 @@ while [ \$r -le $rounds ]; do
   for s in \$order; do
     d=/m/\$s/sf.\$r
     mkdir "\$d"
-    for phase in create stat read unlink; do
-      sync; echo 3 >/proc/sys/vm/drop_caches
-      res=\$(smallfiles "\$d" $files \$phase $size)
+    for phase in create stat stat-warm read unlink; do
+      if [ \$phase = stat-warm ]; then
+        sleep 2
+        res=\$(smallfiles "\$d" $files stat $size | sed 's/^smallfiles stat /smallfiles stat-warm /')
+      else
+        sync; echo 3 >/proc/sys/vm/drop_caches
+        res=\$(smallfiles "\$d" $files \$phase $size)
+      fi
       echo "RESULT \$r \$s \$res"
     done
     rmdir "\$d"
@@ -168,7 +175,7 @@ for r in rows:
     med.setdefault((r["system"], r["phase"]), []).append(r["ns"])
 med = {k: statistics.median(v) for k, v in med.items()}
 systems = sorted({s for s, _ in med})
-for phase in ["create", "stat", "read", "unlink"]:
+for phase in ["create", "stat", "stat-warm", "read", "unlink"]:
     line = [f"{phase:7}"]
     base = med.get(("keelfsd-irq", phase))
     vfs = [med[(s, phase)] for s in ("virtiofsd", "virtiofsd-pool") if (s, phase) in med]
