@@ -30,11 +30,16 @@ fn eventually(what: &str, holds: impl Fn() -> bool) {
     }
 }
 
-/// GETATTR and LOOKUP requests the daemon has answered for the host mount.
-fn host_revalidations(rpc: &Path) -> u64 {
+/// Requests of these kinds the daemon has answered for the host mount.
+fn host_requests(rpc: &Path, kinds: &[&str]) -> u64 {
     let s = stats(rpc);
     let ops = &s["exports"][0]["fuse_mount_ops"];
-    ["getattr", "lookup"].iter().map(|op| ops[op]["requests"].as_u64().unwrap_or(0)).sum()
+    kinds.iter().map(|op| ops[op]["requests"].as_u64().unwrap_or(0)).sum()
+}
+
+/// GETATTR and LOOKUP requests the daemon has answered for the host mount.
+fn host_revalidations(rpc: &Path) -> u64 {
+    host_requests(rpc, &["getattr", "lookup"])
 }
 
 /// The guest's view: LOOKUP `name` in the root, (node id, entry_valid).
@@ -104,8 +109,19 @@ fn the_host_mount_sees_a_guests_changes_at_once() {
     assert_eq!(guest.fuse(1, Opcode::Unlink, 1, &named("h")).unwrap().0, 0);
     eventually("the guest's unlink", || !mnt.join("h").exists());
 
+    // A name the host looked for and did not find, which its kernel
+    // keeps as missing (a negative entry), and the guest then creates.
+    // (LOOKUPs only: the notifications of the changes above may still
+    // be arriving, and make the kernel ask for the root's attributes.)
+    assert!(!mnt.join("new").exists());
+    let asked = host_requests(&rpc, &["lookup"]);
+    assert!(!mnt.join("new").exists());
+    assert_eq!(host_requests(&rpc, &["lookup"]), asked, "the missing name is kept as missing");
+    common::create_with(&mut guest, "new", b"n");
+    eventually("the guest's create", || mnt.join("new").exists());
+
     let told = stats(&rpc)["exports"][0]["fuse_mount_notifications"].as_u64().unwrap_or(0);
-    assert!(told >= 6, "notifications sent to the host mount: {told}");
+    assert!(told >= 8, "notifications sent to the host mount: {told}");
     drop(guest);
     assert!(served.stop().success());
     let (code, report) = fsck(&image);

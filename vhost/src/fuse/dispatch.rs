@@ -664,6 +664,26 @@ impl Session {
         r
     }
 
+    /// Whether a missing `name` is answered with a negative entry (node
+    /// id 0) that the kernel keeps for the entry timeout, instead of
+    /// ENOENT, which it does not keep: then a search path, or a config
+    /// file that is not there, is asked for once. Any name but "." and
+    /// ".." (a "." lookup is how a file handle is found again, and its
+    /// failure must stay an error), whenever names are kept at all. A
+    /// client that cannot be told of another's create keeps it no longer
+    /// than it keeps a name that exists; one that can is told
+    /// (FUSE_NOTIFY_INVAL_ENTRY drops a negative entry too).
+    fn caches_negative(&self, name: &[u8]) -> bool {
+        !self.config.entry_timeout.is_zero() && name != b"." && name != b".."
+    }
+
+    /// fuse_entry_out for a name that is not there: node id 0.
+    fn negative_entry(&self) -> Reply {
+        let mut r = Reply::default();
+        r.entry(0, 0, Self::valid_ns(self.config.entry_timeout), &Attr::default());
+        r
+    }
+
     /// fuse_entry_out for `a`, appended to `r`, holding a lookup of it.
     fn entry_into(&self, r: &mut Reply, a: &FsAttr) {
         self.hold_entry(a.ino());
@@ -801,7 +821,11 @@ impl Session {
                 self.init(major, minor, max_readahead, flags)
             }
             Request::Destroy => Ok(None),
-            Request::Lookup { name } => Ok(Some(self.entry(&fs.lookup(&c, ino, name).await.map_err(e)?))),
+            Request::Lookup { name } => match fs.lookup(&c, ino, name).await {
+                Ok(a) => Ok(Some(self.entry(&a))),
+                Err(FsError::NotFound) if self.caches_negative(name) => Ok(Some(self.negative_entry())),
+                Err(err) => Err(e(err)),
+            },
             Request::Getattr => Ok(Some(self.attr(&fs.getattr(ino).await.map_err(e)?))),
             Request::Statx => {
                 let a = fs.getattr(ino).await.map_err(e)?;
