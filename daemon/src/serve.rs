@@ -618,14 +618,23 @@ fn host_session_config(export: &Export, coherence: Option<Rc<Coherence>>) -> Ses
 /// The session settings of the export's guest. A guest cannot be told of
 /// another client's changes (Linux's virtio-fs has no notification
 /// queue), so beside a host mount it keeps names and attributes for
-/// short timeouts only; alone, it is the sole client, with long timeouts
-/// and the writeback cache.
+/// short timeouts only; alone, it is the sole client and keeps them long,
+/// with its pages across opens.
+///
+/// Not the writeback cache, unless the mode is `always`: Linux's FUSE
+/// client then sends the times in a SETATTR of its own at each close,
+/// unlink and rename, a round trip more for every small file. In a TCG
+/// guest that made creating and removing 2000 small files 1.3-1.4x
+/// slower (bench/RESULTS.md, issue 34). The host mount, whose buffered
+/// writes it batches, keeps it.
 fn guest_session_config(export: &Export, coherence: Option<Rc<Coherence>>) -> SessionConfig {
     let clients = if export.fuse_mount.is_some() { Clients::Shared } else { Clients::Sole };
+    let cache = CacheMode::from(export.cache);
     SessionConfig {
         open_handles_max: export.open_handles_max,
         coherence,
-        ..CacheMode::from(export.cache).session_config_for(clients)
+        writeback_cache: cache == CacheMode::Always,
+        ..cache.session_config_for(clients)
     }
 }
 
