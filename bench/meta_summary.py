@@ -8,8 +8,9 @@ the per-round ratios.
 Usage: bench/meta_summary.py RESULTS.json [--system keelfsd] [--peers virtiofsd virtiofsd-pool]
 
 The host mount's matrix (run-seeds.sh --matrix metadata) compares
-keelfs-fuse with ext4 and xfs: --system keelfs-fuse --peers ext4 (a peer
-without a daemon has no daemon CPU: that ratio is nan).
+keelfs-fuse with ext4 and xfs: --system keelfs-fuse --peers ext4. There
+the CPU per operation is the whole of it: the caller's (its system
+calls: all of ext4's work, and the FUSE client's) and the daemon's.
 
 The stronger peer is chosen per round: the one with more ops/s in that
 round, and its CPU per op is the one compared. A ratio is within one
@@ -40,6 +41,14 @@ def load(path):
     return cells
 
 
+def cpu_of(line):
+    """CPU per op: the daemon's for vhost; the caller's and the daemon's
+    for posix-meta."""
+    if line.get("bench") == "posix-meta":
+        return line.get("bench_cpu_us_per_op", 0) + line.get("daemon_cpu_us_per_op", 0)
+    return line.get("daemon_cpu_us_per_op")
+
+
 def ratios(rounds, system, peer_names):
     """Per round: (ops ratio, CPU-per-op ratio, the stronger peer)."""
     out = []
@@ -50,7 +59,7 @@ def ratios(rounds, system, peer_names):
             continue
         best = max(peers, key=lambda p: p["iops"])
         ops = ours["iops"] / best["iops"] if best["iops"] else float("nan")
-        cpu_ours, cpu_peer = ours.get("daemon_cpu_us_per_op"), best.get("daemon_cpu_us_per_op")
+        cpu_ours, cpu_peer = cpu_of(ours), cpu_of(best)
         cpu = cpu_ours / cpu_peer if cpu_ours is not None and cpu_peer else float("nan")
         out.append((ops, cpu, best["label"]))
     return out
@@ -73,8 +82,8 @@ def main():
         if not rs:
             continue
 
-        def median_of(label_pick, field):
-            values = [label_pick(by)[field] for by in rounds.values() if label_pick(by) is not None]
+        def median_of(label_pick, value):
+            values = [value(label_pick(by)) for by in rounds.values() if label_pick(by) is not None]
             values = [v for v in values if v is not None]
             return statistics.median(values) if values else float("nan")
 
@@ -83,8 +92,8 @@ def main():
         stronger = collections.Counter(r[2] for r in rs).most_common(1)[0][0]
         print(f"{driver:6} {phase:16} {len(rs):>6} {statistics.median(r[0] for r in rs):>6.2f}x "
               f"{statistics.median(r[1] for r in rs):>6.2f}x  "
-              f"{median_of(ours, 'iops'):>10.0f} {median_of(peer, 'iops'):>10.0f} "
-              f"{median_of(ours, 'daemon_cpu_us_per_op'):>8.2f} {median_of(peer, 'daemon_cpu_us_per_op'):>8.2f}  {stronger}")
+              f"{median_of(ours, lambda x: x['iops']):>10.0f} {median_of(peer, lambda x: x['iops']):>10.0f} "
+              f"{median_of(ours, cpu_of):>8.2f} {median_of(peer, cpu_of):>8.2f}  {stronger}")
 
 
 if __name__ == "__main__":

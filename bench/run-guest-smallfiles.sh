@@ -162,9 +162,14 @@ for sys in "${system_list[@]}"; do
   [[ $sys == keelfsd* ]] || continue
   "$keelfsd" stats --rpc "$work/$sys.rpc" | python3 -c '
 import json, sys
-poll = json.load(sys.stdin)["reactors"][0]["poll"]
-print(json.dumps({"bench": "guest-smallfiles-poll", "date": sys.argv[1], "system": sys.argv[2], **poll}))' "$date" "$sys" |
-    tee -a "$out"
+stats = json.load(sys.stdin)
+poll = stats["reactors"][0]["poll"]
+print(json.dumps({"bench": "guest-smallfiles-poll", "date": sys.argv[1], "system": sys.argv[2], **poll}))
+# What the guest asked for, per opcode, over the whole run (all phases and
+# rounds, and the mount): the round trips behind each phase.
+ops = {op: v["requests"] for op, v in stats["exports"][0]["ops"].items()}
+print(json.dumps({"bench": "guest-smallfiles-ops", "date": sys.argv[1], "system": sys.argv[2], "requests": ops}))' \
+    "$date" "$sys" | tee -a "$out"
 done
 # Ratios against keelfsd-irq and the stronger virtiofsd, per phase (medians).
 python3 - "$out" <<'EOF'
