@@ -218,24 +218,29 @@ fn vhost_drives_a_vhost_user_fs_daemon_and_reports_iops_and_latency() {
     daemon.stop();
 }
 
+/// Run `command`: its JSON line, or what it said on stderr when it failed.
+fn json_line_or_error(command: &mut Command) -> Result<serde_json::Value, String> {
+    let out = command.output().unwrap();
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    Ok(serde_json::from_slice(&out.stdout).unwrap())
+}
+
 /// The metadata workloads as phases over one tree, against an
 /// in-process keelfs device: each counts what it promises, and unlink
 /// leaves nothing behind.
 #[test]
 fn vhost_metadata_workloads_make_read_and_remove_a_tree() {
     let daemon = InProcessDaemon::start("vhost-meta.sock");
-    let run = |workload: &str, extra: &[&str]| -> Result<serde_json::Value, String> {
-        let out = bench()
-            .args(["vhost", "--workload", workload, "--threads", "2", "--iodepth", "3", "--seconds", "1"])
-            .args(["--json", "--socket"])
-            .arg(&daemon.socket)
-            .args(extra)
-            .output()
-            .unwrap();
-        if !out.status.success() {
-            return Err(String::from_utf8_lossy(&out.stderr).into_owned());
-        }
-        Ok(serde_json::from_slice(&out.stdout).unwrap())
+    let run = |workload: &str, extra: &[&str]| {
+        json_line_or_error(
+            bench()
+                .args(["vhost", "--workload", workload, "--threads", "2", "--iodepth", "3", "--seconds", "1"])
+                .args(["--json", "--socket"])
+                .arg(&daemon.socket)
+                .args(extra),
+        )
     };
     for tree in ["wide", "deep"] {
         let shape = ["--files", "1100", "--tree", tree];
@@ -275,18 +280,14 @@ fn vhost_metadata_workloads_make_read_and_remove_a_tree() {
 fn posix_metadata_workloads_make_read_and_remove_a_tree() {
     let dir = scratch("posix-meta");
     std::fs::create_dir_all(&dir).unwrap();
-    let run = |workload: &str, extra: &[&str]| -> Result<serde_json::Value, String> {
-        let out = bench()
-            .args(["posix-meta", "--workload", workload, "--threads", "2", "--seconds", "1", "--files", "1100"])
-            .args(["--tree", "deep", "--json", "--dir"])
-            .arg(&dir)
-            .args(extra)
-            .output()
-            .unwrap();
-        if !out.status.success() {
-            return Err(String::from_utf8_lossy(&out.stderr).into_owned());
-        }
-        Ok(serde_json::from_slice(&out.stdout).unwrap())
+    let run = |workload: &str, extra: &[&str]| {
+        json_line_or_error(
+            bench()
+                .args(["posix-meta", "--workload", workload, "--threads", "2", "--seconds", "1", "--files", "1100"])
+                .args(["--tree", "deep", "--json", "--dir"])
+                .arg(&dir)
+                .args(extra),
+        )
     };
     let missing = run("stat", &[]).unwrap_err();
     assert!(missing.contains("run --workload create"), "{missing}");
