@@ -219,7 +219,9 @@ fn lookup_or_mkdir(q: &mut QueueDriver, parent: u64, name: &str, make: bool) -> 
         }
     }
     let (err, reply) = q.fuse(Opcode::Lookup, parent, &cstr(name))?;
-    if err == libc::ENOENT {
+    // Missing: ENOENT, or a negative entry (node id 0) for the client to keep.
+    let negative = err == 0 && reply.get(..8).is_some_and(|n| n == [0u8; 8]);
+    if err == libc::ENOENT || negative {
         bail!("{name} is missing: run --workload create with the same --tree and --files first");
     }
     check(err, &format!("lookup {name}"))?;

@@ -58,7 +58,8 @@ fn a_queue_of_requests_is_served_into_the_used_ring() {
     with_session(async |s: Session, mem: GuestRam| {
         let mq = MockSplitQueue::new(&mem, 16);
         let init = init_request(1);
-        let lookup = request(Opcode::Lookup as u32, 2, 1, b"missing\0");
+        // A request that fails: GETATTR of a node that does not exist.
+        let lookup = request(Opcode::Getattr as u32, 2, 0xdead, &[0u8; 16]);
         mem.write_slice(&init, GuestAddress(REQ)).unwrap();
         mem.write_slice(&lookup, GuestAddress(REQ + 0x1000)).unwrap();
         mq.add_desc_chains(

@@ -247,3 +247,11 @@ pub fn statfs_free(fe: &mut FsFrontend) -> u64 {
 pub fn fuse_status(reply: &[u8]) -> (u32, i32) {
     (u32::from_le_bytes(reply[..4].try_into().unwrap()), -i32::from_le_bytes(reply[4..8].try_into().unwrap()))
 }
+
+/// Whether `name` is missing from the directory `parent`, as the client
+/// sees it: ENOENT, or a negative entry (node id 0, kept for the entry
+/// timeout), which keelfs answers while names are cached.
+pub fn is_missing(fe: &mut FsFrontend, parent: u64, name: &str) -> bool {
+    let (err, entry) = fe.fuse(1, Opcode::Lookup, parent, &named(name)).unwrap();
+    err == libc::ENOENT || (err == 0 && entry.get(..8) == Some(&[0u8; 8][..]))
+}
