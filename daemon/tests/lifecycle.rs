@@ -293,7 +293,7 @@ fn spread_queues_serve_cached_reads_on_the_other_reactor() {
 
 /// Events carry where they happened: the reactor, the export, and for a
 /// request its opcode, inode and errno. RUST_LOG picks the levels (a
-/// failed lookup is a trace event, the mount and the session info).
+/// failed request is a trace event, the mount and the session info).
 #[test]
 fn log_lines_name_the_reactor_the_export_and_the_request() {
     let dir = Scratch::new("tracing");
@@ -314,7 +314,12 @@ fn log_lines_name_the_reactor_the_export_and_the_request() {
         assert!(std::time::Instant::now() < deadline, "keelfsd did not mount");
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
-    assert!(std::fs::metadata(mnt.join("missing")).is_err());
+    // A request that fails: GETXATTR of an attribute the root lacks (a
+    // missing name is no failure: it is a negative entry).
+    let root = std::ffi::CString::new(mnt.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: two valid C strings, and no buffer (size 0).
+    let got = unsafe { libc::getxattr(root.as_ptr(), c"user.missing".as_ptr(), std::ptr::null_mut(), 0) };
+    assert_eq!((got, std::io::Error::last_os_error().raw_os_error()), (-1, Some(libc::ENODATA)));
     assert!(served.stop().success());
     let text = std::fs::read_to_string(&log).unwrap();
     let line =
@@ -324,7 +329,7 @@ fn log_lines_name_the_reactor_the_export_and_the_request() {
     }
     let failed = line("request failed");
     assert!(
-        failed.contains("opcode=Some(Lookup)") && failed.contains("ino=1") && failed.contains("errno=2"),
+        failed.contains("opcode=Some(Getxattr)") && failed.contains("ino=1") && failed.contains("errno=61"),
         "{failed}"
     );
 }
