@@ -1113,8 +1113,11 @@ impl Session {
         let entry_min = 32 + if plus { super::abi::ENTRY_OUT_BYTES } else { 0 };
         let most = (size as usize / entry_min).clamp(1, READDIR_ENTRIES_MAX);
         let entries = self.fs.readdir_handle(fh, offset, most, false).await.map_err(|e| e.errno())?;
+        // Room for what these entries take with names of up to 40 bytes,
+        // never more than asked for: `size` is the client's, and a hostile
+        // one asking 1 MiB of a small directory gets no 1 MiB buffer.
         let mut r = Reply::default();
-        r.bytes.reserve((size as usize).min(REPLY_BYTES_MAX));
+        r.bytes.reserve((entries.len() * (entry_min + 40)).min(size as usize));
         for ent in entries {
             let namelen = ent.name.len();
             let dirent_len = (24 + namelen).div_ceil(8) * 8;
@@ -1142,8 +1145,6 @@ impl Session {
 
 /// Directory entries one READDIR reply holds at most.
 const READDIR_ENTRIES_MAX: usize = 4096;
-/// Bytes reserved for one READDIR reply at most, whatever the kernel asks.
-const REPLY_BYTES_MAX: usize = 1 << 20;
 
 /// A handle's flags if it was opened for reading, else EBADF (read(2) on a
 /// write-only fd).
