@@ -99,25 +99,13 @@ fn create_with(fe: &mut FsFrontend, name: &str, flags: i32) -> (u64, u64) {
 /// scattered offsets of the file, after as many to warm up.
 fn allocations_per_request(fe: &mut FsFrontend, file: (u64, u64), opcode: Opcode) -> f64 {
     let page = vec![0x5au8; 4096];
-    let mut run = |n: u64| {
-        for i in 0..n {
-            let offset = (i * 7919 * 4096) % FILE_BYTES;
-            let (data, read_len) = if opcode == Opcode::Write { (&page[..], 0) } else { (&[][..], 4096) };
-            let (_, (len, err)) = split_io(fe, file, opcode, offset, data, read_len);
-            assert_eq!(err, 0, "{opcode:?} at {offset}");
-            assert!(len >= 16);
-        }
-    };
-    run(REQUESTS);
-    if std::env::var_os("KEELFS_ALLOC_TRACE").is_some() {
-        TRACING.store(true, Ordering::Relaxed);
-        run(1);
-        TRACING.store(false, Ordering::Relaxed);
-        eprintln!("^ one {opcode:?}");
-    }
-    let before = ALLOCATIONS.load(Ordering::Relaxed);
-    run(REQUESTS);
-    (ALLOCATIONS.load(Ordering::Relaxed) - before) as f64 / REQUESTS as f64
+    allocations_per_op(fe, &format!("{opcode:?}"), |fe, i| {
+        let offset = (i * 7919 * 4096) % FILE_BYTES;
+        let (data, read_len) = if opcode == Opcode::Write { (&page[..], 0) } else { (&[][..], 4096) };
+        let (_, (len, err)) = split_io(fe, file, opcode, offset, data, read_len);
+        assert_eq!(err, 0, "{opcode:?} at {offset}");
+        assert!(len >= 16);
+    })
 }
 
 #[test]
