@@ -608,6 +608,11 @@ fn fuse_uring_plan(export: &Export) -> anyhow::Result<Option<FuseUringPlan>> {
 /// that the guest sees its writes.
 fn host_session_config(export: &Export, coherence: Option<Rc<Coherence>>) -> SessionConfig {
     let clients = if export.socket.is_some() { Clients::SharedNotified } else { Clients::Sole };
+    session_config(export, clients, coherence)
+}
+
+/// The export's cache mode and handle limit for a client of this kind.
+fn session_config(export: &Export, clients: Clients, coherence: Option<Rc<Coherence>>) -> SessionConfig {
     SessionConfig {
         open_handles_max: export.open_handles_max,
         coherence,
@@ -629,12 +634,9 @@ fn host_session_config(export: &Export, coherence: Option<Rc<Coherence>>) -> Ses
 /// writes it batches, keeps it.
 fn guest_session_config(export: &Export, coherence: Option<Rc<Coherence>>) -> SessionConfig {
     let clients = if export.fuse_mount.is_some() { Clients::Shared } else { Clients::Sole };
-    let cache = CacheMode::from(export.cache);
     SessionConfig {
-        open_handles_max: export.open_handles_max,
-        coherence,
-        writeback_cache: cache == CacheMode::Always,
-        ..cache.session_config_for(clients)
+        writeback_cache: CacheMode::from(export.cache) == CacheMode::Always,
+        ..session_config(export, clients, coherence)
     }
 }
 
