@@ -21,6 +21,7 @@ mod blocks;
 mod cache;
 mod codec;
 mod data;
+mod dir;
 mod discard;
 mod error;
 mod extent;

@@ -341,7 +341,21 @@ impl FsInner {
         ((mode & !0o777) | masked, acls)
     }
 
+    /// A directory holds a bounded number of entries (2 GiB of names):
+    /// past that, adding one is ENOSPC. Checked before an operation logs
+    /// anything, so that none stops halfway.
+    fn check_dir_room(&self, parent: u64, name: &[u8]) -> FsResult<()> {
+        let state = self.state.borrow();
+        let dir = state.node(parent).and_then(|n| n.dir.as_ref()).ok_or(FsError::NotDir)?;
+        if dir.has_room(name) {
+            Ok(())
+        } else {
+            Err(FsError::NoSpace)
+        }
+    }
+
     fn add_entry(&self, parent: u64, name: &[u8], ino: u64) -> FsResult<()> {
+        self.check_dir_room(parent, name)?;
         let cookie = {
             let mut state = self.state.borrow_mut();
             let dir = state.node_mut(parent).and_then(|n| n.dir.as_mut()).ok_or(FsError::NotDir)?;
@@ -377,6 +391,7 @@ impl FsInner {
             return Err(FsError::TooManyLinks);
         }
         self.check_inode_room()?;
+        self.check_dir_room(parent, name)?;
         let (inode, acls) = self.new_inode(c, &dir, mode, rdev);
         self.create_inode_with(inode.clone(), acls)?;
         self.add_entry(parent, name, inode.ino)?;
@@ -599,6 +614,7 @@ impl Fs {
         if src.is_dir() && parent != new_parent && target.is_none() && dst_dir.nlink >= LINK_MAX {
             return Err(FsError::TooManyLinks);
         }
+        self.inner.check_dir_room(new_parent, new_name)?;
         self.inner.log(Record::DirentDelete { dir: parent, name: name.to_vec() })?;
         if target.is_some() {
             self.inner.log(Record::DirentDelete { dir: new_parent, name: new_name.to_vec() })?;

@@ -3,130 +3,20 @@
 //! [`State::apply`], so the live path, journal replay and checkpoint
 //! loading share one implementation.
 
-use std::borrow::Borrow;
-use std::collections::{BTreeMap, HashMap};
-use std::hash::{Hash, Hasher};
+use std::collections::BTreeMap;
 
 use super::alloc::Allocator;
 use super::blocks::{DevBlock, FileBlock};
 use super::codec::Writer;
+pub use super::dir::{Directory, FIRST_COOKIE};
 use super::extent::ExtentMap;
 use super::format::{BlockRun, Inode, COUNTER_MAX};
 use super::ops::MAX_FILE_BYTES;
 use super::record::Record;
 
-/// A directory entry's name. Names up to 22 bytes (nearly all) live inside
-/// the hash table's bucket, so a lookup in a large directory touches one
-/// cache line instead of chasing a pointer to the name.
-/// A longer name is shared, not copied, between the table by name and
-/// the one by cookie.
-#[derive(Clone)]
-pub enum Name {
-    Inline { len: u8, bytes: [u8; 22] },
-    Heap(std::rc::Rc<[u8]>),
-}
-
-impl Name {
-    pub fn new(name: &[u8]) -> Self {
-        if name.len() <= 22 {
-            let mut bytes = [0u8; 22];
-            bytes[..name.len()].copy_from_slice(name);
-            Name::Inline { len: name.len() as u8, bytes }
-        } else {
-            Name::Heap(name.into())
-        }
-    }
-    pub fn as_bytes(&self) -> &[u8] {
-        match self {
-            Name::Inline { len, bytes } => &bytes[..*len as usize],
-            Name::Heap(b) => b,
-        }
-    }
-}
-
-impl std::fmt::Debug for Name {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{:?}", String::from_utf8_lossy(self.as_bytes()))
-    }
-}
-
-// Hash, Eq and Borrow agree with [u8]'s, so the table can be searched with
-// a plain byte slice.
-impl Hash for Name {
-    fn hash<H: Hasher>(&self, state: &mut H) {
-        self.as_bytes().hash(state)
-    }
-}
-impl PartialEq for Name {
-    fn eq(&self, other: &Self) -> bool {
-        self.as_bytes() == other.as_bytes()
-    }
-}
-impl Eq for Name {}
-impl Borrow<[u8]> for Name {
-    fn borrow(&self) -> &[u8] {
-        self.as_bytes()
-    }
-}
-
-const _: () = assert!(std::mem::size_of::<Name>() == 24);
-
-/// A directory's entries. Each entry carries a cookie, assigned once and
-/// never reused in that directory, which is its stable readdir offset.
-#[derive(Clone, Debug, Default)]
-pub struct Directory {
-    pub parent: u64,
-    entries: HashMap<Name, (u64, u64)>,
-    by_cookie: BTreeMap<u64, Name>,
-    next_cookie: u64,
-}
-
-/// Offsets 1 and 2 are "." and ".."; entries start at 3.
-pub const FIRST_COOKIE: u64 = 3;
-
 /// Inode numbers stay below this (an image naming a larger one is
 /// refused), so the next-inode counter can never wrap onto the root.
 pub const INO_MAX: u64 = COUNTER_MAX;
-
-impl Directory {
-    fn new(parent: u64) -> Self {
-        Self { parent, entries: HashMap::new(), by_cookie: BTreeMap::new(), next_cookie: FIRST_COOKIE }
-    }
-    pub fn lookup(&self, name: &[u8]) -> Option<u64> {
-        self.entries.get(name).map(|&(ino, _)| ino)
-    }
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
-    }
-    /// The cookie the next entry will get: every entry now has a smaller one.
-    pub fn cookie_end(&self) -> u64 {
-        self.next_cookie
-    }
-    pub fn take_cookie(&mut self) -> u64 {
-        let c = self.next_cookie;
-        self.next_cookie += 1;
-        c
-    }
-    /// Entries with cookie >= `from`, in cookie order: (cookie, name, ino).
-    pub fn entries_from(&self, from: u64) -> impl Iterator<Item = (u64, &[u8], u64)> + '_ {
-        self.by_cookie
-            .range(from..)
-            .map(move |(&cookie, name)| (cookie, name.as_bytes(), self.entries[name.as_bytes()].0))
-    }
-    fn insert(&mut self, name: &[u8], ino: u64, cookie: u64) {
-        let name = Name::new(name);
-        if let Some((_, old_cookie)) = self.entries.insert(name.clone(), (ino, cookie)) {
-            self.by_cookie.remove(&old_cookie);
-        }
-        self.by_cookie.insert(cookie, name);
-        self.next_cookie = self.next_cookie.max(cookie + 1);
-    }
-    fn remove(&mut self, name: &[u8]) -> Option<u64> {
-        let (ino, cookie) = self.entries.remove(name)?;
-        self.by_cookie.remove(&cookie);
-        Some(ino)
-    }
-}
 
 #[derive(Clone, Debug)]
 pub struct Node {
@@ -390,7 +280,7 @@ impl State {
         let Some(d) = self.nodes.get_mut(&dir).and_then(|n| n.dir.as_mut()) else {
             return err(format!("entry added to {dir}, which is not a directory"));
         };
-        d.insert(name, ino, cookie);
+        d.insert(name, ino, cookie).map_err(|e| ApplyError(format!("entry of {dir}: {e}")))?;
         if let Some(child) = self.nodes.get_mut(&ino).and_then(|n| n.dir.as_mut()) {
             child.parent = dir;
         }
