@@ -425,7 +425,7 @@ fn security_contexts_tmpfiles_statx_and_copy_file_range() {
         let mask = u32::from_le_bytes(body[32..36].try_into().unwrap());
         assert_ne!(mask & 0x800, 0, "STATX_BTIME");
         let btime_sec = u64_at(&body, 32 + 0x50);
-        assert_eq!(btime_sec as i64, s.fs().getattr(Ino::new(tmp)).await.unwrap().inode.btime.sec);
+        assert_eq!(btime_sec as i64, { s.fs().getattr(Ino::new(tmp)).await.unwrap().inode.btime.sec });
 
         // copy_file_range from the tmpfile into a new file, in the daemon.
         let create_in = [libc::O_RDWR as u32, 0o644, 0, 0].map(u32::to_le_bytes).concat();
