@@ -142,7 +142,7 @@ fn check_state(state: &State, sb: &Superblock, recorded_free: u64, report: &mut 
             }
             last_end = e.file_end();
         }
-        if node.inode.is_symlink() && node.symlink.is_none() {
+        if node.inode.is_symlink() && node.symlink().is_none() {
             report.problems.push(problem("symlink", format!("symlink {} has no target", node.inode.ino), false));
         }
     }

@@ -335,9 +335,9 @@ fn take_pending(fs: &FsInner, force_checkpoint: bool) -> Taken {
             // Buffered data past the cap is not on the device yet; once no
             // dirty page is left and no writeback is still writing (and
             // mapping) pages it took, the cap no longer applies.
-            if let Some(cap) = node.persist_size_cap {
+            if let Some(cap) = node.writes().persist_size_cap {
                 if cache.dirty_of(ino, 0, u64::MAX).is_empty() && !writing_back.contains(&ino) {
-                    node.persist_size_cap = None;
+                    node.writes_mut().persist_size_cap = None;
                 } else {
                     image.size = image.size.min(cap);
                     j.dirty_later.insert(ino);

@@ -153,7 +153,7 @@ impl FsInner {
     /// only valid ACLs; one that a crafted image holds may not be, and then
     /// counts as none.
     fn access_acl_of(&self, node: &super::state::Node) -> Option<Acl> {
-        node.xattrs.get(ACL_ACCESS).and_then(|v| Acl::parse(v).ok())
+        node.xattrs().get(ACL_ACCESS).and_then(|v| Acl::parse(v).ok())
     }
 
     /// chmod on an inode with an access ACL rewrites the ACL's owner,
@@ -325,7 +325,7 @@ impl FsInner {
         if mode & S_IFMT == S_IFLNK {
             return (mode, Vec::new());
         }
-        let default = self.state.borrow().node(parent.ino).and_then(|n| n.xattrs.get(ACL_DEFAULT).cloned());
+        let default = self.state.borrow().node(parent.ino).and_then(|n| n.xattrs().get(ACL_DEFAULT).cloned());
         let Some(default) = default.and_then(|v| Acl::parse(&v).ok()).filter(|a| !a.is_empty()) else {
             return (mode & !(c.umask & 0o777), Vec::new());
         };
@@ -481,7 +481,7 @@ impl Fs {
         let ino = ino.get();
         let state = self.inner.state.borrow();
         let node = state.node(ino).ok_or(FsError::NotFound)?;
-        node.symlink.clone().ok_or(FsError::Invalid("not a symlink"))
+        node.symlink().map(<[u8]>::to_vec).ok_or(FsError::Invalid("not a symlink"))
     }
 
     pub async fn link(&self, c: &Creds, ino: Ino, new_parent: Ino, new_name: &[u8]) -> FsResult<Attr> {
@@ -974,9 +974,9 @@ impl Fs {
             let state = self.inner.state.borrow();
             let node = state.node(ino).ok_or(FsError::NotFound)?;
             // Bounded: the limits below bound how many there can be.
-            let others = node.xattrs.iter().filter(|(n, _)| n.as_slice() != name);
+            let others = node.xattrs().iter().filter(|(n, _)| n.as_slice() != name);
             let (names, values) = others.fold((0, 0), |(n, v), (k, val)| (n + k.len() + 1, v + val.len()));
-            (node.xattrs.contains_key(name), names + name.len() + 1, names + values + name.len() + 1 + value.len())
+            (node.xattrs().contains_key(name), names + name.len() + 1, names + values + name.len() + 1 + value.len())
         };
         if flags.create_only && exists {
             return Err(FsError::Exists);
@@ -1015,7 +1015,7 @@ impl Fs {
                 mode &= !libc::S_ISGID;
             }
         }
-        let stored = self.inner.state.borrow().node(ino).is_some_and(|n| n.xattrs.contains_key(name));
+        let stored = self.inner.state.borrow().node(ino).is_some_and(|n| n.xattrs().contains_key(name));
         if store {
             self.inner.log(Record::XattrSet { ino, name: name.to_vec(), value: acl.encode() })?;
         } else if stored {
@@ -1065,7 +1065,7 @@ impl Fs {
         let ino = ino.get();
         self.check_xattr_access(c, ino, name, false)?;
         let state = self.inner.state.borrow();
-        state.node(ino).ok_or(FsError::NotFound)?.xattrs.get(name).cloned().ok_or(FsError::NoData)
+        state.node(ino).ok_or(FsError::NotFound)?.xattrs().get(name).cloned().ok_or(FsError::NoData)
     }
 
     /// Attribute names, each followed by a NUL, as listxattr returns them.
@@ -1074,7 +1074,7 @@ impl Fs {
         let state = self.inner.state.borrow();
         let node = state.node(ino).ok_or(FsError::NotFound)?;
         let mut out = Vec::new();
-        for name in node.xattrs.keys() {
+        for name in node.xattrs().keys() {
             out.extend_from_slice(name);
             out.push(0);
         }
@@ -1084,7 +1084,7 @@ impl Fs {
     pub async fn removexattr(&self, c: &Creds, ino: Ino, name: &[u8]) -> FsResult<()> {
         let ino = ino.get();
         self.check_xattr_access(c, ino, name, true)?;
-        let exists = self.inner.state.borrow().node(ino).is_some_and(|n| n.xattrs.contains_key(name));
+        let exists = self.inner.state.borrow().node(ino).is_some_and(|n| n.xattrs().contains_key(name));
         if !exists {
             return Err(FsError::NoData);
         }

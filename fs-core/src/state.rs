@@ -25,13 +25,6 @@ pub struct Node {
     /// forgotten, and open handles. An unlinked inode lives until both are 0.
     pub lookups: u64,
     pub opens: u64,
-    /// Runtime only: the size to log while buffered data past it is not
-    /// yet written back, so a logged size never covers unwritten data.
-    pub persist_size_cap: Option<u64>,
-    /// Runtime only: direct writes past the end of file in flight
-    /// (start -> end), and the furthest end of those that completed.
-    pub extends_in_flight: BTreeMap<u64, u64>,
-    pub extends_done: u64,
     /// Runtime only: someone read i_version since it last changed, so the
     /// next change must bump it (Linux's multigrain rule).
     pub i_version_queried: bool,
@@ -42,21 +35,99 @@ pub struct Node {
     /// Runtime only: a change fdatasync must commit (size or block map),
     /// as opposed to timestamps alone.
     pub datasync_needed: bool,
-    /// Runtime only: moves when a direct write of the file starts and when
-    /// it ends. A page read from the device may be cached only if this did
-    /// not move while it was read: a direct overwrite (shared range lock)
-    /// can run beside the read, which may then hold the old data.
-    pub direct_epoch: u64,
-    pub extents: ExtentMap,
-    pub xattrs: BTreeMap<Vec<u8>, Vec<u8>>,
-    pub symlink: Option<Vec<u8>>,
-    /// Boxed: most inodes are not directories, and a directory's tables
-    /// inline would cost every file their size.
-    pub dir: Option<Box<Directory>>,
     /// Runtime only: the epoch of the last snapshot that encoded this node,
     /// or the epoch current when it was made (see [`Snapshot`]).
     pub snapshot_epoch: u32,
+    pub extents: ExtentMap,
+    /// Boxed: most inodes are not directories, and a directory's tables
+    /// inline would cost every file their size.
+    pub dir: Option<Box<Directory>>,
+    /// Boxed, and made on first use: few inodes have xattrs or a target.
+    extras: Option<Box<Extras>>,
+    /// Boxed, and made on a file's first write: a node that has not been
+    /// written since mount has none (issue 34: memory per file).
+    writes: Option<Box<WriteState>>,
 }
+
+/// What few inodes have: xattrs, and a symlink's target.
+#[derive(Clone, Debug, Default)]
+pub struct Extras {
+    pub xattrs: BTreeMap<Vec<u8>, Vec<u8>>,
+    pub symlink: Option<Vec<u8>>,
+}
+
+/// Runtime only: the state of writes to a file. Kept for the node's life
+/// once made, so a counter never starts again from 0 under a reader that
+/// saw it.
+#[derive(Clone, Debug, Default)]
+pub struct WriteState {
+    /// The size to log while buffered data past it is not yet written
+    /// back, so a logged size never covers unwritten data.
+    pub persist_size_cap: Option<u64>,
+    /// Direct writes past the end of file in flight (start -> end), and
+    /// the furthest end of those that completed.
+    pub extends_in_flight: BTreeMap<u64, u64>,
+    pub extends_done: u64,
+    /// Moves when a direct write of the file starts and when it ends. A
+    /// page read from the device may be cached only if this did not move
+    /// while it was read: a direct overwrite (shared range lock) can run
+    /// beside the read, which may then hold the old data.
+    pub direct_epoch: u64,
+}
+
+static NO_EXTRAS: Extras = Extras { xattrs: BTreeMap::new(), symlink: None };
+static NO_WRITES: WriteState =
+    WriteState { persist_size_cap: None, extends_in_flight: BTreeMap::new(), extends_done: 0, direct_epoch: 0 };
+
+impl Node {
+    fn new(inode: Inode, snapshot_epoch: u32) -> Self {
+        let dir = inode.is_dir().then(|| Box::new(Directory::new(inode.ino)));
+        Node {
+            inode,
+            lookups: 0,
+            opens: 0,
+            i_version_queried: false,
+            times_queried: std::cell::Cell::new(false),
+            datasync_needed: false,
+            snapshot_epoch,
+            extents: ExtentMap::default(),
+            dir,
+            extras: None,
+            writes: None,
+        }
+    }
+
+    pub fn xattrs(&self) -> &BTreeMap<Vec<u8>, Vec<u8>> {
+        &self.extras.as_deref().unwrap_or(&NO_EXTRAS).xattrs
+    }
+
+    pub fn symlink(&self) -> Option<&[u8]> {
+        self.extras.as_deref().and_then(|e| e.symlink.as_deref())
+    }
+
+    fn extras_mut(&mut self) -> &mut Extras {
+        self.extras.get_or_insert_with(Default::default)
+    }
+
+    pub fn writes(&self) -> &WriteState {
+        self.writes.as_deref().unwrap_or(&NO_WRITES)
+    }
+
+    /// The write state, made if this is the first write.
+    pub fn writes_mut(&mut self) -> &mut WriteState {
+        self.writes.get_or_insert_with(Default::default)
+    }
+
+    /// The write state if the file has been written, for changes that
+    /// only undo or lower what a write set.
+    pub fn writes_if_any(&mut self) -> Option<&mut WriteState> {
+        self.writes.as_deref_mut()
+    }
+}
+
+// A node is resident for every file: 176 bytes, a 192-byte chunk of the
+// allocator (it was 280 before issue 34).
+const _: () = assert!(std::mem::size_of::<Node>() <= 176, "a node is resident for every file");
 
 /// A finished snapshot's records: the inodes' part, then the entries'.
 /// Kept as two parts so that writing them out copies neither (at 1M
@@ -101,10 +172,10 @@ impl Snapshot {
         let ino = node.inode.ino;
         let w = &mut self.inodes;
         Record::InodeSet(node.inode.clone()).encode(w);
-        if let Some(target) = &node.symlink {
-            Record::Symlink { ino, target: target.clone() }.encode(w);
+        if let Some(target) = node.symlink() {
+            Record::Symlink { ino, target: target.to_vec() }.encode(w);
         }
-        for (name, value) in &node.xattrs {
+        for (name, value) in node.xattrs() {
             Record::XattrSet { ino, name: name.clone(), value: value.clone() }.encode(w);
         }
         for e in node.extents.iter() {
@@ -317,19 +388,21 @@ impl State {
             Record::XattrSet { ino, name, value } => {
                 self.before_change(*ino);
                 let Some(node) = self.nodes.get_mut(ino) else { return err(format!("xattr on missing inode {ino}")) };
-                node.xattrs.insert(name.clone(), value.clone());
+                node.extras_mut().xattrs.insert(name.clone(), value.clone());
                 Ok(())
             }
             Record::XattrDelete { ino, name } => {
                 self.before_change(*ino);
                 let Some(node) = self.nodes.get_mut(ino) else { return err(format!("xattr on missing inode {ino}")) };
-                node.xattrs.remove(name);
+                if let Some(extras) = node.extras.as_mut() {
+                    extras.xattrs.remove(name);
+                }
                 Ok(())
             }
             Record::Symlink { ino, target } => {
                 self.before_change(*ino);
                 let Some(node) = self.nodes.get_mut(ino) else { return err(format!("symlink on missing inode {ino}")) };
-                node.symlink = Some(target.clone());
+                node.extras_mut().symlink = Some(target.clone());
                 Ok(())
             }
             Record::NextIno { next } => {
@@ -362,24 +435,7 @@ impl State {
                 node.inode = inode.clone();
             }
             None => {
-                let dir = inode.is_dir().then(|| Box::new(Directory::new(inode.ino)));
-                let node = Box::new(Node {
-                    inode: inode.clone(),
-                    lookups: 0,
-                    opens: 0,
-                    persist_size_cap: None,
-                    extends_in_flight: BTreeMap::new(),
-                    extends_done: 0,
-                    i_version_queried: false,
-                    times_queried: std::cell::Cell::new(false),
-                    direct_epoch: 0,
-                    datasync_needed: false,
-                    extents: ExtentMap::default(),
-                    xattrs: BTreeMap::new(),
-                    symlink: None,
-                    dir,
-                    snapshot_epoch: self.epoch,
-                });
+                let node = Box::new(Node::new(inode.clone(), self.epoch));
                 self.nodes.insert(inode.ino, node);
             }
         }

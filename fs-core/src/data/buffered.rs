@@ -341,7 +341,7 @@ impl Fs {
             }
             if end > old_size {
                 if let Some(n) = self.inner.state.borrow_mut().node_mut(ino) {
-                    n.persist_size_cap.get_or_insert(old_size);
+                    n.writes_mut().persist_size_cap.get_or_insert(old_size);
                     n.datasync_needed = true;
                 }
             }
@@ -469,8 +469,13 @@ impl Fs {
         }
         let clean = self.inner.cache.borrow().dirty_of(ino, 0, u64::MAX).is_empty();
         if clean {
-            let capped =
-                self.inner.state.borrow_mut().node_mut(ino).is_some_and(|n| n.persist_size_cap.take().is_some());
+            let capped = self
+                .inner
+                .state
+                .borrow_mut()
+                .node_mut(ino)
+                .and_then(|n| n.writes_if_any())
+                .is_some_and(|w| w.persist_size_cap.take().is_some());
             if capped {
                 self.inner.mark_dirty(ino);
             }

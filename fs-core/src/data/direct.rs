@@ -89,12 +89,12 @@ impl Fs {
 
     fn move_direct_epoch(&self, ino: u64) {
         if let Some(n) = self.inner.state.borrow_mut().node_mut(ino) {
-            n.direct_epoch += 1;
+            n.writes_mut().direct_epoch += 1;
         }
     }
 
     pub(super) fn direct_epoch(&self, ino: u64) -> Option<u64> {
-        self.inner.state.borrow().node(ino).map(|n| n.direct_epoch)
+        self.inner.state.borrow().node(ino).map(|n| n.writes().direct_epoch)
     }
 
     /// The overwrite fast path: every block already written and inside the
@@ -225,7 +225,7 @@ impl Fs {
         }
         if end > old_size {
             if let Some(n) = self.inner.state.borrow_mut().node_mut(ino) {
-                n.extends_in_flight.insert(offset, end);
+                n.writes_mut().extends_in_flight.insert(offset, end);
             }
         }
         let segments = self.segments(ino, first, last - first + 1)?;
@@ -254,12 +254,14 @@ impl Fs {
     fn finish_extend(&self, ino: u64, offset: u64, end: u64, ok: bool) -> u64 {
         let mut state = self.inner.state.borrow_mut();
         let Some(n) = state.node_mut(ino) else { return 0 };
-        n.extends_in_flight.remove(&offset);
+        let size = n.inode.size;
+        let w = n.writes_mut();
+        w.extends_in_flight.remove(&offset);
         if ok {
-            n.extends_done = n.extends_done.max(end);
+            w.extends_done = w.extends_done.max(end);
         }
-        let limit = n.extends_in_flight.keys().next().copied().unwrap_or(u64::MAX);
-        n.extends_done.min(limit).max(n.inode.size.min(end))
+        let limit = w.extends_in_flight.keys().next().copied().unwrap_or(u64::MAX);
+        w.extends_done.min(limit).max(size.min(end))
     }
 
     /// Direct read into `buf`. Returns the buffer and the bytes read (short

@@ -48,10 +48,13 @@ impl Fs {
         })?;
         drop(change);
         if let Some(n) = self.inner.state.borrow_mut().node_mut(ino) {
-            n.persist_size_cap = n.persist_size_cap.map(|c| c.min(new_size));
-            // An extending write that finished before the truncate must not
-            // give the file its old size back when the next one finishes.
-            n.extends_done = n.extends_done.min(new_size);
+            if let Some(w) = n.writes_if_any() {
+                w.persist_size_cap = w.persist_size_cap.map(|c| c.min(new_size));
+                // An extending write that finished before the truncate must
+                // not give the file its old size back when the next one
+                // finishes.
+                w.extends_done = w.extends_done.min(new_size);
+            }
             n.datasync_needed = true;
         }
         Ok(())
