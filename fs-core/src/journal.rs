@@ -25,7 +25,7 @@ use super::blocks::{block_bytes, whole_blocks, DevBlock};
 use super::codec::{Reader, Writer};
 use super::format::{
     crc, BlockRun, Superblock, SuperblockError, BLOCK_BYTES, CHECKPOINT_EXTENTS_MAX,
-    FEATURE_FREE_COUNT_HOLDS_CHECKPOINT, JOURNAL_FIRST_BLOCK, SUPERBLOCK_SLOTS,
+    FEATURE_FREE_COUNT_HOLDS_CHECKPOINT, JOURNAL_FIRST_BLOCK, SUPERBLOCK_SLOTS, XATTR_NAME_MAX, XATTR_VALUE_MAX,
 };
 use super::record::{decode_all, Record};
 use super::state::{ApplyMode, SnapshotBytes, State};
@@ -107,46 +107,101 @@ pub(crate) fn choose_superblock(
     }
 }
 
+/// The longest record a checkpoint can hold (an xattr of the largest
+/// name and value), with room to spare: the streaming loader decodes a
+/// record only once this many bytes are buffered or the payload has
+/// ended, so a record cut by a read's end is never mistaken for damage.
+const RECORD_BYTES_MAX: usize = 1 << 17;
+const _: () = assert!(1 + 8 + 4 + XATTR_NAME_MAX + 4 + XATTR_VALUE_MAX + 64 < RECORD_BYTES_MAX);
+
 /// Load the checkpoint the superblock names into a fresh state.
+///
+/// Streamed: blocks are read 256 at a time and each record is applied
+/// as soon as it is decoded, so loading holds the state and about a
+/// megabyte, not the whole checkpoint and its decoded records beside it
+/// (at 10M files those were 1.7 GB and several more; issue 34).
 pub(crate) async fn load_checkpoint(dev: &DeviceChannel, sb: &Superblock) -> FsResult<(State, u64)> {
     let mut alloc = super::alloc::Allocator::new(sb.data_start(), sb.total_blocks, sb.allocation_groups);
     for run in &sb.checkpoint_extents {
         alloc.claim(*run).map_err(|e| corrupt(format!("checkpoint extents overlap: {e}")))?;
     }
-    let mut payload = Vec::with_capacity(sb.checkpoint_bytes as usize);
-    let mut index = 0u32;
-    for run in &sb.checkpoint_extents {
-        for b in 0..run.len {
-            if payload.len() as u64 >= sb.checkpoint_bytes {
-                break;
-            }
-            let block = read_blocks(dev, run.start + b, 1).await?;
-            let chunk = parse_checkpoint_block(&block, sb.checkpoint_seq, index).map_err(|why| {
-                corrupt(format!("checkpoint block {} (device block {}): {why}", index, run.start + b))
-            })?;
-            payload.extend_from_slice(chunk);
-            index += 1;
-        }
-    }
     let total_data = sb.total_blocks - sb.data_start();
+    let mut state = State::new(alloc);
     if sb.checkpoint_bytes == 0 {
         // A freshly made filesystem before its first checkpoint.
-        return Ok((State::new(alloc), total_data));
-    }
-    if (payload.len() as u64) < sb.checkpoint_bytes {
-        return Err(corrupt("checkpoint is shorter than the superblock says"));
+        return Ok((state, total_data));
     }
     if sb.checkpoint_bytes < 8 {
         return Err(corrupt("checkpoint is too short to hold its free-block count"));
     }
-    payload.truncate(sb.checkpoint_bytes as usize);
-    let recorded_free = u64::from_le_bytes(payload[..8].try_into().expect("8 bytes"));
-    let records = decode_all(&payload[8..]).map_err(|e| corrupt(format!("checkpoint records: {e}")))?;
-    let mut state = State::new(alloc);
-    for r in &records {
-        state.apply(r, ApplyMode::Replay).map_err(|e| corrupt(format!("checkpoint: {e}")))?;
+    let mut stream = CheckpointStream { pending: Vec::new(), taken: 0, recorded_free: None, index: 0 };
+    for run in &sb.checkpoint_extents {
+        let mut b = 0;
+        while b < run.len && stream.taken < sb.checkpoint_bytes {
+            let n = (run.len - b).min(READ_BLOCKS_MAX);
+            let buf = read_blocks(dev, run.start + b, n as usize).await?;
+            for (i, block) in buf.chunks_exact(BLOCK_BYTES).enumerate() {
+                stream.push_block(block, sb, run.start + b + i as u64)?;
+            }
+            stream.apply_ready(&mut state, false)?;
+            b += n;
+        }
     }
-    Ok((state, recorded_free))
+    if stream.taken < sb.checkpoint_bytes {
+        return Err(corrupt("checkpoint is shorter than the superblock says"));
+    }
+    stream.apply_ready(&mut state, true)?;
+    Ok((state, stream.recorded_free.expect("8 bytes or more were taken")))
+}
+
+/// A checkpoint's payload on its way from blocks to the state.
+struct CheckpointStream {
+    /// Payload bytes read and not yet decoded.
+    pending: Vec<u8>,
+    /// Payload bytes taken so far (the superblock says how many there are).
+    taken: u64,
+    recorded_free: Option<u64>,
+    /// The next block's index in the checkpoint.
+    index: u32,
+}
+
+impl CheckpointStream {
+    fn push_block(&mut self, block: &[u8], sb: &Superblock, device_block: u64) -> FsResult<()> {
+        if self.taken >= sb.checkpoint_bytes {
+            return Ok(());
+        }
+        let chunk = parse_checkpoint_block(block, sb.checkpoint_seq, self.index)
+            .map_err(|why| corrupt(format!("checkpoint block {} (device block {device_block}): {why}", self.index)))?;
+        let want = (sb.checkpoint_bytes - self.taken).min(chunk.len() as u64) as usize;
+        self.pending.extend_from_slice(&chunk[..want]);
+        self.taken += want as u64;
+        self.index += 1;
+        Ok(())
+    }
+
+    /// Decode and apply every whole record buffered (all of them at the end).
+    fn apply_ready(&mut self, state: &mut State, at_end: bool) -> FsResult<()> {
+        let mut start = 0;
+        if self.recorded_free.is_none() {
+            if self.pending.len() < 8 {
+                return if at_end {
+                    Err(corrupt("checkpoint is too short to hold its free-block count"))
+                } else {
+                    Ok(())
+                };
+            }
+            self.recorded_free = Some(u64::from_le_bytes(self.pending[..8].try_into().expect("8 bytes")));
+            start = 8;
+        }
+        let mut r = Reader::new(&self.pending[start..]);
+        while r.remaining() > 0 && (at_end || r.remaining() >= RECORD_BYTES_MAX) {
+            let record = Record::decode(&mut r).map_err(|e| corrupt(format!("checkpoint records: {e}")))?;
+            state.apply(&record, ApplyMode::Replay).map_err(|e| corrupt(format!("checkpoint: {e}")))?;
+        }
+        let used = start + r.pos();
+        self.pending.drain(..used);
+        Ok(())
+    }
 }
 
 fn parse_checkpoint_block(block: &[u8], seq: u64, index: u32) -> Result<&[u8], &'static str> {
