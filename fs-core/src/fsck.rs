@@ -6,7 +6,7 @@
 //! then checks the invariants that loading does not: link counts,
 //! directory structure and connectivity, and free-space accounting.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 
 use super::blocks::{whole_blocks, FileBlock};
 use super::format::{Superblock, ROOT_INO};
@@ -87,10 +87,47 @@ pub async fn fsck(dev: DeviceChannel, mut progress: impl FnMut(&str)) -> FsResul
     Ok(report)
 }
 
+/// A count per inode, for fsck's passes over millions of them: an array
+/// indexed by inode number when the numbers are dense (as keelfs hands
+/// them out: 4 bytes per inode), a map when an image scatters them.
+enum PerInode {
+    Dense(Vec<u32>),
+    Sparse(keelfs_base::IdMap<u32>),
+}
+
+impl PerInode {
+    fn for_state(state: &State) -> Self {
+        let count = state.inode_count() as u64;
+        match usize::try_from(state.next_ino) {
+            Ok(n) if state.next_ino <= 4 * count + 4096 => PerInode::Dense(vec![0; n]),
+            _ => PerInode::Sparse(Default::default()),
+        }
+    }
+
+    fn get(&self, ino: u64) -> u32 {
+        match self {
+            PerInode::Dense(v) => usize::try_from(ino).ok().and_then(|i| v.get(i)).copied().unwrap_or(0),
+            PerInode::Sparse(m) => m.get(&ino).copied().unwrap_or(0),
+        }
+    }
+
+    /// Add one to `ino`'s count, returning the count before.
+    fn bump(&mut self, ino: u64) -> u32 {
+        let slot = match self {
+            // Every inode of the state is below next_ino.
+            PerInode::Dense(v) => &mut v[usize::try_from(ino).expect("an inode of the state")],
+            PerInode::Sparse(m) => m.entry(ino).or_default(),
+        };
+        let before = *slot;
+        *slot = slot.saturating_add(1);
+        before
+    }
+}
+
 fn check_state(state: &State, sb: &Superblock, recorded_free: u64, report: &mut FsckReport) {
     report.inodes = state.inode_count() as u64;
     report.free_blocks = state.alloc.free_blocks();
-    let mut names_of: HashMap<u64, u64> = HashMap::new();
+    let mut names_of = PerInode::for_state(state);
     let mut subdirs: HashMap<u64, u32> = HashMap::new();
     let mut parents: HashMap<u64, Vec<u64>> = HashMap::new();
     for node in state.nodes() {
@@ -110,7 +147,7 @@ fn check_state(state: &State, sb: &Superblock, recorded_free: u64, report: &mut 
                 report.problems.push(problem("dangling-entry", detail, true));
                 continue;
             };
-            *names_of.entry(child).or_default() += 1;
+            names_of.bump(child);
             if target.inode.is_dir() {
                 *subdirs.entry(node.inode.ino).or_default() += 1;
                 parents.entry(child).or_default().push(node.inode.ino);
@@ -150,14 +187,14 @@ fn check_state(state: &State, sb: &Superblock, recorded_free: u64, report: &mut 
 
 fn check_links(
     state: &State,
-    names_of: &HashMap<u64, u64>,
+    names_of: &PerInode,
     subdirs: &HashMap<u64, u32>,
     parents: &HashMap<u64, Vec<u64>>,
     report: &mut FsckReport,
 ) {
     for node in state.nodes() {
         let ino = node.inode.ino;
-        let names = names_of.get(&ino).copied().unwrap_or(0);
+        let names = names_of.get(ino);
         // (The root has no name; with no links it is not an orphan but
         // damage, which mount refuses.)
         if node.inode.nlink == 0 && names == 0 && ino != ROOT_INO {
@@ -174,7 +211,7 @@ fn check_links(
             }
             2 + subdirs.get(&ino).copied().unwrap_or(0)
         } else {
-            names as u32
+            names
         };
         if node.inode.nlink != expected {
             let detail = format!("inode {ino} has link count {}, expected {expected}", node.inode.nlink);
@@ -184,18 +221,24 @@ fn check_links(
 }
 
 fn check_connectivity(state: &State, report: &mut FsckReport) {
-    let mut seen = std::collections::HashSet::new();
-    let mut queue = VecDeque::from([ROOT_INO]);
-    while let Some(ino) = queue.pop_front() {
-        if !seen.insert(ino) {
-            continue;
-        }
-        if let Some(dir) = state.node(ino).and_then(|n| n.dir.as_ref()) {
-            queue.extend(dir.entries_from(0).map(|(_, _, child)| child).filter(|c| state.node(*c).is_some()));
+    // A walk from the root that queues only directories: files are marked
+    // where they are found, so the queue holds directories, not files.
+    let mut seen = PerInode::for_state(state);
+    let mut dirs = vec![ROOT_INO];
+    if state.node(ROOT_INO).is_some() {
+        seen.bump(ROOT_INO);
+    }
+    while let Some(ino) = dirs.pop() {
+        let Some(dir) = state.node(ino).and_then(|n| n.dir.as_ref()) else { continue };
+        for (_, _, child) in dir.entries_from(0) {
+            let Some(node) = state.node(child) else { continue };
+            if seen.bump(child) == 0 && node.dir.is_some() {
+                dirs.push(child);
+            }
         }
     }
     for node in state.nodes() {
-        if node.inode.nlink > 0 && !seen.contains(&node.inode.ino) {
+        if node.inode.nlink > 0 && seen.get(node.inode.ino) == 0 {
             let detail = format!("inode {} is not reachable from the root", node.inode.ino);
             report.problems.push(problem("disconnected", detail, false));
         }
@@ -272,4 +315,57 @@ fn fix_entries_and_links(fs: &Fs, repaired: &mut Vec<String>) -> FsResult<()> {
         repaired.push(format!("set link count of inode {ino} to {want}"));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::alloc::Allocator;
+    use crate::format::{Inode, S_IFDIR};
+    use crate::state::{ApplyMode, FIRST_COOKIE};
+
+    /// A root, a directory in it, a file in that, and a file with a link
+    /// count but no name: (root, dir, named file, nameless file).
+    fn tree(inos: [u64; 4]) -> State {
+        let mut s = State::new(Allocator::new(100, 1000, 1));
+        let [root, dir, named, nameless] = inos;
+        let mut apply = |r: Record| s.apply(&r, ApplyMode::Replay).expect("applies");
+        apply(Record::InodeSet(Inode::new(root, S_IFDIR | 0o755, 0, 0, 0)));
+        apply(Record::InodeSet(Inode::new(dir, S_IFDIR | 0o755, 0, 0, 0)));
+        for ino in [named, nameless] {
+            apply(Record::InodeSet(Inode::new(ino, libc::S_IFREG | 0o644, 0, 0, 0)));
+        }
+        apply(Record::DirentSet { dir: root, name: b"d".to_vec(), ino: dir, cookie: FIRST_COOKIE });
+        apply(Record::DirentSet { dir, name: b"f".to_vec(), ino: named, cookie: FIRST_COOKIE });
+        s
+    }
+
+    fn disconnected(state: &State) -> Vec<String> {
+        let mut report = FsckReport::default();
+        check_connectivity(state, &mut report);
+        report.problems.into_iter().map(|p| p.detail).collect()
+    }
+
+    /// Inode numbers as keelfs hands them out are counted in an array;
+    /// scattered ones (a crafted image) in a map, never in an array as
+    /// long as the largest number. Both find the same damage.
+    #[test]
+    fn connectivity_is_found_with_dense_and_scattered_inode_numbers() {
+        let dense = tree([ROOT_INO, 2, 3, 4]);
+        assert!(matches!(PerInode::for_state(&dense), PerInode::Dense(ref v) if v.len() == 5));
+        assert_eq!(disconnected(&dense), ["inode 4 is not reachable from the root"]);
+
+        let scattered = tree([ROOT_INO, 5_000_000, 9_000_000, 7_777_777]);
+        assert!(matches!(PerInode::for_state(&scattered), PerInode::Sparse(_)));
+        assert_eq!(disconnected(&scattered), ["inode 7777777 is not reachable from the root"]);
+    }
+
+    #[test]
+    fn per_inode_counts_saturate_instead_of_wrapping() {
+        let mut counts = PerInode::Dense(vec![u32::MAX - 1; 3]);
+        assert_eq!(counts.bump(2), u32::MAX - 1);
+        assert_eq!(counts.bump(2), u32::MAX);
+        assert_eq!(counts.get(2), u32::MAX);
+        assert_eq!(counts.get(99), 0, "past the array is a count of 0");
+    }
 }
