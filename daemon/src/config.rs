@@ -125,6 +125,7 @@ struct RawExport {
     requests_in_flight_max: Option<Spanned<u64>>,
     host_dirty_ratio: Option<Spanned<u64>>,
     read_only: Option<bool>,
+    xattr: Option<bool>,
     atime: Option<AtimeName>,
     fuse_mount: Option<PathBuf>,
     fuse_transport: Option<FuseTransport>,
@@ -326,6 +327,10 @@ pub struct Export {
     /// Serve without ever writing the device (opened read-only); changes
     /// fail with EROFS.
     pub read_only: bool,
+    /// Serve extended attributes (and so POSIX ACLs and security labels).
+    /// Off, clients are told xattrs are not implemented (ENOSYS), as by
+    /// virtiofsd's default, and stop asking.
+    pub xattr: bool,
     /// When reads move atime, for every client: FUSE leaves it to the
     /// server, and a guest's own mount options never reach it. A host
     /// mount's noatime or strictatime overrides it.
@@ -399,6 +404,7 @@ impl Export {
             requests_in_flight_max: None,
             host_dirty_ratio: HOST_DIRTY_RATIO_DEFAULT,
             read_only: false,
+            xattr: true,
             atime: keelfs_fs::AtimeUpdates::Relative,
             fuse_mount: None,
             fuse_source: "keelfs".into(),
@@ -604,6 +610,7 @@ fn parse_export(
     apply_limits(src, e, &mut export)?;
     apply_space(src, e, &mut export)?;
     export.read_only = e.read_only.unwrap_or(false);
+    export.xattr = e.xattr.unwrap_or(true);
     export.fuse_mount = e.fuse_mount.clone();
     export.session_file = e.session_file.clone();
     apply_qos(src, e, &mut export)?;
@@ -900,6 +907,8 @@ atime = "noatime"
         );
         assert!(!defaults.read_only);
         assert!(parse("ro.toml", &format!("{base}read_only = true\n")).unwrap().exports[0].read_only);
+        assert!(defaults.xattr, "xattrs are served unless turned off");
+        assert!(!parse("x.toml", &format!("{base}xattr = false\n")).unwrap().exports[0].xattr);
         assert_eq!(
             error_of(&format!("{base}open_handles_max = 0\n")),
             "bad.toml:8:20: open_handles_max must be between 16 and 16777216"

@@ -142,6 +142,11 @@ enum Command {
         /// mount is read-only (see read_only in the config).
         #[arg(long)]
         read_only: bool,
+        /// Serve the first export without extended attributes (nor POSIX
+        /// ACLs, nor security labels): clients are told ENOSYS and stop
+        /// asking, as with virtiofsd's default (see xattr in the config).
+        #[arg(long)]
+        no_xattr: bool,
         /// Be the destination of a live migration: serve the sockets
         /// without locking or mounting the images, and take each image
         /// (waiting for the source keelfsd to let go of it) when QEMU hands
@@ -272,6 +277,7 @@ pub fn run() -> ExitCode {
             check,
             sandbox,
             read_only,
+            no_xattr,
             incoming,
             fuse_source,
             fuse_type,
@@ -291,6 +297,7 @@ pub fn run() -> ExitCode {
             check,
             sandbox,
             read_only,
+            no_xattr,
             incoming,
             fuse_source,
             fuse_type,

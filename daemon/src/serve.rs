@@ -62,6 +62,7 @@ pub struct ServeArgs {
     pub check: bool,
     pub sandbox: Option<SandboxMode>,
     pub read_only: bool,
+    pub no_xattr: bool,
     pub incoming: bool,
 }
 
@@ -222,6 +223,9 @@ fn apply_export_flags(args: &ServeArgs, export: &mut Export) -> anyhow::Result<(
     }
     if args.read_only {
         export.read_only = true;
+    }
+    if args.no_xattr {
+        export.xattr = false;
     }
     if let Some(cache) = args.cache {
         export.cache = cache;
@@ -616,6 +620,7 @@ fn session_config(export: &Export, clients: Clients, coherence: Option<Rc<Cohere
     SessionConfig {
         open_handles_max: export.open_handles_max,
         coherence,
+        xattr: export.xattr,
         ..CacheMode::from(export.cache).session_config_for(clients)
     }
 }

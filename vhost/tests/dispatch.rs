@@ -810,3 +810,41 @@ fn a_large_directory_is_listed_once_page_by_page() {
         }
     });
 }
+
+/// With xattrs off (virtiofsd's default), every xattr request answers
+/// ENOSYS, which makes Linux stop sending them, and nothing that needs
+/// xattrs (POSIX ACLs, the extended setxattr) is offered. With them on,
+/// the same requests reach the filesystem.
+#[test]
+fn an_export_without_xattrs_answers_enosys_and_offers_no_acls() {
+    for xattr in [false, true] {
+        let config = SessionConfig { xattr, ..SessionConfig::default() };
+        with_session_config(config, async move |s: Session| {
+            let (err, body) = reply(&s.handle(&request(Opcode::Init as u32, 1, 0, &init_body())).await.unwrap(), 1);
+            assert_eq!(err, 0);
+            let flags = u32::from_le_bytes(body[12..16].try_into().unwrap());
+            let (posix_acl, setxattr_ext) = (1u32 << 20, 1u32 << 29);
+            assert_eq!(flags & (posix_acl | setxattr_ext) != 0, xattr, "ACLs and SETXATTR_EXT offered: {xattr}");
+            // fuse_setxattr_in is the extended one where SETXATTR_EXT was
+            // negotiated.
+            let set_in: &[u32] = if xattr { &[1, 0, 0, 0] } else { &[1, 0] };
+            let set = [&set_in.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>()[..], b"user.k\0v"].concat();
+            let get = [&[64u32, 0].map(u32::to_le_bytes).concat()[..], b"user.k\0"].concat();
+            let list = [64u32, 0].map(u32::to_le_bytes).concat();
+            let requests = [
+                (Opcode::Setxattr, set, 0),
+                (Opcode::Getxattr, get, 1),
+                (Opcode::Listxattr, list, b"user.k\0".len()),
+                (Opcode::Removexattr, b"user.k\0".to_vec(), 0),
+            ];
+            for (unique, (opcode, body, value_len)) in (2u64..).zip(requests) {
+                let (err, body) = reply(&s.handle(&request(opcode as u32, unique, 1, &body)).await.unwrap(), unique);
+                if xattr {
+                    assert_eq!((err, body.len()), (0, value_len), "{opcode:?} served");
+                } else {
+                    assert_eq!(err, -libc::ENOSYS, "{opcode:?} refused");
+                }
+            }
+        });
+    }
+}

@@ -45,6 +45,12 @@ pub struct SessionConfig {
     /// for a host mount that listens, telling it of theirs). None: no
     /// other client can be told anything.
     pub coherence: Option<Rc<Coherence>>,
+    /// Serve extended attributes. Off, the four xattr requests answer
+    /// ENOSYS, which tells Linux's FUSE client to stop sending them (so a
+    /// new file no longer costs a GETXATTR of `security.capability` at
+    /// its first write), and POSIX ACLs and security contexts are not
+    /// offered: virtiofsd's default (`--xattr` off).
+    pub xattr: bool,
 }
 
 /// Who else uses the filesystem a session serves.
@@ -113,6 +119,7 @@ impl CacheMode {
             keep_cache: sole_or_always,
             open_handles_max: SESSION_HANDLES_MAX,
             coherence: None,
+            xattr: true,
         }
     }
 }
@@ -149,6 +156,9 @@ const OFFERED: u64 = f::ASYNC_READ
     | f::SECURITY_CTX
     | f::EXPORT_SUPPORT
     | f::INIT_EXT;
+
+/// What a session without xattrs does not offer: each needs xattrs.
+const XATTR_FLAGS: u64 = f::SETXATTR_EXT | f::POSIX_ACL | f::SECURITY_CTX;
 
 pub struct Session {
     fs: Fs,
@@ -701,6 +711,9 @@ impl Session {
             return Err(libc::EPROTO);
         }
         let mut offered = OFFERED;
+        if !self.config.xattr {
+            offered &= !XATTR_FLAGS;
+        }
         if self.config.writeback_cache {
             offered |= f::WRITEBACK_CACHE;
         }
@@ -917,6 +930,14 @@ impl Session {
                 self.own_handle_of(fh, ino)?;
                 let r = if dir { fs.fsyncdir(ino, datasync).await } else { fs.fsync(ino, datasync).await };
                 r.map(|_| None).map_err(e)
+            }
+            Request::Setxattr { .. }
+            | Request::Getxattr { .. }
+            | Request::Listxattr { .. }
+            | Request::Removexattr { .. }
+                if !self.config.xattr =>
+            {
+                Err(libc::ENOSYS)
             }
             Request::Setxattr { flags, setxattr_flags, name, value } => {
                 fs.setxattr(&c, ino, name, value, flags).await.map_err(e)?;
