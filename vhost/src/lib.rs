@@ -31,6 +31,7 @@ mod fuse {
     pub mod request;
     pub mod state;
     pub mod stats;
+    pub mod trace;
     pub mod uring;
 }
 
@@ -48,6 +49,7 @@ pub use fuse::dispatch::{
 };
 pub use fuse::state::{SessionState, StateError, STATE_BYTES_MAX, STATE_VERSION};
 pub use fuse::stats::OpStats;
+pub use fuse::trace::{parse_trace, Exchange, TraceError, TraceWriter, TRACE_MAGIC, WRITE_HEADERS};
 pub use fuse::uring::{
     probe as probe_fuse_uring, UringError as FuseUringError, UringPlan as FuseUringPlan,
     ENABLE_PARAMETER as FUSE_URING_PARAMETER,

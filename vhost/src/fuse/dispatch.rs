@@ -23,6 +23,7 @@ use super::request::{
 };
 use super::state::{SessionState, StateError};
 use super::stats::OpStats;
+use super::trace::TraceWriter;
 
 #[derive(Clone, Debug)]
 pub struct SessionConfig {
@@ -51,6 +52,9 @@ pub struct SessionConfig {
     /// its first write), and POSIX ACLs and security contexts are not
     /// offered: virtiofsd's default (`--xattr` off).
     pub xattr: bool,
+    /// Where to record every exchange (`--trace-requests`), for replaying
+    /// a real workload's requests elsewhere ([`TraceWriter`]).
+    pub trace: Option<Rc<TraceWriter>>,
 }
 
 /// Who else uses the filesystem a session serves.
@@ -120,6 +124,7 @@ impl CacheMode {
             open_handles_max: SESSION_HANDLES_MAX,
             coherence: None,
             xattr: true,
+            trace: None,
         }
     }
 }
@@ -558,6 +563,9 @@ impl Session {
     pub async fn handle(&self, request: &[u8]) -> Option<Vec<u8>> {
         let started = Instant::now();
         let reply = self.handle_unrecorded(request).await;
+        if let Some(trace) = &self.config.trace {
+            trace.exchange(request, reply.as_deref());
+        }
         if let Some(opcode) = request.get(4..8) {
             let opcode = u32::from_le_bytes(opcode.try_into().expect("4 bytes"));
             let failed = reply.as_ref().is_some_and(|r| r.get(4..8).is_some_and(|e| e != [0u8; 4]));
