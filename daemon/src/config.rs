@@ -331,6 +331,8 @@ pub struct Export {
     /// Off, clients are told xattrs are not implemented (ENOSYS), as by
     /// virtiofsd's default, and stop asking.
     pub xattr: bool,
+    /// Record the host mount's FUSE exchanges here (`--trace-requests`).
+    pub trace_requests: Option<PathBuf>,
     /// When reads move atime, for every client: FUSE leaves it to the
     /// server, and a guest's own mount options never reach it. A host
     /// mount's noatime or strictatime overrides it.
@@ -405,6 +407,7 @@ impl Export {
             host_dirty_ratio: HOST_DIRTY_RATIO_DEFAULT,
             read_only: false,
             xattr: true,
+            trace_requests: None,
             atime: keelfs_fs::AtimeUpdates::Relative,
             fuse_mount: None,
             fuse_source: "keelfs".into(),

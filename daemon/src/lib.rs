@@ -147,6 +147,11 @@ enum Command {
         /// asking, as with virtiofsd's default (see xattr in the config).
         #[arg(long)]
         no_xattr: bool,
+        /// Record every FUSE request of the first export's --fuse-mount,
+        /// with its reply, to FILE: a trace that `keelfs-bench vhost
+        /// --workload trace` replays against any vhost-user-fs daemon.
+        #[arg(long, value_name = "FILE")]
+        trace_requests: Option<std::path::PathBuf>,
         /// Be the destination of a live migration: serve the sockets
         /// without locking or mounting the images, and take each image
         /// (waiting for the source keelfsd to let go of it) when QEMU hands
@@ -278,6 +283,7 @@ pub fn run() -> ExitCode {
             sandbox,
             read_only,
             no_xattr,
+            trace_requests,
             incoming,
             fuse_source,
             fuse_type,
@@ -298,6 +304,7 @@ pub fn run() -> ExitCode {
             sandbox,
             read_only,
             no_xattr,
+            trace_requests,
             incoming,
             fuse_source,
             fuse_type,

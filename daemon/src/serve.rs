@@ -26,7 +26,7 @@ use keelfs_reactor::{self as reactor, CpuLoadProbe, PollMode, Reactor, ReactorCo
 use keelfs_vhost::OpStats;
 use keelfs_vhost::SocketAccess;
 use keelfs_vhost::{probe_fuse_uring, serve_dev_fuse_over as serve_fuse, FuseMount, FuseUringPlan};
-use keelfs_vhost::{CacheMode, Clients, Coherence, Session, SessionConfig, SessionState};
+use keelfs_vhost::{CacheMode, Clients, Coherence, Session, SessionConfig, SessionState, TraceWriter};
 use keelfs_vhost::{ImageAccess, ServeOptions, VhostUserServer};
 use keelfs_vhost::{Qos, QosError, QosLimits};
 use serde_json::{json, Value};
@@ -63,6 +63,7 @@ pub struct ServeArgs {
     pub sandbox: Option<SandboxMode>,
     pub read_only: bool,
     pub no_xattr: bool,
+    pub trace_requests: Option<PathBuf>,
     pub incoming: bool,
 }
 
@@ -226,6 +227,12 @@ fn apply_export_flags(args: &ServeArgs, export: &mut Export) -> anyhow::Result<(
     }
     if args.no_xattr {
         export.xattr = false;
+    }
+    if let Some(path) = &args.trace_requests {
+        if export.fuse_mount.is_none() {
+            anyhow::bail!("--trace-requests records a host mount's requests: it needs --fuse-mount");
+        }
+        export.trace_requests = Some(path.clone());
     }
     if let Some(cache) = args.cache {
         export.cache = cache;
@@ -500,7 +507,15 @@ pub(crate) fn open_export(
     let fuse = match &export.fuse_mount {
         Some(dir) => {
             let uring = fuse_uring_plan(export)?;
-            Some(HostMount { mount: mount_on_host(export, dir, link)?, uring })
+            // Opened here, before the sandbox hides the filesystem.
+            let trace = match &export.trace_requests {
+                Some(path) => Some(
+                    std::fs::File::create(path)
+                        .with_context(|| format!("export {}: the request trace {}", export.tag, path.display()))?,
+                ),
+                None => None,
+            };
+            Some(HostMount { mount: mount_on_host(export, dir, link)?, uring, trace })
         }
         None => None,
     };
@@ -582,6 +597,8 @@ pub(crate) fn open_export_brokered(export: &Export, link: &SupervisorLink) -> an
 pub(crate) struct HostMount {
     mount: FuseMount,
     uring: Option<FuseUringPlan>,
+    /// Where `--trace-requests` records the mount's exchanges.
+    trace: Option<std::fs::File>,
 }
 
 /// Whether the export's host mount moves to FUSE over io_uring after INIT
@@ -1229,10 +1246,12 @@ async fn start_transports(
         }
         _ => None,
     };
-    let Some(HostMount { mount, uring }) = fuse else { return Ok((server, None, None)) };
+    let Some(HostMount { mount, uring, trace }) = fuse else { return Ok((server, None, None)) };
     let fs = fs.context("a host mount needs its filesystem mounted")?;
     let mount = Rc::new(mount);
-    let session = Rc::new(Session::new(fs.clone(), host_session_config(export, coherence)));
+    let trace = trace.map(TraceWriter::new).transpose().context("starting the request trace")?.map(Rc::new);
+    let config = SessionConfig { trace, ..host_session_config(export, coherence) };
+    let session = Rc::new(Session::new(fs.clone(), config));
     let stats = session.stats().clone();
     serve_fuse(session, mount.clone(), qos, uring, on_mount_gone).context("setting up FUSE over io_uring")?;
     Ok((server, Some(mount), Some(stats)))

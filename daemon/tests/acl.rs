@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::Command;
 
 mod common;
-use common::{mkfs, Scratch, Served};
+use common::{keelfsd, mkfs, Scratch, Served};
 
 fn run_sequence(dir: &Path) -> String {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/acl-sequence.sh");
@@ -92,4 +92,43 @@ fn no_xattr_turns_extended_attributes_off_for_the_mount() {
         }
         drop(served);
     }
+}
+
+/// `--trace-requests` records the host mount's exchanges from INIT on,
+/// file data left out: what `keelfs-bench vhost --workload trace`
+/// replays.
+#[test]
+fn trace_requests_records_the_host_mounts_exchanges() {
+    use keelfs_vhost::abi::Opcode;
+    let scratch = Scratch::new("trace");
+    let (image, mnt, trace) = (scratch.path("img"), scratch.path("mnt"), scratch.path("t.trace"));
+    mkfs(&image, "64M");
+    let args = [
+        "--device".as_ref(),
+        image.as_os_str(),
+        "--fuse-mount".as_ref(),
+        mnt.as_os_str(),
+        "--trace-requests".as_ref(),
+        trace.as_os_str(),
+    ];
+    let served = Served::start(&args, &[&mnt]);
+    std::fs::create_dir(mnt.join("d")).unwrap();
+    std::fs::write(mnt.join("d/f"), vec![7u8; 10_000]).unwrap();
+    std::fs::remove_file(mnt.join("d/f")).unwrap();
+    drop(served);
+    let exchanges = keelfs_vhost::parse_trace(&std::fs::read(&trace).unwrap()).unwrap();
+    let opcode = |e: &keelfs_vhost::Exchange| u32::from_le_bytes(e.request[4..8].try_into().unwrap());
+    let seen = |op: Opcode| exchanges.iter().filter(|e| opcode(e) == op as u32).count();
+    assert_eq!(opcode(&exchanges[0]), Opcode::Init as u32, "the trace starts at INIT");
+    for op in [Opcode::Mkdir, Opcode::Create, Opcode::Write, Opcode::Unlink] {
+        assert!(seen(op) >= 1, "{op:?} recorded");
+    }
+    let writes = exchanges.iter().filter(|e| opcode(e) == Opcode::Write as u32);
+    assert!(writes.clone().all(|e| e.request.len() == keelfs_vhost::WRITE_HEADERS), "no file data kept");
+    let written: u64 = writes.map(|e| u64::from(u32::from_le_bytes(e.request[56..60].try_into().unwrap()))).sum();
+    assert_eq!(written, 10_000, "the WRITEs' sizes add up to what was written");
+
+    let refused = keelfsd().args(["serve", "--device"]).arg(&image).arg("--trace-requests").arg(&trace).output();
+    let stderr = String::from_utf8_lossy(&refused.unwrap().stderr).into_owned();
+    assert!(stderr.contains("needs --fuse-mount"), "{stderr}");
 }
