@@ -23,7 +23,7 @@ import statistics
 
 PEERS = ("virtiofsd", "virtiofsd-pool")
 PHASES = ("create", "stat-cold", "stat-warm", "open-read-close", "readdirplus", "readdir", "rename", "mkdir-rmdir",
-          "unlink")
+          "unlink", "trace")
 
 
 def load(path):

@@ -79,7 +79,11 @@
 # `keelfs-bench vhost` as phases over one tree per system: create, stat
 # cold (one pass, right after the daemon starts and the host's caches are
 # dropped), stat warm, open-read-close, readdirplus (of the whole tree),
-# rename and mkdir-rmdir storms, and unlink. Each system runs the phases
+# rename and mkdir-rmdir storms, and unlink; then the mixed profile: a
+# recorded trace of a real workload's FUSE requests (an untar of the libc
+# crate's sources, a stat and a read of every file, their removal:
+# bench/workloads/untar-libc.trace.xz, made by bench/record-trace.sh)
+# replayed --trace-passes times (10). Each system runs the phases
 # in order with one driver, then the next system; the systems' order
 # rotates each round, and both drivers run. --tree wide|deep and --files
 # N (per thread; 20000) shape the tree; --meta-depth operations in
@@ -93,6 +97,7 @@
 #                           [--workloads "dio-randrw ..."]
 #                           [--rbd-pool POOL] [--min-avail MiB] [OUT.json]
 #                           [--tree wide|deep] [--files N] [--meta-depth N] [--meta-threads N]
+#                           [--trace-passes N]
 #   --matrix: the poll-mode matrix (default), the systems comparison
 #     (the default with --systems or --rbd-pool), both (all), or the
 #     metadata matrix
@@ -109,7 +114,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds='' seconds='' systems='' driver=sleep depth=32 rbd_pool='' min_avail=4096 only_workloads=''
-tree=wide files=20000 meta_depth=4 meta_threads=1
+tree=wide files=20000 meta_depth=4 meta_threads=1 trace_passes=10
 matrix='' full=0 modes='busy adaptive interrupt' drivers='sleep busy' setups='oversubscribed dedicated'
 while [[ $# -gt 0 ]]; do
   case $1 in
@@ -130,6 +135,7 @@ while [[ $# -gt 0 ]]; do
     --files) files=$2; shift 2 ;;
     --meta-depth) meta_depth=$2; shift 2 ;;
     --meta-threads) meta_threads=$2; shift 2 ;;
+    --trace-passes) trace_passes=$2; shift 2 ;;
     -h|--help) sed -n '2,109p' "bench/${0##*/}"; exit 0 ;;
     -*) echo "run-vhost: unknown option '$1' (--help)" >&2; exit 2 ;;
     *) break ;;
@@ -438,17 +444,20 @@ fi
 # meta_run ROUND SYSTEM DRIVER PHASE WORKLOAD FLAGS...: one phase of the
 # metadata matrix, on a daemon started for it.
 meta_run() {
-  local round=$1 sys=$2 drv=$3 phase=$4 workload=$5
+  local round=$1 sys=$2 drv=$3 phase=$4 workload=$5 threads=$meta_threads
   shift 5
+  # A trace replays one request at a time, on one thread.
+  [[ $workload != trace ]] || threads=1
   start "$sys" default
   "$bench" vhost --socket "$socket" --workload "$workload" --tree "$tree" --files "$files" \
-    --threads "$meta_threads" --iodepth "$meta_depth" --seconds "$seconds" --driver "$drv" \
+    --threads "$threads" --iodepth "$meta_depth" --seconds "$seconds" --driver "$drv" \
     --daemon-pid "$daemon_pid" --label "$sys" --json "$@" |
     sed "s/^{/{\"round\":$round,\"phase\":\"$phase\",/" | tee -a "$out"
   stop
 }
 
 if [[ $matrix == metadata ]]; then
+  xz -dc bench/workloads/untar-libc.trace.xz >"$work/untar.trace"
   read -ra meta_systems <<<"$systems"
   for round in $(seq "$rounds"); do
     shift_by=$(((round - 1) % ${#meta_systems[@]}))
@@ -467,6 +476,7 @@ if [[ $matrix == metadata ]]; then
         meta_run "$round" "$sys" "$drv" rename rename
         meta_run "$round" "$sys" "$drv" mkdir-rmdir mkdir-rmdir
         meta_run "$round" "$sys" "$drv" unlink unlink
+        meta_run "$round" "$sys" "$drv" trace trace --trace "$work/untar.trace" --passes "$trace_passes"
       done
     done
   done

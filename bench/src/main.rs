@@ -15,6 +15,7 @@ mod procstat;
 mod qemu_img;
 mod vhost;
 mod vhost_meta;
+mod vhost_trace;
 
 use clap::{Parser, Subcommand};
 

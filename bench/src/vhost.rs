@@ -47,6 +47,9 @@ pub enum Workload {
     Rename,
     /// MKDIR and RMDIR of a directory, one per slot.
     MkdirRmdir,
+    /// Replay a recorded workload's FUSE requests (--trace FILE, from
+    /// `keelfsd serve --trace-requests`; bench/src/vhost_trace.rs).
+    Trace,
 }
 
 impl Workload {
@@ -59,6 +62,7 @@ impl Workload {
                 | Workload::AioAppend
                 | Workload::BufferedRandrw
                 | Workload::ByteWrites
+                | Workload::Trace
         )
     }
 
@@ -140,6 +144,9 @@ pub struct VhostArgs {
     /// (1: a cold pass), instead of running for --seconds.
     #[arg(long, default_value_t = 0)]
     pub(crate) passes: u64,
+    /// --workload trace: the recorded trace to replay.
+    #[arg(long)]
+    pub(crate) trace: Option<PathBuf>,
     #[arg(long)]
     pub(crate) json: bool,
 }
@@ -427,6 +434,9 @@ struct WorkerArgs {
 pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
     if args.threads == 0 || args.iodepth == 0 {
         bail!("--threads and --iodepth must be at least 1");
+    }
+    if args.workload == Workload::Trace {
+        return crate::vhost_trace::run(args);
     }
     if args.workload.is_metadata() {
         return crate::vhost_meta::run(args);

@@ -1,6 +1,7 @@
 //! keelfs-bench's command line prints the promised JSON and rejects bad
 //! arguments with a clear message.
 
+use std::path::Path;
 use std::process::Command;
 
 fn bench() -> Command {
@@ -271,6 +272,35 @@ fn vhost_metadata_workloads_make_read_and_remove_a_tree() {
         let again = run(storm, &[]).unwrap();
         assert!(again["ops"].as_u64().unwrap() > 0, "{storm} runs again over what it left: {again}");
     }
+    daemon.stop();
+}
+
+/// The mixed profile: the committed trace of a real untar, stat, read
+/// and removal (bench/workloads/untar-libc.trace.xz) replays against an
+/// in-process keelfs twice over (it leaves the tree as it found it), every
+/// request with the outcome it had when recorded.
+#[test]
+fn vhost_trace_replays_a_recorded_untar_with_the_recorded_outcomes() {
+    let xz = Path::new(env!("CARGO_MANIFEST_DIR")).join("workloads/untar-libc.trace.xz");
+    let out = Command::new("xz").arg("-dc").arg(&xz).output().expect("xz (scripts/setup.sh installs xz-utils)");
+    assert!(out.status.success(), "xz -dc {}", xz.display());
+    let trace = scratch("untar.trace");
+    std::fs::write(&trace, &out.stdout).unwrap();
+    let daemon = InProcessDaemon::start("vhost-trace.sock");
+    let replayed = json_line_or_error(
+        bench()
+            .args(["vhost", "--workload", "trace", "--passes", "2", "--json", "--trace"])
+            .arg(&trace)
+            .arg("--socket")
+            .arg(&daemon.socket),
+    )
+    .unwrap();
+    assert_eq!(replayed["ops"], 2, "{replayed}");
+    assert_eq!(replayed["divergent"], 0, "keelfs answers as it did when recorded: {replayed}");
+    let per_pass = replayed["requests_per_op"].as_u64().unwrap();
+    assert!(per_pass > 10_000, "452 files untarred, listed, read and removed: {replayed}");
+    let refused = json_line_or_error(bench().args(["vhost", "--workload", "trace", "--socket"]).arg(&daemon.socket));
+    assert!(refused.unwrap_err().contains("--trace FILE"), "a trace workload needs its trace");
     daemon.stop();
 }
 
