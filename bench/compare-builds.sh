@@ -7,17 +7,21 @@
 # median ratios new/old of IOPS and of daemon CPU per operation.
 # --backend pmem serves the same file through the pmem backend instead:
 # no io-wq workers, so the daemon's own cost per request shows best.
+# --metadata runs the metadata phases instead (create, stat, open-read-
+# close, unlink over a wide tree of 20,000 files, with the daemons'
+# default cache mode): each build runs all four in turn in a round.
 #
 # Usage: bench/compare-builds.sh OLD_KEELFSD NEW_KEELFSD [--rounds N] [--seconds N]
-#                                [--backend uring|pmem] [OUT.json]
+#                                [--backend uring|pmem] [--metadata] [OUT.json]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[[ $# -ge 2 ]] || { sed -n '11,12p' "$0" >&2; exit 2; }
+[[ $# -ge 2 ]] || { sed -n '14,15p' "$0" >&2; exit 2; }
 old=$1 new=$2
 shift 2
-rounds=3 seconds=5 backend=uring
+rounds=3 seconds=5 backend=uring metadata=0
 while [[ $# -gt 0 ]]; do
   case $1 in
+    --metadata) metadata=1; shift ;;
     --rounds) rounds=$2; shift 2 ;;
     --seconds) seconds=$2; shift 2 ;;
     --backend) backend=$2; shift 2 ;;
@@ -49,16 +53,20 @@ workloads=(
   "dio-overwrite|--threads 1 --iodepth 32 --file-size 256M|none"
   "buffered-randrw|--threads 1 --iodepth 4 --file-size 256M|auto"
 )
+if ((metadata)); then
+  tree="--tree wide --files 20000 --threads 1 --iodepth 4"
+  workloads=("create|$tree|auto" "stat|$tree|auto" "open-read-close|$tree|auto" "unlink|$tree|auto")
+fi
 results=$work/results.jsonl
 : >"$results"
 for round in $(seq "$rounds"); do
-  for line in "${workloads[@]}"; do
-    IFS='|' read -r workload flags cache <<<"$line"
-    # Alternate which build goes first, so that order effects (the
-    # image's state, a warm cache) fall on both.
-    order="old new"; ((round % 2 == 0)) && order="new old"
-    for label in $order; do
-      bin=$old; [[ $label == new ]] && bin=$new
+  # Alternate which build goes first, so that order effects (the image's
+  # state, a warm cache) fall on both.
+  order="old new"; ((round % 2 == 0)) && order="new old"
+  for label in $order; do
+    bin=$old; [[ $label == new ]] && bin=$new
+    for line in "${workloads[@]}"; do
+      IFS='|' read -r workload flags cache <<<"$line"
       rm -f "$work/sock"
       if [[ $backend == pmem ]]; then
         "$bin" serve --config <(printf '[[device]]\nname="p"\nbackend="pmem"\npath="%s"\n[[export]]\ntag="p"\ndevice="p"\nsocket="%s"\nrequest_queues=1\ncache="%s"\n' "$work/img" "$work/sock" "$cache") 2>"$work/$label.log" &
@@ -86,5 +94,5 @@ for w in sorted({r["workload"] for r in rows}):
         return statistics.median(v) if v else float("nan")
     iops = med("new", "iops") / med("old", "iops")
     cpu = med("new", "daemon_cpu_us_per_op") / med("old", "daemon_cpu_us_per_op")
-    print(f"compare-builds: {w}: new/old IOPS {iops:.2f}, daemon CPU per op {cpu:.2f} (medians of {len(rows)//4} rounds)")
+    print(f"compare-builds: {w}: new/old IOPS {iops:.2f}, daemon CPU per op {cpu:.2f} (medians of {len({r['round'] for r in rows})} rounds)")
 PY
