@@ -83,7 +83,9 @@
 # recorded trace of a real workload's FUSE requests (an untar of the libc
 # crate's sources, a stat and a read of every file, their removal:
 # bench/workloads/untar-libc.trace.xz, made by bench/record-trace.sh)
-# replayed --trace-passes times (10). Each system runs the phases
+# replayed --trace-passes times (10). --meta-phases runs only some
+# (phases after create need the tree it makes, except trace). Each
+# system runs the phases
 # in order with one driver, then the next system; the systems' order
 # rotates each round, and both drivers run. --tree wide|deep and --files
 # N (per thread; 20000) shape the tree; --meta-depth operations in
@@ -97,7 +99,7 @@
 #                           [--workloads "dio-randrw ..."]
 #                           [--rbd-pool POOL] [--min-avail MiB] [OUT.json]
 #                           [--tree wide|deep] [--files N] [--meta-depth N] [--meta-threads N]
-#                           [--trace-passes N]
+#                           [--trace-passes N] [--meta-phases "create ... trace"]
 #   --matrix: the poll-mode matrix (default), the systems comparison
 #     (the default with --systems or --rbd-pool), both (all), or the
 #     metadata matrix
@@ -115,6 +117,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds='' seconds='' systems='' driver=sleep depth=32 rbd_pool='' min_avail=4096 only_workloads=''
 tree=wide files=20000 meta_depth=4 meta_threads=1 trace_passes=10
+meta_phases='create stat-cold stat-warm open-read-close readdirplus rename mkdir-rmdir unlink trace'
 matrix='' full=0 modes='busy adaptive interrupt' drivers='sleep busy' setups='oversubscribed dedicated'
 while [[ $# -gt 0 ]]; do
   case $1 in
@@ -136,6 +139,7 @@ while [[ $# -gt 0 ]]; do
     --meta-depth) meta_depth=$2; shift 2 ;;
     --meta-threads) meta_threads=$2; shift 2 ;;
     --trace-passes) trace_passes=$2; shift 2 ;;
+    --meta-phases) meta_phases=$2; shift 2 ;;
     -h|--help) sed -n '2,109p' "bench/${0##*/}"; exit 0 ;;
     -*) echo "run-vhost: unknown option '$1' (--help)" >&2; exit 2 ;;
     *) break ;;
@@ -464,19 +468,20 @@ if [[ $matrix == metadata ]]; then
     order=("${meta_systems[@]:shift_by}" "${meta_systems[@]:0:shift_by}")
     for drv in $drivers; do
       for sys in "${order[@]}"; do
-        meta_run "$round" "$sys" "$drv" create create
-        # Cold: the host's dentry, inode and page caches dropped, and the
-        # daemon just started (keelfsd mounts its image again).
-        sync
-        echo 3 >/proc/sys/vm/drop_caches
-        meta_run "$round" "$sys" "$drv" stat-cold stat --passes 1
-        meta_run "$round" "$sys" "$drv" stat-warm stat
-        meta_run "$round" "$sys" "$drv" open-read-close open-read-close
-        meta_run "$round" "$sys" "$drv" readdirplus readdirplus
-        meta_run "$round" "$sys" "$drv" rename rename
-        meta_run "$round" "$sys" "$drv" mkdir-rmdir mkdir-rmdir
-        meta_run "$round" "$sys" "$drv" unlink unlink
-        meta_run "$round" "$sys" "$drv" trace trace --trace "$work/untar.trace" --passes "$trace_passes"
+        for phase in $meta_phases; do
+          case $phase in
+            stat-cold)
+              # Cold: the host's dentry, inode and page caches dropped,
+              # and the daemon just started (keelfsd mounts its image
+              # again).
+              sync
+              echo 3 >/proc/sys/vm/drop_caches
+              meta_run "$round" "$sys" "$drv" stat-cold stat --passes 1 ;;
+            stat-warm) meta_run "$round" "$sys" "$drv" stat-warm stat ;;
+            trace) meta_run "$round" "$sys" "$drv" trace trace --trace "$work/untar.trace" --passes "$trace_passes" ;;
+            *) meta_run "$round" "$sys" "$drv" "$phase" "$phase" ;;
+          esac
+        done
       done
     done
   done

@@ -309,15 +309,18 @@ pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
     let secs = started.elapsed().as_secs_f64().max(1e-9);
     let cpu = CpuCounters::read(args)?.since(&cpu);
     let out = replayer.out;
-    let mut line = crate::vhost::result_line(args, passes, secs, &out.latency);
+    // An operation is one replayed request: a pass is too coarse a unit
+    // for ops/s and CPU per op (a few passes a second).
+    let mut line = crate::vhost::result_line(args, out.requests, secs, &out.latency);
     line["trace"] = json!(path.file_name().map(|n| n.to_string_lossy().into_owned()));
     line["passes"] = json!(passes);
-    line["ops"] = json!(passes);
+    line["passes_s"] = json!((passes as f64 / secs * 1000.0).round() / 1000.0);
+    line["ops"] = json!(out.requests);
     line["fuse_requests"] = json!(out.requests);
-    line["requests_per_op"] = json!(out.requests / passes);
+    line["requests_per_pass"] = json!(out.requests / passes);
     line["divergent"] = json!(out.divergent.values().sum::<u64>());
     line["divergent_by_outcome"] = json!(out.divergent);
-    cpu.charge(&mut line, passes, secs);
+    cpu.charge(&mut line, out.requests, secs);
     crate::vhost::print_line(args, &line)
 }
 

@@ -295,10 +295,11 @@ fn vhost_trace_replays_a_recorded_untar_with_the_recorded_outcomes() {
             .arg(&daemon.socket),
     )
     .unwrap();
-    assert_eq!(replayed["ops"], 2, "{replayed}");
+    assert_eq!(replayed["passes"], 2, "{replayed}");
     assert_eq!(replayed["divergent"], 0, "keelfs answers as it did when recorded: {replayed}");
-    let per_pass = replayed["requests_per_op"].as_u64().unwrap();
+    let per_pass = replayed["requests_per_pass"].as_u64().unwrap();
     assert!(per_pass > 10_000, "452 files untarred, listed, read and removed: {replayed}");
+    assert_eq!(replayed["ops"].as_u64(), Some(2 * per_pass), "an operation is a request: {replayed}");
     let refused = json_line_or_error(bench().args(["vhost", "--workload", "trace", "--socket"]).arg(&daemon.socket));
     assert!(refused.unwrap_err().contains("--trace FILE"), "a trace workload needs its trace");
     daemon.stop();
