@@ -81,6 +81,8 @@ pub struct Directory {
     /// insert must be above it, which keeps the arena in cookie order.
     last_cookie: u64,
     next_cookie: u64,
+    /// ARENA_MAX, or less in tests that fill a directory.
+    arena_max: usize,
 }
 
 /// One record read from the arena.
@@ -105,7 +107,14 @@ impl Directory {
             live_bytes: 0,
             last_cookie: 0,
             next_cookie: FIRST_COOKIE,
+            arena_max: ARENA_MAX,
         }
+    }
+
+    /// A directory that fills at `arena_max` bytes, for tests.
+    #[cfg(test)]
+    fn with_arena_max(parent: u64, arena_max: usize) -> Self {
+        Self { arena_max, ..Self::new(parent) }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -126,7 +135,7 @@ impl Directory {
     /// Whether an entry named `name` can be added (after removing what is
     /// removed, the arena stays within its bound).
     pub fn has_room(&self, name: &[u8]) -> bool {
-        self.live_bytes + HEADER + name.len() <= ARENA_MAX && self.live < u32::MAX / 2
+        self.live_bytes + HEADER + name.len() <= self.arena_max && self.live < u32::MAX / 2
     }
 
     fn entry_at(&self, at: usize) -> Entry<'_> {
@@ -203,7 +212,7 @@ impl Directory {
         if !self.has_room(name) {
             return Err(DirError::Full);
         }
-        if self.arena.len() + HEADER + name.len() > ARENA_MAX {
+        if self.arena.len() + HEADER + name.len() > self.arena_max {
             self.compact();
         }
         self.grow_index_for_one_more();
@@ -257,7 +266,7 @@ impl Directory {
         let need = self.arena.len() + more;
         if need > self.arena.capacity() {
             let grown = (self.arena.capacity() + self.arena.capacity() / 4).max(need).max(256);
-            self.arena.reserve_exact(grown.min(ARENA_MAX) - self.arena.len());
+            self.arena.reserve_exact(grown.min(self.arena_max) - self.arena.len());
         }
     }
 
@@ -416,6 +425,30 @@ mod tests {
         assert_eq!(d.insert(b"", 6, 11), Err(DirError::BadName(0)));
         assert_eq!(d.insert(&[b'x'; 256], 6, 11), Err(DirError::BadName(256)));
         assert_eq!(names(&d, 0), vec![(10, "a".to_string(), 5)], "nothing refused was added");
+    }
+
+    /// A full directory refuses a new entry, and takes one again once a
+    /// removal makes room (the removed record compacted away first).
+    #[test]
+    fn a_full_directory_refuses_entries_until_one_is_removed() {
+        let mut d = Directory::with_arena_max(1, 1000);
+        let name = |i: u64| format!("entry-{i:04}"); // 10 bytes: 27 a record
+        let mut added = 0;
+        while d.has_room(name(added).as_bytes()) {
+            let c = d.take_cookie();
+            d.insert(name(added).as_bytes(), added + 2, c).unwrap();
+            added += 1;
+        }
+        assert_eq!(added, 1000 / 27);
+        let c = d.take_cookie();
+        assert_eq!(d.insert(name(added).as_bytes(), 99, c), Err(DirError::Full));
+        assert!(d.lookup(name(added).as_bytes()).is_none(), "a refused entry is not added");
+        assert!(d.arena.len() <= 1000);
+        d.remove(name(0).as_bytes()).unwrap();
+        let c = d.take_cookie();
+        d.insert(name(added).as_bytes(), 99, c).expect("room again after a removal");
+        assert!(d.arena.len() <= 1000, "the removed record was compacted away to make room");
+        assert_eq!(d.entries_from(0).count(), added as usize);
     }
 
     /// A removal that empties the directory gives its memory back.
