@@ -14,6 +14,9 @@
 #   keelfsd-irq     the same with poll_mode interrupt
 #   keelfsd-busy    the same with poll_mode busy (not by default: it spins
 #                   through the whole boot, taking CPU from every system)
+#   keelfsd-noxattr keelfsd's defaults with --no-xattr (as virtiofsd's
+#                   default: no GETXATTR of security.capability per new
+#                   file; not by default)
 #   virtiofsd       virtiofsd over ext4 on a loop device, --allow-direct-io
 #   virtiofsd-pool  the same with --thread-pool-size 16
 # Guest times are the guest's monotonic clock; compare systems only as
@@ -72,6 +75,9 @@ start() {
       if [[ $sys == keelfsd ]]; then
         # The defaults, poll mode included.
         "$keelfsd" serve --device "$work/$sys.img" --socket "$socket" --rpc "$work/$sys.rpc" 2>"$work/$sys.log" &
+      elif [[ $sys == keelfsd-noxattr ]]; then
+        "$keelfsd" serve --device "$work/$sys.img" --socket "$socket" --rpc "$work/$sys.rpc" --no-xattr \
+          2>"$work/$sys.log" &
       else
         "$keelfsd" serve --config <(printf '[daemon]\npoll_mode="%s"\nrpc_socket="%s"\n[[device]]\nname="d"\npath="%s"\n[[export]]\ntag="d"\ndevice="d"\nsocket="%s"\n' \
           "$mode" "$work/$sys.rpc" "$work/$sys.img" "$socket") 2>"$work/$sys.log" &
