@@ -740,19 +740,22 @@ pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
     crate::vhost::print_line(args, &line)
 }
 
+/// One fuse_direntplus as a daemon would reply it, for the tests of the
+/// READDIRPLUS parsers here and in vhost_trace.
+#[cfg(test)]
+pub(crate) fn direntplus(nodeid: u64, off: u64, name: &[u8]) -> Vec<u8> {
+    let mut b = Reply::default();
+    b.u64(nodeid).raw(&[0u8; ENTRY_OUT_BYTES - 8]);
+    b.u64(nodeid).u64(off).u32(name.len() as u32).u32(8).raw(name);
+    while b.bytes.len() % 8 != 0 {
+        b.bytes.push(0);
+    }
+    b.bytes
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn direntplus(nodeid: u64, off: u64, name: &[u8]) -> Vec<u8> {
-        let mut b = Reply::default();
-        b.u64(nodeid).raw(&[0u8; ENTRY_OUT_BYTES - 8]);
-        b.u64(nodeid).u64(off).u32(name.len() as u32).u32(8).raw(name);
-        while b.bytes.len() % 8 != 0 {
-            b.bytes.push(0);
-        }
-        b.bytes
-    }
 
     #[test]
     fn direntplus_replies_parse_and_dots_are_not_forgotten() {

@@ -327,17 +327,7 @@ pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use keelfs_vhost::abi::Reply;
-
-    fn direntplus(nodeid: u64, off: u64, name: &[u8]) -> Vec<u8> {
-        let mut b = Reply::default();
-        b.u64(nodeid).raw(&[0u8; ENTRY_OUT_BYTES - 8]);
-        b.u64(nodeid).u64(off).u32(name.len() as u32).u32(8).raw(name);
-        while b.bytes.len() % 8 != 0 {
-            b.bytes.push(0);
-        }
-        b.bytes
-    }
+    use crate::vhost_meta::direntplus;
 
     /// Ids learnt from replies are what later requests are rewritten with,
     /// and a READDIRPLUS maps its entries by name (the two daemons may list
