@@ -36,6 +36,9 @@ const HEADER: usize = 8 + 8 + 1;
 const EMPTY: u32 = 0;
 const REMOVED: u32 = u32::MAX;
 
+/// An emptied directory keeps buffers up to this size for its next entries.
+const EMPTY_KEEP_BYTES: usize = 64 << 10;
+
 /// Every this many records appended, one (cookie, offset) pair is kept for
 /// the binary search that starts a readdir.
 const SPARSE_EVERY: u32 = 32;
@@ -147,13 +150,13 @@ impl Directory {
         Entry { cookie, ino, name, end: at + HEADER + len }
     }
 
-    /// The index slot that holds `name`'s offset, or None.
-    fn find_slot(&self, name: &[u8]) -> Option<usize> {
+    /// The index slot that holds `name` (whose hash is `hash`), or None.
+    fn find_slot(&self, name: &[u8], hash: u64) -> Option<usize> {
         if self.index.is_empty() {
             return None;
         }
         let mask = self.index.len() - 1;
-        let mut slot = name_hash(name) as usize & mask;
+        let mut slot = hash as usize & mask;
         // Triangular probing visits every slot of a power-of-two table, and
         // at most 70% are used, so an empty one ends the walk.
         for step in 1..=self.index.len() {
@@ -173,7 +176,7 @@ impl Directory {
     }
 
     pub fn lookup(&self, name: &[u8]) -> Option<u64> {
-        self.find_slot(name).map(|s| self.entry_at(self.index[s] as usize - 1).ino)
+        self.find_slot(name, name_hash(name)).map(|s| self.entry_at(self.index[s] as usize - 1).ino)
     }
 
     /// Entries with cookie >= `from`, in cookie order: (cookie, name, ino).
@@ -208,7 +211,8 @@ impl Directory {
         if cookie <= self.last_cookie {
             return Err(DirError::CookieOrder { cookie, last: self.last_cookie });
         }
-        self.remove(name);
+        let hash = name_hash(name);
+        self.remove_hashed(name, hash);
         if !self.has_room(name) {
             return Err(DirError::Full);
         }
@@ -228,7 +232,9 @@ impl Directory {
         self.records += 1;
         self.live += 1;
         self.live_bytes += HEADER + name.len();
-        self.place(name, at);
+        if place_in(&mut self.index, hash, at) {
+            self.removed_slots -= 1;
+        }
         self.last_cookie = cookie;
         self.next_cookie = self.next_cookie.max(cookie + 1);
         Ok(())
@@ -236,7 +242,11 @@ impl Directory {
 
     /// Remove `name`, returning the inode it named.
     pub fn remove(&mut self, name: &[u8]) -> Option<u64> {
-        let slot = self.find_slot(name)?;
+        self.remove_hashed(name, name_hash(name))
+    }
+
+    fn remove_hashed(&mut self, name: &[u8], hash: u64) -> Option<u64> {
+        let slot = self.find_slot(name, hash)?;
         let at = self.index[slot] as usize - 1;
         let ino = self.entry_at(at).ino;
         self.arena[at + 8..at + 16].copy_from_slice(&0u64.to_le_bytes());
@@ -245,9 +255,7 @@ impl Directory {
         self.live -= 1;
         self.live_bytes -= HEADER + name.len();
         if self.live == 0 {
-            // Cookies stay: they are never reused.
-            (self.arena, self.index, self.sparse) = (Vec::new(), Vec::new(), Vec::new());
-            (self.records, self.removed_slots) = (0, 0);
+            self.empty_out();
             return Some(ino);
         }
         // Removed records are dropped once they outweigh the live ones, so
@@ -279,69 +287,87 @@ impl Directory {
         }
     }
 
-    /// Put the record at `at` into the index, in the first free slot of
-    /// its probe sequence.
-    fn place(&mut self, name: &[u8], at: usize) {
-        let mask = self.index.len() - 1;
-        let mut slot = name_hash(name) as usize & mask;
-        let mut step = 1;
-        while self.index[slot] != EMPTY && self.index[slot] != REMOVED {
-            slot = (slot + step) & mask;
-            step += 1;
-        }
-        if self.index[slot] == REMOVED {
-            self.removed_slots -= 1;
-        }
-        self.index[slot] = at as u32 + 1;
-    }
-
+    /// Index every live record again, in a table of `size` slots. The
+    /// table's allocation is reused when it is large enough.
     fn rebuild_index(&mut self, size: usize) {
         debug_assert!(size.is_power_of_two() && size * 7 >= (self.live as usize + 1) * 10);
-        self.index = vec![EMPTY; size];
-        self.removed_slots = 0;
-        let mut at = 0;
-        while at < self.arena.len() {
-            let e = self.entry_at(at);
-            let (live, end) = (e.ino != 0, e.end);
-            if live {
-                let name = self.arena[at + HEADER..end].to_vec();
-                self.place(&name, at);
-            }
-            at = end;
-        }
-    }
-
-    /// Drop removed records: live ones keep their order and cookies, so
-    /// open readdirs are unaffected.
-    fn compact(&mut self) {
-        let mut packed = Vec::with_capacity(self.live_bytes);
-        let mut sparse = Vec::with_capacity(self.live as usize / SPARSE_EVERY as usize + 1);
-        let mut records = 0u32;
+        let mut index = std::mem::take(&mut self.index);
+        index.clear();
+        index.resize(size, EMPTY);
         let mut at = 0;
         while at < self.arena.len() {
             let e = self.entry_at(at);
             if e.ino != 0 {
-                if records.is_multiple_of(SPARSE_EVERY) {
-                    sparse.push((e.cookie, packed.len() as u32));
-                }
-                packed.extend_from_slice(&self.arena[at..e.end]);
-                records += 1;
+                place_in(&mut index, name_hash(e.name), at);
             }
             at = e.end;
         }
-        debug_assert_eq!(records, self.live);
-        debug_assert_eq!(packed.len(), self.live_bytes);
-        self.arena = packed;
-        self.sparse = sparse;
-        self.records = records;
-        let size = ((self.live as usize + 1) * 10 / 5).next_power_of_two().max(8);
-        if self.live == 0 {
-            self.index = Vec::new();
-            self.removed_slots = 0;
+        self.index = index;
+        self.removed_slots = 0;
+    }
+
+    /// No entries left: drop every record, keeping the buffers of a small
+    /// directory (one that fills and empties again, a build's temporary
+    /// directory, allocates nothing) and freeing a large one's. Cookies
+    /// stay: they are never reused.
+    fn empty_out(&mut self) {
+        if self.arena.capacity() > EMPTY_KEEP_BYTES {
+            (self.arena, self.index, self.sparse) = (Vec::new(), Vec::new(), Vec::new());
         } else {
-            self.rebuild_index(size);
+            self.arena.clear();
+            self.sparse.clear();
+            self.index.fill(EMPTY);
+        }
+        (self.records, self.removed_slots) = (0, 0);
+    }
+
+    /// Drop removed records, moving the live ones down in place: they keep
+    /// their order and cookies, so open readdirs are unaffected, and
+    /// nothing is allocated unless the arena is far larger than it needs.
+    fn compact(&mut self) {
+        self.sparse.clear();
+        let (mut read, mut write, mut records) = (0, 0, 0u32);
+        while read < self.arena.len() {
+            let e = self.entry_at(read);
+            let (live, cookie, end) = (e.ino != 0, e.cookie, e.end);
+            if live {
+                if records.is_multiple_of(SPARSE_EVERY) {
+                    self.sparse.push((cookie, write as u32));
+                }
+                self.arena.copy_within(read..end, write);
+                write += end - read;
+                records += 1;
+            }
+            read = end;
+        }
+        debug_assert_eq!(records, self.live);
+        debug_assert_eq!(write, self.live_bytes);
+        self.arena.truncate(write);
+        if self.arena.capacity() > 4 * write.max(EMPTY_KEEP_BYTES) {
+            self.arena.shrink_to(2 * write);
+        }
+        self.records = records;
+        if self.live == 0 {
+            self.empty_out();
+        } else {
+            self.rebuild_index(((self.live as usize + 1) * 10 / 5).next_power_of_two().max(8));
         }
     }
+}
+
+/// Put the record at `at` into `index`, in the first free slot of its
+/// probe sequence. True if that slot held a removed entry.
+fn place_in(index: &mut [u32], hash: u64, at: usize) -> bool {
+    let mask = index.len() - 1;
+    let mut slot = hash as usize & mask;
+    let mut step = 1;
+    while index[slot] != EMPTY && index[slot] != REMOVED {
+        slot = (slot + step) & mask;
+        step += 1;
+    }
+    let was_removed = index[slot] == REMOVED;
+    index[slot] = at as u32 + 1;
+    was_removed
 }
 
 #[cfg(test)]
@@ -451,19 +477,28 @@ mod tests {
         assert_eq!(d.entries_from(0).count(), added as usize);
     }
 
-    /// A removal that empties the directory gives its memory back.
+    /// A removal that empties the directory drops every record; a small
+    /// directory keeps its buffers for the next entries, a large one
+    /// gives them back.
     #[test]
     fn an_emptied_directory_holds_nothing() {
-        let mut d = Directory::new(1);
-        for i in 0..1000u64 {
+        for (count, kept) in [(1000u64, true), (5000, false)] {
+            let mut d = Directory::new(1);
+            let name = |i: u64| format!("file-with-a-longer-name-{i:06}");
+            for i in 0..count {
+                let c = d.take_cookie();
+                d.insert(name(i).as_bytes(), i + 2, c).unwrap();
+            }
+            for i in 0..count {
+                assert_eq!(d.remove(name(i).as_bytes()), Some(i + 2));
+            }
+            assert!(d.is_empty() && d.arena.is_empty() && d.entries_from(0).next().is_none());
+            assert_eq!(d.cookie_end(), FIRST_COOKIE + count, "cookies are never reused");
+            assert_eq!(d.arena.capacity() > 0, kept, "{count} entries: buffers kept only when small");
+            assert!(d.arena.capacity() <= EMPTY_KEEP_BYTES);
             let c = d.take_cookie();
-            d.insert(format!("file-{i:06}").as_bytes(), i + 2, c).unwrap();
+            d.insert(b"again", 7, c).unwrap();
+            assert_eq!((d.lookup(b"again"), d.lookup(name(0).as_bytes())), (Some(7), None), "usable again");
         }
-        for i in 0..1000u64 {
-            assert_eq!(d.remove(format!("file-{i:06}").as_bytes()), Some(i + 2));
-        }
-        assert!(d.is_empty());
-        assert_eq!(d.arena.len(), 0);
-        assert_eq!(d.cookie_end(), FIRST_COOKIE + 1000, "cookies are never reused");
     }
 }
