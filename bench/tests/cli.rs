@@ -303,6 +303,7 @@ fn vhost_trace_replays_a_recorded_untar_with_the_recorded_outcomes() {
     let refused = json_line_or_error(bench().args(["vhost", "--workload", "trace", "--socket"]).arg(&daemon.socket));
     assert!(refused.unwrap_err().contains("--trace FILE"), "a trace workload needs its trace");
     daemon.stop();
+    std::fs::remove_file(&trace).unwrap();
 }
 
 /// posix-meta runs the same phases through system calls on a directory:
