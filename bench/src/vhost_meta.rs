@@ -671,29 +671,50 @@ impl Worker<'_> {
 /// then fuse_dirent and its name, padded to 8 bytes): how many, other
 /// than "." and "..", and the offset after the last. Each entry's lookup
 /// goes into `forgets`.
-fn parse_direntplus(mut body: &[u8], forgets: &mut Vec<(u64, u64)>) -> anyhow::Result<(u64, u64)> {
-    const DIRENT_BYTES: usize = 24;
+fn parse_direntplus(body: &[u8], forgets: &mut Vec<(u64, u64)>) -> anyhow::Result<(u64, u64)> {
     let (mut entries, mut offset) = (0, 0);
-    while !body.is_empty() {
-        let fixed = ENTRY_OUT_BYTES + DIRENT_BYTES;
-        if body.len() < fixed {
-            bail!("readdirplus: a truncated entry");
-        }
-        let u64_at = |at: usize| u64::from_le_bytes(body[at..at + 8].try_into().expect("8 bytes"));
-        let nodeid = u64_at(0);
-        offset = u64_at(ENTRY_OUT_BYTES + 8);
-        let namelen = u32::from_le_bytes(body[ENTRY_OUT_BYTES + 16..ENTRY_OUT_BYTES + 20].try_into()?) as usize;
-        let name = body.get(fixed..fixed + namelen).context("readdirplus: a name past the reply")?;
+    for entry in dir_entries(body, true) {
+        let (nodeid, next, name) = entry?;
+        offset = next;
         if name != b"." && name != b".." {
             entries += 1;
             if nodeid != 0 {
                 forgets.push((nodeid, 1));
             }
         }
-        let step = (fixed + namelen).next_multiple_of(8).min(body.len());
-        body = &body[step..];
     }
     Ok((entries, offset))
+}
+
+/// The entries of a READDIR reply, or with `plus` a READDIRPLUS one:
+/// (node id, 0 for READDIR; the offset after the entry; name). An entry
+/// cut short is an error, and ends the walk.
+pub(crate) fn dir_entries(body: &[u8], plus: bool) -> impl Iterator<Item = anyhow::Result<(u64, u64, &[u8])>> {
+    const DIRENT_BYTES: usize = 24;
+    let skip = if plus { ENTRY_OUT_BYTES } else { 0 };
+    let fixed = skip + DIRENT_BYTES;
+    let mut rest = body;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let entry = rest.get(..fixed).context("a truncated directory entry").and_then(|head| {
+            let u64_at = |at: usize| u64::from_le_bytes(head[at..at + 8].try_into().expect("8 bytes"));
+            let namelen = u32::from_le_bytes(head[skip + 16..skip + 20].try_into().expect("4 bytes")) as usize;
+            let name = rest.get(fixed..fixed + namelen).context("a directory entry's name past the reply")?;
+            Ok((if plus { u64_at(0) } else { 0 }, u64_at(skip + 8), name, (fixed + namelen).next_multiple_of(8)))
+        });
+        match entry {
+            Ok((nodeid, offset, name, step)) => {
+                rest = &rest[step.min(rest.len())..];
+                Some(Ok((nodeid, offset, name)))
+            }
+            Err(e) => {
+                rest = &[];
+                Some(Err(e))
+            }
+        }
+    })
 }
 
 /// Run a metadata workload: a thread per queue, forgets on the hiprio

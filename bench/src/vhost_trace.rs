@@ -16,16 +16,15 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use keelfs_vhost::abi::{encode_request, init_flags as f, Opcode, ENTRY_OUT_BYTES, OUT_HEADER_BYTES};
+use keelfs_vhost::abi::{encode_request, init_flags as f, Opcode, ENTRY_OUT_BYTES, IN_HEADER_BYTES, OUT_HEADER_BYTES};
 use keelfs_vhost::frontend::QueueDriver;
 use keelfs_vhost::{parse_trace, Exchange};
 use serde_json::json;
 
 use crate::hist::Histogram;
 use crate::vhost::{connect, CpuCounters, VhostArgs};
+use crate::vhost_meta::dir_entries;
 
-/// fuse_in_header's size.
-const IN_HEADER_BYTES: usize = 40;
 /// FUSE_GETATTR_FH, and FATTR_FH in fuse_setattr_in.valid.
 const GETATTR_FH: u32 = 1;
 const FATTR_FH: u32 = 1 << 6;
@@ -71,22 +70,6 @@ fn u64_at(b: &[u8], at: usize) -> Option<u64> {
 fn put_u64(b: &mut [u8], at: usize, v: u64) -> anyhow::Result<()> {
     b.get_mut(at..at + 8).context("a request body too short for its fields")?.copy_from_slice(&v.to_le_bytes());
     Ok(())
-}
-
-/// (node id, offset, name) of each entry of a READDIR or READDIRPLUS reply.
-fn dir_entries(mut body: &[u8], plus: bool) -> anyhow::Result<Vec<(u64, u64, Vec<u8>)>> {
-    let mut out = Vec::new();
-    let skip = if plus { ENTRY_OUT_BYTES } else { 0 };
-    while !body.is_empty() {
-        let nodeid = if plus { u64_at(body, 0).context("a truncated entry")? } else { 0 };
-        let off = u64_at(body, skip + 8).context("a truncated entry")?;
-        let len = u32_at(body, skip + 16).context("a truncated entry")? as usize;
-        let name = body.get(skip + 24..skip + 24 + len).context("a name past the reply")?.to_vec();
-        let whole = (skip + 24 + len).next_multiple_of(8).min(body.len());
-        body = &body[whole..];
-        out.push((nodeid, off, name));
-    }
-    Ok(out)
 }
 
 /// The request body with the recording's ids replaced by the replay's.
@@ -156,11 +139,12 @@ fn learn(opcode: Opcode, request: &[u8], recorded: &[u8], got: &[u8], ids: &mut 
         }
         Readdir | Readdirplus => {
             let plus = opcode == Readdirplus;
-            let (old, new) = (dir_entries(recorded, plus)?, dir_entries(got, plus)?);
+            let entries = |reply| dir_entries(reply, plus).collect::<anyhow::Result<Vec<_>>>();
+            let (old, new) = (entries(recorded)?, entries(got)?);
             if plus {
-                let new_by_name: HashMap<&[u8], u64> = new.iter().map(|(n, _, name)| (&name[..], *n)).collect();
+                let new_by_name: HashMap<&[u8], u64> = new.iter().map(|&(n, _, name)| (name, n)).collect();
                 for (old_node, _, name) in old.iter().filter(|(n, _, _)| *n != 0) {
-                    if let Some(&new_node) = new_by_name.get(&name[..]).filter(|&&n| n != 0) {
+                    if let Some(&new_node) = new_by_name.get(name).filter(|&&n| n != 0) {
                         ids.nodes.insert(*old_node, new_node);
                     }
                 }

@@ -15,7 +15,7 @@ use std::cell::RefCell;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 
-use super::abi::Opcode;
+use super::abi::{Opcode, IN_HEADER_BYTES};
 
 pub const TRACE_MAGIC: &[u8; 8] = b"KFSTRC01";
 
@@ -23,9 +23,12 @@ pub const TRACE_MAGIC: &[u8; 8] = b"KFSTRC01";
 /// with its headers, and some room.
 pub const TRACE_RECORD_BYTES_MAX: usize = (1 << 20) + 4096;
 
+/// fuse_write_in's size.
+const WRITE_IN_BYTES: usize = 40;
+
 /// What a trace keeps of a WRITE request: fuse_in_header and
 /// fuse_write_in.
-pub const WRITE_HEADERS: usize = 40 + 40;
+pub const WRITE_HEADERS: usize = IN_HEADER_BYTES + WRITE_IN_BYTES;
 
 /// Writes a trace; shared by the session that records into it.
 #[derive(Debug)]
@@ -120,7 +123,7 @@ pub fn parse_trace(bytes: &[u8]) -> Result<Vec<Exchange>, TraceError> {
         };
         let request = part()?;
         let reply = part()?;
-        if request.len() < 40 {
+        if request.len() < IN_HEADER_BYTES {
             return Err(TraceError::NoHeader { index });
         }
         out.push(Exchange { request, reply });
