@@ -3,6 +3,7 @@
 //! extents merge, so sequential allocation yields one long extent.
 
 use std::collections::BTreeMap;
+use std::ops::RangeBounds;
 
 use super::blocks::{DevBlock, FileBlock};
 use super::format::BlockRun;
@@ -32,19 +33,105 @@ pub enum Segment {
     Mapped(Extent),
 }
 
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// A mapping as the map keeps it: file block -> (disk block, len, unwritten).
+type Entry = (u64, (u64, u64, bool));
+
+/// Most files are small and written once: they have no extent or one.
+/// Such a map costs one pointer in the node and, with one extent, a small
+/// box; a B-tree's first leaf would cost about 380 bytes per file (issue
+/// 34: memory per file). A second extent moves the map to a B-tree.
+#[derive(Clone, Debug, Default)]
 pub struct ExtentMap {
-    /// file_block -> (disk_block, len, unwritten)
-    map: BTreeMap<u64, (u64, u64, bool)>,
+    repr: Option<Box<Repr>>,
+}
+
+#[derive(Clone, Debug)]
+enum Repr {
+    One(Entry),
+    /// Never empty, and holds two or more entries unless a change left it
+    /// with one (then the next change through the fast paths keeps it).
+    Tree(BTreeMap<u64, (u64, u64, bool)>),
+}
+
+impl PartialEq for ExtentMap {
+    fn eq(&self, other: &Self) -> bool {
+        self.iter().eq(other.iter())
+    }
+}
+
+impl Eq for ExtentMap {}
+
+/// The entries of a key range, from either representation, without
+/// allocating (reads run on every request).
+enum Entries<'a> {
+    One(Option<Entry>),
+    Tree(std::collections::btree_map::Range<'a, u64, (u64, u64, bool)>),
+}
+
+impl Iterator for Entries<'_> {
+    type Item = Entry;
+    fn next(&mut self) -> Option<Entry> {
+        match self {
+            Entries::One(one) => one.take(),
+            Entries::Tree(range) => range.next().map(|(&k, &v)| (k, v)),
+        }
+    }
+}
+
+impl DoubleEndedIterator for Entries<'_> {
+    fn next_back(&mut self) -> Option<Entry> {
+        match self {
+            Entries::One(one) => one.take(),
+            Entries::Tree(range) => range.next_back().map(|(&k, &v)| (k, v)),
+        }
+    }
 }
 
 impl ExtentMap {
     pub fn len(&self) -> usize {
-        self.map.len()
+        match self.repr.as_deref() {
+            None => 0,
+            Some(Repr::One(_)) => 1,
+            Some(Repr::Tree(map)) => map.len(),
+        }
+    }
+
+    fn range(&self, keys: impl RangeBounds<u64>) -> Entries<'_> {
+        match self.repr.as_deref() {
+            None => Entries::One(None),
+            Some(Repr::One(entry)) => Entries::One(keys.contains(&entry.0).then_some(*entry)),
+            Some(Repr::Tree(map)) => Entries::Tree(map.range(keys)),
+        }
+    }
+
+    /// The map as a B-tree, for the general case of a change.
+    fn tree_mut(&mut self) -> &mut BTreeMap<u64, (u64, u64, bool)> {
+        let repr = self.repr.get_or_insert_with(|| Box::new(Repr::Tree(BTreeMap::new())));
+        if let Repr::One((k, v)) = **repr {
+            **repr = Repr::Tree(BTreeMap::from([(k, v)]));
+        }
+        match &mut **repr {
+            Repr::Tree(map) => map,
+            Repr::One(_) => unreachable!("made a tree above"),
+        }
+    }
+
+    /// After a general change: an empty map holds nothing, and a map of
+    /// one extent goes back to its small form.
+    fn settle(&mut self) {
+        let Some(Repr::Tree(map)) = self.repr.as_deref() else { return };
+        match map.len() {
+            0 => self.repr = None,
+            1 => {
+                let (&k, &v) = map.iter().next().expect("one entry");
+                self.repr = Some(Box::new(Repr::One((k, v))));
+            }
+            _ => {}
+        }
     }
 
     pub fn iter(&self) -> impl Iterator<Item = Extent> + '_ {
-        self.map.iter().map(|(&file_block, &(disk_block, len, unwritten))| Extent {
+        self.range(..).map(|(file_block, (disk_block, len, unwritten))| Extent {
             file_block: FileBlock(file_block),
             disk_block: DevBlock(disk_block),
             len,
@@ -53,15 +140,24 @@ impl ExtentMap {
     }
 
     pub fn blocks(&self) -> u64 {
-        self.map.values().map(|&(_, len, _)| len).sum()
+        self.range(..).map(|(_, (_, len, _))| len).sum()
     }
 
     /// The last mapped file block's device successor: the allocation hint
     /// for extending the file.
     pub fn hint_after(&self, file_block: FileBlock) -> Option<DevBlock> {
         let file_block = file_block.0;
-        let (&fb, &(db, len, _)) = self.map.range(..=file_block).next_back()?;
+        let (fb, (db, len, _)) = self.range(..=file_block).next_back()?;
         Some(DevBlock(db + (file_block - fb).min(len)))
+    }
+
+    /// The key of the extent holding `file_block`, or `file_block` itself
+    /// when none does: where the extents meeting a range start.
+    fn start_key(&self, file_block: u64) -> u64 {
+        match self.range(..=file_block).next_back() {
+            Some((k, (_, l, _))) if k + l > file_block => k,
+            _ => file_block,
+        }
     }
 
     /// Remove mappings in [file_block, +len), splitting extents at the
@@ -69,27 +165,25 @@ impl ExtentMap {
     pub fn punch(&mut self, file_block: FileBlock, len: u64) -> Vec<BlockRun> {
         let file_block = file_block.0;
         let end = file_block.saturating_add(len);
+        let start_key = self.start_key(file_block);
         let mut freed = Vec::new();
-        let overlapping: Vec<u64> = {
-            let mut keys: Vec<u64> = self.map.range(file_block..end).map(|(&k, _)| k).collect();
-            if let Some((&k, &(_, l, _))) = self.map.range(..file_block).next_back() {
-                if k + l > file_block {
-                    keys.insert(0, k);
-                }
-            }
-            keys
-        };
+        if self.range(start_key..end).next().is_none() {
+            return freed;
+        }
+        let map = self.tree_mut();
+        let overlapping: Vec<u64> = map.range(start_key..end).map(|(&k, _)| k).collect();
         for k in overlapping {
-            let (db, l, unwritten) = self.map.remove(&k).expect("key from range");
+            let (db, l, unwritten) = map.remove(&k).expect("key from range");
             let (cut_start, cut_end) = (k.max(file_block), (k + l).min(end));
             if k < cut_start {
-                self.map.insert(k, (db, cut_start - k, unwritten));
+                map.insert(k, (db, cut_start - k, unwritten));
             }
             if cut_end < k + l {
-                self.map.insert(cut_end, (db + (cut_end - k), k + l - cut_end, unwritten));
+                map.insert(cut_end, (db + (cut_end - k), k + l - cut_end, unwritten));
             }
             freed.push(BlockRun { start: db + (cut_start - k), len: cut_end - cut_start });
         }
+        self.settle();
         freed
     }
 
@@ -97,23 +191,40 @@ impl ExtentMap {
     /// there (returned), and merging with neighbours that continue it.
     pub fn map(&mut self, file_block: FileBlock, disk_block: DevBlock, len: u64, unwritten: bool) -> Vec<BlockRun> {
         assert!(len > 0);
+        // The small form's common changes: a file's first extent, and an
+        // append that continues its one extent on the device.
+        match self.repr.as_deref_mut() {
+            None => {
+                self.repr = Some(Box::new(Repr::One((file_block.0, (disk_block.0, len, unwritten)))));
+                return Vec::new();
+            }
+            Some(Repr::One((k, (d, l, u))))
+                if *k + *l == file_block.0 && *d + *l == disk_block.0 && *u == unwritten =>
+            {
+                *l += len;
+                return Vec::new();
+            }
+            Some(_) => {}
+        }
         let replaced = self.punch(file_block, len);
+        let map = self.tree_mut();
         let (mut fb, mut db, mut l) = (file_block.0, disk_block.0, len);
-        if let Some((&pk, &(pdb, pl, pu))) = self.map.range(..fb).next_back() {
+        if let Some((&pk, &(pdb, pl, pu))) = map.range(..fb).next_back() {
             if pk + pl == fb && pdb + pl == db && pu == unwritten {
-                self.map.remove(&pk);
+                map.remove(&pk);
                 fb = pk;
                 db = pdb;
                 l += pl;
             }
         }
-        if let Some(&(ndb, nl, nu)) = self.map.get(&(fb + l)) {
+        if let Some(&(ndb, nl, nu)) = map.get(&(fb + l)) {
             if ndb == db + l && nu == unwritten {
-                self.map.remove(&(fb + l));
+                map.remove(&(fb + l));
                 l += nl;
             }
         }
-        self.map.insert(fb, (db, l, unwritten));
+        map.insert(fb, (db, l, unwritten));
+        self.settle();
         replaced
     }
 
@@ -124,11 +235,7 @@ impl ExtentMap {
         let end = file_block.saturating_add(len);
         let mut out = Segments::new();
         let mut at = file_block;
-        let start_key = match self.map.range(..=file_block).next_back() {
-            Some((&k, &(_, l, _))) if k + l > file_block => k,
-            _ => file_block,
-        };
-        for (&k, &(db, l, unwritten)) in self.map.range(start_key..end) {
+        for (k, (db, l, unwritten)) in self.range(self.start_key(file_block)..end) {
             let s = k.max(at);
             if s > at {
                 out.push(Segment::Hole { file_block: FileBlock(at), len: s - at });
@@ -200,5 +307,90 @@ mod tests {
         m.map(FileBlock(0), DevBlock(100), 2, false);
         m.map(FileBlock(4), DevBlock(104), 4, false);
         assert_eq!(m.len(), 1, "all written again: one extent");
+    }
+
+    /// Every block of [0, BLOCKS) as the map says: (disk block, unwritten).
+    fn blockwise(m: &ExtentMap) -> Vec<Option<(u64, bool)>> {
+        let mut out = Vec::new();
+        for segment in m.segments(FileBlock(0), BLOCKS) {
+            match segment {
+                Segment::Hole { len, .. } => out.extend((0..len).map(|_| None)),
+                Segment::Mapped(e) => out.extend((0..e.len).map(|i| Some((e.disk_block.0 + i, e.unwritten)))),
+            }
+        }
+        out
+    }
+
+    const BLOCKS: u64 = 48;
+
+    /// Random maps and punches against a model of one slot per block: the
+    /// same blocks, the same freed runs, and extents always merged, in
+    /// both the small form and the B-tree.
+    #[test]
+    fn random_changes_match_a_blockwise_model() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = |bound: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % bound
+        };
+        for _round in 0..200 {
+            let mut m = ExtentMap::default();
+            let mut model: Vec<Option<(u64, bool)>> = vec![None; BLOCKS as usize];
+            for _step in 0..40 {
+                let fb = next(BLOCKS);
+                let len = 1 + next(BLOCKS - fb);
+                let before: Vec<u64> = model[fb as usize..(fb + len) as usize].iter().flatten().map(|b| b.0).collect();
+                let mut freed: Vec<BlockRun> = if next(3) == 0 {
+                    model[fb as usize..(fb + len) as usize].fill(None);
+                    m.punch(FileBlock(fb), len)
+                } else {
+                    // Often continue the block before on the device, to merge.
+                    let db = match (fb.checked_sub(1)).and_then(|p| model[p as usize]) {
+                        Some((d, _)) if next(2) == 0 => d + 1,
+                        _ => 1000 + next(4) * 100 + fb,
+                    };
+                    let unwritten = next(4) == 0;
+                    for i in 0..len {
+                        model[(fb + i) as usize] = Some((db + i, unwritten));
+                    }
+                    m.map(FileBlock(fb), DevBlock(db), len, unwritten)
+                };
+                freed.sort_by_key(|r| r.start);
+                let mut freed_blocks: Vec<u64> = freed.iter().flat_map(|r| r.start..r.start + r.len).collect();
+                let mut before = before;
+                before.sort_unstable();
+                freed_blocks.sort_unstable();
+                assert_eq!(freed_blocks, before, "the runs a change frees are the blocks it replaced");
+                assert_eq!(blockwise(&m), model);
+                let extents: Vec<Extent> = m.iter().collect();
+                assert_eq!(extents.len(), m.len());
+                for pair in extents.windows(2) {
+                    let mergeable = pair[0].file_end() == pair[1].file_block
+                        && pair[0].disk_block + pair[0].len == pair[1].disk_block
+                        && pair[0].unwritten == pair[1].unwritten;
+                    assert!(!mergeable, "extents that continue each other are merged: {pair:?}");
+                }
+                assert_eq!(m.blocks(), model.iter().flatten().count() as u64);
+            }
+        }
+    }
+
+    #[test]
+    fn a_file_of_one_extent_keeps_the_small_form() {
+        assert_eq!(std::mem::size_of::<ExtentMap>(), 8, "a pointer in every node");
+        let mut m = ExtentMap::default();
+        for i in 0..8 {
+            m.map(FileBlock(i * 4), DevBlock(500 + i * 4), 4, false);
+        }
+        assert!(matches!(m.repr.as_deref(), Some(Repr::One((0, (500, 32, false))))));
+        m.map(FileBlock(40), DevBlock(900), 1, false);
+        assert!(matches!(m.repr.as_deref(), Some(Repr::Tree(_))));
+        m.punch(FileBlock(40), 1);
+        assert!(matches!(m.repr.as_deref(), Some(Repr::One(_))), "back to one extent, back to the small form");
+        m.punch(FileBlock(0), 100);
+        assert!(m.repr.is_none());
+        assert_eq!(m, ExtentMap::default());
     }
 }

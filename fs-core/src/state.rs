@@ -125,9 +125,9 @@ impl Node {
     }
 }
 
-// A node is resident for every file: 176 bytes, a 192-byte chunk of the
+// A node is resident for every file: 160 bytes, a 176-byte chunk of the
 // allocator (it was 280 before issue 34).
-const _: () = assert!(std::mem::size_of::<Node>() <= 176, "a node is resident for every file");
+const _: () = assert!(std::mem::size_of::<Node>() <= 160, "a node is resident for every file");
 
 /// A finished snapshot's records: the inodes' part, then the entries'.
 /// Kept as two parts so that writing them out copies neither (at 1M
