@@ -31,6 +31,7 @@ mod fsck;
 mod ids;
 mod journal;
 mod mkfs;
+mod node_table;
 mod ops;
 mod quota;
 mod record;

@@ -11,6 +11,7 @@ use super::codec::Writer;
 pub use super::dir::{Directory, FIRST_COOKIE};
 use super::extent::ExtentMap;
 use super::format::{BlockRun, Inode, COUNTER_MAX};
+use super::node_table::NodeTable;
 use super::ops::MAX_FILE_BYTES;
 use super::record::Record;
 
@@ -125,8 +126,8 @@ impl Node {
     }
 }
 
-// A node is resident for every file: 160 bytes, a 176-byte chunk of the
-// allocator (it was 280 before issue 34).
+// A node is resident for every file: 160 bytes, kept densely in the node
+// table's pages (it was 280 bytes, boxed in a hash map, before issue 34).
 const _: () = assert!(std::mem::size_of::<Node>() <= 160, "a node is resident for every file");
 
 /// A finished snapshot's records: the inodes' part, then the entries'.
@@ -203,10 +204,9 @@ pub enum ApplyMode {
 pub struct ApplyError(pub String);
 
 pub struct State {
-    /// Boxed: a hash table keeps a share of its slots empty, and an empty
-    /// slot costs a pointer rather than a whole node. Private: every change
-    /// goes through [`State::node_mut`] or [`State::apply`].
-    nodes: keelfs_base::IdMap<Box<Node>>,
+    /// Private: every change goes through [`State::node_mut`] or
+    /// [`State::apply`].
+    nodes: NodeTable<Node>,
     pub next_ino: u64,
     pub alloc: Allocator,
     /// Runs freed by changes not yet committed: reusable only after the
@@ -224,18 +224,11 @@ fn err<T>(msg: String) -> Result<T, ApplyError> {
 
 impl State {
     pub fn new(alloc: Allocator) -> Self {
-        Self {
-            nodes: keelfs_base::IdMap::default(),
-            next_ino: 2,
-            alloc,
-            pending_free: Vec::new(),
-            snapshot: None,
-            epoch: 0,
-        }
+        Self { nodes: NodeTable::default(), next_ino: 2, alloc, pending_free: Vec::new(), snapshot: None, epoch: 0 }
     }
 
     pub fn node(&self, ino: u64) -> Option<&Node> {
-        self.nodes.get(&ino).map(|n| &**n)
+        self.nodes.get(ino)
     }
 
     /// How many inodes there are.
@@ -245,19 +238,19 @@ impl State {
 
     /// Every inode, in no particular order.
     pub fn nodes(&self) -> impl Iterator<Item = &Node> + '_ {
-        self.nodes.values().map(|n| &**n)
+        self.nodes.values()
     }
 
     pub fn node_mut(&mut self, ino: u64) -> Option<&mut Node> {
         self.before_change(ino);
-        self.nodes.get_mut(&ino).map(|n| &mut **n)
+        self.nodes.get_mut(ino)
     }
 
     /// Copy before write: a snapshot in progress encodes `ino` as it is now,
     /// before the caller changes it, unless it has already.
     fn before_change(&mut self, ino: u64) {
         let Some(snapshot) = self.snapshot.as_mut() else { return };
-        if let Some(node) = self.nodes.get_mut(&ino) {
+        if let Some(node) = self.nodes.get_mut(ino) {
             if node.snapshot_epoch != snapshot.epoch {
                 snapshot.encode(node);
             }
@@ -278,7 +271,7 @@ impl State {
             self.epoch = 0;
         }
         self.epoch += 1;
-        let mut to_visit: Vec<u64> = self.nodes.keys().copied().collect();
+        let mut to_visit: Vec<u64> = self.nodes.keys().collect();
         // Descending, so that popping visits in ascending order.
         to_visit.sort_unstable_by(|a, b| b.cmp(a));
         let mut inodes = Writer::new();
@@ -297,7 +290,7 @@ impl State {
         for _ in 0..nodes {
             let Some(ino) = snapshot.to_visit.pop() else { break };
             // Gone since the start: encoded before it went.
-            if let Some(node) = self.nodes.get_mut(&ino) {
+            if let Some(node) = self.nodes.get_mut(ino) {
                 if node.snapshot_epoch != snapshot.epoch {
                     snapshot.encode(node);
                 }
@@ -333,7 +326,7 @@ impl State {
 
     fn apply_inode_free(&mut self, ino: u64, mode: ApplyMode) -> Result<(), ApplyError> {
         self.before_change(ino);
-        let Some(node) = self.nodes.remove(&ino) else {
+        let Some(node) = self.nodes.remove(ino) else {
             return if mode == ApplyMode::Replay { Ok(()) } else { err(format!("free of missing inode {ino}")) };
         };
         let runs = node.extents.iter().map(|e| BlockRun { start: e.disk_block.0, len: e.len }).collect();
@@ -348,11 +341,11 @@ impl State {
             return err(format!("entry of {dir} with cookie {cookie} outside {FIRST_COOKIE}..{COUNTER_MAX}"));
         }
         self.before_change(dir);
-        let Some(d) = self.nodes.get_mut(&dir).and_then(|n| n.dir.as_mut()) else {
+        let Some(d) = self.nodes.get_mut(dir).and_then(|n| n.dir.as_mut()) else {
             return err(format!("entry added to {dir}, which is not a directory"));
         };
         d.insert(name, ino, cookie).map_err(|e| ApplyError(format!("entry of {dir}: {e}")))?;
-        if let Some(child) = self.nodes.get_mut(&ino).and_then(|n| n.dir.as_mut()) {
+        if let Some(child) = self.nodes.get_mut(ino).and_then(|n| n.dir.as_mut()) {
             child.parent = dir;
         }
         Ok(())
@@ -360,7 +353,7 @@ impl State {
 
     fn apply_dirent_delete(&mut self, dir: u64, name: &[u8], mode: ApplyMode) -> Result<(), ApplyError> {
         self.before_change(dir);
-        let Some(d) = self.nodes.get_mut(&dir).and_then(|n| n.dir.as_mut()) else {
+        let Some(d) = self.nodes.get_mut(dir).and_then(|n| n.dir.as_mut()) else {
             return err(format!("entry removed from {dir}, which is not a directory"));
         };
         if d.remove(name).is_none() && mode == ApplyMode::Live {
@@ -380,20 +373,20 @@ impl State {
             }
             Record::ExtentPunch { ino, file_block, len } => {
                 self.before_change(*ino);
-                let Some(node) = self.nodes.get_mut(ino) else { return err(format!("punch in missing inode {ino}")) };
+                let Some(node) = self.nodes.get_mut(*ino) else { return err(format!("punch in missing inode {ino}")) };
                 let runs = node.extents.punch(FileBlock(*file_block), *len);
                 self.release(runs, mode);
                 Ok(())
             }
             Record::XattrSet { ino, name, value } => {
                 self.before_change(*ino);
-                let Some(node) = self.nodes.get_mut(ino) else { return err(format!("xattr on missing inode {ino}")) };
+                let Some(node) = self.nodes.get_mut(*ino) else { return err(format!("xattr on missing inode {ino}")) };
                 node.extras_mut().xattrs.insert(name.clone(), value.clone());
                 Ok(())
             }
             Record::XattrDelete { ino, name } => {
                 self.before_change(*ino);
-                let Some(node) = self.nodes.get_mut(ino) else { return err(format!("xattr on missing inode {ino}")) };
+                let Some(node) = self.nodes.get_mut(*ino) else { return err(format!("xattr on missing inode {ino}")) };
                 if let Some(extras) = node.extras.as_mut() {
                     extras.xattrs.remove(name);
                 }
@@ -401,7 +394,9 @@ impl State {
             }
             Record::Symlink { ino, target } => {
                 self.before_change(*ino);
-                let Some(node) = self.nodes.get_mut(ino) else { return err(format!("symlink on missing inode {ino}")) };
+                let Some(node) = self.nodes.get_mut(*ino) else {
+                    return err(format!("symlink on missing inode {ino}"));
+                };
                 node.extras_mut().symlink = Some(target.clone());
                 Ok(())
             }
@@ -427,7 +422,7 @@ impl State {
         }
         self.next_ino = self.next_ino.max(inode.ino + 1);
         self.before_change(inode.ino);
-        match self.nodes.get_mut(&inode.ino) {
+        match self.nodes.get_mut(inode.ino) {
             Some(node) => {
                 if node.inode.file_type() != inode.file_type() {
                     return err(format!("inode {} changed type", inode.ino));
@@ -435,7 +430,7 @@ impl State {
                 node.inode = inode.clone();
             }
             None => {
-                let node = Box::new(Node::new(inode.clone(), self.epoch));
+                let node = Node::new(inode.clone(), self.epoch);
                 self.nodes.insert(inode.ino, node);
             }
         }
@@ -455,7 +450,7 @@ impl State {
             return err(format!("extent of inode {ino} has a bad length"));
         }
         self.before_change(ino);
-        let Some(node) = self.nodes.get_mut(&ino) else { return err(format!("extent for missing inode {ino}")) };
+        let Some(node) = self.nodes.get_mut(ino) else { return err(format!("extent for missing inode {ino}")) };
         if !node.inode.is_reg() {
             return err(format!("extent for inode {ino}, which is not a regular file"));
         }
