@@ -64,7 +64,7 @@ impl Fs {
         let ino = state.ino.get();
         self.inner.handles.borrow_mut().insert(number, Handle { ino, flags: state.flags, dir_end: state.dir_end });
         if let Some(node) = self.inner.state.borrow_mut().node_mut(ino) {
-            node.opens += 1;
+            node.opens.add(1);
         }
         let next = self.inner.next_handle.get().max(number.saturating_add(1));
         self.inner.next_handle.set(next);
@@ -81,7 +81,7 @@ impl Fs {
     pub fn hold_lookups(&self, ino: Ino, n: u64) -> FsResult<()> {
         let mut state = self.inner.state.borrow_mut();
         let node = state.node_mut(ino.get()).ok_or(FsError::NotFound)?;
-        node.lookups = node.lookups.saturating_add(n);
+        node.lookups.add(n);
         Ok(())
     }
 
@@ -95,7 +95,7 @@ impl Fs {
             let state = self.inner.state.borrow();
             state
                 .nodes()
-                .filter(|n| n.inode.nlink == 0 && n.lookups == 0 && n.opens == 0)
+                .filter(|n| n.inode.nlink == 0 && n.lookups.is_zero() && n.opens.is_zero())
                 .map(|n| n.inode.ino)
                 .collect()
         };

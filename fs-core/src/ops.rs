@@ -253,14 +253,14 @@ impl FsInner {
 
     fn add_lookup(&self, ino: u64, n: u64) {
         if let Some(node) = self.state.borrow_mut().node_mut(ino) {
-            node.lookups += n;
+            node.lookups.add(n);
         }
     }
 
     /// Free an inode once nothing names or holds it.
     pub(crate) fn maybe_free(&self, ino: u64) -> FsResult<()> {
         let unreferenced = match self.state.borrow().node(ino) {
-            Some(n) => n.inode.nlink == 0 && n.lookups == 0 && n.opens == 0,
+            Some(n) => n.inode.nlink == 0 && n.lookups.is_zero() && n.opens.is_zero(),
             None => return Ok(()),
         };
         if unreferenced && ino != ROOT_INO {
@@ -425,7 +425,7 @@ impl Fs {
     pub async fn forget(&self, ino: Ino, n: u64) -> FsResult<()> {
         let ino = ino.get();
         if let Some(node) = self.inner.state.borrow_mut().node_mut(ino) {
-            node.lookups = node.lookups.saturating_sub(n);
+            node.lookups.sub(n);
         }
         self.inner.maybe_free(ino)?;
         Ok(())
@@ -659,7 +659,7 @@ impl Fs {
         // make_node counts a lookup for the entry a create replies with;
         // the kernel gets none for a whiteout.
         if let Some(node) = self.inner.state.borrow_mut().node_mut(whiteout.ino) {
-            node.lookups -= 1;
+            node.lookups.sub(1);
         }
         Ok(())
     }
@@ -747,7 +747,7 @@ impl Fs {
         let dir_end = self.inner.state.borrow().node(ino).and_then(|n| n.dir.as_ref()).map_or(0, |d| d.cookie_end());
         self.inner.handles.borrow_mut().insert(fh, Handle { ino, flags, dir_end });
         if let Some(node) = self.inner.state.borrow_mut().node_mut(ino) {
-            node.opens += 1;
+            node.opens.add(1);
         }
         Fh::new(fh)
     }
@@ -789,7 +789,7 @@ impl Fs {
         let fh = fh.get();
         let handle = self.inner.handles.borrow_mut().remove(&fh).ok_or(FsError::BadHandle)?;
         if let Some(node) = self.inner.state.borrow_mut().node_mut(handle.ino) {
-            node.opens = node.opens.saturating_sub(1);
+            node.opens.sub(1);
         }
         self.inner.maybe_free(handle.ino)?;
         Ok(())
