@@ -43,11 +43,11 @@ pub struct Node {
     /// Boxed: most inodes are not directories, and a directory's tables
     /// inline would cost every file their size.
     pub dir: Option<Box<Directory>>,
-    /// Boxed, and made on first use: few inodes have xattrs or a target.
+    /// Boxed, and made on first use: few inodes have xattrs or a target,
+    /// and a node not written since mount has no write state (issue 34:
+    /// memory per file). One box for the three: a written file pays for
+    /// two empty fields, and every node saves a pointer.
     extras: Option<Box<Extras>>,
-    /// Boxed, and made on a file's first write: a node that has not been
-    /// written since mount has none (issue 34: memory per file).
-    writes: Option<Box<WriteState>>,
 }
 
 /// A runtime reference count in 32 bits (a node is resident for every
@@ -77,11 +77,13 @@ impl RefCount {
     }
 }
 
-/// What few inodes have: xattrs, and a symlink's target.
+/// What few inodes have: xattrs, a symlink's target, and the state of
+/// writes since mount.
 #[derive(Clone, Debug, Default)]
 pub struct Extras {
     pub xattrs: BTreeMap<Vec<u8>, Vec<u8>>,
     pub symlink: Option<Vec<u8>>,
+    pub writes: WriteState,
 }
 
 /// Runtime only: the state of writes to a file. Kept for the node's life
@@ -103,9 +105,11 @@ pub struct WriteState {
     pub direct_epoch: u64,
 }
 
-static NO_EXTRAS: Extras = Extras { xattrs: BTreeMap::new(), symlink: None };
-static NO_WRITES: WriteState =
-    WriteState { persist_size_cap: None, extends_in_flight: BTreeMap::new(), extends_done: 0, direct_epoch: 0 };
+static NO_EXTRAS: Extras = Extras {
+    xattrs: BTreeMap::new(),
+    symlink: None,
+    writes: WriteState { persist_size_cap: None, extends_in_flight: BTreeMap::new(), extends_done: 0, direct_epoch: 0 },
+};
 
 impl Node {
     fn new(inode: Inode, snapshot_epoch: u32) -> Self {
@@ -121,7 +125,6 @@ impl Node {
             extents: ExtentMap::default(),
             dir,
             extras: None,
-            writes: None,
         }
     }
 
@@ -138,24 +141,24 @@ impl Node {
     }
 
     pub fn writes(&self) -> &WriteState {
-        self.writes.as_deref().unwrap_or(&NO_WRITES)
+        &self.extras.as_deref().unwrap_or(&NO_EXTRAS).writes
     }
 
     /// The write state, made if this is the first write.
     pub fn writes_mut(&mut self) -> &mut WriteState {
-        self.writes.get_or_insert_with(Default::default)
+        &mut self.extras_mut().writes
     }
 
-    /// The write state if the file has been written, for changes that
-    /// only undo or lower what a write set.
+    /// The write state if it was made (the file was written, or has
+    /// extras), for changes that only undo or lower what a write set.
     pub fn writes_if_any(&mut self) -> Option<&mut WriteState> {
-        self.writes.as_deref_mut()
+        self.extras.as_deref_mut().map(|e| &mut e.writes)
     }
 }
 
-// A node is resident for every file: 152 bytes, kept densely in the node
+// A node is resident for every file: 144 bytes, kept densely in the node
 // table's pages (it was 280 bytes, boxed in a hash map, before issue 34).
-const _: () = assert!(std::mem::size_of::<Node>() <= 152, "a node is resident for every file");
+const _: () = assert!(std::mem::size_of::<Node>() <= 144, "a node is resident for every file");
 
 /// A finished snapshot's records: the inodes' part, then the entries'.
 /// Kept as two parts so that writing them out copies neither (at 1M
