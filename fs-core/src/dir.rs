@@ -4,7 +4,9 @@
 //!
 //! Why not a map by name beside a map by cookie: at a million 35-byte
 //! names that cost about 190 bytes per entry (a hash slot, a B-tree slot
-//! and a shared heap name); packed it is about 70 (issue 34).
+//! and a shared heap name); packed it is about 60 (issue 34). A record's
+//! cookie and inode are varints: a directory's cookies and a filesystem's
+//! inode numbers are small, so each takes 2 to 4 bytes instead of 8.
 //!
 //! Each entry carries a cookie, assigned once and never reused in the
 //! directory, which is its stable readdir offset. Entries are appended in
@@ -28,8 +30,50 @@ pub const FIRST_COOKIE: u64 = 3;
 /// longest names, 40M of typical ones.
 const ARENA_MAX: usize = 1 << 31;
 
-/// One record: cookie, inode (0 once removed), name length, name.
-const HEADER: usize = 8 + 8 + 1;
+/// One record: cookie and inode (0 once removed) as LEB128 varints, name
+/// length, name. A removed record's inode keeps its width, written as a
+/// padded zero (0x80 .. 0x80 0x00), so records never move on removal.
+const HEADER_MAX: usize = VARINT_MAX + VARINT_MAX + 1;
+
+/// The longest varint: 64 bits in 7-bit groups.
+const VARINT_MAX: usize = 10;
+
+fn varint_len(mut v: u64) -> usize {
+    let mut len = 1;
+    while v >= 0x80 {
+        v >>= 7;
+        len += 1;
+    }
+    len
+}
+
+fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push(v as u8 | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+/// The varint at `at` (this module wrote it, padded zeros included), and
+/// where the next field starts.
+fn get_varint(buf: &[u8], at: usize) -> (u64, usize) {
+    let (mut v, mut shift, mut i) = (0u64, 0, at);
+    loop {
+        let b = buf[i];
+        v |= u64::from(b & 0x7f) << shift;
+        i += 1;
+        if b & 0x80 == 0 {
+            return (v, i);
+        }
+        shift += 7;
+        assert!(i - at < VARINT_MAX, "a varint of at most {VARINT_MAX} bytes");
+    }
+}
+
+fn record_len(cookie: u64, ino: u64, name: &[u8]) -> usize {
+    varint_len(cookie) + varint_len(ino) + 1 + name.len()
+}
 
 /// The index's reserved slot values: 0 is empty, this a removed entry
 /// (probing goes on past it). Any other value is an arena offset + 1.
@@ -92,6 +136,8 @@ pub struct Directory {
 struct Entry<'a> {
     cookie: u64,
     ino: u64,
+    /// Where the inode's varint lies, to zero it on removal.
+    ino_span: std::ops::Range<usize>,
     name: &'a [u8],
     /// Where the next record starts.
     end: usize,
@@ -138,16 +184,16 @@ impl Directory {
     /// Whether an entry named `name` can be added (after removing what is
     /// removed, the arena stays within its bound).
     pub fn has_room(&self, name: &[u8]) -> bool {
-        self.live_bytes + HEADER + name.len() <= self.arena_max && self.live < u32::MAX / 2
+        self.live_bytes + HEADER_MAX + name.len() <= self.arena_max && self.live < u32::MAX / 2
     }
 
     fn entry_at(&self, at: usize) -> Entry<'_> {
         let a = &self.arena;
-        let cookie = u64::from_le_bytes(a[at..at + 8].try_into().expect("8 bytes"));
-        let ino = u64::from_le_bytes(a[at + 8..at + 16].try_into().expect("8 bytes"));
-        let len = usize::from(a[at + 16]);
-        let name = &a[at + HEADER..at + HEADER + len];
-        Entry { cookie, ino, name, end: at + HEADER + len }
+        let (cookie, ino_at) = get_varint(a, at);
+        let (ino, len_at) = get_varint(a, ino_at);
+        let len = usize::from(a[len_at]);
+        let name = &a[len_at + 1..len_at + 1 + len];
+        Entry { cookie, ino, ino_span: ino_at..len_at, name, end: len_at + 1 + len }
     }
 
     /// The index slot that holds `name` (whose hash is `hash`), or None.
@@ -216,14 +262,15 @@ impl Directory {
         if !self.has_room(name) {
             return Err(DirError::Full);
         }
-        if self.arena.len() + HEADER + name.len() > self.arena_max {
+        let len = record_len(cookie, ino, name);
+        if self.arena.len() + len > self.arena_max {
             self.compact();
         }
         self.grow_index_for_one_more();
         let at = self.arena.len();
-        self.reserve_arena(HEADER + name.len());
-        self.arena.extend_from_slice(&cookie.to_le_bytes());
-        self.arena.extend_from_slice(&ino.to_le_bytes());
+        self.reserve_arena(len);
+        put_varint(&mut self.arena, cookie);
+        put_varint(&mut self.arena, ino);
         self.arena.push(name.len() as u8);
         self.arena.extend_from_slice(name);
         if self.records.is_multiple_of(SPARSE_EVERY) {
@@ -231,7 +278,8 @@ impl Directory {
         }
         self.records += 1;
         self.live += 1;
-        self.live_bytes += HEADER + name.len();
+        self.live_bytes += len;
+        debug_assert_eq!(self.arena.len(), at + len);
         if place_in(&mut self.index, hash, at) {
             self.removed_slots -= 1;
         }
@@ -248,12 +296,16 @@ impl Directory {
     fn remove_hashed(&mut self, name: &[u8], hash: u64) -> Option<u64> {
         let slot = self.find_slot(name, hash)?;
         let at = self.index[slot] as usize - 1;
-        let ino = self.entry_at(at).ino;
-        self.arena[at + 8..at + 16].copy_from_slice(&0u64.to_le_bytes());
+        let entry = self.entry_at(at);
+        let (ino, ino_span, len) = (entry.ino, entry.ino_span, entry.end - at);
+        // Zero in the same width: 0x80 continues, the last byte ends.
+        let last = ino_span.end - 1;
+        self.arena[ino_span.start..last].fill(0x80);
+        self.arena[last] = 0;
         self.index[slot] = REMOVED;
         self.removed_slots += 1;
         self.live -= 1;
-        self.live_bytes -= HEADER + name.len();
+        self.live_bytes -= len;
         if self.live == 0 {
             self.empty_out();
             return Some(ino);
@@ -374,6 +426,35 @@ fn place_in(index: &mut [u32], hash: u64, at: usize) -> bool {
 mod tests {
     use super::*;
 
+    #[test]
+    fn varints_round_trip_and_a_padded_zero_reads_as_zero() {
+        for v in [0, 1, 127, 128, 16_383, 16_384, u64::from(u32::MAX), u64::MAX >> 1, u64::MAX] {
+            let mut buf = vec![0xaa];
+            put_varint(&mut buf, v);
+            assert_eq!(buf.len() - 1, varint_len(v));
+            assert_eq!(get_varint(&buf, 1), (v, buf.len()));
+        }
+        assert_eq!(varint_len(u64::MAX), VARINT_MAX);
+        assert_eq!(get_varint(&[0x80, 0x80, 0x80, 0x00, 0x55], 0), (0, 4));
+    }
+
+    /// Removing an entry whose inode takes several varint bytes leaves its
+    /// neighbours readable, in order, with their inodes.
+    #[test]
+    fn removal_keeps_wide_records_in_place() {
+        let mut d = Directory::new(1);
+        let inos = [5, 300, 1 << 40, u64::MAX - 1, 77];
+        for (i, &ino) in inos.iter().enumerate() {
+            d.insert(format!("n{i}").as_bytes(), ino, FIRST_COOKIE + (i as u64) * 1000).expect("insert");
+        }
+        assert_eq!(d.remove(b"n2"), Some(1 << 40));
+        assert_eq!(d.remove(b"n3"), Some(u64::MAX - 1));
+        let left: Vec<u64> = d.entries_from(0).map(|(_, _, ino)| ino).collect();
+        assert_eq!(left, vec![5, 300, 77]);
+        assert_eq!(d.lookup(b"n4"), Some(77));
+        assert_eq!(d.lookup(b"n2"), None);
+    }
+
     fn names(d: &Directory, from: u64) -> Vec<(u64, String, u64)> {
         d.entries_from(from).map(|(c, n, i)| (c, String::from_utf8_lossy(n).into_owned(), i)).collect()
     }
@@ -421,7 +502,7 @@ mod tests {
                 assert_eq!(names(&d, from), want, "listing from {from} at step {step}");
             }
         }
-        assert!(d.arena.len() <= 2 * d.live_bytes.max(4096) + HEADER + NAME_MAX, "removed records are dropped");
+        assert!(d.arena.len() <= 2 * d.live_bytes.max(4096) + HEADER_MAX + NAME_MAX, "removed records are dropped");
     }
 
     #[test]
@@ -458,14 +539,16 @@ mod tests {
     #[test]
     fn a_full_directory_refuses_entries_until_one_is_removed() {
         let mut d = Directory::with_arena_max(1, 1000);
-        let name = |i: u64| format!("entry-{i:04}"); // 10 bytes: 27 a record
+        // 10 bytes; cookies and inodes below 128 take a byte each: 13 a record.
+        let name = |i: u64| format!("entry-{i:04}");
         let mut added = 0;
         while d.has_room(name(added).as_bytes()) {
             let c = d.take_cookie();
             d.insert(name(added).as_bytes(), added + 2, c).unwrap();
             added += 1;
         }
-        assert_eq!(added, 1000 / 27);
+        // Room is judged by the widest record a name can make.
+        assert_eq!(added as usize, (1000 - (HEADER_MAX + 10)) / 13 + 1);
         let c = d.take_cookie();
         assert_eq!(d.insert(name(added).as_bytes(), 99, c), Err(DirError::Full));
         assert!(d.lookup(name(added).as_bytes()).is_none(), "a refused entry is not added");
