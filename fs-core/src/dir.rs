@@ -80,6 +80,83 @@ fn record_len(cookie: u64, ino: u64, name: &[u8]) -> usize {
 const EMPTY: u32 = 0;
 const REMOVED: u32 = u32::MAX;
 
+/// The index's slots: 16 bits while every arena offset fits them (a
+/// directory of up to about 1,500 entries of 35-byte names, which is most
+/// of them), 32 bits past that. Half the index's bytes for most
+/// directories (issue 34: memory per file).
+#[derive(Clone, Debug)]
+enum Slots {
+    Narrow(Vec<u16>),
+    Wide(Vec<u32>),
+}
+
+/// REMOVED as a narrow slot holds it; values below it are as they are.
+const NARROW_REMOVED: u16 = u16::MAX;
+
+impl Slots {
+    /// Whether a narrow index can hold the record at arena offset `at`.
+    fn narrow_holds(at: usize) -> bool {
+        at + 1 < usize::from(NARROW_REMOVED)
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Slots::Narrow(v) => v.len(),
+            Slots::Wide(v) => v.len(),
+        }
+    }
+
+    fn is_narrow(&self) -> bool {
+        matches!(self, Slots::Narrow(_))
+    }
+
+    fn get(&self, slot: usize) -> u32 {
+        match self {
+            Slots::Narrow(v) if v[slot] == NARROW_REMOVED => REMOVED,
+            Slots::Narrow(v) => u32::from(v[slot]),
+            Slots::Wide(v) => v[slot],
+        }
+    }
+
+    fn set(&mut self, slot: usize, value: u32) {
+        match self {
+            Slots::Narrow(v) if value == REMOVED => v[slot] = NARROW_REMOVED,
+            Slots::Narrow(v) => v[slot] = u16::try_from(value).ok().filter(|&n| n != NARROW_REMOVED).expect("fits"),
+            Slots::Wide(v) => v[slot] = value,
+        }
+    }
+
+    /// `size` empty slots, of the width given, reusing the allocation when
+    /// the width stays.
+    fn reset(&mut self, size: usize, narrow: bool) {
+        match self {
+            Slots::Narrow(v) if narrow => {
+                v.clear();
+                v.resize(size, EMPTY as u16);
+            }
+            Slots::Wide(v) if !narrow => {
+                v.clear();
+                v.resize(size, EMPTY);
+            }
+            _ if narrow => *self = Slots::Narrow(vec![EMPTY as u16; size]),
+            _ => *self = Slots::Wide(vec![EMPTY; size]),
+        }
+    }
+
+    fn fill_empty(&mut self) {
+        match self {
+            Slots::Narrow(v) => v.fill(EMPTY as u16),
+            Slots::Wide(v) => v.fill(EMPTY),
+        }
+    }
+}
+
+impl Default for Slots {
+    fn default() -> Self {
+        Slots::Narrow(Vec::new())
+    }
+}
+
 /// An emptied directory keeps buffers up to this size for its next entries.
 const EMPTY_KEEP_BYTES: usize = 64 << 10;
 
@@ -115,7 +192,7 @@ pub struct Directory {
     arena: Vec<u8>,
     /// Power-of-two sized (or empty); at most 70% used, counting removed
     /// slots, so that a probe for a missing name ends after a few slots.
-    index: Vec<u32>,
+    index: Slots,
     sparse: Vec<(u64, u32)>,
     live: u32,
     /// Records in the arena, live or removed.
@@ -148,7 +225,7 @@ impl Directory {
         Self {
             parent,
             arena: Vec::new(),
-            index: Vec::new(),
+            index: Slots::default(),
             sparse: Vec::new(),
             live: 0,
             records: 0,
@@ -198,7 +275,7 @@ impl Directory {
 
     /// The index slot that holds `name` (whose hash is `hash`), or None.
     fn find_slot(&self, name: &[u8], hash: u64) -> Option<usize> {
-        if self.index.is_empty() {
+        if self.index.len() == 0 {
             return None;
         }
         let mask = self.index.len() - 1;
@@ -206,7 +283,7 @@ impl Directory {
         // Triangular probing visits every slot of a power-of-two table, and
         // at most 70% are used, so an empty one ends the walk.
         for step in 1..=self.index.len() {
-            match self.index[slot] {
+            match self.index.get(slot) {
                 EMPTY => return None,
                 REMOVED => {}
                 v => {
@@ -222,7 +299,7 @@ impl Directory {
     }
 
     pub fn lookup(&self, name: &[u8]) -> Option<u64> {
-        self.find_slot(name, name_hash(name)).map(|s| self.entry_at(self.index[s] as usize - 1).ino)
+        self.find_slot(name, name_hash(name)).map(|s| self.entry_at(self.index.get(s) as usize - 1).ino)
     }
 
     /// Entries with cookie >= `from`, in cookie order: (cookie, name, ino).
@@ -295,14 +372,14 @@ impl Directory {
 
     fn remove_hashed(&mut self, name: &[u8], hash: u64) -> Option<u64> {
         let slot = self.find_slot(name, hash)?;
-        let at = self.index[slot] as usize - 1;
+        let at = self.index.get(slot) as usize - 1;
         let entry = self.entry_at(at);
         let (ino, ino_span, len) = (entry.ino, entry.ino_span, entry.end - at);
         // Zero in the same width: 0x80 continues, the last byte ends.
         let last = ino_span.end - 1;
         self.arena[ino_span.start..last].fill(0x80);
         self.arena[last] = 0;
-        self.index[slot] = REMOVED;
+        self.index.set(slot, REMOVED);
         self.removed_slots += 1;
         self.live -= 1;
         self.live_bytes -= len;
@@ -330,12 +407,14 @@ impl Directory {
         }
     }
 
-    /// Make room in the index for one more entry.
+    /// Make room in the index for one more entry, at the arena's end.
     fn grow_index_for_one_more(&mut self) {
         let used = (self.live + self.removed_slots + 1) as usize;
         if used * 10 > self.index.len() * 7 {
             let size = ((self.live as usize + 1) * 10 / 5).next_power_of_two().max(8);
             self.rebuild_index(size);
+        } else if self.index.is_narrow() && !Slots::narrow_holds(self.arena.len()) {
+            self.rebuild_index(self.index.len());
         }
     }
 
@@ -344,8 +423,8 @@ impl Directory {
     fn rebuild_index(&mut self, size: usize) {
         debug_assert!(size.is_power_of_two() && size * 7 >= (self.live as usize + 1) * 10);
         let mut index = std::mem::take(&mut self.index);
-        index.clear();
-        index.resize(size, EMPTY);
+        // Narrow if it holds the next record too (at the arena's end).
+        index.reset(size, Slots::narrow_holds(self.arena.len()));
         let mut at = 0;
         while at < self.arena.len() {
             let e = self.entry_at(at);
@@ -364,11 +443,11 @@ impl Directory {
     /// stay: they are never reused.
     fn empty_out(&mut self) {
         if self.arena.capacity() > EMPTY_KEEP_BYTES {
-            (self.arena, self.index, self.sparse) = (Vec::new(), Vec::new(), Vec::new());
+            (self.arena, self.index, self.sparse) = (Vec::new(), Slots::default(), Vec::new());
         } else {
             self.arena.clear();
             self.sparse.clear();
-            self.index.fill(EMPTY);
+            self.index.fill_empty();
         }
         (self.records, self.removed_slots) = (0, 0);
     }
@@ -409,16 +488,16 @@ impl Directory {
 
 /// Put the record at `at` into `index`, in the first free slot of its
 /// probe sequence. True if that slot held a removed entry.
-fn place_in(index: &mut [u32], hash: u64, at: usize) -> bool {
+fn place_in(index: &mut Slots, hash: u64, at: usize) -> bool {
     let mask = index.len() - 1;
     let mut slot = hash as usize & mask;
     let mut step = 1;
-    while index[slot] != EMPTY && index[slot] != REMOVED {
+    while index.get(slot) != EMPTY && index.get(slot) != REMOVED {
         slot = (slot + step) & mask;
         step += 1;
     }
-    let was_removed = index[slot] == REMOVED;
-    index[slot] = at as u32 + 1;
+    let was_removed = index.get(slot) == REMOVED;
+    index.set(slot, at as u32 + 1);
     was_removed
 }
 
@@ -532,6 +611,35 @@ mod tests {
         assert_eq!(d.insert(b"", 6, 11), Err(DirError::BadName(0)));
         assert_eq!(d.insert(&[b'x'; 256], 6, 11), Err(DirError::BadName(256)));
         assert_eq!(names(&d, 0), vec![(10, "a".to_string(), 5)], "nothing refused was added");
+    }
+
+    /// The index widens when the arena passes what 16-bit slots can hold,
+    /// and narrows again when compaction brings it back, finding every
+    /// name throughout.
+    #[test]
+    fn the_index_widens_and_narrows_with_the_arena() {
+        let mut d = Directory::new(1);
+        let name = |i: u64| format!("a-name-of-about-thirty-bytes-{i:06}");
+        let mut count = 0;
+        while d.index.is_narrow() {
+            let c = d.take_cookie();
+            d.insert(name(count).as_bytes(), count + 2, c).unwrap();
+            count += 1;
+            assert!(count < 10_000, "the index widens");
+        }
+        assert!(d.arena.len() > 60_000, "narrow slots served until the arena outgrew them");
+        for i in 0..count {
+            assert_eq!(d.lookup(name(i).as_bytes()), Some(i + 2));
+        }
+        for i in 0..count - 100 {
+            assert_eq!(d.remove(name(i).as_bytes()), Some(i + 2));
+        }
+        assert!(d.index.is_narrow(), "compaction narrowed the index again");
+        for i in 0..count {
+            assert_eq!(d.lookup(name(i).as_bytes()), (i >= count - 100).then_some(i + 2));
+        }
+        assert_eq!(d.remove(name(count - 1).as_bytes()), Some(count + 1), "a removal through a narrow slot");
+        assert_eq!(d.entries_from(0).count(), 99);
     }
 
     /// A full directory refuses a new entry, and takes one again once a
