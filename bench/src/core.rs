@@ -69,6 +69,9 @@ pub struct CoreArgs {
     /// byte-writes: 1-byte writes per round and mode.
     #[arg(long, default_value_t = 400_000, value_parser = clap::value_parser!(u64).range(2..))]
     writes: u64,
+    /// metadata-fill: bytes written to each file (0: empty files).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1 << 20))]
+    file_bytes: u64,
     /// Concurrent tasks (each at queue depth 1) for the I/O workloads.
     #[arg(long, default_value_t = 4)]
     threads: u32,
@@ -111,7 +114,7 @@ fn device_bytes_needed(p: &Params) -> u64 {
         // directories (the large one and the small one).
         Workload::Lookup => (p.entries + 1000) * 1024,
         // Inodes, directory blocks and two checkpoints' room.
-        Workload::MetadataFill | Workload::MetadataMount => p.entries * 1024,
+        Workload::MetadataFill | Workload::MetadataMount => p.entries * (1024 + p.file_bytes.next_multiple_of(4096)),
         Workload::DioOverwrite | Workload::AioAppend | Workload::BufferedRandrw => p.file_size,
         Workload::ByteWrites => crate::core_io::byte_writes_bytes(p.writes),
         // A buffered copy and a direct copy.
@@ -170,6 +173,7 @@ pub fn run(args: &CoreArgs) -> anyhow::Result<()> {
         backend: format!("{:?}", args.backend).to_lowercase(),
         readers_on_owner: args.readers_on_owner,
         writes: args.writes,
+        file_bytes: args.file_bytes,
     };
     let size = device_bytes(args, &params)?;
     let dev = open_device(args, size).context("opening the device")?;
@@ -207,7 +211,7 @@ pub fn run(args: &CoreArgs) -> anyhow::Result<()> {
             Workload::ByteWrites => crate::core_io::byte_writes(&fs, &params).await?,
             Workload::SeqExtents => crate::core_io::seq_extents(&fs, &params).await?,
             Workload::FsyncStorm => crate::core_io::fsync_storm(&fs, &params).await?,
-            Workload::MetadataFill => crate::core_meta::fill(&fs, params.entries).await?,
+            Workload::MetadataFill => crate::core_meta::fill(&fs, params.entries, params.file_bytes).await?,
             Workload::MetadataMount => crate::core_meta::mounted(&fs, mount_s, rss_before).await?,
         };
         line["backend"] = json!(params.backend);
@@ -241,6 +245,7 @@ pub struct Params {
     pub backend: String,
     pub readers_on_owner: bool,
     pub writes: u64,
+    pub file_bytes: u64,
 }
 
 fn emit(line: &serde_json::Value, as_json: bool) {

@@ -2,7 +2,8 @@
 //! and in the checkpoint. Two phases, each in its own process so that
 //! each resident-set figure is that phase's alone:
 //!
-//! - `metadata-fill`: mkfs, N empty files in directories of
+//! - `metadata-fill`: mkfs, N files (empty, or of `--file-bytes` each,
+//!   written through the page cache) in directories of
 //!   [`FILES_PER_DIR`] with names of about 35 bytes, a whole checkpoint
 //!   and one in pieces, each beside a task that asks for attributes in a
 //!   loop, and an unmount; reports the create rate, each checkpoint's
@@ -45,8 +46,9 @@ pub fn rss_bytes() -> u64 {
 }
 
 /// `files` empty files under the root, checkpointed and unmounted.
-pub async fn fill(fs: &Fs, files: u64) -> anyhow::Result<serde_json::Value> {
+pub async fn fill(fs: &Fs, files: u64, file_bytes: u64) -> anyhow::Result<serde_json::Value> {
     let c = Creds::root();
+    let data = vec![0x5a_u8; usize::try_from(file_bytes)?];
     let rss_empty = rss_bytes();
     let started = Instant::now();
     let dirs = files.div_ceil(FILES_PER_DIR);
@@ -54,7 +56,10 @@ pub async fn fill(fs: &Fs, files: u64) -> anyhow::Result<serde_json::Value> {
         let dir = fs.mkdir(&c, ROOT_INO, format!("dir-{d:06}").as_bytes(), 0o755).await?.ino();
         let in_this = FILES_PER_DIR.min(files - d * FILES_PER_DIR);
         for i in 0..in_this {
-            fs.mknod(&c, dir, &file_name(d, i), libc::S_IFREG | 0o644, 0).await?;
+            let file = fs.mknod(&c, dir, &file_name(d, i), libc::S_IFREG | 0o644, 0).await?;
+            if !data.is_empty() {
+                fs.write(file.ino(), 0, &data).await?;
+            }
         }
     }
     let fill_s = started.elapsed().as_secs_f64();
@@ -68,6 +73,7 @@ pub async fn fill(fs: &Fs, files: u64) -> anyhow::Result<serde_json::Value> {
         "bench": "core",
         "workload": "metadata-fill",
         "files": files,
+        "file_bytes": file_bytes,
         "directories": dirs,
         "files_created_per_s": (files as f64 / fill_s).round(),
         "checkpoint_s": (checkpoint_s * 1000.0).round() / 1000.0,
