@@ -14,6 +14,7 @@
 //! - `frontend`: a vhost-user-fs frontend that plays VMM and guest, for
 //!   the tests and keelfs-bench.
 
+mod bufpool;
 mod dirty_log;
 #[cfg(feature = "test-utils")]
 pub mod frontend;

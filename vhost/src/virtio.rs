@@ -16,13 +16,14 @@ use std::sync::Arc;
 use keelfs_fs::{Fh, Ino};
 use smallvec::SmallVec;
 use virtio_queue::{DescriptorChain, Queue, QueueT, Writer};
-use vm_memory::{Bytes, GuestAddress};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 
 /// Guest memory as the vhost-user backend maps it: each region carries
 /// the dirty log that live migration reads (`DirtyLog`), which
 /// vm-memory's own writes mark and [`GuestBuffer`] marks for device I/O.
 pub type GuestRam = vm_memory::GuestMemoryMmap<crate::dirty_log::DirtyLog>;
 
+use crate::bufpool;
 use crate::fuse::abi::{error_reply, Opcode, IN_HEADER_BYTES, OUT_HEADER_BYTES};
 use crate::fuse::dispatch::{Session, SharedHandle};
 use crate::guest_io::GuestBuffer;
@@ -107,18 +108,22 @@ where
             return (head, done.0, done.1);
         }
     }
-    let keep = chain.clone();
-    let mem = keep.memory();
-    let (Ok(mut reader), Ok(mut writer)) = (chain.clone().reader(mem), chain.clone().writer(mem)) else {
+    let mem = chain.memory();
+    // Every buffer in guest memory before anything is served, as
+    // virtio-queue's reader and writer checked (they allocated two
+    // vectors a request; the walked buffers are inline).
+    let inside = |&(addr, n): &(u64, u32)| mem.check_range(GuestAddress(addr), n as usize);
+    if !buffers.readable.iter().chain(&buffers.writable).all(inside) {
         return (head, 0, ChainOutcome::Dropped("descriptor outside guest memory or malformed chain"));
-    };
-    let len = reader.available_bytes();
+    }
+    let len = buffers.readable.iter().fold(0usize, |sum, &(_, n)| sum.saturating_add(n as usize));
     if len < IN_HEADER_BYTES {
         return (head, 0, ChainOutcome::Dropped("request shorter than a FUSE header"));
     }
     let readable = if len > REQUEST_BYTES_MAX { IN_HEADER_BYTES } else { len };
-    let mut request = vec![0u8; readable];
-    if reader.read_exact(&mut request[..readable]).is_err() {
+    let mut request = bufpool::take(readable);
+    request.resize(readable, 0);
+    if !read_guest(mem, &buffers.readable, &mut request) {
         return (head, 0, ChainOutcome::Dropped("unreadable request"));
     }
     let reply = if len > REQUEST_BYTES_MAX {
@@ -132,8 +137,11 @@ where
         }
         session.handle(&request).await
     };
+    bufpool::give(request);
     let Some(reply) = reply else { return (head, 0, ChainOutcome::NoReply) };
-    write_reply(head, &reply, &mut writer)
+    let done = write_reply(head, &reply, &mut ReplyWriter::new(mem, &buffers.writable));
+    bufpool::give(reply);
+    done
 }
 
 /// A READ or WRITE served with the guest's buffers in place (see

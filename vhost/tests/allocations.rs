@@ -274,19 +274,19 @@ fn metadata_requests_stay_within_their_allocation_budget() {
 }
 
 /// What each metadata operation may allocate on the device's side, with
-/// a quarter for what is amortised. Every request the copying path serves
-/// costs six today: its task, the chain's walk, virtio-queue's reader and
-/// writer, the request's copy and its reply (a FORGET, with no reply,
-/// five); on top of that a CREATE makes a name (an inode goes into its
-/// page of the node table, which grows now and then), an UNLINK
-/// drops a name, and a READDIRPLUS of 64 entries copies their names out
-/// of the directory (about half an allocation each). Issue 34 asks for
-/// none in steady state: these budgets hold what is against regressions,
-/// and the goal is not met (bench/RESULTS.md says what would meet it).
+/// a quarter for what is amortised. The copying path takes its request
+/// and reply buffers from the thread's pool and reads and writes the
+/// chain through its walked buffers, so a request costs one allocation:
+/// its task (a FORGET too). On top of that a CREATE makes a name (an
+/// inode goes into its page of the node table, which grows now and then),
+/// an UNLINK drops a name, and a READDIRPLUS of 64 entries copies their
+/// names out of the directory (about half an allocation each). Issue 34
+/// asks for none in steady state: the task and the names are what is
+/// left (bench/RESULTS.md).
 const METADATA_BUDGETS: [(&str, f64); 5] = [
-    ("LOOKUP+FORGET", 12.25),
-    ("GETATTR", 7.25),
-    ("CREATE+RELEASE+FORGET", 21.75),
-    ("UNLINK", 8.25),
-    ("READDIRPLUS", 37.25),
+    ("LOOKUP+FORGET", 2.25),
+    ("GETATTR", 1.25),
+    ("CREATE+RELEASE+FORGET", 5.75),
+    ("UNLINK", 2.25),
+    ("READDIRPLUS", 30.25),
 ];

@@ -93,10 +93,29 @@ fn hostile_chains_are_answered_or_dropped_and_serving_goes_on() {
         // A descriptor pointing past the end of guest memory.
         let outside = mq.build_desc_chain(&[desc(0xFFFF_0000, 64, 0, 0), desc(REPLY, 4096, WRITE, 0)]).unwrap();
         assert!(matches!(serve_chain(&s, outside).await.2, ChainOutcome::Dropped(_)));
-        // A writable descriptor outside guest memory.
+        // A writable descriptor outside guest memory: dropped before the
+        // request is served, so the MKDIR it carries makes nothing.
+        let mkdir = request(Opcode::Mkdir as u32, 3, 1, b"\xed\x01\0\0\0\0\0\0never\0");
+        mem.write_slice(&mkdir, GuestAddress(REQ)).unwrap();
         let bad_reply =
-            mq.build_desc_chain(&[desc(REQ, init.len() as u32, 0, 0), desc(0xFFFF_0000, 64, WRITE, 0)]).unwrap();
-        assert!(matches!(serve_chain(&s, bad_reply).await.2, ChainOutcome::Dropped(_)));
+            mq.build_desc_chain(&[desc(REQ, mkdir.len() as u32, 0, 0), desc(0xFFFF_0000, 64, WRITE, 0)]).unwrap();
+        assert_eq!(
+            serve_chain(&s, bad_reply).await.2,
+            ChainOutcome::Dropped("descriptor outside guest memory or malformed chain")
+        );
+        let lookup = request(Opcode::Lookup as u32, 4, 1, b"never\0");
+        mem.write_slice(&lookup, GuestAddress(REQ)).unwrap();
+        let look = mq.build_desc_chain(&[desc(REQ, lookup.len() as u32, 0, 0), desc(REPLY, 4096, WRITE, 0)]).unwrap();
+        assert!(matches!(serve_chain(&s, look).await.2, ChainOutcome::Replied(_)));
+        // Missing: ENOENT, or a negative entry (node id 0) where the
+        // session's cache mode keeps names.
+        let mut entry = [0u8; 24];
+        mem.read_slice(&mut entry, GuestAddress(REPLY)).unwrap();
+        let (error, nodeid) = (reply_error(&mem, REPLY), u64::from_le_bytes(entry[16..24].try_into().unwrap()));
+        assert!(
+            error == -libc::ENOENT || (error == 0 && nodeid == 0),
+            "the dropped MKDIR made nothing: {error} {nodeid}"
+        );
         // Too short to be a request.
         let short = mq.build_desc_chain(&[desc(REQ, 10, 0, 0), desc(REPLY, 4096, WRITE, 0)]).unwrap();
         assert!(matches!(serve_chain(&s, short).await.2, ChainOutcome::Dropped(_)));

@@ -399,12 +399,13 @@ pub struct Reply {
 
 /// Bytes a new [`Reply`] has room for: the largest fixed-size reply
 /// (fuse_statx_out, 288 bytes; fuse_entry_out and fuse_open_out, 144)
-/// and its header, so that building and finishing one allocates once.
+/// and its header, so that building and finishing one allocates at most
+/// once (never, with a buffer from the thread's pool).
 pub const REPLY_ROOM: usize = OUT_HEADER_BYTES + 288;
 
 impl Default for Reply {
     fn default() -> Self {
-        Self { bytes: Vec::with_capacity(REPLY_ROOM) }
+        Self { bytes: crate::bufpool::take(REPLY_ROOM) }
     }
 }
 

@@ -303,6 +303,7 @@ impl DevFusePoller {
                 // ENOENT: the kernel gave up on the request
                 // (interrupted); nothing else to do.
                 let _ = (&mount.device).write_all(&reply);
+                crate::bufpool::give(reply);
             }
             // The kernel took the INIT reply in the write: the ring's
             // registration needs it to have.
