@@ -79,13 +79,18 @@ pub struct SetAttr {
     pub kill_setid: bool,
 }
 
+/// A directory entry's name as readdir returns it.
+pub type EntryName = smallvec::SmallVec<[u8; 48]>;
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DirEntry {
     pub ino: Ino,
     /// The offset to pass to continue after this entry.
     pub next_offset: u64,
     pub file_type: u32,
-    pub name: Vec<u8>,
+    /// Inline up to 48 bytes, which holds most names: a READDIR of 64
+    /// entries then allocates once, for the list (issue 34).
+    pub name: EntryName,
     /// Filled by readdirplus, which also counts a lookup for the entry.
     pub attr: Option<Attr>,
 }
@@ -861,13 +866,19 @@ impl Fs {
             for (cookie, name, child) in listed.chain(rest).take(max) {
                 let file_type = state.node(child).map_or(0, |n| n.inode.file_type());
                 let next_offset = if cookie <= 2 { cookie } else { cookie + 1 };
-                out.push(DirEntry { ino: Ino::new(child), next_offset, file_type, name: name.to_vec(), attr: None });
+                out.push(DirEntry {
+                    ino: Ino::new(child),
+                    next_offset,
+                    file_type,
+                    name: EntryName::from_slice(name),
+                    attr: None,
+                });
             }
         }
         if plus {
             for e in &mut out {
                 e.attr = Some(self.inner.attr(e.ino.get())?);
-                if e.name != b"." && e.name != b".." {
+                if *e.name != *b"." && *e.name != *b".." {
                     self.inner.add_lookup(e.ino.get(), 1);
                 }
             }

@@ -307,7 +307,7 @@ async fn verify_storm(fs: &Fs, promised: Option<&StormPromise>) {
             .await
             .unwrap()
             .into_iter()
-            .map(|e| String::from_utf8(e.name).unwrap())
+            .map(|e| String::from_utf8(e.name.to_vec()).unwrap())
             .filter(|n| n != "." && n != "..")
             .collect();
         let mut listed = listed;

@@ -214,7 +214,7 @@ async fn snapshot(fs: &Fs) -> BTreeMap<String, Option<Vec<u8>>> {
             }
             off = batch.last().unwrap().next_offset;
             for e in batch {
-                if e.name == b"." || e.name == b".." {
+                if *e.name == *b"." || *e.name == *b".." {
                     continue;
                 }
                 let p = join(&path, std::str::from_utf8(&e.name).unwrap());

@@ -322,15 +322,15 @@ fn readdir_offsets_stay_valid_while_the_directory_changes() {
             fs.mknod(&c, ROOT_INO, format!("f{i:03}").as_bytes(), libc::S_IFREG | 0o644, 0).await.unwrap();
         }
         let first = fs.readdir(ROOT_INO, 0, 30).await.unwrap();
-        assert_eq!(first[0].name, b".");
-        assert_eq!(first[1].name, b"..");
+        assert_eq!(*first[0].name, *b".");
+        assert_eq!(*first[1].name, *b"..");
         let resume = first.last().unwrap().next_offset;
         // Remove some already listed and some not yet listed; add new ones.
         for i in [0, 5, 50, 60] {
             fs.unlink(&c, ROOT_INO, format!("f{i:03}").as_bytes()).await.unwrap();
         }
         fs.mknod(&c, ROOT_INO, b"late", libc::S_IFREG | 0o644, 0).await.unwrap();
-        let mut names: Vec<Vec<u8>> = first.iter().map(|e| e.name.clone()).collect();
+        let mut names: Vec<Vec<u8>> = first.iter().map(|e| e.name.to_vec()).collect();
         let mut off = resume;
         loop {
             let batch = fs.readdir(ROOT_INO, off, 17).await.unwrap();
@@ -338,7 +338,7 @@ fn readdir_offsets_stay_valid_while_the_directory_changes() {
                 break;
             }
             off = batch.last().unwrap().next_offset;
-            names.extend(batch.into_iter().map(|e| e.name));
+            names.extend(batch.into_iter().map(|e| e.name.to_vec()));
         }
         let unique: std::collections::HashSet<_> = names.iter().collect();
         assert_eq!(unique.len(), names.len(), "no entry listed twice");
@@ -368,7 +368,7 @@ fn readdir_through_a_handle_ends_while_renames_add_entries() {
             let batch = fs.readdir_handle(fh, offset, 10, false).await.unwrap();
             let Some(last) = batch.last() else { break };
             offset = last.next_offset;
-            for e in batch.iter().filter(|e| e.name != b"." && e.name != b"..") {
+            for e in batch.iter().filter(|e| *e.name != *b"." && *e.name != *b"..") {
                 seen += 1;
                 // Each name read is renamed: a new entry, with a new cookie.
                 let new_name = format!("r{renamed}");

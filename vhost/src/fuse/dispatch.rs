@@ -1155,7 +1155,7 @@ impl Session {
                 break;
             }
             if plus {
-                let dots = ent.name == b"." || ent.name == b"..";
+                let dots = *ent.name == *b"." || *ent.name == *b"..";
                 if dots {
                     // No lookup reference for "." and "..": a zeroed entry.
                     r.raw(&[0u8; super::abi::ENTRY_OUT_BYTES]);
