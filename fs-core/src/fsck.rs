@@ -6,6 +6,7 @@
 //! then checks the invariants that loading does not: link counts,
 //! directory structure and connectivity, and free-space accounting.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 
 use super::blocks::{whole_blocks, FileBlock};
@@ -307,7 +308,7 @@ fn fix_entries_and_links(fs: &Fs, repaired: &mut Vec<String>) -> FsResult<()> {
         (dangling, counts)
     };
     for (dir, name) in dangling {
-        inner.log(Record::DirentDelete { dir, name: name.clone() })?;
+        inner.log(Record::DirentDelete { dir, name: Cow::Borrowed(&name[..]) })?;
         repaired.push(format!("removed entry '{}' from directory {dir}", String::from_utf8_lossy(&name)));
     }
     for (ino, want) in counts {
@@ -335,8 +336,8 @@ mod tests {
         for ino in [named, nameless] {
             apply(Record::InodeSet(Inode::new(ino, libc::S_IFREG | 0o644, 0, 0, 0)));
         }
-        apply(Record::DirentSet { dir: root, name: b"d".to_vec(), ino: dir, cookie: FIRST_COOKIE });
-        apply(Record::DirentSet { dir, name: b"f".to_vec(), ino: named, cookie: FIRST_COOKIE });
+        apply(Record::DirentSet { dir: root, name: b"d".to_vec().into(), ino: dir, cookie: FIRST_COOKIE });
+        apply(Record::DirentSet { dir, name: b"f".to_vec().into(), ino: named, cookie: FIRST_COOKIE });
         s
     }
 

@@ -2,6 +2,7 @@
 //! wire format. Namespace operations change only memory and the pending
 //! journal, so they complete without I/O; data operations await the device.
 
+use std::borrow::Cow;
 use std::rc::Rc;
 
 use super::access::{permitted, setid_bits_to_clear, Acl, Creds, ACL_ACCESS, ACL_DEFAULT, R_OK, W_OK, X_OK};
@@ -167,7 +168,7 @@ impl FsInner {
         let acl = self.state.borrow().node(ino).and_then(|n| self.access_acl_of(n));
         let Some(mut acl) = acl else { return Ok(()) };
         acl.chmod(mode);
-        self.log(Record::XattrSet { ino, name: ACL_ACCESS.to_vec(), value: acl.encode() })
+        self.log(Record::XattrSet { ino, name: Cow::Borrowed(ACL_ACCESS), value: Cow::Owned(acl.encode()) })
     }
 
     /// May `c` access `inode` for `mask`, ACL included?
@@ -317,7 +318,7 @@ impl FsInner {
         let ino = inode.ino;
         self.create_inode(inode)?;
         for (name, value) in acls {
-            self.log(Record::XattrSet { ino, name: name.to_vec(), value })?;
+            self.log(Record::XattrSet { ino, name: Cow::Borrowed(name), value: Cow::Owned(value) })?;
         }
         Ok(())
     }
@@ -366,7 +367,7 @@ impl FsInner {
             let dir = state.node_mut(parent).and_then(|n| n.dir.as_mut()).ok_or(FsError::NotDir)?;
             dir.take_cookie()
         };
-        self.log(Record::DirentSet { dir: parent, name: name.to_vec(), ino, cookie })
+        self.log(Record::DirentSet { dir: parent, name: Cow::Borrowed(name), ino, cookie })
     }
 
     fn touch_dir(&self, dir: u64, nlink_delta: i32) -> FsResult<()> {
@@ -477,7 +478,7 @@ impl Fs {
             return Err(FsError::Invalid("symlink target"));
         }
         let inode = self.inner.make_node(c, parent, name, S_IFLNK | 0o777, 0)?;
-        self.inner.log(Record::Symlink { ino: inode.ino, target: target.to_vec() })?;
+        self.inner.log(Record::Symlink { ino: inode.ino, target: Cow::Borrowed(target) })?;
         self.inner.update_inode(inode.ino, |i| i.size = target.len() as u64)?;
         self.inner.attr(inode.ino)
     }
@@ -548,7 +549,7 @@ impl Fs {
             }
         }
         self.inner.check_sticky(c, &dir, ino)?;
-        self.inner.log(Record::DirentDelete { dir: parent, name: name.to_vec() })?;
+        self.inner.log(Record::DirentDelete { dir: parent, name: Cow::Borrowed(name) })?;
         let t = now();
         self.inner.update_inode(ino, |i| {
             i.nlink = if want_dir { 0 } else { i.nlink.saturating_sub(1) };
@@ -620,9 +621,9 @@ impl Fs {
             return Err(FsError::TooManyLinks);
         }
         self.inner.check_dir_room(new_parent, new_name)?;
-        self.inner.log(Record::DirentDelete { dir: parent, name: name.to_vec() })?;
+        self.inner.log(Record::DirentDelete { dir: parent, name: Cow::Borrowed(name) })?;
         if target.is_some() {
-            self.inner.log(Record::DirentDelete { dir: new_parent, name: new_name.to_vec() })?;
+            self.inner.log(Record::DirentDelete { dir: new_parent, name: Cow::Borrowed(new_name) })?;
         }
         self.inner.add_entry(new_parent, new_name, ino)?;
         let t = now();
@@ -713,8 +714,8 @@ impl Fs {
         if ib.is_dir() {
             self.check_not_ancestor(b, parent)?;
         }
-        self.inner.log(Record::DirentDelete { dir: parent, name: name.to_vec() })?;
-        self.inner.log(Record::DirentDelete { dir: new_parent, name: new_name.to_vec() })?;
+        self.inner.log(Record::DirentDelete { dir: parent, name: Cow::Borrowed(name) })?;
+        self.inner.log(Record::DirentDelete { dir: new_parent, name: Cow::Borrowed(new_name) })?;
         self.inner.add_entry(parent, name, b)?;
         self.inner.add_entry(new_parent, new_name, a)?;
         let t = now();
@@ -1002,7 +1003,7 @@ impl Fs {
         if name == ACL_ACCESS || name == ACL_DEFAULT {
             return self.set_acl(c, ino, name, &Acl::parse(value)?);
         }
-        self.inner.log(Record::XattrSet { ino, name: name.to_vec(), value: value.to_vec() })?;
+        self.inner.log(Record::XattrSet { ino, name: Cow::Borrowed(name), value: Cow::Borrowed(value) })?;
         let t = now();
         self.inner.update_inode(ino, |i| i.ctime = t)?;
         Ok(())
@@ -1028,9 +1029,9 @@ impl Fs {
         }
         let stored = self.inner.state.borrow().node(ino).is_some_and(|n| n.xattrs().contains_key(name));
         if store {
-            self.inner.log(Record::XattrSet { ino, name: name.to_vec(), value: acl.encode() })?;
+            self.inner.log(Record::XattrSet { ino, name: Cow::Borrowed(name), value: Cow::Owned(acl.encode()) })?;
         } else if stored {
-            self.inner.log(Record::XattrDelete { ino, name: name.to_vec() })?;
+            self.inner.log(Record::XattrDelete { ino, name: Cow::Borrowed(name) })?;
         }
         let t = now();
         self.inner.update_inode(ino, |i| {
@@ -1099,7 +1100,7 @@ impl Fs {
         if !exists {
             return Err(FsError::NoData);
         }
-        self.inner.log(Record::XattrDelete { ino, name: name.to_vec() })?;
+        self.inner.log(Record::XattrDelete { ino, name: Cow::Borrowed(name) })?;
         let t = now();
         self.inner.update_inode(ino, |i| i.ctime = t)?;
         Ok(())

@@ -2,11 +2,16 @@
 //! change to metadata is one of these, applied the same way live, at
 //! replay and when loading a checkpoint.
 
+use std::borrow::Cow;
+
 use super::codec::{DecodeError, Reader, Writer};
 use super::format::{Inode, NAME_MAX, SYMLINK_MAX, XATTR_NAME_MAX, XATTR_VALUE_MAX};
 
+/// Names, values and targets are borrowed where they can be: from the
+/// request at a live change, from the stream at replay and mount, so
+/// neither allocates for them (issue 34).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Record {
+pub enum Record<'a> {
     /// The full image of an inode (created or changed).
     InodeSet(Inode),
     /// The inode and everything it owns are gone.
@@ -15,13 +20,13 @@ pub enum Record {
     },
     DirentSet {
         dir: u64,
-        name: Vec<u8>,
+        name: Cow<'a, [u8]>,
         ino: u64,
         cookie: u64,
     },
     DirentDelete {
         dir: u64,
-        name: Vec<u8>,
+        name: Cow<'a, [u8]>,
     },
     /// Map file blocks [file_block, +len) to device blocks [disk_block, +len).
     ExtentMap {
@@ -39,16 +44,16 @@ pub enum Record {
     },
     XattrSet {
         ino: u64,
-        name: Vec<u8>,
-        value: Vec<u8>,
+        name: Cow<'a, [u8]>,
+        value: Cow<'a, [u8]>,
     },
     XattrDelete {
         ino: u64,
-        name: Vec<u8>,
+        name: Cow<'a, [u8]>,
     },
     Symlink {
         ino: u64,
-        target: Vec<u8>,
+        target: Cow<'a, [u8]>,
     },
     /// Allocator state carried in a checkpoint: the next inode number.
     NextIno {
@@ -67,7 +72,7 @@ const TAG_XATTR_DELETE: u8 = 8;
 const TAG_SYMLINK: u8 = 9;
 const TAG_NEXT_INO: u8 = 10;
 
-impl Record {
+impl<'a> Record<'a> {
     pub fn encode(&self, w: &mut Writer) {
         match self {
             Record::InodeSet(inode) => {
@@ -127,7 +132,7 @@ impl Record {
         }
     }
 
-    pub fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+    pub fn decode(r: &mut Reader<'a>) -> Result<Self, DecodeError> {
         let at = r.pos();
         Ok(match r.u8("record tag")? {
             TAG_INODE_SET => Record::InodeSet(Inode::decode(r)?),
@@ -157,28 +162,30 @@ impl Record {
             }
             TAG_XATTR_SET => Record::XattrSet {
                 ino: r.u64("ino")?,
-                name: r.blob(XATTR_NAME_MAX, "xattr name")?.to_vec(),
-                value: r.blob(XATTR_VALUE_MAX, "xattr value")?.to_vec(),
+                name: Cow::Borrowed(r.blob(XATTR_NAME_MAX, "xattr name")?),
+                value: Cow::Borrowed(r.blob(XATTR_VALUE_MAX, "xattr value")?),
             },
             TAG_XATTR_DELETE => {
-                Record::XattrDelete { ino: r.u64("ino")?, name: r.blob(XATTR_NAME_MAX, "xattr name")?.to_vec() }
+                Record::XattrDelete { ino: r.u64("ino")?, name: Cow::Borrowed(r.blob(XATTR_NAME_MAX, "xattr name")?) }
             }
-            TAG_SYMLINK => Record::Symlink { ino: r.u64("ino")?, target: r.blob(SYMLINK_MAX, "symlink")?.to_vec() },
+            TAG_SYMLINK => {
+                Record::Symlink { ino: r.u64("ino")?, target: Cow::Borrowed(r.blob(SYMLINK_MAX, "symlink")?) }
+            }
             TAG_NEXT_INO => Record::NextIno { next: r.u64("next ino")? },
             _ => return Err(DecodeError { what: "record tag", at }),
         })
     }
 }
 
-fn name(bytes: &[u8], at: usize) -> Result<Vec<u8>, DecodeError> {
+fn name(bytes: &[u8], at: usize) -> Result<Cow<'_, [u8]>, DecodeError> {
     if bytes.is_empty() || bytes.contains(&b'/') || bytes.contains(&0) || bytes == b"." || bytes == b".." {
         return Err(DecodeError { what: "dirent name", at });
     }
-    Ok(bytes.to_vec())
+    Ok(Cow::Borrowed(bytes))
 }
 
 /// Decode a whole stream of records.
-pub fn decode_all(bytes: &[u8]) -> Result<Vec<Record>, DecodeError> {
+pub fn decode_all(bytes: &[u8]) -> Result<Vec<Record<'_>>, DecodeError> {
     let mut r = Reader::new(bytes);
     let mut out = Vec::new();
     while r.remaining() > 0 {
@@ -213,13 +220,13 @@ mod tests {
         let records = vec![
             Record::InodeSet(inode),
             Record::InodeFree { ino: 3 },
-            Record::DirentSet { dir: 1, name: b"a".to_vec(), ino: 7, cookie: 3 },
-            Record::DirentDelete { dir: 1, name: b"a".to_vec() },
+            Record::DirentSet { dir: 1, name: b"a".to_vec().into(), ino: 7, cookie: 3 },
+            Record::DirentDelete { dir: 1, name: b"a".to_vec().into() },
             Record::ExtentMap { ino: 7, file_block: 0, disk_block: 100, len: 8, unwritten: true },
             Record::ExtentPunch { ino: 7, file_block: 2, len: 1 },
-            Record::XattrSet { ino: 7, name: b"user.x".to_vec(), value: vec![1, 2, 3] },
-            Record::XattrDelete { ino: 7, name: b"user.x".to_vec() },
-            Record::Symlink { ino: 8, target: b"/etc".to_vec() },
+            Record::XattrSet { ino: 7, name: b"user.x".to_vec().into(), value: vec![1, 2, 3].into() },
+            Record::XattrDelete { ino: 7, name: b"user.x".to_vec().into() },
+            Record::Symlink { ino: 8, target: b"/etc".to_vec().into() },
             Record::NextIno { next: 99 },
         ];
         let mut w = Writer::new();
@@ -233,7 +240,7 @@ mod tests {
         }
         assert!(decode_all(&[200]).is_err());
         let mut bad = Writer::new();
-        Record::DirentSet { dir: 1, name: b"a/b".to_vec(), ino: 2, cookie: 3 }.encode(&mut bad);
+        Record::DirentSet { dir: 1, name: b"a/b".to_vec().into(), ino: 2, cookie: 3 }.encode(&mut bad);
         assert!(decode_all(&bad.buf).is_err(), "a name with '/' is refused");
     }
 }

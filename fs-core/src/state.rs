@@ -3,6 +3,7 @@
 //! [`State::apply`], so the live path, journal replay and checkpoint
 //! loading share one implementation.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use super::alloc::Allocator;
@@ -204,10 +205,10 @@ impl Snapshot {
         let w = &mut self.inodes;
         Record::InodeSet(node.inode.clone()).encode(w);
         if let Some(target) = node.symlink() {
-            Record::Symlink { ino, target: target.to_vec() }.encode(w);
+            Record::Symlink { ino, target: Cow::Borrowed(target) }.encode(w);
         }
         for (name, value) in node.xattrs() {
-            Record::XattrSet { ino, name: name.clone(), value: value.clone() }.encode(w);
+            Record::XattrSet { ino, name: Cow::Borrowed(name), value: Cow::Borrowed(value) }.encode(w);
         }
         for e in node.extents.iter() {
             let (file_block, disk_block, len, unwritten) = (e.file_block.0, e.disk_block.0, e.len, e.unwritten);
@@ -215,7 +216,7 @@ impl Snapshot {
         }
         if let Some(dir) = &node.dir {
             for (cookie, name, child) in dir.entries_from(0) {
-                Record::DirentSet { dir: ino, name: name.to_vec(), ino: child, cookie }.encode(&mut self.entries);
+                Record::DirentSet { dir: ino, name: Cow::Borrowed(name), ino: child, cookie }.encode(&mut self.entries);
             }
         }
     }
@@ -411,14 +412,14 @@ impl State {
             Record::XattrSet { ino, name, value } => {
                 self.before_change(*ino);
                 let Some(node) = self.nodes.get_mut(*ino) else { return err(format!("xattr on missing inode {ino}")) };
-                node.extras_mut().xattrs.insert(name.clone(), value.clone());
+                node.extras_mut().xattrs.insert(name.to_vec(), value.to_vec());
                 Ok(())
             }
             Record::XattrDelete { ino, name } => {
                 self.before_change(*ino);
                 let Some(node) = self.nodes.get_mut(*ino) else { return err(format!("xattr on missing inode {ino}")) };
                 if let Some(extras) = node.extras.as_mut() {
-                    extras.xattrs.remove(name);
+                    extras.xattrs.remove(&name[..]);
                 }
                 Ok(())
             }
@@ -427,7 +428,7 @@ impl State {
                 let Some(node) = self.nodes.get_mut(*ino) else {
                     return err(format!("symlink on missing inode {ino}"));
                 };
-                node.extras_mut().symlink = Some(target.clone());
+                node.extras_mut().symlink = Some(target.to_vec());
                 Ok(())
             }
             Record::NextIno { next } => {
@@ -568,10 +569,10 @@ mod tests {
         // Directory entries' cookies: replay keeps the next one above each,
         // so one at the counter limit would overflow it.
         for cookie in [0, 1, COUNTER_MAX, u64::MAX] {
-            let entry = Record::DirentSet { dir: 7, name: b"e".to_vec(), ino: 7, cookie };
+            let entry = Record::DirentSet { dir: 7, name: b"e".to_vec().into(), ino: 7, cookie };
             assert!(s.apply(&entry, ApplyMode::Replay).is_err(), "accepted cookie {cookie}");
         }
-        let entry = Record::DirentSet { dir: 7, name: b"e".to_vec(), ino: 7, cookie: FIRST_COOKIE };
+        let entry = Record::DirentSet { dir: 7, name: b"e".to_vec().into(), ino: 7, cookie: FIRST_COOKIE };
         s.apply(&entry, ApplyMode::Replay).expect("the first cookie");
     }
 
@@ -598,10 +599,10 @@ mod tests {
         for (ino, name) in [(2u64, "a"), (3, "b"), (4, "c")] {
             apply(Record::InodeSet(Inode::new(ino, libc::S_IFREG | 0o644, 0, 0, 0)));
             let cookie = FIRST_COOKIE + ino;
-            apply(Record::DirentSet { dir: 1, name: name.as_bytes().to_vec(), ino, cookie });
+            apply(Record::DirentSet { dir: 1, name: name.as_bytes().to_vec().into(), ino, cookie });
         }
         apply(Record::ExtentMap { ino: 2, file_block: 0, disk_block: 200, len: 4, unwritten: false });
-        apply(Record::XattrSet { ino: 3, name: b"user.k".to_vec(), value: b"v".to_vec() });
+        apply(Record::XattrSet { ino: 3, name: b"user.k".to_vec().into(), value: b"v".to_vec().into() });
         s
     }
 
@@ -616,11 +617,11 @@ mod tests {
         assert!(!s.snapshot_step(2), "five nodes are not done in a piece of two");
         let apply = |s: &mut State, r: Record| s.apply(&r, ApplyMode::Live).expect("applies");
         apply(&mut s, Record::ExtentMap { ino: 2, file_block: 4, disk_block: 300, len: 2, unwritten: false });
-        apply(&mut s, Record::DirentDelete { dir: 1, name: b"c".to_vec() });
+        apply(&mut s, Record::DirentDelete { dir: 1, name: b"c".to_vec().into() });
         apply(&mut s, Record::InodeFree { ino: 4 });
-        apply(&mut s, Record::XattrDelete { ino: 3, name: b"user.k".to_vec() });
+        apply(&mut s, Record::XattrDelete { ino: 3, name: b"user.k".to_vec().into() });
         apply(&mut s, Record::InodeSet(Inode::new(9, libc::S_IFREG | 0o600, 0, 0, 0)));
-        apply(&mut s, Record::DirentSet { dir: 1, name: b"new".to_vec(), ino: 9, cookie: FIRST_COOKIE + 9 });
+        apply(&mut s, Record::DirentSet { dir: 1, name: b"new".to_vec().into(), ino: 9, cookie: FIRST_COOKIE + 9 });
         s.node_mut(3).expect("b").inode.size = 77;
         while !s.snapshot_step(1) {}
         let pieces = s.finish_snapshot().to_vec();

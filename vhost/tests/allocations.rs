@@ -277,16 +277,16 @@ fn metadata_requests_stay_within_their_allocation_budget() {
 /// a quarter for what is amortised. The copying path takes its request
 /// and reply buffers from the thread's pool and reads and writes the
 /// chain through its walked buffers, so a request costs one allocation:
-/// its task (a FORGET too). On top of that a CREATE makes a name (an
-/// inode goes into its page of the node table, which grows now and then),
-/// an UNLINK drops a name, and a READDIRPLUS (a page of entries, their
-/// names inline) makes its list of entries and a few more. Issue 34 asks
-/// for none in steady state: the task and those are what is left
-/// (bench/RESULTS.md).
+/// its task (a FORGET too). Journal records borrow their names, so an
+/// UNLINK costs nothing more; a CREATE costs about one more (its inode's
+/// page of the node table and its directory's arena grow now and then),
+/// and a READDIRPLUS (a page of entries, their names inline) makes its
+/// list of entries and a few more. Issue 34 asks for none in steady
+/// state: the tasks and those are what is left (bench/RESULTS.md).
 const METADATA_BUDGETS: [(&str, f64); 5] = [
     ("LOOKUP+FORGET", 2.25),
     ("GETATTR", 1.25),
-    ("CREATE+RELEASE+FORGET", 5.75),
-    ("UNLINK", 2.25),
+    ("CREATE+RELEASE+FORGET", 4.75),
+    ("UNLINK", 1.25),
     ("READDIRPLUS", 5.25),
 ];

@@ -272,7 +272,7 @@ impl Fs {
     /// into unwritten extents where it has those. Returns the records that
     /// map what was written; the caller logs them now that the data is on
     /// the device (ordered data).
-    async fn write_image(&self, ino: u64, first: u64, image: AlignedBuf) -> FsResult<Vec<Record>> {
+    async fn write_image(&self, ino: u64, first: u64, image: AlignedBuf) -> FsResult<Vec<Record<'static>>> {
         let nblocks = whole_blocks(image.len() as u64);
         let image_bytes = image.len() as u64;
         let mut targets: Vec<(FileBlock, DevBlock, u64, bool)> = Vec::new(); // (file, disk, len, needs record)
@@ -336,7 +336,7 @@ impl Fs {
             .collect())
     }
 
-    fn log_all(&self, records: Vec<Record>) -> FsResult<()> {
+    fn log_all(&self, records: Vec<Record<'_>>) -> FsResult<()> {
         for r in records {
             self.inner.log(r)?;
         }
