@@ -329,12 +329,7 @@ mod tests {
     #[test]
     fn random_changes_match_a_blockwise_model() {
         let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
-        let mut next = |bound: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % bound
-        };
+        let mut next = |bound: u64| keelfs_base::testing::splitmix64(&mut seed) % bound;
         for _round in 0..200 {
             let mut m = ExtentMap::default();
             let mut model: Vec<Option<(u64, bool)>> = vec![None; BLOCKS as usize];

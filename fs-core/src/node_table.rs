@@ -157,12 +157,7 @@ mod tests {
     #[test]
     fn random_changes_match_a_map() {
         let mut seed = 0x2545_f491_4f6c_dd1d_u64;
-        let mut next = |bound: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % bound
-        };
+        let mut next = |bound: u64| keelfs_base::testing::splitmix64(&mut seed) % bound;
         let mut table = NodeTable::default();
         let mut model = BTreeMap::new();
         for step in 0..20_000u64 {
