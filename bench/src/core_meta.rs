@@ -45,7 +45,8 @@ pub fn rss_bytes() -> u64 {
     kib * 1024
 }
 
-/// `files` empty files under the root, checkpointed and unmounted.
+/// `files` files under the root (empty, or of `file_bytes` each),
+/// checkpointed and unmounted.
 pub async fn fill(fs: &Fs, files: u64, file_bytes: u64) -> anyhow::Result<serde_json::Value> {
     let c = Creds::root();
     let data = vec![0x5a_u8; usize::try_from(file_bytes)?];

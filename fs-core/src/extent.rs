@@ -48,8 +48,8 @@ pub struct ExtentMap {
 #[derive(Clone, Debug)]
 enum Repr {
     One(Entry),
-    /// Never empty, and holds two or more entries unless a change left it
-    /// with one (then the next change through the fast paths keeps it).
+    /// Two or more entries between calls: a change that leaves fewer
+    /// settles to the small form, or to nothing.
     Tree(BTreeMap<u64, (u64, u64, bool)>),
 }
 
@@ -163,6 +163,15 @@ impl ExtentMap {
     /// Remove mappings in [file_block, +len), splitting extents at the
     /// edges. Returns the device runs that were unmapped.
     pub fn punch(&mut self, file_block: FileBlock, len: u64) -> Vec<BlockRun> {
+        let freed = self.punch_unsettled(file_block, len);
+        self.settle();
+        freed
+    }
+
+    /// [`ExtentMap::punch`], leaving a B-tree a B-tree: [`ExtentMap::map`]
+    /// inserts into it next, and settling in between would make the
+    /// small form only to undo it.
+    fn punch_unsettled(&mut self, file_block: FileBlock, len: u64) -> Vec<BlockRun> {
         let file_block = file_block.0;
         let end = file_block.saturating_add(len);
         let start_key = self.start_key(file_block);
@@ -183,7 +192,6 @@ impl ExtentMap {
             }
             freed.push(BlockRun { start: db + (cut_start - k), len: cut_end - cut_start });
         }
-        self.settle();
         freed
     }
 
@@ -206,7 +214,7 @@ impl ExtentMap {
             }
             Some(_) => {}
         }
-        let replaced = self.punch(file_block, len);
+        let replaced = self.punch_unsettled(file_block, len);
         let map = self.tree_mut();
         let (mut fb, mut db, mut l) = (file_block.0, disk_block.0, len);
         if let Some((&pk, &(pdb, pl, pu))) = map.range(..fb).next_back() {

@@ -10,8 +10,8 @@
 //! scale).
 //!
 //! An image chooses its inode numbers, so numbers may also be sparse: a
-//! page with one item costs less than twice what a boxed node in a hash
-//! map did.
+//! page with one item costs, by the types' sizes, less than twice what a
+//! boxed node in a hash map did (about 340 bytes against 220).
 
 use keelfs_base::IdMap;
 
