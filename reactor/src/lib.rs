@@ -21,11 +21,17 @@
 //! wants the core or work comes too seldom. A sleeping reactor wakes on its
 //! own eventfd (signalled by senders and cross-thread wakers), on its
 //! pollers' eventfds, or at the next timer deadline.
+//!
+//! Time is an input: each iteration reads the reactor's [`Clock`] once,
+//! and pollers, timers, tasks ([`now`]) and the idle policy all decide by
+//! that instant. Tests give a [`VirtualClock`] and move it by hand, then
+//! [`ReactorHandle::settle`] to see what each instant brought.
 
 // Unsafe code lives in two modules: `sys` (system calls) and `io` (handing
 // buffers to the device).
 #![deny(unsafe_code)]
 
+mod clock;
 #[allow(unsafe_code)]
 mod io;
 pub mod policy;
@@ -34,6 +40,7 @@ mod remote;
 #[allow(unsafe_code)]
 mod sys;
 
+pub use clock::{Clock, VirtualClock};
 pub use io::{
     await_all, BufferSlice, ChannelStats, DeviceChannel, IntoAny, IoBuffer, IoFuture, IoVecs, NoBuffer, RangeBusy,
     SharedBuffer,
@@ -83,6 +90,8 @@ pub struct ReactorConfig {
     /// opened by the caller (before a sandbox). None: the policy judges by
     /// the reactor's own time off the CPU alone.
     pub cpu_load: Option<Arc<CpuLoadProbe>>,
+    /// Where `now` comes from: the monotonic clock, or a test's.
+    pub clock: Clock,
 }
 
 impl Default for ReactorConfig {
@@ -95,6 +104,7 @@ impl Default for ReactorConfig {
             messages_per_tick_max: 64,
             tasks_per_tick_max: 256,
             cpu_load: None,
+            clock: Clock::Monotonic,
         }
     }
 }
@@ -281,6 +291,9 @@ struct Shared {
     stop: AtomicBool,
     wake_fd: sys::EventFd,
     stats: ReactorStats,
+    /// Times the reactor went to sleep with nothing left to do: what
+    /// [`ReactorHandle::settle`] waits on.
+    quiet: AtomicU64,
 }
 
 impl Shared {
@@ -329,6 +342,47 @@ impl ReactorHandle {
 
     pub fn stats(&self) -> &ReactorStats {
         &self.shared.stats
+    }
+
+    /// Times the reactor has gone to sleep with nothing left to do.
+    pub fn quiet_sleeps(&self) -> u64 {
+        self.shared.quiet.load(Ordering::Acquire)
+    }
+
+    /// Wait until the reactor has done all it can without time moving or
+    /// anything new arriving: it has run an iteration since this call,
+    /// then gone to sleep with no task, message or timer due. For tests on
+    /// a [`VirtualClock`], between advancing it and looking at what
+    /// happened. False if the reactor stopped first.
+    ///
+    /// A reactor that does not sleep when idle (busy polling, or the
+    /// adaptive policy while it spins) never settles; neither does one
+    /// with a poller that never lets it sleep.
+    ///
+    /// # Panics
+    /// If it has not settled within `guard` of real time: a hang, which a
+    /// test should report rather than wait on forever.
+    pub fn settle(&self, guard: Duration) -> bool {
+        // Set on the reactor's thread, in an iteration that starts after
+        // this call: the count of quiet sleeps so far.
+        let mark = Arc::new(AtomicU64::new(u64::MAX));
+        let seen = Arc::clone(&mark);
+        let shared = Arc::clone(&self.shared);
+        if self.send(move || seen.store(shared.quiet.load(Ordering::Acquire), Ordering::Release)).is_err() {
+            return false;
+        }
+        let deadline = Instant::now() + guard;
+        loop {
+            if self.shared.stop.load(Ordering::Acquire) {
+                return false;
+            }
+            let mark = mark.load(Ordering::Acquire);
+            if mark != u64::MAX && self.shared.quiet.load(Ordering::Acquire) > mark {
+                return true;
+            }
+            assert!(Instant::now() < deadline, "reactor {} did not settle within {guard:?}", self.id());
+            std::thread::sleep(Duration::from_micros(50));
+        }
     }
 }
 
@@ -429,6 +483,13 @@ struct Local {
     /// Requests the frontends on this reactor have served: the adaptive
     /// idle policy compares their rate spinning and asleep.
     served: Cell<u64>,
+    /// Iterations started: a [`NextTick`] completes once it has moved.
+    ticks: Cell<u64>,
+    /// The [`NextTick`]s waiting, woken at the start of the next
+    /// iteration; `spare` is the vector swapped in, so that neither is
+    /// allocated again per iteration.
+    next_tick: RefCell<Vec<Waker>>,
+    next_tick_spare: RefCell<Vec<Waker>>,
 }
 
 thread_local! {
@@ -496,9 +557,28 @@ pub fn sleep(duration: Duration) -> Sleep {
 /// completions, virtqueues) have run: for long work cut into pieces, which
 /// [`yield_now`] would let run many times within one tick while requests
 /// wait in their rings.
-pub fn next_tick() -> Sleep {
-    // A deadline just past this tick's clock: the next tick's timers fire it.
-    sleep_until(now() + Duration::from_nanos(1))
+pub fn next_tick() -> NextTick {
+    NextTick { after: with_local(|l| l.ticks.get()) }
+}
+
+/// See [`next_tick`]. Counted in iterations, not time: it completes on a
+/// virtual clock that stands still too.
+pub struct NextTick {
+    /// The iteration it was made in.
+    after: u64,
+}
+
+impl Future for NextTick {
+    type Output = ();
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        with_local(|l| {
+            if l.ticks.get() > self.after {
+                return Poll::Ready(());
+            }
+            l.next_tick.borrow_mut().push(cx.waker().clone());
+            Poll::Pending
+        })
+    }
 }
 
 /// Let the reactor's other woken tasks run before this one continues. A
@@ -605,19 +685,27 @@ impl Reactor {
             stop: AtomicBool::new(false),
             wake_fd: sys::EventFd::new()?,
             stats: ReactorStats::default(),
+            quiet: AtomicU64::new(0),
         });
         let epoll = sys::Epoll::new()?;
         epoll.add(shared.wake_fd.raw(), true)?;
         shared.stats.publish_mode(config.mode);
-        let idle = Idle::new(&config, cpus, Instant::now());
+        if let Clock::Virtual(clock) = &config.clock {
+            clock.register(&shared);
+        }
+        let started = config.clock.now();
+        let idle = Idle::new(&config, cpus, started);
         let local = Rc::new(Local {
             shared,
-            now: Cell::new(Instant::now()),
+            now: Cell::new(started),
             spawned: RefCell::new(Vec::new()),
             timers: RefCell::new(BinaryHeap::new()),
             timer_seq: Cell::new(0),
             new_pollers: RefCell::new(Vec::new()),
             served: Cell::new(0),
+            ticks: Cell::new(0),
+            next_tick: RefCell::new(Vec::new()),
+            next_tick_spare: RefCell::new(Vec::new()),
         });
         CURRENT.with(|c| {
             let mut c = c.borrow_mut();
@@ -679,11 +767,13 @@ impl Reactor {
     /// found work.
     pub fn tick(&mut self, now: Instant) -> bool {
         self.local.now.set(now);
+        self.local.ticks.set(self.local.ticks.get() + 1);
         self.adopt_new_pollers();
         let mut busy = false;
         for p in &mut self.device_pollers {
             busy |= p.poll(now);
         }
+        busy |= self.wake_next_tick();
         busy |= self.fire_timers(now);
         busy |= self.run_messages();
         for p in &mut self.source_pollers {
@@ -713,10 +803,10 @@ impl Reactor {
 
     fn run_until(&mut self, mut done: impl FnMut() -> bool) {
         let shared = Arc::clone(&self.local.shared);
-        let mut now = Instant::now();
+        let mut now = self.config.clock.now();
         while !done() && !shared.stop.load(Ordering::Acquire) {
             let busy = self.tick(now);
-            let end = Instant::now();
+            let end = self.config.clock.now();
             let spent = (end - now).as_nanos() as u64;
             ReactorStats::add(&shared.stats.ticks, 1);
             ReactorStats::add(&shared.stats.loop_ns, spent);
@@ -746,7 +836,7 @@ impl Reactor {
                 IdleAction::Sleep => {
                     let slept = self.sleep(end);
                     if !slept.is_zero() {
-                        now = Instant::now();
+                        now = self.config.clock.now();
                     }
                     if let Idle::Adaptive { policy, .. } = &mut self.idle {
                         policy.after_sleep(slept);
@@ -777,19 +867,36 @@ impl Reactor {
     /// waited: zero when it did not.
     fn sleep(&mut self, now: Instant) -> Duration {
         let all_can_sleep = self.device_pollers.iter().chain(&self.source_pollers).all(|p| p.can_sleep());
-        if !all_can_sleep || !self.local.spawned.borrow().is_empty() || !self.local.new_pollers.borrow().is_empty() {
+        let local = &self.local;
+        if !all_can_sleep
+            || !local.spawned.borrow().is_empty()
+            || !local.new_pollers.borrow().is_empty()
+            || !local.next_tick.borrow().is_empty()
+        {
             return Duration::ZERO;
         }
-        let shared = &self.local.shared;
+        let shared = &local.shared;
         shared.sleeping.store(true, Ordering::SeqCst);
         fence(Ordering::SeqCst);
         let mut slept = Duration::ZERO;
-        if shared.inbox.is_empty() && shared.woken.is_empty() && !shared.stop.load(Ordering::Acquire) {
-            let timeout = self.local.timers.borrow().peek().map(|Reverse(t)| t.deadline.saturating_duration_since(now));
-            let asleep = Instant::now();
+        let next_deadline = local.timers.borrow().peek().map(|Reverse(t)| t.deadline);
+        // A virtual clock may have been advanced past a deadline since this
+        // iteration read it; read after `sleeping` is set, either this sees
+        // the advance or the advance sees the reactor asleep and wakes it.
+        let clock = &self.config.clock;
+        let due = clock.is_virtual() && next_deadline.is_some_and(|deadline| deadline <= clock.now());
+        if !due && shared.inbox.is_empty() && shared.woken.is_empty() && !shared.stop.load(Ordering::Acquire) {
+            // Real time does not move a virtual clock: only an advance,
+            // which wakes the reactor, brings a deadline nearer.
+            let timeout = match clock {
+                Clock::Monotonic => next_deadline.map(|deadline| deadline.saturating_duration_since(now)),
+                Clock::Virtual(_) => None,
+            };
+            shared.quiet.fetch_add(1, Ordering::AcqRel);
+            let asleep = clock.now();
             self.epoll.wait(timeout);
             // At least a nanosecond: a wait happened, however short.
-            slept = asleep.elapsed().max(Duration::from_nanos(1));
+            slept = clock.now().saturating_duration_since(asleep).max(Duration::from_nanos(1));
             ReactorStats::add(&shared.stats.sleeps, 1);
             ReactorStats::add(&shared.stats.sleep_ns, slept.as_nanos() as u64);
         }
@@ -810,6 +917,20 @@ impl Reactor {
                 PollerClass::Source => self.source_pollers.push(poller),
             }
         }
+    }
+
+    /// Wake every [`NextTick`] made before this iteration.
+    fn wake_next_tick(&mut self) -> bool {
+        let local = &self.local;
+        let mut waiting = local.next_tick_spare.take();
+        debug_assert!(waiting.is_empty());
+        std::mem::swap(&mut *local.next_tick.borrow_mut(), &mut waiting);
+        let woke = !waiting.is_empty();
+        for waker in waiting.drain(..) {
+            waker.wake();
+        }
+        *local.next_tick_spare.borrow_mut() = waiting;
+        woke
     }
 
     fn fire_timers(&mut self, now: Instant) -> bool {

@@ -13,7 +13,9 @@ use keelfs_bdev::{
     UringDevice, UringOptions,
 };
 use keelfs_reactor::DeviceChannel;
-use keelfs_reactor::{self as reactor, PollMode, Reactor, ReactorConfig, ReactorHandle, SendError};
+use keelfs_reactor::{
+    self as reactor, Clock, PollMode, Reactor, ReactorConfig, ReactorHandle, SendError, VirtualClock,
+};
 
 fn config(id: usize, mode: PollMode) -> ReactorConfig {
     ReactorConfig { id, mode, ..ReactorConfig::default() }
@@ -109,71 +111,131 @@ fn a_message_never_runs_inline_even_when_sent_to_self() {
     assert!(!observed_inline);
 }
 
-/// CPU time the reactor thread uses over `window`, measured on that thread.
-fn reactor_cpu_over(handle: &ReactorHandle, window: Duration) -> Duration {
-    let ask = |h: &ReactorHandle| {
-        let (tx, rx) = mpsc::channel();
-        h.send(move || tx.send(reactor::thread_cpu_time()).unwrap()).unwrap();
-        rx.recv_timeout(Duration::from_secs(10)).expect("reactor answered")
-    };
-    let before = ask(handle);
-    std::thread::sleep(window);
-    ask(handle) - before
+/// A reactor on a virtual clock, and the clock.
+fn on_virtual_clock(id: usize, mode: PollMode) -> (ReactorHandle, std::thread::JoinHandle<()>, Arc<VirtualClock>) {
+    let clock = VirtualClock::new();
+    let config = ReactorConfig { clock: Clock::Virtual(Arc::clone(&clock)), ..config(id, mode) };
+    let (handle, join) = Reactor::spawn(config, || {}).unwrap();
+    (handle, join, clock)
+}
+
+/// Run `job` on the reactor and wait for its answer.
+fn ask<T: Send + 'static>(handle: &ReactorHandle, job: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    handle.send(move || tx.send(job()).unwrap()).unwrap();
+    rx.recv_timeout(GUARD).expect("the reactor answered")
+}
+
+/// A hang guard, not a measurement: nothing here waits on real time.
+const GUARD: Duration = Duration::from_secs(60);
+
+#[test]
+fn an_idle_adaptive_reactor_sleeps_once_its_spin_budget_has_passed_on_its_clock() {
+    let budget = Duration::from_millis(1);
+    let (r, join, clock) = on_virtual_clock(0, PollMode::Adaptive { idle_before_sleep: budget });
+    // Its clock stands still: an idle spell never reaches the budget, so
+    // the policy spins however long the machine takes.
+    ask(&r, || ());
+    ask(&r, || ());
+    assert_eq!(r.stats().sleeps.load(Ordering::Relaxed), 0, "slept before its clock passed the budget");
+    assert_eq!(r.quiet_sleeps(), 0);
+    // Let it start its idle spell before time moves: a spell that starts
+    // after the advance never reaches the budget. The answer came from a
+    // busy iteration that may not be counted yet; two more are idle.
+    let ticks = || r.stats().ticks.load(Ordering::Relaxed);
+    let idle_from = ticks() + 3;
+    let deadline = Instant::now() + GUARD;
+    while ticks() < idle_from {
+        assert!(Instant::now() < deadline, "the reactor stopped iterating");
+        std::thread::yield_now();
+    }
+    clock.advance(budget);
+    // Not `settle`: its message would be work, and the idle spell would
+    // start again on a clock that stands still.
+    let deadline = Instant::now() + GUARD;
+    while r.quiet_sleeps() == 0 {
+        assert!(Instant::now() < deadline, "not asleep after its budget passed");
+        std::thread::sleep(Duration::from_micros(100));
+    }
+    assert_eq!(r.quiet_sleeps(), 1, "one sleep, however many spins came before");
+    r.stop();
+    join.join().unwrap();
 }
 
 #[test]
-fn idle_adaptive_reactor_sleeps_and_busy_one_spins() {
-    let window = Duration::from_millis(1000);
-    let (adaptive, adaptive_join) = Reactor::spawn(config(0, PollMode::ADAPTIVE_DEFAULT), || {}).unwrap();
-    std::thread::sleep(Duration::from_millis(50));
-    let idle_cpu = reactor_cpu_over(&adaptive, window);
-    let sleeps = adaptive.stats().sleeps.load(Ordering::Relaxed);
-    adaptive.stop();
-    adaptive_join.join().unwrap();
-    eprintln!("adaptive idle reactor: {idle_cpu:?} CPU in {window:?}, {sleeps} sleeps");
-    assert!(idle_cpu < window / 50, "an idle adaptive reactor used {idle_cpu:?} of CPU in {window:?} (>2%)");
-    assert!(sleeps >= 1);
-
-    // The same measurement on a busy-polling reactor must see it spin:
-    // this is what shows the measurement above can fail. A loaded machine
-    // may give the spinner little of a core, so the windows add up until
-    // it has used 100 ms (a spinner gets there; a sleeper never would),
-    // within a minute.
-    let (busy, busy_join) = Reactor::spawn(config(1, PollMode::Busy), || {}).unwrap();
-    let started = std::time::Instant::now();
-    let mut busy_cpu = Duration::ZERO;
-    while busy_cpu <= Duration::from_millis(100) && started.elapsed() < Duration::from_secs(60) {
-        busy_cpu += reactor_cpu_over(&busy, Duration::from_millis(300));
+fn a_busy_polling_reactor_never_sleeps() {
+    let (r, join, clock) = on_virtual_clock(0, PollMode::Busy);
+    clock.advance(Duration::from_secs(1));
+    ask(&r, || ());
+    // A thousand idle iterations, with seconds passed on its clock: a
+    // reactor that slept would count a sleep for each.
+    let ticks = || r.stats().ticks.load(Ordering::Relaxed);
+    let deadline = Instant::now() + GUARD;
+    while ticks() < 1000 {
+        assert!(Instant::now() < deadline, "the reactor stopped iterating");
+        std::thread::yield_now();
     }
-    let busy_sleeps = busy.stats().sleeps.load(Ordering::Relaxed);
-    busy.stop();
-    busy_join.join().unwrap();
-    eprintln!("busy reactor: {busy_cpu:?} CPU in {:?}", started.elapsed());
-    assert!(busy_cpu > Duration::from_millis(100), "busy reactor only used {busy_cpu:?} in a minute");
-    assert_eq!(busy_sleeps, 0, "a busy-polling reactor never sleeps");
+    assert_eq!(r.stats().sleeps.load(Ordering::Relaxed), 0, "a busy-polling reactor never sleeps");
+    assert_eq!(r.quiet_sleeps(), 0);
+    r.stop();
+    join.join().unwrap();
 }
 
 #[test]
 fn sleeping_reactors_wake_for_messages_and_timers() {
-    let (r, join) = Reactor::spawn(config(0, PollMode::Interrupt), || {}).unwrap();
+    let (r, join, clock) = on_virtual_clock(0, PollMode::Interrupt);
     for _ in 0..50 {
-        std::thread::sleep(Duration::from_millis(2));
-        let (tx, rx) = mpsc::channel();
-        r.send(move || tx.send(()).unwrap()).unwrap();
-        rx.recv_timeout(Duration::from_secs(60)).expect("sleeping reactor woke for a message");
+        assert!(r.settle(GUARD));
+        ask(&r, || ());
     }
-    let (tx, rx) = mpsc::channel();
+    let fired: Arc<Mutex<Option<Duration>>> = Arc::default();
+    let slot = Arc::clone(&fired);
     r.send(move || {
         reactor::spawn_local(async move {
             let start = reactor::now();
             reactor::sleep(Duration::from_millis(30)).await;
-            tx.send(reactor::now() - start).unwrap();
+            *slot.lock().unwrap() = Some(reactor::now() - start);
         })
     })
     .unwrap();
-    let slept = rx.recv_timeout(Duration::from_secs(60)).expect("timer fired while the reactor slept");
-    assert!(slept >= Duration::from_millis(30), "timer fired early: {slept:?}");
-    assert!(r.stats().sleeps.load(Ordering::Relaxed) > 0);
+    assert!(r.settle(GUARD));
+    let sleeps = r.stats().sleeps.load(Ordering::Relaxed);
+    clock.advance(Duration::from_micros(29_999));
+    assert!(r.settle(GUARD));
+    assert_eq!(*fired.lock().unwrap(), None, "fired before its deadline");
+    assert!(r.stats().sleeps.load(Ordering::Relaxed) > sleeps, "the advance woke the sleeping reactor");
+    // The advance alone wakes it: no message, no settle, before the timer
+    // fires.
+    clock.advance(Duration::from_micros(1));
+    let deadline = Instant::now() + GUARD;
+    while fired.lock().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "the timer did not fire after the advance");
+        std::thread::sleep(Duration::from_micros(100));
+    }
+    assert_eq!(*fired.lock().unwrap(), Some(Duration::from_millis(30)), "fired at its deadline exactly");
+    r.stop();
+    join.join().unwrap();
+}
+
+#[test]
+fn next_tick_completes_on_a_clock_that_stands_still() {
+    let (r, join, _clock) = on_virtual_clock(0, PollMode::Interrupt);
+    let ticks: Arc<Mutex<Vec<u64>>> = Arc::default();
+    let seen = Arc::clone(&ticks);
+    let handle = r.clone();
+    r.send(move || {
+        reactor::spawn_local(async move {
+            for _ in 0..3 {
+                reactor::next_tick().await;
+                seen.lock().unwrap().push(handle.stats().ticks.load(Ordering::Relaxed));
+            }
+        })
+    })
+    .unwrap();
+    assert!(r.settle(GUARD));
+    let ticks = ticks.lock().unwrap().clone();
+    assert_eq!(ticks.len(), 3, "each next_tick completed with no time passing");
+    assert!(ticks.windows(2).all(|w| w[1] > w[0]), "one iteration apart at least: {ticks:?}");
     r.stop();
     join.join().unwrap();
 }
