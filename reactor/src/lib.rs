@@ -47,7 +47,7 @@ pub use io::{
 };
 pub use policy::{Regime, SwitchReason};
 pub use probe::{CpuLoad, CpuLoadProbe};
-pub use remote::{call, call_and_wait, Call, CallError, Unsent};
+pub use remote::{call, call_and_wait, oneshot, Call, CallError, Completer, Unsent};
 pub use sys::thread_cpu_time;
 
 use std::cell::{Cell, RefCell};

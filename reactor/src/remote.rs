@@ -132,7 +132,28 @@ where
     }
 }
 
-/// The caller's end of [`call`].
+/// A one-shot channel from any thread to a task on a reactor: the task
+/// awaits the [`Call`], which completes when the [`Completer`] is used,
+/// or with None when it is dropped unused (its thread ended early). For
+/// waiting on another thread without polling on a timer, which a
+/// reactor on a virtual clock would never fire.
+pub fn oneshot<T>() -> (Completer<T>, Call<T>) {
+    let slot = Slot::new();
+    (Completer { reply: Reply { slot: Arc::clone(&slot) } }, Call { slot })
+}
+
+/// The sending end of [`oneshot`].
+pub struct Completer<T> {
+    reply: Reply<T>,
+}
+
+impl<T> Completer<T> {
+    pub fn complete(self, value: T) {
+        self.reply.finish(Some(value));
+    }
+}
+
+/// The caller's end of [`call`], and the receiving end of [`oneshot`].
 pub struct Call<T> {
     slot: Arc<Slot<T>>,
 }

@@ -301,7 +301,8 @@ pub struct VhostUserServer {
     /// Whether this server bound the socket, and so removes its path.
     owns_path: bool,
     stopping: Arc<AtomicBool>,
-    finished: Arc<AtomicBool>,
+    /// Completed by the listener's thread as it ends; taken by `stop`.
+    finished: Option<reactor::Call<()>>,
     active: Arc<Mutex<Option<ShutdownHandle>>>,
     thread: Option<JoinHandle<()>>,
     stats: Rc<DeviceStats>,
@@ -470,11 +471,11 @@ impl VhostUserServer {
         start_helper_pollers(&helpers, receivers, &pollers, shape, &helper_stats)?;
 
         let stopping = Arc::new(AtomicBool::new(false));
-        let finished = Arc::new(AtomicBool::new(false));
+        let (listener_done, finished) = reactor::oneshot();
         let active = Arc::new(Mutex::new(None));
         let dma = options.dma;
         let thread = {
-            let (stopping, finished, active) = (stopping.clone(), finished.clone(), active.clone());
+            let (stopping, active) = (stopping.clone(), active.clone());
             // The listener's events belong to the export that started it.
             let span = tracing::Span::current();
             std::thread::Builder::new()
@@ -482,7 +483,7 @@ impl VhostUserServer {
                 .spawn(move || {
                     let _span = span.entered();
                     accept_loop(&mut listener, queues, &pollers, &stopping, &active, dma.as_ref());
-                    finished.store(true, Ordering::Release);
+                    listener_done.complete(());
                     pollers.owner().ring();
                 })
                 .map_err(VhostUserError::Thread)?
@@ -493,7 +494,7 @@ impl VhostUserServer {
             wake_accept,
             owns_path,
             stopping,
-            finished,
+            finished: Some(finished),
             active,
             thread: Some(thread),
             stats,
@@ -573,8 +574,9 @@ impl VhostUserServer {
         }
         // Wake a listener blocked in accept: it sees `stopping` and leaves.
         crate::socket::stop_accepting(&self.wake_accept);
-        while !self.finished.load(Ordering::Acquire) {
-            reactor::sleep(Duration::from_millis(1)).await;
+        // Completes with None too if the thread ended otherwise.
+        if let Some(finished) = self.finished.take() {
+            finished.await;
         }
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
