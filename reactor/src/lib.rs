@@ -291,9 +291,11 @@ struct Shared {
     stop: AtomicBool,
     wake_fd: sys::EventFd,
     stats: ReactorStats,
-    /// Times the reactor went to sleep with nothing left to do: what
-    /// [`ReactorHandle::settle`] waits on.
+    /// Times the reactor went to sleep with nothing left to do.
     quiet: AtomicU64,
+    /// Iterations that found no work with none queued: what
+    /// [`ReactorHandle::settle`] waits on.
+    idle_ticks: AtomicU64,
 }
 
 impl Shared {
@@ -351,13 +353,12 @@ impl ReactorHandle {
 
     /// Wait until the reactor has done all it can without time moving or
     /// anything new arriving: it has run an iteration since this call,
-    /// then gone to sleep with no task, message or timer due. For tests on
-    /// a [`VirtualClock`], between advancing it and looking at what
-    /// happened. False if the reactor stopped first.
+    /// then one that found no work, with no task, message or timer due.
+    /// For tests on a [`VirtualClock`], between advancing it and looking
+    /// at what happened. False if the reactor stopped first.
     ///
-    /// A reactor that does not sleep when idle (busy polling, or the
-    /// adaptive policy while it spins) never settles; neither does one
-    /// with a poller that never lets it sleep.
+    /// Work a task awaits from outside the reactor's pollers (another
+    /// thread, a device that completes on its own) may still be coming.
     ///
     /// # Panics
     /// If it has not settled within `guard` of real time: a hang, which a
@@ -368,7 +369,7 @@ impl ReactorHandle {
         let mark = Arc::new(AtomicU64::new(u64::MAX));
         let seen = Arc::clone(&mark);
         let shared = Arc::clone(&self.shared);
-        if self.send(move || seen.store(shared.quiet.load(Ordering::Acquire), Ordering::Release)).is_err() {
+        if self.send(move || seen.store(shared.idle_ticks.load(Ordering::Acquire), Ordering::Release)).is_err() {
             return false;
         }
         let deadline = Instant::now() + guard;
@@ -377,7 +378,7 @@ impl ReactorHandle {
                 return false;
             }
             let mark = mark.load(Ordering::Acquire);
-            if mark != u64::MAX && self.shared.quiet.load(Ordering::Acquire) > mark {
+            if mark != u64::MAX && self.shared.idle_ticks.load(Ordering::Acquire) > mark {
                 return true;
             }
             assert!(Instant::now() < deadline, "reactor {} did not settle within {guard:?}", self.id());
@@ -686,6 +687,7 @@ impl Reactor {
             wake_fd: sys::EventFd::new()?,
             stats: ReactorStats::default(),
             quiet: AtomicU64::new(0),
+            idle_ticks: AtomicU64::new(0),
         });
         let epoll = sys::Epoll::new()?;
         epoll.add(shared.wake_fd.raw(), true)?;
@@ -813,6 +815,8 @@ impl Reactor {
             if busy {
                 ReactorStats::add(&shared.stats.busy_ticks, 1);
                 ReactorStats::add(&shared.stats.busy_ns, spent);
+            } else if self.nothing_queued() {
+                shared.idle_ticks.fetch_add(1, Ordering::AcqRel);
             }
             // Work just finished (`done`) counts as work: no sleep after it.
             now = self.idle(end, busy || done());
@@ -861,6 +865,17 @@ impl Reactor {
             }
         }
         now
+    }
+
+    /// No task spawned or waiting for the next iteration, no message or
+    /// wake-up in the inbox.
+    fn nothing_queued(&self) -> bool {
+        let local = &self.local;
+        local.spawned.borrow().is_empty()
+            && local.new_pollers.borrow().is_empty()
+            && local.next_tick.borrow().is_empty()
+            && local.shared.inbox.is_empty()
+            && local.shared.woken.is_empty()
     }
 
     /// Wait in epoll until something may have work. Returns how long it
