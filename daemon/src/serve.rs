@@ -1236,6 +1236,7 @@ async fn start_transports(
                 image,
                 restore,
                 qos: qos.clone(),
+                poll_idle: None,
             };
             let queues = export.request_queues;
             let server = match fs {

@@ -278,6 +278,12 @@ pub struct ServeOptions {
     /// None: never limited. Refused with helpers: their queues are polled
     /// on other reactors, which cannot share it.
     pub qos: Option<Rc<Qos>>,
+    /// How long, by the reactor's clock, a kicked queue stays in polling
+    /// mode with nothing available before it asks the driver to kick
+    /// again. None: 200 µs. A test on a virtual clock keeps its queues
+    /// polled (`Duration::MAX`), so that whatever the driver has published
+    /// is taken in the reactor's next iteration, with no kick racing it.
+    pub poll_idle: Option<Duration>,
 }
 
 static NEXT_SERVER_ID: AtomicU64 = AtomicU64::new(1);
@@ -321,6 +327,7 @@ struct PollerShape {
     queues: usize,
     pollers: usize,
     in_flight_max: usize,
+    poll_idle: Duration,
 }
 
 /// The owning reactor's queue poller, for the queues `Pollers::mask`
@@ -351,6 +358,7 @@ fn start_owner_poller(
         disconnects: Vec::new(),
         stats: stats.clone(),
         in_flight_max: shape.in_flight_max,
+        poll_idle: shape.poll_idle,
         span: tracing::Span::current(),
     };
     reactor::register_poller(PollerClass::Source, Box::new(owner));
@@ -366,7 +374,7 @@ fn start_helper_pollers(
     helper_stats: &Arc<HelperStats>,
 ) -> Result<(), VhostUserError> {
     let owner_handle = reactor::current();
-    let PollerShape { server: id, queues, pollers: poller_count, in_flight_max } = shape;
+    let PollerShape { server: id, queues, pollers: poller_count, in_flight_max, poll_idle } = shape;
     for (i, (helper, control)) in helpers.iter().zip(receivers).enumerate() {
         let (wake, owner, helper_stats) =
             (pollers.helpers()[i].wake.clone(), owner_handle.clone(), helper_stats.clone());
@@ -384,6 +392,7 @@ fn start_helper_pollers(
                 disconnects: Vec::new(),
                 stats: Rc::default(),
                 in_flight_max,
+                poll_idle,
                 span,
             };
             reactor::register_poller(PollerClass::Source, Box::new(poller));
@@ -464,7 +473,8 @@ impl VhostUserServer {
         let helper_stats = Arc::new(HelperStats::default());
         let in_flight: Vec<Rc<Cell<usize>>> = (0..queues).map(|_| Rc::default()).collect();
         let attachment = Attachment::new(id, fs, config, op_stats.clone(), options.image, options.restore);
-        let shape = PollerShape { server: id, queues, pollers: poller_count, in_flight_max };
+        let poll_idle = options.poll_idle.unwrap_or(POLL_IDLE);
+        let shape = PollerShape { server: id, queues, pollers: poller_count, in_flight_max, poll_idle };
         let control = receivers.next().expect("one receiver per poller");
         let wake = pollers.owner().wake.clone();
         start_owner_poller(&attachment, control, wake, &in_flight, &stats, shape, options.qos.as_ref());

@@ -8,7 +8,7 @@ use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, SyncSender};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::virtio::GuestRam;
 use keelfs_fs::{Fh, Ino};
@@ -20,7 +20,7 @@ use vm_memory::GuestAddressSpace;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::migration::Attachment;
-use super::{session_of, Connection, Control, DeviceStats, HelperStats, POLL_IDLE, POP_BATCH};
+use super::{session_of, Connection, Control, DeviceStats, HelperStats, POP_BATCH};
 use crate::fuse::dispatch::SharedHandle;
 use crate::fuse::state::SessionState;
 use crate::qos::{Charged, Gate};
@@ -295,6 +295,8 @@ pub(super) struct QueuePoller<S: ChainServer> {
     /// Requests in flight per queue at most, if less than the ring's size:
     /// past it, the rest wait in the ring until some finish.
     pub(super) in_flight_max: usize,
+    /// See [`super::ServeOptions::poll_idle`].
+    pub(super) poll_idle: Duration,
     /// The export's span, for events logged from the reactor's loop.
     pub(super) span: tracing::Span,
 }
@@ -421,7 +423,7 @@ impl<S: ChainServer> QueuePoller<S> {
         }
         match queue.idle_since {
             None => queue.idle_since = Some(now),
-            Some(since) if now.duration_since(since) >= POLL_IDLE => {
+            Some(since) if now.duration_since(since) >= self.poll_idle => {
                 // Ask for kicks again; true means something slipped in
                 // meanwhile, so keep polling.
                 queue.idle_since = None;
