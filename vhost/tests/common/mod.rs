@@ -4,7 +4,7 @@
 #![allow(dead_code)] // each test binary uses its own part
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,7 +12,7 @@ use keelfs_bdev::{BlockDevice, MappedDevice, QueueConfig};
 use keelfs_fs::{mkfs, MkfsOptions};
 use keelfs_fs::{Fs, FsConfig};
 use keelfs_reactor::DeviceChannel;
-use keelfs_reactor::{self as reactor, Reactor, ReactorConfig};
+use keelfs_reactor::{Clock, PollMode, Reactor, ReactorConfig, VirtualClock};
 use keelfs_vhost::abi::{Opcode, Reply, ENTRY_OUT_BYTES};
 use keelfs_vhost::frontend::{io_in, io_request, FrontendConfig, FsFrontend, Used};
 use keelfs_vhost::SessionConfig;
@@ -23,7 +23,6 @@ pub const TIMEOUT: Duration = Duration::from_secs(60);
 /// keelfsd's device side on its own reactor thread, over a RAM disk.
 pub struct Daemon {
     pub socket: PathBuf,
-    stop: Arc<AtomicBool>,
     /// The device's zero-copy and one-copy reply counts, its helper
     /// reactors' reads from the cache and requests forwarded, and the
     /// queues a driver broke, sent at shutdown.
@@ -65,12 +64,21 @@ impl Daemon {
         requests_in_flight_max: Option<usize>,
         commit_interval: Duration,
     ) -> Self {
-        Self::start_limited(request_queues, helpers, requests_in_flight_max, commit_interval, None)
+        Self::start_limited(request_queues, helpers, requests_in_flight_max, commit_interval, None, Clock::Monotonic)
     }
 
     /// With QoS limits too.
     pub fn start_with_qos(request_queues: usize, qos: QosLimits) -> Self {
-        Self::start_limited(request_queues, 0, None, Duration::from_millis(50), Some(qos))
+        Self::start_limited(request_queues, 0, None, Duration::from_millis(50), Some(qos), Clock::Monotonic)
+    }
+
+    /// With QoS limits, on a reactor whose time is `clock`. Its queues are
+    /// polled once kicked, so that `reactor.settle` returns once it has
+    /// done all that the time and the requests published allow, with no
+    /// kick (relayed by another thread) racing it.
+    pub fn start_on_clock(request_queues: usize, qos: QosLimits, clock: Arc<VirtualClock>) -> Self {
+        let clock = Clock::Virtual(clock);
+        Self::start_limited(request_queues, 0, None, Duration::from_millis(50), Some(qos), clock)
     }
 
     fn start_limited(
@@ -79,6 +87,7 @@ impl Daemon {
         requests_in_flight_max: Option<usize>,
         commit_interval: Duration,
         qos: Option<QosLimits>,
+        clock: Clock,
     ) -> Self {
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let dir = std::env::temp_dir().join(format!(
@@ -88,13 +97,14 @@ impl Daemon {
         ));
         std::fs::create_dir_all(&dir).unwrap();
         let socket = dir.join("fs.sock");
-        let stop = Arc::new(AtomicBool::new(false));
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let (zero_copy_tx, zero_copy) = std::sync::mpsc::channel();
         let thread = {
-            let (socket, stop) = (socket.clone(), stop.clone());
+            let socket = socket.clone();
             std::thread::spawn(move || {
-                let mut reactor = Reactor::new(ReactorConfig::default()).unwrap();
+                let virtual_time = matches!(clock, Clock::Virtual(_));
+                let mode = if virtual_time { PollMode::Interrupt } else { PollMode::ADAPTIVE_DEFAULT };
+                let mut reactor = Reactor::new(ReactorConfig { mode, clock, ..ReactorConfig::default() }).unwrap();
                 let handle = reactor.handle();
                 let helper_reactors: Vec<_> = (1..=helpers)
                     .map(|id| Reactor::spawn(ReactorConfig { id, ..ReactorConfig::default() }, || {}).unwrap())
@@ -111,6 +121,7 @@ impl Daemon {
                         helpers: helper_handles,
                         requests_in_flight_max,
                         qos: qos.map(|limits| Qos::new(limits).unwrap()),
+                        poll_idle: virtual_time.then_some(Duration::MAX),
                         ..ServeOptions::default()
                     };
                     let server = VhostUserServer::start_with(
@@ -122,9 +133,7 @@ impl Daemon {
                     )
                     .unwrap();
                     ready_tx.send(handle).unwrap();
-                    while !stop.load(Ordering::Acquire) {
-                        reactor::sleep(Duration::from_millis(2)).await;
-                    }
+                    stop_asked().await;
                     let (_, h) = server.helper_stats();
                     let _ = zero_copy_tx.send([
                         server.stats().zero_copy.get(),
@@ -144,7 +153,7 @@ impl Daemon {
             })
         };
         let reactor = ready_rx.recv_timeout(TIMEOUT).expect("daemon started");
-        Self { socket, stop, zero_copy, reactor, thread: Some(thread), _dir: TempDir(dir) }
+        Self { socket, zero_copy, reactor, thread: Some(thread), _dir: TempDir(dir) }
     }
 
     pub fn connect(&self, request_queues: usize) -> FsFrontend {
@@ -164,7 +173,7 @@ impl Daemon {
     /// the cache, requests helpers forwarded to the owner, broken queues,
     /// and the most requests a queue had in flight.
     pub fn stop_all(mut self) -> [u64; 6] {
-        self.stop.store(true, Ordering::Release);
+        ask_to_stop(&self.reactor).expect("the daemon's reactor runs until asked to stop");
         if let Some(t) = self.thread.take() {
             t.join().expect("daemon thread exits cleanly");
         }
@@ -174,11 +183,45 @@ impl Daemon {
 
 impl Drop for Daemon {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
+        // A reactor that stopped already (its thread panicked) is joined
+        // below, which reports the panic.
+        let _ = ask_to_stop(&self.reactor);
         if let Some(t) = self.thread.take() {
             t.join().expect("daemon thread exits cleanly");
         }
     }
+}
+
+thread_local! {
+    /// On a daemon's reactor thread: shutdown was asked for, and the task
+    /// waiting for it.
+    static STOP: std::cell::RefCell<(bool, Option<std::task::Waker>)> = const { std::cell::RefCell::new((false, None)) };
+}
+
+/// Ask a daemon's reactor to shut down. A message, not a flag polled on a
+/// timer: a reactor on a virtual clock sees it without time moving.
+fn ask_to_stop(reactor: &keelfs_reactor::ReactorHandle) -> Result<(), keelfs_reactor::SendError> {
+    reactor.send(|| {
+        let waker = STOP.with_borrow_mut(|(asked, waker)| {
+            *asked = true;
+            waker.take()
+        });
+        waker.into_iter().for_each(std::task::Waker::wake);
+    })
+}
+
+/// On the daemon's reactor: complete once [`ask_to_stop`] has been called.
+async fn stop_asked() {
+    std::future::poll_fn(|cx| {
+        STOP.with_borrow_mut(|(asked, waker)| {
+            if *asked {
+                return std::task::Poll::Ready(());
+            }
+            *waker = Some(cx.waker().clone());
+            std::task::Poll::Pending
+        })
+    })
+    .await
 }
 
 pub fn named(name: &str) -> Vec<u8> {
