@@ -78,3 +78,14 @@ pub fn allocated_bytes(path: &std::path::Path) -> u64 {
     use std::os::unix::fs::MetadataExt;
     std::fs::metadata(path).expect("stat").blocks() * 512
 }
+
+/// `future`, counting in `polls` the times it is polled: a bound on the
+/// work a future does in pieces, for tests that must not assert time.
+pub async fn counting_polls<F: std::future::Future>(future: F, polls: &std::cell::Cell<u64>) -> F::Output {
+    let mut future = std::pin::pin!(future);
+    std::future::poll_fn(|cx| {
+        polls.set(polls.get() + 1);
+        future.as_mut().poll(cx)
+    })
+    .await
+}

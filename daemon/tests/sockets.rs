@@ -74,13 +74,13 @@ fn sockets_are_private_and_the_rpc_survives_hostile_clients() {
     let mut reply = String::new();
     let _ = long.read_to_string(&mut reply);
     assert!(reply.contains("request longer than 65536 bytes"), "{reply:?}");
-    // The silent client is cut off after the request timeout.
+    // The silent client is cut off after the request timeout: its read
+    // ends at the daemon's close, not at this side's 60 s hang guard.
     let mut silent = silent;
     silent.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     let mut rest = Vec::new();
-    let cut = Instant::now();
-    let _ = silent.read_to_end(&mut rest);
-    assert!(cut.elapsed() < Duration::from_secs(30), "the silent client was kept");
+    let read = silent.read_to_end(&mut rest);
+    assert!(read.is_ok(), "the silent client was kept: {read:?}");
     assert!(served.stop().success());
 }
 

@@ -6,7 +6,7 @@ mod common;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{busy_reactor, channel, format, ram_device};
 use keelfs_base::testing::splitmix64;
@@ -17,9 +17,34 @@ use keelfs_reactor::yield_now;
 
 const MIB: u64 = 1 << 20;
 const REGION: usize = 8192;
-/// How long an owner keeps changing the file, past its fixed rounds, for a
-/// reader that a loaded machine has let run only a little.
-const PROGRESS_DEADLINE: Duration = Duration::from_secs(60);
+/// The most changes an owner makes waiting for the reader's progress, 30
+/// times its fixed rounds: a bound in work, not time, so that a reader
+/// that can never progress fails the test rather than hang it.
+const OWNER_ROUNDS_MAX: u32 = 2_000_000;
+
+/// Set when the reader's thread has ended, by returning or by a panic: an
+/// owner waiting on the reader's progress fails then, rather than hang.
+/// No deadline: a loaded machine may let the reader run only a little,
+/// and the owner keeps going until it has.
+#[derive(Clone, Default)]
+struct ReaderGone(Arc<AtomicBool>);
+
+impl ReaderGone {
+    /// # Panics
+    /// If the reader's thread has ended: it can make no more progress.
+    fn check(&self, waiting_for: &str) {
+        assert!(!self.0.load(Ordering::Acquire), "the reader ended before {waiting_for}");
+    }
+}
+
+/// Sets [`ReaderGone`] when dropped, as the reader's thread ends.
+struct MarkGone(ReaderGone);
+
+impl Drop for MarkGone {
+    fn drop(&mut self) {
+        self.0 .0.store(true, Ordering::Release);
+    }
+}
 
 fn config() -> FsConfig {
     FsConfig {
@@ -38,7 +63,7 @@ async fn new_file(fs: &Fs, name: &str) -> Ino {
 /// a plain thread with a reader of the file `owner` creates first.
 fn owner_and_reader<R>(
     setup: impl AsyncFnOnce(&Fs) -> Ino + 'static,
-    owner: impl AsyncFnOnce(Fs, Ino) + 'static,
+    owner: impl AsyncFnOnce(Fs, Ino, ReaderGone) + 'static,
     reader: impl FnOnce(SharedReader, &AtomicBool) -> R + Send + 'static,
 ) -> R
 where
@@ -52,9 +77,13 @@ where
         let fs = Fs::mount(channel(&dev), config()).await.unwrap();
         let ino = setup(&fs).await;
         let shared = fs.shared_reader(ino).unwrap();
-        let stop2 = stop.clone();
-        let thread = std::thread::spawn(move || reader(shared, &stop2));
-        owner(fs.clone(), ino).await;
+        let (stop2, gone) = (stop.clone(), ReaderGone::default());
+        let mark = MarkGone(gone.clone());
+        let thread = std::thread::spawn(move || {
+            let _mark = mark;
+            reader(shared, &stop2)
+        });
+        owner(fs.clone(), ino, gone).await;
         stop.store(true, Ordering::Release);
         fs.unmount().await.unwrap();
         thread.join().expect("reader thread")
@@ -73,18 +102,18 @@ fn shared_reads_see_whole_writes_and_never_go_back() {
             fs.write(ino, 0, &vec![0u8; REGIONS as usize * REGION]).await.unwrap();
             ino
         },
-        async move |fs, ino| {
+        async move |fs, ino, reader_gone| {
             // Each write fills one 8 KiB region (two pages) with the next
             // value for that region: 60,000 of them, and more until the
             // reader has had its share of the CPU.
             let mut seed = 1;
             let mut versions = [0u64; REGIONS as usize];
-            let started = Instant::now();
             for round in 0.. {
-                let enough = owner_sees.load(Ordering::Relaxed) >= HITS_MIN;
-                if round >= 60_000 && (enough || started.elapsed() > PROGRESS_DEADLINE) {
+                if round >= 60_000 && owner_sees.load(Ordering::Relaxed) >= HITS_MIN {
                     break;
                 }
+                reader_gone.check("it had its reads");
+                assert!(round < OWNER_ROUNDS_MAX, "the reader made too little progress in {round} writes");
                 let region = splitmix64(&mut seed) % REGIONS;
                 let v = &mut versions[region as usize];
                 *v += 1;
@@ -119,7 +148,7 @@ fn shared_reads_see_whole_writes_and_never_go_back() {
             hits
         },
     );
-    assert!(hits >= HITS_MIN, "the reader completed only {hits} reads from the cache in 60 s");
+    assert!(hits >= HITS_MIN, "the reader completed only {hits} reads from the cache");
 }
 
 #[test]
@@ -134,18 +163,18 @@ fn shared_reads_never_see_a_truncate_half_done() {
             fs.write(ino, 0, &vec![1u8; FULL]).await.unwrap();
             ino
         },
-        async move |fs, ino| {
+        async move |fs, ino, reader_gone| {
             // Shrink to a random size (the kept bytes keep their value, the
             // tail of the last page is zeroed in the cache), then rewrite
             // the whole file with a new value, extending it: 40,000 times,
             // and more until the reader has checked enough reads.
             let mut seed = 3;
-            let started = Instant::now();
             for i in 0u32.. {
-                let enough = owner_sees.load(Ordering::Relaxed) >= CHECKED_MIN;
-                if i >= 40_000 && (enough || started.elapsed() > PROGRESS_DEADLINE) {
+                if i >= 40_000 && owner_sees.load(Ordering::Relaxed) >= CHECKED_MIN {
                     break;
                 }
+                reader_gone.check("it had checked its reads");
+                assert!(i < OWNER_ROUNDS_MAX, "the reader made too little progress in {i} changes");
                 let size = 1 + splitmix64(&mut seed) % (FULL as u64 - 1);
                 fs.setattr(&Creds::root(), ino, &SetAttr { size: Some(size), ..Default::default() }, false)
                     .await
@@ -178,7 +207,7 @@ fn shared_reads_never_see_a_truncate_half_done() {
             checked
         },
     );
-    assert!(checked >= CHECKED_MIN, "only {checked} reads completed from the cache in 60 s");
+    assert!(checked >= CHECKED_MIN, "only {checked} reads completed from the cache");
 }
 
 #[test]
@@ -230,14 +259,13 @@ fn owner_writes_are_visible_to_shared_reads_at_once() {
             fs.write(ino, 0, &[0u8; 4096]).await.unwrap();
             ino
         },
-        async move |fs, ino| {
-            let started = Instant::now();
+        async move |fs, ino, reader_gone| {
             for v in 1..=2000u64 {
                 fs.write(ino, 0, &v.to_le_bytes()).await.unwrap();
                 e2.store(v, Ordering::Release);
                 while d2.load(Ordering::Acquire) != v {
                     // A reader that panicked never confirms: fail, not hang.
-                    assert!(started.elapsed() < PROGRESS_DEADLINE, "the reader did not confirm value {v} in 60 s");
+                    reader_gone.check(&format!("it confirmed value {v}"));
                     yield_now().await;
                 }
             }

@@ -201,6 +201,9 @@ fn hostile_chain(next: &mut impl FnMut() -> u64, req_len: u32, mem: &GuestRam) -
 /// request most of the time. Every chain must be answered or dropped,
 /// never panic or spin, and a good request is served after each round.
 /// `KEELFS_FUZZ_SEED` and `KEELFS_FUZZ_CASES` replay or lengthen it.
+/// The most times serving one fuzzed ring may be polled.
+const QUEUE_POLLS_MAX: u64 = 10_000;
+
 #[test]
 fn generated_hostile_chains_never_stop_the_queue() {
     use keelfs_base::testing::splitmix64;
@@ -230,9 +233,11 @@ fn generated_hostile_chains_never_stop_the_queue() {
             let descs = hostile_chain(&mut next, req.len() as u32, &mem);
             mq.add_desc_chains(&descs, 0).unwrap();
             let mut queue: Queue = mq.create_queue().unwrap();
-            let started = std::time::Instant::now();
-            let outcomes = serve_queue(&s, &mut queue, &mem).await;
-            assert!(started.elapsed() < std::time::Duration::from_secs(20), "round {round}: a slow queue");
+            let polls = std::cell::Cell::new(0u64);
+            let outcomes = keelfs_base::testing::counting_polls(serve_queue(&s, &mut queue, &mem), &polls).await;
+            // A bound in work, not time: serving a ring of hostile chains
+            // must not go on yielding without end.
+            assert!(polls.get() <= QUEUE_POLLS_MAX, "round {round}: polled {} times", polls.get());
             assert!(
                 outcomes.len() <= descs.len(),
                 "round {round}: {} outcomes for {} descriptors",
