@@ -4,7 +4,7 @@
 # descriptor chains against the virtqueue path, crafted superblocks with
 # valid checksums, journal and checkpoint records mutated under valid
 # checksums) run seed after seed until the time is up. CI runs each
-# once with a fixed seed; this is the run that hunts.
+# once with a fresh seed; this is the run that hunts.
 #
 # Usage: scripts/fuzz.sh [--minutes N] [--cases N] [--afl]
 #   --minutes N  how long to run (default 30)

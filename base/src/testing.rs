@@ -79,6 +79,30 @@ pub fn allocated_bytes(path: &std::path::Path) -> u64 {
     std::fs::metadata(path).expect("stat").blocks() * 512
 }
 
+/// A seed no earlier run used, from the standard library's per-process
+/// random hash keys (which the OS seeds).
+pub fn fresh_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    std::collections::hash_map::RandomState::new().build_hasher().finish()
+}
+
+/// The seed of a randomised test: `var` from the environment when it is
+/// set, to replay a failure, else a fresh one, so that each run (each CI
+/// run) explores cases no run before it did. Printed either way, with the
+/// way to replay it.
+///
+/// # Panics
+/// If `var` is set to something that is not a number: a typo must not
+/// turn a replay into a fresh run.
+pub fn test_seed(var: &str, what: &str) -> u64 {
+    let seed = match std::env::var(var) {
+        Ok(value) => value.parse().unwrap_or_else(|_| panic!("{var}={value} is not a u64")),
+        Err(_) => fresh_seed(),
+    };
+    eprintln!("{what}: seed {seed} (replay with {var}={seed})");
+    seed
+}
+
 /// `future`, counting in `polls` the times it is polled: a bound on the
 /// work a future does in pieces, for tests that must not assert time.
 pub async fn counting_polls<F: std::future::Future>(future: F, polls: &std::cell::Cell<u64>) -> F::Output {

@@ -137,9 +137,7 @@ fn crash_points(log_len: usize, flush_points: Vec<usize>, seed: u64, extra: usiz
 }
 
 fn test_seed() -> u64 {
-    let seed = std::env::var("KEELFS_CRASH_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x6b65_656c);
-    eprintln!("crash seed {seed} (replay with KEELFS_CRASH_SEED={seed})");
-    seed
+    keelfs_base::testing::test_seed("KEELFS_CRASH_SEED", "crash")
 }
 
 /// Rebuild each crash image and hand a mounted Fs to `verify` with the

@@ -7,7 +7,7 @@ use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 
 use common::{busy_reactor, channel, check, format, mount, ram_device};
-use keelfs_base::testing::splitmix64;
+use keelfs_base::testing::{splitmix64, test_seed};
 use keelfs_bdev::{BlockDevice, MappedDevice};
 use keelfs_fs::repair;
 use keelfs_fs::XattrFlags;
@@ -82,8 +82,7 @@ fn examine(image: &[u8]) -> (bool, Option<String>) {
 fn random_byte_flips_in_metadata_never_panic() {
     let (image, blocks) = build_image();
     assert!(blocks.len() > 4, "checkpoint and journal blocks found: {blocks:?}");
-    let seed = std::env::var("KEELFS_DAMAGE_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0xda_7a);
-    eprintln!("damage seed {seed} (replay with KEELFS_DAMAGE_SEED={seed})");
+    let seed = test_seed("KEELFS_DAMAGE_SEED", "damage");
     let mut s = seed;
     let (mut detected, mut cases) = (0, 0);
     for case in 0..150 {
@@ -265,8 +264,8 @@ fn journal_records_with_valid_checksums_never_panic() {
         }
     }
     assert!(!txs.is_empty(), "the image has journal transactions");
-    let seed = std::env::var("KEELFS_DAMAGE_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x7a11);
-    eprintln!("journal mutation seed {seed} (replay with KEELFS_DAMAGE_SEED={seed}); {} transactions", txs.len());
+    let seed = test_seed("KEELFS_DAMAGE_SEED", "journal mutation");
+    eprintln!("{} transactions", txs.len());
     let mut s = seed;
     let (mut refused, cases) = (0, 300);
     for case in 0..cases {
@@ -316,8 +315,8 @@ fn checkpoint_records_with_valid_checksums_never_panic() {
         .filter(|&(_, len)| len > 0 && len <= 4096 - HEADER)
         .collect();
     assert!(!blocks.is_empty(), "the image has a checkpoint");
-    let seed = std::env::var("KEELFS_DAMAGE_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0xc4e7);
-    eprintln!("checkpoint mutation seed {seed} (replay with KEELFS_DAMAGE_SEED={seed}); {} blocks", blocks.len());
+    let seed = test_seed("KEELFS_DAMAGE_SEED", "checkpoint mutation");
+    eprintln!("{} blocks", blocks.len());
     let mut s = seed;
     let (mut refused, cases) = (0, 300);
     for case in 0..cases {

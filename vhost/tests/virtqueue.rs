@@ -207,9 +207,9 @@ const QUEUE_POLLS_MAX: u64 = 10_000;
 #[test]
 fn generated_hostile_chains_never_stop_the_queue() {
     use keelfs_base::testing::splitmix64;
-    let seed: u64 = std::env::var("KEELFS_FUZZ_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or(0xc4a1);
+    let seed = keelfs_base::testing::test_seed("KEELFS_FUZZ_SEED", "chain fuzz");
     let rounds: u64 = std::env::var("KEELFS_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(1500);
-    eprintln!("chain fuzz: seed {seed}, {rounds} rounds (KEELFS_FUZZ_SEED={seed} KEELFS_FUZZ_CASES={rounds})");
+    eprintln!("chain fuzz: {rounds} rounds (KEELFS_FUZZ_CASES={rounds})");
     with_session(async move |s: Session, mem: GuestRam| {
         let mut rng = seed;
         let mut next = move || splitmix64(&mut rng);
