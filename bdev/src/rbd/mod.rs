@@ -191,11 +191,11 @@ fn default_conf_exists() -> bool {
     candidates.into_iter().flatten().any(|p| p.is_file())
 }
 
-/// Connect to the cluster `address` names and open its pool.
-fn connect(address: &RbdAddress) -> Result<(Arc<sys::Cluster>, Arc<sys::Pool>), RbdError> {
-    let timeout = CONNECT_TIMEOUT_SECS.to_string();
-    let settings = [
-        ("client_mount_timeout", timeout.as_str()),
+/// What keelfs sets on every cluster handle, over the conf and CEPH_ARGS.
+/// `timeout`: [`CONNECT_TIMEOUT_SECS`], as text.
+fn cluster_settings(timeout: &str) -> [(&'static str, &str); 5] {
+    [
+        ("client_mount_timeout", timeout),
         ("rbd_cache", "false"),
         // Breaking a lock (ours, or librbd's own of a dead holder) must
         // fence the holder first; a site's conf may not turn that off.
@@ -203,7 +203,13 @@ fn connect(address: &RbdAddress) -> Result<(Arc<sys::Cluster>, Arc<sys::Pool>), 
         // librados logs to files by default; keelfsd logs through tracing.
         ("log_file", ""),
         ("log_to_stderr", "false"),
-    ];
+    ]
+}
+
+/// Connect to the cluster `address` names and open its pool.
+fn connect(address: &RbdAddress) -> Result<(Arc<sys::Cluster>, Arc<sys::Pool>), RbdError> {
+    let timeout = CONNECT_TIMEOUT_SECS.to_string();
+    let settings = cluster_settings(&timeout);
     let conf = address.conf_name().to_string();
     let cluster =
         sys::Cluster::connect(address.conf.as_deref(), address.client.as_deref(), &settings).map_err(|e| {
@@ -559,6 +565,27 @@ impl Drop for RbdQueue {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A conf that asks for an hour's wait, and keelfs's settings over
+    /// it: connecting to an unreachable cluster gives up after keelfs's
+    /// timeout. Read back from librados, not timed.
+    #[test]
+    fn keelfs_settings_win_over_the_conf() {
+        let dir = std::env::temp_dir().join(format!("keelfs-rbd-conf-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let conf = dir.join("ceph.conf");
+        std::fs::write(&conf, "[global]\nmon_host = 192.0.2.1\nclient_mount_timeout = 3600\nrbd_cache = true\n")
+            .unwrap();
+        let conf = conf.to_str().unwrap();
+        let timeout = CONNECT_TIMEOUT_SECS.to_string();
+        let plain = sys::Cluster::configure(Some(conf), None, &[]).unwrap();
+        assert_eq!(plain.setting("client_mount_timeout").unwrap(), "3600", "the conf is read");
+        let ours = sys::Cluster::configure(Some(conf), None, &cluster_settings(&timeout)).unwrap();
+        assert_eq!(ours.setting("client_mount_timeout").unwrap(), timeout);
+        assert_eq!(ours.setting("rbd_cache").unwrap(), "false");
+        assert_eq!(ours.setting("rbd_blocklist_on_break_lock").unwrap(), "true");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn names_parse_and_print_back() {

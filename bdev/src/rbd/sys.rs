@@ -45,6 +45,8 @@ extern "C" {
     fn rados_conf_read_file(cluster: RadosT, path: *const c_char) -> c_int;
     fn rados_conf_parse_env(cluster: RadosT, var: *const c_char) -> c_int;
     fn rados_conf_set(cluster: RadosT, option: *const c_char, value: *const c_char) -> c_int;
+    #[cfg(test)]
+    fn rados_conf_get(cluster: RadosT, option: *const c_char, buf: *mut c_char, len: usize) -> c_int;
     fn rados_connect(cluster: RadosT) -> c_int;
     fn rados_shutdown(cluster: RadosT);
     fn rados_get_instance_id(cluster: RadosT) -> u64;
@@ -110,7 +112,33 @@ fn cstring(call: &'static str, s: &str) -> Result<CString, CephError> {
     CString::new(s).map_err(|_| CephError { call, errno: libc::EINVAL })
 }
 
-/// A connected cluster handle (librados starts its threads at connect).
+impl Configured {
+    /// The value `key` came to, from the conf, CEPH_ARGS and the settings:
+    /// for the tests that check the settings win.
+    #[cfg(test)]
+    pub fn setting(&self, key: &str) -> Result<String, CephError> {
+        let key = cstring("rados_conf_get", key)?;
+        let mut buf = [0u8; 256];
+        // SAFETY: a live handle, a C string, and a writable buffer of the
+        // length passed; librados writes a NUL-terminated value into it or
+        // fails with ENAMETOOLONG.
+        let rc = unsafe { rados_conf_get(self.0.handle, key.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+        check("rados_conf_get", rc)?;
+        let value =
+            CStr::from_bytes_until_nul(&buf).map_err(|_| CephError { call: "rados_conf_get", errno: libc::EINVAL })?;
+        Ok(value.to_string_lossy().into_owned())
+    }
+
+    pub fn connect(self) -> Result<Cluster, CephError> {
+        // SAFETY: a live, configured handle; connect blocks until the
+        // monitors answer or client_mount_timeout passes.
+        check("connecting to the Ceph cluster", unsafe { rados_connect(self.0.handle) })?;
+        Ok(self.0)
+    }
+}
+
+/// A cluster handle, connected once it leaves [`Configured::connect`]
+/// (librados starts its threads at connect).
 pub struct Cluster {
     handle: RadosT,
 }
@@ -125,6 +153,17 @@ impl Cluster {
     /// `conf` (Ceph's default search without one), CEPH_ARGS, then
     /// `settings`, which win.
     pub fn connect(conf: Option<&str>, id: Option<&str>, settings: &[(&str, &str)]) -> Result<Self, CephError> {
+        Self::configure(conf, id, settings)?.connect()
+    }
+}
+
+/// A cluster handle configured but not yet connected: what its settings
+/// came to can be read back.
+pub struct Configured(Cluster);
+
+impl Cluster {
+    /// See [`Cluster::connect`]: everything but the connection.
+    pub fn configure(conf: Option<&str>, id: Option<&str>, settings: &[(&str, &str)]) -> Result<Configured, CephError> {
         let name = cstring("rados_create2", &format!("client.{}", id.unwrap_or("admin")))?;
         let mut handle: RadosT = std::ptr::null_mut();
         // SAFETY: both strings are NUL-terminated and outlive the call;
@@ -150,10 +189,7 @@ impl Cluster {
             // SAFETY: a live handle not yet connected, and two C strings.
             check("rados_conf_set", unsafe { rados_conf_set(cluster.handle, k.as_ptr(), v.as_ptr()) })?;
         }
-        // SAFETY: a live, configured handle; connect blocks until the
-        // monitors answer or client_mount_timeout passes.
-        check("connecting to the Ceph cluster", unsafe { rados_connect(cluster.handle) })?;
-        Ok(cluster)
+        Ok(Configured(cluster))
     }
 
     /// This client's id in the cluster: it is `client.ID` in lock owners.
