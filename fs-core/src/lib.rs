@@ -25,6 +25,7 @@ mod dir;
 mod discard;
 mod error;
 mod extent;
+mod file_clock;
 mod flags;
 mod format;
 mod fsck;
@@ -45,6 +46,7 @@ pub use adopt::HandleState;
 pub use data::{ReadSink, WriteSource, WriteTimes};
 pub use discard::DiscardConfig;
 pub use error::{FsError, FsResult};
+pub use file_clock::{FileClock, ManualClock};
 pub use flags::{FallocateMode, RenameMode, XattrFlags};
 pub use format::{crc, Superblock, Timespec, XATTR_INODE_BYTES_MAX};
 pub use fsck::{fsck, repair, FsckReport, Problem};
@@ -111,6 +113,8 @@ pub struct FsConfig {
     pub quota: Quota,
     /// Continuous discard of freed space (off by default).
     pub discard: DiscardConfig,
+    /// The clock file times are stamped with: the system's, or a test's.
+    pub file_clock: FileClock,
 }
 
 /// Linux's atime mount modes, which the server applies under FUSE.
@@ -142,6 +146,7 @@ impl Default for FsConfig {
             keep_orphans: false,
             quota: Quota::default(),
             discard: DiscardConfig::default(),
+            file_clock: FileClock::System,
         }
     }
 }
@@ -278,6 +283,11 @@ pub struct Fs {
 }
 
 impl FsInner {
+    /// Now, to the nanosecond, by the filesystem's file clock.
+    pub(crate) fn file_time(&self) -> format::Timespec {
+        self.config.file_clock.now()
+    }
+
     /// Begin a change of several steps to `ino` (pages and size) that
     /// readers on other cores must not see half done. Free when the file
     /// has no such readers.
@@ -327,9 +337,9 @@ impl FsInner {
         if self.file_times.get() && times == data::WriteTimes::Stamp {
             let ctime = node.inode.ctime;
             if node.times_queried.get() || node.i_version_queried {
-                stamp = Some(format::Timespec::now().max(ctime.next()));
+                stamp = Some(self.config.file_clock.now().max(ctime.next()));
             } else {
-                let coarse = format::Timespec::now_coarse();
+                let coarse = self.config.file_clock.now_coarse();
                 if coarse > ctime || coarse > node.inode.mtime {
                     stamp = Some(coarse.max(ctime));
                 }
@@ -462,6 +472,11 @@ impl FsInner {
 }
 
 impl Fs {
+    /// Now, to the nanosecond, by the filesystem's file clock.
+    pub(crate) fn file_time(&self) -> format::Timespec {
+        self.inner.file_time()
+    }
+
     pub fn geometry(&self) -> Geometry {
         self.inner.geometry
     }

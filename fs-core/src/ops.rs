@@ -116,10 +116,6 @@ fn check_name(name: &[u8]) -> FsResult<()> {
     Ok(())
 }
 
-fn now() -> Timespec {
-    Timespec::now()
-}
-
 impl FsInner {
     pub(crate) fn inode(&self, ino: u64) -> FsResult<Inode> {
         self.state.borrow().node(ino).map(|n| n.inode.clone()).ok_or(FsError::NotFound)
@@ -197,13 +193,17 @@ impl FsInner {
         // branch: no clock read, no update.
         let update = match self.config.atime {
             super::AtimeUpdates::Always => true,
-            _ => i.atime <= i.mtime || i.atime <= i.ctime || Timespec::now_coarse().sec - i.atime.sec >= 24 * 3600,
+            _ => {
+                i.atime <= i.mtime
+                    || i.atime <= i.ctime
+                    || self.config.file_clock.now_coarse().sec - i.atime.sec >= 24 * 3600
+            }
         };
         if update {
             // The tick's time (a cheap clock, as Linux's atime), but after
             // the last change: a fine-grained mtime may be ahead of the
             // tick, and relatime would then update on every read.
-            node.inode.atime = Timespec::now_coarse().max(i.mtime.next()).max(i.ctime.next());
+            node.inode.atime = self.config.file_clock.now_coarse().max(i.mtime.next()).max(i.ctime.next());
             drop(state);
             self.mark_dirty(ino);
         }
@@ -371,7 +371,7 @@ impl FsInner {
     }
 
     fn touch_dir(&self, dir: u64, nlink_delta: i32) -> FsResult<()> {
-        let t = now();
+        let t = self.file_time();
         self.update_inode(dir, |i| {
             i.mtime = t;
             i.ctime = t;
@@ -506,7 +506,7 @@ impl Fs {
             return Err(FsError::Exists);
         }
         self.inner.add_entry(new_parent, new_name, ino)?;
-        let t = now();
+        let t = self.file_time();
         self.inner.update_inode(ino, |i| {
             i.nlink += 1;
             i.ctime = t;
@@ -550,7 +550,7 @@ impl Fs {
         }
         self.inner.check_sticky(c, &dir, ino)?;
         self.inner.log(Record::DirentDelete { dir: parent, name: Cow::Borrowed(name) })?;
-        let t = now();
+        let t = self.file_time();
         self.inner.update_inode(ino, |i| {
             i.nlink = if want_dir { 0 } else { i.nlink.saturating_sub(1) };
             i.ctime = t;
@@ -626,7 +626,7 @@ impl Fs {
             self.inner.log(Record::DirentDelete { dir: new_parent, name: Cow::Borrowed(new_name) })?;
         }
         self.inner.add_entry(new_parent, new_name, ino)?;
-        let t = now();
+        let t = self.file_time();
         self.inner.update_inode(ino, |i| i.ctime = t)?;
         let moved_dir = i32::from(src.is_dir());
         if let Some(victim) = target {
@@ -718,7 +718,7 @@ impl Fs {
         self.inner.log(Record::DirentDelete { dir: new_parent, name: Cow::Borrowed(new_name) })?;
         self.inner.add_entry(parent, name, b)?;
         self.inner.add_entry(new_parent, new_name, a)?;
-        let t = now();
+        let t = self.file_time();
         self.inner.update_inode(a, |i| i.ctime = t)?;
         self.inner.update_inode(b, |i| i.ctime = t)?;
         let delta = i32::from(ia.is_dir()) - i32::from(ib.is_dir());
@@ -923,7 +923,7 @@ impl Fs {
                     if !owner && !self.inner.may(inode, c, W_OK) {
                         return Err(FsError::Access);
                     }
-                    now()
+                    self.file_time()
                 }
                 TimeSet::At(t) => {
                     if !owner {
@@ -968,7 +968,7 @@ impl Fs {
                 new.mtime = after.mtime;
             }
         }
-        new.ctime = set.ctime.unwrap_or_else(now);
+        new.ctime = set.ctime.unwrap_or_else(|| self.file_time());
         if new.mode != inode.mode {
             self.inner.couple_acl_to_mode(ino, new.mode)?;
         }
@@ -1004,7 +1004,7 @@ impl Fs {
             return self.set_acl(c, ino, name, &Acl::parse(value)?);
         }
         self.inner.log(Record::XattrSet { ino, name: Cow::Borrowed(name), value: Cow::Borrowed(value) })?;
-        let t = now();
+        let t = self.file_time();
         self.inner.update_inode(ino, |i| i.ctime = t)?;
         Ok(())
     }
@@ -1033,7 +1033,7 @@ impl Fs {
         } else if stored {
             self.inner.log(Record::XattrDelete { ino, name: Cow::Borrowed(name) })?;
         }
-        let t = now();
+        let t = self.file_time();
         self.inner.update_inode(ino, |i| {
             i.mode = mode;
             i.ctime = t;
@@ -1066,7 +1066,7 @@ impl Fs {
         if clear == 0 {
             return Ok(());
         }
-        let t = now();
+        let t = self.file_time();
         self.inner.update_inode(ino, |i| {
             i.mode &= !clear;
             i.ctime = t;
@@ -1101,7 +1101,7 @@ impl Fs {
             return Err(FsError::NoData);
         }
         self.inner.log(Record::XattrDelete { ino, name: Cow::Borrowed(name) })?;
-        let t = now();
+        let t = self.file_time();
         self.inner.update_inode(ino, |i| i.ctime = t)?;
         Ok(())
     }

@@ -249,17 +249,25 @@ fn a_tmpfile_is_freed_at_release_unless_linked_and_copies_stay_in_the_daemon() {
     });
 }
 
+/// On a file clock the test moves: which reads move atime, and to when.
 #[test]
 fn reads_move_atime_as_relatime_strictatime_and_noatime_say() {
-    use keelfs_fs::{AtimeUpdates, FsConfig};
-    let old = keelfs_fs::Timespec { sec: 1_000, nsec: 0 };
-    for (mode, after_first, after_second) in
-        [(AtimeUpdates::Relative, true, false), (AtimeUpdates::Always, true, true), (AtimeUpdates::Never, false, false)]
-    {
+    use keelfs_fs::{AtimeUpdates, FileClock, FsConfig, ManualClock, Timespec};
+    let old = Timespec { sec: 1_000, nsec: 0 };
+    let day = std::time::Duration::from_secs(24 * 3600);
+    // What each read does to atime: the first (atime older than mtime),
+    // a second 25 ms later, a third a day later.
+    for (mode, moves) in [
+        (AtimeUpdates::Relative, [true, false, true]),
+        (AtimeUpdates::Always, [true, true, true]),
+        (AtimeUpdates::Never, [false, false, false]),
+    ] {
         let dev = ram_device(32 * MIB);
         busy_reactor().block_on(async move {
             format(&dev).await;
-            let config = FsConfig { atime: mode, ..FsConfig::default() };
+            let clock = ManualClock::new(Timespec { sec: 1_700_000_000, nsec: 0 });
+            let file_clock = FileClock::Manual(clock.clone());
+            let config = FsConfig { atime: mode, file_clock, ..FsConfig::default() };
             let fs = Fs::mount(common::channel(&dev), config).await.unwrap();
             let c = root();
             let (f, fh) = fs.create(&c, ROOT_INO, b"f", 0o644, libc::O_RDWR as u32).await.unwrap();
@@ -268,14 +276,23 @@ fn reads_move_atime_as_relatime_strictatime_and_noatime_say() {
             // Old atime, newer mtime: relatime's case for an update.
             let set = SetAttr { atime: Some(TimeSet::At(old)), ..Default::default() };
             fs.setattr(&c, ino, &set, true).await.unwrap();
-            fs.read(ino, 0, 4).await.unwrap();
-            let first = fs.getattr(ino).await.unwrap().inode.atime;
-            assert_eq!(first != old, after_first, "{mode:?}: first read");
-            // atime is at the clock tick's resolution (at most 10 ms).
-            std::thread::sleep(std::time::Duration::from_millis(25));
-            fs.read(ino, 0, 4).await.unwrap();
-            let second = fs.getattr(ino).await.unwrap().inode.atime;
-            assert_eq!(second != first, after_second, "{mode:?}: second read");
+            let changed = fs.getattr(ino).await.unwrap().inode;
+            let mut atime = old;
+            for (read, (advance, moves)) in [std::time::Duration::ZERO, std::time::Duration::from_millis(25), day]
+                .into_iter()
+                .zip(moves)
+                .enumerate()
+            {
+                clock.advance(advance);
+                fs.read(ino, 0, 4).await.unwrap();
+                let now = fs.getattr(ino).await.unwrap().inode.atime;
+                // Never before the last change: relatime would otherwise
+                // update on every read.
+                let expected =
+                    if moves { clock.now().max(changed.mtime.next()).max(changed.ctime.next()) } else { atime };
+                assert_eq!(now, expected, "{mode:?}: read {read}");
+                atime = now;
+            }
             fs.release(fh).await.unwrap();
             fs.unmount().await.unwrap();
         });

@@ -24,7 +24,7 @@ use std::rc::Rc;
 use super::blocks::{block_bytes, offset_in_block, whole_blocks, DevBlock, FileBlock};
 use super::cache::PAGE_BYTES;
 use super::extent::{Segment, Segments};
-use super::format::{BlockRun, Inode, Timespec, BLOCK_BYTES};
+use super::format::{BlockRun, Inode, BLOCK_BYTES};
 use super::record::Record;
 use super::{Fs, FsError, FsResult};
 use keelfs_bdev::AlignedBuf;
@@ -49,10 +49,6 @@ pub enum WriteTimes {
 const WRITEBACK_TOKEN: u64 = u64::MAX - 1;
 /// Writers write their own file back once this share of the cache is dirty.
 const DIRTY_THROTTLE_PERCENT: usize = 50;
-
-fn now() -> Timespec {
-    Timespec::now()
-}
 
 /// The part of `page` inside the file range [offset, end): its byte range
 /// within the page and where it lands in a buffer starting at `offset`.

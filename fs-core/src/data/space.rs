@@ -1,6 +1,6 @@
 //! Size changes, preallocation and seeking.
 
-use super::{blocks_of, now};
+use super::blocks_of;
 use crate::blocks::{offset_in_block, FileBlock};
 use crate::cache::PAGE_BYTES;
 use crate::extent::Segment;
@@ -40,7 +40,7 @@ impl Fs {
         } else {
             self.zero_past_eof(ino, old).await?;
         }
-        let t = now();
+        let t = self.file_time();
         self.inner.update_inode(ino, |i| {
             i.size = new_size;
             i.mtime = t;
@@ -98,7 +98,7 @@ impl Fs {
         if !punch {
             self.allocate_unwritten(ino, FileBlock::containing(offset), FileBlock::starting_at_or_after(end))?;
         }
-        let t = now();
+        let t = self.file_time();
         self.inner.update_inode(ino, |i| {
             if !keep {
                 i.size = i.size.max(end);
