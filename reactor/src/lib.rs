@@ -293,9 +293,10 @@ struct Shared {
     stats: ReactorStats,
     /// Times the reactor went to sleep with nothing left to do.
     quiet: AtomicU64,
-    /// Iterations that found no work with none queued: what
-    /// [`ReactorHandle::settle`] waits on.
+    /// Iterations that found no work with none queued, counted on a
+    /// virtual clock only: what [`ReactorHandle::settle`] waits on.
     idle_ticks: AtomicU64,
+    virtual_clock: bool,
 }
 
 impl Shared {
@@ -361,11 +362,14 @@ impl ReactorHandle {
     /// thread, a device that completes on its own) may still be coming.
     ///
     /// # Panics
-    /// If it has not settled within `guard` of real time: a hang, which a
-    /// test should report rather than wait on forever.
+    /// On a reactor whose clock is not virtual: only those count their
+    /// idle iterations. And if it has not settled within `guard` of real
+    /// time: a hang, which a test should report rather than wait on
+    /// forever.
     pub fn settle(&self, guard: Duration) -> bool {
+        assert!(self.shared.virtual_clock, "settle needs a reactor on a virtual clock");
         // Set on the reactor's thread, in an iteration that starts after
-        // this call: the count of quiet sleeps so far.
+        // this call: the count of idle iterations so far.
         let mark = Arc::new(AtomicU64::new(u64::MAX));
         let seen = Arc::clone(&mark);
         let shared = Arc::clone(&self.shared);
@@ -688,6 +692,7 @@ impl Reactor {
             stats: ReactorStats::default(),
             quiet: AtomicU64::new(0),
             idle_ticks: AtomicU64::new(0),
+            virtual_clock: config.clock.is_virtual(),
         });
         let epoll = sys::Epoll::new()?;
         epoll.add(shared.wake_fd.raw(), true)?;
@@ -805,6 +810,7 @@ impl Reactor {
 
     fn run_until(&mut self, mut done: impl FnMut() -> bool) {
         let shared = Arc::clone(&self.local.shared);
+        let counts_idle_ticks = self.config.clock.is_virtual();
         let mut now = self.config.clock.now();
         while !done() && !shared.stop.load(Ordering::Acquire) {
             let busy = self.tick(now);
@@ -815,7 +821,9 @@ impl Reactor {
             if busy {
                 ReactorStats::add(&shared.stats.busy_ticks, 1);
                 ReactorStats::add(&shared.stats.busy_ns, spent);
-            } else if self.nothing_queued() {
+            } else if counts_idle_ticks && self.nothing_queued() {
+                // Only a virtual clock's tests settle: a daemon's idle
+                // iterations pay for no count.
                 shared.idle_ticks.fetch_add(1, Ordering::AcqRel);
             }
             // Work just finished (`done`) counts as work: no sleep after it.
