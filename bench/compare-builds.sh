@@ -11,20 +11,25 @@
 # close, unlink over a wide tree of 20,000 files, with the daemons'
 # default cache mode): each build runs all four in turn in a round.
 #
+# --driver busy drives with threads that spin on the used ring (a running
+# vCPU, which takes its core from the daemon) instead of sleeping on the
+# call eventfd (a halted one, the default).
+#
 # Usage: bench/compare-builds.sh OLD_KEELFSD NEW_KEELFSD [--rounds N] [--seconds N]
-#                                [--backend uring|pmem] [--metadata] [OUT.json]
+#                                [--backend uring|pmem] [--driver sleep|busy] [--metadata] [OUT.json]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[[ $# -ge 2 ]] || { sed -n '14,15p' "$0" >&2; exit 2; }
+[[ $# -ge 2 ]] || { sed -n '18,19p' "$0" >&2; exit 2; }
 old=$1 new=$2
 shift 2
-rounds=3 seconds=5 backend=uring metadata=0
+rounds=3 seconds=5 backend=uring metadata=0 driver=sleep
 while [[ $# -gt 0 ]]; do
   case $1 in
     --metadata) metadata=1; shift ;;
     --rounds) rounds=$2; shift 2 ;;
     --seconds) seconds=$2; shift 2 ;;
     --backend) backend=$2; shift 2 ;;
+    --driver) driver=$2; shift 2 ;;
     *) break ;;
   esac
 done
@@ -76,7 +81,7 @@ for round in $(seq "$rounds"); do
       daemon_pid=$!
       for _ in $(seq 200); do [[ -S $work/sock ]] && break; sleep 0.05; done
       # shellcheck disable=SC2086  # $flags is a list of options: split on purpose
-      "$bench" vhost --socket "$work/sock" --workload "$workload" $flags --seconds "$seconds" \
+      "$bench" vhost --socket "$work/sock" --workload "$workload" $flags --seconds "$seconds" --driver "$driver" \
         --daemon-pid "$daemon_pid" --label "$label" --json | sed "s/^{/{\"round\":$round,/" | tee -a "$results"
       kill -TERM "$daemon_pid"
       wait "$daemon_pid" || true
