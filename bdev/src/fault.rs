@@ -326,15 +326,19 @@ struct FaultQueue {
 /// # Safety
 /// The iovecs must be readable for their lengths (the submit contract).
 unsafe fn gather(iovecs: &[IoVec], len: usize) -> Vec<u8> {
-    let mut out = Vec::with_capacity(len);
+    let mut out = vec![0u8; len];
+    let mut filled = 0;
     for v in iovecs {
-        let take = v.len.min(len - out.len());
-        // SAFETY: forwarded contract; take <= v.len.
-        out.extend_from_slice(unsafe { std::slice::from_raw_parts(v.base, take) });
-        if out.len() == len {
+        let take = v.len.min(len - filled);
+        // SAFETY: forwarded contract. Caller memory may be a guest's: it is
+        // read with volatile access only (take <= v.len).
+        unsafe { v.volatile() }.copy_to(&mut out[filled..filled + take]);
+        filled += take;
+        if filled == len {
             break;
         }
     }
+    out.truncate(filled);
     out
 }
 

@@ -63,6 +63,11 @@ pub const MAX_IOVECS_PER_REQUEST: u32 = 256;
 pub const MAX_REQUEST_BYTES: u32 = 1 << 20;
 
 /// One segment of caller memory.
+///
+/// It may be a guest's, which the guest's vCPUs write at any moment: a
+/// backend that copies it does so only through [`IoVec::volatile`], never
+/// through a Rust slice or reference (the compiler may assume those do not
+/// change underneath it) nor a copy of its own.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IoVec {
     pub base: *mut u8,
@@ -72,6 +77,21 @@ pub struct IoVec {
 // SAFETY: an IoVec is only an address and a length; the unsafe contract of
 // `IoQueue::submit` is what governs access to the memory it names.
 unsafe impl Send for IoVec {}
+
+impl IoVec {
+    /// The segment's memory, for volatile access only (vm-memory's
+    /// `VolatileSlice`: reads and writes that assume nothing of what
+    /// another thread or a guest does meanwhile).
+    ///
+    /// # Safety
+    /// The memory must stay mapped for `'a`: [`IoQueue::submit`]'s contract
+    /// gives that until the request's completion is handed out.
+    pub unsafe fn volatile<'a>(&self) -> vm_memory::VolatileSlice<'a> {
+        // SAFETY: the caller keeps [base, base+len) mapped for 'a; a
+        // VolatileSlice makes no claim that no one else writes it.
+        unsafe { vm_memory::VolatileSlice::new(self.base, self.len) }
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum IoKind {

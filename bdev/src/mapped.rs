@@ -303,14 +303,18 @@ impl IoQueue for MappedQueue {
                 let mut offset = req.offset_bytes as usize;
                 for v in req.iovecs {
                     // SAFETY: validation put [offset, offset+total) inside the
-                    // mapping; the caller vouches for the iovec memory.
-                    unsafe {
-                        let device = self.mapping.base.add(offset);
-                        if req.kind == IoKind::Read {
-                            std::ptr::copy_nonoverlapping(device, v.base, v.len);
-                        } else {
-                            std::ptr::copy_nonoverlapping(v.base, device, v.len);
-                        }
+                    // mapping, which this queue's Arc keeps mapped, and no
+                    // other queue's request runs meanwhile (one thread);
+                    // the caller's iovec memory, maybe a guest's, is only
+                    // reached through volatile access, live until the
+                    // completion (submit's contract).
+                    let (device, caller) = unsafe { (self.mapping.base.add(offset), v.volatile()) };
+                    if req.kind == IoKind::Read {
+                        // SAFETY: as above: v.len bytes of the mapping.
+                        caller.copy_from(unsafe { std::slice::from_raw_parts(device, v.len) });
+                    } else {
+                        // SAFETY: as above.
+                        caller.copy_to(unsafe { std::slice::from_raw_parts_mut(device, v.len) });
                     }
                     offset += v.len;
                 }

@@ -387,11 +387,13 @@ impl NvmeQueue {
             if result.is_ok() && !slot.read_into.is_empty() {
                 let mut from = self.bounce_ptr(start);
                 for v in &self.slots[usize::from(slot_id)].read_into {
-                    // SAFETY: the bounce run holds the whole request; the
-                    // caller's iovecs are valid until this completion is
-                    // handed out (submit's contract).
+                    // SAFETY: the bounce run holds the whole request and the
+                    // device has finished with it (its completion is in);
+                    // the caller's iovecs are valid until this completion
+                    // is handed out (submit's contract), and may be a
+                    // guest's: reached by volatile access only.
                     unsafe {
-                        std::ptr::copy_nonoverlapping(from, v.base, v.len);
+                        v.volatile().copy_from(std::slice::from_raw_parts(from, v.len));
                         from = from.add(v.len);
                     }
                 }
@@ -496,10 +498,12 @@ impl NvmeQueue {
         if req.kind == IoKind::Write {
             let mut to = self.bounce_ptr(start);
             for v in req.iovecs {
-                // SAFETY: the caller vouches for the iovec; the bounce run
-                // holds `total` bytes, the iovecs' sum.
+                // SAFETY: the caller vouches for the iovec, maybe a guest's
+                // memory, reached by volatile access only; the bounce run
+                // holds `total` bytes, the iovecs' sum, and no command uses
+                // it yet.
                 unsafe {
-                    std::ptr::copy_nonoverlapping(v.base, to, v.len);
+                    v.volatile().copy_to(std::slice::from_raw_parts_mut(to, v.len));
                     to = to.add(v.len);
                 }
             }
