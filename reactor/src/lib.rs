@@ -945,6 +945,10 @@ impl Reactor {
     /// Wake every [`NextTick`] made before this iteration.
     fn wake_next_tick(&mut self) -> bool {
         let local = &self.local;
+        // Most iterations have none: one check, no swap.
+        if local.next_tick.borrow().is_empty() {
+            return false;
+        }
         let mut waiting = local.next_tick_spare.take();
         debug_assert!(waiting.is_empty());
         std::mem::swap(&mut *local.next_tick.borrow_mut(), &mut waiting);
