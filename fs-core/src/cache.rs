@@ -19,7 +19,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
-use super::shared::SharedPages;
+use super::shared::{PageOwner, SharedPages};
 use keelfs_base::SeededState;
 
 pub const PAGE_BYTES: usize = 4096;
@@ -69,6 +69,9 @@ pub struct PageCache {
     /// memory), no per-page allocation or fragmentation. Shared with
     /// readers on other cores.
     shared: Arc<SharedPages>,
+    /// The right to write `shared`'s bytes: stores take it `&mut`, views
+    /// of a page borrow it.
+    owner: PageOwner,
     /// Slots opened by a write in progress ([`Self::write_open`]).
     open_slots: Vec<u32>,
     /// Where a write's bytes land before they are stored into a page as
@@ -99,9 +102,11 @@ pub struct CacheFull;
 impl PageCache {
     pub fn new(capacity_bytes: u64) -> Self {
         let capacity = ((capacity_bytes as usize) / PAGE_BYTES).max(16);
+        let (shared, owner) = SharedPages::new(capacity);
         Self {
             capacity,
-            shared: Arc::new(SharedPages::new(capacity)),
+            shared: Arc::new(shared),
+            owner,
             open_slots: Vec::new(),
             staging: vec![0u8; PAGE_BYTES].into_boxed_slice(),
             a1in_target: (capacity / 4).max(1),
@@ -205,7 +210,7 @@ impl PageCache {
     pub fn zero(&mut self, key: PageKey, from: usize, to: usize) {
         if let Some(&slot) = self.map.get(&key) {
             self.shared.open(slot);
-            self.shared.zero(slot, from, to);
+            self.shared.zero(&mut self.owner, slot, from, to);
             self.shared.close(slot);
         }
     }
@@ -242,7 +247,7 @@ impl PageCache {
         }
         let staged = &mut self.staging[..len];
         fill(staged);
-        self.shared.store(slot, at, staged);
+        self.shared.store(&mut self.owner, slot, at, staged);
         true
     }
 
@@ -259,7 +264,7 @@ impl PageCache {
         if let Some(&slot) = self.map.get(&key) {
             assert!(!self.open_slots.contains(&slot), "a page replaced during a write to it");
             self.shared.open(slot);
-            self.shared.store(slot, 0, data);
+            self.shared.store(&mut self.owner, slot, 0, data);
             self.shared.close(slot);
             return Ok(());
         }
@@ -276,7 +281,7 @@ impl PageCache {
             }
         };
         // Not yet published: no reader can match this slot until then.
-        self.shared.store(slot, 0, data);
+        self.shared.store(&mut self.owner, slot, 0, data);
         let s = &mut self.slots[slot as usize];
         s.key = key;
         s.dirty = false;
@@ -299,7 +304,7 @@ impl PageCache {
     }
 
     fn page(&self, slot: u32) -> &[u8] {
-        self.shared.page(slot)
+        self.shared.page(&self.owner, slot)
     }
 
     /// Evict one clean page: from A1in while it is over its share, else the

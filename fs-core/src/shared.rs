@@ -100,8 +100,20 @@ struct SharedCounters {
     hints_dropped: AtomicU64,
 }
 
+/// The right to write a [`SharedPages`]' bytes, held by its one owner.
+///
+/// A store takes it by `&mut`, and the owner's byte view of a page
+/// borrows it: so the borrow checker, not a comment, keeps every store
+/// out of the lifetime of a view. Made only with its arena, and matched to
+/// it by id.
+pub(crate) struct PageOwner {
+    arena: u64,
+}
+
 /// The page cache's memory, shared with readers on other cores.
 pub(crate) struct SharedPages {
+    /// Matches its [`PageOwner`].
+    id: u64,
     words: Box<[AtomicU64]>,
     tags: Box<[SlotTag]>,
     /// Buckets of [`BUCKET_ENTRIES`] hints: (fingerprint << 32) | (slot + 1),
@@ -123,9 +135,13 @@ fn zeroed_words(n: usize) -> Box<[AtomicU64]> {
 }
 
 impl SharedPages {
-    pub(crate) fn new(slots: usize) -> Self {
+    /// An arena of `slots` pages, and the right to write it.
+    pub(crate) fn new(slots: usize) -> (Self, PageOwner) {
+        static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         let buckets = (slots * 2 / BUCKET_ENTRIES).next_power_of_two().max(2);
-        Self {
+        let arena = Self {
+            id,
             words: zeroed_words(slots * WORDS_PER_PAGE),
             tags: (0..slots)
                 .map(|_| SlotTag {
@@ -138,7 +154,8 @@ impl SharedPages {
             hints: zeroed_words(buckets * BUCKET_ENTRIES),
             bucket_mask: buckets - 1,
             counters: SharedCounters::default(),
-        }
+        };
+        (arena, PageOwner { arena: id })
     }
 
     fn page_words(&self, slot: u32) -> &[AtomicU64] {
@@ -148,22 +165,24 @@ impl SharedPages {
 
     /// The owner's view of a page.
     ///
-    /// Only the owner stores to pages, and it does so through `&mut`
-    /// methods of `PageCache`, which cannot run while this borrow (tied to
-    /// a `&PageCache`) lives; other threads only load. So the bytes do not
-    /// change while the slice exists.
-    pub(crate) fn page(&self, slot: u32) -> &[u8] {
+    /// Only stores change a page's bytes, and each needs `&mut PageOwner`,
+    /// which this borrow of the owner excludes for as long as the slice
+    /// lives; other threads only load. So the bytes do not change while
+    /// the slice exists.
+    pub(crate) fn page<'a>(&'a self, owner: &'a PageOwner, slot: u32) -> &'a [u8] {
+        assert_eq!(owner.arena, self.id, "the owner of another arena");
         let words = self.page_words(slot);
         // SAFETY: the words are PAGE_BYTES of initialized memory, aligned
-        // for u8. No store happens during the returned borrow (see above),
-        // and concurrent atomic loads by readers do not conflict with
-        // plain reads.
+        // for u8. No store can run during the returned borrow, which holds
+        // `owner` shared while every store needs it exclusive; concurrent
+        // atomic loads by readers do not conflict with plain reads.
         unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), PAGE_BYTES) }
     }
 
     /// Owner: store `src` at byte `at` of a slot. Call inside
     /// [`Self::open`]/[`Self::close`] if the slot is published.
-    pub(crate) fn store(&self, slot: u32, at: usize, src: &[u8]) {
+    pub(crate) fn store(&self, owner: &mut PageOwner, slot: u32, at: usize, src: &[u8]) {
+        assert_eq!(owner.arena, self.id, "the owner of another arena");
         assert!(at + src.len() <= PAGE_BYTES);
         let words = self.page_words(slot);
         // A partial first word, whole words, a partial last word.
@@ -191,9 +210,9 @@ impl SharedPages {
     }
 
     /// Owner: set bytes [from, to) of a slot to zero.
-    pub(crate) fn zero(&self, slot: u32, from: usize, to: usize) {
+    pub(crate) fn zero(&self, owner: &mut PageOwner, slot: u32, from: usize, to: usize) {
         const ZEROS: [u8; PAGE_BYTES] = [0; PAGE_BYTES];
-        self.store(slot, from, &ZEROS[..to - from]);
+        self.store(owner, slot, from, &ZEROS[..to - from]);
     }
 
     /// Owner: start changing a slot (its sequence becomes odd).
@@ -499,23 +518,23 @@ mod tests {
 
     #[test]
     fn stores_and_loads_at_any_alignment() {
-        let p = SharedPages::new(4);
+        let (p, mut o) = SharedPages::new(4);
         let data: Vec<u8> = (0..100u8).collect();
-        p.store(2, 13, &data);
+        p.store(&mut o, 2, 13, &data);
         let mut back = vec![0u8; 100];
         p.load(2, 13, &mut back);
         assert_eq!(back, data);
-        assert_eq!(&p.page(2)[13..113], &data[..]);
-        assert!(p.page(2)[..13].iter().all(|&b| b == 0));
-        p.zero(2, 20, 30);
-        assert!(p.page(2)[20..30].iter().all(|&b| b == 0));
-        assert_eq!(p.page(2)[30], 17);
-        assert!(p.page(1).iter().all(|&b| b == 0), "neighbouring slots untouched");
+        assert_eq!(&p.page(&o, 2)[13..113], &data[..]);
+        assert!(p.page(&o, 2)[..13].iter().all(|&b| b == 0));
+        p.zero(&mut o, 2, 20, 30);
+        assert!(p.page(&o, 2)[20..30].iter().all(|&b| b == 0));
+        assert_eq!(p.page(&o, 2)[30], 17);
+        assert!(p.page(&o, 1).iter().all(|&b| b == 0), "neighbouring slots untouched");
     }
 
     #[test]
     fn every_offset_and_length_round_trips() {
-        let p = SharedPages::new(1);
+        let (p, mut o) = SharedPages::new(1);
         let mut model = vec![0u8; PAGE_BYTES];
         let mut seed = 5u64;
         for _ in 0..2000 {
@@ -523,13 +542,13 @@ mod tests {
             let len = (keelfs_base::testing::splitmix64(&mut seed) % 40) as usize;
             let len = len.min(PAGE_BYTES - at);
             let data: Vec<u8> = (0..len).map(|_| keelfs_base::testing::splitmix64(&mut seed) as u8).collect();
-            p.store(0, at, &data);
+            p.store(&mut o, 0, at, &data);
             model[at..at + len].copy_from_slice(&data);
             let mut back = vec![0u8; len];
             p.load(0, at, &mut back);
             assert_eq!(back, data);
         }
-        assert_eq!(p.page(0), &model[..]);
+        assert_eq!(p.page(&o, 0), &model[..]);
         let mut whole = vec![0u8; PAGE_BYTES];
         p.load(0, 0, &mut whole);
         assert_eq!(whole, model);
@@ -538,7 +557,7 @@ mod tests {
     #[test]
     fn a_full_cache_keeps_a_hint_for_every_page() {
         let slots = 1 << 16;
-        let p = SharedPages::new(slots);
+        let (p, _owner) = SharedPages::new(slots);
         for slot in 0..slots as u32 {
             // Keys as a big file's pages and a few files' pages come.
             p.publish(slot, (2 + u64::from(slot % 3), u64::from(slot) * 7));
@@ -548,7 +567,7 @@ mod tests {
 
     #[test]
     fn hints_find_published_pages_and_forget_retired_ones() {
-        let p = SharedPages::new(64);
+        let (p, _owner) = SharedPages::new(64);
         for slot in 0..64u32 {
             p.publish(slot, (7, u64::from(slot) * 3));
         }
