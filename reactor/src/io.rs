@@ -215,9 +215,12 @@ impl ChannelState {
             iovecs: &self.iovecs,
             pool_index: op.pool_index,
         };
-        // SAFETY: the op owns the buffer (an IoBuffer, whose contract keeps
-        // its memory valid and unshared) until the completion arrives: the
-        // buffer is released only in `complete` or after it.
+        // SAFETY: the op owns the buffer until the completion arrives (it is
+        // released only in `complete` or after it), and the IoBuffer
+        // contract keeps its memory valid and in place meanwhile, and keelfs
+        // from touching it. The memory may still be a guest's, which the
+        // guest writes when it likes: the backends reach it only through
+        // volatile access (`IoVec::volatile`).
         match unsafe { self.queue.submit(&req) } {
             Ok(()) => {
                 op.state = OpState::InFlight;
