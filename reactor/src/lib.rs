@@ -32,6 +32,7 @@
 #![deny(unsafe_code)]
 
 mod clock;
+mod gate;
 #[allow(unsafe_code)]
 mod io;
 pub mod policy;
@@ -39,6 +40,10 @@ mod probe;
 mod remote;
 #[allow(unsafe_code)]
 mod sys;
+/// The atomics of [`gate`]: std's here, loom's in `tests/loom.rs`.
+mod sync {
+    pub(crate) use std::sync::atomic::{fence, AtomicBool, Ordering};
+}
 
 pub use clock::{Clock, VirtualClock};
 pub use io::{
@@ -57,7 +62,7 @@ use std::future::Future;
 use std::os::fd::RawFd;
 use std::pin::Pin;
 use std::rc::Rc;
-use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
@@ -287,7 +292,7 @@ struct Shared {
     id: usize,
     inbox: ArrayQueue<Message>,
     woken: SegQueue<TaskId>,
-    sleeping: AtomicBool,
+    sleep_gate: gate::SleepGate,
     stop: AtomicBool,
     wake_fd: sys::EventFd,
     stats: ReactorStats,
@@ -300,12 +305,11 @@ struct Shared {
 }
 
 impl Shared {
-    /// Pairs with the store-fence-check in `Reactor::sleep`: either the
+    /// Pairs with the [`gate::SleepGate`] handshake in `Reactor::sleep`: either the
     /// reactor sees our new work before sleeping, or we see it sleeping and
     /// signal its eventfd.
     fn notify(&self) {
-        fence(Ordering::SeqCst);
-        if self.sleeping.load(Ordering::SeqCst) {
+        if self.sleep_gate.must_signal() {
             self.wake_fd.signal();
         }
     }
@@ -432,7 +436,7 @@ struct TaskId {
 
 struct TaskWaker {
     id: TaskId,
-    queued: AtomicBool,
+    mark: gate::WakeMark,
     shared: Arc<Shared>,
 }
 
@@ -441,7 +445,7 @@ impl Wake for TaskWaker {
         self.wake_by_ref();
     }
     fn wake_by_ref(self: &Arc<Self>) {
-        if !self.queued.swap(true, Ordering::AcqRel) {
+        if self.mark.mark() {
             self.shared.woken.push(self.id);
             self.shared.notify();
         }
@@ -686,7 +690,7 @@ impl Reactor {
             id: config.id,
             inbox: ArrayQueue::new(config.inbox_capacity),
             woken: SegQueue::new(),
-            sleeping: AtomicBool::new(false),
+            sleep_gate: gate::SleepGate::new(),
             stop: AtomicBool::new(false),
             wake_fd: sys::EventFd::new()?,
             stats: ReactorStats::default(),
@@ -899,8 +903,7 @@ impl Reactor {
             return Duration::ZERO;
         }
         let shared = &local.shared;
-        shared.sleeping.store(true, Ordering::SeqCst);
-        fence(Ordering::SeqCst);
+        shared.sleep_gate.begin_sleep();
         let mut slept = Duration::ZERO;
         let next_deadline = local.timers.borrow().peek().map(|Reverse(t)| t.deadline);
         // A virtual clock may have been advanced past a deadline since this
@@ -923,7 +926,7 @@ impl Reactor {
             ReactorStats::add(&shared.stats.sleeps, 1);
             ReactorStats::add(&shared.stats.sleep_ns, slept.as_nanos() as u64);
         }
-        shared.sleeping.store(false, Ordering::SeqCst);
+        shared.sleep_gate.end_sleep();
         slept
     }
 
@@ -1005,12 +1008,12 @@ impl Reactor {
         let waker = match entry.waker.as_mut().and_then(Arc::get_mut) {
             Some(reused) => {
                 reused.id = id;
-                *reused.queued.get_mut() = false;
+                reused.mark.reset();
                 Arc::clone(entry.waker.as_ref().expect("reused above"))
             }
             None => {
                 let fresh =
-                    Arc::new(TaskWaker { id, queued: AtomicBool::new(false), shared: Arc::clone(&self.local.shared) });
+                    Arc::new(TaskWaker { id, mark: gate::WakeMark::new(), shared: Arc::clone(&self.local.shared) });
                 entry.waker = Some(Arc::clone(&fresh));
                 fresh
             }
@@ -1036,7 +1039,7 @@ impl Reactor {
                 continue; // a wake for a task that already finished
             }
             let (Some(mut future), Some(waker)) = (entry.future.take(), entry.waker.clone()) else { continue };
-            waker.queued.store(false, Ordering::Release);
+            waker.mark.clear();
             let std_waker = Waker::from(waker);
             let mut cx = Context::from_waker(&std_waker);
             polled += 1;
