@@ -10,8 +10,9 @@
 //!   reactor has begun a poll queues the task again, and a wake that is
 //!   folded into a poll is seen by it (its writes are visible).
 //!
-//! The atomics come from `crate::sync`, so that a test can build this
-//! very file over a model checker's atomics.
+//! The atomics come from `crate::sync`, so that `reactor/tests/loom.rs`
+//! can build this very file over loom's model of them and check both
+//! handshakes in every interleaving the memory model allows.
 
 use crate::sync::{fence, AtomicBool, Ordering};
 
@@ -65,9 +66,17 @@ impl WakeMark {
     }
 
     /// Reactor, just before polling the task: wakes from here on queue it
-    /// again.
+    /// again, and a wake folded into this poll (it found the mark still
+    /// set) is seen by it.
+    ///
+    /// A swap, not a store: a store lets the poll's first loads pass it
+    /// (a store-load reordering, which x86 does too), so a waker could
+    /// publish its result, find the mark still set and leave the task
+    /// unqueued, while the poll reads the result from before. The swap
+    /// reads the waker's mark and acquires what it released. Loom found
+    /// this (`tests/loom.rs`, `a_wake_is_never_folded_into_a_poll_that_misses_it`).
     pub(crate) fn clear(&self) {
-        self.queued.store(false, Ordering::Release);
+        self.queued.swap(false, Ordering::AcqRel);
     }
 
     /// Reactor, when it reuses the mark for a new task that no waker can
