@@ -15,6 +15,10 @@
 #![deny(unsafe_code)]
 
 mod access;
+/// The atomics of [`seqlock`]: std's here, loom's in `tests/loom.rs`.
+mod atomics {
+    pub(crate) use std::sync::atomic::{fence, AtomicU64, Ordering};
+}
 mod adopt;
 mod alloc;
 mod blocks;
@@ -36,6 +40,7 @@ mod node_table;
 mod ops;
 mod quota;
 mod record;
+mod seqlock;
 #[allow(unsafe_code)]
 mod shared;
 mod state;

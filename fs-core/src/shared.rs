@@ -27,10 +27,11 @@
 //! `a_full_cache_keeps_a_hint_for_every_page`). A miss of any page sends
 //! the whole read to the owner.
 
-use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::cache::{PageKey, PAGE_BYTES};
+use super::seqlock::{self, Seq};
 
 const WORDS_PER_PAGE: usize = PAGE_BYTES / 8;
 const NO_INODE: u64 = u64::MAX;
@@ -41,45 +42,6 @@ const READ_ATTEMPTS: usize = 64;
 const BUCKET_ENTRIES: usize = 8;
 /// Larger reads go to the owner (their page list would not fit the stack).
 const SHARED_READ_PAGES_MAX: usize = 64;
-
-/// A sequence number only the owner advances: odd while it changes what
-/// the number guards. Readers note it before copying and check it after.
-#[derive(Default)]
-struct Seq(AtomicU64);
-
-impl Seq {
-    /// Owner: a change begins.
-    fn open(&self) {
-        let s = self.0.load(Ordering::Relaxed);
-        assert!(s.is_multiple_of(2), "a change opened twice");
-        self.0.store(s + 1, Ordering::Relaxed);
-        // Orders the odd sequence before the stores that follow it.
-        fence(Ordering::Release);
-    }
-
-    /// Owner: the change is complete.
-    fn close(&self) {
-        let s = self.0.load(Ordering::Relaxed);
-        assert!(!s.is_multiple_of(2), "a change closed without being opened");
-        self.0.store(s + 1, Ordering::Release);
-    }
-
-    fn is_open(&self) -> bool {
-        !self.0.load(Ordering::Relaxed).is_multiple_of(2)
-    }
-
-    /// Reader: the sequence before copying; None while a change is open.
-    fn begin(&self) -> Option<u64> {
-        let s = self.0.load(Ordering::Acquire);
-        s.is_multiple_of(2).then_some(s)
-    }
-
-    /// Reader, after copying and an acquire fence: nothing changed since
-    /// `begin` returned `seen`.
-    fn unchanged(&self, seen: u64) -> bool {
-        self.0.load(Ordering::Relaxed) == seen
-    }
-}
 
 struct SlotTag {
     seq: Seq,
@@ -495,11 +457,8 @@ impl SharedReader {
                 self.pages.load(seen[i].0, (from - start) as usize, dst);
             }
         }
-        // Orders the data loads above before the sequence checks below.
-        fence(Ordering::Acquire);
-        let pages_unchanged =
-            seen[..count].iter().all(|&(slot, seq)| self.pages.tags[slot as usize].seq.unchanged(seq));
-        if !pages_unchanged || !self.file.seq.unchanged(file_seq) {
+        let pages = seen[..count].iter().map(|&(slot, seq)| (&self.pages.tags[slot as usize].seq, seq));
+        if !seqlock::unchanged_since(pages.chain([(&self.file.seq, file_seq)])) {
             return Err(SharedMiss::Busy);
         }
         for &(slot, _) in &seen[..count] {
