@@ -8,12 +8,11 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use keelfs_base::parse_size;
-use keelfs_vhost::QosLimits;
+use keelfs_vhost::{CacheMode, QosLimits};
 use serde::Deserialize;
 use toml::Spanned;
 
 use crate::sandbox::SandboxMode;
-use crate::serve::Cache;
 
 /// Request queues one export may have (kicks travel as bits of a u64).
 pub const REQUEST_QUEUES_MAX: u16 = 63;
@@ -170,6 +169,24 @@ pub enum FuseTransport {
     Uring,
     /// /dev/fuse read and write.
     Dev,
+}
+
+/// How the guest may cache what it reads (`--cache`, `cache =`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Cache {
+    None,
+    Auto,
+    Always,
+}
+
+impl From<Cache> for CacheMode {
+    fn from(c: Cache) -> Self {
+        match c {
+            Cache::None => CacheMode::None,
+            Cache::Auto => CacheMode::Auto,
+            Cache::Always => CacheMode::Always,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, Deserialize)]

@@ -31,6 +31,7 @@ use keelfs_vhost::{ImageAccess, ServeOptions, VhostUserServer};
 use keelfs_vhost::{Qos, QosError, QosLimits};
 use serde_json::{json, Value};
 
+pub use crate::config::Cache;
 use crate::config::{self, Config, Export, FuseTransport, PollModeName};
 use crate::control::{Control, ExportEntry, ExportTable, Lifecycle};
 use crate::image::{ExportImage, SessionFile};
@@ -65,23 +66,6 @@ pub struct ServeArgs {
     pub no_xattr: bool,
     pub trace_requests: Option<PathBuf>,
     pub incoming: bool,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Cache {
-    None,
-    Auto,
-    Always,
-}
-
-impl From<Cache> for CacheMode {
-    fn from(c: Cache) -> Self {
-        match c {
-            Cache::None => CacheMode::None,
-            Cache::Auto => CacheMode::Auto,
-            Cache::Always => CacheMode::Always,
-        }
-    }
 }
 
 /// The embedded default image, created and formatted on first use.
