@@ -97,3 +97,32 @@ fn an_upward_edge_is_caught() {
     ];
     assert_eq!(upward_edges(&edges, &layers), vec!["keelfs-bdev -> keelfs-fs (dev)".to_owned()]);
 }
+
+/// The daemon modules that configuration may use: parsing a config names
+/// what to serve, and never reaches into the code that serves it (issue
+/// 35 broke a config.rs <-> serve.rs cycle).
+const CONFIG_MAY_USE: &[&str] = &["sandbox"];
+
+/// The `crate::MODULE` paths a source file names.
+fn crate_modules(source: &str) -> Vec<String> {
+    let mut named: Vec<String> = source
+        .match_indices("crate::")
+        .map(|(at, token)| {
+            let rest = &source[at + token.len()..];
+            rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect()
+        })
+        .collect();
+    named.sort();
+    named.dedup();
+    named
+}
+
+#[test]
+fn config_uses_no_module_that_serves() {
+    let source = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/src/config.rs")).unwrap();
+    let named = crate_modules(&source);
+    assert!(!named.is_empty(), "config.rs names no crate module: has the check lost its input?");
+    let above: Vec<&String> = named.iter().filter(|m| !CONFIG_MAY_USE.contains(&m.as_str())).collect();
+    assert!(above.is_empty(), "config.rs uses {above:?}: configuration must not depend on serving");
+    assert_eq!(crate_modules("use crate::serve::Cache; crate::sandbox::X"), ["sandbox", "serve"]);
+}
