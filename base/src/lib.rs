@@ -19,4 +19,4 @@ pub mod testing;
 pub use clock::realtime_coarse;
 pub use hash::{IdHasher, IdMap, SeededHasher, SeededState};
 pub use ratelimit::{RateLimit, LOG_BURST, LOG_WINDOW};
-pub use size::parse_size;
+pub use size::{parse_size, SizeError};

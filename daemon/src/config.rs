@@ -207,7 +207,7 @@ fn apply_limits(src: &Source, e: &RawExport, export: &mut Export) -> Result<(), 
         export.open_handles_max = *n.get_ref() as usize;
     }
     if let Some(size) = &e.xattr_bytes_per_inode_max {
-        let bytes = parse_size(size.get_ref()).map_err(|m| src.error(size.span(), m))?;
+        let bytes = parse_size(size.get_ref()).map_err(|m| src.error(size.span(), m.to_string()))?;
         let format_max = keelfs_fs::XATTR_INODE_BYTES_MAX as u64;
         if !(4096..=format_max).contains(&bytes) {
             return Err(src.error(
@@ -242,7 +242,7 @@ fn apply_space(src: &Source, e: &RawExport, export: &mut Export) -> Result<(), C
         export.discard_mib_per_sec = *n.get_ref();
     }
     if let Some(size) = &e.quota_bytes {
-        let bytes = parse_size(size.get_ref()).map_err(|m| src.error(size.span(), m))?;
+        let bytes = parse_size(size.get_ref()).map_err(|m| src.error(size.span(), m.to_string()))?;
         if bytes < 1 << 20 {
             return Err(src.error(size.span(), "quota_bytes must be at least 1M"));
         }
@@ -703,7 +703,7 @@ fn apply_serving(src: &Source, e: &RawExport, export: &mut Export) -> Result<(),
     export.spread_queues = e.spread_queues.unwrap_or(false);
     export.fuse_transport = e.fuse_transport.unwrap_or_default();
     if let Some(size) = &e.page_cache {
-        let bytes = parse_size(size.get_ref()).map_err(|m| src.error(size.span(), m))?;
+        let bytes = parse_size(size.get_ref()).map_err(|m| src.error(size.span(), m.to_string()))?;
         if bytes < 1 << 20 {
             return Err(src.error(size.span(), "page_cache must be at least 1M"));
         }
