@@ -56,6 +56,27 @@ pub enum FsError {
     Corrupt(String),
 }
 
+/// One owner's claim on a run of device blocks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockClaim {
+    pub start: u64,
+    pub len: u64,
+    /// Who claims it, for the message: "inode 12 file block 3", "the free list".
+    pub owner: String,
+}
+
+/// Two owners claim one block: what `Fs::check_block_ownership` finds in a
+/// filesystem that lost track of its space.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "blocks [{}, +{}) ({}) overlap [{}, +{}) ({})",
+    first.start, first.len, first.owner, second.start, second.len, second.owner
+)]
+pub struct DoubleOwner {
+    pub first: BlockClaim,
+    pub second: BlockClaim,
+}
+
 impl FsError {
     pub fn errno(&self) -> i32 {
         match self {

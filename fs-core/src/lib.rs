@@ -50,7 +50,7 @@ pub use access::{Creds, PermissionCheck};
 pub use adopt::HandleState;
 pub use data::{ReadSink, WriteSource, WriteTimes};
 pub use discard::DiscardConfig;
-pub use error::{FsError, FsResult};
+pub use error::{BlockClaim, DoubleOwner, FsError, FsResult};
 pub use file_clock::{FileClock, ManualClock};
 pub use flags::{FallocateMode, RenameMode, XattrFlags};
 pub use format::{crc, Superblock, Timespec, XATTR_INODE_BYTES_MAX};
@@ -557,7 +557,7 @@ impl Fs {
     /// allocator's free list. For tests and fuzzers that run the filesystem through many
     /// operations: a block with two owners is a corruption waiting for its
     /// next write. Linear in extents and free runs.
-    pub fn check_block_ownership(&self) -> Result<(), String> {
+    pub fn check_block_ownership(&self) -> Result<(), DoubleOwner> {
         let state = self.inner.state.borrow();
         let sb = self.inner.sb.borrow();
         let mut owned: Vec<(u64, u64, String)> = Vec::new();
@@ -578,7 +578,8 @@ impl Fs {
         for pair in owned.windows(2) {
             let (a, b) = (&pair[0], &pair[1]);
             if a.0 + a.1 > b.0 {
-                return Err(format!("blocks [{}, +{}) ({}) overlap [{}, +{}) ({})", a.0, a.1, a.2, b.0, b.1, b.2));
+                let claim = |o: &(u64, u64, String)| BlockClaim { start: o.0, len: o.1, owner: o.2.clone() };
+                return Err(DoubleOwner { first: claim(a), second: claim(b) });
             }
         }
         Ok(())
