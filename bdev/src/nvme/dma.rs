@@ -33,7 +33,7 @@ pub const GUEST_IOVA_END: u64 = 1 << 39;
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum DmaError {
     #[error("IOMMU map of {len} bytes at IOVA {iova:#x} failed: {reason}")]
-    Map { iova: u64, len: u64, reason: String },
+    Map { iova: u64, len: u64, reason: IommuError },
     #[error(
         "internal IOVA window [{INTERNAL_IOVA_BASE:#x}, {INTERNAL_IOVA_END:#x}) is full ({len} more bytes wanted)"
     )]
@@ -51,13 +51,25 @@ pub enum DmaError {
     BadLength(u64),
 }
 
+/// Why the IOMMU refused to map or unmap a range.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum IommuError {
+    /// The VFIO container's ioctl failed; the kernel's reason, as VFIO
+    /// words it.
+    #[error("VFIO: {0}")]
+    Vfio(String),
+    /// An unmap of a range that is not mapped.
+    #[error("IOVA [{iova:#x}, +{len:#x}) is not mapped")]
+    NotMapped { iova: u64, len: u64 },
+}
+
 /// What actually programs the IOMMU: VFIO in production, a recorder in tests.
 pub trait IommuMapper: Send + Sync {
     /// # Safety
     /// `[va, va+len)` must stay mapped in this process until `unmap` of the
     /// same IOVA range returns; the device may read and write it at any time.
-    unsafe fn map(&self, iova: u64, len: u64, va: usize) -> Result<(), String>;
-    fn unmap(&self, iova: u64, len: u64) -> Result<(), String>;
+    unsafe fn map(&self, iova: u64, len: u64, va: usize) -> Result<(), IommuError>;
+    fn unmap(&self, iova: u64, len: u64) -> Result<(), IommuError>;
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -356,7 +368,7 @@ pub(crate) mod tests {
     }
 
     impl IommuMapper for RecordingMapper {
-        unsafe fn map(&self, iova: u64, len: u64, va: usize) -> Result<(), String> {
+        unsafe fn map(&self, iova: u64, len: u64, va: usize) -> Result<(), IommuError> {
             let mut live = self.live.lock().unwrap();
             assert!(
                 live.iter().all(|&(i, l, _)| iova + len <= i || i + l <= iova),
@@ -365,9 +377,10 @@ pub(crate) mod tests {
             live.push((iova, len, va));
             Ok(())
         }
-        fn unmap(&self, iova: u64, len: u64) -> Result<(), String> {
+        fn unmap(&self, iova: u64, len: u64) -> Result<(), IommuError> {
             let mut live = self.live.lock().unwrap();
-            let at = live.iter().position(|&(i, l, _)| i == iova && l == len).ok_or("not mapped")?;
+            let at =
+                live.iter().position(|&(i, l, _)| i == iova && l == len).ok_or(IommuError::NotMapped { iova, len })?;
             live.remove(at);
             Ok(())
         }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use vfio_ioctls::{VfioContainer, VfioDevice, VfioError, VfioOps};
 
-use super::dma::IommuMapper;
+use super::dma::{IommuError, IommuMapper};
 use super::NvmeError;
 
 const CONFIG_REGION_INDEX: u32 = 7;
@@ -69,13 +69,13 @@ impl VfioPci {
 struct ContainerMapper(Arc<VfioContainer>);
 
 impl IommuMapper for ContainerMapper {
-    unsafe fn map(&self, iova: u64, len: u64, va: usize) -> Result<(), String> {
+    unsafe fn map(&self, iova: u64, len: u64, va: usize) -> Result<(), IommuError> {
         // SAFETY: the caller keeps [va, va+len) mapped until unmap, and only
         // accesses it through raw pointers while the device may DMA.
-        unsafe { self.0.vfio_dma_map(iova, len as usize, va as *mut u8) }.map_err(|e| e.to_string())
+        unsafe { self.0.vfio_dma_map(iova, len as usize, va as *mut u8) }.map_err(|e| IommuError::Vfio(e.to_string()))
     }
-    fn unmap(&self, iova: u64, len: u64) -> Result<(), String> {
-        self.0.vfio_dma_unmap(iova, len as usize).map_err(|e| e.to_string())
+    fn unmap(&self, iova: u64, len: u64) -> Result<(), IommuError> {
+        self.0.vfio_dma_unmap(iova, len as usize).map_err(|e| IommuError::Vfio(e.to_string()))
     }
 }
 
