@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use keelfs_bdev::BlockDevice;
 use keelfs_fs::Fs;
 use keelfs_reactor as reactor;
-use keelfs_vhost::{ImageAccess, LocalFuture};
+use keelfs_vhost::{ImageAccess, LocalFuture, TransferError};
 
 use crate::config::Export;
 use crate::lock::ImageLock;
@@ -147,24 +147,25 @@ fn take_rbd_lock_by(dev: &keelfs_bdev::RbdDevice, deadline: Instant) -> Result<(
 }
 
 impl ImageAccess for ExportImage {
-    fn attach(&self) -> LocalFuture<'_, Result<Fs, String>> {
+    fn attach(&self) -> LocalFuture<'_, Result<Fs, TransferError>> {
         Box::pin(async move {
-            self.take_lock().await?;
+            self.take_lock().await.map_err(TransferError::Image)?;
             let mounted =
                 crate::serve::mount(self.reactor_id, &self.export, &self.dev, self.commit_interval, true).await;
             match mounted {
                 Ok(fs) => Ok(fs),
                 Err(e) => {
                     self.let_go().await;
-                    Err(format!("{e:#}"))
+                    Err(TransferError::Image(format!("{e:#}")))
                 }
             }
         })
     }
 
-    fn detach(&self, fs: Fs) -> LocalFuture<'_, Result<(), String>> {
+    fn detach(&self, fs: Fs) -> LocalFuture<'_, Result<(), TransferError>> {
         Box::pin(async move {
-            let unmounted = fs.unmount().await.map_err(|e| format!("committing and checkpointing: {e}"));
+            let unmounted =
+                fs.unmount().await.map_err(|e| TransferError::Image(format!("committing and checkpointing: {e}")));
             self.let_go().await;
             unmounted
         })

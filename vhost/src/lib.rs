@@ -57,5 +57,5 @@ pub use fuse::uring::{
 };
 pub use qos::{Qos, QosError, QosLimits, QosStats, IO_BYTES_MAX as QOS_IO_BYTES_MAX};
 pub use socket::{bind_listener, clear_stale, stop_accepting, SocketAccess};
-pub use vhost_user::{ImageAccess, LocalFuture, ServeOptions, VhostUserServer};
+pub use vhost_user::{ImageAccess, LocalFuture, ServeOptions, TransferError, VhostUserServer};
 pub use virtio::{serve_chain, serve_queue, ChainOutcome, GuestRam, REQUEST_BYTES_MAX};

@@ -16,7 +16,9 @@ use keelfs_fs::{fsck, mkfs, Fh, Fs, FsConfig, HandleState, Ino, MkfsOptions};
 use keelfs_reactor::{self as reactor, DeviceChannel, Reactor, ReactorConfig};
 use keelfs_vhost::abi::{init_flags as f, Opcode, Reply};
 use keelfs_vhost::frontend::{FrontendConfig, FsFrontend};
-use keelfs_vhost::{ImageAccess, LocalFuture, ServeOptions, SessionConfig, SessionState, VhostUserServer};
+use keelfs_vhost::{
+    ImageAccess, LocalFuture, ServeOptions, SessionConfig, SessionState, TransferError, VhostUserServer,
+};
 
 mod common;
 use common::{create, named, read, write, TempDir, TIMEOUT};
@@ -36,27 +38,27 @@ impl RamImage {
 }
 
 impl ImageAccess for RamImage {
-    fn attach(&self) -> LocalFuture<'_, Result<Fs, String>> {
+    fn attach(&self) -> LocalFuture<'_, Result<Fs, TransferError>> {
         Box::pin(async move {
             let deadline = Instant::now() + Duration::from_secs(10);
             while !self.mine.get() {
                 if self.lock.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire).is_ok() {
                     self.mine.set(true);
                 } else if Instant::now() > deadline {
-                    return Err("the image stays locked".into());
+                    return Err(TransferError::Image("the image stays locked".into()));
                 } else {
                     reactor::sleep(Duration::from_millis(5)).await;
                 }
             }
             let config =
                 FsConfig { keep_orphans: true, commit_interval: Duration::from_millis(50), ..FsConfig::default() };
-            Fs::mount(self.channel(), config).await.map_err(|e| e.to_string())
+            Fs::mount(self.channel(), config).await.map_err(|e| TransferError::Image(e.to_string()))
         })
     }
 
-    fn detach(&self, fs: Fs) -> LocalFuture<'_, Result<(), String>> {
+    fn detach(&self, fs: Fs) -> LocalFuture<'_, Result<(), TransferError>> {
         Box::pin(async move {
-            let unmounted = fs.unmount().await.map_err(|e| e.to_string());
+            let unmounted = fs.unmount().await.map_err(|e| TransferError::Image(e.to_string()));
             self.mine.set(false);
             self.lock.store(false, Ordering::Release);
             unmounted

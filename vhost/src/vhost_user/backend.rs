@@ -17,7 +17,7 @@ use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestM
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier};
 
-use super::migration::{self, Transfer};
+use super::migration::{self, Transfer, TransferError};
 use super::{
     Connection, Control, Pollers, Vring, QUEUE_SIZE_MAX, STOP_TIMEOUT, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
     VIRTIO_RING_F_INDIRECT_DESC,
@@ -102,8 +102,8 @@ impl VhostUserBackend for FsBackend {
     fn check_device_state(&self) -> io::Result<()> {
         let transfer = self.transfer.lock().unwrap_or_else(|e| e.into_inner()).take();
         let outcome = match transfer {
-            None => Err("no device state transfer was started".to_string()),
-            Some(thread) => thread.join().unwrap_or_else(|_| Err("the transfer thread panicked".into())),
+            None => Err(TransferError::NotStarted),
+            Some(thread) => thread.join().unwrap_or(Err(TransferError::Panicked)),
         };
         // QEMU hears only "failed": the reason is logged here.
         outcome.map_err(|e| {

@@ -47,10 +47,49 @@ pub type LocalFuture<'a, T> = Pin<Box<dyn Future<Output = T> + 'a>>;
 pub trait ImageAccess {
     /// Lock the image (waiting a while for a previous holder to let go)
     /// and mount it with [`keelfs_fs::FsConfig::keep_orphans`] set.
-    fn attach(&self) -> LocalFuture<'_, Result<Fs, String>>;
+    fn attach(&self) -> LocalFuture<'_, Result<Fs, TransferError>>;
     /// Commit, checkpoint and unlock: the image is another's to take.
     /// The lock is released even when the unmount fails.
-    fn detach(&self, fs: Fs) -> LocalFuture<'_, Result<(), String>>;
+    fn detach(&self, fs: Fs) -> LocalFuture<'_, Result<(), TransferError>>;
+}
+
+/// Why a session could not move: its image not taken or given up, its
+/// state not saved, sent, received or restored.
+#[derive(Debug, thiserror::Error)]
+pub enum TransferError {
+    /// The daemon's [`ImageAccess`] failed (the lock, the device, the
+    /// mount, or the unmount's commit and checkpoint); its reason.
+    #[error("{0}")]
+    Image(String),
+    #[error("this export cannot take its image back")]
+    NoImageAccess,
+    #[error("this export cannot migrate: its image is shared with a host mount")]
+    SharedImage,
+    #[error("no session to save: the image is not attached")]
+    NotAttached,
+    #[error("the image is being taken")]
+    Attaching,
+    /// The saved state is malformed or no longer fits the image.
+    #[error(transparent)]
+    State(#[from] StateError),
+    #[error("the export's reactor is gone")]
+    ReactorGone,
+    #[error("the export's reactor did not answer in time")]
+    NoAnswer,
+    #[error("no device state transfer was started")]
+    NotStarted,
+    #[error("the transfer thread panicked")]
+    Panicked,
+    #[error("only the owning reactor holds the session")]
+    NotOwner,
+    /// QEMU saves only with every ring stopped, and each stop waits for
+    /// its requests: a save with requests in flight is refused.
+    #[error("requests are in flight: the rings were not stopped")]
+    InFlight,
+    #[error("writing the session state: {0}")]
+    Write(io::Error),
+    #[error("reading the session state: {0}")]
+    Read(io::Error),
 }
 
 /// The longest the owning reactor may take to save a session (encode it,
@@ -230,8 +269,8 @@ impl Attachment {
     /// migration (`fresh_if_unfit` false: CHECK_DEVICE_STATE says so), or
     /// gives way to a fresh one for a guest's request: its old handles then
     /// fail with EBADF, and the guest is served rather than stuck.
-    async fn attach(&self, saved: Option<&SessionState>, fresh_if_unfit: bool) -> Result<(), String> {
-        let image = self.image.as_ref().ok_or("this export cannot take its image back")?;
+    async fn attach(&self, saved: Option<&SessionState>, fresh_if_unfit: bool) -> Result<(), TransferError> {
+        let image = self.image.as_ref().ok_or(TransferError::NoImageAccess)?;
         let fs = image.attach().await?;
         let session = match self.session_on(&fs, saved) {
             Ok(session) => session,
@@ -240,7 +279,7 @@ impl Attachment {
                 if let Err(d) = image.detach(fs).await {
                     tracing::warn!(parent: &self.span, "giving the image back after a refused session: {d}");
                 }
-                return Err(e.to_string());
+                return Err(e.into());
             }
         };
         self.install_freeing_orphans(fs, session);
@@ -249,8 +288,8 @@ impl Attachment {
 
     /// Save the session and give the image up (SET_DEVICE_STATE_FD, SAVE):
     /// the encoded state, for the destination.
-    pub(super) async fn save_and_detach(&self) -> Result<Vec<u8>, String> {
-        let image = self.image.clone().ok_or("this export cannot migrate: its image is shared with a host mount")?;
+    pub(super) async fn save_and_detach(&self) -> Result<Vec<u8>, TransferError> {
+        let image = self.image.clone().ok_or(TransferError::SharedImage)?;
         let previous = std::mem::replace(&mut *self.state.borrow_mut(), AttachState::Attaching);
         let (fs, session) = match previous {
             AttachState::Attached { fs, session } => (fs, session),
@@ -262,9 +301,9 @@ impl Attachment {
             }
             AttachState::Detached { saved: None } => {
                 self.set_detached(None);
-                return Err("no session to save: the image is not attached".into());
+                return Err(TransferError::NotAttached);
             }
-            AttachState::Attaching => return Err("the image is being taken".into()),
+            AttachState::Attaching => return Err(TransferError::Attaching),
         };
         let state = session.save_state();
         // Not given back: the handles and lookups go with the state, and
@@ -284,7 +323,7 @@ impl Attachment {
     }
 
     /// Take a migrated session (SET_DEVICE_STATE_FD, LOAD).
-    pub(super) async fn load(&self, state: SessionState) -> Result<(), String> {
+    pub(super) async fn load(&self, state: SessionState) -> Result<(), TransferError> {
         let previous = std::mem::replace(&mut *self.state.borrow_mut(), AttachState::Attaching);
         match previous {
             AttachState::Attached { fs, session } => {
@@ -301,7 +340,7 @@ impl Attachment {
                     Err(e) => {
                         let fresh = self.fresh_session(&fs);
                         self.install(fs, fresh);
-                        Err(e.to_string())
+                        Err(e.into())
                     }
                 }
             }
@@ -314,7 +353,7 @@ impl Attachment {
                 result
             }
             // Left as it was: another attach is under way.
-            AttachState::Attaching => Err("the image is being taken".into()),
+            AttachState::Attaching => Err(TransferError::Attaching),
         }
     }
 
@@ -376,7 +415,7 @@ impl Attachment {
     /// unless `keep_session` (a daemon restart is to restore it): then the
     /// session stays held in the image (its orphans are checkpointed) and
     /// is returned, if its client had started it.
-    pub(super) async fn release(&self, keep_session: bool) -> Result<Option<SessionState>, String> {
+    pub(super) async fn release(&self, keep_session: bool) -> Result<Option<SessionState>, TransferError> {
         let previous = std::mem::replace(&mut *self.state.borrow_mut(), AttachState::Detached { saved: None });
         SESSIONS.with(|s| s.borrow_mut().remove(&self.id));
         let AttachState::Attached { fs, session } = previous else { return Ok(None) };
@@ -393,18 +432,18 @@ impl Attachment {
 }
 
 /// The result of a state transfer, awaited by CHECK_DEVICE_STATE.
-pub(super) type Transfer = std::thread::JoinHandle<Result<(), String>>;
+pub(super) type Transfer = std::thread::JoinHandle<Result<(), TransferError>>;
 
 /// Ask the owning reactor and wait for its answer.
 fn ask<T: Send + 'static>(
     owner: &Doorbell,
-    make: impl FnOnce(SyncSender<Result<T, String>>) -> super::Control,
-) -> Result<T, String> {
+    make: impl FnOnce(SyncSender<Result<T, TransferError>>) -> super::Control,
+) -> Result<T, TransferError> {
     let (done, answered) = mpsc::sync_channel(1);
     if !owner.send(make(done)) {
-        return Err("the export's reactor is gone".into());
+        return Err(TransferError::ReactorGone);
     }
-    answered.recv_timeout(TRANSFER_TIMEOUT).map_err(|_| "the export's reactor did not answer in time".to_string())?
+    answered.recv_timeout(TRANSFER_TIMEOUT).map_err(|_| TransferError::NoAnswer)?
 }
 
 /// SAVE: the reactor saves and detaches; this thread writes the pipe.
@@ -414,7 +453,7 @@ pub(super) fn start_save(owner: Doorbell, mut pipe: File) -> io::Result<Transfer
         let _span = span.entered();
         let started = Instant::now();
         let bytes = ask(&owner, |done| super::Control::SaveState { done })?;
-        pipe.write_all(&bytes).map_err(|e| format!("writing the session state: {e}"))?;
+        pipe.write_all(&bytes).map_err(TransferError::Write)?;
         tracing::info!(bytes = bytes.len(), ms = started.elapsed().as_millis() as u64, "device state sent");
         Ok(())
     })
@@ -427,8 +466,8 @@ pub(super) fn start_load(owner: Doorbell, pipe: File) -> io::Result<Transfer> {
     std::thread::Builder::new().name("vhost-user-load".into()).spawn(move || {
         let _span = span.entered();
         let started = Instant::now();
-        let bytes = read_bounded(pipe).map_err(|e| format!("reading the session state: {e}"))?;
-        let state = SessionState::decode(&bytes).map_err(|e: StateError| e.to_string())?;
+        let bytes = read_bounded(pipe).map_err(TransferError::Read)?;
+        let state = SessionState::decode(&bytes)?;
         let state = Box::new(state);
         ask(&owner, |done| super::Control::LoadState { state, done })?;
         tracing::info!(bytes = bytes.len(), ms = started.elapsed().as_millis() as u64, "device state loaded");

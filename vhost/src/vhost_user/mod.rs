@@ -51,7 +51,7 @@ mod poller;
 
 use backend::FsBackend;
 use migration::Attachment;
-pub use migration::{ImageAccess, LocalFuture};
+pub use migration::{ImageAccess, LocalFuture, TransferError};
 use poller::{HelperServer, OwnerServer, QueuePoller, QueueState};
 
 /// A vring over logged guest memory.
@@ -123,12 +123,12 @@ enum Control {
     /// SET_DEVICE_STATE_FD, SAVE: the session's state, with the image
     /// given up.
     SaveState {
-        done: SyncSender<Result<Vec<u8>, String>>,
+        done: SyncSender<Result<Vec<u8>, TransferError>>,
     },
     /// SET_DEVICE_STATE_FD, LOAD: take this session (and the image).
     LoadState {
         state: Box<crate::fuse::state::SessionState>,
-        done: SyncSender<Result<(), String>>,
+        done: SyncSender<Result<(), TransferError>>,
     },
 }
 
@@ -531,7 +531,7 @@ impl VhostUserServer {
     pub async fn stop_and_release(
         self,
         keep_session: bool,
-    ) -> Result<Option<crate::fuse::state::SessionState>, String> {
+    ) -> Result<Option<crate::fuse::state::SessionState>, TransferError> {
         let attachment = self.attachment.clone();
         if keep_session {
             attachment.keep_session_at_stop();

@@ -19,7 +19,7 @@ use virtio_queue::QueueT;
 use vm_memory::GuestAddressSpace;
 use vmm_sys_util::eventfd::EventFd;
 
-use super::migration::Attachment;
+use super::migration::{Attachment, TransferError};
 use super::{session_of, Connection, Control, DeviceStats, HelperStats, POP_BATCH};
 use crate::fuse::dispatch::SharedHandle;
 use crate::fuse::state::SessionState;
@@ -77,13 +77,13 @@ pub(super) trait ChainServer: 'static {
     fn reset(&mut self, waiters: Vec<SyncSender<()>>);
 
     /// Save the session and give the image up (the owner only).
-    fn save_state(&mut self, done: SyncSender<Result<Vec<u8>, String>>) {
-        let _ = done.send(Err("only the owning reactor holds the session".into()));
+    fn save_state(&mut self, done: SyncSender<Result<Vec<u8>, TransferError>>) {
+        let _ = done.send(Err(TransferError::NotOwner));
     }
 
     /// Take a migrated session (the owner only).
-    fn load_state(&mut self, _state: SessionState, done: SyncSender<Result<(), String>>) {
-        let _ = done.send(Err("only the owning reactor holds the session".into()));
+    fn load_state(&mut self, _state: SessionState, done: SyncSender<Result<(), TransferError>>) {
+        let _ = done.send(Err(TransferError::NotOwner));
     }
 }
 
@@ -124,7 +124,7 @@ impl ChainServer for OwnerServer {
         });
     }
 
-    fn save_state(&mut self, done: SyncSender<Result<Vec<u8>, String>>) {
+    fn save_state(&mut self, done: SyncSender<Result<Vec<u8>, TransferError>>) {
         let attachment = self.attachment.clone();
         let span = attachment.span();
         reactor::spawn_local(tracing::Instrument::instrument(
@@ -135,7 +135,7 @@ impl ChainServer for OwnerServer {
         ));
     }
 
-    fn load_state(&mut self, state: SessionState, done: SyncSender<Result<(), String>>) {
+    fn load_state(&mut self, state: SessionState, done: SyncSender<Result<(), TransferError>>) {
         let attachment = self.attachment.clone();
         let span = attachment.span();
         reactor::spawn_local(tracing::Instrument::instrument(
@@ -340,7 +340,7 @@ impl<S: ChainServer> QueuePoller<S> {
             // QEMU saves only with every ring stopped, and each stop waited
             // for its requests: the state never describes half a request.
             Control::SaveState { done } if self.queues.iter().any(|q| q.in_flight.get() > 0) => {
-                let _ = done.send(Err("requests are in flight: the rings were not stopped".into()));
+                let _ = done.send(Err(TransferError::InFlight));
             }
             Control::SaveState { done } => self.server.save_state(done),
             Control::LoadState { state, done } => self.server.load_state(*state, done),
