@@ -114,6 +114,13 @@ need_cargo=()
 want_cargo() { need_cargo+=("$1"); say "install cargo tool $1: $2"; }
 have pjdfstest || want_cargo pjdfstest "the POSIX suite run against a host mount of keelfs"
 have fsx || want_cargo fsx "the file-system exerciser run on the host mount and in the guest"
+# scripts/miri.sh (run by .ci/run) needs a nightly toolchain with Miri.
+nightly_miri() { have rustup && rustup run nightly cargo miri --version >/dev/null 2>&1; }
+need_miri=0
+if ! nightly_miri; then
+  need_miri=1
+  say "install rust toolchain nightly: Miri (components miri, rust-src) checks the parsers, codecs and queues in scripts/miri.sh"
+fi
 need_user=0
 if ! getent passwd tests >/dev/null 2>&1; then
   need_user=1
@@ -170,6 +177,13 @@ for tool in "${need_cargo[@]}"; do
   say "$step"
   cargo install --quiet "$tool"
 done
+if ((need_miri)); then
+  step="installing the nightly toolchain with Miri"
+  say "$step"
+  have rustup || { echo "$prog: error: no rustup to install the nightly toolchain with" >&2; exit 1; }
+  rustup toolchain install nightly --profile minimal --component miri,rust-src
+  rustup run nightly cargo miri setup
+fi
 if ((need_user)); then
   step="adding user tests"
   printf 'tests:x:::pjdfstest dummy user:/:/usr/sbin/nologin\n' | newusers
@@ -197,6 +211,7 @@ for t in fio cpio xz setfattr mkfs.xfs shellcheck systemd-analyze systemd-nspawn
   have "$t" || { echo "$prog: error: $t is still missing after the install" >&2; exit 1; }
 done
 fuse_uring_on || { echo "$prog: error: $fuse_uring is still not Y" >&2; exit 1; }
+nightly_miri || { echo "$prog: error: cargo miri (nightly) is still missing after the install" >&2; exit 1; }
 for p in librbd-dev librados-dev qemu-block-extra; do
   installed "$p" || { echo "$prog: error: package $p is still missing after the install" >&2; exit 1; }
 done

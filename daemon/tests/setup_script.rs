@@ -38,6 +38,7 @@ const NEEDED: &[(&str, &str)] = &[
     ("apt package", "qemu-block-extra from bookworm-backports"),
     ("cargo tool", "pjdfstest"),
     ("cargo tool", "fsx"),
+    ("rust toolchain", "nightly"),
 ];
 
 /// The few tools a bare machine is sure to have; everything setup.sh probes
