@@ -12,13 +12,22 @@ const _: () = assert!(crate::cache::PAGE_BYTES == BLOCK_BYTES);
 /// The index of a block within a file: it holds the file's bytes
 /// [index * BLOCK_SIZE, (index + 1) * BLOCK_SIZE).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct FileBlock(pub u64);
+pub struct FileBlock(u64);
 
 /// The index of a block on the device.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct DevBlock(pub u64);
+pub struct DevBlock(u64);
 
 impl FileBlock {
+    pub const fn new(index: u64) -> Self {
+        Self(index)
+    }
+
+    /// The block's index within its file.
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+
     /// The block that holds byte `offset` (rounds down).
     pub const fn containing(offset: u64) -> Self {
         Self(offset / BLOCK_SIZE)
@@ -36,6 +45,15 @@ impl FileBlock {
 }
 
 impl DevBlock {
+    pub const fn new(index: u64) -> Self {
+        Self(index)
+    }
+
+    /// The block's index on the device.
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+
     /// The device offset of the block's first byte.
     pub const fn offset(self) -> u64 {
         self.0 * BLOCK_SIZE

@@ -132,8 +132,8 @@ impl ExtentMap {
 
     pub fn iter(&self) -> impl Iterator<Item = Extent> + '_ {
         self.range(..).map(|(file_block, (disk_block, len, unwritten))| Extent {
-            file_block: FileBlock(file_block),
-            disk_block: DevBlock(disk_block),
+            file_block: FileBlock::new(file_block),
+            disk_block: DevBlock::new(disk_block),
             len,
             unwritten,
         })
@@ -146,9 +146,9 @@ impl ExtentMap {
     /// The last mapped file block's device successor: the allocation hint
     /// for extending the file.
     pub fn hint_after(&self, file_block: FileBlock) -> Option<DevBlock> {
-        let file_block = file_block.0;
+        let file_block = file_block.get();
         let (fb, (db, len, _)) = self.range(..=file_block).next_back()?;
-        Some(DevBlock(db + (file_block - fb).min(len)))
+        Some(DevBlock::new(db + (file_block - fb).min(len)))
     }
 
     /// The key of the extent holding `file_block`, or `file_block` itself
@@ -172,7 +172,7 @@ impl ExtentMap {
     /// inserts into it next, and settling in between would make the
     /// small form only to undo it.
     fn punch_unsettled(&mut self, file_block: FileBlock, len: u64) -> Vec<BlockRun> {
-        let file_block = file_block.0;
+        let file_block = file_block.get();
         let end = file_block.saturating_add(len);
         let start_key = self.start_key(file_block);
         let mut freed = Vec::new();
@@ -203,11 +203,11 @@ impl ExtentMap {
         // append that continues its one extent on the device.
         match self.repr.as_deref_mut() {
             None => {
-                self.repr = Some(Box::new(Repr::One((file_block.0, (disk_block.0, len, unwritten)))));
+                self.repr = Some(Box::new(Repr::One((file_block.get(), (disk_block.get(), len, unwritten)))));
                 return Vec::new();
             }
             Some(Repr::One((k, (d, l, u))))
-                if *k + *l == file_block.0 && *d + *l == disk_block.0 && *u == unwritten =>
+                if *k + *l == file_block.get() && *d + *l == disk_block.get() && *u == unwritten =>
             {
                 *l += len;
                 return Vec::new();
@@ -216,7 +216,7 @@ impl ExtentMap {
         }
         let replaced = self.punch_unsettled(file_block, len);
         let map = self.tree_mut();
-        let (mut fb, mut db, mut l) = (file_block.0, disk_block.0, len);
+        let (mut fb, mut db, mut l) = (file_block.get(), disk_block.get(), len);
         if let Some((&pk, &(pdb, pl, pu))) = map.range(..fb).next_back() {
             if pk + pl == fb && pdb + pl == db && pu == unwritten {
                 map.remove(&pk);
@@ -239,24 +239,24 @@ impl ExtentMap {
     /// The pieces of [file_block, +len): mapped extents clipped to the
     /// range, and holes between them.
     pub fn segments(&self, file_block: FileBlock, len: u64) -> Segments {
-        let file_block = file_block.0;
+        let file_block = file_block.get();
         let end = file_block.saturating_add(len);
         let mut out = Segments::new();
         let mut at = file_block;
         for (k, (db, l, unwritten)) in self.range(self.start_key(file_block)..end) {
             let s = k.max(at);
             if s > at {
-                out.push(Segment::Hole { file_block: FileBlock(at), len: s - at });
+                out.push(Segment::Hole { file_block: FileBlock::new(at), len: s - at });
             }
             let e = (k + l).min(end);
             if e > s {
-                let (file_block, disk_block) = (FileBlock(s), DevBlock(db + (s - k)));
+                let (file_block, disk_block) = (FileBlock::new(s), DevBlock::new(db + (s - k)));
                 out.push(Segment::Mapped(Extent { file_block, disk_block, len: e - s, unwritten }));
                 at = e;
             }
         }
         if at < end {
-            out.push(Segment::Hole { file_block: FileBlock(at), len: end - at });
+            out.push(Segment::Hole { file_block: FileBlock::new(at), len: end - at });
         }
         out
     }
@@ -270,37 +270,37 @@ mod tests {
     fn sequential_maps_merge_into_one_extent() {
         let mut m = ExtentMap::default();
         for i in 0..100 {
-            m.map(FileBlock(i), DevBlock(1000 + i), 1, false);
+            m.map(FileBlock::new(i), DevBlock::new(1000 + i), 1, false);
         }
         assert_eq!(m.len(), 1);
         assert_eq!(m.blocks(), 100);
-        m.map(FileBlock(100), DevBlock(5000), 1, false);
+        m.map(FileBlock::new(100), DevBlock::new(5000), 1, false);
         assert_eq!(m.len(), 2, "a discontiguous device block starts a new extent");
     }
 
     #[test]
     fn punch_splits_and_reports_freed_runs() {
         let mut m = ExtentMap::default();
-        m.map(FileBlock(0), DevBlock(100), 10, false);
-        let freed = m.punch(FileBlock(3), 4);
+        m.map(FileBlock::new(0), DevBlock::new(100), 10, false);
+        let freed = m.punch(FileBlock::new(3), 4);
         assert_eq!(freed, vec![BlockRun { start: 103, len: 4 }]);
         assert_eq!(
-            m.segments(FileBlock(0), 12).to_vec(),
+            m.segments(FileBlock::new(0), 12).to_vec(),
             vec![
                 Segment::Mapped(Extent {
-                    file_block: FileBlock(0),
-                    disk_block: DevBlock(100),
+                    file_block: FileBlock::new(0),
+                    disk_block: DevBlock::new(100),
                     len: 3,
                     unwritten: false
                 }),
-                Segment::Hole { file_block: FileBlock(3), len: 4 },
+                Segment::Hole { file_block: FileBlock::new(3), len: 4 },
                 Segment::Mapped(Extent {
-                    file_block: FileBlock(7),
-                    disk_block: DevBlock(107),
+                    file_block: FileBlock::new(7),
+                    disk_block: DevBlock::new(107),
                     len: 3,
                     unwritten: false
                 }),
-                Segment::Hole { file_block: FileBlock(10), len: 2 },
+                Segment::Hole { file_block: FileBlock::new(10), len: 2 },
             ]
         );
     }
@@ -308,22 +308,22 @@ mod tests {
     #[test]
     fn converting_unwritten_to_written_replaces_in_place() {
         let mut m = ExtentMap::default();
-        m.map(FileBlock(0), DevBlock(100), 8, true);
-        let replaced = m.map(FileBlock(2), DevBlock(102), 2, false);
+        m.map(FileBlock::new(0), DevBlock::new(100), 8, true);
+        let replaced = m.map(FileBlock::new(2), DevBlock::new(102), 2, false);
         assert_eq!(replaced, vec![BlockRun { start: 102, len: 2 }]);
         assert_eq!(m.len(), 3);
-        m.map(FileBlock(0), DevBlock(100), 2, false);
-        m.map(FileBlock(4), DevBlock(104), 4, false);
+        m.map(FileBlock::new(0), DevBlock::new(100), 2, false);
+        m.map(FileBlock::new(4), DevBlock::new(104), 4, false);
         assert_eq!(m.len(), 1, "all written again: one extent");
     }
 
     /// Every block of [0, BLOCKS) as the map says: (disk block, unwritten).
     fn blockwise(m: &ExtentMap) -> Vec<Option<(u64, bool)>> {
         let mut out = Vec::new();
-        for segment in m.segments(FileBlock(0), BLOCKS) {
+        for segment in m.segments(FileBlock::new(0), BLOCKS) {
             match segment {
                 Segment::Hole { len, .. } => out.extend((0..len).map(|_| None)),
-                Segment::Mapped(e) => out.extend((0..e.len).map(|i| Some((e.disk_block.0 + i, e.unwritten)))),
+                Segment::Mapped(e) => out.extend((0..e.len).map(|i| Some((e.disk_block.get() + i, e.unwritten)))),
             }
         }
         out
@@ -349,7 +349,7 @@ mod tests {
                 let before: Vec<u64> = model[fb as usize..(fb + len) as usize].iter().flatten().map(|b| b.0).collect();
                 let mut freed: Vec<BlockRun> = if next(3) == 0 {
                     model[fb as usize..(fb + len) as usize].fill(None);
-                    m.punch(FileBlock(fb), len)
+                    m.punch(FileBlock::new(fb), len)
                 } else {
                     // Often continue the block before on the device, to merge.
                     let db = match (fb.checked_sub(1)).and_then(|p| model[p as usize]) {
@@ -360,7 +360,7 @@ mod tests {
                     for i in 0..len {
                         model[(fb + i) as usize] = Some((db + i, unwritten));
                     }
-                    m.map(FileBlock(fb), DevBlock(db), len, unwritten)
+                    m.map(FileBlock::new(fb), DevBlock::new(db), len, unwritten)
                 };
                 freed.sort_by_key(|r| r.start);
                 let mut freed_blocks: Vec<u64> = freed.iter().flat_map(|r| r.start..r.start + r.len).collect();
@@ -387,14 +387,14 @@ mod tests {
         assert_eq!(std::mem::size_of::<ExtentMap>(), 8, "a pointer in every node");
         let mut m = ExtentMap::default();
         for i in 0..8 {
-            m.map(FileBlock(i * 4), DevBlock(500 + i * 4), 4, false);
+            m.map(FileBlock::new(i * 4), DevBlock::new(500 + i * 4), 4, false);
         }
         assert!(matches!(m.repr.as_deref(), Some(Repr::One((0, (500, 32, false))))));
-        m.map(FileBlock(40), DevBlock(900), 1, false);
+        m.map(FileBlock::new(40), DevBlock::new(900), 1, false);
         assert!(matches!(m.repr.as_deref(), Some(Repr::Tree(_))));
-        m.punch(FileBlock(40), 1);
+        m.punch(FileBlock::new(40), 1);
         assert!(matches!(m.repr.as_deref(), Some(Repr::One(_))), "back to one extent, back to the small form");
-        m.punch(FileBlock(0), 100);
+        m.punch(FileBlock::new(0), 100);
         assert!(m.repr.is_none());
         assert_eq!(m, ExtentMap::default());
     }

@@ -169,7 +169,7 @@ fn check_state(state: &State, sb: &Superblock, recorded_free: u64, report: &mut 
         report.problems.push(problem("free-count", detail, true));
     }
     for node in state.nodes() {
-        let mut last_end = FileBlock(0);
+        let mut last_end = FileBlock::new(0);
         for e in node.extents.iter() {
             if e.file_block < last_end {
                 report.problems.push(problem(

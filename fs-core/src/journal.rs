@@ -57,7 +57,7 @@ fn corrupt(msg: impl Into<String>) -> FsError {
 
 async fn read_blocks(dev: &DeviceChannel, block: u64, count: usize) -> FsResult<AlignedBuf> {
     let buf = AlignedBuf::zeroed(count * BLOCK_BYTES, BLOCK_BYTES);
-    let (buf, result) = dev.read(DevBlock(block).offset(), buf).await;
+    let (buf, result) = dev.read(DevBlock::new(block).offset(), buf).await;
     result?;
     Ok(buf)
 }
@@ -572,14 +572,16 @@ async fn write_transaction(fs: &FsInner, taken: &Taken) -> FsResult<()> {
     let ring_off = head % sb.journal_blocks;
     let first = (sb.journal_blocks - ring_off).min(blocks);
     if first == blocks {
-        fs.write_blocks(DevBlock(ring_block(&sb, head)), buf).await?;
+        fs.write_blocks(DevBlock::new(ring_block(&sb, head)), buf).await?;
     } else {
         let mut a = AlignedBuf::zeroed(first as usize * BLOCK_BYTES, BLOCK_BYTES);
         let mut b = AlignedBuf::zeroed((blocks - first) as usize * BLOCK_BYTES, BLOCK_BYTES);
         a.copy_from_slice(&buf[..first as usize * BLOCK_BYTES]);
         b.copy_from_slice(&buf[first as usize * BLOCK_BYTES..]);
-        let (ra, rb) =
-            (fs.write_blocks(DevBlock(ring_block(&sb, head)), a), fs.write_blocks(DevBlock(JOURNAL_FIRST_BLOCK), b));
+        let (ra, rb) = (
+            fs.write_blocks(DevBlock::new(ring_block(&sb, head)), a),
+            fs.write_blocks(DevBlock::new(JOURNAL_FIRST_BLOCK), b),
+        );
         ra.await?;
         rb.await?;
     }
@@ -726,7 +728,7 @@ async fn write_checkpoint_blocks(fs: &FsInner, runs: &[BlockRun], payload: [&[u8
                 block[4..8].copy_from_slice(&sum.to_le_bytes());
                 index = index.checked_add(1).expect("checkpoint block index fits u32");
             }
-            fs.write_blocks(DevBlock(run.start + done), buf).await?;
+            fs.write_blocks(DevBlock::new(run.start + done), buf).await?;
             done += n;
         }
     }
@@ -762,7 +764,7 @@ async fn write_superblock(fs: &FsInner, sb: &Superblock) -> FsResult<()> {
     let slot = SUPERBLOCK_SLOTS[(sb.generation % 2) as usize];
     let mut buf = AlignedBuf::zeroed(BLOCK_BYTES, BLOCK_BYTES);
     buf.copy_from_slice(&sb.encode());
-    fs.write_blocks(DevBlock(slot), buf).await?;
+    fs.write_blocks(DevBlock::new(slot), buf).await?;
     fs.flush_device().await
 }
 

@@ -563,7 +563,11 @@ impl Fs {
         let mut owned: Vec<(u64, u64, String)> = Vec::new();
         for node in state.nodes() {
             for e in node.extents.iter() {
-                owned.push((e.disk_block.0, e.len, format!("inode {} file block {}", node.inode.ino, e.file_block.0)));
+                owned.push((
+                    e.disk_block.get(),
+                    e.len,
+                    format!("inode {} file block {}", node.inode.ino, e.file_block.get()),
+                ));
             }
         }
         owned.extend(sb.checkpoint_extents.iter().map(|r| (r.start, r.len, "the checkpoint".to_string())));

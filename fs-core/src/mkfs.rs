@@ -95,7 +95,7 @@ pub async fn mkfs(dev: DeviceChannel, options: &MkfsOptions) -> Result<Superbloc
         let copy = Superblock { generation: generation as u64, ..sb.clone() };
         let mut buf = AlignedBuf::zeroed(BLOCK_BYTES, BLOCK_BYTES);
         buf.copy_from_slice(&copy.encode());
-        let (_, r) = dev.write(DevBlock(*slot).offset(), buf).await;
+        let (_, r) = dev.write(DevBlock::new(*slot).offset(), buf).await;
         r.map_err(FsError::from)?;
     }
     let fs = Fs::mount_inner(dev, FsConfig::default(), false).await?;

@@ -211,7 +211,7 @@ impl Snapshot {
             Record::XattrSet { ino, name: Cow::Borrowed(name), value: Cow::Borrowed(value) }.encode(w);
         }
         for e in node.extents.iter() {
-            let (file_block, disk_block, len, unwritten) = (e.file_block.0, e.disk_block.0, e.len, e.unwritten);
+            let (file_block, disk_block, len, unwritten) = (e.file_block.get(), e.disk_block.get(), e.len, e.unwritten);
             Record::ExtentMap { ino, file_block, disk_block, len, unwritten }.encode(w);
         }
         if let Some(dir) = &node.dir {
@@ -360,7 +360,7 @@ impl State {
         let Some(node) = self.nodes.remove(ino) else {
             return if mode == ApplyMode::Replay { Ok(()) } else { err(format!("free of missing inode {ino}")) };
         };
-        let runs = node.extents.iter().map(|e| BlockRun { start: e.disk_block.0, len: e.len }).collect();
+        let runs = node.extents.iter().map(|e| BlockRun { start: e.disk_block.get(), len: e.len }).collect();
         self.release(runs, mode);
         Ok(())
     }
@@ -405,7 +405,7 @@ impl State {
             Record::ExtentPunch { ino, file_block, len } => {
                 self.before_change(*ino);
                 let Some(node) = self.nodes.get_mut(*ino) else { return err(format!("punch in missing inode {ino}")) };
-                let runs = node.extents.punch(FileBlock(*file_block), *len);
+                let runs = node.extents.punch(FileBlock::new(*file_block), *len);
                 self.release(runs, mode);
                 Ok(())
             }
@@ -485,7 +485,7 @@ impl State {
         if !node.inode.is_reg() {
             return err(format!("extent for inode {ino}, which is not a regular file"));
         }
-        let replaced = node.extents.map(FileBlock(file_block), DevBlock(disk_block), len, unwritten);
+        let replaced = node.extents.map(FileBlock::new(file_block), DevBlock::new(disk_block), len, unwritten);
         let new = BlockRun { start: disk_block, len };
         match mode {
             ApplyMode::Live => {

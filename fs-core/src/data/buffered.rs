@@ -77,7 +77,8 @@ impl Fs {
             self.inner.bump(|c| c.data_bytes_read += out.len() as u64);
             return Ok(out);
         }
-        let _range = self.inner.ranges.lock(ino, FileBlock(first).offset(), FileBlock(last + 1).offset(), false).await;
+        let _range =
+            self.inner.ranges.lock(ino, FileBlock::new(first).offset(), FileBlock::new(last + 1).offset(), false).await;
         let size_now = self.inner.inode(ino)?.size;
         let end = end.min(size_now);
         if offset >= end {
@@ -86,7 +87,7 @@ impl Fs {
         // Copy what is cached now, in one synchronous step; then load the
         // rest, copying each page into the result as it arrives. The shared
         // lock keeps writers of the range out meanwhile.
-        let last = FileBlock::containing(end - 1).0;
+        let last = FileBlock::containing(end - 1).get();
         let mut out = vec![0u8; (end - offset) as usize];
         let missing: Vec<u64> = {
             let mut cache = self.inner.cache.borrow_mut();
@@ -178,7 +179,7 @@ impl Fs {
                 if let Some(buf) = &data {
                     content.copy_from_slice(&buf[block_bytes(k) as usize..block_bytes(k + 1) as usize]);
                 }
-                let page_start = FileBlock(page + k).offset();
+                let page_start = FileBlock::new(page + k).offset();
                 content[size.saturating_sub(page_start).min(BLOCK_SIZE) as usize..].fill(0);
                 copy_page_part(&content, page + k, offset, out);
                 if cacheable && !cache.contains((ino, page + k)) {
@@ -199,8 +200,8 @@ impl Fs {
         let mut data = vec![0u8; PAGE_BYTES];
         let epoch = self.direct_epoch(ino);
         self.read_device_block(ino, page, &mut data).await?;
-        let page_start = FileBlock(page).offset();
-        if size < FileBlock(page + 1).offset() {
+        let page_start = FileBlock::new(page).offset();
+        if size < FileBlock::new(page + 1).offset() {
             data[size.saturating_sub(page_start) as usize..].fill(0);
         }
         if self.direct_epoch(ino) != epoch {
@@ -312,7 +313,7 @@ impl Fs {
             // Room is made before any lock is held: writeback takes locks.
             self.make_room(last - first + 1).await?;
             let (range, old_size) = self.lock_for_write(ino, first, last, end).await?;
-            if end > old_size && FileBlock::containing(old_size).0 < first {
+            if end > old_size && FileBlock::containing(old_size).get() < first {
                 self.zero_past_eof(ino, old_size).await?;
             }
             // Partial edge pages are read first and kept here, so that the
@@ -320,7 +321,7 @@ impl Fs {
             // while we wait.
             let mut edges: Vec<(u64, Vec<u8>)> = Vec::new();
             for page in [first, last] {
-                let (ps, pe) = (FileBlock(page).offset(), FileBlock(page + 1).offset());
+                let (ps, pe) = (FileBlock::new(page).offset(), FileBlock::new(page + 1).offset());
                 let partial = offset > ps || end < pe;
                 if partial && ps < old_size && !edges.iter().any(|(p, _)| *p == page) {
                     edges.push((page, self.page_for_read(ino, page, old_size).await?));
@@ -383,7 +384,7 @@ impl Fs {
                     return Err(full);
                 }
             }
-            let (ps, pe) = (FileBlock(page).offset(), FileBlock(page + 1).offset());
+            let (ps, pe) = (FileBlock::new(page).offset(), FileBlock::new(page + 1).offset());
             let from = offset.max(ps);
             let to = end.min(pe);
             let stored = cache.write_open((ino, page), (from - ps) as usize, (to - from) as usize, |part| {
@@ -418,7 +419,7 @@ impl Fs {
         for seg in self.segments(ino, first, last - first + 1)? {
             if let Segment::Hole { file_block, len } = seg {
                 // Pages are file blocks (PAGE_BYTES is BLOCK_BYTES).
-                let pages = file_block.0..(file_block + len).0;
+                let pages = file_block.get()..(file_block + len).get();
                 out.extend(pages.filter(|&p| !cache.is_reserved((ino, p))));
             }
         }
@@ -488,8 +489,11 @@ impl Fs {
     async fn writeback_run(&self, ino: u64, first: u64, count: u64) -> FsResult<()> {
         // A *shared* lock on the pages: writers of them wait, readers
         // never do.
-        let _range =
-            self.inner.ranges.lock(ino, FileBlock(first).offset(), FileBlock(first + count).offset(), false).await;
+        let _range = self
+            .inner
+            .ranges
+            .lock(ino, FileBlock::new(first).offset(), FileBlock::new(first + count).offset(), false)
+            .await;
         if self.inner.state.borrow().node(ino).is_none() {
             return Ok(());
         }

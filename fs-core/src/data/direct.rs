@@ -120,7 +120,8 @@ impl Fs {
         if !all_written(self)? {
             return Ok(None);
         }
-        let _range = self.inner.ranges.lock(ino, FileBlock(first).offset(), FileBlock(last + 1).offset(), false).await;
+        let _range =
+            self.inner.ranges.lock(ino, FileBlock::new(first).offset(), FileBlock::new(last + 1).offset(), false).await;
         if !all_written(self)? {
             return Ok(None);
         }
@@ -169,7 +170,7 @@ impl Fs {
                 Segment::Mapped(e) => (e.file_block, e.len, None),
                 Segment::Hole { file_block, len } => (file_block, len, None),
             };
-            let at = block_bytes(fb - FileBlock(first)) as usize;
+            let at = block_bytes(fb - FileBlock::new(first)) as usize;
             let Some(disk) = disk else {
                 buf.zero(at, block_bytes(len) as usize).map_err(|_| FsError::Invalid("buffer busy"))?;
                 continue;
@@ -212,7 +213,7 @@ impl Fs {
     ) -> FsResult<u32> {
         let (first, last) = blocks_of(offset, end - offset);
         let (_range, old_size) = self.lock_for_write(ino, first, last, end).await?;
-        if end > old_size && FileBlock::containing(old_size).0 < first {
+        if end > old_size && FileBlock::containing(old_size).get() < first {
             self.zero_past_eof(ino, old_size).await?;
         }
         let mut converted = Vec::new();
@@ -236,7 +237,13 @@ impl Fs {
         let new_size = self.finish_extend(ino, offset, end, result.is_ok());
         result?;
         for (fb, db, len) in converted {
-            self.inner.log(Record::ExtentMap { ino, file_block: fb.0, disk_block: db.0, len, unwritten: false })?;
+            self.inner.log(Record::ExtentMap {
+                ino,
+                file_block: fb.get(),
+                disk_block: db.get(),
+                len,
+                unwritten: false,
+            })?;
         }
         self.inner.written(ino, Some(new_size))?;
         self.set_datasync_needed(ino);
@@ -287,13 +294,14 @@ impl Fs {
             buf.copy_in(0, &data).map_err(|_| FsError::Invalid("buffer busy"))?;
             return Ok(data.len() as u32);
         }
-        let _range = self.inner.ranges.lock(ino, FileBlock(first).offset(), FileBlock(last + 1).offset(), false).await;
+        let _range =
+            self.inner.ranges.lock(ino, FileBlock::new(first).offset(), FileBlock::new(last + 1).offset(), false).await;
         let size = self.inner.inode(ino)?.size;
         let avail = len.min(size.saturating_sub(offset));
         if avail == 0 {
             return Ok(0);
         }
-        let read_last = FileBlock::containing(offset + avail - 1).0;
+        let read_last = FileBlock::containing(offset + avail - 1).get();
         let segments = self.segments(ino, first, read_last - first + 1)?;
         self.submit_segments(buf, first, &segments, false).await?;
         // Never hand back what lies past the end of file.
@@ -312,7 +320,7 @@ impl Fs {
         let end = offset + data.len() as u64;
         let (first, last) = blocks_of(offset, data.len() as u64);
         let (_range, old_size) = self.lock_for_write(ino, first, last, end).await?;
-        if end > old_size && FileBlock::containing(old_size).0 < first {
+        if end > old_size && FileBlock::containing(old_size).get() < first {
             self.zero_past_eof(ino, old_size).await?;
         }
         let nblocks = last - first + 1;
@@ -325,7 +333,7 @@ impl Fs {
             let at = block_bytes(nblocks - 1) as usize;
             self.read_device_block(ino, last, &mut image[at..]).await?;
         }
-        let image_start = FileBlock(first).offset();
+        let image_start = FileBlock::new(first).offset();
         if old_size < image_start + image.len() as u64 {
             image[old_size.saturating_sub(image_start) as usize..].fill(0);
         }
@@ -342,7 +350,8 @@ impl Fs {
 
     async fn read_uncached_copy(&self, ino: u64, offset: u64, len: u64) -> FsResult<Vec<u8>> {
         let (first, last) = blocks_of(offset, len);
-        let _range = self.inner.ranges.lock(ino, FileBlock(first).offset(), FileBlock(last + 1).offset(), false).await;
+        let _range =
+            self.inner.ranges.lock(ino, FileBlock::new(first).offset(), FileBlock::new(last + 1).offset(), false).await;
         let size = self.inner.inode(ino)?.size;
         let end = (offset + len).min(size);
         if offset >= end {
@@ -350,11 +359,11 @@ impl Fs {
         }
         let mut out = vec![0u8; (end - offset) as usize];
         let mut block = vec![0u8; BLOCK_BYTES];
-        for b in first..=FileBlock::containing(end - 1).0 {
+        for b in first..=FileBlock::containing(end - 1).get() {
             self.read_device_block(ino, b, &mut block).await?;
-            let bs = FileBlock(b).offset();
+            let bs = FileBlock::new(b).offset();
             let from = offset.max(bs);
-            let to = end.min(FileBlock(b + 1).offset());
+            let to = end.min(FileBlock::new(b + 1).offset());
             out[(from - offset) as usize..(to - offset) as usize]
                 .copy_from_slice(&block[(from - bs) as usize..(to - bs) as usize]);
         }

@@ -53,8 +53,8 @@ const DIRTY_THROTTLE_PERCENT: usize = 50;
 /// The part of `page` inside the file range [offset, end): its byte range
 /// within the page and where it lands in a buffer starting at `offset`.
 fn page_part(page: u64, offset: u64, end: u64) -> Option<(std::ops::Range<usize>, usize)> {
-    let page_start = FileBlock(page).offset();
-    let (from, to) = (offset.max(page_start), end.min(FileBlock(page + 1).offset()));
+    let page_start = FileBlock::new(page).offset();
+    let (from, to) = (offset.max(page_start), end.min(FileBlock::new(page + 1).offset()));
     (from < to).then(|| (((from - page_start) as usize..(to - page_start) as usize), (from - offset) as usize))
 }
 
@@ -76,7 +76,7 @@ impl ReadSink for VecSink {
 }
 
 fn blocks_of(offset: u64, len: u64) -> (u64, u64) {
-    (FileBlock::containing(offset).0, FileBlock::containing(offset + len - 1).0)
+    (FileBlock::containing(offset).get(), FileBlock::containing(offset + len - 1).get())
 }
 
 /// Write dirty pages back every `writeback_interval`.
@@ -116,7 +116,7 @@ impl Fs {
     /// The extent map's pieces of `count` blocks from file block `first`.
     fn segments(&self, ino: u64, first: u64, count: u64) -> FsResult<Segments> {
         let state = self.inner.state.borrow();
-        Ok(state.node(ino).ok_or(FsError::Stale)?.extents.segments(FileBlock(first), count))
+        Ok(state.node(ino).ok_or(FsError::Stale)?.extents.segments(FileBlock::new(first), count))
     }
 
     /// One file block as it is on the device (zeros for holes and
@@ -142,7 +142,7 @@ impl Fs {
             self.inner.check_room(count)?;
         }
         let mut state = self.inner.state.borrow_mut();
-        let mut hint = state.node(ino).ok_or(FsError::Stale)?.extents.hint_after(file_block).map(|b| b.0);
+        let mut hint = state.node(ino).ok_or(FsError::Stale)?.extents.hint_after(file_block).map(|b| b.get());
         let mut runs = Vec::new();
         let mut left = count;
         while left > 0 {
@@ -189,17 +189,17 @@ impl Fs {
     ) -> FsResult<(super::sync::RangeGuard, u64)> {
         loop {
             let size = self.inner.inode(ino)?.size;
-            let eof_block = FileBlock::containing(size).0;
+            let eof_block = FileBlock::containing(size).get();
             let needs_tail = end > size && offset_in_block(size) != 0 && eof_block < first;
             let (start, stop) = if needs_tail {
-                (FileBlock(eof_block).offset(), u64::MAX)
+                (FileBlock::new(eof_block).offset(), u64::MAX)
             } else {
-                (FileBlock(first).offset(), FileBlock(last + 1).offset())
+                (FileBlock::new(first).offset(), FileBlock::new(last + 1).offset())
             };
             let guard = self.inner.ranges.lock(ino, start, stop, true).await;
             let now_size = self.inner.inode(ino).map_err(|_| FsError::Stale)?.size;
             let still_needs_tail =
-                end > now_size && offset_in_block(now_size) != 0 && FileBlock::containing(now_size).0 < first;
+                end > now_size && offset_in_block(now_size) != 0 && FileBlock::containing(now_size).get() < first;
             if !still_needs_tail || FileBlock::containing(now_size).offset() >= start {
                 return Ok((guard, now_size));
             }
@@ -216,7 +216,7 @@ impl Fs {
         }
         let block = FileBlock::containing(size);
         // The cache indexes pages by file block (PAGE_BYTES is BLOCK_BYTES).
-        self.inner.cache.borrow_mut().zero((ino, block.0), tail, PAGE_BYTES);
+        self.inner.cache.borrow_mut().zero((ino, block.get()), tail, PAGE_BYTES);
         self.zero_in_block(ino, block, tail, BLOCK_BYTES).await
     }
 
@@ -236,12 +236,12 @@ impl Fs {
         for r in runs {
             self.inner.log(Record::ExtentMap {
                 ino,
-                file_block: fb.0,
+                file_block: fb.get(),
                 disk_block: r.start,
                 len: r.len,
                 unwritten: true,
             })?;
-            mapped.push((fb, DevBlock(r.start), r.len));
+            mapped.push((fb, DevBlock::new(r.start), r.len));
             fb = fb + r.len;
         }
         Ok(mapped)
@@ -250,7 +250,7 @@ impl Fs {
     /// Zero bytes [from, to) of one file block on the device, if it holds
     /// written data.
     async fn zero_in_block(&self, ino: u64, file_block: FileBlock, from: usize, to: usize) -> FsResult<()> {
-        let Segment::Mapped(e) = self.segments(ino, file_block.0, 1)?[0] else { return Ok(()) };
+        let Segment::Mapped(e) = self.segments(ino, file_block.get(), 1)?[0] else { return Ok(()) };
         if e.unwritten {
             return Ok(());
         }
@@ -286,7 +286,7 @@ impl Fs {
                     };
                     let mut fb = file_block;
                     for r in &runs {
-                        targets.push((fb, DevBlock(r.start), r.len, true));
+                        targets.push((fb, DevBlock::new(r.start), r.len, true));
                         fb = fb + r.len;
                     }
                     fresh.extend(runs);
@@ -300,7 +300,7 @@ impl Fs {
             let mut done = 0;
             while done < len {
                 let n = (len - done).min(IO_BLOCKS_MAX);
-                let src = block_bytes((fb + done) - FileBlock(first)) as usize;
+                let src = block_bytes((fb + done) - FileBlock::new(first)) as usize;
                 let slice = image.slice(src, block_bytes(n) as usize).map_err(|_| FsError::Invalid("image busy"))?;
                 pending.push(self.inner.dev.write((db + done).offset(), slice));
                 done += n;
@@ -324,8 +324,8 @@ impl Fs {
             .filter(|t| t.3)
             .map(|(fb, db, len, _)| Record::ExtentMap {
                 ino,
-                file_block: fb.0,
-                disk_block: db.0,
+                file_block: fb.get(),
+                disk_block: db.get(),
                 len,
                 unwritten: false,
             })

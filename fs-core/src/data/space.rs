@@ -24,7 +24,7 @@ impl Fs {
         let old = self.require_file(ino)?.size;
         let from = FileBlock::containing(old.min(new_size)).offset();
         let _range = self.inner.ranges.lock(ino, from, u64::MAX, true).await;
-        let keep_blocks = FileBlock::starting_at_or_after(new_size).0;
+        let keep_blocks = FileBlock::starting_at_or_after(new_size).get();
         // Shrinking drops pages, zeroes the new last page's tail, then sets
         // the size: readers on other cores see all of it or none.
         let change = (new_size < old).then(|| self.inner.file_change(ino));
@@ -32,7 +32,7 @@ impl Fs {
             let released = self.inner.cache.borrow_mut().discard(ino, keep_blocks);
             self.inner.release_delalloc(released);
             self.inner.cache.borrow_mut().zero(
-                (ino, FileBlock::containing(new_size).0),
+                (ino, FileBlock::containing(new_size).get()),
                 offset_in_block(new_size) as usize,
                 PAGE_BYTES,
             );
@@ -85,7 +85,8 @@ impl Fs {
         // Dirty cached data in the range must reach the device first, so
         // that clearing below is not undone by a later writeback.
         self.flush_cache_range(ino, first, last, false).await?;
-        let range_lock = self.inner.ranges.lock(ino, FileBlock(first).offset(), FileBlock(last + 1).offset(), true);
+        let range_lock =
+            self.inner.ranges.lock(ino, FileBlock::new(first).offset(), FileBlock::new(last + 1).offset(), true);
         let _range = range_lock.await;
         if punch || zero {
             self.clear_range(ino, offset, end).await?;
@@ -119,7 +120,7 @@ impl Fs {
         let end_whole = FileBlock::containing(end);
         if first_whole < end_whole {
             let len = end_whole - first_whole;
-            self.inner.log(Record::ExtentPunch { ino, file_block: first_whole.0, len })?;
+            self.inner.log(Record::ExtentPunch { ino, file_block: first_whole.get(), len })?;
         }
         {
             let _change = self.inner.file_change(ino);
@@ -141,7 +142,7 @@ impl Fs {
     /// space is reserved and reads still return zeros, with no data I/O.
     fn allocate_unwritten(&self, ino: u64, first: FileBlock, end: FileBlock) -> FsResult<()> {
         let holes: Vec<(FileBlock, u64)> = self
-            .segments(ino, first.0, end - first)?
+            .segments(ino, first.get(), end - first)?
             .into_iter()
             .filter_map(|s| match s {
                 Segment::Hole { file_block, len } => Some((file_block, len)),
@@ -165,7 +166,7 @@ impl Fs {
         self.writeback(ino, 0, u64::MAX).await?;
         let first = FileBlock::containing(offset);
         let blocks = FileBlock::starting_at_or_after(inode.size) - first;
-        for seg in self.segments(ino, first.0, blocks)? {
+        for seg in self.segments(ino, first.get(), blocks)? {
             let (fb, is_data) = match seg {
                 Segment::Mapped(e) => (e.file_block, !e.unwritten),
                 Segment::Hole { file_block, .. } => (file_block, false),
