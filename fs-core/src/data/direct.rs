@@ -107,25 +107,24 @@ impl Fs {
         buf: &SharedBuffer<B>,
     ) -> FsResult<Option<u32>> {
         let (first, last) = blocks_of(offset, end - offset);
-        let all_written = |fs: &Fs| -> FsResult<bool> {
-            let size = fs.inner.inode(ino)?.size;
-            // Past the size (even inside the last block) is an extending
-            // write: it must move the size, which this path never does.
-            Ok(end <= size
-                && fs
-                    .segments(ino, first, last - first + 1)?
-                    .iter()
-                    .all(|s| matches!(s, Segment::Mapped(e) if !e.unwritten)))
-        };
-        if !all_written(self)? {
+        // Past the size (even inside the last block) is an extending
+        // write: it must move the size, which this path never does. The
+        // size is checked before the lock too, so that appends never take
+        // it here.
+        let inside = |fs: &Fs| -> FsResult<bool> { Ok(end <= fs.inner.inode(ino)?.size) };
+        if !inside(self)? {
             return Ok(None);
         }
         let _range =
             self.inner.ranges.lock(ino, FileBlock::new(first).offset(), FileBlock::new(last + 1).offset(), false).await;
-        if !all_written(self)? {
+        // The mapping is read once, under the lock, and the I/O is issued
+        // from that same reading: no write can change it until the lock
+        // is released.
+        let segments = self.segments(ino, first, last - first + 1)?;
+        let all_written = segments.iter().all(|s| matches!(s, Segment::Mapped(e) if !e.unwritten));
+        if !all_written || !inside(self)? {
             return Ok(None);
         }
-        let segments = self.segments(ino, first, last - first + 1)?;
         self.direct_begin();
         let result = self.submit_segments(buf, first, &segments, true).await;
         self.direct_end();
