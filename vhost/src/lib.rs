@@ -45,7 +45,7 @@ pub use fuse::dev_fuse::{
     serve as serve_dev_fuse, serve_over as serve_dev_fuse_over, serve_with as serve_dev_fuse_with, FuseMount,
 };
 pub use fuse::dispatch::{
-    CacheMode, Clients, Session, SessionConfig, LONG_TIMEOUT as LONG_CACHE_TIMEOUT, SESSION_HANDLES_MAX,
+    CacheMode, Clients, Notify, Session, SessionConfig, LONG_TIMEOUT as LONG_CACHE_TIMEOUT, SESSION_HANDLES_MAX,
     SHARED_TIMEOUT as SHARED_CACHE_TIMEOUT,
 };
 pub use fuse::state::{SessionState, StateError, STATE_BYTES_MAX, STATE_VERSION};

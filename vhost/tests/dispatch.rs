@@ -679,6 +679,15 @@ fn each_session_has_its_own_burst_of_failure_warnings() {
     assert_eq!(warned, 2 * keelfs_base::LOG_BURST as usize, "each session's burst:\n{text}");
 }
 
+/// A host mount's kernel: keeps every notification it is sent.
+struct Heard(std::rc::Rc<std::cell::RefCell<Vec<Vec<u8>>>>);
+
+impl keelfs_vhost::Notify for Heard {
+    fn queue(&self, message: &[u8]) {
+        self.0.borrow_mut().push(message.to_vec());
+    }
+}
+
 /// A guest and a host mount on one export (issue 34): each of the
 /// guest's changes becomes the FUSE notifications that make the host's
 /// kernel forget what it changed, and only the host, which listens, is
@@ -695,8 +704,7 @@ fn a_listening_session_is_told_of_the_others_changes() {
     with_session_config(config.clone(), async move |guest: Session| {
         let host = Rc::new(Session::new(guest.fs().clone(), config));
         let heard: Rc<RefCell<Vec<Vec<u8>>>> = Rc::default();
-        let h = Rc::clone(&heard);
-        host.set_notifier(Box::new(move |m: &[u8]| h.borrow_mut().push(m.to_vec())));
+        host.set_notifier(Box::new(Heard(Rc::clone(&heard))));
         host.listen_for_changes();
         for s in [&guest, &*host] {
             s.handle(&request(Opcode::Init as u32, 1, 0, &init_body())).await.unwrap();

@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use keelfs_reactor::{self as reactor, Poller, PollerClass};
 
-use super::dispatch::Session;
+use super::dispatch::{Notify, Session};
 use super::uring::{self, UringError, UringPlan};
 use crate::qos::{Charge, Gate, Qos};
 
@@ -161,8 +161,7 @@ pub fn serve_over(
     };
     session.offer_io_uring(ring.is_some());
     session.stats().set_transport("dev");
-    let writer = NotifyWriter::new(Rc::clone(&mount));
-    session.set_notifier(Box::new(move |message| writer.send(message)));
+    session.set_notifier(Box::new(NotifyWriter::new(Rc::clone(&mount))));
     session.listen_for_changes();
     let poller = DevFusePoller {
         session,
@@ -204,20 +203,6 @@ impl NotifyWriter {
         }
     }
 
-    fn send(&self, message: &[u8]) {
-        let mut queue = self.queue.borrow_mut();
-        if queue.is_none() {
-            match self.start() {
-                Ok(tx) => *queue = Some(tx),
-                Err(e) => return self.drop_one(&format!("no writer thread: {e}")),
-            }
-        }
-        let tx = queue.as_ref().expect("started above");
-        if let Err(e) = tx.try_send(message.to_vec()) {
-            self.drop_one(&e.to_string());
-        }
-    }
-
     fn start(&self) -> std::io::Result<std::sync::mpsc::SyncSender<Vec<u8>>> {
         let device = self.mount.device.try_clone()?;
         let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<u8>>(NOTIFY_QUEUE_MAX);
@@ -237,6 +222,22 @@ impl NotifyWriter {
             limit = &self.dropped_logged,
             tracing::warn!(dropped = self.dropped.get(), "a notification to the host kernel was dropped: {why}")
         );
+    }
+}
+
+impl Notify for NotifyWriter {
+    fn queue(&self, message: &[u8]) {
+        let mut queue = self.queue.borrow_mut();
+        if queue.is_none() {
+            match self.start() {
+                Ok(tx) => *queue = Some(tx),
+                Err(e) => return self.drop_one(&format!("no writer thread: {e}")),
+            }
+        }
+        let tx = queue.as_ref().expect("started above");
+        if let Err(e) = tx.try_send(message.to_vec()) {
+            self.drop_one(&e.to_string());
+        }
     }
 }
 

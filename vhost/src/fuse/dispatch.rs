@@ -196,8 +196,16 @@ pub struct Session {
     member: Option<(Rc<Coherence>, u64)>,
 }
 
-/// Writes one notification message (fuse_out_header with unique 0).
-pub type Notifier = Box<dyn Fn(&[u8])>;
+/// How a session's notifications (each a fuse_out_header with unique 0,
+/// then its body) reach its kernel.
+pub trait Notify {
+    /// Hand `message` on without blocking: it reaches the kernel soon,
+    /// in order with the others queued.
+    fn queue(&self, message: &[u8]);
+}
+
+/// A session's way to its kernel's notifications.
+pub type Notifier = Box<dyn Notify>;
 
 /// The open handles and lookup references one session (one guest, or the
 /// host mount) holds. A filesystem serves several sessions at once, and
@@ -419,8 +427,8 @@ impl Session {
 
     /// Send `message` to this session's kernel, if its transport can.
     fn notify(&self, message: &[u8]) {
-        if let Some(notify) = self.notifier.borrow().as_ref() {
-            notify(message);
+        if let Some(notifier) = self.notifier.borrow().as_ref() {
+            notifier.queue(message);
             self.stats.count_notification();
         }
     }
