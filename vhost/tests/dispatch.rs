@@ -686,6 +686,9 @@ impl keelfs_vhost::Notify for Heard {
     fn queue(&self, message: &[u8]) {
         self.0.borrow_mut().push(message.to_vec());
     }
+    fn deliver_now(&self, message: &[u8]) {
+        self.queue(message);
+    }
 }
 
 /// A guest and a host mount on one export (issue 34): each of the
@@ -855,4 +858,63 @@ fn an_export_without_xattrs_answers_enosys_and_offers_no_acls() {
             }
         });
     }
+}
+
+/// A write by a writer without CAP_FSETID clears the file's set-id bits,
+/// and the host kernel is told to drop the attributes it cached before
+/// the write's reply leaves, not through the queue: a stat(1) run right
+/// after the write must not see the old mode.
+#[test]
+fn a_writer_that_clears_set_id_bits_tells_the_kernel_before_the_reply() {
+    use std::cell::RefCell;
+    use std::rc::Rc;
+
+    use keelfs_vhost::Notify;
+
+    /// What the kernel was told: (delivered before the reply, message).
+    type Told = Vec<(bool, Vec<u8>)>;
+    #[derive(Clone, Default)]
+    struct Kernel(Rc<RefCell<Told>>);
+    impl Notify for Kernel {
+        fn queue(&self, message: &[u8]) {
+            self.0.borrow_mut().push((false, message.to_vec()));
+        }
+        fn deliver_now(&self, message: &[u8]) {
+            self.0.borrow_mut().push((true, message.to_vec()));
+        }
+    }
+    const WRITE_KILL_SUIDGID: u32 = 1 << 2;
+    const FATTR_MODE: u32 = 1;
+
+    with_session(async |s: Session| {
+        let kernel = Kernel::default();
+        s.set_notifier(Box::new(kernel.clone()));
+        let (ino, fh) = init_and_create(&s).await;
+        let mut setattr = Reply::default();
+        setattr.u32(FATTR_MODE).u32(0).raw(&[0u8; 60]).u32(0o6775).raw(&[0u8; 16]);
+        assert_eq!(reply(&s.handle(&request(Opcode::Setattr as u32, 3, ino, &setattr.bytes)).await.unwrap(), 3).0, 0);
+        assert!(kernel.0.borrow().is_empty(), "a chmod the kernel asked for needs no notification");
+
+        let mut write_in = Reply::default();
+        write_in.u64(fh).u64(0).u32(5).u32(WRITE_KILL_SUIDGID).u64(0).u32(0).u32(0).raw(b"hello");
+        let write = encode_request(Opcode::Write as u32, 4, ino, 1000, 1000, &write_in.bytes);
+        assert_eq!(reply(&s.handle(&write).await.unwrap(), 4).0, 0);
+        let told = kernel.0.take();
+        assert_eq!(told.len(), 1, "{told:?}");
+        let (before_reply, message) = &told[0];
+        assert!(before_reply, "the attribute invalidation went through the queue");
+        assert_eq!(u32::from_le_bytes(message[4..8].try_into().unwrap()), 2, "FUSE_NOTIFY_INVAL_INODE");
+        assert_eq!((u64_at(message, 16), u64_at(message, 24) as i64), (ino, -1), "this inode's attributes only");
+
+        let got = s.handle(&request(Opcode::Getattr as u32, 5, ino, &[0u8; 16])).await.unwrap();
+        let (err, body) = reply(&got, 5);
+        assert_eq!(err, 0);
+        let mode = u32::from_le_bytes(body[16 + 60..16 + 64].try_into().unwrap());
+        assert_eq!(mode & 0o7777, 0o775);
+
+        write_in.bytes[20..24].copy_from_slice(&0u32.to_le_bytes());
+        let write = encode_request(Opcode::Write as u32, 6, ino, 1000, 1000, &write_in.bytes);
+        assert_eq!(reply(&s.handle(&write).await.unwrap(), 6).0, 0);
+        assert!(kernel.0.borrow().is_empty(), "a write with nothing to clear tells the kernel nothing");
+    });
 }

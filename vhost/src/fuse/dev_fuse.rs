@@ -184,8 +184,11 @@ pub const NOTIFY_QUEUE_MAX: usize = 4096;
 /// The kernel may hold such a write on a lock that a request this reactor
 /// has yet to answer holds (a directory's, for FUSE_NOTIFY_INVAL_ENTRY
 /// beside a create in it; a page's, for pages being read), so the reactor
-/// never writes one itself. The thread starts with the first
-/// notification, and ends when the session is gone.
+/// writes none of those itself. The thread starts with the first
+/// notification, and ends when the session is gone. The one kind the
+/// reactor does write is [`Notify::deliver_now`]'s: attributes alone, of
+/// an inode the request being served pins, which the kernel applies
+/// without waiting for any request's answer.
 struct NotifyWriter {
     mount: Rc<FuseMount>,
     queue: std::cell::RefCell<Option<std::sync::mpsc::SyncSender<Vec<u8>>>>,
@@ -238,6 +241,12 @@ impl Notify for NotifyWriter {
         if let Err(e) = tx.try_send(message.to_vec()) {
             self.drop_one(&e.to_string());
         }
+    }
+
+    fn deliver_now(&self, message: &[u8]) {
+        // A refusal (ENOENT: the kernel holds no such inode) leaves it
+        // nothing cached to drop.
+        let _ = (&self.mount.device).write_all(message);
     }
 }
 

@@ -202,6 +202,13 @@ pub trait Notify {
     /// Hand `message` on without blocking: it reaches the kernel soon,
     /// in order with the others queued.
     fn queue(&self, message: &[u8]);
+
+    /// Have the kernel take `message` before this returns, ahead of any
+    /// still queued. Only for a message the kernel acts on without
+    /// waiting for a request this reactor has yet to answer: an
+    /// invalidation of the attributes alone of an inode that the request
+    /// being served pins.
+    fn deliver_now(&self, message: &[u8]);
 }
 
 /// A session's way to its kernel's notifications.
@@ -433,6 +440,15 @@ impl Session {
         }
     }
 
+    /// [`Self::notify`], with the message taken by the kernel before the
+    /// request being served is answered (see [`Notify::deliver_now`]).
+    fn notify_before_reply(&self, message: &[u8]) {
+        if let Some(notifier) = self.notifier.borrow().as_ref() {
+            notifier.deliver_now(message);
+            self.stats.count_notification();
+        }
+    }
+
     /// Whether another client listens for this session's changes.
     fn watched(&self) -> bool {
         self.member.as_ref().is_some_and(|(c, member)| c.has_listeners_besides(*member))
@@ -454,11 +470,14 @@ impl Session {
     }
 
     /// The daemon changed `ino`'s attributes behind the kernel's back
-    /// (cleared set-id bits on a write): have it drop its cached ones, so
-    /// that a stat right after sees the new mode.
+    /// (cleared set-id bits on a write): have it drop its cached ones
+    /// before the reply, so that a stat right after sees the new mode. A
+    /// queued notification could reach it after the writer has seen its
+    /// reply and run stat. The request pins `ino` in the kernel, so the
+    /// kernel takes this at once.
     fn attributes_changed(&self, ino: Ino) {
         let change = Change::Inode { ino, pages: None };
-        self.notify(&change.notification());
+        self.notify_before_reply(&change.notification());
         if self.watched() {
             self.publish(&[change]);
         }
