@@ -8,6 +8,7 @@
 
 use std::ops::Deref;
 
+use crate::fuse::dispatch::ReadInPlace;
 use crate::virtio::GuestRam;
 use keelfs_bdev::{IoVec, MAX_IOVECS_PER_REQUEST};
 use keelfs_fs::{ReadSink, WriteSource};
@@ -65,24 +66,6 @@ impl<M: Deref<Target = GuestRam>> GuestBuffer<M> {
         }
         Some(Self { mem, ranges, iovecs, len: take })
     }
-
-    /// Zero the buffer from byte `from` on: a short read must not leave
-    /// bytes past the file's end (or the guest's own old data) looking
-    /// like file content.
-    pub fn zero_from(&self, from: usize) {
-        let mut at = 0usize;
-        let zeros = [0u8; 4096];
-        for &(addr, len) in &self.ranges {
-            let (start, end) = (at.max(from), at + len);
-            let mut pos = start;
-            while pos < end {
-                let n = (end - pos).min(zeros.len());
-                let _ = self.mem.write_slice(&zeros[..n], GuestAddress(addr + (pos - at) as u64));
-                pos += n;
-            }
-            at = end;
-        }
-    }
 }
 
 impl<M: Deref<Target = GuestRam>> GuestBuffer<M> {
@@ -126,6 +109,24 @@ impl<M: Deref<Target = GuestRam>> WriteSource for GuestBuffer<M> {
         for (addr, into, n) in self.pieces(at, dst.len()) {
             // The ranges were resolved against this table at construction.
             let _ = self.mem.read_slice(&mut dst[into..into + n], GuestAddress(addr));
+        }
+    }
+}
+
+/// A short read zeroes the rest of the guest's buffer.
+impl<M: Deref<Target = GuestRam> + 'static> ReadInPlace for GuestBuffer<M> {
+    fn zero_from(&self, from: usize) {
+        let mut at = 0usize;
+        let zeros = [0u8; 4096];
+        for &(addr, len) in &self.ranges {
+            let (start, end) = (at.max(from), at + len);
+            let mut pos = start;
+            while pos < end {
+                let n = (end - pos).min(zeros.len());
+                let _ = self.mem.write_slice(&zeros[..n], GuestAddress(addr + (pos - at) as u64));
+                pos += n;
+            }
+            at = end;
         }
     }
 }

@@ -24,8 +24,9 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 pub type GuestRam = vm_memory::GuestMemoryMmap<crate::dirty_log::DirtyLog>;
 
 use crate::bufpool;
-use crate::fuse::abi::{error_reply, Opcode, IN_HEADER_BYTES, OUT_HEADER_BYTES};
+use crate::fuse::abi::{error_reply, ShortReply, IN_HEADER_BYTES};
 use crate::fuse::dispatch::{Session, SharedHandle};
+use crate::fuse::request::{InPlaceIo, IO_PREFIX_BYTES};
 use crate::guest_io::GuestBuffer;
 use crate::qos::{Charge, Charged, CHARGE_PREFIX_BYTES};
 
@@ -158,7 +159,7 @@ async fn serve_in_place(
     charged: Option<&mut Charged>,
 ) -> Option<(u32, ChainOutcome)> {
     let len = buffers.readable.iter().try_fold(0usize, |sum, &(_, n)| sum.checked_add(n as usize))?;
-    let mut prefix = [0u8; IN_HEADER_BYTES + IO_IN_BYTES];
+    let mut prefix = [0u8; IO_PREFIX_BYTES];
     if !(prefix.len()..=REQUEST_BYTES_MAX).contains(&len) || !read_guest(mem, &buffers.readable, &mut prefix) {
         return None;
     }
@@ -263,15 +264,13 @@ where
     let head = chain.head_index();
     let mem = chain.memory();
     let (Ok(mut reader), Ok(mut writer)) = (chain.clone().reader(mem), chain.clone().writer(mem)) else { return None };
-    let mut prefix = [0u8; IN_HEADER_BYTES + IO_IN_BYTES];
-    if reader.available_bytes() != prefix.len() || reader.read_exact(&mut prefix).is_err() {
+    let mut prefix = [0u8; IO_PREFIX_BYTES];
+    let len = reader.available_bytes();
+    if len != prefix.len() || reader.read_exact(&mut prefix).is_err() {
         return None;
     }
-    let io = IoPrefix::parse(&prefix);
-    if io.declared != prefix.len() || io.opcode != Opcode::Read as u32 || io.size == 0 {
-        return None;
-    }
-    if writer.available_bytes() < OUT_HEADER_BYTES + io.size {
+    let io = InPlaceIo::parse(&prefix, len).filter(|io| !io.write)?;
+    if writer.available_bytes() < io.reply_room() {
         return None;
     }
     let handle = reader_of(io.fh, io.nodeid).await?;
@@ -279,23 +278,24 @@ where
         return None;
     }
     let mut data = Vec::new();
-    handle.reader.read_into(io.offset, io.size as u32, &mut data).ok()?;
-    let header = data_reply_header(io.unique, data.len());
-    let len = le_u32(&header);
+    handle.reader.read_into(io.offset, io.size, &mut data).ok()?;
+    let header = ShortReply::data_header(io.unique, data.len());
+    let len = header.total_len();
     // Room for both was checked above.
-    Some(match writer.write_all(&header).and_then(|()| writer.write_all(&data)) {
+    Some(match writer.write_all(header.as_bytes()).and_then(|()| writer.write_all(&data)) {
         Ok(()) => (head, len, ChainOutcome::OneCopy(len)),
         Err(_) => (head, 0, ChainOutcome::Dropped("unwritable reply buffer")),
     })
 }
 
 fn write_reply(head: u16, reply: &[u8], writer: &mut impl ReplySink) -> (u16, u32, ChainOutcome) {
-    debug_assert!(reply.len() >= OUT_HEADER_BYTES);
+    debug_assert!(reply.len() >= crate::fuse::abi::OUT_HEADER_BYTES);
     if reply.len() > writer.room() {
         // The guest gave too little room: say so if even a header fits.
         let unique = u64::from_le_bytes(reply[8..16].try_into().expect("replies have a header"));
-        let error = error_header(unique, libc::EIO);
-        return match writer.put(&error) {
+        let error = ShortReply::error(unique, libc::EIO);
+        let error = error.as_bytes();
+        return match writer.put(error) {
             true => (head, error.len() as u32, ChainOutcome::Replied(error.len() as u32)),
             false => (head, 0, ChainOutcome::Dropped("no room for a reply")),
         };
@@ -306,167 +306,45 @@ fn write_reply(head: u16, reply: &[u8], writer: &mut impl ReplySink) -> (u16, u3
     }
 }
 
-/// The fuse_out_header of an error reply.
-fn error_header(unique: u64, errno: i32) -> [u8; OUT_HEADER_BYTES] {
-    let mut header = [0u8; OUT_HEADER_BYTES];
-    header[0..4].copy_from_slice(&(OUT_HEADER_BYTES as u32).to_le_bytes());
-    header[4..8].copy_from_slice(&(-errno.abs()).to_le_bytes());
-    header[8..16].copy_from_slice(&unique.to_le_bytes());
-    header
-}
-
-/// A WRITE's reply: fuse_out_header and fuse_write_out, or the header of
-/// an error alone. Returns the buffer and how much of it is the reply.
-fn write_reply_of(unique: u64, result: Result<u32, i32>) -> ([u8; OUT_HEADER_BYTES + 8], usize) {
-    let mut reply = [0u8; OUT_HEADER_BYTES + 8];
-    match result {
-        Ok(written) => {
-            reply[..OUT_HEADER_BYTES].copy_from_slice(&data_reply_header(unique, 8));
-            reply[OUT_HEADER_BYTES..OUT_HEADER_BYTES + 4].copy_from_slice(&written.to_le_bytes());
-            (reply, reply.len())
-        }
-        Err(errno) => {
-            reply[..OUT_HEADER_BYTES].copy_from_slice(&error_header(unique, errno));
-            (reply, OUT_HEADER_BYTES)
-        }
-    }
-}
-
-/// fuse_read_in and fuse_write_in are both 40 bytes.
-const IO_IN_BYTES: usize = 40;
-
-/// The fields of a READ or WRITE request's headers (fuse_in_header, then
-/// fuse_read_in or fuse_write_in) that the in-place paths need.
-struct IoPrefix {
-    declared: usize,
-    opcode: u32,
-    unique: u64,
-    nodeid: Ino,
-    fh: Fh,
-    offset: u64,
-    size: usize,
-    /// fuse_write_in.write_flags (READ's read_flags sit there too).
-    write_flags: u32,
-    uid: u32,
-    gid: u32,
-}
-
-impl IoPrefix {
-    fn parse(prefix: &[u8; IN_HEADER_BYTES + IO_IN_BYTES]) -> Self {
-        let body = &prefix[IN_HEADER_BYTES..];
-        Self {
-            declared: le_u32(&prefix[0..]) as usize,
-            opcode: le_u32(&prefix[4..]),
-            unique: le_u64(&prefix[8..]),
-            nodeid: Ino::new(le_u64(&prefix[16..])),
-            fh: Fh::new(le_u64(&body[0..])),
-            offset: le_u64(&body[8..]),
-            size: le_u32(&body[16..]) as usize,
-            write_flags: le_u32(&body[20..]),
-            uid: le_u32(&prefix[24..]),
-            gid: le_u32(&prefix[28..]),
-        }
-    }
-}
-
-/// The fuse_out_header of a successful reply carrying `data_len` bytes
-/// written separately, after it.
-fn data_reply_header(unique: u64, data_len: usize) -> [u8; OUT_HEADER_BYTES] {
-    let mut header = [0u8; OUT_HEADER_BYTES];
-    header[0..4].copy_from_slice(&((OUT_HEADER_BYTES + data_len) as u32).to_le_bytes());
-    header[8..16].copy_from_slice(&unique.to_le_bytes());
-    header
-}
-
-fn le_u32(b: &[u8]) -> u32 {
-    u32::from_le_bytes(b[..4].try_into().expect("4 bytes"))
-}
-
-fn le_u64(b: &[u8]) -> u64 {
-    u64::from_le_bytes(b[..8].try_into().expect("8 bytes"))
-}
-
 /// READ or WRITE with the guest's data buffers used in place: on an
 /// O_DIRECT handle as the device I/O memory (no copy), on a buffered one as
-/// the source or sink of the one copy to or from the page cache. None when
-/// the request is anything else, or is odd in any way: the copying path
-/// then serves it, errors included.
+/// the source or sink of the one copy to or from the page cache. The
+/// session parses, checks and answers it; this moves the bytes. None
+/// when the request is anything else, or is odd in any way: the copying
+/// path then serves it, errors included.
 async fn serve_direct(
     session: &Session,
     buffers: &ChainBuffers,
-    prefix: &[u8; IN_HEADER_BYTES + IO_IN_BYTES],
+    prefix: &[u8; IO_PREFIX_BYTES],
     len: usize,
     mem: Arc<GuestRam>,
     writer: &mut ReplyWriter<'_>,
 ) -> Option<(u32, ChainOutcome)> {
-    let IoPrefix { declared, opcode, unique, nodeid, fh, offset, size, write_flags, uid, gid } =
-        IoPrefix::parse(prefix);
-    let is_write = opcode == Opcode::Write as u32;
-    let started = std::time::Instant::now();
-    if declared != len || !(is_write || opcode == Opcode::Read as u32) || size == 0 || size > REQUEST_BYTES_MAX - 4096 {
+    let io = InPlaceIo::parse(prefix, len)?;
+    if io.size as usize > REQUEST_BYTES_MAX - 4096 {
         return None;
     }
-    let Some(direct) = session.io_handle(fh, nodeid, is_write) else {
-        return None; // a bad handle: the copying path says EBADF
-    };
-    if !buffers.ordered {
-        return None; // readable after writable: let the copying path refuse it
+    let direct = session.in_place_handle(&io)?; // else the copying path says EBADF
+    if !buffers.ordered || writer.room() < io.reply_room() {
+        return None; // readable after writable, or no room: let the copying path refuse it
     }
-    let (readable, writable) = (&buffers.readable, &buffers.writable);
-    if is_write {
-        if len != prefix.len() + size || writer.room() < OUT_HEADER_BYTES + 8 {
-            return None;
-        }
-        let data = GuestBuffer::new(mem, readable, prefix.len(), size)?;
-        let caller = keelfs_fs::Creds::checked_by_kernel(uid, gid);
-        let result = if let Err(errno) = session.kill_setid_on_write(nodeid, write_flags, &caller) {
-            Err(errno)
-        } else if direct {
-            session.write_direct_from(nodeid, offset, data).await
-        } else {
-            session.write_buffered_from(nodeid, offset, write_flags, &data).await
-        };
-        if result.is_ok() {
-            session.data_changed(nodeid, offset, size as u64);
-        }
-        let (reply, reply_len) = write_reply_of(unique, result);
-        session.record(opcode, len + reply_len, result.is_err(), started);
-        let (_, written, outcome) = write_reply(0, &reply[..reply_len], writer);
-        let outcome = match outcome {
-            ChainOutcome::Replied(n) if direct => ChainOutcome::Direct(n),
-            ChainOutcome::Replied(n) => ChainOutcome::OneCopy(n),
-            other => other,
-        };
-        return Some((written, outcome));
-    }
-    if len != prefix.len() || writer.room() < OUT_HEADER_BYTES + size {
-        return None;
-    }
-    let into = GuestBuffer::new(mem, writable, OUT_HEADER_BYTES, size)?;
-    let (into, result) = if direct {
-        session.read_direct_into(nodeid, offset, into).await
+    let reply = if io.write {
+        let data = GuestBuffer::new(mem, &buffers.readable, io.data_at(), io.size as usize)?;
+        session.write_in_place(&io, direct, data).await
     } else {
-        let result = session.read_buffered_into(nodeid, offset, size as u32, &into).await;
-        (into, result)
+        let into = GuestBuffer::new(mem, &buffers.writable, io.data_at(), io.size as usize)?;
+        session.read_in_place(&io, direct, into).await
     };
-    let moved = result.as_ref().map_or(0, |&n| n as usize);
-    session.record(opcode, len + OUT_HEADER_BYTES + moved, result.is_err(), started);
-    let header = match result {
-        Ok(n) => {
-            into.zero_from(n as usize);
-            data_reply_header(unique, n as usize)
-        }
-        Err(errno) => {
-            let (_, written, outcome) = write_reply(0, &error_header(unique, errno), writer);
-            return Some((written, outcome));
-        }
-    };
-    let total = le_u32(&header) as usize;
-    match writer.put(&header) {
-        true if direct => Some((total as u32, ChainOutcome::Direct(total as u32))),
-        true => Some((total as u32, ChainOutcome::OneCopy(total as u32))),
-        false => Some((0, ChainOutcome::Dropped("unwritable reply buffer"))),
+    if !writer.put(reply.as_bytes()) {
+        return Some((0, ChainOutcome::Dropped("unwritable reply buffer")));
     }
+    // A READ's data is in place after its header.
+    let total = if io.write { reply.as_bytes().len() } else { reply.total_len() as usize } as u32;
+    Some(match (reply.is_error() && !io.write, direct) {
+        (true, _) => (total, ChainOutcome::Replied(total)),
+        (false, true) => (total, ChainOutcome::Direct(total)),
+        (false, false) => (total, ChainOutcome::OneCopy(total)),
+    })
 }
 
 /// (guest address, length) of a chain's buffers of one direction. Inline

@@ -289,6 +289,21 @@ impl InHeader {
     /// the body (`total_extlen` 8-byte units).
     pub fn parse_with_extensions(request: &[u8]) -> Result<(Self, &[u8], &[u8]), ParseError> {
         let mut c = Cursor::new(request);
+        let h = Self::decode(&mut c)?;
+        if h.len as usize != request.len() {
+            return Err(ParseError::LengthMismatch { claimed: h.len, actual: request.len() });
+        }
+        let ext = usize::from(h.total_extlen) * 8;
+        let body = c.remaining();
+        if ext > body.len() {
+            return Err(ParseError::Short { what: "request extensions", need: ext, have: body.len() });
+        }
+        let (body, extensions) = body.split_at(body.len() - ext);
+        Ok((h, body, extensions))
+    }
+
+    /// The header's fields, its length not yet checked against anything.
+    pub fn decode(c: &mut Cursor<'_>) -> Result<Self, ParseError> {
         let h = InHeader {
             len: c.u32("in_header.len")?,
             opcode: c.u32("in_header.opcode")?,
@@ -300,16 +315,7 @@ impl InHeader {
             total_extlen: c.u16("in_header.total_extlen")?,
         };
         c.u16("in_header.padding")?;
-        if h.len as usize != request.len() {
-            return Err(ParseError::LengthMismatch { claimed: h.len, actual: request.len() });
-        }
-        let ext = usize::from(h.total_extlen) * 8;
-        let body = c.remaining();
-        if ext > body.len() {
-            return Err(ParseError::Short { what: "request extensions", need: ext, have: body.len() });
-        }
-        let (body, extensions) = body.split_at(body.len() - ext);
-        Ok((h, body, extensions))
+        Ok(h)
     }
 }
 
@@ -490,9 +496,88 @@ pub fn error_reply(unique: u64, errno: i32) -> Vec<u8> {
     Reply::default().finish(unique, -errno.abs())
 }
 
+/// A reply of a header and at most fuse_write_out, built in place
+/// without allocating: what a READ or WRITE served in the transport's
+/// memory answers. A READ's data is not in it: the header counts data
+/// already placed after it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShortReply {
+    bytes: [u8; OUT_HEADER_BYTES + WRITE_OUT_BYTES],
+    len: usize,
+}
+
+/// fuse_write_out.
+pub const WRITE_OUT_BYTES: usize = 8;
+
+impl ShortReply {
+    /// The header alone, of a reply `total` bytes long.
+    fn header(unique: u64, error: i32, total: usize) -> Self {
+        debug_assert!(total >= OUT_HEADER_BYTES);
+        let mut bytes = [0u8; OUT_HEADER_BYTES + WRITE_OUT_BYTES];
+        bytes[0..4].copy_from_slice(&u32::try_from(total).unwrap_or(u32::MAX).to_le_bytes());
+        bytes[4..8].copy_from_slice(&error.to_le_bytes());
+        bytes[8..16].copy_from_slice(&unique.to_le_bytes());
+        Self { bytes, len: OUT_HEADER_BYTES }
+    }
+
+    /// An error reply: the header alone.
+    pub fn error(unique: u64, errno: i32) -> Self {
+        Self::header(unique, -errno.abs(), OUT_HEADER_BYTES)
+    }
+
+    /// The header of a successful reply whose `data_len` bytes of data
+    /// are already in place after it.
+    pub fn data_header(unique: u64, data_len: usize) -> Self {
+        Self::header(unique, 0, OUT_HEADER_BYTES.saturating_add(data_len))
+    }
+
+    /// A WRITE's reply: `written` bytes.
+    pub fn written(unique: u64, written: u32) -> Self {
+        let mut reply = Self::header(unique, 0, OUT_HEADER_BYTES + WRITE_OUT_BYTES);
+        reply.bytes[OUT_HEADER_BYTES..OUT_HEADER_BYTES + 4].copy_from_slice(&written.to_le_bytes());
+        reply.len += WRITE_OUT_BYTES;
+        reply
+    }
+
+    /// The bytes to write where the reply starts.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..self.len]
+    }
+
+    /// The whole reply's length, as its header declares it (the data
+    /// placed after a READ's header included).
+    pub fn total_len(&self) -> u32 {
+        u32::from_le_bytes(self.bytes[0..4].try_into().expect("4 bytes"))
+    }
+
+    /// Whether this answers with an error.
+    pub fn is_error(&self) -> bool {
+        self.bytes[4..8] != [0; 4]
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn short_replies_match_the_reply_builder() {
+        let written = ShortReply::written(9, 4096);
+        let mut body = Reply::default();
+        body.u32(4096).u32(0);
+        assert_eq!(written.as_bytes(), &body.finish(9, 0)[..]);
+        assert_eq!((written.total_len(), written.is_error()), (24, false));
+
+        let error = ShortReply::error(9, libc::EBADF);
+        assert_eq!(error.as_bytes(), &error_reply(9, libc::EBADF)[..]);
+        assert_eq!((error.total_len(), error.is_error()), (16, true));
+
+        let read = ShortReply::data_header(9, 3);
+        let mut body = Reply::default();
+        body.raw(b"abc");
+        assert_eq!(read.as_bytes(), &body.finish(9, 0)[..OUT_HEADER_BYTES]);
+        assert_eq!(read.total_len(), 19);
+    }
 
     fn header(len: u32, opcode: u32, extlen: u16) -> Vec<u8> {
         let mut r = Reply::default();

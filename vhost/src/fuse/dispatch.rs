@@ -13,13 +13,13 @@ use keelfs_fs::{Fh, HandleState, Ino, XattrFlags};
 use keelfs_reactor::IoBuffer;
 
 use super::abi::{
-    error_reply, init_flags as f, open_flags, Attr, InHeader, Opcode, Reply, KERNEL_MINOR_VERSION, KERNEL_VERSION,
-    MIN_MINOR_VERSION,
+    error_reply, init_flags as f, open_flags, Attr, InHeader, Opcode, Reply, ShortReply, KERNEL_MINOR_VERSION,
+    KERNEL_VERSION, MIN_MINOR_VERSION, OUT_HEADER_BYTES,
 };
 use super::coherence::{Change, Coherence};
 use super::request::{
-    parse, Request, FITRIM, FSTRIM_RANGE_BYTES, IOCTL_UNRESTRICTED, OPEN_KILL_SUIDGID, SETXATTR_ACL_KILL_SGID,
-    WRITE_CACHE, WRITE_KILL_SUIDGID,
+    parse, InPlaceIo, Request, FITRIM, FSTRIM_RANGE_BYTES, IOCTL_UNRESTRICTED, OPEN_KILL_SUIDGID,
+    SETXATTR_ACL_KILL_SGID, WRITE_CACHE, WRITE_KILL_SUIDGID,
 };
 use super::state::{SessionState, StateError};
 use super::stats::OpStats;
@@ -194,6 +194,14 @@ pub struct Session {
     /// [`SessionConfig::coherence`]): the export's coherence and this
     /// session's member id in it.
     member: Option<(Rc<Coherence>, u64)>,
+}
+
+/// The transport's memory that a READ served in place fills.
+pub trait ReadInPlace: IoBuffer + ReadSink {
+    /// Zero the buffer from byte `from` on: past what was read, it must
+    /// not show bytes that look like file content (the device's, past
+    /// the file's end, or the guest's own old data).
+    fn zero_from(&self, from: usize);
 }
 
 /// How a session's notifications (each a fuse_out_header with unique 0,
@@ -463,7 +471,7 @@ impl Session {
 
     /// `len` bytes at `offset` of `ino` were written outside
     /// [`Self::handle`] (the zero-copy path): tell the other clients.
-    pub fn data_changed(&self, ino: Ino, offset: u64, len: u64) {
+    fn data_changed(&self, ino: Ino, offset: u64, len: u64) {
         if self.watched() {
             self.publish(&[Change::Inode { ino, pages: Some((offset, len.max(1))) }]);
         }
@@ -1047,9 +1055,61 @@ impl Session {
         Ok(Some(r))
     }
 
+    /// Whether `io` is served in the transport's memory: Some(true) on an
+    /// O_DIRECT handle (that memory is the device I/O's), Some(false) on
+    /// a buffered one (copied once, to or from the page cache). None
+    /// sends it to the copying path, which answers it, errors included.
+    pub fn in_place_handle(&self, io: &InPlaceIo) -> Option<bool> {
+        self.io_handle(io.fh, io.nodeid, io.write)
+    }
+
+    /// Serve the WRITE `io`, whose data `data` holds in the transport's
+    /// memory, on a handle [`Self::in_place_handle`] allowed.
+    pub async fn write_in_place<B: IoBuffer + WriteSource>(&self, io: &InPlaceIo, direct: bool, data: B) -> ShortReply {
+        debug_assert!(io.write && data.len() == io.size as usize);
+        let started = Instant::now();
+        let writer = Creds::checked_by_kernel(io.uid, io.gid);
+        let result = match self.kill_setid_on_write(io.nodeid, io.write_flags, &writer) {
+            Err(errno) => Err(errno),
+            Ok(()) if direct => self.write_direct_from(io.nodeid, io.offset, data).await,
+            Ok(()) => self.write_buffered_from(io.nodeid, io.offset, io.write_flags, &data).await,
+        };
+        let reply = match result {
+            Ok(written) => {
+                self.data_changed(io.nodeid, io.offset, u64::from(io.size));
+                ShortReply::written(io.unique, written)
+            }
+            Err(errno) => ShortReply::error(io.unique, errno),
+        };
+        self.record(Opcode::Write as u32, io.request_len() + reply.as_bytes().len(), reply.is_error(), started);
+        reply
+    }
+
+    /// Serve the READ `io` into `into`, the transport's memory after the
+    /// reply's header, on a handle [`Self::in_place_handle`] allowed.
+    pub async fn read_in_place<B: ReadInPlace>(&self, io: &InPlaceIo, direct: bool, into: B) -> ShortReply {
+        debug_assert!(!io.write);
+        let started = Instant::now();
+        let (into, result) = if direct {
+            self.read_direct_into(io.nodeid, io.offset, into).await
+        } else {
+            let result = self.read_buffered_into(io.nodeid, io.offset, io.size, &into).await;
+            (into, result)
+        };
+        let (reply, moved) = match result {
+            Ok(n) => {
+                into.zero_from(n as usize);
+                (ShortReply::data_header(io.unique, n as usize), n as usize)
+            }
+            Err(errno) => (ShortReply::error(io.unique, errno), 0),
+        };
+        self.record(Opcode::Read as u32, io.request_len() + OUT_HEADER_BYTES + moved, reply.is_error(), started);
+        reply
+    }
+
     /// A WRITE whose flags say the writer lacks CAP_FSETID clears the
     /// file's set-id bits first, as Linux's file_remove_privs.
-    pub fn kill_setid_on_write(&self, ino: Ino, write_flags: u32, writer: &Creds) -> Result<(), i32> {
+    fn kill_setid_on_write(&self, ino: Ino, write_flags: u32, writer: &Creds) -> Result<(), i32> {
         if write_flags & WRITE_KILL_SUIDGID == 0 {
             return Ok(());
         }
@@ -1060,7 +1120,7 @@ impl Session {
     /// for an O_DIRECT handle, Some(false) for a buffered one, None when
     /// the handle is not this live session's, names another inode, or was
     /// not opened for that access (the copying path then answers EBADF).
-    pub fn io_handle(&self, fh: Fh, nodeid: Ino, write: bool) -> Option<bool> {
+    fn io_handle(&self, fh: Fh, nodeid: Ino, write: bool) -> Option<bool> {
         if !self.initialized.get() {
             return None;
         }
@@ -1077,7 +1137,7 @@ impl Session {
 
     /// FUSE_WRITE on a buffered handle, copying once from `data` (guest
     /// pages) into the page cache: the bytes written, or an errno.
-    pub async fn write_buffered_from<S: WriteSource + ?Sized>(
+    async fn write_buffered_from<S: WriteSource + ?Sized>(
         &self,
         ino: Ino,
         offset: u64,
@@ -1092,7 +1152,7 @@ impl Session {
 
     /// FUSE_READ on a buffered handle into `sink` (guest pages): the bytes
     /// read, or an errno.
-    pub async fn read_buffered_into<K: ReadSink + ?Sized>(
+    async fn read_buffered_into<K: ReadSink + ?Sized>(
         &self,
         ino: Ino,
         offset: u64,
@@ -1104,13 +1164,13 @@ impl Session {
 
     /// FUSE_WRITE on a direct handle with the data already in I/O memory
     /// (guest pages): the bytes written, or an errno.
-    pub async fn write_direct_from<B: IoBuffer>(&self, ino: Ino, offset: u64, data: B) -> Result<u32, i32> {
+    async fn write_direct_from<B: IoBuffer>(&self, ino: Ino, offset: u64, data: B) -> Result<u32, i32> {
         self.fs.write_direct(ino, offset, data).await.1.map_err(|e| e.errno())
     }
 
     /// FUSE_READ on a direct handle into I/O memory (guest pages): the
     /// bytes read, or an errno.
-    pub async fn read_direct_into<B: IoBuffer>(&self, ino: Ino, offset: u64, into: B) -> (B, Result<u32, i32>) {
+    async fn read_direct_into<B: IoBuffer>(&self, ino: Ino, offset: u64, into: B) -> (B, Result<u32, i32>) {
         let (buf, n) = self.fs.read_direct(ino, offset, into).await;
         (buf, n.map_err(|e| e.errno()))
     }

@@ -3,7 +3,7 @@
 
 use keelfs_fs::{FallocateMode, Fh, FsResult, Ino, RenameMode, SeekTo, SetAttr, TimeSet, Timespec, XattrFlags};
 
-use super::abi::{Cursor, InHeader, Opcode, ParseError};
+use super::abi::{Cursor, InHeader, Opcode, ParseError, IN_HEADER_BYTES, OUT_HEADER_BYTES, WRITE_OUT_BYTES};
 
 /// fuse_setattr_in.valid bits.
 mod fattr {
@@ -351,11 +351,7 @@ pub fn parse<'a>(header: &InHeader, body: &'a [u8], setxattr_ext: bool) -> Resul
             }
         }
         Opcode::Write => {
-            let fh = c.u64("write.fh")?;
-            let offset = c.u64("write.offset")?;
-            let size = c.u32("write.size")?;
-            let write_flags = c.u32("write.write_flags")?;
-            c.take(8 + 4 + 4, "write_in")?;
+            let (fh, offset, size, write_flags) = parse_write_in(&mut c)?;
             let data = c.take(size as usize, "write data")?;
             Request::Write { fh: Fh::new(fh), offset, write_flags, data }
         }
@@ -451,6 +447,88 @@ fn parse_read_in(c: &mut Cursor<'_>) -> Result<(u64, u64, u32), ParseError> {
     Ok((fh, offset, size))
 }
 
+/// fuse_write_in: (fh, offset, size, write_flags).
+fn parse_write_in(c: &mut Cursor<'_>) -> Result<(u64, u64, u32, u32), ParseError> {
+    let fh = c.u64("write.fh")?;
+    let offset = c.u64("write.offset")?;
+    let size = c.u32("write.size")?;
+    let write_flags = c.u32("write.write_flags")?;
+    c.take(8 + 4 + 4, "write_in")?;
+    Ok((fh, offset, size, write_flags))
+}
+
+/// fuse_read_in and fuse_write_in are both 40 bytes.
+pub const IO_IN_BYTES: usize = 40;
+const _: () = assert!(IO_IN_BYTES == 8 + 8 + 4 + 4 + 8 + 4 + 4);
+
+/// What a transport reads of a READ or WRITE before its data:
+/// fuse_in_header, then fuse_read_in or fuse_write_in.
+pub const IO_PREFIX_BYTES: usize = IN_HEADER_BYTES + IO_IN_BYTES;
+
+/// A READ or WRITE whose data stays in the transport's memory (guest
+/// pages), parsed from its fixed-size prefix alone: the data is never
+/// copied to be parsed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InPlaceIo {
+    pub write: bool,
+    pub unique: u64,
+    pub nodeid: Ino,
+    pub fh: Fh,
+    pub offset: u64,
+    /// Bytes to write, or to read at most. Never 0.
+    pub size: u32,
+    /// fuse_write_in.write_flags; 0 for a READ.
+    pub write_flags: u32,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+impl InPlaceIo {
+    /// The READ or WRITE that `prefix` starts, in a request of `len`
+    /// bytes. None for any other request, for an empty one, one with
+    /// extensions, or one whose lengths disagree: the copying path then
+    /// parses the whole request and answers it, errors included.
+    pub fn parse(prefix: &[u8; IO_PREFIX_BYTES], len: usize) -> Option<Self> {
+        let mut c = Cursor::new(prefix);
+        let h = InHeader::decode(&mut c).ok()?;
+        let write = match Opcode::from_u32(h.opcode)? {
+            Opcode::Write => true,
+            Opcode::Read => false,
+            _ => return None,
+        };
+        let (fh, offset, size, write_flags) = match write {
+            true => parse_write_in(&mut c).ok()?,
+            false => parse_read_in(&mut c).ok().map(|(fh, offset, size)| (fh, offset, size, 0))?,
+        };
+        debug_assert!(c.remaining().is_empty());
+        let (unique, nodeid, fh, uid, gid) = (h.unique, Ino::new(h.nodeid), Fh::new(fh), h.uid, h.gid);
+        let io = Self { write, unique, nodeid, fh, offset, size, write_flags, uid, gid };
+        let agrees = h.len as usize == len && len == io.request_len() && h.total_extlen == 0;
+        (agrees && size != 0).then_some(io)
+    }
+
+    /// The whole request's length: the prefix, then a WRITE's data.
+    pub fn request_len(&self) -> usize {
+        IO_PREFIX_BYTES + if self.write { self.size as usize } else { 0 }
+    }
+
+    /// The room its reply needs: a header, then fuse_write_out or the
+    /// data read.
+    pub fn reply_room(&self) -> usize {
+        OUT_HEADER_BYTES + if self.write { WRITE_OUT_BYTES } else { self.size as usize }
+    }
+
+    /// Where the data sits: a WRITE's after the prefix of the request,
+    /// a READ's after the header of the reply.
+    pub fn data_at(&self) -> usize {
+        if self.write {
+            IO_PREFIX_BYTES
+        } else {
+            OUT_HEADER_BYTES
+        }
+    }
+}
+
 fn parse_setattr<'a>(c: &mut Cursor<'_>) -> Result<Request<'a>, ParseError> {
     let valid = c.u32("setattr.valid")?;
     c.u32("setattr.padding")?;
@@ -493,6 +571,59 @@ fn parse_setattr<'a>(c: &mut Cursor<'_>) -> Result<Request<'a>, ParseError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A READ's or WRITE's prefix, and the whole request's length.
+    fn io_request(opcode: Opcode, size: u32, data: usize) -> ([u8; IO_PREFIX_BYTES], usize) {
+        let mut body = Vec::new();
+        for word in [7u64, 8192] {
+            body.extend_from_slice(&word.to_le_bytes()); // fh, offset
+        }
+        body.extend_from_slice(&size.to_le_bytes());
+        body.extend_from_slice(&super::WRITE_KILL_SUIDGID.to_le_bytes());
+        body.extend_from_slice(&[0u8; 16]);
+        body.resize(body.len() + data, 0xaa);
+        let request = super::super::abi::encode_request(opcode as u32, 3, 5, 1000, 100, &body);
+        (request[..IO_PREFIX_BYTES].try_into().unwrap(), request.len())
+    }
+
+    #[test]
+    fn in_place_io_is_parsed_from_its_prefix_and_checked_against_the_length() {
+        let (prefix, len) = io_request(Opcode::Write, 4096, 4096);
+        let io = InPlaceIo::parse(&prefix, len).expect("a WRITE");
+        let (fh, nodeid) = (Fh::new(7), Ino::new(5));
+        let expected = InPlaceIo {
+            write: true,
+            unique: 3,
+            nodeid,
+            fh,
+            offset: 8192,
+            size: 4096,
+            write_flags: WRITE_KILL_SUIDGID,
+            uid: 1000,
+            gid: 100,
+        };
+        assert_eq!(io, expected);
+        assert_eq!((io.request_len(), io.reply_room(), io.data_at()), (len, 24, IO_PREFIX_BYTES));
+        assert_eq!(InPlaceIo::parse(&prefix, len - 1), None, "a length the header does not declare");
+
+        let (prefix, len) = io_request(Opcode::Write, 4096, 4095);
+        assert_eq!(InPlaceIo::parse(&prefix, len), None, "less data than the size");
+        let (prefix, len) = io_request(Opcode::Write, 0, 0);
+        assert_eq!(InPlaceIo::parse(&prefix, len), None, "an empty write");
+
+        let (prefix, len) = io_request(Opcode::Read, 1 << 20, 0);
+        let io = InPlaceIo::parse(&prefix, len).expect("a READ");
+        assert_eq!((io.write, io.write_flags, io.size), (false, 0, 1 << 20));
+        assert_eq!((io.request_len(), io.reply_room(), io.data_at()), (len, 16 + (1 << 20), 16));
+        let (prefix, len) = io_request(Opcode::Read, 4096, 8);
+        assert_eq!(InPlaceIo::parse(&prefix, len), None, "a READ with a tail");
+
+        let (prefix, len) = io_request(Opcode::Fsync, 4096, 0);
+        assert_eq!(InPlaceIo::parse(&prefix, len), None, "not a READ or WRITE");
+        let (mut prefix, len) = io_request(Opcode::Read, 4096, 0);
+        prefix[36] = 1; // total_extlen
+        assert_eq!(InPlaceIo::parse(&prefix, len), None, "extensions");
+    }
 
     fn setattr_body(valid: u32) -> Vec<u8> {
         let mut b = Vec::new();
