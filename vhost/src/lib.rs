@@ -48,6 +48,7 @@ pub use fuse::dispatch::{
     CacheMode, Clients, Notify, Session, SessionConfig, LONG_TIMEOUT as LONG_CACHE_TIMEOUT, SESSION_HANDLES_MAX,
     SHARED_TIMEOUT as SHARED_CACHE_TIMEOUT,
 };
+pub use fuse::request::{InPlaceIo, IO_PREFIX_BYTES};
 pub use fuse::state::{SessionState, StateError, STATE_BYTES_MAX, STATE_VERSION};
 pub use fuse::stats::OpStats;
 pub use fuse::trace::{parse_trace, Exchange, TraceError, TraceWriter, TRACE_MAGIC, WRITE_HEADERS};

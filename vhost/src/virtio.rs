@@ -321,9 +321,6 @@ async fn serve_direct(
     writer: &mut ReplyWriter<'_>,
 ) -> Option<(u32, ChainOutcome)> {
     let io = InPlaceIo::parse(prefix, len)?;
-    if io.size as usize > REQUEST_BYTES_MAX - 4096 {
-        return None;
-    }
     let direct = session.in_place_handle(&io)?; // else the copying path says EBADF
     if !buffers.ordered || writer.room() < io.reply_room() {
         return None; // readable after writable, or no room: let the copying path refuse it

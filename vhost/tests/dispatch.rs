@@ -918,3 +918,31 @@ fn a_writer_that_clears_set_id_bits_tells_the_kernel_before_the_reply() {
         assert!(kernel.0.borrow().is_empty(), "a write with nothing to clear tells the kernel nothing");
     });
 }
+
+/// READ and WRITE served in guest memory keep the max_write agreed at
+/// INIT, as the copying path does: a larger one is left to that path,
+/// which refuses the WRITE and cuts the READ.
+#[test]
+fn in_place_io_keeps_the_agreed_max_write() {
+    use keelfs_fs::Fh;
+    use keelfs_vhost::InPlaceIo;
+
+    const MAX_WRITE: u32 = 64 << 10;
+    let config = SessionConfig { max_write: MAX_WRITE, ..SessionConfig::default() };
+    with_session_config(config, async |s: Session| {
+        let (ino, fh) = init_and_create(&s).await;
+        let (nodeid, fh) = (Ino::new(ino), Fh::new(fh));
+        for write in [true, false] {
+            let io = |size| InPlaceIo { write, unique: 9, nodeid, fh, offset: 0, size, write_flags: 0, uid: 0, gid: 0 };
+            assert_eq!(s.in_place_handle(&io(MAX_WRITE)), Some(false), "write {write}: a buffered handle");
+            assert_eq!(s.in_place_handle(&io(MAX_WRITE + 4096)), None, "write {write}: past max_write");
+            let other = InPlaceIo { fh: Fh::new(fh.get() + 1), ..io(4096) };
+            assert_eq!(s.in_place_handle(&other), None, "write {write}: a handle never opened");
+        }
+        let mut write_in = Reply::default();
+        write_in.u64(fh.get()).u64(0).u32(MAX_WRITE + 4096).u32(0).u64(0).u32(0).u32(0);
+        write_in.raw(&vec![7u8; (MAX_WRITE + 4096) as usize]);
+        let refused = s.handle(&request(Opcode::Write as u32, 3, ino, &write_in.bytes)).await.unwrap();
+        assert_eq!(reply(&refused, 3).0, -libc::EINVAL, "the copying path refuses it");
+    });
+}

@@ -1058,8 +1058,13 @@ impl Session {
     /// Whether `io` is served in the transport's memory: Some(true) on an
     /// O_DIRECT handle (that memory is the device I/O's), Some(false) on
     /// a buffered one (copied once, to or from the page cache). None
-    /// sends it to the copying path, which answers it, errors included.
+    /// sends it to the copying path, which answers it, errors included:
+    /// a WRITE larger than the agreed max_write is EINVAL there, and a
+    /// READ is cut to it, on both paths alike.
     pub fn in_place_handle(&self, io: &InPlaceIo) -> Option<bool> {
+        if io.size > self.config.max_write {
+            return None;
+        }
         self.io_handle(io.fh, io.nodeid, io.write)
     }
 
