@@ -106,6 +106,45 @@ unsafe impl IoBuffer for Vec<AlignedBuf> {
     }
 }
 
+/// `len` bytes of an aligned buffer from `start`, as I/O memory: a
+/// request read whole into one buffer (its headers, then its data) gives
+/// the device its data alone, with no copy. [`Self::into_inner`] gives
+/// the whole buffer back, for the next request.
+pub struct AlignedWindow {
+    buf: AlignedBuf,
+    start: usize,
+    len: usize,
+}
+
+impl AlignedWindow {
+    /// The window, or `buf` back when it does not lie inside it.
+    pub fn new(buf: AlignedBuf, start: usize, len: usize) -> Result<Self, AlignedBuf> {
+        match start.checked_add(len) {
+            Some(end) if end <= buf.len() => Ok(Self { buf, start, len }),
+            _ => Err(buf),
+        }
+    }
+
+    /// The window's bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &self.buf[self.start..self.start + self.len]
+    }
+
+    pub fn into_inner(self) -> AlignedBuf {
+        self.buf
+    }
+}
+
+// SAFETY: the window lies inside the AlignedBuf (checked in `new`, and
+// the fields are private), which owns a heap allocation that does not
+// move with it.
+unsafe impl IoBuffer for AlignedWindow {
+    fn iovecs(&mut self, out: &mut IoVecs) {
+        let base = self.buf.as_mut_ptr().wrapping_add(self.start);
+        out.push(IoVec { base, len: self.len });
+    }
+}
+
 /// The empty buffer of a flush.
 pub struct NoBuffer;
 
@@ -619,5 +658,26 @@ impl<B: IoBuffer> SharedBuffer<B> {
         }
         let taken = self.inner.buffer.borrow_mut().take();
         Ok(taken.expect("the buffer is taken only once"))
+    }
+}
+
+#[cfg(test)]
+mod window_tests {
+    use super::*;
+
+    #[test]
+    fn an_aligned_window_is_its_part_of_the_buffer_and_nothing_more() {
+        let mut buf = AlignedBuf::zeroed(8192, 4096);
+        buf[4096..4100].copy_from_slice(b"data");
+        let base = buf.as_mut_ptr();
+        let buf = AlignedWindow::new(buf, 8000, 193).err().expect("past the end");
+        let mut window = AlignedWindow::new(buf, 4096, 4).expect("inside");
+        assert_eq!(window.bytes(), b"data");
+        let mut iovecs = IoVecs::new();
+        window.iovecs(&mut iovecs);
+        assert_eq!(iovecs.as_slice(), &[IoVec { base: base.wrapping_add(4096), len: 4 }]);
+        assert_eq!(window.into_inner().len(), 8192, "the whole buffer comes back");
+        let buf = AlignedBuf::zeroed(4096, 4096);
+        assert!(AlignedWindow::new(buf, usize::MAX, 2).is_err(), "an overflowing window");
     }
 }

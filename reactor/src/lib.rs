@@ -47,8 +47,8 @@ mod sync {
 
 pub use clock::{Clock, VirtualClock};
 pub use io::{
-    await_all, BufferSlice, ChannelStats, DeviceChannel, IntoAny, IoBuffer, IoFuture, IoVecs, NoBuffer, RangeBusy,
-    SharedBuffer,
+    await_all, AlignedWindow, BufferSlice, ChannelStats, DeviceChannel, IntoAny, IoBuffer, IoFuture, IoVecs, NoBuffer,
+    RangeBusy, SharedBuffer,
 };
 pub use policy::{Regime, SwitchReason};
 pub use probe::{CpuLoad, CpuLoadProbe};

@@ -27,6 +27,17 @@ pub trait WriteSource {
     fn copy_to(&self, at: usize, dst: &mut [u8]);
 }
 
+/// A request's data in the aligned buffer it was read into.
+impl WriteSource for keelfs_reactor::AlignedWindow {
+    fn len(&self) -> usize {
+        self.bytes().len()
+    }
+
+    fn copy_to(&self, at: usize, dst: &mut [u8]) {
+        dst.copy_from_slice(&self.bytes()[at..at + dst.len()]);
+    }
+}
+
 impl WriteSource for [u8] {
     fn len(&self) -> usize {
         <[u8]>::len(self)
