@@ -327,7 +327,7 @@ async fn serve_direct(
     }
     let reply = if io.write {
         let data = GuestBuffer::new(mem, &buffers.readable, io.data_at(), io.size as usize)?;
-        session.write_in_place(&io, direct, data).await
+        session.write_in_place(&io, direct, data).await.1
     } else {
         let into = GuestBuffer::new(mem, &buffers.writable, io.data_at(), io.size as usize)?;
         session.read_in_place(&io, direct, into).await

@@ -1069,15 +1069,22 @@ impl Session {
     }
 
     /// Serve the WRITE `io`, whose data `data` holds in the transport's
-    /// memory, on a handle [`Self::in_place_handle`] allowed.
-    pub async fn write_in_place<B: IoBuffer + WriteSource>(&self, io: &InPlaceIo, direct: bool, data: B) -> ShortReply {
+    /// memory, on a handle [`Self::in_place_handle`] allowed. Gives
+    /// `data` back, for the transport to reuse.
+    pub async fn write_in_place<B>(&self, io: &InPlaceIo, direct: bool, data: B) -> (B, ShortReply)
+    where
+        B: IoBuffer + WriteSource,
+    {
         debug_assert!(io.write && data.len() == io.size as usize);
         let started = Instant::now();
         let writer = Creds::checked_by_kernel(io.uid, io.gid);
-        let result = match self.kill_setid_on_write(io.nodeid, io.write_flags, &writer) {
-            Err(errno) => Err(errno),
+        let (data, result) = match self.kill_setid_on_write(io.nodeid, io.write_flags, &writer) {
+            Err(errno) => (data, Err(errno)),
             Ok(()) if direct => self.write_direct_from(io.nodeid, io.offset, data).await,
-            Ok(()) => self.write_buffered_from(io.nodeid, io.offset, io.write_flags, &data).await,
+            Ok(()) => {
+                let result = self.write_buffered_from(io.nodeid, io.offset, io.write_flags, &data).await;
+                (data, result)
+            }
         };
         let reply = match result {
             Ok(written) => {
@@ -1087,7 +1094,7 @@ impl Session {
             Err(errno) => ShortReply::error(io.unique, errno),
         };
         self.record(Opcode::Write as u32, io.request_len() + reply.as_bytes().len(), reply.is_error(), started);
-        reply
+        (data, reply)
     }
 
     /// Serve the READ `io` into `into`, the transport's memory after the
@@ -1169,8 +1176,9 @@ impl Session {
 
     /// FUSE_WRITE on a direct handle with the data already in I/O memory
     /// (guest pages): the bytes written, or an errno.
-    async fn write_direct_from<B: IoBuffer>(&self, ino: Ino, offset: u64, data: B) -> Result<u32, i32> {
-        self.fs.write_direct(ino, offset, data).await.1.map_err(|e| e.errno())
+    async fn write_direct_from<B: IoBuffer>(&self, ino: Ino, offset: u64, data: B) -> (B, Result<u32, i32>) {
+        let (data, written) = self.fs.write_direct(ino, offset, data).await;
+        (data, written.map_err(|e| e.errno()))
     }
 
     /// FUSE_READ on a direct handle into I/O memory (guest pages): the
