@@ -1425,6 +1425,7 @@ pub async fn local_stats() -> Vec<Value> {
             "fuse_transport": fuse_stats.as_deref().and_then(OpStats::transport),
             "fuse_ring_requests": fuse_stats.as_deref().map(OpStats::ring_requests),
             "fuse_mount_notifications": fuse_stats.as_deref().map(OpStats::notifications),
+            "fuse_in_place_writes": fuse_stats.as_deref().map(OpStats::in_place_writes),
             "fs": counters,
             "cache": cache,
             "space": space,

@@ -14,7 +14,11 @@ use std::time::Instant;
 
 use keelfs_reactor::{self as reactor, Poller, PollerClass};
 
+use keelfs_bdev::AlignedBuf;
+use keelfs_reactor::AlignedWindow;
+
 use super::dispatch::{Notify, Session};
+use super::request::{InPlaceIo, IO_PREFIX_BYTES};
 use super::uring::{self, UringError, UringPlan};
 use crate::qos::{Charge, Gate, Qos};
 
@@ -25,6 +29,19 @@ const OPCODE_INIT: u32 = 26;
 const REQUESTS_PER_POLL_MAX: usize = 32;
 /// Large enough for a 1 MiB write plus its headers, as the kernel requires.
 const REQUEST_BUFFER_BYTES: usize = (1 << 20) + 4096;
+/// Where a request is read into its buffer: so that a WRITE's data,
+/// after its prefix, starts on a page and goes to the device as it is.
+const REQUEST_AT: usize = DATA_ALIGN - IO_PREFIX_BYTES;
+const DATA_ALIGN: usize = 4096;
+/// Request buffers kept for reuse once a WRITE gives its own back. The
+/// kernel has few requests outstanding on a mount (max_background, and a
+/// blocked caller for each other); past this many, a buffer is freed.
+const SPARE_BUFFERS_MAX: usize = 16;
+
+/// A buffer for one request read from /dev/fuse, aligned for direct I/O.
+fn request_buffer() -> AlignedBuf {
+    AlignedBuf::zeroed((REQUEST_AT + REQUEST_BUFFER_BYTES).next_multiple_of(DATA_ALIGN), DATA_ALIGN)
+}
 
 /// Who takes a mount down: by default this process, with umount2(2).
 /// A process that can no longer see the mount point (the daemon inside its
@@ -166,7 +183,8 @@ pub fn serve_over(
     let poller = DevFusePoller {
         session,
         mount,
-        buf: vec![0u8; REQUEST_BUFFER_BYTES],
+        buf: request_buffer(),
+        spares: Rc::default(),
         closed: false,
         on_end: Some(on_end),
         deferred: qos.clone().map(Gate::new),
@@ -293,7 +311,10 @@ impl AfterInit {
 struct DevFusePoller {
     session: Rc<Session>,
     mount: Rc<FuseMount>,
-    buf: Vec<u8>,
+    /// Where the next request is read, from [`REQUEST_AT`] on.
+    buf: AlignedBuf,
+    /// Request buffers that WRITEs served in place gave back.
+    spares: Rc<std::cell::RefCell<Vec<AlignedBuf>>>,
     closed: bool,
     on_end: Option<Box<dyn FnOnce()>>,
     /// Requests QoS holds back. The kernel bounds them: it has only so
@@ -323,6 +344,40 @@ impl DevFusePoller {
         });
     }
 
+    /// The WRITE of the `len` bytes just read, when it can be served
+    /// with its data where it was read: none is copied on an O_DIRECT
+    /// handle, and only into the page cache on another. Not while a QoS
+    /// limit is on, whose gate holds requests as copies.
+    fn in_place_write(&self, len: usize) -> Option<(InPlaceIo, bool)> {
+        if self.deferred.as_ref().is_some_and(|gate| !gate.open()) {
+            return None;
+        }
+        let prefix = self.buf.get(REQUEST_AT..REQUEST_AT + IO_PREFIX_BYTES)?.try_into().expect("the prefix's length");
+        let io = InPlaceIo::parse(prefix, len).filter(|io| io.write)?;
+        let direct = self.session.in_place_handle(&io)?;
+        Some((io, direct))
+    }
+
+    /// Serve the WRITE `io` in the buffer it was read into, which goes
+    /// with it; a spare takes its place for the next request.
+    fn start_write(&mut self, io: InPlaceIo, direct: bool) {
+        let spare = self.spares.borrow_mut().pop().unwrap_or_else(request_buffer);
+        let buf = std::mem::replace(&mut self.buf, spare);
+        // InPlaceIo::parse held the size to what the read returned.
+        let data = AlignedWindow::new(buf, DATA_ALIGN, io.size as usize).expect("the data lies inside what was read");
+        self.session.stats().count_in_place_write();
+        let (session, mount, spares) = (Rc::clone(&self.session), Rc::clone(&self.mount), Rc::clone(&self.spares));
+        reactor::spawn_local(async move {
+            let (data, reply) = session.write_in_place(&io, direct, data).await;
+            // ENOENT: the kernel gave up on the request.
+            let _ = (&mount.device).write_all(reply.as_bytes());
+            let mut spares = spares.borrow_mut();
+            if spares.len() < SPARE_BUFFERS_MAX {
+                spares.push(data.into_inner());
+            }
+        });
+    }
+
     /// Start the held requests whose turn came.
     fn release_deferred(&mut self, now: Instant) -> bool {
         let Some(mut gate) = self.deferred.take() else { return false };
@@ -339,18 +394,21 @@ impl Poller for DevFusePoller {
         }
         let mut busy = self.release_deferred(now);
         for _ in 0..REQUESTS_PER_POLL_MAX {
-            match (&self.mount.device).read(&mut self.buf) {
+            match (&self.mount.device).read(&mut self.buf[REQUEST_AT..]) {
                 Ok(0) => break,
                 Ok(n) => {
                     busy = true;
-                    let request = self.buf[..n].to_vec();
+                    if let Some((io, direct)) = self.in_place_write(n) {
+                        self.start_write(io, direct);
+                        continue;
+                    }
+                    let read = &self.buf[REQUEST_AT..REQUEST_AT + n];
+                    let request = read.to_vec();
                     let request = match &mut self.deferred {
-                        Some(gate) if !gate.open() => {
-                            match gate.offer(request, Charge::of_request(&self.buf[..n]), now) {
-                                Some(request) => request,
-                                None => continue,
-                            }
-                        }
+                        Some(gate) if !gate.open() => match gate.offer(request, Charge::of_request(read), now) {
+                            Some(request) => request,
+                            None => continue,
+                        },
                         _ => request,
                     };
                     self.start(request);

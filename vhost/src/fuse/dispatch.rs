@@ -1060,9 +1060,10 @@ impl Session {
     /// a buffered one (copied once, to or from the page cache). None
     /// sends it to the copying path, which answers it, errors included:
     /// a WRITE larger than the agreed max_write is EINVAL there, and a
-    /// READ is cut to it, on both paths alike.
+    /// READ is cut to it, on both paths alike. A session that records a
+    /// trace sends every request there, where the trace is kept.
     pub fn in_place_handle(&self, io: &InPlaceIo) -> Option<bool> {
-        if io.size > self.config.max_write {
+        if io.size > self.config.max_write || self.config.trace.is_some() {
             return None;
         }
         self.io_handle(io.fh, io.nodeid, io.write)

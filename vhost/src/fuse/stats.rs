@@ -127,6 +127,9 @@ pub struct OpStats {
     ring_requests: Cell<u64>,
     /// Notifications sent to the client kernel (FUSE_NOTIFY_INVAL_*).
     notifications: Cell<u64>,
+    /// WRITEs served with their data where the transport read it
+    /// (the host mount's /dev/fuse buffer), not copied out first.
+    in_place_writes: Cell<u64>,
 }
 
 /// The key of every opcode that is not a FUSE opcode keelfs knows.
@@ -155,6 +158,14 @@ impl OpStats {
 
     pub fn notifications(&self) -> u64 {
         self.notifications.get()
+    }
+
+    pub fn count_in_place_write(&self) {
+        self.in_place_writes.set(self.in_place_writes.get() + 1);
+    }
+
+    pub fn in_place_writes(&self) -> u64 {
+        self.in_place_writes.get()
     }
 
     pub fn record(&self, opcode: u32, bytes: usize, failed: bool, latency: Duration) {
