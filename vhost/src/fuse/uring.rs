@@ -23,6 +23,8 @@ use io_uring::{cqueue, opcode, squeue, types, IoUring};
 use keelfs_reactor::{self as reactor, Poller, PollerClass};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
+use keelfs_bdev::AlignedBuf;
+
 use super::abi::{error_reply, IN_HEADER_BYTES, OUT_HEADER_BYTES};
 use super::dev_fuse::FuseMount;
 use super::dispatch::Session;
@@ -57,6 +59,9 @@ const PAYLOAD_SZ_AT: usize = ENT_IN_OUT_AT + 16;
 /// enum fuse_uring_cmd.
 const CMD_REGISTER: u32 = 1;
 const CMD_COMMIT_AND_FETCH: u32 = 2;
+/// A payload buffer starts on a page, so that a WRITE's data, which
+/// starts it, can go to the device as it is.
+const PAYLOAD_ALIGN: usize = 4096;
 /// The kernel's smallest payload buffer (FUSE_MIN_READ_BUFFER).
 const MIN_PAYLOAD_BYTES: usize = 8192;
 /// IORING_ENTER_GETEVENTS (include/uapi/linux/io_uring.h).
@@ -131,11 +136,13 @@ fn count_cpus(list: &str) -> Option<usize> {
 
 /// One ring entry: the buffers the kernel copies a request into and the
 /// reply out of. The kernel holds their addresses from registration until
-/// the ring is closed, so they never move (boxed) and outlive the ring
-/// (see [`Ring`]'s field order).
+/// the ring is closed, so they never move (boxed, or an aligned heap
+/// buffer) and outlive the ring (see [`Ring`]'s field order).
 struct Entry {
     header: Box<[u8; HEADER_BYTES]>,
-    payload: Box<[u8]>,
+    /// None only while a request served in place holds it (the kernel
+    /// does not touch it until the entry is committed).
+    payload: Option<AlignedBuf>,
     iov: Box<[libc::iovec; 2]>,
     qid: u16,
     /// The kernel handed it a request that is not answered yet.
@@ -147,12 +154,20 @@ struct Entry {
 impl Entry {
     fn new(qid: u16, payload_bytes: usize) -> Self {
         let mut header = Box::new([0u8; HEADER_BYTES]);
-        let mut payload = vec![0u8; payload_bytes].into_boxed_slice();
+        let mut payload = AlignedBuf::zeroed(payload_bytes, PAYLOAD_ALIGN);
         let iov = Box::new([
             libc::iovec { iov_base: header.as_mut_ptr().cast(), iov_len: HEADER_BYTES },
             libc::iovec { iov_base: payload.as_mut_ptr().cast(), iov_len: payload.len() },
         ]);
-        Self { header, payload, iov, qid, in_server: false, dead: false }
+        Self { header, payload: Some(payload), iov, qid, in_server: false, dead: false }
+    }
+
+    fn payload(&self) -> &AlignedBuf {
+        self.payload.as_ref().expect("only a request served in place holds the payload")
+    }
+
+    fn payload_mut(&mut self) -> &mut AlignedBuf {
+        self.payload.as_mut().expect("only a request served in place holds the payload")
     }
 
     fn u32_at(&self, at: usize) -> u32 {
@@ -172,7 +187,7 @@ impl Entry {
         if commit_id == 0 {
             return Err(UringError::BadEntry("commit id 0"));
         }
-        if payload > self.payload.len() {
+        if payload > self.payload().len() {
             return Err(UringError::BadEntry("payload larger than its buffer"));
         }
         // The kernel's in_header.len counts every argument: the opcode's
@@ -184,23 +199,27 @@ impl Entry {
         let mut request = Vec::with_capacity(len);
         request.extend_from_slice(&self.header[..IN_HEADER_BYTES]);
         request.extend_from_slice(&self.header[IN_OUT_BYTES..IN_OUT_BYTES + op_in]);
-        request.extend_from_slice(&self.payload[..payload]);
+        request.extend_from_slice(&self.payload()[..payload]);
         debug_assert_eq!(request.len(), len);
         Ok((request, commit_id))
     }
 
     /// Put `reply` (fuse_out_header and its arguments) in place for the
     /// commit: the header in in_out, the arguments in the payload.
-    fn set_reply(&mut self, commit_id: u64, reply: Option<Vec<u8>>) {
+    fn set_reply(&mut self, commit_id: u64, reply: Option<&[u8]>) {
+        let refused;
         let reply = match reply {
-            Some(r) if r.len() >= OUT_HEADER_BYTES && r.len() - OUT_HEADER_BYTES <= self.payload.len() => r,
+            Some(r) if r.len() >= OUT_HEADER_BYTES && r.len() - OUT_HEADER_BYTES <= self.payload().len() => r,
             // No reply for a request the kernel waits on, or one too big
             // for the buffer the kernel sized (a bug): an error, not a hang.
-            _ => error_reply(commit_id, libc::EIO),
+            _ => {
+                refused = error_reply(commit_id, libc::EIO);
+                &refused[..]
+            }
         };
         let body = &reply[OUT_HEADER_BYTES..];
         self.header[..OUT_HEADER_BYTES].copy_from_slice(&reply[..OUT_HEADER_BYTES]);
-        self.payload[..body.len()].copy_from_slice(body);
+        self.payload_mut()[..body.len()].copy_from_slice(body);
         let size = u32::try_from(body.len()).expect("bounded by the payload buffer");
         self.header[PAYLOAD_SZ_AT..PAYLOAD_SZ_AT + 4].copy_from_slice(&size.to_le_bytes());
     }
@@ -323,7 +342,7 @@ impl Ring {
     }
 
     /// Answer the request in entry `index` and fetch the next one.
-    fn commit(&mut self, index: usize, commit_id: u64, reply: Option<Vec<u8>>) {
+    fn commit(&mut self, index: usize, commit_id: u64, reply: Option<&[u8]>) {
         let fd = self.device_fd();
         let entry = &mut self.entries[index];
         assert!(entry.in_server, "only an entry holding a request is answered");
@@ -401,7 +420,7 @@ pub(super) fn start(
     ended: Rc<Cell<bool>>,
 ) -> Result<(), UringError> {
     let Prepared(mut ring) = prepared;
-    assert!(ring.entries.iter().all(|e| e.payload.len() >= session.max_write()), "payload buffers fit a WRITE");
+    assert!(ring.entries.iter().all(|e| e.payload().len() >= session.max_write()), "payload buffers fit a WRITE");
     ring.register()?;
     let wake_fd = ring.wake.as_raw_fd();
     let poller = UringPoller {
@@ -425,7 +444,7 @@ impl UringPoller {
         let (session, ring) = (Rc::clone(&self.session), Rc::clone(self.ring()));
         reactor::spawn_local(async move {
             let reply = session.handle(&request).await;
-            ring.borrow_mut().commit(index, commit_id, reply);
+            ring.borrow_mut().commit(index, commit_id, reply.as_deref());
         });
     }
 
@@ -463,7 +482,7 @@ impl UringPoller {
                     // Nothing to answer with: the entry is lost.
                     self.ring().borrow_mut().entries[index].dead = true;
                 } else {
-                    self.ring().borrow_mut().commit(index, commit_id, Some(error_reply(commit_id, libc::EIO)));
+                    self.ring().borrow_mut().commit(index, commit_id, Some(&error_reply(commit_id, libc::EIO)));
                 }
                 return;
             }
@@ -582,7 +601,7 @@ mod tests {
     #[test]
     fn a_reply_too_big_for_the_payload_becomes_an_error() {
         let mut e = entry_with(40, 0, 9);
-        e.set_reply(9, Some(vec![0u8; OUT_HEADER_BYTES + 5000]));
+        e.set_reply(9, Some(&[0u8; OUT_HEADER_BYTES + 5000]));
         assert_eq!(e.u32_at(PAYLOAD_SZ_AT), 0);
         assert_eq!(i32::from_le_bytes(e.header[4..8].try_into().unwrap()), -libc::EIO);
     }
