@@ -38,36 +38,41 @@ fn transport_after_io(mnt: &Path, rpc: &Path) -> (String, u64) {
     (transport, export["fuse_ring_requests"].as_u64().unwrap_or(0))
 }
 
-/// A host mount on /dev/fuse serves WRITEs with their data where the
-/// kernel put it: an O_DIRECT write goes to the device from the buffer
-/// it was read into, and a buffered one is copied only into the page
-/// cache. Both land whole, beside a write that the copying path serves.
+/// A host mount serves WRITEs with their data where the kernel put it,
+/// on either transport (the /dev/fuse read's buffer, the ring entry's
+/// payload): an O_DIRECT write goes to the device from there, and a
+/// buffered one is copied only into the page cache. Both land whole.
 #[test]
-fn dev_fuse_writes_are_served_where_they_were_read() {
+fn host_mount_writes_are_served_where_the_kernel_put_them() {
+    require_fuse_transport("uring");
     let scratch = Scratch::new("fuse-in-place");
     let (image, mnt, rpc) = (scratch.path("img"), scratch.path("mnt"), scratch.path("rpc.sock"));
     mkfs(&image, "128M");
-    let served = serve(&image, &mnt, &rpc, "dev");
-    let (source, file) = (scratch.path("pattern"), mnt.join("f"));
+    let source = scratch.path("pattern");
     let pattern: Vec<u8> = (0..(1u32 << 20)).map(|i| (i % 251) as u8).collect();
     std::fs::write(&source, &pattern).unwrap();
-    let in_place = || stats(&rpc)["exports"][0]["fuse_in_place_writes"].as_u64().expect("a host mount's count");
-    let before = in_place();
-    for (flag, block) in [("oflag=direct", "bs=64k"), ("oflag=direct", "bs=1M"), ("conv=fsync", "bs=128k")] {
-        let dd = std::process::Command::new("dd")
-            .arg(format!("if={}", source.display()))
-            .arg(format!("of={}", file.display()))
-            .args([flag, block, "conv=notrunc", "status=none"])
-            .status()
-            .unwrap();
-        assert!(dd.success(), "dd {flag} {block}");
-        assert_eq!(std::fs::read(&file).unwrap(), pattern, "dd {flag} {block}: the file reads back whole");
+    for transport in ["dev", "uring"] {
+        let served = serve(&image, &mnt, &rpc, transport);
+        let file = mnt.join(transport);
+        let in_place = || stats(&rpc)["exports"][0]["fuse_in_place_writes"].as_u64().expect("a host mount's count");
+        let before = in_place();
+        for (flag, block) in [("oflag=direct", "bs=64k"), ("oflag=direct", "bs=1M"), ("conv=fsync", "bs=128k")] {
+            let dd = std::process::Command::new("dd")
+                .arg(format!("if={}", source.display()))
+                .arg(format!("of={}", file.display()))
+                .args([flag, block, "conv=notrunc", "status=none"])
+                .status()
+                .unwrap();
+            assert!(dd.success(), "{transport}: dd {flag} {block}");
+            let back = std::fs::read(&file).unwrap();
+            assert!(back == pattern, "{transport}: dd {flag} {block}: the file reads back whole");
+        }
+        let served_in_place = in_place() - before;
+        // 16 + 1 direct WRITEs at least; the buffered ones as the kernel
+        // gathers its pages.
+        assert!(served_in_place >= 17, "{transport}: {served_in_place} WRITEs served in place");
+        assert!(served.stop().success(), "{transport}: keelfsd's exit");
     }
-    let served_in_place = in_place() - before;
-    // 16 + 1 direct WRITEs at least; the buffered ones as the kernel
-    // gathers its pages.
-    assert!(served_in_place >= 17, "{served_in_place} WRITEs served in place");
-    assert!(served.stop().success());
 }
 
 #[test]

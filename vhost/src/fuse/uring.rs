@@ -10,7 +10,9 @@
 //!
 //! Each request is made into the bytes a /dev/fuse read gives (in_header,
 //! the opcode's header, the payload) and handled by the same
-//! [`Session::handle`] as /dev/fuse and virtio-fs.
+//! [`Session::handle`] as /dev/fuse and virtio-fs; a WRITE the session
+//! may serve in place keeps its data in the entry's payload instead
+//! ([`Session::write_in_place`]), as the other transports' WRITEs do.
 
 use std::cell::{Cell, RefCell};
 use std::io;
@@ -25,9 +27,12 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use keelfs_bdev::AlignedBuf;
 
-use super::abi::{error_reply, IN_HEADER_BYTES, OUT_HEADER_BYTES};
+use keelfs_reactor::AlignedWindow;
+
+use super::abi::{error_reply, ShortReply, IN_HEADER_BYTES, OUT_HEADER_BYTES};
 use super::dev_fuse::FuseMount;
 use super::dispatch::Session;
+use super::request::{InPlaceIo, IO_IN_BYTES, IO_PREFIX_BYTES};
 use crate::qos::{Charge, Gate, Qos};
 
 /// Where the fuse module says whether it may use io_uring.
@@ -470,6 +475,13 @@ impl UringPoller {
             return;
         }
         entry.in_server = true;
+        if let Some((io, direct)) = self.in_place_write(entry) {
+            let commit_id = entry.u64_at(COMMIT_ID_AT);
+            let payload = entry.payload.take().expect("an entry the kernel filled has its payload");
+            drop(ring);
+            self.session.stats().count_ring_request();
+            return self.start_write(index, commit_id, (io, direct), payload);
+        }
         let parsed = entry.request();
         drop(ring);
         self.session.stats().count_ring_request();
@@ -498,6 +510,46 @@ impl UringPoller {
             _ => (index, commit_id, request),
         };
         self.start_request(item.0, item.1, item.2);
+    }
+
+    /// The WRITE in `entry`, when it can be served with its data where
+    /// the kernel put it, in the payload: none is copied on an O_DIRECT
+    /// handle, and only into the page cache on another. Not while a QoS
+    /// limit is on, whose gate holds requests as copies.
+    fn in_place_write(&self, entry: &Entry) -> Option<(InPlaceIo, bool)> {
+        if self.deferred.as_ref().is_some_and(|gate| !gate.open()) {
+            return None;
+        }
+        let mut prefix = [0u8; IO_PREFIX_BYTES];
+        prefix[..IN_HEADER_BYTES].copy_from_slice(&entry.header[..IN_HEADER_BYTES]);
+        prefix[IN_HEADER_BYTES..].copy_from_slice(&entry.header[IN_OUT_BYTES..IN_OUT_BYTES + IO_IN_BYTES]);
+        let io = InPlaceIo::parse(&prefix, entry.u32_at(0) as usize).filter(|io| io.write)?;
+        if entry.u32_at(PAYLOAD_SZ_AT) != io.size || entry.u64_at(COMMIT_ID_AT) == 0 {
+            return None; // the copying path says what is wrong
+        }
+        let direct = self.session.in_place_handle(&io)?;
+        Some((io, direct))
+    }
+
+    /// Serve the WRITE in entry `index` with `payload`, the entry's own,
+    /// which goes back to the entry before the commit: the kernel, which
+    /// holds its address, touches it only after that.
+    fn start_write(&self, index: usize, commit_id: u64, (io, direct): (InPlaceIo, bool), payload: AlignedBuf) {
+        self.session.stats().count_in_place_write();
+        let (session, ring) = (Rc::clone(&self.session), Rc::clone(self.ring()));
+        reactor::spawn_local(async move {
+            let (payload, reply) = match AlignedWindow::new(payload, 0, io.size as usize) {
+                Ok(data) => {
+                    let (data, reply) = session.write_in_place(&io, direct, data).await;
+                    (data.into_inner(), reply)
+                }
+                // The payload holds max_write, which the size is within.
+                Err(payload) => (payload, ShortReply::error(io.unique, libc::EIO)),
+            };
+            let mut ring = ring.borrow_mut();
+            ring.entries[index].payload = Some(payload);
+            ring.commit(index, commit_id, Some(reply.as_bytes()));
+        });
     }
 
     fn release_deferred(&mut self, now: Instant) -> bool {
