@@ -45,13 +45,23 @@
 # their order rotating each round; bench/meta_summary.py prints keelfs's
 # ratios to ext4 and to xfs (OUT.summary.txt).
 #
+# Two builds (--builds "OLD NEW", the systems matrix): two keelfsd
+# binaries in place of this tree's, as keelfs-fuse-TRANSPORT@old and @new
+# (cache auto; --transports defaults to "dev uring"), their order
+# alternating each round, under each driver of --drivers (each line
+# tagged with its driver; w2, which has no runtime, with a sleeping one
+# only), beside ext4 and xfs; then the median ratios
+# new/old of IOPS and of keelfsd's CPU per operation (OUT.summary.txt).
+# --poll-mode MODE runs both builds in that poll_mode (interrupt: no
+# spinning, so CPU per operation is the requests' own cost).
+#
 # Usage: bench/run-seeds.sh [--matrix poll|systems|metadata|all] [--full] [--rounds N] [--runtime SECS]
-#                           [--transports LIST]
+#                           [--transports LIST] [--builds "OLD NEW" [--poll-mode MODE]]
 #                           [--modes "busy adaptive interrupt"] [--drivers "sleep busy"]
 #                           [--setups "oversubscribed dedicated"] [--files N] [OUT.json]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rounds='' runtime='' matrix=poll full=0 transports='' files=20000
+rounds='' runtime='' matrix=poll full=0 transports='' files=20000 builds='' poll_mode=''
 modes='busy adaptive interrupt' drivers='sleep busy' setups='oversubscribed dedicated'
 while [[ $# -gt 0 ]]; do
   case $1 in
@@ -64,6 +74,8 @@ while [[ $# -gt 0 ]]; do
     --drivers) drivers=$2; shift 2 ;;
     --setups) setups=$2; shift 2 ;;
     --files) files=$2; shift 2 ;;
+    --builds) builds=$2; shift 2 ;;
+    --poll-mode) poll_mode=$2; shift 2 ;;
     -h|--help) sed -n '2,/^set -euo/p' "bench/${0##*/}" | sed '$d'; exit 0 ;;
     -*) echo "run-seeds: unknown option '$1' (--help)" >&2; exit 2 ;;
     *) break ;;
@@ -73,6 +85,15 @@ case $matrix in
   poll|systems|all|metadata) ;;
   *) echo "run-seeds: --matrix poll, systems, metadata or all, not '$matrix'" >&2; exit 2 ;;
 esac
+build_old='' build_new='' systems_drivers=sleep
+if [[ -n $builds ]]; then
+  read -r build_old build_new extra <<<"$builds"
+  [[ -n $build_new && -z $extra && $matrix == systems ]] ||
+    { echo "run-seeds: --builds takes two keelfsd binaries, with --matrix systems" >&2; exit 2; }
+  for b in "$build_old" "$build_new"; do [[ -x $b ]] || { echo "run-seeds: $b is not an executable" >&2; exit 2; }; done
+  : "${transports:=dev uring}"
+  systems_drivers=$drivers
+fi
 if [[ $matrix == poll || $matrix == metadata ]]; then : "${rounds:=2}" "${runtime:=3}"; fi
 : "${rounds:=3}" "${runtime:=8}"
 # The systems comparison runs its rounds only when asked for.
@@ -121,7 +142,10 @@ truncate -s 1G "$work/raw.img"
 mkdir -p "$work/mnt-keelfs-fuse"
 
 fuse_systems=(keelfs-fuse keelfs-fuse-wb)
-if [[ -n $transports ]]; then
+if [[ -n $builds ]]; then
+  fuse_systems=()
+  for t in $transports; do fuse_systems+=("keelfs-fuse-$t@old" "keelfs-fuse-$t@new"); done
+elif [[ -n $transports ]]; then
   fuse_systems=()
   for s in keelfs-fuse keelfs-fuse-wb; do
     for t in $transports; do fuse_systems+=("$s-$t"); done
@@ -129,12 +153,21 @@ if [[ -n $transports ]]; then
 fi
 
 # start_keelfs SYSTEM: keelfs-fuse (cache auto) or keelfs-fuse-wb (always),
-# with -dev or -uring: that FUSE transport.
+# with -dev or -uring: that FUSE transport; with @old or @new, that build.
 start_keelfs() {
-  local cache=auto transport=auto
-  [[ $1 == keelfs-fuse-wb* ]] && cache=always
-  [[ $1 =~ -(dev|uring)$ ]] && transport=${BASH_REMATCH[1]}
-  "$keelfsd" serve --device "$work/keelfs.img" --fuse-mount "$work/mnt-keelfs-fuse" --cache $cache \
+  local cache=auto transport=auto system=${1%@*} bin=$keelfsd
+  [[ $1 == *@old ]] && bin=$build_old
+  [[ $1 == *@new ]] && bin=$build_new
+  [[ $system == keelfs-fuse-wb* ]] && cache=always
+  [[ $system =~ -(dev|uring)$ ]] && transport=${BASH_REMATCH[1]}
+  if [[ -n $poll_mode ]]; then
+    "$bin" serve --config <(printf '[daemon]\npoll_mode="%s"\n[[device]]\nname="d"\npath="%s"\n[[export]]\ntag="d"\ndevice="d"\nfuse_mount="%s"\ncache="%s"\nfuse_transport="%s"\n' \
+      "$poll_mode" "$work/keelfs.img" "$work/mnt-keelfs-fuse" "$cache" "$transport") 2>>"$work/keelfsd.log" &
+    daemon_pid=$!
+    for _ in $(seq 200); do mountpoint -q "$work/mnt-keelfs-fuse" && return 0; sleep 0.05; done
+    echo "run-seeds: keelfsd did not mount" >&2; exit 1
+  fi
+  "$bin" serve --device "$work/keelfs.img" --fuse-mount "$work/mnt-keelfs-fuse" --cache $cache \
     --fuse-transport "$transport" 2>>"$work/keelfsd.log" &
   daemon_pid=$!
   for _ in $(seq 200); do mountpoint -q "$work/mnt-keelfs-fuse" && return 0; sleep 0.05; done
@@ -225,17 +258,42 @@ run_bytes() {
     "$round" "$system" $((count * 1000000000 / (t1 - t0))) $((count * 1000000000 / (t1 - t0))) | tee -a "$out"
 }
 
+# driver_kind DRIVER CPUS: job_append for a sleeping fio driver, or a
+# busy one on CPUS cpus (a group of its own, after the measured one).
+driver_kind() {
+  case $1 in
+    sleep) job_append='' ;;
+    busy) job_append="\n[busy]\nnew_group\nioengine=cpuio\ncpuload=100\nnumjobs=$2\n" ;;
+    *) echo "run-seeds: drivers are sleep and busy, not '$1'" >&2; exit 2 ;;
+  esac
+}
+
 : >"$out"
 for round in $(seq "$systems_rounds"); do
-  for job in "$workloads"/w1-dio-overwrite.fio "$workloads"/w2-aio-append.fio "$workloads"/w3-buffered-randrw.fio; do
-    for system in "${fuse_systems[@]}"; do
-      start_keelfs "$system"
-      run_fio "$system" "$work/mnt-keelfs-fuse" "$job" "$round" "$daemon_pid"
-      stop_keelfs
+  # Two builds alternate which goes first.
+  order=("${fuse_systems[@]}")
+  if [[ -n $builds && $((round % 2)) == 0 ]]; then
+    order=()
+    for ((i = ${#fuse_systems[@]} - 1; i >= 0; i--)); do order+=("${fuse_systems[i]}"); done
+  fi
+  for drv in $systems_drivers; do
+    driver_kind "$drv" "$(nproc)"
+    [[ -z $builds ]] || tags="\"driver\":\"$drv\","
+    for job in "$workloads"/w1-dio-overwrite.fio "$workloads"/w2-aio-append.fio "$workloads"/w3-buffered-randrw.fio; do
+      # A busy driver's cpuio jobs run for the job file's runtime: w2
+      # has none (it writes its size), so it runs with a sleeping one.
+      [[ $drv == sleep ]] || grep -q '^time_based' "$job" || continue
+      for system in "${order[@]}"; do
+        start_keelfs "$system"
+        run_fio "$system" "$work/mnt-keelfs-fuse" "$job" "$round" "$daemon_pid"
+        stop_keelfs
+      done
+      run_fio ext4 "$work/mnt-ext4" "$job" "$round"
+      run_fio xfs "$work/mnt-xfs" "$job" "$round"
     done
-    run_fio ext4 "$work/mnt-ext4" "$job" "$round"
-    run_fio xfs "$work/mnt-xfs" "$job" "$round"
   done
+  driver_kind sleep 0
+  tags=''
   # The device limit for w1: the same 4k randrw, O_DIRECT, on the raw image.
   fio --output-format=json --name=device --filename="$work/raw.img" --size=1G --rw=randrw --bs=4k \
     --ioengine=io_uring --iodepth=4 --direct=1 --runtime="$runtime" --time_based --ramp_time=1 >"$work/fio.json"
@@ -248,16 +306,9 @@ for round in $(seq "$systems_rounds"); do
   run_bytes ext4 "$work/mnt-ext4" "$round"
   run_bytes xfs "$work/mnt-xfs" "$round"
 done
-
-# driver_kind DRIVER CPUS: job_append for a sleeping fio driver, or a
-# busy one on CPUS cpus (a group of its own, after the measured one).
-driver_kind() {
-  case $1 in
-    sleep) job_append='' ;;
-    busy) job_append="\n[busy]\nnew_group\nioengine=cpuio\ncpuload=100\nnumjobs=$2\n" ;;
-    *) echo "run-seeds: drivers are sleep and busy, not '$1'" >&2; exit 2 ;;
-  esac
-}
+if [[ -n $builds ]]; then
+  python3 bench/builds_summary.py "$out" | tee "${out%.json}.summary.txt" >&2
+fi
 
 if [[ $matrix == poll || $matrix == all ]]; then
   poll_jobs=("$workloads"/w3-buffered-randrw.fio)
