@@ -28,15 +28,14 @@ use std::time::{Duration, Instant};
 
 use keelfs_reactor as reactor;
 
-use crate::fuse::abi::{Opcode, IN_HEADER_BYTES};
+use crate::fuse::abi::{opcode_of, Opcode};
+use crate::fuse::request::{io_size_of, IO_SIZE_AT};
 
 /// The largest READ or WRITE the protocol carries (1 MiB): a bytes
 /// bucket always holds at least this much, so that any request can pass.
 /// A larger one is refused by the request path and charged as this.
 pub const IO_BYTES_MAX: u64 = 1 << 20;
 
-/// fuse_read_in and fuse_write_in: `size` sits 16 bytes into the body.
-const IO_SIZE_AT: usize = IN_HEADER_BYTES + 16;
 /// Bytes of a request [`Charge::of_request`] looks at.
 pub(crate) const CHARGE_PREFIX_BYTES: usize = IO_SIZE_AT + 4;
 
@@ -144,16 +143,13 @@ impl Charge {
     /// or WRITE too short to hold its size is charged as one operation of
     /// no bytes; the request path refuses it.
     pub(crate) fn of_request(prefix: &[u8]) -> Self {
-        let Some(opcode) = prefix.get(4..8) else { return Self::FREE };
-        let opcode = u32::from_le_bytes(opcode.try_into().expect("4 bytes"));
+        let Some(opcode) = opcode_of(prefix) else { return Self::FREE };
         let class = match opcode {
             o if o == Opcode::Read as u32 => Class::Read,
             o if o == Opcode::Write as u32 => Class::Write,
             _ => return Self::FREE,
         };
-        let bytes = prefix
-            .get(IO_SIZE_AT..IO_SIZE_AT + 4)
-            .map_or(0, |b| u64::from(u32::from_le_bytes(b.try_into().expect("4 bytes"))));
+        let bytes = io_size_of(prefix).map_or(0, u64::from);
         Self { class: Some(class), bytes: bytes.min(IO_BYTES_MAX) }
     }
 }

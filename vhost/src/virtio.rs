@@ -24,7 +24,7 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 pub type GuestRam = vm_memory::GuestMemoryMmap<crate::dirty_log::DirtyLog>;
 
 use crate::bufpool;
-use crate::fuse::abi::{error_reply, ShortReply, IN_HEADER_BYTES};
+use crate::fuse::abi::{error_reply, unique_of, ShortReply, IN_HEADER_BYTES};
 use crate::fuse::dispatch::{Session, SharedHandle};
 use crate::fuse::request::{InPlaceIo, IO_PREFIX_BYTES};
 use crate::guest_io::GuestBuffer;
@@ -128,7 +128,7 @@ where
         return (head, 0, ChainOutcome::Dropped("unreadable request"));
     }
     let reply = if len > REQUEST_BYTES_MAX {
-        let unique = u64::from_le_bytes(request[8..16].try_into().expect("8 bytes"));
+        let unique = unique_of(&request).expect("a whole header was read");
         Some(error_reply(unique, libc::E2BIG))
     } else {
         // These bytes are what is served, whatever the chain held when
@@ -292,7 +292,7 @@ fn write_reply(head: u16, reply: &[u8], writer: &mut impl ReplySink) -> (u16, u3
     debug_assert!(reply.len() >= crate::fuse::abi::OUT_HEADER_BYTES);
     if reply.len() > writer.room() {
         // The guest gave too little room: say so if even a header fits.
-        let unique = u64::from_le_bytes(reply[8..16].try_into().expect("replies have a header"));
+        let unique = unique_of(reply).expect("replies have a header");
         let error = ShortReply::error(unique, libc::EIO);
         let error = error.as_bytes();
         return match writer.put(error) {

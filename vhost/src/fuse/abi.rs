@@ -496,6 +496,19 @@ pub fn error_reply(unique: u64, errno: i32) -> Vec<u8> {
     Reply::default().finish(unique, -errno.abs())
 }
 
+/// The `unique` of a request (fuse_in_header) or a reply
+/// (fuse_out_header), which both keep at bytes 8..16; None when the
+/// message is shorter than that.
+pub fn unique_of(message: &[u8]) -> Option<u64> {
+    Some(u64::from_le_bytes(message.get(8..16)?.try_into().expect("8 bytes")))
+}
+
+/// The opcode of a request (fuse_in_header), unchecked; None when the
+/// request is shorter than its header's first two fields.
+pub fn opcode_of(request: &[u8]) -> Option<u32> {
+    Some(u32::from_le_bytes(request.get(4..8)?.try_into().expect("4 bytes")))
+}
+
 /// A reply of a header and at most fuse_write_out, built in place
 /// without allocating: what a READ or WRITE served in the transport's
 /// memory answers. A READ's data is not in it: the header counts data
@@ -559,6 +572,14 @@ impl ShortReply {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unique_and_opcode_are_read_from_either_header() {
+        let request = encode_request(Opcode::Init as u32, 77, 1, 0, 0, &[0u8; 64]);
+        assert_eq!((unique_of(&request), opcode_of(&request)), (Some(77), Some(Opcode::Init as u32)));
+        assert_eq!(unique_of(&error_reply(78, libc::EIO)), Some(78));
+        assert_eq!((unique_of(&request[..15]), opcode_of(&request[..7])), (None, None));
+    }
 
     #[test]
     fn short_replies_match_the_reply_builder() {

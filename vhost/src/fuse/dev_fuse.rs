@@ -17,13 +17,11 @@ use keelfs_reactor::{self as reactor, Poller, PollerClass};
 use keelfs_bdev::AlignedBuf;
 use keelfs_reactor::AlignedWindow;
 
+use super::abi::{opcode_of, Opcode};
 use super::dispatch::{Notify, Session};
 use super::request::{InPlaceIo, IO_PREFIX_BYTES};
 use super::uring::{self, UringError, UringPlan};
 use crate::qos::{Charge, Gate, Qos};
-
-/// fuse_opcode FUSE_INIT.
-const OPCODE_INIT: u32 = 26;
 
 /// Requests read per poll: bounds one reactor iteration.
 const REQUESTS_PER_POLL_MAX: usize = 32;
@@ -327,7 +325,7 @@ struct DevFusePoller {
 impl DevFusePoller {
     fn start(&self, request: Vec<u8>) {
         let (session, mount) = (Rc::clone(&self.session), Rc::clone(&self.mount));
-        let is_init = request.get(4..8) == Some(&OPCODE_INIT.to_le_bytes()[..]);
+        let is_init = opcode_of(&request) == Some(Opcode::Init as u32);
         let after_init = is_init.then(|| Rc::clone(&self.after_init));
         reactor::spawn_local(async move {
             if let Some(reply) = session.handle(&request).await {

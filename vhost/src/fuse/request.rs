@@ -457,6 +457,17 @@ fn parse_write_in(c: &mut Cursor<'_>) -> Result<(u64, u64, u32, u32), ParseError
     Ok((fh, offset, size, write_flags))
 }
 
+/// Where a READ's or WRITE's `size` sits: 16 bytes into fuse_read_in or
+/// fuse_write_in.
+pub const IO_SIZE_AT: usize = IN_HEADER_BYTES + 16;
+
+/// The `size` of the READ or WRITE whose first bytes are `prefix`,
+/// unchecked (the request path checks it); None when `prefix` ends
+/// before it.
+pub fn io_size_of(prefix: &[u8]) -> Option<u32> {
+    Some(u32::from_le_bytes(prefix.get(IO_SIZE_AT..IO_SIZE_AT + 4)?.try_into().expect("4 bytes")))
+}
+
 /// fuse_read_in and fuse_write_in are both 40 bytes.
 pub const IO_IN_BYTES: usize = 40;
 const _: () = assert!(IO_IN_BYTES == 8 + 8 + 4 + 4 + 8 + 4 + 4);
