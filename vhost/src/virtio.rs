@@ -320,8 +320,7 @@ async fn serve_direct(
     mem: Arc<GuestRam>,
     writer: &mut ReplyWriter<'_>,
 ) -> Option<(u32, ChainOutcome)> {
-    let io = InPlaceIo::parse(prefix, len)?;
-    let direct = session.in_place_handle(&io)?; // else the copying path says EBADF
+    let (io, direct) = session.in_place_request(prefix, len)?; // else the copying path answers
     if !buffers.ordered || writer.room() < io.reply_room() {
         return None; // readable after writable, or no room: let the copying path refuse it
     }

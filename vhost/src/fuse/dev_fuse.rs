@@ -351,9 +351,7 @@ impl DevFusePoller {
             return None;
         }
         let prefix = self.buf.get(REQUEST_AT..REQUEST_AT + IO_PREFIX_BYTES)?.try_into().expect("the prefix's length");
-        let io = InPlaceIo::parse(prefix, len).filter(|io| io.write)?;
-        let direct = self.session.in_place_handle(&io)?;
-        Some((io, direct))
+        self.session.in_place_request(prefix, len).filter(|(io, _)| io.write)
     }
 
     /// Serve the WRITE `io` in the buffer it was read into, which goes

@@ -18,7 +18,7 @@ use super::abi::{
 };
 use super::coherence::{Change, Coherence};
 use super::request::{
-    parse, InPlaceIo, Request, FITRIM, FSTRIM_RANGE_BYTES, IOCTL_UNRESTRICTED, OPEN_KILL_SUIDGID,
+    parse, InPlaceIo, Request, FITRIM, FSTRIM_RANGE_BYTES, IOCTL_UNRESTRICTED, IO_PREFIX_BYTES, OPEN_KILL_SUIDGID,
     SETXATTR_ACL_KILL_SGID, WRITE_CACHE, WRITE_KILL_SUIDGID,
 };
 use super::state::{SessionState, StateError};
@@ -1069,6 +1069,16 @@ impl Session {
         self.io_handle(io.fh, io.nodeid, io.write)
     }
 
+    /// The READ or WRITE that `prefix` starts, in a request of `len`
+    /// bytes, when it can be served in the transport's memory, with what
+    /// [`Self::in_place_handle`] says of its handle. None sends the
+    /// request to the copying path.
+    pub fn in_place_request(&self, prefix: &[u8; IO_PREFIX_BYTES], len: usize) -> Option<(InPlaceIo, bool)> {
+        let io = InPlaceIo::parse(prefix, len)?;
+        let direct = self.in_place_handle(&io)?;
+        Some((io, direct))
+    }
+
     /// Serve the WRITE `io`, whose data `data` holds in the transport's
     /// memory, on a handle [`Self::in_place_handle`] allowed. Gives
     /// `data` back, for the transport to reuse.
@@ -1157,9 +1167,7 @@ impl Session {
         write_flags: u32,
         data: &S,
     ) -> Result<u32, i32> {
-        if data.len() > self.config.max_write as usize {
-            return Err(libc::EINVAL);
-        }
+        debug_assert!(data.len() <= self.config.max_write as usize, "in_place_handle held it to max_write");
         self.fs.write_from_with(ino, offset, data, self.write_times(write_flags)).await.map_err(|e| e.errno())
     }
 
@@ -1172,7 +1180,8 @@ impl Session {
         size: u32,
         sink: &K,
     ) -> Result<u32, i32> {
-        self.fs.read_to(ino, offset, size.min(self.config.max_write), sink).await.map_err(|e| e.errno())
+        debug_assert!(size <= self.config.max_write, "in_place_handle held it to max_write");
+        self.fs.read_to(ino, offset, size, sink).await.map_err(|e| e.errno())
     }
 
     /// FUSE_WRITE on a direct handle with the data already in I/O memory

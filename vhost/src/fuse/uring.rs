@@ -523,11 +523,10 @@ impl UringPoller {
         let mut prefix = [0u8; IO_PREFIX_BYTES];
         prefix[..IN_HEADER_BYTES].copy_from_slice(&entry.header[..IN_HEADER_BYTES]);
         prefix[IN_HEADER_BYTES..].copy_from_slice(&entry.header[IN_OUT_BYTES..IN_OUT_BYTES + IO_IN_BYTES]);
-        let io = InPlaceIo::parse(&prefix, entry.u32_at(0) as usize).filter(|io| io.write)?;
-        if entry.u32_at(PAYLOAD_SZ_AT) != io.size || entry.u64_at(COMMIT_ID_AT) == 0 {
-            return None; // the copying path says what is wrong
+        let (io, direct) = self.session.in_place_request(&prefix, entry.u32_at(0) as usize)?;
+        if !io.write || entry.u32_at(PAYLOAD_SZ_AT) != io.size || entry.u64_at(COMMIT_ID_AT) == 0 {
+            return None; // the copying path serves it, or says what is wrong
         }
-        let direct = self.session.in_place_handle(&io)?;
         Some((io, direct))
     }
 
