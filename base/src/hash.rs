@@ -26,7 +26,11 @@ impl std::hash::Hasher for IdHasher {
 }
 
 /// A map keyed by ids keelfs allocates; see [`IdHasher`].
-pub type IdMap<V> = std::collections::HashMap<u64, V, std::hash::BuildHasherDefault<IdHasher>>;
+pub type IdMap<V> = IdMapBy<u64, V>;
+
+/// [`IdMap`] for a typed id (an inode number, a handle): any key that
+/// hashes as the one u64 it wraps.
+pub type IdMapBy<K, V> = std::collections::HashMap<K, V, std::hash::BuildHasherDefault<IdHasher>>;
 
 /// A hasher for integer keys a guest chooses (file offsets in the page
 /// cache): a folded 64x64->128-bit multiply per word, as foldhash does,

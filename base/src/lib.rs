@@ -17,6 +17,6 @@ mod size;
 pub mod testing;
 
 pub use clock::realtime_coarse;
-pub use hash::{IdHasher, IdMap, SeededHasher, SeededState};
+pub use hash::{IdHasher, IdMap, IdMapBy, SeededHasher, SeededState};
 pub use ratelimit::{RateLimit, LOG_BURST, LOG_WINDOW};
 pub use size::{parse_size, SizeError};

@@ -37,14 +37,14 @@ impl Fs {
     pub fn handle_state(&self, fh: Fh) -> FsResult<HandleState> {
         let handles = self.inner.handles.borrow();
         let h = handles.get(&fh.get()).ok_or(FsError::BadHandle)?;
-        Ok(HandleState { ino: Ino::new(h.ino), flags: h.flags, dir_end: h.dir_end })
+        Ok(HandleState { ino: h.ino, flags: h.flags, dir_end: h.dir_end })
     }
 
     /// Whether `state` could be restored as a handle: its inode exists,
     /// and is a directory exactly when the flags say O_DIRECTORY. Checked
     /// for a whole session before any of it is taken.
     pub fn check_handle(&self, state: &HandleState) -> FsResult<()> {
-        let inode = self.inner.inode(state.ino.get())?;
+        let inode = self.inner.inode(state.ino)?;
         let wants_dir = state.flags & libc::O_DIRECTORY as u32 != 0;
         match (wants_dir, inode.is_dir()) {
             (true, false) => Err(FsError::NotDir),
@@ -61,7 +61,7 @@ impl Fs {
         if number == 0 || self.inner.handles.borrow().contains_key(&number) {
             return Err(FsError::BadHandle);
         }
-        let ino = state.ino.get();
+        let ino = state.ino;
         self.inner.handles.borrow_mut().insert(number, Handle { ino, flags: state.flags, dir_end: state.dir_end });
         if let Some(node) = self.inner.state.borrow_mut().node_mut(ino) {
             node.opens.add(1);
@@ -73,14 +73,14 @@ impl Fs {
 
     /// Whether inode `ino` exists (linked, or an orphan still held).
     pub fn exists(&self, ino: Ino) -> bool {
-        self.inner.state.borrow().node(ino.get()).is_some()
+        self.inner.state.borrow().node(ino).is_some()
     }
 
     /// Take `n` lookup references on `ino` again, as a client that looked
     /// it up `n` times holds them.
     pub fn hold_lookups(&self, ino: Ino, n: u64) -> FsResult<()> {
         let mut state = self.inner.state.borrow_mut();
-        let node = state.node_mut(ino.get()).ok_or(FsError::NotFound)?;
+        let node = state.node_mut(ino).ok_or(FsError::NotFound)?;
         node.lookups.add(n);
         Ok(())
     }
@@ -91,7 +91,7 @@ impl Fs {
         if self.read_only() {
             return Ok(0);
         }
-        let orphans: Vec<u64> = {
+        let orphans: Vec<Ino> = {
             let state = self.inner.state.borrow();
             state
                 .nodes()

@@ -20,11 +20,12 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use super::shared::{PageOwner, SharedPages};
+use crate::ids::Ino;
 use keelfs_base::SeededState;
 
 pub const PAGE_BYTES: usize = 4096;
 
-pub type PageKey = (u64, u64); // (inode, page index)
+pub type PageKey = (Ino, u64); // (inode, page index)
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Queue {
@@ -88,8 +89,8 @@ pub struct PageCache {
     am_len: usize,
     a1out: VecDeque<PageKey>,
     a1out_set: HashSet<PageKey, SeededState>,
-    by_inode: keelfs_base::IdMap<BTreeSet<u64>>,
-    dirty: BTreeMap<u64, BTreeSet<u64>>,
+    by_inode: keelfs_base::IdMapBy<Ino, BTreeSet<u64>>,
+    dirty: BTreeMap<Ino, BTreeSet<u64>>,
     dirty_count: usize,
     stamp: u64,
     stats: CacheStats,
@@ -119,7 +120,7 @@ impl PageCache {
             am_len: 0,
             a1out: VecDeque::new(),
             a1out_set: HashSet::default(),
-            by_inode: keelfs_base::IdMap::default(),
+            by_inode: keelfs_base::IdMapBy::default(),
             dirty: BTreeMap::new(),
             dirty_count: 0,
             stamp: 0,
@@ -218,7 +219,7 @@ impl PageCache {
     /// Zero bytes [offset, end) of `ino` in whichever of its pages are
     /// cached. The walk follows the inode's cached pages, not the range, so
     /// its length is bounded by the cache whatever range a client names.
-    pub fn zero_range(&mut self, ino: u64, offset: u64, end: u64) {
+    pub fn zero_range(&mut self, ino: Ino, offset: u64, end: u64) {
         debug_assert!(offset < end);
         let page_bytes = PAGE_BYTES as u64;
         let (first, last) = (offset / page_bytes, (end - 1) / page_bytes);
@@ -443,19 +444,19 @@ impl PageCache {
     }
 
     /// Dirty page indices of `ino` in [from, to), in order.
-    pub fn dirty_of(&self, ino: u64, from: u64, to: u64) -> Vec<u64> {
+    pub fn dirty_of(&self, ino: Ino, from: u64, to: u64) -> Vec<u64> {
         self.dirty.get(&ino).map(|set| set.range(from..to).copied().collect()).unwrap_or_default()
     }
 
     /// Inodes with dirty pages.
-    pub fn dirty_inodes(&self) -> Vec<u64> {
+    pub fn dirty_inodes(&self) -> Vec<Ino> {
         self.dirty.keys().copied().collect()
     }
 
     /// Drop every cached page of `ino` at or after page `from`, dirty or
     /// not (the data is gone: truncation or deletion). Returns how many
     /// block reservations went with them.
-    pub fn discard(&mut self, ino: u64, from: u64) -> u64 {
+    pub fn discard(&mut self, ino: Ino, from: u64) -> u64 {
         let pages: Vec<u64> = self.by_inode.get(&ino).map(|s| s.range(from..).copied().collect()).unwrap_or_default();
         let mut released = 0;
         for page in pages {
@@ -472,7 +473,7 @@ impl PageCache {
     }
 
     /// Drop clean cached pages of `ino` in [from, to).
-    pub fn discard_clean_range(&mut self, ino: u64, from: u64, to: u64) {
+    pub fn discard_clean_range(&mut self, ino: Ino, from: u64, to: u64) {
         let pages: Vec<u64> = self.by_inode.get(&ino).map(|s| s.range(from..to).copied().collect()).unwrap_or_default();
         for page in pages {
             if self.is_dirty((ino, page)) {
@@ -487,7 +488,7 @@ impl PageCache {
         }
     }
 
-    pub fn has_pages(&self, ino: u64, from: u64, to: u64) -> bool {
+    pub fn has_pages(&self, ino: Ino, from: u64, to: u64) -> bool {
         self.by_inode.get(&ino).is_some_and(|s| s.range(from..to).next().is_some())
     }
 }
@@ -495,6 +496,7 @@ impl PageCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ids::Ino;
 
     fn page(v: u8) -> Vec<u8> {
         vec![v; PAGE_BYTES]
@@ -504,14 +506,14 @@ mod tests {
     fn bounded_and_dirty_pages_stay() {
         let mut c = PageCache::new(16 * PAGE_BYTES as u64);
         for i in 0..16 {
-            c.insert((1, i), &page(i as u8)).unwrap();
-            c.mark_dirty((1, i));
+            c.insert((Ino::new(1), i), &page(i as u8)).unwrap();
+            c.mark_dirty((Ino::new(1), i));
         }
-        assert_eq!(c.insert((1, 99), &page(0)), Err(CacheFull));
-        c.mark_clean((1, 3));
-        c.insert((1, 99), &page(9)).unwrap();
-        assert!(!c.contains((1, 3)), "the only clean page was evicted");
-        assert_eq!(c.get((1, 5)).unwrap()[0], 5);
+        assert_eq!(c.insert((Ino::new(1), 99), &page(0)), Err(CacheFull));
+        c.mark_clean((Ino::new(1), 3));
+        c.insert((Ino::new(1), 99), &page(9)).unwrap();
+        assert!(!c.contains((Ino::new(1), 3)), "the only clean page was evicted");
+        assert_eq!(c.get((Ino::new(1), 5)).unwrap()[0], 5);
         assert_eq!(c.stats().pages, 16);
     }
 
@@ -522,19 +524,19 @@ mod tests {
         // traffic, then seen again.
         for round in 0..6 {
             for i in 0..20 {
-                if c.get((1, i)).is_none() {
-                    c.insert((1, i), &page(1)).unwrap();
+                if c.get((Ino::new(1), i)).is_none() {
+                    c.insert((Ino::new(1), i), &page(1)).unwrap();
                 }
             }
             for i in 0..30 {
-                c.insert((2, round * 1000 + i), &page(2)).unwrap();
+                c.insert((Ino::new(2), round * 1000 + i), &page(2)).unwrap();
             }
         }
         // A long scan of cold pages.
         for i in 0..10_000 {
-            c.insert((3, i), &page(3)).unwrap();
+            c.insert((Ino::new(3), i), &page(3)).unwrap();
         }
-        let hot = (0..20).filter(|&i| c.contains((1, i))).count();
+        let hot = (0..20).filter(|&i| c.contains((Ino::new(1), i))).count();
         assert_eq!(hot, 20, "the scan evicted hot pages");
     }
 
@@ -542,13 +544,13 @@ mod tests {
     fn discard_drops_pages_and_dirty_state() {
         let mut c = PageCache::new(64 * PAGE_BYTES as u64);
         for i in 0..10 {
-            c.insert((7, i), &page(0)).unwrap();
-            c.mark_dirty((7, i));
+            c.insert((Ino::new(7), i), &page(0)).unwrap();
+            c.mark_dirty((Ino::new(7), i));
         }
-        c.set_reserved((7, 5));
-        assert_eq!(c.discard(7, 4), 1);
+        c.set_reserved((Ino::new(7), 5));
+        assert_eq!(c.discard(Ino::new(7), 4), 1);
         assert_eq!(c.dirty_pages(), 4);
-        assert_eq!(c.dirty_of(7, 0, u64::MAX), vec![0, 1, 2, 3]);
-        assert!(!c.contains((7, 4)));
+        assert_eq!(c.dirty_of(Ino::new(7), 0, u64::MAX), vec![0, 1, 2, 3]);
+        assert!(!c.contains((Ino::new(7), 4)));
     }
 }

@@ -21,6 +21,7 @@ use std::hash::BuildHasher;
 use std::sync::OnceLock;
 
 use super::format::NAME_MAX;
+use super::ids::Ino;
 
 /// Offsets 1 and 2 are "." and ".."; entries start at 3.
 pub const FIRST_COOKIE: u64 = 3;
@@ -188,7 +189,7 @@ pub enum DirError {
 /// A directory's entries; see the module's notes.
 #[derive(Clone, Debug)]
 pub struct Directory {
-    pub parent: u64,
+    pub parent: Ino,
     arena: Vec<u8>,
     /// Power-of-two sized (or empty); at most 70% used, counting removed
     /// slots, so that a probe for a missing name ends after a few slots.
@@ -221,7 +222,7 @@ struct Entry<'a> {
 }
 
 impl Directory {
-    pub fn new(parent: u64) -> Self {
+    pub fn new(parent: Ino) -> Self {
         Self {
             parent,
             arena: Vec::new(),
@@ -239,7 +240,7 @@ impl Directory {
 
     /// A directory that fills at `arena_max` bytes, for tests.
     #[cfg(test)]
-    fn with_arena_max(parent: u64, arena_max: usize) -> Self {
+    fn with_arena_max(parent: Ino, arena_max: usize) -> Self {
         Self { arena_max, ..Self::new(parent) }
     }
 
@@ -298,12 +299,12 @@ impl Directory {
         unreachable!("the index always has an empty slot")
     }
 
-    pub fn lookup(&self, name: &[u8]) -> Option<u64> {
-        self.find_slot(name, name_hash(name)).map(|s| self.entry_at(self.index.get(s) as usize - 1).ino)
+    pub fn lookup(&self, name: &[u8]) -> Option<Ino> {
+        self.find_slot(name, name_hash(name)).map(|s| Ino::new(self.entry_at(self.index.get(s) as usize - 1).ino))
     }
 
     /// Entries with cookie >= `from`, in cookie order: (cookie, name, ino).
-    pub fn entries_from(&self, from: u64) -> impl Iterator<Item = (u64, &[u8], u64)> + '_ {
+    pub fn entries_from(&self, from: u64) -> impl Iterator<Item = (u64, &[u8], Ino)> + '_ {
         // The last sampled record at or before `from`; records before it
         // all have smaller cookies.
         let start = match self.sparse.partition_point(|&(c, _)| c <= from) {
@@ -316,7 +317,7 @@ impl Directory {
                 let e = self.entry_at(at);
                 at = e.end;
                 if e.ino != 0 && e.cookie >= from {
-                    return Some((e.cookie, e.name, e.ino));
+                    return Some((e.cookie, e.name, Ino::new(e.ino)));
                 }
             }
             None
@@ -324,7 +325,8 @@ impl Directory {
     }
 
     /// Add `name` -> `ino` with `cookie`, replacing an entry of that name.
-    pub fn insert(&mut self, name: &[u8], ino: u64, cookie: u64) -> Result<(), DirError> {
+    pub fn insert(&mut self, name: &[u8], ino: Ino, cookie: u64) -> Result<(), DirError> {
+        let ino = ino.get();
         if name.is_empty() || name.len() > NAME_MAX {
             return Err(DirError::BadName(name.len()));
         }
@@ -366,8 +368,8 @@ impl Directory {
     }
 
     /// Remove `name`, returning the inode it named.
-    pub fn remove(&mut self, name: &[u8]) -> Option<u64> {
-        self.remove_hashed(name, name_hash(name))
+    pub fn remove(&mut self, name: &[u8]) -> Option<Ino> {
+        self.remove_hashed(name, name_hash(name)).map(Ino::new)
     }
 
     fn remove_hashed(&mut self, name: &[u8], hash: u64) -> Option<u64> {
@@ -521,21 +523,21 @@ mod tests {
     /// neighbours readable, in order, with their inodes.
     #[test]
     fn removal_keeps_wide_records_in_place() {
-        let mut d = Directory::new(1);
+        let mut d = Directory::new(Ino::new(1));
         let inos = [5, 300, 1 << 40, u64::MAX - 1, 77];
         for (i, &ino) in inos.iter().enumerate() {
-            d.insert(format!("n{i}").as_bytes(), ino, FIRST_COOKIE + (i as u64) * 1000).expect("insert");
+            d.insert(format!("n{i}").as_bytes(), Ino::new(ino), FIRST_COOKIE + (i as u64) * 1000).expect("insert");
         }
-        assert_eq!(d.remove(b"n2"), Some(1 << 40));
-        assert_eq!(d.remove(b"n3"), Some(u64::MAX - 1));
-        let left: Vec<u64> = d.entries_from(0).map(|(_, _, ino)| ino).collect();
+        assert_eq!(d.remove(b"n2").map(Ino::get), Some(1 << 40));
+        assert_eq!(d.remove(b"n3").map(Ino::get), Some(u64::MAX - 1));
+        let left: Vec<u64> = d.entries_from(0).map(|(_, _, ino)| ino.get()).collect();
         assert_eq!(left, vec![5, 300, 77]);
-        assert_eq!(d.lookup(b"n4"), Some(77));
-        assert_eq!(d.lookup(b"n2"), None);
+        assert_eq!(d.lookup(b"n4").map(Ino::get), Some(77));
+        assert_eq!(d.lookup(b"n2").map(Ino::get), None);
     }
 
     fn names(d: &Directory, from: u64) -> Vec<(u64, String, u64)> {
-        d.entries_from(from).map(|(c, n, i)| (c, String::from_utf8_lossy(n).into_owned(), i)).collect()
+        d.entries_from(from).map(|(c, n, i)| (c, String::from_utf8_lossy(n).into_owned(), i.get())).collect()
     }
 
     /// Against a model (a map by name and one by cookie, as the
@@ -547,13 +549,13 @@ mod tests {
         use std::collections::{BTreeMap, HashMap};
         let mut seed = 34u64;
         let mut below = |n: u64| keelfs_base::testing::splitmix64(&mut seed) % n;
-        let mut d = Directory::new(1);
+        let mut d = Directory::new(Ino::new(1));
         let mut by_name: HashMap<Vec<u8>, (u64, u64)> = HashMap::new();
         let mut by_cookie: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
         for step in 0..20_000u64 {
             let name = format!("n{}-{}", below(3000), "x".repeat(below(40) as usize)).into_bytes();
             if below(3) == 0 {
-                let got = d.remove(&name);
+                let got = d.remove(&name).map(Ino::get);
                 let want = by_name.remove(&name).map(|(ino, cookie)| {
                     by_cookie.remove(&cookie);
                     ino
@@ -562,7 +564,7 @@ mod tests {
             } else {
                 let cookie = d.take_cookie();
                 let ino = step + 1;
-                d.insert(&name, ino, cookie).expect("insert");
+                d.insert(&name, Ino::new(ino), cookie).expect("insert");
                 if let Some((_, old)) = by_name.insert(name.clone(), (ino, cookie)) {
                     by_cookie.remove(&old);
                 }
@@ -571,7 +573,7 @@ mod tests {
             assert_eq!(d.live as usize, by_name.len());
             if step % 997 == 0 {
                 for (n, &(ino, _)) in &by_name {
-                    assert_eq!(d.lookup(n), Some(ino));
+                    assert_eq!(d.lookup(n).map(Ino::get), Some(ino));
                 }
                 let from = FIRST_COOKIE + below(d.cookie_end());
                 let want: Vec<_> = by_cookie
@@ -586,10 +588,10 @@ mod tests {
 
     #[test]
     fn readdir_from_a_cookie_resumes_after_it() {
-        let mut d = Directory::new(1);
+        let mut d = Directory::new(Ino::new(1));
         for i in 0..200u64 {
             let c = d.take_cookie();
-            d.insert(format!("f{i}").as_bytes(), 10 + i, c).unwrap();
+            d.insert(format!("f{i}").as_bytes(), Ino::new(10 + i), c).unwrap();
         }
         let all = names(&d, 0);
         assert_eq!(all.len(), 200);
@@ -603,13 +605,13 @@ mod tests {
     /// Records a crafted image could hold are refused, not trusted.
     #[test]
     fn hostile_entries_are_refused() {
-        let mut d = Directory::new(1);
-        d.insert(b"a", 5, 10).unwrap();
-        assert_eq!(d.insert(b"b", 6, 10), Err(DirError::CookieOrder { cookie: 10, last: 10 }));
-        assert_eq!(d.insert(b"b", 6, 4), Err(DirError::CookieOrder { cookie: 4, last: 10 }));
-        assert_eq!(d.insert(b"c", 0, 11), Err(DirError::InodeZero));
-        assert_eq!(d.insert(b"", 6, 11), Err(DirError::BadName(0)));
-        assert_eq!(d.insert(&[b'x'; 256], 6, 11), Err(DirError::BadName(256)));
+        let mut d = Directory::new(Ino::new(1));
+        d.insert(b"a", Ino::new(5), 10).unwrap();
+        assert_eq!(d.insert(b"b", Ino::new(6), 10), Err(DirError::CookieOrder { cookie: 10, last: 10 }));
+        assert_eq!(d.insert(b"b", Ino::new(6), 4), Err(DirError::CookieOrder { cookie: 4, last: 10 }));
+        assert_eq!(d.insert(b"c", Ino::new(0), 11), Err(DirError::InodeZero));
+        assert_eq!(d.insert(b"", Ino::new(6), 11), Err(DirError::BadName(0)));
+        assert_eq!(d.insert(&[b'x'; 256], Ino::new(6), 11), Err(DirError::BadName(256)));
         assert_eq!(names(&d, 0), vec![(10, "a".to_string(), 5)], "nothing refused was added");
     }
 
@@ -618,27 +620,31 @@ mod tests {
     /// name throughout.
     #[test]
     fn the_index_widens_and_narrows_with_the_arena() {
-        let mut d = Directory::new(1);
+        let mut d = Directory::new(Ino::new(1));
         let name = |i: u64| format!("a-name-of-about-thirty-bytes-{i:06}");
         let mut count = 0;
         while d.index.is_narrow() {
             let c = d.take_cookie();
-            d.insert(name(count).as_bytes(), count + 2, c).unwrap();
+            d.insert(name(count).as_bytes(), Ino::new(count + 2), c).unwrap();
             count += 1;
             assert!(count < 10_000, "the index widens");
         }
         assert!(d.arena.len() > 60_000, "narrow slots served until the arena outgrew them");
         for i in 0..count {
-            assert_eq!(d.lookup(name(i).as_bytes()), Some(i + 2));
+            assert_eq!(d.lookup(name(i).as_bytes()).map(Ino::get), Some(i + 2));
         }
         for i in 0..count - 100 {
-            assert_eq!(d.remove(name(i).as_bytes()), Some(i + 2));
+            assert_eq!(d.remove(name(i).as_bytes()).map(Ino::get), Some(i + 2));
         }
         assert!(d.index.is_narrow(), "compaction narrowed the index again");
         for i in 0..count {
-            assert_eq!(d.lookup(name(i).as_bytes()), (i >= count - 100).then_some(i + 2));
+            assert_eq!(d.lookup(name(i).as_bytes()).map(Ino::get), (i >= count - 100).then_some(i + 2));
         }
-        assert_eq!(d.remove(name(count - 1).as_bytes()), Some(count + 1), "a removal through a narrow slot");
+        assert_eq!(
+            d.remove(name(count - 1).as_bytes()).map(Ino::get),
+            Some(count + 1),
+            "a removal through a narrow slot"
+        );
         assert_eq!(d.entries_from(0).count(), 99);
     }
 
@@ -646,24 +652,24 @@ mod tests {
     /// removal makes room (the removed record compacted away first).
     #[test]
     fn a_full_directory_refuses_entries_until_one_is_removed() {
-        let mut d = Directory::with_arena_max(1, 1000);
+        let mut d = Directory::with_arena_max(Ino::new(1), 1000);
         // 10 bytes; cookies and inodes below 128 take a byte each: 13 a record.
         let name = |i: u64| format!("entry-{i:04}");
         let mut added = 0;
         while d.has_room(name(added).as_bytes()) {
             let c = d.take_cookie();
-            d.insert(name(added).as_bytes(), added + 2, c).unwrap();
+            d.insert(name(added).as_bytes(), Ino::new(added + 2), c).unwrap();
             added += 1;
         }
         // Room is judged by the widest record a name can make.
         assert_eq!(added as usize, (1000 - (HEADER_MAX + 10)) / 13 + 1);
         let c = d.take_cookie();
-        assert_eq!(d.insert(name(added).as_bytes(), 99, c), Err(DirError::Full));
+        assert_eq!(d.insert(name(added).as_bytes(), Ino::new(99), c), Err(DirError::Full));
         assert!(d.lookup(name(added).as_bytes()).is_none(), "a refused entry is not added");
         assert!(d.arena.len() <= 1000);
         d.remove(name(0).as_bytes()).unwrap();
         let c = d.take_cookie();
-        d.insert(name(added).as_bytes(), 99, c).expect("room again after a removal");
+        d.insert(name(added).as_bytes(), Ino::new(99), c).expect("room again after a removal");
         assert!(d.arena.len() <= 1000, "the removed record was compacted away to make room");
         assert_eq!(d.entries_from(0).count(), added as usize);
     }
@@ -674,22 +680,26 @@ mod tests {
     #[test]
     fn an_emptied_directory_holds_nothing() {
         for (count, kept) in [(1000u64, true), (5000, false)] {
-            let mut d = Directory::new(1);
+            let mut d = Directory::new(Ino::new(1));
             let name = |i: u64| format!("file-with-a-longer-name-{i:06}");
             for i in 0..count {
                 let c = d.take_cookie();
-                d.insert(name(i).as_bytes(), i + 2, c).unwrap();
+                d.insert(name(i).as_bytes(), Ino::new(i + 2), c).unwrap();
             }
             for i in 0..count {
-                assert_eq!(d.remove(name(i).as_bytes()), Some(i + 2));
+                assert_eq!(d.remove(name(i).as_bytes()).map(Ino::get), Some(i + 2));
             }
             assert!(d.is_empty() && d.arena.is_empty() && d.entries_from(0).next().is_none());
             assert_eq!(d.cookie_end(), FIRST_COOKIE + count, "cookies are never reused");
             assert_eq!(d.arena.capacity() > 0, kept, "{count} entries: buffers kept only when small");
             assert!(d.arena.capacity() <= EMPTY_KEEP_BYTES);
             let c = d.take_cookie();
-            d.insert(b"again", 7, c).unwrap();
-            assert_eq!((d.lookup(b"again"), d.lookup(name(0).as_bytes())), (Some(7), None), "usable again");
+            d.insert(b"again", Ino::new(7), c).unwrap();
+            assert_eq!(
+                (d.lookup(b"again").map(Ino::get), d.lookup(name(0).as_bytes()).map(Ino::get)),
+                (Some(7), None),
+                "usable again"
+            );
         }
     }
 }

@@ -2,6 +2,7 @@
 //! little-endian and fixed-width; every structure has a checksum.
 
 use super::codec::{DecodeError, Reader, Writer};
+use super::ids::Ino;
 
 pub const BLOCK_SIZE: u64 = 4096;
 pub const BLOCK_BYTES: usize = BLOCK_SIZE as usize;
@@ -10,7 +11,7 @@ pub const FORMAT_VERSION: u32 = 1;
 /// Superblock copies live in blocks 0 and 1.
 pub const SUPERBLOCK_SLOTS: [u64; 2] = [0, 1];
 pub const JOURNAL_FIRST_BLOCK: u64 = 2;
-pub const ROOT_INO: u64 = 1;
+pub const ROOT_INO: Ino = Ino::new(1);
 pub const NAME_MAX: usize = 255;
 pub const SYMLINK_MAX: usize = 4095;
 pub const XATTR_NAME_MAX: usize = 255;
@@ -284,7 +285,7 @@ pub const S_IFLNK: u32 = libc::S_IFLNK;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Inode {
-    pub ino: u64,
+    pub ino: Ino,
     pub generation: u64,
     pub mode: u32,
     pub uid: u32,
@@ -305,7 +306,7 @@ impl Inode {
 
     /// A new, empty inode created now: a directory starts with two links
     /// ("." and its entry), anything else with one.
-    pub fn new(ino: u64, mode: u32, uid: u32, gid: u32, rdev: u32) -> Self {
+    pub fn new(ino: Ino, mode: u32, uid: u32, gid: u32, rdev: u32) -> Self {
         let t = Timespec::now();
         Inode {
             ino,
@@ -339,7 +340,7 @@ impl Inode {
     }
 
     pub fn encode(&self, w: &mut Writer) {
-        w.u64(self.ino);
+        w.u64(self.ino.get());
         w.u64(self.generation);
         w.u32(self.mode);
         w.u32(self.uid);
@@ -356,7 +357,7 @@ impl Inode {
     }
 
     pub fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
-        let ino = r.u64("inode number")?;
+        let ino = Ino::new(r.u64("inode number")?);
         let generation = r.u64("inode generation")?;
         let mode = r.u32("mode")?;
         let uid = r.u32("uid")?;

@@ -15,6 +15,7 @@ use super::journal;
 use super::record::Record;
 use super::state::State;
 use super::{Fs, FsConfig, FsError, FsResult};
+use crate::ids::Ino;
 use keelfs_reactor::DeviceChannel;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -93,7 +94,7 @@ pub async fn fsck(dev: DeviceChannel, mut progress: impl FnMut(&str)) -> FsResul
 /// them out: 4 bytes per inode), a map when an image scatters them.
 enum PerInode {
     Dense(Vec<u32>),
-    Sparse(keelfs_base::IdMap<u32>),
+    Sparse(keelfs_base::IdMapBy<Ino, u32>),
 }
 
 impl PerInode {
@@ -105,18 +106,18 @@ impl PerInode {
         }
     }
 
-    fn get(&self, ino: u64) -> u32 {
+    fn get(&self, ino: Ino) -> u32 {
         match self {
-            PerInode::Dense(v) => usize::try_from(ino).ok().and_then(|i| v.get(i)).copied().unwrap_or(0),
+            PerInode::Dense(v) => usize::try_from(ino.get()).ok().and_then(|i| v.get(i)).copied().unwrap_or(0),
             PerInode::Sparse(m) => m.get(&ino).copied().unwrap_or(0),
         }
     }
 
     /// Add one to `ino`'s count, returning the count before.
-    fn bump(&mut self, ino: u64) -> u32 {
+    fn bump(&mut self, ino: Ino) -> u32 {
         let slot = match self {
             // Every inode of the state is below next_ino.
-            PerInode::Dense(v) => &mut v[usize::try_from(ino).expect("an inode of the state")],
+            PerInode::Dense(v) => &mut v[usize::try_from(ino.get()).expect("an inode of the state")],
             PerInode::Sparse(m) => m.entry(ino).or_default(),
         };
         let before = *slot;
@@ -129,8 +130,8 @@ fn check_state(state: &State, sb: &Superblock, recorded_free: u64, report: &mut 
     report.inodes = state.inode_count() as u64;
     report.free_blocks = state.alloc.free_blocks();
     let mut names_of = PerInode::for_state(state);
-    let mut subdirs: HashMap<u64, u32> = HashMap::new();
-    let mut parents: HashMap<u64, Vec<u64>> = HashMap::new();
+    let mut subdirs: HashMap<Ino, u32> = HashMap::new();
+    let mut parents: HashMap<Ino, Vec<Ino>> = HashMap::new();
     for node in state.nodes() {
         report.data_blocks_used += node.extents.blocks();
         if node.inode.nlink == 0 {
@@ -189,8 +190,8 @@ fn check_state(state: &State, sb: &Superblock, recorded_free: u64, report: &mut 
 fn check_links(
     state: &State,
     names_of: &PerInode,
-    subdirs: &HashMap<u64, u32>,
-    parents: &HashMap<u64, Vec<u64>>,
+    subdirs: &HashMap<Ino, u32>,
+    parents: &HashMap<Ino, Vec<Ino>>,
     report: &mut FsckReport,
 ) {
     for node in state.nodes() {
@@ -275,8 +276,8 @@ fn fix_entries_and_links(fs: &Fs, repaired: &mut Vec<String>) -> FsResult<()> {
     let (dangling, counts) = {
         let state = inner.state.borrow();
         let mut dangling = Vec::new();
-        let mut names: HashMap<u64, u32> = HashMap::new();
-        let mut subdirs: HashMap<u64, u32> = HashMap::new();
+        let mut names: HashMap<Ino, u32> = HashMap::new();
+        let mut subdirs: HashMap<Ino, u32> = HashMap::new();
         for node in state.nodes() {
             let Some(dir) = &node.dir else { continue };
             for (_, name, child) in dir.entries_from(0) {
@@ -291,7 +292,7 @@ fn fix_entries_and_links(fs: &Fs, repaired: &mut Vec<String>) -> FsResult<()> {
                 }
             }
         }
-        let counts: Vec<(u64, u32)> = state
+        let counts: Vec<(Ino, u32)> = state
             .nodes()
             .filter(|n| n.inode.nlink != 0 || names.contains_key(&n.inode.ino))
             .map(|n| {
@@ -329,7 +330,7 @@ mod tests {
     /// count but no name: (root, dir, named file, nameless file).
     fn tree(inos: [u64; 4]) -> State {
         let mut s = State::new(Allocator::new(100, 1000, 1));
-        let [root, dir, named, nameless] = inos;
+        let [root, dir, named, nameless] = inos.map(Ino::new);
         let mut apply = |r: Record| s.apply(&r, ApplyMode::Replay).expect("applies");
         apply(Record::InodeSet(Inode::new(root, S_IFDIR | 0o755, 0, 0, 0)));
         apply(Record::InodeSet(Inode::new(dir, S_IFDIR | 0o755, 0, 0, 0)));
@@ -352,11 +353,11 @@ mod tests {
     /// long as the largest number. Both find the same damage.
     #[test]
     fn connectivity_is_found_with_dense_and_scattered_inode_numbers() {
-        let dense = tree([ROOT_INO, 2, 3, 4]);
+        let dense = tree([ROOT_INO.get(), 2, 3, 4]);
         assert!(matches!(PerInode::for_state(&dense), PerInode::Dense(ref v) if v.len() == 5));
         assert_eq!(disconnected(&dense), ["inode 4 is not reachable from the root"]);
 
-        let scattered = tree([ROOT_INO, 5_000_000, 9_000_000, 7_777_777]);
+        let scattered = tree([ROOT_INO.get(), 5_000_000, 9_000_000, 7_777_777]);
         assert!(matches!(PerInode::for_state(&scattered), PerInode::Sparse(_)));
         assert_eq!(disconnected(&scattered), ["inode 7777777 is not reachable from the root"]);
     }
@@ -364,9 +365,9 @@ mod tests {
     #[test]
     fn per_inode_counts_saturate_instead_of_wrapping() {
         let mut counts = PerInode::Dense(vec![u32::MAX - 1; 3]);
-        assert_eq!(counts.bump(2), u32::MAX - 1);
-        assert_eq!(counts.bump(2), u32::MAX);
-        assert_eq!(counts.get(2), u32::MAX);
-        assert_eq!(counts.get(99), 0, "past the array is a count of 0");
+        assert_eq!(counts.bump(Ino::new(2)), u32::MAX - 1);
+        assert_eq!(counts.bump(Ino::new(2)), u32::MAX);
+        assert_eq!(counts.get(Ino::new(2)), u32::MAX);
+        assert_eq!(counts.get(Ino::new(99)), 0, "past the array is a count of 0");
     }
 }

@@ -38,6 +38,3 @@ id_type!(
     /// return it.
     Fh
 );
-
-/// The root directory.
-pub const ROOT_INO: Ino = Ino(crate::format::ROOT_INO);

@@ -53,9 +53,9 @@ pub use discard::DiscardConfig;
 pub use error::{BlockClaim, DoubleOwner, FsError, FsResult};
 pub use file_clock::{FileClock, ManualClock};
 pub use flags::{FallocateMode, RenameMode, XattrFlags};
-pub use format::{crc, Superblock, Timespec, XATTR_INODE_BYTES_MAX};
+pub use format::{crc, Superblock, Timespec, ROOT_INO, XATTR_INODE_BYTES_MAX};
 pub use fsck::{fsck, repair, FsckReport, Problem};
-pub use ids::{Fh, Ino, ROOT_INO};
+pub use ids::{Fh, Ino};
 pub use journal::{CHECKPOINT_BLOCK_MAGIC, JOURNAL_TX_MAGIC};
 pub use mkfs::{mkfs, MkfsError, MkfsOptions};
 pub use ops::{Attr, DirEntry, SeekTo, SetAttr, TimeSet};
@@ -185,7 +185,7 @@ pub struct FsCounters {
 }
 
 struct Handle {
-    ino: u64,
+    ino: Ino,
     flags: u32,
     /// For a directory handle: readdir lists only entries made before this
     /// cookie (the directory's cookie end at opendir or the last rewind).
@@ -206,9 +206,9 @@ struct JournalState {
     logged_ops: u64,
     committed_ops: u64,
     /// Inodes whose in-memory image differs from the last logged one.
-    dirty: BTreeSet<u64>,
+    dirty: BTreeSet<Ino>,
     /// Inodes logged with a capped size, to log again once written back.
-    dirty_later: BTreeSet<u64>,
+    dirty_later: BTreeSet<Ino>,
     /// Images of dirty inodes freed before the commit. Records already
     /// pending may name them (an entry added to a directory that was then
     /// removed), so the transaction still carries their image up front,
@@ -251,7 +251,7 @@ pub(crate) struct FsInner {
     ranges: Rc<sync::RangeLocks>,
     /// Files whose writeback is running: pages it took are clean in the
     /// cache but neither on the device nor mapped until it ends.
-    writing_back: RefCell<BTreeSet<u64>>,
+    writing_back: RefCell<BTreeSet<Ino>>,
     /// Freed runs out of the allocator until their discard completes.
     discard: RefCell<discard::DiscardState>,
     counters: Cell<FsCounters>,
@@ -262,7 +262,7 @@ pub(crate) struct FsInner {
     file_times: Cell<bool>,
     /// Files with readers on other cores ([`Fs::shared_reader`]): their
     /// size and life, published under a sequence number.
-    shared_files: RefCell<keelfs_base::IdMap<Arc<shared::SharedFile>>>,
+    shared_files: RefCell<keelfs_base::IdMapBy<Ino, Arc<shared::SharedFile>>>,
     /// The span current at mount (the daemon's export span, inside its
     /// reactor's): the parent of this filesystem's events, which are often
     /// logged from timer tasks that run outside it.
@@ -296,7 +296,7 @@ impl FsInner {
     /// Begin a change of several steps to `ino` (pages and size) that
     /// readers on other cores must not see half done. Free when the file
     /// has no such readers.
-    pub(crate) fn file_change(&self, ino: u64) -> FileChange {
+    pub(crate) fn file_change(&self, ino: Ino) -> FileChange {
         let file = self.shared_files.borrow().get(&ino).cloned();
         if let Some(f) = &file {
             f.open();
@@ -306,7 +306,7 @@ impl FsInner {
 
     /// Tell readers on other cores the file's size (after any change to an
     /// inode, which is where sizes change).
-    fn publish_size(&self, ino: u64, size: u64) {
+    fn publish_size(&self, ino: Ino, size: u64) {
         let files = self.shared_files.borrow();
         if let Some(f) = files.get(&ino) {
             f.set_size_published(size);
@@ -315,7 +315,7 @@ impl FsInner {
 
     /// The inode is gone: its shared readers must go to the owner, which
     /// will answer that the file no longer exists.
-    fn forget_shared(&self, ino: u64) {
+    fn forget_shared(&self, ino: Ino) {
         if let Some(f) = self.shared_files.borrow_mut().remove(&ino) {
             f.kill_published();
         }
@@ -329,12 +329,12 @@ impl FsInner {
     /// them (the same tick) changes nothing and dirties nothing, unless
     /// someone read the attributes or i_version since the last stamp: then
     /// the precise clock makes the change visible (multigrain timestamps).
-    pub(crate) fn written(&self, ino: u64, end: Option<u64>) -> FsResult<()> {
+    pub(crate) fn written(&self, ino: Ino, end: Option<u64>) -> FsResult<()> {
         self.written_with(ino, end, data::WriteTimes::Stamp)
     }
 
     /// [`Self::written`], leaving the times alone when the client keeps them.
-    pub(crate) fn written_with(&self, ino: u64, end: Option<u64>, times: data::WriteTimes) -> FsResult<()> {
+    pub(crate) fn written_with(&self, ino: Ino, end: Option<u64>, times: data::WriteTimes) -> FsResult<()> {
         let mut state = self.state.borrow_mut();
         let node = state.node_mut(ino).ok_or(FsError::NotFound)?;
         let grows = end.is_some_and(|e| e > node.inode.size);
@@ -433,7 +433,7 @@ impl FsInner {
         j.delalloc_reserved = j.delalloc_reserved.saturating_sub(blocks);
     }
 
-    fn mark_dirty(&self, ino: u64) {
+    fn mark_dirty(&self, ino: Ino) {
         let mut j = self.journal.borrow_mut();
         j.dirty.insert(ino);
         j.logged_ops += 1;
@@ -527,7 +527,6 @@ impl Fs {
     /// reactor): reads that find every page cached complete there without
     /// a lock or a message; the others the caller sends here.
     pub fn shared_reader(&self, ino: Ino) -> FsResult<SharedReader> {
-        let ino = ino.get();
         let size = self.require_file(ino)?.size;
         let file = self
             .inner
@@ -541,7 +540,6 @@ impl Fs {
 
     /// Extents of a file (for tests and benchmarks of the allocator).
     pub fn extent_count(&self, ino: Ino) -> FsResult<usize> {
-        let ino = ino.get();
         let state = self.inner.state.borrow();
         Ok(state.node(ino).ok_or(FsError::NotFound)?.extents.len())
     }
@@ -593,7 +591,6 @@ impl Fs {
     /// that need a damaged image to check fsck against.
     #[doc(hidden)]
     pub fn debug_set_nlink(&self, ino: Ino, nlink: u32) {
-        let ino = ino.get();
         let _ = self.inner.update_inode(ino, |i| i.nlink = nlink);
     }
 
@@ -694,7 +691,7 @@ impl Fs {
                 unmounted: Cell::new(false),
                 replayed_at_mount: loaded.replayed,
                 file_times: Cell::new(true),
-                shared_files: RefCell::new(keelfs_base::IdMap::default()),
+                shared_files: RefCell::new(keelfs_base::IdMapBy::default()),
                 span: tracing::Span::current(),
             }),
         };
@@ -722,7 +719,7 @@ impl Fs {
     /// Inodes with no links left when the last mount ended (unlinked while
     /// open, then a crash) are freed now.
     fn free_orphans(&self) -> FsResult<()> {
-        let orphans: Vec<u64> = {
+        let orphans: Vec<Ino> = {
             let state = self.inner.state.borrow();
             state.nodes().filter(|n| n.inode.nlink == 0).map(|n| n.inode.ino).collect()
         };

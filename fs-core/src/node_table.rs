@@ -15,6 +15,8 @@
 
 use keelfs_base::IdMap;
 
+use crate::ids::Ino;
+
 /// Consecutive inode numbers per page.
 pub const PAGE_SLOTS: usize = 64;
 
@@ -81,7 +83,8 @@ impl<T> Default for NodeTable<T> {
     }
 }
 
-fn split(ino: u64) -> (u64, usize) {
+fn split(ino: Ino) -> (u64, usize) {
+    let ino = ino.get();
     (ino / PAGE_SLOTS as u64, (ino % PAGE_SLOTS as u64) as usize)
 }
 
@@ -90,14 +93,14 @@ impl<T> NodeTable<T> {
         self.len
     }
 
-    pub fn get(&self, ino: u64) -> Option<&T> {
+    pub fn get(&self, ino: Ino) -> Option<&T> {
         let (page, slot) = split(ino);
         let page = self.pages.get(&page)?;
         let at = page.index[slot];
         (at != EMPTY).then(|| &page.items[usize::from(at)])
     }
 
-    pub fn get_mut(&mut self, ino: u64) -> Option<&mut T> {
+    pub fn get_mut(&mut self, ino: Ino) -> Option<&mut T> {
         let (page, slot) = split(ino);
         let page = self.pages.get_mut(&page)?;
         let at = page.index[slot];
@@ -105,7 +108,7 @@ impl<T> NodeTable<T> {
     }
 
     /// Put `item` at `ino`, returning what was there.
-    pub fn insert(&mut self, ino: u64, item: T) -> Option<T> {
+    pub fn insert(&mut self, ino: Ino, item: T) -> Option<T> {
         let (page, slot) = split(ino);
         let page = self.pages.entry(page).or_insert_with(Page::new);
         match page.index[slot] {
@@ -118,7 +121,7 @@ impl<T> NodeTable<T> {
         }
     }
 
-    pub fn remove(&mut self, ino: u64) -> Option<T> {
+    pub fn remove(&mut self, ino: Ino) -> Option<T> {
         let (page_no, slot) = split(ino);
         let page = self.pages.get_mut(&page_no)?;
         let item = page.take(slot)?;
@@ -130,10 +133,14 @@ impl<T> NodeTable<T> {
     }
 
     /// Every inode number present, in no particular order.
-    pub fn keys(&self) -> impl Iterator<Item = u64> + '_ {
+    pub fn keys(&self) -> impl Iterator<Item = Ino> + '_ {
         self.pages.iter().flat_map(|(&page, p)| {
             let base = page * PAGE_SLOTS as u64;
-            p.index.iter().enumerate().filter(|&(_, &at)| at != EMPTY).map(move |(slot, _)| base + slot as u64)
+            p.index
+                .iter()
+                .enumerate()
+                .filter(|&(_, &at)| at != EMPTY)
+                .map(move |(slot, _)| Ino::new(base + slot as u64))
         })
     }
 
@@ -162,7 +169,7 @@ mod tests {
         let mut model = BTreeMap::new();
         for step in 0..20_000u64 {
             // Mostly a few dense pages, sometimes far apart.
-            let ino = if next(10) == 0 { next(u64::MAX / 2) } else { next(300) };
+            let ino = Ino::new(if next(10) == 0 { next(u64::MAX / 2) } else { next(300) });
             if next(3) == 0 {
                 assert_eq!(table.remove(ino), model.remove(&ino));
             } else {
@@ -171,7 +178,7 @@ mod tests {
             assert_eq!(table.get(ino), model.get(&ino));
             assert_eq!(table.len(), model.len());
         }
-        let mut keys: Vec<u64> = table.keys().collect();
+        let mut keys: Vec<Ino> = table.keys().collect();
         keys.sort_unstable();
         assert_eq!(keys, model.keys().copied().collect::<Vec<_>>());
         for ino in keys {
@@ -189,18 +196,18 @@ mod tests {
     fn a_page_filled_in_order_has_no_spare_room_and_empties_away() {
         let mut table = NodeTable::default();
         for ino in 64..128 {
-            table.insert(ino, ino);
+            table.insert(Ino::new(ino), ino);
         }
         assert_eq!(table.pages.len(), 1);
         assert_eq!(table.pages[&1].items.capacity(), PAGE_SLOTS);
         for ino in 64..126 {
-            assert_eq!(table.remove(ino), Some(ino));
+            assert_eq!(table.remove(Ino::new(ino)), Some(ino));
         }
         assert!(table.pages[&1].items.capacity() <= 8, "a page shrinks as it empties");
-        assert_eq!(table.get(126), Some(&126));
-        assert_eq!(table.remove(126), Some(126));
-        assert_eq!(table.remove(127), Some(127));
+        assert_eq!(table.get(Ino::new(126)), Some(&126));
+        assert_eq!(table.remove(Ino::new(126)), Some(126));
+        assert_eq!(table.remove(Ino::new(127)), Some(127));
         assert!(table.pages.is_empty(), "an empty page is dropped");
-        assert_eq!(table.remove(127), None);
+        assert_eq!(table.remove(Ino::new(127)), None);
     }
 }

@@ -56,7 +56,7 @@ pub struct Attr {
 
 impl Attr {
     pub fn ino(&self) -> Ino {
-        Ino::new(self.inode.ino)
+        self.inode.ino
     }
 }
 
@@ -117,11 +117,11 @@ fn check_name(name: &[u8]) -> FsResult<()> {
 }
 
 impl FsInner {
-    pub(crate) fn inode(&self, ino: u64) -> FsResult<Inode> {
+    pub(crate) fn inode(&self, ino: Ino) -> FsResult<Inode> {
         self.state.borrow().node(ino).map(|n| n.inode.clone()).ok_or(FsError::NotFound)
     }
 
-    pub(crate) fn attr(&self, ino: u64) -> FsResult<Attr> {
+    pub(crate) fn attr(&self, ino: Ino) -> FsResult<Attr> {
         let state = self.state.borrow();
         let node = state.node(ino).ok_or(FsError::NotFound)?;
         node.times_queried.set(true);
@@ -131,7 +131,7 @@ impl FsInner {
     /// Change an inode in memory; its image reaches the journal with the
     /// next commit (the lazy path: no I/O, no record now). i_version moves
     /// only if someone read it since its last change.
-    pub(crate) fn update_inode(&self, ino: u64, f: impl FnOnce(&mut Inode)) -> FsResult<()> {
+    pub(crate) fn update_inode(&self, ino: Ino, f: impl FnOnce(&mut Inode)) -> FsResult<()> {
         if self.config.read_only {
             return Err(FsError::ReadOnly);
         }
@@ -160,7 +160,7 @@ impl FsInner {
 
     /// chmod on an inode with an access ACL rewrites the ACL's owner,
     /// mask (or group) and other entries to match: posix_acl_chmod.
-    fn couple_acl_to_mode(&self, ino: u64, mode: u32) -> FsResult<()> {
+    fn couple_acl_to_mode(&self, ino: Ino, mode: u32) -> FsResult<()> {
         let acl = self.state.borrow().node(ino).and_then(|n| self.access_acl_of(n));
         let Some(mut acl) = acl else { return Ok(()) };
         acl.chmod(mode);
@@ -179,7 +179,7 @@ impl FsInner {
     /// `ino`'s data or entries were read: move its atime as the config's
     /// atime mode says. In memory only; the commit carries it. i_version
     /// stays, as on Linux.
-    pub(crate) fn accessed(&self, ino: u64) {
+    pub(crate) fn accessed(&self, ino: Ino) {
         if self.config.read_only || self.config.atime == super::AtimeUpdates::Never {
             return;
         }
@@ -210,7 +210,7 @@ impl FsInner {
     }
 
     /// A directory the caller may search, and the inode `name` names in it.
-    fn lookup_in(&self, c: &Creds, parent: u64, name: &[u8]) -> FsResult<Option<u64>> {
+    fn lookup_in(&self, c: &Creds, parent: Ino, name: &[u8]) -> FsResult<Option<Ino>> {
         if name.len() > NAME_MAX {
             return Err(FsError::NameTooLong);
         }
@@ -228,7 +228,7 @@ impl FsInner {
     }
 
     /// Checks for adding or removing an entry of `parent`.
-    fn writable_dir(&self, c: &Creds, parent: u64) -> FsResult<Inode> {
+    fn writable_dir(&self, c: &Creds, parent: Ino) -> FsResult<Inode> {
         let inode = self.inode(parent)?;
         if !inode.is_dir() {
             return Err(FsError::NotDir);
@@ -247,7 +247,7 @@ impl FsInner {
 
     /// The sticky-directory rule: only the owner of the entry or of the
     /// directory (or root) may remove or replace it.
-    fn check_sticky(&self, c: &Creds, dir: &Inode, victim: u64) -> FsResult<()> {
+    fn check_sticky(&self, c: &Creds, dir: &Inode, victim: Ino) -> FsResult<()> {
         if dir.mode & libc::S_ISVTX == 0 || c.kernel_checked() || c.uid == 0 || c.uid == dir.uid {
             return Ok(());
         }
@@ -257,14 +257,14 @@ impl FsInner {
         Err(FsError::Perm)
     }
 
-    fn add_lookup(&self, ino: u64, n: u64) {
+    fn add_lookup(&self, ino: Ino, n: u64) {
         if let Some(node) = self.state.borrow_mut().node_mut(ino) {
             node.lookups.add(n);
         }
     }
 
     /// Free an inode once nothing names or holds it.
-    pub(crate) fn maybe_free(&self, ino: u64) -> FsResult<()> {
+    pub(crate) fn maybe_free(&self, ino: Ino) -> FsResult<()> {
         let unreferenced = match self.state.borrow().node(ino) {
             Some(n) => n.inode.nlink == 0 && n.lookups.is_zero() && n.opens.is_zero(),
             None => return Ok(()),
@@ -310,7 +310,7 @@ impl FsInner {
         } else {
             c.gid
         };
-        (Inode::new(ino, mode, c.uid, gid, rdev), acls)
+        (Inode::new(Ino::new(ino), mode, c.uid, gid, rdev), acls)
     }
 
     /// Create `inode` with the ACLs [`Self::new_inode`] gave it.
@@ -350,7 +350,7 @@ impl FsInner {
     /// A directory holds a bounded number of entries (2 GiB of names):
     /// past that, adding one is ENOSPC. Checked before an operation logs
     /// anything, so that none stops halfway.
-    fn check_dir_room(&self, parent: u64, name: &[u8]) -> FsResult<()> {
+    fn check_dir_room(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
         let state = self.state.borrow();
         let dir = state.node(parent).and_then(|n| n.dir.as_ref()).ok_or(FsError::NotDir)?;
         if dir.has_room(name) {
@@ -360,7 +360,7 @@ impl FsInner {
         }
     }
 
-    fn add_entry(&self, parent: u64, name: &[u8], ino: u64) -> FsResult<()> {
+    fn add_entry(&self, parent: Ino, name: &[u8], ino: Ino) -> FsResult<()> {
         self.check_dir_room(parent, name)?;
         let cookie = {
             let mut state = self.state.borrow_mut();
@@ -370,7 +370,7 @@ impl FsInner {
         self.log(Record::DirentSet { dir: parent, name: Cow::Borrowed(name), ino, cookie })
     }
 
-    fn touch_dir(&self, dir: u64, nlink_delta: i32) -> FsResult<()> {
+    fn touch_dir(&self, dir: Ino, nlink_delta: i32) -> FsResult<()> {
         let t = self.file_time();
         self.update_inode(dir, |i| {
             i.mtime = t;
@@ -386,7 +386,7 @@ impl FsInner {
 
     /// Create an inode and its entry: the common part of mknod, mkdir,
     /// symlink and create.
-    fn make_node(&self, c: &Creds, parent: u64, name: &[u8], mode: u32, rdev: u32) -> FsResult<Inode> {
+    fn make_node(&self, c: &Creds, parent: Ino, name: &[u8], mode: u32, rdev: u32) -> FsResult<Inode> {
         check_name(name)?;
         let dir = self.writable_dir(c, parent)?;
         if self.lookup_in(c, parent, name)?.is_some() {
@@ -413,7 +413,6 @@ impl Fs {
     }
 
     pub async fn lookup(&self, c: &Creds, parent: Ino, name: &[u8]) -> FsResult<Attr> {
-        let parent = parent.get();
         // "." of any inode is the inode: how a client that kept only an
         // inode number (an NFS-style file handle, FUSE_EXPORT_SUPPORT)
         // finds it again. A freed inode is ENOENT, and the client compares
@@ -429,7 +428,6 @@ impl Fs {
 
     /// The kernel dropped `n` references obtained by lookups.
     pub async fn forget(&self, ino: Ino, n: u64) -> FsResult<()> {
-        let ino = ino.get();
         if let Some(node) = self.inner.state.borrow_mut().node_mut(ino) {
             node.lookups.sub(n);
         }
@@ -438,14 +436,12 @@ impl Fs {
     }
 
     pub async fn getattr(&self, ino: Ino) -> FsResult<Attr> {
-        let ino = ino.get();
         self.inner.attr(ino)
     }
 
     /// The inode's change counter (statx's change cookie). Reading it
     /// arms the next change to bump it; unread, changes leave it alone.
     pub async fn i_version(&self, ino: Ino) -> FsResult<u64> {
-        let ino = ino.get();
         let mut state = self.inner.state.borrow_mut();
         let node = state.node_mut(ino).ok_or(FsError::NotFound)?;
         node.i_version_queried = true;
@@ -453,7 +449,6 @@ impl Fs {
     }
 
     pub async fn mknod(&self, c: &Creds, parent: Ino, name: &[u8], mode: u32, rdev: u32) -> FsResult<Attr> {
-        let parent = parent.get();
         let kind = mode & S_IFMT;
         let kind = if kind == 0 { S_IFREG } else { kind };
         if ![S_IFREG, libc::S_IFIFO, libc::S_IFCHR, libc::S_IFBLK, libc::S_IFSOCK].contains(&kind) {
@@ -464,13 +459,11 @@ impl Fs {
     }
 
     pub async fn mkdir(&self, c: &Creds, parent: Ino, name: &[u8], mode: u32) -> FsResult<Attr> {
-        let parent = parent.get();
         let inode = self.inner.make_node(c, parent, name, S_IFDIR | (mode & 0o7777), 0)?;
         self.inner.attr(inode.ino)
     }
 
     pub async fn symlink(&self, c: &Creds, parent: Ino, name: &[u8], target: &[u8]) -> FsResult<Attr> {
-        let parent = parent.get();
         if target.len() > SYMLINK_MAX {
             return Err(FsError::NameTooLong);
         }
@@ -484,15 +477,12 @@ impl Fs {
     }
 
     pub async fn readlink(&self, ino: Ino) -> FsResult<Vec<u8>> {
-        let ino = ino.get();
         let state = self.inner.state.borrow();
         let node = state.node(ino).ok_or(FsError::NotFound)?;
         node.symlink().map(<[u8]>::to_vec).ok_or(FsError::Invalid("not a symlink"))
     }
 
     pub async fn link(&self, c: &Creds, ino: Ino, new_parent: Ino, new_name: &[u8]) -> FsResult<Attr> {
-        let ino = ino.get();
-        let new_parent = new_parent.get();
         check_name(new_name)?;
         let inode = self.inner.inode(ino)?;
         if inode.is_dir() {
@@ -517,16 +507,14 @@ impl Fs {
     }
 
     pub async fn unlink(&self, c: &Creds, parent: Ino, name: &[u8]) -> FsResult<()> {
-        let parent = parent.get();
         self.remove_entry(c, parent, name, false)
     }
 
     pub async fn rmdir(&self, c: &Creds, parent: Ino, name: &[u8]) -> FsResult<()> {
-        let parent = parent.get();
         self.remove_entry(c, parent, name, true)
     }
 
-    fn remove_entry(&self, c: &Creds, parent: u64, name: &[u8], want_dir: bool) -> FsResult<()> {
+    fn remove_entry(&self, c: &Creds, parent: Ino, name: &[u8], want_dir: bool) -> FsResult<()> {
         if want_dir && name == b"." {
             return Err(FsError::Invalid("rmdir of '.'"));
         }
@@ -569,8 +557,6 @@ impl Fs {
         new_name: &[u8],
         mode: RenameMode,
     ) -> FsResult<()> {
-        let parent = parent.get();
-        let new_parent = new_parent.get();
         if let RenameMode::Whiteout { .. } = mode {
             return self.rename_whiteout(c, parent, name, new_parent, new_name, mode);
         }
@@ -580,9 +566,9 @@ impl Fs {
     fn rename_plain(
         &self,
         c: &Creds,
-        parent: u64,
+        parent: Ino,
         name: &[u8],
-        new_parent: u64,
+        new_parent: Ino,
         new_name: &[u8],
         mode: RenameMode,
     ) -> FsResult<()> {
@@ -649,9 +635,9 @@ impl Fs {
     fn rename_whiteout(
         &self,
         c: &Creds,
-        parent: u64,
+        parent: Ino,
         name: &[u8],
-        new_parent: u64,
+        new_parent: Ino,
         new_name: &[u8],
         mode: RenameMode,
     ) -> FsResult<()> {
@@ -670,7 +656,7 @@ impl Fs {
         Ok(())
     }
 
-    fn check_replace(&self, src: &Inode, target: u64) -> FsResult<()> {
+    fn check_replace(&self, src: &Inode, target: Ino) -> FsResult<()> {
         let victim = self.inner.inode(target)?;
         match (src.is_dir(), victim.is_dir()) {
             (true, false) => Err(FsError::NotDir),
@@ -689,7 +675,7 @@ impl Fs {
     }
 
     /// A directory cannot move under itself.
-    fn check_not_ancestor(&self, dir: u64, mut at: u64) -> FsResult<()> {
+    fn check_not_ancestor(&self, dir: Ino, mut at: Ino) -> FsResult<()> {
         let state = self.inner.state.borrow();
         for _ in 0..state.inode_count() + 1 {
             if at == dir {
@@ -703,7 +689,7 @@ impl Fs {
         Err(FsError::Corrupt("directory parent chain loops".into()))
     }
 
-    fn exchange(&self, parent: u64, name: &[u8], a: u64, new_parent: u64, new_name: &[u8], b: u64) -> FsResult<()> {
+    fn exchange(&self, parent: Ino, name: &[u8], a: Ino, new_parent: Ino, new_name: &[u8], b: Ino) -> FsResult<()> {
         if a == b {
             return Ok(()); // one inode under both names: nothing changes
         }
@@ -728,7 +714,6 @@ impl Fs {
     }
 
     pub async fn open(&self, c: &Creds, ino: Ino, flags: u32) -> FsResult<Fh> {
-        let ino = ino.get();
         let inode = self.inner.inode(ino)?;
         let mask = match flags as i32 & libc::O_ACCMODE {
             libc::O_RDONLY => R_OK,
@@ -747,7 +732,7 @@ impl Fs {
         Ok(self.new_handle(ino, flags))
     }
 
-    fn new_handle(&self, ino: u64, flags: u32) -> Fh {
+    fn new_handle(&self, ino: Ino, flags: u32) -> Fh {
         let fh = self.inner.next_handle.get();
         self.inner.next_handle.set(fh + 1);
         let dir_end = self.inner.state.borrow().node(ino).and_then(|n| n.dir.as_ref()).map_or(0, |d| d.cookie_end());
@@ -761,12 +746,11 @@ impl Fs {
     /// Create and open a regular file. With O_EXCL an existing name is an
     /// error; without it the existing file is opened.
     pub async fn create(&self, c: &Creds, parent: Ino, name: &[u8], mode: u32, flags: u32) -> FsResult<(Attr, Fh)> {
-        let parent = parent.get();
         if let Some(ino) = self.inner.lookup_in(c, parent, name)? {
             if flags as i32 & libc::O_EXCL != 0 {
                 return Err(FsError::Exists);
             }
-            let fh = self.open(c, Ino::new(ino), flags & !(libc::O_CREAT as u32)).await?;
+            let fh = self.open(c, ino, flags & !(libc::O_CREAT as u32)).await?;
             self.inner.add_lookup(ino, 1);
             return Ok((self.inner.attr(ino)?, fh));
         }
@@ -779,7 +763,6 @@ impl Fs {
     /// `parent`'s group and ACLs. It is freed at its last release, or at
     /// the next mount after a crash, unless `link` gives it a name first.
     pub async fn tmpfile(&self, c: &Creds, parent: Ino, mode: u32, flags: u32) -> FsResult<(Attr, Fh)> {
-        let parent = parent.get();
         let dir = self.inner.writable_dir(c, parent)?;
         self.inner.check_inode_room()?;
         let (mut inode, acls) = self.inner.new_inode(c, &dir, S_IFREG | (mode & 0o7777), 0);
@@ -804,11 +787,10 @@ impl Fs {
     /// The inode and open flags of a handle.
     pub fn handle(&self, fh: Fh) -> FsResult<(Ino, u32)> {
         let fh = fh.get();
-        self.inner.handles.borrow().get(&fh).map(|h| (Ino::new(h.ino), h.flags)).ok_or(FsError::BadHandle)
+        self.inner.handles.borrow().get(&fh).map(|h| (h.ino, h.flags)).ok_or(FsError::BadHandle)
     }
 
     pub async fn opendir(&self, c: &Creds, ino: Ino) -> FsResult<Fh> {
-        let ino = ino.get();
         let inode = self.inner.inode(ino)?;
         if !inode.is_dir() {
             return Err(FsError::NotDir);
@@ -826,7 +808,6 @@ impl Fs {
     /// Up to `max` entries from `offset` (0 at the start). Offsets are
     /// per-entry cookies, so they stay valid while the directory changes.
     pub async fn readdir(&self, ino: Ino, offset: u64, max: usize) -> FsResult<Vec<DirEntry>> {
-        let ino = ino.get();
         self.read_dir(ino, offset, max, false, u64::MAX)
     }
 
@@ -835,7 +816,7 @@ impl Fs {
     /// out, so that a reader whose directory keeps gaining entries (files
     /// renamed within it, each getting a new cookie) reaches its end.
     pub async fn readdir_handle(&self, fh: Fh, offset: u64, max: usize, plus: bool) -> FsResult<Vec<DirEntry>> {
-        let ino = self.handle(fh)?.0.get();
+        let ino = self.handle(fh)?.0;
         let fh = fh.get();
         if offset == 0 {
             let end = self.inner.state.borrow().node(ino).and_then(|n| n.dir.as_ref()).map(|d| d.cookie_end());
@@ -850,11 +831,10 @@ impl Fs {
     /// readdir with attributes; each returned entry other than "." and ".."
     /// counts as a lookup, as in FUSE.
     pub async fn readdirplus(&self, ino: Ino, offset: u64, max: usize) -> FsResult<Vec<DirEntry>> {
-        let ino = ino.get();
         self.read_dir(ino, offset, max, true, u64::MAX)
     }
 
-    fn read_dir(&self, ino: u64, offset: u64, max: usize, plus: bool, end: u64) -> FsResult<Vec<DirEntry>> {
+    fn read_dir(&self, ino: Ino, offset: u64, max: usize, plus: bool, end: u64) -> FsResult<Vec<DirEntry>> {
         self.inner.accessed(ino);
         let mut out = Vec::new();
         {
@@ -868,7 +848,7 @@ impl Fs {
                 let file_type = state.node(child).map_or(0, |n| n.inode.file_type());
                 let next_offset = if cookie <= 2 { cookie } else { cookie + 1 };
                 out.push(DirEntry {
-                    ino: Ino::new(child),
+                    ino: child,
                     next_offset,
                     file_type,
                     name: EntryName::from_slice(name),
@@ -878,9 +858,9 @@ impl Fs {
         }
         if plus {
             for e in &mut out {
-                e.attr = Some(self.inner.attr(e.ino.get())?);
+                e.attr = Some(self.inner.attr(e.ino)?);
                 if *e.name != *b"." && *e.name != *b".." {
-                    self.inner.add_lookup(e.ino.get(), 1);
+                    self.inner.add_lookup(e.ino, 1);
                 }
             }
         }
@@ -904,7 +884,6 @@ impl Fs {
     }
 
     pub async fn access(&self, c: &Creds, ino: Ino, mask: u32) -> FsResult<()> {
-        let ino = ino.get();
         let inode = self.inner.inode(ino)?;
         if mask == 0 || self.inner.may(&inode, c, mask & 7) {
             Ok(())
@@ -942,7 +921,6 @@ impl Fs {
     }
 
     pub async fn setattr(&self, c: &Creds, ino: Ino, set: &SetAttr, via_handle: bool) -> FsResult<Attr> {
-        let ino = ino.get();
         let inode = self.inner.inode(ino)?;
         let owner = c.owns(&inode);
         let mut new = inode.clone();
@@ -977,7 +955,6 @@ impl Fs {
     }
 
     pub async fn setxattr(&self, c: &Creds, ino: Ino, name: &[u8], value: &[u8], flags: XattrFlags) -> FsResult<()> {
-        let ino = ino.get();
         self.check_xattr_access(c, ino, name, true)?;
         if value.len() > XATTR_VALUE_MAX {
             return Err(FsError::Range);
@@ -1012,7 +989,7 @@ impl Fs {
     /// setxattr of an ACL, as Linux's set_posix_acl: a default ACL only on
     /// a directory; an access ACL that the mode can say is not stored; the
     /// mode follows the access ACL; an empty ACL removes one.
-    fn set_acl(&self, c: &Creds, ino: u64, name: &[u8], acl: &Acl) -> FsResult<()> {
+    fn set_acl(&self, c: &Creds, ino: Ino, name: &[u8], acl: &Acl) -> FsResult<()> {
         let inode = self.inner.inode(ino)?;
         let mut mode = inode.mode;
         let mut store = !acl.is_empty();
@@ -1047,7 +1024,6 @@ impl Fs {
     /// groups it carries is the file's (FUSE sends no more of them).
     /// Whether the mode changed.
     pub fn kill_setid(&self, ino: Ino, writer: &Creds) -> FsResult<bool> {
-        let ino = ino.get();
         let inode = self.inner.inode(ino)?;
         let clear = setid_bits_to_clear(inode.mode, writer.in_group(inode.gid));
         self.clear_mode_bits(ino, clear)?;
@@ -1057,12 +1033,11 @@ impl Fs {
     /// Clear S_ISGID: an access ACL set by a caller outside the file's
     /// group (FUSE_SETXATTR_ACL_KILL_SGID).
     pub fn kill_sgid(&self, ino: Ino) -> FsResult<()> {
-        let ino = ino.get();
         let clear = self.inner.inode(ino)?.mode & libc::S_ISGID;
         self.clear_mode_bits(ino, clear)
     }
 
-    fn clear_mode_bits(&self, ino: u64, clear: u32) -> FsResult<()> {
+    fn clear_mode_bits(&self, ino: Ino, clear: u32) -> FsResult<()> {
         if clear == 0 {
             return Ok(());
         }
@@ -1074,7 +1049,6 @@ impl Fs {
     }
 
     pub async fn getxattr(&self, c: &Creds, ino: Ino, name: &[u8]) -> FsResult<Vec<u8>> {
-        let ino = ino.get();
         self.check_xattr_access(c, ino, name, false)?;
         let state = self.inner.state.borrow();
         state.node(ino).ok_or(FsError::NotFound)?.xattrs().get(name).cloned().ok_or(FsError::NoData)
@@ -1082,7 +1056,6 @@ impl Fs {
 
     /// Attribute names, each followed by a NUL, as listxattr returns them.
     pub async fn listxattr(&self, ino: Ino) -> FsResult<Vec<u8>> {
-        let ino = ino.get();
         let state = self.inner.state.borrow();
         let node = state.node(ino).ok_or(FsError::NotFound)?;
         let mut out = Vec::new();
@@ -1094,7 +1067,6 @@ impl Fs {
     }
 
     pub async fn removexattr(&self, c: &Creds, ino: Ino, name: &[u8]) -> FsResult<()> {
-        let ino = ino.get();
         self.check_xattr_access(c, ino, name, true)?;
         let exists = self.inner.state.borrow().node(ino).is_some_and(|n| n.xattrs().contains_key(name));
         if !exists {
@@ -1106,7 +1078,7 @@ impl Fs {
         Ok(())
     }
 
-    fn check_xattr_access(&self, c: &Creds, ino: u64, name: &[u8], write: bool) -> FsResult<()> {
+    fn check_xattr_access(&self, c: &Creds, ino: Ino, name: &[u8], write: bool) -> FsResult<()> {
         if name.is_empty() || name.len() > XATTR_NAME_MAX {
             return Err(if name.is_empty() { FsError::Invalid("empty xattr name") } else { FsError::Range });
         }

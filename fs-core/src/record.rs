@@ -6,6 +6,7 @@ use std::borrow::Cow;
 
 use super::codec::{DecodeError, Reader, Writer};
 use super::format::{Inode, NAME_MAX, SYMLINK_MAX, XATTR_NAME_MAX, XATTR_VALUE_MAX};
+use super::ids::Ino;
 
 /// Names, values and targets are borrowed where they can be: from the
 /// request at a live change, from the stream at replay and mount, so
@@ -16,21 +17,21 @@ pub enum Record<'a> {
     InodeSet(Inode),
     /// The inode and everything it owns are gone.
     InodeFree {
-        ino: u64,
+        ino: Ino,
     },
     DirentSet {
-        dir: u64,
+        dir: Ino,
         name: Cow<'a, [u8]>,
-        ino: u64,
+        ino: Ino,
         cookie: u64,
     },
     DirentDelete {
-        dir: u64,
+        dir: Ino,
         name: Cow<'a, [u8]>,
     },
     /// Map file blocks [file_block, +len) to device blocks [disk_block, +len).
     ExtentMap {
-        ino: u64,
+        ino: Ino,
         file_block: u64,
         disk_block: u64,
         len: u64,
@@ -38,21 +39,21 @@ pub enum Record<'a> {
     },
     /// Unmap file blocks [file_block, +len); their device blocks are freed.
     ExtentPunch {
-        ino: u64,
+        ino: Ino,
         file_block: u64,
         len: u64,
     },
     XattrSet {
-        ino: u64,
+        ino: Ino,
         name: Cow<'a, [u8]>,
         value: Cow<'a, [u8]>,
     },
     XattrDelete {
-        ino: u64,
+        ino: Ino,
         name: Cow<'a, [u8]>,
     },
     Symlink {
-        ino: u64,
+        ino: Ino,
         target: Cow<'a, [u8]>,
     },
     /// Allocator state carried in a checkpoint: the next inode number.
@@ -81,23 +82,23 @@ impl<'a> Record<'a> {
             }
             Record::InodeFree { ino } => {
                 w.u8(TAG_INODE_FREE);
-                w.u64(*ino);
+                w.u64(ino.get());
             }
             Record::DirentSet { dir, name, ino, cookie } => {
                 w.u8(TAG_DIRENT_SET);
-                w.u64(*dir);
+                w.u64(dir.get());
                 w.blob(name);
-                w.u64(*ino);
+                w.u64(ino.get());
                 w.u64(*cookie);
             }
             Record::DirentDelete { dir, name } => {
                 w.u8(TAG_DIRENT_DELETE);
-                w.u64(*dir);
+                w.u64(dir.get());
                 w.blob(name);
             }
             Record::ExtentMap { ino, file_block, disk_block, len, unwritten } => {
                 w.u8(TAG_EXTENT_MAP);
-                w.u64(*ino);
+                w.u64(ino.get());
                 w.u64(*file_block);
                 w.u64(*disk_block);
                 w.u64(*len);
@@ -105,24 +106,24 @@ impl<'a> Record<'a> {
             }
             Record::ExtentPunch { ino, file_block, len } => {
                 w.u8(TAG_EXTENT_PUNCH);
-                w.u64(*ino);
+                w.u64(ino.get());
                 w.u64(*file_block);
                 w.u64(*len);
             }
             Record::XattrSet { ino, name, value } => {
                 w.u8(TAG_XATTR_SET);
-                w.u64(*ino);
+                w.u64(ino.get());
                 w.blob(name);
                 w.blob(value);
             }
             Record::XattrDelete { ino, name } => {
                 w.u8(TAG_XATTR_DELETE);
-                w.u64(*ino);
+                w.u64(ino.get());
                 w.blob(name);
             }
             Record::Symlink { ino, target } => {
                 w.u8(TAG_SYMLINK);
-                w.u64(*ino);
+                w.u64(ino.get());
                 w.blob(target);
             }
             Record::NextIno { next } => {
@@ -136,18 +137,18 @@ impl<'a> Record<'a> {
         let at = r.pos();
         Ok(match r.u8("record tag")? {
             TAG_INODE_SET => Record::InodeSet(Inode::decode(r)?),
-            TAG_INODE_FREE => Record::InodeFree { ino: r.u64("ino")? },
+            TAG_INODE_FREE => Record::InodeFree { ino: Ino::new(r.u64("ino")?) },
             TAG_DIRENT_SET => Record::DirentSet {
-                dir: r.u64("dir")?,
+                dir: Ino::new(r.u64("dir")?),
                 name: name(r.blob(NAME_MAX, "dirent name")?, at)?,
-                ino: r.u64("ino")?,
+                ino: Ino::new(r.u64("ino")?),
                 cookie: r.u64("cookie")?,
             },
             TAG_DIRENT_DELETE => {
-                Record::DirentDelete { dir: r.u64("dir")?, name: name(r.blob(NAME_MAX, "dirent name")?, at)? }
+                Record::DirentDelete { dir: Ino::new(r.u64("dir")?), name: name(r.blob(NAME_MAX, "dirent name")?, at)? }
             }
             TAG_EXTENT_MAP => Record::ExtentMap {
-                ino: r.u64("ino")?,
+                ino: Ino::new(r.u64("ino")?),
                 file_block: r.u64("file block")?,
                 disk_block: r.u64("disk block")?,
                 len: r.u64("extent length")?,
@@ -157,19 +158,22 @@ impl<'a> Record<'a> {
                     _ => return Err(DecodeError { what: "unwritten flag", at }),
                 },
             },
-            TAG_EXTENT_PUNCH => {
-                Record::ExtentPunch { ino: r.u64("ino")?, file_block: r.u64("file block")?, len: r.u64("length")? }
-            }
+            TAG_EXTENT_PUNCH => Record::ExtentPunch {
+                ino: Ino::new(r.u64("ino")?),
+                file_block: r.u64("file block")?,
+                len: r.u64("length")?,
+            },
             TAG_XATTR_SET => Record::XattrSet {
-                ino: r.u64("ino")?,
+                ino: Ino::new(r.u64("ino")?),
                 name: Cow::Borrowed(r.blob(XATTR_NAME_MAX, "xattr name")?),
                 value: Cow::Borrowed(r.blob(XATTR_VALUE_MAX, "xattr value")?),
             },
-            TAG_XATTR_DELETE => {
-                Record::XattrDelete { ino: r.u64("ino")?, name: Cow::Borrowed(r.blob(XATTR_NAME_MAX, "xattr name")?) }
-            }
+            TAG_XATTR_DELETE => Record::XattrDelete {
+                ino: Ino::new(r.u64("ino")?),
+                name: Cow::Borrowed(r.blob(XATTR_NAME_MAX, "xattr name")?),
+            },
             TAG_SYMLINK => {
-                Record::Symlink { ino: r.u64("ino")?, target: Cow::Borrowed(r.blob(SYMLINK_MAX, "symlink")?) }
+                Record::Symlink { ino: Ino::new(r.u64("ino")?), target: Cow::Borrowed(r.blob(SYMLINK_MAX, "symlink")?) }
             }
             TAG_NEXT_INO => Record::NextIno { next: r.u64("next ino")? },
             _ => return Err(DecodeError { what: "record tag", at }),
@@ -202,7 +206,7 @@ mod tests {
     #[test]
     fn records_round_trip_and_garbage_is_an_error() {
         let inode = Inode {
-            ino: 7,
+            ino: Ino::new(7),
             generation: 2,
             mode: 0o100644,
             uid: 1,
@@ -219,14 +223,14 @@ mod tests {
         };
         let records = vec![
             Record::InodeSet(inode),
-            Record::InodeFree { ino: 3 },
-            Record::DirentSet { dir: 1, name: b"a".to_vec().into(), ino: 7, cookie: 3 },
-            Record::DirentDelete { dir: 1, name: b"a".to_vec().into() },
-            Record::ExtentMap { ino: 7, file_block: 0, disk_block: 100, len: 8, unwritten: true },
-            Record::ExtentPunch { ino: 7, file_block: 2, len: 1 },
-            Record::XattrSet { ino: 7, name: b"user.x".to_vec().into(), value: vec![1, 2, 3].into() },
-            Record::XattrDelete { ino: 7, name: b"user.x".to_vec().into() },
-            Record::Symlink { ino: 8, target: b"/etc".to_vec().into() },
+            Record::InodeFree { ino: Ino::new(3) },
+            Record::DirentSet { dir: Ino::new(1), name: b"a".to_vec().into(), ino: Ino::new(7), cookie: 3 },
+            Record::DirentDelete { dir: Ino::new(1), name: b"a".to_vec().into() },
+            Record::ExtentMap { ino: Ino::new(7), file_block: 0, disk_block: 100, len: 8, unwritten: true },
+            Record::ExtentPunch { ino: Ino::new(7), file_block: 2, len: 1 },
+            Record::XattrSet { ino: Ino::new(7), name: b"user.x".to_vec().into(), value: vec![1, 2, 3].into() },
+            Record::XattrDelete { ino: Ino::new(7), name: b"user.x".to_vec().into() },
+            Record::Symlink { ino: Ino::new(8), target: b"/etc".to_vec().into() },
             Record::NextIno { next: 99 },
         ];
         let mut w = Writer::new();
@@ -240,7 +244,8 @@ mod tests {
         }
         assert!(decode_all(&[200]).is_err());
         let mut bad = Writer::new();
-        Record::DirentSet { dir: 1, name: b"a/b".to_vec().into(), ino: 2, cookie: 3 }.encode(&mut bad);
+        Record::DirentSet { dir: Ino::new(1), name: b"a/b".to_vec().into(), ino: Ino::new(2), cookie: 3 }
+            .encode(&mut bad);
         assert!(decode_all(&bad.buf).is_err(), "a name with '/' is refused");
     }
 }

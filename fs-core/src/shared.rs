@@ -190,7 +190,7 @@ impl SharedPages {
     /// The two buckets (as index ranges into `hints`) where `key`'s hint
     /// may be, and its fingerprint.
     fn buckets(&self, key: PageKey) -> ([std::ops::Range<usize>; 2], u64) {
-        let h = key.0.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ key.1.wrapping_mul(0xc2b2_ae3d_27d4_eb4f);
+        let h = key.0.get().wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ key.1.wrapping_mul(0xc2b2_ae3d_27d4_eb4f);
         let h = (h ^ (h >> 29)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         let h = h ^ (h >> 32);
         let a = (h as usize) & self.bucket_mask;
@@ -211,15 +211,15 @@ impl SharedPages {
 
     fn tag_is(&self, slot: u32, key: PageKey) -> bool {
         let t = &self.tags[slot as usize];
-        t.ino.load(Ordering::Relaxed) == key.0 && t.page.load(Ordering::Relaxed) == key.1
+        t.ino.load(Ordering::Relaxed) == key.0.get() && t.page.load(Ordering::Relaxed) == key.1
     }
 
     /// Owner: a slot now holds `key` (its data already stored).
     pub(crate) fn publish(&self, slot: u32, key: PageKey) {
-        debug_assert!(key.0 != NO_INODE);
+        debug_assert!(key.0.get() != NO_INODE);
         self.open(slot);
         let t = &self.tags[slot as usize];
-        t.ino.store(key.0, Ordering::Relaxed);
+        t.ino.store(key.0.get(), Ordering::Relaxed);
         t.page.store(key.1, Ordering::Relaxed);
         t.referenced.store(false, Ordering::Relaxed);
         self.close(slot);
@@ -386,12 +386,12 @@ pub enum SharedMiss {
 pub struct SharedReader {
     pub(crate) pages: Arc<SharedPages>,
     pub(crate) file: Arc<SharedFile>,
-    pub(crate) ino: u64,
+    pub(crate) ino: crate::Ino,
 }
 
 impl SharedReader {
     pub fn ino(&self) -> crate::Ino {
-        crate::Ino::new(self.ino)
+        self.ino
     }
 
     /// Read up to `size` bytes at `offset` if every page is cached: the
@@ -474,6 +474,7 @@ impl SharedReader {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ids::Ino;
 
     #[test]
     fn stores_and_loads_at_any_alignment() {
@@ -519,7 +520,7 @@ mod tests {
         let (p, _owner) = SharedPages::new(slots);
         for slot in 0..slots as u32 {
             // Keys as a big file's pages and a few files' pages come.
-            p.publish(slot, (2 + u64::from(slot % 3), u64::from(slot) * 7));
+            p.publish(slot, (Ino::new(2 + u64::from(slot % 3)), u64::from(slot) * 7));
         }
         assert_eq!(p.hints_dropped(), 0);
     }
@@ -528,19 +529,19 @@ mod tests {
     fn hints_find_published_pages_and_forget_retired_ones() {
         let (p, _owner) = SharedPages::new(64);
         for slot in 0..64u32 {
-            p.publish(slot, (7, u64::from(slot) * 3));
+            p.publish(slot, (Ino::new(7), u64::from(slot) * 3));
         }
-        let found = (0..64u64).filter(|&i| p.find((7, i * 3)).is_ok()).count();
+        let found = (0..64u64).filter(|&i| p.find((Ino::new(7), i * 3)).is_ok()).count();
         assert_eq!(found, 64, "every page has a hint");
         assert_eq!(p.hints_dropped(), 0);
-        let (slot, _) = p.find((7, 9)).expect("page 9 published");
-        p.retire(slot, (7, 9));
-        assert_eq!(p.find((7, 9)), Err(SharedMiss::NotCached));
-        p.publish(slot, (8, 9));
-        assert!(p.find((7, 9)).is_err(), "a reused slot never answers for its old page");
-        assert!(p.find((8, 9)).is_ok());
+        let (slot, _) = p.find((Ino::new(7), 9)).expect("page 9 published");
+        p.retire(slot, (Ino::new(7), 9));
+        assert_eq!(p.find((Ino::new(7), 9)), Err(SharedMiss::NotCached));
+        p.publish(slot, (Ino::new(8), 9));
+        assert!(p.find((Ino::new(7), 9)).is_err(), "a reused slot never answers for its old page");
+        assert!(p.find((Ino::new(8), 9)).is_ok());
         p.open(slot);
-        assert_eq!(p.find((8, 9)), Err(SharedMiss::Busy), "a slot being changed is busy, not missing");
+        assert_eq!(p.find((Ino::new(8), 9)), Err(SharedMiss::Busy), "a slot being changed is busy, not missing");
         p.close(slot);
     }
 }

@@ -12,6 +12,7 @@ use super::codec::Writer;
 pub use super::dir::{Directory, FIRST_COOKIE};
 use super::extent::ExtentMap;
 use super::format::{BlockRun, Inode, COUNTER_MAX};
+use super::ids::Ino;
 use super::node_table::NodeTable;
 use super::ops::MAX_FILE_BYTES;
 use super::record::Record;
@@ -189,7 +190,7 @@ impl SnapshotBytes {
 pub struct Snapshot {
     epoch: u32,
     /// Inode numbers present at the start, not yet visited (last first).
-    to_visit: Vec<u64>,
+    to_visit: Vec<Ino>,
     /// NextIno, then each inode's image, symlink, xattrs and extents.
     inodes: Writer,
     /// Directory entries: loaded after every inode, so that each entry
@@ -258,7 +259,7 @@ impl State {
         Self { nodes: NodeTable::default(), next_ino: 2, alloc, pending_free: Vec::new(), snapshot: None, epoch: 0 }
     }
 
-    pub fn node(&self, ino: u64) -> Option<&Node> {
+    pub fn node(&self, ino: Ino) -> Option<&Node> {
         self.nodes.get(ino)
     }
 
@@ -272,14 +273,14 @@ impl State {
         self.nodes.values()
     }
 
-    pub fn node_mut(&mut self, ino: u64) -> Option<&mut Node> {
+    pub fn node_mut(&mut self, ino: Ino) -> Option<&mut Node> {
         self.before_change(ino);
         self.nodes.get_mut(ino)
     }
 
     /// Copy before write: a snapshot in progress encodes `ino` as it is now,
     /// before the caller changes it, unless it has already.
-    fn before_change(&mut self, ino: u64) {
+    fn before_change(&mut self, ino: Ino) {
         let Some(snapshot) = self.snapshot.as_mut() else { return };
         if let Some(node) = self.nodes.get_mut(ino) {
             if node.snapshot_epoch != snapshot.epoch {
@@ -302,7 +303,7 @@ impl State {
             self.epoch = 0;
         }
         self.epoch += 1;
-        let mut to_visit: Vec<u64> = self.nodes.keys().collect();
+        let mut to_visit: Vec<Ino> = self.nodes.keys().collect();
         // Descending, so that popping visits in ascending order.
         to_visit.sort_unstable_by(|a, b| b.cmp(a));
         let mut inodes = Writer::new();
@@ -355,7 +356,7 @@ impl State {
         }
     }
 
-    fn apply_inode_free(&mut self, ino: u64, mode: ApplyMode) -> Result<(), ApplyError> {
+    fn apply_inode_free(&mut self, ino: Ino, mode: ApplyMode) -> Result<(), ApplyError> {
         self.before_change(ino);
         let Some(node) = self.nodes.remove(ino) else {
             return if mode == ApplyMode::Replay { Ok(()) } else { err(format!("free of missing inode {ino}")) };
@@ -365,7 +366,7 @@ impl State {
         Ok(())
     }
 
-    fn apply_dirent_set(&mut self, dir: u64, name: &[u8], ino: u64, cookie: u64) -> Result<(), ApplyError> {
+    fn apply_dirent_set(&mut self, dir: Ino, name: &[u8], ino: Ino, cookie: u64) -> Result<(), ApplyError> {
         // Cookies count up from FIRST_COOKIE per directory; one at the
         // counter limit comes from a crafted image.
         if !(FIRST_COOKIE..COUNTER_MAX).contains(&cookie) {
@@ -382,7 +383,7 @@ impl State {
         Ok(())
     }
 
-    fn apply_dirent_delete(&mut self, dir: u64, name: &[u8], mode: ApplyMode) -> Result<(), ApplyError> {
+    fn apply_dirent_delete(&mut self, dir: Ino, name: &[u8], mode: ApplyMode) -> Result<(), ApplyError> {
         self.before_change(dir);
         let Some(d) = self.nodes.get_mut(dir).and_then(|n| n.dir.as_mut()) else {
             return err(format!("entry removed from {dir}, which is not a directory"));
@@ -442,7 +443,7 @@ impl State {
     }
 
     fn apply_inode_set(&mut self, inode: &Inode) -> Result<(), ApplyError> {
-        if inode.ino == 0 || inode.ino >= INO_MAX {
+        if inode.ino.get() == 0 || inode.ino.get() >= INO_MAX {
             return err(format!("inode number {} outside 1..{INO_MAX}", inode.ino));
         }
         if inode.size > MAX_FILE_BYTES {
@@ -451,7 +452,7 @@ impl State {
                 inode.ino, inode.size
             ));
         }
-        self.next_ino = self.next_ino.max(inode.ino + 1);
+        self.next_ino = self.next_ino.max(inode.ino.get() + 1);
         self.before_change(inode.ino);
         match self.nodes.get_mut(inode.ino) {
             Some(node) => {
@@ -470,7 +471,7 @@ impl State {
 
     fn apply_extent_map(
         &mut self,
-        ino: u64,
+        ino: Ino,
         file_block: u64,
         disk_block: u64,
         len: u64,
@@ -547,7 +548,7 @@ mod tests {
     fn hostile_inode_records_are_refused() {
         let mut s = state();
         let file = |ino: u64, size: u64| {
-            let mut inode = Inode::new(ino, libc::S_IFREG | 0o644, 0, 0, 0);
+            let mut inode = Inode::new(Ino::new(ino), libc::S_IFREG | 0o644, 0, 0, 0);
             inode.size = size;
             Record::InodeSet(inode)
         };
@@ -564,15 +565,16 @@ mod tests {
         assert_eq!(s.next_ino, 2, "nothing refused moved the counter");
         s.apply(&file(INO_MAX - 1, MAX_FILE_BYTES), ApplyMode::Replay).expect("the largest valid inode");
         assert_eq!(s.next_ino, INO_MAX);
-        let dir = Record::InodeSet(Inode::new(7, S_IFDIR | 0o755, 0, 0, 0));
+        let dir = Record::InodeSet(Inode::new(Ino::new(7), S_IFDIR | 0o755, 0, 0, 0));
         s.apply(&dir, ApplyMode::Replay).expect("a directory");
         // Directory entries' cookies: replay keeps the next one above each,
         // so one at the counter limit would overflow it.
         for cookie in [0, 1, COUNTER_MAX, u64::MAX] {
-            let entry = Record::DirentSet { dir: 7, name: b"e".to_vec().into(), ino: 7, cookie };
+            let entry = Record::DirentSet { dir: Ino::new(7), name: b"e".to_vec().into(), ino: Ino::new(7), cookie };
             assert!(s.apply(&entry, ApplyMode::Replay).is_err(), "accepted cookie {cookie}");
         }
-        let entry = Record::DirentSet { dir: 7, name: b"e".to_vec().into(), ino: 7, cookie: FIRST_COOKIE };
+        let entry =
+            Record::DirentSet { dir: Ino::new(7), name: b"e".to_vec().into(), ino: Ino::new(7), cookie: FIRST_COOKIE };
         s.apply(&entry, ApplyMode::Replay).expect("the first cookie");
     }
 
@@ -595,14 +597,19 @@ mod tests {
     fn populated() -> State {
         let mut s = state();
         let mut apply = |r: Record| s.apply(&r, ApplyMode::Live).expect("applies");
-        apply(Record::InodeSet(Inode::new(1, S_IFDIR | 0o755, 0, 0, 0)));
+        apply(Record::InodeSet(Inode::new(Ino::new(1), S_IFDIR | 0o755, 0, 0, 0)));
         for (ino, name) in [(2u64, "a"), (3, "b"), (4, "c")] {
-            apply(Record::InodeSet(Inode::new(ino, libc::S_IFREG | 0o644, 0, 0, 0)));
+            apply(Record::InodeSet(Inode::new(Ino::new(ino), libc::S_IFREG | 0o644, 0, 0, 0)));
             let cookie = FIRST_COOKIE + ino;
-            apply(Record::DirentSet { dir: 1, name: name.as_bytes().to_vec().into(), ino, cookie });
+            apply(Record::DirentSet {
+                dir: Ino::new(1),
+                name: name.as_bytes().to_vec().into(),
+                ino: Ino::new(ino),
+                cookie,
+            });
         }
-        apply(Record::ExtentMap { ino: 2, file_block: 0, disk_block: 200, len: 4, unwritten: false });
-        apply(Record::XattrSet { ino: 3, name: b"user.k".to_vec().into(), value: b"v".to_vec().into() });
+        apply(Record::ExtentMap { ino: Ino::new(2), file_block: 0, disk_block: 200, len: 4, unwritten: false });
+        apply(Record::XattrSet { ino: Ino::new(3), name: b"user.k".to_vec().into(), value: b"v".to_vec().into() });
         s
     }
 
@@ -616,19 +623,31 @@ mod tests {
         s.start_snapshot();
         assert!(!s.snapshot_step(2), "five nodes are not done in a piece of two");
         let apply = |s: &mut State, r: Record| s.apply(&r, ApplyMode::Live).expect("applies");
-        apply(&mut s, Record::ExtentMap { ino: 2, file_block: 4, disk_block: 300, len: 2, unwritten: false });
-        apply(&mut s, Record::DirentDelete { dir: 1, name: b"c".to_vec().into() });
-        apply(&mut s, Record::InodeFree { ino: 4 });
-        apply(&mut s, Record::XattrDelete { ino: 3, name: b"user.k".to_vec().into() });
-        apply(&mut s, Record::InodeSet(Inode::new(9, libc::S_IFREG | 0o600, 0, 0, 0)));
-        apply(&mut s, Record::DirentSet { dir: 1, name: b"new".to_vec().into(), ino: 9, cookie: FIRST_COOKIE + 9 });
-        s.node_mut(3).expect("b").inode.size = 77;
+        apply(&mut s, Record::ExtentMap { ino: Ino::new(2), file_block: 4, disk_block: 300, len: 2, unwritten: false });
+        apply(&mut s, Record::DirentDelete { dir: Ino::new(1), name: b"c".to_vec().into() });
+        apply(&mut s, Record::InodeFree { ino: Ino::new(4) });
+        apply(&mut s, Record::XattrDelete { ino: Ino::new(3), name: b"user.k".to_vec().into() });
+        apply(&mut s, Record::InodeSet(Inode::new(Ino::new(9), libc::S_IFREG | 0o600, 0, 0, 0)));
+        apply(
+            &mut s,
+            Record::DirentSet {
+                dir: Ino::new(1),
+                name: b"new".to_vec().into(),
+                ino: Ino::new(9),
+                cookie: FIRST_COOKIE + 9,
+            },
+        );
+        s.node_mut(Ino::new(3)).expect("b").inode.size = 77;
         while !s.snapshot_step(1) {}
         let pieces = s.finish_snapshot().to_vec();
         assert_eq!(whole_snapshot(&mut loaded(&pieces)), whole_snapshot(&mut loaded(&at_start)));
         // And the live state did change.
         let now = whole_snapshot(&mut s);
         assert_ne!(whole_snapshot(&mut loaded(&now)), whole_snapshot(&mut loaded(&at_start)));
-        assert!(s.node(9).is_some() && s.node(4).is_none() && s.node(3).expect("b").inode.size == 77);
+        assert!(
+            s.node(Ino::new(9)).is_some()
+                && s.node(Ino::new(4)).is_none()
+                && s.node(Ino::new(3)).expect("b").inode.size == 77
+        );
     }
 }

@@ -2,6 +2,7 @@
 //! Both are single-threaded (Rc/RefCell): they order tasks on one reactor
 //! and never block a thread.
 
+use crate::ids::Ino;
 use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::future::Future;
@@ -66,7 +67,7 @@ impl Drop for MutexGuard<'_> {
 /// what keeps random reads from queueing behind writes elsewhere in the file.
 #[derive(Default)]
 pub struct RangeLocks {
-    files: RefCell<keelfs_base::IdMap<FileLocks>>,
+    files: RefCell<keelfs_base::IdMapBy<Ino, FileLocks>>,
     next_id: std::cell::Cell<u64>,
     /// Acquisitions that had to wait, shared and exclusive.
     shared_waits: std::cell::Cell<u64>,
@@ -97,12 +98,12 @@ impl Held {
 
 pub struct RangeGuard {
     locks: Rc<RangeLocks>,
-    ino: u64,
+    ino: Ino,
     id: u64,
 }
 
 impl RangeLocks {
-    pub fn lock(self: &Rc<Self>, ino: u64, start: u64, end: u64, exclusive: bool) -> impl Future<Output = RangeGuard> {
+    pub fn lock(self: &Rc<Self>, ino: Ino, start: u64, end: u64, exclusive: bool) -> impl Future<Output = RangeGuard> {
         assert!(start < end, "empty lock range");
         let id = self.next_id.get();
         self.next_id.set(id + 1);
@@ -117,7 +118,7 @@ impl RangeLocks {
 
 struct RangeLockFuture {
     locks: Rc<RangeLocks>,
-    ino: u64,
+    ino: Ino,
     held: Held,
     counted: bool,
 }

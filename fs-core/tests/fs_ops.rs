@@ -8,7 +8,6 @@ use std::sync::Arc;
 use common::{busy_reactor, check, format, mount, ram_device, with_fs};
 use keelfs_bdev::BlockDevice;
 use keelfs_fs::Fs;
-use keelfs_fs::Ino;
 use keelfs_fs::ROOT_INO;
 use keelfs_fs::{Creds, FsError, SeekTo, SetAttr, TimeSet};
 use keelfs_fs::{FallocateMode, RenameMode, XattrFlags};
@@ -209,8 +208,8 @@ fn rename_whiteout_leaves_a_whiteout_device_at_the_old_name() {
         assert_eq!(fs.statfs().await.unwrap().files_free, before - 1);
         // Unlinked and forgotten, the whiteout's inode is freed.
         fs.unlink(&c, ROOT_INO, b"file").await.unwrap();
-        fs.forget(Ino::new(wh.ino), 1).await.unwrap();
-        assert_eq!(fs.getattr(Ino::new(wh.ino)).await.err(), Some(FsError::NotFound));
+        fs.forget(wh.ino, 1).await.unwrap();
+        assert_eq!(fs.getattr(wh.ino).await.err(), Some(FsError::NotFound));
         assert_eq!(fs.statfs().await.unwrap().files_free, before);
         fs.unmount().await.unwrap();
         assert!(check(&dev).await.is_clean());
@@ -310,18 +309,18 @@ fn permissions_use_the_callers_credentials() {
         fs.setattr(&c, d, &SetAttr { uid: Some(1000), gid: Some(1000), ..Default::default() }, false).await.unwrap();
         let f = fs.mknod(&alice, d, b"f", libc::S_IFREG | 0o640, 0).await.unwrap().inode;
         assert_eq!((f.uid, f.gid), (1000, 1000));
-        assert!(fs.open(&bob, Ino::new(f.ino), libc::O_RDONLY as u32).await.is_ok(), "group read");
-        assert_eq!(fs.open(&bob, Ino::new(f.ino), libc::O_WRONLY as u32).await.err(), Some(FsError::Access));
+        assert!(fs.open(&bob, f.ino, libc::O_RDONLY as u32).await.is_ok(), "group read");
+        assert_eq!(fs.open(&bob, f.ino, libc::O_WRONLY as u32).await.err(), Some(FsError::Access));
         assert_eq!(
-            fs.setattr(&bob, Ino::new(f.ino), &SetAttr { mode: Some(0o777), ..Default::default() }, false).await.err(),
+            fs.setattr(&bob, f.ino, &SetAttr { mode: Some(0o777), ..Default::default() }, false).await.err(),
             Some(FsError::Perm)
         );
         assert_eq!(
-            fs.setattr(&alice, Ino::new(f.ino), &SetAttr { uid: Some(0), ..Default::default() }, false).await.err(),
+            fs.setattr(&alice, f.ino, &SetAttr { uid: Some(0), ..Default::default() }, false).await.err(),
             Some(FsError::Perm)
         );
         let times = SetAttr { mtime: Some(TimeSet::Now), ..Default::default() };
-        assert_eq!(fs.setattr(&bob, Ino::new(f.ino), &times, false).await.err(), Some(FsError::Access));
+        assert_eq!(fs.setattr(&bob, f.ino, &times, false).await.err(), Some(FsError::Access));
         // sticky directory: bob may not remove alice's file
         fs.setattr(&c, d, &SetAttr { mode: Some(0o1777), ..Default::default() }, false).await.unwrap();
         assert_eq!(fs.unlink(&bob, d, b"f").await.err(), Some(FsError::Perm));

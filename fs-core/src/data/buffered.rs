@@ -59,11 +59,10 @@ impl Fs {
     /// Cached pages go straight from the cache into the sink; a read that
     /// misses goes through [`Fs::read`] and one more copy.
     pub async fn read_to<K: ReadSink + ?Sized>(&self, ino: Ino, offset: u64, size: u32, sink: &K) -> FsResult<u32> {
-        let raw = ino.get();
-        let inode = self.require_file(raw)?;
+        let inode = self.require_file(ino)?;
         let end = offset.saturating_add(u64::from(size)).min(inode.size);
-        if offset < end && self.copy_cached_to(raw, offset, end, sink) {
-            self.inner.accessed(raw);
+        if offset < end && self.copy_cached_to(ino, offset, end, sink) {
+            self.inner.accessed(ino);
             self.inner.bump(|c| c.data_bytes_read += end - offset);
             return Ok((end - offset) as u32);
         }
@@ -76,7 +75,6 @@ impl Fs {
     /// Read through the page cache. Pages already cached are copied out
     /// without taking any lock; misses are loaded under a shared lock.
     pub async fn read(&self, ino: Ino, offset: u64, size: u32) -> FsResult<Vec<u8>> {
-        let ino = ino.get();
         let inode = self.require_file(ino)?;
         self.inner.accessed(ino);
         if offset >= inode.size || size == 0 {
@@ -119,14 +117,14 @@ impl Fs {
 
     /// All of [offset, end) from the cache in one synchronous step, or None
     /// if any page is missing.
-    fn copy_cached(&self, ino: u64, offset: u64, end: u64) -> Option<Vec<u8>> {
+    fn copy_cached(&self, ino: Ino, offset: u64, end: u64) -> Option<Vec<u8>> {
         let out = VecSink(RefCell::new(vec![0u8; (end - offset) as usize]));
         self.copy_cached_to(ino, offset, end, &out).then(|| out.0.into_inner())
     }
 
     /// [`Self::copy_cached`] into any sink; false (nothing copied) if any
     /// page is missing.
-    fn copy_cached_to<K: ReadSink + ?Sized>(&self, ino: u64, offset: u64, end: u64, sink: &K) -> bool {
+    fn copy_cached_to<K: ReadSink + ?Sized>(&self, ino: Ino, offset: u64, end: u64, sink: &K) -> bool {
         let (first, last) = blocks_of(offset, end - offset);
         let mut cache = self.inner.cache.borrow_mut();
         if !(first..=last).all(|p| cache.contains((ino, p))) {
@@ -145,7 +143,7 @@ impl Fs {
     /// consecutive device blocks become one request, all in flight
     /// together), cache them, and copy their part of [offset, ..) into
     /// `out`.
-    async fn load_pages_into(&self, ino: u64, pages: &[u64], size: u64, offset: u64, out: &mut [u8]) -> FsResult<()> {
+    async fn load_pages_into(&self, ino: Ino, pages: &[u64], size: u64, offset: u64, out: &mut [u8]) -> FsResult<()> {
         if pages.is_empty() {
             return Ok(());
         }
@@ -204,7 +202,7 @@ impl Fs {
 
     /// A page's contents, loading it into the cache on a miss. Bytes past
     /// `size` are zero in the cached copy.
-    async fn page_for_read(&self, ino: u64, page: u64, size: u64) -> FsResult<Vec<u8>> {
+    async fn page_for_read(&self, ino: Ino, page: u64, size: u64) -> FsResult<Vec<u8>> {
         if let Some(p) = self.inner.cache.borrow_mut().get((ino, page)) {
             return Ok(p.to_vec());
         }
@@ -235,7 +233,7 @@ impl Fs {
     /// one file are EINVAL, as on Linux.
     pub async fn copy_range(&self, from: Ino, from_offset: u64, to: Ino, to_offset: u64, len: u64) -> FsResult<u64> {
         const STEP: u64 = 1 << 20;
-        self.require_file(to.get())?;
+        self.require_file(to)?;
         let len = len.min(COPY_RANGE_MAX);
         let overlaps = from_offset < to_offset.saturating_add(len) && to_offset < from_offset.saturating_add(len);
         if from == to && overlaps {
@@ -273,7 +271,6 @@ impl Fs {
         data: &S,
         times: WriteTimes,
     ) -> FsResult<u32> {
-        let ino = ino.get();
         if self.read_only() {
             return Err(FsError::ReadOnly);
         }
@@ -309,7 +306,7 @@ impl Fs {
 
     async fn write_from_once<S: WriteSource + ?Sized>(
         &self,
-        ino: u64,
+        ino: Ino,
         offset: u64,
         data: &S,
         times: WriteTimes,
@@ -370,7 +367,7 @@ impl Fs {
     /// Fails, changing nothing, if there are not enough clean slots.
     fn apply_write<S: WriteSource + ?Sized>(
         &self,
-        ino: u64,
+        ino: Ino,
         offset: u64,
         data: &S,
         edges: &[(u64, Vec<u8>)],
@@ -424,7 +421,7 @@ impl Fs {
 
     /// Pages of [first, last] over holes that hold no reservation yet:
     /// writeback will allocate a block for each.
-    fn pages_needing_reservation(&self, ino: u64, first: u64, last: u64) -> FsResult<Vec<u64>> {
+    fn pages_needing_reservation(&self, ino: Ino, first: u64, last: u64) -> FsResult<Vec<u64>> {
         let cache = self.inner.cache.borrow();
         let mut out = Vec::new();
         for seg in self.segments(ino, first, last - first + 1)? {
@@ -446,7 +443,7 @@ impl Fs {
         Ok(())
     }
 
-    async fn throttle(&self, ino: u64) -> FsResult<()> {
+    async fn throttle(&self, ino: Ino) -> FsResult<()> {
         let (dirty, capacity) = {
             let c = self.inner.cache.borrow();
             (c.dirty_pages(), c.capacity_pages())
@@ -460,7 +457,7 @@ impl Fs {
     /// Write back the dirty pages of `ino` in [from, to) (page indices).
     /// Returns once they are on the device and their extents logged, and
     /// so is any writeback of the file that was running when it began.
-    pub(crate) async fn writeback(&self, ino: u64, from: u64, to: u64) -> FsResult<()> {
+    pub(crate) async fn writeback(&self, ino: Ino, from: u64, to: u64) -> FsResult<()> {
         // One writeback per file at a time (two could allocate the same
         // hole), holding a token range past any data. Taken before looking
         // for dirty pages: a running writeback has marked the pages it took
@@ -497,7 +494,7 @@ impl Fs {
 
     /// Write back the pages of one run. The caller holds the file's
     /// writeback token.
-    async fn writeback_run(&self, ino: u64, first: u64, count: u64) -> FsResult<()> {
+    async fn writeback_run(&self, ino: Ino, first: u64, count: u64) -> FsResult<()> {
         // A *shared* lock on the pages: writers of them wait, readers
         // never do.
         let _range = self
@@ -577,7 +574,6 @@ impl Fs {
     /// Make the file durable: its dirty pages, then (unless `datasync` and
     /// only timestamps changed) the journal, then the device cache.
     pub async fn fsync(&self, ino: Ino, datasync: bool) -> FsResult<()> {
-        let ino = ino.get();
         self.inner.inode(ino)?;
         if self.read_only() {
             return Ok(());
@@ -591,7 +587,6 @@ impl Fs {
     }
 
     pub async fn fsyncdir(&self, ino: Ino, datasync: bool) -> FsResult<()> {
-        let ino = ino.get();
         self.inner.inode(ino)?;
         if self.read_only() {
             return Ok(());
@@ -605,11 +600,11 @@ impl Fs {
 /// long as it lives.
 struct WritingBack<'a> {
     inner: &'a crate::FsInner,
-    ino: u64,
+    ino: Ino,
 }
 
 impl<'a> WritingBack<'a> {
-    fn start(inner: &'a crate::FsInner, ino: u64) -> Self {
+    fn start(inner: &'a crate::FsInner, ino: Ino) -> Self {
         inner.writing_back.borrow_mut().insert(ino);
         Self { inner, ino }
     }

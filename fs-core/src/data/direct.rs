@@ -22,7 +22,7 @@ impl Fs {
 
     /// Write back and drop cached pages of [first, last] so that direct
     /// I/O and the cache agree.
-    pub(super) async fn flush_cache_range(&self, ino: u64, first: u64, last: u64, drop_clean: bool) -> FsResult<()> {
+    pub(super) async fn flush_cache_range(&self, ino: Ino, first: u64, last: u64, drop_clean: bool) -> FsResult<()> {
         let cached = self.inner.cache.borrow().has_pages(ino, first, last + 1);
         if !cached {
             return Ok(());
@@ -37,7 +37,6 @@ impl Fs {
     /// Direct write of `buf` at `offset`. Returns the buffer and the bytes
     /// written. Unaligned requests are copied through a bounce buffer.
     pub async fn write_direct<B: IoBuffer>(&self, ino: Ino, offset: u64, buf: B) -> (B, FsResult<u32>) {
-        let ino = ino.get();
         if self.read_only() {
             return (buf, Err(FsError::ReadOnly));
         }
@@ -51,7 +50,7 @@ impl Fs {
         (into_inner(shared), result)
     }
 
-    async fn write_direct_shared<B: IoBuffer>(&self, ino: u64, offset: u64, buf: &SharedBuffer<B>) -> FsResult<u32> {
+    async fn write_direct_shared<B: IoBuffer>(&self, ino: Ino, offset: u64, buf: &SharedBuffer<B>) -> FsResult<u32> {
         let len = buf.len() as u64;
         if len == 0 {
             return Ok(0);
@@ -71,7 +70,7 @@ impl Fs {
 
     async fn write_direct_uncached<B: IoBuffer>(
         &self,
-        ino: u64,
+        ino: Ino,
         offset: u64,
         end: u64,
         buf: &SharedBuffer<B>,
@@ -87,13 +86,13 @@ impl Fs {
         self.direct_extend(ino, offset, end, buf).await
     }
 
-    fn move_direct_epoch(&self, ino: u64) {
+    fn move_direct_epoch(&self, ino: Ino) {
         if let Some(n) = self.inner.state.borrow_mut().node_mut(ino) {
             n.writes_mut().direct_epoch += 1;
         }
     }
 
-    pub(super) fn direct_epoch(&self, ino: u64) -> Option<u64> {
+    pub(super) fn direct_epoch(&self, ino: Ino) -> Option<u64> {
         self.inner.state.borrow().node(ino).map(|n| n.writes().direct_epoch)
     }
 
@@ -101,7 +100,7 @@ impl Fs {
     /// file. Shared lock, no allocation, no record. None if not applicable.
     async fn try_direct_overwrite<B: IoBuffer>(
         &self,
-        ino: u64,
+        ino: Ino,
         offset: u64,
         end: u64,
         buf: &SharedBuffer<B>,
@@ -205,7 +204,7 @@ impl Fs {
     /// allocate unwritten extents, submit at once, convert on completion.
     async fn direct_extend<B: IoBuffer>(
         &self,
-        ino: u64,
+        ino: Ino,
         offset: u64,
         end: u64,
         buf: &SharedBuffer<B>,
@@ -257,7 +256,7 @@ impl Fs {
     /// claim: the furthest completed end, but never past the start of an
     /// earlier extending write still in flight, so the size never covers
     /// data that is not on the device.
-    fn finish_extend(&self, ino: u64, offset: u64, end: u64, ok: bool) -> u64 {
+    fn finish_extend(&self, ino: Ino, offset: u64, end: u64, ok: bool) -> u64 {
         let mut state = self.inner.state.borrow_mut();
         let Some(n) = state.node_mut(ino) else { return 0 };
         let size = n.inode.size;
@@ -273,13 +272,12 @@ impl Fs {
     /// Direct read into `buf`. Returns the buffer and the bytes read (short
     /// at end of file).
     pub async fn read_direct<B: IoBuffer>(&self, ino: Ino, offset: u64, buf: B) -> (B, FsResult<u32>) {
-        let ino = ino.get();
         let shared = SharedBuffer::new(buf);
         let result = self.read_direct_shared(ino, offset, &shared).await;
         (into_inner(shared), result)
     }
 
-    async fn read_direct_shared<B: IoBuffer>(&self, ino: u64, offset: u64, buf: &SharedBuffer<B>) -> FsResult<u32> {
+    async fn read_direct_shared<B: IoBuffer>(&self, ino: Ino, offset: u64, buf: &SharedBuffer<B>) -> FsResult<u32> {
         self.inner.accessed(ino);
         let inode = self.require_file(ino)?;
         let len = buf.len() as u64;
@@ -315,7 +313,7 @@ impl Fs {
 
     /// A direct write of unaligned bytes: read-modify-write of the edge
     /// blocks, bypassing the cache.
-    async fn write_uncached_copy(&self, ino: u64, offset: u64, data: &[u8]) -> FsResult<u32> {
+    async fn write_uncached_copy(&self, ino: Ino, offset: u64, data: &[u8]) -> FsResult<u32> {
         let end = offset + data.len() as u64;
         let (first, last) = blocks_of(offset, data.len() as u64);
         let (_range, old_size) = self.lock_for_write(ino, first, last, end).await?;
@@ -347,7 +345,7 @@ impl Fs {
         Ok(data.len() as u32)
     }
 
-    async fn read_uncached_copy(&self, ino: u64, offset: u64, len: u64) -> FsResult<Vec<u8>> {
+    async fn read_uncached_copy(&self, ino: Ino, offset: u64, len: u64) -> FsResult<Vec<u8>> {
         let (first, last) = blocks_of(offset, len);
         let _range =
             self.inner.ranges.lock(ino, FileBlock::new(first).offset(), FileBlock::new(last + 1).offset(), false).await;

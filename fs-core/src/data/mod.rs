@@ -27,6 +27,7 @@ use super::extent::{Segment, Segments};
 use super::format::{BlockRun, Inode, BLOCK_BYTES};
 use super::record::Record;
 use super::{Fs, FsError, FsResult};
+use crate::ids::Ino;
 use keelfs_bdev::AlignedBuf;
 use keelfs_reactor as reactor;
 use keelfs_reactor::{await_all, SharedBuffer};
@@ -102,7 +103,7 @@ pub(crate) fn start_writeback_timer(fs: &Fs) {
 
 /// Shared helpers.
 impl Fs {
-    pub(super) fn require_file(&self, ino: u64) -> FsResult<Inode> {
+    pub(super) fn require_file(&self, ino: Ino) -> FsResult<Inode> {
         let inode = self.inner.inode(ino)?;
         if inode.is_dir() {
             return Err(FsError::IsDir);
@@ -114,14 +115,14 @@ impl Fs {
     }
 
     /// The extent map's pieces of `count` blocks from file block `first`.
-    fn segments(&self, ino: u64, first: u64, count: u64) -> FsResult<Segments> {
+    fn segments(&self, ino: Ino, first: u64, count: u64) -> FsResult<Segments> {
         let state = self.inner.state.borrow();
         Ok(state.node(ino).ok_or(FsError::Stale)?.extents.segments(FileBlock::new(first), count))
     }
 
     /// One file block as it is on the device (zeros for holes and
     /// unwritten extents), ignoring the page cache.
-    async fn read_device_block(&self, ino: u64, file_block: u64, out: &mut [u8]) -> FsResult<()> {
+    async fn read_device_block(&self, ino: Ino, file_block: u64, out: &mut [u8]) -> FsResult<()> {
         match self.segments(ino, file_block, 1)?[0] {
             Segment::Mapped(e) if !e.unwritten => {
                 let buf = self.inner.read_blocks(e.disk_block, 1).await?;
@@ -137,7 +138,7 @@ impl Fs {
     /// file's previous extent when that space is free (extent merging).
     /// Only writeback (`reserved`) may dip into space promised to dirty
     /// pages.
-    fn alloc_runs(&self, ino: u64, file_block: FileBlock, count: u64, reserved: bool) -> FsResult<Vec<BlockRun>> {
+    fn alloc_runs(&self, ino: Ino, file_block: FileBlock, count: u64, reserved: bool) -> FsResult<Vec<BlockRun>> {
         if !reserved {
             self.inner.check_room(count)?;
         }
@@ -182,7 +183,7 @@ impl Fs {
     /// seen under it.
     async fn lock_for_write(
         &self,
-        ino: u64,
+        ino: Ino,
         first: u64,
         last: u64,
         end: u64,
@@ -209,7 +210,7 @@ impl Fs {
     /// Zero the bytes past `size` in the block holding the end of file, on
     /// the device and in the cache: they are invisible now and about to
     /// become part of the file.
-    async fn zero_past_eof(&self, ino: u64, size: u64) -> FsResult<()> {
+    async fn zero_past_eof(&self, ino: Ino, size: u64) -> FsResult<()> {
         let tail = offset_in_block(size) as usize;
         if tail == 0 {
             return Ok(());
@@ -225,7 +226,7 @@ impl Fs {
     /// Returns the new mappings: (file block, device block, blocks).
     fn map_hole_unwritten(
         &self,
-        ino: u64,
+        ino: Ino,
         file_block: FileBlock,
         len: u64,
     ) -> FsResult<Vec<(FileBlock, DevBlock, u64)>> {
@@ -249,7 +250,7 @@ impl Fs {
 
     /// Zero bytes [from, to) of one file block on the device, if it holds
     /// written data.
-    async fn zero_in_block(&self, ino: u64, file_block: FileBlock, from: usize, to: usize) -> FsResult<()> {
+    async fn zero_in_block(&self, ino: Ino, file_block: FileBlock, from: usize, to: usize) -> FsResult<()> {
         let Segment::Mapped(e) = self.segments(ino, file_block.get(), 1)?[0] else { return Ok(()) };
         if e.unwritten {
             return Ok(());
@@ -268,7 +269,7 @@ impl Fs {
     /// into unwritten extents where it has those. Returns the records that
     /// map what was written; the caller logs them now that the data is on
     /// the device (ordered data).
-    async fn write_image(&self, ino: u64, first: u64, image: AlignedBuf) -> FsResult<Vec<Record<'static>>> {
+    async fn write_image(&self, ino: Ino, first: u64, image: AlignedBuf) -> FsResult<Vec<Record<'static>>> {
         let nblocks = whole_blocks(image.len() as u64);
         let image_bytes = image.len() as u64;
         let mut targets: Vec<(FileBlock, DevBlock, u64, bool)> = Vec::new(); // (file, disk, len, needs record)
@@ -339,7 +340,7 @@ impl Fs {
         Ok(())
     }
 
-    fn set_datasync_needed(&self, ino: u64) {
+    fn set_datasync_needed(&self, ino: Ino) {
         if let Some(n) = self.inner.state.borrow_mut().node_mut(ino) {
             n.datasync_needed = true;
         }

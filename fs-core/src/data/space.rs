@@ -17,7 +17,7 @@ impl Fs {
     /// transaction; the bytes left past the end in the last partial block
     /// are zeroed only when the file grows over them again, so a crash
     /// before the shrink commits cannot destroy data still in the file.
-    pub(crate) async fn truncate(&self, ino: u64, new_size: u64) -> FsResult<()> {
+    pub(crate) async fn truncate(&self, ino: Ino, new_size: u64) -> FsResult<()> {
         if new_size > MAX_FILE_BYTES {
             return Err(FsError::FileTooBig);
         }
@@ -61,7 +61,6 @@ impl Fs {
     }
 
     pub async fn fallocate(&self, ino: Ino, mode: FallocateMode, offset: u64, len: u64) -> FsResult<()> {
-        let ino = ino.get();
         if self.read_only() {
             return Err(FsError::ReadOnly);
         }
@@ -73,7 +72,7 @@ impl Fs {
         }
     }
 
-    async fn fallocate_once(&self, ino: u64, mode: FallocateMode, offset: u64, len: u64) -> FsResult<()> {
+    async fn fallocate_once(&self, ino: Ino, mode: FallocateMode, offset: u64, len: u64) -> FsResult<()> {
         if len == 0 {
             return Err(FsError::Invalid("fallocate of zero bytes"));
         }
@@ -115,7 +114,7 @@ impl Fs {
 
     /// Make [offset, end) read as zeros: unmap whole blocks, zero edges,
     /// on the device and in the cache.
-    async fn clear_range(&self, ino: u64, offset: u64, end: u64) -> FsResult<()> {
+    async fn clear_range(&self, ino: Ino, offset: u64, end: u64) -> FsResult<()> {
         let first_whole = FileBlock::starting_at_or_after(offset);
         let end_whole = FileBlock::containing(end);
         if first_whole < end_whole {
@@ -140,7 +139,7 @@ impl Fs {
 
     /// Back the holes in file blocks [first, end) with unwritten extents:
     /// space is reserved and reads still return zeros, with no data I/O.
-    fn allocate_unwritten(&self, ino: u64, first: FileBlock, end: FileBlock) -> FsResult<()> {
+    fn allocate_unwritten(&self, ino: Ino, first: FileBlock, end: FileBlock) -> FsResult<()> {
         let holes: Vec<(FileBlock, u64)> = self
             .segments(ino, first.get(), end - first)?
             .into_iter()
@@ -158,7 +157,6 @@ impl Fs {
     /// SEEK_DATA / SEEK_HOLE. Unwritten extents count as holes; dirty
     /// cached pages count as data.
     pub async fn lseek(&self, ino: Ino, offset: u64, to: SeekTo) -> FsResult<u64> {
-        let ino = ino.get();
         let inode = self.require_file(ino)?;
         if offset >= inode.size {
             return Err(FsError::Nxio);

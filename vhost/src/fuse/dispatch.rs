@@ -266,7 +266,7 @@ fn errno_of(e: &FsError) -> i32 {
 fn to_abi_attr(a: &FsAttr) -> Attr {
     let i = &a.inode;
     Attr {
-        ino: i.ino,
+        ino: i.ino.get(),
         size: i.size,
         blocks: a.blocks_512,
         atime: i.atime.sec as u64,
