@@ -13,8 +13,9 @@
 //! until [`Fs::free_unheld_orphans`] runs after the session's holdings are
 //! restored.
 
+use crate::handles::{Handle, HandleTaken};
 use crate::ids::{Fh, Ino};
-use crate::{Fs, FsError, FsResult, Handle};
+use crate::{Fs, FsError, FsResult};
 
 /// One open handle as a session sees it, to be restored by number.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -35,8 +36,7 @@ impl Fs {
 
     /// The state of open handle `fh`.
     pub fn handle_state(&self, fh: Fh) -> FsResult<HandleState> {
-        let handles = self.inner.handles.borrow();
-        let h = handles.get(&fh.get()).ok_or(FsError::BadHandle)?;
+        let h = self.inner.handles.get(fh).ok_or(FsError::BadHandle)?;
         Ok(HandleState { ino: h.ino, flags: h.flags, dir_end: h.dir_end })
     }
 
@@ -57,17 +57,12 @@ impl Fs {
     /// `fh` is open already; later handles get numbers past it.
     pub fn restore_handle(&self, fh: Fh, state: HandleState) -> FsResult<()> {
         self.check_handle(&state)?;
-        let number = fh.get();
-        if number == 0 || self.inner.handles.borrow().contains_key(&number) {
-            return Err(FsError::BadHandle);
-        }
         let ino = state.ino;
-        self.inner.handles.borrow_mut().insert(number, Handle { ino, flags: state.flags, dir_end: state.dir_end });
+        let handle = Handle { ino, flags: state.flags, dir_end: state.dir_end };
+        self.inner.handles.restore(fh, handle).map_err(|HandleTaken| FsError::BadHandle)?;
         if let Some(node) = self.inner.state.borrow_mut().node_mut(ino) {
             node.opens.add(1);
         }
-        let next = self.inner.next_handle.get().max(number.saturating_add(1));
-        self.inner.next_handle.set(next);
         Ok(())
     }
 

@@ -33,6 +33,7 @@ mod file_clock;
 mod flags;
 mod format;
 mod fsck;
+mod handles;
 mod ids;
 mod journal;
 mod mkfs;
@@ -65,7 +66,6 @@ pub use shared::{SharedMiss, SharedReader};
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeSet;
 use std::rc::Rc;
-use std::sync::Arc;
 use std::time::Duration;
 
 use blocks::DevBlock;
@@ -184,14 +184,6 @@ pub struct FsCounters {
     pub discard_pending_blocks: u64,
 }
 
-struct Handle {
-    ino: Ino,
-    flags: u32,
-    /// For a directory handle: readdir lists only entries made before this
-    /// cookie (the directory's cookie end at opendir or the last rewind).
-    dir_end: u64,
-}
-
 /// The journal's position and what is waiting to go into it.
 struct JournalState {
     /// Next logical journal block to write, and the sequence it gets.
@@ -244,8 +236,7 @@ pub(crate) struct FsInner {
     sb: RefCell<Superblock>,
     state: RefCell<State>,
     journal: RefCell<JournalState>,
-    handles: RefCell<keelfs_base::IdMap<Handle>>,
-    next_handle: Cell<u64>,
+    handles: handles::HandleTable,
     commit_lock: sync::AsyncMutex,
     cache: RefCell<cache::PageCache>,
     ranges: Rc<sync::RangeLocks>,
@@ -262,23 +253,11 @@ pub(crate) struct FsInner {
     file_times: Cell<bool>,
     /// Files with readers on other cores ([`Fs::shared_reader`]): their
     /// size and life, published under a sequence number.
-    shared_files: RefCell<keelfs_base::IdMapBy<Ino, Arc<shared::SharedFile>>>,
+    shared_files: shared::SharedFiles,
     /// The span current at mount (the daemon's export span, inside its
     /// reactor's): the parent of this filesystem's events, which are often
     /// logged from timer tasks that run outside it.
     pub(crate) span: tracing::Span,
-}
-
-/// A change to a file that readers on other cores must see whole (see
-/// [`FsInner::file_change`]); ends when dropped.
-pub(crate) struct FileChange(Option<Arc<shared::SharedFile>>);
-
-impl Drop for FileChange {
-    fn drop(&mut self) {
-        if let Some(file) = &self.0 {
-            file.close();
-        }
-    }
 }
 
 /// A mounted filesystem. Cheap to clone; all clones share one state.
@@ -291,34 +270,6 @@ impl FsInner {
     /// Now, to the nanosecond, by the filesystem's file clock.
     pub(crate) fn file_time(&self) -> format::Timespec {
         self.config.file_clock.now()
-    }
-
-    /// Begin a change of several steps to `ino` (pages and size) that
-    /// readers on other cores must not see half done. Free when the file
-    /// has no such readers.
-    pub(crate) fn file_change(&self, ino: Ino) -> FileChange {
-        let file = self.shared_files.borrow().get(&ino).cloned();
-        if let Some(f) = &file {
-            f.open();
-        }
-        FileChange(file)
-    }
-
-    /// Tell readers on other cores the file's size (after any change to an
-    /// inode, which is where sizes change).
-    fn publish_size(&self, ino: Ino, size: u64) {
-        let files = self.shared_files.borrow();
-        if let Some(f) = files.get(&ino) {
-            f.set_size_published(size);
-        }
-    }
-
-    /// The inode is gone: its shared readers must go to the owner, which
-    /// will answer that the file no longer exists.
-    fn forget_shared(&self, ino: Ino) {
-        if let Some(f) = self.shared_files.borrow_mut().remove(&ino) {
-            f.kill_published();
-        }
     }
 
     /// After data reached a file: grow its size to `end` if given, and
@@ -528,13 +479,7 @@ impl Fs {
     /// a lock or a message; the others the caller sends here.
     pub fn shared_reader(&self, ino: Ino) -> FsResult<SharedReader> {
         let size = self.require_file(ino)?.size;
-        let file = self
-            .inner
-            .shared_files
-            .borrow_mut()
-            .entry(ino)
-            .or_insert_with(|| Arc::new(shared::SharedFile::new(size)))
-            .clone();
+        let file = self.inner.shared_files.share(ino, size);
         Ok(SharedReader { pages: self.inner.cache.borrow().shared().clone(), file, ino })
     }
 
@@ -680,8 +625,7 @@ impl Fs {
                     sliced: None,
                     deferred_free: Vec::new(),
                 }),
-                handles: RefCell::new(keelfs_base::IdMap::default()),
-                next_handle: Cell::new(1),
+                handles: handles::HandleTable::default(),
                 cache: RefCell::new(cache::PageCache::new(config.cache_bytes)),
                 commit_lock: sync::AsyncMutex::default(),
                 ranges: Rc::new(sync::RangeLocks::default()),
@@ -691,7 +635,7 @@ impl Fs {
                 unmounted: Cell::new(false),
                 replayed_at_mount: loaded.replayed,
                 file_times: Cell::new(true),
-                shared_files: RefCell::new(keelfs_base::IdMapBy::default()),
+                shared_files: shared::SharedFiles::default(),
                 span: tracing::Span::current(),
             }),
         };

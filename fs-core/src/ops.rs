@@ -11,9 +11,10 @@ use super::format::{
     Inode, Timespec, BLOCK_SIZE, NAME_MAX, ROOT_INO, SYMLINK_MAX, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG,
     XATTR_INODE_BYTES_MAX, XATTR_LIST_BYTES_MAX, XATTR_NAME_MAX, XATTR_VALUE_MAX,
 };
+use super::handles::Handle;
 use super::ids::{Fh, Ino};
 use super::record::Record;
-use super::{Fs, FsError, FsInner, FsResult, Handle};
+use super::{Fs, FsError, FsInner, FsResult};
 
 /// The ACLs a new inode inherits: xattr names and values.
 type InheritedXattrs = Vec<(&'static [u8], Vec<u8>)>;
@@ -146,7 +147,7 @@ impl FsInner {
         }
         let size = node.inode.size;
         drop(state);
-        self.publish_size(ino, size);
+        self.shared_files.publish_size(ino, size);
         self.mark_dirty(ino);
         Ok(())
     }
@@ -270,7 +271,7 @@ impl FsInner {
             None => return Ok(()),
         };
         if unreferenced && ino != ROOT_INO {
-            self.forget_shared(ino);
+            self.shared_files.forget(ino);
             let released = self.cache.borrow_mut().discard(ino, 0);
             self.release_delalloc(released);
             let image = self.state.borrow().node(ino).map(|n| n.inode.clone());
@@ -733,14 +734,12 @@ impl Fs {
     }
 
     fn new_handle(&self, ino: Ino, flags: u32) -> Fh {
-        let fh = self.inner.next_handle.get();
-        self.inner.next_handle.set(fh + 1);
         let dir_end = self.inner.state.borrow().node(ino).and_then(|n| n.dir.as_ref()).map_or(0, |d| d.cookie_end());
-        self.inner.handles.borrow_mut().insert(fh, Handle { ino, flags, dir_end });
+        let fh = self.inner.handles.open(Handle { ino, flags, dir_end });
         if let Some(node) = self.inner.state.borrow_mut().node_mut(ino) {
             node.opens.add(1);
         }
-        Fh::new(fh)
+        fh
     }
 
     /// Create and open a regular file. With O_EXCL an existing name is an
@@ -775,8 +774,7 @@ impl Fs {
     }
 
     pub async fn release(&self, fh: Fh) -> FsResult<()> {
-        let fh = fh.get();
-        let handle = self.inner.handles.borrow_mut().remove(&fh).ok_or(FsError::BadHandle)?;
+        let handle = self.inner.handles.close(fh).ok_or(FsError::BadHandle)?;
         if let Some(node) = self.inner.state.borrow_mut().node_mut(handle.ino) {
             node.opens.sub(1);
         }
@@ -786,8 +784,7 @@ impl Fs {
 
     /// The inode and open flags of a handle.
     pub fn handle(&self, fh: Fh) -> FsResult<(Ino, u32)> {
-        let fh = fh.get();
-        self.inner.handles.borrow().get(&fh).map(|h| (h.ino, h.flags)).ok_or(FsError::BadHandle)
+        self.inner.handles.get(fh).map(|h| (h.ino, h.flags)).ok_or(FsError::BadHandle)
     }
 
     pub async fn opendir(&self, c: &Creds, ino: Ino) -> FsResult<Fh> {
@@ -817,14 +814,13 @@ impl Fs {
     /// renamed within it, each getting a new cookie) reaches its end.
     pub async fn readdir_handle(&self, fh: Fh, offset: u64, max: usize, plus: bool) -> FsResult<Vec<DirEntry>> {
         let ino = self.handle(fh)?.0;
-        let fh = fh.get();
         if offset == 0 {
             let end = self.inner.state.borrow().node(ino).and_then(|n| n.dir.as_ref()).map(|d| d.cookie_end());
-            if let (Some(end), Some(h)) = (end, self.inner.handles.borrow_mut().get_mut(&fh)) {
-                h.dir_end = end;
+            if let Some(end) = end {
+                self.inner.handles.set_dir_end(fh, end);
             }
         }
-        let end = self.inner.handles.borrow().get(&fh).map_or(0, |h| h.dir_end);
+        let end = self.inner.handles.get(fh).map_or(0, |h| h.dir_end);
         self.read_dir(ino, offset, max, plus, end)
     }
 

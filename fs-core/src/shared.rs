@@ -27,8 +27,11 @@
 //! `a_full_cache_keeps_a_hint_for_every_page`). A miss of any page sends
 //! the whole read to the owner.
 
+use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+
+use keelfs_base::IdMapBy;
 
 use super::cache::{PageKey, PAGE_BYTES};
 use super::seqlock::{self, Seq};
@@ -363,6 +366,61 @@ impl SharedFile {
     /// Owner: the inode is gone.
     pub(crate) fn kill_published(&self) {
         self.within_change(|| self.alive.store(false, Ordering::Relaxed));
+    }
+}
+
+/// The files with readers on other cores ([`crate::Fs::shared_reader`]),
+/// by inode, on the owning reactor. A file enters at its first shared
+/// reader and leaves when its inode is freed; a file not here has no
+/// reader to tell of any change.
+#[derive(Default)]
+pub(crate) struct SharedFiles {
+    by_ino: RefCell<IdMapBy<crate::Ino, Arc<SharedFile>>>,
+}
+
+impl SharedFiles {
+    /// `ino`'s shared state, made with `size` if it has none yet.
+    pub(crate) fn share(&self, ino: crate::Ino, size: u64) -> Arc<SharedFile> {
+        Arc::clone(self.by_ino.borrow_mut().entry(ino).or_insert_with(|| Arc::new(SharedFile::new(size))))
+    }
+
+    /// Begin a change of several steps to `ino` (pages and size) that
+    /// readers on other cores must not see half done. Free when the file
+    /// has no such readers.
+    pub(crate) fn change(&self, ino: crate::Ino) -> FileChange {
+        let file = self.by_ino.borrow().get(&ino).cloned();
+        if let Some(f) = &file {
+            f.open();
+        }
+        FileChange(file)
+    }
+
+    /// Tell readers on other cores the file's size (after any change to an
+    /// inode, which is where sizes change).
+    pub(crate) fn publish_size(&self, ino: crate::Ino, size: u64) {
+        if let Some(f) = self.by_ino.borrow().get(&ino) {
+            f.set_size_published(size);
+        }
+    }
+
+    /// The inode is gone: its shared readers must go to the owner, which
+    /// will answer that the file no longer exists.
+    pub(crate) fn forget(&self, ino: crate::Ino) {
+        if let Some(f) = self.by_ino.borrow_mut().remove(&ino) {
+            f.kill_published();
+        }
+    }
+}
+
+/// A change to a file that readers on other cores must see whole (see
+/// [`SharedFiles::change`]); ends when dropped.
+pub(crate) struct FileChange(Option<Arc<SharedFile>>);
+
+impl Drop for FileChange {
+    fn drop(&mut self) {
+        if let Some(file) = &self.0 {
+            file.close();
+        }
     }
 }
 

@@ -339,7 +339,7 @@ impl Fs {
             self.reserve_delalloc(to_reserve.len() as u64)?;
             // An extending write changes pages and then the size: readers
             // on other cores see both or neither.
-            let change = (end > old_size).then(|| self.inner.file_change(ino));
+            let change = (end > old_size).then(|| self.inner.shared_files.change(ino));
             if self.apply_write(ino, offset, data, &edges, &to_reserve).is_err() {
                 // Other tasks filled the cache with dirty pages meanwhile:
                 // undo the reservation and start over (rewriting the same

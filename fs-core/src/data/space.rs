@@ -27,7 +27,7 @@ impl Fs {
         let keep_blocks = FileBlock::starting_at_or_after(new_size).get();
         // Shrinking drops pages, zeroes the new last page's tail, then sets
         // the size: readers on other cores see all of it or none.
-        let change = (new_size < old).then(|| self.inner.file_change(ino));
+        let change = (new_size < old).then(|| self.inner.shared_files.change(ino));
         if new_size < old {
             let released = self.inner.cache.borrow_mut().discard(ino, keep_blocks);
             self.inner.release_delalloc(released);
@@ -122,7 +122,7 @@ impl Fs {
             self.inner.log(Record::ExtentPunch { ino, file_block: first_whole.get(), len })?;
         }
         {
-            let _change = self.inner.file_change(ino);
+            let _change = self.inner.shared_files.change(ino);
             self.inner.cache.borrow_mut().zero_range(ino, offset, end);
         }
         let head_block = FileBlock::containing(offset);
