@@ -54,7 +54,7 @@ pub use discard::DiscardConfig;
 pub use error::{BlockClaim, DoubleOwner, FsError, FsResult};
 pub use file_clock::{FileClock, ManualClock};
 pub use flags::{FallocateMode, RenameMode, XattrFlags};
-pub use format::{crc, Superblock, Timespec, ROOT_INO, XATTR_INODE_BYTES_MAX};
+pub use format::{crc, Superblock, Timespec, BLOCK_BYTES, ROOT_INO, XATTR_INODE_BYTES_MAX};
 pub use fsck::{fsck, repair, FsckReport, Problem};
 pub use ids::{Fh, Ino};
 pub use journal::{CHECKPOINT_BLOCK_MAGIC, JOURNAL_TX_MAGIC};
@@ -70,7 +70,6 @@ use std::time::Duration;
 
 use blocks::DevBlock;
 use codec::Writer;
-use format::BLOCK_BYTES;
 use keelfs_bdev::{AlignedBuf, Geometry};
 use keelfs_reactor::{await_all, DeviceChannel};
 use state::{ApplyMode, State};

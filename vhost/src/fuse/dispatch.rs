@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use keelfs_bdev::AlignedBuf;
 use keelfs_fs::{Attr as FsAttr, Creds, Fs, FsError, ReadSink, SharedReader, WriteSource, WriteTimes};
-use keelfs_fs::{Fh, HandleState, Ino, XattrFlags};
+use keelfs_fs::{Fh, HandleState, Ino, XattrFlags, BLOCK_BYTES};
 use keelfs_reactor::IoBuffer;
 
 use super::abi::{
@@ -238,6 +238,9 @@ struct Holdings {
 /// keelfsd hold. Past it, opens fail with EMFILE.
 pub const SESSION_HANDLES_MAX: usize = 1 << 16;
 
+/// The client kernel's page: INIT's max_pages counts these.
+const FUSE_PAGE_BYTES: u32 = 4096;
+
 impl Drop for Session {
     fn drop(&mut self) {
         if let Some((coherence, member)) = &self.member {
@@ -280,7 +283,7 @@ fn to_abi_attr(a: &FsAttr) -> Attr {
         uid: i.uid,
         gid: i.gid,
         rdev: i.rdev,
-        blksize: 4096,
+        blksize: BLOCK_BYTES as u32,
         flags: 0,
     }
 }
@@ -776,7 +779,7 @@ impl Session {
         r.u32(max_readahead).u32(flags as u32);
         r.u16(256).u16(192); // max_background, congestion_threshold
         r.u32(self.config.max_write).u32(1); // max_write, time_gran (ns)
-        r.u16((self.config.max_write / 4096) as u16).u16(0); // max_pages, map_alignment
+        r.u16((self.config.max_write / FUSE_PAGE_BYTES) as u16).u16(0); // max_pages, map_alignment
         r.u32((flags >> 32) as u32).u32(0); // flags2, max_stack_depth
         r.raw(&[0u8; 24]);
         Ok(Some(r))
@@ -1202,7 +1205,7 @@ impl Session {
         let flags = readable(self.own_handle_of(fh, ino)?)?;
         let size = size.min(self.config.max_write);
         let data = if flags as i32 & libc::O_DIRECT != 0 {
-            let buf = AlignedBuf::zeroed((size as usize).div_ceil(4096).max(1) * 4096, 4096);
+            let buf = AlignedBuf::zeroed((size as usize).div_ceil(BLOCK_BYTES).max(1) * BLOCK_BYTES, BLOCK_BYTES);
             let (buf, n) = self.fs.read_direct(ino, offset, buf).await;
             buf[..n.map_err(|e| e.errno())? as usize].to_vec()
         } else {
@@ -1234,7 +1237,7 @@ impl Session {
         // O_DIRECT handles bypass the page cache. (The virtio-fs path
         // hands guest pages over directly and never gets here for them.)
         let n = if flags as i32 & libc::O_DIRECT != 0 && !data.is_empty() {
-            let mut buf = AlignedBuf::zeroed(data.len(), 4096);
+            let mut buf = AlignedBuf::zeroed(data.len(), BLOCK_BYTES);
             buf.copy_from_slice(data);
             self.fs.write_direct(ino, offset, buf).await.1
         } else {
