@@ -94,23 +94,23 @@ impl Opened {
 /// symlinks resolved: the operator's paths are trusted, the request's are
 /// not). The walk is one openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS),
 /// so nothing swapped in meanwhile can lead it elsewhere.
-pub fn beneath(path: &Path, dirs: &[PathBuf]) -> Result<(OwnedFd, std::ffi::OsString), String> {
+pub fn beneath(path: &Path, dirs: &[PathBuf]) -> anyhow::Result<(OwnedFd, std::ffi::OsString)> {
     if !path.is_absolute() || path.components().any(|c| c == Component::ParentDir) {
-        return Err(format!("{} is not an absolute path without ..", path.display()));
+        anyhow::bail!("{} is not an absolute path without ..", path.display());
     }
-    let name = path.file_name().ok_or_else(|| format!("{} names no file", path.display()))?.to_owned();
+    let name = path.file_name().ok_or_else(|| anyhow::anyhow!("{} names no file", path.display()))?.to_owned();
     let parent = path.parent().unwrap_or(Path::new("/"));
     let listed = dirs.iter().flat_map(|d| [Some(d.clone()), std::fs::canonicalize(d).ok()]).flatten();
     let (root, below) = listed
         .filter_map(|d| parent.strip_prefix(&d).ok().map(|rest| (d.clone(), rest.to_path_buf())))
         .next()
-        .ok_or_else(|| format!("{} is outside export_dirs {dirs:?}", path.display()))?;
-    let root = std::fs::File::open(&root).map_err(|e| format!("{}: {e}", root.display()))?;
+        .ok_or_else(|| anyhow::anyhow!("{} is outside export_dirs {dirs:?}", path.display()))?;
+    let root = std::fs::File::open(&root).map_err(|e| anyhow::anyhow!("{}: {e}", root.display()))?;
     let below = if below.as_os_str().is_empty() { Path::new(".") } else { below.as_path() };
     let dir = openat2(&root, below, libc::O_PATH | libc::O_DIRECTORY)
-        .map_err(|e| format!("{}: {e} (a symlink, or not a directory)", path.display()))?;
+        .map_err(|e| anyhow::anyhow!("{}: {e} (a symlink, or not a directory)", path.display()))?;
     if on_fuse(&dir) {
-        return Err(format!("{} is on a FUSE filesystem", path.display()));
+        anyhow::bail!("{} is on a FUSE filesystem", path.display());
     }
     Ok((dir, name))
 }
@@ -151,7 +151,7 @@ fn on_fuse(fd: &impl AsRawFd) -> bool {
 /// beneath the listed directories, lock the very file it serves, bind the
 /// socket. Returns the descriptors to send and the reply.
 pub fn open_for(request: &OpenRequest, dirs: &[PathBuf]) -> anyhow::Result<(Vec<OwnedFd>, OpenReply)> {
-    let (dir, name) = beneath(&request.device, dirs).map_err(anyhow::Error::msg)?;
+    let (dir, name) = beneath(&request.device, dirs)?;
     let access = if request.read_only { libc::O_RDONLY } else { libc::O_RDWR };
     let file = std::fs::File::from(openat2(&dir, Path::new(&name), access | libc::O_DIRECT)?);
     let kind = file.metadata()?.file_type();
@@ -184,7 +184,7 @@ pub fn open_for(request: &OpenRequest, dirs: &[PathBuf]) -> anyhow::Result<(Vec<
 /// does. Nothing may be at the path yet: probing a stale socket means
 /// connecting to it, which can block on a listener that is not accepting.
 fn bind_beneath(request: &OpenRequest, dirs: &[PathBuf]) -> anyhow::Result<std::os::unix::net::UnixListener> {
-    let (dir, name) = beneath(&request.socket, dirs).map_err(anyhow::Error::msg)?;
+    let (dir, name) = beneath(&request.socket, dirs)?;
     // Through the directory's descriptor, whatever its path becomes.
     let path = Path::new("/proc/self/fd").join(dir.as_raw_fd().to_string()).join(&name);
     if std::fs::symlink_metadata(&path).is_ok() {
@@ -294,15 +294,15 @@ mod tests {
         std::os::unix::fs::symlink("/etc", inside.join("etc")).unwrap();
         std::os::unix::fs::symlink(&inside, dir.join("alias")).unwrap();
         let dirs = [inside.clone()];
-        let named = |p: &Path| beneath(p, &dirs).map(|(_, name)| name.to_string_lossy().into_owned());
-        assert_eq!(named(&inside.join("a.img")).as_deref(), Ok("a.img"));
-        assert_eq!(named(&inside.join("sub/b.img")).as_deref(), Ok("b.img"));
-        assert!(named(&inside.join("etc/passwd")).is_err(), "a symlinked directory");
-        assert!(named(&inside.join("../x.img")).is_err(), "..");
-        assert!(named(Path::new("/etc/shadow")).is_err());
-        assert!(named(Path::new("rel.img")).is_err());
-        assert!(named(&dir.join("b.img")).is_err(), "the parent of a listed directory");
-        assert!(named(&dir.join("alias/a.img")).is_err(), "a symlink to a listed directory is not listed");
+        let named = |p: &Path| beneath(p, &dirs).map(|(_, name)| name.to_string_lossy().into_owned()).ok();
+        assert_eq!(named(&inside.join("a.img")).as_deref(), Some("a.img"));
+        assert_eq!(named(&inside.join("sub/b.img")).as_deref(), Some("b.img"));
+        assert!(named(&inside.join("etc/passwd")).is_none(), "a symlinked directory");
+        assert!(named(&inside.join("../x.img")).is_none(), "..");
+        assert!(named(Path::new("/etc/shadow")).is_none());
+        assert!(named(Path::new("rel.img")).is_none());
+        assert!(named(&dir.join("b.img")).is_none(), "the parent of a listed directory");
+        assert!(named(&dir.join("alias/a.img")).is_none(), "a symlink to a listed directory is not listed");
         assert!(beneath(&inside.join("a.img"), &[]).is_err(), "nothing listed, nothing allowed");
         // The last component is opened without following it.
         let (parent, name) = beneath(&inside.join("link"), &dirs).unwrap();

@@ -226,7 +226,7 @@ const START_TIMEOUT: Duration = Duration::from_secs(60);
 pub const STOP_TIMEOUT_DEFAULT: Duration = Duration::from_secs(30);
 
 /// Work for an export's reactor: built there, run there as a task.
-pub type LocalJob = Box<dyn FnOnce() -> Pin<Box<dyn Future<Output = Result<Value, String>>>> + Send>;
+pub type LocalJob = Box<dyn FnOnce() -> Pin<Box<dyn Future<Output = anyhow::Result<Value>>>> + Send>;
 
 /// What the RPC thread may do to the running daemon.
 pub struct Control {
@@ -401,7 +401,7 @@ impl Control {
         }
         match rx.recv_timeout(timeout) {
             Ok(Ok(value)) => Ok(value),
-            Ok(Err(message)) => Err(ControlError::Failed(message)),
+            Ok(Err(e)) => Err(ControlError::Failed(format!("{e:#}"))),
             Err(_) => Err(ControlError::Timeout(timeout)),
         }
     }

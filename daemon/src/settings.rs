@@ -81,14 +81,14 @@ fn parse<T: for<'de> Deserialize<'de>>(params: Value) -> Result<T, RpcError> {
 fn on_fs<F, Fut>(tag: &str, work: F) -> LocalJob
 where
     F: FnOnce(keelfs_fs::Fs) -> Fut + Send + 'static,
-    Fut: std::future::Future<Output = Result<Value, String>> + 'static,
+    Fut: std::future::Future<Output = anyhow::Result<Value>> + 'static,
 {
     let tag = tag.to_string();
     Box::new(move || {
         Box::pin(async move {
             match crate::serve::local_fs(&tag) {
                 Some(fs) => work(fs).await,
-                None => Err(format!("export {tag} has no image mounted here (handed to a migration?)")),
+                None => Err(anyhow::anyhow!("export {tag} has no image mounted here (handed to a migration?)")),
             }
         })
     })
@@ -108,7 +108,7 @@ pub fn set_quota(params: Value, control: &Control) -> Result<Value, RpcError> {
         if let Some(inodes) = p.inodes {
             quota.inodes = (inodes != 0).then_some(inodes);
         }
-        fs.set_quota(quota).map_err(|e| e.to_string())?;
+        fs.set_quota(quota)?;
         let quota = fs.quota();
         Ok(json!({"bytes": quota.bytes, "inodes": quota.inodes}))
     });
@@ -121,7 +121,7 @@ pub fn trim(params: Value, control: &Control) -> Result<Value, RpcError> {
     let p: TrimParams = parse(params)?;
     let min_bytes = p.min_bytes.unwrap_or(0);
     let job = on_fs(&p.tag, move |fs| async move {
-        let trimmed = fs.trim(min_bytes).await.map_err(|e| e.to_string())?;
+        let trimmed = fs.trim(min_bytes).await?;
         Ok(json!({"trimmed_bytes": trimmed}))
     });
     Ok(control.on_export_reactor(&p.tag, TRIM_TIMEOUT, job)?)
@@ -132,9 +132,8 @@ pub fn trim(params: Value, control: &Control) -> Result<Value, RpcError> {
 pub fn set_qos(params: Value, control: &Control) -> Result<Value, RpcError> {
     let p: QosParams = parse(params)?;
     let tag = p.tag.clone();
-    let job: LocalJob = Box::new(move || {
-        Box::pin(async move { crate::serve::set_export_qos(&p.tag, |now| p.apply(now)).map_err(|e| e.to_string()) })
-    });
+    let job: LocalJob =
+        Box::new(move || Box::pin(async move { Ok(crate::serve::set_export_qos(&p.tag, |now| p.apply(now))?) }));
     Ok(control.on_export_reactor(&tag, SETTING_TIMEOUT, job)?)
 }
 
