@@ -257,7 +257,7 @@ async fn pace(weak: &Weak<FsInner>, bytes: u64) {
 }
 
 async fn issue(fs: &FsInner, run: BlockRun) -> Result<u32, BdevError> {
-    let (_, result) = fs.dev.discard(DevBlock::new(run.start).offset(), block_bytes(run.len)).await;
+    let (_, result) = fs.io.discard(DevBlock::new(run.start), run.len).await;
     result
 }
 

@@ -489,7 +489,7 @@ pub(crate) async fn flush_data(fs: &Rc<FsInner>) -> FsResult<()> {
     if fs.journal.borrow().flushed_data_writes >= data {
         return Ok(());
     }
-    fs.flush_device().await?;
+    fs.io.flush().await?;
     let mut j = fs.journal.borrow_mut();
     j.flushed_data_writes = j.flushed_data_writes.max(data);
     Ok(())
@@ -510,7 +510,7 @@ async fn commit_taken(fs: &Rc<FsInner>, taken: Taken) -> FsResult<()> {
     let data_unflushed = fs.journal.borrow().flushed_data_writes < taken.data_writes;
     if taken.is_empty() {
         if data_unflushed {
-            fs.flush_device().await?;
+            fs.io.flush().await?;
         }
         finish(fs, &taken);
         return Ok(());
@@ -520,7 +520,7 @@ async fn commit_taken(fs: &Rc<FsInner>, taken: Taken) -> FsResult<()> {
         // that only overwrote blocks already visible needs no such order;
         // the flush after the transaction makes it durable too.
         if data_unflushed && (taken.exposes_data || taken.snapshot.is_some()) {
-            fs.flush_device().await?;
+            fs.io.flush().await?;
         }
         match &taken.snapshot {
             Some(snapshot) => {
@@ -572,20 +572,20 @@ async fn write_transaction(fs: &FsInner, taken: &Taken) -> FsResult<()> {
     let ring_off = head % sb.journal_blocks;
     let first = (sb.journal_blocks - ring_off).min(blocks);
     if first == blocks {
-        fs.write_blocks(DevBlock::new(ring_block(&sb, head)), buf).await?;
+        fs.io.write_blocks(DevBlock::new(ring_block(&sb, head)), buf).await?;
     } else {
         let mut a = AlignedBuf::zeroed(first as usize * BLOCK_BYTES, BLOCK_BYTES);
         let mut b = AlignedBuf::zeroed((blocks - first) as usize * BLOCK_BYTES, BLOCK_BYTES);
         a.copy_from_slice(&buf[..first as usize * BLOCK_BYTES]);
         b.copy_from_slice(&buf[first as usize * BLOCK_BYTES..]);
         let (ra, rb) = (
-            fs.write_blocks(DevBlock::new(ring_block(&sb, head)), a),
-            fs.write_blocks(DevBlock::new(JOURNAL_FIRST_BLOCK), b),
+            fs.io.write_blocks(DevBlock::new(ring_block(&sb, head)), a),
+            fs.io.write_blocks(DevBlock::new(JOURNAL_FIRST_BLOCK), b),
         );
         ra.await?;
         rb.await?;
     }
-    fs.flush_device().await?;
+    fs.io.flush().await?;
     let mut j = fs.journal.borrow_mut();
     j.head = head + blocks;
     j.seq = seq + 1;
@@ -728,12 +728,12 @@ async fn write_checkpoint_blocks(fs: &FsInner, runs: &[BlockRun], payload: [&[u8
                 block[4..8].copy_from_slice(&sum.to_le_bytes());
                 index = index.checked_add(1).expect("checkpoint block index fits u32");
             }
-            fs.write_blocks(DevBlock::new(run.start + done), buf).await?;
+            fs.io.write_blocks(DevBlock::new(run.start + done), buf).await?;
             done += n;
         }
     }
     debug_assert_eq!(written, payload.iter().map(|p| p.len()).sum::<usize>(), "the whole payload written");
-    fs.flush_device().await
+    fs.io.flush().await
 }
 
 /// Byte slices read as one, without joining them.
@@ -764,8 +764,8 @@ async fn write_superblock(fs: &FsInner, sb: &Superblock) -> FsResult<()> {
     let slot = SUPERBLOCK_SLOTS[(sb.generation % 2) as usize];
     let mut buf = AlignedBuf::zeroed(BLOCK_BYTES, BLOCK_BYTES);
     buf.copy_from_slice(&sb.encode());
-    fs.write_blocks(DevBlock::new(slot), buf).await?;
-    fs.flush_device().await
+    fs.io.write_blocks(DevBlock::new(slot), buf).await?;
+    fs.io.flush().await
 }
 
 fn ring_half_used(fs: &FsInner) -> bool {

@@ -35,6 +35,7 @@ mod format;
 mod fsck;
 mod handles;
 mod ids;
+mod io;
 mod journal;
 mod mkfs;
 mod node_table;
@@ -68,10 +69,9 @@ use std::collections::BTreeSet;
 use std::rc::Rc;
 use std::time::Duration;
 
-use blocks::DevBlock;
 use codec::Writer;
-use keelfs_bdev::{AlignedBuf, Geometry};
-use keelfs_reactor::{await_all, DeviceChannel};
+use keelfs_bdev::Geometry;
+use keelfs_reactor::DeviceChannel;
 use state::{ApplyMode, State};
 
 /// The smallest checkpoint reserve: 1 MiB.
@@ -227,8 +227,7 @@ struct JournalState {
 }
 
 pub(crate) struct FsInner {
-    dev: DeviceChannel,
-    geometry: Geometry,
+    io: io::Io,
     config: FsConfig,
     /// The quota now (FsConfig's at mount, then [`Fs::set_quota`]'s).
     quota: Cell<Quota>,
@@ -388,42 +387,6 @@ impl FsInner {
         j.dirty.insert(ino);
         j.logged_ops += 1;
     }
-
-    async fn flush_device(&self) -> FsResult<()> {
-        if !self.geometry.volatile_write_cache {
-            return Ok(());
-        }
-        let (_, result) = self.dev.flush().await;
-        self.bump(|c| c.device_flushes += 1);
-        result?;
-        Ok(())
-    }
-
-    async fn read_blocks(&self, block: DevBlock, count: usize) -> FsResult<AlignedBuf> {
-        let buf = AlignedBuf::zeroed(count * BLOCK_BYTES, BLOCK_BYTES);
-        let (buf, result) = self.dev.read(block.offset(), buf).await;
-        result?;
-        Ok(buf)
-    }
-
-    /// Write whole blocks, split into requests the device accepts, all in
-    /// flight together.
-    async fn write_blocks(&self, block: DevBlock, buf: AlignedBuf) -> FsResult<()> {
-        let max = self.geometry.max_request_bytes as usize;
-        if buf.len() <= max {
-            let (_, result) = self.dev.write(block.offset(), buf).await;
-            result?;
-            return Ok(());
-        }
-        let mut pending = Vec::new();
-        for (i, chunk) in buf.chunks(max).enumerate() {
-            let mut part = AlignedBuf::zeroed(chunk.len(), BLOCK_BYTES);
-            part.copy_from_slice(chunk);
-            pending.push(self.dev.write(block.offset() + (i * max) as u64, part));
-        }
-        await_all(pending).await?;
-        Ok(())
-    }
 }
 
 impl Fs {
@@ -433,12 +396,13 @@ impl Fs {
     }
 
     pub fn geometry(&self) -> Geometry {
-        self.inner.geometry
+        self.inner.io.geometry()
     }
 
     pub fn counters(&self) -> FsCounters {
         let mut c = self.inner.counters.get();
         c.discard_pending_blocks = self.inner.discarding_blocks();
+        c.device_flushes = self.inner.io.flushes();
         c
     }
 
@@ -601,8 +565,7 @@ impl Fs {
         let loaded = journal::load(&dev, require_root).await?;
         let fs = Fs {
             inner: Rc::new(FsInner {
-                geometry: dev.geometry(),
-                dev,
+                io: io::Io::new(dev),
                 config: config.clone(),
                 quota: Cell::new(config.quota),
                 sb: RefCell::new(loaded.sb),

@@ -166,7 +166,7 @@ impl Fs {
         for &(page, disk, n) in &runs {
             let read = disk.map(|d| {
                 let buf = AlignedBuf::zeroed(block_bytes(n) as usize, BLOCK_BYTES);
-                self.inner.dev.read(d.offset(), buf)
+                self.inner.io.read(d, n, buf)
             });
             pending.push((page, n, read));
         }

@@ -13,7 +13,7 @@ use keelfs_reactor::{await_all, IoBuffer, SharedBuffer};
 
 impl Fs {
     fn direct_aligned<B: IoBuffer>(&self, offset: u64, buf: &SharedBuffer<B>) -> bool {
-        let align = self.inner.geometry.memory_alignment.max(512) as usize;
+        let align = self.inner.io.geometry().memory_alignment.max(512) as usize;
         offset.is_multiple_of(BLOCK_SIZE)
             && (buf.len() as u64).is_multiple_of(BLOCK_SIZE)
             && !buf.is_empty()
@@ -179,8 +179,8 @@ impl Fs {
                 let slice = buf
                     .slice(at + block_bytes(done) as usize, block_bytes(n) as usize)
                     .map_err(|_| FsError::Invalid("buffer busy"))?;
-                let pos = (disk + done).offset();
-                let io = if write { self.inner.dev.write(pos, slice) } else { self.inner.dev.read(pos, slice) };
+                let pos = disk + done;
+                let io = if write { self.inner.io.write(pos, n, slice) } else { self.inner.io.read(pos, n, slice) };
                 match only.take() {
                     None if pending.is_empty() => only = Some(io),
                     first => {

@@ -125,7 +125,7 @@ impl Fs {
     async fn read_device_block(&self, ino: Ino, file_block: u64, out: &mut [u8]) -> FsResult<()> {
         match self.segments(ino, file_block, 1)?[0] {
             Segment::Mapped(e) if !e.unwritten => {
-                let buf = self.inner.read_blocks(e.disk_block, 1).await?;
+                let buf = self.inner.io.read_blocks(e.disk_block, 1).await?;
                 out.copy_from_slice(&buf);
                 self.inner.bump(|c| c.data_bytes_read += block_bytes(1));
             }
@@ -255,9 +255,9 @@ impl Fs {
         if e.unwritten {
             return Ok(());
         }
-        let mut buf = self.inner.read_blocks(e.disk_block, 1).await?;
+        let mut buf = self.inner.io.read_blocks(e.disk_block, 1).await?;
         buf[from..to].fill(0);
-        self.inner.write_blocks(e.disk_block, buf).await?;
+        self.inner.io.write_blocks(e.disk_block, buf).await?;
         let mut j = self.inner.journal.borrow_mut();
         j.data_writes += 1;
         j.exposes_data = true;
@@ -303,7 +303,7 @@ impl Fs {
                 let n = (len - done).min(IO_BLOCKS_MAX);
                 let src = block_bytes((fb + done) - FileBlock::new(first)) as usize;
                 let slice = image.slice(src, block_bytes(n) as usize).map_err(|_| FsError::Invalid("image busy"))?;
-                pending.push(self.inner.dev.write((db + done).offset(), slice));
+                pending.push(self.inner.io.write(db + done, n, slice));
                 done += n;
             }
         }
