@@ -379,8 +379,6 @@ impl Taken {
 fn take_pending(fs: &FsInner, force_checkpoint: bool) -> Taken {
     let mut j = fs.journal.borrow_mut();
     let mut state = fs.state.borrow_mut();
-    let cache = fs.cache.borrow();
-    let writing_back = fs.writing_back.borrow();
     let mut w = Writer::new();
     // Inode images first, so that entries and extents later in the same
     // transaction find their inodes at replay.
@@ -391,7 +389,7 @@ fn take_pending(fs: &FsInner, force_checkpoint: bool) -> Taken {
             // dirty page is left and no writeback is still writing (and
             // mapping) pages it took, the cap no longer applies.
             if let Some(cap) = node.writes().persist_size_cap {
-                if cache.dirty_of(ino, 0, u64::MAX).is_empty() && !writing_back.contains(&ino) {
+                if fs.pages.settled(ino) {
                     node.writes_mut().persist_size_cap = None;
                 } else {
                     image.size = image.size.min(cap);

@@ -40,6 +40,7 @@ mod journal;
 mod mkfs;
 mod node_table;
 mod ops;
+mod pages;
 mod quota;
 mod record;
 mod seqlock;
@@ -236,11 +237,8 @@ pub(crate) struct FsInner {
     journal: RefCell<JournalState>,
     handles: handles::HandleTable,
     commit_lock: sync::AsyncMutex,
-    cache: RefCell<cache::PageCache>,
     ranges: Rc<sync::RangeLocks>,
-    /// Files whose writeback is running: pages it took are clean in the
-    /// cache but neither on the device nor mapped until it ends.
-    writing_back: RefCell<BTreeSet<Ino>>,
+    pages: pages::Pages,
     /// Freed runs out of the allocator until their discard completes.
     discard: RefCell<discard::DiscardState>,
     counters: Cell<FsCounters>,
@@ -249,9 +247,6 @@ pub(crate) struct FsInner {
     /// False only in a benchmark that measures what mtime/ctime upkeep
     /// costs (`keelfs-bench core --workload byte-writes`).
     file_times: Cell<bool>,
-    /// Files with readers on other cores ([`Fs::shared_reader`]): their
-    /// size and life, published under a sequence number.
-    shared_files: shared::SharedFiles,
     /// The span current at mount (the daemon's export span, inside its
     /// reactor's): the parent of this filesystem's events, which are often
     /// logged from timer tasks that run outside it.
@@ -434,7 +429,7 @@ impl Fs {
     }
 
     pub fn cache_stats(&self) -> cache::CacheStats {
-        self.inner.cache.borrow().stats()
+        self.inner.pages.cache().stats()
     }
 
     /// A reader of `ino`'s cached pages for another thread (another
@@ -442,8 +437,8 @@ impl Fs {
     /// a lock or a message; the others the caller sends here.
     pub fn shared_reader(&self, ino: Ino) -> FsResult<SharedReader> {
         let size = self.require_file(ino)?.size;
-        let file = self.inner.shared_files.share(ino, size);
-        Ok(SharedReader { pages: self.inner.cache.borrow().shared().clone(), file, ino })
+        let file = self.inner.pages.shared().share(ino, size);
+        Ok(SharedReader { pages: self.inner.pages.cache().shared().clone(), file, ino })
     }
 
     /// Extents of a file (for tests and benchmarks of the allocator).
@@ -588,16 +583,14 @@ impl Fs {
                     deferred_free: Vec::new(),
                 }),
                 handles: handles::HandleTable::default(),
-                cache: RefCell::new(cache::PageCache::new(config.cache_bytes)),
+                pages: pages::Pages::new(cache::PageCache::new(config.cache_bytes)),
                 commit_lock: sync::AsyncMutex::default(),
                 ranges: Rc::new(sync::RangeLocks::default()),
-                writing_back: RefCell::new(BTreeSet::new()),
                 discard: RefCell::new(discard::DiscardState::new(&config.discard, config.read_only)),
                 counters: Cell::new(FsCounters::default()),
                 unmounted: Cell::new(false),
                 replayed_at_mount: loaded.replayed,
                 file_times: Cell::new(true),
-                shared_files: shared::SharedFiles::default(),
                 span: tracing::Span::current(),
             }),
         };

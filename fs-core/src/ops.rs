@@ -147,7 +147,7 @@ impl FsInner {
         }
         let size = node.inode.size;
         drop(state);
-        self.shared_files.publish_size(ino, size);
+        self.pages.shared().publish_size(ino, size);
         self.mark_dirty(ino);
         Ok(())
     }
@@ -271,8 +271,8 @@ impl FsInner {
             None => return Ok(()),
         };
         if unreferenced && ino != ROOT_INO {
-            self.shared_files.forget(ino);
-            let released = self.cache.borrow_mut().discard(ino, 0);
+            self.pages.shared().forget(ino);
+            let released = self.pages.cache_mut().discard(ino, 0);
             self.release_delalloc(released);
             let image = self.state.borrow().node(ino).map(|n| n.inode.clone());
             {

@@ -99,7 +99,7 @@ impl Fs {
         let last = FileBlock::containing(end - 1).get();
         let mut out = vec![0u8; (end - offset) as usize];
         let missing: Vec<u64> = {
-            let mut cache = self.inner.cache.borrow_mut();
+            let mut cache = self.inner.pages.cache_mut();
             (first..=last)
                 .filter(|&page| match cache.get((ino, page)) {
                     Some(p) => {
@@ -126,7 +126,7 @@ impl Fs {
     /// page is missing.
     fn copy_cached_to<K: ReadSink + ?Sized>(&self, ino: Ino, offset: u64, end: u64, sink: &K) -> bool {
         let (first, last) = blocks_of(offset, end - offset);
-        let mut cache = self.inner.cache.borrow_mut();
+        let mut cache = self.inner.pages.cache_mut();
         if !(first..=last).all(|p| cache.contains((ino, p))) {
             return false;
         }
@@ -147,7 +147,7 @@ impl Fs {
         if pages.is_empty() {
             return Ok(());
         }
-        self.inner.cache.borrow_mut().note_misses(pages.len() as u64);
+        self.inner.pages.cache_mut().note_misses(pages.len() as u64);
         let epoch = self.direct_epoch(ino);
         // (first page, device block or None for zeros, pages)
         let mut runs: Vec<(u64, Option<DevBlock>, u64)> = Vec::new();
@@ -182,7 +182,7 @@ impl Fs {
                 None => None,
             };
             let cacheable = self.direct_epoch(ino) == epoch;
-            let mut cache = self.inner.cache.borrow_mut();
+            let mut cache = self.inner.pages.cache_mut();
             for k in 0..n {
                 let mut content = ZEROS;
                 if let Some(buf) = &data {
@@ -203,7 +203,7 @@ impl Fs {
     /// A page's contents, loading it into the cache on a miss. Bytes past
     /// `size` are zero in the cached copy.
     async fn page_for_read(&self, ino: Ino, page: u64, size: u64) -> FsResult<Vec<u8>> {
-        if let Some(p) = self.inner.cache.borrow_mut().get((ino, page)) {
+        if let Some(p) = self.inner.pages.cache_mut().get((ino, page)) {
             return Ok(p.to_vec());
         }
         let mut data = vec![0u8; PAGE_BYTES];
@@ -216,7 +216,7 @@ impl Fs {
         if self.direct_epoch(ino) != epoch {
             return Ok(data); // read beside a direct write: not cached
         }
-        let mut cache = self.inner.cache.borrow_mut();
+        let mut cache = self.inner.pages.cache_mut();
         if !cache.contains((ino, page)) {
             // A full cache of dirty pages: serve this read uncached.
             let _ = cache.insert((ino, page), &data);
@@ -339,7 +339,7 @@ impl Fs {
             self.reserve_delalloc(to_reserve.len() as u64)?;
             // An extending write changes pages and then the size: readers
             // on other cores see both or neither.
-            let change = (end > old_size).then(|| self.inner.shared_files.change(ino));
+            let change = (end > old_size).then(|| self.inner.pages.shared().change(ino));
             if self.apply_write(ino, offset, data, &edges, &to_reserve).is_err() {
                 // Other tasks filled the cache with dirty pages meanwhile:
                 // undo the reservation and start over (rewriting the same
@@ -375,7 +375,7 @@ impl Fs {
     ) -> Result<(), CacheFull> {
         let end = offset + data.len() as u64;
         let (first, last) = blocks_of(offset, data.len() as u64);
-        let mut cache = self.inner.cache.borrow_mut();
+        let mut cache = self.inner.pages.cache_mut();
         let absent = (first..=last).filter(|&p| !cache.contains((ino, p))).count();
         if absent > cache.clean_or_free_slots() {
             return Err(CacheFull);
@@ -411,7 +411,7 @@ impl Fs {
     /// Write back until `pages` more pages fit without evicting dirty ones.
     async fn make_room(&self, pages: u64) -> FsResult<()> {
         for _ in 0..4 {
-            if self.inner.cache.borrow().clean_or_free_slots() as u64 > pages {
+            if self.inner.pages.cache().clean_or_free_slots() as u64 > pages {
                 return Ok(());
             }
             self.writeback_all().await?;
@@ -422,7 +422,7 @@ impl Fs {
     /// Pages of [first, last] over holes that hold no reservation yet:
     /// writeback will allocate a block for each.
     fn pages_needing_reservation(&self, ino: Ino, first: u64, last: u64) -> FsResult<Vec<u64>> {
-        let cache = self.inner.cache.borrow();
+        let cache = self.inner.pages.cache();
         let mut out = Vec::new();
         for seg in self.segments(ino, first, last - first + 1)? {
             if let Segment::Hole { file_block, len } = seg {
@@ -445,7 +445,7 @@ impl Fs {
 
     async fn throttle(&self, ino: Ino) -> FsResult<()> {
         let (dirty, capacity) = {
-            let c = self.inner.cache.borrow();
+            let c = self.inner.pages.cache();
             (c.dirty_pages(), c.capacity_pages())
         };
         if dirty * 100 > capacity * DIRTY_THROTTLE_PERCENT {
@@ -465,8 +465,8 @@ impl Fs {
         // ends, and a caller that finds nothing dirty (sync, fsync, a
         // direct write) must still wait for them.
         let _token = self.inner.ranges.lock(ino, WRITEBACK_TOKEN, u64::MAX, true).await;
-        let _busy = WritingBack::start(&self.inner, ino);
-        let pages = self.inner.cache.borrow().dirty_of(ino, from, to);
+        let _busy = self.inner.pages.writing_back(ino);
+        let pages = self.inner.pages.cache().dirty_of(ino, from, to);
         let mut i = 0;
         while i < pages.len() {
             let mut j = i + 1;
@@ -476,7 +476,7 @@ impl Fs {
             self.writeback_run(ino, pages[i], (j - i) as u64).await?;
             i = j;
         }
-        let clean = self.inner.cache.borrow().dirty_of(ino, 0, u64::MAX).is_empty();
+        let clean = self.inner.pages.cache().dirty_of(ino, 0, u64::MAX).is_empty();
         if clean {
             let capped = self
                 .inner
@@ -510,7 +510,7 @@ impl Fs {
         // Runs of pages still dirty (a truncate may have dropped some).
         let mut runs: Vec<(u64, u64)> = Vec::new();
         {
-            let cache = self.inner.cache.borrow();
+            let cache = self.inner.pages.cache();
             for page in first..first + count {
                 if !cache.is_dirty((ino, page)) {
                     continue;
@@ -524,7 +524,7 @@ impl Fs {
         let mut released = 0;
         let mut images = Vec::with_capacity(runs.len());
         {
-            let mut cache = self.inner.cache.borrow_mut();
+            let mut cache = self.inner.pages.cache_mut();
             for &(f, n) in &runs {
                 let mut image = AlignedBuf::zeroed(block_bytes(n) as usize, BLOCK_BYTES);
                 for page in f..f + n {
@@ -547,7 +547,7 @@ impl Fs {
                     self.inner.bump(|c| c.writeback_pages += pages);
                 }
                 Err(e) => {
-                    let mut cache = self.inner.cache.borrow_mut();
+                    let mut cache = self.inner.pages.cache_mut();
                     for p in f..f + pages {
                         cache.mark_dirty((ino, p));
                     }
@@ -561,11 +561,7 @@ impl Fs {
     /// Write back every dirty page, and wait for writebacks already
     /// running (the timer's), whose pages no longer look dirty.
     pub async fn writeback_all(&self) -> FsResult<()> {
-        let mut inodes = self.inner.cache.borrow().dirty_inodes();
-        inodes.extend(self.inner.writing_back.borrow().iter().copied());
-        inodes.sort_unstable();
-        inodes.dedup();
-        for ino in inodes {
+        for ino in self.inner.pages.unsettled_files() {
             self.writeback(ino, 0, u64::MAX).await?;
         }
         Ok(())
@@ -593,25 +589,5 @@ impl Fs {
         }
         let _ = datasync;
         journal::sync(&self.inner).await
-    }
-}
-
-/// Marks a file as being written back (see `FsInner::writing_back`) for as
-/// long as it lives.
-struct WritingBack<'a> {
-    inner: &'a crate::FsInner,
-    ino: Ino,
-}
-
-impl<'a> WritingBack<'a> {
-    fn start(inner: &'a crate::FsInner, ino: Ino) -> Self {
-        inner.writing_back.borrow_mut().insert(ino);
-        Self { inner, ino }
-    }
-}
-
-impl Drop for WritingBack<'_> {
-    fn drop(&mut self) {
-        self.inner.writing_back.borrow_mut().remove(&self.ino);
     }
 }

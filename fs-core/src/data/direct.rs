@@ -23,13 +23,13 @@ impl Fs {
     /// Write back and drop cached pages of [first, last] so that direct
     /// I/O and the cache agree.
     pub(super) async fn flush_cache_range(&self, ino: Ino, first: u64, last: u64, drop_clean: bool) -> FsResult<()> {
-        let cached = self.inner.cache.borrow().has_pages(ino, first, last + 1);
+        let cached = self.inner.pages.cache().has_pages(ino, first, last + 1);
         if !cached {
             return Ok(());
         }
         self.writeback(ino, first, last + 1).await?;
         if drop_clean {
-            self.inner.cache.borrow_mut().discard_clean_range(ino, first, last + 1);
+            self.inner.pages.cache_mut().discard_clean_range(ino, first, last + 1);
         }
         Ok(())
     }
@@ -64,7 +64,7 @@ impl Fs {
         // A read that cached the range while the write ran may hold the
         // old data; the epoch keeps later fills out, this drops earlier ones.
         self.move_direct_epoch(ino);
-        self.inner.cache.borrow_mut().discard_clean_range(ino, first, last + 1);
+        self.inner.pages.cache_mut().discard_clean_range(ino, first, last + 1);
         result
     }
 

@@ -91,7 +91,7 @@ pub(crate) fn start_writeback_timer(fs: &Fs) {
             if inner.unmounted.get() {
                 return;
             }
-            if inner.cache.borrow().dirty_pages() > 0 {
+            if inner.pages.cache().dirty_pages() > 0 {
                 let span = inner.span.clone();
                 if let Err(e) = (Fs { inner }).writeback_all().await {
                     tracing::warn!(parent: &span, error = %e, "background writeback failed");
@@ -217,7 +217,7 @@ impl Fs {
         }
         let block = FileBlock::containing(size);
         // The cache indexes pages by file block (PAGE_BYTES is BLOCK_BYTES).
-        self.inner.cache.borrow_mut().zero((ino, block.get()), tail, PAGE_BYTES);
+        self.inner.pages.cache_mut().zero((ino, block.get()), tail, PAGE_BYTES);
         self.zero_in_block(ino, block, tail, BLOCK_BYTES).await
     }
 

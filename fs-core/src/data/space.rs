@@ -27,11 +27,11 @@ impl Fs {
         let keep_blocks = FileBlock::starting_at_or_after(new_size).get();
         // Shrinking drops pages, zeroes the new last page's tail, then sets
         // the size: readers on other cores see all of it or none.
-        let change = (new_size < old).then(|| self.inner.shared_files.change(ino));
+        let change = (new_size < old).then(|| self.inner.pages.shared().change(ino));
         if new_size < old {
-            let released = self.inner.cache.borrow_mut().discard(ino, keep_blocks);
+            let released = self.inner.pages.cache_mut().discard(ino, keep_blocks);
             self.inner.release_delalloc(released);
-            self.inner.cache.borrow_mut().zero(
+            self.inner.pages.cache_mut().zero(
                 (ino, FileBlock::containing(new_size).get()),
                 offset_in_block(new_size) as usize,
                 PAGE_BYTES,
@@ -122,8 +122,8 @@ impl Fs {
             self.inner.log(Record::ExtentPunch { ino, file_block: first_whole.get(), len })?;
         }
         {
-            let _change = self.inner.shared_files.change(ino);
-            self.inner.cache.borrow_mut().zero_range(ino, offset, end);
+            let _change = self.inner.pages.shared().change(ino);
+            self.inner.pages.cache_mut().zero_range(ino, offset, end);
         }
         let head_block = FileBlock::containing(offset);
         let tail_block = FileBlock::containing(end - 1);
