@@ -268,6 +268,7 @@ impl Acl {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::format::Timespec;
 
     fn acl(entries: &[(u16, u16, u32)]) -> Vec<u8> {
         let mut v = ACL_XATTR_VERSION.to_le_bytes().to_vec();
@@ -314,7 +315,7 @@ mod tests {
     fn the_mask_limits_named_entries_and_the_mode_follows_it() {
         let mut a = Acl::parse(&acl(NAMED)).unwrap();
         assert_eq!(a.mode_bits(), (0o740, false));
-        let inode = Inode::new(crate::Ino::new(5), libc::S_IFREG | 0o740, 0, 0, 0);
+        let inode = Inode::new(crate::Ino::new(5), libc::S_IFREG | 0o740, 0, 0, 0, Timespec::default());
         let user = |uid, gid, groups: &[u32]| Creds { groups: groups.to_vec(), ..Creds::user(uid, gid) };
         assert!(permitted(&inode, Some(&a), &user(1000, 1, &[]), R_OK));
         assert!(!permitted(&inode, Some(&a), &user(1000, 1, &[]), W_OK), "the mask r-- allowed a write");

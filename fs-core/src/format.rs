@@ -304,10 +304,10 @@ pub struct Inode {
 impl Inode {
     pub const ENCODED_BYTES: usize = 8 * 4 + 4 * 6 + 12 * 4;
 
-    /// A new, empty inode created now: a directory starts with two links
-    /// ("." and its entry), anything else with one.
-    pub fn new(ino: Ino, mode: u32, uid: u32, gid: u32, rdev: u32) -> Self {
-        let t = Timespec::now();
+    /// A new, empty inode created at `now` (all four times): a directory
+    /// starts with two links ("." and its entry), anything else with one.
+    pub fn new(ino: Ino, mode: u32, uid: u32, gid: u32, rdev: u32, now: Timespec) -> Self {
+        let t = now;
         Inode {
             ino,
             generation: 1,

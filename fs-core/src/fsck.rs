@@ -323,6 +323,7 @@ fn fix_entries_and_links(fs: &Fs, repaired: &mut Vec<String>) -> FsResult<()> {
 mod tests {
     use super::*;
     use crate::alloc::Allocator;
+    use crate::format::Timespec;
     use crate::format::{Inode, S_IFDIR};
     use crate::state::{ApplyMode, FIRST_COOKIE};
 
@@ -332,10 +333,10 @@ mod tests {
         let mut s = State::new(Allocator::new(100, 1000, 1));
         let [root, dir, named, nameless] = inos.map(Ino::new);
         let mut apply = |r: Record| s.apply(&r, ApplyMode::Replay).expect("applies");
-        apply(Record::InodeSet(Inode::new(root, S_IFDIR | 0o755, 0, 0, 0)));
-        apply(Record::InodeSet(Inode::new(dir, S_IFDIR | 0o755, 0, 0, 0)));
+        apply(Record::InodeSet(Inode::new(root, S_IFDIR | 0o755, 0, 0, 0, Timespec::default())));
+        apply(Record::InodeSet(Inode::new(dir, S_IFDIR | 0o755, 0, 0, 0, Timespec::default())));
         for ino in [named, nameless] {
-            apply(Record::InodeSet(Inode::new(ino, libc::S_IFREG | 0o644, 0, 0, 0)));
+            apply(Record::InodeSet(Inode::new(ino, libc::S_IFREG | 0o644, 0, 0, 0, Timespec::default())));
         }
         apply(Record::DirentSet { dir: root, name: b"d".to_vec().into(), ino: dir, cookie: FIRST_COOKIE });
         apply(Record::DirentSet { dir, name: b"f".to_vec().into(), ino: named, cookie: FIRST_COOKIE });

@@ -6,7 +6,7 @@ use super::format::{
     ROOT_INO, SUPERBLOCK_SLOTS, S_IFDIR, TOTAL_BLOCKS_MAX,
 };
 use super::journal;
-use super::{Fs, FsConfig, FsError};
+use super::{FileClock, Fs, FsConfig, FsError};
 use keelfs_bdev::AlignedBuf;
 use keelfs_reactor::DeviceChannel;
 
@@ -20,11 +20,20 @@ pub struct MkfsOptions {
     pub force: bool,
     pub root_uid: u32,
     pub root_gid: u32,
+    /// The clock that stamps the root directory's times.
+    pub file_clock: FileClock,
 }
 
 impl Default for MkfsOptions {
     fn default() -> Self {
-        Self { journal_blocks: 0, allocation_groups: 1, force: false, root_uid: 0, root_gid: 0 }
+        Self {
+            journal_blocks: 0,
+            allocation_groups: 1,
+            force: false,
+            root_uid: 0,
+            root_gid: 0,
+            file_clock: FileClock::System,
+        }
     }
 }
 
@@ -98,8 +107,9 @@ pub async fn mkfs(dev: DeviceChannel, options: &MkfsOptions) -> Result<Superbloc
         let (_, r) = dev.write(DevBlock::new(*slot).offset(), buf).await;
         r.map_err(FsError::from)?;
     }
-    let fs = Fs::mount_inner(dev, FsConfig::default(), false).await?;
-    let root = Inode::new(ROOT_INO, S_IFDIR | 0o755, options.root_uid, options.root_gid, 0);
+    let config = FsConfig { file_clock: options.file_clock.clone(), ..FsConfig::default() };
+    let fs = Fs::mount_inner(dev, config, false).await?;
+    let root = Inode::new(ROOT_INO, S_IFDIR | 0o755, options.root_uid, options.root_gid, 0, fs.inner.file_time());
     fs.inner.create_inode(root)?;
     fs.unmount().await?;
     Ok(fs.superblock())

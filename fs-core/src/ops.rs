@@ -311,7 +311,7 @@ impl FsInner {
         } else {
             c.gid
         };
-        (Inode::new(Ino::new(ino), mode, c.uid, gid, rdev), acls)
+        (Inode::new(Ino::new(ino), mode, c.uid, gid, rdev, self.file_time()), acls)
     }
 
     /// Create `inode` with the ACLs [`Self::new_inode`] gave it.

@@ -522,6 +522,7 @@ fn subtract(a: BlockRun, b: BlockRun) -> Vec<BlockRun> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::format::Timespec;
     use crate::format::S_IFDIR;
 
     fn state() -> State {
@@ -548,7 +549,7 @@ mod tests {
     fn hostile_inode_records_are_refused() {
         let mut s = state();
         let file = |ino: u64, size: u64| {
-            let mut inode = Inode::new(Ino::new(ino), libc::S_IFREG | 0o644, 0, 0, 0);
+            let mut inode = Inode::new(Ino::new(ino), libc::S_IFREG | 0o644, 0, 0, 0, Timespec::default());
             inode.size = size;
             Record::InodeSet(inode)
         };
@@ -565,7 +566,7 @@ mod tests {
         assert_eq!(s.next_ino, 2, "nothing refused moved the counter");
         s.apply(&file(INO_MAX - 1, MAX_FILE_BYTES), ApplyMode::Replay).expect("the largest valid inode");
         assert_eq!(s.next_ino, INO_MAX);
-        let dir = Record::InodeSet(Inode::new(Ino::new(7), S_IFDIR | 0o755, 0, 0, 0));
+        let dir = Record::InodeSet(Inode::new(Ino::new(7), S_IFDIR | 0o755, 0, 0, 0, Timespec::default()));
         s.apply(&dir, ApplyMode::Replay).expect("a directory");
         // Directory entries' cookies: replay keeps the next one above each,
         // so one at the counter limit would overflow it.
@@ -597,9 +598,9 @@ mod tests {
     fn populated() -> State {
         let mut s = state();
         let mut apply = |r: Record| s.apply(&r, ApplyMode::Live).expect("applies");
-        apply(Record::InodeSet(Inode::new(Ino::new(1), S_IFDIR | 0o755, 0, 0, 0)));
+        apply(Record::InodeSet(Inode::new(Ino::new(1), S_IFDIR | 0o755, 0, 0, 0, Timespec::default())));
         for (ino, name) in [(2u64, "a"), (3, "b"), (4, "c")] {
-            apply(Record::InodeSet(Inode::new(Ino::new(ino), libc::S_IFREG | 0o644, 0, 0, 0)));
+            apply(Record::InodeSet(Inode::new(Ino::new(ino), libc::S_IFREG | 0o644, 0, 0, 0, Timespec::default())));
             let cookie = FIRST_COOKIE + ino;
             apply(Record::DirentSet {
                 dir: Ino::new(1),
@@ -627,7 +628,7 @@ mod tests {
         apply(&mut s, Record::DirentDelete { dir: Ino::new(1), name: b"c".to_vec().into() });
         apply(&mut s, Record::InodeFree { ino: Ino::new(4) });
         apply(&mut s, Record::XattrDelete { ino: Ino::new(3), name: b"user.k".to_vec().into() });
-        apply(&mut s, Record::InodeSet(Inode::new(Ino::new(9), libc::S_IFREG | 0o600, 0, 0, 0)));
+        apply(&mut s, Record::InodeSet(Inode::new(Ino::new(9), libc::S_IFREG | 0o600, 0, 0, 0, Timespec::default())));
         apply(
             &mut s,
             Record::DirentSet {

@@ -248,6 +248,39 @@ fn a_tmpfile_is_freed_at_release_unless_linked_and_copies_stay_in_the_daemon() {
     });
 }
 
+/// A new inode's four times, and its directory's change, come from the
+/// filesystem's file clock, not the system's: on a manual clock set far
+/// from today, every kind of new inode is stamped with the clock's now.
+#[test]
+fn new_inodes_are_stamped_by_the_file_clock() {
+    use keelfs_fs::{FileClock, FsConfig, ManualClock, Timespec};
+    let dev = ram_device(32 * MIB);
+    busy_reactor().block_on(async move {
+        format(&dev).await;
+        let start = Timespec { sec: 1_000_000_000, nsec: 7 };
+        let clock = ManualClock::new(start);
+        let config = FsConfig { file_clock: FileClock::Manual(clock.clone()), ..FsConfig::default() };
+        let fs = Fs::mount(common::channel(&dev), config).await.unwrap();
+        let c = root();
+        let d = fs.mkdir(&c, ROOT_INO, b"d", 0o755).await.unwrap().inode;
+        clock.advance(std::time::Duration::from_secs(60));
+        let at = clock.now();
+        let (f, fh) = fs.create(&c, d.ino, b"f", 0o644, libc::O_RDWR as u32).await.unwrap();
+        let n = fs.mknod(&c, d.ino, b"n", libc::S_IFIFO | 0o644, 0).await.unwrap().inode;
+        let l = fs.symlink(&c, d.ino, b"l", b"f").await.unwrap().inode;
+        let (t, th) = fs.tmpfile(&c, d.ino, 0o600, libc::O_RDWR as u32).await.unwrap();
+        assert_eq!((d.atime, d.mtime, d.ctime, d.btime), (start, start, start, start), "mkdir");
+        for (what, i) in [("create", &f.inode), ("mknod", &n), ("symlink", &l), ("tmpfile", &t.inode)] {
+            assert_eq!((i.atime, i.mtime, i.ctime, i.btime), (at, at, at, at), "{what}");
+        }
+        let dir = fs.getattr(d.ino).await.unwrap().inode;
+        assert_eq!((dir.mtime, dir.ctime), (at, at), "the directory changed when its entries were made");
+        fs.release(fh).await.unwrap();
+        fs.release(th).await.unwrap();
+        fs.unmount().await.unwrap();
+    });
+}
+
 /// On a file clock the test moves: which reads move atime, and to when.
 #[test]
 fn reads_move_atime_as_relatime_strictatime_and_noatime_say() {
