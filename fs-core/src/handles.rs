@@ -28,7 +28,8 @@ pub(crate) struct HandleTable {
     next: Cell<u64>,
 }
 
-/// A handle number that cannot be restored: 0, or one already open.
+/// A handle number that cannot be restored: 0, the largest, or one
+/// already open.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct HandleTaken;
 
@@ -53,14 +54,18 @@ impl HandleTable {
     }
 
     /// Open `fh` again with the number it had, and give out later
-    /// handles past it.
+    /// handles past it. The largest number is refused too: no later
+    /// handle could be given out past it.
     pub fn restore(&self, fh: Fh, handle: Handle) -> Result<(), HandleTaken> {
         let mut open = self.open.borrow_mut();
-        if fh.get() == 0 || open.contains_key(&fh) {
+        let Some(next) = fh.get().checked_add(1).filter(|_| fh.get() != 0) else {
+            return Err(HandleTaken);
+        };
+        if open.contains_key(&fh) {
             return Err(HandleTaken);
         }
         open.insert(fh, handle);
-        self.next.set(self.next.get().max(fh.get().saturating_add(1)));
+        self.next.set(self.next.get().max(next));
         Ok(())
     }
 
@@ -95,6 +100,7 @@ mod tests {
         let a = table.open(handle(5));
         assert_eq!(a, Fh::new(1), "0 is no handle");
         assert_eq!(table.restore(Fh::new(0), handle(6)), Err(HandleTaken));
+        assert_eq!(table.restore(Fh::new(u64::MAX), handle(6)), Err(HandleTaken), "nothing could follow it");
         assert_eq!(table.restore(a, handle(6)), Err(HandleTaken), "an open number is not restored over");
         table.restore(Fh::new(40), handle(7)).expect("a free number");
         assert_eq!(table.open(handle(8)), Fh::new(41), "new handles go past restored ones");
