@@ -45,8 +45,9 @@ Guest /init: mounts proc, sysfs, devtmpfs, tmpfs; loads the modules
 (virtio-fs, fuse, vfio-pci with its IOMMU backend, nvme); then, when an
 initramfs layer added /keelfs/script, runs it (with /keelfs/bin first on
 PATH, KEELFS_TAG from the kernel command line option keelfs.tag=, default
-keelfs, and KEELFS_NVME from keelfs.nvme=, the NVMe controller's PCI
-address, empty without one), prints
+keelfs, KEELFS_NVME from keelfs.nvme=, the NVMe controller's PCI
+address, empty without one, and FSX_OPS and STRESS_ITERS from
+keelfs.fsx_ops= and keelfs.stress_iters= when given), prints
 "KEELFS-GUEST-EXIT=<status>" on the console and powers off; without a
 script it starts an interactive shell on the console.
 EOF
@@ -311,6 +312,8 @@ for arg in $(cat /proc/cmdline); do
   case "$arg" in
     keelfs.tag=*) KEELFS_TAG=${arg#keelfs.tag=} ;;
     keelfs.nvme=*) KEELFS_NVME=${arg#keelfs.nvme=} ;;
+    keelfs.fsx_ops=*) export FSX_OPS=${arg#keelfs.fsx_ops=} ;;
+    keelfs.stress_iters=*) export STRESS_ITERS=${arg#keelfs.stress_iters=} ;;
   esac
 done
 export KEELFS_TAG KEELFS_NVME

@@ -67,6 +67,11 @@ Options:
                        keelfs). Images are removed (rbd rm) when the files
                        would be: kept after a failure or with --keep
   --timeout SECS       per guest boot (default: 600)
+  --fsx-ops N          fsx's operations per mode in the fsx test (default:
+                       the guest script's, 8000)
+  --stress-iters N     iterations per worker in the stress test (default:
+                       the guest script's, 120; the crash test's stress run
+                       is killed early either way)
   --keep               keep the work directory (images, logs) after a pass
   --verbose            stream the guests' consoles (default: only on failure,
                        the log tail)
@@ -98,6 +103,10 @@ crash_after=8
 spread=0
 cache=auto
 rbd_pool=""
+# Kernel command line words for the guests' /init (build-guest.sh), which
+# hands them to the test scripts as FSX_OPS and STRESS_ITERS.
+guest_append=()
+positive() { [[ $2 =~ ^[1-9][0-9]*$ ]] || die "$1: '$2' is not a positive integer"; }
 while (($#)); do
   case "$1" in
     --keelfsd) need_arg "$1" $#; keelfsd_src=$2; shift 2 ;;
@@ -112,6 +121,8 @@ while (($#)); do
     --cache) need_arg "$1" $#; cache=$2; shift 2 ;;
     --crash-after) need_arg "$1" $#; crash_after=$2; shift 2 ;;
     --rbd-pool) need_arg "$1" $#; rbd_pool=$2; shift 2 ;;
+    --fsx-ops) need_arg "$1" $#; positive "$1" "$2"; guest_append+=("keelfs.fsx_ops=$2"); shift 2 ;;
+    --stress-iters) need_arg "$1" $#; positive "$1" "$2"; guest_append+=("keelfs.stress_iters=$2"); shift 2 ;;
     --verbose) verbose=1; shift ;;
     --accel) need_arg "$1" $#; set_accel "$2"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
@@ -284,6 +295,7 @@ run_test() {
     return 1
   fi
   log "q=$q $name: guest running $(basename "$script") (log: $glog)"
+  ((${#guest_append[@]} == 0)) || set -- --append "${guest_append[*]}" "$@"
   if ((verbose)); then
     "$script_dir/run-guest.sh" --socket "$sock" --queues "$q" --timeout "$timeout" \
       --script "$script" "$@" > >(tee "$glog") 2>&1 &
