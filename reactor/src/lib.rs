@@ -40,6 +40,7 @@ mod probe;
 mod remote;
 #[allow(unsafe_code)]
 mod sys;
+mod task;
 /// The atomics of [`gate`]: std's here, loom's in `tests/loom.rs`.
 mod sync {
     pub(crate) use std::sync::atomic::{fence, AtomicBool, Ordering};
@@ -69,6 +70,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam::queue::{ArrayQueue, SegQueue};
 use policy::{CpuSample, IdleAction, IdlePolicy, PolicyConfig};
+use task::{IdleBodies, LocalFuture};
 
 /// When an idle reactor gives up the CPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -426,8 +428,6 @@ pub enum PollerClass {
     Source,
 }
 
-type LocalFuture = Pin<Box<dyn Future<Output = ()>>>;
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct TaskId {
     slot: u32,
@@ -486,6 +486,8 @@ struct Local {
     shared: Arc<Shared>,
     now: Cell<Instant>,
     spawned: RefCell<Vec<LocalFuture>>,
+    /// Finished tasks' boxes, for the next task of the same type.
+    idle_bodies: RefCell<IdleBodies>,
     timers: RefCell<BinaryHeap<Reverse<TimerEntry>>>,
     timer_seq: Cell<u64>,
     new_pollers: RefCell<Vec<(PollerClass, Box<dyn Poller>)>>,
@@ -513,18 +515,22 @@ fn with_local<R>(f: impl FnOnce(&Local) -> R) -> R {
 }
 
 /// Start a task on the current reactor. It is first polled in the next
-/// task phase, never inline.
+/// task phase, never inline. A task whose future type ran before takes
+/// the box a finished one left, so that a steady stream of like tasks
+/// allocates none.
 ///
 /// # Panics
 /// Outside a reactor thread (a programming error).
-pub fn spawn_local(future: impl Future<Output = ()> + 'static) {
-    spawn_local_boxed(Box::pin(future));
-}
-
-/// [`spawn_local`] for a future that is boxed already: the task takes the
-/// box as it is, with no second allocation.
-pub fn spawn_local_boxed(future: Pin<Box<dyn Future<Output = ()>>>) {
-    with_local(|l| l.spawned.borrow_mut().push(future));
+#[inline(always)]
+pub fn spawn_local<F: Future<Output = ()> + 'static>(future: F) {
+    // Only the box crosses the thread-local's closures: the future is
+    // written into it here (reactor/src/task.rs). Inlined into the
+    // caller, which saved another copy of the future in a profile.
+    let idle = with_local(|l| l.idle_bodies.borrow_mut().take_empty::<F>());
+    let mut body = idle.unwrap_or_else(|| Box::pin(None));
+    body.set(Some(future));
+    let body: LocalFuture = body;
+    with_local(|l| l.spawned.borrow_mut().push(body));
 }
 
 /// Register a poller with the current reactor; it joins at the next tick.
@@ -710,6 +716,7 @@ impl Reactor {
             shared,
             now: Cell::new(started),
             spawned: RefCell::new(Vec::new()),
+            idle_bodies: RefCell::new(IdleBodies::default()),
             timers: RefCell::new(BinaryHeap::new()),
             timer_seq: Cell::new(0),
             new_pollers: RefCell::new(Vec::new()),
@@ -804,9 +811,9 @@ impl Reactor {
     pub fn block_on<T: 'static>(&mut self, future: impl Future<Output = T> + 'static) -> T {
         let out: Rc<RefCell<Option<T>>> = Rc::new(RefCell::new(None));
         let slot = Rc::clone(&out);
-        self.local.spawned.borrow_mut().push(Box::pin(async move {
+        self.local.spawned.borrow_mut().push(Box::pin(Some(async move {
             *slot.borrow_mut() = Some(future.await);
-        }));
+        })));
         self.run_until(|| out.borrow().is_some());
         let value = out.borrow_mut().take();
         value.expect("block_on's future finished")
@@ -1043,8 +1050,9 @@ impl Reactor {
             let std_waker = Waker::from(waker);
             let mut cx = Context::from_waker(&std_waker);
             polled += 1;
-            match future.as_mut().poll(&mut cx) {
+            match future.as_mut().poll_body(&mut cx) {
                 Poll::Ready(()) => {
+                    self.local.idle_bodies.borrow_mut().give_back(future);
                     // The waker stays in the slot for the next task (this
                     // poll's clone is dropped first, so that it may be
                     // reused); wakes through stale clones carry the old

@@ -30,8 +30,6 @@ type Chain = DescriptorChain<Arc<GuestRam>>;
 /// A chain QoS holds, and what it was charged.
 type Held = (Chain, Arc<GuestRam>, Option<Charged>);
 type Served = (u16, u32, ChainOutcome);
-/// A chain served and handed to its queue's used ring, as one task.
-type ServeTask = std::pin::Pin<Box<dyn std::future::Future<Output = ()>>>;
 
 /// Where a served chain goes: its queue's completions and the counters.
 pub(super) struct Finish {
@@ -67,10 +65,11 @@ impl Finish {
 /// What a queue poller does with the chains it pops, and when its
 /// frontend leaves.
 pub(super) trait ChainServer: 'static {
-    /// The task that serves `chain` and then calls `finish`: one boxed
-    /// future per request, spawned as it is. `charged`: what QoS charged
-    /// it, to settle with what is served.
-    fn serve(&self, chain: Chain, mem: Arc<GuestRam>, charged: Option<Charged>, finish: Finish) -> ServeTask;
+    /// Spawn the task that serves `chain` and then calls `finish`, one per
+    /// request, on this reactor (`reactor::spawn_local`, which reuses the
+    /// box of a finished task of the same type). `charged`: what QoS
+    /// charged it, to settle with what is served.
+    fn serve(&self, chain: Chain, mem: Arc<GuestRam>, charged: Option<Charged>, finish: Finish);
 
     /// The frontend left and every request of this poller finished; answer
     /// `waiters` when the poller is ready for the next one.
@@ -93,22 +92,25 @@ pub(super) struct OwnerServer {
 }
 
 impl ChainServer for OwnerServer {
-    fn serve(&self, chain: Chain, mem: Arc<GuestRam>, charged: Option<Charged>, finish: Finish) -> ServeTask {
+    fn serve(&self, chain: Chain, mem: Arc<GuestRam>, charged: Option<Charged>, finish: Finish) {
         self.attachment.note_request();
         if let Some(session) = self.attachment.session() {
-            return Box::pin(async move { finish.finish(serve_chain_charged(&session, chain, mem, charged).await) });
+            reactor::spawn_local(
+                async move { finish.finish(serve_chain_charged(&session, chain, mem, charged).await) },
+            );
+            return;
         }
         // The image is elsewhere (given up at a migration that then
         // failed, or not taken yet): take it first.
         let attachment = self.attachment.clone();
-        Box::pin(async move {
+        reactor::spawn_local(async move {
             let head = chain.head_index();
             let served = match attachment.attached().await {
                 Some(session) => serve_chain_charged(&session, chain, mem, charged).await,
                 None => (head, 0, ChainOutcome::Dropped("the image could not be taken")),
             };
             finish.finish(served)
-        })
+        });
     }
 
     fn reset(&mut self, waiters: Vec<SyncSender<()>>) {
@@ -187,9 +189,9 @@ impl HelperServer {
 
 impl ChainServer for HelperServer {
     /// Never charged: QoS is refused with helpers.
-    fn serve(&self, chain: Chain, mem: Arc<GuestRam>, _charged: Option<Charged>, finish: Finish) -> ServeTask {
+    fn serve(&self, chain: Chain, mem: Arc<GuestRam>, _charged: Option<Charged>, finish: Finish) {
         let (id, owner, handles, stats) = (self.id, self.owner.clone(), self.handles.clone(), self.stats.clone());
-        Box::pin(async move {
+        reactor::spawn_local(async move {
             stats.chains.fetch_add(1, Ordering::Relaxed);
             stats.in_flight.fetch_add(1, Ordering::Relaxed);
             let reader_of = |fh, nodeid| Self::handle(owner.clone(), id, handles, fh, nodeid);
@@ -212,7 +214,7 @@ impl ChainServer for HelperServer {
             };
             stats.in_flight.fetch_sub(1, Ordering::Relaxed);
             finish.finish(served)
-        })
+        });
     }
 
     fn reset(&mut self, waiters: Vec<SyncSender<()>>) {
@@ -442,7 +444,7 @@ impl<S: ChainServer> QueuePoller<S> {
             completed: queue.completed.clone(),
             stats: self.stats.clone(),
         };
-        reactor::spawn_local_boxed(self.server.serve(chain, mem, charged, finish));
+        self.server.serve(chain, mem, charged, finish);
     }
 
     /// Start the requests QoS held back on queue `index` whose turn came.
