@@ -44,7 +44,7 @@ impl Fs {
     /// and is a directory exactly when the flags say O_DIRECTORY. Checked
     /// for a whole session before any of it is taken.
     pub fn check_handle(&self, state: &HandleState) -> FsResult<()> {
-        let inode = self.inner.inode(state.ino)?;
+        let inode = self.inner.meta.inode(state.ino)?;
         let wants_dir = state.flags & libc::O_DIRECTORY as u32 != 0;
         match (wants_dir, inode.is_dir()) {
             (true, false) => Err(FsError::NotDir),
@@ -60,24 +60,19 @@ impl Fs {
         let ino = state.ino;
         let handle = Handle { ino, flags: state.flags, dir_end: state.dir_end };
         self.inner.handles.restore(fh, handle).map_err(|HandleTaken| FsError::BadHandle)?;
-        if let Some(node) = self.inner.state.borrow_mut().node_mut(ino) {
-            node.opens.add(1);
-        }
+        self.inner.meta.add_open(ino);
         Ok(())
     }
 
     /// Whether inode `ino` exists (linked, or an orphan still held).
     pub fn exists(&self, ino: Ino) -> bool {
-        self.inner.state.borrow().node(ino).is_some()
+        self.inner.meta.exists(ino)
     }
 
     /// Take `n` lookup references on `ino` again, as a client that looked
     /// it up `n` times holds them.
     pub fn hold_lookups(&self, ino: Ino, n: u64) -> FsResult<()> {
-        let mut state = self.inner.state.borrow_mut();
-        let node = state.node_mut(ino).ok_or(FsError::NotFound)?;
-        node.lookups.add(n);
-        Ok(())
+        self.inner.meta.hold_lookups(ino, n)
     }
 
     /// Free the orphans a mount kept ([`crate::FsConfig::keep_orphans`])
@@ -87,7 +82,7 @@ impl Fs {
             return Ok(0);
         }
         let orphans: Vec<Ino> = {
-            let state = self.inner.state.borrow();
+            let state = self.inner.meta.state();
             state
                 .nodes()
                 .filter(|n| n.inode.nlink == 0 && n.lookups.is_zero() && n.opens.is_zero())

@@ -13,7 +13,14 @@
 //! number of discards in flight, paced by a token bucket so that a large
 //! delete does not flood the device. A write that finds no room waits for
 //! the discards in flight and takes the queued runs back undiscarded
-//! ([`reclaim`]).
+//! ([`Discard::reclaim`]).
+//!
+//! [`Discard`] owns the queue, the runs in flight and the discard
+//! counters. It stores no other part: the allocator comes in as the
+//! `&mut State` its caller may already hold (or `&Meta` for the async
+//! methods, which borrow it only between awaits), and `unmounted` as a
+//! bool. Invariant, asserted in debug builds: a discard completes only
+//! after it was issued (`completed <= issued`).
 
 use std::collections::BTreeMap;
 
@@ -25,10 +32,13 @@ use std::time::{Duration, Instant};
 
 use super::blocks::{block_bytes, whole_blocks, DevBlock};
 use super::format::BlockRun;
+use super::io::Io;
+use super::meta::Meta;
 use super::state::State;
-use super::{Fs, FsError, FsInner};
+use super::{Fs, FsCounters, FsError, FsInner};
 use keelfs_bdev::BdevError;
 use keelfs_reactor as reactor;
+use std::cell::{Cell, RefCell};
 
 /// Continuous discard settings ([`super::FsConfig::discard`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,12 +69,30 @@ const IN_FLIGHT_MAX: usize = 2;
 const PIECE_BLOCKS_MAX: u64 = whole_blocks(64 << 20);
 /// An idle task checks this often whether its filesystem is gone.
 const IDLE_CHECK: Duration = Duration::from_secs(1);
-/// How often [`settle`] and [`reclaim`] look at the discards in flight.
+/// How often [`Discard::settle`] and [`Discard::reclaim`] look at the discards in flight.
 const SETTLE_POLL: Duration = Duration::from_millis(1);
+
+/// Freed runs out of the allocator until their discard completes, the
+/// fstrim guard and the discard counters.
+pub(crate) struct Discard {
+    state: RefCell<DiscardState>,
+    /// Copied at mount: the merge, pacing and minimum-length settings.
+    config: DiscardConfig,
+    counters: Cell<DiscardCounters>,
+}
+
+/// The discards' part of [`FsCounters`], each field the one named alike
+/// there.
+#[derive(Clone, Copy, Default)]
+struct DiscardCounters {
+    discards: u64,
+    discard_bytes: u64,
+    discard_errors: u64,
+}
 
 /// Runs out of the allocator for a discard, and the task's wake-up.
 #[derive(Default)]
-pub(crate) struct DiscardState {
+struct DiscardState {
     /// Continuous discard is on: configured, and not refused by the device.
     active: bool,
     /// Freed runs waiting (start -> length), merged if configured.
@@ -90,17 +118,12 @@ pub(crate) struct DiscardState {
 }
 
 impl DiscardState {
-    pub(crate) fn new(config: &DiscardConfig, read_only: bool) -> Self {
-        Self { active: config.enabled && !read_only, ..Self::default() }
-    }
-
     /// Blocks out of the allocator for a discard (free on disk).
-    pub(crate) fn blocks(&self) -> u64 {
+    fn blocks(&self) -> u64 {
         self.queued_blocks + self.in_flight_blocks
     }
 
-    /// Every run out of the allocator for a discard (for ownership checks).
-    pub(crate) fn runs(&self) -> impl Iterator<Item = BlockRun> + '_ {
+    fn runs(&self) -> impl Iterator<Item = BlockRun> + '_ {
         let queued = self.queued.iter().map(|(&start, &len)| BlockRun { start, len });
         queued.chain(self.in_flight.iter().copied())
     }
@@ -154,46 +177,264 @@ impl DiscardState {
         self.in_flight.swap_remove(at);
         self.in_flight_blocks -= run.len;
         self.completed += 1;
+        debug_assert!(self.completed <= self.issued, "a discard completed that was never issued");
         self.wake();
     }
 }
 
-/// A run a commit (or a checkpoint's end) made free: to the discard queue
-/// if continuous discard is on, else straight back to the allocator.
-pub(crate) fn release_freed(fs: &FsInner, state: &mut State, run: BlockRun) {
-    let mut d = fs.discard.borrow_mut();
-    if d.active && !fs.unmounted.get() {
-        d.push(run, fs.config.discard.merge);
-    } else {
+impl Discard {
+    pub fn new(config: DiscardConfig, read_only: bool) -> Self {
+        let state = DiscardState { active: config.enabled && !read_only, ..DiscardState::default() };
+        Self { state: RefCell::new(state), config, counters: Cell::default() }
+    }
+
+    /// Whether continuous discard is on: configured, and not refused by
+    /// the device.
+    pub fn is_active(&self) -> bool {
+        self.state.borrow().active
+    }
+
+    /// Blocks out of the allocator only until their discard completes:
+    /// free on disk, and free for the quota and df.
+    pub fn blocks(&self) -> u64 {
+        self.state.borrow().blocks()
+    }
+
+    /// Every run out of the allocator for a discard (for ownership checks).
+    pub fn runs(&self) -> Vec<BlockRun> {
+        self.state.borrow().runs().collect()
+    }
+
+    /// Fill in the discards' counters and the blocks awaiting a discard.
+    pub fn report(&self, out: &mut FsCounters) {
+        let c = self.counters.get();
+        out.discards = c.discards;
+        out.discard_bytes = c.discard_bytes;
+        out.discard_errors = c.discard_errors;
+        out.discard_pending_blocks = self.blocks();
+    }
+
+    /// A run a commit (or a checkpoint's end) made free: to the discard
+    /// queue if continuous discard is on and the filesystem is not
+    /// unmounted, else straight back to the allocator.
+    pub fn release_freed(&self, state: &mut State, run: BlockRun, unmounted: bool) {
+        let mut d = self.state.borrow_mut();
+        if d.active && !unmounted {
+            d.push(run, self.config.merge);
+        } else {
+            state.alloc.free(run);
+        }
+    }
+
+    /// The length of the queue's first run, if there is one and another
+    /// discard may go in flight.
+    fn next_queued(&self) -> Option<u64> {
+        let d = self.state.borrow();
+        let (next, room) = (d.queued.first_key_value().map(|(_, &len)| len), d.in_flight.len() < IN_FLIGHT_MAX);
+        next.filter(|_| room)
+    }
+
+    /// Whether a queued run of `len` blocks is too short to discard.
+    fn too_short(&self, len: u64) -> bool {
+        len < whole_blocks(self.config.min_bytes)
+    }
+
+    /// The queue's first run is too short to be worth a discard: free it.
+    fn free_short_run(&self, state: &mut State) {
+        let mut d = self.state.borrow_mut();
+        if let Some((start, len)) = d.queued.pop_first() {
+            d.queued_blocks -= len;
+            state.alloc.free(BlockRun { start, len });
+        }
+    }
+
+    /// Pieces no larger than one second's worth, so the bucket can hold one.
+    fn piece_blocks_max(&self) -> u64 {
+        match self.config.bytes_per_sec {
+            0 => PIECE_BLOCKS_MAX,
+            rate => (rate / block_bytes(1)).clamp(1, PIECE_BLOCKS_MAX),
+        }
+    }
+
+    /// Take `bytes` from the token bucket: None once taken (or when
+    /// discards are unpaced), else how long until the bucket holds them.
+    fn take_tokens(&self, bytes: u64) -> Option<Duration> {
+        let rate = self.config.bytes_per_sec;
+        if rate == 0 {
+            return None;
+        }
+        let mut d = self.state.borrow_mut();
+        let now = reactor::now();
+        let elapsed = d.filled.map_or(Duration::from_secs(1), |t| now.saturating_duration_since(t));
+        let earned =
+            u64::try_from(elapsed.as_nanos().saturating_mul(u128::from(rate)) / 1_000_000_000).unwrap_or(u64::MAX);
+        d.tokens = d.tokens.saturating_add(earned).min(rate.max(bytes));
+        d.filled = Some(now);
+        if d.tokens >= bytes {
+            d.tokens -= bytes;
+            return None;
+        }
+        Some(Duration::from_nanos(((bytes - d.tokens) as u128 * 1_000_000_000 / u128::from(rate)) as u64))
+    }
+
+    /// Move the first queued run, up to `max` blocks of it, in flight.
+    fn pop_piece(&self, max: u64) -> Option<BlockRun> {
+        self.state.borrow_mut().pop(max)
+    }
+
+    /// Whether the queue was woken since the task last looked; if not,
+    /// `waker` is woken by the next push or completion.
+    fn woken_or_register(&self, waker: &Waker) -> bool {
+        let mut d = self.state.borrow_mut();
+        if std::mem::take(&mut d.woken) {
+            return true;
+        }
+        d.waker = Some(waker.clone());
+        false
+    }
+
+    async fn issue(&self, io: &Io, run: BlockRun) -> Result<u32, BdevError> {
+        let (_, result) = io.discard(DevBlock::new(run.start), run.len).await;
+        result
+    }
+
+    /// A queued run's discard ended: the run goes back to the allocator
+    /// whatever the outcome. A device that cannot discard turns continuous
+    /// discard off, with one log line, and gets the rest of the queue back.
+    fn complete_queued(&self, state: &mut State, span: &tracing::Span, run: BlockRun, result: Result<u32, BdevError>) {
+        self.account(state, run, &result);
+        if let Err(e) = result {
+            if matches!(e, BdevError::Unsupported(_)) {
+                let was_active = std::mem::take(&mut self.state.borrow_mut().active);
+                if was_active {
+                    tracing::warn!(parent: span, error = %e, "the device does not discard: continuous discard is off");
+                }
+                self.give_back_queued(state);
+            } else {
+                tracing::debug!(parent: span, error = %e, start = run.start, blocks = run.len, "discard failed");
+            }
+        }
+    }
+
+    /// Count a finished discard and free its run.
+    fn account(&self, state: &mut State, run: BlockRun, result: &Result<u32, BdevError>) {
+        self.state.borrow_mut().end(run);
         state.alloc.free(run);
+        let mut c = self.counters.get();
+        match result {
+            Ok(_) => {
+                c.discards += 1;
+                c.discard_bytes += block_bytes(run.len);
+            }
+            Err(BdevError::Unsupported(_)) => {}
+            Err(_) => c.discard_errors += 1,
+        }
+        self.counters.set(c);
+    }
+
+    /// Every queued run back to the allocator, undiscarded.
+    fn give_back_queued(&self, state: &mut State) -> u64 {
+        let queued = {
+            let mut d = self.state.borrow_mut();
+            d.queued_blocks = 0;
+            std::mem::take(&mut d.queued)
+        };
+        let mut blocks = 0;
+        for (start, len) in queued {
+            state.alloc.free(BlockRun { start, len });
+            blocks += len;
+        }
+        blocks
+    }
+
+    /// Wait until the discards in flight now have ended.
+    async fn wait_in_flight(&self) {
+        let target = self.state.borrow().issued;
+        while self.state.borrow().completed < target {
+            reactor::sleep(SETTLE_POLL).await;
+        }
+    }
+
+    /// For a writer that found no room: the queued runs come back now,
+    /// undiscarded, and the discards in flight are waited for. Returns
+    /// whether any blocks came back. The caller holds no borrow of the
+    /// state: this borrows it before its await.
+    pub async fn reclaim(&self, meta: &Meta) -> bool {
+        let (before, busy) = {
+            let d = self.state.borrow();
+            (d.blocks(), d.in_flight_blocks > 0)
+        };
+        self.give_back_queued(&mut meta.state_mut());
+        if busy {
+            self.wait_in_flight().await;
+        }
+        before > 0
+    }
+
+    /// At the start of an unmount (`true`), before its writeback: a
+    /// running fstrim takes no further piece, and a new one does nothing.
+    /// An unmount that fails before it is done lets them run again
+    /// (`false`).
+    pub fn stop_trims(&self, stop: bool) {
+        self.state.borrow_mut().stop_trim = stop;
+    }
+
+    fn trims_stopped(&self) -> bool {
+        self.state.borrow().stop_trim
+    }
+
+    /// At unmount (with `unmounted` set, so nothing new starts): wait for
+    /// the discards in flight, the queue's and an fstrim's piece, so the
+    /// device is quiet and every run is back in the allocator once
+    /// unmount returns, and drop the queue's trim.
+    pub async fn settle(&self, meta: &Meta, span: &tracing::Span) {
+        while self.state.borrow().in_flight_blocks > 0 {
+            reactor::sleep(SETTLE_POLL).await;
+        }
+        let dropped = self.give_back_queued(&mut meta.state_mut());
+        if dropped > 0 {
+            tracing::debug!(parent: span, blocks = dropped, "unmount: queued discards dropped");
+        }
+        self.state.borrow_mut().wake();
+    }
+
+    /// Start the one fstrim, or Busy while another runs.
+    fn begin_trim(&self) -> Result<Trimming<'_>, FsError> {
+        if std::mem::replace(&mut self.state.borrow_mut().trimming, true) {
+            return Err(FsError::Busy);
+        }
+        Ok(Trimming(self))
+    }
+
+    /// An fstrim's piece, claimed from the allocator, goes in flight.
+    fn start_trim_piece(&self, piece: BlockRun) {
+        self.state.borrow_mut().start(piece);
     }
 }
 
 /// Start the task that drains the discard queue (next to the commit
-/// timer), if continuous discard is on.
+/// timer), if continuous discard is on. It stays here rather than in a
+/// tasks module of the root: it paces and wakes through the queue's own
+/// state, and moves with the other tasks in step S15.
 pub(crate) fn start_discard_task(fs: &Rc<FsInner>) {
-    if !fs.discard.borrow().active {
+    if !fs.discard.is_active() {
         return;
     }
     let weak = Rc::downgrade(fs);
     reactor::spawn_local(async move {
         loop {
             let Some(fs) = weak.upgrade() else { return };
-            if fs.unmounted.get() || !fs.discard.borrow().active {
+            if fs.unmounted.get() || !fs.discard.is_active() {
                 return;
             }
-            let (next, room) = {
-                let d = fs.discard.borrow();
-                (d.queued.first_key_value().map(|(_, &len)| len), d.in_flight.len() < IN_FLIGHT_MAX)
-            };
-            let Some(len) = next.filter(|_| room) else {
+            let Some(len) = fs.discard.next_queued() else {
                 drop(fs);
                 Idle { weak: weak.clone(), sleep: reactor::sleep(IDLE_CHECK) }.await;
                 continue;
             };
-            let piece = len.min(piece_blocks_max(&fs));
-            if len < whole_blocks(fs.config.discard.min_bytes) {
-                free_short_run(&fs);
+            let piece = len.min(fs.discard.piece_blocks_max());
+            if fs.discard.too_short(len) {
+                fs.discard.free_short_run(&mut fs.meta.state_mut());
                 continue;
             }
             drop(fs);
@@ -202,32 +443,15 @@ pub(crate) fn start_discard_task(fs: &Rc<FsInner>) {
             if fs.unmounted.get() {
                 return; // unmount took the queue back while we waited
             }
-            let popped = fs.discard.borrow_mut().pop(piece);
+            let popped = fs.discard.pop_piece(piece);
             if let Some(run) = popped {
                 reactor::spawn_local(async move {
-                    let result = issue(&fs, run).await;
-                    complete_queued(&fs, run, result);
+                    let result = fs.discard.issue(&fs.io, run).await;
+                    fs.discard.complete_queued(&mut fs.meta.state_mut(), &fs.span, run, result);
                 });
             }
         }
     });
-}
-
-/// The queue's first run is too short to be worth a discard: free it.
-fn free_short_run(fs: &FsInner) {
-    let run = fs.discard.borrow_mut().queued.pop_first();
-    if let Some((start, len)) = run {
-        fs.discard.borrow_mut().queued_blocks -= len;
-        fs.state.borrow_mut().alloc.free(BlockRun { start, len });
-    }
-}
-
-/// Pieces no larger than one second's worth, so the bucket can hold one.
-fn piece_blocks_max(fs: &FsInner) -> u64 {
-    match fs.config.discard.bytes_per_sec {
-        0 => PIECE_BLOCKS_MAX,
-        rate => (rate / block_bytes(1)).clamp(1, PIECE_BLOCKS_MAX),
-    }
 }
 
 /// Wait until the token bucket holds `bytes`, and take them.
@@ -235,123 +459,11 @@ async fn pace(weak: &Weak<FsInner>, bytes: u64) {
     loop {
         let wait = {
             let Some(fs) = weak.upgrade() else { return };
-            let rate = fs.config.discard.bytes_per_sec;
-            if rate == 0 {
-                return;
-            }
-            let mut d = fs.discard.borrow_mut();
-            let now = reactor::now();
-            let elapsed = d.filled.map_or(Duration::from_secs(1), |t| now.saturating_duration_since(t));
-            let earned =
-                u64::try_from(elapsed.as_nanos().saturating_mul(u128::from(rate)) / 1_000_000_000).unwrap_or(u64::MAX);
-            d.tokens = d.tokens.saturating_add(earned).min(rate.max(bytes));
-            d.filled = Some(now);
-            if d.tokens >= bytes {
-                d.tokens -= bytes;
-                return;
-            }
-            Duration::from_nanos(((bytes - d.tokens) as u128 * 1_000_000_000 / u128::from(rate)) as u64)
+            let Some(wait) = fs.discard.take_tokens(bytes) else { return };
+            wait
         };
         reactor::sleep(wait).await;
     }
-}
-
-async fn issue(fs: &FsInner, run: BlockRun) -> Result<u32, BdevError> {
-    let (_, result) = fs.io.discard(DevBlock::new(run.start), run.len).await;
-    result
-}
-
-/// A queued run's discard ended: the run goes back to the allocator
-/// whatever the outcome. A device that cannot discard turns continuous
-/// discard off, with one log line, and gets the rest of the queue back.
-fn complete_queued(fs: &FsInner, run: BlockRun, result: Result<u32, BdevError>) {
-    account(fs, run, &result);
-    if let Err(e) = result {
-        if matches!(e, BdevError::Unsupported(_)) {
-            let was_active = std::mem::take(&mut fs.discard.borrow_mut().active);
-            if was_active {
-                tracing::warn!(parent: &fs.span, error = %e, "the device does not discard: continuous discard is off");
-            }
-            give_back_queued(fs);
-        } else {
-            tracing::debug!(parent: &fs.span, error = %e, start = run.start, blocks = run.len, "discard failed");
-        }
-    }
-}
-
-/// Count a finished discard and free its run.
-fn account(fs: &FsInner, run: BlockRun, result: &Result<u32, BdevError>) {
-    fs.discard.borrow_mut().end(run);
-    fs.state.borrow_mut().alloc.free(run);
-    match result {
-        Ok(_) => fs.bump(|c| {
-            c.discards += 1;
-            c.discard_bytes += block_bytes(run.len);
-        }),
-        Err(BdevError::Unsupported(_)) => {}
-        Err(_) => fs.bump(|c| c.discard_errors += 1),
-    }
-}
-
-/// Every queued run back to the allocator, undiscarded.
-fn give_back_queued(fs: &FsInner) -> u64 {
-    let queued = {
-        let mut d = fs.discard.borrow_mut();
-        d.queued_blocks = 0;
-        std::mem::take(&mut d.queued)
-    };
-    let mut state = fs.state.borrow_mut();
-    let mut blocks = 0;
-    for (start, len) in queued {
-        state.alloc.free(BlockRun { start, len });
-        blocks += len;
-    }
-    blocks
-}
-
-/// Wait until the discards in flight now have ended.
-async fn wait_in_flight(fs: &FsInner) {
-    let target = fs.discard.borrow().issued;
-    while fs.discard.borrow().completed < target {
-        reactor::sleep(SETTLE_POLL).await;
-    }
-}
-
-/// For a writer that found no room: the queued runs come back now,
-/// undiscarded, and the discards in flight are waited for. Returns whether
-/// any blocks came back.
-pub(crate) async fn reclaim(fs: &FsInner) -> bool {
-    let (before, busy) = {
-        let d = fs.discard.borrow();
-        (d.blocks(), d.in_flight_blocks > 0)
-    };
-    give_back_queued(fs);
-    if busy {
-        wait_in_flight(fs).await;
-    }
-    before > 0
-}
-
-/// At the start of an unmount (`true`), before its writeback: a running
-/// fstrim takes no further piece, and a new one does nothing. An unmount
-/// that fails before it is done lets them run again (`false`).
-pub(crate) fn stop_trims(fs: &FsInner, stop: bool) {
-    fs.discard.borrow_mut().stop_trim = stop;
-}
-
-/// At unmount (with `unmounted` set, so nothing new starts): wait for the
-/// discards in flight, the queue's and an fstrim's piece, so the device is
-/// quiet and every run is back in the allocator once unmount returns, and
-/// drop the queue's trim.
-pub(crate) async fn settle(fs: &FsInner) {
-    while fs.discard.borrow().in_flight_blocks > 0 {
-        reactor::sleep(SETTLE_POLL).await;
-    }
-    let dropped = give_back_queued(fs);
-    if dropped > 0 {
-        tracing::debug!(parent: &fs.span, blocks = dropped, "unmount: queued discards dropped");
-    }
-    fs.discard.borrow_mut().wake();
 }
 
 /// Resolves when the discard queue is woken, its filesystem is gone, or
@@ -365,12 +477,8 @@ impl Future for Idle {
     type Output = ();
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
         let Some(fs) = self.weak.upgrade() else { return Poll::Ready(()) };
-        {
-            let mut d = fs.discard.borrow_mut();
-            if std::mem::take(&mut d.woken) {
-                return Poll::Ready(());
-            }
-            d.waker = Some(cx.waker().clone());
+        if fs.discard.woken_or_register(cx.waker()) {
+            return Poll::Ready(());
         }
         Pin::new(&mut self.sleep).poll(cx)
     }
@@ -379,20 +487,11 @@ impl Future for Idle {
 /// The one fstrim running on a filesystem, until dropped: a guest may
 /// send one FITRIM per request queue slot at once, and each would hold
 /// a piece of free space out of the allocator.
-struct Trimming<'a>(&'a FsInner);
-
-impl<'a> Trimming<'a> {
-    fn begin(fs: &'a FsInner) -> Result<Self, FsError> {
-        if std::mem::replace(&mut fs.discard.borrow_mut().trimming, true) {
-            return Err(FsError::Busy);
-        }
-        Ok(Self(fs))
-    }
-}
+struct Trimming<'a>(&'a Discard);
 
 impl Drop for Trimming<'_> {
     fn drop(&mut self) {
-        self.0.discard.borrow_mut().trimming = false;
+        self.0.state.borrow_mut().trimming = false;
     }
 }
 
@@ -416,19 +515,19 @@ impl Fs {
             return Err(FsError::ReadOnly);
         }
         let fs = &self.inner;
-        let _alone = Trimming::begin(fs)?;
+        let _alone = fs.discard.begin_trim()?;
         let min_blocks = trim_min_blocks(min_bytes);
         let (mut cursor, mut trimmed) = (0u64, 0u64);
         // The last piece was cut from a longer run: its rest, at the
         // cursor, was judged long enough already, however short it is.
         let mut resume = false;
-        while !fs.unmounted.get() && !fs.discard.borrow().stop_trim {
+        while !fs.unmounted.get() && !fs.discard.trims_stopped() {
             // Never the space promised to dirty pages or kept for the
             // checkpoint: writeback and the checkpoint allocate it without
             // asking, and would fail while this piece is out.
-            let room = fs.device_available_blocks();
+            let room = fs.space.device_available_blocks(fs.usage());
             let piece = {
-                let mut state = fs.state.borrow_mut();
+                let mut state = fs.meta.state_mut();
                 let rest = resume.then(|| state.alloc.next_free_run(cursor, 1)).flatten().filter(|r| r.start == cursor);
                 let Some(run) = rest.or_else(|| state.alloc.next_free_run(cursor, min_blocks)) else { break };
                 let len = run.len.min(PIECE_BLOCKS_MAX);
@@ -441,10 +540,10 @@ impl Fs {
                 resume = piece.len < run.len;
                 piece
             };
-            fs.discard.borrow_mut().start(piece);
+            fs.discard.start_trim_piece(piece);
             cursor = piece.end();
-            let result = issue(fs, piece).await;
-            account(fs, piece, &result);
+            let result = fs.discard.issue(&fs.io, piece).await;
+            fs.discard.account(&mut fs.meta.state_mut(), piece, &result);
             match result {
                 Ok(_) => trimmed += block_bytes(piece.len),
                 Err(BdevError::Unsupported(_)) => return Err(FsError::Unsupported),

@@ -274,7 +274,7 @@ pub async fn repair(dev: DeviceChannel, mut progress: impl FnMut(&str)) -> FsRes
 fn fix_entries_and_links(fs: &Fs, repaired: &mut Vec<String>) -> FsResult<()> {
     let inner = fs.inner();
     let (dangling, counts) = {
-        let state = inner.state.borrow();
+        let state = inner.meta.state();
         let mut dangling = Vec::new();
         let mut names: HashMap<Ino, u32> = HashMap::new();
         let mut subdirs: HashMap<Ino, u32> = HashMap::new();

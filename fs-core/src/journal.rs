@@ -24,10 +24,11 @@ use std::rc::Rc;
 use super::blocks::{block_bytes, whole_blocks, DevBlock};
 use super::codec::{Reader, Writer};
 use super::format::{
-    crc, BlockRun, Superblock, SuperblockError, BLOCK_BYTES, CHECKPOINT_EXTENTS_MAX,
-    FEATURE_FREE_COUNT_HOLDS_CHECKPOINT, JOURNAL_FIRST_BLOCK, SUPERBLOCK_SLOTS, XATTR_NAME_MAX, XATTR_VALUE_MAX,
+    crc, BlockRun, Superblock, SuperblockError, BLOCK_BYTES, FEATURE_FREE_COUNT_HOLDS_CHECKPOINT, JOURNAL_FIRST_BLOCK,
+    SUPERBLOCK_SLOTS, XATTR_NAME_MAX, XATTR_VALUE_MAX,
 };
 use super::record::{decode_all, Record};
+use super::space::Space;
 use super::state::{ApplyMode, SnapshotBytes, State};
 use super::{FsError, FsInner, FsResult};
 use keelfs_bdev::AlignedBuf;
@@ -378,7 +379,7 @@ impl Taken {
 
 fn take_pending(fs: &FsInner, force_checkpoint: bool) -> Taken {
     let mut j = fs.journal.borrow_mut();
-    let mut state = fs.state.borrow_mut();
+    let mut state = fs.meta.state_mut();
     let mut w = Writer::new();
     // Inode images first, so that entries and extents later in the same
     // transaction find their inodes at replay.
@@ -408,10 +409,9 @@ fn take_pending(fs: &FsInner, force_checkpoint: bool) -> Taken {
     w.bytes(&std::mem::take(&mut j.pending).buf);
     let frees = std::mem::take(&mut state.pending_free);
     let freed: u64 = frees.iter().map(|r| r.len).sum();
-    // Runs awaiting a discard are free on disk too.
-    let held: u64 = j.deferred_free.iter().map(|r| r.len).sum::<u64>() + fs.discarding_blocks();
+    // Runs held for a checkpoint or awaiting a discard are free on disk too.
     let checkpoint = fs.sb.borrow().free_count_checkpoint_blocks();
-    let free_after = state.alloc.free_blocks() + freed + held + j.reserved_unmapped + checkpoint;
+    let free_after = fs.space.free_after_commit(&state, freed, fs.discard.blocks(), checkpoint);
     let tx_blocks = tx_blocks_for(w.buf.len());
     let used = j.head - fs.sb.borrow().journal_start;
     let fits = used + tx_blocks <= fs.sb.borrow().journal_blocks;
@@ -438,17 +438,15 @@ fn restore(fs: &FsInner, taken: Taken) {
     let mut payload = taken.payload;
     payload.extend_from_slice(&j.pending.buf);
     j.pending.buf = payload;
-    fs.state.borrow_mut().pending_free.extend(taken.frees);
+    fs.meta.state_mut().pending_free.extend(taken.frees);
 }
 
 fn finish(fs: &FsInner, taken: &Taken) {
-    let mut state = fs.state.borrow_mut();
+    let mut state = fs.meta.state_mut();
     let mut j = fs.journal.borrow_mut();
+    let sliced = j.sliced.is_some();
     for run in &taken.frees {
-        match j.sliced {
-            Some(_) => j.deferred_free.push(*run),
-            None => super::discard::release_freed(fs, &mut state, *run),
-        }
+        fs.space.release_committed(&mut state, *run, sliced, &fs.discard, fs.unmounted.get());
     }
     j.committed_ops = j.committed_ops.max(taken.ops);
     j.flushed_data_writes = j.flushed_data_writes.max(taken.data_writes);
@@ -595,30 +593,6 @@ async fn write_transaction(fs: &FsInner, taken: &Taken) -> FsResult<()> {
     Ok(())
 }
 
-/// Allocate room for a checkpoint of `blocks` blocks in at most
-/// CHECKPOINT_EXTENTS_MAX runs.
-fn alloc_checkpoint(fs: &FsInner, mut blocks: u64) -> FsResult<Vec<BlockRun>> {
-    let mut state = fs.state.borrow_mut();
-    let mut runs = Vec::new();
-    while blocks > 0 {
-        let run = match state.alloc.alloc(blocks, None, fs.config.preferred_group) {
-            Some(run) if runs.len() < CHECKPOINT_EXTENTS_MAX => run,
-            other => {
-                if let Some(run) = other {
-                    state.alloc.free(run);
-                }
-                for r in runs {
-                    state.alloc.free(r);
-                }
-                return Err(FsError::NoSpace);
-            }
-        };
-        blocks -= run.len;
-        runs.push(run);
-    }
-    Ok(runs)
-}
-
 /// Write `snapshot`, the state as it was at journal position `start`
 /// (logical block, sequence), and a superblock that points at it with
 /// replay starting there. Then the old checkpoint's blocks, and any frees
@@ -632,7 +606,9 @@ async fn write_checkpoint(
     let old = fs.sb.borrow().clone();
     let total = 8 + snapshot.len();
     let blocks = total.div_ceil(CP_PAYLOAD_PER_BLOCK).max(1) as u64;
-    let runs = match alloc_checkpoint(fs, blocks) {
+    // The state's borrow ends here: the error path releases held frees.
+    let allocated = Space::alloc_checkpoint(&mut fs.meta.state_mut(), blocks, fs.config.preferred_group);
+    let runs = match allocated {
         Ok(runs) => runs,
         Err(e) => {
             release_held_frees(fs);
@@ -660,7 +636,7 @@ async fn write_checkpoint(
         }
         Err(e) => Err(e),
     };
-    let mut state = fs.state.borrow_mut();
+    let mut state = fs.meta.state_mut();
     let result = match result {
         Ok(sb) => {
             for r in &old.checkpoint_extents {
@@ -688,14 +664,10 @@ async fn write_checkpoint(
 /// Frees held for a checkpoint in pieces go back to the allocator once
 /// none is in progress (it landed, failed or was replaced).
 fn release_held_frees(fs: &FsInner) {
-    let mut j = fs.journal.borrow_mut();
-    if j.sliced.is_some() {
+    if fs.journal.borrow().sliced.is_some() {
         return;
     }
-    let mut state = fs.state.borrow_mut();
-    for run in j.deferred_free.drain(..) {
-        super::discard::release_freed(fs, &mut state, run);
-    }
+    fs.space.release_held_frees(&mut fs.meta.state_mut(), &fs.discard, fs.unmounted.get());
 }
 
 /// Blocks of checkpoint written per device request: each is formatted
@@ -776,7 +748,7 @@ fn ring_half_used(fs: &FsInner) -> bool {
 /// Its first transaction stays committed; the next checkpoint starts over.
 pub(crate) fn abandon_checkpoint_in_pieces(fs: &FsInner) {
     if fs.journal.borrow_mut().sliced.take().is_some() {
-        fs.state.borrow_mut().abort_snapshot();
+        fs.meta.state_mut().abort_snapshot();
         release_held_frees(fs);
         tracing::info!(parent: &fs.span, "checkpoint in pieces given up: a writer needs the blocks it held");
     }
@@ -840,9 +812,9 @@ async fn scheduled_checkpoint(fs: &Rc<FsInner>, only_if_half_used: bool) -> FsRe
             return commit_taken(fs, taken).await; // whole, as asked or as needed
         }
         let free_at_start = taken.free_after;
-        let epoch = fs.state.borrow_mut().start_snapshot();
+        let epoch = fs.meta.state_mut().start_snapshot();
         if let Err(e) = commit_taken(fs, taken).await {
-            fs.state.borrow_mut().abort_snapshot();
+            fs.meta.state_mut().abort_snapshot();
             return Err(e);
         }
         let mut j = fs.journal.borrow_mut();
@@ -854,7 +826,7 @@ async fn scheduled_checkpoint(fs: &Rc<FsInner>, only_if_half_used: bool) -> FsRe
         if !still_ours() {
             return Ok(());
         }
-        if fs.state.borrow_mut().snapshot_step(fs.config.checkpoint_piece_nodes.max(1)) {
+        if fs.meta.state_mut().snapshot_step(fs.config.checkpoint_piece_nodes.max(1)) {
             break;
         }
         reactor::next_tick().await;
@@ -863,7 +835,7 @@ async fn scheduled_checkpoint(fs: &Rc<FsInner>, only_if_half_used: bool) -> FsRe
     if !still_ours() {
         return Ok(());
     }
-    let snapshot = fs.state.borrow_mut().finish_snapshot();
+    let snapshot = fs.meta.state_mut().finish_snapshot();
     fs.journal.borrow_mut().sliced = None;
     write_checkpoint(fs, &snapshot, free_at_start, start).await
 }

@@ -37,6 +37,7 @@ mod handles;
 mod ids;
 mod io;
 mod journal;
+mod meta;
 mod mkfs;
 mod node_table;
 mod ops;
@@ -46,6 +47,7 @@ mod record;
 mod seqlock;
 #[allow(unsafe_code)]
 mod shared;
+mod space;
 mod state;
 mod sync;
 
@@ -73,10 +75,6 @@ use std::time::Duration;
 use codec::Writer;
 use keelfs_bdev::Geometry;
 use keelfs_reactor::DeviceChannel;
-use state::{ApplyMode, State};
-
-/// The smallest checkpoint reserve: 1 MiB.
-const CHECKPOINT_RESERVE_MIN_BLOCKS: u64 = 256;
 
 /// Settings of a mounted filesystem.
 #[derive(Clone, Debug)]
@@ -213,40 +211,34 @@ struct JournalState {
     /// Data writes completed, and how many were covered by the last flush.
     data_writes: u64,
     flushed_data_writes: u64,
-    /// Blocks handed out for data not yet mapped by a record.
-    reserved_unmapped: u64,
-    /// Blocks promised to dirty cached pages over holes (delayed
-    /// allocation): writeback will need them, so nothing else may take them.
-    delalloc_reserved: u64,
-    /// The epoch of the checkpoint being encoded in pieces, if any.
+    /// The epoch of the checkpoint being encoded in pieces, if any (the
+    /// frees it holds back are [`space::Space`]'s).
     sliced: Option<u32>,
-    /// While it is: runs freed by commits since its start, held back from
-    /// the allocator until a checkpoint lands, because its snapshot (the
-    /// state at its start) may still give them to a file and its own
-    /// blocks are allocated at the end.
-    deferred_free: Vec<format::BlockRun>,
 }
 
 pub(crate) struct FsInner {
     io: io::Io,
     config: FsConfig,
-    /// The quota now (FsConfig's at mount, then [`Fs::set_quota`]'s).
-    quota: Cell<Quota>,
     sb: RefCell<Superblock>,
-    state: RefCell<State>,
+    /// The inodes and the allocator.
+    meta: meta::Meta,
+    /// The quota, and the blocks promised, unmapped or held back.
+    space: space::Space,
     journal: RefCell<JournalState>,
     handles: handles::HandleTable,
     commit_lock: sync::AsyncMutex,
-    ranges: Rc<sync::RangeLocks>,
+    /// Range locks, file-time stamping and the data paths' counters.
+    data: data::DataState,
     pages: pages::Pages,
-    /// Freed runs out of the allocator until their discard completes.
-    discard: RefCell<discard::DiscardState>,
+    /// Freed runs out of the allocator until their discard completes,
+    /// and the discards' counters.
+    discard: discard::Discard,
+    /// The journal's counters and records_logged; the data paths count
+    /// in `data`, discards in `discard` and the device in `io`, merged by
+    /// [`Fs::counters`].
     counters: Cell<FsCounters>,
     unmounted: Cell<bool>,
     replayed_at_mount: u64,
-    /// False only in a benchmark that measures what mtime/ctime upkeep
-    /// costs (`keelfs-bench core --workload byte-writes`).
-    file_times: Cell<bool>,
     /// The span current at mount (the daemon's export span, inside its
     /// reactor's): the parent of this filesystem's events, which are often
     /// logged from timer tasks that run outside it.
@@ -279,11 +271,11 @@ impl FsInner {
 
     /// [`Self::written`], leaving the times alone when the client keeps them.
     pub(crate) fn written_with(&self, ino: Ino, end: Option<u64>, times: data::WriteTimes) -> FsResult<()> {
-        let mut state = self.state.borrow_mut();
+        let mut state = self.meta.state_mut();
         let node = state.node_mut(ino).ok_or(FsError::NotFound)?;
         let grows = end.is_some_and(|e| e > node.inode.size);
         let mut stamp = None;
-        if self.file_times.get() && times == data::WriteTimes::Stamp {
+        if self.data.file_times() && times == data::WriteTimes::Stamp {
             let ctime = node.inode.ctime;
             if node.times_queried.get() || node.i_version_queried {
                 stamp = Some(self.config.file_clock.now().max(ctime.next()));
@@ -321,10 +313,7 @@ impl FsInner {
         if self.config.read_only {
             return Err(FsError::ReadOnly);
         }
-        self.state
-            .borrow_mut()
-            .apply(&record, ApplyMode::Live)
-            .map_err(|e| FsError::Corrupt(format!("live change refused: {e}")))?;
+        self.meta.apply_live(&record)?;
         let mut j = self.journal.borrow_mut();
         record.encode(&mut j.pending);
         j.logged_ops += 1;
@@ -341,40 +330,22 @@ impl FsInner {
     /// after it (its directory entry) find it at replay.
     fn create_inode(&self, inode: format::Inode) -> FsResult<()> {
         let ino = inode.ino;
-        self.state
-            .borrow_mut()
-            .apply(&record::Record::InodeSet(inode), ApplyMode::Live)
-            .map_err(|e| FsError::Corrupt(format!("live change refused: {e}")))?;
+        self.meta.apply_live(&record::Record::InodeSet(inode))?;
         self.mark_dirty(ino);
         Ok(())
     }
 
-    /// Blocks data may not take: room for the next checkpoint, which must
-    /// be writable even when data has filled the device, because a
-    /// transaction too large for the journal ring commits as a checkpoint,
-    /// and that commit is what releases the blocks freed since the last
-    /// one (and unmount always checkpoints). Twice the current checkpoint,
-    /// for growth, and at least 1 MiB.
-    fn checkpoint_reserve(&self) -> u64 {
-        let current = self.sb.borrow().checkpoint_blocks();
-        (2 * current).max(CHECKPOINT_RESERVE_MIN_BLOCKS)
-    }
-
-    /// Blocks free for data on the device, quota aside.
-    fn device_available_blocks(&self) -> u64 {
-        let free = self.state.borrow().alloc.free_blocks();
-        free.saturating_sub(self.journal.borrow().delalloc_reserved).saturating_sub(self.checkpoint_reserve())
-    }
-
-    /// Blocks out of the allocator only until their discard completes:
-    /// free on disk, and free for the quota and df.
-    fn discarding_blocks(&self) -> u64 {
-        self.discard.borrow().blocks()
-    }
-
-    fn release_delalloc(&self, blocks: u64) {
-        let mut j = self.journal.borrow_mut();
-        j.delalloc_reserved = j.delalloc_reserved.saturating_sub(blocks);
+    /// What [`space::Space`]'s room checks need of the other parts, read
+    /// now: the allocator's counts, the checkpoint's size, the blocks
+    /// awaiting a discard.
+    fn usage(&self) -> space::Usage {
+        let state = self.meta.state();
+        space::Usage {
+            free_blocks: state.alloc.free_blocks(),
+            total_blocks: state.alloc.total_blocks(),
+            checkpoint_blocks: self.sb.borrow().checkpoint_blocks(),
+            discarding: self.discard.blocks(),
+        }
     }
 
     fn mark_dirty(&self, ino: Ino) {
@@ -396,8 +367,9 @@ impl Fs {
 
     pub fn counters(&self) -> FsCounters {
         let mut c = self.inner.counters.get();
-        c.discard_pending_blocks = self.inner.discarding_blocks();
         c.device_flushes = self.inner.io.flushes();
+        self.inner.data.report(&mut c);
+        self.inner.discard.report(&mut c);
         c
     }
 
@@ -406,7 +378,7 @@ impl Fs {
     /// writes, to measure what their upkeep costs. keelfsd never turns it
     /// off.
     pub fn set_file_times_for_benchmark(&self, on: bool) {
-        self.inner.file_times.set(on);
+        self.inner.data.set_file_times(on);
     }
 
     pub fn replayed_at_mount(&self) -> u64 {
@@ -420,12 +392,12 @@ impl Fs {
     /// Blocks free for new data right now (delayed-allocation reservations
     /// excluded), within the quota if there is one.
     pub fn free_blocks(&self) -> u64 {
-        self.inner.available_blocks()
+        self.inner.space.available_blocks(self.inner.usage())
     }
 
     /// Range-lock acquisitions that had to wait: (shared, exclusive).
     pub fn range_lock_waits(&self) -> (u64, u64) {
-        self.inner.ranges.waits()
+        self.inner.data.range_lock_waits()
     }
 
     pub fn cache_stats(&self) -> cache::CacheStats {
@@ -436,15 +408,14 @@ impl Fs {
     /// reactor): reads that find every page cached complete there without
     /// a lock or a message; the others the caller sends here.
     pub fn shared_reader(&self, ino: Ino) -> FsResult<SharedReader> {
-        let size = self.require_file(ino)?.size;
+        let size = self.inner.meta.require_file(ino)?.size;
         let file = self.inner.pages.shared().share(ino, size);
         Ok(SharedReader { pages: self.inner.pages.cache().shared().clone(), file, ino })
     }
 
     /// Extents of a file (for tests and benchmarks of the allocator).
     pub fn extent_count(&self, ino: Ino) -> FsResult<usize> {
-        let state = self.inner.state.borrow();
-        Ok(state.node(ino).ok_or(FsError::NotFound)?.extents.len())
+        self.inner.meta.extent_count(ino)
     }
 
     /// Whether a checkpoint is being written in pieces now (for tests).
@@ -459,7 +430,7 @@ impl Fs {
     /// operations: a block with two owners is a corruption waiting for its
     /// next write. Linear in extents and free runs.
     pub fn check_block_ownership(&self) -> Result<(), DoubleOwner> {
-        let state = self.inner.state.borrow();
+        let state = self.inner.meta.state();
         let sb = self.inner.sb.borrow();
         let mut owned: Vec<(u64, u64, String)> = Vec::new();
         for node in state.nodes() {
@@ -473,10 +444,10 @@ impl Fs {
         }
         owned.extend(sb.checkpoint_extents.iter().map(|r| (r.start, r.len, "the checkpoint".to_string())));
         owned.extend(state.pending_free.iter().map(|r| (r.start, r.len, "a pending free".to_string())));
-        let deferred = &self.inner.journal.borrow().deferred_free;
-        owned.extend(deferred.iter().map(|r| (r.start, r.len, "a free held for a checkpoint".to_string())));
+        let held = self.inner.space.held_runs();
+        owned.extend(held.iter().map(|r| (r.start, r.len, "a free held for a checkpoint".to_string())));
         owned.extend(
-            self.inner.discard.borrow().runs().map(|r| (r.start, r.len, "a free awaiting its discard".to_string())),
+            self.inner.discard.runs().into_iter().map(|r| (r.start, r.len, "a free awaiting its discard".to_string())),
         );
         owned.extend(state.alloc.free_runs().iter().map(|r| (r.start, r.len, "the free list".to_string())));
         owned.sort_by_key(|o| o.0);
@@ -540,13 +511,13 @@ impl Fs {
         // An fstrim would compete with the writeback for the device and
         // for free space: it stops at its next piece; settle waits for
         // the piece it holds.
-        discard::stop_trims(&self.inner, true);
+        self.inner.discard.stop_trims(true);
         if let Err(e) = self.writeback_all().await {
-            discard::stop_trims(&self.inner, false);
+            self.inner.discard.stop_trims(false);
             return Err(e);
         }
         self.inner.unmounted.set(true);
-        discard::settle(&self.inner).await;
+        self.inner.discard.settle(&self.inner.meta, &self.inner.span).await;
         journal::checkpoint(&self.inner).await
     }
 
@@ -562,9 +533,10 @@ impl Fs {
             inner: Rc::new(FsInner {
                 io: io::Io::new(dev),
                 config: config.clone(),
-                quota: Cell::new(config.quota),
+
                 sb: RefCell::new(loaded.sb),
-                state: RefCell::new(loaded.state),
+                meta: meta::Meta::new(loaded.state),
+                space: space::Space::new(config.quota),
                 journal: RefCell::new(JournalState {
                     head: loaded.journal_head,
                     seq: loaded.journal_seq,
@@ -577,27 +549,23 @@ impl Fs {
                     exposes_data: false,
                     data_writes: 0,
                     flushed_data_writes: 0,
-                    reserved_unmapped: 0,
-                    delalloc_reserved: 0,
                     sliced: None,
-                    deferred_free: Vec::new(),
                 }),
                 handles: handles::HandleTable::default(),
                 pages: pages::Pages::new(cache::PageCache::new(config.cache_bytes)),
                 commit_lock: sync::AsyncMutex::default(),
-                ranges: Rc::new(sync::RangeLocks::default()),
-                discard: RefCell::new(discard::DiscardState::new(&config.discard, config.read_only)),
+                data: data::DataState::default(),
+                discard: discard::Discard::new(config.discard, config.read_only),
                 counters: Cell::new(FsCounters::default()),
                 unmounted: Cell::new(false),
                 replayed_at_mount: loaded.replayed,
-                file_times: Cell::new(true),
                 span: tracing::Span::current(),
             }),
         };
         tracing::info!(
             parent: &fs.inner.span,
             replayed = loaded.replayed,
-            inodes = fs.inner.state.borrow().inode_count(),
+            inodes = fs.inner.meta.inode_count(),
             read_only = config.read_only,
             "mounted"
         );
@@ -619,7 +587,7 @@ impl Fs {
     /// open, then a crash) are freed now.
     fn free_orphans(&self) -> FsResult<()> {
         let orphans: Vec<Ino> = {
-            let state = self.inner.state.borrow();
+            let state = self.inner.meta.state();
             state.nodes().filter(|n| n.inode.nlink == 0).map(|n| n.inode.ino).collect()
         };
         if !orphans.is_empty() {

@@ -118,17 +118,6 @@ fn check_name(name: &[u8]) -> FsResult<()> {
 }
 
 impl FsInner {
-    pub(crate) fn inode(&self, ino: Ino) -> FsResult<Inode> {
-        self.state.borrow().node(ino).map(|n| n.inode.clone()).ok_or(FsError::NotFound)
-    }
-
-    pub(crate) fn attr(&self, ino: Ino) -> FsResult<Attr> {
-        let state = self.state.borrow();
-        let node = state.node(ino).ok_or(FsError::NotFound)?;
-        node.times_queried.set(true);
-        Ok(Attr { inode: node.inode.clone(), blocks_512: node.extents.blocks() * (BLOCK_SIZE / 512) })
-    }
-
     /// Change an inode in memory; its image reaches the journal with the
     /// next commit (the lazy path: no I/O, no record now). i_version moves
     /// only if someone read it since its last change.
@@ -136,7 +125,7 @@ impl FsInner {
         if self.config.read_only {
             return Err(FsError::ReadOnly);
         }
-        let mut state = self.state.borrow_mut();
+        let mut state = self.meta.state_mut();
         let node = state.node_mut(ino).ok_or(FsError::NotFound)?;
         let version = node.inode.i_version;
         f(&mut node.inode);
@@ -162,7 +151,7 @@ impl FsInner {
     /// chmod on an inode with an access ACL rewrites the ACL's owner,
     /// mask (or group) and other entries to match: posix_acl_chmod.
     fn couple_acl_to_mode(&self, ino: Ino, mode: u32) -> FsResult<()> {
-        let acl = self.state.borrow().node(ino).and_then(|n| self.access_acl_of(n));
+        let acl = self.meta.state().node(ino).and_then(|n| self.access_acl_of(n));
         let Some(mut acl) = acl else { return Ok(()) };
         acl.chmod(mode);
         self.log(Record::XattrSet { ino, name: Cow::Borrowed(ACL_ACCESS), value: Cow::Owned(acl.encode()) })
@@ -173,7 +162,7 @@ impl FsInner {
         if c.kernel_checked() || c.uid == 0 || c.uid == inode.uid {
             return permitted(inode, None, c, mask);
         }
-        let acl = self.state.borrow().node(inode.ino).and_then(|n| self.access_acl_of(n));
+        let acl = self.meta.state().node(inode.ino).and_then(|n| self.access_acl_of(n));
         permitted(inode, acl.as_ref(), c, mask)
     }
 
@@ -184,7 +173,7 @@ impl FsInner {
         if self.config.read_only || self.config.atime == super::AtimeUpdates::Never {
             return;
         }
-        let mut state = self.state.borrow_mut();
+        let mut state = self.meta.state_mut();
         let Some(node) = state.node_mut(ino) else { return };
         let i = &node.inode;
         if i.is_dir() && !self.config.dir_atime {
@@ -215,7 +204,7 @@ impl FsInner {
         if name.len() > NAME_MAX {
             return Err(FsError::NameTooLong);
         }
-        let state = self.state.borrow();
+        let state = self.meta.state();
         let node = state.node(parent).ok_or(FsError::NotFound)?;
         let dir = node.dir.as_ref().ok_or(FsError::NotDir)?;
         if !permitted(&node.inode, self.access_acl_of(node).as_ref(), c, X_OK) {
@@ -230,7 +219,7 @@ impl FsInner {
 
     /// Checks for adding or removing an entry of `parent`.
     fn writable_dir(&self, c: &Creds, parent: Ino) -> FsResult<Inode> {
-        let inode = self.inode(parent)?;
+        let inode = self.meta.inode(parent)?;
         if !inode.is_dir() {
             return Err(FsError::NotDir);
         }
@@ -252,29 +241,23 @@ impl FsInner {
         if dir.mode & libc::S_ISVTX == 0 || c.kernel_checked() || c.uid == 0 || c.uid == dir.uid {
             return Ok(());
         }
-        if self.inode(victim)?.uid == c.uid {
+        if self.meta.inode(victim)?.uid == c.uid {
             return Ok(());
         }
         Err(FsError::Perm)
     }
 
-    fn add_lookup(&self, ino: Ino, n: u64) {
-        if let Some(node) = self.state.borrow_mut().node_mut(ino) {
-            node.lookups.add(n);
-        }
-    }
-
     /// Free an inode once nothing names or holds it.
     pub(crate) fn maybe_free(&self, ino: Ino) -> FsResult<()> {
-        let unreferenced = match self.state.borrow().node(ino) {
+        let unreferenced = match self.meta.state().node(ino) {
             Some(n) => n.inode.nlink == 0 && n.lookups.is_zero() && n.opens.is_zero(),
             None => return Ok(()),
         };
         if unreferenced && ino != ROOT_INO {
             self.pages.shared().forget(ino);
             let released = self.pages.cache_mut().discard(ino, 0);
-            self.release_delalloc(released);
-            let image = self.state.borrow().node(ino).map(|n| n.inode.clone());
+            self.space.release_delalloc(released);
+            let image = self.meta.state().node(ino).map(|n| n.inode.clone());
             {
                 let mut j = self.journal.borrow_mut();
                 j.dirty_later.remove(&ino);
@@ -288,15 +271,7 @@ impl FsInner {
     }
 
     fn new_inode(&self, c: &Creds, parent: &Inode, mode: u32, rdev: u32) -> (Inode, InheritedXattrs) {
-        let ino = {
-            let mut state = self.state.borrow_mut();
-            let ino = state.next_ino;
-            // Loading refuses any inode number at or past INO_MAX, and
-            // 2^62 creates would take centuries.
-            assert!(ino < super::state::INO_MAX, "inode numbers exhausted");
-            state.next_ino += 1;
-            ino
-        };
+        let ino = self.meta.take_next_ino();
         let (mode, acls) = self.inherit_acls(c, parent, mode);
         let mut mode = mode;
         let is_dir = mode & S_IFMT == S_IFDIR;
@@ -311,7 +286,7 @@ impl FsInner {
         } else {
             c.gid
         };
-        (Inode::new(Ino::new(ino), mode, c.uid, gid, rdev, self.file_time()), acls)
+        (Inode::new(ino, mode, c.uid, gid, rdev, self.file_time()), acls)
     }
 
     /// Create `inode` with the ACLs [`Self::new_inode`] gave it.
@@ -332,7 +307,7 @@ impl FsInner {
         if mode & S_IFMT == S_IFLNK {
             return (mode, Vec::new());
         }
-        let default = self.state.borrow().node(parent.ino).and_then(|n| n.xattrs().get(ACL_DEFAULT).cloned());
+        let default = self.meta.state().node(parent.ino).and_then(|n| n.xattrs().get(ACL_DEFAULT).cloned());
         let Some(default) = default.and_then(|v| Acl::parse(&v).ok()).filter(|a| !a.is_empty()) else {
             return (mode & !(c.umask & 0o777), Vec::new());
         };
@@ -352,7 +327,7 @@ impl FsInner {
     /// past that, adding one is ENOSPC. Checked before an operation logs
     /// anything, so that none stops halfway.
     fn check_dir_room(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
-        let state = self.state.borrow();
+        let state = self.meta.state();
         let dir = state.node(parent).and_then(|n| n.dir.as_ref()).ok_or(FsError::NotDir)?;
         if dir.has_room(name) {
             Ok(())
@@ -364,7 +339,7 @@ impl FsInner {
     fn add_entry(&self, parent: Ino, name: &[u8], ino: Ino) -> FsResult<()> {
         self.check_dir_room(parent, name)?;
         let cookie = {
-            let mut state = self.state.borrow_mut();
+            let mut state = self.meta.state_mut();
             let dir = state.node_mut(parent).and_then(|n| n.dir.as_mut()).ok_or(FsError::NotDir)?;
             dir.take_cookie()
         };
@@ -397,13 +372,13 @@ impl FsInner {
         if is_dir && dir.nlink >= LINK_MAX {
             return Err(FsError::TooManyLinks);
         }
-        self.check_inode_room()?;
+        self.space.check_inode_room(self.meta.inode_count() as u64, self.inodes_max())?;
         self.check_dir_room(parent, name)?;
         let (inode, acls) = self.new_inode(c, &dir, mode, rdev);
         self.create_inode_with(inode.clone(), acls)?;
         self.add_entry(parent, name, inode.ino)?;
         self.touch_dir(parent, i32::from(is_dir))?;
-        self.add_lookup(inode.ino, 1);
+        self.meta.add_lookup(inode.ino, 1);
         Ok(inode)
     }
 }
@@ -419,31 +394,29 @@ impl Fs {
         // finds it again. A freed inode is ENOENT, and the client compares
         // the generation.
         let ino = if name == b"." && c.kernel_checked() {
-            self.inner.inode(parent)?.ino
+            self.inner.meta.inode(parent)?.ino
         } else {
             self.inner.lookup_in(c, parent, name)?.ok_or(FsError::NotFound)?
         };
-        self.inner.add_lookup(ino, 1);
-        self.inner.attr(ino)
+        self.inner.meta.add_lookup(ino, 1);
+        self.inner.meta.attr(ino)
     }
 
     /// The kernel dropped `n` references obtained by lookups.
     pub async fn forget(&self, ino: Ino, n: u64) -> FsResult<()> {
-        if let Some(node) = self.inner.state.borrow_mut().node_mut(ino) {
-            node.lookups.sub(n);
-        }
+        self.inner.meta.drop_lookups(ino, n);
         self.inner.maybe_free(ino)?;
         Ok(())
     }
 
     pub async fn getattr(&self, ino: Ino) -> FsResult<Attr> {
-        self.inner.attr(ino)
+        self.inner.meta.attr(ino)
     }
 
     /// The inode's change counter (statx's change cookie). Reading it
     /// arms the next change to bump it; unread, changes leave it alone.
     pub async fn i_version(&self, ino: Ino) -> FsResult<u64> {
-        let mut state = self.inner.state.borrow_mut();
+        let mut state = self.inner.meta.state_mut();
         let node = state.node_mut(ino).ok_or(FsError::NotFound)?;
         node.i_version_queried = true;
         Ok(node.inode.i_version)
@@ -456,12 +429,12 @@ impl Fs {
             return Err(FsError::Invalid("mknod of this file type"));
         }
         let inode = self.inner.make_node(c, parent, name, kind | (mode & 0o7777), rdev)?;
-        self.inner.attr(inode.ino)
+        self.inner.meta.attr(inode.ino)
     }
 
     pub async fn mkdir(&self, c: &Creds, parent: Ino, name: &[u8], mode: u32) -> FsResult<Attr> {
         let inode = self.inner.make_node(c, parent, name, S_IFDIR | (mode & 0o7777), 0)?;
-        self.inner.attr(inode.ino)
+        self.inner.meta.attr(inode.ino)
     }
 
     pub async fn symlink(&self, c: &Creds, parent: Ino, name: &[u8], target: &[u8]) -> FsResult<Attr> {
@@ -474,18 +447,18 @@ impl Fs {
         let inode = self.inner.make_node(c, parent, name, S_IFLNK | 0o777, 0)?;
         self.inner.log(Record::Symlink { ino: inode.ino, target: Cow::Borrowed(target) })?;
         self.inner.update_inode(inode.ino, |i| i.size = target.len() as u64)?;
-        self.inner.attr(inode.ino)
+        self.inner.meta.attr(inode.ino)
     }
 
     pub async fn readlink(&self, ino: Ino) -> FsResult<Vec<u8>> {
-        let state = self.inner.state.borrow();
+        let state = self.inner.meta.state();
         let node = state.node(ino).ok_or(FsError::NotFound)?;
         node.symlink().map(<[u8]>::to_vec).ok_or(FsError::Invalid("not a symlink"))
     }
 
     pub async fn link(&self, c: &Creds, ino: Ino, new_parent: Ino, new_name: &[u8]) -> FsResult<Attr> {
         check_name(new_name)?;
-        let inode = self.inner.inode(ino)?;
+        let inode = self.inner.meta.inode(ino)?;
         if inode.is_dir() {
             return Err(FsError::Perm);
         }
@@ -503,8 +476,8 @@ impl Fs {
             i.ctime = t;
         })?;
         self.inner.touch_dir(new_parent, 0)?;
-        self.inner.add_lookup(ino, 1);
-        self.inner.attr(ino)
+        self.inner.meta.add_lookup(ino, 1);
+        self.inner.meta.attr(ino)
     }
 
     pub async fn unlink(&self, c: &Creds, parent: Ino, name: &[u8]) -> FsResult<()> {
@@ -525,14 +498,14 @@ impl Fs {
         check_name(name)?;
         let dir = self.inner.writable_dir(c, parent)?;
         let ino = self.inner.lookup_in(c, parent, name)?.ok_or(FsError::NotFound)?;
-        let victim = self.inner.inode(ino)?;
+        let victim = self.inner.meta.inode(ino)?;
         match (want_dir, victim.is_dir()) {
             (true, false) => return Err(FsError::NotDir),
             (false, true) => return Err(FsError::IsDir),
             _ => {}
         }
         if want_dir {
-            let state = self.inner.state.borrow();
+            let state = self.inner.meta.state();
             if state.node(ino).and_then(|n| n.dir.as_ref()).is_some_and(|d| !d.is_empty()) {
                 return Err(FsError::NotEmpty);
             }
@@ -579,7 +552,7 @@ impl Fs {
         let dst_dir = self.inner.writable_dir(c, new_parent)?;
         let ino = self.inner.lookup_in(c, parent, name)?.ok_or(FsError::NotFound)?;
         let target = self.inner.lookup_in(c, new_parent, new_name)?;
-        let src = self.inner.inode(ino)?;
+        let src = self.inner.meta.inode(ino)?;
         self.inner.check_sticky(c, &src_dir, ino)?;
         if let Some(t) = target {
             self.inner.check_sticky(c, &dst_dir, t)?;
@@ -617,7 +590,7 @@ impl Fs {
         self.inner.update_inode(ino, |i| i.ctime = t)?;
         let moved_dir = i32::from(src.is_dir());
         if let Some(victim) = target {
-            let victim_is_dir = self.inner.inode(victim)?.is_dir();
+            let victim_is_dir = self.inner.meta.inode(victim)?.is_dir();
             self.inner.update_inode(victim, |i| {
                 i.nlink = if victim_is_dir { 0 } else { i.nlink.saturating_sub(1) };
                 i.ctime = t;
@@ -642,7 +615,7 @@ impl Fs {
         new_name: &[u8],
         mode: RenameMode,
     ) -> FsResult<()> {
-        self.inner.check_inode_room()?;
+        self.inner.space.check_inode_room(self.inner.meta.inode_count() as u64, self.inner.inodes_max())?;
         let moved = self.inner.lookup_in(c, parent, name)?.ok_or(FsError::NotFound)?;
         if self.inner.lookup_in(c, new_parent, new_name)? == Some(moved) {
             return Ok(()); // two names of one inode: nothing moves, no whiteout
@@ -651,19 +624,19 @@ impl Fs {
         let whiteout = self.inner.make_node(c, parent, name, libc::S_IFCHR, 0)?;
         // make_node counts a lookup for the entry a create replies with;
         // the kernel gets none for a whiteout.
-        if let Some(node) = self.inner.state.borrow_mut().node_mut(whiteout.ino) {
+        if let Some(node) = self.inner.meta.state_mut().node_mut(whiteout.ino) {
             node.lookups.sub(1);
         }
         Ok(())
     }
 
     fn check_replace(&self, src: &Inode, target: Ino) -> FsResult<()> {
-        let victim = self.inner.inode(target)?;
+        let victim = self.inner.meta.inode(target)?;
         match (src.is_dir(), victim.is_dir()) {
             (true, false) => Err(FsError::NotDir),
             (false, true) => Err(FsError::IsDir),
             (true, true) => {
-                let state = self.inner.state.borrow();
+                let state = self.inner.meta.state();
                 let empty = state.node(target).and_then(|n| n.dir.as_ref()).is_none_or(|d| d.is_empty());
                 if empty {
                     Ok(())
@@ -677,7 +650,7 @@ impl Fs {
 
     /// A directory cannot move under itself.
     fn check_not_ancestor(&self, dir: Ino, mut at: Ino) -> FsResult<()> {
-        let state = self.inner.state.borrow();
+        let state = self.inner.meta.state();
         for _ in 0..state.inode_count() + 1 {
             if at == dir {
                 return Err(FsError::Invalid("rename of a directory into itself"));
@@ -694,7 +667,7 @@ impl Fs {
         if a == b {
             return Ok(()); // one inode under both names: nothing changes
         }
-        let (ia, ib) = (self.inner.inode(a)?, self.inner.inode(b)?);
+        let (ia, ib) = (self.inner.meta.inode(a)?, self.inner.meta.inode(b)?);
         if ia.is_dir() {
             self.check_not_ancestor(a, new_parent)?;
         }
@@ -715,7 +688,7 @@ impl Fs {
     }
 
     pub async fn open(&self, c: &Creds, ino: Ino, flags: u32) -> FsResult<Fh> {
-        let inode = self.inner.inode(ino)?;
+        let inode = self.inner.meta.inode(ino)?;
         let mask = match flags as i32 & libc::O_ACCMODE {
             libc::O_RDONLY => R_OK,
             libc::O_WRONLY => W_OK,
@@ -734,11 +707,9 @@ impl Fs {
     }
 
     fn new_handle(&self, ino: Ino, flags: u32) -> Fh {
-        let dir_end = self.inner.state.borrow().node(ino).and_then(|n| n.dir.as_ref()).map_or(0, |d| d.cookie_end());
+        let dir_end = self.inner.meta.state().node(ino).and_then(|n| n.dir.as_ref()).map_or(0, |d| d.cookie_end());
         let fh = self.inner.handles.open(Handle { ino, flags, dir_end });
-        if let Some(node) = self.inner.state.borrow_mut().node_mut(ino) {
-            node.opens.add(1);
-        }
+        self.inner.meta.add_open(ino);
         fh
     }
 
@@ -750,12 +721,12 @@ impl Fs {
                 return Err(FsError::Exists);
             }
             let fh = self.open(c, ino, flags & !(libc::O_CREAT as u32)).await?;
-            self.inner.add_lookup(ino, 1);
-            return Ok((self.inner.attr(ino)?, fh));
+            self.inner.meta.add_lookup(ino, 1);
+            return Ok((self.inner.meta.attr(ino)?, fh));
         }
         let inode = self.inner.make_node(c, parent, name, S_IFREG | (mode & 0o7777), 0)?;
         let fh = self.new_handle(inode.ino, flags);
-        Ok((self.inner.attr(inode.ino)?, fh))
+        Ok((self.inner.meta.attr(inode.ino)?, fh))
     }
 
     /// O_TMPFILE: an open regular file with no name (nlink 0), in
@@ -763,21 +734,19 @@ impl Fs {
     /// the next mount after a crash, unless `link` gives it a name first.
     pub async fn tmpfile(&self, c: &Creds, parent: Ino, mode: u32, flags: u32) -> FsResult<(Attr, Fh)> {
         let dir = self.inner.writable_dir(c, parent)?;
-        self.inner.check_inode_room()?;
+        self.inner.space.check_inode_room(self.inner.meta.inode_count() as u64, self.inner.inodes_max())?;
         let (mut inode, acls) = self.inner.new_inode(c, &dir, S_IFREG | (mode & 0o7777), 0);
         inode.nlink = 0;
         let ino = inode.ino;
         self.inner.create_inode_with(inode, acls)?;
-        self.inner.add_lookup(ino, 1);
+        self.inner.meta.add_lookup(ino, 1);
         let fh = self.new_handle(ino, flags);
-        Ok((self.inner.attr(ino)?, fh))
+        Ok((self.inner.meta.attr(ino)?, fh))
     }
 
     pub async fn release(&self, fh: Fh) -> FsResult<()> {
         let handle = self.inner.handles.close(fh).ok_or(FsError::BadHandle)?;
-        if let Some(node) = self.inner.state.borrow_mut().node_mut(handle.ino) {
-            node.opens.sub(1);
-        }
+        self.inner.meta.drop_open(handle.ino);
         self.inner.maybe_free(handle.ino)?;
         Ok(())
     }
@@ -788,7 +757,7 @@ impl Fs {
     }
 
     pub async fn opendir(&self, c: &Creds, ino: Ino) -> FsResult<Fh> {
-        let inode = self.inner.inode(ino)?;
+        let inode = self.inner.meta.inode(ino)?;
         if !inode.is_dir() {
             return Err(FsError::NotDir);
         }
@@ -815,7 +784,7 @@ impl Fs {
     pub async fn readdir_handle(&self, fh: Fh, offset: u64, max: usize, plus: bool) -> FsResult<Vec<DirEntry>> {
         let ino = self.handle(fh)?.0;
         if offset == 0 {
-            let end = self.inner.state.borrow().node(ino).and_then(|n| n.dir.as_ref()).map(|d| d.cookie_end());
+            let end = self.inner.meta.state().node(ino).and_then(|n| n.dir.as_ref()).map(|d| d.cookie_end());
             if let Some(end) = end {
                 self.inner.handles.set_dir_end(fh, end);
             }
@@ -834,7 +803,7 @@ impl Fs {
         self.inner.accessed(ino);
         let mut out = Vec::new();
         {
-            let state = self.inner.state.borrow();
+            let state = self.inner.meta.state();
             let node = state.node(ino).ok_or(FsError::NotFound)?;
             let dir = node.dir.as_ref().ok_or(FsError::NotDir)?;
             let dot = [(1u64, b".".as_slice(), ino), (2, b"..", dir.parent)];
@@ -854,9 +823,9 @@ impl Fs {
         }
         if plus {
             for e in &mut out {
-                e.attr = Some(self.inner.attr(e.ino)?);
+                e.attr = Some(self.inner.meta.attr(e.ino)?);
                 if *e.name != *b"." && *e.name != *b".." {
-                    self.inner.add_lookup(e.ino, 1);
+                    self.inner.meta.add_lookup(e.ino, 1);
                 }
             }
         }
@@ -864,23 +833,28 @@ impl Fs {
     }
 
     pub async fn statfs(&self) -> FsResult<StatFs> {
-        let state = self.inner.state.borrow();
+        let state = self.inner.meta.state();
+        let usage = self.inner.usage();
         Ok(StatFs {
             block_size: BLOCK_SIZE as u32,
             // With a quota, df shows it as the size.
-            blocks: self.inner.blocks_limit(),
-            blocks_free: self.inner.shown_free_blocks(),
+            blocks: self.inner.space.blocks_limit(usage),
+            blocks_free: self.inner.space.shown_free_blocks(usage),
             // Inodes are not preallocated: the limit is the configured
             // (or device-derived) inodes_max, or the quota. Total = in use
             // + free.
-            files: self.inner.inodes_limit(),
-            files_free: self.inner.inodes_limit().saturating_sub(state.inode_count() as u64),
+            files: self.inner.space.inodes_limit(self.inner.inodes_max()),
+            files_free: self
+                .inner
+                .space
+                .inodes_limit(self.inner.inodes_max())
+                .saturating_sub(state.inode_count() as u64),
             name_max: NAME_MAX as u32,
         })
     }
 
     pub async fn access(&self, c: &Creds, ino: Ino, mask: u32) -> FsResult<()> {
-        let inode = self.inner.inode(ino)?;
+        let inode = self.inner.meta.inode(ino)?;
         if mask == 0 || self.inner.may(&inode, c, mask & 7) {
             Ok(())
         } else {
@@ -917,7 +891,7 @@ impl Fs {
     }
 
     pub async fn setattr(&self, c: &Creds, ino: Ino, set: &SetAttr, via_handle: bool) -> FsResult<Attr> {
-        let inode = self.inner.inode(ino)?;
+        let inode = self.inner.meta.inode(ino)?;
         let owner = c.owns(&inode);
         let mut new = inode.clone();
         change_mode_and_owner(c, owner, set, &mut new)?;
@@ -936,7 +910,7 @@ impl Fs {
             if set.kill_setid || (!c.kernel_checked() && c.uid != 0) {
                 new.mode &= !setid_bits_to_clear(new.mode, c.uid == 0 || c.in_group(new.gid));
             }
-            let after = self.inner.inode(ino)?;
+            let after = self.inner.meta.inode(ino)?;
             new.size = after.size;
             if set.mtime.is_none() {
                 new.mtime = after.mtime;
@@ -947,7 +921,7 @@ impl Fs {
             self.inner.couple_acl_to_mode(ino, new.mode)?;
         }
         self.inner.update_inode(ino, |i| *i = new)?;
-        self.inner.attr(ino)
+        self.inner.meta.attr(ino)
     }
 
     pub async fn setxattr(&self, c: &Creds, ino: Ino, name: &[u8], value: &[u8], flags: XattrFlags) -> FsResult<()> {
@@ -956,7 +930,7 @@ impl Fs {
             return Err(FsError::Range);
         }
         let (exists, names_bytes, all_bytes) = {
-            let state = self.inner.state.borrow();
+            let state = self.inner.meta.state();
             let node = state.node(ino).ok_or(FsError::NotFound)?;
             // Bounded: the limits below bound how many there can be.
             let others = node.xattrs().iter().filter(|(n, _)| n.as_slice() != name);
@@ -986,7 +960,7 @@ impl Fs {
     /// a directory; an access ACL that the mode can say is not stored; the
     /// mode follows the access ACL; an empty ACL removes one.
     fn set_acl(&self, c: &Creds, ino: Ino, name: &[u8], acl: &Acl) -> FsResult<()> {
-        let inode = self.inner.inode(ino)?;
+        let inode = self.inner.meta.inode(ino)?;
         let mut mode = inode.mode;
         let mut store = !acl.is_empty();
         if name == ACL_DEFAULT && !inode.is_dir() {
@@ -1000,7 +974,7 @@ impl Fs {
                 mode &= !libc::S_ISGID;
             }
         }
-        let stored = self.inner.state.borrow().node(ino).is_some_and(|n| n.xattrs().contains_key(name));
+        let stored = self.inner.meta.state().node(ino).is_some_and(|n| n.xattrs().contains_key(name));
         if store {
             self.inner.log(Record::XattrSet { ino, name: Cow::Borrowed(name), value: Cow::Owned(acl.encode()) })?;
         } else if stored {
@@ -1020,7 +994,7 @@ impl Fs {
     /// groups it carries is the file's (FUSE sends no more of them).
     /// Whether the mode changed.
     pub fn kill_setid(&self, ino: Ino, writer: &Creds) -> FsResult<bool> {
-        let inode = self.inner.inode(ino)?;
+        let inode = self.inner.meta.inode(ino)?;
         let clear = setid_bits_to_clear(inode.mode, writer.in_group(inode.gid));
         self.clear_mode_bits(ino, clear)?;
         Ok(clear != 0)
@@ -1029,7 +1003,7 @@ impl Fs {
     /// Clear S_ISGID: an access ACL set by a caller outside the file's
     /// group (FUSE_SETXATTR_ACL_KILL_SGID).
     pub fn kill_sgid(&self, ino: Ino) -> FsResult<()> {
-        let clear = self.inner.inode(ino)?.mode & libc::S_ISGID;
+        let clear = self.inner.meta.inode(ino)?.mode & libc::S_ISGID;
         self.clear_mode_bits(ino, clear)
     }
 
@@ -1046,13 +1020,13 @@ impl Fs {
 
     pub async fn getxattr(&self, c: &Creds, ino: Ino, name: &[u8]) -> FsResult<Vec<u8>> {
         self.check_xattr_access(c, ino, name, false)?;
-        let state = self.inner.state.borrow();
+        let state = self.inner.meta.state();
         state.node(ino).ok_or(FsError::NotFound)?.xattrs().get(name).cloned().ok_or(FsError::NoData)
     }
 
     /// Attribute names, each followed by a NUL, as listxattr returns them.
     pub async fn listxattr(&self, ino: Ino) -> FsResult<Vec<u8>> {
-        let state = self.inner.state.borrow();
+        let state = self.inner.meta.state();
         let node = state.node(ino).ok_or(FsError::NotFound)?;
         let mut out = Vec::new();
         for name in node.xattrs().keys() {
@@ -1064,7 +1038,7 @@ impl Fs {
 
     pub async fn removexattr(&self, c: &Creds, ino: Ino, name: &[u8]) -> FsResult<()> {
         self.check_xattr_access(c, ino, name, true)?;
-        let exists = self.inner.state.borrow().node(ino).is_some_and(|n| n.xattrs().contains_key(name));
+        let exists = self.inner.meta.state().node(ino).is_some_and(|n| n.xattrs().contains_key(name));
         if !exists {
             return Err(FsError::NoData);
         }
@@ -1078,7 +1052,7 @@ impl Fs {
         if name.is_empty() || name.len() > XATTR_NAME_MAX {
             return Err(if name.is_empty() { FsError::Invalid("empty xattr name") } else { FsError::Range });
         }
-        let inode = self.inner.inode(ino)?;
+        let inode = self.inner.meta.inode(ino)?;
         let acl = name == ACL_ACCESS || name == ACL_DEFAULT;
         if name.starts_with(b"system.") && !acl {
             return Err(FsError::Unsupported);

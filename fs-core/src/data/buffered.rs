@@ -59,11 +59,11 @@ impl Fs {
     /// Cached pages go straight from the cache into the sink; a read that
     /// misses goes through [`Fs::read`] and one more copy.
     pub async fn read_to<K: ReadSink + ?Sized>(&self, ino: Ino, offset: u64, size: u32, sink: &K) -> FsResult<u32> {
-        let inode = self.require_file(ino)?;
+        let inode = self.inner.meta.require_file(ino)?;
         let end = offset.saturating_add(u64::from(size)).min(inode.size);
         if offset < end && self.copy_cached_to(ino, offset, end, sink) {
             self.inner.accessed(ino);
-            self.inner.bump(|c| c.data_bytes_read += end - offset);
+            self.inner.data.count_read(end - offset);
             return Ok((end - offset) as u32);
         }
         // Everything else goes through `read`, which moves atime itself.
@@ -75,7 +75,7 @@ impl Fs {
     /// Read through the page cache. Pages already cached are copied out
     /// without taking any lock; misses are loaded under a shared lock.
     pub async fn read(&self, ino: Ino, offset: u64, size: u32) -> FsResult<Vec<u8>> {
-        let inode = self.require_file(ino)?;
+        let inode = self.inner.meta.require_file(ino)?;
         self.inner.accessed(ino);
         if offset >= inode.size || size == 0 {
             return Ok(Vec::new());
@@ -83,12 +83,12 @@ impl Fs {
         let end = (offset + u64::from(size)).min(inode.size);
         let (first, last) = blocks_of(offset, end - offset);
         if let Some(out) = self.copy_cached(ino, offset, end) {
-            self.inner.bump(|c| c.data_bytes_read += out.len() as u64);
+            self.inner.data.count_read(out.len() as u64);
             return Ok(out);
         }
         let _range =
-            self.inner.ranges.lock(ino, FileBlock::new(first).offset(), FileBlock::new(last + 1).offset(), false).await;
-        let size_now = self.inner.inode(ino)?.size;
+            self.inner.data.lock(ino, FileBlock::new(first).offset(), FileBlock::new(last + 1).offset(), false).await;
+        let size_now = self.inner.meta.inode(ino)?.size;
         let end = end.min(size_now);
         if offset >= end {
             return Ok(Vec::new());
@@ -111,7 +111,7 @@ impl Fs {
                 .collect()
         };
         self.load_pages_into(ino, &missing, size_now, offset, &mut out).await?;
-        self.inner.bump(|c| c.data_bytes_read += out.len() as u64);
+        self.inner.data.count_read(out.len() as u64);
         Ok(out)
     }
 
@@ -148,11 +148,11 @@ impl Fs {
             return Ok(());
         }
         self.inner.pages.cache_mut().note_misses(pages.len() as u64);
-        let epoch = self.direct_epoch(ino);
+        let epoch = self.inner.meta.direct_epoch(ino);
         // (first page, device block or None for zeros, pages)
         let mut runs: Vec<(u64, Option<DevBlock>, u64)> = Vec::new();
         for &page in pages {
-            let disk = match self.segments(ino, page, 1)?[0] {
+            let disk = match self.inner.meta.segments(ino, page, 1)?[0] {
                 Segment::Mapped(e) if !e.unwritten => Some(e.disk_block),
                 _ => None,
             };
@@ -176,12 +176,12 @@ impl Fs {
                 Some(f) => {
                     let (buf, result) = f.await;
                     result?;
-                    self.inner.bump(|c| c.data_bytes_read += block_bytes(n));
+                    self.inner.data.count_read(block_bytes(n));
                     Some(buf)
                 }
                 None => None,
             };
-            let cacheable = self.direct_epoch(ino) == epoch;
+            let cacheable = self.inner.meta.direct_epoch(ino) == epoch;
             let mut cache = self.inner.pages.cache_mut();
             for k in 0..n {
                 let mut content = ZEROS;
@@ -207,13 +207,13 @@ impl Fs {
             return Ok(p.to_vec());
         }
         let mut data = vec![0u8; PAGE_BYTES];
-        let epoch = self.direct_epoch(ino);
+        let epoch = self.inner.meta.direct_epoch(ino);
         self.read_device_block(ino, page, &mut data).await?;
         let page_start = FileBlock::new(page).offset();
         if size < FileBlock::new(page + 1).offset() {
             data[size.saturating_sub(page_start) as usize..].fill(0);
         }
-        if self.direct_epoch(ino) != epoch {
+        if self.inner.meta.direct_epoch(ino) != epoch {
             return Ok(data); // read beside a direct write: not cached
         }
         let mut cache = self.inner.pages.cache_mut();
@@ -233,7 +233,7 @@ impl Fs {
     /// one file are EINVAL, as on Linux.
     pub async fn copy_range(&self, from: Ino, from_offset: u64, to: Ino, to_offset: u64, len: u64) -> FsResult<u64> {
         const STEP: u64 = 1 << 20;
-        self.require_file(to)?;
+        self.inner.meta.require_file(to)?;
         let len = len.min(COPY_RANGE_MAX);
         let overlaps = from_offset < to_offset.saturating_add(len) && to_offset < from_offset.saturating_add(len);
         if from == to && overlaps {
@@ -295,13 +295,13 @@ impl Fs {
     /// first, so that they come back too, and so are runs awaiting a
     /// discard. A retry is worth it only if space came back.
     pub(super) async fn reclaim_pending_frees(&self) -> FsResult<bool> {
-        let before = self.inner.available_blocks();
+        let before = self.inner.space.available_blocks(self.inner.usage());
         journal::abandon_checkpoint_in_pieces(&self.inner);
         journal::commit_all(&self.inner).await?;
         // The commit may have queued its frees for discard: take them
         // (and any queued before) back now.
-        let discarded = crate::discard::reclaim(&self.inner).await;
-        Ok(discarded || self.inner.available_blocks() > before)
+        let discarded = self.inner.discard.reclaim(&self.inner.meta).await;
+        Ok(discarded || self.inner.space.available_blocks(self.inner.usage()) > before)
     }
 
     async fn write_from_once<S: WriteSource + ?Sized>(
@@ -315,7 +315,7 @@ impl Fs {
             return Ok(0);
         }
         let end = offset.checked_add(data.len() as u64).filter(|&e| e <= MAX_FILE_BYTES).ok_or(FsError::FileTooBig)?;
-        self.require_file(ino)?;
+        self.inner.meta.require_file(ino)?;
         let (first, last) = blocks_of(offset, data.len() as u64);
         loop {
             // Room is made before any lock is held: writeback takes locks.
@@ -336,7 +336,11 @@ impl Fs {
                 }
             }
             let to_reserve = self.pages_needing_reservation(ino, first, last)?;
-            self.reserve_delalloc(to_reserve.len() as u64)?;
+            if !to_reserve.is_empty() {
+                // The usage figures sum the allocator's groups: only for a
+                // write that needs room.
+                self.inner.space.reserve_delalloc(self.inner.usage(), to_reserve.len() as u64)?;
+            }
             // An extending write changes pages and then the size: readers
             // on other cores see both or neither.
             let change = (end > old_size).then(|| self.inner.pages.shared().change(ino));
@@ -344,12 +348,12 @@ impl Fs {
                 // Other tasks filled the cache with dirty pages meanwhile:
                 // undo the reservation and start over (rewriting the same
                 // bytes is harmless).
-                self.inner.release_delalloc(to_reserve.len() as u64);
+                self.inner.space.release_delalloc(to_reserve.len() as u64);
                 drop(range);
                 continue;
             }
             if end > old_size {
-                if let Some(n) = self.inner.state.borrow_mut().node_mut(ino) {
+                if let Some(n) = self.inner.meta.state_mut().node_mut(ino) {
                     n.writes_mut().persist_size_cap.get_or_insert(old_size);
                     n.datasync_needed = true;
                 }
@@ -424,7 +428,7 @@ impl Fs {
     fn pages_needing_reservation(&self, ino: Ino, first: u64, last: u64) -> FsResult<Vec<u64>> {
         let cache = self.inner.pages.cache();
         let mut out = Vec::new();
-        for seg in self.segments(ino, first, last - first + 1)? {
+        for seg in self.inner.meta.segments(ino, first, last - first + 1)? {
             if let Segment::Hole { file_block, len } = seg {
                 // Pages are file blocks (PAGE_BYTES is BLOCK_BYTES).
                 let pages = file_block.get()..(file_block + len).get();
@@ -432,15 +436,6 @@ impl Fs {
             }
         }
         Ok(out)
-    }
-
-    fn reserve_delalloc(&self, blocks: u64) -> FsResult<()> {
-        if blocks == 0 {
-            return Ok(());
-        }
-        self.inner.check_room(blocks)?;
-        self.inner.journal.borrow_mut().delalloc_reserved += blocks;
-        Ok(())
     }
 
     async fn throttle(&self, ino: Ino) -> FsResult<()> {
@@ -464,7 +459,7 @@ impl Fs {
         // clean, but they are neither on the device nor mapped until it
         // ends, and a caller that finds nothing dirty (sync, fsync, a
         // direct write) must still wait for them.
-        let _token = self.inner.ranges.lock(ino, WRITEBACK_TOKEN, u64::MAX, true).await;
+        let _token = self.inner.data.lock(ino, WRITEBACK_TOKEN, u64::MAX, true).await;
         let _busy = self.inner.pages.writing_back(ino);
         let pages = self.inner.pages.cache().dirty_of(ino, from, to);
         let mut i = 0;
@@ -480,8 +475,8 @@ impl Fs {
         if clean {
             let capped = self
                 .inner
-                .state
-                .borrow_mut()
+                .meta
+                .state_mut()
                 .node_mut(ino)
                 .and_then(|n| n.writes_if_any())
                 .is_some_and(|w| w.persist_size_cap.take().is_some());
@@ -499,10 +494,10 @@ impl Fs {
         // never do.
         let _range = self
             .inner
-            .ranges
+            .data
             .lock(ino, FileBlock::new(first).offset(), FileBlock::new(first + count).offset(), false)
             .await;
-        if self.inner.state.borrow().node(ino).is_none() {
+        if self.inner.meta.state().node(ino).is_none() {
             return Ok(());
         }
         // Snapshot the pages still dirty (a truncate may have dropped some),
@@ -538,13 +533,13 @@ impl Fs {
         }
         let runs = images;
         // The reservations become real allocations in write_image.
-        self.inner.release_delalloc(released);
+        self.inner.space.release_delalloc(released);
         for (f, image) in runs {
             let pages = whole_blocks(image.len() as u64);
             match self.write_image(ino, f, image).await {
                 Ok(records) => {
                     self.log_all(records)?;
-                    self.inner.bump(|c| c.writeback_pages += pages);
+                    self.inner.data.count_written_back(pages);
                 }
                 Err(e) => {
                     let mut cache = self.inner.pages.cache_mut();
@@ -570,12 +565,12 @@ impl Fs {
     /// Make the file durable: its dirty pages, then (unless `datasync` and
     /// only timestamps changed) the journal, then the device cache.
     pub async fn fsync(&self, ino: Ino, datasync: bool) -> FsResult<()> {
-        self.inner.inode(ino)?;
+        self.inner.meta.inode(ino)?;
         if self.read_only() {
             return Ok(());
         }
         self.writeback(ino, 0, u64::MAX).await?;
-        let needed = self.inner.state.borrow().node(ino).is_some_and(|n| n.datasync_needed);
+        let needed = self.inner.meta.state().node(ino).is_some_and(|n| n.datasync_needed);
         if datasync && !needed {
             return journal::flush_data(&self.inner).await;
         }
@@ -583,7 +578,7 @@ impl Fs {
     }
 
     pub async fn fsyncdir(&self, ino: Ino, datasync: bool) -> FsResult<()> {
-        self.inner.inode(ino)?;
+        self.inner.meta.inode(ino)?;
         if self.read_only() {
             return Ok(());
         }

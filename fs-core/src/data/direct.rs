@@ -56,14 +56,14 @@ impl Fs {
             return Ok(0);
         }
         let end = offset.checked_add(len).filter(|&e| e <= MAX_FILE_BYTES).ok_or(FsError::FileTooBig)?;
-        self.require_file(ino)?;
+        self.inner.meta.require_file(ino)?;
         let (first, last) = blocks_of(offset, len);
         self.flush_cache_range(ino, first, last, true).await?;
-        self.move_direct_epoch(ino);
+        self.inner.meta.move_direct_epoch(ino);
         let result = self.write_direct_uncached(ino, offset, end, buf).await;
         // A read that cached the range while the write ran may hold the
         // old data; the epoch keeps later fills out, this drops earlier ones.
-        self.move_direct_epoch(ino);
+        self.inner.meta.move_direct_epoch(ino);
         self.inner.pages.cache_mut().discard_clean_range(ino, first, last + 1);
         result
     }
@@ -86,16 +86,6 @@ impl Fs {
         self.direct_extend(ino, offset, end, buf).await
     }
 
-    fn move_direct_epoch(&self, ino: Ino) {
-        if let Some(n) = self.inner.state.borrow_mut().node_mut(ino) {
-            n.writes_mut().direct_epoch += 1;
-        }
-    }
-
-    pub(super) fn direct_epoch(&self, ino: Ino) -> Option<u64> {
-        self.inner.state.borrow().node(ino).map(|n| n.writes().direct_epoch)
-    }
-
     /// The overwrite fast path: every block already written and inside the
     /// file. Shared lock, no allocation, no record. None if not applicable.
     async fn try_direct_overwrite<B: IoBuffer>(
@@ -110,42 +100,28 @@ impl Fs {
         // write: it must move the size, which this path never does. The
         // size is checked before the lock too, so that appends never take
         // it here.
-        let inside = |fs: &Fs| -> FsResult<bool> { Ok(end <= fs.inner.inode(ino)?.size) };
+        let inside = |fs: &Fs| -> FsResult<bool> { Ok(end <= fs.inner.meta.inode(ino)?.size) };
         if !inside(self)? {
             return Ok(None);
         }
         let _range =
-            self.inner.ranges.lock(ino, FileBlock::new(first).offset(), FileBlock::new(last + 1).offset(), false).await;
+            self.inner.data.lock(ino, FileBlock::new(first).offset(), FileBlock::new(last + 1).offset(), false).await;
         // The mapping is read once, under the lock, and the I/O is issued
         // from that same reading: no write can change it until the lock
         // is released.
-        let segments = self.segments(ino, first, last - first + 1)?;
+        let segments = self.inner.meta.segments(ino, first, last - first + 1)?;
         let all_written = segments.iter().all(|s| matches!(s, Segment::Mapped(e) if !e.unwritten));
         if !all_written || !inside(self)? {
             return Ok(None);
         }
-        self.direct_begin();
+        self.inner.data.direct_begin();
         let result = self.submit_segments(buf, first, &segments, true).await;
-        self.direct_end();
+        self.inner.data.direct_end();
         result?;
         self.inner.journal.borrow_mut().data_writes += 1;
         self.inner.written(ino, None)?;
-        self.inner.bump(|c| {
-            c.direct_overwrites += 1;
-            c.data_bytes_written += end - offset;
-        });
+        self.inner.data.count_direct_overwrite(end - offset);
         Ok(Some((end - offset) as u32))
-    }
-
-    fn direct_begin(&self) {
-        self.inner.bump(|c| {
-            c.direct_in_flight += 1;
-            c.direct_in_flight_max = c.direct_in_flight_max.max(c.direct_in_flight);
-        });
-    }
-
-    fn direct_end(&self) {
-        self.inner.bump(|c| c.direct_in_flight -= 1);
     }
 
     /// Issue device I/O for every segment: reads or writes of the mapped
@@ -215,7 +191,7 @@ impl Fs {
             self.zero_past_eof(ino, old_size).await?;
         }
         let mut converted = Vec::new();
-        for seg in self.segments(ino, first, last - first + 1)? {
+        for seg in self.inner.meta.segments(ino, first, last - first + 1)? {
             match seg {
                 Segment::Mapped(e) if e.unwritten => converted.push((e.file_block, e.disk_block, e.len)),
                 Segment::Mapped(_) => {}
@@ -223,14 +199,14 @@ impl Fs {
             }
         }
         if end > old_size {
-            if let Some(n) = self.inner.state.borrow_mut().node_mut(ino) {
+            if let Some(n) = self.inner.meta.state_mut().node_mut(ino) {
                 n.writes_mut().extends_in_flight.insert(offset, end);
             }
         }
-        let segments = self.segments(ino, first, last - first + 1)?;
-        self.direct_begin();
+        let segments = self.inner.meta.segments(ino, first, last - first + 1)?;
+        self.inner.data.direct_begin();
         let result = self.submit_segments(buf, first, &segments, true).await;
-        self.direct_end();
+        self.inner.data.direct_end();
         self.inner.journal.borrow_mut().data_writes += 1;
         let new_size = self.finish_extend(ino, offset, end, result.is_ok());
         result?;
@@ -244,11 +220,8 @@ impl Fs {
             })?;
         }
         self.inner.written(ino, Some(new_size))?;
-        self.set_datasync_needed(ino);
-        self.inner.bump(|c| {
-            c.direct_extends += 1;
-            c.data_bytes_written += end - offset;
-        });
+        self.inner.meta.set_datasync_needed(ino);
+        self.inner.data.count_direct_extend(end - offset);
         Ok((end - offset) as u32)
     }
 
@@ -257,7 +230,7 @@ impl Fs {
     /// earlier extending write still in flight, so the size never covers
     /// data that is not on the device.
     fn finish_extend(&self, ino: Ino, offset: u64, end: u64, ok: bool) -> u64 {
-        let mut state = self.inner.state.borrow_mut();
+        let mut state = self.inner.meta.state_mut();
         let Some(n) = state.node_mut(ino) else { return 0 };
         let size = n.inode.size;
         let w = n.writes_mut();
@@ -279,7 +252,7 @@ impl Fs {
 
     async fn read_direct_shared<B: IoBuffer>(&self, ino: Ino, offset: u64, buf: &SharedBuffer<B>) -> FsResult<u32> {
         self.inner.accessed(ino);
-        let inode = self.require_file(ino)?;
+        let inode = self.inner.meta.require_file(ino)?;
         let len = buf.len() as u64;
         if offset >= inode.size || len == 0 {
             return Ok(0);
@@ -292,14 +265,14 @@ impl Fs {
             return Ok(data.len() as u32);
         }
         let _range =
-            self.inner.ranges.lock(ino, FileBlock::new(first).offset(), FileBlock::new(last + 1).offset(), false).await;
-        let size = self.inner.inode(ino)?.size;
+            self.inner.data.lock(ino, FileBlock::new(first).offset(), FileBlock::new(last + 1).offset(), false).await;
+        let size = self.inner.meta.inode(ino)?.size;
         let avail = len.min(size.saturating_sub(offset));
         if avail == 0 {
             return Ok(0);
         }
         let read_last = FileBlock::containing(offset + avail - 1).get();
-        let segments = self.segments(ino, first, read_last - first + 1)?;
+        let segments = self.inner.meta.segments(ino, first, read_last - first + 1)?;
         self.submit_segments(buf, first, &segments, false).await?;
         // Never hand back what lies past the end of file.
         let tail_from = avail as usize;
@@ -307,7 +280,7 @@ impl Fs {
         if tail_to > tail_from {
             buf.zero(tail_from, tail_to - tail_from).map_err(|_| FsError::Invalid("buffer busy"))?;
         }
-        self.inner.bump(|c| c.data_bytes_read += avail);
+        self.inner.data.count_read(avail);
         Ok(avail as u32)
     }
 
@@ -340,7 +313,7 @@ impl Fs {
         self.log_all(records)?;
         self.inner.written(ino, Some(end))?;
         if maps_blocks || end > old_size {
-            self.set_datasync_needed(ino);
+            self.inner.meta.set_datasync_needed(ino);
         }
         Ok(data.len() as u32)
     }
@@ -348,8 +321,8 @@ impl Fs {
     async fn read_uncached_copy(&self, ino: Ino, offset: u64, len: u64) -> FsResult<Vec<u8>> {
         let (first, last) = blocks_of(offset, len);
         let _range =
-            self.inner.ranges.lock(ino, FileBlock::new(first).offset(), FileBlock::new(last + 1).offset(), false).await;
-        let size = self.inner.inode(ino)?.size;
+            self.inner.data.lock(ino, FileBlock::new(first).offset(), FileBlock::new(last + 1).offset(), false).await;
+        let size = self.inner.meta.inode(ino)?.size;
         let end = (offset + len).min(size);
         if offset >= end {
             return Ok(Vec::new());

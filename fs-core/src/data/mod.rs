@@ -16,15 +16,17 @@
 mod buffered;
 mod direct;
 mod space;
+mod state;
 
 pub use buffered::{ReadSink, WriteSource};
+pub(crate) use state::DataState;
 use std::cell::RefCell;
 use std::rc::Rc;
 
 use super::blocks::{block_bytes, offset_in_block, whole_blocks, DevBlock, FileBlock};
 use super::cache::PAGE_BYTES;
-use super::extent::{Segment, Segments};
-use super::format::{BlockRun, Inode, BLOCK_BYTES};
+use super::extent::Segment;
+use super::format::{BlockRun, BLOCK_BYTES};
 use super::record::Record;
 use super::{Fs, FsError, FsResult};
 use crate::ids::Ino;
@@ -103,31 +105,14 @@ pub(crate) fn start_writeback_timer(fs: &Fs) {
 
 /// Shared helpers.
 impl Fs {
-    pub(super) fn require_file(&self, ino: Ino) -> FsResult<Inode> {
-        let inode = self.inner.inode(ino)?;
-        if inode.is_dir() {
-            return Err(FsError::IsDir);
-        }
-        if !inode.is_reg() {
-            return Err(FsError::Invalid("data operation on a special file"));
-        }
-        Ok(inode)
-    }
-
-    /// The extent map's pieces of `count` blocks from file block `first`.
-    fn segments(&self, ino: Ino, first: u64, count: u64) -> FsResult<Segments> {
-        let state = self.inner.state.borrow();
-        Ok(state.node(ino).ok_or(FsError::Stale)?.extents.segments(FileBlock::new(first), count))
-    }
-
     /// One file block as it is on the device (zeros for holes and
     /// unwritten extents), ignoring the page cache.
     async fn read_device_block(&self, ino: Ino, file_block: u64, out: &mut [u8]) -> FsResult<()> {
-        match self.segments(ino, file_block, 1)?[0] {
+        match self.inner.meta.segments(ino, file_block, 1)?[0] {
             Segment::Mapped(e) if !e.unwritten => {
                 let buf = self.inner.io.read_blocks(e.disk_block, 1).await?;
                 out.copy_from_slice(&buf);
-                self.inner.bump(|c| c.data_bytes_read += block_bytes(1));
+                self.inner.data.count_read(block_bytes(1));
             }
             _ => out.fill(0),
         }
@@ -140,41 +125,17 @@ impl Fs {
     /// pages.
     fn alloc_runs(&self, ino: Ino, file_block: FileBlock, count: u64, reserved: bool) -> FsResult<Vec<BlockRun>> {
         if !reserved {
-            self.inner.check_room(count)?;
+            self.inner.space.check_room(self.inner.usage(), count)?;
         }
-        let mut state = self.inner.state.borrow_mut();
-        let mut hint = state.node(ino).ok_or(FsError::Stale)?.extents.hint_after(file_block).map(|b| b.get());
-        let mut runs = Vec::new();
-        let mut left = count;
-        while left > 0 {
-            match state.alloc.alloc(left, hint, self.inner.config.preferred_group) {
-                Some(run) => {
-                    left -= run.len;
-                    hint = Some(run.end());
-                    runs.push(run);
-                }
-                None => {
-                    for r in runs {
-                        state.alloc.free(r);
-                    }
-                    return Err(FsError::NoSpace);
-                }
-            }
-        }
-        drop(state);
-        self.inner.journal.borrow_mut().reserved_unmapped += count;
-        Ok(runs)
+        let mut state = self.inner.meta.state_mut();
+        let hint = state.node(ino).ok_or(FsError::Stale)?.extents.hint_after(file_block).map(|b| b.get());
+        self.inner.space.alloc_runs(&mut state, hint, count, self.inner.config.preferred_group)
     }
 
+    /// Runs from [`Self::alloc_runs`] are mapped now, or (`back_to_free`)
+    /// go back to the allocator unused.
     fn unreserve(&self, runs: &[BlockRun], back_to_free: bool) {
-        let total: u64 = runs.iter().map(|r| r.len).sum();
-        self.inner.journal.borrow_mut().reserved_unmapped -= total;
-        if back_to_free {
-            let mut state = self.inner.state.borrow_mut();
-            for r in runs {
-                state.alloc.free(*r);
-            }
-        }
+        self.inner.space.unreserve(&mut self.inner.meta.state_mut(), runs, back_to_free);
     }
 
     /// Lock the blocks a write covers. A write that extends the file also
@@ -189,7 +150,7 @@ impl Fs {
         end: u64,
     ) -> FsResult<(super::sync::RangeGuard, u64)> {
         loop {
-            let size = self.inner.inode(ino)?.size;
+            let size = self.inner.meta.inode(ino)?.size;
             let eof_block = FileBlock::containing(size).get();
             let needs_tail = end > size && offset_in_block(size) != 0 && eof_block < first;
             let (start, stop) = if needs_tail {
@@ -197,8 +158,8 @@ impl Fs {
             } else {
                 (FileBlock::new(first).offset(), FileBlock::new(last + 1).offset())
             };
-            let guard = self.inner.ranges.lock(ino, start, stop, true).await;
-            let now_size = self.inner.inode(ino).map_err(|_| FsError::Stale)?.size;
+            let guard = self.inner.data.lock(ino, start, stop, true).await;
+            let now_size = self.inner.meta.inode(ino).map_err(|_| FsError::Stale)?.size;
             let still_needs_tail =
                 end > now_size && offset_in_block(now_size) != 0 && FileBlock::containing(now_size).get() < first;
             if !still_needs_tail || FileBlock::containing(now_size).offset() >= start {
@@ -251,7 +212,7 @@ impl Fs {
     /// Zero bytes [from, to) of one file block on the device, if it holds
     /// written data.
     async fn zero_in_block(&self, ino: Ino, file_block: FileBlock, from: usize, to: usize) -> FsResult<()> {
-        let Segment::Mapped(e) = self.segments(ino, file_block.get(), 1)?[0] else { return Ok(()) };
+        let Segment::Mapped(e) = self.inner.meta.segments(ino, file_block.get(), 1)?[0] else { return Ok(()) };
         if e.unwritten {
             return Ok(());
         }
@@ -274,7 +235,7 @@ impl Fs {
         let image_bytes = image.len() as u64;
         let mut targets: Vec<(FileBlock, DevBlock, u64, bool)> = Vec::new(); // (file, disk, len, needs record)
         let mut fresh: Vec<BlockRun> = Vec::new();
-        for seg in self.segments(ino, first, nblocks)? {
+        for seg in self.inner.meta.segments(ino, first, nblocks)? {
             match seg {
                 Segment::Mapped(e) => targets.push((e.file_block, e.disk_block, e.len, e.unwritten)),
                 Segment::Hole { file_block, len } => {
@@ -310,12 +271,12 @@ impl Fs {
         let result = await_all(pending).await;
         drop(image);
         self.inner.journal.borrow_mut().data_writes += 1;
-        self.inner.bump(|c| c.data_bytes_written += image_bytes);
+        self.inner.data.count_written(image_bytes);
         if let Err(e) = result {
             self.unreserve(&fresh, true);
             return Err(e.into());
         }
-        if self.inner.state.borrow().node(ino).is_none() {
+        if self.inner.meta.state().node(ino).is_none() {
             self.unreserve(&fresh, true);
             return Err(FsError::Stale);
         }
@@ -338,11 +299,5 @@ impl Fs {
             self.inner.log(r)?;
         }
         Ok(())
-    }
-
-    fn set_datasync_needed(&self, ino: Ino) {
-        if let Some(n) = self.inner.state.borrow_mut().node_mut(ino) {
-            n.datasync_needed = true;
-        }
     }
 }

@@ -21,16 +21,16 @@ impl Fs {
         if new_size > MAX_FILE_BYTES {
             return Err(FsError::FileTooBig);
         }
-        let old = self.require_file(ino)?.size;
+        let old = self.inner.meta.require_file(ino)?.size;
         let from = FileBlock::containing(old.min(new_size)).offset();
-        let _range = self.inner.ranges.lock(ino, from, u64::MAX, true).await;
+        let _range = self.inner.data.lock(ino, from, u64::MAX, true).await;
         let keep_blocks = FileBlock::starting_at_or_after(new_size).get();
         // Shrinking drops pages, zeroes the new last page's tail, then sets
         // the size: readers on other cores see all of it or none.
         let change = (new_size < old).then(|| self.inner.pages.shared().change(ino));
         if new_size < old {
             let released = self.inner.pages.cache_mut().discard(ino, keep_blocks);
-            self.inner.release_delalloc(released);
+            self.inner.space.release_delalloc(released);
             self.inner.pages.cache_mut().zero(
                 (ino, FileBlock::containing(new_size).get()),
                 offset_in_block(new_size) as usize,
@@ -47,7 +47,7 @@ impl Fs {
             i.ctime = t;
         })?;
         drop(change);
-        if let Some(n) = self.inner.state.borrow_mut().node_mut(ino) {
+        if let Some(n) = self.inner.meta.state_mut().node_mut(ino) {
             if let Some(w) = n.writes_if_any() {
                 w.persist_size_cap = w.persist_size_cap.map(|c| c.min(new_size));
                 // An extending write that finished before the truncate must
@@ -77,7 +77,7 @@ impl Fs {
             return Err(FsError::Invalid("fallocate of zero bytes"));
         }
         let end = offset.checked_add(len).filter(|&e| e <= MAX_FILE_BYTES).ok_or(FsError::FileTooBig)?;
-        self.require_file(ino)?;
+        self.inner.meta.require_file(ino)?;
         let punch = mode == FallocateMode::PunchHole;
         let zero = matches!(mode, FallocateMode::ZeroRange { .. });
         let (first, last) = blocks_of(offset, len);
@@ -85,12 +85,12 @@ impl Fs {
         // that clearing below is not undone by a later writeback.
         self.flush_cache_range(ino, first, last, false).await?;
         let range_lock =
-            self.inner.ranges.lock(ino, FileBlock::new(first).offset(), FileBlock::new(last + 1).offset(), true);
+            self.inner.data.lock(ino, FileBlock::new(first).offset(), FileBlock::new(last + 1).offset(), true);
         let _range = range_lock.await;
         if punch || zero {
             self.clear_range(ino, offset, end).await?;
         }
-        let old_size = self.inner.inode(ino)?.size;
+        let old_size = self.inner.meta.inode(ino)?.size;
         let keep = mode.keeps_size();
         if !keep && end > old_size {
             self.zero_past_eof(ino, old_size).await?;
@@ -108,7 +108,7 @@ impl Fs {
             }
             i.ctime = t;
         })?;
-        self.set_datasync_needed(ino);
+        self.inner.meta.set_datasync_needed(ino);
         Ok(())
     }
 
@@ -141,6 +141,8 @@ impl Fs {
     /// space is reserved and reads still return zeros, with no data I/O.
     fn allocate_unwritten(&self, ino: Ino, first: FileBlock, end: FileBlock) -> FsResult<()> {
         let holes: Vec<(FileBlock, u64)> = self
+            .inner
+            .meta
             .segments(ino, first.get(), end - first)?
             .into_iter()
             .filter_map(|s| match s {
@@ -157,14 +159,14 @@ impl Fs {
     /// SEEK_DATA / SEEK_HOLE. Unwritten extents count as holes; dirty
     /// cached pages count as data.
     pub async fn lseek(&self, ino: Ino, offset: u64, to: SeekTo) -> FsResult<u64> {
-        let inode = self.require_file(ino)?;
+        let inode = self.inner.meta.require_file(ino)?;
         if offset >= inode.size {
             return Err(FsError::Nxio);
         }
         self.writeback(ino, 0, u64::MAX).await?;
         let first = FileBlock::containing(offset);
         let blocks = FileBlock::starting_at_or_after(inode.size) - first;
-        for seg in self.segments(ino, first.get(), blocks)? {
+        for seg in self.inner.meta.segments(ino, first.get(), blocks)? {
             let (fb, is_data) = match seg {
                 Segment::Mapped(e) => (e.file_block, !e.unwritten),
                 Segment::Hole { file_block, .. } => (file_block, false),

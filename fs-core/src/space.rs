@@ -1,0 +1,277 @@
+//! Room for data: the quota, the blocks promised but not yet mapped, and
+//! the frees a checkpoint in pieces holds back. (Not `data::space`, which
+//! is fallocate, truncate and lseek.)
+//!
+//! The allocator itself still lives in [`State`] until it moves here; a
+//! method that needs it takes the `&State` or `&mut State` its caller may
+//! already hold, and the other parts' figures arrive as a [`Usage`] of
+//! plain numbers, so that this part borrows nothing of another.
+//!
+//! Three amounts are promised and not yet visible in the allocator's free
+//! count: `delalloc_reserved` (dirty cached pages over holes, which
+//! writeback will allocate), `reserved_unmapped` (blocks allocated for
+//! data whose extent record is not logged yet) and `held` (runs freed by
+//! commits while a checkpoint is encoded in pieces).
+
+use std::cell::{Cell, RefCell};
+
+use crate::discard::Discard;
+use crate::format::{BlockRun, CHECKPOINT_EXTENTS_MAX};
+use crate::quota::Quota;
+use crate::state::State;
+use crate::{FsError, FsResult};
+
+/// The smallest checkpoint reserve: 1 MiB.
+const CHECKPOINT_RESERVE_MIN_BLOCKS: u64 = 256;
+
+pub(crate) struct Space {
+    /// The quota now (FsConfig's at mount, then [`crate::Fs::set_quota`]'s).
+    quota: Cell<Quota>,
+    /// Blocks promised to dirty cached pages over holes (delayed
+    /// allocation): writeback will need them, so nothing else may take them.
+    delalloc_reserved: Cell<u64>,
+    /// Blocks handed out for data not yet mapped by a record.
+    reserved_unmapped: Cell<u64>,
+    /// While a checkpoint is encoded in pieces: runs freed by commits
+    /// since its start, held back from the allocator until a checkpoint
+    /// lands, because its snapshot (the state at its start) may still give
+    /// them to a file and its own blocks are allocated at the end.
+    held: RefCell<Vec<BlockRun>>,
+}
+
+/// What the room for data depends on outside this part, read at one
+/// moment: the allocator's counts, the live checkpoint's size and the
+/// blocks out of the allocator for a discard.
+#[derive(Clone, Copy)]
+pub(crate) struct Usage {
+    pub free_blocks: u64,
+    pub total_blocks: u64,
+    pub checkpoint_blocks: u64,
+    pub discarding: u64,
+}
+
+impl Space {
+    pub fn new(quota: Quota) -> Self {
+        Self {
+            quota: Cell::new(quota),
+            delalloc_reserved: Cell::new(0),
+            reserved_unmapped: Cell::new(0),
+            held: RefCell::default(),
+        }
+    }
+
+    pub fn quota(&self) -> Quota {
+        self.quota.get()
+    }
+
+    pub fn set_quota(&self, quota: Quota) {
+        self.quota.set(quota);
+    }
+
+    /// Blocks data may not take: room for the next checkpoint, which must
+    /// be writable even when data has filled the device, because a
+    /// transaction too large for the journal ring commits as a checkpoint,
+    /// and that commit is what releases the blocks freed since the last
+    /// one (and unmount always checkpoints). Twice the current checkpoint,
+    /// for growth, and at least 1 MiB.
+    fn checkpoint_reserve(checkpoint_blocks: u64) -> u64 {
+        (2 * checkpoint_blocks).max(CHECKPOINT_RESERVE_MIN_BLOCKS)
+    }
+
+    /// Blocks free for data on the device, quota aside.
+    pub fn device_available_blocks(&self, u: Usage) -> u64 {
+        let free = u.free_blocks;
+        free.saturating_sub(self.delalloc_reserved.get()).saturating_sub(Self::checkpoint_reserve(u.checkpoint_blocks))
+    }
+
+    /// Blocks the quota sees in use: everything the allocator has handed
+    /// out (frees not yet committed included, which is why EDQUOT first
+    /// commits and retries), plus space promised to dirty pages, less
+    /// blocks out of the allocator only to be discarded (free on disk).
+    fn quota_used_blocks(&self, u: Usage) -> u64 {
+        let allocated = u.total_blocks - u.free_blocks;
+        let promised = self.delalloc_reserved.get();
+        (allocated + promised).saturating_sub(u.discarding)
+    }
+
+    /// Blocks the quota still allows, if there is one.
+    fn quota_room_blocks(&self, u: Usage) -> Option<u64> {
+        let limit = self.quota.get().blocks()?;
+        Some(limit.saturating_sub(self.quota_used_blocks(u)))
+    }
+
+    /// Room for `blocks` more blocks of data: ENOSPC when the device is
+    /// what binds, EDQUOT when the quota is.
+    pub fn check_room(&self, u: Usage, blocks: u64) -> FsResult<()> {
+        let device = self.device_available_blocks(u);
+        match self.quota_room_blocks(u) {
+            Some(room) if room < blocks && room <= device => Err(FsError::Quota),
+            _ if device < blocks => Err(FsError::NoSpace),
+            _ => Ok(()),
+        }
+    }
+
+    /// The inode limit df shows: the device's (`inodes_max`), capped by
+    /// the quota.
+    pub fn inodes_limit(&self, inodes_max: u64) -> u64 {
+        self.quota.get().inodes.map_or(inodes_max, |q| q.min(inodes_max))
+    }
+
+    /// Room for one more inode beside `count`: ENOSPC past the device's
+    /// limit, EDQUOT past the quota.
+    pub fn check_inode_room(&self, count: u64, inodes_max: u64) -> FsResult<()> {
+        let quota = self.quota.get().inodes.unwrap_or(u64::MAX);
+        if count >= quota && quota <= inodes_max {
+            Err(FsError::Quota)
+        } else if count >= inodes_max {
+            Err(FsError::NoSpace)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// The filesystem's size as df shows it: the data area, or the quota
+    /// if smaller.
+    pub fn blocks_limit(&self, u: Usage) -> u64 {
+        self.quota.get().blocks().map_or(u.total_blocks, |q| q.min(u.total_blocks))
+    }
+
+    /// Blocks free as df shows them: those awaiting a discard are free
+    /// (a writer that needs them takes them back, [`Discard::reclaim`]).
+    pub fn shown_free_blocks(&self, u: Usage) -> u64 {
+        let device = self.device_available_blocks(u) + u.discarding;
+        self.quota_room_blocks(u).map_or(device, |room| room.min(device))
+    }
+
+    /// Blocks free for new data: the device's, capped by the quota's room.
+    pub fn available_blocks(&self, u: Usage) -> u64 {
+        let device = self.device_available_blocks(u);
+        self.quota_room_blocks(u).map_or(device, |room| room.min(device))
+    }
+
+    /// Promise `blocks` to dirty pages over holes, if there is room.
+    pub fn reserve_delalloc(&self, u: Usage, blocks: u64) -> FsResult<()> {
+        if blocks == 0 {
+            return Ok(());
+        }
+        self.check_room(u, blocks)?;
+        self.delalloc_reserved.set(self.delalloc_reserved.get() + blocks);
+        Ok(())
+    }
+
+    /// Give back a promise to dirty pages (written back, dropped or never
+    /// applied).
+    pub fn release_delalloc(&self, blocks: u64) {
+        self.delalloc_reserved.set(self.delalloc_reserved.get().saturating_sub(blocks));
+    }
+
+    /// `count` blocks from the allocator, after `hint` where free (extent
+    /// merging), reserved until their extent record is logged
+    /// ([`Self::unreserve`]). No room check: the caller made it, or is
+    /// writeback spending a promise.
+    pub fn alloc_runs(
+        &self,
+        state: &mut State,
+        mut hint: Option<u64>,
+        count: u64,
+        preferred_group: usize,
+    ) -> FsResult<Vec<BlockRun>> {
+        let mut runs = Vec::new();
+        let mut left = count;
+        while left > 0 {
+            match state.alloc.alloc(left, hint, preferred_group) {
+                Some(run) => {
+                    left -= run.len;
+                    hint = Some(run.end());
+                    runs.push(run);
+                }
+                None => {
+                    for r in runs {
+                        state.alloc.free(r);
+                    }
+                    return Err(FsError::NoSpace);
+                }
+            }
+        }
+        self.reserved_unmapped.set(self.reserved_unmapped.get() + count);
+        Ok(runs)
+    }
+
+    /// Runs from [`Self::alloc_runs`] are mapped now, or (`back_to_free`)
+    /// were not used and go back to the allocator.
+    pub fn unreserve(&self, state: &mut State, runs: &[BlockRun], back_to_free: bool) {
+        let total: u64 = runs.iter().map(|r| r.len).sum();
+        self.reserved_unmapped.set(self.reserved_unmapped.get() - total);
+        if back_to_free {
+            for r in runs {
+                state.alloc.free(*r);
+            }
+        }
+    }
+
+    /// Allocate room for a checkpoint of `blocks` blocks in at most
+    /// CHECKPOINT_EXTENTS_MAX runs.
+    pub fn alloc_checkpoint(state: &mut State, mut blocks: u64, preferred_group: usize) -> FsResult<Vec<BlockRun>> {
+        let mut runs = Vec::new();
+        while blocks > 0 {
+            let run = match state.alloc.alloc(blocks, None, preferred_group) {
+                Some(run) if runs.len() < CHECKPOINT_EXTENTS_MAX => run,
+                other => {
+                    if let Some(run) = other {
+                        state.alloc.free(run);
+                    }
+                    for r in runs {
+                        state.alloc.free(r);
+                    }
+                    return Err(FsError::NoSpace);
+                }
+            };
+            blocks -= run.len;
+            runs.push(run);
+        }
+        Ok(runs)
+    }
+
+    /// The free count a commit records: free now, plus what it frees
+    /// (`freed`), plus what is free on disk but out of the allocator (held
+    /// for a checkpoint, awaiting a discard, allocated but not mapped),
+    /// plus the checkpoint's own blocks where the format counts them.
+    pub fn free_after_commit(&self, state: &State, freed: u64, discarding: u64, checkpoint: u64) -> u64 {
+        let held: u64 = self.held.borrow().iter().map(|r| r.len).sum::<u64>() + discarding;
+        state.alloc.free_blocks() + freed + held + self.reserved_unmapped.get() + checkpoint
+    }
+
+    /// A run a commit made free, in the one place that chooses where it
+    /// goes: held while a checkpoint is encoded in pieces (`sliced`), else
+    /// to the discard queue if continuous discard is on and the filesystem
+    /// is mounted, else back to the allocator.
+    pub fn release_committed(
+        &self,
+        state: &mut State,
+        run: BlockRun,
+        sliced: bool,
+        discard: &Discard,
+        unmounted: bool,
+    ) {
+        if sliced {
+            self.held.borrow_mut().push(run);
+        } else {
+            discard.release_freed(state, run, unmounted);
+        }
+    }
+
+    /// Frees held for a checkpoint in pieces go on once none is in
+    /// progress (it landed, failed or was replaced).
+    pub fn release_held_frees(&self, state: &mut State, discard: &Discard, unmounted: bool) {
+        // Not sliced, so release_committed leaves `held` alone.
+        let mut held = self.held.borrow_mut();
+        for run in held.drain(..) {
+            self.release_committed(state, run, false, discard, unmounted);
+        }
+    }
+
+    /// Every run held for a checkpoint (for ownership checks).
+    pub fn held_runs(&self) -> Vec<BlockRun> {
+        self.held.borrow().clone()
+    }
+}
