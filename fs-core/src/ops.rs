@@ -774,7 +774,9 @@ impl Fs {
     /// Up to `max` entries from `offset` (0 at the start). Offsets are
     /// per-entry cookies, so they stay valid while the directory changes.
     pub async fn readdir(&self, ino: Ino, offset: u64, max: usize) -> FsResult<Vec<DirEntry>> {
-        self.read_dir(ino, offset, max, false, u64::MAX)
+        let mut out = Vec::new();
+        self.read_dir(ino, offset, max, false, u64::MAX, &mut out)?;
+        Ok(out)
     }
 
     /// readdir through the directory handle `fh`: entries made since the
@@ -782,6 +784,23 @@ impl Fs {
     /// out, so that a reader whose directory keeps gaining entries (files
     /// renamed within it, each getting a new cookie) reaches its end.
     pub async fn readdir_handle(&self, fh: Fh, offset: u64, max: usize, plus: bool) -> FsResult<Vec<DirEntry>> {
+        let mut out = Vec::new();
+        self.readdir_handle_into(fh, offset, max, plus, &mut out).await?;
+        Ok(out)
+    }
+
+    /// [`Fs::readdir_handle`] into `out`, which is cleared first: a caller
+    /// that keeps its list from one call to the next allocates nothing for
+    /// it in steady state.
+    pub async fn readdir_handle_into(
+        &self,
+        fh: Fh,
+        offset: u64,
+        max: usize,
+        plus: bool,
+        out: &mut Vec<DirEntry>,
+    ) -> FsResult<()> {
+        out.clear();
         let ino = self.handle(fh)?.0;
         if offset == 0 {
             let end = self.inner.meta.state().node(ino).and_then(|n| n.dir.as_ref()).map(|d| d.cookie_end());
@@ -790,18 +809,30 @@ impl Fs {
             }
         }
         let end = self.inner.handles.get(fh).map_or(0, |h| h.dir_end);
-        self.read_dir(ino, offset, max, plus, end)
+        self.read_dir(ino, offset, max, plus, end, out)
     }
 
     /// readdir with attributes; each returned entry other than "." and ".."
     /// counts as a lookup, as in FUSE.
     pub async fn readdirplus(&self, ino: Ino, offset: u64, max: usize) -> FsResult<Vec<DirEntry>> {
-        self.read_dir(ino, offset, max, true, u64::MAX)
+        let mut out = Vec::new();
+        self.read_dir(ino, offset, max, true, u64::MAX, &mut out)?;
+        Ok(out)
     }
 
-    fn read_dir(&self, ino: Ino, offset: u64, max: usize, plus: bool, end: u64) -> FsResult<Vec<DirEntry>> {
+    /// Up to `max` entries of `ino` after cookie `offset` and before `end`,
+    /// appended to `out`.
+    fn read_dir(
+        &self,
+        ino: Ino,
+        offset: u64,
+        max: usize,
+        plus: bool,
+        end: u64,
+        out: &mut Vec<DirEntry>,
+    ) -> FsResult<()> {
         self.inner.accessed(ino);
-        let mut out = Vec::new();
+        let first = out.len();
         {
             let state = self.inner.meta.state();
             let node = state.node(ino).ok_or(FsError::NotFound)?;
@@ -822,14 +853,14 @@ impl Fs {
             }
         }
         if plus {
-            for e in &mut out {
+            for e in &mut out[first..] {
                 e.attr = Some(self.inner.meta.attr(e.ino)?);
                 if *e.name != *b"." && *e.name != *b".." {
                     self.inner.meta.add_lookup(e.ino, 1);
                 }
             }
         }
-        Ok(out)
+        Ok(())
     }
 
     pub async fn statfs(&self) -> FsResult<StatFs> {

@@ -277,17 +277,17 @@ fn metadata_requests_stay_within_their_allocation_budget() {
 /// What each metadata operation may allocate on the device's side, with
 /// a quarter for what is amortised. The copying path takes its request
 /// and reply buffers from the thread's pool and reads and writes the
-/// chain through its walked buffers, so a request costs one allocation:
-/// its task (a FORGET too). Journal records borrow their names, so an
-/// UNLINK costs nothing more; a CREATE costs about one more (its inode's
-/// page of the node table and its directory's arena grow now and then),
-/// and a READDIRPLUS (a page of entries, their names inline) makes its
-/// list of entries and a few more. Issue 34 asks for none in steady
-/// state: the tasks and those are what is left (bench/RESULTS.md).
+/// chain through its walked buffers, and a request's task takes the box
+/// a finished one left, so a request costs nothing of its own. Journal
+/// records borrow their names, so an UNLINK costs nothing either; a
+/// CREATE's inode page of the node table and its directory's arena grow
+/// now and then (its entry and open replies share one pooled buffer),
+/// and a READDIRPLUS lists into the list the session kept from the last
+/// one. Issue 34 asks for none in steady state.
 const METADATA_BUDGETS: [(&str, f64); 5] = [
-    ("LOOKUP+FORGET", 2.25),
-    ("GETATTR", 1.25),
-    ("CREATE+RELEASE+FORGET", 4.75),
-    ("UNLINK", 1.25),
-    ("READDIRPLUS", 5.25),
+    ("LOOKUP+FORGET", 0.25),
+    ("GETATTR", 0.25),
+    ("CREATE+RELEASE+FORGET", 0.75),
+    ("UNLINK", 0.25),
+    ("READDIRPLUS", 0.25),
 ];

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use keelfs_bdev::AlignedBuf;
-use keelfs_fs::{Attr as FsAttr, Creds, Fs, FsError, ReadSink, SharedReader, WriteSource, WriteTimes};
+use keelfs_fs::{Attr as FsAttr, Creds, DirEntry, Fs, FsError, ReadSink, SharedReader, WriteSource, WriteTimes};
 use keelfs_fs::{Fh, HandleState, Ino, XattrFlags, BLOCK_BYTES};
 use keelfs_reactor::IoBuffer;
 
@@ -194,6 +194,10 @@ pub struct Session {
     /// [`SessionConfig::coherence`]): the export's coherence and this
     /// session's member id in it.
     member: Option<(Rc<Coherence>, u64)>,
+    /// The list the last READDIR used, empty, kept for the next one (at
+    /// most [`READDIR_ENTRIES_KEPT`] entries' room). Taken while a READDIR
+    /// runs, so a second one at the same time makes its own.
+    readdir_entries: Cell<Vec<DirEntry>>,
 }
 
 /// The transport's memory that a READ served in place fills.
@@ -350,6 +354,7 @@ impl Session {
             notifier: RefCell::default(),
             span: tracing::Span::current(),
             failures_logged: keelfs_base::RateLimit::new(),
+            readdir_entries: Cell::default(),
         }
     }
 
@@ -825,7 +830,7 @@ impl Session {
         }
         let fh = self.own_handle(fh).await?;
         let mut r = self.entry(a);
-        r.raw(&open_out(fh, flags, self.config.cache, self.config.keep_cache).bytes);
+        put_open_out(&mut r, fh, flags, self.config.cache, self.config.keep_cache);
         Ok(Some(r))
     }
 
@@ -1254,7 +1259,32 @@ impl Session {
         // quadratic: every page built the names of all the entries after it.
         let entry_min = 32 + if plus { super::abi::ENTRY_OUT_BYTES } else { 0 };
         let most = (size as usize / entry_min).clamp(1, READDIR_ENTRIES_MAX);
-        let entries = self.fs.readdir_handle(fh, offset, most, false).await.map_err(|e| e.errno())?;
+        // The session's list from the last READDIR, when no other is using
+        // it: a steady listing allocates none.
+        let mut entries = self.readdir_entries.take();
+        let listed = self.fs.readdir_handle_into(fh, offset, most, false, &mut entries).await;
+        let outcome = match listed {
+            Ok(()) => self.encode_dirents(c, ino, size, plus, entry_min, &entries).await,
+            Err(e) => Err(e.errno()),
+        };
+        if entries.capacity() <= READDIR_ENTRIES_KEPT {
+            entries.clear();
+            self.readdir_entries.set(entries);
+        }
+        outcome
+    }
+
+    /// READDIR's reply: as many of `entries` as `size` holds, each with its
+    /// entry (and a lookup reference) for READDIRPLUS.
+    async fn encode_dirents(
+        &self,
+        c: &Creds,
+        ino: Ino,
+        size: u32,
+        plus: bool,
+        entry_min: usize,
+        entries: &[DirEntry],
+    ) -> Outcome {
         // Room for what these entries take with names of up to 40 bytes,
         // never more than asked for: `size` is the client's, and a hostile
         // one asking 1 MiB of a small directory gets no 1 MiB buffer.
@@ -1288,6 +1318,10 @@ impl Session {
 /// Directory entries one READDIR reply holds at most.
 const READDIR_ENTRIES_MAX: usize = 4096;
 
+/// The most entries' room a session keeps for its next READDIR: a 4 KiB
+/// page of short names (128); a hostile client's 1 MiB READDIR is not kept.
+const READDIR_ENTRIES_KEPT: usize = 256;
+
 /// A handle's flags if it was opened for reading, else EBADF (read(2) on a
 /// write-only fd).
 fn readable(flags: u32) -> Result<u32, i32> {
@@ -1315,6 +1349,14 @@ fn write_out(written: u32) -> Reply {
 }
 
 fn open_out(fh: Fh, flags: u32, cache: CacheMode, keep_cache: bool) -> Reply {
+    let mut r = Reply::default();
+    put_open_out(&mut r, fh, flags, cache, keep_cache);
+    r
+}
+
+/// fuse_open_out, at the end of `r`: CREATE's follows its entry, in the
+/// one pooled buffer.
+fn put_open_out(r: &mut Reply, fh: Fh, flags: u32, cache: CacheMode, keep_cache: bool) {
     let mut open = 0;
     if flags as i32 & libc::O_DIRECT != 0 || cache == CacheMode::None {
         open |= open_flags::DIRECT_IO | open_flags::PARALLEL_DIRECT_WRITES;
@@ -1322,9 +1364,7 @@ fn open_out(fh: Fh, flags: u32, cache: CacheMode, keep_cache: bool) -> Reply {
     if keep_cache {
         open |= open_flags::KEEP_CACHE;
     }
-    let mut r = Reply::default();
     r.u64(fh.get()).u32(open).u32(0);
-    r
 }
 
 /// getxattr/listxattr: a size query, the value, or ERANGE.
