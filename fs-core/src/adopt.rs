@@ -31,7 +31,7 @@ impl Fs {
     /// The filesystem's identity, made by mkfs: a session names inodes by
     /// number, which only mean something on the filesystem it came from.
     pub fn uuid(&self) -> [u8; 16] {
-        self.inner.sb.borrow().uuid
+        self.inner.journal.sb.borrow().uuid
     }
 
     /// The state of open handle `fh`.

@@ -19,6 +19,7 @@
 //! journal start moved to the head. It runs when the ring is half full,
 //! when a transaction would not fit, and at unmount.
 
+use std::cell::RefCell;
 use std::rc::Rc;
 
 use super::blocks::{block_bytes, whole_blocks, DevBlock};
@@ -30,6 +31,7 @@ use super::format::{
 use super::record::{decode_all, Record};
 use super::space::Space;
 use super::state::{ApplyMode, SnapshotBytes, State};
+use super::sync::AsyncMutex;
 use super::{FsError, FsInner, FsResult};
 use keelfs_bdev::AlignedBuf;
 use keelfs_reactor as reactor;
@@ -42,6 +44,18 @@ const CP_HEADER_BYTES: usize = 24;
 const CP_PAYLOAD_PER_BLOCK: usize = BLOCK_BYTES - CP_HEADER_BYTES;
 /// Largest single read while loading (1 MiB, the device request limit).
 const READ_BLOCKS_MAX: u64 = 256;
+
+/// The journal's part of a mounted filesystem (step S7a of
+/// docs/plans/fs-parts.md): the superblock, the ring's position and the
+/// records waiting to go into it, the lock that orders commits, and the
+/// transactions replay applied at mount. The commit functions below still
+/// take the whole `FsInner` and reach these through `fs.journal`.
+pub(crate) struct Journal {
+    pub(crate) sb: RefCell<Superblock>,
+    pub(crate) ring: RefCell<super::JournalState>,
+    pub(crate) commit_lock: AsyncMutex,
+    pub(crate) replayed_at_mount: u64,
+}
 
 /// Everything a mount (or fsck) learns from the device.
 pub(crate) struct Loaded {
@@ -378,7 +392,7 @@ impl Taken {
 }
 
 fn take_pending(fs: &FsInner, force_checkpoint: bool) -> Taken {
-    let mut j = fs.journal.borrow_mut();
+    let mut j = fs.journal.ring.borrow_mut();
     let mut state = fs.meta.state_mut();
     let mut w = Writer::new();
     // Inode images first, so that entries and extents later in the same
@@ -410,11 +424,11 @@ fn take_pending(fs: &FsInner, force_checkpoint: bool) -> Taken {
     let frees = std::mem::take(&mut state.pending_free);
     let freed: u64 = frees.iter().map(|r| r.len).sum();
     // Runs held for a checkpoint or awaiting a discard are free on disk too.
-    let checkpoint = fs.sb.borrow().free_count_checkpoint_blocks();
+    let checkpoint = fs.journal.sb.borrow().free_count_checkpoint_blocks();
     let free_after = fs.space.free_after_commit(&state, freed, fs.discard.blocks(), checkpoint);
     let tx_blocks = tx_blocks_for(w.buf.len());
-    let used = j.head - fs.sb.borrow().journal_start;
-    let fits = used + tx_blocks <= fs.sb.borrow().journal_blocks;
+    let used = j.head - fs.journal.sb.borrow().journal_start;
+    let fits = used + tx_blocks <= fs.journal.sb.borrow().journal_blocks;
     let snapshot = (force_checkpoint || !fits).then(|| {
         // A whole checkpoint replaces one being written in pieces.
         if j.sliced.take().is_some() {
@@ -434,7 +448,7 @@ fn tx_blocks_for(payload: usize) -> u64 {
 
 /// Put what a failed commit took back, ahead of anything logged since.
 fn restore(fs: &FsInner, taken: Taken) {
-    let mut j = fs.journal.borrow_mut();
+    let mut j = fs.journal.ring.borrow_mut();
     let mut payload = taken.payload;
     payload.extend_from_slice(&j.pending.buf);
     j.pending.buf = payload;
@@ -443,7 +457,7 @@ fn restore(fs: &FsInner, taken: Taken) {
 
 fn finish(fs: &FsInner, taken: &Taken) {
     let mut state = fs.meta.state_mut();
-    let mut j = fs.journal.borrow_mut();
+    let mut j = fs.journal.ring.borrow_mut();
     let sliced = j.sliced.is_some();
     for run in &taken.frees {
         fs.space.release_committed(&mut state, *run, sliced, &fs.discard, fs.unmounted.get());
@@ -462,12 +476,12 @@ pub(crate) async fn sync(fs: &Rc<FsInner>) -> FsResult<()> {
 /// itself (releasing freed blocks when space runs out).
 pub(crate) async fn commit_all(fs: &Rc<FsInner>) -> FsResult<()> {
     let (ops, data) = {
-        let j = fs.journal.borrow();
+        let j = fs.journal.ring.borrow();
         (j.logged_ops, j.data_writes)
     };
-    let _guard = fs.commit_lock.lock().await;
+    let _guard = fs.journal.commit_lock.lock().await;
     let satisfied = {
-        let j = fs.journal.borrow();
+        let j = fs.journal.ring.borrow();
         j.committed_ops >= ops && j.flushed_data_writes >= data
     };
     if satisfied {
@@ -480,19 +494,19 @@ pub(crate) async fn commit_all(fs: &Rc<FsInner>) -> FsResult<()> {
 /// only timestamps changed).
 pub(crate) async fn flush_data(fs: &Rc<FsInner>) -> FsResult<()> {
     fs.bump(|c| c.fsyncs += 1);
-    let data = fs.journal.borrow().data_writes;
-    let _guard = fs.commit_lock.lock().await;
-    if fs.journal.borrow().flushed_data_writes >= data {
+    let data = fs.journal.ring.borrow().data_writes;
+    let _guard = fs.journal.commit_lock.lock().await;
+    if fs.journal.ring.borrow().flushed_data_writes >= data {
         return Ok(());
     }
     fs.io.flush().await?;
-    let mut j = fs.journal.borrow_mut();
+    let mut j = fs.journal.ring.borrow_mut();
     j.flushed_data_writes = j.flushed_data_writes.max(data);
     Ok(())
 }
 
 pub(crate) async fn checkpoint(fs: &Rc<FsInner>) -> FsResult<()> {
-    let _guard = fs.commit_lock.lock().await;
+    let _guard = fs.journal.commit_lock.lock().await;
     commit_locked(fs, true).await
 }
 
@@ -503,7 +517,7 @@ async fn commit_locked(fs: &Rc<FsInner>, force_checkpoint: bool) -> FsResult<()>
 
 /// Write what [`take_pending`] took: a transaction, or a whole checkpoint.
 async fn commit_taken(fs: &Rc<FsInner>, taken: Taken) -> FsResult<()> {
-    let data_unflushed = fs.journal.borrow().flushed_data_writes < taken.data_writes;
+    let data_unflushed = fs.journal.ring.borrow().flushed_data_writes < taken.data_writes;
     if taken.is_empty() {
         if data_unflushed {
             fs.io.flush().await?;
@@ -521,7 +535,7 @@ async fn commit_taken(fs: &Rc<FsInner>, taken: Taken) -> FsResult<()> {
         match &taken.snapshot {
             Some(snapshot) => {
                 let start = {
-                    let j = fs.journal.borrow();
+                    let j = fs.journal.ring.borrow();
                     (j.head, j.seq)
                 };
                 write_checkpoint(fs, snapshot, taken.free_after, start).await
@@ -537,7 +551,7 @@ async fn commit_taken(fs: &Rc<FsInner>, taken: Taken) -> FsResult<()> {
             Ok(())
         }
         Err(e) => {
-            fs.journal.borrow_mut().exposes_data |= taken.exposes_data;
+            fs.journal.ring.borrow_mut().exposes_data |= taken.exposes_data;
             restore(fs, taken);
             Err(e)
         }
@@ -545,9 +559,9 @@ async fn commit_taken(fs: &Rc<FsInner>, taken: Taken) -> FsResult<()> {
 }
 
 async fn write_transaction(fs: &FsInner, taken: &Taken) -> FsResult<()> {
-    let sb = fs.sb.borrow().clone();
+    let sb = fs.journal.sb.borrow().clone();
     let (head, seq) = {
-        let j = fs.journal.borrow();
+        let j = fs.journal.ring.borrow();
         (j.head, j.seq)
     };
     let blocks = tx_blocks_for(taken.payload.len());
@@ -582,7 +596,7 @@ async fn write_transaction(fs: &FsInner, taken: &Taken) -> FsResult<()> {
         rb.await?;
     }
     fs.io.flush().await?;
-    let mut j = fs.journal.borrow_mut();
+    let mut j = fs.journal.ring.borrow_mut();
     j.head = head + blocks;
     j.seq = seq + 1;
     drop(j);
@@ -603,7 +617,7 @@ async fn write_checkpoint(
     free_at_snapshot: u64,
     start: (u64, u64),
 ) -> FsResult<()> {
-    let old = fs.sb.borrow().clone();
+    let old = fs.journal.sb.borrow().clone();
     let total = 8 + snapshot.len();
     let blocks = total.div_ceil(CP_PAYLOAD_PER_BLOCK).max(1) as u64;
     // The state's borrow ends here: the error path releases held frees.
@@ -643,7 +657,7 @@ async fn write_checkpoint(
                 state.alloc.free(*r);
             }
             let blocks = sb.checkpoint_blocks();
-            *fs.sb.borrow_mut() = sb;
+            *fs.journal.sb.borrow_mut() = sb;
             drop(state);
             fs.bump(|c| c.checkpoints += 1);
             tracing::debug!(parent: &fs.span, blocks, "checkpoint written");
@@ -664,7 +678,7 @@ async fn write_checkpoint(
 /// Frees held for a checkpoint in pieces go back to the allocator once
 /// none is in progress (it landed, failed or was replaced).
 fn release_held_frees(fs: &FsInner) {
-    if fs.journal.borrow().sliced.is_some() {
+    if fs.journal.ring.borrow().sliced.is_some() {
         return;
     }
     fs.space.release_held_frees(&mut fs.meta.state_mut(), &fs.discard, fs.unmounted.get());
@@ -739,15 +753,15 @@ async fn write_superblock(fs: &FsInner, sb: &Superblock) -> FsResult<()> {
 }
 
 fn ring_half_used(fs: &FsInner) -> bool {
-    let used = fs.journal.borrow().head - fs.sb.borrow().journal_start;
-    used * 2 >= fs.sb.borrow().journal_blocks
+    let used = fs.journal.ring.borrow().head - fs.journal.sb.borrow().journal_start;
+    used * 2 >= fs.journal.sb.borrow().journal_blocks
 }
 
 /// Give up the checkpoint being written in pieces, if any, so that the
 /// frees held for it are usable now: for a writer that found no space.
 /// Its first transaction stays committed; the next checkpoint starts over.
 pub(crate) fn abandon_checkpoint_in_pieces(fs: &FsInner) {
-    if fs.journal.borrow_mut().sliced.take().is_some() {
+    if fs.journal.ring.borrow_mut().sliced.take().is_some() {
         fs.meta.state_mut().abort_snapshot();
         release_held_frees(fs);
         tracing::info!(parent: &fs.span, "checkpoint in pieces given up: a writer needs the blocks it held");
@@ -756,7 +770,7 @@ pub(crate) fn abandon_checkpoint_in_pieces(fs: &FsInner) {
 
 /// Whether a checkpoint is being written in pieces (for tests).
 pub(crate) fn checkpoint_in_pieces(fs: &FsInner) -> bool {
-    fs.journal.borrow().sliced.is_some()
+    fs.journal.ring.borrow().sliced.is_some()
 }
 
 /// Start a checkpoint in the background once the ring is half used.
@@ -764,7 +778,7 @@ fn maybe_schedule_checkpoint(fs: &Rc<FsInner>) {
     if !ring_half_used(fs) || fs.unmounted.get() {
         return;
     }
-    if fs.journal.borrow().sliced.is_some() {
+    if fs.journal.ring.borrow().sliced.is_some() {
         return; // one is being written
     }
     let weak = Rc::downgrade(fs);
@@ -798,15 +812,16 @@ pub(crate) async fn checkpoint_in_pieces_now(fs: &Rc<FsInner>) -> FsResult<()> {
 /// replaces this one, which then stops.
 async fn scheduled_checkpoint(fs: &Rc<FsInner>, only_if_half_used: bool) -> FsResult<()> {
     let (epoch, start, free_at_start) = {
-        let _guard = fs.commit_lock.lock().await;
+        let _guard = fs.journal.commit_lock.lock().await;
         // Unmount may have come first: it checkpointed, and nothing may
         // touch the device after it returns (found by the request fuzzer:
         // a checkpoint scheduled by the last commit ran after unmount,
         // under the feet of an fsck).
-        if fs.unmounted.get() || fs.journal.borrow().sliced.is_some() || (only_if_half_used && !ring_half_used(fs)) {
+        if fs.unmounted.get() || fs.journal.ring.borrow().sliced.is_some() || (only_if_half_used && !ring_half_used(fs))
+        {
             return Ok(());
         }
-        let in_pieces = fs.sb.borrow().features & FEATURE_FREE_COUNT_HOLDS_CHECKPOINT != 0;
+        let in_pieces = fs.journal.sb.borrow().features & FEATURE_FREE_COUNT_HOLDS_CHECKPOINT != 0;
         let taken = take_pending(fs, !in_pieces);
         if taken.snapshot.is_some() {
             return commit_taken(fs, taken).await; // whole, as asked or as needed
@@ -817,11 +832,11 @@ async fn scheduled_checkpoint(fs: &Rc<FsInner>, only_if_half_used: bool) -> FsRe
             fs.meta.state_mut().abort_snapshot();
             return Err(e);
         }
-        let mut j = fs.journal.borrow_mut();
+        let mut j = fs.journal.ring.borrow_mut();
         j.sliced = Some(epoch);
         (epoch, (j.head, j.seq), free_at_start)
     };
-    let still_ours = || fs.journal.borrow().sliced == Some(epoch) && !fs.unmounted.get();
+    let still_ours = || fs.journal.ring.borrow().sliced == Some(epoch) && !fs.unmounted.get();
     loop {
         if !still_ours() {
             return Ok(());
@@ -831,12 +846,12 @@ async fn scheduled_checkpoint(fs: &Rc<FsInner>, only_if_half_used: bool) -> FsRe
         }
         reactor::next_tick().await;
     }
-    let _guard = fs.commit_lock.lock().await;
+    let _guard = fs.journal.commit_lock.lock().await;
     if !still_ours() {
         return Ok(());
     }
     let snapshot = fs.meta.state_mut().finish_snapshot();
-    fs.journal.borrow_mut().sliced = None;
+    fs.journal.ring.borrow_mut().sliced = None;
     write_checkpoint(fs, &snapshot, free_at_start, start).await
 }
 
@@ -852,7 +867,7 @@ pub(crate) fn start_commit_timer(fs: &Rc<FsInner>) {
                 return;
             }
             let pending = {
-                let j = fs.journal.borrow();
+                let j = fs.journal.ring.borrow();
                 !j.pending.buf.is_empty() || !j.dirty.is_empty()
             };
             if pending {

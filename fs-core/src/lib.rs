@@ -219,14 +219,14 @@ struct JournalState {
 pub(crate) struct FsInner {
     io: io::Io,
     config: FsConfig,
-    sb: RefCell<Superblock>,
     /// The inodes and the allocator.
     meta: meta::Meta,
     /// The quota, and the blocks promised, unmapped or held back.
     space: space::Space,
-    journal: RefCell<JournalState>,
+    /// The superblock, the journal ring and what waits to go into it,
+    /// the lock that orders commits, and what replay found at mount.
+    journal: journal::Journal,
     handles: handles::HandleTable,
-    commit_lock: sync::AsyncMutex,
     /// Range locks, file-time stamping and the data paths' counters.
     data: data::DataState,
     pages: pages::Pages,
@@ -238,7 +238,6 @@ pub(crate) struct FsInner {
     /// [`Fs::counters`].
     counters: Cell<FsCounters>,
     unmounted: Cell<bool>,
-    replayed_at_mount: u64,
     /// The span current at mount (the daemon's export span, inside its
     /// reactor's): the parent of this filesystem's events, which are often
     /// logged from timer tasks that run outside it.
@@ -314,7 +313,7 @@ impl FsInner {
             return Err(FsError::ReadOnly);
         }
         self.meta.apply_live(&record)?;
-        let mut j = self.journal.borrow_mut();
+        let mut j = self.journal.ring.borrow_mut();
         record.encode(&mut j.pending);
         j.logged_ops += 1;
         if let record::Record::ExtentMap { unwritten: false, .. } = record {
@@ -343,13 +342,13 @@ impl FsInner {
         space::Usage {
             free_blocks: state.alloc.free_blocks(),
             total_blocks: state.alloc.total_blocks(),
-            checkpoint_blocks: self.sb.borrow().checkpoint_blocks(),
+            checkpoint_blocks: self.journal.sb.borrow().checkpoint_blocks(),
             discarding: self.discard.blocks(),
         }
     }
 
     fn mark_dirty(&self, ino: Ino) {
-        let mut j = self.journal.borrow_mut();
+        let mut j = self.journal.ring.borrow_mut();
         j.dirty.insert(ino);
         j.logged_ops += 1;
     }
@@ -382,11 +381,11 @@ impl Fs {
     }
 
     pub fn replayed_at_mount(&self) -> u64 {
-        self.inner.replayed_at_mount
+        self.inner.journal.replayed_at_mount
     }
 
     pub fn superblock(&self) -> Superblock {
-        self.inner.sb.borrow().clone()
+        self.inner.journal.sb.borrow().clone()
     }
 
     /// Blocks free for new data right now (delayed-allocation reservations
@@ -431,7 +430,7 @@ impl Fs {
     /// next write. Linear in extents and free runs.
     pub fn check_block_ownership(&self) -> Result<(), DoubleOwner> {
         let state = self.inner.meta.state();
-        let sb = self.inner.sb.borrow();
+        let sb = self.inner.journal.sb.borrow();
         let mut owned: Vec<(u64, u64, String)> = Vec::new();
         for node in state.nodes() {
             for e in node.extents.iter() {
@@ -534,31 +533,33 @@ impl Fs {
                 io: io::Io::new(dev),
                 config: config.clone(),
 
-                sb: RefCell::new(loaded.sb),
                 meta: meta::Meta::new(loaded.state),
                 space: space::Space::new(config.quota),
-                journal: RefCell::new(JournalState {
-                    head: loaded.journal_head,
-                    seq: loaded.journal_seq,
-                    pending: Writer::new(),
-                    logged_ops: 0,
-                    committed_ops: 0,
-                    dirty: BTreeSet::new(),
-                    dirty_later: BTreeSet::new(),
-                    freed_images: Vec::new(),
-                    exposes_data: false,
-                    data_writes: 0,
-                    flushed_data_writes: 0,
-                    sliced: None,
-                }),
+                journal: journal::Journal {
+                    sb: RefCell::new(loaded.sb),
+                    ring: RefCell::new(JournalState {
+                        head: loaded.journal_head,
+                        seq: loaded.journal_seq,
+                        pending: Writer::new(),
+                        logged_ops: 0,
+                        committed_ops: 0,
+                        dirty: BTreeSet::new(),
+                        dirty_later: BTreeSet::new(),
+                        freed_images: Vec::new(),
+                        exposes_data: false,
+                        data_writes: 0,
+                        flushed_data_writes: 0,
+                        sliced: None,
+                    }),
+                    commit_lock: sync::AsyncMutex::default(),
+                    replayed_at_mount: loaded.replayed,
+                },
                 handles: handles::HandleTable::default(),
                 pages: pages::Pages::new(cache::PageCache::new(config.cache_bytes)),
-                commit_lock: sync::AsyncMutex::default(),
                 data: data::DataState::default(),
                 discard: discard::Discard::new(config.discard, config.read_only),
                 counters: Cell::new(FsCounters::default()),
                 unmounted: Cell::new(false),
-                replayed_at_mount: loaded.replayed,
                 span: tracing::Span::current(),
             }),
         };

@@ -259,7 +259,7 @@ impl FsInner {
             self.space.release_delalloc(released);
             let image = self.meta.state().node(ino).map(|n| n.inode.clone());
             {
-                let mut j = self.journal.borrow_mut();
+                let mut j = self.journal.ring.borrow_mut();
                 j.dirty_later.remove(&ino);
                 if j.dirty.remove(&ino) {
                     j.freed_images.extend(image);
@@ -357,7 +357,9 @@ impl FsInner {
 
     /// How many inodes this filesystem may hold ([`super::FsConfig::inodes_max`]).
     pub(crate) fn inodes_max(&self) -> u64 {
-        self.config.inodes_max.unwrap_or_else(|| (self.sb.borrow().total_blocks / 4).clamp(1024, u64::from(u32::MAX)))
+        self.config
+            .inodes_max
+            .unwrap_or_else(|| (self.journal.sb.borrow().total_blocks / 4).clamp(1024, u64::from(u32::MAX)))
     }
 
     /// Create an inode and its entry: the common part of mknod, mkdir,

@@ -118,7 +118,7 @@ impl Fs {
         let result = self.submit_segments(buf, first, &segments, true).await;
         self.inner.data.direct_end();
         result?;
-        self.inner.journal.borrow_mut().data_writes += 1;
+        self.inner.journal.ring.borrow_mut().data_writes += 1;
         self.inner.written(ino, None)?;
         self.inner.data.count_direct_overwrite(end - offset);
         Ok(Some((end - offset) as u32))
@@ -207,7 +207,7 @@ impl Fs {
         self.inner.data.direct_begin();
         let result = self.submit_segments(buf, first, &segments, true).await;
         self.inner.data.direct_end();
-        self.inner.journal.borrow_mut().data_writes += 1;
+        self.inner.journal.ring.borrow_mut().data_writes += 1;
         let new_size = self.finish_extend(ino, offset, end, result.is_ok());
         result?;
         for (fb, db, len) in converted {

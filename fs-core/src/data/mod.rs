@@ -219,7 +219,7 @@ impl Fs {
         let mut buf = self.inner.io.read_blocks(e.disk_block, 1).await?;
         buf[from..to].fill(0);
         self.inner.io.write_blocks(e.disk_block, buf).await?;
-        let mut j = self.inner.journal.borrow_mut();
+        let mut j = self.inner.journal.ring.borrow_mut();
         j.data_writes += 1;
         j.exposes_data = true;
         Ok(())
@@ -270,7 +270,7 @@ impl Fs {
         }
         let result = await_all(pending).await;
         drop(image);
-        self.inner.journal.borrow_mut().data_writes += 1;
+        self.inner.journal.ring.borrow_mut().data_writes += 1;
         self.inner.data.count_written(image_bytes);
         if let Err(e) = result {
             self.unreserve(&fresh, true);
