@@ -7,15 +7,17 @@
 //! place, and the empty box waits in [`IdleBodies`] for the next future
 //! of the same type, which a steady stream of like requests always is.
 //!
-//! A request's future is large (the vhost poller's is about 3 KiB: the
-//! whole serving path's state), so it must move into its box once, as
-//! `Box::pin` moves it, and no more; handed over type-erased (as an
-//! `&mut dyn Any` to take it from) it moves three times on the way, and
-//! each move of an opaque future is a copy of its whole size.
-//! So a finished body goes back through its own typed code (`retire`, a
-//! `Pin<Box<Self>>` receiver) to a pool of its own type; `spawn_local`
-//! takes an empty one from there, typed ([`IdleBodies::take_empty`]),
-//! and writes the future in with one `Pin::set` in its own frame.
+//! A request's future is large (the vhost poller's is 3,200 bytes: the
+//! whole serving path's state), and each move of an opaque future is a
+//! copy of its whole size. Passed down by value through the reactor's
+//! thread-local closures and a type-erased pool, it was copied five
+//! times per spawn (callgrind, bench/callgrind-builds.sh), which cost
+//! more than the allocation it saved. So a finished body goes back
+//! through its own typed code (`retire`, a `Pin<Box<Self>>` receiver) to
+//! a pool of its own type, and `spawn_local` takes an empty one from
+//! there, typed ([`IdleBodies::take_empty`]), and writes the future in
+//! with `Pin::set` in its own frame: two copies, where `Box::pin` made
+//! one.
 //!
 //! All of it is safe code. A pinned body is only ever replaced whole
 //! (`Pin::set`), never moved out of, and the pools are found by `TypeId`
