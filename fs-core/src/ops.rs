@@ -868,6 +868,7 @@ impl Fs {
     pub async fn statfs(&self) -> FsResult<StatFs> {
         let state = self.inner.meta.state();
         let usage = self.inner.usage();
+        let files = self.inner.space.inodes_limit(self.inner.inodes_max());
         Ok(StatFs {
             block_size: BLOCK_SIZE as u32,
             // With a quota, df shows it as the size.
@@ -876,12 +877,8 @@ impl Fs {
             // Inodes are not preallocated: the limit is the configured
             // (or device-derived) inodes_max, or the quota. Total = in use
             // + free.
-            files: self.inner.space.inodes_limit(self.inner.inodes_max()),
-            files_free: self
-                .inner
-                .space
-                .inodes_limit(self.inner.inodes_max())
-                .saturating_sub(state.inode_count() as u64),
+            files,
+            files_free: files.saturating_sub(state.inode_count() as u64),
             name_max: NAME_MAX as u32,
         })
     }
