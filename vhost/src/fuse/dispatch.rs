@@ -202,9 +202,11 @@ pub struct Session {
 
 /// The transport's memory that a READ served in place fills.
 pub trait ReadInPlace: IoBuffer + ReadSink {
-    /// Zero the buffer from byte `from` on: past what was read, it must
-    /// not show bytes that look like file content (the device's, past
-    /// the file's end, or the guest's own old data).
+    /// Zero the buffer from byte `from` on. A direct read's device
+    /// writes whole blocks, so past what the reply counts the buffer may
+    /// hold the device's bytes from past the file's end; they must not
+    /// reach the client. (A buffered read copies only what it counts, so
+    /// it needs no zeroing: the rest is the client's own memory.)
     fn zero_from(&self, from: usize);
 }
 
@@ -1129,7 +1131,11 @@ impl Session {
         };
         let (reply, moved) = match result {
             Ok(n) => {
-                into.zero_from(n as usize);
+                // A buffered read copied exactly `n` bytes; only the device
+                // writes whole blocks, past the file's end too.
+                if direct {
+                    into.zero_from(n as usize);
+                }
                 (ShortReply::data_header(io.unique, n as usize), n as usize)
             }
             Err(errno) => (ShortReply::error(io.unique, errno), 0),
