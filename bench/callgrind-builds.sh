@@ -6,9 +6,10 @@
 # serves a RAM-backed image (io_uring) in poll_mode interrupt, so that no
 # spinning is counted, with the sandbox off (valgrind lacks pidfd_open),
 # under `valgrind --tool=callgrind`; `keelfs-bench vhost` drives one
-# workload for --seconds, with compare-builds.sh's settings for it. Of
-# the metadata workloads only create runs here: each build starts on a
-# new image, and the others need the tree create leaves.
+# workload for --seconds, with compare-builds.sh's settings for it. Each
+# build starts on a new image, so stat, open-read-close and unlink first
+# run create, unmeasured: the counters are zeroed after it
+# (`callgrind_control -z`).
 #
 # Reported per operation the bench completed: the reactor's ticks (all
 # of its work, inclusive), memcpy, malloc and free. A data workload's
@@ -19,7 +20,7 @@
 #                                  [--workload dio-overwrite] [--seconds 20] [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[[ $# -ge 2 ]] || { sed -n '18,19p' "$0" >&2; exit 2; }
+[[ $# -ge 2 ]] || { sed -n '19,20p' "$0" >&2; exit 2; }
 old=$1 new=$2
 shift 2
 workload=dio-overwrite seconds=20
@@ -50,8 +51,7 @@ trap cleanup EXIT
 flags=(--threads 1 --iodepth 32 --file-size 16M) cache=none
 case $workload in
   buffered-*) cache=auto ;;
-  create) flags=(--tree wide --files 20000 --threads 1 --iodepth 4) cache=auto ;;
-  stat | open-read-close | unlink) echo "callgrind-builds: $workload needs create's tree; run create" >&2; exit 2 ;;
+  create | stat | open-read-close | unlink) flags=(--tree wide --files 20000 --threads 1 --iodepth 4) cache=auto ;;
 esac
 for label in old new; do
   bin=$old; [[ $label == new ]] && bin=$new
@@ -64,6 +64,13 @@ for label in old new; do
     "$bin" serve --config "$work/config.toml" 2>"$out/$label.log" &
   daemon_pid=$!
   for _ in $(seq 600); do [[ -S $work/sock ]] && break; sleep 0.1; done
+  case $workload in
+    stat | open-read-close | unlink)
+      # The tree the workload needs, then counting from zero.
+      "$bench" vhost --socket "$work/sock" --workload create "${flags[@]}" --seconds 600 --json >"$out/$label.create.json"
+      callgrind_control -z "$daemon_pid" >/dev/null 2>&1
+      ;;
+  esac
   "$bench" vhost --socket "$work/sock" --workload "$workload" "${flags[@]}" \
     --seconds "$seconds" --label "$label" --json >"$out/$label.json"
   kill -TERM "$daemon_pid"
