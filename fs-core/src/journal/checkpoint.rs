@@ -1,0 +1,266 @@
+//! Checkpoints: the whole state written to fresh blocks and a new
+//! superblock generation that points at it. A whole one is taken with the
+//! pending records; a scheduled one, on a filesystem whose free counts
+//! leave the checkpoint out, is encoded in pieces while requests go on.
+
+use std::rc::Rc;
+
+use keelfs_bdev::AlignedBuf;
+use keelfs_reactor as reactor;
+
+use super::commit::{commit_taken, take_pending};
+use super::{CHECKPOINT_BLOCK_MAGIC, CP_HEADER_BYTES, CP_PAYLOAD_PER_BLOCK};
+use crate::blocks::DevBlock;
+use crate::codec::Writer;
+use crate::format::{crc, BlockRun, Superblock, BLOCK_BYTES, FEATURE_FREE_COUNT_HOLDS_CHECKPOINT, SUPERBLOCK_SLOTS};
+use crate::space::Space;
+use crate::state::SnapshotBytes;
+use crate::{FsInner, FsResult};
+
+/// Write `snapshot`, the state as it was at journal position `start`
+/// (logical block, sequence), and a superblock that points at it with
+/// replay starting there. Then the old checkpoint's blocks, and any frees
+/// held for the checkpoint, go back to the allocator.
+pub(super) async fn write_checkpoint(
+    fs: &FsInner,
+    snapshot: &SnapshotBytes,
+    free_at_snapshot: u64,
+    start: (u64, u64),
+) -> FsResult<()> {
+    let old = fs.journal.sb.borrow().clone();
+    let total = 8 + snapshot.len();
+    let blocks = total.div_ceil(CP_PAYLOAD_PER_BLOCK).max(1) as u64;
+    // The state's borrow ends here: the error path releases held frees.
+    let allocated = Space::alloc_checkpoint(&mut fs.meta.state_mut(), blocks, fs.config.preferred_group);
+    let runs = match allocated {
+        Ok(runs) => runs,
+        Err(e) => {
+            release_held_frees(fs);
+            return Err(e);
+        }
+    };
+    let recorded_free = if old.features & FEATURE_FREE_COUNT_HOLDS_CHECKPOINT != 0 {
+        free_at_snapshot
+    } else {
+        free_at_snapshot + old.checkpoint_blocks() - blocks
+    };
+    let recorded = recorded_free.to_le_bytes();
+    let payload = [&recorded[..], &snapshot.inodes, &snapshot.entries];
+    let seq = old.checkpoint_seq + 1;
+    let result = write_checkpoint_blocks(fs, &runs, payload, seq).await;
+    let result = match result {
+        Ok(()) => {
+            let mut sb = old.clone();
+            sb.generation += 1;
+            (sb.journal_start, sb.journal_seq) = start;
+            sb.checkpoint_seq = seq;
+            sb.checkpoint_bytes = total as u64;
+            sb.checkpoint_extents = runs.clone();
+            write_superblock(fs, &sb).await.map(|()| sb)
+        }
+        Err(e) => Err(e),
+    };
+    let mut state = fs.meta.state_mut();
+    let result = match result {
+        Ok(sb) => {
+            for r in &old.checkpoint_extents {
+                state.alloc.free(*r);
+            }
+            let blocks = sb.checkpoint_blocks();
+            *fs.journal.sb.borrow_mut() = sb;
+            drop(state);
+            fs.bump(|c| c.checkpoints += 1);
+            tracing::debug!(parent: &fs.span, blocks, "checkpoint written");
+            Ok(())
+        }
+        Err(e) => {
+            for r in runs {
+                state.alloc.free(r);
+            }
+            drop(state);
+            Err(e)
+        }
+    };
+    release_held_frees(fs);
+    result
+}
+
+/// Frees held for a checkpoint in pieces go back to the allocator once
+/// none is in progress (it landed, failed or was replaced).
+fn release_held_frees(fs: &FsInner) {
+    if fs.journal.ring.borrow().sliced.is_some() {
+        return;
+    }
+    fs.space.release_held_frees(&mut fs.meta.state_mut(), &fs.discard, fs.unmounted.get());
+}
+
+/// Blocks of checkpoint written per device request: each is formatted
+/// (headers and checksums) between two awaits, so the reactor serves
+/// requests between them.
+const CHECKPOINT_WRITE_BLOCKS: u64 = 256;
+
+async fn write_checkpoint_blocks(fs: &FsInner, runs: &[BlockRun], payload: [&[u8]; 3], seq: u64) -> FsResult<()> {
+    let mut source = Chained { parts: payload, part: 0, at: 0 };
+    let (mut index, mut written) = (0u32, 0usize);
+    for run in runs {
+        let mut done = 0;
+        while done < run.len {
+            let n = (run.len - done).min(CHECKPOINT_WRITE_BLOCKS);
+            let mut buf = AlignedBuf::zeroed(n as usize * BLOCK_BYTES, BLOCK_BYTES);
+            for block in buf.chunks_mut(BLOCK_BYTES) {
+                let len = source.fill(&mut block[CP_HEADER_BYTES..]);
+                assert!(len <= BLOCK_BYTES - CP_HEADER_BYTES, "a checkpoint block overfilled: {len} bytes");
+                written += len;
+                let mut w = Writer::new();
+                w.u32(CHECKPOINT_BLOCK_MAGIC);
+                w.u32(0);
+                w.u64(seq);
+                w.u32(index);
+                w.u32(len as u32);
+                block[..CP_HEADER_BYTES].copy_from_slice(&w.buf);
+                let sum = crc(&block[8..]);
+                block[4..8].copy_from_slice(&sum.to_le_bytes());
+                index = index.checked_add(1).expect("checkpoint block index fits u32");
+            }
+            fs.io.write_blocks(DevBlock::new(run.start + done), buf).await?;
+            done += n;
+        }
+    }
+    debug_assert_eq!(written, payload.iter().map(|p| p.len()).sum::<usize>(), "the whole payload written");
+    fs.io.flush().await
+}
+
+/// Byte slices read as one, without joining them.
+struct Chained<'a> {
+    parts: [&'a [u8]; 3],
+    part: usize,
+    at: usize,
+}
+
+impl Chained<'_> {
+    /// Copy the next bytes into `out`, as many as fit; returns how many.
+    fn fill(&mut self, out: &mut [u8]) -> usize {
+        let mut filled = 0;
+        while filled < out.len() && self.part < self.parts.len() {
+            let rest = &self.parts[self.part][self.at..];
+            let n = rest.len().min(out.len() - filled);
+            out[filled..filled + n].copy_from_slice(&rest[..n]);
+            (filled, self.at) = (filled + n, self.at + n);
+            if self.at == self.parts[self.part].len() {
+                (self.part, self.at) = (self.part + 1, 0);
+            }
+        }
+        filled
+    }
+}
+
+async fn write_superblock(fs: &FsInner, sb: &Superblock) -> FsResult<()> {
+    let slot = SUPERBLOCK_SLOTS[(sb.generation % 2) as usize];
+    let mut buf = AlignedBuf::zeroed(BLOCK_BYTES, BLOCK_BYTES);
+    buf.copy_from_slice(&sb.encode());
+    fs.io.write_blocks(DevBlock::new(slot), buf).await?;
+    fs.io.flush().await
+}
+
+fn ring_half_used(fs: &FsInner) -> bool {
+    let used = fs.journal.ring.borrow().head - fs.journal.sb.borrow().journal_start;
+    used * 2 >= fs.journal.sb.borrow().journal_blocks
+}
+
+/// Give up the checkpoint being written in pieces, if any, so that the
+/// frees held for it are usable now: for a writer that found no space.
+/// Its first transaction stays committed; the next checkpoint starts over.
+pub(crate) fn abandon_checkpoint_in_pieces(fs: &FsInner) {
+    if fs.journal.ring.borrow_mut().sliced.take().is_some() {
+        fs.meta.state_mut().abort_snapshot();
+        release_held_frees(fs);
+        tracing::info!(parent: &fs.span, "checkpoint in pieces given up: a writer needs the blocks it held");
+    }
+}
+
+/// Whether a checkpoint is being written in pieces (for tests).
+pub(crate) fn checkpoint_in_pieces(fs: &FsInner) -> bool {
+    fs.journal.ring.borrow().sliced.is_some()
+}
+
+/// Start a checkpoint in the background once the ring is half used.
+pub(super) fn maybe_schedule_checkpoint(fs: &Rc<FsInner>) {
+    if !ring_half_used(fs) || fs.unmounted.get() {
+        return;
+    }
+    if fs.journal.ring.borrow().sliced.is_some() {
+        return; // one is being written
+    }
+    let weak = Rc::downgrade(fs);
+    reactor::spawn_local(async move {
+        let Some(fs) = weak.upgrade() else { return };
+        // Failure leaves the journal as it was; the next commit that does
+        // not fit retries, and reports the error to its caller.
+        if let Err(e) = scheduled_checkpoint(&fs, true).await {
+            tracing::warn!(parent: &fs.span, error = %e, "background checkpoint failed");
+        }
+    });
+}
+
+/// A checkpoint in pieces now, whatever the journal's use.
+pub(crate) async fn checkpoint_in_pieces_now(fs: &Rc<FsInner>) -> FsResult<()> {
+    scheduled_checkpoint(fs, false).await
+}
+
+/// The checkpoint a half-full ring asks for. On a filesystem whose free
+/// counts leave the checkpoint out, it is written in pieces while
+/// requests and commits go on (ARCHITECTURE, "Metadata at scale"):
+/// 1. with the commit lock, pending records commit as a transaction, and
+///    a snapshot of the state as it is after them starts in the same
+///    synchronous step; the journal position after that transaction is
+///    where the new checkpoint's replay will start;
+/// 2. without the lock, the snapshot is encoded a piece at a time;
+/// 3. with the lock, it is written, and the superblock moves the
+///    journal's start to that position.
+///
+/// A whole checkpoint (unmount, a transaction that does not fit) meanwhile
+/// replaces this one, which then stops.
+async fn scheduled_checkpoint(fs: &Rc<FsInner>, only_if_half_used: bool) -> FsResult<()> {
+    let (epoch, start, free_at_start) = {
+        let _guard = fs.journal.commit_lock.lock().await;
+        // Unmount may have come first: it checkpointed, and nothing may
+        // touch the device after it returns (found by the request fuzzer:
+        // a checkpoint scheduled by the last commit ran after unmount,
+        // under the feet of an fsck).
+        if fs.unmounted.get() || fs.journal.ring.borrow().sliced.is_some() || (only_if_half_used && !ring_half_used(fs))
+        {
+            return Ok(());
+        }
+        let in_pieces = fs.journal.sb.borrow().features & FEATURE_FREE_COUNT_HOLDS_CHECKPOINT != 0;
+        let taken = take_pending(fs, !in_pieces);
+        if taken.snapshot.is_some() {
+            return commit_taken(fs, taken).await; // whole, as asked or as needed
+        }
+        let free_at_start = taken.free_after;
+        let epoch = fs.meta.state_mut().start_snapshot();
+        if let Err(e) = commit_taken(fs, taken).await {
+            fs.meta.state_mut().abort_snapshot();
+            return Err(e);
+        }
+        let mut j = fs.journal.ring.borrow_mut();
+        j.sliced = Some(epoch);
+        (epoch, (j.head, j.seq), free_at_start)
+    };
+    let still_ours = || fs.journal.ring.borrow().sliced == Some(epoch) && !fs.unmounted.get();
+    loop {
+        if !still_ours() {
+            return Ok(());
+        }
+        if fs.meta.state_mut().snapshot_step(fs.config.checkpoint_piece_nodes.max(1)) {
+            break;
+        }
+        reactor::next_tick().await;
+    }
+    let _guard = fs.journal.commit_lock.lock().await;
+    if !still_ours() {
+        return Ok(());
+    }
+    let snapshot = fs.meta.state_mut().finish_snapshot();
+    fs.journal.ring.borrow_mut().sliced = None;
+    write_checkpoint(fs, &snapshot, free_at_start, start).await
+}

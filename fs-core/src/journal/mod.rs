@@ -1,0 +1,123 @@
+//! The metadata journal and checkpoints.
+//!
+//! A transaction is a run of blocks in the journal ring: a 64-byte header
+//! (magic, checksum, filesystem UUID, sequence, length, payload checksum,
+//! free-block count) followed by the encoded records. Commits are
+//! serialised by one async mutex; whoever holds it commits everything
+//! logged so far, which is what makes concurrent fsyncs share one journal
+//! write and one device flush (group commit).
+//!
+//! Commit order on a device with a volatile cache (ordered data):
+//! 1. flush, if data writes completed since the last flush, so that data a
+//!    record makes visible is durable before the record;
+//! 2. write the transaction;
+//! 3. flush, so that the transaction is durable before fsync returns.
+//!
+//! A checkpoint writes the whole in-memory state, taken in the same
+//! synchronous step that takes the pending records, to freshly allocated
+//! blocks, then a new superblock generation that points at it with the
+//! journal start moved to the head. It runs when the ring is half full,
+//! when a transaction would not fit, and at unmount.
+
+//!
+//! The code is in three parts: [`load`] reads the superblocks, the
+//! checkpoint and the ring at mount (and for fsck); [`commit`] takes what
+//! was logged and writes transactions; [`checkpoint`] writes the whole
+//! state, at once or in pieces.
+
+mod checkpoint;
+mod commit;
+mod load;
+
+use std::cell::RefCell;
+
+use super::codec::{Reader, Writer};
+use super::format::{crc, Superblock, BLOCK_BYTES, JOURNAL_FIRST_BLOCK};
+use super::state::State;
+use super::sync::AsyncMutex;
+use super::FsError;
+
+pub(crate) use checkpoint::{abandon_checkpoint_in_pieces, checkpoint_in_pieces, checkpoint_in_pieces_now};
+pub(crate) use commit::{checkpoint, commit_all, flush_data, start_commit_timer, sync};
+pub(crate) use load::{choose_superblock, load, load_checkpoint, read_superblocks, replay};
+
+pub const JOURNAL_TX_MAGIC: u32 = u32::from_le_bytes(*b"KFTX");
+pub const CHECKPOINT_BLOCK_MAGIC: u32 = u32::from_le_bytes(*b"KFCP");
+const TX_HEADER_BYTES: usize = 64;
+const CP_HEADER_BYTES: usize = 24;
+const CP_PAYLOAD_PER_BLOCK: usize = BLOCK_BYTES - CP_HEADER_BYTES;
+/// Largest single read while loading (1 MiB, the device request limit).
+const READ_BLOCKS_MAX: u64 = 256;
+
+/// The journal's part of a mounted filesystem (step S7a of
+/// docs/plans/fs-parts.md): the superblock, the ring's position and the
+/// records waiting to go into it, the lock that orders commits, and the
+/// transactions replay applied at mount. The functions of [`commit`] and
+/// [`checkpoint`] still take the whole `FsInner` and reach these through
+/// `fs.journal`.
+pub(crate) struct Journal {
+    pub(crate) sb: RefCell<Superblock>,
+    pub(crate) ring: RefCell<super::JournalState>,
+    pub(crate) commit_lock: AsyncMutex,
+    pub(crate) replayed_at_mount: u64,
+}
+
+/// Everything a mount (or fsck) learns from the device.
+pub(crate) struct Loaded {
+    pub sb: Superblock,
+    pub state: State,
+    pub journal_head: u64,
+    pub journal_seq: u64,
+    pub replayed: u64,
+}
+
+fn corrupt(msg: impl Into<String>) -> FsError {
+    FsError::Corrupt(msg.into())
+}
+
+struct TxHeader {
+    seq: u64,
+    blocks: u32,
+    payload_len: u32,
+    payload_crc: u32,
+    free_blocks: u64,
+}
+
+fn encode_tx_header(uuid: &[u8; 16], h: &TxHeader) -> [u8; TX_HEADER_BYTES] {
+    let mut w = Writer::new();
+    w.u32(JOURNAL_TX_MAGIC);
+    w.u32(0);
+    w.bytes(uuid);
+    w.u64(h.seq);
+    w.u32(h.blocks);
+    w.u32(h.payload_len);
+    w.u32(h.payload_crc);
+    w.u64(h.free_blocks);
+    w.buf.resize(TX_HEADER_BYTES, 0);
+    let sum = crc(&w.buf[8..]);
+    w.buf[4..8].copy_from_slice(&sum.to_le_bytes());
+    w.buf.try_into().expect("64 bytes")
+}
+
+fn decode_tx_header(block: &[u8], uuid: &[u8; 16], seq: u64) -> Option<TxHeader> {
+    let mut r = Reader::new(&block[..TX_HEADER_BYTES]);
+    if r.u32("magic").ok()? != JOURNAL_TX_MAGIC {
+        return None;
+    }
+    let stored = r.u32("crc").ok()?;
+    if crc(&block[8..TX_HEADER_BYTES]) != stored || r.take(16, "uuid").ok()? != uuid {
+        return None;
+    }
+    let h = TxHeader {
+        seq: r.u64("seq").ok()?,
+        blocks: r.u32("blocks").ok()?,
+        payload_len: r.u32("payload len").ok()?,
+        payload_crc: r.u32("payload crc").ok()?,
+        free_blocks: r.u64("free").ok()?,
+    };
+    (h.seq == seq).then_some(h)
+}
+
+fn ring_block(sb: &Superblock, logical: u64) -> u64 {
+    JOURNAL_FIRST_BLOCK + logical % sb.journal_blocks
+}
