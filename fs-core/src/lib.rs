@@ -244,6 +244,13 @@ pub(crate) struct FsInner {
     pub(crate) span: tracing::Span,
 }
 
+/// Change the counters in `cell` with `f`.
+fn bump_counters(cell: &Cell<FsCounters>, f: impl FnOnce(&mut FsCounters)) {
+    let mut c = cell.get();
+    f(&mut c);
+    cell.set(c);
+}
+
 /// A mounted filesystem. Cheap to clone; all clones share one state.
 #[derive(Clone)]
 pub struct Fs {
@@ -302,9 +309,7 @@ impl FsInner {
     }
 
     fn bump(&self, f: impl FnOnce(&mut FsCounters)) {
-        let mut c = self.counters.get();
-        f(&mut c);
-        self.counters.set(c);
+        bump_counters(&self.counters, f);
     }
 
     /// Apply a record to the live state and queue it for the journal.
@@ -420,7 +425,7 @@ impl Fs {
     /// Whether a checkpoint is being written in pieces now (for tests).
     #[doc(hidden)]
     pub fn checkpointing_in_pieces(&self) -> bool {
-        journal::checkpoint_in_pieces(&self.inner)
+        self.inner.journal.checkpoint_in_pieces()
     }
 
     /// Every block has at most one owner: a file's extent, the live

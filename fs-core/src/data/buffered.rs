@@ -296,7 +296,7 @@ impl Fs {
     /// discard. A retry is worth it only if space came back.
     pub(super) async fn reclaim_pending_frees(&self) -> FsResult<bool> {
         let before = self.inner.space.available_blocks(self.inner.usage());
-        journal::abandon_checkpoint_in_pieces(&self.inner);
+        self.inner.journal.abandon_checkpoint_in_pieces(&self.inner.commit_cx());
         journal::commit_all(&self.inner).await?;
         // The commit may have queued its frees for discard: take them
         // (and any queued before) back now.
@@ -572,7 +572,7 @@ impl Fs {
         self.writeback(ino, 0, u64::MAX).await?;
         let needed = self.inner.meta.state().node(ino).is_some_and(|n| n.datasync_needed);
         if datasync && !needed {
-            return journal::flush_data(&self.inner).await;
+            return self.inner.journal.flush_data(&self.inner.commit_cx()).await;
         }
         journal::sync(&self.inner).await
     }

@@ -8,90 +8,115 @@ use std::rc::Rc;
 use keelfs_bdev::AlignedBuf;
 use keelfs_reactor as reactor;
 
-use super::commit::{commit_taken, take_pending};
-use super::{CHECKPOINT_BLOCK_MAGIC, CP_HEADER_BYTES, CP_PAYLOAD_PER_BLOCK};
+use super::commit::maybe_schedule_after;
+use super::{CommitCx, Journal, CHECKPOINT_BLOCK_MAGIC, CP_HEADER_BYTES, CP_PAYLOAD_PER_BLOCK};
 use crate::blocks::DevBlock;
 use crate::codec::Writer;
 use crate::format::{crc, BlockRun, Superblock, BLOCK_BYTES, FEATURE_FREE_COUNT_HOLDS_CHECKPOINT, SUPERBLOCK_SLOTS};
+use crate::io::Io;
 use crate::space::Space;
 use crate::state::SnapshotBytes;
 use crate::{FsInner, FsResult};
 
-/// Write `snapshot`, the state as it was at journal position `start`
-/// (logical block, sequence), and a superblock that points at it with
-/// replay starting there. Then the old checkpoint's blocks, and any frees
-/// held for the checkpoint, go back to the allocator.
-pub(super) async fn write_checkpoint(
-    fs: &FsInner,
-    snapshot: &SnapshotBytes,
-    free_at_snapshot: u64,
-    start: (u64, u64),
-) -> FsResult<()> {
-    let old = fs.journal.sb.borrow().clone();
-    let total = 8 + snapshot.len();
-    let blocks = total.div_ceil(CP_PAYLOAD_PER_BLOCK).max(1) as u64;
-    // The state's borrow ends here: the error path releases held frees.
-    let allocated = Space::alloc_checkpoint(&mut fs.meta.state_mut(), blocks, fs.config.preferred_group);
-    let runs = match allocated {
-        Ok(runs) => runs,
-        Err(e) => {
-            release_held_frees(fs);
-            return Err(e);
-        }
-    };
-    let recorded_free = if old.features & FEATURE_FREE_COUNT_HOLDS_CHECKPOINT != 0 {
-        free_at_snapshot
-    } else {
-        free_at_snapshot + old.checkpoint_blocks() - blocks
-    };
-    let recorded = recorded_free.to_le_bytes();
-    let payload = [&recorded[..], &snapshot.inodes, &snapshot.entries];
-    let seq = old.checkpoint_seq + 1;
-    let result = write_checkpoint_blocks(fs, &runs, payload, seq).await;
-    let result = match result {
-        Ok(()) => {
-            let mut sb = old.clone();
-            sb.generation += 1;
-            (sb.journal_start, sb.journal_seq) = start;
-            sb.checkpoint_seq = seq;
-            sb.checkpoint_bytes = total as u64;
-            sb.checkpoint_extents = runs.clone();
-            write_superblock(fs, &sb).await.map(|()| sb)
-        }
-        Err(e) => Err(e),
-    };
-    let mut state = fs.meta.state_mut();
-    let result = match result {
-        Ok(sb) => {
-            for r in &old.checkpoint_extents {
-                state.alloc.free(*r);
+impl Journal {
+    /// Write `snapshot`, the state as it was at journal position `start`
+    /// (logical block, sequence), and a superblock that points at it with
+    /// replay starting there. Then the old checkpoint's blocks, and any frees
+    /// held for the checkpoint, go back to the allocator.
+    pub(super) async fn write_checkpoint(
+        &self,
+        cx: &CommitCx<'_>,
+        snapshot: &SnapshotBytes,
+        free_at_snapshot: u64,
+        start: (u64, u64),
+    ) -> FsResult<()> {
+        let old = self.sb.borrow().clone();
+        let total = 8 + snapshot.len();
+        let blocks = total.div_ceil(CP_PAYLOAD_PER_BLOCK).max(1) as u64;
+        // The state's borrow ends here: the error path releases held frees.
+        let allocated = Space::alloc_checkpoint(&mut cx.meta.state_mut(), blocks, cx.config.preferred_group);
+        let runs = match allocated {
+            Ok(runs) => runs,
+            Err(e) => {
+                self.release_held_frees(cx);
+                return Err(e);
             }
-            let blocks = sb.checkpoint_blocks();
-            *fs.journal.sb.borrow_mut() = sb;
-            drop(state);
-            fs.bump(|c| c.checkpoints += 1);
-            tracing::debug!(parent: &fs.span, blocks, "checkpoint written");
-            Ok(())
-        }
-        Err(e) => {
-            for r in runs {
-                state.alloc.free(r);
+        };
+        let recorded_free = if old.features & FEATURE_FREE_COUNT_HOLDS_CHECKPOINT != 0 {
+            free_at_snapshot
+        } else {
+            free_at_snapshot + old.checkpoint_blocks() - blocks
+        };
+        let recorded = recorded_free.to_le_bytes();
+        let payload = [&recorded[..], &snapshot.inodes, &snapshot.entries];
+        let seq = old.checkpoint_seq + 1;
+        let result = write_checkpoint_blocks(cx.io, &runs, payload, seq).await;
+        let result = match result {
+            Ok(()) => {
+                let mut sb = old.clone();
+                sb.generation += 1;
+                (sb.journal_start, sb.journal_seq) = start;
+                sb.checkpoint_seq = seq;
+                sb.checkpoint_bytes = total as u64;
+                sb.checkpoint_extents = runs.clone();
+                write_superblock(cx.io, &sb).await.map(|()| sb)
             }
-            drop(state);
-            Err(e)
-        }
-    };
-    release_held_frees(fs);
-    result
-}
-
-/// Frees held for a checkpoint in pieces go back to the allocator once
-/// none is in progress (it landed, failed or was replaced).
-fn release_held_frees(fs: &FsInner) {
-    if fs.journal.ring.borrow().sliced.is_some() {
-        return;
+            Err(e) => Err(e),
+        };
+        let mut state = cx.meta.state_mut();
+        let result = match result {
+            Ok(sb) => {
+                for r in &old.checkpoint_extents {
+                    state.alloc.free(*r);
+                }
+                let blocks = sb.checkpoint_blocks();
+                *self.sb.borrow_mut() = sb;
+                drop(state);
+                cx.bump(|c| c.checkpoints += 1);
+                tracing::debug!(parent: cx.span, blocks, "checkpoint written");
+                Ok(())
+            }
+            Err(e) => {
+                for r in runs {
+                    state.alloc.free(r);
+                }
+                drop(state);
+                Err(e)
+            }
+        };
+        self.release_held_frees(cx);
+        result
     }
-    fs.space.release_held_frees(&mut fs.meta.state_mut(), &fs.discard, fs.unmounted.get());
+
+    /// Frees held for a checkpoint in pieces go back to the allocator once
+    /// none is in progress (it landed, failed or was replaced).
+    fn release_held_frees(&self, cx: &CommitCx<'_>) {
+        if self.ring.borrow().sliced.is_some() {
+            return;
+        }
+        cx.space.release_held_frees(&mut cx.meta.state_mut(), cx.discard, cx.unmounted.get());
+    }
+
+    fn ring_half_used(&self) -> bool {
+        let used = self.ring.borrow().head - self.sb.borrow().journal_start;
+        used * 2 >= self.sb.borrow().journal_blocks
+    }
+
+    /// Give up the checkpoint being written in pieces, if any, so that the
+    /// frees held for it are usable now: for a writer that found no space.
+    /// Its first transaction stays committed; the next checkpoint starts over.
+    pub(crate) fn abandon_checkpoint_in_pieces(&self, cx: &CommitCx<'_>) {
+        if self.ring.borrow_mut().sliced.take().is_some() {
+            cx.meta.state_mut().abort_snapshot();
+            self.release_held_frees(cx);
+            tracing::info!(parent: cx.span, "checkpoint in pieces given up: a writer needs the blocks it held");
+        }
+    }
+
+    /// Whether a checkpoint is being written in pieces (for tests).
+    pub(crate) fn checkpoint_in_pieces(&self) -> bool {
+        self.ring.borrow().sliced.is_some()
+    }
 }
 
 /// Blocks of checkpoint written per device request: each is formatted
@@ -99,7 +124,7 @@ fn release_held_frees(fs: &FsInner) {
 /// requests between them.
 const CHECKPOINT_WRITE_BLOCKS: u64 = 256;
 
-async fn write_checkpoint_blocks(fs: &FsInner, runs: &[BlockRun], payload: [&[u8]; 3], seq: u64) -> FsResult<()> {
+async fn write_checkpoint_blocks(io: &Io, runs: &[BlockRun], payload: [&[u8]; 3], seq: u64) -> FsResult<()> {
     let mut source = Chained { parts: payload, part: 0, at: 0 };
     let (mut index, mut written) = (0u32, 0usize);
     for run in runs {
@@ -122,12 +147,12 @@ async fn write_checkpoint_blocks(fs: &FsInner, runs: &[BlockRun], payload: [&[u8
                 block[4..8].copy_from_slice(&sum.to_le_bytes());
                 index = index.checked_add(1).expect("checkpoint block index fits u32");
             }
-            fs.io.write_blocks(DevBlock::new(run.start + done), buf).await?;
+            io.write_blocks(DevBlock::new(run.start + done), buf).await?;
             done += n;
         }
     }
     debug_assert_eq!(written, payload.iter().map(|p| p.len()).sum::<usize>(), "the whole payload written");
-    fs.io.flush().await
+    io.flush().await
 }
 
 /// Byte slices read as one, without joining them.
@@ -154,38 +179,20 @@ impl Chained<'_> {
     }
 }
 
-async fn write_superblock(fs: &FsInner, sb: &Superblock) -> FsResult<()> {
+async fn write_superblock(io: &Io, sb: &Superblock) -> FsResult<()> {
     let slot = SUPERBLOCK_SLOTS[(sb.generation % 2) as usize];
     let mut buf = AlignedBuf::zeroed(BLOCK_BYTES, BLOCK_BYTES);
     buf.copy_from_slice(&sb.encode());
-    fs.io.write_blocks(DevBlock::new(slot), buf).await?;
-    fs.io.flush().await
+    io.write_blocks(DevBlock::new(slot), buf).await?;
+    io.flush().await
 }
 
-fn ring_half_used(fs: &FsInner) -> bool {
-    let used = fs.journal.ring.borrow().head - fs.journal.sb.borrow().journal_start;
-    used * 2 >= fs.journal.sb.borrow().journal_blocks
-}
-
-/// Give up the checkpoint being written in pieces, if any, so that the
-/// frees held for it are usable now: for a writer that found no space.
-/// Its first transaction stays committed; the next checkpoint starts over.
-pub(crate) fn abandon_checkpoint_in_pieces(fs: &FsInner) {
-    if fs.journal.ring.borrow_mut().sliced.take().is_some() {
-        fs.meta.state_mut().abort_snapshot();
-        release_held_frees(fs);
-        tracing::info!(parent: &fs.span, "checkpoint in pieces given up: a writer needs the blocks it held");
-    }
-}
-
-/// Whether a checkpoint is being written in pieces (for tests).
-pub(crate) fn checkpoint_in_pieces(fs: &FsInner) -> bool {
-    fs.journal.ring.borrow().sliced.is_some()
-}
+// The filesystem's side: these start or run the background checkpoint,
+// a task that holds the filesystem, so they take its `Rc`.
 
 /// Start a checkpoint in the background once the ring is half used.
 pub(super) fn maybe_schedule_checkpoint(fs: &Rc<FsInner>) {
-    if !ring_half_used(fs) || fs.unmounted.get() {
+    if !fs.journal.ring_half_used() || fs.unmounted.get() {
         return;
     }
     if fs.journal.ring.borrow().sliced.is_some() {
@@ -227,18 +234,22 @@ async fn scheduled_checkpoint(fs: &Rc<FsInner>, only_if_half_used: bool) -> FsRe
         // touch the device after it returns (found by the request fuzzer:
         // a checkpoint scheduled by the last commit ran after unmount,
         // under the feet of an fsck).
-        if fs.unmounted.get() || fs.journal.ring.borrow().sliced.is_some() || (only_if_half_used && !ring_half_used(fs))
+        if fs.unmounted.get()
+            || fs.journal.ring.borrow().sliced.is_some()
+            || (only_if_half_used && !fs.journal.ring_half_used())
         {
             return Ok(());
         }
         let in_pieces = fs.journal.sb.borrow().features & FEATURE_FREE_COUNT_HOLDS_CHECKPOINT != 0;
-        let taken = take_pending(fs, !in_pieces);
+        let cx = fs.commit_cx();
+        let taken = fs.journal.take_pending(&cx, !in_pieces);
         if taken.snapshot.is_some() {
-            return commit_taken(fs, taken).await; // whole, as asked or as needed
+            // Whole, as asked or as needed.
+            return maybe_schedule_after(fs, fs.journal.commit_taken(&cx, taken).await);
         }
         let free_at_start = taken.free_after;
         let epoch = fs.meta.state_mut().start_snapshot();
-        if let Err(e) = commit_taken(fs, taken).await {
+        if let Err(e) = maybe_schedule_after(fs, fs.journal.commit_taken(&cx, taken).await) {
             fs.meta.state_mut().abort_snapshot();
             return Err(e);
         }
@@ -262,5 +273,5 @@ async fn scheduled_checkpoint(fs: &Rc<FsInner>, only_if_half_used: bool) -> FsRe
     }
     let snapshot = fs.meta.state_mut().finish_snapshot();
     fs.journal.ring.borrow_mut().sliced = None;
-    write_checkpoint(fs, &snapshot, free_at_start, start).await
+    fs.journal.write_checkpoint(&fs.commit_cx(), &snapshot, free_at_start, start).await
 }

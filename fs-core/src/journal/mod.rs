@@ -29,16 +29,21 @@ mod checkpoint;
 mod commit;
 mod load;
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 
 use super::codec::{Reader, Writer};
+use super::discard::Discard;
 use super::format::{crc, Superblock, BLOCK_BYTES, JOURNAL_FIRST_BLOCK};
+use super::io::Io;
+use super::meta::Meta;
+use super::pages::Pages;
+use super::space::Space;
 use super::state::State;
 use super::sync::AsyncMutex;
-use super::FsError;
+use super::{FsConfig, FsCounters, FsError, FsInner};
 
-pub(crate) use checkpoint::{abandon_checkpoint_in_pieces, checkpoint_in_pieces, checkpoint_in_pieces_now};
-pub(crate) use commit::{checkpoint, commit_all, flush_data, start_commit_timer, sync};
+pub(crate) use checkpoint::checkpoint_in_pieces_now;
+pub(crate) use commit::{checkpoint, commit_all, start_commit_timer, sync};
 pub(crate) use load::{choose_superblock, load, load_checkpoint, read_superblocks, replay};
 
 pub const JOURNAL_TX_MAGIC: u32 = u32::from_le_bytes(*b"KFTX");
@@ -52,14 +57,56 @@ const READ_BLOCKS_MAX: u64 = 256;
 /// The journal's part of a mounted filesystem (step S7a of
 /// docs/plans/fs-parts.md): the superblock, the ring's position and the
 /// records waiting to go into it, the lock that orders commits, and the
-/// transactions replay applied at mount. The functions of [`commit`] and
-/// [`checkpoint`] still take the whole `FsInner` and reach these through
-/// `fs.journal`.
+/// transactions replay applied at mount. Its commit and checkpoint
+/// methods get the other parts they touch in a [`CommitCx`]; what may
+/// start a background task (a checkpoint once the ring is half used, the
+/// commit timer) stays a function of the filesystem's `Rc`.
 pub(crate) struct Journal {
     pub(crate) sb: RefCell<Superblock>,
     pub(crate) ring: RefCell<super::JournalState>,
     pub(crate) commit_lock: AsyncMutex,
     pub(crate) replayed_at_mount: u64,
+}
+
+/// What the journal's commits and checkpoints reach besides the journal
+/// itself: the other parts of the mounted filesystem, lent for one call.
+/// It owns nothing, so a part is never stored in another.
+pub(crate) struct CommitCx<'a> {
+    pub(crate) io: &'a Io,
+    pub(crate) meta: &'a Meta,
+    pub(crate) space: &'a Space,
+    pub(crate) discard: &'a Discard,
+    pub(crate) pages: &'a Pages,
+    pub(crate) config: &'a FsConfig,
+    /// A cell, not a bool: a checkpoint in pieces looks again after each
+    /// await.
+    pub(crate) unmounted: &'a Cell<bool>,
+    /// The journal's counters are in `FsInner` until the `Change` view
+    /// (step S8) takes their last writers.
+    pub(crate) counters: &'a Cell<FsCounters>,
+    pub(crate) span: &'a tracing::Span,
+}
+
+impl CommitCx<'_> {
+    fn bump(&self, f: impl FnOnce(&mut FsCounters)) {
+        super::bump_counters(self.counters, f);
+    }
+}
+
+impl FsInner {
+    pub(crate) fn commit_cx(&self) -> CommitCx<'_> {
+        CommitCx {
+            io: &self.io,
+            meta: &self.meta,
+            space: &self.space,
+            discard: &self.discard,
+            pages: &self.pages,
+            config: &self.config,
+            unmounted: &self.unmounted,
+            counters: &self.counters,
+            span: &self.span,
+        }
+    }
 }
 
 /// Everything a mount (or fsck) learns from the device.
