@@ -224,7 +224,8 @@ pub(crate) struct FsInner {
     /// The quota, and the blocks promised, unmapped or held back.
     space: space::Space,
     /// The superblock, the journal ring and what waits to go into it,
-    /// the lock that orders commits, and what replay found at mount.
+    /// the lock that orders commits, what replay found at mount, and the
+    /// journal's counters.
     journal: journal::Journal,
     handles: handles::HandleTable,
     /// Range locks, file-time stamping and the data paths' counters.
@@ -233,22 +234,11 @@ pub(crate) struct FsInner {
     /// Freed runs out of the allocator until their discard completes,
     /// and the discards' counters.
     discard: discard::Discard,
-    /// The journal's counters and records_logged; the data paths count
-    /// in `data`, discards in `discard` and the device in `io`, merged by
-    /// [`Fs::counters`].
-    counters: Cell<FsCounters>,
     unmounted: Cell<bool>,
     /// The span current at mount (the daemon's export span, inside its
     /// reactor's): the parent of this filesystem's events, which are often
     /// logged from timer tasks that run outside it.
     pub(crate) span: tracing::Span,
-}
-
-/// Change the counters in `cell` with `f`.
-fn bump_counters(cell: &Cell<FsCounters>, f: impl FnOnce(&mut FsCounters)) {
-    let mut c = cell.get();
-    f(&mut c);
-    cell.set(c);
 }
 
 /// A mounted filesystem. Cheap to clone; all clones share one state.
@@ -308,10 +298,6 @@ impl FsInner {
         })
     }
 
-    fn bump(&self, f: impl FnOnce(&mut FsCounters)) {
-        bump_counters(&self.counters, f);
-    }
-
     /// Apply a record to the live state and queue it for the journal.
     fn log(&self, record: record::Record) -> FsResult<()> {
         if self.config.read_only {
@@ -325,7 +311,7 @@ impl FsInner {
             j.exposes_data = true;
         }
         drop(j);
-        self.bump(|c| c.records_logged += 1);
+        self.journal.bump(|c| c.records_logged += 1);
         Ok(())
     }
 
@@ -370,8 +356,8 @@ impl Fs {
     }
 
     pub fn counters(&self) -> FsCounters {
-        let mut c = self.inner.counters.get();
-        c.device_flushes = self.inner.io.flushes();
+        let mut c = FsCounters { device_flushes: self.inner.io.flushes(), ..FsCounters::default() };
+        self.inner.journal.report(&mut c);
         self.inner.data.report(&mut c);
         self.inner.discard.report(&mut c);
         c
@@ -558,12 +544,12 @@ impl Fs {
                     }),
                     commit_lock: sync::AsyncMutex::default(),
                     replayed_at_mount: loaded.replayed,
+                    counters: Cell::default(),
                 },
                 handles: handles::HandleTable::default(),
                 pages: pages::Pages::new(cache::PageCache::new(config.cache_bytes)),
                 data: data::DataState::default(),
                 discard: discard::Discard::new(config.discard, config.read_only),
-                counters: Cell::new(FsCounters::default()),
                 unmounted: Cell::new(false),
                 span: tracing::Span::current(),
             }),

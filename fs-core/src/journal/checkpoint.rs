@@ -72,7 +72,7 @@ impl Journal {
                 let blocks = sb.checkpoint_blocks();
                 *self.sb.borrow_mut() = sb;
                 drop(state);
-                cx.bump(|c| c.checkpoints += 1);
+                self.bump(|c| c.checkpoints += 1);
                 tracing::debug!(parent: cx.span, blocks, "checkpoint written");
                 Ok(())
             }

@@ -124,7 +124,7 @@ impl Journal {
     /// Make completed data writes durable without a commit (fdatasync when
     /// only timestamps changed).
     pub(crate) async fn flush_data(&self, cx: &CommitCx<'_>) -> FsResult<()> {
-        cx.bump(|c| c.fsyncs += 1);
+        self.bump(|c| c.fsyncs += 1);
         let data = self.ring.borrow().data_writes;
         let _guard = self.commit_lock.lock().await;
         if self.ring.borrow().flushed_data_writes >= data {
@@ -220,7 +220,7 @@ impl Journal {
         j.head = head + blocks;
         j.seq = seq + 1;
         drop(j);
-        cx.bump(|c| {
+        self.bump(|c| {
             c.journal_commits += 1;
             c.journal_blocks_written += blocks;
         });
@@ -233,7 +233,7 @@ impl Journal {
 
 /// Commit everything logged so far; make completed data writes durable.
 pub(crate) async fn sync(fs: &Rc<FsInner>) -> FsResult<()> {
-    fs.bump(|c| c.fsyncs += 1);
+    fs.journal.bump(|c| c.fsyncs += 1);
     commit_all(fs).await
 }
 

@@ -56,9 +56,10 @@ const READ_BLOCKS_MAX: u64 = 256;
 
 /// The journal's part of a mounted filesystem (step S7a of
 /// docs/plans/fs-parts.md): the superblock, the ring's position and the
-/// records waiting to go into it, the lock that orders commits, and the
-/// transactions replay applied at mount. Its commit and checkpoint
-/// methods get the other parts they touch in a [`CommitCx`]; what may
+/// records waiting to go into it, the lock that orders commits, the
+/// transactions replay applied at mount, and what it counts. Its commit
+/// and checkpoint methods get the other parts they touch in a
+/// [`CommitCx`]; what may
 /// start a background task (a checkpoint once the ring is half used, the
 /// commit timer) stays a function of the filesystem's `Rc`.
 pub(crate) struct Journal {
@@ -66,6 +67,36 @@ pub(crate) struct Journal {
     pub(crate) ring: RefCell<super::JournalState>,
     pub(crate) commit_lock: AsyncMutex,
     pub(crate) replayed_at_mount: u64,
+    pub(crate) counters: Cell<JournalCounters>,
+}
+
+/// What the journal counts, merged into [`FsCounters`] by
+/// `Fs::counters`.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct JournalCounters {
+    pub(crate) journal_commits: u64,
+    pub(crate) journal_blocks_written: u64,
+    pub(crate) checkpoints: u64,
+    pub(crate) fsyncs: u64,
+    pub(crate) records_logged: u64,
+}
+
+impl Journal {
+    pub(crate) fn bump(&self, f: impl FnOnce(&mut JournalCounters)) {
+        let mut c = self.counters.get();
+        f(&mut c);
+        self.counters.set(c);
+    }
+
+    /// Fill in the journal's counters.
+    pub(crate) fn report(&self, out: &mut FsCounters) {
+        let c = self.counters.get();
+        out.journal_commits = c.journal_commits;
+        out.journal_blocks_written = c.journal_blocks_written;
+        out.checkpoints = c.checkpoints;
+        out.fsyncs = c.fsyncs;
+        out.records_logged = c.records_logged;
+    }
 }
 
 /// What the journal's commits and checkpoints reach besides the journal
@@ -81,16 +112,7 @@ pub(crate) struct CommitCx<'a> {
     /// A cell, not a bool: a checkpoint in pieces looks again after each
     /// await.
     pub(crate) unmounted: &'a Cell<bool>,
-    /// The journal's counters are in `FsInner` until the `Change` view
-    /// (step S8) takes their last writers.
-    pub(crate) counters: &'a Cell<FsCounters>,
     pub(crate) span: &'a tracing::Span,
-}
-
-impl CommitCx<'_> {
-    fn bump(&self, f: impl FnOnce(&mut FsCounters)) {
-        super::bump_counters(self.counters, f);
-    }
 }
 
 impl FsInner {
@@ -103,7 +125,6 @@ impl FsInner {
             pages: &self.pages,
             config: &self.config,
             unmounted: &self.unmounted,
-            counters: &self.counters,
             span: &self.span,
         }
     }
