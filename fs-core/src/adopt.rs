@@ -90,7 +90,7 @@ impl Fs {
                 .collect()
         };
         for &ino in &orphans {
-            self.inner.maybe_free(ino)?;
+            self.inner.change().maybe_free(ino)?;
         }
         if !orphans.is_empty() {
             tracing::info!(parent: &self.inner.span, orphans = orphans.len(), "freed inodes unlinked while open");

@@ -309,11 +309,11 @@ fn fix_entries_and_links(fs: &Fs, repaired: &mut Vec<String>) -> FsResult<()> {
         (dangling, counts)
     };
     for (dir, name) in dangling {
-        inner.log(Record::DirentDelete { dir, name: Cow::Borrowed(&name[..]) })?;
+        inner.change().log(Record::DirentDelete { dir, name: Cow::Borrowed(&name[..]) })?;
         repaired.push(format!("removed entry '{}' from directory {dir}", String::from_utf8_lossy(&name)));
     }
     for (ino, want) in counts {
-        inner.update_inode(ino, |i| i.nlink = want)?;
+        inner.change().update_inode(ino, |i| i.nlink = want)?;
         repaired.push(format!("set link count of inode {ino} to {want}"));
     }
     Ok(())

@@ -23,6 +23,7 @@ mod adopt;
 mod alloc;
 mod blocks;
 mod cache;
+mod change;
 mod codec;
 mod data;
 mod dir;
@@ -248,83 +249,6 @@ pub struct Fs {
 }
 
 impl FsInner {
-    /// Now, to the nanosecond, by the filesystem's file clock.
-    pub(crate) fn file_time(&self) -> format::Timespec {
-        self.config.file_clock.now()
-    }
-
-    /// After data reached a file: grow its size to `end` if given, and
-    /// stamp mtime and ctime, in memory only (persisted with the next
-    /// commit).
-    ///
-    /// Stamps come from the coarse clock, and a write that would not move
-    /// them (the same tick) changes nothing and dirties nothing, unless
-    /// someone read the attributes or i_version since the last stamp: then
-    /// the precise clock makes the change visible (multigrain timestamps).
-    pub(crate) fn written(&self, ino: Ino, end: Option<u64>) -> FsResult<()> {
-        self.written_with(ino, end, data::WriteTimes::Stamp)
-    }
-
-    /// [`Self::written`], leaving the times alone when the client keeps them.
-    pub(crate) fn written_with(&self, ino: Ino, end: Option<u64>, times: data::WriteTimes) -> FsResult<()> {
-        let mut state = self.meta.state_mut();
-        let node = state.node_mut(ino).ok_or(FsError::NotFound)?;
-        let grows = end.is_some_and(|e| e > node.inode.size);
-        let mut stamp = None;
-        if self.data.file_times() && times == data::WriteTimes::Stamp {
-            let ctime = node.inode.ctime;
-            if node.times_queried.get() || node.i_version_queried {
-                stamp = Some(self.config.file_clock.now().max(ctime.next()));
-            } else {
-                let coarse = self.config.file_clock.now_coarse();
-                if coarse > ctime || coarse > node.inode.mtime {
-                    stamp = Some(coarse.max(ctime));
-                }
-            }
-        }
-        if stamp.is_none() && !grows {
-            return Ok(());
-        }
-        node.times_queried.set(false);
-        drop(state);
-        self.update_inode(ino, |i| {
-            if let Some(end) = end {
-                i.size = i.size.max(end);
-            }
-            if let Some(t) = stamp {
-                i.mtime = t;
-                i.ctime = t;
-            }
-        })
-    }
-
-    /// Apply a record to the live state and queue it for the journal.
-    fn log(&self, record: record::Record) -> FsResult<()> {
-        if self.config.read_only {
-            return Err(FsError::ReadOnly);
-        }
-        self.meta.apply_live(&record)?;
-        let mut j = self.journal.ring.borrow_mut();
-        record.encode(&mut j.pending);
-        j.logged_ops += 1;
-        if let record::Record::ExtentMap { unwritten: false, .. } = record {
-            j.exposes_data = true;
-        }
-        drop(j);
-        self.journal.bump(|c| c.records_logged += 1);
-        Ok(())
-    }
-
-    /// Add a new inode. Its image reaches the journal with the other dirty
-    /// inode images, at the start of the next transaction, so that records
-    /// after it (its directory entry) find it at replay.
-    fn create_inode(&self, inode: format::Inode) -> FsResult<()> {
-        let ino = inode.ino;
-        self.meta.apply_live(&record::Record::InodeSet(inode))?;
-        self.mark_dirty(ino);
-        Ok(())
-    }
-
     /// What [`space::Space`]'s room checks need of the other parts, read
     /// now: the allocator's counts, the checkpoint's size, the blocks
     /// awaiting a discard.
@@ -337,18 +261,12 @@ impl FsInner {
             discarding: self.discard.blocks(),
         }
     }
-
-    fn mark_dirty(&self, ino: Ino) {
-        let mut j = self.journal.ring.borrow_mut();
-        j.dirty.insert(ino);
-        j.logged_ops += 1;
-    }
 }
 
 impl Fs {
     /// Now, to the nanosecond, by the filesystem's file clock.
     pub(crate) fn file_time(&self) -> format::Timespec {
-        self.inner.file_time()
+        self.inner.change().file_time()
     }
 
     pub fn geometry(&self) -> Geometry {
@@ -455,7 +373,7 @@ impl Fs {
     /// that need a damaged image to check fsck against.
     #[doc(hidden)]
     pub fn debug_set_nlink(&self, ino: Ino, nlink: u32) {
-        let _ = self.inner.update_inode(ino, |i| i.nlink = nlink);
+        let _ = self.inner.change().update_inode(ino, |i| i.nlink = nlink);
     }
 
     /// Commit everything logged so far and make all completed data writes
@@ -586,7 +504,7 @@ impl Fs {
             tracing::info!(parent: &self.inner.span, orphans = orphans.len(), "freeing inodes unlinked while open");
         }
         for ino in orphans {
-            self.inner.log(record::Record::InodeFree { ino })?;
+            self.inner.change().log(record::Record::InodeFree { ino })?;
         }
         Ok(())
     }

@@ -109,8 +109,9 @@ pub async fn mkfs(dev: DeviceChannel, options: &MkfsOptions) -> Result<Superbloc
     }
     let config = FsConfig { file_clock: options.file_clock.clone(), ..FsConfig::default() };
     let fs = Fs::mount_inner(dev, config, false).await?;
-    let root = Inode::new(ROOT_INO, S_IFDIR | 0o755, options.root_uid, options.root_gid, 0, fs.inner.file_time());
-    fs.inner.create_inode(root)?;
+    let root =
+        Inode::new(ROOT_INO, S_IFDIR | 0o755, options.root_uid, options.root_gid, 0, fs.inner.change().file_time());
+    fs.inner.change().create_inode(root)?;
     fs.unmount().await?;
     Ok(fs.superblock())
 }

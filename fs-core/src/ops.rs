@@ -118,29 +118,6 @@ fn check_name(name: &[u8]) -> FsResult<()> {
 }
 
 impl FsInner {
-    /// Change an inode in memory; its image reaches the journal with the
-    /// next commit (the lazy path: no I/O, no record now). i_version moves
-    /// only if someone read it since its last change.
-    pub(crate) fn update_inode(&self, ino: Ino, f: impl FnOnce(&mut Inode)) -> FsResult<()> {
-        if self.config.read_only {
-            return Err(FsError::ReadOnly);
-        }
-        let mut state = self.meta.state_mut();
-        let node = state.node_mut(ino).ok_or(FsError::NotFound)?;
-        let version = node.inode.i_version;
-        f(&mut node.inode);
-        node.inode.i_version = version;
-        if node.i_version_queried {
-            node.inode.i_version += 1;
-            node.i_version_queried = false;
-        }
-        let size = node.inode.size;
-        drop(state);
-        self.pages.shared().publish_size(ino, size);
-        self.mark_dirty(ino);
-        Ok(())
-    }
-
     /// The access ACL of a node, if it has a valid one. setxattr stores
     /// only valid ACLs; one that a crafted image holds may not be, and then
     /// counts as none.
@@ -154,7 +131,7 @@ impl FsInner {
         let acl = self.meta.state().node(ino).and_then(|n| self.access_acl_of(n));
         let Some(mut acl) = acl else { return Ok(()) };
         acl.chmod(mode);
-        self.log(Record::XattrSet { ino, name: Cow::Borrowed(ACL_ACCESS), value: Cow::Owned(acl.encode()) })
+        self.change().log(Record::XattrSet { ino, name: Cow::Borrowed(ACL_ACCESS), value: Cow::Owned(acl.encode()) })
     }
 
     /// May `c` access `inode` for `mask`, ACL included?
@@ -164,39 +141,6 @@ impl FsInner {
         }
         let acl = self.meta.state().node(inode.ino).and_then(|n| self.access_acl_of(n));
         permitted(inode, acl.as_ref(), c, mask)
-    }
-
-    /// `ino`'s data or entries were read: move its atime as the config's
-    /// atime mode says. In memory only; the commit carries it. i_version
-    /// stays, as on Linux.
-    pub(crate) fn accessed(&self, ino: Ino) {
-        if self.config.read_only || self.config.atime == super::AtimeUpdates::Never {
-            return;
-        }
-        let mut state = self.meta.state_mut();
-        let Some(node) = state.node_mut(ino) else { return };
-        let i = &node.inode;
-        if i.is_dir() && !self.config.dir_atime {
-            return;
-        }
-        // Most reads of a file read since its last change take this
-        // branch: no clock read, no update.
-        let update = match self.config.atime {
-            super::AtimeUpdates::Always => true,
-            _ => {
-                i.atime <= i.mtime
-                    || i.atime <= i.ctime
-                    || self.config.file_clock.now_coarse().sec - i.atime.sec >= 24 * 3600
-            }
-        };
-        if update {
-            // The tick's time (a cheap clock, as Linux's atime), but after
-            // the last change: a fine-grained mtime may be ahead of the
-            // tick, and relatime would then update on every read.
-            node.inode.atime = self.config.file_clock.now_coarse().max(i.mtime.next()).max(i.ctime.next());
-            drop(state);
-            self.mark_dirty(ino);
-        }
     }
 
     /// A directory the caller may search, and the inode `name` names in it.
@@ -247,29 +191,6 @@ impl FsInner {
         Err(FsError::Perm)
     }
 
-    /// Free an inode once nothing names or holds it.
-    pub(crate) fn maybe_free(&self, ino: Ino) -> FsResult<()> {
-        let unreferenced = match self.meta.state().node(ino) {
-            Some(n) => n.inode.nlink == 0 && n.lookups.is_zero() && n.opens.is_zero(),
-            None => return Ok(()),
-        };
-        if unreferenced && ino != ROOT_INO {
-            self.pages.shared().forget(ino);
-            let released = self.pages.cache_mut().discard(ino, 0);
-            self.space.release_delalloc(released);
-            let image = self.meta.state().node(ino).map(|n| n.inode.clone());
-            {
-                let mut j = self.journal.ring.borrow_mut();
-                j.dirty_later.remove(&ino);
-                if j.dirty.remove(&ino) {
-                    j.freed_images.extend(image);
-                }
-            }
-            self.log(Record::InodeFree { ino })?;
-        }
-        Ok(())
-    }
-
     fn new_inode(&self, c: &Creds, parent: &Inode, mode: u32, rdev: u32) -> (Inode, InheritedXattrs) {
         let ino = self.meta.take_next_ino();
         let (mode, acls) = self.inherit_acls(c, parent, mode);
@@ -286,15 +207,15 @@ impl FsInner {
         } else {
             c.gid
         };
-        (Inode::new(ino, mode, c.uid, gid, rdev, self.file_time()), acls)
+        (Inode::new(ino, mode, c.uid, gid, rdev, self.change().file_time()), acls)
     }
 
     /// Create `inode` with the ACLs [`Self::new_inode`] gave it.
     fn create_inode_with(&self, inode: Inode, acls: InheritedXattrs) -> FsResult<()> {
         let ino = inode.ino;
-        self.create_inode(inode)?;
+        self.change().create_inode(inode)?;
         for (name, value) in acls {
-            self.log(Record::XattrSet { ino, name: Cow::Borrowed(name), value: Cow::Owned(value) })?;
+            self.change().log(Record::XattrSet { ino, name: Cow::Borrowed(name), value: Cow::Owned(value) })?;
         }
         Ok(())
     }
@@ -343,12 +264,12 @@ impl FsInner {
             let dir = state.node_mut(parent).and_then(|n| n.dir.as_mut()).ok_or(FsError::NotDir)?;
             dir.take_cookie()
         };
-        self.log(Record::DirentSet { dir: parent, name: Cow::Borrowed(name), ino, cookie })
+        self.change().log(Record::DirentSet { dir: parent, name: Cow::Borrowed(name), ino, cookie })
     }
 
     fn touch_dir(&self, dir: Ino, nlink_delta: i32) -> FsResult<()> {
-        let t = self.file_time();
-        self.update_inode(dir, |i| {
+        let t = self.change().file_time();
+        self.change().update_inode(dir, |i| {
             i.mtime = t;
             i.ctime = t;
             i.nlink = i.nlink.saturating_add_signed(nlink_delta);
@@ -407,7 +328,7 @@ impl Fs {
     /// The kernel dropped `n` references obtained by lookups.
     pub async fn forget(&self, ino: Ino, n: u64) -> FsResult<()> {
         self.inner.meta.drop_lookups(ino, n);
-        self.inner.maybe_free(ino)?;
+        self.inner.change().maybe_free(ino)?;
         Ok(())
     }
 
@@ -447,8 +368,8 @@ impl Fs {
             return Err(FsError::Invalid("symlink target"));
         }
         let inode = self.inner.make_node(c, parent, name, S_IFLNK | 0o777, 0)?;
-        self.inner.log(Record::Symlink { ino: inode.ino, target: Cow::Borrowed(target) })?;
-        self.inner.update_inode(inode.ino, |i| i.size = target.len() as u64)?;
+        self.inner.change().log(Record::Symlink { ino: inode.ino, target: Cow::Borrowed(target) })?;
+        self.inner.change().update_inode(inode.ino, |i| i.size = target.len() as u64)?;
         self.inner.meta.attr(inode.ino)
     }
 
@@ -473,7 +394,7 @@ impl Fs {
         }
         self.inner.add_entry(new_parent, new_name, ino)?;
         let t = self.file_time();
-        self.inner.update_inode(ino, |i| {
+        self.inner.change().update_inode(ino, |i| {
             i.nlink += 1;
             i.ctime = t;
         })?;
@@ -513,14 +434,14 @@ impl Fs {
             }
         }
         self.inner.check_sticky(c, &dir, ino)?;
-        self.inner.log(Record::DirentDelete { dir: parent, name: Cow::Borrowed(name) })?;
+        self.inner.change().log(Record::DirentDelete { dir: parent, name: Cow::Borrowed(name) })?;
         let t = self.file_time();
-        self.inner.update_inode(ino, |i| {
+        self.inner.change().update_inode(ino, |i| {
             i.nlink = if want_dir { 0 } else { i.nlink.saturating_sub(1) };
             i.ctime = t;
         })?;
         self.inner.touch_dir(parent, if want_dir { -1 } else { 0 })?;
-        self.inner.maybe_free(ino)?;
+        self.inner.change().maybe_free(ino)?;
         Ok(())
     }
 
@@ -583,22 +504,22 @@ impl Fs {
             return Err(FsError::TooManyLinks);
         }
         self.inner.check_dir_room(new_parent, new_name)?;
-        self.inner.log(Record::DirentDelete { dir: parent, name: Cow::Borrowed(name) })?;
+        self.inner.change().log(Record::DirentDelete { dir: parent, name: Cow::Borrowed(name) })?;
         if target.is_some() {
-            self.inner.log(Record::DirentDelete { dir: new_parent, name: Cow::Borrowed(new_name) })?;
+            self.inner.change().log(Record::DirentDelete { dir: new_parent, name: Cow::Borrowed(new_name) })?;
         }
         self.inner.add_entry(new_parent, new_name, ino)?;
         let t = self.file_time();
-        self.inner.update_inode(ino, |i| i.ctime = t)?;
+        self.inner.change().update_inode(ino, |i| i.ctime = t)?;
         let moved_dir = i32::from(src.is_dir());
         if let Some(victim) = target {
             let victim_is_dir = self.inner.meta.inode(victim)?.is_dir();
-            self.inner.update_inode(victim, |i| {
+            self.inner.change().update_inode(victim, |i| {
                 i.nlink = if victim_is_dir { 0 } else { i.nlink.saturating_sub(1) };
                 i.ctime = t;
             })?;
             self.inner.touch_dir(new_parent, -i32::from(victim_is_dir))?;
-            self.inner.maybe_free(victim)?;
+            self.inner.change().maybe_free(victim)?;
         }
         self.inner.touch_dir(parent, -moved_dir)?;
         self.inner.touch_dir(new_parent, moved_dir)?;
@@ -676,13 +597,13 @@ impl Fs {
         if ib.is_dir() {
             self.check_not_ancestor(b, parent)?;
         }
-        self.inner.log(Record::DirentDelete { dir: parent, name: Cow::Borrowed(name) })?;
-        self.inner.log(Record::DirentDelete { dir: new_parent, name: Cow::Borrowed(new_name) })?;
+        self.inner.change().log(Record::DirentDelete { dir: parent, name: Cow::Borrowed(name) })?;
+        self.inner.change().log(Record::DirentDelete { dir: new_parent, name: Cow::Borrowed(new_name) })?;
         self.inner.add_entry(parent, name, b)?;
         self.inner.add_entry(new_parent, new_name, a)?;
         let t = self.file_time();
-        self.inner.update_inode(a, |i| i.ctime = t)?;
-        self.inner.update_inode(b, |i| i.ctime = t)?;
+        self.inner.change().update_inode(a, |i| i.ctime = t)?;
+        self.inner.change().update_inode(b, |i| i.ctime = t)?;
         let delta = i32::from(ia.is_dir()) - i32::from(ib.is_dir());
         self.inner.touch_dir(parent, -delta)?;
         self.inner.touch_dir(new_parent, delta)?;
@@ -749,7 +670,7 @@ impl Fs {
     pub async fn release(&self, fh: Fh) -> FsResult<()> {
         let handle = self.inner.handles.close(fh).ok_or(FsError::BadHandle)?;
         self.inner.meta.drop_open(handle.ino);
-        self.inner.maybe_free(handle.ino)?;
+        self.inner.change().maybe_free(handle.ino)?;
         Ok(())
     }
 
@@ -833,7 +754,7 @@ impl Fs {
         end: u64,
         out: &mut Vec<DirEntry>,
     ) -> FsResult<()> {
-        self.inner.accessed(ino);
+        self.inner.change().accessed(ino);
         let first = out.len();
         {
             let state = self.inner.meta.state();
@@ -950,7 +871,7 @@ impl Fs {
         if new.mode != inode.mode {
             self.inner.couple_acl_to_mode(ino, new.mode)?;
         }
-        self.inner.update_inode(ino, |i| *i = new)?;
+        self.inner.change().update_inode(ino, |i| *i = new)?;
         self.inner.meta.attr(ino)
     }
 
@@ -980,9 +901,9 @@ impl Fs {
         if name == ACL_ACCESS || name == ACL_DEFAULT {
             return self.set_acl(c, ino, name, &Acl::parse(value)?);
         }
-        self.inner.log(Record::XattrSet { ino, name: Cow::Borrowed(name), value: Cow::Borrowed(value) })?;
+        self.inner.change().log(Record::XattrSet { ino, name: Cow::Borrowed(name), value: Cow::Borrowed(value) })?;
         let t = self.file_time();
-        self.inner.update_inode(ino, |i| i.ctime = t)?;
+        self.inner.change().update_inode(ino, |i| i.ctime = t)?;
         Ok(())
     }
 
@@ -1006,12 +927,16 @@ impl Fs {
         }
         let stored = self.inner.meta.state().node(ino).is_some_and(|n| n.xattrs().contains_key(name));
         if store {
-            self.inner.log(Record::XattrSet { ino, name: Cow::Borrowed(name), value: Cow::Owned(acl.encode()) })?;
+            self.inner.change().log(Record::XattrSet {
+                ino,
+                name: Cow::Borrowed(name),
+                value: Cow::Owned(acl.encode()),
+            })?;
         } else if stored {
-            self.inner.log(Record::XattrDelete { ino, name: Cow::Borrowed(name) })?;
+            self.inner.change().log(Record::XattrDelete { ino, name: Cow::Borrowed(name) })?;
         }
         let t = self.file_time();
-        self.inner.update_inode(ino, |i| {
+        self.inner.change().update_inode(ino, |i| {
             i.mode = mode;
             i.ctime = t;
         })
@@ -1042,7 +967,7 @@ impl Fs {
             return Ok(());
         }
         let t = self.file_time();
-        self.inner.update_inode(ino, |i| {
+        self.inner.change().update_inode(ino, |i| {
             i.mode &= !clear;
             i.ctime = t;
         })
@@ -1072,9 +997,9 @@ impl Fs {
         if !exists {
             return Err(FsError::NoData);
         }
-        self.inner.log(Record::XattrDelete { ino, name: Cow::Borrowed(name) })?;
+        self.inner.change().log(Record::XattrDelete { ino, name: Cow::Borrowed(name) })?;
         let t = self.file_time();
-        self.inner.update_inode(ino, |i| i.ctime = t)?;
+        self.inner.change().update_inode(ino, |i| i.ctime = t)?;
         Ok(())
     }
 

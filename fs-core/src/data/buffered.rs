@@ -62,7 +62,7 @@ impl Fs {
         let inode = self.inner.meta.require_file(ino)?;
         let end = offset.saturating_add(u64::from(size)).min(inode.size);
         if offset < end && self.copy_cached_to(ino, offset, end, sink) {
-            self.inner.accessed(ino);
+            self.inner.change().accessed(ino);
             self.inner.data.count_read(end - offset);
             return Ok((end - offset) as u32);
         }
@@ -76,7 +76,7 @@ impl Fs {
     /// without taking any lock; misses are loaded under a shared lock.
     pub async fn read(&self, ino: Ino, offset: u64, size: u32) -> FsResult<Vec<u8>> {
         let inode = self.inner.meta.require_file(ino)?;
-        self.inner.accessed(ino);
+        self.inner.change().accessed(ino);
         if offset >= inode.size || size == 0 {
             return Ok(Vec::new());
         }
@@ -358,7 +358,7 @@ impl Fs {
                     n.datasync_needed = true;
                 }
             }
-            self.inner.written_with(ino, Some(end), times)?;
+            self.inner.change().written_with(ino, Some(end), times)?;
             drop(change);
             drop(range);
             self.throttle(ino).await?;
@@ -481,7 +481,7 @@ impl Fs {
                 .and_then(|n| n.writes_if_any())
                 .is_some_and(|w| w.persist_size_cap.take().is_some());
             if capped {
-                self.inner.mark_dirty(ino);
+                self.inner.change().mark_dirty(ino);
             }
         }
         Ok(())

@@ -119,7 +119,7 @@ impl Fs {
         self.inner.data.direct_end();
         result?;
         self.inner.journal.ring.borrow_mut().data_writes += 1;
-        self.inner.written(ino, None)?;
+        self.inner.change().written(ino, None)?;
         self.inner.data.count_direct_overwrite(end - offset);
         Ok(Some((end - offset) as u32))
     }
@@ -211,7 +211,7 @@ impl Fs {
         let new_size = self.finish_extend(ino, offset, end, result.is_ok());
         result?;
         for (fb, db, len) in converted {
-            self.inner.log(Record::ExtentMap {
+            self.inner.change().log(Record::ExtentMap {
                 ino,
                 file_block: fb.get(),
                 disk_block: db.get(),
@@ -219,7 +219,7 @@ impl Fs {
                 unwritten: false,
             })?;
         }
-        self.inner.written(ino, Some(new_size))?;
+        self.inner.change().written(ino, Some(new_size))?;
         self.inner.meta.set_datasync_needed(ino);
         self.inner.data.count_direct_extend(end - offset);
         Ok((end - offset) as u32)
@@ -251,7 +251,7 @@ impl Fs {
     }
 
     async fn read_direct_shared<B: IoBuffer>(&self, ino: Ino, offset: u64, buf: &SharedBuffer<B>) -> FsResult<u32> {
-        self.inner.accessed(ino);
+        self.inner.change().accessed(ino);
         let inode = self.inner.meta.require_file(ino)?;
         let len = buf.len() as u64;
         if offset >= inode.size || len == 0 {
@@ -311,7 +311,7 @@ impl Fs {
         let records = self.write_image(ino, first, image).await?;
         let maps_blocks = !records.is_empty();
         self.log_all(records)?;
-        self.inner.written(ino, Some(end))?;
+        self.inner.change().written(ino, Some(end))?;
         if maps_blocks || end > old_size {
             self.inner.meta.set_datasync_needed(ino);
         }

@@ -196,7 +196,7 @@ impl Fs {
         let mut mapped = Vec::with_capacity(runs.len());
         let mut fb = file_block;
         for r in runs {
-            self.inner.log(Record::ExtentMap {
+            self.inner.change().log(Record::ExtentMap {
                 ino,
                 file_block: fb.get(),
                 disk_block: r.start,
@@ -296,7 +296,7 @@ impl Fs {
 
     fn log_all(&self, records: Vec<Record<'_>>) -> FsResult<()> {
         for r in records {
-            self.inner.log(r)?;
+            self.inner.change().log(r)?;
         }
         Ok(())
     }

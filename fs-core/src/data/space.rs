@@ -36,12 +36,16 @@ impl Fs {
                 offset_in_block(new_size) as usize,
                 PAGE_BYTES,
             );
-            self.inner.log(Record::ExtentPunch { ino, file_block: keep_blocks, len: u64::MAX - keep_blocks })?;
+            self.inner.change().log(Record::ExtentPunch {
+                ino,
+                file_block: keep_blocks,
+                len: u64::MAX - keep_blocks,
+            })?;
         } else {
             self.zero_past_eof(ino, old).await?;
         }
         let t = self.file_time();
-        self.inner.update_inode(ino, |i| {
+        self.inner.change().update_inode(ino, |i| {
             i.size = new_size;
             i.mtime = t;
             i.ctime = t;
@@ -99,7 +103,7 @@ impl Fs {
             self.allocate_unwritten(ino, FileBlock::containing(offset), FileBlock::starting_at_or_after(end))?;
         }
         let t = self.file_time();
-        self.inner.update_inode(ino, |i| {
+        self.inner.change().update_inode(ino, |i| {
             if !keep {
                 i.size = i.size.max(end);
             }
@@ -119,7 +123,7 @@ impl Fs {
         let end_whole = FileBlock::containing(end);
         if first_whole < end_whole {
             let len = end_whole - first_whole;
-            self.inner.log(Record::ExtentPunch { ino, file_block: first_whole.get(), len })?;
+            self.inner.change().log(Record::ExtentPunch { ino, file_block: first_whole.get(), len })?;
         }
         {
             let _change = self.inner.pages.shared().change(ino);
