@@ -132,3 +132,43 @@ fn trace_requests_records_the_host_mounts_exchanges() {
     let stderr = String::from_utf8_lossy(&refused.unwrap().stderr).into_owned();
     assert!(stderr.contains("needs --fuse-mount"), "{stderr}");
 }
+
+/// Opens answer FOPEN_NOFLUSH (FLUSH does nothing in keelfs), so a client
+/// without the writeback cache, as a guest is by default, sends no FLUSH
+/// at close(2): one round trip fewer per close. With the writeback cache
+/// (a sole host mount's default) Linux flushes at close all the same.
+#[test]
+fn a_close_sends_no_flush_without_the_writeback_cache() {
+    use keelfs_vhost::abi::Opcode;
+    for (cache, flushes) in [("none", false), ("auto", true)] {
+        let scratch = Scratch::new(&format!("noflush-{cache}"));
+        let (image, mnt, trace) = (scratch.path("img"), scratch.path("mnt"), scratch.path("t.trace"));
+        mkfs(&image, "64M");
+        let args = [
+            "--device".as_ref(),
+            image.as_os_str(),
+            "--fuse-mount".as_ref(),
+            mnt.as_os_str(),
+            "--cache".as_ref(),
+            cache.as_ref(),
+            "--trace-requests".as_ref(),
+            trace.as_os_str(),
+        ];
+        let served = Served::start(&args, &[&mnt]);
+        std::fs::write(mnt.join("f"), b"small file").unwrap();
+        for _ in 0..3 {
+            assert_eq!(std::fs::read(mnt.join("f")).unwrap(), b"small file");
+        }
+        drop(served);
+        let exchanges = keelfs_vhost::parse_trace(&std::fs::read(&trace).unwrap()).unwrap();
+        let seen = |op: Opcode| {
+            exchanges.iter().filter(|e| u32::from_le_bytes(e.request[4..8].try_into().unwrap()) == op as u32).count()
+        };
+        assert!(seen(Opcode::Release) >= 4, "cache {cache}: a release per close");
+        if flushes {
+            assert!(seen(Opcode::Flush) >= 1, "cache {cache}: the writeback cache flushes at close");
+        } else {
+            assert_eq!(seen(Opcode::Flush), 0, "cache {cache}: no FLUSH without the writeback cache");
+        }
+    }
+}

@@ -206,11 +206,12 @@ async fn cache_behaviour(s: &Session) -> (u64, u32, u32) {
 
 #[test]
 fn cache_modes_set_timeouts_and_open_flags() {
-    use keelfs_vhost::abi::open_flags::{DIRECT_IO, KEEP_CACHE};
+    use keelfs_vhost::abi::open_flags::{DIRECT_IO, KEEP_CACHE, NOFLUSH};
     use keelfs_vhost::CacheMode;
     with_session_config(CacheMode::None.session_config(), async |s: Session| {
         let (valid, create, open) = cache_behaviour(&s).await;
         assert_eq!(valid, 0, "none: nothing cached");
+        assert_eq!((create & NOFLUSH, open & NOFLUSH), (NOFLUSH, NOFLUSH), "FLUSH does nothing: not asked for");
         let missing = s.handle(&request(Opcode::Lookup as u32, 7, 1, b"missing\0")).await.unwrap();
         assert_eq!(reply(&missing, 7).0, -libc::ENOENT, "none: no negative entry either");
         assert_ne!(create & DIRECT_IO, 0);
@@ -231,6 +232,7 @@ fn cache_modes_set_timeouts_and_open_flags() {
     with_session_config(CacheMode::Auto.session_config_for(keelfs_vhost::Clients::Sole), async |s: Session| {
         let (valid, create, open) = cache_behaviour(&s).await;
         assert_eq!(valid, 86_400, "auto, sole client: names and attributes kept long");
+        assert_eq!((create & NOFLUSH, open & NOFLUSH), (NOFLUSH, NOFLUSH));
         assert_eq!((create & DIRECT_IO, open & DIRECT_IO), (0, 0));
         assert_ne!(open & KEEP_CACHE, 0, "auto, sole client: page cache kept across opens");
     });

@@ -1363,7 +1363,12 @@ fn open_out(fh: Fh, flags: u32, cache: CacheMode, keep_cache: bool) -> Reply {
 /// fuse_open_out, at the end of `r`: CREATE's follows its entry, in the
 /// one pooled buffer.
 fn put_open_out(r: &mut Reply, fh: Fh, flags: u32, cache: CacheMode, keep_cache: bool) {
-    let mut open = 0;
+    // FLUSH does nothing here: writes are answered once they are in the
+    // filesystem, and POSIX locks are the client kernel's own (INIT offers
+    // no POSIX_LOCKS), so no lock owner needs its close. NOFLUSH spares a
+    // client without the writeback cache (a guest, by default) one round
+    // trip per close(2); Linux still flushes when it has that cache.
+    let mut open = open_flags::NOFLUSH;
     if flags as i32 & libc::O_DIRECT != 0 || cache == CacheMode::None {
         open |= open_flags::DIRECT_IO | open_flags::PARALLEL_DIRECT_WRITES;
     }
