@@ -32,12 +32,14 @@ pub enum Workload {
     /// Seed 003: 1-byte buffered appends.
     ByteWrites,
     /// Metadata (bench/src/vhost_meta.rs): make the tree of --files, each
-    /// file a CREATE, a 1-4 KiB WRITE, FLUSH and RELEASE.
+    /// file a CREATE, a 1-4 KiB WRITE, FLUSH and RELEASE (no FLUSH when
+    /// the daemon's open says FOPEN_NOFLUSH, as Linux).
     Create,
     /// LOOKUP and GETATTR of every file in the tree (what `git status`,
     /// `find` and `ls -lR` send).
     Stat,
-    /// OPEN, a 4 KiB READ, FLUSH and RELEASE of every file in the tree.
+    /// OPEN, a 4 KiB READ, FLUSH and RELEASE of every file in the tree
+    /// (no FLUSH after FOPEN_NOFLUSH).
     OpenReadClose,
     /// OPENDIR, READDIRPLUS to the end, RELEASEDIR of each directory.
     Readdirplus,

@@ -250,7 +250,9 @@ fn vhost_metadata_workloads_make_read_and_remove_a_tree() {
         let made = run("create", &shape).unwrap();
         assert_eq!(made["ops"], 2 * 1100, "{tree}: a file per op, 1100 per thread: {made}");
         let per_op = made["requests_per_op"].as_f64().unwrap();
-        assert!((4.0..4.1).contains(&per_op), "CREATE, WRITE, FLUSH, RELEASE and a share of forgets: {made}");
+        // keelfs answers opens with FOPEN_NOFLUSH, so the driver, as Linux
+        // without the writeback cache, sends no FLUSH at close.
+        assert!((3.0..3.1).contains(&per_op), "CREATE, WRITE, RELEASE and a share of forgets: {made}");
         let cold = run("stat", &[&shape[..], &["--passes", "1"]].concat()).unwrap();
         assert_eq!(cold["ops"], 2 * 1100, "one pass over both trees: {cold}");
         let warm = run("stat", &[&shape[..], &["--driver", "busy"]].concat()).unwrap();
@@ -260,7 +262,8 @@ fn vhost_metadata_workloads_make_read_and_remove_a_tree() {
         assert_eq!(listed["ops"], 2 * dirs, "{tree}: each directory listed once: {listed}");
         assert!(listed["entries_s"].as_f64().unwrap() > 0.0, "{listed}");
         let read = run("open-read-close", &shape).unwrap();
-        assert!(read["requests_per_op"].as_f64().unwrap() >= 4.0, "OPEN, READ, FLUSH, RELEASE: {read}");
+        let per_op = read["requests_per_op"].as_f64().unwrap();
+        assert!((3.0..3.1).contains(&per_op), "OPEN, READ, RELEASE: {read}");
         let gone = run("unlink", &shape).unwrap();
         assert_eq!(gone["ops"], 2 * 1100, "{gone}");
         let after = run("stat", &shape).unwrap_err();
