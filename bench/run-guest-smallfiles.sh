@@ -17,6 +17,9 @@
 #   keelfsd-noxattr keelfsd's defaults with --no-xattr (as virtiofsd's
 #                   default: no GETXATTR of security.capability per new
 #                   file; not by default)
+#   keelfsd-base    keelfsd's defaults from another build, the binary
+#                   $KEELFSD_BASE: a before/after in one boot (not by
+#                   default)
 #   virtiofsd       virtiofsd over ext4 on a loop device, --allow-direct-io
 #   virtiofsd-pool  the same with --thread-pool-size 16
 # Guest times are the guest's monotonic clock; compare systems only as
@@ -70,11 +73,16 @@ start() {
       mode=adaptive
       [[ $sys == keelfsd-irq ]] && mode=interrupt
       [[ $sys == keelfsd-busy ]] && mode=busy
+      local bin=$keelfsd
+      if [[ $sys == keelfsd-base ]]; then
+        bin=${KEELFSD_BASE:-}
+        [[ -x $bin ]] || { echo "run-guest-smallfiles: keelfsd-base needs KEELFSD_BASE=/path/to/keelfsd" >&2; exit 2; }
+      fi
       fallocate -l 2G "$work/$sys.img"
-      "$keelfsd" mkfs "$work/$sys.img" --force >/dev/null
-      if [[ $sys == keelfsd ]]; then
+      "$bin" mkfs "$work/$sys.img" --force >/dev/null
+      if [[ $sys == keelfsd || $sys == keelfsd-base ]]; then
         # The defaults, poll mode included.
-        "$keelfsd" serve --device "$work/$sys.img" --socket "$socket" --rpc "$work/$sys.rpc" 2>"$work/$sys.log" &
+        "$bin" serve --device "$work/$sys.img" --socket "$socket" --rpc "$work/$sys.rpc" 2>"$work/$sys.log" &
       elif [[ $sys == keelfsd-noxattr ]]; then
         "$keelfsd" serve --device "$work/$sys.img" --socket "$socket" --rpc "$work/$sys.rpc" --no-xattr \
           2>"$work/$sys.log" &
