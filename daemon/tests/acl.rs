@@ -3,8 +3,9 @@
 //! runs on a host `--fuse-mount` of keelfs and on a loop-mounted ext4, and
 //! the two transcripts must be identical.
 
+use std::ffi::OsStr;
 use std::os::unix::fs::PermissionsExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 mod common;
@@ -94,6 +95,23 @@ fn no_xattr_turns_extended_attributes_off_for_the_mount() {
     }
 }
 
+/// A host mount of a fresh image in `scratch`, recording its exchanges
+/// (`--trace-requests`), with `extra` arguments: the daemon, the mount
+/// point and the trace file.
+fn traced_host_mount(scratch: &Scratch, extra: &[&str]) -> (Served, PathBuf, PathBuf) {
+    let (image, mnt, trace) = (scratch.path("img"), scratch.path("mnt"), scratch.path("t.trace"));
+    mkfs(&image, "64M");
+    let mut args: Vec<&OsStr> = vec!["--device".as_ref(), image.as_os_str(), "--fuse-mount".as_ref(), mnt.as_os_str()];
+    args.extend(["--trace-requests".as_ref(), trace.as_os_str()]);
+    args.extend(extra.iter().map(OsStr::new));
+    let served = Served::start(&args, &[&mnt]);
+    (served, mnt, trace)
+}
+
+fn opcode_of(e: &keelfs_vhost::Exchange) -> u32 {
+    u32::from_le_bytes(e.request[4..8].try_into().unwrap())
+}
+
 /// `--trace-requests` records the host mount's exchanges from INIT on,
 /// file data left out: what `keelfs-bench vhost --workload trace`
 /// replays.
@@ -101,29 +119,19 @@ fn no_xattr_turns_extended_attributes_off_for_the_mount() {
 fn trace_requests_records_the_host_mounts_exchanges() {
     use keelfs_vhost::abi::Opcode;
     let scratch = Scratch::new("trace");
-    let (image, mnt, trace) = (scratch.path("img"), scratch.path("mnt"), scratch.path("t.trace"));
-    mkfs(&image, "64M");
-    let args = [
-        "--device".as_ref(),
-        image.as_os_str(),
-        "--fuse-mount".as_ref(),
-        mnt.as_os_str(),
-        "--trace-requests".as_ref(),
-        trace.as_os_str(),
-    ];
-    let served = Served::start(&args, &[&mnt]);
+    let (served, mnt, trace) = traced_host_mount(&scratch, &[]);
+    let image = scratch.path("img");
     std::fs::create_dir(mnt.join("d")).unwrap();
     std::fs::write(mnt.join("d/f"), vec![7u8; 10_000]).unwrap();
     std::fs::remove_file(mnt.join("d/f")).unwrap();
     drop(served);
     let exchanges = keelfs_vhost::parse_trace(&std::fs::read(&trace).unwrap()).unwrap();
-    let opcode = |e: &keelfs_vhost::Exchange| u32::from_le_bytes(e.request[4..8].try_into().unwrap());
-    let seen = |op: Opcode| exchanges.iter().filter(|e| opcode(e) == op as u32).count();
-    assert_eq!(opcode(&exchanges[0]), Opcode::Init as u32, "the trace starts at INIT");
+    let seen = |op: Opcode| exchanges.iter().filter(|e| opcode_of(e) == op as u32).count();
+    assert_eq!(opcode_of(&exchanges[0]), Opcode::Init as u32, "the trace starts at INIT");
     for op in [Opcode::Mkdir, Opcode::Create, Opcode::Write, Opcode::Unlink] {
         assert!(seen(op) >= 1, "{op:?} recorded");
     }
-    let writes = exchanges.iter().filter(|e| opcode(e) == Opcode::Write as u32);
+    let writes = exchanges.iter().filter(|e| opcode_of(e) == Opcode::Write as u32);
     assert!(writes.clone().all(|e| e.request.len() == keelfs_vhost::WRITE_HEADERS), "no file data kept");
     let written: u64 = writes.map(|e| u64::from(u32::from_le_bytes(e.request[56..60].try_into().unwrap()))).sum();
     assert_eq!(written, 10_000, "the WRITEs' sizes add up to what was written");
@@ -142,28 +150,14 @@ fn a_close_sends_no_flush_without_the_writeback_cache() {
     use keelfs_vhost::abi::Opcode;
     for (cache, flushes) in [("none", false), ("auto", true)] {
         let scratch = Scratch::new(&format!("noflush-{cache}"));
-        let (image, mnt, trace) = (scratch.path("img"), scratch.path("mnt"), scratch.path("t.trace"));
-        mkfs(&image, "64M");
-        let args = [
-            "--device".as_ref(),
-            image.as_os_str(),
-            "--fuse-mount".as_ref(),
-            mnt.as_os_str(),
-            "--cache".as_ref(),
-            cache.as_ref(),
-            "--trace-requests".as_ref(),
-            trace.as_os_str(),
-        ];
-        let served = Served::start(&args, &[&mnt]);
+        let (served, mnt, trace) = traced_host_mount(&scratch, &["--cache", cache]);
         std::fs::write(mnt.join("f"), b"small file").unwrap();
         for _ in 0..3 {
             assert_eq!(std::fs::read(mnt.join("f")).unwrap(), b"small file");
         }
         drop(served);
         let exchanges = keelfs_vhost::parse_trace(&std::fs::read(&trace).unwrap()).unwrap();
-        let seen = |op: Opcode| {
-            exchanges.iter().filter(|e| u32::from_le_bytes(e.request[4..8].try_into().unwrap()) == op as u32).count()
-        };
+        let seen = |op: Opcode| exchanges.iter().filter(|e| opcode_of(e) == op as u32).count();
         assert!(seen(Opcode::Release) >= 4, "cache {cache}: a release per close");
         if flushes {
             assert!(seen(Opcode::Flush) >= 1, "cache {cache}: the writeback cache flushes at close");
