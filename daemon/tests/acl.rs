@@ -145,6 +145,7 @@ fn trace_requests_records_the_host_mounts_exchanges() {
 /// without the writeback cache, as a guest is by default, sends no FLUSH
 /// at close(2): one round trip fewer per close. With the writeback cache
 /// (a sole host mount's default) Linux flushes at close all the same.
+/// RELEASE is not counted: it is sent in the background after close(2).
 #[test]
 fn a_close_sends_no_flush_without_the_writeback_cache() {
     use keelfs_vhost::abi::Opcode;
@@ -158,7 +159,11 @@ fn a_close_sends_no_flush_without_the_writeback_cache() {
         drop(served);
         let exchanges = keelfs_vhost::parse_trace(&std::fs::read(&trace).unwrap()).unwrap();
         let seen = |op: Opcode| exchanges.iter().filter(|e| opcode_of(e) == op as u32).count();
-        assert!(seen(Opcode::Release) >= 4, "cache {cache}: a release per close");
+        // OPEN is answered before open(2) returns, and a FLUSH is sent
+        // inside close(2), so both are traced by now. RELEASE is not:
+        // Linux sends it in the background, and it may still be in
+        // flight when the daemon is killed.
+        assert!(seen(Opcode::Open) >= 3, "cache {cache}: an OPEN per read");
         if flushes {
             assert!(seen(Opcode::Flush) >= 1, "cache {cache}: the writeback cache flushes at close");
         } else {
