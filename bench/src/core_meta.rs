@@ -59,7 +59,7 @@ pub async fn fill(fs: &Fs, files: u64, file_bytes: u64) -> anyhow::Result<serde_
         for i in 0..in_this {
             let file = fs.mknod(&c, dir, &file_name(d, i), libc::S_IFREG | 0o644, 0).await?;
             if !data.is_empty() {
-                fs.write(file.ino(), 0, &data).await?;
+                fs.data().write(file.ino(), 0, &data).await?;
             }
         }
     }

@@ -54,7 +54,7 @@ mod sync;
 
 pub use access::{Creds, PermissionCheck};
 pub use adopt::HandleState;
-pub use data::{ReadSink, WriteSource, WriteTimes};
+pub use data::{DataOps, ReadSink, WriteSource, WriteTimes};
 pub use discard::DiscardConfig;
 pub use error::{BlockClaim, DoubleOwner, FsError, FsResult};
 pub use file_clock::{FileClock, ManualClock};
@@ -382,7 +382,7 @@ impl Fs {
         if self.read_only() {
             return Ok(()); // nothing was written, nothing is pending
         }
-        self.writeback_all().await?;
+        self.data().writeback_all().await?;
         journal::sync(&self.inner).await
     }
 
@@ -420,7 +420,7 @@ impl Fs {
         // for free space: it stops at its next piece; settle waits for
         // the piece it holds.
         self.inner.discard.stop_trims(true);
-        if let Err(e) = self.writeback_all().await {
+        if let Err(e) = self.data().writeback_all().await {
             self.inner.discard.stop_trims(false);
             return Err(e);
         }

@@ -624,7 +624,7 @@ impl Fs {
             return Err(FsError::Access);
         }
         if flags as i32 & libc::O_TRUNC != 0 && mask & W_OK != 0 && inode.is_reg() && inode.size > 0 {
-            self.truncate(ino, 0).await?;
+            self.data().truncate(ino, 0).await?;
         }
         Ok(self.new_handle(ino, flags))
     }
@@ -857,7 +857,7 @@ impl Fs {
             if !via_handle && !self.inner.may(&inode, c, W_OK) {
                 return Err(FsError::Access);
             }
-            self.truncate(ino, size).await?;
+            self.data().truncate(ino, size).await?;
             if set.kill_setid || (!c.kernel_checked() && c.uid != 0) {
                 new.mode &= !setid_bits_to_clear(new.mode, c.uid == 0 || c.in_group(new.gid));
             }

@@ -439,7 +439,7 @@ fn security_contexts_tmpfiles_statx_and_copy_file_range() {
         let (err, body) =
             reply(&s.handle(&request(Opcode::CopyFileRange as u32, 8, tmp, &copy_in.bytes)).await.unwrap(), 8);
         assert_eq!((err, u32::from_le_bytes(body[..4].try_into().unwrap())), (0, 4), "copied up to the source's end");
-        let data = s.fs().read(Ino::new(dst), 0, 100).await.unwrap();
+        let data = s.fs().data().read(Ino::new(dst), 0, 100).await.unwrap();
         assert_eq!(&data[10..], b"urce");
         assert!(data[..10].iter().all(|&b| b == 0));
         // A handle that is not the session's, or flags: refused.

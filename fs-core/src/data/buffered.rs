@@ -3,6 +3,7 @@
 
 use std::cell::RefCell;
 
+use super::DataOps;
 use super::{
     blocks_of, copy_page_part, page_part, VecSink, WriteTimes, DIRTY_THROTTLE_PERCENT, IO_BLOCKS_MAX, WRITEBACK_TOKEN,
 };
@@ -12,7 +13,7 @@ use crate::extent::Segment;
 use crate::format::{BLOCK_BYTES, BLOCK_SIZE};
 use crate::ids::Ino;
 use crate::ops::{COPY_RANGE_MAX, MAX_FILE_BYTES};
-use crate::{journal, Fs, FsError, FsResult};
+use crate::{journal, FsError, FsResult};
 use keelfs_bdev::AlignedBuf;
 
 /// Where a buffered write's bytes come from: caller memory, or memory the
@@ -54,11 +55,11 @@ pub trait ReadSink {
     fn copy_from(&self, at: usize, src: &[u8]);
 }
 
-impl Fs {
+impl DataOps<'_> {
     /// Read up to `size` bytes at `offset` into `sink`; the bytes read.
     /// Cached pages go straight from the cache into the sink; a read that
-    /// misses goes through [`Fs::read`] and one more copy.
-    pub async fn read_to<K: ReadSink + ?Sized>(&self, ino: Ino, offset: u64, size: u32, sink: &K) -> FsResult<u32> {
+    /// misses goes through [`DataOps::read`] and one more copy.
+    pub async fn read_to<K: ReadSink + ?Sized>(self, ino: Ino, offset: u64, size: u32, sink: &K) -> FsResult<u32> {
         let inode = self.inner.meta.require_file(ino)?;
         let end = offset.saturating_add(u64::from(size)).min(inode.size);
         if offset < end && self.copy_cached_to(ino, offset, end, sink) {
@@ -74,7 +75,7 @@ impl Fs {
 
     /// Read through the page cache. Pages already cached are copied out
     /// without taking any lock; misses are loaded under a shared lock.
-    pub async fn read(&self, ino: Ino, offset: u64, size: u32) -> FsResult<Vec<u8>> {
+    pub async fn read(self, ino: Ino, offset: u64, size: u32) -> FsResult<Vec<u8>> {
         let inode = self.inner.meta.require_file(ino)?;
         self.inner.change().accessed(ino);
         if offset >= inode.size || size == 0 {
@@ -117,14 +118,14 @@ impl Fs {
 
     /// All of [offset, end) from the cache in one synchronous step, or None
     /// if any page is missing.
-    fn copy_cached(&self, ino: Ino, offset: u64, end: u64) -> Option<Vec<u8>> {
+    fn copy_cached(self, ino: Ino, offset: u64, end: u64) -> Option<Vec<u8>> {
         let out = VecSink(RefCell::new(vec![0u8; (end - offset) as usize]));
         self.copy_cached_to(ino, offset, end, &out).then(|| out.0.into_inner())
     }
 
     /// [`Self::copy_cached`] into any sink; false (nothing copied) if any
     /// page is missing.
-    fn copy_cached_to<K: ReadSink + ?Sized>(&self, ino: Ino, offset: u64, end: u64, sink: &K) -> bool {
+    fn copy_cached_to<K: ReadSink + ?Sized>(self, ino: Ino, offset: u64, end: u64, sink: &K) -> bool {
         let (first, last) = blocks_of(offset, end - offset);
         let mut cache = self.inner.pages.cache_mut();
         if !(first..=last).all(|p| cache.contains((ino, p))) {
@@ -143,7 +144,7 @@ impl Fs {
     /// consecutive device blocks become one request, all in flight
     /// together), cache them, and copy their part of [offset, ..) into
     /// `out`.
-    async fn load_pages_into(&self, ino: Ino, pages: &[u64], size: u64, offset: u64, out: &mut [u8]) -> FsResult<()> {
+    async fn load_pages_into(self, ino: Ino, pages: &[u64], size: u64, offset: u64, out: &mut [u8]) -> FsResult<()> {
         if pages.is_empty() {
             return Ok(());
         }
@@ -202,7 +203,7 @@ impl Fs {
 
     /// A page's contents, loading it into the cache on a miss. Bytes past
     /// `size` are zero in the cached copy.
-    async fn page_for_read(&self, ino: Ino, page: u64, size: u64) -> FsResult<Vec<u8>> {
+    async fn page_for_read(self, ino: Ino, page: u64, size: u64) -> FsResult<Vec<u8>> {
         if let Some(p) = self.inner.pages.cache_mut().get((ino, page)) {
             return Ok(p.to_vec());
         }
@@ -231,7 +232,7 @@ impl Fs {
     /// cache in 1 MiB steps, each of which awaits and so yields. Stops at
     /// the source's end; returns the bytes copied. Overlapping ranges of
     /// one file are EINVAL, as on Linux.
-    pub async fn copy_range(&self, from: Ino, from_offset: u64, to: Ino, to_offset: u64, len: u64) -> FsResult<u64> {
+    pub async fn copy_range(self, from: Ino, from_offset: u64, to: Ino, to_offset: u64, len: u64) -> FsResult<u64> {
         const STEP: u64 = 1 << 20;
         self.inner.meta.require_file(to)?;
         let len = len.min(COPY_RANGE_MAX);
@@ -253,17 +254,17 @@ impl Fs {
 
     /// Write through the page cache: pages are dirtied, not allocated
     /// (delayed allocation); writeback allocates and logs them later.
-    pub async fn write(&self, ino: Ino, offset: u64, data: &[u8]) -> FsResult<u32> {
+    pub async fn write(self, ino: Ino, offset: u64, data: &[u8]) -> FsResult<u32> {
         self.write_from(ino, offset, data).await
     }
 
-    /// [`Fs::write`] from any [`WriteSource`]: the bytes are copied once,
+    /// [`DataOps::write`] from any [`WriteSource`]: the bytes are copied once,
     /// into the cached pages.
-    pub async fn write_from<S: WriteSource + ?Sized>(&self, ino: Ino, offset: u64, data: &S) -> FsResult<u32> {
+    pub async fn write_from<S: WriteSource + ?Sized>(self, ino: Ino, offset: u64, data: &S) -> FsResult<u32> {
         self.write_from_with(ino, offset, data, WriteTimes::Stamp).await
     }
 
-    /// [`Fs::write_from`], saying who keeps the file's mtime and ctime.
+    /// [`DataOps::write_from`], saying who keeps the file's mtime and ctime.
     pub async fn write_from_with<S: WriteSource + ?Sized>(
         &self,
         ino: Ino,
@@ -271,7 +272,7 @@ impl Fs {
         data: &S,
         times: WriteTimes,
     ) -> FsResult<u32> {
-        if self.read_only() {
+        if self.inner.config.read_only {
             return Err(FsError::ReadOnly);
         }
         match self.write_from_once(ino, offset, data, times).await {
@@ -294,10 +295,10 @@ impl Fs {
     /// in pieces holds the frees committed since its start; it is given up
     /// first, so that they come back too, and so are runs awaiting a
     /// discard. A retry is worth it only if space came back.
-    pub(super) async fn reclaim_pending_frees(&self) -> FsResult<bool> {
+    pub(super) async fn reclaim_pending_frees(self) -> FsResult<bool> {
         let before = self.inner.space.available_blocks(self.inner.usage());
         self.inner.journal.abandon_checkpoint_in_pieces(&self.inner.commit_cx());
-        journal::commit_all(&self.inner).await?;
+        journal::commit_all(self.inner).await?;
         // The commit may have queued its frees for discard: take them
         // (and any queued before) back now.
         let discarded = self.inner.discard.reclaim(&self.inner.meta).await;
@@ -413,7 +414,7 @@ impl Fs {
     }
 
     /// Write back until `pages` more pages fit without evicting dirty ones.
-    async fn make_room(&self, pages: u64) -> FsResult<()> {
+    async fn make_room(self, pages: u64) -> FsResult<()> {
         for _ in 0..4 {
             if self.inner.pages.cache().clean_or_free_slots() as u64 > pages {
                 return Ok(());
@@ -425,7 +426,7 @@ impl Fs {
 
     /// Pages of [first, last] over holes that hold no reservation yet:
     /// writeback will allocate a block for each.
-    fn pages_needing_reservation(&self, ino: Ino, first: u64, last: u64) -> FsResult<Vec<u64>> {
+    fn pages_needing_reservation(self, ino: Ino, first: u64, last: u64) -> FsResult<Vec<u64>> {
         let cache = self.inner.pages.cache();
         let mut out = Vec::new();
         for seg in self.inner.meta.segments(ino, first, last - first + 1)? {
@@ -438,7 +439,7 @@ impl Fs {
         Ok(out)
     }
 
-    async fn throttle(&self, ino: Ino) -> FsResult<()> {
+    async fn throttle(self, ino: Ino) -> FsResult<()> {
         let (dirty, capacity) = {
             let c = self.inner.pages.cache();
             (c.dirty_pages(), c.capacity_pages())
@@ -452,7 +453,7 @@ impl Fs {
     /// Write back the dirty pages of `ino` in [from, to) (page indices).
     /// Returns once they are on the device and their extents logged, and
     /// so is any writeback of the file that was running when it began.
-    pub(crate) async fn writeback(&self, ino: Ino, from: u64, to: u64) -> FsResult<()> {
+    pub(crate) async fn writeback(self, ino: Ino, from: u64, to: u64) -> FsResult<()> {
         // One writeback per file at a time (two could allocate the same
         // hole), holding a token range past any data. Taken before looking
         // for dirty pages: a running writeback has marked the pages it took
@@ -489,7 +490,7 @@ impl Fs {
 
     /// Write back the pages of one run. The caller holds the file's
     /// writeback token.
-    async fn writeback_run(&self, ino: Ino, first: u64, count: u64) -> FsResult<()> {
+    async fn writeback_run(self, ino: Ino, first: u64, count: u64) -> FsResult<()> {
         // A *shared* lock on the pages: writers of them wait, readers
         // never do.
         let _range = self
@@ -555,7 +556,7 @@ impl Fs {
 
     /// Write back every dirty page, and wait for writebacks already
     /// running (the timer's), whose pages no longer look dirty.
-    pub async fn writeback_all(&self) -> FsResult<()> {
+    pub async fn writeback_all(self) -> FsResult<()> {
         for ino in self.inner.pages.unsettled_files() {
             self.writeback(ino, 0, u64::MAX).await?;
         }
@@ -564,9 +565,9 @@ impl Fs {
 
     /// Make the file durable: its dirty pages, then (unless `datasync` and
     /// only timestamps changed) the journal, then the device cache.
-    pub async fn fsync(&self, ino: Ino, datasync: bool) -> FsResult<()> {
+    pub async fn fsync(self, ino: Ino, datasync: bool) -> FsResult<()> {
         self.inner.meta.inode(ino)?;
-        if self.read_only() {
+        if self.inner.config.read_only {
             return Ok(());
         }
         self.writeback(ino, 0, u64::MAX).await?;
@@ -574,15 +575,15 @@ impl Fs {
         if datasync && !needed {
             return self.inner.journal.flush_data(&self.inner.commit_cx()).await;
         }
-        journal::sync(&self.inner).await
+        journal::sync(self.inner).await
     }
 
-    pub async fn fsyncdir(&self, ino: Ino, datasync: bool) -> FsResult<()> {
+    pub async fn fsyncdir(self, ino: Ino, datasync: bool) -> FsResult<()> {
         self.inner.meta.inode(ino)?;
-        if self.read_only() {
+        if self.inner.config.read_only {
             return Ok(());
         }
         let _ = datasync;
-        journal::sync(&self.inner).await
+        journal::sync(self.inner).await
     }
 }

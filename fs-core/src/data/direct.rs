@@ -1,5 +1,6 @@
 //! Direct I/O: the caller's buffer goes to the device without a copy.
 
+use super::DataOps;
 use super::{blocks_of, IO_BLOCKS_MAX};
 use crate::blocks::{block_bytes, offset_in_block, FileBlock};
 use crate::extent::Segment;
@@ -7,12 +8,12 @@ use crate::format::{BLOCK_BYTES, BLOCK_SIZE};
 use crate::ids::Ino;
 use crate::ops::MAX_FILE_BYTES;
 use crate::record::Record;
-use crate::{Fs, FsError, FsResult};
+use crate::{FsError, FsResult};
 use keelfs_bdev::AlignedBuf;
 use keelfs_reactor::{await_all, IoBuffer, SharedBuffer};
 
-impl Fs {
-    fn direct_aligned<B: IoBuffer>(&self, offset: u64, buf: &SharedBuffer<B>) -> bool {
+impl DataOps<'_> {
+    fn direct_aligned<B: IoBuffer>(self, offset: u64, buf: &SharedBuffer<B>) -> bool {
         let align = self.inner.io.geometry().memory_alignment.max(512) as usize;
         offset.is_multiple_of(BLOCK_SIZE)
             && (buf.len() as u64).is_multiple_of(BLOCK_SIZE)
@@ -22,7 +23,7 @@ impl Fs {
 
     /// Write back and drop cached pages of [first, last] so that direct
     /// I/O and the cache agree.
-    pub(super) async fn flush_cache_range(&self, ino: Ino, first: u64, last: u64, drop_clean: bool) -> FsResult<()> {
+    pub(super) async fn flush_cache_range(self, ino: Ino, first: u64, last: u64, drop_clean: bool) -> FsResult<()> {
         let cached = self.inner.pages.cache().has_pages(ino, first, last + 1);
         if !cached {
             return Ok(());
@@ -36,8 +37,8 @@ impl Fs {
 
     /// Direct write of `buf` at `offset`. Returns the buffer and the bytes
     /// written. Unaligned requests are copied through a bounce buffer.
-    pub async fn write_direct<B: IoBuffer>(&self, ino: Ino, offset: u64, buf: B) -> (B, FsResult<u32>) {
-        if self.read_only() {
+    pub async fn write_direct<B: IoBuffer>(self, ino: Ino, offset: u64, buf: B) -> (B, FsResult<u32>) {
+        if self.inner.config.read_only {
             return (buf, Err(FsError::ReadOnly));
         }
         let shared = SharedBuffer::new(buf);
@@ -50,7 +51,7 @@ impl Fs {
         (into_inner(shared), result)
     }
 
-    async fn write_direct_shared<B: IoBuffer>(&self, ino: Ino, offset: u64, buf: &SharedBuffer<B>) -> FsResult<u32> {
+    async fn write_direct_shared<B: IoBuffer>(self, ino: Ino, offset: u64, buf: &SharedBuffer<B>) -> FsResult<u32> {
         let len = buf.len() as u64;
         if len == 0 {
             return Ok(0);
@@ -100,8 +101,8 @@ impl Fs {
         // write: it must move the size, which this path never does. The
         // size is checked before the lock too, so that appends never take
         // it here.
-        let inside = |fs: &Fs| -> FsResult<bool> { Ok(end <= fs.inner.meta.inode(ino)?.size) };
-        if !inside(self)? {
+        let inside = || -> FsResult<bool> { Ok(end <= self.inner.meta.inode(ino)?.size) };
+        if !inside()? {
             return Ok(None);
         }
         let _range =
@@ -111,7 +112,7 @@ impl Fs {
         // is released.
         let segments = self.inner.meta.segments(ino, first, last - first + 1)?;
         let all_written = segments.iter().all(|s| matches!(s, Segment::Mapped(e) if !e.unwritten));
-        if !all_written || !inside(self)? {
+        if !all_written || !inside()? {
             return Ok(None);
         }
         self.inner.data.direct_begin();
@@ -229,7 +230,7 @@ impl Fs {
     /// claim: the furthest completed end, but never past the start of an
     /// earlier extending write still in flight, so the size never covers
     /// data that is not on the device.
-    fn finish_extend(&self, ino: Ino, offset: u64, end: u64, ok: bool) -> u64 {
+    fn finish_extend(self, ino: Ino, offset: u64, end: u64, ok: bool) -> u64 {
         let mut state = self.inner.meta.state_mut();
         let Some(n) = state.node_mut(ino) else { return 0 };
         let size = n.inode.size;
@@ -244,13 +245,13 @@ impl Fs {
 
     /// Direct read into `buf`. Returns the buffer and the bytes read (short
     /// at end of file).
-    pub async fn read_direct<B: IoBuffer>(&self, ino: Ino, offset: u64, buf: B) -> (B, FsResult<u32>) {
+    pub async fn read_direct<B: IoBuffer>(self, ino: Ino, offset: u64, buf: B) -> (B, FsResult<u32>) {
         let shared = SharedBuffer::new(buf);
         let result = self.read_direct_shared(ino, offset, &shared).await;
         (into_inner(shared), result)
     }
 
-    async fn read_direct_shared<B: IoBuffer>(&self, ino: Ino, offset: u64, buf: &SharedBuffer<B>) -> FsResult<u32> {
+    async fn read_direct_shared<B: IoBuffer>(self, ino: Ino, offset: u64, buf: &SharedBuffer<B>) -> FsResult<u32> {
         self.inner.change().accessed(ino);
         let inode = self.inner.meta.require_file(ino)?;
         let len = buf.len() as u64;
@@ -286,7 +287,7 @@ impl Fs {
 
     /// A direct write of unaligned bytes: read-modify-write of the edge
     /// blocks, bypassing the cache.
-    async fn write_uncached_copy(&self, ino: Ino, offset: u64, data: &[u8]) -> FsResult<u32> {
+    async fn write_uncached_copy(self, ino: Ino, offset: u64, data: &[u8]) -> FsResult<u32> {
         let end = offset + data.len() as u64;
         let (first, last) = blocks_of(offset, data.len() as u64);
         let (_range, old_size) = self.lock_for_write(ino, first, last, end).await?;
@@ -318,7 +319,7 @@ impl Fs {
         Ok(data.len() as u32)
     }
 
-    async fn read_uncached_copy(&self, ino: Ino, offset: u64, len: u64) -> FsResult<Vec<u8>> {
+    async fn read_uncached_copy(self, ino: Ino, offset: u64, len: u64) -> FsResult<Vec<u8>> {
         let (first, last) = blocks_of(offset, len);
         let _range =
             self.inner.data.lock(ino, FileBlock::new(first).offset(), FileBlock::new(last + 1).offset(), false).await;

@@ -28,7 +28,7 @@ use super::cache::PAGE_BYTES;
 use super::extent::Segment;
 use super::format::{BlockRun, BLOCK_BYTES};
 use super::record::Record;
-use super::{Fs, FsError, FsResult};
+use super::{Fs, FsError, FsInner, FsResult};
 use crate::ids::Ino;
 use keelfs_bdev::AlignedBuf;
 use keelfs_reactor as reactor;
@@ -95,7 +95,7 @@ pub(crate) fn start_writeback_timer(fs: &Fs) {
             }
             if inner.pages.cache().dirty_pages() > 0 {
                 let span = inner.span.clone();
-                if let Err(e) = (Fs { inner }).writeback_all().await {
+                if let Err(e) = (DataOps { inner: &inner }).writeback_all().await {
                     tracing::warn!(parent: &span, error = %e, "background writeback failed");
                 }
             }
@@ -103,11 +103,31 @@ pub(crate) fn start_writeback_timer(fs: &Fs) {
     });
 }
 
-/// Shared helpers.
+/// The data operations of a mounted filesystem (reads, writes, fsync,
+/// fallocate, lseek), reached through [`Fs::data`].
+///
+/// A sub-handle, not a part: a `Copy` borrow of the filesystem, made per
+/// call, that groups these operations apart from the namespace's so that
+/// neither group's type grows past a few dozen methods (issue 35). Its
+/// methods take `self` by value, so a future keeps only the borrow of the
+/// `Fs` and a caller may hold several at once.
+#[derive(Clone, Copy)]
+pub struct DataOps<'a> {
+    inner: &'a Rc<FsInner>,
+}
+
 impl Fs {
+    /// The data operations on this filesystem's files.
+    pub fn data(&self) -> DataOps<'_> {
+        DataOps { inner: &self.inner }
+    }
+}
+
+/// Shared helpers.
+impl DataOps<'_> {
     /// One file block as it is on the device (zeros for holes and
     /// unwritten extents), ignoring the page cache.
-    async fn read_device_block(&self, ino: Ino, file_block: u64, out: &mut [u8]) -> FsResult<()> {
+    async fn read_device_block(self, ino: Ino, file_block: u64, out: &mut [u8]) -> FsResult<()> {
         match self.inner.meta.segments(ino, file_block, 1)?[0] {
             Segment::Mapped(e) if !e.unwritten => {
                 let buf = self.inner.io.read_blocks(e.disk_block, 1).await?;
@@ -123,7 +143,7 @@ impl Fs {
     /// file's previous extent when that space is free (extent merging).
     /// Only writeback (`reserved`) may dip into space promised to dirty
     /// pages.
-    fn alloc_runs(&self, ino: Ino, file_block: FileBlock, count: u64, reserved: bool) -> FsResult<Vec<BlockRun>> {
+    fn alloc_runs(self, ino: Ino, file_block: FileBlock, count: u64, reserved: bool) -> FsResult<Vec<BlockRun>> {
         if !reserved {
             self.inner.space.check_room(self.inner.usage(), count)?;
         }
@@ -134,7 +154,7 @@ impl Fs {
 
     /// Runs from [`Self::alloc_runs`] are mapped now, or (`back_to_free`)
     /// go back to the allocator unused.
-    fn unreserve(&self, runs: &[BlockRun], back_to_free: bool) {
+    fn unreserve(self, runs: &[BlockRun], back_to_free: bool) {
         self.inner.space.unreserve(&mut self.inner.meta.state_mut(), runs, back_to_free);
     }
 
@@ -171,7 +191,7 @@ impl Fs {
     /// Zero the bytes past `size` in the block holding the end of file, on
     /// the device and in the cache: they are invisible now and about to
     /// become part of the file.
-    async fn zero_past_eof(&self, ino: Ino, size: u64) -> FsResult<()> {
+    async fn zero_past_eof(self, ino: Ino, size: u64) -> FsResult<()> {
         let tail = offset_in_block(size) as usize;
         if tail == 0 {
             return Ok(());
@@ -211,7 +231,7 @@ impl Fs {
 
     /// Zero bytes [from, to) of one file block on the device, if it holds
     /// written data.
-    async fn zero_in_block(&self, ino: Ino, file_block: FileBlock, from: usize, to: usize) -> FsResult<()> {
+    async fn zero_in_block(self, ino: Ino, file_block: FileBlock, from: usize, to: usize) -> FsResult<()> {
         let Segment::Mapped(e) = self.inner.meta.segments(ino, file_block.get(), 1)?[0] else { return Ok(()) };
         if e.unwritten {
             return Ok(());
@@ -230,7 +250,7 @@ impl Fs {
     /// into unwritten extents where it has those. Returns the records that
     /// map what was written; the caller logs them now that the data is on
     /// the device (ordered data).
-    async fn write_image(&self, ino: Ino, first: u64, image: AlignedBuf) -> FsResult<Vec<Record<'static>>> {
+    async fn write_image(self, ino: Ino, first: u64, image: AlignedBuf) -> FsResult<Vec<Record<'static>>> {
         let nblocks = whole_blocks(image.len() as u64);
         let image_bytes = image.len() as u64;
         let mut targets: Vec<(FileBlock, DevBlock, u64, bool)> = Vec::new(); // (file, disk, len, needs record)
@@ -294,7 +314,7 @@ impl Fs {
             .collect())
     }
 
-    fn log_all(&self, records: Vec<Record<'_>>) -> FsResult<()> {
+    fn log_all(self, records: Vec<Record<'_>>) -> FsResult<()> {
         for r in records {
             self.inner.change().log(r)?;
         }

@@ -1,6 +1,7 @@
 //! Size changes, preallocation and seeking.
 
 use super::blocks_of;
+use super::DataOps;
 use crate::blocks::{offset_in_block, FileBlock};
 use crate::cache::PAGE_BYTES;
 use crate::extent::Segment;
@@ -8,16 +9,16 @@ use crate::format::{BLOCK_BYTES, BLOCK_SIZE};
 use crate::ids::Ino;
 use crate::ops::{SeekTo, MAX_FILE_BYTES};
 use crate::record::Record;
-use crate::{Fs, FsError, FsResult};
+use crate::{FsError, FsResult};
 
 use crate::flags::FallocateMode;
 
-impl Fs {
+impl DataOps<'_> {
     /// Set the size. Shrinking frees whole blocks past the new end in one
     /// transaction; the bytes left past the end in the last partial block
     /// are zeroed only when the file grows over them again, so a crash
     /// before the shrink commits cannot destroy data still in the file.
-    pub(crate) async fn truncate(&self, ino: Ino, new_size: u64) -> FsResult<()> {
+    pub(crate) async fn truncate(self, ino: Ino, new_size: u64) -> FsResult<()> {
         if new_size > MAX_FILE_BYTES {
             return Err(FsError::FileTooBig);
         }
@@ -44,7 +45,7 @@ impl Fs {
         } else {
             self.zero_past_eof(ino, old).await?;
         }
-        let t = self.file_time();
+        let t = self.inner.change().file_time();
         self.inner.change().update_inode(ino, |i| {
             i.size = new_size;
             i.mtime = t;
@@ -64,8 +65,8 @@ impl Fs {
         Ok(())
     }
 
-    pub async fn fallocate(&self, ino: Ino, mode: FallocateMode, offset: u64, len: u64) -> FsResult<()> {
-        if self.read_only() {
+    pub async fn fallocate(self, ino: Ino, mode: FallocateMode, offset: u64, len: u64) -> FsResult<()> {
+        if self.inner.config.read_only {
             return Err(FsError::ReadOnly);
         }
         match self.fallocate_once(ino, mode, offset, len).await {
@@ -76,7 +77,7 @@ impl Fs {
         }
     }
 
-    async fn fallocate_once(&self, ino: Ino, mode: FallocateMode, offset: u64, len: u64) -> FsResult<()> {
+    async fn fallocate_once(self, ino: Ino, mode: FallocateMode, offset: u64, len: u64) -> FsResult<()> {
         if len == 0 {
             return Err(FsError::Invalid("fallocate of zero bytes"));
         }
@@ -102,7 +103,7 @@ impl Fs {
         if !punch {
             self.allocate_unwritten(ino, FileBlock::containing(offset), FileBlock::starting_at_or_after(end))?;
         }
-        let t = self.file_time();
+        let t = self.inner.change().file_time();
         self.inner.change().update_inode(ino, |i| {
             if !keep {
                 i.size = i.size.max(end);
@@ -118,7 +119,7 @@ impl Fs {
 
     /// Make [offset, end) read as zeros: unmap whole blocks, zero edges,
     /// on the device and in the cache.
-    async fn clear_range(&self, ino: Ino, offset: u64, end: u64) -> FsResult<()> {
+    async fn clear_range(self, ino: Ino, offset: u64, end: u64) -> FsResult<()> {
         let first_whole = FileBlock::starting_at_or_after(offset);
         let end_whole = FileBlock::containing(end);
         if first_whole < end_whole {
@@ -143,7 +144,7 @@ impl Fs {
 
     /// Back the holes in file blocks [first, end) with unwritten extents:
     /// space is reserved and reads still return zeros, with no data I/O.
-    fn allocate_unwritten(&self, ino: Ino, first: FileBlock, end: FileBlock) -> FsResult<()> {
+    fn allocate_unwritten(self, ino: Ino, first: FileBlock, end: FileBlock) -> FsResult<()> {
         let holes: Vec<(FileBlock, u64)> = self
             .inner
             .meta
@@ -162,7 +163,7 @@ impl Fs {
 
     /// SEEK_DATA / SEEK_HOLE. Unwritten extents count as holes; dirty
     /// cached pages count as data.
-    pub async fn lseek(&self, ino: Ino, offset: u64, to: SeekTo) -> FsResult<u64> {
+    pub async fn lseek(self, ino: Ino, offset: u64, to: SeekTo) -> FsResult<u64> {
         let inode = self.inner.meta.require_file(ino)?;
         if offset >= inode.size {
             return Err(FsError::Nxio);

@@ -981,7 +981,8 @@ impl Session {
             Request::Flush { fh } => self.own_handle_of(fh, ino).map(|_| None),
             Request::Fsync { fh, datasync, dir } => {
                 self.own_handle_of(fh, ino)?;
-                let r = if dir { fs.fsyncdir(ino, datasync).await } else { fs.fsync(ino, datasync).await };
+                let r =
+                    if dir { fs.data().fsyncdir(ino, datasync).await } else { fs.data().fsync(ino, datasync).await };
                 r.map(|_| None).map_err(e)
             }
             Request::Setxattr { .. }
@@ -1009,11 +1010,11 @@ impl Session {
                 writable(self.own_handle_of(fh, ino)?)?;
                 // Linux clears set-id bits on fallocate (file_modified).
                 self.kill_setid_unless_root(ino, &c)?;
-                fs.fallocate(ino, mode, offset, length).await.map(|_| None).map_err(e)
+                fs.data().fallocate(ino, mode, offset, length).await.map(|_| None).map_err(e)
             }
             Request::Lseek { fh, offset, to } => {
                 self.own_handle_of(fh, ino)?;
-                let at = fs.lseek(ino, offset, to.ok_or(libc::EINVAL)?).await.map_err(e)?;
+                let at = fs.data().lseek(ino, offset, to.ok_or(libc::EINVAL)?).await.map_err(e)?;
                 let mut r = Reply::default();
                 r.u64(at);
                 Ok(Some(r))
@@ -1026,7 +1027,7 @@ impl Session {
                 readable(self.own_handle_of(fh_in, ino)?)?;
                 writable(self.own_handle_of(fh_out, nodeid_out)?)?;
                 self.kill_setid_unless_root(nodeid_out, &c)?;
-                let copied = fs.copy_range(ino, off_in, nodeid_out, off_out, len).await.map_err(e)?;
+                let copied = fs.data().copy_range(ino, off_in, nodeid_out, off_out, len).await.map_err(e)?;
                 Ok(Some(write_out(copied as u32)))
             }
             Request::Ioctl { fh, flags, cmd, input, out_size } => {
@@ -1182,7 +1183,7 @@ impl Session {
         data: &S,
     ) -> Result<u32, i32> {
         debug_assert!(data.len() <= self.config.max_write as usize, "in_place_handle held it to max_write");
-        self.fs.write_from_with(ino, offset, data, self.write_times(write_flags)).await.map_err(|e| e.errno())
+        self.fs.data().write_from_with(ino, offset, data, self.write_times(write_flags)).await.map_err(|e| e.errno())
     }
 
     /// FUSE_READ on a buffered handle into `sink` (guest pages): the bytes
@@ -1195,20 +1196,20 @@ impl Session {
         sink: &K,
     ) -> Result<u32, i32> {
         debug_assert!(size <= self.config.max_write, "in_place_handle held it to max_write");
-        self.fs.read_to(ino, offset, size, sink).await.map_err(|e| e.errno())
+        self.fs.data().read_to(ino, offset, size, sink).await.map_err(|e| e.errno())
     }
 
     /// FUSE_WRITE on a direct handle with the data already in I/O memory
     /// (guest pages): the bytes written, or an errno.
     async fn write_direct_from<B: IoBuffer>(&self, ino: Ino, offset: u64, data: B) -> (B, Result<u32, i32>) {
-        let (data, written) = self.fs.write_direct(ino, offset, data).await;
+        let (data, written) = self.fs.data().write_direct(ino, offset, data).await;
         (data, written.map_err(|e| e.errno()))
     }
 
     /// FUSE_READ on a direct handle into I/O memory (guest pages): the
     /// bytes read, or an errno.
     async fn read_direct_into<B: IoBuffer>(&self, ino: Ino, offset: u64, into: B) -> (B, Result<u32, i32>) {
-        let (buf, n) = self.fs.read_direct(ino, offset, into).await;
+        let (buf, n) = self.fs.data().read_direct(ino, offset, into).await;
         (buf, n.map_err(|e| e.errno()))
     }
 
@@ -1217,10 +1218,10 @@ impl Session {
         let size = size.min(self.config.max_write);
         let data = if flags as i32 & libc::O_DIRECT != 0 {
             let buf = AlignedBuf::zeroed((size as usize).div_ceil(BLOCK_BYTES).max(1) * BLOCK_BYTES, BLOCK_BYTES);
-            let (buf, n) = self.fs.read_direct(ino, offset, buf).await;
+            let (buf, n) = self.fs.data().read_direct(ino, offset, buf).await;
             buf[..n.map_err(|e| e.errno())? as usize].to_vec()
         } else {
-            self.fs.read(ino, offset, size).await.map_err(|e| e.errno())?
+            self.fs.data().read(ino, offset, size).await.map_err(|e| e.errno())?
         };
         let mut r = Reply::default();
         r.raw(&data[..data.len().min(size as usize)]);
@@ -1250,9 +1251,9 @@ impl Session {
         let n = if flags as i32 & libc::O_DIRECT != 0 && !data.is_empty() {
             let mut buf = AlignedBuf::zeroed(data.len(), BLOCK_BYTES);
             buf.copy_from_slice(data);
-            self.fs.write_direct(ino, offset, buf).await.1
+            self.fs.data().write_direct(ino, offset, buf).await.1
         } else {
-            self.fs.write_from_with(ino, offset, data, self.write_times(write_flags)).await
+            self.fs.data().write_from_with(ino, offset, data, self.write_times(write_flags)).await
         }
         .map_err(|e| e.errno())?;
         Ok(Some(write_out(n)))
