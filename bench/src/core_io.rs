@@ -121,7 +121,7 @@ pub async fn dio_overwrite(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
     let ino = create(fs, "dio").await?;
     preallocate(fs, ino, p.file_size).await?;
     let blocks = p.file_size / 4096;
-    let before = fs.counters();
+    let before = fs.inspect().counters();
     let fs2 = fs.clone();
     let (tally, secs) = run_tasks(p.threads, p.seconds, move |t, i| {
         let fs = fs2.clone();
@@ -135,7 +135,7 @@ pub async fn dio_overwrite(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
         }
     })
     .await?;
-    let after = fs.counters();
+    let after = fs.inspect().counters();
     let (p50, p99) = tally.latency();
     Ok(json!({
         "bench": "core", "workload": "dio-overwrite", "threads": p.threads,
@@ -151,7 +151,7 @@ pub async fn aio_append(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
     let ino = create(fs, "append").await?;
     let next = Rc::new(Cell::new(0u64));
     let limit = p.file_size;
-    let before = fs.counters();
+    let before = fs.inspect().counters();
     let (fs2, next2) = (fs.clone(), next.clone());
     let (tally, secs) = run_tasks(p.iodepth, p.seconds, move |_, _| {
         let (fs, next) = (fs2.clone(), next2.clone());
@@ -166,7 +166,7 @@ pub async fn aio_append(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
         }
     })
     .await?;
-    let after = fs.counters();
+    let after = fs.inspect().counters();
     let (p50, p99) = tally.latency();
     Ok(json!({
         "bench": "core", "workload": "aio-append", "iodepth": p.iodepth,
@@ -174,7 +174,7 @@ pub async fn aio_append(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
         "lat_us_p50": p50, "lat_us_p99": p99,
         "direct_in_flight_max": after.direct_in_flight_max,
         "file_bytes": fs.getattr(ino).await?.inode.size,
-        "extents": fs.extent_count(ino)?,
+        "extents": fs.inspect().extent_count(ino)?,
         "during_run": delta(before, after),
     }))
 }
@@ -265,7 +265,8 @@ fn start_readers(fs: &Fs, p: &Params, ino: Ino) -> anyhow::Result<(Readers, Opti
     // miss), leaving the core to the owner and io_uring's workers.
     let config = reactor::ReactorConfig { id: 1, mode: reactor::PollMode::Interrupt, ..Default::default() };
     let (handle, join) = reactor::Reactor::spawn(config, || {})?;
-    let readers = Readers::Apart { reactor: handle.clone(), shared: fs.shared_reader(ino)?, owner: reactor::current() };
+    let readers =
+        Readers::Apart { reactor: handle.clone(), shared: fs.data().shared_reader(ino)?, owner: reactor::current() };
     Ok((readers, Some((handle, join))))
 }
 
@@ -314,7 +315,7 @@ pub async fn buffered_randrw(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
     };
     let (mut alone_iops, mut mixed_iops, mut write_iops) = (Vec::new(), Vec::new(), Vec::new());
     let (mut mixed_reads, mut shared_waits, mut sent_to_owner) = (0u64, 0u64, 0u64);
-    let shared_before = fs.cache_stats();
+    let shared_before = fs.inspect().cache_stats();
     for _ in 0..p.rounds.max(1) {
         let alone = read_phase(fs, &readers, ino, pages, p.seconds).await?;
         alone_iops.push(alone.ops as f64 / alone.secs);
@@ -327,9 +328,9 @@ pub async fn buffered_randrw(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
                 done.set(Some(run_tasks(2, seconds, write_op).await.map(|_| ())));
             });
         }
-        let waits_before = fs.range_lock_waits().0;
+        let waits_before = fs.inspect().range_lock_waits().0;
         let mixed = read_phase(fs, &readers, ino, pages, p.seconds).await?;
-        shared_waits += fs.range_lock_waits().0 - waits_before;
+        shared_waits += fs.inspect().range_lock_waits().0 - waits_before;
         mixed_reads += mixed.ops;
         sent_to_owner += mixed.sent_to_owner;
         wait_for(&writers).await?;
@@ -339,7 +340,7 @@ pub async fn buffered_randrw(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
     stop_readers(reader_thread)?;
     let ratios: Vec<f64> = mixed_iops.iter().zip(&alone_iops).map(|(m, a)| m / a).collect();
     let (read_only_iops, mixed_read_iops) = (median(&alone_iops), median(&mixed_iops));
-    let stats = fs.cache_stats();
+    let stats = fs.inspect().cache_stats();
     Ok(json!({
         "bench": "core", "workload": "buffered-randrw", "readers": 2, "writers": 2, "bs": 8192,
         "readers_on": if p.readers_on_owner { "owner reactor" } else { "second reactor" },
@@ -379,7 +380,7 @@ pub fn byte_writes_bytes(writes_per_round: u64) -> u64 {
 pub async fn byte_writes(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
     let writes_per_round = p.writes;
     let mut journal_writes = 0;
-    let before_all = fs.counters();
+    let before_all = fs.inspect().counters();
     let mut out = json!({"bench": "core", "workload": "byte-writes", "writes_per_round": writes_per_round - 1, "rounds": BYTE_WRITES_ROUNDS});
     for pattern in ["append", "overwrite"] {
         // Nanoseconds per write, per mode, the modes interleaved per round.
@@ -389,9 +390,9 @@ pub async fn byte_writes(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
                 let ino = create(fs, &format!("bytes-{pattern}-{r}-{m}")).await?;
                 fs.data().write(ino, 0, b"x").await?;
                 fs.sync().await?;
-                fs.set_file_times_for_benchmark(*mode != "without_times");
+                fs.inspect().set_file_times_for_benchmark(*mode != "without_times");
                 let observe = *mode == "i_version_observed";
-                let before = fs.counters();
+                let before = fs.inspect().counters();
                 let start = Instant::now();
                 for i in 1..writes_per_round {
                     let offset = if pattern == "append" { i } else { i % 4096 };
@@ -401,8 +402,8 @@ pub async fn byte_writes(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
                     }
                 }
                 samples[m].push(start.elapsed().as_nanos() as f64 / (writes_per_round - 1) as f64);
-                journal_writes += fs.counters().journal_blocks_written - before.journal_blocks_written;
-                fs.set_file_times_for_benchmark(true);
+                journal_writes += fs.inspect().counters().journal_blocks_written - before.journal_blocks_written;
+                fs.inspect().set_file_times_for_benchmark(true);
             }
         }
         let [with, without, observed] = samples.map(|v| median(&v));
@@ -415,7 +416,7 @@ pub async fn byte_writes(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
     }
     out["ns_per_write"] = out["append"]["ns_per_write"].clone();
     out["journal_writes"] = json!(journal_writes);
-    out["during_run"] = delta(before_all, fs.counters());
+    out["during_run"] = delta(before_all, fs.inspect().counters());
     Ok(out)
 }
 
@@ -440,9 +441,9 @@ pub async fn seq_extents(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
     let mib = size as f64 / f64::from(1 << 20);
     Ok(json!({
         "bench": "core", "workload": "seq-extents", "bytes": size, "write_bytes": 4096,
-        "extents_buffered": fs.extent_count(buffered)?,
-        "extents_direct": fs.extent_count(direct)?,
-        "extents": fs.extent_count(buffered)?.max(fs.extent_count(direct)?),
+        "extents_buffered": fs.inspect().extent_count(buffered)?,
+        "extents_direct": fs.inspect().extent_count(direct)?,
+        "extents": fs.inspect().extent_count(buffered)?.max(fs.inspect().extent_count(direct)?),
         "buffered_mib_s": round2(mib / buffered_secs),
         "direct_mib_s": round2(mib / direct_secs),
     }))
@@ -458,7 +459,7 @@ pub async fn fsync_storm(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
         files.push(create(fs, &format!("storm-{i}")).await?);
     }
     fs.sync().await?;
-    let before = fs.counters();
+    let before = fs.inspect().counters();
     let files = Rc::new(files);
     let (fs2, files2) = (fs.clone(), files.clone());
     let (tally, secs) = run_tasks(p.threads, p.seconds, move |t, i| {
@@ -471,7 +472,7 @@ pub async fn fsync_storm(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
         }
     })
     .await?;
-    let after = fs.counters();
+    let after = fs.inspect().counters();
     let (p50, p99) = tally.latency();
     let fsyncs = after.fsyncs - before.fsyncs;
     let flushes = after.device_flushes - before.device_flushes;

@@ -67,7 +67,7 @@ pub async fn fill(fs: &Fs, files: u64, file_bytes: u64) -> anyhow::Result<serde_
     let (checkpoint_s, whole_wait_s) = checkpoint_beside_requests(fs, false).await?;
     let (pieces_s, pieces_wait_s) = checkpoint_beside_requests(fs, true).await?;
     let rss_full = rss_bytes();
-    let checkpoint_bytes = fs.superblock().checkpoint_bytes;
+    let checkpoint_bytes = fs.inspect().superblock().checkpoint_bytes;
     fs.unmount().await?;
     let per_file = |bytes: u64| (bytes as f64 / files as f64).round();
     Ok(json!({
@@ -115,9 +115,9 @@ async fn checkpoint_beside_requests(fs: &Fs, in_pieces: bool) -> anyhow::Result<
     reactor::next_tick().await;
     let started = Instant::now();
     if in_pieces {
-        fs.checkpoint_in_pieces().await?;
+        fs.admin().checkpoint_in_pieces().await?;
     } else {
-        fs.checkpoint().await?;
+        fs.admin().checkpoint().await?;
     }
     let took = started.elapsed().as_secs_f64();
     stop.set(true);
@@ -136,7 +136,7 @@ pub async fn mounted(fs: &Fs, mount_s: f64, rss_before: u64) -> anyhow::Result<s
         "inodes": inodes,
         "mount_s": (mount_s * 1000.0).round() / 1000.0,
         "mount_s_per_million_inodes": (mount_s / inodes.max(1) as f64 * 1e6 * 1000.0).round() / 1000.0,
-        "replayed_transactions": fs.replayed_at_mount(),
+        "replayed_transactions": fs.inspect().replayed_at_mount(),
         "rss_mib": rss >> 20,
         "rss_bytes_per_inode": (rss.saturating_sub(rss_before) as f64 / inodes.max(1) as f64).round(),
     }))

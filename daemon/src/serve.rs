@@ -1329,8 +1329,8 @@ fn device_json(server: &VhostUserServer) -> Value {
 
 /// The filesystem's counters, cache and space, as the stats carry them.
 async fn fs_json(fs: Option<&Fs>) -> (Value, Value, Value) {
-    let c = fs.map(|fs| fs.counters()).unwrap_or_default();
-    let cache = fs.map(|fs| fs.cache_stats()).unwrap_or_default();
+    let c = fs.map(|fs| fs.inspect().counters()).unwrap_or_default();
+    let cache = fs.map(|fs| fs.inspect().cache_stats()).unwrap_or_default();
     let counters = json!({
         "journal_commits": c.journal_commits, "journal_blocks_written": c.journal_blocks_written,
         "device_flushes": c.device_flushes, "checkpoints": c.checkpoints,
@@ -1349,7 +1349,7 @@ async fn fs_json(fs: Option<&Fs>) -> (Value, Value, Value) {
                 "size_bytes": s.blocks * u64::from(s.block_size),
                 "free_bytes": s.blocks_free * u64::from(s.block_size),
                 "inodes": s.files, "inodes_free": s.files_free,
-                "quota_bytes": fs.quota().bytes, "quota_inodes": fs.quota().inodes,
+                "quota_bytes": fs.admin().quota().bytes, "quota_inodes": fs.admin().quota().inodes,
             }),
             Err(_) => Value::Null,
         },

@@ -101,15 +101,15 @@ pub fn set_quota(params: Value, control: &Control) -> Result<Value, RpcError> {
         return Err(RpcError { code: code::INVALID_PARAMS, message: "a quota is at least 1 MiB and 16 inodes".into() });
     }
     let job = on_fs(&p.tag, move |fs| async move {
-        let mut quota = fs.quota();
+        let mut quota = fs.admin().quota();
         if let Some(bytes) = p.bytes {
             quota.bytes = (bytes != 0).then_some(bytes);
         }
         if let Some(inodes) = p.inodes {
             quota.inodes = (inodes != 0).then_some(inodes);
         }
-        fs.set_quota(quota)?;
-        let quota = fs.quota();
+        fs.admin().set_quota(quota)?;
+        let quota = fs.admin().quota();
         Ok(json!({"bytes": quota.bytes, "inodes": quota.inodes}))
     });
     Ok(control.on_export_reactor(&p.tag, SETTING_TIMEOUT, job)?)
@@ -121,7 +121,7 @@ pub fn trim(params: Value, control: &Control) -> Result<Value, RpcError> {
     let p: TrimParams = parse(params)?;
     let min_bytes = p.min_bytes.unwrap_or(0);
     let job = on_fs(&p.tag, move |fs| async move {
-        let trimmed = fs.trim(min_bytes).await?;
+        let trimmed = fs.admin().trim(min_bytes).await?;
         Ok(json!({"trimmed_bytes": trimmed}))
     });
     Ok(control.on_export_reactor(&p.tag, TRIM_TIMEOUT, job)?)

@@ -10,12 +10,14 @@
 //!
 //! Inodes unlinked while open (orphans) would be freed by a mount; a mount
 //! that is to take a session back keeps them ([`crate::FsConfig::keep_orphans`])
-//! until [`Fs::free_unheld_orphans`] runs after the session's holdings are
+//! until [`Handover::free_unheld_orphans`] runs after the session's holdings are
 //! restored.
 
 use crate::handles::{Handle, HandleTaken};
 use crate::ids::{Fh, Ino};
-use crate::{Fs, FsError, FsResult};
+use std::rc::Rc;
+
+use crate::{Fs, FsError, FsInner, FsResult};
 
 /// One open handle as a session sees it, to be restored by number.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,15 +29,29 @@ pub struct HandleState {
     pub dir_end: u64,
 }
 
+/// Taking a session's holdings out and back in, reached through
+/// [`Fs::handover`]: a `Copy` borrow made per call (issue 35).
+#[derive(Clone, Copy)]
+pub struct Handover<'a> {
+    inner: &'a Rc<FsInner>,
+}
+
 impl Fs {
+    /// What a moving session reads out and restores.
+    pub fn handover(&self) -> Handover<'_> {
+        Handover { inner: &self.inner }
+    }
+}
+
+impl Handover<'_> {
     /// The filesystem's identity, made by mkfs: a session names inodes by
     /// number, which only mean something on the filesystem it came from.
-    pub fn uuid(&self) -> [u8; 16] {
+    pub fn uuid(self) -> [u8; 16] {
         self.inner.journal.sb.borrow().uuid
     }
 
     /// The state of open handle `fh`.
-    pub fn handle_state(&self, fh: Fh) -> FsResult<HandleState> {
+    pub fn handle_state(self, fh: Fh) -> FsResult<HandleState> {
         let h = self.inner.handles.get(fh).ok_or(FsError::BadHandle)?;
         Ok(HandleState { ino: h.ino, flags: h.flags, dir_end: h.dir_end })
     }
@@ -43,7 +59,7 @@ impl Fs {
     /// Whether `state` could be restored as a handle: its inode exists,
     /// and is a directory exactly when the flags say O_DIRECTORY. Checked
     /// for a whole session before any of it is taken.
-    pub fn check_handle(&self, state: &HandleState) -> FsResult<()> {
+    pub fn check_handle(self, state: &HandleState) -> FsResult<()> {
         let inode = self.inner.meta.inode(state.ino)?;
         let wants_dir = state.flags & libc::O_DIRECTORY as u32 != 0;
         match (wants_dir, inode.is_dir()) {
@@ -55,7 +71,7 @@ impl Fs {
 
     /// Open handle `fh` again, as it was. Fails if the inode is gone or
     /// `fh` is open already; later handles get numbers past it.
-    pub fn restore_handle(&self, fh: Fh, state: HandleState) -> FsResult<()> {
+    pub fn restore_handle(self, fh: Fh, state: HandleState) -> FsResult<()> {
         self.check_handle(&state)?;
         let ino = state.ino;
         let handle = Handle { ino, flags: state.flags, dir_end: state.dir_end };
@@ -65,20 +81,20 @@ impl Fs {
     }
 
     /// Whether inode `ino` exists (linked, or an orphan still held).
-    pub fn exists(&self, ino: Ino) -> bool {
+    pub fn exists(self, ino: Ino) -> bool {
         self.inner.meta.exists(ino)
     }
 
     /// Take `n` lookup references on `ino` again, as a client that looked
     /// it up `n` times holds them.
-    pub fn hold_lookups(&self, ino: Ino, n: u64) -> FsResult<()> {
+    pub fn hold_lookups(self, ino: Ino, n: u64) -> FsResult<()> {
         self.inner.meta.hold_lookups(ino, n)
     }
 
     /// Free the orphans a mount kept ([`crate::FsConfig::keep_orphans`])
     /// that no restored session holds; how many were freed.
-    pub fn free_unheld_orphans(&self) -> FsResult<u64> {
-        if self.read_only() {
+    pub fn free_unheld_orphans(self) -> FsResult<u64> {
+        if self.inner.config.read_only {
             return Ok(0);
         }
         let orphans: Vec<Ino> = {

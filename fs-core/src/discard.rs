@@ -1,5 +1,5 @@
 //! Giving freed space back to the device: continuous discard of the runs
-//! each commit frees, and an fstrim over all free space ([`Fs::trim`]).
+//! each commit frees, and an fstrim over all free space ([`Admin::trim`]).
 //!
 //! A freed run waiting for its discard stays out of the allocator until
 //! the discard completes: a discard racing a write to a reused block could
@@ -35,7 +35,7 @@ use super::format::BlockRun;
 use super::io::Io;
 use super::meta::Meta;
 use super::state::State;
-use super::{Fs, FsCounters, FsError, FsInner};
+use super::{Admin, FsCounters, FsError, FsInner};
 use keelfs_bdev::BdevError;
 use keelfs_reactor as reactor;
 use std::cell::{Cell, RefCell};
@@ -502,7 +502,7 @@ fn trim_min_blocks(min_bytes: u64) -> u64 {
     min_bytes.div_ceil(block_bytes(1)).max(1)
 }
 
-impl Fs {
+impl Admin<'_> {
     /// fstrim: discard every free run of at least `min_bytes` (rounded up
     /// to whole blocks), whether or not continuous discard is on. Each
     /// piece (64 MiB at most) is taken from the allocator, discarded and
@@ -510,8 +510,8 @@ impl Fs {
     /// writer never waits for more than one. Returns the bytes discarded.
     /// A device that cannot discard answers [`FsError::Unsupported`];
     /// while another trim runs, [`FsError::Busy`].
-    pub async fn trim(&self, min_bytes: u64) -> Result<u64, FsError> {
-        if self.read_only() {
+    pub async fn trim(self, min_bytes: u64) -> Result<u64, FsError> {
+        if self.inner.config.read_only {
             return Err(FsError::ReadOnly);
         }
         let fs = &self.inner;

@@ -65,7 +65,7 @@ pub struct BlockClaim {
     pub owner: String,
 }
 
-/// Two owners claim one block: what `Fs::check_block_ownership` finds in a
+/// Two owners claim one block: what `Inspect::check_block_ownership` finds in a
 /// filesystem that lost track of its space.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(

@@ -263,7 +263,7 @@ pub async fn repair(dev: DeviceChannel, mut progress: impl FnMut(&str)) -> FsRes
     let mut repaired = Vec::new();
     fix_entries_and_links(&fs, &mut repaired)?;
     // Two checkpoints write both superblock slots.
-    fs.checkpoint().await?;
+    fs.admin().checkpoint().await?;
     fs.unmount().await?;
     repaired.push("rewrote the checkpoint and both superblock copies".to_string());
     let mut after = fsck(dev, &mut progress).await?;

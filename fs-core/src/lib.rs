@@ -15,6 +15,7 @@
 #![deny(unsafe_code)]
 
 mod access;
+mod admin;
 /// The atomics of [`seqlock`]: std's here, loom's in `tests/loom.rs`.
 mod atomics {
     pub(crate) use std::sync::atomic::{fence, AtomicU64, Ordering};
@@ -36,6 +37,7 @@ mod format;
 mod fsck;
 mod handles;
 mod ids;
+mod inspect;
 mod io;
 mod journal;
 mod meta;
@@ -53,7 +55,8 @@ mod state;
 mod sync;
 
 pub use access::{Creds, PermissionCheck};
-pub use adopt::HandleState;
+pub use admin::Admin;
+pub use adopt::{HandleState, Handover};
 pub use data::{DataOps, ReadSink, WriteSource, WriteTimes};
 pub use discard::DiscardConfig;
 pub use error::{BlockClaim, DoubleOwner, FsError, FsResult};
@@ -62,6 +65,7 @@ pub use flags::{FallocateMode, RenameMode, XattrFlags};
 pub use format::{crc, Superblock, Timespec, BLOCK_BYTES, ROOT_INO, XATTR_INODE_BYTES_MAX};
 pub use fsck::{fsck, repair, FsckReport, Problem};
 pub use ids::{Fh, Ino};
+pub use inspect::Inspect;
 pub use journal::{CHECKPOINT_BLOCK_MAGIC, JOURNAL_TX_MAGIC};
 pub use mkfs::{mkfs, MkfsError, MkfsOptions};
 pub use ops::{Attr, DirEntry, SeekTo, SetAttr, TimeSet};
@@ -110,9 +114,9 @@ pub struct FsConfig {
     pub checkpoint_piece_nodes: usize,
     /// Keep the inodes unlinked while open (orphans) at mount instead of
     /// freeing them, for a session that is to be restored and may still
-    /// hold some; [`Fs::free_unheld_orphans`] frees the rest afterwards.
+    /// hold some; [`Handover::free_unheld_orphans`] frees the rest afterwards.
     pub keep_orphans: bool,
-    /// Limits on bytes and inodes below the device's; [`Fs::set_quota`]
+    /// Limits on bytes and inodes below the device's; [`Admin::set_quota`]
     /// changes them while mounted.
     pub quota: Quota,
     /// Continuous discard of freed space (off by default).
@@ -269,113 +273,6 @@ impl Fs {
         self.inner.change().file_time()
     }
 
-    pub fn geometry(&self) -> Geometry {
-        self.inner.io.geometry()
-    }
-
-    pub fn counters(&self) -> FsCounters {
-        let mut c = FsCounters { device_flushes: self.inner.io.flushes(), ..FsCounters::default() };
-        self.inner.journal.report(&mut c);
-        self.inner.data.report(&mut c);
-        self.inner.discard.report(&mut c);
-        c
-    }
-
-    /// Journal transactions the mount replayed (0 after a clean unmount).
-    /// Benchmarks only: stop (or resume) setting mtime and ctime on data
-    /// writes, to measure what their upkeep costs. keelfsd never turns it
-    /// off.
-    pub fn set_file_times_for_benchmark(&self, on: bool) {
-        self.inner.data.set_file_times(on);
-    }
-
-    pub fn replayed_at_mount(&self) -> u64 {
-        self.inner.journal.replayed_at_mount
-    }
-
-    pub fn superblock(&self) -> Superblock {
-        self.inner.journal.sb.borrow().clone()
-    }
-
-    /// Blocks free for new data right now (delayed-allocation reservations
-    /// excluded), within the quota if there is one.
-    pub fn free_blocks(&self) -> u64 {
-        self.inner.space.available_blocks(self.inner.usage())
-    }
-
-    /// Range-lock acquisitions that had to wait: (shared, exclusive).
-    pub fn range_lock_waits(&self) -> (u64, u64) {
-        self.inner.data.range_lock_waits()
-    }
-
-    pub fn cache_stats(&self) -> cache::CacheStats {
-        self.inner.pages.cache().stats()
-    }
-
-    /// A reader of `ino`'s cached pages for another thread (another
-    /// reactor): reads that find every page cached complete there without
-    /// a lock or a message; the others the caller sends here.
-    pub fn shared_reader(&self, ino: Ino) -> FsResult<SharedReader> {
-        let size = self.inner.meta.require_file(ino)?.size;
-        let file = self.inner.pages.shared().share(ino, size);
-        Ok(SharedReader { pages: self.inner.pages.cache().shared().clone(), file, ino })
-    }
-
-    /// Extents of a file (for tests and benchmarks of the allocator).
-    pub fn extent_count(&self, ino: Ino) -> FsResult<usize> {
-        self.inner.meta.extent_count(ino)
-    }
-
-    /// Whether a checkpoint is being written in pieces now (for tests).
-    #[doc(hidden)]
-    pub fn checkpointing_in_pieces(&self) -> bool {
-        self.inner.journal.checkpoint_in_pieces()
-    }
-
-    /// Every block has at most one owner: a file's extent, the live
-    /// checkpoint, a free awaiting its commit, a checkpoint or a discard, or the
-    /// allocator's free list. For tests and fuzzers that run the filesystem through many
-    /// operations: a block with two owners is a corruption waiting for its
-    /// next write. Linear in extents and free runs.
-    pub fn check_block_ownership(&self) -> Result<(), DoubleOwner> {
-        let state = self.inner.meta.state();
-        let sb = self.inner.journal.sb.borrow();
-        let mut owned: Vec<(u64, u64, String)> = Vec::new();
-        for node in state.nodes() {
-            for e in node.extents.iter() {
-                owned.push((
-                    e.disk_block.get(),
-                    e.len,
-                    format!("inode {} file block {}", node.inode.ino, e.file_block.get()),
-                ));
-            }
-        }
-        owned.extend(sb.checkpoint_extents.iter().map(|r| (r.start, r.len, "the checkpoint".to_string())));
-        owned.extend(state.pending_free.iter().map(|r| (r.start, r.len, "a pending free".to_string())));
-        let held = self.inner.space.held_runs();
-        owned.extend(held.iter().map(|r| (r.start, r.len, "a free held for a checkpoint".to_string())));
-        owned.extend(
-            self.inner.discard.runs().into_iter().map(|r| (r.start, r.len, "a free awaiting its discard".to_string())),
-        );
-        owned.extend(state.alloc.free_runs().iter().map(|r| (r.start, r.len, "the free list".to_string())));
-        owned.sort_by_key(|o| o.0);
-        for pair in owned.windows(2) {
-            let (a, b) = (&pair[0], &pair[1]);
-            if a.0 + a.1 > b.0 {
-                let claim = |o: &(u64, u64, String)| BlockClaim { start: o.0, len: o.1, owner: o.2.clone() };
-                return Err(DoubleOwner { first: claim(a), second: claim(b) });
-            }
-        }
-        Ok(())
-    }
-
-    /// Overwrite an inode's link count, bypassing every rule: for tests
-    /// that need a damaged image to check fsck against.
-    #[doc(hidden)]
-    pub fn debug_set_nlink(&self, ino: Ino, nlink: u32) {
-        let _ = self.inner.change().update_inode(ino, |i| i.nlink = nlink);
-    }
-
     /// Commit everything logged so far and make all completed data writes
     /// durable. Concurrent callers share commits (group commit).
     pub async fn sync(&self) -> FsResult<()> {
@@ -384,24 +281,6 @@ impl Fs {
         }
         self.data().writeback_all().await?;
         journal::sync(&self.inner).await
-    }
-
-    /// Write a checkpoint in pieces now, as a half-full journal does,
-    /// letting other tasks run between the pieces (whole on images
-    /// without the free-count feature, or when a whole one replaces it).
-    pub async fn checkpoint_in_pieces(&self) -> FsResult<()> {
-        if self.read_only() {
-            return Err(FsError::ReadOnly);
-        }
-        journal::checkpoint_in_pieces_now(&self.inner).await
-    }
-
-    /// Write a checkpoint now (normally triggered by journal usage).
-    pub async fn checkpoint(&self) -> FsResult<()> {
-        if self.read_only() {
-            return Err(FsError::ReadOnly);
-        }
-        journal::checkpoint(&self.inner).await
     }
 
     /// Whether this mount is read-only ([`FsConfig::read_only`]).

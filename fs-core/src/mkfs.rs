@@ -113,5 +113,5 @@ pub async fn mkfs(dev: DeviceChannel, options: &MkfsOptions) -> Result<Superbloc
         Inode::new(ROOT_INO, S_IFDIR | 0o755, options.root_uid, options.root_gid, 0, fs.inner.change().file_time());
     fs.inner.change().create_inode(root)?;
     fs.unmount().await?;
-    Ok(fs.superblock())
+    Ok(fs.inspect().superblock())
 }

@@ -10,7 +10,7 @@
 //! checkpoints (metadata) are not charged against it.
 
 use super::format::BLOCK_BYTES;
-use super::{Fs, FsError};
+use super::{Admin, FsError};
 
 /// Limits on one filesystem; None is no limit beyond the device's.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -28,11 +28,11 @@ impl Quota {
     }
 }
 
-impl Fs {
+impl Admin<'_> {
     /// Change the quota, effective for the next allocation. Lowering it
     /// below what is in use refuses new blocks and inodes (EDQUOT) and
     /// nothing else: removing, truncating and overwriting go on.
-    pub fn set_quota(&self, quota: Quota) -> Result<(), FsError> {
+    pub fn set_quota(self, quota: Quota) -> Result<(), FsError> {
         if self.inner.unmounted.get() {
             return Err(FsError::Invalid("the filesystem is unmounted"));
         }
@@ -41,7 +41,7 @@ impl Fs {
         Ok(())
     }
 
-    pub fn quota(&self) -> Quota {
+    pub fn quota(self) -> Quota {
         self.inner.space.quota()
     }
 }

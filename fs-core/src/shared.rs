@@ -369,7 +369,7 @@ impl SharedFile {
     }
 }
 
-/// The files with readers on other cores ([`crate::Fs::shared_reader`]),
+/// The files with readers on other cores ([`crate::DataOps::shared_reader`]),
 /// by inode, on the owning reactor. A file enters at its first shared
 /// reader and leaves when its inode is freed; a file not here has no
 /// reader to tell of any change.
@@ -439,7 +439,7 @@ pub enum SharedMiss {
 }
 
 /// Reads one file's cached pages from any thread, without locks.
-/// Made by [`super::Fs::shared_reader`] on the owning reactor.
+/// Made by [`super::DataOps::shared_reader`] on the owning reactor.
 #[derive(Clone)]
 pub struct SharedReader {
     pub(crate) pages: Arc<SharedPages>,

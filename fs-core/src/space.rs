@@ -25,7 +25,7 @@ use crate::{FsError, FsResult};
 const CHECKPOINT_RESERVE_MIN_BLOCKS: u64 = 256;
 
 pub(crate) struct Space {
-    /// The quota now (FsConfig's at mount, then [`crate::Fs::set_quota`]'s).
+    /// The quota now (FsConfig's at mount, then [`crate::Admin::set_quota`]'s).
     quota: Cell<Quota>,
     /// Blocks promised to dirty cached pages over holes (delayed
     /// allocation): writeback will need them, so nothing else may take them.

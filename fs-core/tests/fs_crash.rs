@@ -270,8 +270,8 @@ fn storm_with(journal_blocks: u64, rounds: usize, config: FsConfig, background: 
                     } else {
                         names.push((name, body));
                     }
-                    done_during_pieces += usize::from(fs.checkpointing_in_pieces());
-                    fs.check_block_ownership().unwrap();
+                    done_during_pieces += usize::from(fs.inspect().checkpointing_in_pieces());
+                    fs.inspect().check_block_ownership().unwrap();
                     if in_pieces {
                         // Requests are tasks of their own on a server: let the
                         // checkpoint's next piece run between two.
@@ -283,7 +283,7 @@ fn storm_with(journal_blocks: u64, rounds: usize, config: FsConfig, background: 
                 fs.sync().await.unwrap();
                 promises.push((_f.log_len(), done.clone()));
             }
-            let checkpoints = fs.counters().checkpoints;
+            let checkpoints = fs.inspect().counters().checkpoints;
             if journal_blocks > 0 {
                 assert!(checkpoints >= 2, "the tiny journal forced checkpoints ({checkpoints})");
             }
@@ -606,28 +606,28 @@ fn blocks_freed_during_a_checkpoint_in_pieces_stay_its_files() {
         fs.data().write(big.ino(), 0, &vec![0x42; 1 << 20]).await.unwrap();
         fs.release(fh).await.unwrap();
         fs.sync().await.unwrap();
-        let before = fs.counters().checkpoints;
+        let before = fs.inspect().counters().checkpoints;
         let pieces = fs.clone();
-        keelfs_reactor::spawn_local(async move { pieces.checkpoint_in_pieces().await.unwrap() });
+        keelfs_reactor::spawn_local(async move { pieces.admin().checkpoint_in_pieces().await.unwrap() });
         for _ in 0..1000 {
-            if fs.checkpointing_in_pieces() {
+            if fs.inspect().checkpointing_in_pieces() {
                 break;
             }
             keelfs_reactor::next_tick().await;
         }
-        assert!(fs.checkpointing_in_pieces(), "the checkpoint is in its pieces");
+        assert!(fs.inspect().checkpointing_in_pieces(), "the checkpoint is in its pieces");
         fs.unlink(&c, ROOT_INO, b"big").await.unwrap();
         fs.forget(big.ino(), 1).await.unwrap();
         fs.sync().await.unwrap();
-        assert!(fs.checkpointing_in_pieces(), "the frees were committed during the pieces");
+        assert!(fs.inspect().checkpointing_in_pieces(), "the frees were committed during the pieces");
         for _ in 0..10_000 {
-            if fs.counters().checkpoints > before {
+            if fs.inspect().counters().checkpoints > before {
                 break;
             }
             keelfs_reactor::next_tick().await;
         }
-        assert_eq!(fs.counters().checkpoints, before + 1, "the checkpoint in pieces landed");
-        fs.check_block_ownership().unwrap();
+        assert_eq!(fs.inspect().counters().checkpoints, before + 1, "the checkpoint in pieces landed");
+        fs.inspect().check_block_ownership().unwrap();
         // Then a file that may take the blocks big had.
         let (after, fh) = fs.create(&c, ROOT_INO, b"after", 0o644, 2).await.unwrap();
         let body = vec![0x17; 256 << 10];
@@ -641,6 +641,6 @@ fn blocks_freed_during_a_checkpoint_in_pieces_stay_its_files() {
         assert_eq!(lookup(fs, ROOT_INO, "big").await, None, "big was unlinked before the promise");
         let after = lookup(fs, ROOT_INO, "after").await.expect("after was synced");
         assert_eq!(&read_all(fs, after).await, body);
-        fs.check_block_ownership().unwrap();
+        fs.inspect().check_block_ownership().unwrap();
     });
 }

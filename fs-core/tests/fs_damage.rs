@@ -43,7 +43,7 @@ fn build_image() -> (Vec<u8>, Vec<u64>) {
                 fs.sync().await.unwrap();
             }
         }
-        fs.superblock()
+        fs.inspect().superblock()
     });
     let image = ram.snapshot();
     let mut blocks = vec![0u64, 1];
@@ -164,7 +164,7 @@ fn fsck_finds_and_repairs_a_wrong_link_count() {
         // Damage through the API's back door: a link count that lies.
         let bad = keelfs_fs::SetAttr::default();
         fs.setattr(&c, f, &bad, false).await.unwrap();
-        fs.debug_set_nlink(f, 5);
+        fs.inspect().debug_set_nlink(f, 5);
         fs.unmount().await.unwrap();
         let report = check(&dev).await;
         assert_eq!(report.problems.len(), 1, "{report:?}");

@@ -60,13 +60,13 @@ fn direct_overwrite_starts_no_transaction() {
         let (_, n) = fs.data().write_direct(ino, 0, block(1, 1 << 20)).await;
         assert_eq!(n, Ok(1 << 20));
         fs.sync().await.unwrap();
-        let before = fs.counters();
+        let before = fs.inspect().counters();
         let mtime0 = fs.getattr(ino).await.unwrap().inode.mtime;
         for i in 0..100u64 {
             let (_, n) = fs.data().write_direct(ino, (i % 256) * 4096, block(i + 10, 4096)).await;
             assert_eq!(n, Ok(4096));
         }
-        let after = fs.counters();
+        let after = fs.inspect().counters();
         assert_eq!(after.direct_overwrites - before.direct_overwrites, 100);
         assert_eq!(after.records_logged, before.records_logged, "an overwrite logs no record");
         assert_eq!(after.journal_commits, before.journal_commits, "and writes no journal");
@@ -109,7 +109,7 @@ fn disjoint_direct_overwrites_are_in_flight_together() {
         while done.get() < 8 {
             yield_now().await;
         }
-        assert_eq!(fs.counters().direct_in_flight_max, 8);
+        assert_eq!(fs.inspect().counters().direct_in_flight_max, 8);
     });
 }
 
@@ -149,13 +149,13 @@ fn thirty_two_appends_are_in_flight_at_once_and_size_never_covers_unwritten_data
             yield_now().await;
         }
         assert_eq!(fs.getattr(ino).await.unwrap().inode.size, 32 * 4096);
-        assert_eq!(fs.counters().direct_in_flight_max, 32);
+        assert_eq!(fs.inspect().counters().direct_in_flight_max, 32);
         for i in 0..32u64 {
             let (b, n) = fs.data().read_direct(ino, i * 4096, AlignedBuf::zeroed(4096, 4096)).await;
             assert_eq!(n, Ok(4096));
             assert!(b[..] == block(i, 4096)[..], "append {i}");
         }
-        assert_eq!(fs.extent_count(ino).unwrap(), 1, "32 appends merged into one extent");
+        assert_eq!(fs.inspect().extent_count(ino).unwrap(), 1, "32 appends merged into one extent");
     });
 }
 
@@ -172,8 +172,16 @@ fn sequential_page_writes_merge_into_few_extents() {
         }
         fs.sync().await.unwrap();
         // Interleaved writers of two files still get contiguous extents each.
-        assert!(fs.extent_count(buffered).unwrap() <= 8, "buffered: {} extents", fs.extent_count(buffered).unwrap());
-        assert!(fs.extent_count(direct).unwrap() <= 8, "direct: {} extents", fs.extent_count(direct).unwrap());
+        assert!(
+            fs.inspect().extent_count(buffered).unwrap() <= 8,
+            "buffered: {} extents",
+            fs.inspect().extent_count(buffered).unwrap()
+        );
+        assert!(
+            fs.inspect().extent_count(direct).unwrap() <= 8,
+            "direct: {} extents",
+            fs.inspect().extent_count(direct).unwrap()
+        );
     });
 }
 
@@ -184,17 +192,17 @@ fn one_byte_writes_touch_no_journal_between_commits() {
         let ino = new_file(&fs, "bytes").await;
         fs.data().write(ino, 0, b"x").await.unwrap();
         fs.sync().await.unwrap();
-        let before = fs.counters();
+        let before = fs.inspect().counters();
         for i in 1..20_000u64 {
             fs.data().write(ino, i, b"y").await.unwrap();
         }
-        let after = fs.counters();
+        let after = fs.inspect().counters();
         assert_eq!(after.journal_commits, before.journal_commits, "no commit between commits");
         assert_eq!(after.journal_blocks_written, before.journal_blocks_written);
         assert_eq!(after.records_logged, before.records_logged, "no record, so no transaction to allocate");
         assert_eq!(fs.getattr(ino).await.unwrap().inode.size, 20_000);
         fs.sync().await.unwrap();
-        assert!(fs.counters().journal_commits > after.journal_commits, "the next commit persists them");
+        assert!(fs.inspect().counters().journal_commits > after.journal_commits, "the next commit persists them");
     });
 }
 
@@ -209,7 +217,7 @@ fn concurrent_fsyncs_share_device_flushes() {
             files.push(new_file(&fs, &format!("f{i}")).await);
         }
         fs.sync().await.unwrap();
-        let before = fs.counters();
+        let before = fs.inspect().counters();
         let done = Rc::new(Cell::new(0));
         for &ino in &files {
             let (fs, done) = (fs.clone(), done.clone());
@@ -222,7 +230,7 @@ fn concurrent_fsyncs_share_device_flushes() {
         while done.get() < 32 {
             yield_now().await;
         }
-        let after = fs.counters();
+        let after = fs.inspect().counters();
         let flushes = after.device_flushes - before.device_flushes;
         let fsyncs = after.fsyncs - before.fsyncs;
         eprintln!(
@@ -240,15 +248,19 @@ fn fdatasync_skips_the_commit_when_only_timestamps_changed() {
         let ino = new_file(&fs, "f").await;
         fs.data().write_direct(ino, 0, block(1, 65536)).await.1.unwrap();
         fs.data().fsync(ino, false).await.unwrap();
-        let before = fs.counters();
+        let before = fs.inspect().counters();
         fs.data().write_direct(ino, 4096, block(2, 4096)).await.1.unwrap();
         fs.data().fsync(ino, true).await.unwrap();
-        let after = fs.counters();
+        let after = fs.inspect().counters();
         assert_eq!(after.journal_commits, before.journal_commits, "fdatasync after an overwrite commits nothing");
         assert_eq!(after.device_flushes, before.device_flushes + 1, "but flushes the data");
         fs.data().write_direct(ino, 65536, block(3, 4096)).await.1.unwrap();
         fs.data().fsync(ino, true).await.unwrap();
-        assert_eq!(fs.counters().journal_commits, after.journal_commits + 1, "an append needs its size committed");
+        assert_eq!(
+            fs.inspect().counters().journal_commits,
+            after.journal_commits + 1,
+            "an append needs its size committed"
+        );
     });
 }
 
@@ -317,7 +329,7 @@ fn page_cache_stays_within_its_size_and_direct_io_sees_buffered_data() {
         fill_pattern(&mut expect, 5);
         for (i, chunk) in expect.chunks(100_000).enumerate() {
             fs.data().write(ino, i as u64 * 100_000, chunk).await.unwrap();
-            let stats = fs.cache_stats();
+            let stats = fs.inspect().cache_stats();
             assert!(stats.pages <= stats.capacity_pages, "cache grew to {} pages", stats.pages);
         }
         // Direct reads see buffered data not yet written back.
@@ -329,7 +341,7 @@ fn page_cache_stays_within_its_size_and_direct_io_sees_buffered_data() {
         assert!(fs.data().read(ino, 0, 8192).await.unwrap()[..] == block(77, 8192)[..]);
         let all = fs.data().read(ino, 8192, (32 * MIB - 8192) as u32).await.unwrap();
         assert!(all[..] == expect[8192..]);
-        assert!(fs.cache_stats().evictions > 0);
+        assert!(fs.inspect().cache_stats().evictions > 0);
     });
 }
 
@@ -420,7 +432,7 @@ fn append_and_truncate_cycles_do_not_leak_space() {
                 eprintln!(
                     "round {round}: free {} extents {}",
                     fs.statfs().await.unwrap().blocks_free,
-                    fs.extent_count(ino).unwrap()
+                    fs.inspect().extent_count(ino).unwrap()
                 );
             }
         }
@@ -595,10 +607,10 @@ fn a_writer_out_of_space_gets_back_what_a_checkpoint_in_pieces_holds() {
         fs.sync().await.unwrap();
         let pieces = fs.clone();
         reactor::spawn_local(async move {
-            let _ = pieces.checkpoint_in_pieces().await;
+            let _ = pieces.admin().checkpoint_in_pieces().await;
         });
         for _ in 0..1000 {
-            if fs.checkpointing_in_pieces() {
+            if fs.inspect().checkpointing_in_pieces() {
                 break;
             }
             reactor::next_tick().await;
@@ -606,12 +618,12 @@ fn a_writer_out_of_space_gets_back_what_a_checkpoint_in_pieces_holds() {
         fs.unlink(&c, ROOT_INO, b"hog").await.unwrap();
         fs.forget(hog, 1).await.unwrap();
         fs.sync().await.unwrap();
-        assert!(fs.checkpointing_in_pieces(), "the hog's blocks are held for the checkpoint in pieces");
+        assert!(fs.inspect().checkpointing_in_pieces(), "the hog's blocks are held for the checkpoint in pieces");
         let after = new_file(&fs, "after").await;
         fs.data().write(after, 0, &vec![1u8; (size / 2) as usize]).await.expect("the held blocks came back");
-        assert!(!fs.checkpointing_in_pieces(), "the checkpoint in pieces was given up for the writer");
+        assert!(!fs.inspect().checkpointing_in_pieces(), "the checkpoint in pieces was given up for the writer");
         fs.sync().await.unwrap();
-        fs.check_block_ownership().unwrap();
+        fs.inspect().check_block_ownership().unwrap();
         fs.unmount().await.unwrap();
     });
 }

@@ -40,7 +40,7 @@ fn spawn_trim(fs: &Fs, min_bytes: u64) -> Rc<RefCell<Option<Result<u64, FsError>
     let out = Rc::new(RefCell::new(None));
     let (fs, cell) = (fs.clone(), out.clone());
     reactor::spawn_local(async move {
-        let result = fs.trim(min_bytes).await;
+        let result = fs.admin().trim(min_bytes).await;
         *cell.borrow_mut() = Some(result);
     });
     out
@@ -112,16 +112,16 @@ fn continuous_discard_gives_freed_runs_back_after_the_commit() {
         fs.sync().await.unwrap();
         // Right after the commit the runs are out of the allocator, owned
         // by the queue, and df already counts them free.
-        fs.check_block_ownership().unwrap();
+        fs.inspect().check_block_ownership().unwrap();
         assert!(fs.statfs().await.unwrap().blocks_free >= free_before + 16 * MIB / 4096);
-        wait_for("the queue to drain", || fs.counters().discard_pending_blocks == 0).await;
-        let c = fs.counters();
+        wait_for("the queue to drain", || fs.inspect().counters().discard_pending_blocks == 0).await;
+        let c = fs.inspect().counters();
         assert!(c.discards >= 1 && c.discard_bytes >= 16 * MIB && c.discard_errors == 0, "{c:?}");
         let after = keelfs_base::testing::allocated_bytes(&file.path);
         assert!(before - after >= 15 * MIB, "the image went from {before} to {after} bytes");
         // The space is reusable, and the kept file intact.
         write_file(&fs, b"again", 16 * MIB).await.unwrap();
-        fs.check_block_ownership().unwrap();
+        fs.inspect().check_block_ownership().unwrap();
         fs.unmount().await.unwrap();
         assert!(check(&dev).await.is_clean());
     });
@@ -139,15 +139,15 @@ fn fstrim_discards_free_space_with_continuous_discard_off() {
         fs.unlink(&Creds::root(), ROOT_INO, b"gone").await.unwrap();
         fs.sync().await.unwrap();
         let before = keelfs_base::testing::allocated_bytes(&file.path);
-        assert_eq!(fs.counters().discards, 0, "discard is off");
+        assert_eq!(fs.inspect().counters().discards, 0, "discard is off");
         // Runs shorter than the minimum are left alone.
-        assert_eq!(fs.trim(1 << 40).await.unwrap(), 0);
-        let trimmed = fs.trim(0).await.unwrap();
+        assert_eq!(fs.admin().trim(1 << 40).await.unwrap(), 0);
+        let trimmed = fs.admin().trim(0).await.unwrap();
         assert!(trimmed >= 16 * MIB, "trimmed {trimmed} bytes");
         let after = keelfs_base::testing::allocated_bytes(&file.path);
         assert!(before - after >= 15 * MIB, "the image went from {before} to {after} bytes");
-        assert_eq!(fs.counters().discard_pending_blocks, 0);
-        fs.check_block_ownership().unwrap();
+        assert_eq!(fs.inspect().counters().discard_pending_blocks, 0);
+        fs.inspect().check_block_ownership().unwrap();
         let back = fs.data().read(keep, 0, MIB as u32).await.unwrap();
         assert_eq!(back.len() as u64, MIB);
         assert!(back.iter().all(|&b| b == 0x3c), "the kept file is intact");
@@ -164,15 +164,15 @@ fn a_device_that_cannot_discard_turns_it_off_and_loses_no_space() {
         format(&dev).await;
         let fs = Fs::mount(channel(&dev), config(on())).await.unwrap();
         write_file(&fs, b"gone", 8 * MIB).await.unwrap();
-        let free = fs.free_blocks();
+        let free = fs.inspect().free_blocks();
         fs.unlink(&Creds::root(), ROOT_INO, b"gone").await.unwrap();
         fs.sync().await.unwrap();
-        wait_for("the queue to give up", || fs.counters().discard_pending_blocks == 0).await;
-        assert!(fs.free_blocks() >= free + 8 * MIB / 4096);
-        assert_eq!(fs.counters().discards, 0);
-        assert_eq!(fs.trim(0).await.err(), Some(FsError::Unsupported));
+        wait_for("the queue to give up", || fs.inspect().counters().discard_pending_blocks == 0).await;
+        assert!(fs.inspect().free_blocks() >= free + 8 * MIB / 4096);
+        assert_eq!(fs.inspect().counters().discards, 0);
+        assert_eq!(fs.admin().trim(0).await.err(), Some(FsError::Unsupported));
         assert_eq!(FsError::Unsupported.errno(), libc::EOPNOTSUPP);
-        fs.check_block_ownership().unwrap();
+        fs.inspect().check_block_ownership().unwrap();
         fs.unmount().await.unwrap();
         assert!(check(&dev).await.is_clean());
     });
@@ -196,12 +196,12 @@ fn a_writer_short_of_room_takes_runs_awaiting_discard_back() {
             fs.unlink(&Creds::root(), ROOT_INO, format!("f{i}").as_bytes()).await.unwrap();
         }
         fs.sync().await.unwrap();
-        assert!(fs.counters().discard_pending_blocks > 1000, "{:?}", fs.counters());
-        fs.check_block_ownership().unwrap();
+        assert!(fs.inspect().counters().discard_pending_blocks > 1000, "{:?}", fs.inspect().counters());
+        fs.inspect().check_block_ownership().unwrap();
         for i in 0..n {
             write_file(&fs, format!("g{i}").as_bytes(), 4 * MIB).await.unwrap();
         }
-        fs.check_block_ownership().unwrap();
+        fs.inspect().check_block_ownership().unwrap();
         fs.unmount().await.unwrap();
         assert!(check(&dev).await.is_clean());
     });
@@ -218,7 +218,7 @@ fn unmount_with_discards_queued_leaves_a_clean_image() {
         write_file(&fs, b"gone", 8 * MIB).await.unwrap();
         fs.unlink(&Creds::root(), ROOT_INO, b"gone").await.unwrap();
         fs.sync().await.unwrap();
-        assert!(fs.counters().discard_pending_blocks > 0);
+        assert!(fs.inspect().counters().discard_pending_blocks > 0);
         let free = fs.statfs().await.unwrap().blocks_free;
         fs.unmount().await.unwrap();
         assert!(check(&dev).await.is_clean());
@@ -237,20 +237,20 @@ fn fstrim_leaves_space_promised_to_dirty_pages_and_the_checkpoint() {
         let fs = Fs::mount(channel(&dev), cfg).await.unwrap();
         // Promise all but 1 MiB of the free space to dirty pages.
         let room = 256;
-        let dirty = (fs.free_blocks() - room) * 4096;
+        let dirty = (fs.inspect().free_blocks() - room) * 4096;
         let ino = write_buffered(&fs, b"dirty", dirty).await;
-        assert!(fs.free_blocks() <= room, "{} blocks still free", fs.free_blocks());
+        assert!(fs.inspect().free_blocks() <= room, "{} blocks still free", fs.inspect().free_blocks());
         // An fstrim holds its first piece while writeback allocates.
         gate.hold_discards.store(true, Ordering::SeqCst);
         let trim = spawn_trim(&fs, 0);
         wait_for("the trim to hold a piece", || gate.discards_held.load(Ordering::SeqCst) > 0).await;
-        let held = fs.counters().discard_pending_blocks;
+        let held = fs.inspect().counters().discard_pending_blocks;
         assert!(held <= room, "the trim holds {held} blocks, more than the {room} not promised");
         fs.sync().await.expect("writeback gets the space it was promised");
         gate.hold_discards.store(false, Ordering::SeqCst);
         wait_for("the trim to end", || trim.borrow().is_some()).await;
         trim.take().unwrap().unwrap();
-        fs.check_block_ownership().unwrap();
+        fs.inspect().check_block_ownership().unwrap();
         fs.unmount().await.unwrap();
         assert!(check(&dev).await.is_clean());
         let fs = Fs::mount(channel(&dev), config(DiscardConfig::default())).await.unwrap();
@@ -270,21 +270,21 @@ fn a_second_fstrim_while_one_runs_is_busy() {
         gate.hold_discards.store(true, Ordering::SeqCst);
         let first = spawn_trim(&fs, 0);
         wait_for("the trim to hold a piece", || gate.discards_held.load(Ordering::SeqCst) > 0).await;
-        let held = fs.counters().discard_pending_blocks;
+        let held = fs.inspect().counters().discard_pending_blocks;
         // Spawned, so that a second trim that waits on the held discards
         // fails the test instead of hanging it.
         let second = spawn_trim(&fs, 0);
         wait_for("the second trim to answer", || second.borrow().is_some()).await;
         assert_eq!(second.take(), Some(Err(FsError::Busy)));
         assert_eq!(FsError::Busy.errno(), libc::EBUSY);
-        assert_eq!(fs.counters().discard_pending_blocks, held, "the refused trim took nothing");
+        assert_eq!(fs.inspect().counters().discard_pending_blocks, held, "the refused trim took nothing");
         gate.hold_discards.store(false, Ordering::SeqCst);
         wait_for("the trim to end", || first.borrow().is_some()).await;
         let trimmed = first.take().unwrap().unwrap();
         assert!(trimmed >= 32 * MIB, "trimmed {trimmed} bytes");
         // Once it has ended, the next may run.
-        assert_eq!(fs.trim(0).await, Ok(trimmed));
-        fs.check_block_ownership().unwrap();
+        assert_eq!(fs.admin().trim(0).await, Ok(trimmed));
+        fs.inspect().check_block_ownership().unwrap();
         fs.unmount().await.unwrap();
         assert!(check(&dev).await.is_clean());
     });
@@ -317,20 +317,20 @@ fn unmount_stops_an_fstrim_and_waits_for_its_piece() {
         gate.hold_discards.store(false, Ordering::SeqCst);
         wait_for("the trim to end", || trim.borrow().is_some()).await;
         let trimmed = trim.take().unwrap().unwrap();
-        assert_eq!(fs.counters().discards, 1, "the trim stopped after its piece");
+        assert_eq!(fs.inspect().counters().discards, 1, "the trim stopped after its piece");
         assert!(trimmed <= 64 * MIB, "trimmed {trimmed} bytes");
-        assert_eq!(fs.counters().discard_pending_blocks, 0, "no piece is left out of the allocator");
+        assert_eq!(fs.inspect().counters().discard_pending_blocks, 0, "no piece is left out of the allocator");
         assert!(unmounted.borrow().is_none(), "the unmount is still writing back");
         gate.closed.store(false, Ordering::SeqCst);
         wait_for("the unmount to end", || unmounted.borrow().is_some()).await;
         unmounted.take().unwrap().unwrap();
         assert!(check(&dev).await.is_clean());
         let fs = Fs::mount(channel(&dev), config(DiscardConfig::default())).await.unwrap();
-        fs.check_block_ownership().unwrap();
+        fs.inspect().check_block_ownership().unwrap();
         let back = fs.data().read(ino, 0, MIB as u32).await.unwrap();
         assert!(back.iter().all(|&b| b == 0x5a));
         // A trim after a remount covers what the stopped one left.
-        assert!(fs.trim(0).await.unwrap() > 256 * MIB);
+        assert!(fs.admin().trim(0).await.unwrap() > 256 * MIB);
         fs.unmount().await.unwrap();
     });
 }

@@ -144,7 +144,7 @@ async fn dump_inode(fs: &Fs, path: &str, ino: Ino, out: &mut String) {
         i.gid,
         i.size,
         a.blocks_512,
-        fs.extent_count(ino).unwrap(),
+        fs.inspect().extent_count(ino).unwrap(),
         time(i.atime),
         time(i.mtime),
         time(i.ctime),
@@ -167,7 +167,7 @@ async fn dump_inode(fs: &Fs, path: &str, ino: Ino, out: &mut String) {
 }
 
 fn dump_state(fs: &Fs, out: &mut String) {
-    let sb = fs.superblock();
+    let sb = fs.inspect().superblock();
     writeln!(
         out,
         "superblock generation={} total_blocks={} journal_blocks={} groups={} journal_start={} journal_seq={} \
@@ -184,9 +184,9 @@ fn dump_state(fs: &Fs, out: &mut String) {
         sb.features
     )
     .unwrap();
-    writeln!(out, "free_blocks={}", fs.free_blocks()).unwrap();
-    writeln!(out, "counters {:?}", fs.counters()).unwrap();
-    fs.check_block_ownership().expect("every block has one owner");
+    writeln!(out, "free_blocks={}", fs.inspect().free_blocks()).unwrap();
+    writeln!(out, "counters {:?}", fs.inspect().counters()).unwrap();
+    fs.inspect().check_block_ownership().expect("every block has one owner");
 }
 
 /// The workload, with a sync and a remount in the middle and the record

@@ -34,7 +34,7 @@ fn files_and_directories_persist_across_remount() {
         assert!(check(&dev).await.is_clean());
 
         let fs = mount(&dev).await;
-        assert_eq!(fs.replayed_at_mount(), 0, "a clean unmount leaves nothing to replay");
+        assert_eq!(fs.inspect().replayed_at_mount(), 0, "a clean unmount leaves nothing to replay");
         let d = fs.lookup(&c, ROOT_INO, b"dir").await.unwrap();
         let f = fs.lookup(&c, d.ino(), b"file").await.unwrap();
         assert_eq!(f.inode.size, 101_000);
@@ -81,7 +81,7 @@ fn inodes_created_and_freed_in_one_transaction_replay() {
         let report = check(&dev).await;
         assert!(report.is_clean(), "{report:?}");
         let fs = mount(&dev).await;
-        assert!(fs.replayed_at_mount() >= 1);
+        assert!(fs.inspect().replayed_at_mount() >= 1);
         assert_eq!(fs.lookup(&c, ROOT_INO, b"s").await.err(), Some(FsError::NotFound));
         for gone in [d, f.ino(), sym] {
             assert_eq!(fs.getattr(gone).await.err(), Some(FsError::NotFound));
@@ -104,7 +104,7 @@ fn synced_changes_survive_without_unmount() {
         fs.mkdir(&c, ROOT_INO, b"unsynced", 0o755).await.unwrap();
         drop(fs); // no unmount: as after a crash, on a device that lost nothing
         let fs = mount(&dev).await;
-        assert!(fs.replayed_at_mount() >= 1);
+        assert!(fs.inspect().replayed_at_mount() >= 1);
         let f = fs.lookup(&c, ROOT_INO, b"a").await.unwrap();
         assert_eq!(fs.data().read(f.ino(), 0, 10).await.unwrap(), b"hello");
         assert_eq!(fs.lookup(&c, ROOT_INO, b"unsynced").await.err(), Some(FsError::NotFound));
@@ -441,7 +441,7 @@ fn readdir_through_a_handle_ends_while_renames_add_entries() {
 fn file_unlinked_while_open_is_freed_at_last_release() {
     with_fs(32 * MIB, async |fs: Fs, _dev: Arc<dyn BlockDevice>| {
         let c = root();
-        let free0 = fs.free_blocks();
+        let free0 = fs.inspect().free_blocks();
         let (f, fh) = fs.create(&c, ROOT_INO, b"tmp", 0o644, libc::O_RDWR as u32).await.unwrap();
         fs.data().write(f.ino(), 0, &vec![7u8; 1 << 20]).await.unwrap();
         fs.unlink(&c, ROOT_INO, b"tmp").await.unwrap();
@@ -450,7 +450,7 @@ fn file_unlinked_while_open_is_freed_at_last_release() {
         fs.release(fh).await.unwrap();
         assert_eq!(fs.getattr(f.ino()).await.err(), Some(FsError::NotFound));
         fs.sync().await.unwrap();
-        assert_eq!(fs.free_blocks(), free0, "space came back after the commit");
+        assert_eq!(fs.inspect().free_blocks(), free0, "space came back after the commit");
     });
 }
 
@@ -562,7 +562,7 @@ fn filling_the_device_gives_enospc_and_deleting_frees_it() {
         }
         assert!(hit_enospc);
         fs.sync().await.unwrap();
-        let full_free = fs.free_blocks();
+        let full_free = fs.inspect().free_blocks();
         fs.unmount().await.unwrap();
         let report = check(&dev).await;
         assert!(report.is_clean(), "full filesystem is consistent: {report:?}");
@@ -571,7 +571,7 @@ fn filling_the_device_gives_enospc_and_deleting_frees_it() {
             fs.unlink(&c, ROOT_INO, format!("f{i}").as_bytes()).await.unwrap();
         }
         fs.sync().await.unwrap();
-        assert!(fs.free_blocks() > full_free + 3000, "deleting gave space back");
+        assert!(fs.inspect().free_blocks() > full_free + 3000, "deleting gave space back");
         let (f, _) = fs.create(&c, ROOT_INO, b"again", 0o644, 2).await.unwrap();
         fs.data().write(f.ino(), 0, &chunk).await.unwrap();
         fs.unmount().await.unwrap();
@@ -630,23 +630,23 @@ fn a_removed_directory_takes_no_new_entries() {
 fn a_scheduled_checkpoint_never_runs_after_unmount() {
     with_fs(64 * MIB, async |fs: Fs, dev: Arc<dyn BlockDevice>| {
         let c = root();
-        let journal_blocks = fs.superblock().journal_blocks;
+        let journal_blocks = fs.inspect().superblock().journal_blocks;
         // Commits until the journal is half full: the last one schedules a
         // checkpoint for later.
         let mut i = 0;
-        while (fs.counters().journal_blocks_written) * 2 < journal_blocks {
+        while (fs.inspect().counters().journal_blocks_written) * 2 < journal_blocks {
             fs.mknod(&c, ROOT_INO, format!("n{i}").as_bytes(), libc::S_IFREG | 0o644, 0).await.unwrap();
             fs.sync().await.unwrap();
             i += 1;
             assert!(i < 100_000, "the journal never filled");
         }
         fs.unmount().await.unwrap();
-        let after_unmount = fs.counters().checkpoints;
-        let superblock = fs.superblock();
+        let after_unmount = fs.inspect().counters().checkpoints;
+        let superblock = fs.inspect().superblock();
         // Give anything scheduled every chance to run.
         keelfs_reactor::sleep(std::time::Duration::from_millis(50)).await;
-        assert_eq!(fs.counters().checkpoints, after_unmount, "a checkpoint ran after unmount");
-        assert_eq!(fs.superblock(), superblock);
+        assert_eq!(fs.inspect().counters().checkpoints, after_unmount, "a checkpoint ran after unmount");
+        assert_eq!(fs.inspect().superblock(), superblock);
         let report = check(&dev).await;
         assert!(report.is_clean(), "{report:?}");
     });
@@ -696,7 +696,7 @@ fn a_checkpoint_of_many_reads_loads_whole() {
         assert!(check(&dev).await.is_clean());
 
         let fs = mount(&dev).await;
-        assert_eq!(fs.replayed_at_mount(), 0, "everything came from the checkpoint");
+        assert_eq!(fs.inspect().replayed_at_mount(), 0, "everything came from the checkpoint");
         assert_eq!(listing(fs.clone()).await, before, "names, inodes and offsets are as they were");
         for i in 0..40u32 {
             let f = fs.lookup(&c, d, format!("big-{i}").as_bytes()).await.unwrap().ino();

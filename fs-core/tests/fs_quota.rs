@@ -36,8 +36,8 @@ fn the_byte_quota_gives_edquot_and_is_the_size_df_shows() {
     with_fs(64 * MIB, async |fs: Fs, dev: Arc<dyn BlockDevice>| {
         let c = Creds::root();
         let before = fs.statfs().await.unwrap();
-        fs.set_quota(Quota { bytes: Some(8 * MIB), inodes: None }).unwrap();
-        assert_eq!(fs.quota(), Quota { bytes: Some(8 * MIB), inodes: None });
+        fs.admin().set_quota(Quota { bytes: Some(8 * MIB), inodes: None }).unwrap();
+        assert_eq!(fs.admin().quota(), Quota { bytes: Some(8 * MIB), inodes: None });
         let st = fs.statfs().await.unwrap();
         assert_eq!(st.blocks, 8 * MIB / 4096, "df shows the quota as the size");
         assert!(st.blocks_free < st.blocks && st.blocks_free > st.blocks - 64, "{st:?}");
@@ -57,12 +57,12 @@ fn the_byte_quota_gives_edquot_and_is_the_size_df_shows() {
         assert_eq!(FsError::Quota.errno(), libc::EDQUOT);
 
         // Raising the quota at runtime lets writes go on.
-        fs.set_quota(Quota { bytes: Some(32 * MIB), inodes: None }).unwrap();
+        fs.admin().set_quota(Quota { bytes: Some(32 * MIB), inodes: None }).unwrap();
         let big2 = fill(&fs, "big2", 16 * MIB).await.unwrap();
         assert_eq!(fs.statfs().await.unwrap().blocks, 32 * MIB / 4096);
 
         // Lowered below use: unlink, truncate and overwrites still work.
-        fs.set_quota(Quota { bytes: Some(4 * MIB), inodes: None }).unwrap();
+        fs.admin().set_quota(Quota { bytes: Some(4 * MIB), inodes: None }).unwrap();
         let data = vec![0xa5; 64 << 10];
         assert_eq!(fs.data().write(big2, 0, &data).await.unwrap() as usize, data.len(), "overwrite in place");
         fs.sync().await.unwrap();
@@ -83,7 +83,7 @@ fn the_byte_quota_gives_edquot_and_is_the_size_df_shows() {
 #[test]
 fn the_device_binds_with_enospc_when_the_quota_is_larger() {
     with_fs(16 * MIB, async |fs: Fs, _dev: Arc<dyn BlockDevice>| {
-        fs.set_quota(Quota { bytes: Some(1 << 40), inodes: Some(1 << 30) }).unwrap();
+        fs.admin().set_quota(Quota { bytes: Some(1 << 40), inodes: Some(1 << 30) }).unwrap();
         let st = fs.statfs().await.unwrap();
         assert!(st.blocks < 16 * MIB / 4096, "the device is smaller than the quota: {st:?}");
         assert_eq!(fill(&fs, "big", 32 * MIB).await.err(), Some(FsError::NoSpace));
@@ -94,7 +94,7 @@ fn the_device_binds_with_enospc_when_the_quota_is_larger() {
 fn the_inode_quota_gives_edquot_and_caps_df() {
     with_fs(64 * MIB, async |fs: Fs, _dev: Arc<dyn BlockDevice>| {
         let c = Creds::root();
-        fs.set_quota(Quota { bytes: None, inodes: Some(10) }).unwrap();
+        fs.admin().set_quota(Quota { bytes: None, inodes: Some(10) }).unwrap();
         let st = fs.statfs().await.unwrap();
         assert_eq!((st.files, st.files_free), (10, 9), "the root uses one");
         for i in 0..9 {
@@ -108,7 +108,7 @@ fn the_inode_quota_gives_edquot_and_caps_df() {
         fs.rmdir(&c, ROOT_INO, b"d0").await.unwrap();
         fs.forget(d0, 2).await.unwrap(); // mkdir's lookup and lookup's
         fs.mkdir(&c, ROOT_INO, b"x", 0o755).await.unwrap();
-        fs.set_quota(Quota::default()).unwrap();
+        fs.admin().set_quota(Quota::default()).unwrap();
         fs.mkdir(&c, ROOT_INO, b"y", 0o755).await.unwrap();
         assert!(fs.statfs().await.unwrap().files > 1000);
     });

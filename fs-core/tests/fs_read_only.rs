@@ -66,7 +66,7 @@ fn a_read_only_mount_changes_nothing_and_refuses_every_change() {
         refused("fallocate", fs.data().fallocate(file, FallocateMode::Allocate { keep_size: false }, 0, 4096).await);
         refused("setxattr", fs.setxattr(&c, file, b"user.k2", b"v", XattrFlags::default()).await);
         refused("removexattr", fs.removexattr(&c, file, b"user.k").await);
-        refused("checkpoint", fs.checkpoint().await);
+        refused("checkpoint", fs.admin().checkpoint().await);
         assert_eq!(FsError::ReadOnly.errno(), libc::EROFS);
         fs.unmount().await.unwrap();
     });

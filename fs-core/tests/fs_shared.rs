@@ -1,4 +1,4 @@
-//! Cached reads from another thread (`Fs::shared_reader`) while the owning
+//! Cached reads from another thread (`DataOps::shared_reader`) while the owning
 //! reactor writes, truncates and deletes: every read must return bytes the
 //! file held at one instant, never a half-applied change.
 
@@ -76,7 +76,7 @@ where
         format(&dev).await;
         let fs = Fs::mount(channel(&dev), config()).await.unwrap();
         let ino = setup(&fs).await;
-        let shared = fs.shared_reader(ino).unwrap();
+        let shared = fs.data().shared_reader(ino).unwrap();
         let (stop2, gone) = (stop.clone(), ReaderGone::default());
         let mark = MarkGone(gone.clone());
         let thread = std::thread::spawn(move || {
@@ -221,7 +221,7 @@ fn shared_reads_of_deleted_uncached_and_past_eof() {
         let (attr, fh) = fs.create(&c, ROOT_INO, b"d", 0o644, 2).await.unwrap();
         let ino = attr.ino();
         fs.data().write(ino, 0, &[5u8; 10_000]).await.unwrap();
-        let reader = fs.shared_reader(ino).unwrap();
+        let reader = fs.data().shared_reader(ino).unwrap();
         assert_eq!(reader.read(0, 4).unwrap(), vec![5u8; 4]);
         assert_eq!(reader.read(9_998, 100).unwrap(), vec![5u8; 2], "short at end of file");
         assert_eq!(reader.read(10_000, 100).unwrap(), Vec::<u8>::new(), "empty at end of file");
@@ -233,13 +233,13 @@ fn shared_reads_of_deleted_uncached_and_past_eof() {
         // Another file's pages never answer for this one.
         let other = new_file(&fs, "e").await;
         fs.data().write(other, 0, &[9u8; 4096]).await.unwrap();
-        assert_eq!(fs.shared_reader(other).unwrap().read(0, 1).unwrap(), vec![9]);
+        assert_eq!(fs.data().shared_reader(other).unwrap().read(0, 1).unwrap(), vec![9]);
         fs.unlink(&c, ROOT_INO, b"d").await.unwrap();
         fs.forget(ino, 1).await.unwrap();
         assert_eq!(reader.read(0, 4).unwrap(), vec![5u8; 4], "unlinked but open: still readable");
         fs.release(fh).await.unwrap();
         assert_eq!(reader.read(0, 4), Err(SharedMiss::Gone), "a deleted file's reader goes to the owner");
-        let stats = fs.cache_stats();
+        let stats = fs.inspect().cache_stats();
         assert_eq!((stats.shared_hits, stats.shared_misses), (6, 3));
         fs.unmount().await.unwrap();
     });

@@ -102,7 +102,7 @@ impl Harness {
             let reply = session.handle(&init).await.expect("INIT is answered");
             assert_eq!(check_reply(&reply, 1, Opcode::Init as u32).0, 0);
             run_requests(&session, &input).await;
-            if let Err(why) = fs.check_block_ownership() {
+            if let Err(why) = fs.inspect().check_block_ownership() {
                 panic!("after the input, {why}");
             }
             session.give_back().await;

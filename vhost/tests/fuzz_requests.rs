@@ -394,7 +394,7 @@ fn run(seed: u64, cases: u64) {
                 let error = reply.as_ref().map(|r| i32::from_le_bytes(r[4..8].try_into().unwrap()));
                 eprintln!("{what}: {shown:02x?} -> {error:?}");
             }
-            if let Err(why) = fs.check_block_ownership() {
+            if let Err(why) = fs.inspect().check_block_ownership() {
                 panic!("{what}: after it, {why}");
             }
             if let Some(reply) = reply {

@@ -30,6 +30,7 @@ use super::format::{BlockRun, BLOCK_BYTES};
 use super::record::Record;
 use super::{Fs, FsError, FsInner, FsResult};
 use crate::ids::Ino;
+use crate::shared::SharedReader;
 use keelfs_bdev::AlignedBuf;
 use keelfs_reactor as reactor;
 use keelfs_reactor::{await_all, SharedBuffer};
@@ -120,6 +121,17 @@ impl Fs {
     /// The data operations on this filesystem's files.
     pub fn data(&self) -> DataOps<'_> {
         DataOps { inner: &self.inner }
+    }
+}
+
+impl DataOps<'_> {
+    /// A reader of `ino`'s cached pages for another thread (another
+    /// reactor): reads that find every page cached complete there without
+    /// a lock or a message; the others the caller sends here.
+    pub fn shared_reader(self, ino: Ino) -> FsResult<SharedReader> {
+        let size = self.inner.meta.require_file(ino)?.size;
+        let file = self.inner.pages.shared().share(ino, size);
+        Ok(SharedReader { pages: self.inner.pages.cache().shared().clone(), file, ino })
     }
 }
 

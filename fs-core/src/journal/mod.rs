@@ -71,7 +71,7 @@ pub(crate) struct Journal {
 }
 
 /// What the journal counts, merged into [`FsCounters`] by
-/// `Fs::counters`.
+/// `Inspect::counters`.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct JournalCounters {
     pub(crate) journal_commits: u64,

@@ -369,11 +369,11 @@ impl Session {
         let mut handles: Vec<(Fh, HandleState)> = holdings
             .handles
             .keys()
-            .filter_map(|&fh| self.fs.handle_state(Fh::new(fh)).ok().map(|h| (Fh::new(fh), h)))
+            .filter_map(|&fh| self.fs.handover().handle_state(Fh::new(fh)).ok().map(|h| (Fh::new(fh), h)))
             .collect();
         handles.sort_unstable_by_key(|(fh, _)| fh.get());
         SessionState {
-            fs_uuid: self.fs.uuid(),
+            fs_uuid: self.fs.handover().uuid(),
             initialized: self.initialized.get(),
             init_flags: self.flags.get(),
             lookups,
@@ -390,20 +390,20 @@ impl Session {
         stats: Rc<OpStats>,
         state: &SessionState,
     ) -> Result<Self, StateError> {
-        if state.fs_uuid != fs.uuid() {
+        if state.fs_uuid != fs.handover().uuid() {
             let uuid: String = state.fs_uuid.iter().map(|b| format!("{b:02x}")).collect();
             return Err(StateError::OtherFilesystem(uuid));
         }
         if state.handles.len() > config.open_handles_max {
             return Err(StateError::TooManyHandles(state.handles.len()));
         }
-        if let Some((ino, _)) = state.lookups.iter().find(|(ino, _)| !fs.exists(*ino)) {
+        if let Some((ino, _)) = state.lookups.iter().find(|(ino, _)| !fs.handover().exists(*ino)) {
             return Err(StateError::NoInode(ino.get()));
         }
         for (fh, h) in &state.handles {
             let refuse = |why: String| StateError::Handle { fh: fh.get(), why };
-            fs.check_handle(h).map_err(|e| refuse(e.to_string()))?;
-            if fs.handle_state(*fh).is_ok() {
+            fs.handover().check_handle(h).map_err(|e| refuse(e.to_string()))?;
+            if fs.handover().handle_state(*fh).is_ok() {
                 return Err(refuse("the number is open already".into()));
             }
         }
@@ -411,11 +411,11 @@ impl Session {
         {
             let mut holdings = session.holdings.borrow_mut();
             for &(ino, n) in &state.lookups {
-                session.fs.hold_lookups(ino, n).expect("the inode was checked to exist");
+                session.fs.handover().hold_lookups(ino, n).expect("the inode was checked to exist");
                 holdings.lookups.insert(ino.get(), n);
             }
             for &(fh, h) in &state.handles {
-                session.fs.restore_handle(fh, h).expect("the handle was checked, and numbers are unique");
+                session.fs.handover().restore_handle(fh, h).expect("the handle was checked, and numbers are unique");
                 holdings.handles.insert(fh.get(), ());
             }
         }
@@ -565,7 +565,7 @@ impl Session {
         if !self.buffered_file(fh, nodeid) {
             return None;
         }
-        let reader = self.fs.shared_reader(nodeid).ok()?;
+        let reader = self.fs.data().shared_reader(nodeid).ok()?;
         let released = self.shared_handles.borrow_mut().entry(fh.get()).or_default().clone();
         Some(SharedHandle { reader, released })
     }
@@ -1040,7 +1040,7 @@ impl Session {
     }
 
     /// FUSE_IOCTL: FITRIM (a guest's fstrim, made on the mount's root)
-    /// runs [`Fs::trim`] over the whole filesystem; any other command gets
+    /// runs [`keelfs_fs::Admin::trim`] over the whole filesystem; any other command gets
     /// ENOTTY, as from a filesystem without that ioctl. The reply is
     /// fuse_ioctl_out, then the fstrim_range with `len` set to the bytes
     /// trimmed.
@@ -1059,7 +1059,7 @@ impl Session {
         }
         let word = |i: usize| u64::from_le_bytes(input[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
         let (start, minlen) = (word(0), word(2));
-        let trimmed = self.fs.trim(minlen).await.map_err(|e| e.errno())?;
+        let trimmed = self.fs.admin().trim(minlen).await.map_err(|e| e.errno())?;
         let mut r = Reply::default();
         r.u32(0).u32(0).u32(0).u32(0); // result, flags, in_iovs, out_iovs
         r.u64(start).u64(trimmed).u64(minlen);

@@ -183,7 +183,7 @@ impl Attachment {
     /// Install a filesystem mounted with its orphans kept, once `session`
     /// holds what it holds: the orphans nobody holds are freed.
     fn install_freeing_orphans(&self, fs: Fs, session: Rc<Session>) {
-        if let Err(e) = fs.free_unheld_orphans() {
+        if let Err(e) = fs.handover().free_unheld_orphans() {
             tracing::warn!(parent: &self.span, "freeing orphans: {e}");
         }
         self.install(fs, session);

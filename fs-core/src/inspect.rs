@@ -1,0 +1,124 @@
+//! What tests, benchmarks and the daemon's stats read of a mounted
+//! filesystem: counters, geometry, the superblock, free space, and the
+//! consistency checks that tests and fuzzers run between operations.
+
+use std::rc::Rc;
+
+use crate::{cache, BlockClaim, DoubleOwner, Fs, FsCounters, FsInner, FsResult, Geometry, Ino, Superblock};
+
+/// Reading a filesystem's figures, reached through [`Fs::inspect`]: a
+/// `Copy` borrow made per call, so that these do not crowd the
+/// filesystem's own operations (issue 35). Nothing here changes the
+/// filesystem but [`Inspect::debug_set_nlink`], which tests use to damage
+/// an image on purpose, and the benchmarks' file-times switch.
+#[derive(Clone, Copy)]
+pub struct Inspect<'a> {
+    inner: &'a Rc<FsInner>,
+}
+
+impl Fs {
+    /// The filesystem's figures and consistency checks.
+    pub fn inspect(&self) -> Inspect<'_> {
+        Inspect { inner: &self.inner }
+    }
+}
+
+impl Inspect<'_> {
+    pub fn geometry(self) -> Geometry {
+        self.inner.io.geometry()
+    }
+
+    pub fn counters(self) -> FsCounters {
+        let mut c = FsCounters { device_flushes: self.inner.io.flushes(), ..FsCounters::default() };
+        self.inner.journal.report(&mut c);
+        self.inner.data.report(&mut c);
+        self.inner.discard.report(&mut c);
+        c
+    }
+
+    /// Benchmarks only: stop (or resume) setting mtime and ctime on data
+    /// writes, to measure what their upkeep costs. keelfsd never turns it
+    /// off.
+    pub fn set_file_times_for_benchmark(self, on: bool) {
+        self.inner.data.set_file_times(on);
+    }
+
+    /// Journal transactions the mount replayed (0 after a clean unmount).
+    pub fn replayed_at_mount(self) -> u64 {
+        self.inner.journal.replayed_at_mount
+    }
+
+    pub fn superblock(self) -> Superblock {
+        self.inner.journal.sb.borrow().clone()
+    }
+
+    /// Blocks free for new data right now (delayed-allocation reservations
+    /// excluded), within the quota if there is one.
+    pub fn free_blocks(self) -> u64 {
+        self.inner.space.available_blocks(self.inner.usage())
+    }
+
+    /// Range-lock acquisitions that had to wait: (shared, exclusive).
+    pub fn range_lock_waits(self) -> (u64, u64) {
+        self.inner.data.range_lock_waits()
+    }
+
+    pub fn cache_stats(self) -> cache::CacheStats {
+        self.inner.pages.cache().stats()
+    }
+
+    /// Extents of a file (for tests and benchmarks of the allocator).
+    pub fn extent_count(self, ino: Ino) -> FsResult<usize> {
+        self.inner.meta.extent_count(ino)
+    }
+
+    /// Whether a checkpoint is being written in pieces now (for tests).
+    #[doc(hidden)]
+    pub fn checkpointing_in_pieces(self) -> bool {
+        self.inner.journal.checkpoint_in_pieces()
+    }
+
+    /// Every block has at most one owner: a file's extent, the live
+    /// checkpoint, a free awaiting its commit, a checkpoint or a discard, or the
+    /// allocator's free list. For tests and fuzzers that run the filesystem through many
+    /// operations: a block with two owners is a corruption waiting for its
+    /// next write. Linear in extents and free runs.
+    pub fn check_block_ownership(self) -> Result<(), DoubleOwner> {
+        let state = self.inner.meta.state();
+        let sb = self.inner.journal.sb.borrow();
+        let mut owned: Vec<(u64, u64, String)> = Vec::new();
+        for node in state.nodes() {
+            for e in node.extents.iter() {
+                owned.push((
+                    e.disk_block.get(),
+                    e.len,
+                    format!("inode {} file block {}", node.inode.ino, e.file_block.get()),
+                ));
+            }
+        }
+        owned.extend(sb.checkpoint_extents.iter().map(|r| (r.start, r.len, "the checkpoint".to_string())));
+        owned.extend(state.pending_free.iter().map(|r| (r.start, r.len, "a pending free".to_string())));
+        let held = self.inner.space.held_runs();
+        owned.extend(held.iter().map(|r| (r.start, r.len, "a free held for a checkpoint".to_string())));
+        owned.extend(
+            self.inner.discard.runs().into_iter().map(|r| (r.start, r.len, "a free awaiting its discard".to_string())),
+        );
+        owned.extend(state.alloc.free_runs().iter().map(|r| (r.start, r.len, "the free list".to_string())));
+        owned.sort_by_key(|o| o.0);
+        for pair in owned.windows(2) {
+            let (a, b) = (&pair[0], &pair[1]);
+            if a.0 + a.1 > b.0 {
+                let claim = |o: &(u64, u64, String)| BlockClaim { start: o.0, len: o.1, owner: o.2.clone() };
+                return Err(DoubleOwner { first: claim(a), second: claim(b) });
+            }
+        }
+        Ok(())
+    }
+
+    /// Overwrite an inode's link count, bypassing every rule: for tests
+    /// that need a damaged image to check fsck against.
+    #[doc(hidden)]
+    pub fn debug_set_nlink(self, ino: Ino, nlink: u32) {
+        let _ = self.inner.change().update_inode(ino, |i| i.nlink = nlink);
+    }
+}
