@@ -42,6 +42,7 @@ mod io;
 mod journal;
 mod meta;
 mod mkfs;
+mod namespace;
 mod node_table;
 mod ops;
 mod pages;

@@ -5,26 +5,25 @@
 use std::borrow::Cow;
 use std::rc::Rc;
 
-use super::access::{permitted, setid_bits_to_clear, Acl, Creds, ACL_ACCESS, ACL_DEFAULT, R_OK, W_OK, X_OK};
+use super::access::{setid_bits_to_clear, Acl, Creds, ACL_ACCESS, ACL_DEFAULT, R_OK, W_OK};
 use super::flags::{RenameMode, XattrFlags};
 use super::format::{
-    Inode, Timespec, BLOCK_SIZE, NAME_MAX, ROOT_INO, SYMLINK_MAX, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG,
-    XATTR_INODE_BYTES_MAX, XATTR_LIST_BYTES_MAX, XATTR_NAME_MAX, XATTR_VALUE_MAX,
+    Inode, Timespec, BLOCK_SIZE, NAME_MAX, SYMLINK_MAX, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG, XATTR_INODE_BYTES_MAX,
+    XATTR_LIST_BYTES_MAX, XATTR_VALUE_MAX,
 };
-use super::handles::Handle;
 use super::ids::{Fh, Ino};
 use super::record::Record;
 use super::{Fs, FsError, FsInner, FsResult};
 
 /// The ACLs a new inode inherits: xattr names and values.
-type InheritedXattrs = Vec<(&'static [u8], Vec<u8>)>;
+pub(crate) type InheritedXattrs = Vec<(&'static [u8], Vec<u8>)>;
 
 /// Most one copy_file_range copies (callers loop on short copies): it
 /// bounds the time one request holds its reactor's attention.
 pub const COPY_RANGE_MAX: u64 = 64 << 20;
 /// Largest file: 2^52 bytes keeps block arithmetic far from overflow.
 pub const MAX_FILE_BYTES: u64 = 1 << 52;
-const LINK_MAX: u32 = 65_000;
+pub(crate) const LINK_MAX: u32 = 65_000;
 
 /// What lseek looks for from an offset (the kernel answers SEEK_SET,
 /// SEEK_CUR and SEEK_END itself).
@@ -107,7 +106,7 @@ pub struct StatFs {
     pub name_max: u32,
 }
 
-fn check_name(name: &[u8]) -> FsResult<()> {
+pub(crate) fn check_name(name: &[u8]) -> FsResult<()> {
     if name.len() > NAME_MAX {
         return Err(FsError::NameTooLong);
     }
@@ -115,195 +114,6 @@ fn check_name(name: &[u8]) -> FsResult<()> {
         return Err(FsError::Invalid("bad file name"));
     }
     Ok(())
-}
-
-impl FsInner {
-    /// The access ACL of a node, if it has a valid one. setxattr stores
-    /// only valid ACLs; one that a crafted image holds may not be, and then
-    /// counts as none.
-    fn access_acl_of(&self, node: &super::state::Node) -> Option<Acl> {
-        node.xattrs().get(ACL_ACCESS).and_then(|v| Acl::parse(v).ok())
-    }
-
-    /// chmod on an inode with an access ACL rewrites the ACL's owner,
-    /// mask (or group) and other entries to match: posix_acl_chmod.
-    fn couple_acl_to_mode(&self, ino: Ino, mode: u32) -> FsResult<()> {
-        let acl = self.meta.state().node(ino).and_then(|n| self.access_acl_of(n));
-        let Some(mut acl) = acl else { return Ok(()) };
-        acl.chmod(mode);
-        self.change().log(Record::XattrSet { ino, name: Cow::Borrowed(ACL_ACCESS), value: Cow::Owned(acl.encode()) })
-    }
-
-    /// May `c` access `inode` for `mask`, ACL included?
-    pub(crate) fn may(&self, inode: &Inode, c: &Creds, mask: u32) -> bool {
-        if c.kernel_checked() || c.uid == 0 || c.uid == inode.uid {
-            return permitted(inode, None, c, mask);
-        }
-        let acl = self.meta.state().node(inode.ino).and_then(|n| self.access_acl_of(n));
-        permitted(inode, acl.as_ref(), c, mask)
-    }
-
-    /// A directory the caller may search, and the inode `name` names in it.
-    fn lookup_in(&self, c: &Creds, parent: Ino, name: &[u8]) -> FsResult<Option<Ino>> {
-        if name.len() > NAME_MAX {
-            return Err(FsError::NameTooLong);
-        }
-        let state = self.meta.state();
-        let node = state.node(parent).ok_or(FsError::NotFound)?;
-        let dir = node.dir.as_ref().ok_or(FsError::NotDir)?;
-        if !permitted(&node.inode, self.access_acl_of(node).as_ref(), c, X_OK) {
-            return Err(FsError::Access);
-        }
-        Ok(match name {
-            b"." => Some(parent),
-            b".." => Some(dir.parent),
-            _ => dir.lookup(name),
-        })
-    }
-
-    /// Checks for adding or removing an entry of `parent`.
-    fn writable_dir(&self, c: &Creds, parent: Ino) -> FsResult<Inode> {
-        let inode = self.meta.inode(parent)?;
-        if !inode.is_dir() {
-            return Err(FsError::NotDir);
-        }
-        // A removed directory still open (or looked up) takes no new
-        // entries, as Linux's dead directories: one made there would have
-        // a link but no path, and outlive the directory.
-        if inode.nlink == 0 {
-            return Err(FsError::NotFound);
-        }
-        if !self.may(&inode, c, W_OK | X_OK) {
-            return Err(FsError::Access);
-        }
-        Ok(inode)
-    }
-
-    /// The sticky-directory rule: only the owner of the entry or of the
-    /// directory (or root) may remove or replace it.
-    fn check_sticky(&self, c: &Creds, dir: &Inode, victim: Ino) -> FsResult<()> {
-        if dir.mode & libc::S_ISVTX == 0 || c.kernel_checked() || c.uid == 0 || c.uid == dir.uid {
-            return Ok(());
-        }
-        if self.meta.inode(victim)?.uid == c.uid {
-            return Ok(());
-        }
-        Err(FsError::Perm)
-    }
-
-    fn new_inode(&self, c: &Creds, parent: &Inode, mode: u32, rdev: u32) -> (Inode, InheritedXattrs) {
-        let ino = self.meta.take_next_ino();
-        let (mode, acls) = self.inherit_acls(c, parent, mode);
-        let mut mode = mode;
-        let is_dir = mode & S_IFMT == S_IFDIR;
-        let gid = if parent.mode & libc::S_ISGID != 0 {
-            if is_dir {
-                mode |= libc::S_ISGID;
-            } else if !c.kernel_checked() && c.uid != 0 && !c.in_group(parent.gid) && mode & 0o010 != 0 {
-                // mode_strip_sgid: no setgid file in a group one is not in.
-                mode &= !libc::S_ISGID;
-            }
-            parent.gid
-        } else {
-            c.gid
-        };
-        (Inode::new(ino, mode, c.uid, gid, rdev, self.change().file_time()), acls)
-    }
-
-    /// Create `inode` with the ACLs [`Self::new_inode`] gave it.
-    fn create_inode_with(&self, inode: Inode, acls: InheritedXattrs) -> FsResult<()> {
-        let ino = inode.ino;
-        self.change().create_inode(inode)?;
-        for (name, value) in acls {
-            self.change().log(Record::XattrSet { ino, name: Cow::Borrowed(name), value: Cow::Owned(value) })?;
-        }
-        Ok(())
-    }
-
-    /// The mode of a new inode and the ACLs it inherits, as Linux's
-    /// posix_acl_create: with a default ACL on the directory, the umask is
-    /// ignored and the ACL, masked by the mode, becomes the access ACL
-    /// (and a directory's default ACL too); without one, the umask applies.
-    fn inherit_acls(&self, c: &Creds, parent: &Inode, mode: u32) -> (u32, InheritedXattrs) {
-        if mode & S_IFMT == S_IFLNK {
-            return (mode, Vec::new());
-        }
-        let default = self.meta.state().node(parent.ino).and_then(|n| n.xattrs().get(ACL_DEFAULT).cloned());
-        let Some(default) = default.and_then(|v| Acl::parse(&v).ok()).filter(|a| !a.is_empty()) else {
-            return (mode & !(c.umask & 0o777), Vec::new());
-        };
-        let mut acls = Vec::new();
-        if mode & S_IFMT == S_IFDIR {
-            acls.push((ACL_DEFAULT, default.encode()));
-        }
-        let mut access = default;
-        let masked = access.create_masq(mode & 0o777);
-        if !access.mode_bits().1 {
-            acls.push((ACL_ACCESS, access.encode()));
-        }
-        ((mode & !0o777) | masked, acls)
-    }
-
-    /// A directory holds a bounded number of entries (2 GiB of names):
-    /// past that, adding one is ENOSPC. Checked before an operation logs
-    /// anything, so that none stops halfway.
-    fn check_dir_room(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
-        let state = self.meta.state();
-        let dir = state.node(parent).and_then(|n| n.dir.as_ref()).ok_or(FsError::NotDir)?;
-        if dir.has_room(name) {
-            Ok(())
-        } else {
-            Err(FsError::NoSpace)
-        }
-    }
-
-    fn add_entry(&self, parent: Ino, name: &[u8], ino: Ino) -> FsResult<()> {
-        self.check_dir_room(parent, name)?;
-        let cookie = {
-            let mut state = self.meta.state_mut();
-            let dir = state.node_mut(parent).and_then(|n| n.dir.as_mut()).ok_or(FsError::NotDir)?;
-            dir.take_cookie()
-        };
-        self.change().log(Record::DirentSet { dir: parent, name: Cow::Borrowed(name), ino, cookie })
-    }
-
-    fn touch_dir(&self, dir: Ino, nlink_delta: i32) -> FsResult<()> {
-        let t = self.change().file_time();
-        self.change().update_inode(dir, |i| {
-            i.mtime = t;
-            i.ctime = t;
-            i.nlink = i.nlink.saturating_add_signed(nlink_delta);
-        })
-    }
-
-    /// How many inodes this filesystem may hold ([`super::FsConfig::inodes_max`]).
-    pub(crate) fn inodes_max(&self) -> u64 {
-        self.config
-            .inodes_max
-            .unwrap_or_else(|| (self.journal.sb.borrow().total_blocks / 4).clamp(1024, u64::from(u32::MAX)))
-    }
-
-    /// Create an inode and its entry: the common part of mknod, mkdir,
-    /// symlink and create.
-    fn make_node(&self, c: &Creds, parent: Ino, name: &[u8], mode: u32, rdev: u32) -> FsResult<Inode> {
-        check_name(name)?;
-        let dir = self.writable_dir(c, parent)?;
-        if self.lookup_in(c, parent, name)?.is_some() {
-            return Err(FsError::Exists);
-        }
-        let is_dir = mode & S_IFMT == S_IFDIR;
-        if is_dir && dir.nlink >= LINK_MAX {
-            return Err(FsError::TooManyLinks);
-        }
-        self.space.check_inode_room(self.meta.inode_count() as u64, self.inodes_max())?;
-        self.check_dir_room(parent, name)?;
-        let (inode, acls) = self.new_inode(c, &dir, mode, rdev);
-        self.create_inode_with(inode.clone(), acls)?;
-        self.add_entry(parent, name, inode.ino)?;
-        self.touch_dir(parent, i32::from(is_dir))?;
-        self.meta.add_lookup(inode.ino, 1);
-        Ok(inode)
-    }
 }
 
 impl Fs {
@@ -319,7 +129,7 @@ impl Fs {
         let ino = if name == b"." && c.kernel_checked() {
             self.inner.meta.inode(parent)?.ino
         } else {
-            self.inner.lookup_in(c, parent, name)?.ok_or(FsError::NotFound)?
+            self.inner.ns().lookup_in(c, parent, name)?.ok_or(FsError::NotFound)?
         };
         self.inner.meta.add_lookup(ino, 1);
         self.inner.meta.attr(ino)
@@ -351,12 +161,12 @@ impl Fs {
         if ![S_IFREG, libc::S_IFIFO, libc::S_IFCHR, libc::S_IFBLK, libc::S_IFSOCK].contains(&kind) {
             return Err(FsError::Invalid("mknod of this file type"));
         }
-        let inode = self.inner.make_node(c, parent, name, kind | (mode & 0o7777), rdev)?;
+        let inode = self.inner.ns().make_node(c, parent, name, kind | (mode & 0o7777), rdev)?;
         self.inner.meta.attr(inode.ino)
     }
 
     pub async fn mkdir(&self, c: &Creds, parent: Ino, name: &[u8], mode: u32) -> FsResult<Attr> {
-        let inode = self.inner.make_node(c, parent, name, S_IFDIR | (mode & 0o7777), 0)?;
+        let inode = self.inner.ns().make_node(c, parent, name, S_IFDIR | (mode & 0o7777), 0)?;
         self.inner.meta.attr(inode.ino)
     }
 
@@ -367,7 +177,7 @@ impl Fs {
         if target.is_empty() || target.contains(&0) {
             return Err(FsError::Invalid("symlink target"));
         }
-        let inode = self.inner.make_node(c, parent, name, S_IFLNK | 0o777, 0)?;
+        let inode = self.inner.ns().make_node(c, parent, name, S_IFLNK | 0o777, 0)?;
         self.inner.change().log(Record::Symlink { ino: inode.ino, target: Cow::Borrowed(target) })?;
         self.inner.change().update_inode(inode.ino, |i| i.size = target.len() as u64)?;
         self.inner.meta.attr(inode.ino)
@@ -388,61 +198,27 @@ impl Fs {
         if inode.nlink >= LINK_MAX {
             return Err(FsError::TooManyLinks);
         }
-        self.inner.writable_dir(c, new_parent)?;
-        if self.inner.lookup_in(c, new_parent, new_name)?.is_some() {
+        self.inner.ns().writable_dir(c, new_parent)?;
+        if self.inner.ns().lookup_in(c, new_parent, new_name)?.is_some() {
             return Err(FsError::Exists);
         }
-        self.inner.add_entry(new_parent, new_name, ino)?;
+        self.inner.ns().add_entry(new_parent, new_name, ino)?;
         let t = self.file_time();
         self.inner.change().update_inode(ino, |i| {
             i.nlink += 1;
             i.ctime = t;
         })?;
-        self.inner.touch_dir(new_parent, 0)?;
+        self.inner.ns().touch_dir(new_parent, 0)?;
         self.inner.meta.add_lookup(ino, 1);
         self.inner.meta.attr(ino)
     }
 
     pub async fn unlink(&self, c: &Creds, parent: Ino, name: &[u8]) -> FsResult<()> {
-        self.remove_entry(c, parent, name, false)
+        self.inner.ns().remove_entry(c, parent, name, false)
     }
 
     pub async fn rmdir(&self, c: &Creds, parent: Ino, name: &[u8]) -> FsResult<()> {
-        self.remove_entry(c, parent, name, true)
-    }
-
-    fn remove_entry(&self, c: &Creds, parent: Ino, name: &[u8], want_dir: bool) -> FsResult<()> {
-        if want_dir && name == b"." {
-            return Err(FsError::Invalid("rmdir of '.'"));
-        }
-        if want_dir && name == b".." {
-            return Err(FsError::NotEmpty);
-        }
-        check_name(name)?;
-        let dir = self.inner.writable_dir(c, parent)?;
-        let ino = self.inner.lookup_in(c, parent, name)?.ok_or(FsError::NotFound)?;
-        let victim = self.inner.meta.inode(ino)?;
-        match (want_dir, victim.is_dir()) {
-            (true, false) => return Err(FsError::NotDir),
-            (false, true) => return Err(FsError::IsDir),
-            _ => {}
-        }
-        if want_dir {
-            let state = self.inner.meta.state();
-            if state.node(ino).and_then(|n| n.dir.as_ref()).is_some_and(|d| !d.is_empty()) {
-                return Err(FsError::NotEmpty);
-            }
-        }
-        self.inner.check_sticky(c, &dir, ino)?;
-        self.inner.change().log(Record::DirentDelete { dir: parent, name: Cow::Borrowed(name) })?;
-        let t = self.file_time();
-        self.inner.change().update_inode(ino, |i| {
-            i.nlink = if want_dir { 0 } else { i.nlink.saturating_sub(1) };
-            i.ctime = t;
-        })?;
-        self.inner.touch_dir(parent, if want_dir { -1 } else { 0 })?;
-        self.inner.change().maybe_free(ino)?;
-        Ok(())
+        self.inner.ns().remove_entry(c, parent, name, true)
     }
 
     pub async fn rename(
@@ -455,159 +231,9 @@ impl Fs {
         mode: RenameMode,
     ) -> FsResult<()> {
         if let RenameMode::Whiteout { .. } = mode {
-            return self.rename_whiteout(c, parent, name, new_parent, new_name, mode);
+            return self.inner.ns().rename_whiteout(c, parent, name, new_parent, new_name, mode);
         }
-        self.rename_plain(c, parent, name, new_parent, new_name, mode)
-    }
-
-    fn rename_plain(
-        &self,
-        c: &Creds,
-        parent: Ino,
-        name: &[u8],
-        new_parent: Ino,
-        new_name: &[u8],
-        mode: RenameMode,
-    ) -> FsResult<()> {
-        check_name(name)?;
-        check_name(new_name)?;
-        let src_dir = self.inner.writable_dir(c, parent)?;
-        let dst_dir = self.inner.writable_dir(c, new_parent)?;
-        let ino = self.inner.lookup_in(c, parent, name)?.ok_or(FsError::NotFound)?;
-        let target = self.inner.lookup_in(c, new_parent, new_name)?;
-        let src = self.inner.meta.inode(ino)?;
-        self.inner.check_sticky(c, &src_dir, ino)?;
-        if let Some(t) = target {
-            self.inner.check_sticky(c, &dst_dir, t)?;
-        }
-        if mode == RenameMode::Exchange {
-            let other = target.ok_or(FsError::NotFound)?;
-            return self.exchange(parent, name, ino, new_parent, new_name, other);
-        }
-        if target.is_some() && mode.refuses_existing() {
-            return Err(FsError::Exists);
-        }
-        if target == Some(ino) {
-            return Ok(()); // two names of one inode: POSIX says do nothing
-        }
-        if src.is_dir() {
-            self.check_not_ancestor(ino, new_parent)?;
-            // Moving a directory rewrites its "..": it must be writable.
-            if parent != new_parent && !self.inner.may(&src, c, W_OK) {
-                return Err(FsError::Access);
-            }
-        }
-        if let Some(t) = target {
-            self.check_replace(&src, t)?;
-        }
-        if src.is_dir() && parent != new_parent && target.is_none() && dst_dir.nlink >= LINK_MAX {
-            return Err(FsError::TooManyLinks);
-        }
-        self.inner.check_dir_room(new_parent, new_name)?;
-        self.inner.change().log(Record::DirentDelete { dir: parent, name: Cow::Borrowed(name) })?;
-        if target.is_some() {
-            self.inner.change().log(Record::DirentDelete { dir: new_parent, name: Cow::Borrowed(new_name) })?;
-        }
-        self.inner.add_entry(new_parent, new_name, ino)?;
-        let t = self.file_time();
-        self.inner.change().update_inode(ino, |i| i.ctime = t)?;
-        let moved_dir = i32::from(src.is_dir());
-        if let Some(victim) = target {
-            let victim_is_dir = self.inner.meta.inode(victim)?.is_dir();
-            self.inner.change().update_inode(victim, |i| {
-                i.nlink = if victim_is_dir { 0 } else { i.nlink.saturating_sub(1) };
-                i.ctime = t;
-            })?;
-            self.inner.touch_dir(new_parent, -i32::from(victim_is_dir))?;
-            self.inner.change().maybe_free(victim)?;
-        }
-        self.inner.touch_dir(parent, -moved_dir)?;
-        self.inner.touch_dir(new_parent, moved_dir)?;
-        Ok(())
-    }
-
-    /// rename, then a whiteout at the old name, in one journal transaction
-    /// (no await between them). Room for the whiteout's inode is checked
-    /// first, so the rename never happens without it.
-    fn rename_whiteout(
-        &self,
-        c: &Creds,
-        parent: Ino,
-        name: &[u8],
-        new_parent: Ino,
-        new_name: &[u8],
-        mode: RenameMode,
-    ) -> FsResult<()> {
-        self.inner.space.check_inode_room(self.inner.meta.inode_count() as u64, self.inner.inodes_max())?;
-        let moved = self.inner.lookup_in(c, parent, name)?.ok_or(FsError::NotFound)?;
-        if self.inner.lookup_in(c, new_parent, new_name)? == Some(moved) {
-            return Ok(()); // two names of one inode: nothing moves, no whiteout
-        }
-        self.rename_plain(c, parent, name, new_parent, new_name, mode)?;
-        let whiteout = self.inner.make_node(c, parent, name, libc::S_IFCHR, 0)?;
-        // make_node counts a lookup for the entry a create replies with;
-        // the kernel gets none for a whiteout.
-        if let Some(node) = self.inner.meta.state_mut().node_mut(whiteout.ino) {
-            node.lookups.sub(1);
-        }
-        Ok(())
-    }
-
-    fn check_replace(&self, src: &Inode, target: Ino) -> FsResult<()> {
-        let victim = self.inner.meta.inode(target)?;
-        match (src.is_dir(), victim.is_dir()) {
-            (true, false) => Err(FsError::NotDir),
-            (false, true) => Err(FsError::IsDir),
-            (true, true) => {
-                let state = self.inner.meta.state();
-                let empty = state.node(target).and_then(|n| n.dir.as_ref()).is_none_or(|d| d.is_empty());
-                if empty {
-                    Ok(())
-                } else {
-                    Err(FsError::NotEmpty)
-                }
-            }
-            (false, false) => Ok(()),
-        }
-    }
-
-    /// A directory cannot move under itself.
-    fn check_not_ancestor(&self, dir: Ino, mut at: Ino) -> FsResult<()> {
-        let state = self.inner.meta.state();
-        for _ in 0..state.inode_count() + 1 {
-            if at == dir {
-                return Err(FsError::Invalid("rename of a directory into itself"));
-            }
-            if at == ROOT_INO {
-                return Ok(());
-            }
-            at = state.node(at).and_then(|n| n.dir.as_ref()).map(|d| d.parent).ok_or(FsError::NotFound)?;
-        }
-        Err(FsError::Corrupt("directory parent chain loops".into()))
-    }
-
-    fn exchange(&self, parent: Ino, name: &[u8], a: Ino, new_parent: Ino, new_name: &[u8], b: Ino) -> FsResult<()> {
-        if a == b {
-            return Ok(()); // one inode under both names: nothing changes
-        }
-        let (ia, ib) = (self.inner.meta.inode(a)?, self.inner.meta.inode(b)?);
-        if ia.is_dir() {
-            self.check_not_ancestor(a, new_parent)?;
-        }
-        if ib.is_dir() {
-            self.check_not_ancestor(b, parent)?;
-        }
-        self.inner.change().log(Record::DirentDelete { dir: parent, name: Cow::Borrowed(name) })?;
-        self.inner.change().log(Record::DirentDelete { dir: new_parent, name: Cow::Borrowed(new_name) })?;
-        self.inner.add_entry(parent, name, b)?;
-        self.inner.add_entry(new_parent, new_name, a)?;
-        let t = self.file_time();
-        self.inner.change().update_inode(a, |i| i.ctime = t)?;
-        self.inner.change().update_inode(b, |i| i.ctime = t)?;
-        let delta = i32::from(ia.is_dir()) - i32::from(ib.is_dir());
-        self.inner.touch_dir(parent, -delta)?;
-        self.inner.touch_dir(new_parent, delta)?;
-        Ok(())
+        self.inner.ns().rename_plain(c, parent, name, new_parent, new_name, mode)
     }
 
     pub async fn open(&self, c: &Creds, ino: Ino, flags: u32) -> FsResult<Fh> {
@@ -620,26 +246,19 @@ impl Fs {
         if inode.is_dir() && mask & W_OK != 0 {
             return Err(FsError::IsDir);
         }
-        if !self.inner.may(&inode, c, mask) {
+        if !self.inner.ns().may(&inode, c, mask) {
             return Err(FsError::Access);
         }
         if flags as i32 & libc::O_TRUNC != 0 && mask & W_OK != 0 && inode.is_reg() && inode.size > 0 {
             self.data().truncate(ino, 0).await?;
         }
-        Ok(self.new_handle(ino, flags))
-    }
-
-    fn new_handle(&self, ino: Ino, flags: u32) -> Fh {
-        let dir_end = self.inner.meta.state().node(ino).and_then(|n| n.dir.as_ref()).map_or(0, |d| d.cookie_end());
-        let fh = self.inner.handles.open(Handle { ino, flags, dir_end });
-        self.inner.meta.add_open(ino);
-        fh
+        Ok(self.inner.ns().new_handle(ino, flags))
     }
 
     /// Create and open a regular file. With O_EXCL an existing name is an
     /// error; without it the existing file is opened.
     pub async fn create(&self, c: &Creds, parent: Ino, name: &[u8], mode: u32, flags: u32) -> FsResult<(Attr, Fh)> {
-        if let Some(ino) = self.inner.lookup_in(c, parent, name)? {
+        if let Some(ino) = self.inner.ns().lookup_in(c, parent, name)? {
             if flags as i32 & libc::O_EXCL != 0 {
                 return Err(FsError::Exists);
             }
@@ -647,8 +266,8 @@ impl Fs {
             self.inner.meta.add_lookup(ino, 1);
             return Ok((self.inner.meta.attr(ino)?, fh));
         }
-        let inode = self.inner.make_node(c, parent, name, S_IFREG | (mode & 0o7777), 0)?;
-        let fh = self.new_handle(inode.ino, flags);
+        let inode = self.inner.ns().make_node(c, parent, name, S_IFREG | (mode & 0o7777), 0)?;
+        let fh = self.inner.ns().new_handle(inode.ino, flags);
         Ok((self.inner.meta.attr(inode.ino)?, fh))
     }
 
@@ -656,14 +275,14 @@ impl Fs {
     /// `parent`'s group and ACLs. It is freed at its last release, or at
     /// the next mount after a crash, unless `link` gives it a name first.
     pub async fn tmpfile(&self, c: &Creds, parent: Ino, mode: u32, flags: u32) -> FsResult<(Attr, Fh)> {
-        let dir = self.inner.writable_dir(c, parent)?;
-        self.inner.space.check_inode_room(self.inner.meta.inode_count() as u64, self.inner.inodes_max())?;
-        let (mut inode, acls) = self.inner.new_inode(c, &dir, S_IFREG | (mode & 0o7777), 0);
+        let dir = self.inner.ns().writable_dir(c, parent)?;
+        self.inner.space.check_inode_room(self.inner.meta.inode_count() as u64, self.inner.ns().inodes_max())?;
+        let (mut inode, acls) = self.inner.ns().new_inode(c, &dir, S_IFREG | (mode & 0o7777), 0);
         inode.nlink = 0;
         let ino = inode.ino;
-        self.inner.create_inode_with(inode, acls)?;
+        self.inner.ns().create_inode_with(inode, acls)?;
         self.inner.meta.add_lookup(ino, 1);
-        let fh = self.new_handle(ino, flags);
+        let fh = self.inner.ns().new_handle(ino, flags);
         Ok((self.inner.meta.attr(ino)?, fh))
     }
 
@@ -684,10 +303,10 @@ impl Fs {
         if !inode.is_dir() {
             return Err(FsError::NotDir);
         }
-        if !self.inner.may(&inode, c, R_OK) {
+        if !self.inner.ns().may(&inode, c, R_OK) {
             return Err(FsError::Access);
         }
-        Ok(self.new_handle(ino, libc::O_RDONLY as u32 | libc::O_DIRECTORY as u32))
+        Ok(self.inner.ns().new_handle(ino, libc::O_RDONLY as u32 | libc::O_DIRECTORY as u32))
     }
 
     pub async fn releasedir(&self, fh: Fh) -> FsResult<()> {
@@ -698,7 +317,7 @@ impl Fs {
     /// per-entry cookies, so they stay valid while the directory changes.
     pub async fn readdir(&self, ino: Ino, offset: u64, max: usize) -> FsResult<Vec<DirEntry>> {
         let mut out = Vec::new();
-        self.read_dir(ino, offset, max, false, u64::MAX, &mut out)?;
+        self.inner.ns().read_dir(ino, offset, max, false, u64::MAX, &mut out)?;
         Ok(out)
     }
 
@@ -732,64 +351,21 @@ impl Fs {
             }
         }
         let end = self.inner.handles.get(fh).map_or(0, |h| h.dir_end);
-        self.read_dir(ino, offset, max, plus, end, out)
+        self.inner.ns().read_dir(ino, offset, max, plus, end, out)
     }
 
     /// readdir with attributes; each returned entry other than "." and ".."
     /// counts as a lookup, as in FUSE.
     pub async fn readdirplus(&self, ino: Ino, offset: u64, max: usize) -> FsResult<Vec<DirEntry>> {
         let mut out = Vec::new();
-        self.read_dir(ino, offset, max, true, u64::MAX, &mut out)?;
+        self.inner.ns().read_dir(ino, offset, max, true, u64::MAX, &mut out)?;
         Ok(out)
-    }
-
-    /// Up to `max` entries of `ino` after cookie `offset` and before `end`,
-    /// appended to `out`.
-    fn read_dir(
-        &self,
-        ino: Ino,
-        offset: u64,
-        max: usize,
-        plus: bool,
-        end: u64,
-        out: &mut Vec<DirEntry>,
-    ) -> FsResult<()> {
-        self.inner.change().accessed(ino);
-        let first = out.len();
-        {
-            let state = self.inner.meta.state();
-            let node = state.node(ino).ok_or(FsError::NotFound)?;
-            let dir = node.dir.as_ref().ok_or(FsError::NotDir)?;
-            let dot = [(1u64, b".".as_slice(), ino), (2, b"..", dir.parent)];
-            let listed = dot.into_iter().filter(|(c, _, _)| *c > offset);
-            let rest = dir.entries_from(offset.max(super::state::FIRST_COOKIE)).take_while(|&(c, _, _)| c < end);
-            for (cookie, name, child) in listed.chain(rest).take(max) {
-                let file_type = state.node(child).map_or(0, |n| n.inode.file_type());
-                let next_offset = if cookie <= 2 { cookie } else { cookie + 1 };
-                out.push(DirEntry {
-                    ino: child,
-                    next_offset,
-                    file_type,
-                    name: EntryName::from_slice(name),
-                    attr: None,
-                });
-            }
-        }
-        if plus {
-            for e in &mut out[first..] {
-                e.attr = Some(self.inner.meta.attr(e.ino)?);
-                if *e.name != *b"." && *e.name != *b".." {
-                    self.inner.meta.add_lookup(e.ino, 1);
-                }
-            }
-        }
-        Ok(())
     }
 
     pub async fn statfs(&self) -> FsResult<StatFs> {
         let state = self.inner.meta.state();
         let usage = self.inner.usage();
-        let files = self.inner.space.inodes_limit(self.inner.inodes_max());
+        let files = self.inner.space.inodes_limit(self.inner.ns().inodes_max());
         Ok(StatFs {
             block_size: BLOCK_SIZE as u32,
             // With a quota, df shows it as the size.
@@ -806,39 +382,11 @@ impl Fs {
 
     pub async fn access(&self, c: &Creds, ino: Ino, mask: u32) -> FsResult<()> {
         let inode = self.inner.meta.inode(ino)?;
-        if mask == 0 || self.inner.may(&inode, c, mask & 7) {
+        if mask == 0 || self.inner.ns().may(&inode, c, mask & 7) {
             Ok(())
         } else {
             Err(FsError::Access)
         }
-    }
-
-    /// SETATTR's atime and mtime, with Linux's rules: "now" needs write
-    /// access or ownership, an explicit time needs ownership.
-    fn change_times(&self, c: &Creds, owner: bool, inode: &Inode, set: &SetAttr, new: &mut Inode) -> FsResult<()> {
-        for (want, slot) in [(set.atime, 0), (set.mtime, 1)] {
-            let Some(want) = want else { continue };
-            let t = match want {
-                TimeSet::Now => {
-                    if !owner && !self.inner.may(inode, c, W_OK) {
-                        return Err(FsError::Access);
-                    }
-                    self.file_time()
-                }
-                TimeSet::At(t) => {
-                    if !owner {
-                        return Err(FsError::Perm);
-                    }
-                    t
-                }
-            };
-            if slot == 0 {
-                new.atime = t;
-            } else {
-                new.mtime = t;
-            }
-        }
-        Ok(())
     }
 
     pub async fn setattr(&self, c: &Creds, ino: Ino, set: &SetAttr, via_handle: bool) -> FsResult<Attr> {
@@ -846,7 +394,7 @@ impl Fs {
         let owner = c.owns(&inode);
         let mut new = inode.clone();
         change_mode_and_owner(c, owner, set, &mut new)?;
-        self.change_times(c, owner, &inode, set, &mut new)?;
+        self.inner.ns().change_times(c, owner, &inode, set, &mut new)?;
         if let Some(size) = set.size {
             if new.is_dir() {
                 return Err(FsError::IsDir);
@@ -854,7 +402,7 @@ impl Fs {
             if !new.is_reg() {
                 return Err(FsError::Invalid("truncate of a special file"));
             }
-            if !via_handle && !self.inner.may(&inode, c, W_OK) {
+            if !via_handle && !self.inner.ns().may(&inode, c, W_OK) {
                 return Err(FsError::Access);
             }
             self.data().truncate(ino, size).await?;
@@ -869,14 +417,14 @@ impl Fs {
         }
         new.ctime = set.ctime.unwrap_or_else(|| self.file_time());
         if new.mode != inode.mode {
-            self.inner.couple_acl_to_mode(ino, new.mode)?;
+            self.inner.ns().couple_acl_to_mode(ino, new.mode)?;
         }
         self.inner.change().update_inode(ino, |i| *i = new)?;
         self.inner.meta.attr(ino)
     }
 
     pub async fn setxattr(&self, c: &Creds, ino: Ino, name: &[u8], value: &[u8], flags: XattrFlags) -> FsResult<()> {
-        self.check_xattr_access(c, ino, name, true)?;
+        self.inner.ns().check_xattr_access(c, ino, name, true)?;
         if value.len() > XATTR_VALUE_MAX {
             return Err(FsError::Range);
         }
@@ -899,47 +447,12 @@ impl Fs {
             return Err(FsError::NoSpace);
         }
         if name == ACL_ACCESS || name == ACL_DEFAULT {
-            return self.set_acl(c, ino, name, &Acl::parse(value)?);
+            return self.inner.ns().set_acl(c, ino, name, &Acl::parse(value)?);
         }
         self.inner.change().log(Record::XattrSet { ino, name: Cow::Borrowed(name), value: Cow::Borrowed(value) })?;
         let t = self.file_time();
         self.inner.change().update_inode(ino, |i| i.ctime = t)?;
         Ok(())
-    }
-
-    /// setxattr of an ACL, as Linux's set_posix_acl: a default ACL only on
-    /// a directory; an access ACL that the mode can say is not stored; the
-    /// mode follows the access ACL; an empty ACL removes one.
-    fn set_acl(&self, c: &Creds, ino: Ino, name: &[u8], acl: &Acl) -> FsResult<()> {
-        let inode = self.inner.meta.inode(ino)?;
-        let mut mode = inode.mode;
-        let mut store = !acl.is_empty();
-        if name == ACL_DEFAULT && !inode.is_dir() {
-            return if acl.is_empty() { Ok(()) } else { Err(FsError::Access) };
-        }
-        if name == ACL_ACCESS && !acl.is_empty() {
-            let (bits, equivalent) = acl.mode_bits();
-            mode = (mode & !0o777) | bits;
-            store = !equivalent;
-            if !c.kernel_checked() && c.uid != 0 && !c.in_group(inode.gid) {
-                mode &= !libc::S_ISGID;
-            }
-        }
-        let stored = self.inner.meta.state().node(ino).is_some_and(|n| n.xattrs().contains_key(name));
-        if store {
-            self.inner.change().log(Record::XattrSet {
-                ino,
-                name: Cow::Borrowed(name),
-                value: Cow::Owned(acl.encode()),
-            })?;
-        } else if stored {
-            self.inner.change().log(Record::XattrDelete { ino, name: Cow::Borrowed(name) })?;
-        }
-        let t = self.file_time();
-        self.inner.change().update_inode(ino, |i| {
-            i.mode = mode;
-            i.ctime = t;
-        })
     }
 
     /// Clear S_ISUID, and S_ISGID with group execute, as a write by a
@@ -951,7 +464,7 @@ impl Fs {
     pub fn kill_setid(&self, ino: Ino, writer: &Creds) -> FsResult<bool> {
         let inode = self.inner.meta.inode(ino)?;
         let clear = setid_bits_to_clear(inode.mode, writer.in_group(inode.gid));
-        self.clear_mode_bits(ino, clear)?;
+        self.inner.ns().clear_mode_bits(ino, clear)?;
         Ok(clear != 0)
     }
 
@@ -959,22 +472,11 @@ impl Fs {
     /// group (FUSE_SETXATTR_ACL_KILL_SGID).
     pub fn kill_sgid(&self, ino: Ino) -> FsResult<()> {
         let clear = self.inner.meta.inode(ino)?.mode & libc::S_ISGID;
-        self.clear_mode_bits(ino, clear)
-    }
-
-    fn clear_mode_bits(&self, ino: Ino, clear: u32) -> FsResult<()> {
-        if clear == 0 {
-            return Ok(());
-        }
-        let t = self.file_time();
-        self.inner.change().update_inode(ino, |i| {
-            i.mode &= !clear;
-            i.ctime = t;
-        })
+        self.inner.ns().clear_mode_bits(ino, clear)
     }
 
     pub async fn getxattr(&self, c: &Creds, ino: Ino, name: &[u8]) -> FsResult<Vec<u8>> {
-        self.check_xattr_access(c, ino, name, false)?;
+        self.inner.ns().check_xattr_access(c, ino, name, false)?;
         let state = self.inner.meta.state();
         state.node(ino).ok_or(FsError::NotFound)?.xattrs().get(name).cloned().ok_or(FsError::NoData)
     }
@@ -992,7 +494,7 @@ impl Fs {
     }
 
     pub async fn removexattr(&self, c: &Creds, ino: Ino, name: &[u8]) -> FsResult<()> {
-        self.check_xattr_access(c, ino, name, true)?;
+        self.inner.ns().check_xattr_access(c, ino, name, true)?;
         let exists = self.inner.meta.state().node(ino).is_some_and(|n| n.xattrs().contains_key(name));
         if !exists {
             return Err(FsError::NoData);
@@ -1000,32 +502,6 @@ impl Fs {
         self.inner.change().log(Record::XattrDelete { ino, name: Cow::Borrowed(name) })?;
         let t = self.file_time();
         self.inner.change().update_inode(ino, |i| i.ctime = t)?;
-        Ok(())
-    }
-
-    fn check_xattr_access(&self, c: &Creds, ino: Ino, name: &[u8], write: bool) -> FsResult<()> {
-        if name.is_empty() || name.len() > XATTR_NAME_MAX {
-            return Err(if name.is_empty() { FsError::Invalid("empty xattr name") } else { FsError::Range });
-        }
-        let inode = self.inner.meta.inode(ino)?;
-        let acl = name == ACL_ACCESS || name == ACL_DEFAULT;
-        if name.starts_with(b"system.") && !acl {
-            return Err(FsError::Unsupported);
-        }
-        if c.kernel_checked() {
-            return Ok(());
-        }
-        let privileged = name.starts_with(b"trusted.") || (write && name.starts_with(b"security."));
-        if (privileged && c.uid != 0) || (write && acl && !c.owns(&inode)) {
-            return Err(FsError::Perm);
-        }
-        if name.starts_with(b"user.") && !(inode.is_reg() || inode.is_dir()) {
-            return Err(if write { FsError::Perm } else { FsError::NoData });
-        }
-        let mask = if write { W_OK } else { R_OK };
-        if name.starts_with(b"user.") && !self.inner.may(&inode, c, mask) {
-            return Err(FsError::Access);
-        }
         Ok(())
     }
 }
