@@ -254,6 +254,23 @@ pub struct Fs {
 }
 
 impl FsInner {
+    /// Inodes with no links left when the last mount ended (unlinked while
+    /// open, then a crash) are freed now. A mount that keeps them for a
+    /// session frees them later, in `Handover::free_unheld_orphans`.
+    fn free_orphans(&self) -> FsResult<()> {
+        let orphans: Vec<Ino> = {
+            let state = self.meta.state();
+            state.nodes().filter(|n| n.inode.nlink == 0).map(|n| n.inode.ino).collect()
+        };
+        if !orphans.is_empty() {
+            tracing::info!(parent: &self.span, orphans = orphans.len(), "freeing inodes unlinked while open");
+        }
+        for ino in orphans {
+            self.change().log(record::Record::InodeFree { ino })?;
+        }
+        Ok(())
+    }
+
     /// What [`space::Space`]'s room checks need of the other parts, read
     /// now: the allocator's counts, the checkpoint's size, the blocks
     /// awaiting a discard.
@@ -269,11 +286,6 @@ impl FsInner {
 }
 
 impl Fs {
-    /// Now, to the nanosecond, by the filesystem's file clock.
-    pub(crate) fn file_time(&self) -> format::Timespec {
-        self.inner.change().file_time()
-    }
-
     /// Commit everything logged so far and make all completed data writes
     /// durable. Concurrent callers share commits (group commit).
     pub async fn sync(&self) -> FsResult<()> {
@@ -312,80 +324,66 @@ impl Fs {
     /// Mount the filesystem on `dev`: pick the newest valid superblock,
     /// load its checkpoint, replay the journal, and free orphans.
     pub async fn mount(dev: DeviceChannel, config: FsConfig) -> FsResult<Fs> {
-        Self::mount_inner(dev, config, true).await
+        mount_with(dev, config, true).await
     }
+}
 
-    async fn mount_inner(dev: DeviceChannel, config: FsConfig, require_root: bool) -> FsResult<Fs> {
-        let loaded = journal::load(&dev, require_root).await?;
-        let fs = Fs {
-            inner: Rc::new(FsInner {
-                io: io::Io::new(dev),
-                config: config.clone(),
+/// [`Fs::mount`], or mkfs's mount of an image without a root yet
+/// (`require_root` false).
+async fn mount_with(dev: DeviceChannel, config: FsConfig, require_root: bool) -> FsResult<Fs> {
+    let loaded = journal::load(&dev, require_root).await?;
+    let fs = Fs {
+        inner: Rc::new(FsInner {
+            io: io::Io::new(dev),
+            config: config.clone(),
 
-                meta: meta::Meta::new(loaded.state),
-                space: space::Space::new(config.quota),
-                journal: journal::Journal {
-                    sb: RefCell::new(loaded.sb),
-                    ring: RefCell::new(JournalState {
-                        head: loaded.journal_head,
-                        seq: loaded.journal_seq,
-                        pending: Writer::new(),
-                        logged_ops: 0,
-                        committed_ops: 0,
-                        dirty: BTreeSet::new(),
-                        dirty_later: BTreeSet::new(),
-                        freed_images: Vec::new(),
-                        exposes_data: false,
-                        data_writes: 0,
-                        flushed_data_writes: 0,
-                        sliced: None,
-                    }),
-                    commit_lock: sync::AsyncMutex::default(),
-                    replayed_at_mount: loaded.replayed,
-                    counters: Cell::default(),
-                },
-                handles: handles::HandleTable::default(),
-                pages: pages::Pages::new(cache::PageCache::new(config.cache_bytes)),
-                data: data::DataState::default(),
-                discard: discard::Discard::new(config.discard, config.read_only),
-                unmounted: Cell::new(false),
-                span: tracing::Span::current(),
-            }),
-        };
-        tracing::info!(
-            parent: &fs.inner.span,
-            replayed = loaded.replayed,
-            inodes = fs.inner.meta.inode_count(),
-            read_only = config.read_only,
-            "mounted"
-        );
-        if config.read_only {
-            // Orphans stay (unreachable, freed by the next writable mount),
-            // and nothing is ever committed or written back.
-            return Ok(fs);
-        }
-        if !config.keep_orphans {
-            fs.free_orphans()?;
-        }
-        journal::start_commit_timer(&fs.inner);
-        discard::start_discard_task(&fs.inner);
-        data::start_writeback_timer(&fs);
-        Ok(fs)
+            meta: meta::Meta::new(loaded.state),
+            space: space::Space::new(config.quota),
+            journal: journal::Journal {
+                sb: RefCell::new(loaded.sb),
+                ring: RefCell::new(JournalState {
+                    head: loaded.journal_head,
+                    seq: loaded.journal_seq,
+                    pending: Writer::new(),
+                    logged_ops: 0,
+                    committed_ops: 0,
+                    dirty: BTreeSet::new(),
+                    dirty_later: BTreeSet::new(),
+                    freed_images: Vec::new(),
+                    exposes_data: false,
+                    data_writes: 0,
+                    flushed_data_writes: 0,
+                    sliced: None,
+                }),
+                commit_lock: sync::AsyncMutex::default(),
+                replayed_at_mount: loaded.replayed,
+                counters: Cell::default(),
+            },
+            handles: handles::HandleTable::default(),
+            pages: pages::Pages::new(cache::PageCache::new(config.cache_bytes)),
+            data: data::DataState::default(),
+            discard: discard::Discard::new(config.discard, config.read_only),
+            unmounted: Cell::new(false),
+            span: tracing::Span::current(),
+        }),
+    };
+    tracing::info!(
+        parent: &fs.inner.span,
+        replayed = loaded.replayed,
+        inodes = fs.inner.meta.inode_count(),
+        read_only = config.read_only,
+        "mounted"
+    );
+    if config.read_only {
+        // Orphans stay (unreachable, freed by the next writable mount),
+        // and nothing is ever committed or written back.
+        return Ok(fs);
     }
-
-    /// Inodes with no links left when the last mount ended (unlinked while
-    /// open, then a crash) are freed now.
-    fn free_orphans(&self) -> FsResult<()> {
-        let orphans: Vec<Ino> = {
-            let state = self.inner.meta.state();
-            state.nodes().filter(|n| n.inode.nlink == 0).map(|n| n.inode.ino).collect()
-        };
-        if !orphans.is_empty() {
-            tracing::info!(parent: &self.inner.span, orphans = orphans.len(), "freeing inodes unlinked while open");
-        }
-        for ino in orphans {
-            self.inner.change().log(record::Record::InodeFree { ino })?;
-        }
-        Ok(())
+    if !config.keep_orphans {
+        fs.inner.free_orphans()?;
     }
+    journal::start_commit_timer(&fs.inner);
+    discard::start_discard_task(&fs.inner);
+    data::start_writeback_timer(&fs);
+    Ok(fs)
 }

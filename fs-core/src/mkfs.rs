@@ -6,7 +6,7 @@ use super::format::{
     ROOT_INO, SUPERBLOCK_SLOTS, S_IFDIR, TOTAL_BLOCKS_MAX,
 };
 use super::journal;
-use super::{FileClock, Fs, FsConfig, FsError};
+use super::{FileClock, FsConfig, FsError};
 use keelfs_bdev::AlignedBuf;
 use keelfs_reactor::DeviceChannel;
 
@@ -108,7 +108,7 @@ pub async fn mkfs(dev: DeviceChannel, options: &MkfsOptions) -> Result<Superbloc
         r.map_err(FsError::from)?;
     }
     let config = FsConfig { file_clock: options.file_clock.clone(), ..FsConfig::default() };
-    let fs = Fs::mount_inner(dev, config, false).await?;
+    let fs = super::mount_with(dev, config, false).await?;
     let root =
         Inode::new(ROOT_INO, S_IFDIR | 0o755, options.root_uid, options.root_gid, 0, fs.inner.change().file_time());
     fs.inner.change().create_inode(root)?;

@@ -203,7 +203,7 @@ impl Fs {
             return Err(FsError::Exists);
         }
         self.inner.ns().add_entry(new_parent, new_name, ino)?;
-        let t = self.file_time();
+        let t = self.inner.change().file_time();
         self.inner.change().update_inode(ino, |i| {
             i.nlink += 1;
             i.ctime = t;
@@ -415,7 +415,7 @@ impl Fs {
                 new.mtime = after.mtime;
             }
         }
-        new.ctime = set.ctime.unwrap_or_else(|| self.file_time());
+        new.ctime = set.ctime.unwrap_or_else(|| self.inner.change().file_time());
         if new.mode != inode.mode {
             self.inner.ns().couple_acl_to_mode(ino, new.mode)?;
         }
@@ -450,7 +450,7 @@ impl Fs {
             return self.inner.ns().set_acl(c, ino, name, &Acl::parse(value)?);
         }
         self.inner.change().log(Record::XattrSet { ino, name: Cow::Borrowed(name), value: Cow::Borrowed(value) })?;
-        let t = self.file_time();
+        let t = self.inner.change().file_time();
         self.inner.change().update_inode(ino, |i| i.ctime = t)?;
         Ok(())
     }
@@ -500,7 +500,7 @@ impl Fs {
             return Err(FsError::NoData);
         }
         self.inner.change().log(Record::XattrDelete { ino, name: Cow::Borrowed(name) })?;
-        let t = self.file_time();
+        let t = self.inner.change().file_time();
         self.inner.change().update_inode(ino, |i| i.ctime = t)?;
         Ok(())
     }
