@@ -3,10 +3,10 @@
 
 use std::cell::RefCell;
 
-use super::DataOps;
 use super::{
     blocks_of, copy_page_part, page_part, VecSink, WriteTimes, DIRTY_THROTTLE_PERCENT, IO_BLOCKS_MAX, WRITEBACK_TOKEN,
 };
+use super::{Buffered, DataOps};
 use crate::blocks::{block_bytes, whole_blocks, DevBlock, FileBlock};
 use crate::cache::{CacheFull, PAGE_BYTES};
 use crate::extent::Segment;
@@ -62,7 +62,7 @@ impl DataOps<'_> {
     pub async fn read_to<K: ReadSink + ?Sized>(self, ino: Ino, offset: u64, size: u32, sink: &K) -> FsResult<u32> {
         let inode = self.inner.meta.require_file(ino)?;
         let end = offset.saturating_add(u64::from(size)).min(inode.size);
-        if offset < end && self.copy_cached_to(ino, offset, end, sink) {
+        if offset < end && self.buffered().copy_cached_to(ino, offset, end, sink) {
             self.inner.change().accessed(ino);
             self.inner.data.count_read(end - offset);
             return Ok((end - offset) as u32);
@@ -83,7 +83,7 @@ impl DataOps<'_> {
         }
         let end = (offset + u64::from(size)).min(inode.size);
         let (first, last) = blocks_of(offset, end - offset);
-        if let Some(out) = self.copy_cached(ino, offset, end) {
+        if let Some(out) = self.buffered().copy_cached(ino, offset, end) {
             self.inner.data.count_read(out.len() as u64);
             return Ok(out);
         }
@@ -111,21 +111,172 @@ impl DataOps<'_> {
                 })
                 .collect()
         };
-        self.load_pages_into(ino, &missing, size_now, offset, &mut out).await?;
+        self.buffered().load_pages_into(ino, &missing, size_now, offset, &mut out).await?;
         self.inner.data.count_read(out.len() as u64);
         Ok(out)
     }
 
+    /// copy_file_range: up to `len` bytes (at most `COPY_RANGE_MAX`) from
+    /// `from` at `from_offset` to `to` at `to_offset`, through the page
+    /// cache in 1 MiB steps, each of which awaits and so yields. Stops at
+    /// the source's end; returns the bytes copied. Overlapping ranges of
+    /// one file are EINVAL, as on Linux.
+    pub async fn copy_range(self, from: Ino, from_offset: u64, to: Ino, to_offset: u64, len: u64) -> FsResult<u64> {
+        const STEP: u64 = 1 << 20;
+        self.inner.meta.require_file(to)?;
+        let len = len.min(COPY_RANGE_MAX);
+        let overlaps = from_offset < to_offset.saturating_add(len) && to_offset < from_offset.saturating_add(len);
+        if from == to && overlaps {
+            return Err(FsError::Invalid("copy_file_range within overlapping ranges of one file"));
+        }
+        to_offset.checked_add(len).filter(|&e| e <= MAX_FILE_BYTES).ok_or(FsError::FileTooBig)?;
+        let mut done = 0;
+        while done < len {
+            let chunk = self.read(from, from_offset + done, (len - done).min(STEP) as u32).await?;
+            if chunk.is_empty() {
+                break; // the source's end
+            }
+            done += u64::from(self.write(to, to_offset + done, &chunk).await?);
+        }
+        Ok(done)
+    }
+
+    /// Write through the page cache: pages are dirtied, not allocated
+    /// (delayed allocation); writeback allocates and logs them later.
+    pub async fn write(self, ino: Ino, offset: u64, data: &[u8]) -> FsResult<u32> {
+        self.write_from(ino, offset, data).await
+    }
+
+    /// [`DataOps::write`] from any [`WriteSource`]: the bytes are copied once,
+    /// into the cached pages.
+    pub async fn write_from<S: WriteSource + ?Sized>(self, ino: Ino, offset: u64, data: &S) -> FsResult<u32> {
+        self.write_from_with(ino, offset, data, WriteTimes::Stamp).await
+    }
+
+    /// [`DataOps::write_from`], saying who keeps the file's mtime and ctime.
+    pub async fn write_from_with<S: WriteSource + ?Sized>(
+        self,
+        ino: Ino,
+        offset: u64,
+        data: &S,
+        times: WriteTimes,
+    ) -> FsResult<u32> {
+        if self.inner.config.read_only {
+            return Err(FsError::ReadOnly);
+        }
+        match self.buffered().write_from_once(ino, offset, data, times).await {
+            Err(FsError::NoSpace | FsError::Quota) if self.reclaim_pending_frees().await? => {
+                self.buffered().write_from_once(ino, offset, data, times).await
+            }
+            other => other,
+        }
+    }
+
+    /// Space freed since the last commit cannot be reused before the free
+    /// commits (a crash must not find a freed block already holding new
+    /// data while the old owner still names it). On ENOSPC with such space
+    /// pending, commit now and report that a retry may succeed, as ext4
+    /// does. EDQUOT does the same: the quota counts those frees as used
+    /// until they commit.
+    ///
+    /// The frees may also be in a commit already under way (another task
+    /// hit ENOSPC first): the sync waits for it. A checkpoint being written
+    /// in pieces holds the frees committed since its start; it is given up
+    /// first, so that they come back too, and so are runs awaiting a
+    /// discard. A retry is worth it only if space came back.
+    pub(super) async fn reclaim_pending_frees(self) -> FsResult<bool> {
+        let before = self.inner.space.available_blocks(self.inner.usage());
+        self.inner.journal.abandon_checkpoint_in_pieces(&self.inner.commit_cx());
+        journal::commit_all(self.inner).await?;
+        // The commit may have queued its frees for discard: take them
+        // (and any queued before) back now.
+        let discarded = self.inner.discard.reclaim(&self.inner.meta).await;
+        Ok(discarded || self.inner.space.available_blocks(self.inner.usage()) > before)
+    }
+
+    /// Write back the dirty pages of `ino` in [from, to) (page indices).
+    /// Returns once they are on the device and their extents logged, and
+    /// so is any writeback of the file that was running when it began.
+    pub(crate) async fn writeback(self, ino: Ino, from: u64, to: u64) -> FsResult<()> {
+        // One writeback per file at a time (two could allocate the same
+        // hole), holding a token range past any data. Taken before looking
+        // for dirty pages: a running writeback has marked the pages it took
+        // clean, but they are neither on the device nor mapped until it
+        // ends, and a caller that finds nothing dirty (sync, fsync, a
+        // direct write) must still wait for them.
+        let _token = self.inner.data.lock(ino, WRITEBACK_TOKEN, u64::MAX, true).await;
+        let _busy = self.inner.pages.writing_back(ino);
+        let pages = self.inner.pages.cache().dirty_of(ino, from, to);
+        let mut i = 0;
+        while i < pages.len() {
+            let mut j = i + 1;
+            while j < pages.len() && pages[j] == pages[j - 1] + 1 && (j - i) < IO_BLOCKS_MAX as usize {
+                j += 1;
+            }
+            self.buffered().writeback_run(ino, pages[i], (j - i) as u64).await?;
+            i = j;
+        }
+        let clean = self.inner.pages.cache().dirty_of(ino, 0, u64::MAX).is_empty();
+        if clean {
+            let capped = self
+                .inner
+                .meta
+                .state_mut()
+                .node_mut(ino)
+                .and_then(|n| n.writes_if_any())
+                .is_some_and(|w| w.persist_size_cap.take().is_some());
+            if capped {
+                self.inner.change().mark_dirty(ino);
+            }
+        }
+        Ok(())
+    }
+
+    /// Write back every dirty page, and wait for writebacks already
+    /// running (the timer's), whose pages no longer look dirty.
+    pub async fn writeback_all(self) -> FsResult<()> {
+        for ino in self.inner.pages.unsettled_files() {
+            self.writeback(ino, 0, u64::MAX).await?;
+        }
+        Ok(())
+    }
+
+    /// Make the file durable: its dirty pages, then (unless `datasync` and
+    /// only timestamps changed) the journal, then the device cache.
+    pub async fn fsync(self, ino: Ino, datasync: bool) -> FsResult<()> {
+        self.inner.meta.inode(ino)?;
+        if self.inner.config.read_only {
+            return Ok(());
+        }
+        self.writeback(ino, 0, u64::MAX).await?;
+        let needed = self.inner.meta.state().node(ino).is_some_and(|n| n.datasync_needed);
+        if datasync && !needed {
+            return self.inner.journal.flush_data(&self.inner.commit_cx()).await;
+        }
+        journal::sync(self.inner).await
+    }
+
+    pub async fn fsyncdir(self, ino: Ino, datasync: bool) -> FsResult<()> {
+        self.inner.meta.inode(ino)?;
+        if self.inner.config.read_only {
+            return Ok(());
+        }
+        let _ = datasync;
+        journal::sync(self.inner).await
+    }
+}
+
+impl Buffered<'_> {
     /// All of [offset, end) from the cache in one synchronous step, or None
     /// if any page is missing.
-    fn copy_cached(self, ino: Ino, offset: u64, end: u64) -> Option<Vec<u8>> {
+    pub(super) fn copy_cached(self, ino: Ino, offset: u64, end: u64) -> Option<Vec<u8>> {
         let out = VecSink(RefCell::new(vec![0u8; (end - offset) as usize]));
         self.copy_cached_to(ino, offset, end, &out).then(|| out.0.into_inner())
     }
 
     /// [`Self::copy_cached`] into any sink; false (nothing copied) if any
     /// page is missing.
-    fn copy_cached_to<K: ReadSink + ?Sized>(self, ino: Ino, offset: u64, end: u64, sink: &K) -> bool {
+    pub(super) fn copy_cached_to<K: ReadSink + ?Sized>(self, ino: Ino, offset: u64, end: u64, sink: &K) -> bool {
         let (first, last) = blocks_of(offset, end - offset);
         let mut cache = self.inner.pages.cache_mut();
         if !(first..=last).all(|p| cache.contains((ino, p))) {
@@ -144,7 +295,14 @@ impl DataOps<'_> {
     /// consecutive device blocks become one request, all in flight
     /// together), cache them, and copy their part of [offset, ..) into
     /// `out`.
-    async fn load_pages_into(self, ino: Ino, pages: &[u64], size: u64, offset: u64, out: &mut [u8]) -> FsResult<()> {
+    pub(super) async fn load_pages_into(
+        self,
+        ino: Ino,
+        pages: &[u64],
+        size: u64,
+        offset: u64,
+        out: &mut [u8],
+    ) -> FsResult<()> {
         if pages.is_empty() {
             return Ok(());
         }
@@ -203,13 +361,13 @@ impl DataOps<'_> {
 
     /// A page's contents, loading it into the cache on a miss. Bytes past
     /// `size` are zero in the cached copy.
-    async fn page_for_read(self, ino: Ino, page: u64, size: u64) -> FsResult<Vec<u8>> {
+    pub(super) async fn page_for_read(self, ino: Ino, page: u64, size: u64) -> FsResult<Vec<u8>> {
         if let Some(p) = self.inner.pages.cache_mut().get((ino, page)) {
             return Ok(p.to_vec());
         }
         let mut data = vec![0u8; PAGE_BYTES];
         let epoch = self.inner.meta.direct_epoch(ino);
-        self.read_device_block(ino, page, &mut data).await?;
+        self.core().read_device_block(ino, page, &mut data).await?;
         let page_start = FileBlock::new(page).offset();
         if size < FileBlock::new(page + 1).offset() {
             data[size.saturating_sub(page_start) as usize..].fill(0);
@@ -227,86 +385,8 @@ impl DataOps<'_> {
         Ok(data)
     }
 
-    /// copy_file_range: up to `len` bytes (at most `COPY_RANGE_MAX`) from
-    /// `from` at `from_offset` to `to` at `to_offset`, through the page
-    /// cache in 1 MiB steps, each of which awaits and so yields. Stops at
-    /// the source's end; returns the bytes copied. Overlapping ranges of
-    /// one file are EINVAL, as on Linux.
-    pub async fn copy_range(self, from: Ino, from_offset: u64, to: Ino, to_offset: u64, len: u64) -> FsResult<u64> {
-        const STEP: u64 = 1 << 20;
-        self.inner.meta.require_file(to)?;
-        let len = len.min(COPY_RANGE_MAX);
-        let overlaps = from_offset < to_offset.saturating_add(len) && to_offset < from_offset.saturating_add(len);
-        if from == to && overlaps {
-            return Err(FsError::Invalid("copy_file_range within overlapping ranges of one file"));
-        }
-        to_offset.checked_add(len).filter(|&e| e <= MAX_FILE_BYTES).ok_or(FsError::FileTooBig)?;
-        let mut done = 0;
-        while done < len {
-            let chunk = self.read(from, from_offset + done, (len - done).min(STEP) as u32).await?;
-            if chunk.is_empty() {
-                break; // the source's end
-            }
-            done += u64::from(self.write(to, to_offset + done, &chunk).await?);
-        }
-        Ok(done)
-    }
-
-    /// Write through the page cache: pages are dirtied, not allocated
-    /// (delayed allocation); writeback allocates and logs them later.
-    pub async fn write(self, ino: Ino, offset: u64, data: &[u8]) -> FsResult<u32> {
-        self.write_from(ino, offset, data).await
-    }
-
-    /// [`DataOps::write`] from any [`WriteSource`]: the bytes are copied once,
-    /// into the cached pages.
-    pub async fn write_from<S: WriteSource + ?Sized>(self, ino: Ino, offset: u64, data: &S) -> FsResult<u32> {
-        self.write_from_with(ino, offset, data, WriteTimes::Stamp).await
-    }
-
-    /// [`DataOps::write_from`], saying who keeps the file's mtime and ctime.
-    pub async fn write_from_with<S: WriteSource + ?Sized>(
-        &self,
-        ino: Ino,
-        offset: u64,
-        data: &S,
-        times: WriteTimes,
-    ) -> FsResult<u32> {
-        if self.inner.config.read_only {
-            return Err(FsError::ReadOnly);
-        }
-        match self.write_from_once(ino, offset, data, times).await {
-            Err(FsError::NoSpace | FsError::Quota) if self.reclaim_pending_frees().await? => {
-                self.write_from_once(ino, offset, data, times).await
-            }
-            other => other,
-        }
-    }
-
-    /// Space freed since the last commit cannot be reused before the free
-    /// commits (a crash must not find a freed block already holding new
-    /// data while the old owner still names it). On ENOSPC with such space
-    /// pending, commit now and report that a retry may succeed, as ext4
-    /// does. EDQUOT does the same: the quota counts those frees as used
-    /// until they commit.
-    ///
-    /// The frees may also be in a commit already under way (another task
-    /// hit ENOSPC first): the sync waits for it. A checkpoint being written
-    /// in pieces holds the frees committed since its start; it is given up
-    /// first, so that they come back too, and so are runs awaiting a
-    /// discard. A retry is worth it only if space came back.
-    pub(super) async fn reclaim_pending_frees(self) -> FsResult<bool> {
-        let before = self.inner.space.available_blocks(self.inner.usage());
-        self.inner.journal.abandon_checkpoint_in_pieces(&self.inner.commit_cx());
-        journal::commit_all(self.inner).await?;
-        // The commit may have queued its frees for discard: take them
-        // (and any queued before) back now.
-        let discarded = self.inner.discard.reclaim(&self.inner.meta).await;
-        Ok(discarded || self.inner.space.available_blocks(self.inner.usage()) > before)
-    }
-
-    async fn write_from_once<S: WriteSource + ?Sized>(
-        &self,
+    pub(super) async fn write_from_once<S: WriteSource + ?Sized>(
+        self,
         ino: Ino,
         offset: u64,
         data: &S,
@@ -321,9 +401,9 @@ impl DataOps<'_> {
         loop {
             // Room is made before any lock is held: writeback takes locks.
             self.make_room(last - first + 1).await?;
-            let (range, old_size) = self.lock_for_write(ino, first, last, end).await?;
+            let (range, old_size) = self.core().lock_for_write(ino, first, last, end).await?;
             if end > old_size && FileBlock::containing(old_size).get() < first {
-                self.zero_past_eof(ino, old_size).await?;
+                self.core().zero_past_eof(ino, old_size).await?;
             }
             // Partial edge pages are read first and kept here, so that the
             // update below is one synchronous step even if they are evicted
@@ -370,8 +450,8 @@ impl DataOps<'_> {
     /// Copy `data` into the cached pages of its range, creating them from
     /// `edges` or zeros, and mark them dirty: all in one synchronous step.
     /// Fails, changing nothing, if there are not enough clean slots.
-    fn apply_write<S: WriteSource + ?Sized>(
-        &self,
+    pub(super) fn apply_write<S: WriteSource + ?Sized>(
+        self,
         ino: Ino,
         offset: u64,
         data: &S,
@@ -414,19 +494,19 @@ impl DataOps<'_> {
     }
 
     /// Write back until `pages` more pages fit without evicting dirty ones.
-    async fn make_room(self, pages: u64) -> FsResult<()> {
+    pub(super) async fn make_room(self, pages: u64) -> FsResult<()> {
         for _ in 0..4 {
             if self.inner.pages.cache().clean_or_free_slots() as u64 > pages {
                 return Ok(());
             }
-            self.writeback_all().await?;
+            self.ops().writeback_all().await?;
         }
         Err(FsError::Corrupt("the page cache is too small for this write".into()))
     }
 
     /// Pages of [first, last] over holes that hold no reservation yet:
     /// writeback will allocate a block for each.
-    fn pages_needing_reservation(self, ino: Ino, first: u64, last: u64) -> FsResult<Vec<u64>> {
+    pub(super) fn pages_needing_reservation(self, ino: Ino, first: u64, last: u64) -> FsResult<Vec<u64>> {
         let cache = self.inner.pages.cache();
         let mut out = Vec::new();
         for seg in self.inner.meta.segments(ino, first, last - first + 1)? {
@@ -439,58 +519,20 @@ impl DataOps<'_> {
         Ok(out)
     }
 
-    async fn throttle(self, ino: Ino) -> FsResult<()> {
+    pub(super) async fn throttle(self, ino: Ino) -> FsResult<()> {
         let (dirty, capacity) = {
             let c = self.inner.pages.cache();
             (c.dirty_pages(), c.capacity_pages())
         };
         if dirty * 100 > capacity * DIRTY_THROTTLE_PERCENT {
-            self.writeback(ino, 0, u64::MAX).await?;
-        }
-        Ok(())
-    }
-
-    /// Write back the dirty pages of `ino` in [from, to) (page indices).
-    /// Returns once they are on the device and their extents logged, and
-    /// so is any writeback of the file that was running when it began.
-    pub(crate) async fn writeback(self, ino: Ino, from: u64, to: u64) -> FsResult<()> {
-        // One writeback per file at a time (two could allocate the same
-        // hole), holding a token range past any data. Taken before looking
-        // for dirty pages: a running writeback has marked the pages it took
-        // clean, but they are neither on the device nor mapped until it
-        // ends, and a caller that finds nothing dirty (sync, fsync, a
-        // direct write) must still wait for them.
-        let _token = self.inner.data.lock(ino, WRITEBACK_TOKEN, u64::MAX, true).await;
-        let _busy = self.inner.pages.writing_back(ino);
-        let pages = self.inner.pages.cache().dirty_of(ino, from, to);
-        let mut i = 0;
-        while i < pages.len() {
-            let mut j = i + 1;
-            while j < pages.len() && pages[j] == pages[j - 1] + 1 && (j - i) < IO_BLOCKS_MAX as usize {
-                j += 1;
-            }
-            self.writeback_run(ino, pages[i], (j - i) as u64).await?;
-            i = j;
-        }
-        let clean = self.inner.pages.cache().dirty_of(ino, 0, u64::MAX).is_empty();
-        if clean {
-            let capped = self
-                .inner
-                .meta
-                .state_mut()
-                .node_mut(ino)
-                .and_then(|n| n.writes_if_any())
-                .is_some_and(|w| w.persist_size_cap.take().is_some());
-            if capped {
-                self.inner.change().mark_dirty(ino);
-            }
+            self.ops().writeback(ino, 0, u64::MAX).await?;
         }
         Ok(())
     }
 
     /// Write back the pages of one run. The caller holds the file's
     /// writeback token.
-    async fn writeback_run(self, ino: Ino, first: u64, count: u64) -> FsResult<()> {
+    pub(super) async fn writeback_run(self, ino: Ino, first: u64, count: u64) -> FsResult<()> {
         // A *shared* lock on the pages: writers of them wait, readers
         // never do.
         let _range = self
@@ -537,9 +579,9 @@ impl DataOps<'_> {
         self.inner.space.release_delalloc(released);
         for (f, image) in runs {
             let pages = whole_blocks(image.len() as u64);
-            match self.write_image(ino, f, image).await {
+            match self.core().write_image(ino, f, image).await {
                 Ok(records) => {
-                    self.log_all(records)?;
+                    self.core().log_all(records)?;
                     self.inner.data.count_written_back(pages);
                 }
                 Err(e) => {
@@ -552,38 +594,5 @@ impl DataOps<'_> {
             }
         }
         Ok(())
-    }
-
-    /// Write back every dirty page, and wait for writebacks already
-    /// running (the timer's), whose pages no longer look dirty.
-    pub async fn writeback_all(self) -> FsResult<()> {
-        for ino in self.inner.pages.unsettled_files() {
-            self.writeback(ino, 0, u64::MAX).await?;
-        }
-        Ok(())
-    }
-
-    /// Make the file durable: its dirty pages, then (unless `datasync` and
-    /// only timestamps changed) the journal, then the device cache.
-    pub async fn fsync(self, ino: Ino, datasync: bool) -> FsResult<()> {
-        self.inner.meta.inode(ino)?;
-        if self.inner.config.read_only {
-            return Ok(());
-        }
-        self.writeback(ino, 0, u64::MAX).await?;
-        let needed = self.inner.meta.state().node(ino).is_some_and(|n| n.datasync_needed);
-        if datasync && !needed {
-            return self.inner.journal.flush_data(&self.inner.commit_cx()).await;
-        }
-        journal::sync(self.inner).await
-    }
-
-    pub async fn fsyncdir(self, ino: Ino, datasync: bool) -> FsResult<()> {
-        self.inner.meta.inode(ino)?;
-        if self.inner.config.read_only {
-            return Ok(());
-        }
-        let _ = datasync;
-        journal::sync(self.inner).await
     }
 }

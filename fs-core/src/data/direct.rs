@@ -1,7 +1,7 @@
 //! Direct I/O: the caller's buffer goes to the device without a copy.
 
-use super::DataOps;
 use super::{blocks_of, IO_BLOCKS_MAX};
+use super::{DataOps, Direct};
 use crate::blocks::{block_bytes, offset_in_block, FileBlock};
 use crate::extent::Segment;
 use crate::format::{BLOCK_BYTES, BLOCK_SIZE};
@@ -13,14 +13,6 @@ use keelfs_bdev::AlignedBuf;
 use keelfs_reactor::{await_all, IoBuffer, SharedBuffer};
 
 impl DataOps<'_> {
-    fn direct_aligned<B: IoBuffer>(self, offset: u64, buf: &SharedBuffer<B>) -> bool {
-        let align = self.inner.io.geometry().memory_alignment.max(512) as usize;
-        offset.is_multiple_of(BLOCK_SIZE)
-            && (buf.len() as u64).is_multiple_of(BLOCK_SIZE)
-            && !buf.is_empty()
-            && buf.iovecs().iter().all(|v| (v.base as usize).is_multiple_of(align) && v.len % 512 == 0)
-    }
-
     /// Write back and drop cached pages of [first, last] so that direct
     /// I/O and the cache agree.
     pub(super) async fn flush_cache_range(self, ino: Ino, first: u64, last: u64, drop_clean: bool) -> FsResult<()> {
@@ -42,16 +34,39 @@ impl DataOps<'_> {
             return (buf, Err(FsError::ReadOnly));
         }
         let shared = SharedBuffer::new(buf);
-        let mut result = self.write_direct_shared(ino, offset, &shared).await;
+        let mut result = self.direct().write_direct_shared(ino, offset, &shared).await;
         if matches!(result, Err(FsError::NoSpace | FsError::Quota))
             && matches!(self.reclaim_pending_frees().await, Ok(true))
         {
-            result = self.write_direct_shared(ino, offset, &shared).await;
+            result = self.direct().write_direct_shared(ino, offset, &shared).await;
         }
         (into_inner(shared), result)
     }
 
-    async fn write_direct_shared<B: IoBuffer>(self, ino: Ino, offset: u64, buf: &SharedBuffer<B>) -> FsResult<u32> {
+    /// Direct read into `buf`. Returns the buffer and the bytes read (short
+    /// at end of file).
+    pub async fn read_direct<B: IoBuffer>(self, ino: Ino, offset: u64, buf: B) -> (B, FsResult<u32>) {
+        let shared = SharedBuffer::new(buf);
+        let result = self.direct().read_direct_shared(ino, offset, &shared).await;
+        (into_inner(shared), result)
+    }
+}
+
+impl Direct<'_> {
+    pub(super) fn direct_aligned<B: IoBuffer>(self, offset: u64, buf: &SharedBuffer<B>) -> bool {
+        let align = self.inner.io.geometry().memory_alignment.max(512) as usize;
+        offset.is_multiple_of(BLOCK_SIZE)
+            && (buf.len() as u64).is_multiple_of(BLOCK_SIZE)
+            && !buf.is_empty()
+            && buf.iovecs().iter().all(|v| (v.base as usize).is_multiple_of(align) && v.len % 512 == 0)
+    }
+
+    pub(super) async fn write_direct_shared<B: IoBuffer>(
+        self,
+        ino: Ino,
+        offset: u64,
+        buf: &SharedBuffer<B>,
+    ) -> FsResult<u32> {
         let len = buf.len() as u64;
         if len == 0 {
             return Ok(0);
@@ -59,7 +74,7 @@ impl DataOps<'_> {
         let end = offset.checked_add(len).filter(|&e| e <= MAX_FILE_BYTES).ok_or(FsError::FileTooBig)?;
         self.inner.meta.require_file(ino)?;
         let (first, last) = blocks_of(offset, len);
-        self.flush_cache_range(ino, first, last, true).await?;
+        self.ops().flush_cache_range(ino, first, last, true).await?;
         self.inner.meta.move_direct_epoch(ino);
         let result = self.write_direct_uncached(ino, offset, end, buf).await;
         // A read that cached the range while the write ran may hold the
@@ -69,8 +84,8 @@ impl DataOps<'_> {
         result
     }
 
-    async fn write_direct_uncached<B: IoBuffer>(
-        &self,
+    pub(super) async fn write_direct_uncached<B: IoBuffer>(
+        self,
         ino: Ino,
         offset: u64,
         end: u64,
@@ -89,8 +104,8 @@ impl DataOps<'_> {
 
     /// The overwrite fast path: every block already written and inside the
     /// file. Shared lock, no allocation, no record. None if not applicable.
-    async fn try_direct_overwrite<B: IoBuffer>(
-        &self,
+    pub(super) async fn try_direct_overwrite<B: IoBuffer>(
+        self,
         ino: Ino,
         offset: u64,
         end: u64,
@@ -127,8 +142,8 @@ impl DataOps<'_> {
 
     /// Issue device I/O for every segment: reads or writes of the mapped
     /// ones, zeros into the buffer for holes and unwritten ones (reads).
-    async fn submit_segments<B: IoBuffer>(
-        &self,
+    pub(super) async fn submit_segments<B: IoBuffer>(
+        self,
         buf: &SharedBuffer<B>,
         first: u64,
         segments: &[Segment],
@@ -179,24 +194,26 @@ impl DataOps<'_> {
 
     /// A direct write into holes, unwritten extents or past the end:
     /// allocate unwritten extents, submit at once, convert on completion.
-    async fn direct_extend<B: IoBuffer>(
-        &self,
+    pub(super) async fn direct_extend<B: IoBuffer>(
+        self,
         ino: Ino,
         offset: u64,
         end: u64,
         buf: &SharedBuffer<B>,
     ) -> FsResult<u32> {
         let (first, last) = blocks_of(offset, end - offset);
-        let (_range, old_size) = self.lock_for_write(ino, first, last, end).await?;
+        let (_range, old_size) = self.core().lock_for_write(ino, first, last, end).await?;
         if end > old_size && FileBlock::containing(old_size).get() < first {
-            self.zero_past_eof(ino, old_size).await?;
+            self.core().zero_past_eof(ino, old_size).await?;
         }
         let mut converted = Vec::new();
         for seg in self.inner.meta.segments(ino, first, last - first + 1)? {
             match seg {
                 Segment::Mapped(e) if e.unwritten => converted.push((e.file_block, e.disk_block, e.len)),
                 Segment::Mapped(_) => {}
-                Segment::Hole { file_block, len } => converted.extend(self.map_hole_unwritten(ino, file_block, len)?),
+                Segment::Hole { file_block, len } => {
+                    converted.extend(self.core().map_hole_unwritten(ino, file_block, len)?)
+                }
             }
         }
         if end > old_size {
@@ -230,7 +247,7 @@ impl DataOps<'_> {
     /// claim: the furthest completed end, but never past the start of an
     /// earlier extending write still in flight, so the size never covers
     /// data that is not on the device.
-    fn finish_extend(self, ino: Ino, offset: u64, end: u64, ok: bool) -> u64 {
+    pub(super) fn finish_extend(self, ino: Ino, offset: u64, end: u64, ok: bool) -> u64 {
         let mut state = self.inner.meta.state_mut();
         let Some(n) = state.node_mut(ino) else { return 0 };
         let size = n.inode.size;
@@ -243,15 +260,12 @@ impl DataOps<'_> {
         w.extends_done.min(limit).max(size.min(end))
     }
 
-    /// Direct read into `buf`. Returns the buffer and the bytes read (short
-    /// at end of file).
-    pub async fn read_direct<B: IoBuffer>(self, ino: Ino, offset: u64, buf: B) -> (B, FsResult<u32>) {
-        let shared = SharedBuffer::new(buf);
-        let result = self.read_direct_shared(ino, offset, &shared).await;
-        (into_inner(shared), result)
-    }
-
-    async fn read_direct_shared<B: IoBuffer>(self, ino: Ino, offset: u64, buf: &SharedBuffer<B>) -> FsResult<u32> {
+    pub(super) async fn read_direct_shared<B: IoBuffer>(
+        self,
+        ino: Ino,
+        offset: u64,
+        buf: &SharedBuffer<B>,
+    ) -> FsResult<u32> {
         self.inner.change().accessed(ino);
         let inode = self.inner.meta.require_file(ino)?;
         let len = buf.len() as u64;
@@ -259,7 +273,7 @@ impl DataOps<'_> {
             return Ok(0);
         }
         let (first, last) = blocks_of(offset, len);
-        self.flush_cache_range(ino, first, last, false).await?;
+        self.ops().flush_cache_range(ino, first, last, false).await?;
         if !self.direct_aligned(offset, buf) {
             let data = self.read_uncached_copy(ino, offset, len).await?;
             buf.copy_in(0, &data).map_err(|_| FsError::Invalid("buffer busy"))?;
@@ -287,31 +301,31 @@ impl DataOps<'_> {
 
     /// A direct write of unaligned bytes: read-modify-write of the edge
     /// blocks, bypassing the cache.
-    async fn write_uncached_copy(self, ino: Ino, offset: u64, data: &[u8]) -> FsResult<u32> {
+    pub(super) async fn write_uncached_copy(self, ino: Ino, offset: u64, data: &[u8]) -> FsResult<u32> {
         let end = offset + data.len() as u64;
         let (first, last) = blocks_of(offset, data.len() as u64);
-        let (_range, old_size) = self.lock_for_write(ino, first, last, end).await?;
+        let (_range, old_size) = self.core().lock_for_write(ino, first, last, end).await?;
         if end > old_size && FileBlock::containing(old_size).get() < first {
-            self.zero_past_eof(ino, old_size).await?;
+            self.core().zero_past_eof(ino, old_size).await?;
         }
         let nblocks = last - first + 1;
         let mut image = AlignedBuf::zeroed(block_bytes(nblocks) as usize, BLOCK_BYTES);
         let head = offset_in_block(offset) as usize;
         if head != 0 {
-            self.read_device_block(ino, first, &mut image[..BLOCK_BYTES]).await?;
+            self.core().read_device_block(ino, first, &mut image[..BLOCK_BYTES]).await?;
         }
         if !end.is_multiple_of(BLOCK_SIZE) && (nblocks > 1 || head == 0) {
             let at = block_bytes(nblocks - 1) as usize;
-            self.read_device_block(ino, last, &mut image[at..]).await?;
+            self.core().read_device_block(ino, last, &mut image[at..]).await?;
         }
         let image_start = FileBlock::new(first).offset();
         if old_size < image_start + image.len() as u64 {
             image[old_size.saturating_sub(image_start) as usize..].fill(0);
         }
         image[head..head + data.len()].copy_from_slice(data);
-        let records = self.write_image(ino, first, image).await?;
+        let records = self.core().write_image(ino, first, image).await?;
         let maps_blocks = !records.is_empty();
-        self.log_all(records)?;
+        self.core().log_all(records)?;
         self.inner.change().written(ino, Some(end))?;
         if maps_blocks || end > old_size {
             self.inner.meta.set_datasync_needed(ino);
@@ -319,7 +333,7 @@ impl DataOps<'_> {
         Ok(data.len() as u32)
     }
 
-    async fn read_uncached_copy(self, ino: Ino, offset: u64, len: u64) -> FsResult<Vec<u8>> {
+    pub(super) async fn read_uncached_copy(self, ino: Ino, offset: u64, len: u64) -> FsResult<Vec<u8>> {
         let (first, last) = blocks_of(offset, len);
         let _range =
             self.inner.data.lock(ino, FileBlock::new(first).offset(), FileBlock::new(last + 1).offset(), false).await;
@@ -331,7 +345,7 @@ impl DataOps<'_> {
         let mut out = vec![0u8; (end - offset) as usize];
         let mut block = vec![0u8; BLOCK_BYTES];
         for b in first..=FileBlock::containing(end - 1).get() {
-            self.read_device_block(ino, b, &mut block).await?;
+            self.core().read_device_block(ino, b, &mut block).await?;
             let bs = FileBlock::new(b).offset();
             let from = offset.max(bs);
             let to = end.min(FileBlock::new(b + 1).offset());

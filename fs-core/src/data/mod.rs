@@ -117,6 +117,71 @@ pub struct DataOps<'a> {
     inner: &'a Rc<FsInner>,
 }
 
+/// The helpers the data paths share: reading a device block, allocating
+/// and mapping runs, range locks for writers, zeroing past the end, and
+/// writing a file's blocks with the records that map them. With
+/// [`Buffered`] and [`Direct`], the data operations' private parts: each
+/// a `Copy` borrow of the filesystem, like [`DataOps`], so that no one
+/// type carries all of them (issue 35).
+#[derive(Clone, Copy)]
+pub(super) struct DataCore<'a> {
+    inner: &'a Rc<FsInner>,
+}
+
+/// The page cache's side of the data path (buffered.rs): loading and
+/// copying pages, delayed allocation, throttling and writeback runs.
+#[derive(Clone, Copy)]
+pub(super) struct Buffered<'a> {
+    inner: &'a Rc<FsInner>,
+}
+
+/// The device's side of the data path (direct.rs): overwrites in place,
+/// extending writes, and the copying fallbacks for unaligned requests.
+#[derive(Clone, Copy)]
+pub(super) struct Direct<'a> {
+    inner: &'a Rc<FsInner>,
+}
+
+impl<'a> DataOps<'a> {
+    fn buffered(self) -> Buffered<'a> {
+        Buffered { inner: self.inner }
+    }
+
+    fn core(self) -> DataCore<'a> {
+        DataCore { inner: self.inner }
+    }
+
+    fn direct(self) -> Direct<'a> {
+        Direct { inner: self.inner }
+    }
+}
+
+impl<'a> DataCore<'a> {
+    fn ops(self) -> DataOps<'a> {
+        DataOps { inner: self.inner }
+    }
+}
+
+impl<'a> Buffered<'a> {
+    fn core(self) -> DataCore<'a> {
+        DataCore { inner: self.inner }
+    }
+
+    fn ops(self) -> DataOps<'a> {
+        DataOps { inner: self.inner }
+    }
+}
+
+impl<'a> Direct<'a> {
+    fn core(self) -> DataCore<'a> {
+        DataCore { inner: self.inner }
+    }
+
+    fn ops(self) -> DataOps<'a> {
+        DataOps { inner: self.inner }
+    }
+}
+
 impl Fs {
     /// The data operations on this filesystem's files.
     pub fn data(&self) -> DataOps<'_> {
@@ -135,11 +200,10 @@ impl DataOps<'_> {
     }
 }
 
-/// Shared helpers.
-impl DataOps<'_> {
+impl DataCore<'_> {
     /// One file block as it is on the device (zeros for holes and
     /// unwritten extents), ignoring the page cache.
-    async fn read_device_block(self, ino: Ino, file_block: u64, out: &mut [u8]) -> FsResult<()> {
+    pub(super) async fn read_device_block(self, ino: Ino, file_block: u64, out: &mut [u8]) -> FsResult<()> {
         match self.inner.meta.segments(ino, file_block, 1)?[0] {
             Segment::Mapped(e) if !e.unwritten => {
                 let buf = self.inner.io.read_blocks(e.disk_block, 1).await?;
@@ -155,7 +219,13 @@ impl DataOps<'_> {
     /// file's previous extent when that space is free (extent merging).
     /// Only writeback (`reserved`) may dip into space promised to dirty
     /// pages.
-    fn alloc_runs(self, ino: Ino, file_block: FileBlock, count: u64, reserved: bool) -> FsResult<Vec<BlockRun>> {
+    pub(super) fn alloc_runs(
+        self,
+        ino: Ino,
+        file_block: FileBlock,
+        count: u64,
+        reserved: bool,
+    ) -> FsResult<Vec<BlockRun>> {
         if !reserved {
             self.inner.space.check_room(self.inner.usage(), count)?;
         }
@@ -166,7 +236,7 @@ impl DataOps<'_> {
 
     /// Runs from [`Self::alloc_runs`] are mapped now, or (`back_to_free`)
     /// go back to the allocator unused.
-    fn unreserve(self, runs: &[BlockRun], back_to_free: bool) {
+    pub(super) fn unreserve(self, runs: &[BlockRun], back_to_free: bool) {
         self.inner.space.unreserve(&mut self.inner.meta.state_mut(), runs, back_to_free);
     }
 
@@ -174,8 +244,8 @@ impl DataOps<'_> {
     /// locks from the block holding the current end of file when that
     /// block's tail must be zeroed first. Returns the guard and the size
     /// seen under it.
-    async fn lock_for_write(
-        &self,
+    pub(super) async fn lock_for_write(
+        self,
         ino: Ino,
         first: u64,
         last: u64,
@@ -203,7 +273,7 @@ impl DataOps<'_> {
     /// Zero the bytes past `size` in the block holding the end of file, on
     /// the device and in the cache: they are invisible now and about to
     /// become part of the file.
-    async fn zero_past_eof(self, ino: Ino, size: u64) -> FsResult<()> {
+    pub(super) async fn zero_past_eof(self, ino: Ino, size: u64) -> FsResult<()> {
         let tail = offset_in_block(size) as usize;
         if tail == 0 {
             return Ok(());
@@ -217,8 +287,8 @@ impl DataOps<'_> {
     /// Allocate blocks for the hole of `len` blocks at `file_block` and log
     /// them as unwritten extents (they read as zeros until converted).
     /// Returns the new mappings: (file block, device block, blocks).
-    fn map_hole_unwritten(
-        &self,
+    pub(super) fn map_hole_unwritten(
+        self,
         ino: Ino,
         file_block: FileBlock,
         len: u64,
@@ -243,7 +313,7 @@ impl DataOps<'_> {
 
     /// Zero bytes [from, to) of one file block on the device, if it holds
     /// written data.
-    async fn zero_in_block(self, ino: Ino, file_block: FileBlock, from: usize, to: usize) -> FsResult<()> {
+    pub(super) async fn zero_in_block(self, ino: Ino, file_block: FileBlock, from: usize, to: usize) -> FsResult<()> {
         let Segment::Mapped(e) = self.inner.meta.segments(ino, file_block.get(), 1)?[0] else { return Ok(()) };
         if e.unwritten {
             return Ok(());
@@ -262,7 +332,7 @@ impl DataOps<'_> {
     /// into unwritten extents where it has those. Returns the records that
     /// map what was written; the caller logs them now that the data is on
     /// the device (ordered data).
-    async fn write_image(self, ino: Ino, first: u64, image: AlignedBuf) -> FsResult<Vec<Record<'static>>> {
+    pub(super) async fn write_image(self, ino: Ino, first: u64, image: AlignedBuf) -> FsResult<Vec<Record<'static>>> {
         let nblocks = whole_blocks(image.len() as u64);
         let image_bytes = image.len() as u64;
         let mut targets: Vec<(FileBlock, DevBlock, u64, bool)> = Vec::new(); // (file, disk, len, needs record)
@@ -326,7 +396,7 @@ impl DataOps<'_> {
             .collect())
     }
 
-    fn log_all(self, records: Vec<Record<'_>>) -> FsResult<()> {
+    pub(super) fn log_all(self, records: Vec<Record<'_>>) -> FsResult<()> {
         for r in records {
             self.inner.change().log(r)?;
         }

@@ -1,7 +1,7 @@
 //! Size changes, preallocation and seeking.
 
 use super::blocks_of;
-use super::DataOps;
+use super::{DataCore, DataOps};
 use crate::blocks::{offset_in_block, FileBlock};
 use crate::cache::PAGE_BYTES;
 use crate::extent::Segment;
@@ -43,7 +43,7 @@ impl DataOps<'_> {
                 len: u64::MAX - keep_blocks,
             })?;
         } else {
-            self.zero_past_eof(ino, old).await?;
+            self.core().zero_past_eof(ino, old).await?;
         }
         let t = self.inner.change().file_time();
         self.inner.change().update_inode(ino, |i| {
@@ -69,15 +69,43 @@ impl DataOps<'_> {
         if self.inner.config.read_only {
             return Err(FsError::ReadOnly);
         }
-        match self.fallocate_once(ino, mode, offset, len).await {
+        match self.core().fallocate_once(ino, mode, offset, len).await {
             Err(FsError::NoSpace | FsError::Quota) if self.reclaim_pending_frees().await? => {
-                self.fallocate_once(ino, mode, offset, len).await
+                self.core().fallocate_once(ino, mode, offset, len).await
             }
             other => other,
         }
     }
 
-    async fn fallocate_once(self, ino: Ino, mode: FallocateMode, offset: u64, len: u64) -> FsResult<()> {
+    /// SEEK_DATA / SEEK_HOLE. Unwritten extents count as holes; dirty
+    /// cached pages count as data.
+    pub async fn lseek(self, ino: Ino, offset: u64, to: SeekTo) -> FsResult<u64> {
+        let inode = self.inner.meta.require_file(ino)?;
+        if offset >= inode.size {
+            return Err(FsError::Nxio);
+        }
+        self.writeback(ino, 0, u64::MAX).await?;
+        let first = FileBlock::containing(offset);
+        let blocks = FileBlock::starting_at_or_after(inode.size) - first;
+        for seg in self.inner.meta.segments(ino, first.get(), blocks)? {
+            let (fb, is_data) = match seg {
+                Segment::Mapped(e) => (e.file_block, !e.unwritten),
+                Segment::Hole { file_block, .. } => (file_block, false),
+            };
+            if is_data == (to == SeekTo::Data) {
+                return Ok(fb.offset().max(offset));
+            }
+        }
+        if to == SeekTo::Hole {
+            Ok(inode.size)
+        } else {
+            Err(FsError::Nxio)
+        }
+    }
+}
+
+impl DataCore<'_> {
+    pub(super) async fn fallocate_once(self, ino: Ino, mode: FallocateMode, offset: u64, len: u64) -> FsResult<()> {
         if len == 0 {
             return Err(FsError::Invalid("fallocate of zero bytes"));
         }
@@ -88,7 +116,7 @@ impl DataOps<'_> {
         let (first, last) = blocks_of(offset, len);
         // Dirty cached data in the range must reach the device first, so
         // that clearing below is not undone by a later writeback.
-        self.flush_cache_range(ino, first, last, false).await?;
+        self.ops().flush_cache_range(ino, first, last, false).await?;
         let range_lock =
             self.inner.data.lock(ino, FileBlock::new(first).offset(), FileBlock::new(last + 1).offset(), true);
         let _range = range_lock.await;
@@ -119,7 +147,7 @@ impl DataOps<'_> {
 
     /// Make [offset, end) read as zeros: unmap whole blocks, zero edges,
     /// on the device and in the cache.
-    async fn clear_range(self, ino: Ino, offset: u64, end: u64) -> FsResult<()> {
+    pub(super) async fn clear_range(self, ino: Ino, offset: u64, end: u64) -> FsResult<()> {
         let first_whole = FileBlock::starting_at_or_after(offset);
         let end_whole = FileBlock::containing(end);
         if first_whole < end_whole {
@@ -144,7 +172,7 @@ impl DataOps<'_> {
 
     /// Back the holes in file blocks [first, end) with unwritten extents:
     /// space is reserved and reads still return zeros, with no data I/O.
-    fn allocate_unwritten(self, ino: Ino, first: FileBlock, end: FileBlock) -> FsResult<()> {
+    pub(super) fn allocate_unwritten(self, ino: Ino, first: FileBlock, end: FileBlock) -> FsResult<()> {
         let holes: Vec<(FileBlock, u64)> = self
             .inner
             .meta
@@ -159,31 +187,5 @@ impl DataOps<'_> {
             self.map_hole_unwritten(ino, fb, len)?;
         }
         Ok(())
-    }
-
-    /// SEEK_DATA / SEEK_HOLE. Unwritten extents count as holes; dirty
-    /// cached pages count as data.
-    pub async fn lseek(self, ino: Ino, offset: u64, to: SeekTo) -> FsResult<u64> {
-        let inode = self.inner.meta.require_file(ino)?;
-        if offset >= inode.size {
-            return Err(FsError::Nxio);
-        }
-        self.writeback(ino, 0, u64::MAX).await?;
-        let first = FileBlock::containing(offset);
-        let blocks = FileBlock::starting_at_or_after(inode.size) - first;
-        for seg in self.inner.meta.segments(ino, first.get(), blocks)? {
-            let (fb, is_data) = match seg {
-                Segment::Mapped(e) => (e.file_block, !e.unwritten),
-                Segment::Hole { file_block, .. } => (file_block, false),
-            };
-            if is_data == (to == SeekTo::Data) {
-                return Ok(fb.offset().max(offset));
-            }
-        }
-        if to == SeekTo::Hole {
-            Ok(inode.size)
-        } else {
-            Err(FsError::Nxio)
-        }
     }
 }
