@@ -140,6 +140,33 @@ impl PageCache {
         }
     }
 
+    /// Check the cache's bookkeeping against its pages (tests and
+    /// fuzzers, between operations): every cached page sits in a live
+    /// slot under its own key and in its inode's set, the dirty flags, the
+    /// dirty index and the dirty count agree, and the cache holds no more
+    /// than its capacity. Panics on the first that does not hold; returns
+    /// how many pages hold a block reservation, for [`crate::space`]'s
+    /// check.
+    pub(crate) fn check_invariants(&self) -> u64 {
+        let (mut dirty, mut reserved) = (0usize, 0u64);
+        for (key, &slot) in &self.map {
+            let s = &self.slots[slot as usize];
+            assert!(s.live && s.key == *key, "page {key:?}: its slot {slot} holds {:?} (live {})", s.key, s.live);
+            let indexed = self.by_inode.get(&key.0).is_some_and(|pages| pages.contains(&key.1));
+            assert!(indexed, "page {key:?} is cached but not in its inode's set");
+            let dirty_indexed = self.dirty.get(&key.0).is_some_and(|pages| pages.contains(&key.1));
+            assert_eq!(s.dirty, dirty_indexed, "page {key:?}: the dirty flag and the dirty index disagree");
+            dirty += usize::from(s.dirty);
+            reserved += u64::from(s.reserved);
+        }
+        assert_eq!(self.slots.iter().filter(|s| s.live).count(), self.map.len(), "live slots against cached pages");
+        assert_eq!(self.by_inode.values().map(BTreeSet::len).sum::<usize>(), self.map.len(), "the per-inode sets");
+        assert_eq!(dirty, self.dirty_count, "the dirty count");
+        assert_eq!(self.dirty.values().map(BTreeSet::len).sum::<usize>(), dirty, "the dirty index");
+        assert!(self.map.len() <= self.capacity, "{} pages cached, capacity {}", self.map.len(), self.capacity);
+        reserved
+    }
+
     pub(crate) fn shared(&self) -> &Arc<SharedPages> {
         &self.shared
     }

@@ -188,6 +188,20 @@ impl Discard {
         Self { state: RefCell::new(state), config, counters: Cell::default() }
     }
 
+    /// Check the queue's bookkeeping (tests and fuzzers, between
+    /// operations): the block counts are the sums of the runs they count,
+    /// queued runs do not overlap, and no more discards completed than
+    /// were issued. Panics on the first that does not hold.
+    pub fn check_invariants(&self) {
+        let d = self.state.borrow();
+        assert_eq!(d.queued.values().sum::<u64>(), d.queued_blocks, "queued blocks against the queued runs");
+        assert_eq!(d.in_flight.iter().map(|r| r.len).sum::<u64>(), d.in_flight_blocks, "blocks in flight");
+        for ((&a, &a_len), (&b, _)) in d.queued.iter().zip(d.queued.iter().skip(1)) {
+            assert!(a + a_len <= b, "queued runs overlap: {a}+{a_len} and {b}");
+        }
+        assert!(d.completed <= d.issued, "{} discards completed of {} issued", d.completed, d.issued);
+    }
+
     /// Whether continuous discard is on: configured, and not refused by
     /// the device.
     pub fn is_active(&self) -> bool {

@@ -4,6 +4,7 @@
 
 use std::rc::Rc;
 
+use crate::space::SpaceWitness;
 use crate::{cache, BlockClaim, DoubleOwner, Fs, FsCounters, FsInner, FsResult, Geometry, Ino, Superblock};
 
 /// Reading a filesystem's figures, reached through [`Fs::inspect`]: a
@@ -120,5 +121,29 @@ impl Inspect<'_> {
     #[doc(hidden)]
     pub fn debug_set_nlink(self, ino: Ino, nlink: u32) {
         let _ = self.inner.change().update_inode(ino, |i| i.nlink = nlink);
+    }
+
+    /// Check every part's invariants, and the ones that span parts
+    /// (docs/plans/fs-parts.md, section 2): the page cache's indexes and
+    /// counts, the discard queue's sums, the journal's counts and ring
+    /// bounds, the promised and held blocks against the cache and the
+    /// journal, and the nodes' open counts against the handles. For tests
+    /// and fuzzers, between operations; some checks hold only while no
+    /// data operation or commit is in flight, and are skipped otherwise.
+    /// Panics on the first that does not hold, naming it.
+    ///
+    /// These are what the code establishes, not what an image holds: a
+    /// crafted image's shape (dangling entries, wrong link counts) is
+    /// fsck's to find.
+    #[doc(hidden)]
+    pub fn assert_invariants(self) {
+        let fs = &**self.inner;
+        let reserved_pages = fs.pages.cache().check_invariants();
+        fs.discard.check_invariants();
+        fs.journal.check_invariants(fs.meta.state().in_snapshot());
+        let data_idle = fs.data.is_idle() && !fs.pages.writeback_running();
+        let seen = SpaceWitness { reserved_pages, data_idle, journal_busy: fs.journal.busy() };
+        fs.space.check_invariants(&seen);
+        fs.meta.check_invariants(&fs.handles.opens_by_inode());
     }
 }

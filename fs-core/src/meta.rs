@@ -10,6 +10,7 @@
 //! it takes `&State` or `&mut State`, never `&Meta`.
 
 use std::cell::{Ref, RefCell, RefMut};
+use std::collections::HashMap;
 
 use crate::blocks::FileBlock;
 use crate::extent::Segments;
@@ -48,6 +49,26 @@ impl Meta {
     }
 
     /// A new inode number, never given out before.
+    /// Check the nodes against the open handles (tests and fuzzers,
+    /// between operations): every inode number is below the next one to
+    /// be given, every node's open count is the number of handles naming
+    /// it (unless the count has stuck at its top), and no handle names an
+    /// inode that is gone. Panics on the first that does not hold.
+    pub fn check_invariants(&self, opens_by_handle: &HashMap<Ino, u64>) {
+        let state = self.state.borrow();
+        for node in state.nodes() {
+            let ino = node.inode.ino;
+            assert!(ino.get() < state.next_ino, "inode {ino} is not below next_ino {}", state.next_ino);
+            if let Some(opens) = node.opens.count() {
+                let handles = opens_by_handle.get(&ino).copied().unwrap_or(0);
+                assert_eq!(opens, handles, "inode {ino}: its open count against the handles naming it");
+            }
+        }
+        for ino in opens_by_handle.keys() {
+            assert!(state.node(*ino).is_some(), "a handle names inode {ino}, which is gone");
+        }
+    }
+
     pub fn take_next_ino(&self) -> Ino {
         let mut state = self.state.borrow_mut();
         let ino = state.next_ino;

@@ -46,6 +46,11 @@ impl Pages {
         self.cache.borrow().dirty_of(ino, 0, u64::MAX).is_empty() && !self.writing_back.borrow().contains(&ino)
     }
 
+    /// Whether any file's writeback is running.
+    pub fn writeback_running(&self) -> bool {
+        !self.writing_back.borrow().is_empty()
+    }
+
     /// Every file that is not settled, in order, each once.
     pub fn unsettled_files(&self) -> Vec<Ino> {
         let mut files = self.cache.borrow().dirty_inodes();

@@ -50,7 +50,35 @@ pub(crate) struct Usage {
     pub discarding: u64,
 }
 
+/// What [`Space::check_invariants`] compares against, read from the other
+/// parts at one moment.
+pub(crate) struct SpaceWitness {
+    /// Pages in the cache that hold a block reservation.
+    pub reserved_pages: u64,
+    /// No writeback, range lock or direct write is in flight, so every
+    /// allocation made for data has been mapped or given back.
+    pub data_idle: bool,
+    /// A checkpoint is being written in pieces, or a commit runs.
+    pub journal_busy: bool,
+}
+
 impl Space {
+    /// Check the promised and held blocks against the other parts
+    /// (tests and fuzzers, between operations). While data is idle, the
+    /// blocks promised to dirty pages are exactly the cached pages' own
+    /// reservations, and none are allocated but unmapped; while no
+    /// checkpoint is written in pieces and no commit runs, no free is held
+    /// back. Panics on the first that does not hold.
+    pub fn check_invariants(&self, seen: &SpaceWitness) {
+        if seen.data_idle {
+            assert_eq!(self.delalloc_reserved.get(), seen.reserved_pages, "blocks promised to dirty pages");
+            assert_eq!(self.reserved_unmapped.get(), 0, "blocks allocated but never mapped");
+        }
+        if !seen.journal_busy {
+            assert!(self.held.borrow().is_empty(), "frees held back with no checkpoint in pieces");
+        }
+    }
+
     pub fn new(quota: Quota) -> Self {
         Self {
             quota: Cell::new(quota),

@@ -71,6 +71,11 @@ impl RefCount {
         self.0 = u32::try_from(u64::from(self.0).saturating_add(n)).unwrap_or(u32::MAX);
     }
 
+    /// The count, or None once it has stuck at the top.
+    pub fn count(self) -> Option<u64> {
+        (self.0 != u32::MAX).then_some(u64::from(self.0))
+    }
+
     /// Drop `n`, at most to 0; a stuck count stays.
     pub fn sub(&mut self, n: u64) {
         if self.0 != u32::MAX {
@@ -294,6 +299,11 @@ impl State {
     /// # Panics
     /// If one is in progress.
     /// Returns the snapshot's epoch, which names it.
+    /// Whether a checkpoint's snapshot is being encoded.
+    pub fn in_snapshot(&self) -> bool {
+        self.snapshot.is_some()
+    }
+
     pub fn start_snapshot(&mut self) -> u32 {
         assert!(self.snapshot.is_none(), "one snapshot at a time");
         if self.epoch == u32::MAX {

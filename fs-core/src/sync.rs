@@ -29,6 +29,12 @@ pub struct MutexGuard<'a> {
 }
 
 impl AsyncMutex {
+    /// Whether a task holds the mutex now (for the invariant checks: some
+    /// hold only while no commit runs).
+    pub fn is_locked(&self) -> bool {
+        self.state.borrow().locked
+    }
+
     pub async fn lock(&self) -> MutexGuard<'_> {
         let ticket = {
             let mut s = self.state.borrow_mut();
@@ -111,6 +117,11 @@ impl RangeLocks {
     }
 
     /// (shared, exclusive) acquisitions that had to wait so far.
+    /// No range of any file is held or awaited.
+    pub fn is_idle(&self) -> bool {
+        self.files.borrow().is_empty()
+    }
+
     pub fn waits(&self) -> (u64, u64) {
         (self.shared_waits.get(), self.exclusive_waits.get())
     }

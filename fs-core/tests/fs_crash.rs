@@ -272,6 +272,7 @@ fn storm_with(journal_blocks: u64, rounds: usize, config: FsConfig, background: 
                     }
                     done_during_pieces += usize::from(fs.inspect().checkpointing_in_pieces());
                     fs.inspect().check_block_ownership().unwrap();
+                    fs.inspect().assert_invariants();
                     if in_pieces {
                         // Requests are tasks of their own on a server: let the
                         // checkpoint's next piece run between two.
@@ -628,6 +629,7 @@ fn blocks_freed_during_a_checkpoint_in_pieces_stay_its_files() {
         }
         assert_eq!(fs.inspect().counters().checkpoints, before + 1, "the checkpoint in pieces landed");
         fs.inspect().check_block_ownership().unwrap();
+        fs.inspect().assert_invariants();
         // Then a file that may take the blocks big had.
         let (after, fh) = fs.create(&c, ROOT_INO, b"after", 0o644, 2).await.unwrap();
         let body = vec![0x17; 256 << 10];
@@ -642,5 +644,6 @@ fn blocks_freed_during_a_checkpoint_in_pieces_stay_its_files() {
         let after = lookup(fs, ROOT_INO, "after").await.expect("after was synced");
         assert_eq!(&read_all(fs, after).await, body);
         fs.inspect().check_block_ownership().unwrap();
+        fs.inspect().assert_invariants();
     });
 }

@@ -624,6 +624,7 @@ fn a_writer_out_of_space_gets_back_what_a_checkpoint_in_pieces_holds() {
         assert!(!fs.inspect().checkpointing_in_pieces(), "the checkpoint in pieces was given up for the writer");
         fs.sync().await.unwrap();
         fs.inspect().check_block_ownership().unwrap();
+        fs.inspect().assert_invariants();
         fs.unmount().await.unwrap();
     });
 }

@@ -113,6 +113,7 @@ fn continuous_discard_gives_freed_runs_back_after_the_commit() {
         // Right after the commit the runs are out of the allocator, owned
         // by the queue, and df already counts them free.
         fs.inspect().check_block_ownership().unwrap();
+        fs.inspect().assert_invariants();
         assert!(fs.statfs().await.unwrap().blocks_free >= free_before + 16 * MIB / 4096);
         wait_for("the queue to drain", || fs.inspect().counters().discard_pending_blocks == 0).await;
         let c = fs.inspect().counters();
@@ -122,6 +123,7 @@ fn continuous_discard_gives_freed_runs_back_after_the_commit() {
         // The space is reusable, and the kept file intact.
         write_file(&fs, b"again", 16 * MIB).await.unwrap();
         fs.inspect().check_block_ownership().unwrap();
+        fs.inspect().assert_invariants();
         fs.unmount().await.unwrap();
         assert!(check(&dev).await.is_clean());
     });
@@ -148,6 +150,7 @@ fn fstrim_discards_free_space_with_continuous_discard_off() {
         assert!(before - after >= 15 * MIB, "the image went from {before} to {after} bytes");
         assert_eq!(fs.inspect().counters().discard_pending_blocks, 0);
         fs.inspect().check_block_ownership().unwrap();
+        fs.inspect().assert_invariants();
         let back = fs.data().read(keep, 0, MIB as u32).await.unwrap();
         assert_eq!(back.len() as u64, MIB);
         assert!(back.iter().all(|&b| b == 0x3c), "the kept file is intact");
@@ -173,6 +176,7 @@ fn a_device_that_cannot_discard_turns_it_off_and_loses_no_space() {
         assert_eq!(fs.admin().trim(0).await.err(), Some(FsError::Unsupported));
         assert_eq!(FsError::Unsupported.errno(), libc::EOPNOTSUPP);
         fs.inspect().check_block_ownership().unwrap();
+        fs.inspect().assert_invariants();
         fs.unmount().await.unwrap();
         assert!(check(&dev).await.is_clean());
     });
@@ -198,10 +202,12 @@ fn a_writer_short_of_room_takes_runs_awaiting_discard_back() {
         fs.sync().await.unwrap();
         assert!(fs.inspect().counters().discard_pending_blocks > 1000, "{:?}", fs.inspect().counters());
         fs.inspect().check_block_ownership().unwrap();
+        fs.inspect().assert_invariants();
         for i in 0..n {
             write_file(&fs, format!("g{i}").as_bytes(), 4 * MIB).await.unwrap();
         }
         fs.inspect().check_block_ownership().unwrap();
+        fs.inspect().assert_invariants();
         fs.unmount().await.unwrap();
         assert!(check(&dev).await.is_clean());
     });
@@ -251,6 +257,7 @@ fn fstrim_leaves_space_promised_to_dirty_pages_and_the_checkpoint() {
         wait_for("the trim to end", || trim.borrow().is_some()).await;
         trim.take().unwrap().unwrap();
         fs.inspect().check_block_ownership().unwrap();
+        fs.inspect().assert_invariants();
         fs.unmount().await.unwrap();
         assert!(check(&dev).await.is_clean());
         let fs = Fs::mount(channel(&dev), config(DiscardConfig::default())).await.unwrap();
@@ -285,6 +292,7 @@ fn a_second_fstrim_while_one_runs_is_busy() {
         // Once it has ended, the next may run.
         assert_eq!(fs.admin().trim(0).await, Ok(trimmed));
         fs.inspect().check_block_ownership().unwrap();
+        fs.inspect().assert_invariants();
         fs.unmount().await.unwrap();
         assert!(check(&dev).await.is_clean());
     });
@@ -327,6 +335,7 @@ fn unmount_stops_an_fstrim_and_waits_for_its_piece() {
         assert!(check(&dev).await.is_clean());
         let fs = Fs::mount(channel(&dev), config(DiscardConfig::default())).await.unwrap();
         fs.inspect().check_block_ownership().unwrap();
+        fs.inspect().assert_invariants();
         let back = fs.data().read(ino, 0, MIB as u32).await.unwrap();
         assert!(back.iter().all(|&b| b == 0x5a));
         // A trim after a remount covers what the stopped one left.

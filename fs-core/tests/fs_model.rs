@@ -346,6 +346,7 @@ fn matches_the_model(dev: std::sync::Arc<dyn keelfs_bdev::BlockDevice>, ops: &[O
         let mut m = Model::default();
         for op in &ops {
             apply(&mut fs, &dev, &mut m, op).await;
+            fs.inspect().assert_invariants();
         }
         assert_eq!(digest(snapshot(&fs).await), digest(model_view(&m)), "tree differs from the model");
         // A crash right after a sync must keep everything.

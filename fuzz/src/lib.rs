@@ -105,6 +105,7 @@ impl Harness {
             if let Err(why) = fs.inspect().check_block_ownership() {
                 panic!("after the input, {why}");
             }
+            fs.inspect().assert_invariants();
             session.give_back().await;
             drop(session);
             fs.unmount().await.expect("unmount");

@@ -397,6 +397,7 @@ fn run(seed: u64, cases: u64) {
             if let Err(why) = fs.inspect().check_block_ownership() {
                 panic!("{what}: after it, {why}");
             }
+            fs.inspect().assert_invariants();
             if let Some(reply) = reply {
                 let (error, reply_body) = check_reply(&reply, unique, &what);
                 answered[usize::from(error == 0)] += 1;

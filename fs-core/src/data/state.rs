@@ -49,6 +49,12 @@ impl DataState {
     }
 
     /// Range-lock acquisitions that had to wait: (shared, exclusive).
+    /// No range lock held or awaited and no direct write in flight: no
+    /// data operation is between its allocation and its mapping record.
+    pub fn is_idle(&self) -> bool {
+        self.ranges.is_idle() && self.counters.get().direct_in_flight == 0
+    }
+
     pub fn range_lock_waits(&self) -> (u64, u64) {
         self.ranges.waits()
     }

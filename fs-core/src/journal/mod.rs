@@ -88,6 +88,35 @@ impl Journal {
         self.counters.set(c);
     }
 
+    /// Check the journal's bookkeeping (tests and fuzzers, between
+    /// operations): commits never pass what was logged, flushes never
+    /// pass the data writes they cover, and the ring holds no more than
+    /// its size. While no commit runs (`commit_lock` free), a checkpoint
+    /// is being written in pieces exactly when the state holds its
+    /// snapshot (`in_snapshot`). Panics on the first that does not hold.
+    pub(crate) fn check_invariants(&self, in_snapshot: bool) {
+        let j = self.ring.borrow();
+        let sb = self.sb.borrow();
+        assert!(j.committed_ops <= j.logged_ops, "{} ops committed of {} logged", j.committed_ops, j.logged_ops);
+        assert!(
+            j.flushed_data_writes <= j.data_writes,
+            "{} data writes flushed of {} done",
+            j.flushed_data_writes,
+            j.data_writes
+        );
+        let used = j.head.checked_sub(sb.journal_start).expect("the ring's head is behind its start");
+        assert!(used <= sb.journal_blocks, "{used} ring blocks in use of {}", sb.journal_blocks);
+        if !self.commit_lock.is_locked() {
+            assert_eq!(j.sliced.is_some(), in_snapshot, "a checkpoint in pieces without its snapshot, or the reverse");
+        }
+    }
+
+    /// Whether a checkpoint is being written in pieces or a commit runs:
+    /// the times when frees may be held back.
+    pub(crate) fn busy(&self) -> bool {
+        self.commit_lock.is_locked() || self.ring.borrow().sliced.is_some()
+    }
+
     /// Fill in the journal's counters.
     pub(crate) fn report(&self, out: &mut FsCounters) {
         let c = self.counters.get();
