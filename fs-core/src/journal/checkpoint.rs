@@ -9,6 +9,7 @@ use keelfs_bdev::AlignedBuf;
 use keelfs_reactor as reactor;
 
 use super::commit::maybe_schedule_after;
+use super::load::parse_checkpoint_block;
 use super::{CommitCx, Journal, CHECKPOINT_BLOCK_MAGIC, CP_HEADER_BYTES, CP_PAYLOAD_PER_BLOCK};
 use crate::blocks::DevBlock;
 use crate::codec::Writer;
@@ -145,6 +146,9 @@ async fn write_checkpoint_blocks(io: &Io, runs: &[BlockRun], payload: [&[u8]; 3]
                 block[..CP_HEADER_BYTES].copy_from_slice(&w.buf);
                 let sum = crc(&block[8..]);
                 block[4..8].copy_from_slice(&sum.to_le_bytes());
+                // Mount will read this block back with the same parser.
+                let read_back = parse_checkpoint_block(block, seq, index).map(<[u8]>::len);
+                assert_eq!(read_back, Ok(len), "a checkpoint block parses as written");
                 index = index.checked_add(1).expect("checkpoint block index fits u32");
             }
             io.write_blocks(DevBlock::new(run.start + done), buf).await?;
@@ -183,6 +187,7 @@ async fn write_superblock(io: &Io, sb: &Superblock) -> FsResult<()> {
     let slot = SUPERBLOCK_SLOTS[(sb.generation % 2) as usize];
     let mut buf = AlignedBuf::zeroed(BLOCK_BYTES, BLOCK_BYTES);
     buf.copy_from_slice(&sb.encode());
+    assert_eq!(Superblock::decode(&buf).as_ref(), Ok(sb), "a superblock decodes to what was encoded");
     io.write_blocks(DevBlock::new(slot), buf).await?;
     io.flush().await
 }

@@ -9,7 +9,7 @@ use keelfs_bdev::AlignedBuf;
 use keelfs_reactor as reactor;
 
 use super::checkpoint::maybe_schedule_checkpoint;
-use super::{encode_tx_header, ring_block, CommitCx, Journal, TxHeader, TX_HEADER_BYTES};
+use super::{decode_tx_header, encode_tx_header, ring_block, CommitCx, Journal, TxHeader, TX_HEADER_BYTES};
 use crate::blocks::DevBlock;
 use crate::codec::Writer;
 use crate::format::{crc, BlockRun, BLOCK_BYTES, JOURNAL_FIRST_BLOCK};
@@ -197,6 +197,11 @@ impl Journal {
             free_blocks: taken.free_after,
         };
         buf[..TX_HEADER_BYTES].copy_from_slice(&encode_tx_header(&sb.uuid, &header));
+        // What replay will read back is what was meant: the header
+        // decodes, under this filesystem's uuid and this sequence, to the
+        // same fields.
+        let read_back = decode_tx_header(&buf, &sb.uuid, seq).expect("a transaction header decodes as written");
+        assert_eq!(read_back, header, "a transaction header decodes to what was encoded");
         buf[TX_HEADER_BYTES..TX_HEADER_BYTES + taken.payload.len()].copy_from_slice(&taken.payload);
         // Split at the ring's end; both parts go out before the flush.
         let ring_off = head % sb.journal_blocks;

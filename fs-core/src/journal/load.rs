@@ -165,7 +165,7 @@ impl CheckpointStream {
     }
 }
 
-fn parse_checkpoint_block(block: &[u8], seq: u64, index: u32) -> Result<&[u8], &'static str> {
+pub(super) fn parse_checkpoint_block(block: &[u8], seq: u64, index: u32) -> Result<&[u8], &'static str> {
     let mut r = Reader::new(block);
     let bad = |_| "truncated header";
     if r.u32("magic").map_err(bad)? != CHECKPOINT_BLOCK_MAGIC {

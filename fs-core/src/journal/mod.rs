@@ -50,6 +50,11 @@ pub const JOURNAL_TX_MAGIC: u32 = u32::from_le_bytes(*b"KFTX");
 pub const CHECKPOINT_BLOCK_MAGIC: u32 = u32::from_le_bytes(*b"KFCP");
 const TX_HEADER_BYTES: usize = 64;
 const CP_HEADER_BYTES: usize = 24;
+// Both headers share a block with their payload, and each field written
+// into them is counted here: magic, crc, uuid, seq, blocks, payload
+// length, payload crc and free blocks; magic, crc, seq, index, length.
+const _: () = assert!(4 + 4 + 16 + 8 + 4 + 4 + 4 + 8 <= TX_HEADER_BYTES && TX_HEADER_BYTES < BLOCK_BYTES);
+const _: () = assert!(4 + 4 + 8 + 4 + 4 == CP_HEADER_BYTES);
 const CP_PAYLOAD_PER_BLOCK: usize = BLOCK_BYTES - CP_HEADER_BYTES;
 /// Largest single read while loading (1 MiB, the device request limit).
 const READ_BLOCKS_MAX: u64 = 256;
@@ -172,6 +177,7 @@ fn corrupt(msg: impl Into<String>) -> FsError {
     FsError::Corrupt(msg.into())
 }
 
+#[derive(Debug, PartialEq, Eq)]
 struct TxHeader {
     seq: u64,
     blocks: u32,
