@@ -1,6 +1,7 @@
 //! The I/O workloads of `keelfs-bench core`: the five seed behaviours,
 //! driven in process as concurrent tasks on one reactor.
 
+use keelfs_fs::FileOffset;
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::time::{Duration, Instant};
@@ -27,7 +28,7 @@ async fn preallocate(fs: &Fs, ino: Ino, size: u64) -> anyhow::Result<()> {
         let len = (size - off).min(1 << 20);
         let mut buf = AlignedBuf::zeroed(len as usize, 4096);
         buf.fill(0x5a);
-        fs.data().write_direct(ino, off, buf).await.1?;
+        fs.data().write_direct(ino, FileOffset::new(off), buf).await.1?;
         off += len;
     }
     fs.sync().await?;
@@ -130,7 +131,7 @@ pub async fn dio_overwrite(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
             let off = (splitmix64(&mut s) % blocks) * 4096;
             let mut buf = AlignedBuf::zeroed(4096, 4096);
             buf[0] = i as u8;
-            fs.data().write_direct(ino, off, buf).await.1?;
+            fs.data().write_direct(ino, FileOffset::new(off), buf).await.1?;
             Ok(true)
         }
     })
@@ -161,7 +162,7 @@ pub async fn aio_append(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
                 return Ok(false); // the file is full: stop
             }
             next.set(off + 4096);
-            fs.data().write_direct(ino, off, AlignedBuf::zeroed(4096, 4096)).await.1?;
+            fs.data().write_direct(ino, FileOffset::new(off), AlignedBuf::zeroed(4096, 4096)).await.1?;
             Ok(true)
         }
     })
@@ -214,7 +215,7 @@ async fn read_phase(fs: &Fs, readers: &Readers, ino: Ino, pages: u64, seconds: D
             let (tally, secs) = run_tasks(2, seconds, move |t, i| {
                 let fs = fs.clone();
                 async move {
-                    std::hint::black_box(fs.data().read(ino, read_offset(t, i), 8192).await?);
+                    std::hint::black_box(fs.data().read(ino, FileOffset::new(read_offset(t, i)), 8192).await?);
                     Ok(true)
                 }
             })
@@ -235,7 +236,7 @@ async fn read_phase(fs: &Fs, readers: &Readers, ino: Ino, pages: u64, seconds: D
                             sent.set(sent.get() + 1);
                             let read = reactor::call_and_wait(&owner, move || async move {
                                 let fs = OWNER_FS.with(|o| o.borrow().clone()).expect("the owner's filesystem");
-                                fs.data().read(ino, off, 8192).await.map(|d| d.len())
+                                fs.data().read(ino, FileOffset::new(off), 8192).await.map(|d| d.len())
                             });
                             read.await.ok_or_else(|| anyhow::anyhow!("the owning reactor stopped"))??;
                         }
@@ -308,7 +309,7 @@ pub async fn buffered_randrw(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
         async move {
             let mut s = (u64::from(t) << 40) ^ i ^ 0xdef;
             let off = (splitmix64(&mut s) % pages) * 8192;
-            fs.data().write(ino, off, &data).await?;
+            fs.data().write(ino, FileOffset::new(off), &data).await?;
             wops.set(wops.get() + 1);
             Ok(true)
         }
@@ -388,7 +389,7 @@ pub async fn byte_writes(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
         for r in 0..BYTE_WRITES_ROUNDS {
             for (m, mode) in BYTE_WRITES_MODES.iter().enumerate() {
                 let ino = create(fs, &format!("bytes-{pattern}-{r}-{m}")).await?;
-                fs.data().write(ino, 0, b"x").await?;
+                fs.data().write(ino, FileOffset::new(0), b"x").await?;
                 fs.sync().await?;
                 fs.inspect().set_file_times_for_benchmark(*mode != "without_times");
                 let observe = *mode == "i_version_observed";
@@ -396,7 +397,7 @@ pub async fn byte_writes(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
                 let start = Instant::now();
                 for i in 1..writes_per_round {
                     let offset = if pattern == "append" { i } else { i % 4096 };
-                    fs.data().write(ino, offset, b"y").await?;
+                    fs.data().write(ino, FileOffset::new(offset), b"y").await?;
                     if observe {
                         fs.i_version(ino).await?;
                     }
@@ -428,13 +429,13 @@ pub async fn seq_extents(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
     let page = vec![0x33u8; 4096];
     let start = Instant::now();
     for i in 0..size / 4096 {
-        fs.data().write(buffered, i * 4096, &page).await?;
+        fs.data().write(buffered, FileOffset::new(i * 4096), &page).await?;
     }
     fs.sync().await?;
     let buffered_secs = start.elapsed().as_secs_f64();
     let start = Instant::now();
     for i in 0..size / 4096 {
-        fs.data().write_direct(direct, i * 4096, AlignedBuf::zeroed(4096, 4096)).await.1?;
+        fs.data().write_direct(direct, FileOffset::new(i * 4096), AlignedBuf::zeroed(4096, 4096)).await.1?;
     }
     fs.sync().await?;
     let direct_secs = start.elapsed().as_secs_f64();
@@ -466,7 +467,7 @@ pub async fn fsync_storm(fs: &Fs, p: &Params) -> anyhow::Result<Value> {
         let (fs, files) = (fs2.clone(), files2.clone());
         async move {
             let ino = files[t as usize];
-            fs.data().write(ino, (i % FSYNC_STORM_PAGES) * 4096, &[t as u8; 4096]).await?;
+            fs.data().write(ino, FileOffset::new((i % FSYNC_STORM_PAGES) * 4096), &[t as u8; 4096]).await?;
             fs.data().fsync(ino, false).await?;
             Ok(true)
         }

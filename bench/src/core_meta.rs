@@ -15,6 +15,7 @@
 //! bench/run-metadata.sh runs both, then fsck and a mount through
 //! keelfsd, at 1M and 10M files.
 
+use keelfs_fs::FileOffset;
 use std::cell::Cell;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
@@ -59,7 +60,7 @@ pub async fn fill(fs: &Fs, files: u64, file_bytes: u64) -> anyhow::Result<serde_
         for i in 0..in_this {
             let file = fs.mknod(&c, dir, &file_name(d, i), libc::S_IFREG | 0o644, 0).await?;
             if !data.is_empty() {
-                fs.data().write(file.ino(), 0, &data).await?;
+                fs.data().write(file.ino(), FileOffset::new(0), &data).await?;
             }
         }
     }

@@ -34,6 +34,11 @@ id_type!(
     Ino
 );
 id_type!(
+    /// A byte offset within a file, as reads, writes, fallocate and lseek
+    /// take it: not a block number, not a length, not a directory cookie.
+    FileOffset
+);
+id_type!(
     /// An open file or directory handle, as `open`, `create` and `opendir`
     /// return it.
     Fh

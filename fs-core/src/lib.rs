@@ -65,7 +65,7 @@ pub use file_clock::{FileClock, ManualClock};
 pub use flags::{FallocateMode, RenameMode, XattrFlags};
 pub use format::{crc, Superblock, Timespec, BLOCK_BYTES, ROOT_INO, XATTR_INODE_BYTES_MAX};
 pub use fsck::{fsck, repair, FsckReport, Problem};
-pub use ids::{Fh, Ino};
+pub use ids::{Fh, FileOffset, Ino};
 pub use inspect::Inspect;
 pub use journal::{CHECKPOINT_BLOCK_MAGIC, JOURNAL_TX_MAGIC};
 pub use mkfs::{mkfs, MkfsError, MkfsOptions};

@@ -35,6 +35,7 @@ use keelfs_base::IdMapBy;
 
 use super::cache::{PageKey, PAGE_BYTES};
 use super::seqlock::{self, Seq};
+use crate::ids::FileOffset;
 
 const WORDS_PER_PAGE: usize = PAGE_BYTES / 8;
 const NO_INODE: u64 = u64::MAX;
@@ -455,7 +456,8 @@ impl SharedReader {
     /// Read up to `size` bytes at `offset` if every page is cached: the
     /// same bytes a read on the owner would return at some instant during
     /// this call (a short read at end of file, empty past it).
-    pub fn read(&self, offset: u64, size: u32) -> Result<Vec<u8>, SharedMiss> {
+    pub fn read(&self, offset: FileOffset, size: u32) -> Result<Vec<u8>, SharedMiss> {
+        let offset = offset.get();
         let mut out = Vec::new();
         self.read_into(offset, size, &mut out)?;
         Ok(out)

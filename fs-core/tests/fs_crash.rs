@@ -9,6 +9,7 @@
 
 mod common;
 
+use keelfs_fs::FileOffset;
 use std::sync::Arc;
 
 use common::{busy_reactor, channel, check, mount};
@@ -67,7 +68,7 @@ fn record_with_config<P: 'static>(
         let fs = mount(&dev).await;
         let c = Creds::root();
         let (junk, _) = fs.create(&c, ROOT_INO, b"junk", 0o644, 2).await.unwrap();
-        fs.data().write(junk.ino(), 0, &vec![STALE; 16 << 20]).await.unwrap();
+        fs.data().write(junk.ino(), FileOffset::new(0), &vec![STALE; 16 << 20]).await.unwrap();
         fs.sync().await.unwrap();
         fs.unlink(&c, ROOT_INO, b"junk").await.unwrap();
         fs.forget(junk.ino(), 1).await.unwrap();
@@ -173,7 +174,7 @@ fn check_crashes<P: Clone + 'static>(
 
 async fn read_all(fs: &Fs, ino: Ino) -> Vec<u8> {
     let size = fs.getattr(ino).await.unwrap().inode.size;
-    fs.data().read(ino, 0, size as u32).await.unwrap()
+    fs.data().read(ino, FileOffset::new(0), size as u32).await.unwrap()
 }
 
 async fn lookup(fs: &Fs, parent: Ino, name: &str) -> Option<Ino> {
@@ -248,7 +249,7 @@ fn storm_with(journal_blocks: u64, rounds: usize, config: FsConfig, background: 
                 for i in 0..12 {
                     let body = format!("round {round} file {i}").repeat(i + 1).into_bytes();
                     let (f, fh) = fs.create(&c, d, format!("t{i}").as_bytes(), 0o644, 2).await.unwrap();
-                    fs.data().write(f.ino(), 0, &body).await.unwrap();
+                    fs.data().write(f.ino(), FileOffset::new(0), &body).await.unwrap();
                     fs.release(fh).await.unwrap();
                     if background {
                         let fs = fs.clone();
@@ -364,7 +365,7 @@ fn appends_with_fsync_never_show_stale_data_workload() {
         for i in 0..40 {
             let len = 1000 + splitmix64(&mut s) % 9000;
             let chunk: Vec<u8> = (size..size + len).map(append_byte).collect();
-            fs.data().write(ino, size, &chunk).await.unwrap();
+            fs.data().write(ino, FileOffset::new(size), &chunk).await.unwrap();
             size += len;
             if i % 3 == 2 {
                 fs.data().fsync(ino, false).await.unwrap();
@@ -411,7 +412,7 @@ fn direct_appends_with_fsync_never_show_stale_data_workload() {
                 }
                 let (fs, done, at) = (fs.clone(), done.clone(), size);
                 keelfs_reactor::spawn_local(async move {
-                    fs.data().write_direct(ino, at, buf).await.1.unwrap();
+                    fs.data().write_direct(ino, FileOffset::new(at), buf).await.1.unwrap();
                     done.set(done.get() + 1);
                 });
                 size += len;
@@ -451,7 +452,7 @@ fn direct_overwrites_with_fsync_keep_a_synced_or_newer_version_workload() {
         let ino = file.ino();
         let mut gens = vec![0u64; BLOCKS as usize];
         for b in 0..BLOCKS {
-            fs.data().write(ino, b * 4096, &sector_image(b, 0)).await.unwrap();
+            fs.data().write(ino, FileOffset::new(b * 4096), &sector_image(b, 0)).await.unwrap();
         }
         fs.data().fsync(ino, false).await.unwrap();
         promises.push((f.log_len(), gens.clone()));
@@ -460,7 +461,7 @@ fn direct_overwrites_with_fsync_keep_a_synced_or_newer_version_workload() {
             let b = splitmix64(&mut s) % BLOCKS;
             let mut buf = AlignedBuf::zeroed(4096, 4096);
             buf.copy_from_slice(&sector_image(b, i));
-            fs.data().write_direct(ino, b * 4096, buf).await.1.unwrap();
+            fs.data().write_direct(ino, FileOffset::new(b * 4096), buf).await.1.unwrap();
             gens[b as usize] = i;
             if i % 8 == 0 {
                 fs.data().fsync(ino, true).await.unwrap();
@@ -516,14 +517,14 @@ fn overwrites_with_fsync_keep_a_synced_or_newer_version_of_every_sector() {
         let ino = file.ino();
         let mut gens = vec![0u64; BLOCKS as usize];
         for b in 0..BLOCKS {
-            fs.data().write(ino, b * 4096, &sector_image(b, 0)).await.unwrap();
+            fs.data().write(ino, FileOffset::new(b * 4096), &sector_image(b, 0)).await.unwrap();
         }
         fs.data().fsync(ino, false).await.unwrap();
         promises.push((f.log_len(), gens.clone()));
         let mut s = seed;
         for i in 1..=120u64 {
             let b = splitmix64(&mut s) % BLOCKS;
-            fs.data().write(ino, b * 4096, &sector_image(b, i)).await.unwrap();
+            fs.data().write(ino, FileOffset::new(b * 4096), &sector_image(b, i)).await.unwrap();
             gens[b as usize] = i;
             if i % 10 == 0 {
                 fs.data().fsync(ino, false).await.unwrap();
@@ -556,7 +557,7 @@ fn truncates_with_fsync_land_on_a_synced_state() {
                 let off = splitmix64(&mut s) % 150_000;
                 let len = 1 + splitmix64(&mut s) % 30_000;
                 let data = vec![i + 1; len as usize];
-                fs.data().write(ino, off, &data).await.unwrap();
+                fs.data().write(ino, FileOffset::new(off), &data).await.unwrap();
                 if model.len() < (off + len) as usize {
                     model.resize((off + len) as usize, 0);
                 }
@@ -604,7 +605,7 @@ fn blocks_freed_during_a_checkpoint_in_pieces_stay_its_files() {
             fs.mknod(&c, ROOT_INO, format!("empty-{i}").as_bytes(), libc::S_IFREG | 0o644, 0).await.unwrap();
         }
         let (big, fh) = fs.create(&c, ROOT_INO, b"big", 0o644, 2).await.unwrap();
-        fs.data().write(big.ino(), 0, &vec![0x42; 1 << 20]).await.unwrap();
+        fs.data().write(big.ino(), FileOffset::new(0), &vec![0x42; 1 << 20]).await.unwrap();
         fs.release(fh).await.unwrap();
         fs.sync().await.unwrap();
         let before = fs.inspect().counters().checkpoints;
@@ -633,7 +634,7 @@ fn blocks_freed_during_a_checkpoint_in_pieces_stay_its_files() {
         // Then a file that may take the blocks big had.
         let (after, fh) = fs.create(&c, ROOT_INO, b"after", 0o644, 2).await.unwrap();
         let body = vec![0x17; 256 << 10];
-        fs.data().write(after.ino(), 0, &body).await.unwrap();
+        fs.data().write(after.ino(), FileOffset::new(0), &body).await.unwrap();
         fs.release(fh).await.unwrap();
         fs.sync().await.unwrap();
         promises.push((f.log_len(), body));

@@ -3,6 +3,7 @@
 
 mod common;
 
+use keelfs_fs::FileOffset;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 
@@ -30,7 +31,7 @@ fn build_image() -> (Vec<u8>, Vec<u64>) {
             let dir = fs.mkdir(&c, ROOT_INO, format!("d{d}").as_bytes(), 0o755).await.unwrap().ino();
             for f in 0..20 {
                 let (a, _) = fs.create(&c, dir, format!("f{f}").as_bytes(), 0o644, 2).await.unwrap();
-                fs.data().write(a.ino(), 0, &vec![f as u8; 5000]).await.unwrap();
+                fs.data().write(a.ino(), FileOffset::new(0), &vec![f as u8; 5000]).await.unwrap();
                 fs.setxattr(&c, a.ino(), b"user.tag", b"value", XattrFlags::default()).await.unwrap();
             }
         }

@@ -3,6 +3,7 @@
 
 mod common;
 
+use keelfs_fs::FileOffset;
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
@@ -57,13 +58,13 @@ fn direct_overwrite_starts_no_transaction() {
     let dev = ram_device(64 * MIB);
     with_quiet_fs(dev, async move |fs: Fs| {
         let ino = new_file(&fs, "f").await;
-        let (_, n) = fs.data().write_direct(ino, 0, block(1, 1 << 20)).await;
+        let (_, n) = fs.data().write_direct(ino, FileOffset::new(0), block(1, 1 << 20)).await;
         assert_eq!(n, Ok(1 << 20));
         fs.sync().await.unwrap();
         let before = fs.inspect().counters();
         let mtime0 = fs.getattr(ino).await.unwrap().inode.mtime;
         for i in 0..100u64 {
-            let (_, n) = fs.data().write_direct(ino, (i % 256) * 4096, block(i + 10, 4096)).await;
+            let (_, n) = fs.data().write_direct(ino, FileOffset::new((i % 256) * 4096), block(i + 10, 4096)).await;
             assert_eq!(n, Ok(4096));
         }
         let after = fs.inspect().counters();
@@ -72,7 +73,7 @@ fn direct_overwrite_starts_no_transaction() {
         assert_eq!(after.journal_commits, before.journal_commits, "and writes no journal");
         assert_eq!(after.device_flushes, before.device_flushes);
         assert!(fs.getattr(ino).await.unwrap().inode.mtime >= mtime0, "mtime moves in memory");
-        let (back, n) = fs.data().read_direct(ino, 99 * 4096, AlignedBuf::zeroed(4096, 4096)).await;
+        let (back, n) = fs.data().read_direct(ino, FileOffset::new(99 * 4096), AlignedBuf::zeroed(4096, 4096)).await;
         assert_eq!(n, Ok(4096));
         assert!(back[..] == block(109, 4096)[..]);
     });
@@ -84,7 +85,7 @@ fn disjoint_direct_overwrites_are_in_flight_together() {
     let dev: Arc<dyn BlockDevice> = Arc::new(GateDevice { inner: ram_device(64 * MIB), gate: gate.clone() });
     with_quiet_fs(dev, async move |fs: Fs| {
         let ino = new_file(&fs, "f").await;
-        fs.data().write_direct(ino, 0, block(1, 1 << 20)).await.1.unwrap();
+        fs.data().write_direct(ino, FileOffset::new(0), block(1, 1 << 20)).await.1.unwrap();
         fs.sync().await.unwrap();
         gate.held_max.store(0, Ordering::SeqCst);
         gate.closed.store(true, Ordering::SeqCst);
@@ -92,7 +93,7 @@ fn disjoint_direct_overwrites_are_in_flight_together() {
         for i in 0..8u64 {
             let (fs, done) = (fs.clone(), done.clone());
             reactor::spawn_local(async move {
-                fs.data().write_direct(ino, i * 65536, block(i, 65536)).await.1.unwrap();
+                fs.data().write_direct(ino, FileOffset::new(i * 65536), block(i, 65536)).await.1.unwrap();
                 done.set(done.get() + 1);
             });
         }
@@ -126,7 +127,7 @@ fn thirty_two_appends_are_in_flight_at_once_and_size_never_covers_unwritten_data
         for i in 0..32u64 {
             let (fs, completed) = (fs.clone(), completed.clone());
             reactor::spawn_local(async move {
-                let (_, n) = fs.data().write_direct(ino, i * 4096, block(i, 4096)).await;
+                let (_, n) = fs.data().write_direct(ino, FileOffset::new(i * 4096), block(i, 4096)).await;
                 assert_eq!(n, Ok(4096));
                 completed.borrow_mut().push(i);
             });
@@ -139,7 +140,7 @@ fn thirty_two_appends_are_in_flight_at_once_and_size_never_covers_unwritten_data
         }
         assert_eq!(gate.held.load(Ordering::SeqCst), 32, "appends waited for one another");
         assert_eq!(fs.getattr(ino).await.unwrap().inode.size, 0, "no append has completed");
-        assert_eq!(fs.data().read(ino, 0, 4096).await.unwrap(), b"", "nothing is visible yet");
+        assert_eq!(fs.data().read(ino, FileOffset::new(0), 4096).await.unwrap(), b"", "nothing is visible yet");
         gate.closed.store(false, Ordering::SeqCst);
         while completed.borrow().len() < 32 {
             let size = fs.getattr(ino).await.unwrap().inode.size;
@@ -151,7 +152,7 @@ fn thirty_two_appends_are_in_flight_at_once_and_size_never_covers_unwritten_data
         assert_eq!(fs.getattr(ino).await.unwrap().inode.size, 32 * 4096);
         assert_eq!(fs.inspect().counters().direct_in_flight_max, 32);
         for i in 0..32u64 {
-            let (b, n) = fs.data().read_direct(ino, i * 4096, AlignedBuf::zeroed(4096, 4096)).await;
+            let (b, n) = fs.data().read_direct(ino, FileOffset::new(i * 4096), AlignedBuf::zeroed(4096, 4096)).await;
             assert_eq!(n, Ok(4096));
             assert!(b[..] == block(i, 4096)[..], "append {i}");
         }
@@ -167,8 +168,8 @@ fn sequential_page_writes_merge_into_few_extents() {
         let direct = new_file(&fs, "direct").await;
         let page = vec![7u8; 4096];
         for i in 0..(64 * MIB / 4096) {
-            fs.data().write(buffered, i * 4096, &page).await.unwrap();
-            fs.data().write_direct(direct, i * 4096, block(i, 4096)).await.1.unwrap();
+            fs.data().write(buffered, FileOffset::new(i * 4096), &page).await.unwrap();
+            fs.data().write_direct(direct, FileOffset::new(i * 4096), block(i, 4096)).await.1.unwrap();
         }
         fs.sync().await.unwrap();
         // Interleaved writers of two files still get contiguous extents each.
@@ -190,11 +191,11 @@ fn one_byte_writes_touch_no_journal_between_commits() {
     let dev = ram_device(64 * MIB);
     with_quiet_fs(dev, async move |fs: Fs| {
         let ino = new_file(&fs, "bytes").await;
-        fs.data().write(ino, 0, b"x").await.unwrap();
+        fs.data().write(ino, FileOffset::new(0), b"x").await.unwrap();
         fs.sync().await.unwrap();
         let before = fs.inspect().counters();
         for i in 1..20_000u64 {
-            fs.data().write(ino, i, b"y").await.unwrap();
+            fs.data().write(ino, FileOffset::new(i), b"y").await.unwrap();
         }
         let after = fs.inspect().counters();
         assert_eq!(after.journal_commits, before.journal_commits, "no commit between commits");
@@ -222,7 +223,7 @@ fn concurrent_fsyncs_share_device_flushes() {
         for &ino in &files {
             let (fs, done) = (fs.clone(), done.clone());
             reactor::spawn_local(async move {
-                fs.data().write(ino, 0, &[1u8; 8192]).await.unwrap();
+                fs.data().write(ino, FileOffset::new(0), &[1u8; 8192]).await.unwrap();
                 fs.data().fsync(ino, false).await.unwrap();
                 done.set(done.get() + 1);
             });
@@ -246,15 +247,15 @@ fn fdatasync_skips_the_commit_when_only_timestamps_changed() {
     let dev: Arc<dyn BlockDevice> = Arc::new(keelfs_bdev::FaultDevice::new(ram_device(64 * MIB)));
     with_quiet_fs(dev, async move |fs: Fs| {
         let ino = new_file(&fs, "f").await;
-        fs.data().write_direct(ino, 0, block(1, 65536)).await.1.unwrap();
+        fs.data().write_direct(ino, FileOffset::new(0), block(1, 65536)).await.1.unwrap();
         fs.data().fsync(ino, false).await.unwrap();
         let before = fs.inspect().counters();
-        fs.data().write_direct(ino, 4096, block(2, 4096)).await.1.unwrap();
+        fs.data().write_direct(ino, FileOffset::new(4096), block(2, 4096)).await.1.unwrap();
         fs.data().fsync(ino, true).await.unwrap();
         let after = fs.inspect().counters();
         assert_eq!(after.journal_commits, before.journal_commits, "fdatasync after an overwrite commits nothing");
         assert_eq!(after.device_flushes, before.device_flushes + 1, "but flushes the data");
-        fs.data().write_direct(ino, 65536, block(3, 4096)).await.1.unwrap();
+        fs.data().write_direct(ino, FileOffset::new(65536), block(3, 4096)).await.1.unwrap();
         fs.data().fsync(ino, true).await.unwrap();
         assert_eq!(
             fs.inspect().counters().journal_commits,
@@ -270,14 +271,14 @@ fn i_version_moves_only_when_observed() {
     with_quiet_fs(dev, async move |fs: Fs| {
         let ino = new_file(&fs, "f").await;
         let v0 = fs.getattr(ino).await.unwrap().inode.i_version;
-        fs.data().write(ino, 0, b"a").await.unwrap();
-        fs.data().write(ino, 1, b"b").await.unwrap();
+        fs.data().write(ino, FileOffset::new(0), b"a").await.unwrap();
+        fs.data().write(ino, FileOffset::new(1), b"b").await.unwrap();
         assert_eq!(fs.getattr(ino).await.unwrap().inode.i_version, v0, "unobserved changes leave it");
         let seen = fs.i_version(ino).await.unwrap();
-        fs.data().write(ino, 2, b"c").await.unwrap();
-        fs.data().write(ino, 3, b"d").await.unwrap();
+        fs.data().write(ino, FileOffset::new(2), b"c").await.unwrap();
+        fs.data().write(ino, FileOffset::new(3), b"d").await.unwrap();
         assert_eq!(fs.i_version(ino).await.unwrap(), seen + 1, "one bump after an observation");
-        fs.data().write(ino, 4, b"e").await.unwrap();
+        fs.data().write(ino, FileOffset::new(4), b"e").await.unwrap();
         assert_eq!(fs.getattr(ino).await.unwrap().inode.i_version, seen + 2);
     });
 }
@@ -288,16 +289,16 @@ fn cached_reads_never_wait_for_a_write_to_another_range() {
     let dev: Arc<dyn BlockDevice> = Arc::new(GateDevice { inner: ram_device(64 * MIB), gate: gate.clone() });
     with_quiet_fs(dev, async move |fs: Fs| {
         let ino = new_file(&fs, "shared").await;
-        fs.data().write(ino, 0, &vec![3u8; 1 << 20]).await.unwrap();
+        fs.data().write(ino, FileOffset::new(0), &vec![3u8; 1 << 20]).await.unwrap();
         fs.sync().await.unwrap();
-        let _ = fs.data().read(ino, 0, 65536).await.unwrap(); // cached
+        let _ = fs.data().read(ino, FileOffset::new(0), 65536).await.unwrap(); // cached
         gate.closed.store(true, Ordering::SeqCst);
         // A write that extends the file holds its range while its I/O is stuck.
         let writer_done = Rc::new(Cell::new(false));
         {
             let (fs, done) = (fs.clone(), writer_done.clone());
             reactor::spawn_local(async move {
-                fs.data().write_direct(ino, 1 << 20, block(9, 65536)).await.1.unwrap();
+                fs.data().write_direct(ino, FileOffset::new(1 << 20), block(9, 65536)).await.1.unwrap();
                 done.set(true);
             });
         }
@@ -305,7 +306,7 @@ fn cached_reads_never_wait_for_a_write_to_another_range() {
             yield_now().await;
         }
         for _ in 0..100 {
-            let data = fs.data().read(ino, 4096, 8192).await.unwrap();
+            let data = fs.data().read(ino, FileOffset::new(4096), 8192).await.unwrap();
             assert_eq!(data, vec![3u8; 8192]);
         }
         assert!(!writer_done.get(), "reads completed while the write was still in flight");
@@ -328,18 +329,18 @@ fn page_cache_stays_within_its_size_and_direct_io_sees_buffered_data() {
         let mut expect = vec![0u8; (32 * MIB) as usize];
         fill_pattern(&mut expect, 5);
         for (i, chunk) in expect.chunks(100_000).enumerate() {
-            fs.data().write(ino, i as u64 * 100_000, chunk).await.unwrap();
+            fs.data().write(ino, FileOffset::new(i as u64 * 100_000), chunk).await.unwrap();
             let stats = fs.inspect().cache_stats();
             assert!(stats.pages <= stats.capacity_pages, "cache grew to {} pages", stats.pages);
         }
         // Direct reads see buffered data not yet written back.
-        let (b, n) = fs.data().read_direct(ino, 31 * MIB, AlignedBuf::zeroed(65536, 4096)).await;
+        let (b, n) = fs.data().read_direct(ino, FileOffset::new(31 * MIB), AlignedBuf::zeroed(65536, 4096)).await;
         assert_eq!(n, Ok(65536));
         assert!(b[..] == expect[(31 * MIB) as usize..(31 * MIB) as usize + 65536]);
         // Buffered reads see direct writes.
-        fs.data().write_direct(ino, 0, block(77, 8192)).await.1.unwrap();
-        assert!(fs.data().read(ino, 0, 8192).await.unwrap()[..] == block(77, 8192)[..]);
-        let all = fs.data().read(ino, 8192, (32 * MIB - 8192) as u32).await.unwrap();
+        fs.data().write_direct(ino, FileOffset::new(0), block(77, 8192)).await.1.unwrap();
+        assert!(fs.data().read(ino, FileOffset::new(0), 8192).await.unwrap()[..] == block(77, 8192)[..]);
+        let all = fs.data().read(ino, FileOffset::new(8192), (32 * MIB - 8192) as u32).await.unwrap();
         assert!(all[..] == expect[8192..]);
         assert!(fs.inspect().cache_stats().evictions > 0);
     });
@@ -350,16 +351,16 @@ fn unaligned_direct_io_is_correct_through_a_bounce_buffer() {
     let dev = ram_device(64 * MIB);
     with_quiet_fs(dev, async move |fs: Fs| {
         let ino = new_file(&fs, "f").await;
-        fs.data().write(ino, 0, &vec![1u8; 10000]).await.unwrap();
-        let (_, n) = fs.data().write_direct(ino, 100, vec![AlignedBuf::zeroed(512, 512)]).await;
+        fs.data().write(ino, FileOffset::new(0), &vec![1u8; 10000]).await.unwrap();
+        let (_, n) = fs.data().write_direct(ino, FileOffset::new(100), vec![AlignedBuf::zeroed(512, 512)]).await;
         assert_eq!(n, Ok(512));
-        let data = fs.data().read(ino, 0, 10000).await.unwrap();
+        let data = fs.data().read(ino, FileOffset::new(0), 10000).await.unwrap();
         assert!(
             data[..100].iter().all(|&b| b == 1)
                 && data[100..612].iter().all(|&b| b == 0)
                 && data[612..].iter().all(|&b| b == 1)
         );
-        let (b, n) = fs.data().read_direct(ino, 8192, AlignedBuf::zeroed(8192, 4096)).await;
+        let (b, n) = fs.data().read_direct(ino, FileOffset::new(8192), AlignedBuf::zeroed(8192, 4096)).await;
         assert_eq!(n, Ok(10000 - 8192), "short at end of file");
         assert!(b[..1808].iter().all(|&x| x == 1) && b[1808..].iter().all(|&x| x == 0), "nothing past EOF is returned");
     });
@@ -382,7 +383,8 @@ fn space_freed_but_not_yet_committed_is_reclaimed_on_demand() {
             let mut at = 0;
             while at < blocks {
                 let n = (blocks - at).min(256);
-                let (_, r) = fs.data().write_direct(ino, at * 4096, block(at, (n * 4096) as usize)).await;
+                let (_, r) =
+                    fs.data().write_direct(ino, FileOffset::new(at * 4096), block(at, (n * 4096) as usize)).await;
                 assert_eq!(r.unwrap() as u64, n * 4096, "round {round}: direct write at block {at}");
                 at += n;
             }
@@ -397,7 +399,7 @@ fn space_freed_but_not_yet_committed_is_reclaimed_on_demand() {
             let data = vec![7u8; 1 << 20];
             for k in 0..(free * 3 / 4 / 256) {
                 assert_eq!(
-                    fs.data().write(ino, k << 20, &data).await.unwrap(),
+                    fs.data().write(ino, FileOffset::new(k << 20), &data).await.unwrap(),
                     1 << 20,
                     "round {round}: buffered write {k}"
                 );
@@ -422,7 +424,7 @@ fn append_and_truncate_cycles_do_not_leak_space() {
         let free = fs.statfs().await.unwrap().blocks_free;
         for round in 0..40u64 {
             for k in 0..1024u64 {
-                let (_, r) = fs.data().write_direct(ino, k * 4096, block(k, 4096)).await;
+                let (_, r) = fs.data().write_direct(ino, FileOffset::new(k * 4096), block(k, 4096)).await;
                 r.unwrap_or_else(|e| panic!("round {round}, append {k}: {e}"));
             }
             let to_zero = SetAttr { size: Some(0), ..SetAttr::default() };
@@ -451,13 +453,13 @@ fn truncate_forgets_the_end_of_earlier_extending_writes() {
     with_quiet_fs(ram_device(64 * MIB), async |fs: Fs| {
         let c = Creds::root();
         let ino = new_file(&fs, "shrink").await;
-        let (_, r) = fs.data().write_direct(ino, 0xf0000, block(1, 0x10000)).await;
+        let (_, r) = fs.data().write_direct(ino, FileOffset::new(0xf0000), block(1, 0x10000)).await;
         r.unwrap();
         assert_eq!(fs.getattr(ino).await.unwrap().inode.size, 0x100000);
         let shrink = SetAttr { size: Some(0xd0000), ..SetAttr::default() };
         fs.setattr(&c, ino, &shrink, true).await.unwrap();
         assert_eq!(fs.getattr(ino).await.unwrap().inode.size, 0xd0000);
-        let (_, r) = fs.data().write_direct(ino, 0x10000, block(2, 4096)).await;
+        let (_, r) = fs.data().write_direct(ino, FileOffset::new(0x10000), block(2, 4096)).await;
         r.unwrap();
         assert_eq!(
             fs.getattr(ino).await.unwrap().inode.size,
@@ -465,7 +467,7 @@ fn truncate_forgets_the_end_of_earlier_extending_writes() {
             "a write inside the file must not restore the pre-truncate size"
         );
         // And an extending write after that still extends.
-        let (_, r) = fs.data().write_direct(ino, 0xe0000, block(3, 4096)).await;
+        let (_, r) = fs.data().write_direct(ino, FileOffset::new(0xe0000), block(3, 4096)).await;
         r.unwrap();
         assert_eq!(fs.getattr(ino).await.unwrap().inode.size, 0xe1000);
         // A truncate into the middle of a written block, then a direct
@@ -473,7 +475,7 @@ fn truncate_forgets_the_end_of_earlier_extending_writes() {
         // but the write still extends the file to the block's end.
         let mid = SetAttr { size: Some(0xe0dd8), ..SetAttr::default() };
         fs.setattr(&c, ino, &mid, true).await.unwrap();
-        let (_, r) = fs.data().write_direct(ino, 0xe0000, block(4, 4096)).await;
+        let (_, r) = fs.data().write_direct(ino, FileOffset::new(0xe0000), block(4, 4096)).await;
         r.unwrap();
         assert_eq!(fs.getattr(ino).await.unwrap().inode.size, 0xe1000, "fsx seed 33 over /dev/fuse");
     });
@@ -486,10 +488,10 @@ fn truncate_forgets_the_end_of_earlier_extending_writes() {
 fn observed_timestamps_always_move() {
     with_quiet_fs(ram_device(64 * MIB), async |fs: Fs| {
         let ino = new_file(&fs, "times").await;
-        fs.data().write(ino, 0, b"a").await.unwrap();
+        fs.data().write(ino, FileOffset::new(0), b"a").await.unwrap();
         for round in 0..200 {
             let before = fs.getattr(ino).await.unwrap().inode;
-            fs.data().write(ino, round % 4096, b"b").await.unwrap();
+            fs.data().write(ino, FileOffset::new(round % 4096), b"b").await.unwrap();
             let after = fs.getattr(ino).await.unwrap().inode;
             assert!(after.ctime > before.ctime, "round {round}: ctime {:?} -> {:?}", before.ctime, after.ctime);
             assert!(after.mtime > before.mtime, "round {round}: mtime {:?} -> {:?}", before.mtime, after.mtime);
@@ -497,7 +499,7 @@ fn observed_timestamps_always_move() {
         // Unobserved writes never move the stamps backwards.
         let before = fs.getattr(ino).await.unwrap().inode;
         for i in 0..1000u64 {
-            fs.data().write(ino, i, b"c").await.unwrap();
+            fs.data().write(ino, FileOffset::new(i), b"c").await.unwrap();
         }
         let after = fs.getattr(ino).await.unwrap().inode;
         assert!(after.mtime >= before.mtime && after.ctime >= before.ctime);
@@ -511,17 +513,21 @@ fn observed_timestamps_always_move() {
 fn writes_whose_times_the_client_keeps_leave_them_alone() {
     with_quiet_fs(ram_device(64 * MIB), async |fs: Fs| {
         let ino = new_file(&fs, "kept").await;
-        fs.data().write(ino, 0, b"a").await.unwrap();
+        fs.data().write(ino, FileOffset::new(0), b"a").await.unwrap();
         for round in 0..50u64 {
             let before = fs.getattr(ino).await.unwrap().inode;
-            let n = fs.data().write_from_with(ino, 4096 * round, &b"page"[..], WriteTimes::KeptByClient).await.unwrap();
+            let n = fs
+                .data()
+                .write_from_with(ino, FileOffset::new(4096 * round), &b"page"[..], WriteTimes::KeptByClient)
+                .await
+                .unwrap();
             assert_eq!(n, 4);
             let after = fs.getattr(ino).await.unwrap().inode;
             assert_eq!((after.mtime, after.ctime), (before.mtime, before.ctime), "round {round}");
             assert_eq!(after.size, (4096 * round + 4).max(before.size), "round {round}: the size still grows");
         }
         let before = fs.getattr(ino).await.unwrap().inode;
-        fs.data().write(ino, 0, b"b").await.unwrap();
+        fs.data().write(ino, FileOffset::new(0), b"b").await.unwrap();
         let after = fs.getattr(ino).await.unwrap().inode;
         assert!(after.mtime > before.mtime, "an observed ordinary write stamps");
     });
@@ -538,7 +544,7 @@ fn a_read_beside_a_direct_overwrite_leaves_no_stale_page() {
     let dev: Arc<dyn BlockDevice> = Arc::new(GateDevice { inner: ram_device(64 * MIB), gate: gate.clone() });
     with_quiet_fs(dev, async move |fs: Fs| {
         let ino = new_file(&fs, "f").await;
-        fs.data().write_direct(ino, 0, block(1, 4096)).await.1.unwrap();
+        fs.data().write_direct(ino, FileOffset::new(0), block(1, 4096)).await.1.unwrap();
         fs.sync().await.unwrap();
         let old = block(1, 4096).to_vec();
         let new = block(2, 4096).to_vec();
@@ -547,7 +553,7 @@ fn a_read_beside_a_direct_overwrite_leaves_no_stale_page() {
         {
             let (fs, read_back) = (fs.clone(), read_back.clone());
             reactor::spawn_local(async move {
-                *read_back.borrow_mut() = Some(fs.data().read(ino, 0, 4096).await.unwrap());
+                *read_back.borrow_mut() = Some(fs.data().read(ino, FileOffset::new(0), 4096).await.unwrap());
             });
         }
         yield_now().await; // the read is submitted: it copies the old block
@@ -555,7 +561,7 @@ fn a_read_beside_a_direct_overwrite_leaves_no_stale_page() {
         {
             let (fs, writer_done) = (fs.clone(), writer_done.clone());
             reactor::spawn_local(async move {
-                fs.data().write_direct(ino, 0, block(2, 4096)).await.1.unwrap();
+                fs.data().write_direct(ino, FileOffset::new(0), block(2, 4096)).await.1.unwrap();
                 writer_done.set(true);
             });
         }
@@ -571,7 +577,7 @@ fn a_read_beside_a_direct_overwrite_leaves_no_stale_page() {
             yield_now().await;
         }
         assert!(
-            fs.data().read(ino, 0, 4096).await.unwrap() == new,
+            fs.data().read(ino, FileOffset::new(0), 4096).await.unwrap() == new,
             "a buffered read after the direct write saw old data"
         );
     });
@@ -597,7 +603,7 @@ fn a_writer_out_of_space_gets_back_what_a_checkpoint_in_pieces_holds() {
         let chunk = vec![0x5a; 256 << 10];
         let mut size = 0u64;
         loop {
-            match fs.data().write(hog, size, &chunk).await {
+            match fs.data().write(hog, FileOffset::new(size), &chunk).await {
                 Ok(_) => size += chunk.len() as u64,
                 Err(keelfs_fs::FsError::NoSpace) => break,
                 Err(e) => panic!("filling the device: {e}"),
@@ -620,7 +626,10 @@ fn a_writer_out_of_space_gets_back_what_a_checkpoint_in_pieces_holds() {
         fs.sync().await.unwrap();
         assert!(fs.inspect().checkpointing_in_pieces(), "the hog's blocks are held for the checkpoint in pieces");
         let after = new_file(&fs, "after").await;
-        fs.data().write(after, 0, &vec![1u8; (size / 2) as usize]).await.expect("the held blocks came back");
+        fs.data()
+            .write(after, FileOffset::new(0), &vec![1u8; (size / 2) as usize])
+            .await
+            .expect("the held blocks came back");
         assert!(!fs.inspect().checkpointing_in_pieces(), "the checkpoint in pieces was given up for the writer");
         fs.sync().await.unwrap();
         fs.inspect().check_block_ownership().unwrap();

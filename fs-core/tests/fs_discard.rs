@@ -4,6 +4,7 @@
 
 mod common;
 
+use keelfs_fs::FileOffset;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -54,7 +55,7 @@ async fn write_buffered(fs: &Fs, name: &[u8], bytes: u64) -> Ino {
     let mut at = 0;
     while at < bytes {
         let n = (bytes - at).min(MIB);
-        fs.data().write(f.ino(), at, &chunk[..n as usize]).await.unwrap();
+        fs.data().write(f.ino(), FileOffset::new(at), &chunk[..n as usize]).await.unwrap();
         at += n;
     }
     fs.release(fh).await.unwrap();
@@ -75,7 +76,7 @@ async fn write_file(fs: &Fs, name: &[u8], bytes: u64) -> Result<Ino, FsError> {
     let chunk = vec![0x3c; MIB as usize];
     let mut result = Ok(());
     for i in 0..bytes / MIB {
-        if let Err(e) = fs.data().write(f.ino(), i * MIB, &chunk).await {
+        if let Err(e) = fs.data().write(f.ino(), FileOffset::new(i * MIB), &chunk).await {
             result = Err(e);
             break;
         }
@@ -151,7 +152,7 @@ fn fstrim_discards_free_space_with_continuous_discard_off() {
         assert_eq!(fs.inspect().counters().discard_pending_blocks, 0);
         fs.inspect().check_block_ownership().unwrap();
         fs.inspect().assert_invariants();
-        let back = fs.data().read(keep, 0, MIB as u32).await.unwrap();
+        let back = fs.data().read(keep, FileOffset::new(0), MIB as u32).await.unwrap();
         assert_eq!(back.len() as u64, MIB);
         assert!(back.iter().all(|&b| b == 0x3c), "the kept file is intact");
         fs.unmount().await.unwrap();
@@ -261,7 +262,7 @@ fn fstrim_leaves_space_promised_to_dirty_pages_and_the_checkpoint() {
         fs.unmount().await.unwrap();
         assert!(check(&dev).await.is_clean());
         let fs = Fs::mount(channel(&dev), config(DiscardConfig::default())).await.unwrap();
-        let back = fs.data().read(ino, dirty - MIB, MIB as u32).await.unwrap();
+        let back = fs.data().read(ino, FileOffset::new(dirty - MIB), MIB as u32).await.unwrap();
         assert!(back.len() as u64 == MIB && back.iter().all(|&b| b == 0x5a), "the dirty file was written back whole");
         fs.unmount().await.unwrap();
     });
@@ -336,7 +337,7 @@ fn unmount_stops_an_fstrim_and_waits_for_its_piece() {
         let fs = Fs::mount(channel(&dev), config(DiscardConfig::default())).await.unwrap();
         fs.inspect().check_block_ownership().unwrap();
         fs.inspect().assert_invariants();
-        let back = fs.data().read(ino, 0, MIB as u32).await.unwrap();
+        let back = fs.data().read(ino, FileOffset::new(0), MIB as u32).await.unwrap();
         assert!(back.iter().all(|&b| b == 0x5a));
         // A trim after a remount covers what the stopped one left.
         assert!(fs.admin().trim(0).await.unwrap() > 256 * MIB);

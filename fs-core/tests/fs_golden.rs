@@ -16,6 +16,7 @@
 
 mod common;
 
+use keelfs_fs::FileOffset;
 use std::fmt::Write as _;
 use std::time::Duration;
 
@@ -54,7 +55,7 @@ async fn namespace_work(fs: &Fs, clock: &ManualClock) {
     for i in 0..40u32 {
         tick();
         let (f, fh) = fs.create(&c, src, format!("f{i:02}").as_bytes(), 0o644, libc::O_RDWR as u32).await.unwrap();
-        fs.data().write(f.ino(), 0, &pattern(i as u8, 100 + 97 * i as usize)).await.unwrap();
+        fs.data().write(f.ino(), FileOffset::new(0), &pattern(i as u8, 100 + 97 * i as usize)).await.unwrap();
         fs.release(fh).await.unwrap();
     }
     fs.symlink(&c, docs, b"link", b"../src/f01").await.unwrap();
@@ -86,23 +87,26 @@ async fn data_work(fs: &Fs, clock: &ManualClock) {
     let (f, fh) = fs.create(&c, big, b"buffered", 0o644, libc::O_RDWR as u32).await.unwrap();
     for step in 0..16u64 {
         clock.advance(Duration::from_millis(700));
-        fs.data().write(f.ino(), step * 200_000, &pattern(step as u8, 150_000)).await.unwrap();
+        fs.data().write(f.ino(), FileOffset::new(step * 200_000), &pattern(step as u8, 150_000)).await.unwrap();
     }
-    fs.data().write(f.ino(), 1_000_000, &pattern(99, 10_000)).await.unwrap();
+    fs.data().write(f.ino(), FileOffset::new(1_000_000), &pattern(99, 10_000)).await.unwrap();
     fs.release(fh).await.unwrap();
     let (d, dh) = fs.create(&c, big, b"direct", 0o644, (libc::O_RDWR | libc::O_DIRECT) as u32).await.unwrap();
     let mut block = keelfs_bdev::AlignedBuf::zeroed(8 * MIB as usize, 4096);
     block.copy_from_slice(&pattern(5, 8 * MIB as usize));
-    let (block, written) = fs.data().write_direct(d.ino(), 0, block).await;
+    let (block, written) = fs.data().write_direct(d.ino(), FileOffset::new(0), block).await;
     assert_eq!(written.unwrap(), 8 * MIB as u32);
-    let (_, overwritten) = fs.data().write_direct(d.ino(), 4 * MIB, block).await;
+    let (_, overwritten) = fs.data().write_direct(d.ino(), FileOffset::new(4 * MIB), block).await;
     assert_eq!(overwritten.unwrap(), 8 * MIB as u32);
     fs.release(dh).await.unwrap();
     fs.setattr(&c, d.ino(), &SetAttr { size: Some(5 * MIB + 123), ..SetAttr::default() }, false).await.unwrap();
     let (s, sh) = fs.create(&c, big, b"sparse", 0o644, libc::O_RDWR as u32).await.unwrap();
-    fs.data().fallocate(s.ino(), FallocateMode::Allocate { keep_size: false }, 0, 2 * MIB).await.unwrap();
-    fs.data().write(s.ino(), MIB / 2, &pattern(3, 5000)).await.unwrap();
-    fs.data().fallocate(s.ino(), FallocateMode::PunchHole, MIB, 64 * 1024).await.unwrap();
+    fs.data()
+        .fallocate(s.ino(), FallocateMode::Allocate { keep_size: false }, FileOffset::new(0), 2 * MIB)
+        .await
+        .unwrap();
+    fs.data().write(s.ino(), FileOffset::new(MIB / 2), &pattern(3, 5000)).await.unwrap();
+    fs.data().fallocate(s.ino(), FallocateMode::PunchHole, FileOffset::new(MIB), 64 * 1024).await.unwrap();
     fs.setattr(&c, s.ino(), &SetAttr { size: Some(3 * MIB), ..SetAttr::default() }, false).await.unwrap();
     fs.release(sh).await.unwrap();
 }
@@ -152,7 +156,7 @@ async fn dump_inode(fs: &Fs, path: &str, ino: Ino, out: &mut String) {
     )
     .unwrap();
     if i.mode & libc::S_IFMT == libc::S_IFREG {
-        let data = fs.data().read(ino, 0, u32::try_from(i.size).expect("small files")).await.unwrap();
+        let data = fs.data().read(ino, FileOffset::new(0), u32::try_from(i.size).expect("small files")).await.unwrap();
         write!(out, " crc={:08x}", crc(&data)).unwrap();
     }
     if i.mode & libc::S_IFMT == libc::S_IFLNK {

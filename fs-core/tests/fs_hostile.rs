@@ -4,6 +4,7 @@
 
 mod common;
 
+use keelfs_fs::FileOffset;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -42,18 +43,20 @@ fn punching_or_zeroing_the_largest_range_is_bounded_by_the_cache() {
             let c = Creds::root();
             let (f, _) = fs.create(&c, ROOT_INO, b"f", 0o644, libc::O_RDWR as u32).await.unwrap();
             let ino = f.ino();
-            fs.data().write(ino, 0, &vec![0xaa; 3 * 4096]).await.unwrap();
-            fs.data().write(ino, 1 << 40, b"far").await.unwrap();
-            fs.data().fallocate(ino, FallocateMode::PunchHole, 4096, HUGE - 4096).await.unwrap();
-            let data = fs.data().read(ino, 0, 3 * 4096).await.unwrap();
+            fs.data().write(ino, FileOffset::new(0), &vec![0xaa; 3 * 4096]).await.unwrap();
+            fs.data().write(ino, FileOffset::new(1 << 40), b"far").await.unwrap();
+            fs.data().fallocate(ino, FallocateMode::PunchHole, FileOffset::new(4096), HUGE - 4096).await.unwrap();
+            let data = fs.data().read(ino, FileOffset::new(0), 3 * 4096).await.unwrap();
             assert!(data[..4096].iter().all(|&b| b == 0xaa), "before the hole: kept");
             assert!(data[4096..].iter().all(|&b| b == 0), "inside the hole: zeros");
-            assert!(fs.data().read(ino, 1 << 40, 3).await.unwrap().iter().all(|&b| b == 0));
+            assert!(fs.data().read(ino, FileOffset::new(1 << 40), 3).await.unwrap().iter().all(|&b| b == 0));
             // Zeroing the same range would reserve 2^40 blocks: refused as
             // ENOSPC, quickly, after the zeroing itself.
-            fs.data().write(ino, 8192, b"again").await.unwrap();
-            let zeroed =
-                fs.data().fallocate(ino, FallocateMode::ZeroRange { keep_size: true }, 4096, HUGE - 4096).await;
+            fs.data().write(ino, FileOffset::new(8192), b"again").await.unwrap();
+            let zeroed = fs
+                .data()
+                .fallocate(ino, FallocateMode::ZeroRange { keep_size: true }, FileOffset::new(4096), HUGE - 4096)
+                .await;
             assert_eq!(zeroed.err().map(|e| e.errno()), Some(libc::ENOSPC));
         });
     });

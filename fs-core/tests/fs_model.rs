@@ -5,6 +5,7 @@
 
 mod common;
 
+use keelfs_fs::FileOffset;
 use std::collections::{BTreeMap, HashMap};
 
 use common::{busy_reactor, check, format, mount, ram_device};
@@ -223,7 +224,7 @@ async fn snapshot(fs: &Fs) -> BTreeMap<String, Option<Vec<u8>>> {
                     stack.push((p, e.ino));
                 } else {
                     let size = fs.getattr(e.ino).await.unwrap().inode.size;
-                    out.insert(p, Some(fs.data().read(e.ino, 0, size as u32).await.unwrap()));
+                    out.insert(p, Some(fs.data().read(e.ino, FileOffset::new(0), size as u32).await.unwrap()));
                 }
             }
         }
@@ -255,7 +256,7 @@ async fn write(fs: &Fs, m: &mut Model, file: usize, offset: u64, len: usize, see
     let path = &files[file % files.len()];
     let ino = resolve(fs, path).await;
     let data = pattern(len, seed);
-    fs.data().write(ino, offset, &data).await.unwrap();
+    fs.data().write(ino, FileOffset::new(offset), &data).await.unwrap();
     let Node::File(id) = m.tree[path] else { unreachable!() };
     let content = m.data.get_mut(&id).unwrap();
     let end = offset as usize + len;

@@ -3,6 +3,7 @@
 
 mod common;
 
+use keelfs_fs::FileOffset;
 use std::sync::Arc;
 
 use common::{busy_reactor, check, format, mount, ram_device, with_fs};
@@ -25,7 +26,7 @@ fn files_and_directories_persist_across_remount() {
         let d = fs.mkdir(&c, ROOT_INO, b"dir", 0o755).await.unwrap();
         let (f, fh) = fs.create(&c, d.ino(), b"file", 0o644, libc::O_RDWR as u32).await.unwrap();
         let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
-        assert_eq!(fs.data().write(f.ino(), 1000, &data).await.unwrap(), data.len() as u32);
+        assert_eq!(fs.data().write(f.ino(), FileOffset::new(1000), &data).await.unwrap(), data.len() as u32);
         fs.release(fh).await.unwrap();
         fs.symlink(&c, d.ino(), b"link", b"file").await.unwrap();
         fs.link(&c, f.ino(), ROOT_INO, b"hard").await.unwrap();
@@ -39,9 +40,9 @@ fn files_and_directories_persist_across_remount() {
         let f = fs.lookup(&c, d.ino(), b"file").await.unwrap();
         assert_eq!(f.inode.size, 101_000);
         assert_eq!(f.inode.nlink, 2);
-        let back = fs.data().read(f.ino(), 1000, 100_000).await.unwrap();
+        let back = fs.data().read(f.ino(), FileOffset::new(1000), 100_000).await.unwrap();
         assert!(back == data);
-        let head = fs.data().read(f.ino(), 0, 1000).await.unwrap();
+        let head = fs.data().read(f.ino(), FileOffset::new(0), 1000).await.unwrap();
         assert!(head.iter().all(|&b| b == 0), "the gap before the write reads as zeros");
         let l = fs.lookup(&c, d.ino(), b"link").await.unwrap();
         assert_eq!(fs.readlink(l.ino()).await.unwrap(), b"file");
@@ -62,7 +63,7 @@ fn inodes_created_and_freed_in_one_transaction_replay() {
         let c = root();
         let d = fs.mkdir(&c, ROOT_INO, b"s", 0o755).await.unwrap().ino();
         let (f, fh) = fs.create(&c, d, b"x", 0o644, libc::O_RDWR as u32).await.unwrap();
-        fs.data().write(f.ino(), 0, b"x\n").await.unwrap();
+        fs.data().write(f.ino(), FileOffset::new(0), b"x\n").await.unwrap();
         fs.release(fh).await.unwrap();
         let sym = fs.symlink(&c, d, b"l", b"x").await.unwrap().ino();
         fs.unlink(&c, d, b"x").await.unwrap();
@@ -99,14 +100,14 @@ fn synced_changes_survive_without_unmount() {
     with_fs(64 * MIB, async |fs: Fs, dev: Arc<dyn BlockDevice>| {
         let c = root();
         let (f, _) = fs.create(&c, ROOT_INO, b"a", 0o644, libc::O_RDWR as u32).await.unwrap();
-        fs.data().write(f.ino(), 0, b"hello").await.unwrap();
+        fs.data().write(f.ino(), FileOffset::new(0), b"hello").await.unwrap();
         fs.data().fsync(f.ino(), false).await.unwrap();
         fs.mkdir(&c, ROOT_INO, b"unsynced", 0o755).await.unwrap();
         drop(fs); // no unmount: as after a crash, on a device that lost nothing
         let fs = mount(&dev).await;
         assert!(fs.inspect().replayed_at_mount() >= 1);
         let f = fs.lookup(&c, ROOT_INO, b"a").await.unwrap();
-        assert_eq!(fs.data().read(f.ino(), 0, 10).await.unwrap(), b"hello");
+        assert_eq!(fs.data().read(f.ino(), FileOffset::new(0), 10).await.unwrap(), b"hello");
         assert_eq!(fs.lookup(&c, ROOT_INO, b"unsynced").await.err(), Some(FsError::NotFound));
         fs.unmount().await.unwrap();
         let report = check(&dev).await;
@@ -223,18 +224,24 @@ fn a_tmpfile_is_freed_at_release_unless_linked_and_copies_stay_in_the_daemon() {
         let free = fs.statfs().await.unwrap().files_free;
         let (gone, fh) = fs.tmpfile(&c, ROOT_INO, 0o600, libc::O_RDWR as u32).await.unwrap();
         assert_eq!(gone.inode.nlink, 0);
-        fs.data().write(gone.ino(), 0, b"scratch").await.unwrap();
+        fs.data().write(gone.ino(), FileOffset::new(0), b"scratch").await.unwrap();
         fs.release(fh).await.unwrap();
         fs.forget(gone.ino(), 1).await.unwrap();
         assert_eq!(fs.getattr(gone.ino()).await.err(), Some(FsError::NotFound));
         assert_eq!(fs.statfs().await.unwrap().files_free, free);
 
         let (kept, fh) = fs.tmpfile(&c, ROOT_INO, 0o600, libc::O_RDWR as u32).await.unwrap();
-        fs.data().write(kept.ino(), 0, b"linked later").await.unwrap();
+        fs.data().write(kept.ino(), FileOffset::new(0), b"linked later").await.unwrap();
         fs.link(&c, kept.ino(), ROOT_INO, b"named").await.unwrap();
         let (copy, copy_fh) = fs.create(&c, ROOT_INO, b"copy", 0o644, libc::O_RDWR as u32).await.unwrap();
-        assert_eq!(fs.data().copy_range(kept.ino(), 7, copy.ino(), 0, 1 << 40).await.unwrap(), 5);
-        let same = fs.data().copy_range(kept.ino(), 0, kept.ino(), 4, 8).await;
+        assert_eq!(
+            fs.data()
+                .copy_range(kept.ino(), FileOffset::new(7), copy.ino(), FileOffset::new(0), 1 << 40)
+                .await
+                .unwrap(),
+            5
+        );
+        let same = fs.data().copy_range(kept.ino(), FileOffset::new(0), kept.ino(), FileOffset::new(4), 8).await;
         assert!(matches!(same, Err(FsError::Invalid(_))), "overlapping ranges of one file");
         fs.release(fh).await.unwrap();
         fs.release(copy_fh).await.unwrap();
@@ -243,11 +250,11 @@ fn a_tmpfile_is_freed_at_release_unless_linked_and_copies_stay_in_the_daemon() {
         let fs = mount(&dev).await;
         let named = fs.lookup(&c, ROOT_INO, b"named").await.unwrap();
         assert_eq!(
-            (named.inode.nlink, fs.data().read(named.ino(), 0, 64).await.unwrap()),
+            (named.inode.nlink, fs.data().read(named.ino(), FileOffset::new(0), 64).await.unwrap()),
             (1, b"linked later".to_vec())
         );
         let copy = fs.lookup(&c, ROOT_INO, b"copy").await.unwrap();
-        assert_eq!(fs.data().read(copy.ino(), 0, 64).await.unwrap(), b"later");
+        assert_eq!(fs.data().read(copy.ino(), FileOffset::new(0), 64).await.unwrap(), b"later");
     });
 }
 
@@ -307,7 +314,7 @@ fn reads_move_atime_as_relatime_strictatime_and_noatime_say() {
             let c = root();
             let (f, fh) = fs.create(&c, ROOT_INO, b"f", 0o644, libc::O_RDWR as u32).await.unwrap();
             let ino = f.ino();
-            fs.data().write(ino, 0, b"data").await.unwrap();
+            fs.data().write(ino, FileOffset::new(0), b"data").await.unwrap();
             // Old atime, newer mtime: relatime's case for an update.
             let set = SetAttr { atime: Some(TimeSet::At(old)), ..Default::default() };
             fs.setattr(&c, ino, &set, true).await.unwrap();
@@ -319,7 +326,7 @@ fn reads_move_atime_as_relatime_strictatime_and_noatime_say() {
                 .enumerate()
             {
                 clock.advance(advance);
-                fs.data().read(ino, 0, 4).await.unwrap();
+                fs.data().read(ino, FileOffset::new(0), 4).await.unwrap();
                 let now = fs.getattr(ino).await.unwrap().inode.atime;
                 // Never before the last change: relatime would otherwise
                 // update on every read.
@@ -443,10 +450,14 @@ fn file_unlinked_while_open_is_freed_at_last_release() {
         let c = root();
         let free0 = fs.inspect().free_blocks();
         let (f, fh) = fs.create(&c, ROOT_INO, b"tmp", 0o644, libc::O_RDWR as u32).await.unwrap();
-        fs.data().write(f.ino(), 0, &vec![7u8; 1 << 20]).await.unwrap();
+        fs.data().write(f.ino(), FileOffset::new(0), &vec![7u8; 1 << 20]).await.unwrap();
         fs.unlink(&c, ROOT_INO, b"tmp").await.unwrap();
         fs.forget(f.ino(), 1).await.unwrap();
-        assert_eq!(fs.data().read(f.ino(), 0, 4).await.unwrap(), vec![7u8; 4], "still readable while open");
+        assert_eq!(
+            fs.data().read(f.ino(), FileOffset::new(0), 4).await.unwrap(),
+            vec![7u8; 4],
+            "still readable while open"
+        );
         fs.release(fh).await.unwrap();
         assert_eq!(fs.getattr(f.ino()).await.err(), Some(FsError::NotFound));
         fs.sync().await.unwrap();
@@ -459,7 +470,7 @@ fn orphan_left_by_a_crash_is_freed_at_the_next_mount() {
     with_fs(32 * MIB, async |fs: Fs, dev: Arc<dyn BlockDevice>| {
         let c = root();
         let (f, _fh) = fs.create(&c, ROOT_INO, b"tmp", 0o644, libc::O_RDWR as u32).await.unwrap();
-        fs.data().write(f.ino(), 0, &vec![1u8; 65536]).await.unwrap();
+        fs.data().write(f.ino(), FileOffset::new(0), &vec![1u8; 65536]).await.unwrap();
         fs.unlink(&c, ROOT_INO, b"tmp").await.unwrap();
         fs.sync().await.unwrap();
         drop(fs); // crash with the file still open
@@ -480,29 +491,40 @@ fn truncate_fallocate_and_seek() {
         let c = root();
         let (f, _) = fs.create(&c, ROOT_INO, b"f", 0o644, libc::O_RDWR as u32).await.unwrap();
         let ino = f.ino();
-        fs.data().write(ino, 0, &vec![0xaa; 20000]).await.unwrap();
+        fs.data().write(ino, FileOffset::new(0), &vec![0xaa; 20000]).await.unwrap();
         let shrink = SetAttr { size: Some(5000), ..Default::default() };
         fs.setattr(&c, ino, &shrink, true).await.unwrap();
         let grow = SetAttr { size: Some(12000), ..Default::default() };
         fs.setattr(&c, ino, &grow, true).await.unwrap();
-        let data = fs.data().read(ino, 0, 20000).await.unwrap();
+        let data = fs.data().read(ino, FileOffset::new(0), 20000).await.unwrap();
         assert_eq!(data.len(), 12000);
         assert!(data[..5000].iter().all(|&b| b == 0xaa));
         assert!(data[5000..].iter().all(|&b| b == 0), "bytes past a truncation read as zeros after growing");
 
         // fallocate: unwritten space reads as zeros and counts as a hole.
-        fs.data().fallocate(ino, FallocateMode::Allocate { keep_size: false }, 40960, 40960).await.unwrap();
+        fs.data()
+            .fallocate(ino, FallocateMode::Allocate { keep_size: false }, FileOffset::new(40960), 40960)
+            .await
+            .unwrap();
         assert_eq!(fs.getattr(ino).await.unwrap().inode.size, 81920);
-        assert!(fs.data().read(ino, 40960, 4096).await.unwrap().iter().all(|&b| b == 0));
-        assert_eq!(fs.data().lseek(ino, 0, SeekTo::Data).await.unwrap(), 0);
-        assert_eq!(fs.data().lseek(ino, 0, SeekTo::Hole).await.unwrap(), 8192, "first hole after the data");
-        assert_eq!(fs.data().lseek(ino, 40960, SeekTo::Data).await.err(), Some(FsError::Nxio), "unwritten is not data");
-        fs.data().write(ino, 45056, b"x").await.unwrap();
-        assert_eq!(fs.data().lseek(ino, 40960, SeekTo::Data).await.unwrap(), 45056);
+        assert!(fs.data().read(ino, FileOffset::new(40960), 4096).await.unwrap().iter().all(|&b| b == 0));
+        assert_eq!(fs.data().lseek(ino, FileOffset::new(0), SeekTo::Data).await.unwrap(), FileOffset::new(0));
+        assert_eq!(
+            fs.data().lseek(ino, FileOffset::new(0), SeekTo::Hole).await.unwrap(),
+            FileOffset::new(8192),
+            "first hole after the data"
+        );
+        assert_eq!(
+            fs.data().lseek(ino, FileOffset::new(40960), SeekTo::Data).await.err(),
+            Some(FsError::Nxio),
+            "unwritten is not data"
+        );
+        fs.data().write(ino, FileOffset::new(45056), b"x").await.unwrap();
+        assert_eq!(fs.data().lseek(ino, FileOffset::new(40960), SeekTo::Data).await.unwrap(), FileOffset::new(45056));
 
         // punch a hole through written data
-        fs.data().fallocate(ino, FallocateMode::PunchHole, 1000, 2000).await.unwrap();
-        let data = fs.data().read(ino, 0, 5000).await.unwrap();
+        fs.data().fallocate(ino, FallocateMode::PunchHole, FileOffset::new(1000), 2000).await.unwrap();
+        let data = fs.data().read(ino, FileOffset::new(0), 5000).await.unwrap();
         assert!(data[..1000].iter().all(|&b| b == 0xaa) && data[1000..3000].iter().all(|&b| b == 0));
         assert!(data[3000..5000].iter().all(|&b| b == 0xaa));
         assert_eq!(FallocateMode::from_linux(0x02).err().map(|e| e.errno()), Some(libc::EINVAL));
@@ -550,7 +572,7 @@ fn filling_the_device_gives_enospc_and_deleting_frees_it() {
             let (f, fh) = fs.create(&c, ROOT_INO, format!("f{i}").as_bytes(), 0o644, 2).await.unwrap();
             files.push((f.ino(), fh));
             for k in 0..4u64 {
-                match fs.data().write(f.ino(), k * chunk.len() as u64, &chunk).await {
+                match fs.data().write(f.ino(), FileOffset::new(k * chunk.len() as u64), &chunk).await {
                     Ok(_) => {}
                     Err(FsError::NoSpace) => {
                         hit_enospc = true;
@@ -573,7 +595,7 @@ fn filling_the_device_gives_enospc_and_deleting_frees_it() {
         fs.sync().await.unwrap();
         assert!(fs.inspect().free_blocks() > full_free + 3000, "deleting gave space back");
         let (f, _) = fs.create(&c, ROOT_INO, b"again", 0o644, 2).await.unwrap();
-        fs.data().write(f.ino(), 0, &chunk).await.unwrap();
+        fs.data().write(f.ino(), FileOffset::new(0), &chunk).await.unwrap();
         fs.unmount().await.unwrap();
         assert!(check(&dev).await.is_clean());
     });

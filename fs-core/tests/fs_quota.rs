@@ -3,6 +3,7 @@
 
 mod common;
 
+use keelfs_fs::FileOffset;
 use std::sync::Arc;
 
 use common::{check, with_fs};
@@ -20,7 +21,7 @@ async fn fill(fs: &Fs, name: &str, bytes: u64) -> Result<keelfs_fs::Ino, FsError
     let mut at = 0;
     let mut result = Ok(());
     while at < bytes && result.is_ok() {
-        result = fs.data().write(f.ino(), at, &chunk).await.map(|_| ());
+        result = fs.data().write(f.ino(), FileOffset::new(at), &chunk).await.map(|_| ());
         at += chunk.len() as u64;
     }
     if result.is_ok() {
@@ -48,10 +49,13 @@ fn the_byte_quota_gives_edquot_and_is_the_size_df_shows() {
         assert!(fs.statfs().await.unwrap().blocks_free < 64, "the quota is (nearly) all used");
         // Direct and fallocate hit it too.
         let (g, _) = fs.create(&c, ROOT_INO, b"direct", 0o644, 2).await.unwrap();
-        let (_, r) = fs.data().write_direct(g.ino(), 0, AlignedBuf::zeroed(MIB as usize, 4096)).await;
+        let (_, r) = fs.data().write_direct(g.ino(), FileOffset::new(0), AlignedBuf::zeroed(MIB as usize, 4096)).await;
         assert_eq!(r.err(), Some(FsError::Quota));
         assert_eq!(
-            fs.data().fallocate(g.ino(), FallocateMode::Allocate { keep_size: false }, 0, MIB).await.err(),
+            fs.data()
+                .fallocate(g.ino(), FallocateMode::Allocate { keep_size: false }, FileOffset::new(0), MIB)
+                .await
+                .err(),
             Some(FsError::Quota)
         );
         assert_eq!(FsError::Quota.errno(), libc::EDQUOT);
@@ -64,12 +68,16 @@ fn the_byte_quota_gives_edquot_and_is_the_size_df_shows() {
         // Lowered below use: unlink, truncate and overwrites still work.
         fs.admin().set_quota(Quota { bytes: Some(4 * MIB), inodes: None }).unwrap();
         let data = vec![0xa5; 64 << 10];
-        assert_eq!(fs.data().write(big2, 0, &data).await.unwrap() as usize, data.len(), "overwrite in place");
+        assert_eq!(
+            fs.data().write(big2, FileOffset::new(0), &data).await.unwrap() as usize,
+            data.len(),
+            "overwrite in place"
+        );
         fs.sync().await.unwrap();
-        let (_, r) = fs.data().write_direct(big2, MIB, AlignedBuf::zeroed(MIB as usize, 4096)).await;
+        let (_, r) = fs.data().write_direct(big2, FileOffset::new(MIB), AlignedBuf::zeroed(MIB as usize, 4096)).await;
         assert_eq!(r.unwrap(), MIB as u32, "a direct overwrite of allocated blocks");
         fs.setattr(&c, big2, &SetAttr { size: Some(MIB), ..Default::default() }, false).await.unwrap();
-        assert_eq!(fs.data().write(big2, 8 * MIB, &data).await.err(), Some(FsError::Quota));
+        assert_eq!(fs.data().write(big2, FileOffset::new(8 * MIB), &data).await.err(), Some(FsError::Quota));
         fs.unlink(&c, ROOT_INO, b"big").await.unwrap();
         fs.unlink(&c, ROOT_INO, b"big2").await.unwrap();
         // Deleting frees room: the frees commit on the EDQUOT retry, no

@@ -4,6 +4,7 @@
 
 mod common;
 
+use keelfs_fs::FileOffset;
 use std::sync::Arc;
 
 use common::{busy_reactor, channel, format, mount};
@@ -29,7 +30,7 @@ fn a_read_only_mount_changes_nothing_and_refuses_every_change() {
         let dir = fs.mkdir(&c, ROOT_INO, b"dir", 0o755).await.unwrap().ino();
         fs.mkdir(&c, ROOT_INO, b"empty", 0o755).await.unwrap();
         let (f, _) = fs.create(&c, dir, b"file", 0o644, libc::O_RDWR as u32).await.unwrap();
-        fs.data().write(f.ino(), 0, b"journalled").await.unwrap();
+        fs.data().write(f.ino(), FileOffset::new(0), b"journalled").await.unwrap();
         fs.setxattr(&c, f.ino(), b"user.k", b"v", XattrFlags::default()).await.unwrap();
         fs.sync().await.unwrap();
     });
@@ -42,7 +43,7 @@ fn a_read_only_mount_changes_nothing_and_refuses_every_change() {
         // What the journal held is there, replayed in memory.
         let dir = fs.lookup(&c, ROOT_INO, b"dir").await.unwrap().ino();
         let file = fs.lookup(&c, dir, b"file").await.unwrap().ino();
-        assert_eq!(fs.data().read(file, 0, 100).await.unwrap(), b"journalled");
+        assert_eq!(fs.data().read(file, FileOffset::new(0), 100).await.unwrap(), b"journalled");
         assert_eq!(fs.getxattr(&c, file, b"user.k").await.unwrap(), b"v");
         fs.data().fsync(file, false).await.unwrap();
         fs.sync().await.unwrap();
@@ -62,8 +63,11 @@ fn a_read_only_mount_changes_nothing_and_refuses_every_change() {
         refused("setattr", fs.setattr(&c, file, &chmod, false).await.map(drop));
         let truncate = SetAttr { size: Some(0), ..SetAttr::default() };
         refused("truncate", fs.setattr(&c, file, &truncate, false).await.map(drop));
-        refused("write", fs.data().write(file, 0, b"x").await.map(drop));
-        refused("fallocate", fs.data().fallocate(file, FallocateMode::Allocate { keep_size: false }, 0, 4096).await);
+        refused("write", fs.data().write(file, FileOffset::new(0), b"x").await.map(drop));
+        refused(
+            "fallocate",
+            fs.data().fallocate(file, FallocateMode::Allocate { keep_size: false }, FileOffset::new(0), 4096).await,
+        );
         refused("setxattr", fs.setxattr(&c, file, b"user.k2", b"v", XattrFlags::default()).await);
         refused("removexattr", fs.removexattr(&c, file, b"user.k").await);
         refused("checkpoint", fs.admin().checkpoint().await);

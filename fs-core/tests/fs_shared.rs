@@ -4,6 +4,7 @@
 
 mod common;
 
+use keelfs_fs::FileOffset;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -99,7 +100,7 @@ fn shared_reads_see_whole_writes_and_never_go_back() {
     let hits = owner_and_reader(
         async |fs| {
             let ino = new_file(fs, "f").await;
-            fs.data().write(ino, 0, &vec![0u8; REGIONS as usize * REGION]).await.unwrap();
+            fs.data().write(ino, FileOffset::new(0), &vec![0u8; REGIONS as usize * REGION]).await.unwrap();
             ino
         },
         async move |fs, ino, reader_gone| {
@@ -118,7 +119,7 @@ fn shared_reads_see_whole_writes_and_never_go_back() {
                 let v = &mut versions[region as usize];
                 *v += 1;
                 let data: Vec<u8> = (0..REGION / 8).flat_map(|_| v.to_le_bytes()).collect();
-                fs.data().write(ino, region * REGION as u64, &data).await.unwrap();
+                fs.data().write(ino, FileOffset::new(region * REGION as u64), &data).await.unwrap();
                 yield_now().await;
             }
         },
@@ -160,7 +161,7 @@ fn shared_reads_never_see_a_truncate_half_done() {
     let checked = owner_and_reader(
         async |fs| {
             let ino = new_file(fs, "t").await;
-            fs.data().write(ino, 0, &vec![1u8; FULL]).await.unwrap();
+            fs.data().write(ino, FileOffset::new(0), &vec![1u8; FULL]).await.unwrap();
             ino
         },
         async move |fs, ino, reader_gone| {
@@ -181,7 +182,7 @@ fn shared_reads_never_see_a_truncate_half_done() {
                     .unwrap();
                 yield_now().await;
                 let v = (i % 250) as u8 + 2;
-                fs.data().write(ino, 0, &[v; FULL]).await.unwrap();
+                fs.data().write(ino, FileOffset::new(0), &[v; FULL]).await.unwrap();
                 yield_now().await;
             }
         },
@@ -220,25 +221,29 @@ fn shared_reads_of_deleted_uncached_and_past_eof() {
         let c = Creds::root();
         let (attr, fh) = fs.create(&c, ROOT_INO, b"d", 0o644, 2).await.unwrap();
         let ino = attr.ino();
-        fs.data().write(ino, 0, &[5u8; 10_000]).await.unwrap();
+        fs.data().write(ino, FileOffset::new(0), &[5u8; 10_000]).await.unwrap();
         let reader = fs.data().shared_reader(ino).unwrap();
-        assert_eq!(reader.read(0, 4).unwrap(), vec![5u8; 4]);
-        assert_eq!(reader.read(9_998, 100).unwrap(), vec![5u8; 2], "short at end of file");
-        assert_eq!(reader.read(10_000, 100).unwrap(), Vec::<u8>::new(), "empty at end of file");
-        assert_eq!(reader.read(1 << 30, 100).unwrap(), Vec::<u8>::new(), "empty past end of file");
+        assert_eq!(reader.read(FileOffset::new(0), 4).unwrap(), vec![5u8; 4]);
+        assert_eq!(reader.read(FileOffset::new(9_998), 100).unwrap(), vec![5u8; 2], "short at end of file");
+        assert_eq!(reader.read(FileOffset::new(10_000), 100).unwrap(), Vec::<u8>::new(), "empty at end of file");
+        assert_eq!(reader.read(FileOffset::new(1 << 30), 100).unwrap(), Vec::<u8>::new(), "empty past end of file");
         // Past the cached pages (the file grew by truncate, no page).
         fs.setattr(&c, ino, &SetAttr { size: Some(1 << 20), ..Default::default() }, false).await.unwrap();
-        assert_eq!(reader.read(512 << 10, 4096), Err(SharedMiss::NotCached));
-        assert_eq!(reader.read(0, 1 << 20), Err(SharedMiss::TooLarge));
+        assert_eq!(reader.read(FileOffset::new(512 << 10), 4096), Err(SharedMiss::NotCached));
+        assert_eq!(reader.read(FileOffset::new(0), 1 << 20), Err(SharedMiss::TooLarge));
         // Another file's pages never answer for this one.
         let other = new_file(&fs, "e").await;
-        fs.data().write(other, 0, &[9u8; 4096]).await.unwrap();
-        assert_eq!(fs.data().shared_reader(other).unwrap().read(0, 1).unwrap(), vec![9]);
+        fs.data().write(other, FileOffset::new(0), &[9u8; 4096]).await.unwrap();
+        assert_eq!(fs.data().shared_reader(other).unwrap().read(FileOffset::new(0), 1).unwrap(), vec![9]);
         fs.unlink(&c, ROOT_INO, b"d").await.unwrap();
         fs.forget(ino, 1).await.unwrap();
-        assert_eq!(reader.read(0, 4).unwrap(), vec![5u8; 4], "unlinked but open: still readable");
+        assert_eq!(reader.read(FileOffset::new(0), 4).unwrap(), vec![5u8; 4], "unlinked but open: still readable");
         fs.release(fh).await.unwrap();
-        assert_eq!(reader.read(0, 4), Err(SharedMiss::Gone), "a deleted file's reader goes to the owner");
+        assert_eq!(
+            reader.read(FileOffset::new(0), 4),
+            Err(SharedMiss::Gone),
+            "a deleted file's reader goes to the owner"
+        );
         let stats = fs.inspect().cache_stats();
         assert_eq!((stats.shared_hits, stats.shared_misses), (6, 3));
         fs.unmount().await.unwrap();
@@ -256,12 +261,12 @@ fn owner_writes_are_visible_to_shared_reads_at_once() {
     let rounds = owner_and_reader(
         async |fs| {
             let ino = new_file(fs, "v").await;
-            fs.data().write(ino, 0, &[0u8; 4096]).await.unwrap();
+            fs.data().write(ino, FileOffset::new(0), &[0u8; 4096]).await.unwrap();
             ino
         },
         async move |fs, ino, reader_gone| {
             for v in 1..=2000u64 {
-                fs.data().write(ino, 0, &v.to_le_bytes()).await.unwrap();
+                fs.data().write(ino, FileOffset::new(0), &v.to_le_bytes()).await.unwrap();
                 e2.store(v, Ordering::Release);
                 while d2.load(Ordering::Acquire) != v {
                     // A reader that panicked never confirms: fail, not hang.
@@ -281,7 +286,7 @@ fn owner_writes_are_visible_to_shared_reads_at_once() {
                     continue;
                 }
                 let bytes = loop {
-                    match reader.read(0, 8) {
+                    match reader.read(FileOffset::new(0), 8) {
                         Ok(b) => break b,
                         Err(SharedMiss::Busy) => continue,
                         Err(other) => panic!("page 0 is cached: {other:?}"),

@@ -1,6 +1,7 @@
 //! The FUSE dispatcher over keelfs-fs, driven with request bytes as a kernel
 //! would send them, including malformed and hostile ones.
 
+use keelfs_fs::FileOffset;
 use std::sync::Arc;
 
 use keelfs_bdev::{BlockDevice, MappedDevice, QueueConfig};
@@ -439,7 +440,7 @@ fn security_contexts_tmpfiles_statx_and_copy_file_range() {
         let (err, body) =
             reply(&s.handle(&request(Opcode::CopyFileRange as u32, 8, tmp, &copy_in.bytes)).await.unwrap(), 8);
         assert_eq!((err, u32::from_le_bytes(body[..4].try_into().unwrap())), (0, 4), "copied up to the source's end");
-        let data = s.fs().data().read(Ino::new(dst), 0, 100).await.unwrap();
+        let data = s.fs().data().read(Ino::new(dst), FileOffset::new(0), 100).await.unwrap();
         assert_eq!(&data[10..], b"urce");
         assert!(data[..10].iter().all(|&b| b == 0));
         // A handle that is not the session's, or flags: refused.

@@ -11,7 +11,7 @@ use crate::blocks::{block_bytes, whole_blocks, DevBlock, FileBlock};
 use crate::cache::{CacheFull, PAGE_BYTES};
 use crate::extent::Segment;
 use crate::format::{BLOCK_BYTES, BLOCK_SIZE};
-use crate::ids::Ino;
+use crate::ids::{FileOffset, Ino};
 use crate::ops::{COPY_RANGE_MAX, MAX_FILE_BYTES};
 use crate::{journal, FsError, FsResult};
 use keelfs_bdev::AlignedBuf;
@@ -59,7 +59,14 @@ impl DataOps<'_> {
     /// Read up to `size` bytes at `offset` into `sink`; the bytes read.
     /// Cached pages go straight from the cache into the sink; a read that
     /// misses goes through [`DataOps::read`] and one more copy.
-    pub async fn read_to<K: ReadSink + ?Sized>(self, ino: Ino, offset: u64, size: u32, sink: &K) -> FsResult<u32> {
+    pub async fn read_to<K: ReadSink + ?Sized>(
+        self,
+        ino: Ino,
+        offset: FileOffset,
+        size: u32,
+        sink: &K,
+    ) -> FsResult<u32> {
+        let offset = offset.get();
         let inode = self.inner.meta.require_file(ino)?;
         let end = offset.saturating_add(u64::from(size)).min(inode.size);
         if offset < end && self.buffered().copy_cached_to(ino, offset, end, sink) {
@@ -68,14 +75,15 @@ impl DataOps<'_> {
             return Ok((end - offset) as u32);
         }
         // Everything else goes through `read`, which moves atime itself.
-        let data = self.read(ino, offset, size).await?;
+        let data = self.read(ino, FileOffset::new(offset), size).await?;
         sink.copy_from(0, &data);
         Ok(data.len() as u32)
     }
 
     /// Read through the page cache. Pages already cached are copied out
     /// without taking any lock; misses are loaded under a shared lock.
-    pub async fn read(self, ino: Ino, offset: u64, size: u32) -> FsResult<Vec<u8>> {
+    pub async fn read(self, ino: Ino, offset: FileOffset, size: u32) -> FsResult<Vec<u8>> {
+        let offset = offset.get();
         let inode = self.inner.meta.require_file(ino)?;
         self.inner.change().accessed(ino);
         if offset >= inode.size || size == 0 {
@@ -121,7 +129,16 @@ impl DataOps<'_> {
     /// cache in 1 MiB steps, each of which awaits and so yields. Stops at
     /// the source's end; returns the bytes copied. Overlapping ranges of
     /// one file are EINVAL, as on Linux.
-    pub async fn copy_range(self, from: Ino, from_offset: u64, to: Ino, to_offset: u64, len: u64) -> FsResult<u64> {
+    pub async fn copy_range(
+        self,
+        from: Ino,
+        from_offset: FileOffset,
+        to: Ino,
+        to_offset: FileOffset,
+        len: u64,
+    ) -> FsResult<u64> {
+        let from_offset = from_offset.get();
+        let to_offset = to_offset.get();
         const STEP: u64 = 1 << 20;
         self.inner.meta.require_file(to)?;
         let len = len.min(COPY_RANGE_MAX);
@@ -132,35 +149,38 @@ impl DataOps<'_> {
         to_offset.checked_add(len).filter(|&e| e <= MAX_FILE_BYTES).ok_or(FsError::FileTooBig)?;
         let mut done = 0;
         while done < len {
-            let chunk = self.read(from, from_offset + done, (len - done).min(STEP) as u32).await?;
+            let chunk = self.read(from, FileOffset::new(from_offset + done), (len - done).min(STEP) as u32).await?;
             if chunk.is_empty() {
                 break; // the source's end
             }
-            done += u64::from(self.write(to, to_offset + done, &chunk).await?);
+            done += u64::from(self.write(to, FileOffset::new(to_offset + done), &chunk).await?);
         }
         Ok(done)
     }
 
     /// Write through the page cache: pages are dirtied, not allocated
     /// (delayed allocation); writeback allocates and logs them later.
-    pub async fn write(self, ino: Ino, offset: u64, data: &[u8]) -> FsResult<u32> {
-        self.write_from(ino, offset, data).await
+    pub async fn write(self, ino: Ino, offset: FileOffset, data: &[u8]) -> FsResult<u32> {
+        let offset = offset.get();
+        self.write_from(ino, FileOffset::new(offset), data).await
     }
 
     /// [`DataOps::write`] from any [`WriteSource`]: the bytes are copied once,
     /// into the cached pages.
-    pub async fn write_from<S: WriteSource + ?Sized>(self, ino: Ino, offset: u64, data: &S) -> FsResult<u32> {
-        self.write_from_with(ino, offset, data, WriteTimes::Stamp).await
+    pub async fn write_from<S: WriteSource + ?Sized>(self, ino: Ino, offset: FileOffset, data: &S) -> FsResult<u32> {
+        let offset = offset.get();
+        self.write_from_with(ino, FileOffset::new(offset), data, WriteTimes::Stamp).await
     }
 
     /// [`DataOps::write_from`], saying who keeps the file's mtime and ctime.
     pub async fn write_from_with<S: WriteSource + ?Sized>(
         self,
         ino: Ino,
-        offset: u64,
+        offset: FileOffset,
         data: &S,
         times: WriteTimes,
     ) -> FsResult<u32> {
+        let offset = offset.get();
         if self.inner.config.read_only {
             return Err(FsError::ReadOnly);
         }

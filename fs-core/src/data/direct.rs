@@ -5,7 +5,7 @@ use super::{DataOps, Direct};
 use crate::blocks::{block_bytes, offset_in_block, FileBlock};
 use crate::extent::Segment;
 use crate::format::{BLOCK_BYTES, BLOCK_SIZE};
-use crate::ids::Ino;
+use crate::ids::{FileOffset, Ino};
 use crate::ops::MAX_FILE_BYTES;
 use crate::record::Record;
 use crate::{FsError, FsResult};
@@ -29,7 +29,8 @@ impl DataOps<'_> {
 
     /// Direct write of `buf` at `offset`. Returns the buffer and the bytes
     /// written. Unaligned requests are copied through a bounce buffer.
-    pub async fn write_direct<B: IoBuffer>(self, ino: Ino, offset: u64, buf: B) -> (B, FsResult<u32>) {
+    pub async fn write_direct<B: IoBuffer>(self, ino: Ino, offset: FileOffset, buf: B) -> (B, FsResult<u32>) {
+        let offset = offset.get();
         if self.inner.config.read_only {
             return (buf, Err(FsError::ReadOnly));
         }
@@ -45,7 +46,8 @@ impl DataOps<'_> {
 
     /// Direct read into `buf`. Returns the buffer and the bytes read (short
     /// at end of file).
-    pub async fn read_direct<B: IoBuffer>(self, ino: Ino, offset: u64, buf: B) -> (B, FsResult<u32>) {
+    pub async fn read_direct<B: IoBuffer>(self, ino: Ino, offset: FileOffset, buf: B) -> (B, FsResult<u32>) {
+        let offset = offset.get();
         let shared = SharedBuffer::new(buf);
         let result = self.direct().read_direct_shared(ino, offset, &shared).await;
         (into_inner(shared), result)

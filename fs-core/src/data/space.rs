@@ -6,7 +6,7 @@ use crate::blocks::{offset_in_block, FileBlock};
 use crate::cache::PAGE_BYTES;
 use crate::extent::Segment;
 use crate::format::{BLOCK_BYTES, BLOCK_SIZE};
-use crate::ids::Ino;
+use crate::ids::{FileOffset, Ino};
 use crate::ops::{SeekTo, MAX_FILE_BYTES};
 use crate::record::Record;
 use crate::{FsError, FsResult};
@@ -65,7 +65,8 @@ impl DataOps<'_> {
         Ok(())
     }
 
-    pub async fn fallocate(self, ino: Ino, mode: FallocateMode, offset: u64, len: u64) -> FsResult<()> {
+    pub async fn fallocate(self, ino: Ino, mode: FallocateMode, offset: FileOffset, len: u64) -> FsResult<()> {
+        let offset = offset.get();
         if self.inner.config.read_only {
             return Err(FsError::ReadOnly);
         }
@@ -79,7 +80,8 @@ impl DataOps<'_> {
 
     /// SEEK_DATA / SEEK_HOLE. Unwritten extents count as holes; dirty
     /// cached pages count as data.
-    pub async fn lseek(self, ino: Ino, offset: u64, to: SeekTo) -> FsResult<u64> {
+    pub async fn lseek(self, ino: Ino, offset: FileOffset, to: SeekTo) -> FsResult<FileOffset> {
+        let offset = offset.get();
         let inode = self.inner.meta.require_file(ino)?;
         if offset >= inode.size {
             return Err(FsError::Nxio);
@@ -93,11 +95,11 @@ impl DataOps<'_> {
                 Segment::Hole { file_block, .. } => (file_block, false),
             };
             if is_data == (to == SeekTo::Data) {
-                return Ok(fb.offset().max(offset));
+                return Ok(FileOffset::new(fb.offset().max(offset)));
             }
         }
         if to == SeekTo::Hole {
-            Ok(inode.size)
+            Ok(FileOffset::new(inode.size))
         } else {
             Err(FsError::Nxio)
         }

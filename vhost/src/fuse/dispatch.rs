@@ -1,6 +1,7 @@
 //! One FUSE dispatcher over keelfs-fs, shared by the virtio-fs backend and
 //! the /dev/fuse transport: request bytes in, reply bytes out.
 
+use keelfs_fs::FileOffset;
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -1010,13 +1011,13 @@ impl Session {
                 writable(self.own_handle_of(fh, ino)?)?;
                 // Linux clears set-id bits on fallocate (file_modified).
                 self.kill_setid_unless_root(ino, &c)?;
-                fs.data().fallocate(ino, mode, offset, length).await.map(|_| None).map_err(e)
+                fs.data().fallocate(ino, mode, FileOffset::new(offset), length).await.map(|_| None).map_err(e)
             }
             Request::Lseek { fh, offset, to } => {
                 self.own_handle_of(fh, ino)?;
-                let at = fs.data().lseek(ino, offset, to.ok_or(libc::EINVAL)?).await.map_err(e)?;
+                let at = fs.data().lseek(ino, FileOffset::new(offset), to.ok_or(libc::EINVAL)?).await.map_err(e)?;
                 let mut r = Reply::default();
-                r.u64(at);
+                r.u64(at.get());
                 Ok(Some(r))
             }
             Request::Syncfs => fs.sync().await.map(|_| None).map_err(e),
@@ -1027,7 +1028,11 @@ impl Session {
                 readable(self.own_handle_of(fh_in, ino)?)?;
                 writable(self.own_handle_of(fh_out, nodeid_out)?)?;
                 self.kill_setid_unless_root(nodeid_out, &c)?;
-                let copied = fs.data().copy_range(ino, off_in, nodeid_out, off_out, len).await.map_err(e)?;
+                let copied = fs
+                    .data()
+                    .copy_range(ino, FileOffset::new(off_in), nodeid_out, FileOffset::new(off_out), len)
+                    .await
+                    .map_err(e)?;
                 Ok(Some(write_out(copied as u32)))
             }
             Request::Ioctl { fh, flags, cmd, input, out_size } => {
@@ -1183,7 +1188,11 @@ impl Session {
         data: &S,
     ) -> Result<u32, i32> {
         debug_assert!(data.len() <= self.config.max_write as usize, "in_place_handle held it to max_write");
-        self.fs.data().write_from_with(ino, offset, data, self.write_times(write_flags)).await.map_err(|e| e.errno())
+        self.fs
+            .data()
+            .write_from_with(ino, FileOffset::new(offset), data, self.write_times(write_flags))
+            .await
+            .map_err(|e| e.errno())
     }
 
     /// FUSE_READ on a buffered handle into `sink` (guest pages): the bytes
@@ -1196,20 +1205,20 @@ impl Session {
         sink: &K,
     ) -> Result<u32, i32> {
         debug_assert!(size <= self.config.max_write, "in_place_handle held it to max_write");
-        self.fs.data().read_to(ino, offset, size, sink).await.map_err(|e| e.errno())
+        self.fs.data().read_to(ino, FileOffset::new(offset), size, sink).await.map_err(|e| e.errno())
     }
 
     /// FUSE_WRITE on a direct handle with the data already in I/O memory
     /// (guest pages): the bytes written, or an errno.
     async fn write_direct_from<B: IoBuffer>(&self, ino: Ino, offset: u64, data: B) -> (B, Result<u32, i32>) {
-        let (data, written) = self.fs.data().write_direct(ino, offset, data).await;
+        let (data, written) = self.fs.data().write_direct(ino, FileOffset::new(offset), data).await;
         (data, written.map_err(|e| e.errno()))
     }
 
     /// FUSE_READ on a direct handle into I/O memory (guest pages): the
     /// bytes read, or an errno.
     async fn read_direct_into<B: IoBuffer>(&self, ino: Ino, offset: u64, into: B) -> (B, Result<u32, i32>) {
-        let (buf, n) = self.fs.data().read_direct(ino, offset, into).await;
+        let (buf, n) = self.fs.data().read_direct(ino, FileOffset::new(offset), into).await;
         (buf, n.map_err(|e| e.errno()))
     }
 
@@ -1218,10 +1227,10 @@ impl Session {
         let size = size.min(self.config.max_write);
         let data = if flags as i32 & libc::O_DIRECT != 0 {
             let buf = AlignedBuf::zeroed((size as usize).div_ceil(BLOCK_BYTES).max(1) * BLOCK_BYTES, BLOCK_BYTES);
-            let (buf, n) = self.fs.data().read_direct(ino, offset, buf).await;
+            let (buf, n) = self.fs.data().read_direct(ino, FileOffset::new(offset), buf).await;
             buf[..n.map_err(|e| e.errno())? as usize].to_vec()
         } else {
-            self.fs.data().read(ino, offset, size).await.map_err(|e| e.errno())?
+            self.fs.data().read(ino, FileOffset::new(offset), size).await.map_err(|e| e.errno())?
         };
         let mut r = Reply::default();
         r.raw(&data[..data.len().min(size as usize)]);
@@ -1251,9 +1260,9 @@ impl Session {
         let n = if flags as i32 & libc::O_DIRECT != 0 && !data.is_empty() {
             let mut buf = AlignedBuf::zeroed(data.len(), BLOCK_BYTES);
             buf.copy_from_slice(data);
-            self.fs.data().write_direct(ino, offset, buf).await.1
+            self.fs.data().write_direct(ino, FileOffset::new(offset), buf).await.1
         } else {
-            self.fs.data().write_from_with(ino, offset, data, self.write_times(write_flags)).await
+            self.fs.data().write_from_with(ino, FileOffset::new(offset), data, self.write_times(write_flags)).await
         }
         .map_err(|e| e.errno())?;
         Ok(Some(write_out(n)))
