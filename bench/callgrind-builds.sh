@@ -16,6 +16,12 @@
 # file is written before it is measured and counted too, alike for both
 # builds: compare builds, not absolute figures.
 #
+# Build both binaries the same way, as `cargo build --release -p keelfsd`
+# (the shipped binary). Built together with keelfs-bench, keelfsd gets
+# keelfs-bench's test-utils features (Cargo unifies them), and that alone
+# moved stat's serving instructions by 4% (bench/RESULTS.md, "Issue 35,
+# part 7").
+#
 # Usage: bench/callgrind-builds.sh OLD_KEELFSD NEW_KEELFSD
 #                                  [--workload dio-overwrite] [--seconds 20] [OUT_DIR]
 set -euo pipefail

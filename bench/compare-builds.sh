@@ -15,6 +15,12 @@
 # vCPU, which takes its core from the daemon) instead of sleeping on the
 # call eventfd (a halted one, the default).
 #
+# Build both binaries the same way, as `cargo build --release -p keelfsd`
+# (the shipped binary). Built together with keelfs-bench, keelfsd gets
+# keelfs-bench's test-utils features (Cargo unifies them), and that alone
+# moved stat's serving instructions by 4% (bench/RESULTS.md, "Issue 35,
+# part 7").
+#
 # Usage: bench/compare-builds.sh OLD_KEELFSD NEW_KEELFSD [--rounds N] [--seconds N]
 #                                [--backend uring|pmem] [--driver sleep|busy] [--metadata] [OUT.json]
 set -euo pipefail
