@@ -41,8 +41,8 @@ impl Default for HandleTable {
 
 impl HandleTable {
     /// How many open handles name each inode.
-    pub fn opens_by_inode(&self) -> std::collections::HashMap<Ino, u64> {
-        let mut opens = std::collections::HashMap::new();
+    pub fn opens_by_inode(&self) -> IdMapBy<Ino, u64> {
+        let mut opens = IdMapBy::default();
         for handle in self.open.borrow().values() {
             *opens.entry(handle.ino).or_default() += 1;
         }

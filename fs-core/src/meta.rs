@@ -10,7 +10,8 @@
 //! it takes `&State` or `&mut State`, never `&Meta`.
 
 use std::cell::{Ref, RefCell, RefMut};
-use std::collections::HashMap;
+
+use keelfs_base::IdMapBy;
 
 use crate::blocks::FileBlock;
 use crate::extent::Segments;
@@ -54,7 +55,7 @@ impl Meta {
     /// be given, every node's open count is the number of handles naming
     /// it (unless the count has stuck at its top), and no handle names an
     /// inode that is gone. Panics on the first that does not hold.
-    pub fn check_invariants(&self, opens_by_handle: &HashMap<Ino, u64>) {
+    pub fn check_invariants(&self, opens_by_handle: &IdMapBy<Ino, u64>) {
         let state = self.state.borrow();
         for node in state.nodes() {
             let ino = node.inode.ino;
