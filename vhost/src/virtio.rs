@@ -8,6 +8,7 @@
 //! (returned unused) otherwise; nothing a guest writes can panic the
 //! daemon.
 
+use std::future::Future;
 use std::io::{Read, Write};
 use std::ops::Deref;
 
@@ -65,30 +66,34 @@ where
 /// [`serve_chain`], except that reads and writes on O_DIRECT handles move
 /// data straight between the guest's pages and the device. `mem` is the
 /// table the chain was popped against; the I/O holds it.
-pub async fn serve_chain_zero_copy<M>(
-    session: &Session,
+pub fn serve_chain_zero_copy<'a, M>(
+    session: &'a Session,
     chain: DescriptorChain<M>,
     mem: Arc<GuestRam>,
-) -> (u16, u32, ChainOutcome)
+) -> impl Future<Output = (u16, u32, ChainOutcome)> + 'a
 where
-    M: Deref<Target = GuestRam> + Clone,
+    M: Deref<Target = GuestRam> + Clone + 'a,
 {
-    serve(session, chain, Some(mem), None).await
+    serve(session, chain, Some(mem), None)
 }
 
 /// [`serve_chain_zero_copy`] for a request QoS charged when it was taken:
 /// what it costs as served is settled against that first (see
 /// [`Charged::settle`]).
-pub(crate) async fn serve_chain_charged<M>(
-    session: &Session,
+///
+/// Not an `async fn`: it returns `serve`'s future itself. An async wrapper
+/// would hold that future in its own state and move it there, about 3 KB,
+/// on every request's first poll.
+pub(crate) fn serve_chain_charged<'a, M>(
+    session: &'a Session,
     chain: DescriptorChain<M>,
     mem: Arc<GuestRam>,
     charged: Option<Charged>,
-) -> (u16, u32, ChainOutcome)
+) -> impl Future<Output = (u16, u32, ChainOutcome)> + 'a
 where
-    M: Deref<Target = GuestRam> + Clone,
+    M: Deref<Target = GuestRam> + Clone + 'a,
 {
-    serve(session, chain, Some(mem), charged).await
+    serve(session, chain, Some(mem), charged)
 }
 
 async fn serve<M>(
