@@ -49,7 +49,7 @@ impl Change<'_> {
         if self.config.read_only {
             return Err(FsError::ReadOnly);
         }
-        self.meta.apply_live(&record)?;
+        self.meta.apply_live(&record, &mut self.space.free_mut())?;
         let mut j = self.journal.ring.borrow_mut();
         record.encode(&mut j.pending);
         j.logged_ops += 1;
@@ -66,7 +66,7 @@ impl Change<'_> {
     /// after it (its directory entry) find it at replay.
     pub(crate) fn create_inode(&self, inode: Inode) -> FsResult<()> {
         let ino = inode.ino;
-        self.meta.apply_live(&Record::InodeSet(inode))?;
+        self.meta.apply_live(&Record::InodeSet(inode), &mut self.space.free_mut())?;
         self.mark_dirty(ino);
         Ok(())
     }

@@ -17,9 +17,9 @@
 //!
 //! [`Discard`] owns the queue, the runs in flight and the discard
 //! counters. It stores no other part: the allocator comes in as the
-//! `&mut State` its caller may already hold (or `&Meta` for the async
-//! methods, which borrow it only between awaits), and `unmounted` as a
-//! bool. Invariant, asserted in debug builds: a discard completes only
+//! `&mut FreeSpace` its caller may already hold (or `&Space` for the
+//! async methods, which borrow it only between awaits), and `unmounted`
+//! as a bool. Invariant, asserted in debug builds: a discard completes only
 //! after it was issued (`completed <= issued`).
 
 use std::collections::BTreeMap;
@@ -33,8 +33,7 @@ use std::time::{Duration, Instant};
 use super::blocks::{block_bytes, whole_blocks, DevBlock};
 use super::format::BlockRun;
 use super::io::Io;
-use super::meta::Meta;
-use super::state::State;
+use super::space::{FreeSpace, Space};
 use super::{Admin, FsCounters, FsError, FsInner};
 use keelfs_bdev::BdevError;
 use keelfs_reactor as reactor;
@@ -231,12 +230,12 @@ impl Discard {
     /// A run a commit (or a checkpoint's end) made free: to the discard
     /// queue if continuous discard is on and the filesystem is not
     /// unmounted, else straight back to the allocator.
-    pub fn release_freed(&self, state: &mut State, run: BlockRun, unmounted: bool) {
+    pub fn release_freed(&self, free: &mut FreeSpace, run: BlockRun, unmounted: bool) {
         let mut d = self.state.borrow_mut();
         if d.active && !unmounted {
             d.push(run, self.config.merge);
         } else {
-            state.alloc.free(run);
+            free.alloc.free(run);
         }
     }
 
@@ -254,11 +253,11 @@ impl Discard {
     }
 
     /// The queue's first run is too short to be worth a discard: free it.
-    fn free_short_run(&self, state: &mut State) {
+    fn free_short_run(&self, free: &mut FreeSpace) {
         let mut d = self.state.borrow_mut();
         if let Some((start, len)) = d.queued.pop_first() {
             d.queued_blocks -= len;
-            state.alloc.free(BlockRun { start, len });
+            free.alloc.free(BlockRun { start, len });
         }
     }
 
@@ -315,15 +314,21 @@ impl Discard {
     /// A queued run's discard ended: the run goes back to the allocator
     /// whatever the outcome. A device that cannot discard turns continuous
     /// discard off, with one log line, and gets the rest of the queue back.
-    fn complete_queued(&self, state: &mut State, span: &tracing::Span, run: BlockRun, result: Result<u32, BdevError>) {
-        self.account(state, run, &result);
+    fn complete_queued(
+        &self,
+        free: &mut FreeSpace,
+        span: &tracing::Span,
+        run: BlockRun,
+        result: Result<u32, BdevError>,
+    ) {
+        self.account(free, run, &result);
         if let Err(e) = result {
             if matches!(e, BdevError::Unsupported(_)) {
                 let was_active = std::mem::take(&mut self.state.borrow_mut().active);
                 if was_active {
                     tracing::warn!(parent: span, error = %e, "the device does not discard: continuous discard is off");
                 }
-                self.give_back_queued(state);
+                self.give_back_queued(free);
             } else {
                 tracing::debug!(parent: span, error = %e, start = run.start, blocks = run.len, "discard failed");
             }
@@ -331,9 +336,9 @@ impl Discard {
     }
 
     /// Count a finished discard and free its run.
-    fn account(&self, state: &mut State, run: BlockRun, result: &Result<u32, BdevError>) {
+    fn account(&self, free: &mut FreeSpace, run: BlockRun, result: &Result<u32, BdevError>) {
         self.state.borrow_mut().end(run);
-        state.alloc.free(run);
+        free.alloc.free(run);
         let mut c = self.counters.get();
         match result {
             Ok(_) => {
@@ -347,7 +352,7 @@ impl Discard {
     }
 
     /// Every queued run back to the allocator, undiscarded.
-    fn give_back_queued(&self, state: &mut State) -> u64 {
+    fn give_back_queued(&self, free: &mut FreeSpace) -> u64 {
         let queued = {
             let mut d = self.state.borrow_mut();
             d.queued_blocks = 0;
@@ -355,7 +360,7 @@ impl Discard {
         };
         let mut blocks = 0;
         for (start, len) in queued {
-            state.alloc.free(BlockRun { start, len });
+            free.alloc.free(BlockRun { start, len });
             blocks += len;
         }
         blocks
@@ -372,13 +377,13 @@ impl Discard {
     /// For a writer that found no room: the queued runs come back now,
     /// undiscarded, and the discards in flight are waited for. Returns
     /// whether any blocks came back. The caller holds no borrow of the
-    /// state: this borrows it before its await.
-    pub async fn reclaim(&self, meta: &Meta) -> bool {
+    /// free space: this borrows it before its await.
+    pub async fn reclaim(&self, space: &Space) -> bool {
         let (before, busy) = {
             let d = self.state.borrow();
             (d.blocks(), d.in_flight_blocks > 0)
         };
-        self.give_back_queued(&mut meta.state_mut());
+        self.give_back_queued(&mut space.free_mut());
         if busy {
             self.wait_in_flight().await;
         }
@@ -401,11 +406,11 @@ impl Discard {
     /// the discards in flight, the queue's and an fstrim's piece, so the
     /// device is quiet and every run is back in the allocator once
     /// unmount returns, and drop the queue's trim.
-    pub async fn settle(&self, meta: &Meta, span: &tracing::Span) {
+    pub async fn settle(&self, space: &Space, span: &tracing::Span) {
         while self.state.borrow().in_flight_blocks > 0 {
             reactor::sleep(SETTLE_POLL).await;
         }
-        let dropped = self.give_back_queued(&mut meta.state_mut());
+        let dropped = self.give_back_queued(&mut space.free_mut());
         if dropped > 0 {
             tracing::debug!(parent: span, blocks = dropped, "unmount: queued discards dropped");
         }
@@ -448,7 +453,7 @@ pub(crate) fn start_discard_task(fs: &Rc<FsInner>) {
             };
             let piece = len.min(fs.discard.piece_blocks_max());
             if fs.discard.too_short(len) {
-                fs.discard.free_short_run(&mut fs.meta.state_mut());
+                fs.discard.free_short_run(&mut fs.space.free_mut());
                 continue;
             }
             drop(fs);
@@ -461,7 +466,7 @@ pub(crate) fn start_discard_task(fs: &Rc<FsInner>) {
             if let Some(run) = popped {
                 reactor::spawn_local(async move {
                     let result = fs.discard.issue(&fs.io, run).await;
-                    fs.discard.complete_queued(&mut fs.meta.state_mut(), &fs.span, run, result);
+                    fs.discard.complete_queued(&mut fs.space.free_mut(), &fs.span, run, result);
                 });
             }
         }
@@ -541,23 +546,23 @@ impl Admin<'_> {
             // asking, and would fail while this piece is out.
             let room = fs.space.device_available_blocks(fs.usage());
             let piece = {
-                let mut state = fs.meta.state_mut();
-                let rest = resume.then(|| state.alloc.next_free_run(cursor, 1)).flatten().filter(|r| r.start == cursor);
-                let Some(run) = rest.or_else(|| state.alloc.next_free_run(cursor, min_blocks)) else { break };
+                let mut free = fs.space.free_mut();
+                let rest = resume.then(|| free.alloc.next_free_run(cursor, 1)).flatten().filter(|r| r.start == cursor);
+                let Some(run) = rest.or_else(|| free.alloc.next_free_run(cursor, min_blocks)) else { break };
                 let len = run.len.min(PIECE_BLOCKS_MAX);
                 if room < len && room < min_blocks {
                     tracing::debug!(parent: &fs.span, room, "fstrim: no free space that is not reserved");
                     break;
                 }
                 let piece = BlockRun { start: run.start, len: len.min(room) };
-                state.alloc.claim(piece).map_err(|e| FsError::Corrupt(format!("fstrim: {e}")))?;
+                free.alloc.claim(piece).map_err(|e| FsError::Corrupt(format!("fstrim: {e}")))?;
                 resume = piece.len < run.len;
                 piece
             };
             fs.discard.start_trim_piece(piece);
             cursor = piece.end();
             let result = fs.discard.issue(&fs.io, piece).await;
-            fs.discard.account(&mut fs.meta.state_mut(), piece, &result);
+            fs.discard.account(&mut fs.space.free_mut(), piece, &result);
             match result {
                 Ok(_) => trimmed += block_bytes(piece.len),
                 Err(BdevError::Unsupported(_)) => return Err(FsError::Unsupported),

@@ -9,6 +9,7 @@
 use std::borrow::Cow;
 use std::collections::HashMap;
 
+use super::alloc::Allocator;
 use super::blocks::{whole_blocks, FileBlock};
 use super::format::{Superblock, ROOT_INO};
 use super::journal;
@@ -85,7 +86,7 @@ pub async fn fsck(dev: DeviceChannel, mut progress: impl FnMut(&str)) -> FsResul
         }
     };
     progress("inodes and directories");
-    check_state(&state, &sb, recorded_free, &mut report);
+    check_state(&state.state, &state.free.alloc, &sb, recorded_free, &mut report);
     Ok(report)
 }
 
@@ -126,9 +127,9 @@ impl PerInode {
     }
 }
 
-fn check_state(state: &State, sb: &Superblock, recorded_free: u64, report: &mut FsckReport) {
+fn check_state(state: &State, alloc: &Allocator, sb: &Superblock, recorded_free: u64, report: &mut FsckReport) {
     report.inodes = state.inode_count() as u64;
-    report.free_blocks = state.alloc.free_blocks();
+    report.free_blocks = alloc.free_blocks();
     let mut names_of = PerInode::for_state(state);
     let mut subdirs: HashMap<Ino, u32> = HashMap::new();
     let mut parents: HashMap<Ino, Vec<Ino>> = HashMap::new();
@@ -159,12 +160,12 @@ fn check_state(state: &State, sb: &Superblock, recorded_free: u64, report: &mut 
     check_links(state, &names_of, &subdirs, &parents, report);
     check_connectivity(state, report);
     let cp_blocks = sb.checkpoint_blocks();
-    let expected_free = state.alloc.total_blocks() - report.data_blocks_used - cp_blocks;
-    if state.alloc.free_blocks() != expected_free {
-        let detail = format!("free index has {} blocks, extents leave {expected_free}", state.alloc.free_blocks());
+    let expected_free = alloc.total_blocks() - report.data_blocks_used - cp_blocks;
+    if alloc.free_blocks() != expected_free {
+        let detail = format!("free index has {} blocks, extents leave {expected_free}", alloc.free_blocks());
         report.problems.push(problem("free-space", detail, true));
     }
-    let computed_free = state.alloc.free_blocks() + sb.free_count_checkpoint_blocks();
+    let computed_free = alloc.free_blocks() + sb.free_count_checkpoint_blocks();
     if recorded_free != computed_free {
         let detail = format!("recorded free count {recorded_free}, computed {computed_free}");
         report.problems.push(problem("free-count", detail, true));
@@ -322,17 +323,18 @@ fn fix_entries_and_links(fs: &Fs, repaired: &mut Vec<String>) -> FsResult<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::alloc::Allocator;
     use crate::format::Timespec;
     use crate::format::{Inode, S_IFDIR};
+    use crate::space::FreeSpace;
     use crate::state::{ApplyMode, FIRST_COOKIE};
 
     /// A root, a directory in it, a file in that, and a file with a link
     /// count but no name: (root, dir, named file, nameless file).
     fn tree(inos: [u64; 4]) -> State {
-        let mut s = State::new(Allocator::new(100, 1000, 1));
+        let mut s = State::default();
+        let mut free = FreeSpace::new(Allocator::new(100, 1000, 1));
         let [root, dir, named, nameless] = inos.map(Ino::new);
-        let mut apply = |r: Record| s.apply(&r, ApplyMode::Replay).expect("applies");
+        let mut apply = |r: Record| s.apply(&r, ApplyMode::Replay, &mut free).expect("applies");
         apply(Record::InodeSet(Inode::new(root, S_IFDIR | 0o755, 0, 0, 0, Timespec::default())));
         apply(Record::InodeSet(Inode::new(dir, S_IFDIR | 0o755, 0, 0, 0, Timespec::default())));
         for ino in [named, nameless] {

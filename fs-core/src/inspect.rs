@@ -98,13 +98,14 @@ impl Inspect<'_> {
             }
         }
         owned.extend(sb.checkpoint_extents.iter().map(|r| (r.start, r.len, "the checkpoint".to_string())));
-        owned.extend(state.pending_free.iter().map(|r| (r.start, r.len, "a pending free".to_string())));
+        let free = self.inner.space.free();
+        owned.extend(free.pending_free.iter().map(|r| (r.start, r.len, "a pending free".to_string())));
         let held = self.inner.space.held_runs();
         owned.extend(held.iter().map(|r| (r.start, r.len, "a free held for a checkpoint".to_string())));
         owned.extend(
             self.inner.discard.runs().into_iter().map(|r| (r.start, r.len, "a free awaiting its discard".to_string())),
         );
-        owned.extend(state.alloc.free_runs().iter().map(|r| (r.start, r.len, "the free list".to_string())));
+        owned.extend(free.alloc.free_runs().iter().map(|r| (r.start, r.len, "the free list".to_string())));
         owned.sort_by_key(|o| o.0);
         for pair in owned.windows(2) {
             let (a, b) = (&pair[0], &pair[1]);

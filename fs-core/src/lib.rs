@@ -275,10 +275,10 @@ impl FsInner {
     /// now: the allocator's counts, the checkpoint's size, the blocks
     /// awaiting a discard.
     fn usage(&self) -> space::Usage {
-        let state = self.meta.state();
+        let free = self.space.free();
         space::Usage {
-            free_blocks: state.alloc.free_blocks(),
-            total_blocks: state.alloc.total_blocks(),
+            free_blocks: free.alloc.free_blocks(),
+            total_blocks: free.alloc.total_blocks(),
             checkpoint_blocks: self.journal.sb.borrow().checkpoint_blocks(),
             discarding: self.discard.blocks(),
         }
@@ -317,7 +317,7 @@ impl Fs {
             return Err(e);
         }
         self.inner.unmounted.set(true);
-        self.inner.discard.settle(&self.inner.meta, &self.inner.span).await;
+        self.inner.discard.settle(&self.inner.space, &self.inner.span).await;
         journal::checkpoint(&self.inner).await
     }
 
@@ -338,7 +338,7 @@ async fn mount_with(dev: DeviceChannel, config: FsConfig, require_root: bool) ->
             config: config.clone(),
 
             meta: meta::Meta::new(loaded.state),
-            space: space::Space::new(config.quota),
+            space: space::Space::new(config.quota, loaded.free),
             journal: journal::Journal {
                 sb: RefCell::new(loaded.sb),
                 ring: RefCell::new(JournalState {

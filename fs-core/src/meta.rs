@@ -1,8 +1,8 @@
 //! The metadata in memory: every inode's node (its image, directory
 //! entries, xattrs, extent map and the counts that hold it), the next
 //! inode number, and the snapshot of a checkpoint being encoded. The
-//! allocator and the runs freed since the last commit still live in the
-//! same [`State`] until they move to their own part.
+//! allocator and the runs freed since the last commit are
+//! [`crate::space::Space`]'s, lent to [`Meta::apply_live`] for one record.
 //!
 //! Borrows of the state are short: a caller drops its borrow before any
 //! await and before it calls into another part, which may borrow the
@@ -19,6 +19,7 @@ use crate::format::{Inode, BLOCK_SIZE};
 use crate::ids::Ino;
 use crate::ops::Attr;
 use crate::record::Record;
+use crate::space::FreeSpace;
 use crate::state::{ApplyMode, Node, State, INO_MAX};
 use crate::{FsError, FsResult};
 
@@ -42,10 +43,10 @@ impl Meta {
     /// Apply `record` to the live state. The operation checked everything
     /// the record needs, so a refusal means the state is not what the
     /// operation saw: corruption, not the caller's error.
-    pub fn apply_live(&self, record: &Record) -> FsResult<()> {
+    pub fn apply_live(&self, record: &Record, free: &mut FreeSpace) -> FsResult<()> {
         self.state
             .borrow_mut()
-            .apply(record, ApplyMode::Live)
+            .apply(record, ApplyMode::Live, free)
             .map_err(|e| FsError::Corrupt(format!("live change refused: {e}")))
     }
 

@@ -1,11 +1,15 @@
-//! Room for data: the quota, the blocks promised but not yet mapped, and
+//! Room for data: the allocator and the runs freed since the last commit
+//! ([`FreeSpace`]), the quota, the blocks promised but not yet mapped, and
 //! the frees a checkpoint in pieces holds back. (Not `data::space`, which
 //! is fallocate, truncate and lseek.)
 //!
-//! The allocator itself still lives in [`State`] until it moves here; a
-//! method that needs it takes the `&State` or `&mut State` its caller may
-//! already hold, and the other parts' figures arrive as a [`Usage`] of
-//! plain numbers, so that this part borrows nothing of another.
+//! The other parts' figures arrive as a [`Usage`] of plain numbers, so
+//! that this part borrows nothing of another. The metadata state applies
+//! records against a `&mut FreeSpace` lent to it ([`State::apply`]): an
+//! extent a record maps is claimed, and one it unmaps is freed.
+//!
+//! Borrows of the free space are short, as the state's are: none is held
+//! across an await or a call into another part.
 //!
 //! Three amounts are promised and not yet visible in the allocator's free
 //! count: `delalloc_reserved` (dirty cached pages over holes, which
@@ -13,18 +17,34 @@
 //! data whose extent record is not logged yet) and `held` (runs freed by
 //! commits while a checkpoint is encoded in pieces).
 
-use std::cell::{Cell, RefCell};
+use std::cell::{Cell, Ref, RefCell, RefMut};
 
+use crate::alloc::Allocator;
 use crate::discard::Discard;
 use crate::format::{BlockRun, CHECKPOINT_EXTENTS_MAX};
 use crate::quota::Quota;
-use crate::state::State;
 use crate::{FsError, FsResult};
+
+/// The blocks of the data area that belong to no file: the allocator's
+/// free index, and the runs freed by changes not yet committed.
+pub(crate) struct FreeSpace {
+    pub alloc: Allocator,
+    /// Runs freed by changes not yet committed: reusable only after the
+    /// commit, or a crash could leave the old owner pointing at new data.
+    pub pending_free: Vec<BlockRun>,
+}
+
+impl FreeSpace {
+    pub fn new(alloc: Allocator) -> Self {
+        Self { alloc, pending_free: Vec::new() }
+    }
+}
 
 /// The smallest checkpoint reserve: 1 MiB.
 const CHECKPOINT_RESERVE_MIN_BLOCKS: u64 = 256;
 
 pub(crate) struct Space {
+    free: RefCell<FreeSpace>,
     /// The quota now (FsConfig's at mount, then [`crate::Admin::set_quota`]'s).
     quota: Cell<Quota>,
     /// Blocks promised to dirty cached pages over holes (delayed
@@ -79,13 +99,22 @@ impl Space {
         }
     }
 
-    pub fn new(quota: Quota) -> Self {
+    pub fn new(quota: Quota, free: FreeSpace) -> Self {
         Self {
+            free: RefCell::new(free),
             quota: Cell::new(quota),
             delalloc_reserved: Cell::new(0),
             reserved_unmapped: Cell::new(0),
             held: RefCell::default(),
         }
+    }
+
+    pub fn free(&self) -> Ref<'_, FreeSpace> {
+        self.free.borrow()
+    }
+
+    pub fn free_mut(&self) -> RefMut<'_, FreeSpace> {
+        self.free.borrow_mut()
     }
 
     pub fn quota(&self) -> Quota {
@@ -197,17 +226,12 @@ impl Space {
     /// merging), reserved until their extent record is logged
     /// ([`Self::unreserve`]). No room check: the caller made it, or is
     /// writeback spending a promise.
-    pub fn alloc_runs(
-        &self,
-        state: &mut State,
-        mut hint: Option<u64>,
-        count: u64,
-        preferred_group: usize,
-    ) -> FsResult<Vec<BlockRun>> {
+    pub fn alloc_runs(&self, mut hint: Option<u64>, count: u64, preferred_group: usize) -> FsResult<Vec<BlockRun>> {
+        let free = &mut *self.free.borrow_mut();
         let mut runs = Vec::new();
         let mut left = count;
         while left > 0 {
-            match state.alloc.alloc(left, hint, preferred_group) {
+            match free.alloc.alloc(left, hint, preferred_group) {
                 Some(run) => {
                     left -= run.len;
                     hint = Some(run.end());
@@ -215,7 +239,7 @@ impl Space {
                 }
                 None => {
                     for r in runs {
-                        state.alloc.free(r);
+                        free.alloc.free(r);
                     }
                     return Err(FsError::NoSpace);
                 }
@@ -227,29 +251,31 @@ impl Space {
 
     /// Runs from [`Self::alloc_runs`] are mapped now, or (`back_to_free`)
     /// were not used and go back to the allocator.
-    pub fn unreserve(&self, state: &mut State, runs: &[BlockRun], back_to_free: bool) {
+    pub fn unreserve(&self, runs: &[BlockRun], back_to_free: bool) {
         let total: u64 = runs.iter().map(|r| r.len).sum();
         self.reserved_unmapped.set(self.reserved_unmapped.get() - total);
         if back_to_free {
+            let mut free = self.free.borrow_mut();
             for r in runs {
-                state.alloc.free(*r);
+                free.alloc.free(*r);
             }
         }
     }
 
     /// Allocate room for a checkpoint of `blocks` blocks in at most
     /// CHECKPOINT_EXTENTS_MAX runs.
-    pub fn alloc_checkpoint(state: &mut State, mut blocks: u64, preferred_group: usize) -> FsResult<Vec<BlockRun>> {
+    pub fn alloc_checkpoint(&self, mut blocks: u64, preferred_group: usize) -> FsResult<Vec<BlockRun>> {
+        let free = &mut *self.free.borrow_mut();
         let mut runs = Vec::new();
         while blocks > 0 {
-            let run = match state.alloc.alloc(blocks, None, preferred_group) {
+            let run = match free.alloc.alloc(blocks, None, preferred_group) {
                 Some(run) if runs.len() < CHECKPOINT_EXTENTS_MAX => run,
                 other => {
                     if let Some(run) = other {
-                        state.alloc.free(run);
+                        free.alloc.free(run);
                     }
                     for r in runs {
-                        state.alloc.free(r);
+                        free.alloc.free(r);
                     }
                     return Err(FsError::NoSpace);
                 }
@@ -260,41 +286,45 @@ impl Space {
         Ok(runs)
     }
 
+    /// The runs freed since the last commit, for the commit that frees
+    /// them on disk.
+    pub fn take_uncommitted_frees(&self) -> Vec<BlockRun> {
+        std::mem::take(&mut self.free.borrow_mut().pending_free)
+    }
+
+    /// Runs a failed commit took: still freed only in memory.
+    pub fn give_back_uncommitted_frees(&self, runs: Vec<BlockRun>) {
+        self.free.borrow_mut().pending_free.extend(runs);
+    }
+
     /// The free count a commit records: free now, plus what it frees
     /// (`freed`), plus what is free on disk but out of the allocator (held
     /// for a checkpoint, awaiting a discard, allocated but not mapped),
     /// plus the checkpoint's own blocks where the format counts them.
-    pub fn free_after_commit(&self, state: &State, freed: u64, discarding: u64, checkpoint: u64) -> u64 {
+    pub fn free_after_commit(&self, freed: u64, discarding: u64, checkpoint: u64) -> u64 {
         let held: u64 = self.held.borrow().iter().map(|r| r.len).sum::<u64>() + discarding;
-        state.alloc.free_blocks() + freed + held + self.reserved_unmapped.get() + checkpoint
+        self.free.borrow().alloc.free_blocks() + freed + held + self.reserved_unmapped.get() + checkpoint
     }
 
     /// A run a commit made free, in the one place that chooses where it
     /// goes: held while a checkpoint is encoded in pieces (`sliced`), else
     /// to the discard queue if continuous discard is on and the filesystem
     /// is mounted, else back to the allocator.
-    pub fn release_committed(
-        &self,
-        state: &mut State,
-        run: BlockRun,
-        sliced: bool,
-        discard: &Discard,
-        unmounted: bool,
-    ) {
+    pub fn release_committed(&self, run: BlockRun, sliced: bool, discard: &Discard, unmounted: bool) {
         if sliced {
             self.held.borrow_mut().push(run);
         } else {
-            discard.release_freed(state, run, unmounted);
+            discard.release_freed(&mut self.free.borrow_mut(), run, unmounted);
         }
     }
 
     /// Frees held for a checkpoint in pieces go on once none is in
     /// progress (it landed, failed or was replaced).
-    pub fn release_held_frees(&self, state: &mut State, discard: &Discard, unmounted: bool) {
+    pub fn release_held_frees(&self, discard: &Discard, unmounted: bool) {
         // Not sliced, so release_committed leaves `held` alone.
         let mut held = self.held.borrow_mut();
         for run in held.drain(..) {
-            self.release_committed(state, run, false, discard, unmounted);
+            self.release_committed(run, false, discard, unmounted);
         }
     }
 

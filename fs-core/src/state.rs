@@ -6,7 +6,6 @@
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 
-use super::alloc::Allocator;
 use super::blocks::{DevBlock, FileBlock};
 use super::codec::Writer;
 pub use super::dir::{Directory, FIRST_COOKIE};
@@ -16,6 +15,7 @@ use super::ids::Ino;
 use super::node_table::NodeTable;
 use super::ops::MAX_FILE_BYTES;
 use super::record::Record;
+use super::space::FreeSpace;
 
 /// Inode numbers stay below this (an image naming a larger one is
 /// refused), so the next-inode counter can never wrap onto the root.
@@ -245,10 +245,6 @@ pub struct State {
     /// [`State::apply`].
     nodes: NodeTable<Node>,
     pub next_ino: u64,
-    pub alloc: Allocator,
-    /// Runs freed by changes not yet committed: reusable only after the
-    /// commit, or a crash could leave the old owner pointing at new data.
-    pub pending_free: Vec<BlockRun>,
     /// The snapshot being encoded, if any, and the epoch of the last one
     /// started (nodes made meanwhile carry it, so it skips them).
     snapshot: Option<Snapshot>,
@@ -259,11 +255,14 @@ fn err<T>(msg: String) -> Result<T, ApplyError> {
     Err(ApplyError(msg))
 }
 
-impl State {
-    pub fn new(alloc: Allocator) -> Self {
-        Self { nodes: NodeTable::default(), next_ino: 2, alloc, pending_free: Vec::new(), snapshot: None, epoch: 0 }
+/// No inodes yet; the first one made is 2 (the root is made as 1).
+impl Default for State {
+    fn default() -> Self {
+        Self { nodes: NodeTable::default(), next_ino: 2, snapshot: None, epoch: 0 }
     }
+}
 
+impl State {
     pub fn node(&self, ino: Ino) -> Option<&Node> {
         self.nodes.get(ino)
     }
@@ -356,23 +355,27 @@ impl State {
     pub fn abort_snapshot(&mut self) {
         self.snapshot = None;
     }
+}
 
-    fn release(&mut self, runs: Vec<BlockRun>, mode: ApplyMode) {
-        for run in runs.into_iter().filter(|r| r.len > 0) {
-            match mode {
-                ApplyMode::Live => self.pending_free.push(run),
-                ApplyMode::Replay => self.alloc.free(run),
-            }
+/// Runs a record unmapped: freed at the next commit when live, at once
+/// when replayed (the commit that freed them is on disk).
+fn release(free: &mut FreeSpace, runs: Vec<BlockRun>, mode: ApplyMode) {
+    for run in runs.into_iter().filter(|r| r.len > 0) {
+        match mode {
+            ApplyMode::Live => free.pending_free.push(run),
+            ApplyMode::Replay => free.alloc.free(run),
         }
     }
+}
 
-    fn apply_inode_free(&mut self, ino: Ino, mode: ApplyMode) -> Result<(), ApplyError> {
+impl State {
+    fn apply_inode_free(&mut self, ino: Ino, mode: ApplyMode, free: &mut FreeSpace) -> Result<(), ApplyError> {
         self.before_change(ino);
         let Some(node) = self.nodes.remove(ino) else {
             return if mode == ApplyMode::Replay { Ok(()) } else { err(format!("free of missing inode {ino}")) };
         };
         let runs = node.extents.iter().map(|e| BlockRun { start: e.disk_block.get(), len: e.len }).collect();
-        self.release(runs, mode);
+        release(free, runs, mode);
         Ok(())
     }
 
@@ -404,20 +407,24 @@ impl State {
         Ok(())
     }
 
-    pub fn apply(&mut self, record: &Record, mode: ApplyMode) -> Result<(), ApplyError> {
+    /// Apply `record`. Runs it maps are claimed from `free` (on replay;
+    /// live, the operation allocated them), and runs it unmaps go back to
+    /// it ([`release`]).
+    pub fn apply(&mut self, record: &Record, mode: ApplyMode, free: &mut FreeSpace) -> Result<(), ApplyError> {
         match record {
             Record::InodeSet(inode) => self.apply_inode_set(inode),
-            Record::InodeFree { ino } => self.apply_inode_free(*ino, mode),
+            Record::InodeFree { ino } => self.apply_inode_free(*ino, mode, free),
             Record::DirentSet { dir, name, ino, cookie } => self.apply_dirent_set(*dir, name, *ino, *cookie),
             Record::DirentDelete { dir, name } => self.apply_dirent_delete(*dir, name, mode),
             Record::ExtentMap { ino, file_block, disk_block, len, unwritten } => {
-                self.apply_extent_map(*ino, *file_block, *disk_block, *len, *unwritten, mode)
+                let extent = (FileBlock::new(*file_block), DevBlock::new(*disk_block), *len, *unwritten);
+                self.apply_extent_map(*ino, extent, mode, free)
             }
             Record::ExtentPunch { ino, file_block, len } => {
                 self.before_change(*ino);
                 let Some(node) = self.nodes.get_mut(*ino) else { return err(format!("punch in missing inode {ino}")) };
                 let runs = node.extents.punch(FileBlock::new(*file_block), *len);
-                self.release(runs, mode);
+                release(free, runs, mode);
                 Ok(())
             }
             Record::XattrSet { ino, name, value } => {
@@ -479,16 +486,17 @@ impl State {
         Ok(())
     }
 
+    /// `extent`: where in the file, where on the device, how many
+    /// blocks, and whether they are unwritten.
     fn apply_extent_map(
         &mut self,
         ino: Ino,
-        file_block: u64,
-        disk_block: u64,
-        len: u64,
-        unwritten: bool,
+        extent: (FileBlock, DevBlock, u64, bool),
         mode: ApplyMode,
+        free: &mut FreeSpace,
     ) -> Result<(), ApplyError> {
-        if len == 0 || file_block.checked_add(len).is_none() || disk_block.checked_add(len).is_none() {
+        let (file_block, disk_block, len, unwritten) = extent;
+        if len == 0 || file_block.get().checked_add(len).is_none() || disk_block.get().checked_add(len).is_none() {
             return err(format!("extent of inode {ino} has a bad length"));
         }
         self.before_change(ino);
@@ -496,19 +504,20 @@ impl State {
         if !node.inode.is_reg() {
             return err(format!("extent for inode {ino}, which is not a regular file"));
         }
-        let replaced = node.extents.map(FileBlock::new(file_block), DevBlock::new(disk_block), len, unwritten);
-        let new = BlockRun { start: disk_block, len };
+        let replaced = node.extents.map(file_block, disk_block, len, unwritten);
+        let new = BlockRun { start: disk_block.get(), len };
         match mode {
             ApplyMode::Live => {
                 // Only runs outside the new mapping change owner; the rest
                 // is the same blocks changing state (unwritten -> written).
                 let outside = replaced.into_iter().flat_map(|r| subtract(r, new)).collect();
-                self.release(outside, mode);
+                release(free, outside, mode);
             }
             ApplyMode::Replay => {
-                self.release(replaced, mode);
-                if self.alloc.claim(new).is_err() {
-                    return err(format!("extent of inode {ino} claims blocks [{disk_block}, +{len}) already in use"));
+                release(free, replaced, mode);
+                if free.alloc.claim(new).is_err() {
+                    let start = disk_block.get();
+                    return err(format!("extent of inode {ino} claims blocks [{start}, +{len}) already in use"));
                 }
             }
         }
@@ -536,7 +545,12 @@ mod tests {
     use crate::format::S_IFDIR;
 
     fn state() -> State {
-        State::new(Allocator::new(100, 1000, 1))
+        State::default()
+    }
+
+    /// A data area of blocks 100 to 999, all free.
+    fn free_space() -> FreeSpace {
+        FreeSpace::new(crate::alloc::Allocator::new(100, 1000, 1))
     }
 
     #[test]
@@ -557,7 +571,7 @@ mod tests {
     /// refused when loaded, before anything trusts them.
     #[test]
     fn hostile_inode_records_are_refused() {
-        let mut s = state();
+        let (mut s, free) = (state(), &mut free_space());
         let file = |ino: u64, size: u64| {
             let mut inode = Inode::new(Ino::new(ino), libc::S_IFREG | 0o644, 0, 0, 0, Timespec::default());
             inode.size = size;
@@ -571,29 +585,29 @@ mod tests {
             (file(5, u64::MAX), "a size a read would overflow on"),
             (Record::NextIno { next: u64::MAX }, "a next-inode counter about to wrap"),
         ] {
-            assert!(s.apply(&record, ApplyMode::Replay).is_err(), "accepted {why}");
+            assert!(s.apply(&record, ApplyMode::Replay, free).is_err(), "accepted {why}");
         }
         assert_eq!(s.next_ino, 2, "nothing refused moved the counter");
-        s.apply(&file(INO_MAX - 1, MAX_FILE_BYTES), ApplyMode::Replay).expect("the largest valid inode");
+        s.apply(&file(INO_MAX - 1, MAX_FILE_BYTES), ApplyMode::Replay, free).expect("the largest valid inode");
         assert_eq!(s.next_ino, INO_MAX);
         let dir = Record::InodeSet(Inode::new(Ino::new(7), S_IFDIR | 0o755, 0, 0, 0, Timespec::default()));
-        s.apply(&dir, ApplyMode::Replay).expect("a directory");
+        s.apply(&dir, ApplyMode::Replay, free).expect("a directory");
         // Directory entries' cookies: replay keeps the next one above each,
         // so one at the counter limit would overflow it.
         for cookie in [0, 1, COUNTER_MAX, u64::MAX] {
             let entry = Record::DirentSet { dir: Ino::new(7), name: b"e".to_vec().into(), ino: Ino::new(7), cookie };
-            assert!(s.apply(&entry, ApplyMode::Replay).is_err(), "accepted cookie {cookie}");
+            assert!(s.apply(&entry, ApplyMode::Replay, free).is_err(), "accepted cookie {cookie}");
         }
         let entry =
             Record::DirentSet { dir: Ino::new(7), name: b"e".to_vec().into(), ino: Ino::new(7), cookie: FIRST_COOKIE };
-        s.apply(&entry, ApplyMode::Replay).expect("the first cookie");
+        s.apply(&entry, ApplyMode::Replay, free).expect("the first cookie");
     }
 
     /// Apply every record of `bytes` to a fresh state, as loading does.
     fn loaded(bytes: &[u8]) -> State {
-        let mut s = state();
+        let (mut s, mut free) = (state(), free_space());
         for r in crate::record::decode_all(bytes).expect("snapshot records decode") {
-            s.apply(&r, ApplyMode::Replay).expect("snapshot records apply");
+            s.apply(&r, ApplyMode::Replay, &mut free).expect("snapshot records apply");
         }
         s
     }
@@ -606,8 +620,8 @@ mod tests {
 
     /// A directory with three files, one with an extent and an xattr.
     fn populated() -> State {
-        let mut s = state();
-        let mut apply = |r: Record| s.apply(&r, ApplyMode::Live).expect("applies");
+        let (mut s, mut free) = (state(), free_space());
+        let mut apply = |r: Record| s.apply(&r, ApplyMode::Live, &mut free).expect("applies");
         apply(Record::InodeSet(Inode::new(Ino::new(1), S_IFDIR | 0o755, 0, 0, 0, Timespec::default())));
         for (ino, name) in [(2u64, "a"), (3, "b"), (4, "c")] {
             apply(Record::InodeSet(Inode::new(Ino::new(ino), libc::S_IFREG | 0o644, 0, 0, 0, Timespec::default())));
@@ -633,7 +647,8 @@ mod tests {
         let at_start = whole_snapshot(&mut s);
         s.start_snapshot();
         assert!(!s.snapshot_step(2), "five nodes are not done in a piece of two");
-        let apply = |s: &mut State, r: Record| s.apply(&r, ApplyMode::Live).expect("applies");
+        let mut free = free_space();
+        let mut apply = |s: &mut State, r: Record| s.apply(&r, ApplyMode::Live, &mut free).expect("applies");
         apply(&mut s, Record::ExtentMap { ino: Ino::new(2), file_block: 4, disk_block: 300, len: 2, unwritten: false });
         apply(&mut s, Record::DirentDelete { dir: Ino::new(1), name: b"c".to_vec().into() });
         apply(&mut s, Record::InodeFree { ino: Ino::new(4) });

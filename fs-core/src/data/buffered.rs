@@ -210,7 +210,7 @@ impl DataOps<'_> {
         journal::commit_all(self.inner).await?;
         // The commit may have queued its frees for discard: take them
         // (and any queued before) back now.
-        let discarded = self.inner.discard.reclaim(&self.inner.meta).await;
+        let discarded = self.inner.discard.reclaim(&self.inner.space).await;
         Ok(discarded || self.inner.space.available_blocks(self.inner.usage()) > before)
     }
 

@@ -229,15 +229,17 @@ impl DataCore<'_> {
         if !reserved {
             self.inner.space.check_room(self.inner.usage(), count)?;
         }
-        let mut state = self.inner.meta.state_mut();
-        let hint = state.node(ino).ok_or(FsError::Stale)?.extents.hint_after(file_block).map(|b| b.get());
-        self.inner.space.alloc_runs(&mut state, hint, count, self.inner.config.preferred_group)
+        let hint = {
+            let state = self.inner.meta.state();
+            state.node(ino).ok_or(FsError::Stale)?.extents.hint_after(file_block).map(|b| b.get())
+        };
+        self.inner.space.alloc_runs(hint, count, self.inner.config.preferred_group)
     }
 
     /// Runs from [`Self::alloc_runs`] are mapped now, or (`back_to_free`)
     /// go back to the allocator unused.
     pub(super) fn unreserve(self, runs: &[BlockRun], back_to_free: bool) {
-        self.inner.space.unreserve(&mut self.inner.meta.state_mut(), runs, back_to_free);
+        self.inner.space.unreserve(runs, back_to_free);
     }
 
     /// Lock the blocks a write covers. A write that extends the file also

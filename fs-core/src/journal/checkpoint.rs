@@ -15,7 +15,6 @@ use crate::blocks::DevBlock;
 use crate::codec::Writer;
 use crate::format::{crc, BlockRun, Superblock, BLOCK_BYTES, FEATURE_FREE_COUNT_HOLDS_CHECKPOINT, SUPERBLOCK_SLOTS};
 use crate::io::Io;
-use crate::space::Space;
 use crate::state::SnapshotBytes;
 use crate::{FsInner, FsResult};
 
@@ -34,8 +33,7 @@ impl Journal {
         let old = self.sb.borrow().clone();
         let total = 8 + snapshot.len();
         let blocks = total.div_ceil(CP_PAYLOAD_PER_BLOCK).max(1) as u64;
-        // The state's borrow ends here: the error path releases held frees.
-        let allocated = Space::alloc_checkpoint(&mut cx.meta.state_mut(), blocks, cx.config.preferred_group);
+        let allocated = cx.space.alloc_checkpoint(blocks, cx.config.preferred_group);
         let runs = match allocated {
             Ok(runs) => runs,
             Err(e) => {
@@ -64,24 +62,24 @@ impl Journal {
             }
             Err(e) => Err(e),
         };
-        let mut state = cx.meta.state_mut();
+        let mut free = cx.space.free_mut();
         let result = match result {
             Ok(sb) => {
                 for r in &old.checkpoint_extents {
-                    state.alloc.free(*r);
+                    free.alloc.free(*r);
                 }
                 let blocks = sb.checkpoint_blocks();
                 *self.sb.borrow_mut() = sb;
-                drop(state);
+                drop(free);
                 self.bump(|c| c.checkpoints += 1);
                 tracing::debug!(parent: cx.span, blocks, "checkpoint written");
                 Ok(())
             }
             Err(e) => {
                 for r in runs {
-                    state.alloc.free(r);
+                    free.alloc.free(r);
                 }
-                drop(state);
+                drop(free);
                 Err(e)
             }
         };
@@ -95,7 +93,7 @@ impl Journal {
         if self.ring.borrow().sliced.is_some() {
             return;
         }
-        cx.space.release_held_frees(&mut cx.meta.state_mut(), cx.discard, cx.unmounted.get());
+        cx.space.release_held_frees(cx.discard, cx.unmounted.get());
     }
 
     fn ring_half_used(&self) -> bool {

@@ -72,11 +72,11 @@ impl Journal {
         let later = std::mem::take(&mut j.dirty_later);
         j.dirty.extend(later);
         w.bytes(&std::mem::take(&mut j.pending).buf);
-        let frees = std::mem::take(&mut state.pending_free);
+        let frees = cx.space.take_uncommitted_frees();
         let freed: u64 = frees.iter().map(|r| r.len).sum();
         // Runs held for a checkpoint or awaiting a discard are free on disk too.
         let checkpoint = self.sb.borrow().free_count_checkpoint_blocks();
-        let free_after = cx.space.free_after_commit(&state, freed, cx.discard.blocks(), checkpoint);
+        let free_after = cx.space.free_after_commit(freed, cx.discard.blocks(), checkpoint);
         let tx_blocks = tx_blocks_for(w.buf.len());
         let used = j.head - self.sb.borrow().journal_start;
         let fits = used + tx_blocks <= self.sb.borrow().journal_blocks;
@@ -107,15 +107,14 @@ impl Journal {
         let mut payload = taken.payload;
         payload.extend_from_slice(&j.pending.buf);
         j.pending.buf = payload;
-        cx.meta.state_mut().pending_free.extend(taken.frees);
+        cx.space.give_back_uncommitted_frees(taken.frees);
     }
 
     fn finish(&self, cx: &CommitCx<'_>, taken: &Taken) {
-        let mut state = cx.meta.state_mut();
         let mut j = self.ring.borrow_mut();
         let sliced = j.sliced.is_some();
         for run in &taken.frees {
-            cx.space.release_committed(&mut state, *run, sliced, cx.discard, cx.unmounted.get());
+            cx.space.release_committed(*run, sliced, cx.discard, cx.unmounted.get());
         }
         j.committed_ops = j.committed_ops.max(taken.ops);
         j.flushed_data_writes = j.flushed_data_writes.max(taken.data_writes);

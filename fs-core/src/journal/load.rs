@@ -13,7 +13,8 @@ use crate::blocks::{block_bytes, whole_blocks, DevBlock};
 use crate::codec::Reader;
 use crate::format::{crc, Superblock, SuperblockError, BLOCK_BYTES, SUPERBLOCK_SLOTS, XATTR_NAME_MAX, XATTR_VALUE_MAX};
 use crate::record::{decode_all, Record};
-use crate::state::{ApplyMode, State};
+use crate::space::FreeSpace;
+use crate::state::{ApplyError, ApplyMode, State};
 use crate::FsResult;
 
 async fn read_blocks(dev: &DeviceChannel, block: u64, count: usize) -> FsResult<AlignedBuf> {
@@ -75,19 +76,32 @@ pub(crate) fn choose_superblock(
 const RECORD_BYTES_MAX: usize = 1 << 17;
 const _: () = assert!(1 + 8 + 4 + XATTR_NAME_MAX + 4 + XATTR_VALUE_MAX + 64 < RECORD_BYTES_MAX);
 
+/// What loading rebuilds from the checkpoint and the journal: the
+/// metadata, and the free space the extents leave.
+pub(crate) struct Rebuilt {
+    pub state: State,
+    pub free: FreeSpace,
+}
+
+impl Rebuilt {
+    fn replay(&mut self, record: &Record) -> Result<(), ApplyError> {
+        self.state.apply(record, ApplyMode::Replay, &mut self.free)
+    }
+}
+
 /// Load the checkpoint the superblock names into a fresh state.
 ///
 /// Streamed: blocks are read 256 at a time and each record is applied
 /// as soon as it is decoded, so loading holds the state and about a
 /// megabyte, not the whole checkpoint and its decoded records beside it
 /// (at 10M files those were 1.7 GB and several more; issue 34).
-pub(crate) async fn load_checkpoint(dev: &DeviceChannel, sb: &Superblock) -> FsResult<(State, u64)> {
+pub(crate) async fn load_checkpoint(dev: &DeviceChannel, sb: &Superblock) -> FsResult<(Rebuilt, u64)> {
     let mut alloc = crate::alloc::Allocator::new(sb.data_start(), sb.total_blocks, sb.allocation_groups);
     for run in &sb.checkpoint_extents {
         alloc.claim(*run).map_err(|e| corrupt(format!("checkpoint extents overlap: {e}")))?;
     }
     let total_data = sb.total_blocks - sb.data_start();
-    let mut state = State::new(alloc);
+    let mut state = Rebuilt { state: State::default(), free: FreeSpace::new(alloc) };
     if sb.checkpoint_bytes == 0 {
         // A freshly made filesystem before its first checkpoint.
         return Ok((state, total_data));
@@ -141,7 +155,7 @@ impl CheckpointStream {
     }
 
     /// Decode and apply every whole record buffered (all of them at the end).
-    fn apply_ready(&mut self, state: &mut State, at_end: bool) -> FsResult<()> {
+    fn apply_ready(&mut self, state: &mut Rebuilt, at_end: bool) -> FsResult<()> {
         let mut start = 0;
         if self.recorded_free.is_none() {
             if self.pending.len() < 8 {
@@ -157,7 +171,7 @@ impl CheckpointStream {
         let mut r = Reader::new(&self.pending[start..]);
         while r.remaining() > 0 && (at_end || r.remaining() >= RECORD_BYTES_MAX) {
             let record = Record::decode(&mut r).map_err(|e| corrupt(format!("checkpoint records: {e}")))?;
-            state.apply(&record, ApplyMode::Replay).map_err(|e| corrupt(format!("checkpoint: {e}")))?;
+            state.replay(&record).map_err(|e| corrupt(format!("checkpoint: {e}")))?;
         }
         let used = start + r.pos();
         self.pending.drain(..used);
@@ -208,7 +222,7 @@ async fn read_ring(dev: &DeviceChannel, sb: &Superblock, logical: u64, count: u6
 pub(crate) async fn replay(
     dev: &DeviceChannel,
     sb: &Superblock,
-    state: &mut State,
+    state: &mut Rebuilt,
     mut recorded_free: u64,
 ) -> FsResult<(u64, u64, u64, u64)> {
     let (mut pos, mut seq, mut count) = (sb.journal_start, sb.journal_seq, 0u64);
@@ -243,7 +257,7 @@ pub(crate) async fn replay(
         }
         let records = decode_all(payload).map_err(|e| corrupt(format!("journal transaction {seq}: {e}")))?;
         for r in &records {
-            state.apply(r, ApplyMode::Replay).map_err(|e| corrupt(format!("journal transaction {seq}: {e}")))?;
+            state.replay(r).map_err(|e| corrupt(format!("journal transaction {seq}: {e}")))?;
         }
         recorded_free = h.free_blocks;
         pos += u64::from(h.blocks);
@@ -258,7 +272,7 @@ pub(crate) async fn load(dev: &DeviceChannel, require_root: bool) -> FsResult<Lo
     let (sb, _other_copy_problems) = choose_superblock(read_superblocks(dev).await?, capacity_blocks)?;
     let (mut state, recorded_free) = load_checkpoint(dev, &sb).await?;
     let (journal_head, journal_seq, replayed, _) = replay(dev, &sb, &mut state, recorded_free).await?;
-    match state.node(crate::format::ROOT_INO) {
+    match state.state.node(crate::format::ROOT_INO) {
         // Mount frees inodes with no links: a crafted root among them
         // would free the whole tree.
         Some(root) if root.inode.is_dir() && root.inode.nlink == 0 => {
@@ -268,5 +282,6 @@ pub(crate) async fn load(dev: &DeviceChannel, require_root: bool) -> FsResult<Lo
         _ if !require_root => {}
         _ => return Err(corrupt("the root directory is missing")),
     }
-    Ok(Loaded { sb, state, journal_head, journal_seq, replayed })
+    let Rebuilt { state, free } = state;
+    Ok(Loaded { sb, state, free, journal_head, journal_seq, replayed })
 }

@@ -168,6 +168,7 @@ impl FsInner {
 pub(crate) struct Loaded {
     pub sb: Superblock,
     pub state: State,
+    pub free: crate::space::FreeSpace,
     pub journal_head: u64,
     pub journal_seq: u64,
     pub replayed: u64,
