@@ -197,6 +197,35 @@ impl Allocator {
         None
     }
 
+    /// Check the free index (tests and fuzzers, between operations): each
+    /// group's runs lie inside it, are non-empty, in order, neither
+    /// overlapping nor touching (freeing merges with both neighbours),
+    /// and add up to its free count. Panics on the first that does not.
+    pub fn check_invariants(&self) {
+        let mut group_start = self.data_start;
+        for g in &self.groups {
+            assert_eq!(g.start, group_start, "allocation groups tile the data area");
+            assert!(g.start < g.end && g.end <= self.data_end, "group [{}, {}) inside the data area", g.start, g.end);
+            let mut previous_end = None;
+            for (&start, &len) in &g.free {
+                assert!(len > 0, "an empty free run at {start}");
+                assert!(g.start <= start && start + len <= g.end, "free run [{start}, +{len}) outside its group");
+                if let Some(end) = previous_end {
+                    assert!(end < start, "free runs overlap or touch at {start}");
+                }
+                previous_end = Some(start + len);
+            }
+            assert_eq!(g.free.values().sum::<u64>(), g.free_blocks, "group at {}: its free count", g.start);
+            group_start = g.end;
+        }
+        assert_eq!(group_start, self.data_end, "allocation groups tile the data area");
+    }
+
+    /// Whether every block of `run` lies in the data area.
+    pub fn contains(&self, run: BlockRun) -> bool {
+        self.data_start <= run.start && run.start.checked_add(run.len).is_some_and(|end| end <= self.data_end)
+    }
+
     /// The free runs, in order (for fsck and tests).
     pub fn free_runs(&self) -> Vec<BlockRun> {
         self.groups.iter().flat_map(|g| g.free.iter().map(|(&start, &len)| BlockRun { start, len })).collect()
@@ -266,5 +295,53 @@ mod tests {
         }
         assert_eq!(got, 40);
         assert_eq!(a.free_blocks(), 0);
+        a.check_invariants();
+    }
+
+    /// Random allocations and frees keep the index whole, and the check
+    /// refuses an index whose count or runs are wrong.
+    #[test]
+    fn the_invariant_check_holds_through_changes_and_finds_damage() {
+        let mut seed = 0x51_7cc1_b727_220a_u64;
+        let mut next = |bound: u64| keelfs_base::testing::splitmix64(&mut seed) % bound;
+        let mut a = Allocator::new(16, 1016, 3);
+        let mut held = Vec::new();
+        for _ in 0..if cfg!(miri) { 50 } else { 2000 } {
+            if next(2) == 0 || held.is_empty() {
+                held.extend(a.alloc(1 + next(40), Some(16 + next(1000)), next(3) as usize));
+            } else {
+                a.free(held.swap_remove(next(held.len() as u64) as usize));
+            }
+            a.check_invariants();
+        }
+        let damaged = |change: fn(&mut Allocator)| {
+            let mut copy = Allocator::new(0, 100, 2);
+            copy.claim(BlockRun { start: 10, len: 5 }).expect("free");
+            change(&mut copy);
+            std::panic::catch_unwind(|| copy.check_invariants()).is_err()
+        };
+        assert!(!damaged(|_| {}), "an index the allocator made passes");
+        assert!(damaged(|a| a.groups[0].free_blocks += 1), "a free count off by one");
+        assert!(
+            damaged(|a| {
+                a.groups[0].free.insert(12, 1);
+            }),
+            "a run inside another"
+        );
+        assert!(
+            damaged(|a| {
+                a.groups[0].free.insert(15, 0);
+            }),
+            "an empty run"
+        );
+        // Free [0, 10) and [15, 50): grow the first to touch the second,
+        // with the count kept right.
+        assert!(
+            damaged(|a| {
+                a.groups[0].free.insert(0, 15);
+                a.groups[0].free_blocks += 5;
+            }),
+            "a run that touches the next"
+        );
     }
 }

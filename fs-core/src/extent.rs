@@ -130,6 +130,27 @@ impl ExtentMap {
         }
     }
 
+    /// Check the map (tests and fuzzers, between operations): the small
+    /// form holds one extent and a tree two or more, as `settle` leaves
+    /// them; every extent is non-empty, ends inside the block range on the
+    /// file and on the device, and starts after the one before it ends.
+    /// Panics on the first that does not hold.
+    pub fn check_invariants(&self) {
+        if let Some(Repr::Tree(map)) = self.repr.as_deref() {
+            assert!(map.len() >= 2, "a tree of {} extents left unsettled", map.len());
+        }
+        let mut previous_end = None;
+        for (file_block, (disk_block, len, _)) in self.range(..) {
+            assert!(len > 0, "an empty extent at file block {file_block}");
+            let file_end = file_block.checked_add(len).expect("an extent's file range overflows");
+            disk_block.checked_add(len).expect("an extent's device range overflows");
+            if let Some(end) = previous_end {
+                assert!(end <= file_block, "extents overlap at file block {file_block}");
+            }
+            previous_end = Some(file_end);
+        }
+    }
+
     pub fn iter(&self) -> impl Iterator<Item = Extent> + '_ {
         self.range(..).map(|(file_block, (disk_block, len, unwritten))| Extent {
             file_block: FileBlock::new(file_block),
@@ -378,8 +399,24 @@ mod tests {
                     assert!(!mergeable, "extents that continue each other are merged: {pair:?}");
                 }
                 assert_eq!(m.blocks(), model.iter().flatten().count() as u64);
+                m.check_invariants();
             }
         }
+    }
+
+    /// The invariant check refuses what the map's own changes never
+    /// leave: overlapping extents, an empty one, a tree of one.
+    #[test]
+    fn the_invariant_check_finds_a_broken_map() {
+        let broken = |entries: &[Entry]| {
+            let m = ExtentMap { repr: Some(Box::new(Repr::Tree(entries.iter().copied().collect()))) };
+            std::panic::catch_unwind(|| m.check_invariants()).is_err()
+        };
+        assert!(!broken(&[(0, (100, 4, false)), (4, (300, 2, true))]), "a valid map passes");
+        assert!(broken(&[(0, (100, 4, false)), (2, (300, 2, false))]), "overlapping extents");
+        assert!(broken(&[(0, (100, 0, false)), (4, (300, 2, false))]), "an empty extent");
+        assert!(broken(&[(0, (100, 4, false))]), "a tree of one extent");
+        assert!(broken(&[(0, (100, 4, false)), (u64::MAX - 1, (300, 2, false))]), "a file range past the last block");
     }
 
     #[test]

@@ -50,17 +50,20 @@ impl Meta {
             .map_err(|e| FsError::Corrupt(format!("live change refused: {e}")))
     }
 
-    /// A new inode number, never given out before.
     /// Check the nodes against the open handles (tests and fuzzers,
     /// between operations): every inode number is below the next one to
-    /// be given, every node's open count is the number of handles naming
-    /// it (unless the count has stuck at its top), and no handle names an
-    /// inode that is gone. Panics on the first that does not hold.
+    /// be given, only regular files map blocks and each extent map holds
+    /// its own invariants, every node's open count is the number of
+    /// handles naming it (unless the count has stuck at its top), and no
+    /// handle names an inode that is gone. Panics on the first that does
+    /// not hold.
     pub fn check_invariants(&self, opens_by_handle: &IdMapBy<Ino, u64>) {
         let state = self.state.borrow();
         for node in state.nodes() {
             let ino = node.inode.ino;
             assert!(ino.get() < state.next_ino, "inode {ino} is not below next_ino {}", state.next_ino);
+            assert!(node.extents.len() == 0 || node.inode.is_reg(), "inode {ino} maps blocks and is not a file");
+            node.extents.check_invariants();
             if let Some(opens) = node.opens.count() {
                 let handles = opens_by_handle.get(&ino).copied().unwrap_or(0);
                 assert_eq!(opens, handles, "inode {ino}: its open count against the handles naming it");
@@ -71,6 +74,7 @@ impl Meta {
         }
     }
 
+    /// A new inode number, never given out before.
     pub fn take_next_ino(&self) -> Ino {
         let mut state = self.state.borrow_mut();
         let ino = state.next_ino;

@@ -38,6 +38,21 @@ impl FreeSpace {
     pub fn new(alloc: Allocator) -> Self {
         Self { alloc, pending_free: Vec::new() }
     }
+
+    /// The allocator's own invariants, and every run awaiting its commit
+    /// non-empty and inside the data area. (That no block has two owners
+    /// is `Inspect::check_block_ownership`, which sees every part.)
+    pub fn check_invariants(&self) {
+        self.alloc.check_invariants();
+        for run in &self.pending_free {
+            assert!(
+                run.len > 0 && self.alloc.contains(*run),
+                "a pending free [{}, +{}) outside the data area",
+                run.start,
+                run.len
+            );
+        }
+    }
 }
 
 /// The smallest checkpoint reserve: 1 MiB.
@@ -90,6 +105,7 @@ impl Space {
     /// checkpoint is written in pieces and no commit runs, no free is held
     /// back. Panics on the first that does not hold.
     pub fn check_invariants(&self, seen: &SpaceWitness) {
+        self.free.borrow().check_invariants();
         if seen.data_idle {
             assert_eq!(self.delalloc_reserved.get(), seen.reserved_pages, "blocks promised to dirty pages");
             assert_eq!(self.reserved_unmapped.get(), 0, "blocks allocated but never mapped");
