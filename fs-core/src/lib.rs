@@ -272,13 +272,9 @@ impl FsInner {
     }
 
     /// What [`space::Space`]'s room checks need of the other parts, read
-    /// now: the allocator's counts, the checkpoint's size, the blocks
-    /// awaiting a discard.
+    /// now: the checkpoint's size and the blocks awaiting a discard.
     fn usage(&self) -> space::Usage {
-        let free = self.space.free();
         space::Usage {
-            free_blocks: free.alloc.free_blocks(),
-            total_blocks: free.alloc.total_blocks(),
             checkpoint_blocks: self.journal.sb.borrow().checkpoint_blocks(),
             discarding: self.discard.blocks(),
         }

@@ -369,7 +369,7 @@ impl Fs {
         Ok(StatFs {
             block_size: BLOCK_SIZE as u32,
             // With a quota, df shows it as the size.
-            blocks: self.inner.space.blocks_limit(usage),
+            blocks: self.inner.space.blocks_limit(),
             blocks_free: self.inner.space.shown_free_blocks(usage),
             // Inodes are not preallocated: the limit is the configured
             // (or device-derived) inodes_max, or the quota. Total = in use

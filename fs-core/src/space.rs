@@ -75,12 +75,10 @@ pub(crate) struct Space {
 }
 
 /// What the room for data depends on outside this part, read at one
-/// moment: the allocator's counts, the live checkpoint's size and the
-/// blocks out of the allocator for a discard.
+/// moment: the live checkpoint's size and the blocks out of the allocator
+/// for a discard. (The allocator's counts are this part's own.)
 #[derive(Clone, Copy)]
 pub(crate) struct Usage {
-    pub free_blocks: u64,
-    pub total_blocks: u64,
     pub checkpoint_blocks: u64,
     pub discarding: u64,
 }
@@ -153,7 +151,7 @@ impl Space {
 
     /// Blocks free for data on the device, quota aside.
     pub fn device_available_blocks(&self, u: Usage) -> u64 {
-        let free = u.free_blocks;
+        let free = self.free.borrow().alloc.free_blocks();
         free.saturating_sub(self.delalloc_reserved.get()).saturating_sub(Self::checkpoint_reserve(u.checkpoint_blocks))
     }
 
@@ -162,7 +160,10 @@ impl Space {
     /// commits and retries), plus space promised to dirty pages, less
     /// blocks out of the allocator only to be discarded (free on disk).
     fn quota_used_blocks(&self, u: Usage) -> u64 {
-        let allocated = u.total_blocks - u.free_blocks;
+        let allocated = {
+            let free = self.free.borrow();
+            free.alloc.total_blocks() - free.alloc.free_blocks()
+        };
         let promised = self.delalloc_reserved.get();
         (allocated + promised).saturating_sub(u.discarding)
     }
@@ -205,8 +206,9 @@ impl Space {
 
     /// The filesystem's size as df shows it: the data area, or the quota
     /// if smaller.
-    pub fn blocks_limit(&self, u: Usage) -> u64 {
-        self.quota.get().blocks().map_or(u.total_blocks, |q| q.min(u.total_blocks))
+    pub fn blocks_limit(&self) -> u64 {
+        let total = self.free.borrow().alloc.total_blocks();
+        self.quota.get().blocks().map_or(total, |q| q.min(total))
     }
 
     /// Blocks free as df shows them: those awaiting a discard are free
