@@ -67,7 +67,7 @@ pub async fn fsck(dev: DeviceChannel, mut progress: impl FnMut(&str)) -> FsResul
         report.problems.push(problem("superblock-copy", p, true));
     }
     progress("checkpoint");
-    let (mut state, recorded) = match journal::load_checkpoint(&dev, &sb).await {
+    let (mut rebuilt, recorded) = match journal::load_checkpoint(&dev, &sb).await {
         Ok(loaded) => loaded,
         Err(e) => {
             report.problems.push(problem("checkpoint", e.to_string(), false));
@@ -75,7 +75,7 @@ pub async fn fsck(dev: DeviceChannel, mut progress: impl FnMut(&str)) -> FsResul
         }
     };
     progress("journal");
-    let recorded_free = match journal::replay(&dev, &sb, &mut state, recorded).await {
+    let recorded_free = match journal::replay(&dev, &sb, &mut rebuilt, recorded).await {
         Ok((_, _, replayed, free)) => {
             report.journal_transactions_replayed = replayed;
             free
@@ -86,7 +86,7 @@ pub async fn fsck(dev: DeviceChannel, mut progress: impl FnMut(&str)) -> FsResul
         }
     };
     progress("inodes and directories");
-    check_state(&state.state, &state.free.alloc, &sb, recorded_free, &mut report);
+    check_state(&rebuilt.state, &rebuilt.free.alloc, &sb, recorded_free, &mut report);
     Ok(report)
 }
 

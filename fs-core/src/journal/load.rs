@@ -101,10 +101,10 @@ pub(crate) async fn load_checkpoint(dev: &DeviceChannel, sb: &Superblock) -> FsR
         alloc.claim(*run).map_err(|e| corrupt(format!("checkpoint extents overlap: {e}")))?;
     }
     let total_data = sb.total_blocks - sb.data_start();
-    let mut state = Rebuilt { state: State::default(), free: FreeSpace::new(alloc) };
+    let mut rebuilt = Rebuilt { state: State::default(), free: FreeSpace::new(alloc) };
     if sb.checkpoint_bytes == 0 {
         // A freshly made filesystem before its first checkpoint.
-        return Ok((state, total_data));
+        return Ok((rebuilt, total_data));
     }
     if sb.checkpoint_bytes < 8 {
         return Err(corrupt("checkpoint is too short to hold its free-block count"));
@@ -118,15 +118,15 @@ pub(crate) async fn load_checkpoint(dev: &DeviceChannel, sb: &Superblock) -> FsR
             for (i, block) in buf.chunks_exact(BLOCK_BYTES).enumerate() {
                 stream.push_block(block, sb, run.start + b + i as u64)?;
             }
-            stream.apply_ready(&mut state, false)?;
+            stream.apply_ready(&mut rebuilt, false)?;
             b += n;
         }
     }
     if stream.taken < sb.checkpoint_bytes {
         return Err(corrupt("checkpoint is shorter than the superblock says"));
     }
-    stream.apply_ready(&mut state, true)?;
-    Ok((state, stream.recorded_free.expect("8 bytes or more were taken")))
+    stream.apply_ready(&mut rebuilt, true)?;
+    Ok((rebuilt, stream.recorded_free.expect("8 bytes or more were taken")))
 }
 
 /// A checkpoint's payload on its way from blocks to the state.
@@ -155,7 +155,7 @@ impl CheckpointStream {
     }
 
     /// Decode and apply every whole record buffered (all of them at the end).
-    fn apply_ready(&mut self, state: &mut Rebuilt, at_end: bool) -> FsResult<()> {
+    fn apply_ready(&mut self, rebuilt: &mut Rebuilt, at_end: bool) -> FsResult<()> {
         let mut start = 0;
         if self.recorded_free.is_none() {
             if self.pending.len() < 8 {
@@ -171,7 +171,7 @@ impl CheckpointStream {
         let mut r = Reader::new(&self.pending[start..]);
         while r.remaining() > 0 && (at_end || r.remaining() >= RECORD_BYTES_MAX) {
             let record = Record::decode(&mut r).map_err(|e| corrupt(format!("checkpoint records: {e}")))?;
-            state.replay(&record).map_err(|e| corrupt(format!("checkpoint: {e}")))?;
+            rebuilt.replay(&record).map_err(|e| corrupt(format!("checkpoint: {e}")))?;
         }
         let used = start + r.pos();
         self.pending.drain(..used);
@@ -222,7 +222,7 @@ async fn read_ring(dev: &DeviceChannel, sb: &Superblock, logical: u64, count: u6
 pub(crate) async fn replay(
     dev: &DeviceChannel,
     sb: &Superblock,
-    state: &mut Rebuilt,
+    rebuilt: &mut Rebuilt,
     mut recorded_free: u64,
 ) -> FsResult<(u64, u64, u64, u64)> {
     let (mut pos, mut seq, mut count) = (sb.journal_start, sb.journal_seq, 0u64);
@@ -257,7 +257,7 @@ pub(crate) async fn replay(
         }
         let records = decode_all(payload).map_err(|e| corrupt(format!("journal transaction {seq}: {e}")))?;
         for r in &records {
-            state.replay(r).map_err(|e| corrupt(format!("journal transaction {seq}: {e}")))?;
+            rebuilt.replay(r).map_err(|e| corrupt(format!("journal transaction {seq}: {e}")))?;
         }
         recorded_free = h.free_blocks;
         pos += u64::from(h.blocks);
@@ -270,9 +270,9 @@ pub(crate) async fn replay(
 pub(crate) async fn load(dev: &DeviceChannel, require_root: bool) -> FsResult<Loaded> {
     let capacity_blocks = whole_blocks(dev.geometry().capacity_bytes);
     let (sb, _other_copy_problems) = choose_superblock(read_superblocks(dev).await?, capacity_blocks)?;
-    let (mut state, recorded_free) = load_checkpoint(dev, &sb).await?;
-    let (journal_head, journal_seq, replayed, _) = replay(dev, &sb, &mut state, recorded_free).await?;
-    match state.state.node(crate::format::ROOT_INO) {
+    let (mut rebuilt, recorded_free) = load_checkpoint(dev, &sb).await?;
+    let (journal_head, journal_seq, replayed, _) = replay(dev, &sb, &mut rebuilt, recorded_free).await?;
+    match rebuilt.state.node(crate::format::ROOT_INO) {
         // Mount frees inodes with no links: a crafted root among them
         // would free the whole tree.
         Some(root) if root.inode.is_dir() && root.inode.nlink == 0 => {
@@ -282,6 +282,6 @@ pub(crate) async fn load(dev: &DeviceChannel, require_root: bool) -> FsResult<Lo
         _ if !require_root => {}
         _ => return Err(corrupt("the root directory is missing")),
     }
-    let Rebuilt { state, free } = state;
+    let Rebuilt { state, free } = rebuilt;
     Ok(Loaded { sb, state, free, journal_head, journal_seq, replayed })
 }
