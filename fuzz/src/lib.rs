@@ -166,3 +166,43 @@ pub fn generated_inputs(seed: u64, count: usize) -> Vec<Vec<u8>> {
         })
         .collect()
 }
+
+/// A target's binary without AFL++: `NAME FILE...` runs each input (a
+/// crash AFL++ saved, say) through `run`, and `NAME --seeds DIR N` writes
+/// the N inputs `seeds` gives to DIR as a starting corpus.
+pub fn replay_main(
+    name: &str,
+    mut run: impl FnMut(&[u8]),
+    seeds: impl FnOnce(usize) -> Vec<Vec<u8>>,
+) -> std::process::ExitCode {
+    use std::process::ExitCode;
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if let [flag, dir, count] = args.as_slice() {
+        if flag == "--seeds" {
+            let Ok(count) = count.parse::<usize>() else {
+                eprintln!("{name}: --seeds DIR N: N must be a number");
+                return ExitCode::from(2);
+            };
+            for (i, input) in seeds(count).iter().enumerate() {
+                if let Err(e) = std::fs::write(std::path::Path::new(dir).join(format!("seed-{i:03}")), input) {
+                    eprintln!("{name}: writing seeds to {dir}: {e}");
+                    return ExitCode::FAILURE;
+                }
+            }
+            return ExitCode::SUCCESS;
+        }
+    }
+    for path in &args {
+        match std::fs::read(path) {
+            Ok(input) => {
+                run(&input);
+                println!("{path}: ok");
+            }
+            Err(e) => {
+                eprintln!("{name}: {path}: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    ExitCode::SUCCESS
+}

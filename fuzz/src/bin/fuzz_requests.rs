@@ -28,34 +28,10 @@ fn main() {
 
 #[cfg(not(feature = "afl"))]
 fn main() -> std::process::ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if let [flag, dir, count] = args.as_slice() {
-        if flag == "--seeds" {
-            let Ok(count) = count.parse::<usize>() else {
-                eprintln!("fuzz_requests: --seeds DIR N: N must be a number");
-                return std::process::ExitCode::from(2);
-            };
-            for (i, input) in keelfs_fuzz::generated_inputs(0x5eed, count).iter().enumerate() {
-                if let Err(e) = std::fs::write(std::path::Path::new(dir).join(format!("seed-{i:03}")), input) {
-                    eprintln!("fuzz_requests: writing seeds to {dir}: {e}");
-                    return std::process::ExitCode::FAILURE;
-                }
-            }
-            return std::process::ExitCode::SUCCESS;
-        }
-    }
     let mut harness = keelfs_fuzz::Harness::new();
-    for path in &args {
-        match std::fs::read(path) {
-            Ok(input) => {
-                harness.run(&input);
-                println!("{path}: ok");
-            }
-            Err(e) => {
-                eprintln!("fuzz_requests: {path}: {e}");
-                return std::process::ExitCode::FAILURE;
-            }
-        }
-    }
-    std::process::ExitCode::SUCCESS
+    keelfs_fuzz::replay_main(
+        "fuzz_requests",
+        |input| harness.run(input),
+        |count| keelfs_fuzz::generated_inputs(0x5eed, count),
+    )
 }
