@@ -341,3 +341,65 @@ fn checkpoint_records_with_valid_checksums_never_panic() {
     eprintln!("{refused} of {cases} crafted checkpoints refused at mount");
     assert!(refused > 0, "no crafted checkpoint was refused: the mutation never reached the loader");
 }
+
+/// The first transaction after the checkpoint in `image`: its byte
+/// offset in the ring.
+fn first_transaction(image: &[u8]) -> usize {
+    let sb = newest_superblock(image);
+    let at = ((2 + sb.journal_start % sb.journal_blocks) * 4096) as usize;
+    assert_eq!(&image[at..at + 4], b"KFTX", "the image has a transaction at the journal's start");
+    at
+}
+
+/// Write `value` at `field` of the transaction header at `at`, and seal
+/// the header again, as a crafted image would.
+fn sealed_header_field(image: &mut [u8], at: usize, field: usize, value: &[u8]) {
+    image[at + field..at + field + value.len()].copy_from_slice(value);
+    let sum = keelfs_fs::crc(&image[at + 8..at + 64]);
+    image[at + 4..at + 8].copy_from_slice(&sum.to_le_bytes());
+}
+
+/// A header whose checksum holds was written whole: impossible lengths in
+/// it are damage, not a torn tail that ends the log (docs/FORMAT.md,
+/// "Journal transaction"; found by the image fuzzer).
+#[test]
+fn a_whole_header_with_impossible_lengths_refuses_the_mount() {
+    let (image, _) = build_image();
+    let at = first_transaction(&image);
+    // blocks (offset 32): none, and past any ring.
+    for blocks in [0u32, 1 << 24] {
+        let mut crafted = image.clone();
+        sealed_header_field(&mut crafted, at, 32, &blocks.to_le_bytes());
+        let (clean, refused) = examine(&crafted);
+        let message = refused.unwrap_or_else(|| panic!("blocks = {blocks}: the mount took it"));
+        assert!(message.contains("past the ring"), "blocks = {blocks}: {message}");
+        assert!(!clean, "blocks = {blocks}: fsck found it clean");
+    }
+}
+
+/// Past the end of the log, no transaction numbered at or above the one
+/// expected may lie: here the first transaction after the checkpoint is
+/// renumbered (its header sealed again), so replay ends there while the
+/// ones after it, numbered on, remain. Mounting it and writing would let
+/// the next replay run from the new transactions into those.
+#[test]
+fn later_transactions_past_the_end_refuse_the_mount() {
+    let (image, _) = build_image();
+    let at = first_transaction(&image);
+    let seq = u64::from_le_bytes(image[at + 24..at + 32].try_into().unwrap());
+    let mut crafted = image.clone();
+    sealed_header_field(&mut crafted, at, 24, &(seq + 1000).to_le_bytes());
+    let (clean, refused) = examine(&crafted);
+    let message = refused.expect("the mount took a journal with a missing transaction");
+    assert!(message.contains("a committed transaction is missing"), "{message}");
+    assert!(!clean, "fsck found it clean");
+    // An earlier number there is an earlier lap's: the end of the log, as
+    // for any honest ring, and the transactions after it are older still.
+    let mut stale = image.clone();
+    let ring = 2..2 + newest_superblock(&image).journal_blocks as usize;
+    for header in ring.map(|b| b * 4096).filter(|&h| &image[h..h + 4] == b"KFTX") {
+        sealed_header_field(&mut stale, header, 24, &0u64.to_le_bytes());
+    }
+    let (_, refused) = examine(&stale);
+    assert_eq!(refused, None, "a log that ends at an earlier lap mounts");
+}

@@ -6,8 +6,8 @@ use keelfs_bdev::AlignedBuf;
 use keelfs_reactor::DeviceChannel;
 
 use super::{
-    corrupt, decode_tx_header, ring_block, Loaded, CHECKPOINT_BLOCK_MAGIC, CP_HEADER_BYTES, CP_PAYLOAD_PER_BLOCK,
-    READ_BLOCKS_MAX, TX_HEADER_BYTES,
+    corrupt, decode_any_tx_header, decode_tx_header, ring_block, Loaded, CHECKPOINT_BLOCK_MAGIC, CP_HEADER_BYTES,
+    CP_PAYLOAD_PER_BLOCK, READ_BLOCKS_MAX, TX_HEADER_BYTES,
 };
 use crate::blocks::{block_bytes, whole_blocks, DevBlock};
 use crate::codec::Reader;
@@ -237,7 +237,14 @@ pub(crate) async fn replay(
             || u64::from(h.blocks) > room
             || h.payload_len as usize > h.blocks as usize * BLOCK_BYTES - TX_HEADER_BYTES
         {
-            break;
+            // Its checksum says the header was written whole, so this is
+            // not a torn tail: it was written so (found by the image
+            // fuzzer: taken for the end, it let the transactions after it
+            // come back under the ones this mount then wrote).
+            return Err(corrupt(format!(
+                "journal transaction {seq} claims {} blocks and {} payload bytes, past the ring",
+                h.blocks, h.payload_len
+            )));
         }
         let whole = read_ring(dev, sb, pos, u64::from(h.blocks)).await?;
         let payload = &whole[TX_HEADER_BYTES..TX_HEADER_BYTES + h.payload_len as usize];
@@ -264,7 +271,37 @@ pub(crate) async fn replay(
         seq += 1;
         count += 1;
     }
+    check_past_end(dev, sb, pos, seq).await?;
     Ok((pos, seq, count, recorded_free))
+}
+
+/// After replay ends at logical block `end`, expecting transaction `seq`
+/// there: no transaction of this filesystem numbered `seq` or later may
+/// lie in the rest of the ring. An honest ring holds only earlier laps
+/// there, numbered lower, and at most a torn tail at `end` itself. A later
+/// one means a committed transaction went missing, or a crafted image;
+/// writing on would give the next replay a path from the new
+/// transactions into the old ones, whose numbers continue them (found by
+/// the image fuzzer). Reads the rest of the ring once, in bounded pieces.
+async fn check_past_end(dev: &DeviceChannel, sb: &Superblock, end: u64, seq: u64) -> FsResult<()> {
+    let ring_end = sb.journal_start + sb.journal_blocks;
+    let mut at = end + 1;
+    while at < ring_end {
+        let n = (ring_end - at).min(READ_BLOCKS_MAX);
+        let blocks = read_ring(dev, sb, at, n).await?;
+        for (i, block) in blocks.chunks_exact(BLOCK_BYTES).enumerate() {
+            if let Some(h) = decode_any_tx_header(block, &sb.uuid).filter(|h| h.seq >= seq) {
+                return Err(corrupt(format!(
+                    "journal transaction {} lies {} blocks past the journal's end, where transaction {seq} \
+                     was expected: a committed transaction is missing",
+                    h.seq,
+                    at + i as u64 - end
+                )));
+            }
+        }
+        at += n;
+    }
+    Ok(())
 }
 
 pub(crate) async fn load(dev: &DeviceChannel, require_root: bool) -> FsResult<Loaded> {

@@ -204,6 +204,12 @@ fn encode_tx_header(uuid: &[u8; 16], h: &TxHeader) -> [u8; TX_HEADER_BYTES] {
 }
 
 fn decode_tx_header(block: &[u8], uuid: &[u8; 16], seq: u64) -> Option<TxHeader> {
+    decode_any_tx_header(block, uuid).filter(|h| h.seq == seq)
+}
+
+/// A whole transaction header of the filesystem with `uuid`, whatever its
+/// sequence.
+fn decode_any_tx_header(block: &[u8], uuid: &[u8; 16]) -> Option<TxHeader> {
     let mut r = Reader::new(&block[..TX_HEADER_BYTES]);
     if r.u32("magic").ok()? != JOURNAL_TX_MAGIC {
         return None;
@@ -219,7 +225,7 @@ fn decode_tx_header(block: &[u8], uuid: &[u8; 16], seq: u64) -> Option<TxHeader>
         payload_crc: r.u32("payload crc").ok()?,
         free_blocks: r.u64("free").ok()?,
     };
-    (h.seq == seq).then_some(h)
+    Some(h)
 }
 
 fn ring_block(sb: &Superblock, logical: u64) -> u64 {
