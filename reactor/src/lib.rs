@@ -38,6 +38,7 @@ mod io;
 pub mod policy;
 mod probe;
 mod remote;
+mod shares;
 #[allow(unsafe_code)]
 mod sys;
 mod task;
@@ -54,6 +55,8 @@ pub use io::{
 pub use policy::{Regime, SwitchReason};
 pub use probe::{CpuLoad, CpuLoadProbe};
 pub use remote::{call, call_and_wait, oneshot, Call, CallError, Completer, Unsent};
+pub use shares::ShareCounters;
+use shares::{index_of, FairShares, ShareIndex, ENTERED, NO_SHARE};
 pub use sys::thread_cpu_time;
 
 use std::cell::{Cell, RefCell};
@@ -154,6 +157,12 @@ pub struct ReactorStats {
     pub sleep_ns: AtomicU64,
     pub messages: AtomicU64,
     pub task_polls: AtomicU64,
+    /// What the fair shares between this reactor's frontends did
+    /// ([`Share`]): requests refused for want of credit, rounds of
+    /// top-ups, and of those the rounds an idle iteration began.
+    pub share_refusals: AtomicU64,
+    pub share_rounds: AtomicU64,
+    pub share_idle_rounds: AtomicU64,
     /// The idle policy's state, as [`ReactorStats::poll_state`] reads it.
     poll: PollCounters,
 }
@@ -456,6 +465,8 @@ struct TaskSlot {
     generation: u32,
     future: Option<LocalFuture>,
     waker: Option<Arc<TaskWaker>>,
+    /// The fair share its polls are charged to ([`Share`]).
+    share: ShareIndex,
 }
 
 struct TimerEntry {
@@ -485,7 +496,13 @@ impl Ord for TimerEntry {
 struct Local {
     shared: Arc<Shared>,
     now: Cell<Instant>,
-    spawned: RefCell<Vec<LocalFuture>>,
+    /// Tasks spawned since the last tick, with the share each was
+    /// spawned under.
+    spawned: RefCell<Vec<(LocalFuture, ShareIndex)>>,
+    /// Fair shares of this reactor's time ([`Share`]), and the one the
+    /// code running now works for: what it spawns is charged to it.
+    shares: RefCell<FairShares>,
+    current_share: Cell<ShareIndex>,
     /// Finished tasks' boxes, for the next task of the same type.
     idle_bodies: RefCell<IdleBodies>,
     timers: RefCell<BinaryHeap<Reverse<TimerEntry>>>,
@@ -530,7 +547,7 @@ pub fn spawn_local<F: Future<Output = ()> + 'static>(future: F) {
     let mut body = idle.unwrap_or_else(|| Box::pin(None));
     body.set(Some(future));
     let body: LocalFuture = body;
-    with_local(|l| l.spawned.borrow_mut().push(body));
+    with_local(|l| l.spawned.borrow_mut().push((body, l.current_share.get())));
 }
 
 /// Register a poller with the current reactor; it joins at the next tick.
@@ -557,6 +574,60 @@ pub fn now() -> Instant {
 /// A handle to the reactor running the current thread.
 pub fn current() -> ReactorHandle {
     with_local(|l| ReactorHandle { shared: Arc::clone(&l.shared) })
+}
+
+/// A fair share of the current reactor's time (reactor/src/shares.rs):
+/// one per frontend that admits work, an export's queues, say. Tasks
+/// spawned in [`Share::enter`], and the tasks they spawn, are charged to
+/// it; [`Share::admits`] says whether it may start more work now. Made
+/// and dropped on the reactor's thread.
+pub struct Share {
+    index: ShareIndex,
+    /// Bound to the reactor whose thread made it.
+    _local: std::marker::PhantomData<Rc<()>>,
+}
+
+impl Share {
+    /// Join the current reactor's shares.
+    ///
+    /// # Panics
+    /// Outside a reactor thread, or past [`shares::SHARES_MAX`] shares.
+    pub fn join() -> Self {
+        Share { index: with_local(|l| l.shares.borrow_mut().join()), _local: std::marker::PhantomData }
+    }
+
+    /// Whether this share may start a request now. Alone on its reactor,
+    /// always; beside another active share, while it has credit. A share
+    /// refused keeps its work queued and asks again next tick: it is
+    /// topped up when the others have spent theirs or the reactor idles.
+    pub fn admits(&self) -> bool {
+        with_local(|l| l.shares.borrow_mut().admit(self.index))
+    }
+
+    /// Run `f` as this share's work: what it spawns is charged to it and
+    /// keeps it active until done (a request's task). What those tasks
+    /// spawn in turn is charged to it too, without keeping it active.
+    pub fn enter<R>(&self, f: impl FnOnce() -> R) -> R {
+        let outer = with_local(|l| l.current_share.replace(self.index | ENTERED));
+        let result = f();
+        with_local(|l| l.current_share.set(outer));
+        result
+    }
+}
+
+impl Drop for Share {
+    fn drop(&mut self) {
+        CURRENT.with(|c| {
+            if let Some(local) = c.borrow().as_ref() {
+                local.shares.borrow_mut().leave(self.index);
+            }
+        });
+    }
+}
+
+/// What the current reactor's fair shares have done.
+pub fn share_counters() -> ShareCounters {
+    with_local(|l| l.shares.borrow().counters())
 }
 
 /// Complete once the reactor's clock reaches `deadline`.
@@ -645,7 +716,7 @@ pub struct Reactor {
     live_tasks: usize,
     /// Futures spawned since the last tick, swapped with `Local::spawned`
     /// so that neither vector is allocated again per tick.
-    spawn_batch: Vec<LocalFuture>,
+    spawn_batch: Vec<(LocalFuture, ShareIndex)>,
     device_pollers: Vec<Box<dyn Poller>>,
     source_pollers: Vec<Box<dyn Poller>>,
     epoll: sys::Epoll,
@@ -716,6 +787,8 @@ impl Reactor {
             shared,
             now: Cell::new(started),
             spawned: RefCell::new(Vec::new()),
+            shares: RefCell::default(),
+            current_share: Cell::new(NO_SHARE),
             idle_bodies: RefCell::new(IdleBodies::default()),
             timers: RefCell::new(BinaryHeap::new()),
             timer_seq: Cell::new(0),
@@ -811,9 +884,12 @@ impl Reactor {
     pub fn block_on<T: 'static>(&mut self, future: impl Future<Output = T> + 'static) -> T {
         let out: Rc<RefCell<Option<T>>> = Rc::new(RefCell::new(None));
         let slot = Rc::clone(&out);
-        self.local.spawned.borrow_mut().push(Box::pin(Some(async move {
-            *slot.borrow_mut() = Some(future.await);
-        })));
+        self.local.spawned.borrow_mut().push((
+            Box::pin(Some(async move {
+                *slot.borrow_mut() = Some(future.await);
+            })),
+            NO_SHARE,
+        ));
         self.run_until(|| out.borrow().is_some());
         let value = out.borrow_mut().take();
         value.expect("block_on's future finished")
@@ -998,11 +1074,11 @@ impl Reactor {
         ran > 0
     }
 
-    fn insert_task(&mut self, future: LocalFuture) {
+    fn insert_task(&mut self, future: LocalFuture, share: ShareIndex) {
         let slot = match self.free_tasks.pop() {
             Some(slot) => slot,
             None => {
-                self.tasks.push(TaskSlot { generation: 0, future: None, waker: None });
+                self.tasks.push(TaskSlot { generation: 0, future: None, waker: None, share: NO_SHARE });
                 (self.tasks.len() - 1) as u32
             }
         };
@@ -1026,6 +1102,10 @@ impl Reactor {
             }
         };
         entry.future = Some(future);
+        entry.share = share;
+        if share & ENTERED != 0 {
+            self.local.shares.borrow_mut().task_started(index_of(share));
+        }
         self.live_tasks += 1;
         Waker::from(waker).wake();
     }
@@ -1033,11 +1113,14 @@ impl Reactor {
     fn run_tasks(&mut self) -> bool {
         std::mem::swap(&mut *self.local.spawned.borrow_mut(), &mut self.spawn_batch);
         let mut batch = std::mem::take(&mut self.spawn_batch);
-        for future in batch.drain(..) {
-            self.insert_task(future);
+        for (future, share) in batch.drain(..) {
+            self.insert_task(future, share);
         }
         self.spawn_batch = batch;
         let shared = Arc::clone(&self.local.shared);
+        // While shares contend, each poll is metered: one clock read after
+        // it, its start being the last poll's end. Alone, none.
+        let mut metered_from = self.local.shares.borrow().contended().then(|| self.config.clock.now());
         let mut polled = 0;
         while polled < self.config.tasks_per_tick_max {
             let Some(id) = shared.woken.pop() else { break };
@@ -1046,11 +1129,24 @@ impl Reactor {
                 continue; // a wake for a task that already finished
             }
             let (Some(mut future), Some(waker)) = (entry.future.take(), entry.waker.clone()) else { continue };
+            let share = entry.share;
             waker.mark.clear();
             let std_waker = Waker::from(waker);
             let mut cx = Context::from_waker(&std_waker);
             polled += 1;
-            match future.as_mut().poll_body(&mut cx) {
+            // What it spawns is charged to its share (not counted active).
+            self.local.current_share.set(index_of(share));
+            let poll = future.as_mut().poll_body(&mut cx);
+            self.local.current_share.set(NO_SHARE);
+            if let Some(from) = metered_from.as_mut() {
+                let end = self.config.clock.now();
+                if index_of(share) != NO_SHARE {
+                    let spent = end.saturating_duration_since(*from).as_nanos() as u64;
+                    self.local.shares.borrow_mut().charge(index_of(share), spent);
+                }
+                *from = end;
+            }
+            match poll {
                 Poll::Ready(()) => {
                     self.local.idle_bodies.borrow_mut().give_back(future);
                     // The waker stays in the slot for the next task (this
@@ -1060,6 +1156,10 @@ impl Reactor {
                     drop(std_waker);
                     let entry = &mut self.tasks[id.slot as usize];
                     entry.generation = entry.generation.wrapping_add(1);
+                    if entry.share & ENTERED != 0 {
+                        self.local.shares.borrow_mut().task_finished(index_of(entry.share));
+                    }
+                    entry.share = NO_SHARE;
                     self.free_tasks.push(id.slot);
                     self.live_tasks -= 1;
                 }
@@ -1067,6 +1167,14 @@ impl Reactor {
             }
         }
         ReactorStats::add(&shared.stats.task_polls, polled as u64);
+        let mut shares = self.local.shares.borrow_mut();
+        if polled == 0 {
+            shares.reactor_idle();
+        }
+        let counters = shares.counters();
+        shared.stats.share_refusals.store(counters.refusals, Ordering::Relaxed);
+        shared.stats.share_rounds.store(counters.rounds, Ordering::Relaxed);
+        shared.stats.share_idle_rounds.store(counters.idle_rounds, Ordering::Relaxed);
         polled > 0
     }
 }
