@@ -247,6 +247,8 @@ fn encode_reactors(encoder: &mut DescriptorEncoder, reactors: &[Value]) -> Resul
     let counts = [
         ("keelfs_reactor_sleeps", "times asleep in epoll", &["sleeps"][..]),
         ("keelfs_reactor_poll_switches", "times the adaptive idle policy changed regime", &["poll", "switches"]),
+        ("keelfs_reactor_share_refusals", "requests held back for an export's fair share", &["shares", "refusals"]),
+        ("keelfs_reactor_share_rounds", "rounds of fair-share top-ups", &["shares", "rounds"]),
     ];
     for (name, help, path) in counts {
         let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;

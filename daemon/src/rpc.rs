@@ -315,6 +315,11 @@ pub fn snapshot(reactors: &[ReactorHandle]) -> Value {
             "sleeps": s.sleeps.load(Ordering::Relaxed),
             "messages": s.messages.load(Ordering::Relaxed),
             "task_polls": s.task_polls.load(Ordering::Relaxed),
+            "shares": {
+                "refusals": s.share_refusals.load(Ordering::Relaxed),
+                "rounds": s.share_rounds.load(Ordering::Relaxed),
+                "idle_rounds": s.share_idle_rounds.load(Ordering::Relaxed),
+            },
             "virtio_fs_requests": requests,
             "poll": poll_json(&s.poll_state()),
         }));

@@ -360,6 +360,7 @@ fn start_owner_poller(
         in_flight_max: shape.in_flight_max,
         poll_idle: shape.poll_idle,
         span: tracing::Span::current(),
+        share: None,
     };
     reactor::register_poller(PollerClass::Source, Box::new(owner));
 }
@@ -394,6 +395,7 @@ fn start_helper_pollers(
                 in_flight_max,
                 poll_idle,
                 span,
+                share: None,
             };
             reactor::register_poller(PollerClass::Source, Box::new(poller));
         };

@@ -276,10 +276,13 @@ impl QueueState {
 /// next entry keelfs takes (or unreadable): virtio-queue then refuses
 /// every pop, and a poller that kept asking would spin for ever.
 fn avail_overrun(queue: &virtio_queue::Queue, mem: &GuestRam) -> bool {
-    match queue.avail_idx(mem, Ordering::Acquire) {
-        Ok(avail) => avail.0.wrapping_sub(queue.next_avail()) > queue.size(),
-        Err(_) => true,
-    }
+    available(queue, mem).is_none_or(|n| n > queue.size())
+}
+
+/// The chains the driver has published and keelfs not yet taken (None:
+/// the avail index is unreadable).
+fn available(queue: &virtio_queue::Queue, mem: &GuestRam) -> Option<u16> {
+    queue.avail_idx(mem, Ordering::Acquire).ok().map(|avail| avail.0.wrapping_sub(queue.next_avail()))
 }
 
 /// Polls the queues in `mine` on one reactor and serves their chains
@@ -301,6 +304,10 @@ pub(super) struct QueuePoller<S: ChainServer> {
     pub(super) poll_idle: Duration,
     /// The export's span, for events logged from the reactor's loop.
     pub(super) span: tracing::Span,
+    /// The export's fair share of this reactor, joined at the first poll
+    /// (on the reactor's thread): its requests are charged to it, and it
+    /// takes new ones only while it [admits](reactor::Share::admits).
+    pub(super) share: Option<reactor::Share>,
 }
 
 impl<S: ChainServer> QueuePoller<S> {
@@ -383,6 +390,7 @@ impl<S: ChainServer> QueuePoller<S> {
         let Some(vring) = connection.vrings.get().and_then(|v| v.get(index)) else { return false };
         let mem = connection.mem.memory().into_inner();
         let mut popped = 0;
+        let mut refused = false;
         {
             let mut state = vring.get_mut();
             if !state.get_queue().ready() || !state.is_enabled() {
@@ -396,7 +404,14 @@ impl<S: ChainServer> QueuePoller<S> {
             self.queues[index].broken = false;
             self.queues[index].ring_size = usize::from(state.get_queue().size());
             let cap = self.queues[index].in_flight_cap(self.in_flight_max);
-            while popped < POP_BATCH && self.queues[index].in_flight.get() < cap {
+            let waiting = usize::from(available(state.get_queue(), &mem).unwrap_or(0));
+            while popped < POP_BATCH.min(waiting) && self.queues[index].in_flight.get() < cap {
+                // Beside a busier export, this one waits its turn: the
+                // chains stay in the ring, polled, until it has credit.
+                if !self.share.as_ref().is_none_or(reactor::Share::admits) {
+                    refused = true;
+                    break;
+                }
                 let Some(chain) = state.get_queue_mut().pop_descriptor_chain(mem.clone()) else { break };
                 popped += 1;
                 let in_flight = &self.queues[index].in_flight;
@@ -419,9 +434,10 @@ impl<S: ChainServer> QueuePoller<S> {
             }
         }
         let queue = &mut self.queues[index];
-        if popped > 0 {
+        if popped > 0 || refused {
+            // A queue held back by its share is not idle: it has work.
             queue.idle_since = None;
-            return true;
+            return popped > 0;
         }
         match queue.idle_since {
             None => queue.idle_since = Some(now),
@@ -444,7 +460,10 @@ impl<S: ChainServer> QueuePoller<S> {
             completed: queue.completed.clone(),
             stats: self.stats.clone(),
         };
-        self.server.serve(chain, mem, charged, finish);
+        match &self.share {
+            Some(share) => share.enter(|| self.server.serve(chain, mem, charged, finish)),
+            None => self.server.serve(chain, mem, charged, finish),
+        }
     }
 
     /// Start the requests QoS held back on queue `index` whose turn came.
@@ -494,6 +513,7 @@ impl<S: ChainServer> QueuePoller<S> {
 impl<S: ChainServer> Poller for QueuePoller<S> {
     fn poll(&mut self, now: Instant) -> bool {
         let mut busy = false;
+        self.share.get_or_insert_with(reactor::Share::join);
         while let Ok(control) = self.control.try_recv() {
             self.handle_control(control);
             busy = true;
