@@ -9,24 +9,29 @@
 # OUT, appends them to OUT too. bench/tests/hostile_neighbour.rs checks
 # the same set-up for liveness only (every hostile request answered, the
 # calm export served); the ratio is a measurement, kept here.
+# KEELFSD=PATH runs another build of keelfsd (an A/B of two builds: run
+# the script once with each, alternating).
 #
 # usage: bench/run-hostile.sh [OUT.json] [--rounds N] [--calm-depth N] [--hostile-depth N]
+#                             [--driver sleep|busy]
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=""
 rounds=3
 calm_depth=8
 hostile_depth=8
+driver="sleep"
 while (($#)); do
   case $1 in
     --rounds) rounds=$2; shift 2 ;;
     --calm-depth) calm_depth=$2; shift 2 ;;
     --hostile-depth) hostile_depth=$2; shift 2 ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    --driver) driver=$2; shift 2 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) out=$1; shift ;;
   esac
 done
-keelfsd=$repo/target/release/keelfsd
+keelfsd=${KEELFSD:-$repo/target/release/keelfsd}
 bench=$repo/target/release/keelfs-bench
 for bin in "$keelfsd" "$bench"; do
   [[ -x $bin ]] || { echo "run-hostile.sh: $bin is missing (cargo build --release)" >&2; exit 2; }
@@ -60,7 +65,7 @@ done
 
 calm() {
   "$bench" vhost --socket "$work/calm.sock" --workload dio-randrw --iodepth "$calm_depth" --file-size 32M \
-    --seconds 3 --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["iops"])'
+    --driver "$driver" --seconds 3 --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["iops"])'
 }
 
 alone_sum=0 beside_sum=0
@@ -72,9 +77,9 @@ for round in $(seq "$rounds"); do
   beside=$(calm)
   wait "$attacker"
   hostile_rate=$(python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print(r["requests_per_s"])' "$work/hostile.json")
-  emit "{\"bench\":\"hostile-neighbour\",\"round\":$round,\"calm_depth\":$calm_depth,\"hostile_depth\":$hostile_depth,\"calm_iops_alone\":$alone,\"calm_iops_beside\":$beside,\"hostile_requests_per_s\":$hostile_rate}"
+  emit "{\"bench\":\"hostile-neighbour\",\"keelfsd\":\"$keelfsd\",\"driver\":\"$driver\",\"round\":$round,\"calm_depth\":$calm_depth,\"hostile_depth\":$hostile_depth,\"calm_iops_alone\":$alone,\"calm_iops_beside\":$beside,\"hostile_requests_per_s\":$hostile_rate}"
   alone_sum=$(python3 -c "print($alone_sum + $alone)")
   beside_sum=$(python3 -c "print($beside_sum + $beside)")
 done
 ratio=$(python3 -c "print(round($beside_sum / $alone_sum, 2))")
-emit "{\"bench\":\"hostile-neighbour\",\"summary\":true,\"rounds\":$rounds,\"calm_depth\":$calm_depth,\"hostile_depth\":$hostile_depth,\"ratio\":$ratio}"
+emit "{\"bench\":\"hostile-neighbour\",\"keelfsd\":\"$keelfsd\",\"driver\":\"$driver\",\"summary\":true,\"rounds\":$rounds,\"calm_depth\":$calm_depth,\"hostile_depth\":$hostile_depth,\"ratio\":$ratio}"
