@@ -76,9 +76,18 @@ pub async fn fsck(dev: DeviceChannel, mut progress: impl FnMut(&str)) -> FsResul
     };
     progress("journal");
     let recorded_free = match journal::replay(&dev, &sb, &mut rebuilt, recorded).await {
-        Ok((_, _, replayed, free)) => {
-            report.journal_transactions_replayed = replayed;
-            free
+        Ok(replayed) => {
+            report.journal_transactions_replayed = replayed.count;
+            if let Some(&first) = replayed.stale.first() {
+                let detail = format!(
+                    "{} transaction headers past the journal's end (the first {} blocks past it) are numbered \
+                     at or after the next transaction, as if they continued the log; a mount erases them",
+                    replayed.stale.len(),
+                    first - replayed.head
+                );
+                report.problems.push(problem("journal-stale", detail, true));
+            }
+            replayed.free
         }
         Err(e) => {
             report.problems.push(problem("journal", e.to_string(), false));

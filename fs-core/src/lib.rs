@@ -327,7 +327,8 @@ impl Fs {
 /// [`Fs::mount`], or mkfs's mount of an image without a root yet
 /// (`require_root` false).
 async fn mount_with(dev: DeviceChannel, config: FsConfig, require_root: bool) -> FsResult<Fs> {
-    let loaded = journal::load(&dev, require_root).await?;
+    let mut loaded = journal::load(&dev, require_root).await?;
+    let stale_headers = std::mem::take(&mut loaded.stale_headers);
     let fs = Fs {
         inner: Rc::new(FsInner {
             io: io::Io::new(dev),
@@ -374,6 +375,15 @@ async fn mount_with(dev: DeviceChannel, config: FsConfig, require_root: bool) ->
         // Orphans stay (unreachable, freed by the next writable mount),
         // and nothing is ever committed or written back.
         return Ok(fs);
+    }
+    if !stale_headers.is_empty() {
+        tracing::warn!(
+            parent: &fs.inner.span,
+            headers = stale_headers.len(),
+            "erasing stale journal transactions past the end numbered as if they continued it"
+        );
+        let sb = fs.inner.journal.sb.borrow().clone();
+        journal::erase_stale_headers(&fs.inner.io, &sb, &stale_headers).await?;
     }
     if !config.keep_orphans {
         fs.inner.free_orphans()?;

@@ -217,14 +217,31 @@ async fn read_ring(dev: &DeviceChannel, sb: &Superblock, logical: u64, count: u6
     Ok(out)
 }
 
+/// What replay found: where the log ends, what it applied, and the stale
+/// headers past its end that a later replay could take for its
+/// continuation.
+pub(crate) struct Replayed {
+    /// The logical block after the last transaction, and the sequence
+    /// expected there: where the next transaction goes.
+    pub head: u64,
+    pub seq: u64,
+    /// Transactions applied.
+    pub count: u64,
+    /// The free-block count the last of them recorded.
+    pub free: u64,
+    /// Logical blocks past the end holding a transaction of this
+    /// filesystem numbered at or after `seq` ([`stale_continuations`]).
+    pub stale: Vec<u64>,
+}
+
 /// Replay transactions from the superblock's journal start until the first
-/// one that is missing or torn. Returns (head, next seq, count, free).
+/// one that is missing or torn.
 pub(crate) async fn replay(
     dev: &DeviceChannel,
     sb: &Superblock,
     rebuilt: &mut Rebuilt,
     mut recorded_free: u64,
-) -> FsResult<(u64, u64, u64, u64)> {
+) -> FsResult<Replayed> {
     let (mut pos, mut seq, mut count) = (sb.journal_start, sb.journal_seq, 0u64);
     loop {
         if pos - sb.journal_start >= sb.journal_blocks {
@@ -271,44 +288,43 @@ pub(crate) async fn replay(
         seq += 1;
         count += 1;
     }
-    check_past_end(dev, sb, pos, seq).await?;
-    Ok((pos, seq, count, recorded_free))
+    let stale = stale_continuations(dev, sb, pos, seq).await?;
+    Ok(Replayed { head: pos, seq, count, free: recorded_free, stale })
 }
 
 /// After replay ends at logical block `end`, expecting transaction `seq`
-/// there: no transaction of this filesystem numbered `seq` or later may
-/// lie in the rest of the ring. An honest ring holds only earlier laps
-/// there, numbered lower, and at most a torn tail at `end` itself. A later
-/// one means a committed transaction went missing, or a crafted image;
-/// writing on would give the next replay a path from the new
-/// transactions into the old ones, whose numbers continue them (found by
-/// the image fuzzer). Reads the rest of the ring once, in bounded pieces.
-async fn check_past_end(dev: &DeviceChannel, sb: &Superblock, end: u64, seq: u64) -> FsResult<()> {
+/// there: the blocks in the rest of the ring that hold a transaction of
+/// this filesystem numbered `seq` or later. An honest ring holds only
+/// earlier laps there, numbered lower, and at most a torn tail at `end`
+/// itself. A crafted or damaged one may not: a transaction that claims
+/// more blocks than it needs hides the ones it covers, and once the
+/// journal's start passes them they lie past the end, numbered on. New
+/// transactions written from `end` could then lead the next replay into
+/// one of them, as if it continued them (found by the image fuzzer). A
+/// mount that will write erases these headers first; fsck reports them.
+/// Reads the rest of the ring once, in bounded pieces.
+async fn stale_continuations(dev: &DeviceChannel, sb: &Superblock, end: u64, seq: u64) -> FsResult<Vec<u64>> {
     let ring_end = sb.journal_start + sb.journal_blocks;
+    let mut stale = Vec::new();
     let mut at = end + 1;
     while at < ring_end {
         let n = (ring_end - at).min(READ_BLOCKS_MAX);
         let blocks = read_ring(dev, sb, at, n).await?;
         for (i, block) in blocks.chunks_exact(BLOCK_BYTES).enumerate() {
-            if let Some(h) = decode_any_tx_header(block, &sb.uuid).filter(|h| h.seq >= seq) {
-                return Err(corrupt(format!(
-                    "journal transaction {} lies {} blocks past the journal's end, where transaction {seq} \
-                     was expected: a committed transaction is missing",
-                    h.seq,
-                    at + i as u64 - end
-                )));
+            if decode_any_tx_header(block, &sb.uuid).is_some_and(|h| h.seq >= seq) {
+                stale.push(at + i as u64);
             }
         }
         at += n;
     }
-    Ok(())
+    Ok(stale)
 }
 
 pub(crate) async fn load(dev: &DeviceChannel, require_root: bool) -> FsResult<Loaded> {
     let capacity_blocks = whole_blocks(dev.geometry().capacity_bytes);
     let (sb, _other_copy_problems) = choose_superblock(read_superblocks(dev).await?, capacity_blocks)?;
     let (mut rebuilt, recorded_free) = load_checkpoint(dev, &sb).await?;
-    let (journal_head, journal_seq, replayed, _) = replay(dev, &sb, &mut rebuilt, recorded_free).await?;
+    let replayed = replay(dev, &sb, &mut rebuilt, recorded_free).await?;
     match rebuilt.state.node(crate::format::ROOT_INO) {
         // Mount frees inodes with no links: a crafted root among them
         // would free the whole tree.
@@ -320,5 +336,6 @@ pub(crate) async fn load(dev: &DeviceChannel, require_root: bool) -> FsResult<Lo
         _ => return Err(corrupt("the root directory is missing")),
     }
     let Rebuilt { state, free } = rebuilt;
-    Ok(Loaded { sb, state, free, journal_head, journal_seq, replayed })
+    let Replayed { head: journal_head, seq: journal_seq, count, stale, .. } = replayed;
+    Ok(Loaded { sb, state, free, journal_head, journal_seq, replayed: count, stale_headers: stale })
 }

@@ -172,6 +172,9 @@ pub(crate) struct Loaded {
     pub journal_head: u64,
     pub journal_seq: u64,
     pub replayed: u64,
+    /// Headers past the journal's end a writable mount erases
+    /// (`load::Replayed::stale`).
+    pub stale_headers: Vec<u64>,
 }
 
 fn corrupt(msg: impl Into<String>) -> FsError {
@@ -226,6 +229,21 @@ fn decode_any_tx_header(block: &[u8], uuid: &[u8; 16]) -> Option<TxHeader> {
         free_blocks: r.u64("free").ok()?,
     };
     Some(h)
+}
+
+/// Erase the stale transaction headers at logical journal blocks
+/// `blocks` ([`Loaded::stale_headers`]) before anything is written past
+/// the journal's end, so that no later replay can take one for a
+/// continuation of the new transactions.
+pub(crate) async fn erase_stale_headers(io: &Io, sb: &Superblock, blocks: &[u64]) -> crate::FsResult<()> {
+    for &logical in blocks {
+        let zero = keelfs_bdev::AlignedBuf::zeroed(BLOCK_BYTES, BLOCK_BYTES);
+        io.write_blocks(crate::blocks::DevBlock::new(ring_block(sb, logical)), zero).await?;
+    }
+    if !blocks.is_empty() {
+        io.flush().await?;
+    }
+    Ok(())
 }
 
 fn ring_block(sb: &Superblock, logical: u64) -> u64 {
