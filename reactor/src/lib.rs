@@ -583,8 +583,9 @@ pub fn current() -> ReactorHandle {
 /// and dropped on the reactor's thread.
 pub struct Share {
     index: ShareIndex,
-    /// Bound to the reactor whose thread made it.
-    _local: std::marker::PhantomData<Rc<()>>,
+    /// The context of the reactor whose thread made it: asked directly,
+    /// with no thread-local lookup, twice per request.
+    local: Rc<Local>,
 }
 
 impl Share {
@@ -593,7 +594,9 @@ impl Share {
     /// # Panics
     /// Outside a reactor thread, or past [`shares::SHARES_MAX`] shares.
     pub fn join() -> Self {
-        Share { index: with_local(|l| l.shares.borrow_mut().join()), _local: std::marker::PhantomData }
+        let local = CURRENT.with(|c| c.borrow().clone()).expect("called outside a reactor thread");
+        let index = local.shares.borrow_mut().join();
+        Share { index, local }
     }
 
     /// Whether this share may start a request now. Alone on its reactor,
@@ -601,27 +604,23 @@ impl Share {
     /// refused keeps its work queued and asks again next tick: it is
     /// topped up when the others have spent theirs or the reactor idles.
     pub fn admits(&self) -> bool {
-        with_local(|l| l.shares.borrow_mut().admit(self.index))
+        self.local.shares.borrow_mut().admit(self.index)
     }
 
     /// Run `f` as this share's work: what it spawns is charged to it and
     /// keeps it active until done (a request's task). What those tasks
     /// spawn in turn is charged to it too, without keeping it active.
     pub fn enter<R>(&self, f: impl FnOnce() -> R) -> R {
-        let outer = with_local(|l| l.current_share.replace(self.index | ENTERED));
+        let outer = self.local.current_share.replace(self.index | ENTERED);
         let result = f();
-        with_local(|l| l.current_share.set(outer));
+        self.local.current_share.set(outer);
         result
     }
 }
 
 impl Drop for Share {
     fn drop(&mut self) {
-        CURRENT.with(|c| {
-            if let Some(local) = c.borrow().as_ref() {
-                local.shares.borrow_mut().leave(self.index);
-            }
-        });
+        self.local.shares.borrow_mut().leave(self.index);
     }
 }
 
@@ -1171,10 +1170,14 @@ impl Reactor {
         if polled == 0 {
             shares.reactor_idle();
         }
-        let counters = shares.counters();
-        shared.stats.share_refusals.store(counters.refusals, Ordering::Relaxed);
-        shared.stats.share_rounds.store(counters.rounds, Ordering::Relaxed);
-        shared.stats.share_idle_rounds.store(counters.idle_rounds, Ordering::Relaxed);
+        if shares.counters().rounds != shared.stats.share_rounds.load(Ordering::Relaxed) {
+            // Refusals and rounds only move while shares contend, and every
+            // contention ends in a round: published with the rounds.
+            let counters = shares.counters();
+            shared.stats.share_refusals.store(counters.refusals, Ordering::Relaxed);
+            shared.stats.share_rounds.store(counters.rounds, Ordering::Relaxed);
+            shared.stats.share_idle_rounds.store(counters.idle_rounds, Ordering::Relaxed);
+        }
         polled > 0
     }
 }

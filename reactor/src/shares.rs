@@ -122,6 +122,9 @@ impl FairShares {
     /// Whether share `index` may start a request now; if so, it pays the
     /// request's estimated cost.
     pub fn admit(&mut self, index: ShareIndex) -> bool {
+        if self.entries.len() == self.free.len() + 1 {
+            return true; // the reactor's only share: the common case, first
+        }
         let round = self.round;
         let others_active = self.entries.iter().enumerate().any(|(i, e)| i != index as usize && e.is_active(round));
         if !others_active {

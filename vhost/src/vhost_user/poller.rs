@@ -272,17 +272,13 @@ impl QueueState {
     }
 }
 
-/// True when the driver's avail index is more than a ring ahead of the
-/// next entry keelfs takes (or unreadable): virtio-queue then refuses
-/// every pop, and a poller that kept asking would spin for ever.
-fn avail_overrun(queue: &virtio_queue::Queue, mem: &GuestRam) -> bool {
-    available(queue, mem).is_none_or(|n| n > queue.size())
-}
-
-/// The chains the driver has published and keelfs not yet taken (None:
-/// the avail index is unreadable).
+/// The chains the driver has published and keelfs not yet taken. None
+/// when the avail index is unreadable or more than a ring ahead of the
+/// next entry keelfs takes: virtio-queue then refuses every pop, and a
+/// poller that kept asking would spin for ever.
 fn available(queue: &virtio_queue::Queue, mem: &GuestRam) -> Option<u16> {
-    queue.avail_idx(mem, Ordering::Acquire).ok().map(|avail| avail.0.wrapping_sub(queue.next_avail()))
+    let avail = queue.avail_idx(mem, Ordering::Acquire).ok()?;
+    Some(avail.0.wrapping_sub(queue.next_avail())).filter(|&n| n <= queue.size())
 }
 
 /// Polls the queues in `mine` on one reactor and serves their chains
@@ -397,14 +393,14 @@ impl<S: ChainServer> QueuePoller<S> {
                 self.queues[index].polling = false;
                 return false;
             }
-            if avail_overrun(state.get_queue(), &mem) {
+            let Some(waiting) = available(state.get_queue(), &mem) else {
                 self.mark_broken(index);
                 return false;
-            }
+            };
+            let waiting = usize::from(waiting);
             self.queues[index].broken = false;
             self.queues[index].ring_size = usize::from(state.get_queue().size());
             let cap = self.queues[index].in_flight_cap(self.in_flight_max);
-            let waiting = usize::from(available(state.get_queue(), &mem).unwrap_or(0));
             while popped < POP_BATCH.min(waiting) && self.queues[index].in_flight.get() < cap {
                 // Beside a busier export, this one waits its turn: the
                 // chains stay in the ring, polled, until it has credit.
