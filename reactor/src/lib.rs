@@ -524,11 +524,11 @@ thread_local! {
     static CURRENT: RefCell<Option<Rc<Local>>> = const { RefCell::new(None) };
 }
 
+/// Run `f` on this thread's reactor context. It is borrowed, not cloned:
+/// the only mutable borrows of `CURRENT` are a reactor's creation and
+/// drop, which nothing run here can reach, so calls nest freely.
 fn with_local<R>(f: impl FnOnce(&Local) -> R) -> R {
-    CURRENT.with(|c| {
-        let local = c.borrow().clone().expect("called outside a reactor thread");
-        f(&local)
-    })
+    CURRENT.with(|c| f(c.borrow().as_ref().expect("called outside a reactor thread")))
 }
 
 /// Start a task on the current reactor. It is first polled in the next
