@@ -607,14 +607,27 @@ impl Share {
         self.local.shares.borrow_mut().admit(self.index)
     }
 
-    /// Run `f` as this share's work: what it spawns is charged to it and
-    /// keeps it active until done (a request's task). What those tasks
-    /// spawn in turn is charged to it too, without keeping it active.
-    pub fn enter<R>(&self, f: impl FnOnce() -> R) -> R {
+    /// Work as this share until the guard drops: what is spawned meanwhile
+    /// is charged to it and keeps it active until done (a request's task).
+    /// What those tasks spawn in turn is charged to it too, without
+    /// keeping it active. A guard, not a closure: a request's future is
+    /// built in the caller's frame and moved once, as without a share.
+    pub fn enter(&self) -> Entered<'_> {
         let outer = self.local.current_share.replace(self.index | ENTERED);
-        let result = f();
-        self.local.current_share.set(outer);
-        result
+        Entered { share: self, outer }
+    }
+}
+
+/// [`Share::enter`]'s guard: the share the thread worked for before comes
+/// back when it drops.
+pub struct Entered<'a> {
+    share: &'a Share,
+    outer: ShareIndex,
+}
+
+impl Drop for Entered<'_> {
+    fn drop(&mut self) {
+        self.share.local.current_share.set(self.outer);
     }
 }
 

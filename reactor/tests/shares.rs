@@ -30,13 +30,12 @@ impl Poller for Client {
             self.in_flight.set(self.in_flight.get() + 1);
             let (cost, clock, in_flight, done) =
                 (self.cost, Arc::clone(&self.clock), Rc::clone(&self.in_flight), Rc::clone(&self.done));
-            share.enter(|| {
-                reactor::spawn_local(async move {
-                    clock.advance(cost);
-                    reactor::next_tick().await;
-                    in_flight.set(in_flight.get() - 1);
-                    done.set(done.get() + 1);
-                })
+            let _entered = share.enter();
+            reactor::spawn_local(async move {
+                clock.advance(cost);
+                reactor::next_tick().await;
+                in_flight.set(in_flight.get() - 1);
+                done.set(done.get() + 1);
             });
             started = true;
         }

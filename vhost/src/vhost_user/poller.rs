@@ -456,10 +456,8 @@ impl<S: ChainServer> QueuePoller<S> {
             completed: queue.completed.clone(),
             stats: self.stats.clone(),
         };
-        match &self.share {
-            Some(share) => share.enter(|| self.server.serve(chain, mem, charged, finish)),
-            None => self.server.serve(chain, mem, charged, finish),
-        }
+        let _entered = self.share.as_ref().map(reactor::Share::enter);
+        self.server.serve(chain, mem, charged, finish);
     }
 
     /// Start the requests QoS held back on queue `index` whose turn came.
