@@ -308,8 +308,10 @@ async fn stale_continuations(dev: &DeviceChannel, sb: &Superblock, end: u64, seq
     let mut stale = Vec::new();
     let mut at = end + 1;
     while at < ring_end {
-        let n = (ring_end - at).min(READ_BLOCKS_MAX);
-        let blocks = read_ring(dev, sb, at, n).await?;
+        // Up to the ring's physical end at most, read in place: this runs
+        // at every mount, over the whole rest of the journal.
+        let n = (ring_end - at).min(READ_BLOCKS_MAX).min(sb.journal_blocks - at % sb.journal_blocks);
+        let blocks = read_blocks(dev, ring_block(sb, at), n as usize).await?;
         for (i, block) in blocks.chunks_exact(BLOCK_BYTES).enumerate() {
             if decode_any_tx_header(block, &sb.uuid).is_some_and(|h| h.seq >= seq) {
                 stale.push(at + i as u64);
