@@ -20,6 +20,8 @@
 
 #![forbid(unsafe_code)]
 
+pub mod image;
+
 use std::sync::Arc;
 
 use keelfs_base::testing::splitmix64;
@@ -47,7 +49,7 @@ pub struct Harness {
     image: Vec<u8>,
 }
 
-fn channel(device: &Arc<MappedDevice>) -> DeviceChannel {
+pub(crate) fn channel(device: &Arc<MappedDevice>) -> DeviceChannel {
     DeviceChannel::attach(device.open_queue(QueueConfig::default()).expect("a RAM device queue"))
 }
 
