@@ -169,6 +169,25 @@ pub fn generated_inputs(seed: u64, count: usize) -> Vec<Vec<u8>> {
         .collect()
 }
 
+/// A target's binary under AFL++ (`cargo afl build --features afl`): each
+/// input AFL++ gives goes to `harness`. A panic is a crash AFL++ records,
+/// and the process ends with it: nothing observes the harness after an
+/// unwind, so it is taken as unwind-safe.
+#[cfg(feature = "afl")]
+pub fn afl_main(harness: impl FnMut(&[u8])) {
+    struct Runner<H>(H);
+    impl<H> std::panic::RefUnwindSafe for Runner<H> {}
+    impl<H: FnMut(&[u8])> Runner<H> {
+        // A method, not the field: the closure below then captures the
+        // whole runner, which is unwind-safe by the impl above.
+        fn run(&mut self, data: &[u8]) {
+            (self.0)(data);
+        }
+    }
+    let mut runner = Runner(harness);
+    afl::fuzz!(|data: &[u8]| runner.run(data));
+}
+
 /// A target's binary without AFL++: `NAME FILE...` runs each input (a
 /// crash AFL++ saved, say) through `run`, and `NAME --seeds DIR N` writes
 /// the N inputs `seeds` gives to DIR as a starting corpus.

@@ -5,27 +5,10 @@
 
 #![forbid(unsafe_code)]
 
-/// The harness as afl wants it. A panic is a crash AFL++ records and the
-/// process ends with it: nothing observes the harness after an unwind.
-#[cfg(feature = "afl")]
-struct Runner(keelfs_fuzz::image::ImageHarness);
-
-#[cfg(feature = "afl")]
-impl std::panic::RefUnwindSafe for Runner {}
-
-#[cfg(feature = "afl")]
-impl Runner {
-    /// A method, not the field: the closure then captures the whole
-    /// runner, which is unwind-safe by the impl above.
-    fn run(&mut self, data: &[u8]) {
-        self.0.run(data);
-    }
-}
-
 #[cfg(feature = "afl")]
 fn main() {
-    let mut runner = Runner(keelfs_fuzz::image::ImageHarness::new());
-    afl::fuzz!(|data: &[u8]| runner.run(data));
+    let mut harness = keelfs_fuzz::image::ImageHarness::new();
+    keelfs_fuzz::afl_main(|data| harness.run(data));
 }
 
 #[cfg(not(feature = "afl"))]
