@@ -29,11 +29,8 @@ cleanup() {
 }
 trap cleanup EXIT
 printf '[daemon]\nreactors = 1\nrpc_socket = "%s/rpc.sock"\n' "$work" >"$work/keelfsd.toml"
-for tag in calm hostile; do
-  "$keelfsd" mkfs "$work/$tag.img" --size 256M --force >/dev/null 2>&1
-  printf '[[device]]\nname = "%s"\npath = "%s"\n[[export]]\ntag = "%s"\ndevice = "%s"\nsocket = "%s"\ncache = "none"\n' \
-    "$tag" "$work/$tag.img" "$tag" "$tag" "$work/$tag.sock" >>"$work/keelfsd.toml"
-done
+. "$repo/bench/two_exports.sh"
+append_two_exports "$keelfsd" "$work" "$work/keelfsd.toml"
 "$keelfsd" serve --config "$work/keelfsd.toml" 2>"$work/keelfsd.log" &
 daemon=$!
 for _ in $(seq 300); do [[ -S $work/calm.sock && -S $work/hostile.sock ]] && break; sleep 0.05; done

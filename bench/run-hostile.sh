@@ -51,11 +51,8 @@ emit() {
 
 config=$work/keelfsd.toml
 printf '[daemon]\nreactors = 1\n' >"$config"
-for tag in calm hostile; do
-  "$keelfsd" mkfs "$work/$tag.img" --size 256M --force >/dev/null 2>&1
-  printf '[[device]]\nname = "%s"\npath = "%s"\n[[export]]\ntag = "%s"\ndevice = "%s"\nsocket = "%s"\ncache = "none"\n' \
-    "$tag" "$work/$tag.img" "$tag" "$tag" "$work/$tag.sock" >>"$config"
-done
+. "$repo/bench/two_exports.sh"
+append_two_exports "$keelfsd" "$work" "$config"
 "$keelfsd" serve --config "$config" 2>"$work/keelfsd.log" &
 daemon=$!
 for sock in calm hostile; do
