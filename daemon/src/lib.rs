@@ -311,19 +311,20 @@ pub fn run() -> ExitCode {
             fuse_options,
             fuse_transport,
         }),
-        Command::Stats { rpc, table } => rpc::query(&rpc).map(|stats| {
-            let text = if table {
-                tools::stats_table(&stats)
-            } else {
-                serde_json::to_string_pretty(&stats).unwrap_or_default()
-            };
-            print_out(&text);
-            ExitCode::SUCCESS
-        }),
+        Command::Stats { rpc, table } => print_stats(&rpc, table),
         Command::Top { rpc, interval_ms, once } => top::run(&rpc, std::time::Duration::from_millis(interval_ms), once),
         Command::Rpc { method, params, rpc } => call_rpc(&rpc, &method, params.as_deref()),
     };
     exit_code(result)
+}
+
+/// `keelfsd stats`: the daemon's counters, as JSON or (`table`) a table.
+fn print_stats(rpc: &std::path::Path, table: bool) -> anyhow::Result<ExitCode> {
+    let stats = rpc::query(rpc)?;
+    let text =
+        if table { tools::stats_table(&stats) } else { serde_json::to_string_pretty(&stats).unwrap_or_default() };
+    print_out(&text);
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Print to stdout; a closed pipe (| head) is the reader's choice, not an
