@@ -29,6 +29,7 @@ mod fuse {
     pub mod coherence;
     pub mod dev_fuse;
     pub mod dispatch;
+    pub mod locks;
     pub mod request;
     pub mod state;
     pub mod stats;
@@ -48,6 +49,7 @@ pub use fuse::dispatch::{
     CacheMode, Clients, Notify, Session, SessionConfig, LONG_TIMEOUT as LONG_CACHE_TIMEOUT, SESSION_HANDLES_MAX,
     SHARED_TIMEOUT as SHARED_CACHE_TIMEOUT,
 };
+pub use fuse::locks::{LockCounters, Locks, LOCKS_PER_CLIENT_MAX, LOCK_END_MAX, WAITS_PER_CLIENT_MAX};
 pub use fuse::request::{InPlaceIo, IO_PREFIX_BYTES};
 pub use fuse::state::{SessionState, StateError, STATE_BYTES_MAX, STATE_VERSION};
 pub use fuse::stats::OpStats;
