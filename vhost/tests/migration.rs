@@ -17,7 +17,7 @@ use keelfs_reactor::{self as reactor, DeviceChannel, Reactor, ReactorConfig};
 use keelfs_vhost::abi::{init_flags as f, Opcode, Reply};
 use keelfs_vhost::frontend::{FrontendConfig, FsFrontend};
 use keelfs_vhost::{
-    ImageAccess, LocalFuture, ServeOptions, SessionConfig, SessionState, TransferError, VhostUserServer,
+    ImageAccess, LocalFuture, Locks, ServeOptions, SessionConfig, SessionState, TransferError, VhostUserServer,
 };
 
 mod common;
@@ -77,7 +77,12 @@ struct Server {
 
 impl Server {
     fn start(name: &str, dev: &Arc<dyn BlockDevice>, lock: &Arc<AtomicBool>, incoming: bool) -> Self {
-        Self::start_restoring(name, dev, lock, incoming, None)
+        Self::start_restoring(name, dev, lock, incoming, None, false)
+    }
+
+    /// Holding its guest's locks (a lock table of its own).
+    fn start_locking(name: &str, dev: &Arc<dyn BlockDevice>, lock: &Arc<AtomicBool>, incoming: bool) -> Self {
+        Self::start_restoring(name, dev, lock, incoming, None, true)
     }
 
     /// With a session kept by an earlier daemon to restore.
@@ -87,6 +92,7 @@ impl Server {
         lock: &Arc<AtomicBool>,
         incoming: bool,
         restore: Option<SessionState>,
+        locks: bool,
     ) -> Self {
         let dir = std::env::temp_dir().join(format!("keelfs-mig-{}-{name}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -100,7 +106,7 @@ impl Server {
                 reactor.block_on(async move {
                     let image = std::rc::Rc::new(RamImage { dev, lock, mine: Cell::new(false) });
                     let options = ServeOptions { image: Some(image.clone()), restore, ..ServeOptions::default() };
-                    let config = SessionConfig::default();
+                    let config = SessionConfig { locks: locks.then(Locks::new), ..SessionConfig::default() };
                     let server = if incoming {
                         VhostUserServer::start_detached(config, &socket, 1, options).unwrap()
                     } else {
@@ -244,6 +250,51 @@ fn a_session_moves_to_a_second_server_with_its_handles_and_lookups() {
     fsck_clean(&dev);
 }
 
+/// fuse_lk_in for `owner`'s lock of `kind` over `start..=end`.
+fn lk(fh: u64, owner: u64, kind: i32, start: u64, end: u64) -> Vec<u8> {
+    let mut body = Reply::default();
+    body.u64(fh).u64(owner).u64(start).u64(end).u32(kind as u32).u32(1000 + owner as u32).u32(0).u32(0);
+    body.bytes
+}
+
+/// A guest's locks move with its session (issue 36), and a lock request
+/// still waiting when QEMU stops the rings is answered (ENOLCK) rather
+/// than holding the stop, and so the migration, up for ever.
+#[test]
+fn locks_move_with_the_session_and_a_waiting_lock_does_not_hold_the_move_up() {
+    let (dev, lock) = image();
+    let source = Server::start_locking("locks-src", &dev, &lock, false);
+    let destination = Server::start_locking("locks-dst", &dev, &lock, true);
+    let mut fe = source.connect();
+    let agreed = fe.init(f::ASYNC_READ | f::MAX_PAGES | f::INIT_EXT | f::POSIX_LOCKS | f::FLOCK_LOCKS).unwrap();
+    assert_ne!(agreed & f::POSIX_LOCKS, 0);
+    let (ino, fh) = create(&mut fe, 1, "locked");
+    assert_eq!(status(&mut fe, Opcode::Setlk, ino, &lk(fh, 1, libc::F_WRLCK, 0, 9)), 0);
+    // Another process of the guest waits for byte 5.
+    let unique = fe.next_unique();
+    let wait =
+        keelfs_vhost::abi::encode_request(Opcode::Setlkw as u32, unique, ino, 0, 0, &lk(fh, 2, libc::F_WRLCK, 5, 5));
+    let head = fe.submit(1, &wait, 4096).unwrap();
+    assert!(fe.wait_for(1, head, Duration::from_millis(200)).is_err(), "it waits");
+
+    let state = fe.save_state().unwrap();
+    let used = fe.wait_for(1, head, TIMEOUT).expect("answered at the stop");
+    let reply = fe.reply(1, used).unwrap();
+    assert_eq!(i32::from_le_bytes(reply[4..8].try_into().unwrap()), -libc::ENOLCK);
+    let decoded = SessionState::decode(&state).unwrap();
+    assert_eq!(decoded.locks.len(), 1, "{decoded:?}");
+    drop(fe);
+
+    let mut fe = destination.load(&state).expect("the destination takes the session and its lock");
+    assert_eq!(status(&mut fe, Opcode::Setlk, ino, &lk(fh, 2, libc::F_WRLCK, 5, 5)), libc::EAGAIN, "still held");
+    assert_eq!(status(&mut fe, Opcode::Setlk, ino, &lk(fh, 1, libc::F_UNLCK, 0, 9)), 0);
+    assert_eq!(status(&mut fe, Opcode::Setlk, ino, &lk(fh, 2, libc::F_WRLCK, 5, 5)), 0);
+    drop(fe);
+    drop(destination);
+    drop(source);
+    fsck_clean(&dev);
+}
+
 #[test]
 fn a_failed_migration_resumes_on_the_source() {
     let (dev, lock) = image();
@@ -361,7 +412,7 @@ fn a_kept_session_that_does_not_fit_gives_way_to_a_fresh_one() {
     // that was formatted again would hold.
     let stale = SessionState { fs_uuid: [7; 16], initialized: true, ..SessionState::default() };
     for incoming in [true, false] {
-        let server = Server::start_restoring("stale", &dev, &lock, incoming, Some(stale.clone()));
+        let server = Server::start_restoring("stale", &dev, &lock, incoming, Some(stale.clone()), false);
         let mut fe = server.connect();
         // Without the fallback, the attach fails and so does every request.
         fe.init(f::ASYNC_READ | f::MAX_PAGES | f::INIT_EXT).unwrap();

@@ -18,13 +18,17 @@ use super::abi::{
     KERNEL_VERSION, MIN_MINOR_VERSION, OUT_HEADER_BYTES,
 };
 use super::coherence::{Change, Coherence};
-use super::request::{
-    parse, InPlaceIo, Request, FITRIM, FSTRIM_RANGE_BYTES, IOCTL_UNRESTRICTED, IO_PREFIX_BYTES, OPEN_KILL_SUIDGID,
-    SETXATTR_ACL_KILL_SGID, WRITE_CACHE, WRITE_KILL_SUIDGID,
+use super::locks::{
+    ClientId, HeldLock, LockError, LockKind, LockOwner, LockRequest, LockSpace, Locks, WAITS_PER_CLIENT_MAX,
 };
-use super::state::{SessionState, StateError};
+use super::request::{
+    parse, InPlaceIo, LockOp, Request, FITRIM, FSTRIM_RANGE_BYTES, IOCTL_UNRESTRICTED, IO_PREFIX_BYTES,
+    OPEN_KILL_SUIDGID, SETXATTR_ACL_KILL_SGID, WRITE_CACHE, WRITE_KILL_SUIDGID,
+};
+use super::state::{SavedLock, SessionState, StateError};
 use super::stats::OpStats;
 use super::trace::TraceWriter;
+use super::uring::ENTRIES_PER_QUEUE_MAX;
 
 #[derive(Clone, Debug)]
 pub struct SessionConfig {
@@ -56,6 +60,10 @@ pub struct SessionConfig {
     /// Where to record every exchange (`--trace-requests`), for replaying
     /// a real workload's requests elsewhere ([`TraceWriter`]).
     pub trace: Option<Rc<TraceWriter>>,
+    /// The export's lock table, when keelfs holds its clients' locks
+    /// (offering POSIX_LOCKS and FLOCK_LOCKS at INIT). None: each client
+    /// kernel keeps its own, and the lock requests answer ENOSYS.
+    pub locks: Option<Rc<Locks>>,
 }
 
 /// Who else uses the filesystem a session serves.
@@ -126,6 +134,7 @@ impl CacheMode {
             coherence: None,
             xattr: true,
             trace: None,
+            locks: None,
         }
     }
 }
@@ -199,6 +208,19 @@ pub struct Session {
     /// most [`READDIR_ENTRIES_KEPT`] entries' room). Taken while a READDIR
     /// runs, so a second one at the same time makes its own.
     readdir_entries: Cell<Vec<DirEntry>>,
+    /// The export's lock table and this session's client number in it.
+    locks: Option<(Rc<Locks>, ClientId)>,
+}
+
+/// A lock request's fields, as the wire gave them.
+struct LockWanted {
+    fh: Fh,
+    owner: u64,
+    start: u64,
+    end: u64,
+    kind: u32,
+    pid: u32,
+    flock: bool,
 }
 
 /// The transport's memory that a READ served in place fills.
@@ -252,6 +274,10 @@ impl Drop for Session {
     fn drop(&mut self) {
         if let Some((coherence, member)) = &self.member {
             coherence.leave(*member);
+        }
+        // Its locks go with it, and its waits end.
+        if let Some((locks, client)) = &self.locks {
+            locks.leave(*client);
         }
         // The frontend is gone: every handle it had is.
         for released in self.shared_handles.borrow().values() {
@@ -344,8 +370,10 @@ impl Session {
     /// reconnecting guest gets a new session and keeps the counters).
     pub fn with_stats(fs: Fs, config: SessionConfig, stats: Rc<OpStats>) -> Self {
         let member = config.coherence.as_ref().map(|c| (Rc::clone(c), c.member()));
+        let locks = config.locks.as_ref().map(|l| (Rc::clone(l), l.join()));
         Self {
             member,
+            locks,
             fs,
             config,
             stats,
@@ -379,7 +407,53 @@ impl Session {
             init_flags: self.flags.get(),
             lookups,
             handles,
+            locks: self.saved_locks(),
         }
+    }
+
+    fn saved_locks(&self) -> Vec<SavedLock> {
+        let Some((locks, client)) = &self.locks else { return Vec::new() };
+        let saved = |(ino, h): (Ino, HeldLock)| SavedLock {
+            ino,
+            owner: h.owner.owner,
+            start: h.start,
+            end: h.end,
+            fh: h.fh,
+            write: h.kind == LockKind::Write,
+            flock: h.space == LockSpace::Flock,
+            pid: h.pid,
+        };
+        locks.held_by(*client).into_iter().map(saved).collect()
+    }
+
+    /// Take the locks of a restored session, all or none: each through a
+    /// handle the state restores, and free of conflicts with the locks
+    /// held here.
+    fn restore_locks(&self, state: &SessionState) -> Result<(), StateError> {
+        if state.locks.is_empty() {
+            return Ok(());
+        }
+        let Some((locks, client)) = &self.locks else {
+            return Err(StateError::Locks("this export leaves locks to its clients"));
+        };
+        let handles: keelfs_base::IdMap<Ino> = state.handles.iter().map(|(fh, h)| (fh.get(), h.ino)).collect();
+        let mut held = Vec::with_capacity(state.locks.len());
+        for l in &state.locks {
+            if handles.get(&l.fh.get()) != Some(&l.ino) {
+                return Err(StateError::Locks("a lock is not through a restored handle of its inode"));
+            }
+            let (owner, space, kind) = (
+                LockOwner { client: *client, owner: l.owner },
+                if l.flock { LockSpace::Flock } else { LockSpace::Posix },
+                if l.write { LockKind::Write } else { LockKind::Read },
+            );
+            let (start, end, pid, fh) = (l.start, l.end, l.pid, l.fh);
+            held.push((l.ino, HeldLock { owner, space, kind, start, end, pid, fh }));
+        }
+        locks.restore(*client, &held).map_err(|e| match e {
+            LockError::Conflict => StateError::Locks("a lock conflicts with one held here"),
+            _ => StateError::Locks("more locks than a session may hold"),
+        })
     }
 
     /// A session over `fs` that holds what `state` says. Everything is
@@ -409,6 +483,8 @@ impl Session {
             }
         }
         let session = Self::with_stats(fs, config, stats);
+        // First, as it can still be refused: a refused state takes nothing.
+        session.restore_locks(state)?;
         {
             let mut holdings = session.holdings.borrow_mut();
             for &(ino, n) in &state.lookups {
@@ -426,6 +502,7 @@ impl Session {
             parent: &session.span,
             lookups = state.lookups.len(),
             handles = state.handles.len(),
+            locks = state.locks.len(),
             "session restored"
         );
         Ok(session)
@@ -604,6 +681,74 @@ impl Session {
         &self.fs
     }
 
+    /// The export's lock table and this session's number in it, if keelfs
+    /// holds this session's locks (offered, and taken at INIT).
+    fn lock_table(&self) -> Option<(&Locks, ClientId)> {
+        let (locks, client) = self.locks.as_ref()?;
+        let agreed = self.flags.get() & (f::POSIX_LOCKS | f::FLOCK_LOCKS) != 0;
+        agreed.then_some((&**locks, *client))
+    }
+
+    fn holds_locks(&self) -> bool {
+        self.lock_table().is_some()
+    }
+
+    /// End this session's lock waits with ENOLCK: its queues are stopping
+    /// (a migration, a reset) and wait for every request to be answered.
+    pub fn end_lock_waits(&self) {
+        if let Some((locks, client)) = &self.locks {
+            locks.end_waits(*client, LockError::Ended);
+        }
+    }
+
+    /// GETLK, SETLK or SETLKW of `wanted` on `ino`.
+    async fn lock(&self, unique: u64, ino: Ino, op: LockOp, wanted: LockWanted) -> Outcome {
+        let Some((locks, client)) = self.lock_table() else { return Err(libc::ENOSYS) };
+        let kind = match wanted.kind as i32 {
+            libc::F_RDLCK => Some(LockKind::Read),
+            libc::F_WRLCK => Some(LockKind::Write),
+            libc::F_UNLCK if op != LockOp::Test => None,
+            _ => return Err(libc::EINVAL),
+        };
+        if wanted.start > wanted.end {
+            return Err(libc::EINVAL);
+        }
+        let request = LockRequest {
+            owner: LockOwner { client, owner: wanted.owner },
+            space: if wanted.flock { LockSpace::Flock } else { LockSpace::Posix },
+            kind,
+            start: wanted.start,
+            end: wanted.end,
+            pid: wanted.pid,
+            fh: wanted.fh,
+        };
+        match op {
+            LockOp::Test => {
+                let mut r = Reply::default();
+                match locks.test(ino, &request) {
+                    // Another client's pid means nothing in this client's
+                    // pid namespace: 0, which Linux reports as no pid.
+                    Some(h) => {
+                        let pid = if h.owner.client == client { h.pid } else { 0 };
+                        let kind = if h.kind == LockKind::Read { libc::F_RDLCK } else { libc::F_WRLCK };
+                        r.u64(h.start).u64(h.end).u32(kind as u32).u32(pid);
+                    }
+                    None => {
+                        r.u64(wanted.start).u64(wanted.end).u32(libc::F_UNLCK as u32).u32(0);
+                    }
+                }
+                Ok(Some(r))
+            }
+            LockOp::Set => locks.set(ino, &request).map(|()| None).map_err(LockError::errno),
+            LockOp::SetWaiting => {
+                // Over io_uring each waiting request holds one of the ring
+                // entries of its CPU's queue: no more than half of one.
+                let waits_max = if self.over_io_uring() { ENTRIES_PER_QUEUE_MAX / 2 } else { WAITS_PER_CLIENT_MAX };
+                locks.set_waiting(ino, &request, unique, waits_max).await.map(|()| None).map_err(LockError::errno)
+            }
+        }
+    }
+
     /// Handle one request. None means FUSE expects no reply (FORGET,
     /// BATCH_FORGET, INTERRUPT, or bytes too broken to name a request).
     pub async fn handle(&self, request: &[u8]) -> Option<Vec<u8>> {
@@ -698,6 +843,13 @@ impl Session {
                     self.forget_own(ino, n).await;
                 }
             }
+            // Only a lock wait is answered early; any other request runs
+            // to its end, as keelfs's requests do not block.
+            Request::Interrupt { unique } => {
+                if let Some((locks, client)) = self.lock_table() {
+                    locks.interrupt(client, *unique);
+                }
+            }
             _ => {}
         }
     }
@@ -774,6 +926,9 @@ impl Session {
         if self.offer_io_uring.get() {
             offered |= f::OVER_IO_URING;
         }
+        if self.locks.is_some() {
+            offered |= f::POSIX_LOCKS | f::FLOCK_LOCKS;
+        }
         let flags = kernel_flags & offered;
         self.flags.set(flags);
         self.initialized.set(true);
@@ -833,8 +988,30 @@ impl Session {
         }
         let fh = self.own_handle(fh).await?;
         let mut r = self.entry(a);
-        put_open_out(&mut r, fh, flags, self.config.cache, self.config.keep_cache);
+        put_open_out(&mut r, fh, self.open_reply_flags(flags));
         Ok(Some(r))
+    }
+
+    /// fuse_open_out.open_flags for a file opened with `flags`.
+    ///
+    /// FLUSH has nothing to do here unless keelfs holds the session's
+    /// locks: writes are answered once they are in the filesystem, and
+    /// otherwise POSIX locks are the client kernel's own (INIT offers no
+    /// POSIX_LOCKS), so no lock owner needs its close. NOFLUSH then spares
+    /// a client without the writeback cache (a guest, by default) one
+    /// round trip per close(2); Linux still flushes when it has that
+    /// cache. With the locks here, every close(2) must reach keelfs, which
+    /// releases the closing process's POSIX locks then (as Linux does at
+    /// close, and as a FUSE client leaves to its server).
+    fn open_reply_flags(&self, flags: u32) -> u32 {
+        let mut open = if self.holds_locks() { 0 } else { open_flags::NOFLUSH };
+        if flags as i32 & libc::O_DIRECT != 0 || self.config.cache == CacheMode::None {
+            open |= open_flags::DIRECT_IO | open_flags::PARALLEL_DIRECT_WRITES;
+        }
+        if self.config.keep_cache {
+            open |= open_flags::KEEP_CACHE;
+        }
+        open
     }
 
     /// The flags a new handle keeps. Under writeback caching the client
@@ -933,11 +1110,11 @@ impl Session {
                 if open_flags & OPEN_KILL_SUIDGID != 0 && flags as i32 & libc::O_TRUNC != 0 {
                     self.kill_setid(ino, &c)?;
                 }
-                Ok(Some(open_out(fh, flags, self.config.cache, self.config.keep_cache)))
+                Ok(Some(open_out(fh, self.open_reply_flags(flags))))
             }
             Request::Opendir { .. } => {
                 let fh = self.own_handle(fs.opendir(&c, ino).await.map_err(e)?).await?;
-                Ok(Some(open_out(fh, 0, CacheMode::Auto, false)))
+                Ok(Some(open_out(fh, open_flags::NOFLUSH)))
             }
             Request::Create { flags, mode, name, open_flags, .. } => {
                 let flags = self.handle_flags(flags);
@@ -971,15 +1148,31 @@ impl Session {
                 r.u32(s.block_size).u32(s.name_max).u32(s.block_size).u32(0).raw(&[0u8; 24]);
                 Ok(Some(r))
             }
-            Request::Release { fh } | Request::Releasedir { fh } => {
+            Request::Release { fh, .. } | Request::Releasedir { fh } => {
                 self.own_handle_of(fh, ino)?;
+                if let Some((locks, client)) = self.lock_table() {
+                    // Its OFD and flock locks, whose owner it is: Linux
+                    // says so only for flock (RELEASE_FLOCK_UNLOCK), and
+                    // sends an OFD lock's release nowhere else.
+                    locks.release_file(ino, client, fh);
+                }
                 self.holdings.borrow_mut().handles.remove(&fh.get());
                 if let Some(released) = self.shared_handles.borrow_mut().remove(&fh.get()) {
                     released.store(true, Ordering::Release);
                 }
                 fs.release(fh).await.map(|_| None).map_err(e)
             }
-            Request::Flush { fh } => self.own_handle_of(fh, ino).map(|_| None),
+            Request::Flush { fh, lock_owner } => {
+                self.own_handle_of(fh, ino)?;
+                if let Some((locks, client)) = self.lock_table() {
+                    locks.release_owner(ino, LockOwner { client, owner: lock_owner });
+                }
+                Ok(None)
+            }
+            Request::Lock { op, fh, owner, start, end, kind, pid, flock } => {
+                self.own_handle_of(fh, ino)?;
+                self.lock(h.unique, ino, op, LockWanted { fh, owner, start, end, kind, pid, flock }).await
+            }
             Request::Fsync { fh, datasync, dir } => {
                 self.own_handle_of(fh, ino)?;
                 let r =
@@ -1364,27 +1557,15 @@ fn write_out(written: u32) -> Reply {
     r
 }
 
-fn open_out(fh: Fh, flags: u32, cache: CacheMode, keep_cache: bool) -> Reply {
+fn open_out(fh: Fh, open: u32) -> Reply {
     let mut r = Reply::default();
-    put_open_out(&mut r, fh, flags, cache, keep_cache);
+    put_open_out(&mut r, fh, open);
     r
 }
 
 /// fuse_open_out, at the end of `r`: CREATE's follows its entry, in the
-/// one pooled buffer.
-fn put_open_out(r: &mut Reply, fh: Fh, flags: u32, cache: CacheMode, keep_cache: bool) {
-    // FLUSH does nothing here: writes are answered once they are in the
-    // filesystem, and POSIX locks are the client kernel's own (INIT offers
-    // no POSIX_LOCKS), so no lock owner needs its close. NOFLUSH spares a
-    // client without the writeback cache (a guest, by default) one round
-    // trip per close(2); Linux still flushes when it has that cache.
-    let mut open = open_flags::NOFLUSH;
-    if flags as i32 & libc::O_DIRECT != 0 || cache == CacheMode::None {
-        open |= open_flags::DIRECT_IO | open_flags::PARALLEL_DIRECT_WRITES;
-    }
-    if keep_cache {
-        open |= open_flags::KEEP_CACHE;
-    }
+/// one pooled buffer. `open` is [`Session::open_reply_flags`]'s.
+fn put_open_out(r: &mut Reply, fh: Fh, open: u32) {
     r.u64(fh.get()).u32(open).u32(0);
 }
 

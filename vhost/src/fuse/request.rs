@@ -39,6 +39,21 @@ pub const IOCTL_UNRESTRICTED: u32 = 1 << 1;
 /// fuse_setxattr_in.setxattr_flags: the caller is outside the file's
 /// group, so setting an access ACL clears S_ISGID.
 pub const SETXATTR_ACL_KILL_SGID: u32 = 1 << 0;
+/// fuse_release_in.release_flags: the file's flock locks go with it.
+pub const RELEASE_FLOCK_UNLOCK: u32 = 1 << 1;
+/// fuse_lk_in.lk_flags: the lock is a flock(2) lock.
+pub const LK_FLOCK: u32 = 1 << 0;
+
+/// Which lock request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LockOp {
+    /// F_GETLK: who stands in the way.
+    Test,
+    /// F_SETLK: take or release now, or EAGAIN.
+    Set,
+    /// F_SETLKW: take, waiting for the way to clear.
+    SetWaiting,
+}
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Request<'a> {
@@ -141,12 +156,30 @@ pub enum Request<'a> {
     Statfs,
     Release {
         fh: Fh,
+        /// FUSE_RELEASE_FLOCK_UNLOCK was set: the file's flock locks go.
+        flock_unlock: bool,
+        lock_owner: u64,
     },
     Releasedir {
         fh: Fh,
     },
+    /// A close(2): the closing process's POSIX locks go.
     Flush {
         fh: Fh,
+        lock_owner: u64,
+    },
+    /// GETLK, SETLK and SETLKW (fuse_lk_in).
+    Lock {
+        op: LockOp,
+        fh: Fh,
+        owner: u64,
+        start: u64,
+        end: u64,
+        /// F_RDLCK, F_WRLCK or F_UNLCK, checked by the dispatcher.
+        kind: u32,
+        pid: u32,
+        /// FUSE_LK_FLOCK: a flock(2) lock, not a POSIX one.
+        flock: bool,
     },
     Fsync {
         fh: Fh,
@@ -358,18 +391,25 @@ pub fn parse<'a>(header: &InHeader, body: &'a [u8], setxattr_ext: bool) -> Resul
         Opcode::Statfs => Request::Statfs,
         Opcode::Release | Opcode::Releasedir => {
             let fh = c.u64("release.fh")?;
-            c.take(16, "release_in")?;
+            c.u32("release.flags")?;
+            let release_flags = c.u32("release.release_flags")?;
+            let lock_owner = c.u64("release.lock_owner")?;
             if op == Opcode::Release {
-                Request::Release { fh: Fh::new(fh) }
+                Request::Release {
+                    fh: Fh::new(fh),
+                    flock_unlock: release_flags & RELEASE_FLOCK_UNLOCK != 0,
+                    lock_owner,
+                }
             } else {
                 Request::Releasedir { fh: Fh::new(fh) }
             }
         }
         Opcode::Flush => {
             let fh = c.u64("flush.fh")?;
-            c.take(16, "flush_in")?;
-            Request::Flush { fh: Fh::new(fh) }
+            c.take(8, "flush_in")?;
+            Request::Flush { fh: Fh::new(fh), lock_owner: c.u64("flush.lock_owner")? }
         }
+        Opcode::Getlk | Opcode::Setlk | Opcode::Setlkw => parse_lock(&mut c, op)?,
         Opcode::Fsync | Opcode::Fsyncdir => {
             let fh = c.u64("fsync.fh")?;
             let flags = c.u32("fsync.flags")?;
@@ -538,6 +578,22 @@ impl InPlaceIo {
             OUT_HEADER_BYTES
         }
     }
+}
+
+/// fuse_lk_in: fh, owner, fuse_file_lock {start, end, type, pid},
+/// lk_flags, padding.
+fn parse_lock<'a>(c: &mut Cursor<'_>, op: Opcode) -> Result<Request<'a>, ParseError> {
+    let (fh, owner) = (Fh::new(c.u64("lk.fh")?), c.u64("lk.owner")?);
+    let (start, end) = (c.u64("lk.start")?, c.u64("lk.end")?);
+    let (kind, pid) = (c.u32("lk.type")?, c.u32("lk.pid")?);
+    let flock = c.u32("lk.lk_flags")? & LK_FLOCK != 0;
+    c.u32("lk.padding")?;
+    let op = match op {
+        Opcode::Getlk => LockOp::Test,
+        Opcode::Setlk => LockOp::Set,
+        _ => LockOp::SetWaiting,
+    };
+    Ok(Request::Lock { op, fh, owner, start, end, kind, pid, flock })
 }
 
 fn parse_setattr<'a>(c: &mut Cursor<'_>) -> Result<Request<'a>, ParseError> {

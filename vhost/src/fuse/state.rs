@@ -17,13 +17,30 @@
 //!                               u32 0, u64 readdir end cookie}
 //! ```
 //!
+//! Version 2 adds the locks keelfs holds for the session (issue 36): a
+//! u64 count of them after the handles' count, and after the handles
+//!
+//! ```text
+//! locks x {u64 inode, u64 owner, u64 start, u64 end, u64 handle,
+//!          u32 bits (bit 0: write, bit 1: flock), u32 pid}
+//! ```
+//!
+//! A session that holds no lock is saved as version 1, so that a keelfsd
+//! of the version before can still take it.
+//!
 //! A blob that decodes is still untrusted: [`crate::Session::restore`]
 //! checks every inode and handle against the image before it takes any.
 
 use keelfs_fs::{Fh, HandleState, Ino};
 
 pub const STATE_MAGIC: [u8; 8] = *b"KEELSESS";
-pub const STATE_VERSION: u32 = 1;
+/// The newest version written (when the session holds locks) and read.
+pub const STATE_VERSION: u32 = 2;
+/// The version without locks, still written when none is held.
+const STATE_VERSION_NO_LOCKS: u32 = 1;
+const LOCK_BYTES: usize = 48;
+const LOCK_WRITE: u32 = 1;
+const LOCK_FLOCK: u32 = 2;
 /// The largest state accepted: 4M lookups' worth. A guest holds one
 /// lookup per inode its kernel caches, far fewer than this.
 pub const STATE_BYTES_MAX: usize = 64 << 20;
@@ -32,6 +49,21 @@ const COUNTS_BYTES: usize = 48;
 const LOOKUP_BYTES: usize = 16;
 const HANDLE_BYTES: usize = 32;
 const INITIALIZED: u64 = 1;
+
+/// A lock the session holds, as it travels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SavedLock {
+    pub ino: Ino,
+    /// The client's own number for the owner.
+    pub owner: u64,
+    pub start: u64,
+    pub end: u64,
+    /// The handle it was taken through.
+    pub fh: Fh,
+    pub write: bool,
+    pub flock: bool,
+    pub pid: u32,
+}
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum StateError {
@@ -53,6 +85,8 @@ pub enum StateError {
     Handle { fh: u64, why: String },
     #[error("the session state holds {0} handles, more than this export allows")]
     TooManyHandles(usize),
+    #[error("the session state's locks cannot be taken here: {0}")]
+    Locks(&'static str),
     #[error("the session state is of another filesystem (uuid {0})")]
     OtherFilesystem(String),
 }
@@ -68,11 +102,19 @@ pub struct SessionState {
     /// Lookup references per inode, as the client counts them for FORGET.
     pub lookups: Vec<(Ino, u64)>,
     pub handles: Vec<(Fh, HandleState)>,
+    /// The locks keelfs holds for the session's client.
+    pub locks: Vec<SavedLock>,
 }
 
 impl SessionState {
     pub fn encode(&self) -> Vec<u8> {
-        let body_len = COUNTS_BYTES + self.lookups.len() * LOOKUP_BYTES + self.handles.len() * HANDLE_BYTES;
+        let with_locks = !self.locks.is_empty();
+        let (version, counts) =
+            if with_locks { (STATE_VERSION, COUNTS_BYTES + 8) } else { (STATE_VERSION_NO_LOCKS, COUNTS_BYTES) };
+        let body_len = counts
+            + self.lookups.len() * LOOKUP_BYTES
+            + self.handles.len() * HANDLE_BYTES
+            + self.locks.len() * LOCK_BYTES;
         let mut body = Vec::with_capacity(body_len);
         let put = |b: &mut Vec<u8>, v: u64| b.extend_from_slice(&v.to_le_bytes());
         body.extend_from_slice(&self.fs_uuid);
@@ -80,6 +122,9 @@ impl SessionState {
         put(&mut body, self.init_flags);
         put(&mut body, self.lookups.len() as u64);
         put(&mut body, self.handles.len() as u64);
+        if with_locks {
+            put(&mut body, self.locks.len() as u64);
+        }
         for (ino, n) in &self.lookups {
             put(&mut body, ino.get());
             put(&mut body, *n);
@@ -90,10 +135,17 @@ impl SessionState {
             put(&mut body, u64::from(h.flags));
             put(&mut body, h.dir_end);
         }
+        for l in &self.locks {
+            for word in [l.ino.get(), l.owner, l.start, l.end, l.fh.get()] {
+                put(&mut body, word);
+            }
+            let bits = if l.write { LOCK_WRITE } else { 0 } | if l.flock { LOCK_FLOCK } else { 0 };
+            put(&mut body, u64::from(bits) | u64::from(l.pid) << 32);
+        }
         assert_eq!(body.len(), body_len);
         let mut out = Vec::with_capacity(HEADER_BYTES + body_len);
         out.extend_from_slice(&STATE_MAGIC);
-        out.extend_from_slice(&STATE_VERSION.to_le_bytes());
+        out.extend_from_slice(&version.to_le_bytes());
         out.extend_from_slice(&0u32.to_le_bytes());
         out.extend_from_slice(&(body_len as u64).to_le_bytes());
         out.extend_from_slice(&keelfs_fs::crc(&body).to_le_bytes());
@@ -116,7 +168,7 @@ impl SessionState {
             return Err(StateError::Magic);
         }
         let version = header.u32();
-        if version != STATE_VERSION {
+        if version != STATE_VERSION && version != STATE_VERSION_NO_LOCKS {
             return Err(StateError::Version(version));
         }
         let (reserved, body_len, crc, reserved2) = (header.u32(), header.u64(), header.u32(), header.u32());
@@ -130,16 +182,18 @@ impl SessionState {
         if keelfs_fs::crc(body) != crc {
             return Err(StateError::Checksum);
         }
-        Self::decode_body(body)
+        Self::decode_body(body, version == STATE_VERSION)
     }
 
-    fn decode_body(body: &[u8]) -> Result<Self, StateError> {
-        if body.len() < COUNTS_BYTES {
+    fn decode_body(body: &[u8], with_locks: bool) -> Result<Self, StateError> {
+        let counts = if with_locks { COUNTS_BYTES + 8 } else { COUNTS_BYTES };
+        if body.len() < counts {
             return Err(StateError::Malformed("the body is shorter than its counts"));
         }
         let mut r = Reader(body);
         let fs_uuid = r.take::<16>();
         let (bits, init_flags, lookups, handles) = (r.u64(), r.u64(), r.u64(), r.u64());
+        let locks = if with_locks { r.u64() } else { 0 };
         if bits & !INITIALIZED != 0 {
             return Err(StateError::Malformed("unknown session bits"));
         }
@@ -148,7 +202,9 @@ impl SessionState {
             .checked_mul(LOOKUP_BYTES as u64)
             .zip(handles.checked_mul(HANDLE_BYTES as u64))
             .and_then(|(l, h)| l.checked_add(h))
-            .and_then(|n| n.checked_add(COUNTS_BYTES as u64));
+            .zip(locks.checked_mul(LOCK_BYTES as u64))
+            .and_then(|(n, l)| n.checked_add(l))
+            .and_then(|n| n.checked_add(counts as u64));
         if expected != Some(body.len() as u64) {
             return Err(StateError::Malformed("the counts do not match the length"));
         }
@@ -169,6 +225,16 @@ impl SessionState {
             }
             let h = HandleState { ino: Ino::new(ino), flags: flags as u32, dir_end };
             state.handles.push((Fh::new(fh), h));
+        }
+        state.locks.reserve_exact(locks as usize);
+        for _ in 0..locks {
+            let (ino, owner, start, end, fh, word) = (r.u64(), r.u64(), r.u64(), r.u64(), r.u64(), r.u64());
+            let (bits, pid) = (word as u32, (word >> 32) as u32);
+            if ino == 0 || fh == 0 || start > end || bits & !(LOCK_WRITE | LOCK_FLOCK) != 0 {
+                return Err(StateError::Malformed("a lock of inode 0 or handle 0, backwards, or with unknown bits"));
+            }
+            let (write, flock) = (bits & LOCK_WRITE != 0, bits & LOCK_FLOCK != 0);
+            state.locks.push(SavedLock { ino: Ino::new(ino), owner, start, end, fh: Fh::new(fh), write, flock, pid });
         }
         state.check_unique()?;
         Ok(state)
@@ -222,7 +288,50 @@ mod tests {
                 (Fh::new(5), HandleState { ino: Ino::new(77), flags: 2, dir_end: 0 }),
                 (Fh::new(9), HandleState { ino: Ino::new(1), flags: 0o200000, dir_end: 42 }),
             ],
+            locks: Vec::new(),
         }
+    }
+
+    fn with_locks() -> SessionState {
+        let lock = SavedLock {
+            ino: Ino::new(77),
+            owner: 0xfeed,
+            start: 10,
+            end: LOCK_END,
+            fh: Fh::new(5),
+            write: true,
+            flock: false,
+            pid: 4242,
+        };
+        let flock = SavedLock { owner: 5, start: 0, write: false, flock: true, ..lock };
+        SessionState { locks: vec![lock, flock], ..sample() }
+    }
+
+    const LOCK_END: u64 = i64::MAX as u64;
+
+    #[test]
+    fn locks_travel_in_version_2_and_a_state_without_them_stays_version_1() {
+        let locked = with_locks().encode();
+        assert_eq!(locked[8..12], 2u32.to_le_bytes());
+        assert_eq!(SessionState::decode(&locked), Ok(with_locks()));
+        let plain = sample().encode();
+        assert_eq!(plain[8..12], 1u32.to_le_bytes(), "the keelfsd before can still take it");
+        assert_eq!(SessionState::decode(&plain), Ok(sample()));
+        // Damage in the locks' fields, re-checksummed, is refused by name.
+        let mut bytes = locked.clone();
+        let body_at = HEADER_BYTES;
+        let last_lock = bytes.len() - LOCK_BYTES;
+        bytes[last_lock + 40] |= 4; // an unknown bit
+        let body = bytes[body_at..].to_vec();
+        bytes[24..28].copy_from_slice(&keelfs_fs::crc(&body).to_le_bytes());
+        assert!(matches!(SessionState::decode(&bytes), Err(StateError::Malformed(_))));
+        // A count that claims more locks than the bytes hold.
+        let mut counted = locked.clone();
+        let count_at = body_at + COUNTS_BYTES;
+        counted[count_at..count_at + 8].copy_from_slice(&u64::MAX.to_le_bytes());
+        let body = counted[body_at..].to_vec();
+        counted[24..28].copy_from_slice(&keelfs_fs::crc(&body).to_le_bytes());
+        assert!(matches!(SessionState::decode(&counted), Err(StateError::Malformed(_))));
     }
 
     #[test]
@@ -243,8 +352,8 @@ mod tests {
         magic[0] ^= 1;
         assert_eq!(SessionState::decode(&magic), Err(StateError::Magic));
         let mut version = good.clone();
-        version[8] = 2;
-        assert_eq!(SessionState::decode(&version), Err(StateError::Version(2)));
+        version[8] = 3;
+        assert_eq!(SessionState::decode(&version), Err(StateError::Version(3)));
         let mut flipped = good.clone();
         *flipped.last_mut().unwrap() ^= 0x80;
         assert_eq!(SessionState::decode(&flipped), Err(StateError::Checksum));

@@ -75,6 +75,13 @@ pub(super) trait ChainServer: 'static {
     /// `waiters` when the poller is ready for the next one.
     fn reset(&mut self, waiters: Vec<SyncSender<()>>);
 
+    /// A queue is stopping, or the frontend left: requests that wait for
+    /// a lock are answered now (ENOLCK), since the stop waits for every
+    /// request and a lock may be held for ever. Called at the stop
+    /// (`first`), then at each poll while the stop waits, for a request
+    /// that began to wait after it.
+    fn end_lock_waits(&self, first: bool);
+
     /// Save the session and give the image up (the owner only).
     fn save_state(&mut self, done: SyncSender<Result<Vec<u8>, TransferError>>) {
         let _ = done.send(Err(TransferError::NotOwner));
@@ -92,6 +99,12 @@ pub(super) struct OwnerServer {
 }
 
 impl ChainServer for OwnerServer {
+    fn end_lock_waits(&self, _first: bool) {
+        if let Some(session) = self.attachment.session() {
+            session.end_lock_waits();
+        }
+    }
+
     fn serve(&self, chain: Chain, mem: Arc<GuestRam>, charged: Option<Charged>, finish: Finish) {
         self.attachment.note_request();
         if let Some(session) = self.attachment.session() {
@@ -188,6 +201,20 @@ impl HelperServer {
 }
 
 impl ChainServer for HelperServer {
+    /// The waits run on the owner, where the lock requests are forwarded;
+    /// told once, as a message costs more than the owner's own check.
+    fn end_lock_waits(&self, first: bool) {
+        if !first {
+            return;
+        }
+        let id = self.id;
+        let _ = reactor::call(&self.owner, move || async move {
+            if let Some(session) = session_of(id) {
+                session.end_lock_waits();
+            }
+        });
+    }
+
     /// Never charged: QoS is refused with helpers.
     fn serve(&self, chain: Chain, mem: Arc<GuestRam>, _charged: Option<Charged>, finish: Finish) {
         let (id, owner, handles, stats) = (self.id, self.owner.clone(), self.handles.clone(), self.stats.clone());
@@ -320,6 +347,7 @@ impl<S: ChainServer> QueuePoller<S> {
                 Some(queue) => {
                     queue.polling = false;
                     queue.stop_waiters.push(done);
+                    self.server.end_lock_waits(true);
                     // A stopping ring (migration, VM reset) does not wait
                     // for the rate: what QoS holds is served now, and
                     // charged nothing.
@@ -341,6 +369,7 @@ impl<S: ChainServer> QueuePoller<S> {
                     queue.in_flight.set(queue.in_flight.get() - held.len());
                 }
                 self.disconnects.push(done);
+                self.server.end_lock_waits(true);
             }
             // QEMU saves only with every ring stopped, and each stop waited
             // for its requests: the state never describes half a request.
@@ -488,7 +517,11 @@ impl<S: ChainServer> QueuePoller<S> {
     }
 
     fn finish_disconnects(&mut self) -> bool {
-        if self.disconnects.is_empty() || self.queues.iter().any(|q| q.in_flight.get() > 0) {
+        if self.disconnects.is_empty() {
+            return false;
+        }
+        if self.queues.iter().any(|q| q.in_flight.get() > 0) {
+            self.server.end_lock_waits(false);
             return false;
         }
         for queue in &mut self.queues {
@@ -536,9 +569,13 @@ impl<S: ChainServer> Poller for QueuePoller<S> {
             }
             busy |= self.complete(index);
             let queue = &mut self.queues[index];
-            if !queue.stop_waiters.is_empty() && queue.in_flight.get() == 0 {
-                for waiter in queue.stop_waiters.drain(..) {
-                    let _ = waiter.send(());
+            if !queue.stop_waiters.is_empty() {
+                if queue.in_flight.get() == 0 {
+                    for waiter in queue.stop_waiters.drain(..) {
+                        let _ = waiter.send(());
+                    }
+                } else {
+                    self.server.end_lock_waits(false);
                 }
             }
             busy |= self.release_deferred(index, now);
