@@ -115,6 +115,7 @@ struct RawExport {
     socket_mode: Option<Spanned<String>>,
     #[serde(default)]
     cache: Option<CacheName>,
+    locks: Option<Locks>,
     request_queues: Option<Spanned<u16>>,
     spread_queues: Option<bool>,
     page_cache: Option<Spanned<String>>,
@@ -169,6 +170,33 @@ pub enum FuseTransport {
     Uring,
     /// /dev/fuse read and write.
     Dev,
+}
+
+/// Who holds the export's file locks (`--locks`, `locks =`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Locks {
+    /// keelfs, when the export has more than one client (a guest beside
+    /// a host mount); a sole client's kernel keeps its own otherwise, at
+    /// no cost.
+    Auto,
+    /// keelfs, for every client: POSIX and flock locks are offered, and
+    /// every close(2) reaches keelfs to release its POSIX locks.
+    Export,
+    /// Each client's kernel, as before issue 36: clients do not see each
+    /// other's locks.
+    Client,
+}
+
+impl Locks {
+    /// Whether keelfs holds the locks of an export with these clients.
+    pub fn held_by_keelfs(self, clients_beside: bool) -> bool {
+        match self {
+            Locks::Auto => clients_beside,
+            Locks::Export => true,
+            Locks::Client => false,
+        }
+    }
 }
 
 /// How the guest may cache what it reads (`--cache`, `cache =`).
@@ -321,6 +349,8 @@ pub struct Export {
     pub socket_owner: Option<(u32, u32)>,
     pub socket_mode: Option<u32>,
     pub cache: Cache,
+    /// Who holds file locks.
+    pub locks: Locks,
     pub request_queues: usize,
     /// Poll request queues on the other reactors too (cached reads served
     /// there, the rest sent to the export's reactor).
@@ -414,6 +444,7 @@ impl Export {
             socket_owner: None,
             socket_mode: None,
             cache: Cache::Auto,
+            locks: Locks::Auto,
             request_queues: 1,
             spread_queues: false,
             page_cache_bytes: 256 << 20,
@@ -693,6 +724,9 @@ fn apply_serving(src: &Source, e: &RawExport, export: &mut Export) -> Result<(),
             CacheName::Always => Cache::Always,
         };
     }
+    if let Some(locks) = e.locks {
+        export.locks = locks;
+    }
     if let Some(queues) = &e.request_queues {
         let n = *queues.get_ref();
         if n == 0 || n > REQUEST_QUEUES_MAX {
@@ -929,6 +963,11 @@ atime = "noatime"
         assert!(parse("ro.toml", &format!("{base}read_only = true\n")).unwrap().exports[0].read_only);
         assert!(defaults.xattr, "xattrs are served unless turned off");
         assert!(!parse("x.toml", &format!("{base}xattr = false\n")).unwrap().exports[0].xattr);
+        assert_eq!(defaults.locks, Locks::Auto, "keelfs holds locks only for a shared export");
+        assert_eq!(parse("l.toml", &format!("{base}locks = \"export\"\n")).unwrap().exports[0].locks, Locks::Export);
+        assert!(parse("l.toml", &format!("{base}locks = \"everywhere\"\n")).is_err());
+        assert!(Locks::Auto.held_by_keelfs(true) && !Locks::Auto.held_by_keelfs(false));
+        assert!(Locks::Export.held_by_keelfs(false) && !Locks::Client.held_by_keelfs(true));
         assert_eq!(
             error_of(&format!("{base}open_handles_max = 0\n")),
             "bad.toml:8:20: open_handles_max must be between 16 and 16777216"

@@ -123,6 +123,11 @@ enum Command {
         /// virtiofsd's --cache.
         #[arg(long, value_enum)]
         cache: Option<serve::Cache>,
+        /// Who holds file locks: auto (default: keelfs when a guest and a
+        /// host mount share the export), export (keelfs, always) or
+        /// client (each client's kernel).
+        #[arg(long, value_enum)]
+        locks: Option<config::Locks>,
         /// Reactor threads, one per core (default 1, or the config's).
         #[arg(long, value_parser = clap::value_parser!(u16).range(1..=64))]
         reactors: Option<u16>,
@@ -277,6 +282,7 @@ pub fn run() -> ExitCode {
             queues,
             spread_queues,
             cache,
+            locks,
             reactors,
             rpc,
             check,
@@ -298,6 +304,7 @@ pub fn run() -> ExitCode {
             queues: queues.map(usize::from),
             spread_queues,
             cache,
+            locks,
             reactors: reactors.map(usize::from),
             rpc,
             check,

@@ -105,7 +105,7 @@ fn parse_options(request: &mut Request, options: &str) -> Result<(), UsageError>
             ("remount", None) => request.remount = true,
             ("subtype", Some(v)) => request.subtype = Some(v.to_owned()),
             ("fsname", Some(v)) => request.fsname = Some(v.to_owned()),
-            ("cache" | "sandbox" | "reactors" | "rpc" | "socket" | "tag" | "queues" | "config", Some(v)) => {
+            ("cache" | "locks" | "sandbox" | "reactors" | "rpc" | "socket" | "tag" | "queues" | "config", Some(v)) => {
                 request.serve_flags.extend([format!("--{key}"), v.to_owned()]);
             }
             ("fuse_transport", Some(v)) => request.serve_flags.extend(["--fuse-transport".into(), v.to_owned()]),

@@ -58,6 +58,7 @@ pub struct ServeArgs {
     pub queues: Option<usize>,
     pub spread_queues: bool,
     pub cache: Option<Cache>,
+    pub locks: Option<config::Locks>,
     pub reactors: Option<usize>,
     pub rpc: Option<PathBuf>,
     pub check: bool,
@@ -156,7 +157,8 @@ fn resolve(args: ServeArgs) -> anyhow::Result<Config> {
         || args.queues.is_some()
         || args.spread_queues
         || args.read_only
-        || args.cache.is_some();
+        || args.cache.is_some()
+        || args.locks.is_some();
     if config.exports.is_empty() || flags_shape_an_export {
         if config.exports.is_empty() {
             config.exports.push(Export::new("keelfs", PathBuf::new()));
@@ -220,6 +222,9 @@ fn apply_export_flags(args: &ServeArgs, export: &mut Export) -> anyhow::Result<(
     }
     if let Some(cache) = args.cache {
         export.cache = cache;
+    }
+    if let Some(locks) = args.locks {
+        export.locks = locks;
     }
     Ok(())
 }
@@ -987,6 +992,8 @@ struct LocalExport {
     fuse_stats: Option<Rc<OpStats>>,
     /// The limiter both transports share; None with spread_queues.
     qos: Option<Rc<Qos>>,
+    /// The export's locks, when keelfs holds them.
+    locks: Option<Rc<keelfs_vhost::Locks>>,
 }
 
 thread_local! {
@@ -1100,8 +1107,11 @@ async fn run_export(
     // Every export gets one, unlimited unless configured, so that limits
     // can be set at run time; not with spread_queues (config refuses it).
     let qos = (!export.spread_queues).then(|| Qos::new(export.qos).expect("limits checked by the config"));
-    let queues = (helpers, qos.clone());
-    let transports = start_transports(&export, (&mounted, restore), &dev, queues, listener, fuse, on_mount_gone).await;
+    // One lock table for all the export's clients, when keelfs holds them.
+    let beside = export.socket.is_some() && fuse.is_some();
+    let locks = export.locks.held_by_keelfs(beside).then(keelfs_vhost::Locks::new);
+    let shared = (helpers, qos.clone(), locks.clone());
+    let transports = start_transports(&export, (&mounted, restore), &dev, shared, listener, fuse, on_mount_gone).await;
     let (server, mount, fuse_stats) = match transports {
         Ok(started) => started,
         Err(e) => {
@@ -1126,6 +1136,7 @@ async fn run_export(
             server: server.clone(),
             fuse_stats,
             qos,
+            locks,
         })
     });
     table.set_state(&tag, Lifecycle::Ready);
@@ -1196,7 +1207,7 @@ async fn start_transports(
     export: &Export,
     (mounted, restore): (&Mounted, Option<SessionState>),
     dev: &Arc<dyn BlockDevice>,
-    (helpers, qos): (Vec<ReactorHandle>, Option<Rc<Qos>>),
+    (helpers, qos, locks): (Vec<ReactorHandle>, Option<Rc<Qos>>, Option<Rc<keelfs_vhost::Locks>>),
     listener: Option<std::os::unix::net::UnixListener>,
     fuse: Option<HostMount>,
     on_mount_gone: Box<dyn FnOnce()>,
@@ -1204,7 +1215,7 @@ async fn start_transports(
     // A guest beside a host mount: the host mount is told of the guest's
     // changes.
     let coherence = (export.socket.is_some() && fuse.is_some()).then(Coherence::new);
-    let guest_config = guest_session_config(export, coherence.clone());
+    let guest_config = SessionConfig { locks: locks.clone(), ..guest_session_config(export, coherence.clone()) };
     let (fs, image) = match mounted {
         Mounted::Fixed { fs, .. } => (Some(fs), None),
         Mounted::Movable(image, fs) => (fs.as_ref(), Some(Rc::clone(image) as Rc<dyn ImageAccess>)),
@@ -1235,7 +1246,7 @@ async fn start_transports(
     let fs = fs.context("a host mount needs its filesystem mounted")?;
     let mount = Rc::new(mount);
     let trace = trace.map(TraceWriter::new).transpose().context("starting the request trace")?.map(Rc::new);
-    let config = SessionConfig { trace, ..host_session_config(export, coherence) };
+    let config = SessionConfig { trace, locks, ..host_session_config(export, coherence) };
     let session = Rc::new(Session::new(fs.clone(), config));
     let stats = session.stats().clone();
     serve_fuse(session, mount.clone(), qos, uring, on_mount_gone).context("setting up FUSE over io_uring")?;
@@ -1401,19 +1412,20 @@ pub(crate) fn set_export_qos(tag: &str, change: impl FnOnce(QosLimits) -> QosLim
 
 /// This reactor's exports as JSON, for the stats RPC.
 pub async fn local_stats() -> Vec<Value> {
-    type Parts = (String, Option<Fs>, Option<Rc<VhostUserServer>>, Option<Rc<OpStats>>, Option<Rc<Qos>>);
+    type Parts = (String, Option<Fs>, Option<Rc<VhostUserServer>>, Option<Rc<OpStats>>, Option<Rc<Qos>>, Value);
     let exports: Vec<Parts> = LOCAL.with(|l| {
         let l = l.borrow();
         l.exports
             .iter()
             .map(|e| {
                 let fs = e.fs.clone().or_else(|| e.server.as_ref().and_then(|s| s.fs()));
-                (e.tag.clone(), fs, e.server.clone(), e.fuse_stats.clone(), e.qos.clone())
+                let locks = e.locks.as_deref().map_or(Value::Null, locks_json);
+                (e.tag.clone(), fs, e.server.clone(), e.fuse_stats.clone(), e.qos.clone(), locks)
             })
             .collect()
     });
     let mut lines = Vec::new();
-    for (tag, fs, server, fuse_stats, qos) in exports {
+    for (tag, fs, server, fuse_stats, qos, locks) in exports {
         let (counters, cache, space) = fs_json(fs.as_ref()).await;
         lines.push(json!({
             "tag": tag,
@@ -1426,12 +1438,20 @@ pub async fn local_stats() -> Vec<Value> {
             "fuse_ring_requests": fuse_stats.as_deref().map(OpStats::ring_requests),
             "fuse_mount_notifications": fuse_stats.as_deref().map(OpStats::notifications),
             "fuse_in_place_writes": fuse_stats.as_deref().map(OpStats::in_place_writes),
+            "locks": locks,
             "fs": counters,
             "cache": cache,
             "space": space,
         }));
     }
     lines
+}
+
+/// The export's lock table, when keelfs holds its locks (null when each
+/// client's kernel does).
+fn locks_json(locks: &keelfs_vhost::Locks) -> Value {
+    let c = locks.counters();
+    json!({ "held": c.held, "waiting": c.waiting, "granted": c.granted, "conflicts": c.conflicts, "waits": c.waits })
 }
 
 /// What to add to a QEMU command line to attach a guest to `socket`.
@@ -1453,7 +1473,7 @@ mod tests {
     use super::*;
 
     fn local_export(tag: &str, qos: Option<Rc<Qos>>) -> LocalExport {
-        LocalExport { tag: tag.into(), fs: None, server: None, fuse_stats: None, qos }
+        LocalExport { tag: tag.into(), fs: None, server: None, fuse_stats: None, qos, locks: None }
     }
 
     #[test]
