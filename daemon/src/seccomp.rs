@@ -146,6 +146,86 @@ pub fn install(needs: Needs, action: Action) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What the supervisor may call, whatever the arguments: it keeps the
+/// rights to open images and bind sockets (the broker), to unmount the
+/// server's host mounts and remove its sockets, and to wait for its
+/// child. What it never needs, it loses: exec, new processes, mounts,
+/// namespaces, identity changes, module loading, tracing, io_uring.
+/// Found with strace over a serve with a host mount, export_add and
+/// export_remove, then SIGTERM (`supervisor_syscalls` in the tests
+/// checks the list stays what the broker needs).
+#[rustfmt::skip]
+const SUPERVISOR_ALWAYS: &[libc::c_long] = &[
+    // memory, signals, exit
+    libc::SYS_brk, libc::SYS_mmap, libc::SYS_munmap, libc::SYS_mremap, libc::SYS_mprotect, libc::SYS_madvise,
+    libc::SYS_futex, libc::SYS_rt_sigprocmask, libc::SYS_rt_sigaction, libc::SYS_rt_sigreturn,
+    libc::SYS_sigaltstack, libc::SYS_restart_syscall, libc::SYS_exit, libc::SYS_exit_group, libc::SYS_getpid,
+    libc::SYS_gettid, libc::SYS_getrandom, libc::SYS_clock_gettime, libc::SYS_clock_nanosleep,
+    // descriptors: the link, the signalfd, images, mountinfo, sysfs
+    libc::SYS_read, libc::SYS_write, libc::SYS_readv, libc::SYS_writev, libc::SYS_pread64, libc::SYS_close,
+    libc::SYS_lseek, libc::SYS_fstat, libc::SYS_newfstatat, libc::SYS_statx, libc::SYS_fstatfs, libc::SYS_statfs,
+    libc::SYS_fcntl, libc::SYS_openat, libc::SYS_openat2, libc::SYS_readlinkat, libc::SYS_getdents64,
+    libc::SYS_getcwd, libc::SYS_ppoll, libc::SYS_pidfd_open, libc::SYS_wait4, libc::SYS_waitid,
+    // sockets: the link, binding an export's socket, probing a stale one
+    libc::SYS_connect, libc::SYS_bind, libc::SYS_listen, libc::SYS_sendto, libc::SYS_sendmsg,
+    libc::SYS_recvfrom, libc::SYS_recvmsg, libc::SYS_getsockopt, libc::SYS_shutdown,
+    // an export's socket staged, owned and renamed into place; stale ones removed
+    libc::SYS_unlinkat, libc::SYS_mkdirat, libc::SYS_renameat2, libc::SYS_fchmodat, libc::SYS_fchmod,
+    libc::SYS_fchownat, libc::SYS_fchown,
+    // the server's host mounts, taken down
+    libc::SYS_umount2,
+];
+
+#[cfg(target_arch = "x86_64")]
+#[rustfmt::skip]
+const SUPERVISOR_LEGACY: &[libc::c_long] = &[
+    libc::SYS_poll, libc::SYS_open, libc::SYS_stat, libc::SYS_lstat, libc::SYS_readlink, libc::SYS_unlink,
+    libc::SYS_mkdir, libc::SYS_rmdir, libc::SYS_rename, libc::SYS_chmod, libc::SYS_chown, libc::SYS_lchown,
+    libc::SYS_nanosleep,
+];
+#[cfg(not(target_arch = "x86_64"))]
+const SUPERVISOR_LEGACY: &[libc::c_long] = &[];
+
+/// linux/fs.h: the block-device geometry the broker probes.
+const BLKSSZGET: u64 = 0x1268;
+const BLKGETSIZE64: u64 = 0x8008_1272;
+
+/// The supervisor's allowlist, for a supervisor of `child`.
+fn supervisor_rules(child: libc::pid_t) -> BTreeMap<i64, Vec<SeccompRule>> {
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
+        SUPERVISOR_ALWAYS.iter().chain(SUPERVISOR_LEGACY).map(|&nr| (nr, Vec::new())).collect();
+    // Unix sockets only.
+    rules.insert(libc::SYS_socket, vec![rule(vec![arg_eq(0, libc::AF_UNIX as u64)])]);
+    // Signals to its own child only (the forwarded SIGTERM).
+    rules.insert(libc::SYS_kill, vec![rule(vec![arg_eq(0, child as u32 as u64)])]);
+    let timeouts = [libc::SO_RCVTIMEO, libc::SO_SNDTIMEO, SO_RCVTIMEO_NEW, SO_SNDTIMEO_NEW];
+    let setsockopt =
+        timeouts.iter().map(|&opt| rule(vec![arg_eq(1, libc::SOL_SOCKET as u64), arg_eq(2, opt as u64)])).collect();
+    rules.insert(libc::SYS_setsockopt, setsockopt);
+    // FIONBIO's type differs between libcs.
+    #[allow(clippy::unnecessary_cast)]
+    let ioctls = [libc::FIONBIO as u64, BLKSSZGET, BLKGETSIZE64].map(|request| rule(vec![arg_eq(1, request)]));
+    rules.insert(libc::SYS_ioctl, ioctls.to_vec());
+    rules
+}
+
+/// Confine the supervisor of `child` (issue 36): no new privileges, and
+/// the allowlist above. It must run single-threaded, as it does after the
+/// fork. A forbidden call kills it, and with it the server (its
+/// PR_SET_PDEATHSIG).
+pub fn install_supervisor(child: libc::pid_t, action: Action) -> anyhow::Result<()> {
+    // SAFETY: prctl with integer arguments only.
+    if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
+        return Err(std::io::Error::last_os_error()).context("PR_SET_NO_NEW_PRIVS for the supervisor");
+    }
+    let mismatch = match action {
+        Action::Kill => SeccompAction::KillProcess,
+        Action::Log => SeccompAction::Log,
+    };
+    let program = compile(supervisor_rules(child), mismatch, SeccompAction::Allow);
+    seccompiler::apply_filter_all_threads(&program).context("installing the supervisor's seccomp filter")
+}
+
 #[cfg(test)]
 mod tests {
     use std::os::unix::process::ExitStatusExt;
@@ -156,8 +236,47 @@ mod tests {
     /// Set in the re-executed test binary: the call to make under the filter.
     const CHILD_ENV: &str = "KEELFS_SECCOMP_TEST_CALL";
 
+    /// Under the supervisor's filter: what the broker does works, then
+    /// `call`.
+    fn as_supervisor(call: &str) -> ! {
+        // SAFETY: getppid takes nothing; the parent is a process we may
+        // not signal, but the filter is only asked whether kill may go.
+        let child = unsafe { libc::getppid() };
+        install_supervisor(child, Action::Kill).unwrap();
+        let dir = std::env::temp_dir().join(format!("keelfs-supervisor-seccomp-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("image"), b"x").unwrap();
+        drop(std::fs::File::options().read(true).write(true).open(dir.join("image")).unwrap());
+        let listener = std::os::unix::net::UnixListener::bind(dir.join("sock")).unwrap();
+        drop(std::os::unix::net::UnixStream::connect(dir.join("sock")).unwrap());
+        drop(listener);
+        std::fs::remove_dir_all(&dir).unwrap();
+        match call {
+            // SAFETY: a fork that the filter must stop.
+            "fork" => unsafe {
+                if libc::fork() == 0 {
+                    libc::_exit(0);
+                }
+            },
+            "exec" => drop(std::process::Command::new("/bin/true").status()),
+            // SAFETY: an inet socket, which the filter must stop.
+            "inet" => unsafe {
+                libc::close(libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0));
+            },
+            // SAFETY: kill of pid 1 with signal 0, which the filter must stop.
+            "kill-other" => unsafe {
+                libc::kill(1, 0);
+            },
+            _ => {}
+        }
+        std::process::exit(0)
+    }
+
     /// Under the filter: threads still start and work, then `call`.
     fn as_child(call: &str) -> ! {
+        if let Some(call) = call.strip_prefix("supervisor-") {
+            as_supervisor(call);
+        }
         // SAFETY: prctl with integer arguments only.
         assert_eq!(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) }, 0);
         install(Needs::default(), Action::Kill).unwrap();
@@ -220,6 +339,16 @@ mod tests {
     fn a_new_socket_is_killed() {
         let status = child("seccomp::tests::a_new_socket_is_killed", "socket");
         assert_eq!(status.signal(), Some(libc::SIGSYS), "{status:?}");
+    }
+
+    #[test]
+    fn the_supervisor_brokers_but_cannot_exec_fork_or_reach_the_network() {
+        let test = "seccomp::tests::the_supervisor_brokers_but_cannot_exec_fork_or_reach_the_network";
+        assert!(child(test, "supervisor-nothing").success(), "the broker's calls are allowed");
+        for call in ["fork", "exec", "inet", "kill-other"] {
+            let status = child(test, &format!("supervisor-{call}"));
+            assert_eq!(status.signal(), Some(libc::SIGSYS), "{call}: {status:?}");
+        }
     }
 
     #[test]

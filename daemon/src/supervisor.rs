@@ -14,6 +14,10 @@
 //! - it exits with the child's status, saying so when a signal (SIGSYS
 //!   from the seccomp filter, say) killed it.
 //!
+//! The parent is confined too, once it has forked: no new privileges,
+//! and a seccomp allowlist of what the above needs (no exec, no new
+//! processes, no mounts, no network; `seccomp::install_supervisor`).
+//!
 //! The child dies with the parent (PR_SET_PDEATHSIG), so SIGKILL to the
 //! process its caller knows still ends the daemon at once. The parent reads
 //! nothing from a guest; from the child it accepts only "unmount N" for a
@@ -214,6 +218,7 @@ pub fn fork_into_pid_namespace(cleanup: Cleanup, signals: &Signals) -> anyhow::R
         }));
     }
     drop(child_end);
+    crate::seccomp::install_supervisor(pid, crate::hooks::seccomp_action())?;
     let code = supervise(pid, parent_end, signals, &cleanup)?;
     Ok(Role::Supervisor(code))
 }

@@ -84,6 +84,10 @@ fn serve_is_sandboxed_by_default_and_still_serves() {
     }
     assert_eq!(status_field(server, "NoNewPrivs"), "1");
     assert_eq!(status_field(server, "Seccomp"), "2", "a seccomp filter is installed");
+    // The supervisor, outside the sandbox, is filtered too (issue 36).
+    let supervisor = served.child.id();
+    assert_eq!(status_field(supervisor, "NoNewPrivs"), "1", "the supervisor may gain privileges");
+    assert_eq!(status_field(supervisor, "Seccomp"), "2", "the supervisor is not filtered");
     // An empty root: nothing of the host is visible.
     let root: Vec<_> = std::fs::read_dir(format!("/proc/{server}/root")).unwrap().collect();
     assert!(root.is_empty(), "the server's root holds {} entries", root.len());
