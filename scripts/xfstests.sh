@@ -2,15 +2,19 @@
 # Run xfstests against keelfs through its mount helper (FSTYP=fuse).
 #
 #   scripts/xfstests.sh --xfstests DIR [--keelfsd BIN] [--tests quick|ci|LIST]
-#                       [--results DIR] [--image-size SIZE]
+#                       [--results DIR] [--image-size SIZE] [--locks MODE]
 #
 # DIR is an xfstests tree already built by its own instructions (this
 # project ships no copy of xfstests and no recipe for building it).
 # --tests quick runs the generic group's quick tests; ci runs the subset in
 # scripts/xfstests/ci-tests; anything else is passed to ./check as test
 # names. Tests in scripts/xfstests/expunge are excluded, each with its
-# reason there. Prints the counts (passed, failed, not run, expunged) and
-# exits 1 if any test failed.
+# reason there. --locks export makes keelfs hold the file locks of the
+# mounts (mount option locks=, see README "Locks"), so that the lock
+# tests exercise keelfs's lock table rather than the host kernel's; the
+# tests in scripts/xfstests/expunge-locks-export are then excluded too.
+# Prints the counts (passed, failed, not run, expunged) and exits 1 if any
+# test failed.
 #
 # Needs root. It links /sbin/mount.fuse.keelfs to BIN (default: the
 # release build, else the debug build), makes two images in /dev/shm and
@@ -26,9 +30,10 @@ keelfsd=""
 tests=quick
 results=""
 image_size=4G
+locks=""
 
 usage() {
-  sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 }
 
@@ -39,6 +44,7 @@ while (($#)); do
     --tests) tests=${2:?}; shift 2 ;;
     --results) results=${2:?}; shift 2 ;;
     --image-size) image_size=${2:?}; shift 2 ;;
+    --locks) locks=${2:?}; shift 2 ;;
     -h|--help) usage ;;
     *) echo "$prog: unknown argument $1" >&2; usage ;;
   esac
@@ -57,6 +63,14 @@ fi
 keelfsd=$(readlink -f "$keelfsd")
 results=${results:-$repo/target/xfstests-results}
 expunge=$here/xfstests/expunge
+mount_options="subtype=,dev,suid"
+if [[ -n $locks ]]; then
+  mount_options+=",locks=$locks"
+  if [[ $locks == export ]]; then
+    cat "$expunge" "$here/xfstests/expunge-locks-export" >"/tmp/keelfs-xfstests.$$.expunge"
+    expunge=/tmp/keelfs-xfstests.$$.expunge
+  fi
+fi
 
 # Paths of this run only, so that two runs never share a mount or image.
 base=/tmp/keelfs-xfstests.$$
@@ -68,7 +82,7 @@ cleanup() {
   for dir in "$base/test" "$base/scratch"; do
     mountpoint -q "$dir" && umount "$dir"
   done
-  rm -f "$test_img" "$scratch_img"
+  rm -f "$test_img" "$scratch_img" "/tmp/keelfs-xfstests.$$.expunge"
   rm -rf "$base"
 }
 trap cleanup EXIT
@@ -92,8 +106,8 @@ export TEST_DEV=$test_img
 export TEST_DIR=$base/test
 export SCRATCH_DEV=$scratch_img
 export SCRATCH_MNT=$base/scratch
-export TEST_FS_MOUNT_OPTS="-o subtype=,dev,suid"
-export MOUNT_OPTIONS="-o subtype=,dev,suid"
+export TEST_FS_MOUNT_OPTS="-o $mount_options"
+export MOUNT_OPTIONS="-o $mount_options"
 export RESULT_BASE=$results
 EOF
 
@@ -103,7 +117,7 @@ case $tests in
   *) read -r -a selection <<<"$tests" ;;
 esac
 
-mount -t fuse.keelfs -o subtype=,dev,suid "$test_img" "$base/test"
+mount -t fuse.keelfs -o "$mount_options" "$test_img" "$base/test"
 umount "$base/test"
 
 log=$results/check.log
