@@ -25,12 +25,13 @@ QEMU with its own keelfsd serving the same image, and checks the guest:
   1. keelfsd mkfs IMG --size 1G (IMG: WORKDIR/keelfs.img, or with
      --rbd-pool the RBD image rbd:POOL/migrate-<pid>-<time>)
   2. source: keelfsd serve --device IMG --socket SRC.sock --tag keelfs
-     (sandboxed as by default; --sandbox none on RBD), in the network
+     --locks export (keelfsd holds the guest's locks, which then travel
+     with its session; sandboxed as by default; --sandbox none on RBD), in the network
      namespace --src-netns if given; QEMU (run-guest.sh --qmp SRC.qmp)
      boots the guest running guest-tests/migrate.sh. On RBD: rbd lock ls
      shows one lock holder, at the source namespace's address if given
   3. destination: keelfsd serve --device IMG --socket DST.sock --tag keelfs
-     --incoming (does not lock or mount IMG until QEMU hands it the
+     --incoming --locks export (does not lock or mount IMG until QEMU hands it the
      migrated state), in --dst-netns if given; QEMU (run-guest.sh --qmp
      DST.qmp --incoming defer) with the same device arguments
   4. QMP, destination: migrate-set-capabilities return-path;
@@ -403,6 +404,7 @@ else
   log "peer: $virtiofsd_bin ($("$virtiofsd_bin" --version 2>&1 | head -n1)) on both sides"
 fi
 cc -O2 -Wall -o "$workdir/dirloop" "$script_dir/dirloop.c" || die "cc dirloop.c failed"
+cc -O2 -Wall -static -o "$workdir/fcntl-lock" "$script_dir/fcntl-lock.c" || die "cc fcntl-lock.c failed"
 "$script_dir/build-guest.sh" --quiet || die "building the guest failed"
 log "guest: kernel $(cat "$script_dir/.guest/kernel-version"), $(qemu-system-x86_64 --version | head -n1)"
 
@@ -416,8 +418,9 @@ if [[ $peer == keelfsd ]]; then
   fi
   # Sandboxed, as keelfsd serves by default; librados cannot be (it needs
   # the network and threads of its own).
-  src_cmd=("$keelfsd" serve --device "$img" --socket "$src_sock" --tag keelfs)
-  dst_cmd=("$keelfsd_dest" serve --device "$img" --socket "$dst_sock" --tag keelfs --incoming)
+  # keelfs holds the guest's locks, so that they travel with its session.
+  src_cmd=("$keelfsd" serve --device "$img" --socket "$src_sock" --tag keelfs --locks export)
+  dst_cmd=("$keelfsd_dest" serve --device "$img" --socket "$dst_sock" --tag keelfs --incoming --locks export)
   if [[ $img == rbd:* ]]; then
     src_cmd+=(--sandbox none)
     dst_cmd+=(--sandbox none)
@@ -435,7 +438,7 @@ fi
 
 start_daemon src_daemon "source $peer" "$workdir/$peer-source.log" "$src_sock" "${src_cmd[@]}" || finish
 [[ $img != rbd:* ]] || check_lock "before the migration" source "$src_ip" "$src_netns" || true
-guest_args=(--tag keelfs --script "$guest_script" --add-bin "$workdir/dirloop")
+guest_args=(--tag keelfs --script "$guest_script" --add-bin "$workdir/dirloop" --add-bin "$workdir/fcntl-lock")
 if [[ $peer == virtiofsd ]]; then
   # virtiofsd re-finds files by path, so a file unlinked while open
   # cannot migrate: the guest is told not to check it.
@@ -593,6 +596,13 @@ case $st in
   *) fail "guest script exited $st: $(grep -a '^FAIL' "$dst_log" | head -n 3 | tr -d '\r' | paste -sd';' - || true)" ;;
 esac
 if [[ $peer == keelfsd ]]; then
+  # The guest's two locks reached the destination in its session's state
+  # (the guest's checks show they are in force there).
+  if grep -aqE 'session restored.* locks=2' "$workdir/keelfsd-dest.log"; then
+    pass "the destination keelfsd restored the session with the guest's 2 locks"
+  else
+    fail "the destination keelfsd's restored session has not the guest's 2 locks"
+  fi
   stop_daemon dst_daemon "destination keelfsd" "$workdir/keelfsd-dest.log" || true
   st=0
   "$keelfsd_dest" fsck "$img" >"$workdir/fsck.log" 2>&1 || st=$?

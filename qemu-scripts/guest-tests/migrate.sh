@@ -13,7 +13,9 @@
 #   2. /mnt/migrate/held: text A written through fd 3 (exec 3<>), and a
 #      second descriptor fd 5 (exec 5<) opened at offset 0; and
 #      /mnt/migrate/ghost, open as fd 6 and unlinked: only the handle
-#      keeps it;
+#      keeps it; a POSIX lock on /mnt/migrate/locked and a flock lock on
+#      /mnt/migrate/flocked, each held by a process of its own
+#      (fcntl-lock, in /keelfs/bin) until the end;
 #   3. two fio files prefilled with crc32c verify headers;
 #   4. "KEELFS-MIGRATE-NOW": the host starts the migration here (default),
 #      in a quiet period of $quiet s (only the listing loops run);
@@ -27,7 +29,10 @@
 #      header for its offset (a read-verify pass, O_DIRECT and buffered);
 #      fd 5 reads text A; text B written through fd 3 is in the file at
 #      /mnt/migrate/held (A then B, also after drop_caches), and fd 5 reads B
-#      next; fd 6 reads the unlinked file; both listing loops are still running, stop cleanly and never
+#      next; fd 6 reads the unlinked file; both locks still keep another
+#      process out, and are free once their holders let go (with keelfs,
+#      which migrate.sh runs with --locks export, the locks travel in the
+#      session's state); both listing loops are still running, stop cleanly and never
 #      listed anything but 200 entries; ls lists 200 entries.
 # Prints PASS:/FAIL: per check; exits 1 when any failed.
 set -u
@@ -99,6 +104,15 @@ if [ "$orphan_check" -eq 1 ]; then
   exec 6<"$d/ghost"
   rm "$d/ghost"
 fi
+
+# Locks held across the migration, each by a process that lets go when
+# its marker is removed.
+rm -f "$d/lock-held" "$d/flock-held"
+fcntl-lock hold "$d/locked" "$d/lock-held" &
+lock_pid=$!
+fcntl-lock flock-hold "$d/flocked" "$d/flock-held" &
+flock_pid=$!
+while [ ! -e "$d/lock-held" ] || [ ! -e "$d/flock-held" ]; do sleep 0.1; done
 
 # Listing loop 1: ls through the cwd (no path lookup of the directory).
 rm -f /tmp/stop-ls /tmp/stop-dirloop
@@ -204,6 +218,21 @@ if [ "$orphan_check" -eq 1 ]; then
   exec 6<&-
 else
   echo "NOTE: --peer $(cat /keelfs/files/peer-cannot-migrate-unlinked) cannot migrate an unlinked open file: not checked"
+fi
+
+# The locks taken before the migration: still in force, then free.
+st=0
+fcntl-lock try "$d/locked" || st=$?
+if [ "$st" -eq 1 ]; then pass "the POSIX lock taken before the migration keeps another process out"; else fail "F_SETLK after the migration: exit $st"; fi
+st=0
+fcntl-lock flock-try "$d/flocked" || st=$?
+if [ "$st" -eq 1 ]; then pass "the flock lock taken before the migration keeps another process out"; else fail "flock after the migration: exit $st"; fi
+rm -f "$d/lock-held" "$d/flock-held"
+if wait "$lock_pid" && wait "$flock_pid"; then pass "the lock holders let go"; else fail "a lock holder failed"; fi
+if fcntl-lock try "$d/locked" && fcntl-lock flock-try "$d/flocked"; then
+  pass "both locks are free once their holders let go"
+else
+  fail "a lock outlived its holder"
 fi
 
 # The listing loops: still running, then stopped; they fail on a bad pass.
