@@ -13,7 +13,12 @@
 //! | ... | the body, verbatim |
 //!
 //! Each input runs against a fresh copy of one formatted filesystem, so a
-//! run is deterministic. Every reply must be well-formed (its length, the
+//! run is deterministic. The session holds its locks in a lock table (as
+//! keelfsd's do beside a host mount), so lock requests reach it too; a
+//! request still waiting (an F_SETLKW) after [`WAIT_TICKS`] reactor
+//! iterations has the session's waits ended, as a stopping queue does, and
+//! must then be answered within as many more: a request that never ends
+//! is a stall, and panics. Every reply must be well-formed (its length, the
 //! request's unique, an errno in range), and after the input the
 //! filesystem's block ownership must be consistent: a violation panics,
 //! which AFL++ records as a crash.
@@ -22,6 +27,8 @@
 
 pub mod image;
 
+use std::cell::RefCell;
+use std::rc::Rc;
 use std::sync::Arc;
 
 use keelfs_base::testing::splitmix64;
@@ -31,7 +38,7 @@ use keelfs_fs::{Fs, FsConfig};
 use keelfs_reactor::DeviceChannel;
 use keelfs_reactor::{PollMode, Reactor, ReactorConfig};
 use keelfs_vhost::abi::{encode_request, Opcode, Reply};
-use keelfs_vhost::{Session, SessionConfig};
+use keelfs_vhost::{Locks, Session, SessionConfig};
 
 const DEVICE_BYTES: u64 = 32 << 20;
 /// Requests one input may hold.
@@ -42,6 +49,9 @@ const BODY_BYTES_MAX: usize = 8 << 10;
 const NODES_MAX: usize = 64;
 /// A reply may carry at most max_write (1 MiB) of data, plus headers.
 const REPLY_BYTES_MAX: usize = (1 << 20) + 4096;
+/// Reactor iterations a request may take before its session's lock waits
+/// are ended, and again after.
+pub const WAIT_TICKS: usize = 64;
 
 pub struct Harness {
     reactor: Reactor,
@@ -99,7 +109,8 @@ impl Harness {
         let input = input.to_vec();
         self.reactor.block_on(async move {
             let fs = Fs::mount(channel(&device), FsConfig::default()).await.expect("the image mounts");
-            let session = Session::new(fs.clone(), SessionConfig::default());
+            let config = SessionConfig { locks: Some(Locks::new()), ..SessionConfig::default() };
+            let session = Rc::new(Session::new(fs.clone(), config));
             let init = encode_request(Opcode::Init as u32, 1, 0, 0, 0, &init_body());
             let reply = session.handle(&init).await.expect("INIT is answered");
             assert_eq!(check_reply(&reply, 1, Opcode::Init as u32).0, 0);
@@ -121,7 +132,28 @@ impl Default for Harness {
     }
 }
 
-async fn run_requests(session: &Session, mut input: &[u8]) {
+/// Serve `request` as a transport does, as a task of its own; end the
+/// session's lock waits if it is still waiting after [`WAIT_TICKS`].
+async fn serve(session: &Rc<Session>, request: Vec<u8>) -> Option<Vec<u8>> {
+    let answer: Rc<RefCell<Option<Option<Vec<u8>>>>> = Rc::default();
+    let (task_session, out) = (Rc::clone(session), Rc::clone(&answer));
+    keelfs_reactor::spawn_local(async move {
+        let reply = task_session.handle(&request).await;
+        *out.borrow_mut() = Some(reply);
+    });
+    for tick in 0..2 * WAIT_TICKS {
+        if let Some(reply) = answer.borrow_mut().take() {
+            return reply;
+        }
+        if tick == WAIT_TICKS {
+            session.end_lock_waits();
+        }
+        keelfs_reactor::next_tick().await;
+    }
+    panic!("a request was not answered, even with its lock waits ended");
+}
+
+async fn run_requests(session: &Rc<Session>, mut input: &[u8]) {
     let mut nodes: Vec<u64> = Vec::new();
     for unique in 2..2 + REQUESTS_MAX as u64 {
         let [op, node, len_lo, len_hi, rest @ ..] = input else { break };
@@ -136,7 +168,7 @@ async fn run_requests(session: &Session, mut input: &[u8]) {
         let (body, left) = rest.split_at(len);
         input = left;
         let request = encode_request(opcode, unique, nodeid, 0, 0, body);
-        let Some(reply) = session.handle(&request).await else { continue };
+        let Some(reply) = serve(session, request).await else { continue };
         let (error, reply_body) = check_reply(&reply, unique, opcode);
         if error == 0 && names_a_node(opcode) && reply_body.len() >= 8 && nodes.len() < NODES_MAX {
             nodes.push(u64::from_le_bytes(reply_body[..8].try_into().expect("8 bytes")));
@@ -153,8 +185,12 @@ pub fn generated_inputs(seed: u64, count: usize) -> Vec<Vec<u8>> {
         .map(|_| {
             let mut input = Vec::new();
             for _ in 0..1 + splitmix64(&mut s) % 24 {
-                let op = [1u8, 3, 4, 6, 8, 9, 10, 14, 15, 16, 21, 22, 26, 27, 28, 35, 43, 44, 46]
-                    [(splitmix64(&mut s) % 19) as usize];
+                // Lookups, changes, opens, I/O, xattrs, readdir, and the
+                // lock requests (18 RELEASE, 25 FLUSH, 31-33 GETLK to
+                // SETLKW).
+                const OPS: [u8; 24] =
+                    [1, 3, 4, 6, 8, 9, 10, 14, 15, 16, 18, 21, 22, 25, 26, 27, 28, 31, 32, 33, 35, 43, 44, 46];
+                let op = OPS[(splitmix64(&mut s) % OPS.len() as u64) as usize];
                 let node = (splitmix64(&mut s) % 6) as u8;
                 let body_len = (splitmix64(&mut s) % 48) as usize;
                 let mut body: Vec<u8> = (0..body_len).map(|_| (splitmix64(&mut s) % 4) as u8).collect();

@@ -16,7 +16,20 @@ fn the_generated_corpus_runs_clean() {
 #[test]
 fn inputs_at_the_formats_edges_run_clean() {
     let mut harness = Harness::new();
-    let edges: [&[u8]; 6] = [
+    // CREATE "f" (handle 1), a write lock on it by owner 1, then owner
+    // 2's F_SETLKW of the same byte: it waits until the harness ends the
+    // session's waits, and must then be answered.
+    let lk = |op: u8, owner: u8, kind: u8| {
+        let mut r = vec![op, 1, 48, 0];
+        let mut body = [0u8; 48];
+        (body[0], body[8], body[32]) = (1, owner, kind);
+        r.extend_from_slice(&body);
+        r
+    };
+    let create = [&[35u8, 0, 18, 0][..], &2u32.to_le_bytes(), &0o100644u32.to_le_bytes(), &[0u8; 8], b"f\0"].concat();
+    let blocked = [create, lk(32, 1, 1), lk(33, 2, 1), lk(31, 3, 0)].concat();
+    let edges: [&[u8]; 7] = [
+        &blocked,
         &[],
         &[0],
         // A body length past the end of the input.
