@@ -480,7 +480,10 @@ pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
 
 /// Negotiate the session as Linux's virtio-fs driver does.
 pub(crate) fn init(fe: &mut FsFrontend) -> anyhow::Result<()> {
-    fe.init(f::ASYNC_READ | f::BIG_WRITES | f::MAX_PAGES | f::PARALLEL_DIROPS | f::INIT_EXT)?;
+    // Linux's virtio-fs offers POSIX and flock locks too: a daemon that
+    // holds them then has every close send FLUSH (issue 36).
+    let flags = f::ASYNC_READ | f::BIG_WRITES | f::MAX_PAGES | f::PARALLEL_DIROPS | f::INIT_EXT;
+    fe.init(flags | f::POSIX_LOCKS | f::FLOCK_LOCKS)?;
     Ok(())
 }
 
