@@ -13,6 +13,8 @@ use keelfs_reactor::{PollMode, Reactor, ReactorConfig};
 use keelfs_vhost::abi::{encode_request, Opcode, Reply};
 use keelfs_vhost::{Session, SessionConfig};
 
+mod common;
+
 fn request(opcode: u32, unique: u64, nodeid: u64, body: &[u8]) -> Vec<u8> {
     encode_request(opcode, unique, nodeid, 0, 0, body)
 }
@@ -40,14 +42,7 @@ fn with_session(test: impl AsyncFnOnce(Session) + 'static) {
 }
 
 fn with_session_config(config: SessionConfig, test: impl AsyncFnOnce(Session) + 'static) {
-    let mut reactor = Reactor::new(ReactorConfig { mode: PollMode::Busy, ..ReactorConfig::default() }).unwrap();
-    let dev: Arc<dyn BlockDevice> = Arc::new(MappedDevice::ram(64 << 20, 4096).unwrap());
-    reactor.block_on(async move {
-        let ch = || DeviceChannel::attach(dev.open_queue(QueueConfig::default()).unwrap());
-        mkfs(ch(), &MkfsOptions { force: true, ..MkfsOptions::default() }).await.unwrap();
-        let fs = Fs::mount(ch(), FsConfig::default()).await.unwrap();
-        test(Session::new(fs, config)).await;
-    });
+    common::with_fs(async move |fs| test(Session::new(fs, config)).await);
 }
 
 fn named(prefix: &[u8], name: &str) -> Vec<u8> {

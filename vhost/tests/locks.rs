@@ -5,13 +5,11 @@
 
 use std::cell::Cell;
 use std::rc::Rc;
-use std::sync::Arc;
 
-use keelfs_bdev::{BlockDevice, MappedDevice, QueueConfig};
-use keelfs_fs::{mkfs, Fs, FsConfig, MkfsOptions};
-use keelfs_reactor::{DeviceChannel, PollMode, Reactor, ReactorConfig};
 use keelfs_vhost::abi::{encode_request, open_flags, Opcode, Reply};
 use keelfs_vhost::{Locks, OpStats, Session, SessionConfig, SessionState, LOCK_END_MAX};
+
+mod common;
 
 const F_RDLCK: u32 = libc::F_RDLCK as u32;
 const F_WRLCK: u32 = libc::F_WRLCK as u32;
@@ -92,12 +90,7 @@ struct Two {
 /// table; both initialized, with one file created by the first and opened
 /// by the second.
 fn with_two_sessions(shared_locks: bool, test: impl AsyncFnOnce(Two) + 'static) {
-    let mut reactor = Reactor::new(ReactorConfig { mode: PollMode::Busy, ..ReactorConfig::default() }).unwrap();
-    let dev: Arc<dyn BlockDevice> = Arc::new(MappedDevice::ram(64 << 20, 4096).unwrap());
-    reactor.block_on(async move {
-        let ch = || DeviceChannel::attach(dev.open_queue(QueueConfig::default()).unwrap());
-        mkfs(ch(), &MkfsOptions { force: true, ..MkfsOptions::default() }).await.unwrap();
-        let fs = Fs::mount(ch(), FsConfig::default()).await.unwrap();
+    common::with_fs(async move |fs| {
         let locks = shared_locks.then(Locks::new);
         let config = SessionConfig { locks: locks.clone(), ..SessionConfig::default() };
         let guest = Rc::new(Session::new(fs.clone(), config.clone()));

@@ -22,7 +22,7 @@ use super::locks::{
     ClientId, HeldLock, LockError, LockKind, LockOwner, LockRequest, LockSpace, Locks, WAITS_PER_CLIENT_MAX,
 };
 use super::request::{
-    parse, InPlaceIo, LockOp, Request, FITRIM, FSTRIM_RANGE_BYTES, IOCTL_UNRESTRICTED, IO_PREFIX_BYTES,
+    parse, InPlaceIo, LockIn, LockOp, Request, FITRIM, FSTRIM_RANGE_BYTES, IOCTL_UNRESTRICTED, IO_PREFIX_BYTES,
     OPEN_KILL_SUIDGID, SETXATTR_ACL_KILL_SGID, WRITE_CACHE, WRITE_KILL_SUIDGID,
 };
 use super::state::{SavedLock, SessionState, StateError};
@@ -210,17 +210,6 @@ pub struct Session {
     readdir_entries: Cell<Vec<DirEntry>>,
     /// The export's lock table and this session's client number in it.
     locks: Option<(Rc<Locks>, ClientId)>,
-}
-
-/// A lock request's fields, as the wire gave them.
-struct LockWanted {
-    fh: Fh,
-    owner: u64,
-    start: u64,
-    end: u64,
-    kind: u32,
-    pid: u32,
-    flock: bool,
 }
 
 /// The transport's memory that a READ served in place fills.
@@ -702,7 +691,8 @@ impl Session {
     }
 
     /// GETLK, SETLK or SETLKW of `wanted` on `ino`.
-    async fn lock(&self, unique: u64, ino: Ino, op: LockOp, wanted: LockWanted) -> Outcome {
+    async fn lock(&self, unique: u64, ino: Ino, wanted: LockIn) -> Outcome {
+        let op = wanted.op;
         let Some((locks, client)) = self.lock_table() else { return Err(libc::ENOSYS) };
         let kind = match wanted.kind as i32 {
             libc::F_RDLCK => Some(LockKind::Read),
@@ -1169,9 +1159,9 @@ impl Session {
                 }
                 Ok(None)
             }
-            Request::Lock { op, fh, owner, start, end, kind, pid, flock } => {
-                self.own_handle_of(fh, ino)?;
-                self.lock(h.unique, ino, op, LockWanted { fh, owner, start, end, kind, pid, flock }).await
+            Request::Lock(wanted) => {
+                self.own_handle_of(wanted.fh, ino)?;
+                self.lock(h.unique, ino, wanted).await
             }
             Request::Fsync { fh, datasync, dir } => {
                 self.own_handle_of(fh, ino)?;

@@ -44,6 +44,21 @@ pub const RELEASE_FLOCK_UNLOCK: u32 = 1 << 1;
 /// fuse_lk_in.lk_flags: the lock is a flock(2) lock.
 pub const LK_FLOCK: u32 = 1 << 0;
 
+/// A lock request's fields (fuse_lk_in), as the wire gave them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LockIn {
+    pub op: LockOp,
+    pub fh: Fh,
+    pub owner: u64,
+    pub start: u64,
+    pub end: u64,
+    /// F_RDLCK, F_WRLCK or F_UNLCK, checked by the dispatcher.
+    pub kind: u32,
+    pub pid: u32,
+    /// FUSE_LK_FLOCK: a flock(2) lock, not a POSIX one.
+    pub flock: bool,
+}
+
 /// Which lock request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LockOp {
@@ -169,18 +184,7 @@ pub enum Request<'a> {
         lock_owner: u64,
     },
     /// GETLK, SETLK and SETLKW (fuse_lk_in).
-    Lock {
-        op: LockOp,
-        fh: Fh,
-        owner: u64,
-        start: u64,
-        end: u64,
-        /// F_RDLCK, F_WRLCK or F_UNLCK, checked by the dispatcher.
-        kind: u32,
-        pid: u32,
-        /// FUSE_LK_FLOCK: a flock(2) lock, not a POSIX one.
-        flock: bool,
-    },
+    Lock(LockIn),
     Fsync {
         fh: Fh,
         datasync: bool,
@@ -593,7 +597,7 @@ fn parse_lock<'a>(c: &mut Cursor<'_>, op: Opcode) -> Result<Request<'a>, ParseEr
         Opcode::Setlk => LockOp::Set,
         _ => LockOp::SetWaiting,
     };
-    Ok(Request::Lock { op, fh, owner, start, end, kind, pid, flock })
+    Ok(Request::Lock(LockIn { op, fh, owner, start, end, kind, pid, flock }))
 }
 
 fn parse_setattr<'a>(c: &mut Cursor<'_>) -> Result<Request<'a>, ParseError> {

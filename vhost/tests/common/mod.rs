@@ -20,6 +20,19 @@ use keelfs_vhost::{Qos, QosLimits, ServeOptions, VhostUserServer};
 
 pub const TIMEOUT: Duration = Duration::from_secs(60);
 
+/// Run `test` on a busy-polling reactor, given a freshly made and mounted
+/// filesystem on a 64 MiB RAM disk: for the tests that drive a
+/// [`keelfs_vhost::Session`] directly, with no transport.
+pub fn with_fs(test: impl AsyncFnOnce(Fs) + 'static) {
+    let mut reactor = Reactor::new(ReactorConfig { mode: PollMode::Busy, ..ReactorConfig::default() }).unwrap();
+    let dev: Arc<dyn BlockDevice> = Arc::new(MappedDevice::ram(64 << 20, 4096).unwrap());
+    reactor.block_on(async move {
+        let ch = || DeviceChannel::attach(dev.open_queue(QueueConfig::default()).unwrap());
+        mkfs(ch(), &MkfsOptions { force: true, ..MkfsOptions::default() }).await.unwrap();
+        test(Fs::mount(ch(), FsConfig::default()).await.unwrap()).await;
+    });
+}
+
 /// keelfsd's device side on its own reactor thread, over a RAM disk.
 pub struct Daemon {
     pub socket: PathBuf,
