@@ -1159,6 +1159,9 @@ impl Session {
                 }
                 Ok(None)
             }
+            // ENOSYS before any check of the request, when keelfs does not
+            // hold the session's locks: it tells the kernel to keep its own.
+            Request::Lock(_) if !self.holds_locks() => Err(libc::ENOSYS),
             Request::Lock(wanted) => {
                 self.own_handle_of(wanted.fh, ino)?;
                 self.lock(h.unique, ino, wanted).await
