@@ -53,3 +53,21 @@ stop_guest_and_daemon() {
     wait "$daemon" 2>/dev/null || true
   fi
 }
+
+# tail_of LABEL FILE [N]: the last N (30) lines of FILE, indented, under a
+# heading.
+tail_of() {
+  echo "----- $1 (tail of $2):"
+  tail -n "${3:-30}" "$2" 2>/dev/null | tr -d '\r' | sed 's/^/  | /'
+}
+
+# wait_log FILE REGEX PID: until FILE has a line matching REGEX; false when
+# PID ended or the caller's $deadline (in SECONDS) passed first.
+wait_log() {
+  while ((SECONDS < deadline)); do
+    grep -aqE "$2" "$1" 2>/dev/null && return 0
+    kill -0 "$3" 2>/dev/null || { grep -aqE "$2" "$1" 2>/dev/null; return; }
+    sleep 0.2
+  done
+  return 1
+}

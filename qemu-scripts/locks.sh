@@ -93,7 +93,6 @@ nfail=0
 npass=0
 pass() { echo "PASS: $*"; npass=$((npass + 1)); }
 fail() { echo "FAIL: $*"; nfail=$((nfail + 1)); }
-tail_of() { echo "----- $1 (tail of $2):"; tail -n 30 "$2" 2>/dev/null | tr -d '\r' | sed 's/^/  | /'; }
 finish() {
   echo "locks: $npass passed, $nfail failed"
   if ((nfail > 0 || keep || !auto_workdir)); then
@@ -103,14 +102,6 @@ finish() {
     rm -rf "$workdir"
   fi
   exit $((nfail > 0))
-}
-wait_log() {
-  while ((SECONDS < deadline)); do
-    grep -aqE "$1" "$guest_log" 2>/dev/null && return 0
-    kill -0 "$guest" 2>/dev/null || { grep -aqE "$1" "$guest_log" 2>/dev/null; return; }
-    sleep 0.2
-  done
-  return 1
 }
 # until_ok CMD...: CMD every 0.2 s until it succeeds or the deadline.
 until_ok() {
@@ -149,7 +140,7 @@ until_ok test -e "$mnt/host-holds" -a -e "$mnt/host-flock" || { fail "the host's
   --add-bin "$tool" --timeout "$((deadline - SECONDS))" >"$guest_log" 2>&1 &
 guest=$!
 
-if ! wait_log '^KEELFS-GUEST-SAW-HOST'; then
+if ! wait_log "$guest_log" '^KEELFS-GUEST-SAW-HOST' "$guest"; then
   fail "the guest did not get past the host's locks"
   tail_of guest "$guest_log"
   finish
@@ -162,7 +153,7 @@ for pid in "${holders[@]}"; do
 done
 holders=()
 
-if ! wait_log '^KEELFS-GUEST-HOLDS'; then
+if ! wait_log "$guest_log" '^KEELFS-GUEST-HOLDS' "$guest"; then
   fail "the guest did not take its locks"
   tail_of guest "$guest_log"
   finish

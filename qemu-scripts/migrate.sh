@@ -233,10 +233,6 @@ nfail=0
 npass=0
 pass() { echo "PASS: $*"; npass=$((npass + 1)); }
 fail() { echo "FAIL: $*"; nfail=$((nfail + 1)); }
-tail_of() { # LABEL FILE
-  echo "----- $1 (tail of $2):"
-  tail -n "${3:-30}" "$2" 2>/dev/null | tr -d '\r' | sed 's/^/  | /'
-}
 # finish: the guest's console, the summary, the exit status; the guest
 # script's status wins when it failed.
 guest_status=""
@@ -340,17 +336,6 @@ stop_daemon() {
     tail_of "$label log" "$dlog"
     return 1
   fi
-}
-
-# wait_log FILE REGEX PID: until FILE has a line matching REGEX; false when
-# PID ended or the deadline passed first.
-wait_log() {
-  while ((SECONDS < deadline)); do
-    grep -aqE "$2" "$1" 2>/dev/null && return 0
-    kill -0 "$3" 2>/dev/null || { grep -aqE "$2" "$1" 2>/dev/null; return; }
-    sleep 0.2
-  done
-  return 1
 }
 
 # rbd_lockers: "LOCKER ADDRESS" per holder of the image's lock (rbd lock ls),

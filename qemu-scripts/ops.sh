@@ -95,7 +95,6 @@ nfail=0
 npass=0
 pass() { echo "PASS: $*"; npass=$((npass + 1)); }
 fail() { echo "FAIL: $*"; nfail=$((nfail + 1)); }
-tail_of() { echo "----- $1 (tail of $2):"; tail -n 30 "$2" 2>/dev/null | tr -d '\r' | sed 's/^/  | /'; }
 finish() {
   echo "ops: $npass passed, $nfail failed"
   if ((nfail > 0 || keep || !auto_workdir)); then
@@ -105,16 +104,6 @@ finish() {
     rm -rf "$workdir"
   fi
   exit $((nfail > 0))
-}
-# wait_log REGEX: until the guest's console has a matching line; false when
-# the guest ended or the deadline passed first.
-wait_log() {
-  while ((SECONDS < deadline)); do
-    grep -aqE "$1" "$guest_log" 2>/dev/null && return 0
-    kill -0 "$guest" 2>/dev/null || { grep -aqE "$1" "$guest_log" 2>/dev/null; return; }
-    sleep 0.2
-  done
-  return 1
 }
 allocated_mib() { echo $(($(stat -c '%b * %B' "$img") >> 20)); }
 rpc_call() { "$keelfsd" rpc "$1" "$2" --rpc "$rpc"; }
@@ -151,7 +140,7 @@ for _ in $(seq 1 150); do [[ -S $sock ]] && break; sleep 0.2; done
 guest=$!
 
 # ------------------------------------------------------------ exports come and go --
-if ! wait_log '^KEELFS-IO-START'; then
+if ! wait_log "$guest_log" '^KEELFS-IO-START' "$guest"; then
   fail "the guest did not start fio"
   tail_of guest "$guest_log"
   finish
@@ -177,9 +166,9 @@ for round in 1 2 3; do
 done
 
 # ------------------------------------------------------------ space given back --
-if wait_log '^KEELFS-WRITTEN'; then
+if wait_log "$guest_log" '^KEELFS-WRITTEN' "$guest"; then
   before=$(allocated_mib)
-  if wait_log '^KEELFS-TRIMMED'; then
+  if wait_log "$guest_log" '^KEELFS-TRIMMED' "$guest"; then
     after=$(allocated_mib)
     if ((before - after >= 32)); then
       pass "the image's allocated size: ${before} MiB with the guest's 64 MiB file, ${after} MiB after rm and fstrim"

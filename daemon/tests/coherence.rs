@@ -11,7 +11,6 @@
 use std::ffi::OsStr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
-use std::time::Duration;
 
 use keelfs_vhost::abi::{init_flags as f, Opcode, Reply};
 use keelfs_vhost::frontend::{io_in, FsFrontend};
@@ -20,18 +19,10 @@ mod common;
 use common::{connect_frontend, fsck, mkfs, named, stats, Scratch, Served};
 
 /// The host's kernel may still hold the old state for as long as the
-/// notification takes to reach it (a thread of the daemon writes it):
-/// `holds` is asked up to 2000 times, 5 ms apart, far less than the day
-/// the kernel would otherwise keep the state. Nothing is asserted of how
-/// long it took.
+/// notification takes to reach it (a thread of the daemon writes it), far
+/// less than the day the kernel would otherwise keep the state.
 fn eventually(what: &str, holds: impl Fn() -> bool) {
-    for _ in 0..2000 {
-        if holds() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    panic!("the host mount never saw: {what}");
+    common::eventually(&format!("the host mount saw {what}"), holds);
 }
 
 /// Requests of these kinds the daemon has answered for the host mount.

@@ -6,7 +6,7 @@
 use std::ffi::OsStr;
 use std::fs::File;
 use std::os::fd::AsRawFd;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -14,16 +14,33 @@ use keelfs_vhost::abi::{init_flags as f, Opcode, Reply};
 use keelfs_vhost::frontend::FsFrontend;
 
 mod common;
-use common::{connect_frontend, fsck, mkfs, named, stats, Scratch, Served};
+use common::{connect_frontend, eventually, fsck, mkfs, named, stats, Scratch, Served};
 
 const LOCK_END_MAX: u64 = i64::MAX as u64;
 
-fn serve(image: &Path, socket: &Path, mnt: &Path, rpc: &Path, locks: &str) -> Served {
-    let _ = std::fs::remove_file(rpc);
-    let mut args: Vec<&OsStr> = vec![OsStr::new("--device"), image.as_os_str(), OsStr::new("--socket")];
-    args.extend([socket.as_os_str(), OsStr::new("--rpc"), rpc.as_os_str()]);
-    args.extend([OsStr::new("--fuse-mount"), mnt.as_os_str(), OsStr::new("--locks"), OsStr::new(locks)]);
-    Served::start(&args, &[mnt])
+/// A keelfsd serving a fresh image to a guest socket and a host mount,
+/// with `--locks LOCKS`.
+struct Export {
+    served: Served,
+    image: PathBuf,
+    mnt: PathBuf,
+    rpc: PathBuf,
+    socket: PathBuf,
+    _scratch: Scratch,
+}
+
+impl Export {
+    fn serve(name: &str, locks: &str) -> Self {
+        let scratch = Scratch::new(name);
+        let (image, mnt, rpc, socket) =
+            (scratch.path("img"), scratch.path("mnt"), scratch.path("rpc.sock"), scratch.path("vhost.sock"));
+        mkfs(&image, "256M");
+        let mut args: Vec<&OsStr> = vec![OsStr::new("--device"), image.as_os_str(), OsStr::new("--socket")];
+        args.extend([socket.as_os_str(), OsStr::new("--rpc"), rpc.as_os_str()]);
+        args.extend([OsStr::new("--fuse-mount"), mnt.as_os_str(), OsStr::new("--locks"), OsStr::new(locks)]);
+        let served = Served::start(&args, &[&mnt]);
+        Self { served, image, mnt, rpc, socket, _scratch: scratch }
+    }
 }
 
 /// The guest's lock request on `node` through `fh`: the errno, and for
@@ -74,19 +91,6 @@ fn host_flock(file: &File, op: i32) -> Result<(), i32> {
     }
 }
 
-/// Asked up to 2000 times, 5 ms apart: for what the host's kernel sends
-/// after the call that causes it returns. Nothing is asserted of how long
-/// it took.
-fn eventually(what: &str, mut holds: impl FnMut() -> bool) {
-    for _ in 0..2000 {
-        if holds() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    panic!("never: {what}");
-}
-
 fn open_rw(path: &Path) -> File {
     File::options().read(true).write(true).open(path).unwrap()
 }
@@ -103,11 +107,7 @@ fn guest_open(fe: &mut FsFrontend, name: &str) -> (u64, u64) {
 
 #[test]
 fn a_guest_and_the_host_mount_exclude_each_other() {
-    let scratch = Scratch::new("locks");
-    let (image, mnt, rpc, socket) =
-        (scratch.path("img"), scratch.path("mnt"), scratch.path("rpc.sock"), scratch.path("vhost.sock"));
-    mkfs(&image, "256M");
-    let served = serve(&image, &socket, &mnt, &rpc, "auto");
+    let Export { served, image, mnt, rpc, socket, _scratch } = Export::serve("locks", "auto");
     let path = mnt.join("f");
     std::fs::write(&path, vec![0u8; 4096]).unwrap();
 
@@ -190,11 +190,7 @@ extern "C" fn ignore_signal(_: i32) {}
 /// lock is untouched.
 #[test]
 fn a_host_process_waiting_for_a_lock_can_be_interrupted() {
-    let scratch = Scratch::new("locks-intr");
-    let (image, mnt, rpc, socket) =
-        (scratch.path("img"), scratch.path("mnt"), scratch.path("rpc.sock"), scratch.path("vhost.sock"));
-    mkfs(&image, "256M");
-    let served = serve(&image, &socket, &mnt, &rpc, "auto");
+    let Export { served, mnt, rpc, socket, _scratch, .. } = Export::serve("locks-intr", "auto");
     let path = mnt.join("f");
     std::fs::write(&path, b"x").unwrap();
     let mut guest = connect_frontend(&socket);
@@ -235,11 +231,7 @@ fn a_host_process_waiting_for_a_lock_can_be_interrupted() {
 /// keeps its own (the guest's requests answer ENOSYS).
 #[test]
 fn with_locks_left_to_clients_none_are_offered() {
-    let scratch = Scratch::new("locks-client");
-    let (image, mnt, rpc, socket) =
-        (scratch.path("img"), scratch.path("mnt"), scratch.path("rpc.sock"), scratch.path("vhost.sock"));
-    mkfs(&image, "256M");
-    let served = serve(&image, &socket, &mnt, &rpc, "client");
+    let Export { served, mnt, socket, _scratch, .. } = Export::serve("locks-client", "client");
     std::fs::write(mnt.join("f"), b"x").unwrap();
     let mut guest = connect_frontend(&socket);
     let agreed = guest.init(f::INIT_EXT | f::POSIX_LOCKS | f::FLOCK_LOCKS).unwrap();

@@ -40,6 +40,20 @@ pub fn require_fuse_transport(transport: &str) {
 }
 
 /// `keelfsd stats` of the daemon at `rpc`.
+/// For what the host's kernel does after the call that causes it returns
+/// (a notification written by a thread of the daemon, a RELEASE sent
+/// after close(2)): `holds` is asked up to 2000 times, 5 ms apart.
+/// Nothing is asserted of how long it took.
+pub fn eventually(what: &str, mut holds: impl FnMut() -> bool) {
+    for _ in 0..2000 {
+        if holds() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    panic!("never: {what}");
+}
+
 pub fn stats(rpc: &Path) -> serde_json::Value {
     let out = keelfsd().arg("stats").arg("--rpc").arg(rpc).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
