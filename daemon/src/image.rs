@@ -67,6 +67,15 @@ impl ExportImage {
             self.locked.set(true);
             return Ok(());
         }
+        if let ImageLock::RbdReader(dev, held) = lock {
+            // A reader's shared lock is refused while a writer holds the
+            // image: no waiting for one.
+            let dev = Arc::clone(dev);
+            let taken = off_reactor(move || dev.take_reader_lock().map_err(|e| e.to_string())).await?;
+            *held.lock().unwrap_or_else(|e| e.into_inner()) = Some(taken);
+            self.locked.set(true);
+            return Ok(());
+        }
         loop {
             match lock.try_lock() {
                 Ok(true) => {
@@ -95,6 +104,14 @@ impl ExportImage {
             ImageLock::Rbd(dev) => {
                 let dev = Arc::clone(dev);
                 off_reactor(move || dev.release_lock().map_err(|e| e.to_string())).await
+            }
+            ImageLock::RbdReader(_, held) => {
+                let taken = held.lock().unwrap_or_else(|e| e.into_inner()).take();
+                off_reactor(move || {
+                    drop(taken);
+                    Ok(())
+                })
+                .await
             }
             ImageLock::File(_) => lock.unlock().map_err(|e| e.to_string()),
         };

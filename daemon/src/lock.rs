@@ -25,6 +25,9 @@ pub enum ImageLock {
     /// An RBD image's exclusive lock, which librbd holds for the open
     /// image: the device is the lock.
     Rbd(std::sync::Arc<keelfs_bdev::RbdDevice>),
+    /// A read-only export's shared lock on an RBD image, which keeps
+    /// writers out while held (None once let go for a migration).
+    RbdReader(std::sync::Arc<keelfs_bdev::RbdDevice>, std::sync::Mutex<Option<keelfs_bdev::RbdReaderLock>>),
 }
 
 impl std::fmt::Debug for ImageLock {
@@ -32,6 +35,9 @@ impl std::fmt::Debug for ImageLock {
         match self {
             ImageLock::File(file) => f.debug_tuple("File").field(file).finish(),
             ImageLock::Rbd(dev) => f.debug_tuple("Rbd").field(&keelfs_bdev::BlockDevice::name(dev.as_ref())).finish(),
+            ImageLock::RbdReader(dev, _) => {
+                f.debug_tuple("RbdReader").field(&keelfs_bdev::BlockDevice::name(dev.as_ref())).finish()
+            }
         }
     }
 }
@@ -107,7 +113,7 @@ impl ImageLock {
     pub fn into_file(self) -> Option<File> {
         match self {
             ImageLock::File(file) => Some(file),
-            ImageLock::Rbd(_) => None,
+            ImageLock::Rbd(_) | ImageLock::RbdReader(..) => None,
         }
     }
 
@@ -117,6 +123,17 @@ impl ImageLock {
         match self {
             ImageLock::File(file) => Ok(set_lock(file, libc::F_WRLCK)?),
             ImageLock::Rbd(dev) => Ok(dev.try_take_lock()?),
+            ImageLock::RbdReader(dev, held) => {
+                let mut held = held.lock().unwrap_or_else(|e| e.into_inner());
+                if held.is_none() {
+                    match dev.take_reader_lock() {
+                        Ok(lock) => *held = Some(lock),
+                        Err(keelfs_bdev::RbdError::Locked { .. }) => return Ok(false),
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+                Ok(true)
+            }
         }
     }
 
@@ -127,6 +144,10 @@ impl ImageLock {
         match self {
             ImageLock::File(file) => Ok(set_lock(file, libc::F_UNLCK).map(drop)?),
             ImageLock::Rbd(dev) => Ok(dev.release_lock()?),
+            ImageLock::RbdReader(_, held) => {
+                drop(held.lock().unwrap_or_else(|e| e.into_inner()).take());
+                Ok(())
+            }
         }
     }
 

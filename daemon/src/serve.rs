@@ -528,11 +528,14 @@ fn open_locked(export: &Export, incoming: bool) -> anyhow::Result<(Arc<dyn Block
     if device::is_rbd(&export.device) || export.backend == config::BackendName::Rbd {
         let options = keelfs_bdev::RbdOptions { read_only: export.read_only, defer_lock: incoming };
         let rbd = Arc::new(device::open_rbd(&export.device, options)?);
-        if export.read_only {
-            refuse_rbd_in_use(&rbd)?;
-        }
-        let lock = (!export.read_only).then(|| ImageLock::Rbd(Arc::clone(&rbd)));
-        return Ok((rbd, lock));
+        let lock = if export.read_only {
+            // Readers share the image and keep writers out while they serve.
+            let held = (!incoming).then(|| rbd.take_reader_lock()).transpose().map_err(device::rbd_error)?;
+            ImageLock::RbdReader(Arc::clone(&rbd), std::sync::Mutex::new(held))
+        } else {
+            ImageLock::Rbd(Arc::clone(&rbd))
+        };
+        return Ok((rbd, Some(lock)));
     }
     let lock = match (export.read_only, incoming) {
         (true, _) => ImageLock::shared(&export.device, "serve")?,
@@ -541,22 +544,6 @@ fn open_locked(export: &Export, incoming: bool) -> anyhow::Result<(Arc<dyn Block
     };
     let dev = device::open_backend(&export.device, export.backend, export.sqpoll_idle_ms, export.read_only)?;
     Ok((dev, lock))
-}
-
-/// A read-only export reads the image without a lock of its own (RBD's
-/// exclusive lock has no shared mode): refuse one while a writer holds
-/// the image. Unlike a file's shared lock, nothing keeps a writer from
-/// taking the image later, under the reader (docs/ARCHITECTURE.md,
-/// "Scale-out").
-fn refuse_rbd_in_use(rbd: &keelfs_bdev::RbdDevice) -> anyhow::Result<()> {
-    let holders = rbd.holders().map_err(device::rbd_error)?;
-    if holders != "nobody" {
-        bail!(tools::UsageError(format!(
-            "{} is in use (locked by {holders}): refusing to serve it read-only",
-            keelfs_bdev::BlockDevice::name(rbd)
-        )));
-    }
-    Ok(())
 }
 
 /// Open an export for a sandboxed server through its supervisor (see

@@ -122,7 +122,7 @@ fn mkfs_creates_the_image_serve_mounts_it_and_a_second_writer_is_refused() {
     let said = refused(&["--sandbox", "namespace"]);
     assert!(said.contains("use --sandbox none"), "{said}");
     let said = refused(&["--read-only", "--sandbox", "none"]);
-    assert!(said.contains("refusing to serve it read-only"), "{said}");
+    assert!(said.contains("is locked by client."), "a reader is refused while a writer holds it: {said}");
 
     let live = keelfsd().args(["fsck", &name]).output().unwrap();
     assert_eq!(live.status.code(), Some(0), "{}", text(&live));
@@ -202,4 +202,58 @@ fn an_export_moves_between_two_hosts_and_a_dead_owner_is_fenced() {
     assert!(served_a.stop().success());
     let fsck = keelfsd().args(["fsck", &name]).output().unwrap();
     assert_eq!(fsck.status.code(), Some(0), "{}", text(&fsck));
+}
+
+/// A read-only export holds a shared lock for as long as it serves (issue
+/// 36): readers share the image, a writer is refused naming them, a clean
+/// stop lets go, and a killed reader's lock stays until `break-lock
+/// --fence-live` fences and breaks it (without it, break-lock refuses: a
+/// reader watches nothing, so its death cannot be told).
+#[test]
+fn a_read_only_export_keeps_writers_out_until_it_stops_or_is_fenced() {
+    let image = RbdScratchImage::new("readers", 256 << 20);
+    let name = image.name();
+    let out = keelfsd().args(["mkfs", &name]).output().unwrap();
+    assert!(out.status.success(), "mkfs: {}", text(&out));
+    let dir = Scratch::new("rbd-readers");
+    let (m1, m2) = (dir.path("m1"), dir.path("m2"));
+    let reader = |mnt: &Path| {
+        let args = [os("--device"), os(&name), os("--read-only"), os("--sandbox"), os("none"), os("--fuse-mount")];
+        let mut args = args.to_vec();
+        args.push(mnt.as_os_str());
+        Served::start(&args, &[mnt])
+    };
+    let first = reader(&m1);
+    let second = reader(&m2);
+    assert!(m2.join(".").exists(), "a second reader shares the image");
+    let held = holders(&image);
+    assert_eq!(held.matches("reader client.").count(), 2, "{held}");
+    let out = keelfsd()
+        .args(["serve", "--device", &name, "--sandbox", "none", "--socket"])
+        .arg(dir.path("w.sock"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("is locked by reader client."), "{}", text(&out));
+    assert!(second.stop().success());
+    assert_eq!(holders(&image).matches("reader client.").count(), 1, "a clean stop lets go");
+
+    // A killed reader's lock outlives it.
+    first.signal(libc::SIGKILL);
+    drop(first);
+    assert_eq!(holders(&image).matches("reader client.").count(), 1);
+    let refused = keelfsd().args(["break-lock", &name]).output().unwrap();
+    assert_eq!(refused.status.code(), Some(2), "{}", text(&refused));
+    assert!(text(&refused).contains("--fence-live"), "{}", text(&refused));
+    let broken = keelfsd().args(["break-lock", &name, "--fence-live"]).output().unwrap();
+    assert!(broken.status.success(), "{}", text(&broken));
+    assert!(text(&broken).contains("reader client."), "{}", text(&broken));
+    assert_eq!(holders(&image), "nobody");
+    let mnt = dir.path("w");
+    let served = Served::start(
+        &[os("--device"), os(&name), os("--sandbox"), os("none"), os("--fuse-mount"), mnt.as_os_str()],
+        &[&mnt],
+    );
+    std::fs::write(mnt.join("f"), b"written once the readers were gone").unwrap();
+    assert!(served.stop().success());
 }

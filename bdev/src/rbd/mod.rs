@@ -132,6 +132,11 @@ pub enum RbdError {
          --fence-live"
     )]
     StillWatched { device: String, holder: String },
+    #[error(
+        "rbd:{device} is held by {holder}, serving it read-only; a reader watches nothing, so whether it is alive \
+         cannot be told. Once its host is known to be down, break its lock with --fence-live"
+    )]
+    ReadersUnknown { device: String, holder: String },
     #[error("rbd:{device}: {call}: {}", strerror(*errno))]
     Ceph { device: String, call: &'static str, errno: i32 },
 }
@@ -321,10 +326,35 @@ impl RbdDevice {
         }
     }
 
+    /// Whether readers hold the image (a shared advisory lock). librbd's
+    /// exclusive lock would not refuse them but wait for ever, retrying:
+    /// a writer asks first.
+    fn readers_hold(&self) -> Result<bool, RbdError> {
+        let record = self.image.lock_record().map_err(|e| RbdError::ceph(&self.address, e))?;
+        Ok(!record.exclusive && !record.lockers.is_empty())
+    }
+
+    /// Take a reader's shared lock (a read-only export): it keeps writers
+    /// out for as long as it is held, and is refused while a writer holds
+    /// the image. Released when the guard drops; a reader that dies leaves
+    /// it behind, for [`Self::break_lock`] to clear once the reader no
+    /// longer watches the image.
+    pub fn take_reader_lock(&self) -> Result<RbdReaderLock, RbdError> {
+        let cookie = format!("keelfs-reader-{}", self.cluster.instance_id());
+        match self.image.lock_shared(&cookie, READER_TAG) {
+            Ok(()) => Ok(RbdReaderLock { image: Arc::clone(&self.image), cookie, name: self.name.clone() }),
+            Err(e) if matches!(e.errno, libc::EBUSY | libc::EEXIST) => Err(self.locked_error()),
+            Err(e) => Err(RbdError::ceph(&self.address, e)),
+        }
+    }
+
     /// Take the lock if nobody else holds it: false if somebody does. Blocks
     /// as [`Self::take_lock`] does, but asks nothing more of the cluster
     /// when refused (a caller that retries needs no holder's name).
     pub fn try_take_lock(&self) -> Result<bool, RbdError> {
+        if self.readers_hold()? {
+            return Ok(false);
+        }
         match self.image.lock_acquire() {
             Ok(()) => Ok(true),
             Err(e) if matches!(e.errno, libc::EROFS | libc::EBUSY | libc::EAGAIN) => Ok(false),
@@ -350,17 +380,29 @@ impl RbdDevice {
     /// longer watches the image ("client.4123 at 10.87.0.11:0/2345"), or
     /// "nobody".
     pub fn holders(&self) -> Result<String, RbdError> {
-        let lockers = self.image.lockers().map_err(|e| RbdError::ceph(&self.address, e))?;
-        if lockers.is_empty() {
+        let record = self.image.lock_record().map_err(|e| RbdError::ceph(&self.address, e))?;
+        if record.lockers.is_empty() {
             return Ok("nobody".into());
         }
+        if !record.exclusive {
+            // A shared lock is readers' (read-only exports), whose
+            // read-only opens watch nothing: alive or dead, unknown.
+            let named: Vec<String> =
+                record.lockers.iter().map(|l| format!("reader {} at {}", l.client, l.address)).collect();
+            return Ok(named.join(", "));
+        }
         let watchers = self.image.watchers();
-        let named: Vec<String> = lockers
+        let named: Vec<String> = record
+            .lockers
             .iter()
-            .map(|(client, addr)| match &watchers {
-                Ok(watchers) if watching(watchers, client) => format!("{client} at {addr}"),
-                Ok(_) => format!("{client} at {addr} (no longer watching the image: dead, or cut off)"),
-                Err(e) => format!("{client} at {addr} (alive or not: watchers unknown, {} failed)", e.call),
+            .map(|l| match &watchers {
+                Ok(watchers) if watching(watchers, &l.client) => format!("{} at {}", l.client, l.address),
+                Ok(_) => {
+                    format!("{} at {} (no longer watching the image: dead, or cut off)", l.client, l.address)
+                }
+                Err(e) => {
+                    format!("{} at {} (alive or not: watchers unknown, {} failed)", l.client, l.address, e.call)
+                }
             })
             .collect();
         Ok(named.join(", "))
@@ -377,6 +419,9 @@ impl RbdDevice {
     /// while the holder still watches the image, unless `live_too`.
     /// Returns the holders it broke.
     pub fn break_lock(&self, live_too: bool) -> Result<Vec<String>, RbdError> {
+        if self.readers_hold()? {
+            return self.break_readers(live_too);
+        }
         let lockers = self.image.lockers().map_err(|e| RbdError::ceph(&self.address, e))?;
         let watchers = self.image.watchers().map_err(|e| RbdError::ceph(&self.address, e))?;
         if !live_too && lockers.iter().any(|(client, _)| watching(&watchers, client)) {
@@ -391,6 +436,50 @@ impl RbdDevice {
             self.image.lock_break(addr).map_err(|e| RbdError::ceph(&self.address, e))?;
         }
         Ok(lockers.into_iter().map(|(client, addr)| format!("{client} at {addr}")).collect())
+    }
+}
+
+impl RbdDevice {
+    /// Break the readers' shared locks, each reader fenced first. A
+    /// read-only open watches nothing, so whether a reader is alive cannot
+    /// be told: only `live_too` (`--fence-live`, for hosts known down)
+    /// breaks them.
+    fn break_readers(&self, live_too: bool) -> Result<Vec<String>, RbdError> {
+        let record = self.image.lock_record().map_err(|e| RbdError::ceph(&self.address, e))?;
+        if !live_too {
+            let holder = self.holders().unwrap_or_else(|e| e.to_string());
+            let device = format!("{}/{}", self.address.pool, self.address.image);
+            return Err(RbdError::ReadersUnknown { device, holder });
+        }
+        for locker in &record.lockers {
+            self.image.break_advisory(&locker.client, &locker.cookie).map_err(|e| RbdError::ceph(&self.address, e))?;
+        }
+        Ok(record.lockers.into_iter().map(|l| format!("reader {} at {}", l.client, l.address)).collect())
+    }
+}
+
+/// The tag of a read-only export's shared lock on an RBD image.
+pub const READER_TAG: &str = "keelfs-reader";
+
+/// A reader's shared lock on an RBD image ([`RbdDevice::take_reader_lock`]):
+/// released when dropped.
+pub struct RbdReaderLock {
+    image: Arc<sys::Image>,
+    cookie: String,
+    name: String,
+}
+
+impl std::fmt::Debug for RbdReaderLock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RbdReaderLock").field("image", &self.name).field("cookie", &self.cookie).finish()
+    }
+}
+
+impl Drop for RbdReaderLock {
+    fn drop(&mut self) {
+        if let Err(e) = self.image.unlock(&self.cookie) {
+            tracing::warn!("{}: releasing the reader's shared lock failed ({} errno {})", self.name, e.call, e.errno);
+        }
     }
 }
 

@@ -82,6 +82,9 @@ extern "C" {
         addrs_len: *mut usize,
     ) -> isize;
     fn rbd_lock_break(image: ImageT, lock_mode: c_int, lock_owner: *const c_char) -> c_int;
+    fn rbd_lock_shared(image: ImageT, cookie: *const c_char, tag: *const c_char) -> c_int;
+    fn rbd_unlock(image: ImageT, cookie: *const c_char) -> c_int;
+    fn rbd_break_lock(image: ImageT, client: *const c_char, cookie: *const c_char) -> c_int;
     fn rbd_watchers_list(image: ImageT, watchers: *mut ImageWatcher, max_watchers: *mut usize) -> c_int;
     fn rbd_watchers_list_cleanup(watchers: *mut ImageWatcher, num_watchers: usize);
     fn rbd_aio_create_completion(cb_arg: *mut c_void, complete_cb: Callback, c: *mut CompletionT) -> c_int;
@@ -91,6 +94,24 @@ extern "C" {
     fn rbd_aio_writev(image: ImageT, iov: *const libc::iovec, iovcnt: c_int, off: u64, c: CompletionT) -> c_int;
     fn rbd_aio_flush(image: ImageT, c: CompletionT) -> c_int;
     fn rbd_aio_discard(image: ImageT, off: u64, len: u64, c: CompletionT) -> c_int;
+}
+
+/// One holder of an image's lock.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Locker {
+    /// "client.4123".
+    pub client: String,
+    pub cookie: String,
+    /// "10.87.0.11:0/2345".
+    pub address: String,
+}
+
+/// What an image's lock record says.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LockRecord {
+    pub exclusive: bool,
+    pub tag: String,
+    pub lockers: Vec<Locker>,
 }
 
 /// A negative errno from librados or librbd, with the call that gave it.
@@ -323,6 +344,12 @@ impl Image {
     /// (("client.4123", "10.87.0.11:0/2345")); empty when none does. Read
     /// from the image's lock record, so it works on a read-only open too.
     pub fn lockers(&self) -> Result<Vec<(String, String)>, CephError> {
+        Ok(self.lock_record()?.lockers.into_iter().map(|l| (l.client, l.address)).collect())
+    }
+
+    /// The image's lock record: librbd's own exclusive lock (tag
+    /// "internal") or advisory locks, shared or not.
+    pub fn lock_record(&self) -> Result<LockRecord, CephError> {
         const LIST_BYTES: usize = 4096;
         let mut exclusive: c_int = 0;
         let mut bufs = [[0u8; LIST_BYTES]; 4];
@@ -352,8 +379,43 @@ impl Image {
             let used = &buf[..len.min(LIST_BYTES)];
             used.split(|&b| b == 0).filter(|s| !s.is_empty()).map(|s| String::from_utf8_lossy(s).into_owned()).collect()
         };
-        let (clients, addrs) = (list(&bufs[1], lens[1]), list(&bufs[3], lens[3]));
-        Ok(clients.into_iter().zip(addrs.into_iter().chain(std::iter::repeat(String::new()))).collect())
+        let (clients, cookies, addrs) = (list(&bufs[1], lens[1]), list(&bufs[2], lens[2]), list(&bufs[3], lens[3]));
+        let tag = list(&bufs[0], lens[0]).into_iter().next().unwrap_or_default();
+        let mut cookies = cookies.into_iter().chain(std::iter::repeat(String::new()));
+        let mut addrs = addrs.into_iter().chain(std::iter::repeat(String::new()));
+        let lockers = clients
+            .into_iter()
+            .map(|client| Locker {
+                client,
+                cookie: cookies.next().unwrap_or_default(),
+                address: addrs.next().unwrap_or_default(),
+            })
+            .collect();
+        Ok(LockRecord { exclusive: exclusive != 0, tag, lockers })
+    }
+
+    /// Take an advisory shared lock under `cookie` and `tag`: refused
+    /// (EBUSY) while librbd's exclusive lock, or another tag's, holds the
+    /// image.
+    pub fn lock_shared(&self, cookie: &str, tag: &str) -> Result<(), CephError> {
+        let (cookie, tag) = (cstring("rbd_lock_shared", cookie)?, cstring("rbd_lock_shared", tag)?);
+        // SAFETY: an open image and two C strings that outlive the call.
+        check("taking a shared lock", unsafe { rbd_lock_shared(self.handle, cookie.as_ptr(), tag.as_ptr()) })
+    }
+
+    /// Let go of this client's advisory lock under `cookie`.
+    pub fn unlock(&self, cookie: &str) -> Result<(), CephError> {
+        let cookie = cstring("rbd_unlock", cookie)?;
+        // SAFETY: an open image and a C string that outlives the call.
+        check("releasing a shared lock", unsafe { rbd_unlock(self.handle, cookie.as_ptr()) })
+    }
+
+    /// Break another client's advisory lock (librbd blocklists the client
+    /// first when rbd_blocklist_on_break_lock is on).
+    pub fn break_advisory(&self, client: &str, cookie: &str) -> Result<(), CephError> {
+        let (client, cookie) = (cstring("rbd_break_lock", client)?, cstring("rbd_break_lock", cookie)?);
+        // SAFETY: an open image and two C strings that outlive the call.
+        check("breaking a shared lock", unsafe { rbd_break_lock(self.handle, client.as_ptr(), cookie.as_ptr()) })
     }
 
     /// Fence `owner`, the holder's address as the lockers list gives it
