@@ -287,23 +287,24 @@ impl Locks {
     /// F_SETLK: take or release at once, or fail with Conflict.
     pub fn set(&self, ino: Ino, request: &LockRequest) -> Result<(), LockError> {
         let mut by_ino = self.by_ino.borrow_mut();
-        let list = by_ino.entry(ino).or_default();
+        let list = by_ino.get(&ino).map_or(&[][..], Vec::as_slice);
         if list.iter().any(|h| request.conflicts_with(h)) {
             self.conflicts.set(self.conflicts.get() + 1);
             return Err(LockError::Conflict);
         }
-        let before = list.len();
-        let replaced = apply(list, request);
-        let after = list.len();
+        // The inode's locks as they would be: taken in only within bound.
+        let next = apply(list, request);
+        let (before, after) = (list.len(), next.len());
         let count = self.client_count(request.owner.client);
         let now_held = (count + after).checked_sub(before).expect("a client's count covers its locks");
         if now_held > LOCKS_PER_CLIENT_MAX {
-            *list = replaced;
             return Err(LockError::TooMany);
         }
         self.held_per_client.borrow_mut().insert(request.owner.client.0, now_held);
-        if list.is_empty() {
+        if next.is_empty() {
             by_ino.remove(&ino);
+        } else {
+            by_ino.insert(ino, next);
         }
         drop(by_ino);
         if request.kind.is_some() {
@@ -459,15 +460,13 @@ impl Locks {
     }
 }
 
-/// Apply `request` (free of conflicts) to `list`, one inode's locks: the
-/// owner's locks over its range are cut away, then the new lock goes in,
-/// merged with the owner's adjacent locks of its kind. Returns the list
-/// as it was, to undo.
-fn apply(list: &mut Vec<HeldLock>, request: &LockRequest) -> Vec<HeldLock> {
-    let before = list.clone();
+/// `list`, one inode's locks, with `request` (free of conflicts) applied:
+/// the owner's locks over its range are cut away, then the new lock goes
+/// in, merged with the owner's adjacent locks of its kind.
+fn apply(list: &[HeldLock], request: &LockRequest) -> Vec<HeldLock> {
     let (mut start, mut end) = (request.start, request.end);
     let mut kept = Vec::with_capacity(list.len() + 2);
-    for held in list.drain(..) {
+    for &held in list {
         if !request.mine(&held) {
             kept.push(held);
             continue;
@@ -494,8 +493,7 @@ fn apply(list: &mut Vec<HeldLock>, request: &LockRequest) -> Vec<HeldLock> {
         let LockRequest { owner, space, pid, fh, .. } = *request;
         kept.push(HeldLock { owner, space, kind, start, end, pid, fh });
     }
-    *list = kept;
-    before
+    kept
 }
 
 #[cfg(test)]
