@@ -401,99 +401,105 @@ if ((interactive)); then
 fi
 
 console=$tmp/console.log
-: >"$console"
 qemu+=(-chardev "file,id=con,path=$console,append=on" -serial chardev:con)
 start=$SECONDS
-"${qemu[@]}" </dev/null 2>"$tmp/qemu.err" &
-qpid=$!
-# Stream the console while QEMU runs (tail stops after QEMU exits).
-tail -n +1 -f --pid="$qpid" "$console" | sed -u 's/\r$//' &
-tailpid=$!
 
-marker_re='KEELFS-GUEST-EXIT=[0-9]+'
-# What a guest kernel prints when a CPU or its timers stop.
-stall_re='rcu: INFO|rcu_.*(stall|starved|wakeup)|soft lockup|hard LOCKUP|blocked for more than'
-timed_out=0
-stalled=0
-marker_at=""
-# The heartbeat clock starts when the script starts (boot time varies).
-# A stall is either no heartbeat for --stall-after seconds (the guest, or
-# its timers, stopped), or a kernel stall report followed by that long
-# without a line from the test (one vCPU stuck while the other still
-# beats).
-beats=0
-beat_at=""
-test_lines=0
-progress_at=""
-stall_reason=""
-migrated_at=""
-kvm_failed=0
-while kill -0 "$qpid" 2>/dev/null; do
-  # A KVM that stops the kernel leaves QEMU paused and silent: end it now
-  # rather than at the stall clock (the probe keeps "auto" from this).
-  if [[ $accel == kvm ]] && grep -aq 'KVM internal error' "$tmp/qemu.err"; then
-    kvm_failed=1
-    kill -KILL "$qpid" 2>/dev/null || true
-    break
-  fi
-  if [[ -z $marker_at ]] && grep -aEq "$marker_re" "$console"; then
-    marker_at=$SECONDS
-  fi
-  if [[ -n $migrated_flag && -z $migrated_at && -e $migrated_flag ]]; then
-    migrated_at=$SECONDS
-    log "the guest migrated away (--migrated-flag $migrated_flag)"
-  fi
-  if [[ -n $migrated_at ]]; then
-    # The guest runs elsewhere now: no stall clock; the driver quits QEMU.
-    if ((SECONDS - migrated_at > 30)); then
-      log "QEMU still running 30 s after the guest migrated away; stopping it"
+# Boots QEMU once and watches it until it exits or is stopped: sets qrc,
+# marker_at, migrated_at, stalled, stall_reason, timed_out and kvm_failed.
+boot_and_watch() {
+  : >"$console"
+  "${qemu[@]}" </dev/null 2>"$tmp/qemu.err" &
+  qpid=$!
+  # Stream the console while QEMU runs (tail stops after QEMU exits).
+  tail -n +1 -f --pid="$qpid" "$console" | sed -u 's/\r$//' &
+  tailpid=$!
+
+  marker_re='KEELFS-GUEST-EXIT=[0-9]+'
+  # What a guest kernel prints when a CPU or its timers stop.
+  stall_re='rcu: INFO|rcu_.*(stall|starved|wakeup)|soft lockup|hard LOCKUP|blocked for more than'
+  timed_out=0
+  stalled=0
+  marker_at=""
+  # The heartbeat clock starts when the script starts (boot time varies).
+  # A stall is either no heartbeat for --stall-after seconds (the guest, or
+  # its timers, stopped), or a kernel stall report followed by that long
+  # without a line from the test (one vCPU stuck while the other still
+  # beats).
+  beats=0
+  beat_at=""
+  test_lines=0
+  progress_at=""
+  stall_reason=""
+  migrated_at=""
+  kvm_failed=0
+  while kill -0 "$qpid" 2>/dev/null; do
+    # A KVM that stops the kernel leaves QEMU paused and silent: end it now
+    # rather than at the stall clock (the probe keeps "auto" from this).
+    if [[ $accel == kvm ]] && grep -aq 'KVM internal error' "$tmp/qemu.err"; then
+      kvm_failed=1
+      kill -KILL "$qpid" 2>/dev/null || true
+      break
+    fi
+    if [[ -z $marker_at ]] && grep -aEq "$marker_re" "$console"; then
+      marker_at=$SECONDS
+    fi
+    if [[ -n $migrated_flag && -z $migrated_at && -e $migrated_flag ]]; then
+      migrated_at=$SECONDS
+      log "the guest migrated away (--migrated-flag $migrated_flag)"
+    fi
+    if [[ -n $migrated_at ]]; then
+      # The guest runs elsewhere now: no stall clock; the driver quits QEMU.
+      if ((SECONDS - migrated_at > 30)); then
+        log "QEMU still running 30 s after the guest migrated away; stopping it"
+        kill -TERM "$qpid" 2>/dev/null || true
+        break
+      fi
+    elif [[ -z $marker_at ]]; then
+      if [[ -z $beat_at ]]; then
+        # (A guest that arrived by migration (--incoming) printed its
+        # KEELFS-GUEST-START on the source: its first heartbeat starts it.)
+        grep -aqE '^KEELFS-(GUEST-START|HEARTBEAT)' "$console" && beat_at=$SECONDS && progress_at=$SECONDS
+      else
+        n=$(grep -ac '^KEELFS-HEARTBEAT' "$console" || true)
+        if ((n != beats)); then beats=$n; beat_at=$SECONDS; fi
+        # The test's own lines: not heartbeats, not kernel messages.
+        n=$(grep -acvE '^(KEELFS-HEARTBEAT|\[ *[0-9]+\.[0-9]+\])' "$console" || true)
+        if ((n != test_lines)); then test_lines=$n; progress_at=$SECONDS; fi
+        if ((SECONDS - beat_at >= stall_after)); then
+          stall_reason="no heartbeat for ${stall_after}s"
+        elif ((SECONDS - progress_at >= stall_after)) && grep -aqE "$stall_re" "$console"; then
+          stall_reason="the kernel reported a stall and the test printed nothing for ${stall_after}s"
+        fi
+        if [[ -n $stall_reason ]]; then
+          stalled=1
+          # A hung QEMU may not act on SIGTERM: SIGKILL after 10 s.
+          kill -TERM "$qpid" 2>/dev/null || true
+          for _ in $(seq 1 50); do kill -0 "$qpid" 2>/dev/null || break; sleep 0.2; done
+          kill -KILL "$qpid" 2>/dev/null || true
+          break
+        fi
+      fi
+    fi
+    if [[ -n $marker_at ]] && ((SECONDS - marker_at > 30)); then
+      log "the guest reported its exit status but did not power off in 30 s; stopping QEMU"
       kill -TERM "$qpid" 2>/dev/null || true
       break
     fi
-  elif [[ -z $marker_at ]]; then
-    if [[ -z $beat_at ]]; then
-      # (A guest that arrived by migration (--incoming) printed its
-      # KEELFS-GUEST-START on the source: its first heartbeat starts it.)
-      grep -aqE '^KEELFS-(GUEST-START|HEARTBEAT)' "$console" && beat_at=$SECONDS && progress_at=$SECONDS
-    else
-      n=$(grep -ac '^KEELFS-HEARTBEAT' "$console" || true)
-      if ((n != beats)); then beats=$n; beat_at=$SECONDS; fi
-      # The test's own lines: not heartbeats, not kernel messages.
-      n=$(grep -acvE '^(KEELFS-HEARTBEAT|\[ *[0-9]+\.[0-9]+\])' "$console" || true)
-      if ((n != test_lines)); then test_lines=$n; progress_at=$SECONDS; fi
-      if ((SECONDS - beat_at >= stall_after)); then
-        stall_reason="no heartbeat for ${stall_after}s"
-      elif ((SECONDS - progress_at >= stall_after)) && grep -aqE "$stall_re" "$console"; then
-        stall_reason="the kernel reported a stall and the test printed nothing for ${stall_after}s"
-      fi
-      if [[ -n $stall_reason ]]; then
-        stalled=1
-        # A hung QEMU may not act on SIGTERM: SIGKILL after 10 s.
-        kill -TERM "$qpid" 2>/dev/null || true
-        for _ in $(seq 1 50); do kill -0 "$qpid" 2>/dev/null || break; sleep 0.2; done
-        kill -KILL "$qpid" 2>/dev/null || true
-        break
-      fi
+    if ((timeout > 0 && SECONDS - start >= timeout)); then
+      timed_out=1
+      kill -TERM "$qpid" 2>/dev/null || true
+      break
     fi
-  fi
-  if [[ -n $marker_at ]] && ((SECONDS - marker_at > 30)); then
-    log "the guest reported its exit status but did not power off in 30 s; stopping QEMU"
-    kill -TERM "$qpid" 2>/dev/null || true
-    break
-  fi
-  if ((timeout > 0 && SECONDS - start >= timeout)); then
-    timed_out=1
-    kill -TERM "$qpid" 2>/dev/null || true
-    break
-  fi
-  sleep 0.5
-done
-qrc=0
-wait "$qpid" || qrc=$?
-qpid=""
+    sleep 0.5
+  done
+  qrc=0
+  wait "$qpid" || qrc=$?
+  qpid=""
+  wait "$tailpid" 2>/dev/null || true
+}
+boot_and_watch
 # (The driver may have created the flag and quit QEMU between two looks.)
 [[ -n $migrated_at || -z $migrated_flag || ! -e $migrated_flag ]] || migrated_at=$SECONDS
-wait "$tailpid" 2>/dev/null || true
 elapsed=$((SECONDS - start))
 [[ -z $logfile ]] || cp "$console" "$logfile"
 
