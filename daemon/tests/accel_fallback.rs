@@ -29,34 +29,38 @@ fn real_qemu() -> String {
     String::from_utf8(out.stdout).unwrap().trim().to_owned()
 }
 
-/// A host whose KVM stops Linux: the fake QEMU, a usable-looking KVM
-/// device, and a probe cache of its own.
-struct BrokenKvmHost {
+/// A host whose QEMU misbehaves as its prelude says (shell made from the
+/// host's scratch directory, run first on every start) and runs the real
+/// QEMU otherwise; with a usable-looking KVM device and a probe cache of
+/// its own.
+struct FakeQemuHost {
     scratch: Scratch,
 }
 
-impl BrokenKvmHost {
-    fn new(name: &str) -> Self {
+impl FakeQemuHost {
+    fn new(name: &str, prelude: impl FnOnce(&Scratch) -> String) -> Self {
         let scratch = Scratch::new(name);
+        let prelude = prelude(&scratch);
         let bin = scratch.path("bin");
         std::fs::create_dir(&bin).unwrap();
         let fake = bin.join("qemu-system-x86_64");
-        // With accel=kvm: what QEMU printed on such a host, then silence
-        // until killed. Every KVM start is counted.
-        std::fs::write(
-            &fake,
-            format!(
-                "#!/bin/sh\ncase \"$*\" in\n*accel=kvm*)\n  echo kvm >>'{count}'\n  \
-                 echo 'KVM internal error. Suberror: 1' >&2\n  echo 'emulation failure' >&2\n  \
-                 exec sleep 3600 ;;\nesac\nexec '{real}' \"$@\"\n",
-                count = scratch.path("kvm-starts").display(),
-                real = real_qemu()
-            ),
-        )
-        .unwrap();
+        std::fs::write(&fake, format!("#!/bin/sh\n{prelude}exec '{real}' \"$@\"\n", real = real_qemu())).unwrap();
         std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
         std::fs::write(scratch.path("kvm"), b"").unwrap();
-        BrokenKvmHost { scratch }
+        FakeQemuHost { scratch }
+    }
+
+    /// A host whose KVM stops Linux: with accel=kvm, what QEMU printed on
+    /// such a host, then silence until killed. Every KVM start is counted.
+    fn broken_kvm(name: &str) -> Self {
+        Self::new(name, |scratch| {
+            format!(
+                "case \"$*\" in\n*accel=kvm*)\n  echo kvm >>'{count}'\n  \
+                 echo 'KVM internal error. Suberror: 1' >&2\n  echo 'emulation failure' >&2\n  \
+                 exec sleep 3600 ;;\nesac\n",
+                count = scratch.path("kvm-starts").display()
+            )
+        })
     }
 
     /// `bash SCRIPT ARGS` with this host's QEMU, KVM device and cache.
@@ -94,7 +98,7 @@ impl BrokenKvmHost {
 
 #[test]
 fn a_kvm_that_stops_linux_falls_back_to_tcg_once_per_boot() {
-    let host = BrokenKvmHost::new("accel-fallback");
+    let host = FakeQemuHost::broken_kvm("accel-fallback");
     let script = host.guest_script(
         "#!/bin/sh\necho \"guest: running under $(cat /proc/cpuinfo | grep -c ^processor) CPUs\"\nexit 0\n",
     );
@@ -128,7 +132,7 @@ fn a_kvm_that_stops_linux_falls_back_to_tcg_once_per_boot() {
 
 #[test]
 fn kvm_asked_for_by_name_fails_at_once_instead_of_hanging() {
-    let host = BrokenKvmHost::new("accel-kvm");
+    let host = FakeQemuHost::broken_kvm("accel-kvm");
     let script = host.guest_script("#!/bin/sh\nexit 0\n");
     let image = host.nvme_image();
     let args = [
@@ -147,7 +151,7 @@ fn kvm_asked_for_by_name_fails_at_once_instead_of_hanging() {
 
 #[test]
 fn the_demo_runs_to_its_summary_on_such_a_host() {
-    let host = BrokenKvmHost::new("accel-demo");
+    let host = FakeQemuHost::broken_kvm("accel-demo");
     let keelfsd = env!("CARGO_BIN_EXE_keelfsd");
     let (out, text) = host.run("qemu-scripts/demo.sh", &["--keelfsd".as_ref(), keelfsd.as_ref()]);
     eprintln!("{text}");
