@@ -30,7 +30,7 @@ pub use nvme::{NvmeAddress, NvmeDevice, NvmeError, NvmeOptions, NvmeQueue};
 #[cfg(feature = "test-utils")]
 pub use rbd::{dev_cluster_up, ScratchImage as RbdScratchImage};
 pub use rbd::{
-    RbdAddress, RbdDevice, RbdError, RbdOptions, RbdQueue, RbdReaderLock,
+    RbdAddress, RbdDevice, RbdError, RbdOptions, RbdPrepared, RbdQueue, RbdReaderLock,
     CONNECT_TIMEOUT_SECS as RBD_CONNECT_TIMEOUT_SECS, READER_TAG as RBD_READER_TAG,
 };
 pub use uring::{UringDevice, UringOptions};

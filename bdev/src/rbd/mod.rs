@@ -198,7 +198,7 @@ fn default_conf_exists() -> bool {
 
 /// What keelfs sets on every cluster handle, over the conf and CEPH_ARGS.
 /// `timeout`: [`CONNECT_TIMEOUT_SECS`], as text.
-fn cluster_settings(timeout: &str) -> [(&'static str, &str); 5] {
+fn cluster_settings(timeout: &str) -> [(&'static str, &str); 6] {
     [
         ("client_mount_timeout", timeout),
         ("rbd_cache", "false"),
@@ -208,36 +208,162 @@ fn cluster_settings(timeout: &str) -> [(&'static str, &str); 5] {
         // librados logs to files by default; keelfsd logs through tracing.
         ("log_file", ""),
         ("log_to_stderr", "false"),
+        // A conf may give clients an admin socket; a sandboxed daemon can
+        // neither bind one nor be reached on it (keelfsd's stats and RPC
+        // serve instead).
+        ("admin_socket", ""),
     ]
 }
 
-/// Connect to the cluster `address` names and open its pool.
-fn connect(address: &RbdAddress) -> Result<(Arc<sys::Cluster>, Arc<sys::Pool>), RbdError> {
+/// A cluster handle for `address`, configured but not connected.
+fn configure(address: &RbdAddress) -> Result<sys::Configured, RbdError> {
     let timeout = CONNECT_TIMEOUT_SECS.to_string();
     let settings = cluster_settings(&timeout);
-    let conf = address.conf_name().to_string();
-    let cluster =
-        sys::Cluster::connect(address.conf.as_deref(), address.client.as_deref(), &settings).map_err(|e| {
-            match (e.call, e.errno) {
-                ("reading the Ceph configuration", errno) => RbdError::Config { conf: conf.clone(), errno },
-                // No conf was found (CEPH_ARGS alone may do), and connecting
-                // failed: the missing conf is the likelier cause.
-                ("connecting to the Ceph cluster", _) if address.conf.is_none() && !default_conf_exists() => {
-                    RbdError::Config { conf: conf.clone(), errno: libc::ENOENT }
-                }
-                ("connecting to the Ceph cluster", errno @ (libc::EACCES | libc::EPERM | libc::ENOENT)) => {
-                    RbdError::Credentials { client: address.client_name(), errno }
-                }
-                ("connecting to the Ceph cluster", errno) => RbdError::Unreachable { conf: conf.clone(), errno },
-                _ => RbdError::ceph(address, e),
+    sys::Cluster::configure(address.conf.as_deref(), address.client.as_deref(), &settings).map_err(|e| {
+        match (e.call, e.errno) {
+            ("reading the Ceph configuration", errno) => {
+                RbdError::Config { conf: address.conf_name().to_string(), errno }
             }
-        })?;
+            _ => RbdError::ceph(address, e),
+        }
+    })
+}
+
+/// Connect a configured handle and open the pool `address` names.
+/// `conf_found`: whether a conf was named or Ceph's default search finds
+/// one, as seen where the handle was configured (a sandbox sees none).
+fn connect_configured(
+    address: &RbdAddress,
+    configured: sys::Configured,
+    conf_found: bool,
+) -> Result<(Arc<sys::Cluster>, Arc<sys::Pool>), RbdError> {
+    let conf = address.conf_name().to_string();
+    let cluster = configured.connect().map_err(|e| match e.errno {
+        // No conf was found (CEPH_ARGS alone may do), and connecting
+        // failed: the missing conf is the likelier cause.
+        _ if !conf_found => RbdError::Config { conf, errno: libc::ENOENT },
+        errno @ (libc::EACCES | libc::EPERM | libc::ENOENT) => {
+            RbdError::Credentials { client: address.client_name(), errno }
+        }
+        errno => RbdError::Unreachable { conf, errno },
+    })?;
     let cluster = Arc::new(cluster);
     let pool = cluster.pool(&address.pool).map_err(|e| match e.errno {
         libc::ENOENT => RbdError::NoPool { pool: address.pool.clone() },
         _ => RbdError::ceph(address, e),
     })?;
     Ok((cluster, Arc::new(pool)))
+}
+
+/// Connect to the cluster `address` names and open its pool.
+fn connect(address: &RbdAddress) -> Result<(Arc<sys::Cluster>, Arc<sys::Pool>), RbdError> {
+    let configured = configure(address)?;
+    connect_configured(address, configured, conf_found(address))
+}
+
+fn conf_found(address: &RbdAddress) -> bool {
+    address.conf.is_some() || default_conf_exists()
+}
+
+/// The longest keyring or key file keelfs reads (a keyring of a few
+/// hundred entries); a longer one is not read, and connecting then looks
+/// for the key itself.
+const KEYRING_MAX_BYTES: u64 = 1 << 20;
+
+/// The key of `client` ("client.admin") in a keyring's text: the `key`
+/// line of its `[client]` section.
+fn key_in_keyring(text: &str, client: &str) -> Option<String> {
+    let mut in_section = false;
+    for line in text.lines().map(str::trim) {
+        if let Some(section) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            in_section = section.trim() == client;
+        } else if let Some((name, value)) = line.split_once('=') {
+            if in_section && name.trim() == "key" && !value.trim().is_empty() {
+                return Some(value.trim().to_string());
+            }
+        }
+    }
+    None
+}
+
+fn read_small(path: &str) -> Option<String> {
+    use std::io::Read;
+    let mut text = String::new();
+    let file = std::fs::File::open(path).ok()?;
+    file.take(KEYRING_MAX_BYTES).read_to_string(&mut text).ok()?;
+    Some(text)
+}
+
+/// The key connecting would use, found where librados would look: the
+/// `key` setting, else the `keyfile`, else the first readable file of the
+/// `keyring` list that holds the client's section.
+fn find_key(configured: &sys::Configured, client: &str) -> Result<Option<String>, sys::CephError> {
+    let key = configured.setting("key")?;
+    if !key.is_empty() {
+        return Ok(Some(key));
+    }
+    let keyfile = configured.setting("keyfile")?;
+    if !keyfile.is_empty() {
+        return Ok(read_small(&keyfile).map(|k| k.trim().to_string()).filter(|k| !k.is_empty()));
+    }
+    let list = configured.setting("keyring")?;
+    let paths = list.split([',', ';', ' ', '\t']).filter(|p| !p.is_empty());
+    Ok(paths.filter_map(read_small).find_map(|text| key_in_keyring(&text, client)))
+}
+
+/// `mon_host` with every monitor named by DNS name replaced by its address
+/// (the first the resolver gives), so that connecting needs no resolver:
+/// in keelfsd's sandbox there is no /etc/resolv.conf. Plain `HOST[:PORT]`
+/// lists only; one with Ceph's address vectors (`[v2:...,v1:...]`) holds
+/// addresses already. None when nothing changes or a name does not
+/// resolve (connecting then says the cluster is unreachable).
+fn monitors_by_address(mon_host: &str) -> Option<String> {
+    use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+    if mon_host.contains(['[', ']']) {
+        return None;
+    }
+    let mut changed = false;
+    let mut out = Vec::new();
+    for token in mon_host.split([',', ';', ' ', '\t']).filter(|t| !t.is_empty()) {
+        if token.parse::<IpAddr>().is_ok() || token.parse::<SocketAddr>().is_ok() {
+            out.push(token.to_string());
+            continue;
+        }
+        let (host, port) = match token.rsplit_once(':') {
+            Some((host, port)) => (host, Some(port.parse::<u16>().ok()?)),
+            None => (token, None),
+        };
+        let ip = (host, port.unwrap_or(0)).to_socket_addrs().ok()?.next()?.ip();
+        changed = true;
+        out.push(match (port, ip) {
+            (None, ip) => ip.to_string(),
+            (Some(port), ip) => SocketAddr::new(ip, port).to_string(),
+        });
+    }
+    changed.then(|| out.join(","))
+}
+
+/// An image's cluster handle, configured and holding the client's key:
+/// everything of opening that reads files is done, so that the rest
+/// (connecting, which starts librados's threads) can happen where no file
+/// can be read, as in keelfsd's sandbox.
+pub struct RbdPrepared {
+    address: RbdAddress,
+    options: RbdOptions,
+    configured: sys::Configured,
+    conf_found: bool,
+}
+
+impl RbdPrepared {
+    /// Connect and open the image, as [`RbdDevice::open`] does.
+    pub fn open(self) -> Result<RbdDevice, RbdError> {
+        let (cluster, pool) = connect_configured(&self.address, self.configured, self.conf_found)?;
+        RbdDevice::open_in(&self.address, self.options, cluster, &pool)
+    }
+
+    pub fn address(&self) -> &RbdAddress {
+        &self.address
+    }
 }
 
 impl RbdDevice {
@@ -268,6 +394,35 @@ impl RbdDevice {
 
     pub fn open(address: &RbdAddress, options: RbdOptions) -> Result<Self, RbdError> {
         let (cluster, pool) = connect(address)?;
+        Self::open_in(address, options, cluster, &pool)
+    }
+
+    /// Configure the cluster handle, read the client's key into it and
+    /// resolve monitors named by DNS name; [`RbdPrepared::open`] does the
+    /// rest. Fails on a conf that cannot be
+    /// read; a key not found is left for connecting to report.
+    pub fn prepare(address: &RbdAddress, options: RbdOptions) -> Result<RbdPrepared, RbdError> {
+        let configured = configure(address)?;
+        let client = address.client_name();
+        if let Some(key) = find_key(&configured, &client).map_err(|e| RbdError::ceph(address, e))? {
+            // The key in memory, and no file left to search.
+            for (name, value) in [("key", key.as_str()), ("keyfile", ""), ("keyring", "")] {
+                configured.set(name, value).map_err(|e| RbdError::ceph(address, e))?;
+            }
+        }
+        let mon_host = configured.setting("mon_host").map_err(|e| RbdError::ceph(address, e))?;
+        if let Some(resolved) = monitors_by_address(&mon_host) {
+            configured.set("mon_host", &resolved).map_err(|e| RbdError::ceph(address, e))?;
+        }
+        Ok(RbdPrepared { address: address.clone(), options, configured, conf_found: conf_found(address) })
+    }
+
+    fn open_in(
+        address: &RbdAddress,
+        options: RbdOptions,
+        cluster: Arc<sys::Cluster>,
+        pool: &Arc<sys::Pool>,
+    ) -> Result<Self, RbdError> {
         let image = pool.open_image(&address.image, options.read_only).map_err(|e| match e.errno {
             libc::ENOENT => RbdError::NoImage { pool: address.pool.clone(), image: address.image.clone() },
             errno @ (libc::EPERM | libc::EACCES) => RbdError::Credentials { client: address.client_name(), errno },
@@ -674,6 +829,52 @@ mod tests {
         assert_eq!(ours.setting("rbd_cache").unwrap(), "false");
         assert_eq!(ours.setting("rbd_blocklist_on_break_lock").unwrap(), "true");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_keyrings_section_gives_its_clients_key() {
+        let text = "[client.admin]\n\tkey = AQAdmin==\n\tcaps mon = \"allow *\"\n[client.keelfs]\nkey=AQKeelfs==\n";
+        assert_eq!(key_in_keyring(text, "client.admin").as_deref(), Some("AQAdmin=="));
+        assert_eq!(key_in_keyring(text, "client.keelfs").as_deref(), Some("AQKeelfs=="));
+        assert_eq!(key_in_keyring(text, "client.other"), None);
+        assert_eq!(key_in_keyring("key = AQNoSection==\n", "client.admin"), None);
+    }
+
+    /// Preparing reads the key from the keyring the conf names and leaves
+    /// librados no file to look for: connecting then opens nothing.
+    #[test]
+    fn preparing_keeps_the_key_in_memory_and_no_keyring_to_search() {
+        let dir = std::env::temp_dir().join(format!("keelfs-rbd-key-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let keyring = dir.join("keyring");
+        std::fs::write(&keyring, "[client.keelfs]\n\tkey = AQBXZGVsZnNrZXk=\n").unwrap();
+        let conf = dir.join("ceph.conf");
+        std::fs::write(&conf, format!("[global]\nmon_host = 192.0.2.1\nkeyring = {}\n", keyring.display())).unwrap();
+        let name = format!("rbd:p/i@{}:id=keelfs", conf.display());
+        let address = RbdAddress::parse(&name).unwrap();
+        let prepared = RbdDevice::prepare(&address, RbdOptions::default()).unwrap();
+        assert_eq!(prepared.configured.setting("key").unwrap(), "AQBXZGVsZnNrZXk=");
+        assert_eq!(prepared.configured.setting("keyring").unwrap(), "");
+        assert_eq!(prepared.configured.setting("admin_socket").unwrap(), "");
+        // Another client's section is not taken for this one's.
+        let other = RbdAddress::parse(&format!("rbd:p/i@{}:id=other", conf.display())).unwrap();
+        let prepared = RbdDevice::prepare(&other, RbdOptions::default()).unwrap();
+        assert_eq!(prepared.configured.setting("key").unwrap(), "");
+        assert_eq!(prepared.configured.setting("keyring").unwrap(), keyring.display().to_string());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn monitors_named_by_dns_are_given_by_address() {
+        assert_eq!(monitors_by_address("10.0.0.1,10.0.0.2:6789"), None, "addresses already");
+        assert_eq!(monitors_by_address("[v2:10.0.0.1:3300,v1:10.0.0.1:6789]"), None);
+        let resolved = monitors_by_address("localhost:6789, 10.0.0.2").unwrap();
+        let (first, second) = resolved.split_once(',').unwrap();
+        let first: std::net::SocketAddr = first.parse().unwrap();
+        assert!(first.ip().is_loopback() && first.port() == 6789, "{resolved}");
+        assert_eq!(second, "10.0.0.2");
+        assert!(monitors_by_address("localhost").unwrap().parse::<std::net::IpAddr>().unwrap().is_loopback());
+        assert_eq!(monitors_by_address("no-such-monitor.invalid"), None, "left for connecting to report");
     }
 
     #[test]

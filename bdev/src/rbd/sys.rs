@@ -45,7 +45,6 @@ extern "C" {
     fn rados_conf_read_file(cluster: RadosT, path: *const c_char) -> c_int;
     fn rados_conf_parse_env(cluster: RadosT, var: *const c_char) -> c_int;
     fn rados_conf_set(cluster: RadosT, option: *const c_char, value: *const c_char) -> c_int;
-    #[cfg(test)]
     fn rados_conf_get(cluster: RadosT, option: *const c_char, buf: *mut c_char, len: usize) -> c_int;
     fn rados_connect(cluster: RadosT) -> c_int;
     fn rados_shutdown(cluster: RadosT);
@@ -134,12 +133,12 @@ fn cstring(call: &'static str, s: &str) -> Result<CString, CephError> {
 }
 
 impl Configured {
-    /// The value `key` came to, from the conf, CEPH_ARGS and the settings:
-    /// for the tests that check the settings win.
-    #[cfg(test)]
+    /// The value `key` came to, from the conf, CEPH_ARGS and the settings
+    /// (with `$cluster` and `$name` expanded). Values longer than 4 KiB
+    /// are refused (ENAMETOOLONG); none that keelfs reads comes near.
     pub fn setting(&self, key: &str) -> Result<String, CephError> {
         let key = cstring("rados_conf_get", key)?;
-        let mut buf = [0u8; 256];
+        let mut buf = vec![0u8; 4096];
         // SAFETY: a live handle, a C string, and a writable buffer of the
         // length passed; librados writes a NUL-terminated value into it or
         // fails with ENAMETOOLONG.
@@ -148,6 +147,13 @@ impl Configured {
         let value =
             CStr::from_bytes_until_nul(&buf).map_err(|_| CephError { call: "rados_conf_get", errno: libc::EINVAL })?;
         Ok(value.to_string_lossy().into_owned())
+    }
+
+    /// Set `key` before connecting (it wins over the conf and CEPH_ARGS).
+    pub fn set(&self, key: &str, value: &str) -> Result<(), CephError> {
+        let (k, v) = (cstring("rados_conf_set", key)?, cstring("rados_conf_set", value)?);
+        // SAFETY: a live handle not yet connected, and two C strings.
+        check("rados_conf_set", unsafe { rados_conf_set(self.0.handle, k.as_ptr(), v.as_ptr()) })
     }
 
     pub fn connect(self) -> Result<Cluster, CephError> {
@@ -169,21 +175,14 @@ unsafe impl Send for Cluster {}
 // SAFETY: as above; no method takes `&mut self` state of our own.
 unsafe impl Sync for Cluster {}
 
-impl Cluster {
-    /// Connect as `client.ID` (client.admin without one), with settings from
-    /// `conf` (Ceph's default search without one), CEPH_ARGS, then
-    /// `settings`, which win.
-    pub fn connect(conf: Option<&str>, id: Option<&str>, settings: &[(&str, &str)]) -> Result<Self, CephError> {
-        Self::configure(conf, id, settings)?.connect()
-    }
-}
-
 /// A cluster handle configured but not yet connected: what its settings
 /// came to can be read back.
 pub struct Configured(Cluster);
 
 impl Cluster {
-    /// See [`Cluster::connect`]: everything but the connection.
+    /// A handle for `client.ID` (client.admin without one), with settings
+    /// from `conf` (Ceph's default search without one), CEPH_ARGS, then
+    /// `settings`, which win; [`Configured::connect`] connects it.
     pub fn configure(conf: Option<&str>, id: Option<&str>, settings: &[(&str, &str)]) -> Result<Configured, CephError> {
         let name = cstring("rados_create2", &format!("client.{}", id.unwrap_or("admin")))?;
         let mut handle: RadosT = std::ptr::null_mut();
