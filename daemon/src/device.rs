@@ -85,6 +85,13 @@ pub fn open_rbd(path: &Path, options: RbdOptions) -> anyhow::Result<RbdDevice> {
     RbdDevice::open(&address, options).map_err(rbd_error)
 }
 
+/// Read an RBD image's conf and key, to connect later (see
+/// [`keelfs_bdev::RbdPrepared`]); errors as [`open_rbd`]'s.
+pub fn prepare_rbd(path: &Path, options: RbdOptions) -> anyhow::Result<keelfs_bdev::RbdPrepared> {
+    let address = rbd_address(path)?;
+    RbdDevice::prepare(&address, options).map_err(rbd_error)
+}
+
 /// An RBD error as keelfsd reports it (see [`open_rbd`]).
 pub fn rbd_error(e: RbdError) -> anyhow::Error {
     if e.is_usage() {

@@ -55,10 +55,11 @@ pub const OPEN_FILES_MAX: u64 = 8192;
 
 const CAP_IPC_LOCK: u32 = 14;
 
-/// Enter the sandbox. Must run before any thread is started: a mount
-/// namespace cannot be entered by a process with other threads, and the
-/// seccomp filter is inherited by threads started afterwards.
-pub fn enter(needs: Needs, action: seccomp::Action) -> anyhow::Result<()> {
+/// Enter the sandbox, all of it but the seccomp filter ([`confine`]):
+/// namespaces, the empty root, limits, capabilities and no_new_privs.
+/// Must run before any thread is started: a mount namespace cannot be
+/// entered by a process with other threads.
+pub fn enter_namespaces(needs: Needs) -> anyhow::Result<()> {
     ensure_single_threaded()?;
     let namespaces = libc::CLONE_NEWNS | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS | libc::CLONE_NEWNET;
     // SAFETY: unshare takes flags only.
@@ -71,6 +72,12 @@ pub fn enter(needs: Needs, action: seccomp::Action) -> anyhow::Result<()> {
     drop_capabilities(if needs.vfio { &[CAP_IPC_LOCK] } else { &[] })?;
     // SAFETY: prctl with integer arguments only.
     check(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) }).context("setting no_new_privs")?;
+    Ok(())
+}
+
+/// The seccomp filter, on every thread (threads started later inherit
+/// it). After [`enter_namespaces`].
+pub fn confine(needs: Needs, action: seccomp::Action) -> anyhow::Result<()> {
     seccomp::install(needs, action)?;
     tracing::info!("sandboxed: namespaces, empty root, no capabilities, seccomp ({action:?} on violation)");
     Ok(())

@@ -308,14 +308,22 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         },
         SandboxMode::None => (None, signals),
     };
-    let opened = open_exports(&config, link.as_ref())?;
+    let prepared = open_exports(&config, link.as_ref())?;
     let listeners = Listeners {
         rpc: config.rpc_socket.as_deref().map(rpc::bind).transpose()?,
         metrics: config.metrics_listen.map(crate::metrics::bind).transpose()?,
         cpu_load: open_cpu_load(config.poll_mode),
     };
-    if config.sandbox == SandboxMode::Namespace {
-        sandbox::enter(needs_of(&config), crate::hooks::seccomp_action()).context("entering the sandbox")?;
+    let needs = needs_of(&config);
+    let sandboxed = config.sandbox == SandboxMode::Namespace;
+    if sandboxed {
+        sandbox::enter_namespaces(needs).context("entering the sandbox")?;
+    }
+    // librados starts its threads here: inside the namespaces, before the
+    // filter, which then covers them too.
+    let opened = connect_exports(prepared, config.incoming)?;
+    if sandboxed {
+        sandbox::confine(needs, crate::hooks::seccomp_action()).context("entering the sandbox")?;
     } else if has_rbd_export(&config) {
         // What of the sandbox holds for a process with threads: no core
         // dump of guest memory, bounded descriptors. An RBD daemon gets it
@@ -323,7 +331,6 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         // which is the only choice it has.
         sandbox::limit_resources().context("limiting resources")?;
     }
-    let sandboxed = link.is_some();
     let result = run(&config, opened, listeners, &signals, link);
     if !sandboxed {
         // Sandboxed, the supervisor does this: the server cannot see them.
@@ -469,8 +476,23 @@ pub(crate) struct Opened {
 /// through /dev/fuse. The locks are held until the exports stop; an image
 /// named by two exports is refused. `--incoming` opens the images without
 /// locking them: they are taken when the guests' sessions arrive.
-fn open_exports(config: &Config, link: Option<&Arc<SupervisorLink>>) -> anyhow::Result<Vec<Opened>> {
-    config.exports.iter().map(|export| open_export(export, config.incoming, link)).collect()
+/// A sandboxed daemon only prepares its RBD images (see
+/// [`PreparedDevice`]), and [`connect_exports`] finishes them inside the
+/// sandbox; an unsandboxed one opens them here, before it binds or mounts
+/// anything, as it opens every other device.
+fn open_exports(config: &Config, link: Option<&Arc<SupervisorLink>>) -> anyhow::Result<Vec<Prepared>> {
+    let defer_rbd = config.sandbox == SandboxMode::Namespace;
+    let open = |export: &Export| -> anyhow::Result<Prepared> {
+        let device = prepare_device(export, config.incoming, defer_rbd)?;
+        Ok(Prepared { device, host: open_host_side(export, link)?, export: export.clone() })
+    };
+    config.exports.iter().map(open).collect()
+}
+
+/// Connect the exports' RBD images (librados starts its threads here) and
+/// take their locks: what [`open_exports`] left for inside the sandbox.
+fn connect_exports(prepared: Vec<Prepared>, incoming: bool) -> anyhow::Result<Vec<Opened>> {
+    prepared.into_iter().map(|p| p.finish(incoming)).collect()
 }
 
 /// Lock and open one export's device, bind its socket and mount it (see
@@ -480,7 +502,46 @@ pub(crate) fn open_export(
     incoming: bool,
     link: Option<&Arc<SupervisorLink>>,
 ) -> anyhow::Result<Opened> {
-    let (dev, lock) = open_locked(export, incoming)?;
+    let device = prepare_device(export, incoming, false)?;
+    Prepared { device, host: open_host_side(export, link)?, export: export.clone() }.finish(incoming)
+}
+
+/// An export with its host side open and its device opened, or, for an
+/// RBD image, prepared: the conf and key read, not yet connected.
+pub(crate) struct Prepared {
+    export: Export,
+    device: PreparedDevice,
+    host: HostSide,
+}
+
+/// An export's device before the sandbox. An RBD image connects inside it:
+/// librados starts threads when it connects, and the sandbox's mount
+/// namespace can only be entered while the process has one thread.
+enum PreparedDevice {
+    Open(Arc<dyn BlockDevice>, Option<ImageLock>),
+    Rbd(keelfs_bdev::RbdPrepared),
+}
+
+/// What an export opens on the host besides its device: its vhost-user
+/// socket, its host mount and the file its session is kept in.
+struct HostSide {
+    listener: Option<std::os::unix::net::UnixListener>,
+    fuse: Option<HostMount>,
+    session: Option<(SessionFile, Option<SessionState>)>,
+}
+
+impl Prepared {
+    fn finish(self, incoming: bool) -> anyhow::Result<Opened> {
+        let (dev, lock) = match self.device {
+            PreparedDevice::Open(dev, lock) => (dev, lock),
+            PreparedDevice::Rbd(rbd) => open_rbd_locked(&self.export, rbd, incoming)?,
+        };
+        let HostSide { listener, fuse, session } = self.host;
+        Ok(Opened { export: self.export, dev, listener, fuse, lock, session })
+    }
+}
+
+fn open_host_side(export: &Export, link: Option<&Arc<SupervisorLink>>) -> anyhow::Result<HostSide> {
     let listener = match &export.socket {
         Some(socket) => {
             let access = SocketAccess {
@@ -518,24 +579,22 @@ pub(crate) fn open_export(
             .map_err(|e| tracing::warn!("export {}: no session kept across restarts: {e:#}", export.tag))
             .ok(),
     };
-    Ok(Opened { export: export.clone(), dev, listener, fuse, lock, session })
+    Ok(HostSide { listener, fuse, session })
 }
 
-/// Lock and open an export's device (see [`open_export`]). An RBD
-/// image's lock is its exclusive lock, which opening it writable takes
-/// (or, with `incoming`, leaves for the session's arrival).
-fn open_locked(export: &Export, incoming: bool) -> anyhow::Result<(Arc<dyn BlockDevice>, Option<ImageLock>)> {
-    if device::is_rbd(&export.device) || export.backend == config::BackendName::Rbd {
+/// Lock and open an export's device (see [`open_export`]); with
+/// `defer_rbd`, an RBD image is only prepared. Its lock is its exclusive
+/// lock, which opening it writable takes (or, with `incoming`, leaves for
+/// the session's arrival).
+fn prepare_device(export: &Export, incoming: bool, defer_rbd: bool) -> anyhow::Result<PreparedDevice> {
+    if is_rbd_export(export) {
         let options = keelfs_bdev::RbdOptions { read_only: export.read_only, defer_lock: incoming };
-        let rbd = Arc::new(device::open_rbd(&export.device, options)?);
-        let lock = if export.read_only {
-            // Readers share the image and keep writers out while they serve.
-            let held = (!incoming).then(|| rbd.take_reader_lock()).transpose().map_err(device::rbd_error)?;
-            ImageLock::RbdReader(Arc::clone(&rbd), std::sync::Mutex::new(held))
-        } else {
-            ImageLock::Rbd(Arc::clone(&rbd))
-        };
-        return Ok((rbd, Some(lock)));
+        let rbd = device::prepare_rbd(&export.device, options)?;
+        if defer_rbd {
+            return Ok(PreparedDevice::Rbd(rbd));
+        }
+        let (dev, lock) = open_rbd_locked(export, rbd, incoming)?;
+        return Ok(PreparedDevice::Open(dev, lock));
     }
     let lock = match (export.read_only, incoming) {
         (true, _) => ImageLock::shared(&export.device, "serve")?,
@@ -543,7 +602,24 @@ fn open_locked(export: &Export, incoming: bool) -> anyhow::Result<(Arc<dyn Block
         (false, true) => ImageLock::unlocked(&export.device)?,
     };
     let dev = device::open_backend(&export.device, export.backend, export.sqpoll_idle_ms, export.read_only)?;
-    Ok((dev, lock))
+    Ok(PreparedDevice::Open(dev, lock))
+}
+
+/// Connect a prepared RBD image and take its lock: readers share the image
+/// and keep writers out while they serve.
+fn open_rbd_locked(
+    export: &Export,
+    rbd: keelfs_bdev::RbdPrepared,
+    incoming: bool,
+) -> anyhow::Result<(Arc<dyn BlockDevice>, Option<ImageLock>)> {
+    let rbd = Arc::new(rbd.open().map_err(device::rbd_error)?);
+    let lock = if export.read_only {
+        let held = (!incoming).then(|| rbd.take_reader_lock()).transpose().map_err(device::rbd_error)?;
+        ImageLock::RbdReader(Arc::clone(&rbd), std::sync::Mutex::new(held))
+    } else {
+        ImageLock::Rbd(Arc::clone(&rbd))
+    };
+    Ok((rbd, Some(lock)))
 }
 
 /// Open an export for a sandboxed server through its supervisor (see
