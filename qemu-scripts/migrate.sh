@@ -26,7 +26,7 @@ QEMU with its own keelfsd serving the same image, and checks the guest:
      --rbd-pool the RBD image rbd:POOL/migrate-<pid>-<time>)
   2. source: keelfsd serve --device IMG --socket SRC.sock --tag keelfs
      --locks export (keelfsd holds the guest's locks, which then travel
-     with its session; sandboxed as by default; --sandbox none on RBD), in the network
+     with its session; sandboxed as by default, on RBD too), in the network
      namespace --src-netns if given; QEMU (run-guest.sh --qmp SRC.qmp)
      boots the guest running guest-tests/migrate.sh. On RBD: rbd lock ls
      shows one lock holder, at the source namespace's address if given
@@ -80,7 +80,7 @@ Options:
   --rbd-pool POOL      the image is a new RBD image in Ceph pool POOL
                        (rbd:POOL/migrate-<pid>-<time>; default cluster:
                        /etc/ceph/ceph.conf, client.admin), made by keelfsd
-                       mkfs, served by both daemons with --sandbox none, its
+                       mkfs, served by both daemons (sandboxed), its
                        lock holder checked with rbd lock ls, and removed
                        (rbd rm) after a pass unless --keep
   --src-netns NAME     run the source keelfsd in network namespace NAME
@@ -312,6 +312,18 @@ start_daemon() {
   return 1
 }
 
+# check_sandboxed LABEL LOG PID: keelfsd says it entered its sandbox (it
+# binds its socket first) within 30 s; on RBD too.
+check_sandboxed() {
+  local deadline=$((SECONDS + 30))
+  if wait_log "$2" 'sandboxed: namespaces' "$3"; then
+    pass "$1: sandboxed ($(grep -aom1 'sandboxed: .*' "$2"))"
+  else
+    fail "$1: did not say it was sandboxed within 30 s"
+    tail_of "$1 log" "$2"
+  fi
+}
+
 # stop_daemon VAR LABEL LOG: SIGTERM, wait up to 60 s; it must exit 0.
 # (virtiofsd ends by itself when its QEMU goes away: then just its status.)
 stop_daemon() {
@@ -401,16 +413,12 @@ if [[ $peer == keelfsd ]]; then
     tail_of "mkfs" "$workdir/mkfs.log"
     finish
   fi
-  # Sandboxed, as keelfsd serves by default; librados cannot be (it needs
-  # the network and threads of its own).
+  # Sandboxed, as keelfsd serves by default (on RBD, in the host's
+  # network namespace).
   # keelfs holds the guest's locks, so that they travel with its session.
   src_cmd=("$keelfsd" serve --device "$img" --socket "$src_sock" --tag keelfs --locks export)
   dst_cmd=("$keelfsd_dest" serve --device "$img" --socket "$dst_sock" --tag keelfs --incoming --locks export)
-  if [[ $img == rbd:* ]]; then
-    src_cmd+=(--sandbox none)
-    dst_cmd+=(--sandbox none)
-    log "image: $img"
-  fi
+  [[ $img != rbd:* ]] || log "image: $img"
   # Another "host": only the network namespace changes.
   [[ -z $src_netns ]] || src_cmd=(nsenter "--net=/run/netns/$src_netns" "${src_cmd[@]}")
   [[ -z $dst_netns ]] || dst_cmd=(nsenter "--net=/run/netns/$dst_netns" "${dst_cmd[@]}")
@@ -422,6 +430,7 @@ else
 fi
 
 start_daemon src_daemon "source $peer" "$workdir/$peer-source.log" "$src_sock" "${src_cmd[@]}" || finish
+[[ $peer != keelfsd ]] || check_sandboxed "source keelfsd" "$workdir/$peer-source.log" "$src_daemon"
 [[ $img != rbd:* ]] || check_lock "before the migration" source "$src_ip" "$src_netns" || true
 guest_args=(--tag keelfs --script "$guest_script" --add-bin "$workdir/dirloop" --add-bin "$workdir/fcntl-lock")
 if [[ $peer == virtiofsd ]]; then
@@ -438,6 +447,7 @@ log "source QEMU: booting the guest (run-guest.sh, log $src_log)"
 
 # The destination, while the source boots.
 start_daemon dst_daemon "destination $peer" "$workdir/$peer-dest.log" "$dst_sock" "${dst_cmd[@]}" || finish
+[[ $peer != keelfsd ]] || check_sandboxed "destination keelfsd" "$workdir/$peer-dest.log" "$dst_daemon"
 "$script_dir/run-guest.sh" --socket "$dst_sock" "${guest_args[@]}" --qmp "$dst_qmp" --incoming defer \
   --timeout "$(left)" >"$dst_log" 2>&1 &
 dst_guest=$!

@@ -61,7 +61,7 @@ Options:
   --rbd-pool POOL      make every image an RBD image in Ceph pool POOL
                        (rbd:POOL/e2e-<pid>-<time>-q<N>[-crash], one per
                        run; keelfsd mkfs creates it) instead of a file in
-                       the work directory, and serve with --sandbox none.
+                       the work directory, served sandboxed as by default.
                        The cluster is the default one (/etc/ceph/ceph.conf,
                        client.admin; e.g. scripts/ceph-dev.sh up, pool
                        keelfs). Images are removed (rbd rm) when the files
@@ -217,21 +217,34 @@ daemon_tail() { # LOG
   tail -n 30 "$1" | sed 's/^/  | /'
 }
 
-# start_daemon IMG SOCK QUEUES LOG: starts keelfsd, waits for its socket.
+# start_daemon IMG SOCK QUEUES LOG: starts keelfsd, waits for its socket
+# and its sandbox.
 start_daemon() {
   local img=$1 sock=$2 q=$3 dlog=$4 extra=()
   rm -f "$sock"
   ((spread && q > 1)) && extra=(--reactors 2 --spread-queues)
   [[ -z ${5:-} ]] || extra+=(--rpc "$5")
-  # librados needs the network and threads of its own: no namespace sandbox.
-  [[ -z $rbd_pool ]] || extra+=(--sandbox none)
   "$keelfsd" serve --device "$img" --socket "$sock" --queues "$q" --cache "$cache" "${extra[@]}" >"$dlog" 2>&1 &
   daemon_pid=$!
   for _ in $(seq 1 150); do
-    [[ -S $sock ]] && return 0
+    [[ -S $sock ]] && break
     kill -0 "$daemon_pid" 2>/dev/null || break
     sleep 0.2
   done
+  # Every daemon here serves sandboxed, as by default (RBD included: the
+  # suite must not pass on a daemon that left its sandbox). The socket is
+  # bound before the sandbox is entered.
+  local deadline=$((SECONDS + 30))
+  if [[ -S $sock ]] && wait_log "$dlog" 'sandboxed: namespaces' "$daemon_pid"; then
+    return 0
+  fi
+  if [[ -S $sock ]] && kill -0 "$daemon_pid" 2>/dev/null; then
+    kill -KILL "$daemon_pid"; wait "$daemon_pid" 2>/dev/null || true
+    echo "keelfsd made $sock but did not say it was sandboxed within 30 s"
+    daemon_pid=""
+    daemon_tail "$dlog"
+    return 1
+  fi
   local st=0
   if kill -0 "$daemon_pid" 2>/dev/null; then
     kill -KILL "$daemon_pid"; wait "$daemon_pid" 2>/dev/null || true

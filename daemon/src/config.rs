@@ -329,9 +329,6 @@ pub struct Config {
     pub commit_interval: Duration,
     /// The sandbox `serve` enters once its files are open.
     pub sandbox: SandboxMode,
-    /// Whether the config file or a flag chose `sandbox` (not the
-    /// default): a default gives way to an RBD export, a choice does not.
-    pub sandbox_chosen: bool,
     /// The destination of a live migration (`serve --incoming`): images
     /// are taken when the guests' sessions arrive.
     pub incoming: bool,
@@ -422,7 +419,6 @@ impl Default for Config {
             export_dirs: Vec::new(),
             commit_interval: Duration::from_secs(5),
             sandbox: SandboxMode::Namespace,
-            sandbox_chosen: false,
             incoming: false,
             exports: Vec::new(),
         }
@@ -589,7 +585,6 @@ fn apply_daemon(src: &Source, daemon: RawDaemon, config: &mut Config) -> Result<
     config.poll_mode_chosen = daemon.poll_mode.is_some();
     config.rpc_socket = daemon.rpc_socket;
     config.sandbox = daemon.sandbox.unwrap_or_default();
-    config.sandbox_chosen = daemon.sandbox.is_some();
     if let Some(log) = daemon.log {
         config.log = log;
     }

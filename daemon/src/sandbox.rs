@@ -46,6 +46,16 @@ pub struct Needs {
     /// the VFIO ioctls, a read-only /sys in the empty root, and readlink;
     /// nothing else is relaxed (no open: the filter still forbids it).
     pub vfio: bool,
+    /// Ceph RBD (librados). It talks to the cluster's monitors and OSDs
+    /// over TCP for as long as an image is open, and opens new
+    /// connections when they move or restart. So it keeps the host's
+    /// network namespace, and its threads may make TCP sockets (inet
+    /// only), connect them and set their options. librados reads its conf
+    /// and key before the sandbox (see `RbdPrepared`); files it would
+    /// open later (OpenSSL's config, thread names in /proc) fail with
+    /// EACCES rather than kill it, as the empty root holds nothing to
+    /// open anyway.
+    pub network: bool,
 }
 
 /// Open file descriptors allowed once sandboxed. A daemon's own needs are
@@ -58,10 +68,14 @@ const CAP_IPC_LOCK: u32 = 14;
 /// Enter the sandbox, all of it but the seccomp filter ([`confine`]):
 /// namespaces, the empty root, limits, capabilities and no_new_privs.
 /// Must run before any thread is started: a mount namespace cannot be
-/// entered by a process with other threads.
+/// entered by a process with other threads. The network namespace is kept
+/// when `needs.network`.
 pub fn enter_namespaces(needs: Needs) -> anyhow::Result<()> {
     ensure_single_threaded()?;
-    let namespaces = libc::CLONE_NEWNS | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS | libc::CLONE_NEWNET;
+    let mut namespaces = libc::CLONE_NEWNS | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS;
+    if !needs.network {
+        namespaces |= libc::CLONE_NEWNET;
+    }
     // SAFETY: unshare takes flags only.
     check(unsafe { libc::unshare(namespaces) }).context("unsharing the mount, ipc, uts and network namespaces")?;
     let name = b"keelfsd";
@@ -75,11 +89,12 @@ pub fn enter_namespaces(needs: Needs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The seccomp filter, on every thread (threads started later inherit
-/// it). After [`enter_namespaces`].
+/// The seccomp filter, on every thread (librados's too, when they run;
+/// threads started later inherit it). After [`enter_namespaces`].
 pub fn confine(needs: Needs, action: seccomp::Action) -> anyhow::Result<()> {
     seccomp::install(needs, action)?;
-    tracing::info!("sandboxed: namespaces, empty root, no capabilities, seccomp ({action:?} on violation)");
+    let network = if needs.network { ", the host's network kept for Ceph" } else { "" };
+    tracing::info!("sandboxed: namespaces, empty root, no capabilities, seccomp ({action:?} on violation){network}");
     Ok(())
 }
 

@@ -115,8 +115,47 @@ fn rules(needs: Needs) -> BTreeMap<i64, Vec<SeccompRule>> {
         rules.insert(libc::SYS_readlink, Vec::new());
     }
     rules.insert(libc::SYS_ioctl, ioctls);
+    if needs.network {
+        add_network_rules(&mut rules);
+    }
     rules
 }
+
+/// What librados's messenger threads need (see [`Needs::network`]): TCP
+/// sockets, inet only, connected and tuned; the pipes and epoll sets of
+/// its event loops; uname for its entity address. Opening a file is
+/// allowed here and refused with EACCES by the first filter (see
+/// [`programs`]).
+fn add_network_rules(rules: &mut BTreeMap<i64, Vec<SeccompRule>>) {
+    let inet = [libc::AF_INET, libc::AF_INET6].map(|family| rule(vec![arg_eq(0, family as u64)]));
+    rules.insert(libc::SYS_socket, inet.to_vec());
+    let levels = [libc::IPPROTO_TCP, libc::IPPROTO_IP, libc::IPPROTO_IPV6];
+    let setsockopt = rules.entry(libc::SYS_setsockopt).or_default();
+    setsockopt.extend(levels.map(|level| rule(vec![arg_eq(1, level as u64)])));
+    let buffers = [libc::SO_RCVBUF, libc::SO_SNDBUF, libc::SO_KEEPALIVE, libc::SO_PRIORITY, libc::SO_REUSEADDR];
+    setsockopt.extend(buffers.map(|opt| rule(vec![arg_eq(1, libc::SOL_SOCKET as u64), arg_eq(2, opt as u64)])));
+    for nr in FILE_OPENS.iter().chain(NETWORK_ALWAYS) {
+        rules.insert(*nr, Vec::new());
+    }
+}
+
+/// Calls librados makes whatever their arguments (see [`add_network_rules`]).
+#[rustfmt::skip]
+const NETWORK_ALWAYS: &[libc::c_long] = &[
+    libc::SYS_connect, libc::SYS_getsockname, libc::SYS_getpeername, libc::SYS_pipe2, libc::SYS_uname,
+    #[cfg(target_arch = "x86_64")]
+    libc::SYS_epoll_create,
+    #[cfg(target_arch = "x86_64")]
+    libc::SYS_pipe,
+];
+
+/// The calls that open a file by name.
+#[rustfmt::skip]
+const FILE_OPENS: &[libc::c_long] = &[
+    libc::SYS_openat, libc::SYS_openat2,
+    #[cfg(target_arch = "x86_64")]
+    libc::SYS_open,
+];
 
 fn compile(rules: BTreeMap<i64, Vec<SeccompRule>>, mismatch: SeccompAction, on_match: SeccompAction) -> BpfProgram {
     let arch = std::env::consts::ARCH.try_into().expect("seccompiler supports this architecture");
@@ -124,20 +163,29 @@ fn compile(rules: BTreeMap<i64, Vec<SeccompRule>>, mismatch: SeccompAction, on_m
     filter.try_into().expect("the filter compiles")
 }
 
-/// The filter that turns clone3 into ENOSYS, then the allowlist: in that
-/// order, since the allowlist forbids seccomp(2) itself.
-pub fn programs(needs: Needs, action: Action) -> [BpfProgram; 2] {
+/// The filters that turn clone3 into ENOSYS and (for [`Needs::network`])
+/// opening a file into EACCES, then the allowlist: in that order, since
+/// the allowlist forbids seccomp(2) itself. The kernel takes the most
+/// severe answer of all filters, so a call the first ones refuse with an
+/// errno never reaches the allowlist's.
+pub fn programs(needs: Needs, action: Action) -> Vec<BpfProgram> {
     let mismatch = match action {
         Action::Kill => SeccompAction::KillProcess,
         Action::Log => SeccompAction::Log,
     };
-    let allow = compile(rules(needs), mismatch, SeccompAction::Allow);
-    let clone3 = BTreeMap::from([(libc::SYS_clone3, Vec::new())]);
-    let no_clone3 = compile(clone3, SeccompAction::Allow, SeccompAction::Errno(libc::ENOSYS as u32));
-    [no_clone3, allow]
+    let refuse = |calls: &[libc::c_long], errno: i32| {
+        let calls = calls.iter().map(|&nr| (nr, Vec::new())).collect();
+        compile(calls, SeccompAction::Allow, SeccompAction::Errno(errno as u32))
+    };
+    let mut programs = vec![refuse(&[libc::SYS_clone3], libc::ENOSYS)];
+    if needs.network {
+        programs.push(refuse(FILE_OPENS, libc::EACCES));
+    }
+    programs.push(compile(rules(needs), mismatch, SeccompAction::Allow));
+    programs
 }
 
-/// Install both filters on every thread of the process. Needs
+/// Install the filters on every thread of the process. Needs
 /// no_new_privs (or CAP_SYS_ADMIN).
 pub fn install(needs: Needs, action: Action) -> anyhow::Result<()> {
     for program in programs(needs, action) {
@@ -277,9 +325,13 @@ mod tests {
         if let Some(call) = call.strip_prefix("supervisor-") {
             as_supervisor(call);
         }
+        let (needs, call) = match call.strip_prefix("network-") {
+            Some(call) => (Needs { network: true, ..Needs::default() }, call),
+            None => (Needs::default(), call),
+        };
         // SAFETY: prctl with integer arguments only.
         assert_eq!(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) }, 0);
-        install(Needs::default(), Action::Kill).unwrap();
+        install(needs, Action::Kill).unwrap();
         let worker = std::thread::spawn(|| (0..1000u64).map(|i| vec![i; 100].iter().sum::<u64>()).sum::<u64>());
         assert!(worker.join().unwrap() > 0);
         match call {
@@ -287,6 +339,38 @@ mod tests {
             // SAFETY: socket(2) with integer arguments; the result is closed.
             "socket" => unsafe {
                 libc::close(libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0));
+            },
+            // What librados does: an inet socket, its buffers, a pipe.
+            "inet" => {
+                // SAFETY: socket(2) and setsockopt(2) on the socket made
+                // here, with a value that outlives the call; closed after.
+                unsafe {
+                    let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+                    assert!(fd >= 0);
+                    let one: libc::c_int = 1;
+                    let len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+                    let rc = libc::setsockopt(
+                        fd,
+                        libc::IPPROTO_TCP,
+                        libc::TCP_NODELAY,
+                        (&one as *const libc::c_int).cast(),
+                        len,
+                    );
+                    assert_eq!(rc, 0);
+                    libc::close(fd);
+                }
+                let mut fds = [0; 2];
+                // SAFETY: pipe2 writes two descriptors into the array.
+                assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+            }
+            // Refused, not killed.
+            "open-refused" => {
+                let e = std::fs::File::open("/etc/hostname").unwrap_err();
+                assert_eq!(e.raw_os_error(), Some(libc::EACCES), "{e}");
+            }
+            // SAFETY: socket(2) with integer arguments; the result is closed.
+            "unix" => unsafe {
+                libc::close(libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0));
             },
             // SAFETY: a fork that the filter must stop; a child, if any,
             // exits at once.
@@ -316,8 +400,8 @@ mod tests {
 
     #[test]
     fn both_filters_compile_for_every_backend() {
-        for vfio in [false, true] {
-            for program in programs(Needs { vfio }, Action::Kill) {
+        for (vfio, network) in [(false, false), (true, false), (false, true)] {
+            for program in programs(Needs { vfio, network }, Action::Kill) {
                 assert!(!program.is_empty());
             }
         }
@@ -347,6 +431,21 @@ mod tests {
         assert!(child(test, "supervisor-nothing").success(), "the broker's calls are allowed");
         for call in ["fork", "exec", "inet", "kill-other"] {
             let status = child(test, &format!("supervisor-{call}"));
+            assert_eq!(status.signal(), Some(libc::SIGSYS), "{call}: {status:?}");
+        }
+    }
+
+    /// An RBD daemon's filter: TCP sockets and their options, pipes; a
+    /// file open refused with EACCES; still no unix socket, no fork.
+    #[test]
+    fn librados_gets_tcp_and_an_open_is_refused_not_killed() {
+        let test = "seccomp::tests::librados_gets_tcp_and_an_open_is_refused_not_killed";
+        for call in ["inet", "open-refused"] {
+            let status = child(test, &format!("network-{call}"));
+            assert!(status.success(), "{call}: {status:?}");
+        }
+        for call in ["unix", "fork"] {
+            let status = child(test, &format!("network-{call}"));
             assert_eq!(status.signal(), Some(libc::SIGSYS), "{call}: {status:?}");
         }
     }

@@ -143,7 +143,6 @@ fn resolve(args: ServeArgs) -> anyhow::Result<Config> {
     }
     if let Some(mode) = args.sandbox {
         config.sandbox = mode;
-        config.sandbox_chosen = true;
     }
     config.incoming |= args.incoming;
     let flags_shape_an_export = args.device.is_some()
@@ -275,7 +274,6 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let signals = Signals::new().context("opening a signalfd")?;
     let check = args.check;
     let mut config = resolve(args)?;
-    let rbd_unsandboxed = leave_sandbox_for_rbd(&mut config)?;
     let rbd_interrupt = sleep_between_rbd_completions(&mut config);
     if check {
         print_check(&config);
@@ -292,9 +290,6 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         }
     }
     init_logging(&config);
-    if let Some(tag) = &rbd_unsandboxed {
-        tracing::warn!("export {tag} is on RBD: serving without the namespace sandbox (see docs/ARCHITECTURE.md)");
-    }
     if rbd_interrupt {
         tracing::info!("every export is on RBD: the reactors sleep between completions (poll_mode = \"interrupt\")");
     }
@@ -326,9 +321,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         sandbox::confine(needs, crate::hooks::seccomp_action()).context("entering the sandbox")?;
     } else if has_rbd_export(&config) {
         // What of the sandbox holds for a process with threads: no core
-        // dump of guest memory, bounded descriptors. An RBD daemon gets it
-        // whether the sandbox was left by default or by --sandbox none,
-        // which is the only choice it has.
+        // dump of guest memory, bounded descriptors.
         sandbox::limit_resources().context("limiting resources")?;
     }
     let result = run(&config, opened, listeners, &signals, link);
@@ -410,29 +403,6 @@ fn has_rbd_export(config: &Config) -> bool {
     config.exports.iter().any(is_rbd_export)
 }
 
-/// librados starts its threads when it connects and talks to every
-/// monitor and OSD for as long as an image is open, while the namespace
-/// sandbox must be entered by a single thread and takes the network away.
-/// So a daemon with an RBD export runs unsandboxed: by default with a
-/// warning (returns the export's tag), and a sandbox asked for is refused.
-fn leave_sandbox_for_rbd(config: &mut Config) -> anyhow::Result<Option<String>> {
-    let rbd = config.exports.iter().find(|e| is_rbd_export(e));
-    let Some(export) = rbd else { return Ok(None) };
-    if config.sandbox == SandboxMode::None {
-        return Ok(None);
-    }
-    if config.sandbox_chosen {
-        bail!(tools::UsageError(format!(
-            "export {}: an RBD image cannot be served in the namespace sandbox (librados needs the network and \
-             threads of its own); use --sandbox none",
-            export.tag
-        )));
-    }
-    let tag = export.tag.clone();
-    config.sandbox = SandboxMode::None;
-    Ok(Some(tag))
-}
-
 /// An RBD request completes after a network round trip (tens to hundreds
 /// of microseconds), so an adaptive reactor, which spins for a
 /// millisecond after its last work, never sleeps while any is in flight:
@@ -454,7 +424,7 @@ fn needs_of(config: &Config) -> Needs {
     let vfio = config.exports.iter().any(|e| {
         e.backend == config::BackendName::Nvme || keelfs_bdev::NvmeAddress::is_nvme_name(&e.device.to_string_lossy())
     });
-    Needs { vfio }
+    Needs { vfio, network: has_rbd_export(config) }
 }
 
 /// An export with everything it needs from the host already open, so that

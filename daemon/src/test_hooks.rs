@@ -35,11 +35,19 @@ pub fn fuse_uring_parameter() -> std::path::PathBuf {
     std::env::var_os(FUSE_URING_PARAMETER_ENV).map_or_else(|| keelfs_vhost::FUSE_URING_PARAMETER.into(), Into::into)
 }
 
-/// Called once the daemon is ready: with [`PROBE_ENV`] set, try to open a
-/// file, which the sandbox forbids (the filter kills the process;
-/// unsandboxed, the open just fails).
+/// Called once the daemon is ready: with [`PROBE_ENV`] set, make a call
+/// the sandbox forbids (the filter kills the process; unsandboxed, it
+/// just works or fails). `unix-socket` makes a unix socket, which even an
+/// RBD daemon's filter forbids (its file opens fail with EACCES instead);
+/// any other value opens a file.
 pub fn after_ready() {
-    if std::env::var_os(PROBE_ENV).is_none() {
+    let Some(probe) = std::env::var_os(PROBE_ENV) else {
+        return;
+    };
+    if probe == "unix-socket" {
+        eprintln!("keelfsd: {PROBE_ENV} is set: making a unix socket, which the sandbox forbids");
+        let made = std::os::unix::net::UnixDatagram::unbound();
+        eprintln!("keelfsd: the forbidden socket call returned {:?}", made.map(drop));
         return;
     }
     eprintln!("keelfsd: {PROBE_ENV} is set: opening /etc/hostname, which the sandbox forbids");

@@ -125,4 +125,9 @@ fn a_guest_migrates_between_two_hosts_on_rbd() {
             summary.join("\n")
         );
     }
+    // Both daemons serve the RBD image in their sandboxes (issue 36).
+    for side in ["source", "destination"] {
+        let sandboxed = format!("PASS: {side} keelfsd: sandboxed (sandboxed: namespaces");
+        assert!(summary.iter().any(|l| l.starts_with(&sandboxed)), "{side}:\n{}", summary.join("\n"));
+    }
 }
