@@ -194,21 +194,20 @@ impl FakeQemuHost {
         std::fs::read_to_string(self.scratch.path("qemu-starts")).unwrap_or_default().lines().count()
     }
 
-    fn tcg_guest_args(&self, script_text: &str) -> Vec<std::ffi::OsString> {
+    /// run-guest.sh under TCG with `script_text` as the guest's script.
+    fn run_tcg_guest(&self, script_text: &str) -> (Output, String) {
         let script = self.guest_script(script_text);
         let image = self.nvme_image();
-        let mut args: Vec<std::ffi::OsString> = ["--accel", "tcg", "--timeout", "600", "--nvme"].map(Into::into).into();
-        args.extend([image.into_os_string(), "--script".into(), script.into_os_string()]);
-        args
+        let args = ["--accel".as_ref(), "tcg".as_ref(), "--timeout".as_ref(), "600".as_ref(), "--nvme".as_ref()];
+        let args = [&args[..], &[image.as_os_str(), "--script".as_ref(), script.as_os_str()]].concat();
+        self.run("qemu-scripts/run-guest.sh", &args)
     }
 }
 
 #[test]
 fn a_tcg_abort_before_the_script_starts_boots_the_guest_again() {
     let host = tcg_aborting("tcg-abort-retry", 1, false);
-    let args = host.tcg_guest_args("#!/bin/sh\necho 'guest: the script ran'\nexit 0\n");
-    let args: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
-    let (out, text) = host.run("qemu-scripts/run-guest.sh", &args);
+    let (out, text) = host.run_tcg_guest("#!/bin/sh\necho 'guest: the script ran'\nexit 0\n");
     assert!(out.status.success(), "the second boot must pass:\n{text}");
     assert!(text.contains("QEMU aborted before the guest's script started (boot 1"), "{text}");
     assert!(text.contains("qemu: qemu-system-x86_64: ../system/physmem.c:2678: iotlb_to_section"), "{text}");
@@ -219,9 +218,7 @@ fn a_tcg_abort_before_the_script_starts_boots_the_guest_again() {
 #[test]
 fn a_tcg_abort_every_time_fails_after_three_boots() {
     let host = tcg_aborting("tcg-abort-always", 99, false);
-    let args = host.tcg_guest_args("#!/bin/sh\nexit 0\n");
-    let args: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
-    let (out, text) = host.run("qemu-scripts/run-guest.sh", &args);
+    let (out, text) = host.run_tcg_guest("#!/bin/sh\nexit 0\n");
     assert_eq!(out.status.code(), Some(125), "QEMU ended without the guest's status:\n{text}");
     assert!(text.contains("QEMU exited (status 134)"), "{text}");
     assert_eq!(host.qemu_starts(), 3, "three boots, then the failure");
@@ -230,9 +227,7 @@ fn a_tcg_abort_every_time_fails_after_three_boots() {
 #[test]
 fn a_tcg_abort_after_the_script_started_is_a_failure() {
     let host = tcg_aborting("tcg-abort-late", 1, true);
-    let args = host.tcg_guest_args("#!/bin/sh\nexit 0\n");
-    let args: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
-    let (out, text) = host.run("qemu-scripts/run-guest.sh", &args);
+    let (out, text) = host.run_tcg_guest("#!/bin/sh\nexit 0\n");
     assert_eq!(out.status.code(), Some(125), "the test had begun: no second boot:\n{text}");
     assert!(!text.contains("booting again"), "{text}");
     assert_eq!(host.qemu_starts(), 1);

@@ -88,6 +88,16 @@ fn os(s: &str) -> &OsStr {
     OsStr::new(s)
 }
 
+/// A new scratch image of `bytes`, formatted by `keelfsd mkfs`, and its
+/// name.
+fn formatted(tag: &str, bytes: u64) -> (RbdScratchImage, String) {
+    let image = RbdScratchImage::new(tag, bytes);
+    let name = image.name();
+    let out = keelfsd().args(["mkfs", &name]).output().unwrap();
+    assert!(out.status.success(), "mkfs: {}", text(&out));
+    (image, name)
+}
+
 fn sync_file(path: &Path) {
     std::fs::File::open(path).unwrap().sync_all().unwrap();
 }
@@ -201,10 +211,7 @@ fn mkfs_creates_the_image_serve_mounts_it_and_a_second_writer_is_refused() {
 #[test]
 fn an_export_moves_between_two_hosts_and_a_dead_owner_is_fenced() {
     // Sandboxed, each daemon keeps the network namespace it was started in.
-    let image = RbdScratchImage::new("hosts", 1 << 30);
-    let name = image.name();
-    let out = keelfsd().args(["mkfs", &name]).output().unwrap();
-    assert!(out.status.success(), "mkfs: {}", text(&out));
+    let (image, name) = formatted("hosts", 1 << 30);
     let pid = std::process::id();
     let (a, b) = (Host::add(&format!("kfa{pid}"), "10.87.0.31"), Host::add(&format!("kfb{pid}"), "10.87.0.32"));
     let dir = Scratch::new("rbd-hosts");
@@ -266,10 +273,7 @@ fn an_export_moves_between_two_hosts_and_a_dead_owner_is_fenced() {
 /// reader watches nothing, so its death cannot be told).
 #[test]
 fn a_read_only_export_keeps_writers_out_until_it_stops_or_is_fenced() {
-    let image = RbdScratchImage::new("readers", 256 << 20);
-    let name = image.name();
-    let out = keelfsd().args(["mkfs", &name]).output().unwrap();
-    assert!(out.status.success(), "mkfs: {}", text(&out));
+    let (image, name) = formatted("readers", 256 << 20);
     let dir = Scratch::new("rbd-readers");
     let (m1, m2) = (dir.path("m1"), dir.path("m2"));
     let reader = |mnt: &Path| {
@@ -310,10 +314,7 @@ fn a_read_only_export_keeps_writers_out_until_it_stops_or_is_fenced() {
 /// all, and its supervisor says why.
 #[test]
 fn a_forbidden_call_kills_a_sandboxed_rbd_daemon() {
-    let image = RbdScratchImage::new("forbidden", 256 << 20);
-    let name = image.name();
-    let out = keelfsd().args(["mkfs", &name]).output().unwrap();
-    assert!(out.status.success(), "mkfs: {}", text(&out));
+    let (image, name) = formatted("forbidden", 256 << 20);
     let dir = Scratch::new("rbd-forbidden");
     let mnt = dir.path("mnt");
     std::fs::create_dir_all(&mnt).unwrap();
@@ -347,10 +348,7 @@ fn hostile_requests_to_a_sandboxed_rbd_export_get_answers() {
     use keelfs_vhost::abi::{init_flags as f, Opcode, Reply};
     use keelfs_vhost::frontend::io_in;
     const HUGE: u64 = 1 << 52;
-    let image = RbdScratchImage::new("hostile", 256 << 20);
-    let name = image.name();
-    let out = keelfsd().args(["mkfs", &name]).output().unwrap();
-    assert!(out.status.success(), "mkfs: {}", text(&out));
+    let (_image, name) = formatted("hostile", 256 << 20);
     let dir = Scratch::new("rbd-hostile");
     let socket = dir.path("k.sock");
     let mut served = Served::start(&[os("--device"), os(&name), os("--socket"), socket.as_os_str()], &[]);
