@@ -22,9 +22,11 @@
 #   virtiofsd-pool  the same with --thread-pool-size 16, so that requests
 #             in flight are served in parallel
 #   keelfsd-rbd  (with --rbd-pool POOL) keelfsd serving a 1 GiB RBD image
-#             in that pool through librbd (--sandbox none: an RBD export
-#             runs unsandboxed); keelfsd-rbd-irq the same with poll_mode
-#             interrupt. virtiofsd has no counterpart: it needs a host
+#             in that pool through librbd, sandboxed as by default;
+#             keelfsd-rbd-irq the same with poll_mode interrupt (the
+#             default on RBD, written out); keelfsd-rbd-nosandbox the
+#             same with --sandbox none (not run by default; for the
+#             sandbox's cost on RBD). virtiofsd has no counterpart: it needs a host
 #             filesystem, and on RBD that needs the kernel's rbd or nbd
 #             driver (or a FUSE layer of its own in between).
 #
@@ -306,8 +308,8 @@ start() {
     keelfsd|keelfsd-nosandbox) "$keelfsd" serve --sandbox "$sandbox" --device "$keelfs_loop" --socket "$socket" --queues 2 "${cache_flag[@]}" 2>"$work/$sys.log" & ;;
     keelfsd-irq) "$keelfsd" serve --config <(printf '[daemon]\npoll_mode="interrupt"\n[[device]]\nname="d"\npath="%s"\n[[export]]\ntag="d"\ndevice="d"\nsocket="%s"\nrequest_queues=2\ncache="%s"\n' "$keelfs_loop" "$socket" "$cache") 2>"$work/$sys.log" & ;;
     keelfsd-tmpfs) "$keelfsd" serve --device "$work/keelfs-tmpfs.img" --socket "$socket" --queues 2 --cache "$cache" 2>"$work/$sys.log" & ;;
-    keelfsd-rbd) "$keelfsd" serve --sandbox none --device "$keelfs_rbd" --socket "$socket" --queues 2 --cache "$cache" 2>"$work/$sys.log" & ;;
-    keelfsd-rbd-irq) "$keelfsd" serve --sandbox none --config <(printf '[daemon]\npoll_mode="interrupt"\n[[device]]\nname="r"\nbackend="rbd"\npath="%s"\n[[export]]\ntag="r"\ndevice="r"\nsocket="%s"\nrequest_queues=2\ncache="%s"\n' "$keelfs_rbd" "$socket" "$cache") 2>"$work/$sys.log" & ;;
+    keelfsd-rbd|keelfsd-rbd-nosandbox) "$keelfsd" serve --sandbox "$sandbox" --device "$keelfs_rbd" --socket "$socket" --queues 2 --cache "$cache" 2>"$work/$sys.log" & ;;
+    keelfsd-rbd-irq) "$keelfsd" serve --sandbox "$sandbox" --config <(printf '[daemon]\npoll_mode="interrupt"\n[[device]]\nname="r"\nbackend="rbd"\npath="%s"\n[[export]]\ntag="r"\ndevice="r"\nsocket="%s"\nrequest_queues=2\ncache="%s"\n' "$keelfs_rbd" "$socket" "$cache") 2>"$work/$sys.log" & ;;
     keelfsd-pmem|keelfsd-pmem-nosandbox) "$keelfsd" serve --sandbox "$sandbox" --config <(printf '[[device]]\nname="p"\nbackend="pmem"\npath="%s"\n[[export]]\ntag="p"\ndevice="p"\nsocket="%s"\nrequest_queues=2\ncache="%s"\n' "$work/keelfs-pmem.img" "$socket" "$cache") 2>"$work/$sys.log" & ;;
     virtiofsd) "$virtiofsd" --socket-path "$socket" --shared-dir "$work/ext4" --cache "$cache" --sandbox none --allow-direct-io 2>"$work/$sys.log" & ;;
     virtiofsd-pool) "$virtiofsd" --socket-path "$socket" --shared-dir "$work/ext4" --cache "$cache" --sandbox none --allow-direct-io \
