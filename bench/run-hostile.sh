@@ -11,9 +11,14 @@
 # calm export served); the ratio is a measurement, kept here.
 # KEELFSD=PATH runs another build of keelfsd (an A/B of two builds: run
 # the script once with each, alternating).
+# --burner BUSY_US:IDLE_US is the control: instead of the hostile client,
+# a process that sends keelfs nothing and only takes CPU, spinning
+# BUSY_US then sleeping IDLE_US, over and over (120:900 takes about what
+# `keelfs-bench hostile --depth 32` takes of a core here, 14%). What the
+# calm export loses beside it is the host's doing, not the reactor's.
 #
 # usage: bench/run-hostile.sh [OUT.json] [--rounds N] [--calm-depth N] [--hostile-depth N]
-#                             [--driver sleep|busy]
+#                             [--driver sleep|busy] [--burner BUSY_US:IDLE_US]
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=""
@@ -21,16 +26,19 @@ rounds=3
 calm_depth=8
 hostile_depth=8
 driver="sleep"
+burner=""
 while (($#)); do
   case $1 in
+    --burner) burner=$2; shift 2 ;;
     --rounds) rounds=$2; shift 2 ;;
     --calm-depth) calm_depth=$2; shift 2 ;;
     --hostile-depth) hostile_depth=$2; shift 2 ;;
     --driver) driver=$2; shift 2 ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) out=$1; shift ;;
   esac
 done
+[[ -z $burner || $burner =~ ^[0-9]+:[0-9]+$ ]] || { echo "run-hostile.sh: --burner BUSY_US:IDLE_US" >&2; exit 2; }
 keelfsd=${KEELFSD:-$repo/target/release/keelfsd}
 bench=$repo/target/release/keelfs-bench
 for bin in "$keelfsd" "$bench"; do
@@ -60,6 +68,18 @@ for sock in calm hostile; do
   [[ -S $work/$sock.sock ]] || { echo "run-hostile.sh: keelfsd never bound $sock.sock" >&2; exit 1; }
 done
 
+# The control's CPU burner: spin argv[1] µs, sleep argv[2] µs, for
+# argv[3] s.
+burn='
+import sys, time
+busy, idle, end = float(sys.argv[1]) / 1e6, float(sys.argv[2]) / 1e6, time.time() + float(sys.argv[3])
+while time.time() < end:
+    start = time.perf_counter()
+    while time.perf_counter() - start < busy:
+        pass
+    time.sleep(idle)
+'
+
 calm() {
   "$bench" vhost --socket "$work/calm.sock" --workload dio-randrw --iodepth "$calm_depth" --file-size 32M \
     --driver "$driver" --seconds 3 --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["iops"])'
@@ -68,15 +88,21 @@ calm() {
 alone_sum=0 beside_sum=0
 for round in $(seq "$rounds"); do
   alone=$(calm)
-  "$bench" hostile --socket "$work/hostile.sock" --seconds 5 --depth "$hostile_depth" --json >"$work/hostile.json" &
+  if [[ -n $burner ]]; then
+    python3 -c "$burn" "${burner%%:*}" "${burner##*:}" 5 &
+  else
+    "$bench" hostile --socket "$work/hostile.sock" --seconds 5 --depth "$hostile_depth" --json >"$work/hostile.json" &
+  fi
   attacker=$!
   sleep 0.5
   beside=$(calm)
   wait "$attacker"
-  hostile_rate=$(python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print(r["requests_per_s"])' "$work/hostile.json")
-  emit "{\"bench\":\"hostile-neighbour\",\"keelfsd\":\"$keelfsd\",\"driver\":\"$driver\",\"round\":$round,\"calm_depth\":$calm_depth,\"hostile_depth\":$hostile_depth,\"calm_iops_alone\":$alone,\"calm_iops_beside\":$beside,\"hostile_requests_per_s\":$hostile_rate}"
+  hostile_rate=0
+  [[ -n $burner ]] ||
+    hostile_rate=$(python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print(r["requests_per_s"])' "$work/hostile.json")
+  emit "{\"bench\":\"hostile-neighbour\",\"keelfsd\":\"$keelfsd\",\"driver\":\"$driver\",\"round\":$round,\"calm_depth\":$calm_depth,\"hostile_depth\":$hostile_depth,\"burner\":\"$burner\",\"calm_iops_alone\":$alone,\"calm_iops_beside\":$beside,\"hostile_requests_per_s\":$hostile_rate}"
   alone_sum=$(python3 -c "print($alone_sum + $alone)")
   beside_sum=$(python3 -c "print($beside_sum + $beside)")
 done
 ratio=$(python3 -c "print(round($beside_sum / $alone_sum, 2))")
-emit "{\"bench\":\"hostile-neighbour\",\"keelfsd\":\"$keelfsd\",\"driver\":\"$driver\",\"summary\":true,\"rounds\":$rounds,\"calm_depth\":$calm_depth,\"hostile_depth\":$hostile_depth,\"ratio\":$ratio}"
+emit "{\"bench\":\"hostile-neighbour\",\"keelfsd\":\"$keelfsd\",\"driver\":\"$driver\",\"burner\":\"$burner\",\"summary\":true,\"rounds\":$rounds,\"calm_depth\":$calm_depth,\"hostile_depth\":$hostile_depth,\"ratio\":$ratio}"
