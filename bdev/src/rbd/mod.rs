@@ -360,10 +360,6 @@ impl RbdPrepared {
         let (cluster, pool) = connect_configured(&self.address, self.configured, self.conf_found)?;
         RbdDevice::open_in(&self.address, self.options, cluster, &pool)
     }
-
-    pub fn address(&self) -> &RbdAddress {
-        &self.address
-    }
 }
 
 impl RbdDevice {
@@ -399,20 +395,19 @@ impl RbdDevice {
 
     /// Configure the cluster handle, read the client's key into it and
     /// resolve monitors named by DNS name; [`RbdPrepared::open`] does the
-    /// rest. Fails on a conf that cannot be
-    /// read; a key not found is left for connecting to report.
+    /// rest. Fails on a conf that cannot be read; a key not found is left
+    /// for connecting to report.
     pub fn prepare(address: &RbdAddress, options: RbdOptions) -> Result<RbdPrepared, RbdError> {
+        let ceph = |e| RbdError::ceph(address, e);
         let configured = configure(address)?;
-        let client = address.client_name();
-        if let Some(key) = find_key(&configured, &client).map_err(|e| RbdError::ceph(address, e))? {
+        if let Some(key) = find_key(&configured, &address.client_name()).map_err(ceph)? {
             // The key in memory, and no file left to search.
             for (name, value) in [("key", key.as_str()), ("keyfile", ""), ("keyring", "")] {
-                configured.set(name, value).map_err(|e| RbdError::ceph(address, e))?;
+                configured.set(name, value).map_err(ceph)?;
             }
         }
-        let mon_host = configured.setting("mon_host").map_err(|e| RbdError::ceph(address, e))?;
-        if let Some(resolved) = monitors_by_address(&mon_host) {
-            configured.set("mon_host", &resolved).map_err(|e| RbdError::ceph(address, e))?;
+        if let Some(resolved) = monitors_by_address(&configured.setting("mon_host").map_err(ceph)?) {
+            configured.set("mon_host", &resolved).map_err(ceph)?;
         }
         Ok(RbdPrepared { address: address.clone(), options, configured, conf_found: conf_found(address) })
     }
