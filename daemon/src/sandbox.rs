@@ -81,11 +81,28 @@ pub fn enter_namespaces(needs: Needs) -> anyhow::Result<()> {
     let name = b"keelfsd";
     // SAFETY: a buffer of the given length that outlives the call.
     check(unsafe { libc::sethostname(name.as_ptr().cast(), name.len()) }).context("naming the uts namespace")?;
+    settle_malloc_arena_limit()?;
     pivot_into_empty_root(needs)?;
     limit_resources()?;
     drop_capabilities(if needs.vfio { &[CAP_IPC_LOCK] } else { &[] })?;
     // SAFETY: prctl with integer arguments only.
     check(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) }).context("setting no_new_privs")?;
+    Ok(())
+}
+
+/// glibc computes its limit on malloc arenas the first time a thread
+/// needs a ninth, from /sys/devices/system/cpu/online: a file open, which
+/// the filter answers by killing the server (a fresh RPC client thread
+/// beside a loaded reactor and its vring workers did). Settled here, while
+/// files can be read, at glibc's own default: eight per CPU.
+fn settle_malloc_arena_limit() -> anyhow::Result<()> {
+    let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    let arenas = libc::c_int::try_from(cpus.saturating_mul(8)).unwrap_or(libc::c_int::MAX);
+    // SAFETY: mallopt takes two integers; glibc's malloc is not yet shared
+    // with another thread (enter_namespaces checked that none runs).
+    if unsafe { libc::mallopt(libc::M_ARENA_MAX, arenas) } != 1 {
+        bail!("mallopt(M_ARENA_MAX, {arenas}) failed");
+    }
     Ok(())
 }
 

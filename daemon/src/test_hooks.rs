@@ -35,12 +35,23 @@ pub fn fuse_uring_parameter() -> std::path::PathBuf {
     std::env::var_os(FUSE_URING_PARAMETER_ENV).map_or_else(|| keelfs_vhost::FUSE_URING_PARAMETER.into(), Into::into)
 }
 
+/// With this variable set to N, `serve` starts N threads at once once it
+/// is ready, each allocating before any ends: what a loaded daemon does
+/// (a vring worker per queue, a thread per RPC client). glibc gives each
+/// its own malloc arena up to a limit it computes, on first need, by
+/// reading /sys/devices/system/cpu/online: the sandbox must have settled
+/// that limit before it took file opens away.
+const ALLOCATING_THREADS_ENV: &str = "KEELFS_TEST_ALLOCATING_THREADS";
+
 /// Called once the daemon is ready: with [`PROBE_ENV`] set, make a call
 /// the sandbox forbids (the filter kills the process; unsandboxed, it
 /// just works or fails). `unix-socket` makes a unix socket, which even an
 /// RBD daemon's filter forbids (its file opens fail with EACCES instead);
 /// any other value opens a file.
 pub fn after_ready() {
+    if let Some(count) = std::env::var(ALLOCATING_THREADS_ENV).ok().and_then(|n| n.parse::<usize>().ok()) {
+        start_allocating_threads(count);
+    }
     let Some(probe) = std::env::var_os(PROBE_ENV) else {
         return;
     };
@@ -53,4 +64,22 @@ pub fn after_ready() {
     eprintln!("keelfsd: {PROBE_ENV} is set: opening /etc/hostname, which the sandbox forbids");
     let opened = std::fs::File::open("/etc/hostname");
     eprintln!("keelfsd: the forbidden open returned {:?}", opened.map(drop));
+}
+
+/// [`ALLOCATING_THREADS_ENV`]: `count` threads, each holding an allocation
+/// until all have made theirs, so that none can reuse another's arena.
+fn start_allocating_threads(count: usize) {
+    let all_allocated = std::sync::Arc::new(std::sync::Barrier::new(count));
+    let threads: Vec<_> = (0..count)
+        .map(|i| {
+            let all_allocated = all_allocated.clone();
+            std::thread::spawn(move || {
+                let held = std::hint::black_box(vec![i as u8; 4096]);
+                all_allocated.wait();
+                held.len()
+            })
+        })
+        .collect();
+    let allocated: usize = threads.into_iter().map(|t| t.join().expect("an allocating thread")).sum();
+    eprintln!("keelfsd: {count} threads allocated {allocated} bytes at once");
 }

@@ -179,6 +179,48 @@ fn a_forbidden_system_call_kills_the_sandboxed_daemon() {
     assert!(!socket.exists(), "unsandboxed, serve removes its own socket");
 }
 
+/// Many threads allocating at once, as under load, pass the filter: glibc
+/// reads the CPU count from /sys for its malloc arena limit the first time
+/// it needs more than 8 arenas, a file open the filter would kill the
+/// server for (seen: `keelfsd stats` during a benchmark, in a fresh RPC
+/// client thread). The sandbox sets the limit before it confines.
+#[test]
+fn threads_allocating_at_once_pass_the_filter() {
+    let dir = Scratch::new("arenas");
+    let (image, mnt, socket) = (dir.path("k.img"), dir.path("mnt"), dir.path("k.sock"));
+    std::fs::create_dir_all(&mnt).unwrap();
+    mkfs(&image, "256M");
+    let mut child = keelfsd()
+        .arg("serve")
+        .args(args(&image, &mnt, &socket, &[]))
+        .env("KEELFS_TEST_ALLOCATING_THREADS", "64")
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut seen = String::new();
+    let mut line = String::new();
+    loop {
+        line.clear();
+        let read = std::io::BufRead::read_line(&mut stderr, &mut line).unwrap();
+        seen.push_str(&line);
+        assert!(read > 0, "the daemon ended before its threads allocated: {:?}\n{seen}", child.wait());
+        if line.contains("threads allocated") {
+            break;
+        }
+    }
+    assert!(line.contains("64 threads allocated"), "{seen}");
+    assert!(seen.contains("sandboxed:"), "not sandboxed: {seen}");
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let rest = std::io::read_to_string(stderr).unwrap();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status}: {seen}{rest}");
+    assert!(!socket.exists(), "the socket is left behind");
+    assert!(!is_mounted(&mnt), "the mount is left behind");
+}
+
 #[test]
 fn killing_the_supervisor_kills_the_server() {
     let dir = Scratch::new("kill-supervisor");
