@@ -310,6 +310,11 @@ impl Space {
         std::mem::take(&mut self.free.borrow_mut().pending_free)
     }
 
+    /// Whether runs were freed since the last commit took its frees.
+    pub fn has_uncommitted_frees(&self) -> bool {
+        !self.free.borrow().pending_free.is_empty()
+    }
+
     /// Runs a failed commit took: still freed only in memory.
     pub fn give_back_uncommitted_frees(&self, runs: Vec<BlockRun>) {
         self.free.borrow_mut().pending_free.extend(runs);

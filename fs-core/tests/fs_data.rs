@@ -15,7 +15,7 @@ use keelfs_base::testing::fill_pattern;
 use keelfs_bdev::{AlignedBuf, BlockDevice};
 use keelfs_fs::Ino;
 use keelfs_fs::ROOT_INO;
-use keelfs_fs::{Creds, Fs, FsConfig, SetAttr, WriteTimes};
+use keelfs_fs::{Creds, FallocateMode, Fs, FsConfig, SetAttr, WriteTimes};
 use keelfs_reactor as reactor;
 use keelfs_reactor::yield_now;
 
@@ -409,6 +409,38 @@ fn space_freed_but_not_yet_committed_is_reclaimed_on_demand() {
             fs.unlink(&c, ROOT_INO, format!("buf{round}").as_bytes()).await.unwrap();
             fs.forget(ino, 1).await.unwrap();
         }
+    });
+}
+
+/// A request refused for space that no commit could give back commits
+/// nothing: a client asking again and again for more than the device
+/// holds must not buy a journal write and a device flush each time (a
+/// hostile client's huge ZERO_RANGE did, 8,000 times a second). With frees
+/// pending, the refusal still commits them, once.
+#[test]
+fn a_refusal_for_space_commits_only_when_frees_are_pending() {
+    with_quiet_fs(ram_device(64 * MIB), async |fs: Fs| {
+        let c = Creds::root();
+        let (attr, _) = fs.create(&c, ROOT_INO, b"f", 0o644, 2).await.unwrap();
+        let (victim, _) = fs.create(&c, ROOT_INO, b"victim", 0o644, 2).await.unwrap();
+        fs.data().write(victim.ino(), FileOffset::new(0), &vec![1u8; 1 << 20]).await.unwrap();
+        fs.sync().await.unwrap();
+        let too_much = FallocateMode::ZeroRange { keep_size: true };
+        // Each commit writes the journal and flushes the device.
+        let refuse_ten = async || {
+            let before = fs.inspect().counters().journal_commits;
+            for _ in 0..10 {
+                let zeroed = fs.data().fallocate(attr.ino(), too_much, FileOffset::new(0), 1 << 40).await;
+                assert_eq!(zeroed.err().map(|e| e.errno()), Some(libc::ENOSPC));
+            }
+            fs.inspect().counters().journal_commits - before
+        };
+        assert_eq!(refuse_ten().await, 0, "nothing to free: no commit");
+        // A truncate frees the victim's blocks, pending until they commit.
+        let to_zero = SetAttr { size: Some(0), ..SetAttr::default() };
+        fs.setattr(&c, victim.ino(), &to_zero, false).await.unwrap();
+        assert_eq!(refuse_ten().await, 1, "the pending frees commit on the first refusal, and only then");
+        assert_eq!(refuse_ten().await, 0, "committed: nothing pending again");
     });
 }
 

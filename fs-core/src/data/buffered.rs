@@ -204,8 +204,17 @@ impl DataOps<'_> {
     /// in pieces holds the frees committed since its start; it is given up
     /// first, so that they come back too, and so are runs awaiting a
     /// discard. A retry is worth it only if space came back.
+    ///
+    /// With none of those, nothing can come back, so it neither commits
+    /// nor flushes: a client asking again and again for more than the
+    /// device holds must not buy a journal write and a device flush with
+    /// each failed request (issue 36).
     pub(super) async fn reclaim_pending_frees(self) -> FsResult<bool> {
-        let before = self.inner.space.available_blocks(self.inner.usage());
+        let usage = self.inner.usage();
+        if !self.inner.space.has_uncommitted_frees() && !self.inner.journal.busy() && usage.discarding == 0 {
+            return Ok(false);
+        }
+        let before = self.inner.space.available_blocks(usage);
         self.inner.journal.abandon_checkpoint_in_pieces(&self.inner.commit_cx());
         journal::commit_all(self.inner).await?;
         // The commit may have queued its frees for discard: take them
