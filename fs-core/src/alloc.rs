@@ -226,6 +226,21 @@ impl Allocator {
         self.data_start <= run.start && run.start.checked_add(run.len).is_some_and(|end| end <= self.data_end)
     }
 
+    /// The free parts of `run`, in order; `run` must lie in the data area.
+    pub fn free_within(&self, run: BlockRun) -> Vec<BlockRun> {
+        let mut out = Vec::new();
+        for g in self.groups.iter().filter(|g| g.start < run.end() && run.start < g.end) {
+            let before = g.free.range(..run.start).next_back();
+            for (&start, &len) in before.into_iter().chain(g.free.range(run.start..run.end())) {
+                let (from, to) = (start.max(run.start), (start + len).min(run.end()));
+                if from < to {
+                    out.push(BlockRun { start: from, len: to - from });
+                }
+            }
+        }
+        out
+    }
+
     /// The free runs, in order (for fsck and tests).
     pub fn free_runs(&self) -> Vec<BlockRun> {
         self.groups.iter().flat_map(|g| g.free.iter().map(|(&start, &len)| BlockRun { start, len })).collect()

@@ -32,7 +32,12 @@ pub const CHECKPOINT_EXTENTS_MAX: usize = 128;
 /// checkpoint written in pieces while transactions go on needs that).
 /// Without it they count them as used, and checkpoints are written whole.
 pub const FEATURE_FREE_COUNT_HOLDS_CHECKPOINT: u64 = 1 << 0;
-pub const FEATURES_KNOWN: u64 = FEATURE_FREE_COUNT_HOLDS_CHECKPOINT;
+/// Feature bit: written extents of regular files may name the same
+/// blocks (clones; docs/plans/shared-extents.md). Loading counts the
+/// names instead of refusing the second. Until copy on write is built, an
+/// image with it mounts read-only only.
+pub const FEATURE_SHARED_EXTENTS: u64 = 1 << 1;
+pub const FEATURES_KNOWN: u64 = FEATURE_FREE_COUNT_HOLDS_CHECKPOINT | FEATURE_SHARED_EXTENTS;
 
 pub fn crc(data: &[u8]) -> u32 {
     crc32c::crc32c(data)

@@ -9,11 +9,11 @@
 use std::borrow::Cow;
 use std::collections::HashMap;
 
-use super::alloc::Allocator;
 use super::blocks::{whole_blocks, FileBlock};
 use super::format::{Superblock, ROOT_INO};
 use super::journal;
 use super::record::Record;
+use super::space::FreeSpace;
 use super::state::State;
 use super::{Fs, FsConfig, FsError, FsResult};
 use crate::ids::Ino;
@@ -94,8 +94,12 @@ pub async fn fsck(dev: DeviceChannel, mut progress: impl FnMut(&str)) -> FsResul
             return Ok(report);
         }
     };
+    if let Err(why) = rebuilt.check_sharing(&sb) {
+        report.problems.push(problem("shared-extents", why, false));
+        return Ok(report);
+    }
     progress("inodes and directories");
-    check_state(&rebuilt.state, &rebuilt.free.alloc, &sb, recorded_free, &mut report);
+    check_state(&rebuilt.state, &rebuilt.free, &sb, recorded_free, &mut report);
     Ok(report)
 }
 
@@ -136,7 +140,8 @@ impl PerInode {
     }
 }
 
-fn check_state(state: &State, alloc: &Allocator, sb: &Superblock, recorded_free: u64, report: &mut FsckReport) {
+fn check_state(state: &State, free: &FreeSpace, sb: &Superblock, recorded_free: u64, report: &mut FsckReport) {
+    let alloc = &free.alloc;
     report.inodes = state.inode_count() as u64;
     report.free_blocks = alloc.free_blocks();
     let mut names_of = PerInode::for_state(state);
@@ -166,6 +171,8 @@ fn check_state(state: &State, alloc: &Allocator, sb: &Superblock, recorded_free:
             }
         }
     }
+    // A block named by several extents is used once.
+    report.data_blocks_used = report.data_blocks_used.saturating_sub(free.shared.saved_blocks());
     check_links(state, &names_of, &subdirs, &parents, report);
     check_connectivity(state, report);
     let cp_blocks = sb.checkpoint_blocks();
@@ -332,9 +339,9 @@ fn fix_entries_and_links(fs: &Fs, repaired: &mut Vec<String>) -> FsResult<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::alloc::Allocator;
     use crate::format::Timespec;
     use crate::format::{Inode, S_IFDIR};
-    use crate::space::FreeSpace;
     use crate::state::{ApplyMode, FIRST_COOKIE};
 
     /// A root, a directory in it, a file in that, and a file with a link

@@ -44,6 +44,12 @@ impl Inspect<'_> {
         self.inner.data.set_file_times(on);
     }
 
+    /// Blocks that sharing saves: each shared block once per name beyond
+    /// its first.
+    pub fn shared_blocks(self) -> u64 {
+        self.inner.space.free().shared.saved_blocks()
+    }
+
     /// Journal transactions the mount replayed (0 after a clean unmount).
     pub fn replayed_at_mount(self) -> u64 {
         self.inner.journal.replayed_at_mount

@@ -51,6 +51,7 @@ mod record;
 mod seqlock;
 #[allow(unsafe_code)]
 mod shared;
+mod shared_runs;
 mod space;
 mod state;
 mod sync;
@@ -328,6 +329,12 @@ impl Fs {
 /// (`require_root` false).
 async fn mount_with(dev: DeviceChannel, config: FsConfig, require_root: bool) -> FsResult<Fs> {
     let mut loaded = journal::load(&dev, require_root).await?;
+    if loaded.sb.features & format::FEATURE_SHARED_EXTENTS != 0 && !config.read_only {
+        // Every write in place (direct overwrites, writeback, zeroing a
+        // block's edge) would show in each file naming the block: copy on
+        // write comes first (docs/plans/shared-extents.md, steps S5-S6).
+        return Err(FsError::ReadOnlyImage("its files share blocks, and this keelfs has no copy on write yet"));
+    }
     let stale_headers = std::mem::take(&mut loaded.stale_headers);
     let fs = Fs {
         inner: Rc::new(FsInner {

@@ -19,10 +19,12 @@
 
 use std::cell::{Cell, Ref, RefCell, RefMut};
 
+use crate::alloc::AllocError;
 use crate::alloc::Allocator;
 use crate::discard::Discard;
 use crate::format::{BlockRun, CHECKPOINT_EXTENTS_MAX};
 use crate::quota::Quota;
+use crate::shared_runs::SharedRuns;
 use crate::{FsError, FsResult};
 
 /// The blocks of the data area that belong to no file: the allocator's
@@ -32,11 +34,40 @@ pub(crate) struct FreeSpace {
     /// Runs freed by changes not yet committed: reusable only after the
     /// commit, or a crash could leave the old owner pointing at new data.
     pub pending_free: Vec<BlockRun>,
+    /// Blocks named by more than one extent: a release frees only what
+    /// loses its last name.
+    pub shared: SharedRuns,
+    /// The image may share blocks (`FEATURE_SHARED_EXTENTS`): loading
+    /// counts a second name of a written run instead of refusing it.
+    pub sharing_allowed: bool,
 }
 
 impl FreeSpace {
     pub fn new(alloc: Allocator) -> Self {
-        Self { alloc, pending_free: Vec::new() }
+        Self { alloc, pending_free: Vec::new(), shared: SharedRuns::default(), sharing_allowed: false }
+    }
+
+    /// Take `run` for an extent being loaded. A block in use already is a
+    /// double claim, unless the image may share blocks and the extent is
+    /// written: then it gains a name. (What else may hold it, a checkpoint
+    /// or an unwritten extent, is checked once everything is loaded:
+    /// `Rebuilt::check_sharing`.)
+    pub fn claim_for_extent(&mut self, run: BlockRun, unwritten: bool) -> Result<(), AllocError> {
+        if !self.sharing_allowed || unwritten || !self.alloc.contains(run) {
+            return self.alloc.claim(run);
+        }
+        let mut at = run.start;
+        for free in self.alloc.free_within(run) {
+            if free.start > at {
+                self.shared.share(BlockRun { start: at, len: free.start - at });
+            }
+            self.alloc.claim(free)?;
+            at = free.end();
+        }
+        if at < run.end() {
+            self.shared.share(BlockRun { start: at, len: run.end() - at });
+        }
+        Ok(())
     }
 
     /// The allocator's own invariants, and every run awaiting its commit
@@ -44,6 +75,7 @@ impl FreeSpace {
     /// is `Inspect::check_block_ownership`, which sees every part.)
     pub fn check_invariants(&self) {
         self.alloc.check_invariants();
+        self.shared.check_invariants();
         for run in &self.pending_free {
             assert!(
                 run.len > 0 && self.alloc.contains(*run),

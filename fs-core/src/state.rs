@@ -357,14 +357,16 @@ impl State {
     }
 }
 
-/// Runs a record unmapped: freed at the next commit when live, at once
-/// when replayed (the commit that freed them is on disk).
+/// Runs a record unmapped: what loses its last name is freed, at the
+/// next commit when live, at once when replayed (the commit that freed it
+/// is on disk).
 fn release(free: &mut FreeSpace, runs: Vec<BlockRun>, mode: ApplyMode) {
+    let FreeSpace { alloc, pending_free, shared, .. } = free;
     for run in runs.into_iter().filter(|r| r.len > 0) {
-        match mode {
-            ApplyMode::Live => free.pending_free.push(run),
-            ApplyMode::Replay => free.alloc.free(run),
-        }
+        shared.release(run, |gone| match mode {
+            ApplyMode::Live => pending_free.push(gone),
+            ApplyMode::Replay => alloc.free(gone),
+        });
     }
 }
 
@@ -515,7 +517,7 @@ impl State {
             }
             ApplyMode::Replay => {
                 release(free, replaced, mode);
-                if free.alloc.claim(new).is_err() {
+                if free.claim_for_extent(new, unwritten).is_err() {
                     let start = disk_block.get();
                     return err(format!("extent of inode {ino} claims blocks [{start}, +{len}) already in use"));
                 }

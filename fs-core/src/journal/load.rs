@@ -11,7 +11,10 @@ use super::{
 };
 use crate::blocks::{block_bytes, whole_blocks, DevBlock};
 use crate::codec::Reader;
-use crate::format::{crc, Superblock, SuperblockError, BLOCK_BYTES, SUPERBLOCK_SLOTS, XATTR_NAME_MAX, XATTR_VALUE_MAX};
+use crate::format::{
+    crc, BlockRun, Superblock, SuperblockError, BLOCK_BYTES, FEATURE_SHARED_EXTENTS, SUPERBLOCK_SLOTS,
+};
+use crate::format::{XATTR_NAME_MAX, XATTR_VALUE_MAX};
 use crate::record::{decode_all, Record};
 use crate::space::FreeSpace;
 use crate::state::{ApplyError, ApplyMode, State};
@@ -87,6 +90,36 @@ impl Rebuilt {
     fn replay(&mut self, record: &Record) -> Result<(), ApplyError> {
         self.state.apply(record, ApplyMode::Replay, &mut self.free)
     }
+
+    /// Once everything is loaded: a block with two names is named only by
+    /// written extents. Loading took the second name of any block in use,
+    /// and the other may have been the checkpoint's or an unwritten
+    /// extent's; either is damage (a checkpoint's blocks are freed by the
+    /// next one, and writing an unwritten block in place would show in
+    /// every file that names it). One pass over the extents, only when
+    /// something is shared.
+    pub(crate) fn check_sharing(&self, sb: &Superblock) -> Result<(), String> {
+        let shared = &self.free.shared;
+        if shared.is_empty() {
+            return Ok(());
+        }
+        if let Some(run) = sb.checkpoint_extents.iter().find_map(|cp| shared.shared_within(*cp).into_iter().next()) {
+            return Err(format!("blocks [{}, +{}) belong to the checkpoint and to a file", run.start, run.len));
+        }
+        for node in self.state.nodes() {
+            for extent in node.extents.iter().filter(|e| e.unwritten) {
+                let run = BlockRun { start: extent.disk_block.get(), len: extent.len };
+                if let Some(both) = shared.shared_within(run).into_iter().next() {
+                    let ino = node.inode.ino;
+                    return Err(format!(
+                        "unwritten extent of inode {ino} shares blocks [{}, +{})",
+                        both.start, both.len
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Load the checkpoint the superblock names into a fresh state.
@@ -102,6 +135,7 @@ pub(crate) async fn load_checkpoint(dev: &DeviceChannel, sb: &Superblock) -> FsR
     }
     let total_data = sb.total_blocks - sb.data_start();
     let mut rebuilt = Rebuilt { state: State::default(), free: FreeSpace::new(alloc) };
+    rebuilt.free.sharing_allowed = sb.features & FEATURE_SHARED_EXTENTS != 0;
     if sb.checkpoint_bytes == 0 {
         // A freshly made filesystem before its first checkpoint.
         return Ok((rebuilt, total_data));
@@ -337,6 +371,7 @@ pub(crate) async fn load(dev: &DeviceChannel, require_root: bool) -> FsResult<Lo
         _ if !require_root => {}
         _ => return Err(corrupt("the root directory is missing")),
     }
+    rebuilt.check_sharing(&sb).map_err(corrupt)?;
     let Rebuilt { state, free } = rebuilt;
     let Replayed { head: journal_head, seq: journal_seq, count, stale, .. } = replayed;
     Ok(Loaded { sb, state, free, journal_head, journal_seq, replayed: count, stale_headers: stale })

@@ -28,6 +28,8 @@
 mod checkpoint;
 mod commit;
 mod load;
+#[cfg(test)]
+mod sharing_tests;
 
 use std::cell::{Cell, RefCell};
 
