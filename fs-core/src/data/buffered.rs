@@ -139,7 +139,6 @@ impl DataOps<'_> {
     ) -> FsResult<u64> {
         let from_offset = from_offset.get();
         let to_offset = to_offset.get();
-        const STEP: u64 = 1 << 20;
         self.inner.meta.require_file(to)?;
         let len = len.min(COPY_RANGE_MAX);
         let overlaps = from_offset < to_offset.saturating_add(len) && to_offset < from_offset.saturating_add(len);
@@ -147,6 +146,14 @@ impl DataOps<'_> {
             return Err(FsError::Invalid("copy_file_range within overlapping ranges of one file"));
         }
         to_offset.checked_add(len).filter(|&e| e <= MAX_FILE_BYTES).ok_or(FsError::FileTooBig)?;
+        self.copy_bytes(from, from_offset, to, to_offset, len).await
+    }
+
+    /// Copy `len` bytes through the page cache in 1 MiB steps, each of
+    /// which awaits and so yields; stops at the source's end. Returns the
+    /// bytes copied.
+    async fn copy_bytes(self, from: Ino, from_offset: u64, to: Ino, to_offset: u64, len: u64) -> FsResult<u64> {
+        const STEP: u64 = 1 << 20;
         let mut done = 0;
         while done < len {
             let chunk = self.read(from, FileOffset::new(from_offset + done), (len - done).min(STEP) as u32).await?;
