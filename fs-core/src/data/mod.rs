@@ -35,6 +35,10 @@ use keelfs_bdev::AlignedBuf;
 use keelfs_reactor as reactor;
 use keelfs_reactor::{await_all, SharedBuffer};
 
+/// Where blocks of a written image go: (file block, device block, blocks,
+/// whether a record must map them).
+type ImageTarget = (FileBlock, DevBlock, u64, bool);
+
 /// Device requests are split at 1 MiB (256 blocks).
 pub(crate) const IO_BLOCKS_MAX: u64 = 256;
 /// Who keeps a file's mtime and ctime when data is written.
@@ -329,15 +333,11 @@ impl DataCore<'_> {
         Ok(())
     }
 
-    /// Write whole blocks of `image` at `first`: in place where the file
-    /// already has written blocks, into new blocks where it has holes,
-    /// into unwritten extents where it has those. Returns the records that
-    /// map what was written; the caller logs them now that the data is on
-    /// the device (ordered data).
-    pub(super) async fn write_image(self, ino: Ino, first: u64, image: AlignedBuf) -> FsResult<Vec<Record<'static>>> {
-        let nblocks = whole_blocks(image.len() as u64);
-        let image_bytes = image.len() as u64;
-        let mut targets: Vec<(FileBlock, DevBlock, u64, bool)> = Vec::new(); // (file, disk, len, needs record)
+    /// Where each of the `nblocks` blocks from `first` goes, and the runs
+    /// allocated for its holes, reserved until mapped. Nothing stays
+    /// reserved on an error.
+    fn image_targets(self, ino: Ino, first: u64, nblocks: u64) -> FsResult<(Vec<ImageTarget>, Vec<BlockRun>)> {
+        let mut targets: Vec<ImageTarget> = Vec::new();
         let mut fresh: Vec<BlockRun> = Vec::new();
         for seg in self.inner.meta.segments(ino, first, nblocks)? {
             match seg {
@@ -359,6 +359,18 @@ impl DataCore<'_> {
                 }
             }
         }
+        Ok((targets, fresh))
+    }
+
+    /// Write whole blocks of `image` at `first`: in place where the file
+    /// already has written blocks, into new blocks where it has holes,
+    /// into unwritten extents where it has those. Returns the records that
+    /// map what was written; the caller logs them now that the data is on
+    /// the device (ordered data).
+    pub(super) async fn write_image(self, ino: Ino, first: u64, image: AlignedBuf) -> FsResult<Vec<Record<'static>>> {
+        let nblocks = whole_blocks(image.len() as u64);
+        let image_bytes = image.len() as u64;
+        let (targets, fresh) = self.image_targets(ino, first, nblocks)?;
         // The image goes to the device in slices, without another copy.
         let image = SharedBuffer::new(image);
         let mut pending = Vec::new();
