@@ -54,9 +54,6 @@ pub enum FsError {
     Io(#[from] BdevError),
     #[error("filesystem is damaged: {0}")]
     Corrupt(String),
-    /// The image is sound, but this keelfs can serve it read-only only.
-    #[error("this image mounts read-only only: {0}")]
-    ReadOnlyImage(&'static str),
 }
 
 /// One owner's claim on a run of device blocks.
@@ -104,7 +101,7 @@ impl FsError {
             FsError::Loop => libc::ELOOP,
             FsError::Nxio => libc::ENXIO,
             FsError::Busy => libc::EBUSY,
-            FsError::ReadOnly | FsError::ReadOnlyImage(_) | FsError::Io(BdevError::ReadOnly) => libc::EROFS,
+            FsError::ReadOnly | FsError::Io(BdevError::ReadOnly) => libc::EROFS,
             FsError::Io(_) | FsError::Corrupt(_) => libc::EIO,
         }
     }

@@ -34,8 +34,8 @@ pub const CHECKPOINT_EXTENTS_MAX: usize = 128;
 pub const FEATURE_FREE_COUNT_HOLDS_CHECKPOINT: u64 = 1 << 0;
 /// Feature bit: written extents of regular files may name the same
 /// blocks (clones; docs/plans/shared-extents.md). Loading counts the
-/// names instead of refusing the second. Until copy on write is built, an
-/// image with it mounts read-only only.
+/// names instead of refusing the second; writes to a shared block copy
+/// on write. The first clone sets it.
 pub const FEATURE_SHARED_EXTENTS: u64 = 1 << 1;
 pub const FEATURES_KNOWN: u64 = FEATURE_FREE_COUNT_HOLDS_CHECKPOINT | FEATURE_SHARED_EXTENTS;
 

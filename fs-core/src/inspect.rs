@@ -2,8 +2,10 @@
 //! filesystem: counters, geometry, the superblock, free space, and the
 //! consistency checks that tests and fuzzers run between operations.
 
+use std::collections::BTreeMap;
 use std::rc::Rc;
 
+use crate::format::BlockRun;
 use crate::space::SpaceWitness;
 use crate::{cache, BlockClaim, DoubleOwner, Fs, FsCounters, FsInner, FsResult, Geometry, Ino, Superblock};
 
@@ -85,24 +87,16 @@ impl Inspect<'_> {
         self.inner.journal.checkpoint_in_pieces()
     }
 
-    /// Every block has at most one owner: a file's extent, the live
-    /// checkpoint, a free awaiting its commit, a checkpoint or a discard, or the
-    /// allocator's free list. For tests and fuzzers that run the filesystem through many
-    /// operations: a block with two owners is a corruption waiting for its
-    /// next write. Linear in extents and free runs.
+    /// Every block has at most one owner: files' extents (several only
+    /// where `SharedRuns` counts exactly those names, all written), the
+    /// live checkpoint, a free awaiting its commit, a checkpoint or a
+    /// discard, or the allocator's free list. For tests and fuzzers that
+    /// run the filesystem through many operations: a block with two owners
+    /// is a corruption waiting for its next write. Linear in extents and
+    /// free runs (and their log).
     pub fn check_block_ownership(self) -> Result<(), DoubleOwner> {
-        let state = self.inner.meta.state();
+        let mut owned = self.extents_agree_with_their_counts()?;
         let sb = self.inner.journal.sb.borrow();
-        let mut owned: Vec<(u64, u64, String)> = Vec::new();
-        for node in state.nodes() {
-            for e in node.extents.iter() {
-                owned.push((
-                    e.disk_block.get(),
-                    e.len,
-                    format!("inode {} file block {}", node.inode.ino, e.file_block.get()),
-                ));
-            }
-        }
         owned.extend(sb.checkpoint_extents.iter().map(|r| (r.start, r.len, "the checkpoint".to_string())));
         let free = self.inner.space.free();
         owned.extend(free.pending_free.iter().map(|r| (r.start, r.len, "a pending free".to_string())));
@@ -121,6 +115,50 @@ impl Inspect<'_> {
             }
         }
         Ok(())
+    }
+
+    /// The blocks files' extents name, as runs named by the same number
+    /// of extents: `SharedRuns` must count each name past the first, and
+    /// only written extents may share. Returns the runs as one owner each.
+    fn extents_agree_with_their_counts(self) -> Result<Vec<(u64, u64, String)>, DoubleOwner> {
+        let claim = |start: u64, len: u64, owner: String| BlockClaim { start, len, owner };
+        // +1 name at an extent's start, -1 at its end; unwritten ones
+        // counted apart.
+        let mut edges: BTreeMap<u64, (i64, i64)> = BTreeMap::new();
+        for node in self.inner.meta.state().nodes() {
+            for e in node.extents.iter() {
+                let (start, end) = (e.disk_block.get(), e.disk_block.get() + e.len);
+                let step = if e.unwritten { (1, 1) } else { (1, 0) };
+                let at = edges.entry(start).or_default();
+                (at.0, at.1) = (at.0 + step.0, at.1 + step.1);
+                let at = edges.entry(end).or_default();
+                (at.0, at.1) = (at.0 - step.0, at.1 - step.1);
+            }
+        }
+        let free = self.inner.space.free();
+        let (mut names, mut unwritten, mut saved) = (0i64, 0i64, 0u64);
+        let mut runs: Vec<(u64, u64, String)> = Vec::new();
+        let mut from = 0;
+        for (&at, &(step, unwritten_step)) in &edges {
+            if names > 0 && at > from {
+                let run = BlockRun { start: from, len: at - from };
+                let extra = names as u64 - 1;
+                let counted = free.shared.uniform_extra(run);
+                if (extra > 0 && unwritten > 0) || counted != Some(extra) {
+                    let named = format!("{names} extents ({unwritten} unwritten)");
+                    let index = format!("the shared index, {counted:?} names past the first");
+                    return Err(DoubleOwner { first: claim(from, run.len, named), second: claim(from, 0, index) });
+                }
+                saved += run.len * extra;
+                runs.push((from, run.len, format!("{names} extent(s)")));
+            }
+            (names, unwritten, from) = (names + step, unwritten + unwritten_step, at);
+        }
+        if saved != free.shared.saved_blocks() {
+            let index = format!("the shared index, {} blocks saved", free.shared.saved_blocks());
+            return Err(DoubleOwner { first: claim(0, saved, "the extents".into()), second: claim(0, 0, index) });
+        }
+        Ok(runs)
     }
 
     /// Overwrite an inode's link count, bypassing every rule: for tests

@@ -329,12 +329,6 @@ impl Fs {
 /// (`require_root` false).
 async fn mount_with(dev: DeviceChannel, config: FsConfig, require_root: bool) -> FsResult<Fs> {
     let mut loaded = journal::load(&dev, require_root).await?;
-    if loaded.sb.features & format::FEATURE_SHARED_EXTENTS != 0 && !config.read_only {
-        // Every write in place (direct overwrites, writeback, zeroing a
-        // block's edge) would show in each file naming the block: copy on
-        // write comes first (docs/plans/shared-extents.md, steps S5-S6).
-        return Err(FsError::ReadOnlyImage("its files share blocks, and this keelfs has no copy on write yet"));
-    }
     let stale_headers = std::mem::take(&mut loaded.stale_headers);
     let fs = Fs {
         inner: Rc::new(FsInner {
@@ -362,6 +356,7 @@ async fn mount_with(dev: DeviceChannel, config: FsConfig, require_root: bool) ->
                 commit_lock: sync::AsyncMutex::default(),
                 replayed_at_mount: loaded.replayed,
                 counters: Cell::default(),
+                features_on: Cell::new(0),
             },
             handles: handles::HandleTable::default(),
             pages: pages::Pages::new(cache::PageCache::new(config.cache_bytes)),

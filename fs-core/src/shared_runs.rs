@@ -90,6 +90,29 @@ impl SharedRuns {
         out
     }
 
+    /// The names past the first that every block of `run` has, if they
+    /// are the same for all of them (0 where nothing is shared).
+    pub fn uniform_extra(&self, run: BlockRun) -> Option<u64> {
+        let mut covered = 0;
+        let mut extra = None;
+        let before = self.runs.range(..run.start).next_back().map(|(&s, &r)| (s, r));
+        for (start, entry) in before.into_iter().chain(self.runs.range(run.start..run.end()).map(|(&s, &r)| (s, r))) {
+            let (from, to) = (start.max(run.start), (start + entry.len).min(run.end()));
+            if from < to {
+                if extra.is_some_and(|e| e != entry.extra) {
+                    return None;
+                }
+                extra = Some(entry.extra);
+                covered += to - from;
+            }
+        }
+        match extra {
+            None => Some(0),
+            Some(e) if covered == run.len => Some(e),
+            Some(_) => None,
+        }
+    }
+
     /// The blocks sharing saves: each block counted once per name beyond
     /// its first.
     pub fn saved_blocks(&self) -> u64 {
@@ -197,6 +220,11 @@ mod tests {
         assert_eq!(shared.shared_within(run(0, 1000)), vec![run(100, 8)]);
         assert_eq!(shared.shared_within(run(102, 3)), vec![run(102, 3)]);
         // The middle has three names, the rest two.
+        assert_eq!(shared.uniform_extra(run(104, 2)), Some(2));
+        assert_eq!(shared.uniform_extra(run(100, 3)), Some(1));
+        assert_eq!(shared.uniform_extra(run(103, 2)), None, "two counts");
+        assert_eq!(shared.uniform_extra(run(99, 2)), None, "part shared");
+        assert_eq!(shared.uniform_extra(run(0, 50)), Some(0));
         assert!(released(&mut shared, run(100, 8)).is_empty());
         assert_eq!(shared.shared_within(run(0, 1000)), vec![run(104, 2)]);
         assert_eq!(released(&mut shared, run(98, 12)), vec![98, 99, 100, 101, 102, 103, 106, 107, 108, 109]);

@@ -3,6 +3,7 @@
 
 use std::cell::RefCell;
 
+use super::clone::CLONE_BLOCKS_MAX;
 use super::{
     blocks_of, copy_page_part, page_part, VecSink, WriteTimes, DIRTY_THROTTLE_PERCENT, IO_BLOCKS_MAX, WRITEBACK_TOKEN,
 };
@@ -10,9 +11,13 @@ use super::{Buffered, DataOps};
 use crate::blocks::{block_bytes, whole_blocks, DevBlock, FileBlock};
 use crate::cache::{CacheFull, PAGE_BYTES};
 use crate::extent::Segment;
-use crate::format::{BLOCK_BYTES, BLOCK_SIZE};
+use crate::format::{BlockRun, BLOCK_BYTES, BLOCK_SIZE};
 use crate::ids::{FileOffset, Ino};
 use crate::ops::{COPY_RANGE_MAX, MAX_FILE_BYTES};
+
+/// Most bytes one copy_file_range clones, with a block of head and tail
+/// copied (within a FUSE reply's u32).
+const CLONE_RANGE_MAX: u64 = (CLONE_BLOCKS_MAX + 2) * BLOCK_SIZE;
 use crate::{journal, FsError, FsResult};
 use keelfs_bdev::AlignedBuf;
 
@@ -124,11 +129,14 @@ impl DataOps<'_> {
         Ok(out)
     }
 
-    /// copy_file_range: up to `len` bytes (at most `COPY_RANGE_MAX`) from
-    /// `from` at `from_offset` to `to` at `to_offset`, through the page
-    /// cache in 1 MiB steps, each of which awaits and so yields. Stops at
-    /// the source's end; returns the bytes copied. Overlapping ranges of
-    /// one file are EINVAL, as on Linux.
+    /// copy_file_range: up to `len` bytes from `from` at `from_offset` to
+    /// `to` at `to_offset`. Stops at the source's end; returns the bytes
+    /// copied. Overlapping ranges of one file are EINVAL, as on Linux.
+    ///
+    /// When both offsets sit at the same place within a block, the whole
+    /// blocks between are cloned (shared, issue 37), up to
+    /// `CLONE_BLOCKS_MAX` of them, and only the edges are copied. Otherwise
+    /// at most `COPY_RANGE_MAX` bytes are copied through the page cache.
     pub async fn copy_range(
         self,
         from: Ino,
@@ -140,13 +148,33 @@ impl DataOps<'_> {
         let from_offset = from_offset.get();
         let to_offset = to_offset.get();
         self.inner.meta.require_file(to)?;
-        let len = len.min(COPY_RANGE_MAX);
+        let lined_up = from_offset % BLOCK_SIZE == to_offset % BLOCK_SIZE;
+        let len = len.min(if lined_up { CLONE_RANGE_MAX } else { COPY_RANGE_MAX });
         let overlaps = from_offset < to_offset.saturating_add(len) && to_offset < from_offset.saturating_add(len);
         if from == to && overlaps {
             return Err(FsError::Invalid("copy_file_range within overlapping ranges of one file"));
         }
         to_offset.checked_add(len).filter(|&e| e <= MAX_FILE_BYTES).ok_or(FsError::FileTooBig)?;
-        self.copy_bytes(from, from_offset, to, to_offset, len).await
+        if !lined_up {
+            return self.copy_bytes(from, from_offset, to, to_offset, len).await;
+        }
+        // The head up to the first whole block, copied.
+        let head = ((BLOCK_SIZE - from_offset % BLOCK_SIZE) % BLOCK_SIZE).min(len);
+        let mut done = self.copy_bytes(from, from_offset, to, to_offset, head).await?;
+        if done < head {
+            return Ok(done); // the source's end
+        }
+        // The whole blocks, cloned: as many as lie inside the source.
+        let blocks = (len - done) / BLOCK_SIZE;
+        let from_block = FileBlock::containing(from_offset + done);
+        let cloned = self.clone_blocks(from, from_block, to, FileBlock::containing(to_offset + done), blocks).await?;
+        done += cloned * BLOCK_SIZE;
+        if cloned == CLONE_BLOCKS_MAX {
+            return Ok(done); // a short copy: the client asks for the rest
+        }
+        // The tail, and a partial last block of the source, copied.
+        let rest = (len - done).min(COPY_RANGE_MAX);
+        Ok(done + self.copy_bytes(from, from_offset + done, to, to_offset + done, rest).await?)
     }
 
     /// Copy `len` bytes through the page cache in 1 MiB steps, each of
@@ -540,16 +568,25 @@ impl Buffered<'_> {
         Err(FsError::Corrupt("the page cache is too small for this write".into()))
     }
 
-    /// Pages of [first, last] over holes that hold no reservation yet:
-    /// writeback will allocate a block for each.
+    /// Pages of [first, last] over holes, or over blocks another extent
+    /// shares, that hold no reservation yet: writeback will allocate a
+    /// block for each (copy on write for the shared ones), so ENOSPC comes
+    /// at write time, not at writeback.
     pub(super) fn pages_needing_reservation(self, ino: Ino, first: u64, last: u64) -> FsResult<Vec<u64>> {
         let cache = self.inner.pages.cache();
         let mut out = Vec::new();
+        // Pages are file blocks (PAGE_BYTES is BLOCK_BYTES).
+        let mut add = |pages: std::ops::Range<u64>| out.extend(pages.filter(|&p| !cache.is_reserved((ino, p))));
         for seg in self.inner.meta.segments(ino, first, last - first + 1)? {
-            if let Segment::Hole { file_block, len } = seg {
-                // Pages are file blocks (PAGE_BYTES is BLOCK_BYTES).
-                let pages = file_block.get()..(file_block + len).get();
-                out.extend(pages.filter(|&p| !cache.is_reserved((ino, p))));
+            match seg {
+                Segment::Hole { file_block, len } => add(file_block.get()..(file_block + len).get()),
+                Segment::Mapped(e) if !e.unwritten => {
+                    for part in self.core().shared_parts(BlockRun { start: e.disk_block.get(), len: e.len }) {
+                        let page = e.file_block.get() + (part.start - e.disk_block.get());
+                        add(page..page + part.len);
+                    }
+                }
+                Segment::Mapped(_) => {}
             }
         }
         Ok(out)

@@ -94,18 +94,30 @@ impl Direct<'_> {
         buf: &SharedBuffer<B>,
     ) -> FsResult<u32> {
         if !self.direct_aligned(offset, buf) {
-            let mut bytes = vec![0u8; buf.len()];
-            buf.copy_out(0, &mut bytes).map_err(|_| FsError::Invalid("buffer busy"))?;
-            return self.write_uncached_copy(ino, offset, &bytes).await;
+            return self.write_copied(ino, offset, buf).await;
         }
         if let Some(n) = self.try_direct_overwrite(ino, offset, end, buf).await? {
             return Ok(n);
         }
-        self.direct_extend(ino, offset, end, buf).await
+        match self.direct_extend(ino, offset, end, buf).await? {
+            Some(n) => Ok(n),
+            // Blocks another file shares: copy on write, which goes
+            // through the copying path (read-modify-write, new blocks).
+            None => self.write_copied(ino, offset, buf).await,
+        }
     }
 
-    /// The overwrite fast path: every block already written and inside the
-    /// file. Shared lock, no allocation, no record. None if not applicable.
+    /// The copying path for a direct write: unaligned, or over shared
+    /// blocks.
+    async fn write_copied<B: IoBuffer>(self, ino: Ino, offset: u64, buf: &SharedBuffer<B>) -> FsResult<u32> {
+        let mut bytes = vec![0u8; buf.len()];
+        buf.copy_out(0, &mut bytes).map_err(|_| FsError::Invalid("buffer busy"))?;
+        self.write_uncached_copy(ino, offset, &bytes).await
+    }
+
+    /// The overwrite fast path: every block already written, inside the
+    /// file and named by this file only. Shared lock, no allocation, no
+    /// record. None if not applicable.
     pub(super) async fn try_direct_overwrite<B: IoBuffer>(
         self,
         ino: Ino,
@@ -129,7 +141,7 @@ impl Direct<'_> {
         // is released.
         let segments = self.inner.meta.segments(ino, first, last - first + 1)?;
         let all_written = segments.iter().all(|s| matches!(s, Segment::Mapped(e) if !e.unwritten));
-        if !all_written || !inside()? {
+        if !all_written || !inside()? || self.core().range_shares_blocks(ino, first, last)? {
             return Ok(None);
         }
         self.inner.data.direct_begin();
@@ -196,15 +208,19 @@ impl Direct<'_> {
 
     /// A direct write into holes, unwritten extents or past the end:
     /// allocate unwritten extents, submit at once, convert on completion.
+    /// None, having done nothing, if the range holds shared blocks.
     pub(super) async fn direct_extend<B: IoBuffer>(
         self,
         ino: Ino,
         offset: u64,
         end: u64,
         buf: &SharedBuffer<B>,
-    ) -> FsResult<u32> {
+    ) -> FsResult<Option<u32>> {
         let (first, last) = blocks_of(offset, end - offset);
         let (_range, old_size) = self.core().lock_for_write(ino, first, last, end).await?;
+        if self.core().range_shares_blocks(ino, first, last)? {
+            return Ok(None);
+        }
         if end > old_size && FileBlock::containing(old_size).get() < first {
             self.core().zero_past_eof(ino, old_size).await?;
         }
@@ -242,7 +258,7 @@ impl Direct<'_> {
         self.inner.change().written(ino, Some(new_size))?;
         self.inner.meta.set_datasync_needed(ino);
         self.inner.data.count_direct_extend(end - offset);
-        Ok((end - offset) as u32)
+        Ok(Some((end - offset) as u32))
     }
 
     /// Retire an extending write and return the size the file may now

@@ -14,6 +14,7 @@
 //!   never wait for one another.
 
 mod buffered;
+mod clone;
 mod direct;
 mod space;
 mod state;
@@ -317,8 +318,33 @@ impl DataCore<'_> {
         Ok(mapped)
     }
 
+    /// The parts of device run `run` that another extent names too: a
+    /// write there goes to new blocks (copy on write), never in place.
+    pub(super) fn shared_parts(self, run: BlockRun) -> Vec<BlockRun> {
+        let free = self.inner.space.free();
+        if free.shared.is_empty() {
+            return Vec::new(); // nothing shared: every image that never cloned
+        }
+        free.shared.shared_within(run)
+    }
+
+    /// Whether a written block of file blocks [first, last] of `ino` is
+    /// shared. Writers that write in place ask under their range lock.
+    pub(super) fn range_shares_blocks(self, ino: Ino, first: u64, last: u64) -> FsResult<bool> {
+        if self.inner.space.free().shared.is_empty() {
+            return Ok(false);
+        }
+        let segments = self.inner.meta.segments(ino, first, last - first + 1)?;
+        Ok(segments.iter().any(|s| match s {
+            Segment::Mapped(e) if !e.unwritten => {
+                !self.shared_parts(BlockRun { start: e.disk_block.get(), len: e.len }).is_empty()
+            }
+            _ => false,
+        }))
+    }
+
     /// Zero bytes [from, to) of one file block on the device, if it holds
-    /// written data.
+    /// written data: in place, or into a new block if it is shared.
     pub(super) async fn zero_in_block(self, ino: Ino, file_block: FileBlock, from: usize, to: usize) -> FsResult<()> {
         let Segment::Mapped(e) = self.inner.meta.segments(ino, file_block.get(), 1)?[0] else { return Ok(()) };
         if e.unwritten {
@@ -326,6 +352,10 @@ impl DataCore<'_> {
         }
         let mut buf = self.inner.io.read_blocks(e.disk_block, 1).await?;
         buf[from..to].fill(0);
+        if !self.shared_parts(BlockRun { start: e.disk_block.get(), len: 1 }).is_empty() {
+            let records = self.write_image(ino, file_block.get(), buf).await?;
+            return self.log_all(records);
+        }
         self.inner.io.write_blocks(e.disk_block, buf).await?;
         let mut j = self.inner.journal.ring.borrow_mut();
         j.data_writes += 1;
@@ -333,40 +363,61 @@ impl DataCore<'_> {
         Ok(())
     }
 
-    /// Where each of the `nblocks` blocks from `first` goes, and the runs
-    /// allocated for its holes, reserved until mapped. Nothing stays
-    /// reserved on an error.
+    /// Where each of the `nblocks` blocks from `first` goes: (file block,
+    /// device block, blocks, whether a record must map it), and the runs
+    /// allocated for that (holes, and shared blocks: copy on write),
+    /// reserved until mapped. Nothing stays reserved on an error.
     fn image_targets(self, ino: Ino, first: u64, nblocks: u64) -> FsResult<(Vec<ImageTarget>, Vec<BlockRun>)> {
         let mut targets: Vec<ImageTarget> = Vec::new();
         let mut fresh: Vec<BlockRun> = Vec::new();
+        let mut new_blocks = |file_block: FileBlock, len: u64, targets: &mut Vec<_>| -> FsResult<()> {
+            let runs = match self.alloc_runs(ino, file_block, len, true) {
+                Ok(r) => r,
+                Err(e) => {
+                    self.unreserve(&fresh, true);
+                    return Err(e);
+                }
+            };
+            let mut fb = file_block;
+            for r in &runs {
+                targets.push((fb, DevBlock::new(r.start), r.len, true));
+                fb = fb + r.len;
+            }
+            fresh.extend(runs);
+            Ok(())
+        };
         for seg in self.inner.meta.segments(ino, first, nblocks)? {
             match seg {
-                Segment::Mapped(e) => targets.push((e.file_block, e.disk_block, e.len, e.unwritten)),
-                Segment::Hole { file_block, len } => {
-                    let runs = match self.alloc_runs(ino, file_block, len, true) {
-                        Ok(r) => r,
-                        Err(e) => {
-                            self.unreserve(&fresh, true);
-                            return Err(e);
+                Segment::Mapped(e) if e.unwritten => targets.push((e.file_block, e.disk_block, e.len, true)),
+                Segment::Mapped(e) => {
+                    // The shared parts go to new blocks, the rest in place.
+                    let mut at = e.disk_block.get();
+                    let file_of = |disk: u64| e.file_block + (disk - e.disk_block.get());
+                    for part in self.shared_parts(BlockRun { start: at, len: e.len }) {
+                        if part.start > at {
+                            targets.push((file_of(at), DevBlock::new(at), part.start - at, false));
                         }
-                    };
-                    let mut fb = file_block;
-                    for r in &runs {
-                        targets.push((fb, DevBlock::new(r.start), r.len, true));
-                        fb = fb + r.len;
+                        new_blocks(file_of(part.start), part.len, &mut targets)?;
+                        at = part.end();
                     }
-                    fresh.extend(runs);
+                    let end = e.disk_block.get() + e.len;
+                    if at < end {
+                        targets.push((file_of(at), DevBlock::new(at), end - at, false));
+                    }
                 }
+                Segment::Hole { file_block, len } => new_blocks(file_block, len, &mut targets)?,
             }
         }
         Ok((targets, fresh))
     }
 
     /// Write whole blocks of `image` at `first`: in place where the file
-    /// already has written blocks, into new blocks where it has holes,
-    /// into unwritten extents where it has those. Returns the records that
-    /// map what was written; the caller logs them now that the data is on
-    /// the device (ordered data).
+    /// already has written blocks of its own, into new blocks where it has
+    /// holes or blocks another extent shares (copy on write), into
+    /// unwritten extents where it has those. Returns the records that map
+    /// what was written; the caller logs them now that the data is on the
+    /// device (ordered data). A shared block's remap drops one of its
+    /// names; until it commits, the file names the old block, intact.
     pub(super) async fn write_image(self, ino: Ino, first: u64, image: AlignedBuf) -> FsResult<Vec<Record<'static>>> {
         let nblocks = whole_blocks(image.len() as u64);
         let image_bytes = image.len() as u64;

@@ -53,6 +53,7 @@ impl Journal {
         let result = match result {
             Ok(()) => {
                 let mut sb = old.clone();
+                sb.features |= self.features_on.get();
                 sb.generation += 1;
                 (sb.journal_start, sb.journal_seq) = start;
                 sb.checkpoint_seq = seq;

@@ -75,6 +75,10 @@ pub(crate) struct Journal {
     pub(crate) commit_lock: AsyncMutex,
     pub(crate) replayed_at_mount: u64,
     pub(crate) counters: Cell<JournalCounters>,
+    /// Feature bits turned on since the mount: every superblock written
+    /// from now on carries them, whatever copy of the superblock a
+    /// checkpoint in pieces started from.
+    pub(crate) features_on: Cell<u64>,
 }
 
 /// What the journal counts, merged into [`FsCounters`] by
