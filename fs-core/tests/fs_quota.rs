@@ -51,6 +51,9 @@ fn the_byte_quota_gives_edquot_and_is_the_size_df_shows() {
         let (g, _) = fs.create(&c, ROOT_INO, b"direct", 0o644, 2).await.unwrap();
         let (_, r) = fs.data().write_direct(g.ino(), FileOffset::new(0), AlignedBuf::zeroed(MIB as usize, 4096)).await;
         assert_eq!(r.err(), Some(FsError::Quota));
+        // Unaligned, through the copying path (write_image), as well.
+        let (_, r) = fs.data().write_direct(g.ino(), FileOffset::new(100), AlignedBuf::zeroed(MIB as usize, 512)).await;
+        assert_eq!(r.err(), Some(FsError::Quota));
         assert_eq!(
             fs.data()
                 .fallocate(g.ino(), FallocateMode::Allocate { keep_size: false }, FileOffset::new(0), MIB)

@@ -652,7 +652,7 @@ impl Buffered<'_> {
         self.inner.space.release_delalloc(released);
         for (f, image) in runs {
             let pages = whole_blocks(image.len() as u64);
-            match self.core().write_image(ino, f, image).await {
+            match self.core().write_image(ino, f, image, true).await {
                 Ok(records) => {
                     self.core().log_all(records)?;
                     self.inner.data.count_written_back(pages);

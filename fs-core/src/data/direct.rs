@@ -341,7 +341,7 @@ impl Direct<'_> {
             image[old_size.saturating_sub(image_start) as usize..].fill(0);
         }
         image[head..head + data.len()].copy_from_slice(data);
-        let records = self.core().write_image(ino, first, image).await?;
+        let records = self.core().write_image(ino, first, image, false).await?;
         let maps_blocks = !records.is_empty();
         self.core().log_all(records)?;
         self.inner.change().written(ino, Some(end))?;

@@ -353,7 +353,7 @@ impl DataCore<'_> {
         let mut buf = self.inner.io.read_blocks(e.disk_block, 1).await?;
         buf[from..to].fill(0);
         if !self.shared_parts(BlockRun { start: e.disk_block.get(), len: 1 }).is_empty() {
-            let records = self.write_image(ino, file_block.get(), buf).await?;
+            let records = self.write_image(ino, file_block.get(), buf, false).await?;
             return self.log_all(records);
         }
         self.inner.io.write_blocks(e.disk_block, buf).await?;
@@ -367,11 +367,17 @@ impl DataCore<'_> {
     /// device block, blocks, whether a record must map it), and the runs
     /// allocated for that (holes, and shared blocks: copy on write),
     /// reserved until mapped. Nothing stays reserved on an error.
-    fn image_targets(self, ino: Ino, first: u64, nblocks: u64) -> FsResult<(Vec<ImageTarget>, Vec<BlockRun>)> {
+    fn image_targets(
+        self,
+        ino: Ino,
+        first: u64,
+        nblocks: u64,
+        reserved: bool,
+    ) -> FsResult<(Vec<ImageTarget>, Vec<BlockRun>)> {
         let mut targets: Vec<ImageTarget> = Vec::new();
         let mut fresh: Vec<BlockRun> = Vec::new();
         let mut new_blocks = |file_block: FileBlock, len: u64, targets: &mut Vec<_>| -> FsResult<()> {
-            let runs = match self.alloc_runs(ino, file_block, len, true) {
+            let runs = match self.alloc_runs(ino, file_block, len, reserved) {
                 Ok(r) => r,
                 Err(e) => {
                     self.unreserve(&fresh, true);
@@ -418,10 +424,18 @@ impl DataCore<'_> {
     /// what was written; the caller logs them now that the data is on the
     /// device (ordered data). A shared block's remap drops one of its
     /// names; until it commits, the file names the old block, intact.
-    pub(super) async fn write_image(self, ino: Ino, first: u64, image: AlignedBuf) -> FsResult<Vec<Record<'static>>> {
+    /// New blocks must fit the room and the quota, unless `reserved`:
+    /// writeback's, whose pages reserved them when they were dirtied.
+    pub(super) async fn write_image(
+        self,
+        ino: Ino,
+        first: u64,
+        image: AlignedBuf,
+        reserved: bool,
+    ) -> FsResult<Vec<Record<'static>>> {
         let nblocks = whole_blocks(image.len() as u64);
         let image_bytes = image.len() as u64;
-        let (targets, fresh) = self.image_targets(ino, first, nblocks)?;
+        let (targets, fresh) = self.image_targets(ino, first, nblocks, reserved)?;
         // The image goes to the device in slices, without another copy.
         let image = SharedBuffer::new(image);
         let mut pending = Vec::new();
