@@ -77,14 +77,11 @@ impl SharedRuns {
     /// it runs.
     pub fn shared_within(&self, run: BlockRun) -> Vec<BlockRun> {
         let mut out: Vec<BlockRun> = Vec::new();
-        let before = self.runs.range(..run.start).next_back().map(|(&s, &r)| (s, r));
-        for (start, entry) in before.into_iter().chain(self.runs.range(run.start..run.end()).map(|(&s, &r)| (s, r))) {
-            let (from, to) = (start.max(run.start), (start + entry.len).min(run.end()));
+        for (from, to, _) in self.overlapping(run) {
             match out.last_mut() {
                 // Touching runs of different counts: one part.
-                Some(last) if from < to && last.end() == from => last.len += to - from,
-                _ if from < to => out.push(BlockRun { start: from, len: to - from }),
-                _ => {}
+                Some(last) if last.end() == from => last.len += to - from,
+                _ => out.push(BlockRun { start: from, len: to - from }),
             }
         }
         out
@@ -95,22 +92,28 @@ impl SharedRuns {
     pub fn uniform_extra(&self, run: BlockRun) -> Option<u64> {
         let mut covered = 0;
         let mut extra = None;
-        let before = self.runs.range(..run.start).next_back().map(|(&s, &r)| (s, r));
-        for (start, entry) in before.into_iter().chain(self.runs.range(run.start..run.end()).map(|(&s, &r)| (s, r))) {
-            let (from, to) = (start.max(run.start), (start + entry.len).min(run.end()));
-            if from < to {
-                if extra.is_some_and(|e| e != entry.extra) {
-                    return None;
-                }
-                extra = Some(entry.extra);
-                covered += to - from;
+        for (from, to, entry_extra) in self.overlapping(run) {
+            if extra.is_some_and(|e| e != entry_extra) {
+                return None;
             }
+            extra = Some(entry_extra);
+            covered += to - from;
         }
         match extra {
             None => Some(0),
             Some(e) if covered == run.len => Some(e),
             Some(_) => None,
         }
+    }
+
+    /// The entries that overlap `run`, cut to it: (first block, end,
+    /// names past the first), in order.
+    fn overlapping(&self, run: BlockRun) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
+        let before = self.runs.range(..run.start).next_back();
+        before.into_iter().chain(self.runs.range(run.start..run.end())).filter_map(move |(&start, entry)| {
+            let (from, to) = (start.max(run.start), (start + entry.len).min(run.end()));
+            (from < to).then_some((from, to, entry.extra))
+        })
     }
 
     /// The blocks sharing saves: each block counted once per name beyond
