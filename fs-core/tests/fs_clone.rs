@@ -211,3 +211,20 @@ fn a_shared_block_is_freed_with_its_last_name() {
         assert!(check(&dev).await.is_clean());
     });
 }
+
+/// copy_file_range within one file, to past its end, copies what the
+/// source held when the copy started: the file it grows does not feed the
+/// copy more bytes (Linux bounds the length by the source's size first).
+#[test]
+fn a_copy_within_one_file_stops_at_the_size_it_started_with() {
+    with_fs(32 << 20, async |fs: Fs, _dev| {
+        let (a, _) = source_and_empty(&fs).await;
+        let len = SOURCE_BYTES as u64;
+        let to = 100 * BLOCK as u64;
+        let copied = fs.data().copy_range(a, FileOffset::new(0), a, FileOffset::new(to), len + 1).await.unwrap();
+        assert_eq!(copied, len, "the copy read on into what it wrote");
+        let all = read_all(&fs, a).await;
+        assert_eq!(all.len() as u64, to + len);
+        assert_eq!(&all[to as usize..], &pattern(1, SOURCE_BYTES)[..]);
+    });
+}

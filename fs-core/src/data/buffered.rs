@@ -148,6 +148,11 @@ impl DataOps<'_> {
         let from_offset = from_offset.get();
         let to_offset = to_offset.get();
         self.inner.meta.require_file(to)?;
+        // The source's size when the copy starts bounds it, as Linux's
+        // generic checks do: a copy within one file that grows it must not
+        // then read on into what it wrote (found by the model test).
+        let source_size = self.inner.meta.require_file(from)?.size;
+        let len = len.min(source_size.saturating_sub(from_offset));
         let lined_up = from_offset % BLOCK_SIZE == to_offset % BLOCK_SIZE;
         let len = len.min(if lined_up { CLONE_RANGE_MAX } else { COPY_RANGE_MAX });
         let overlaps = from_offset < to_offset.saturating_add(len) && to_offset < from_offset.saturating_add(len);
