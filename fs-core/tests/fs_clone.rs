@@ -228,3 +228,41 @@ fn a_copy_within_one_file_stops_at_the_size_it_started_with() {
         assert_eq!(&all[to as usize..], &pattern(1, SOURCE_BYTES)[..]);
     });
 }
+
+/// A clone that starts past the destination's end grows it over the rest
+/// of its last block: those bytes read as zeros after a crash too, not as
+/// what the block held before a truncate (the model test's case).
+#[test]
+fn a_clone_past_the_end_zeroes_the_old_tail_on_the_device() {
+    with_fs(48 << 20, async |fs: Fs, dev| {
+        let c = Creds::root();
+        let mk = async |name: &[u8]| {
+            let (a, h) = fs.create(&c, ROOT_INO, name, 0o644, 2).await.unwrap();
+            fs.release(h).await.unwrap();
+            a.ino()
+        };
+        let bb = mk(b"bb").await;
+        let ba = mk(b"ba").await;
+        fs.data().write(bb, FileOffset::new(90493), &pattern(7, 56963)).await.unwrap();
+        fs.data().write(ba, FileOffset::new(577), &pattern(8, 56767)).await.unwrap();
+        assert_eq!(
+            fs.data().copy_range(ba, FileOffset::new(49152), bb, FileOffset::new(4096), 68975).await.unwrap(),
+            8192
+        );
+        fs.setattr(&c, ba, &SetAttr { size: Some(56923), ..Default::default() }, false).await.unwrap();
+        assert_eq!(
+            fs.data().copy_range(bb, FileOffset::new(143360), ba, FileOffset::new(159744), 82478).await.unwrap(),
+            4096
+        );
+        let want_a = read_all(&fs, ba).await;
+        let want_b = read_all(&fs, bb).await;
+        fs.sync().await.unwrap();
+        drop(fs);
+        let fs = mount(&dev).await;
+        let got_b = read_all(&fs, bb).await;
+        assert!(got_b == want_b, "bb differs");
+        let got_a = read_all(&fs, ba).await;
+        let first = got_a.iter().zip(&want_a).position(|(x, y)| x != y);
+        assert!(got_a == want_a, "ba differs at {first:?} (len {} vs {})", got_a.len(), want_a.len());
+    });
+}

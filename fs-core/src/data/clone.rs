@@ -5,7 +5,7 @@
 //! in-place writers hand shared ranges to the copying path.
 
 use super::DataOps;
-use crate::blocks::FileBlock;
+use crate::blocks::{offset_in_block, FileBlock};
 use crate::extent::Segment;
 use crate::format::{BlockRun, FEATURE_SHARED_EXTENTS};
 use crate::ids::Ino;
@@ -17,6 +17,13 @@ use crate::{journal, FsError, FsResult};
 /// bytes in a u32, and the client loops on a short copy. Its cost is the
 /// source's extents in the range, not its bytes.
 pub(crate) const CLONE_BLOCKS_MAX: u64 = 1 << 18;
+
+/// The block holding the end of a file of `size`, if it has bytes past
+/// the end and lies before `start`: a clone to `start` must zero them.
+fn tail_block(size: u64, start: FileBlock) -> Option<FileBlock> {
+    let eof = FileBlock::containing(size);
+    (offset_in_block(size) != 0 && eof < start).then_some(eof)
+}
 
 impl DataOps<'_> {
     /// Make `count` blocks of `to` from `to_block` name what `from`'s
@@ -54,15 +61,27 @@ impl DataOps<'_> {
         // name other blocks.
         self.flush_cache_range(from, from_block.get(), (from_block + count).get() - 1, false).await?;
         self.flush_cache_range(to, to_block.get(), (to_block + count).get() - 1, true).await?;
-        // Both ranges exclusive, in one order (inode, then block), so that
-        // two clones crossing each other cannot deadlock.
-        let ((a, a_block), (b, b_block)) = if (from, from_block) <= (to, to_block) {
-            ((from, from_block), (to, to_block))
-        } else {
-            ((to, to_block), (from, from_block))
+        let (_first, _second) = loop {
+            // A clone that starts past the destination's last block grows
+            // the file over the rest of that block: its bytes past the end
+            // are zeroed first, under the same lock (found by the model
+            // test: after a crash they read back as the old data).
+            let to_start = tail_block(self.inner.meta.require_file(to)?.size, to_block).unwrap_or(to_block);
+            // Both ranges exclusive, in one order (inode, then block), so
+            // that two clones crossing each other cannot deadlock.
+            let from_range = (from, from_block, from_block + count);
+            let to_range = (to, to_start, to_block + count);
+            let (a, b) = if from_range <= to_range { (from_range, to_range) } else { (to_range, from_range) };
+            let first = self.inner.data.lock(a.0, a.1.offset(), a.2.offset(), true).await;
+            let second = self.inner.data.lock(b.0, b.1.offset(), b.2.offset(), true).await;
+            let size = self.inner.meta.require_file(to)?.size;
+            match tail_block(size, to_block) {
+                Some(tail) if tail < to_start => continue, // shrunk meanwhile: lock again
+                Some(_) => self.core().zero_past_eof(to, size).await?,
+                None => {}
+            }
+            break (first, second);
         };
-        let _first = self.inner.data.lock(a, a_block.offset(), (a_block + count).offset(), true).await;
-        let _second = self.inner.data.lock(b, b_block.offset(), (b_block + count).offset(), true).await;
         let source_blocks = FileBlock::containing(self.inner.meta.require_file(from)?.size);
         let count = count.min(source_blocks.get().saturating_sub(from_block.get()));
         if count == 0 {
