@@ -249,21 +249,28 @@ impl Superblock {
                 return Err(Field(name));
             }
         }
-        let data = data_start..self.total_blocks;
-        let mut cp_blocks = 0u64;
-        for run in &self.checkpoint_extents {
-            let end = run.start.checked_add(run.len);
-            if run.len == 0 || !data.contains(&run.start) || end.is_none_or(|e| e > self.total_blocks) {
-                return Err(Field("checkpoint extent outside the data area"));
-            }
-            // No overflow: every run lies inside total_blocks <= 2^52.
-            cp_blocks += run.len;
-        }
+        let cp_blocks = runs_in_data_area(&self.checkpoint_extents, data_start, self.total_blocks)
+            .ok_or(Field("checkpoint extent outside the data area"))?;
         if self.checkpoint_bytes > crate::blocks::block_bytes(cp_blocks) {
             return Err(Field("checkpoint size"));
         }
         Ok(())
     }
+}
+
+/// The blocks of `runs`, if each is non-empty and inside the data area
+/// [data_start, total).
+pub(crate) fn runs_in_data_area(runs: &[BlockRun], data_start: u64, total: u64) -> Option<u64> {
+    let mut blocks = 0u64;
+    for run in runs {
+        let end = run.start.checked_add(run.len)?;
+        if run.len == 0 || run.start < data_start || end > total {
+            return None;
+        }
+        // No overflow: every run lies inside total <= 2^52.
+        blocks += run.len;
+    }
+    Some(blocks)
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

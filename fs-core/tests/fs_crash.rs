@@ -148,6 +148,18 @@ fn check_crashes<P: Clone + 'static>(
     seed: u64,
     verify: impl AsyncFn(&Fs, Option<&P>, Option<&P>) + Clone + 'static,
 ) {
+    check_crashes_on(rec, seed, async move |fs: &Fs, _dev: &Arc<dyn BlockDevice>, promised, next| {
+        verify(fs, promised, next).await
+    });
+}
+
+/// As `check_crashes`, `verify` also given the rebuilt device (to mount
+/// it again, as a snapshot).
+fn check_crashes_on<P: Clone + 'static>(
+    rec: &Recorded<P>,
+    seed: u64,
+    verify: impl AsyncFn(&Fs, &Arc<dyn BlockDevice>, Option<&P>, Option<&P>) + Clone + 'static,
+) {
     let points = crash_points(rec.log.len(), rec.log.flush_points(), seed, 24);
     assert!(points.len() > 4, "the workload must produce flush points");
     for (i, &at) in points.iter().enumerate() {
@@ -167,7 +179,7 @@ fn check_crashes<P: Clone + 'static>(
             let fs = Fs::mount(channel(&dev), FsConfig::default())
                 .await
                 .unwrap_or_else(|e| panic!("crash point {at}: mount failed: {e}"));
-            verify(&fs, promised.as_ref(), next.as_ref()).await;
+            verify(&fs, &dev, promised.as_ref(), next.as_ref()).await;
         });
     }
 }
