@@ -4,7 +4,8 @@
 
 use std::rc::Rc;
 
-use crate::{journal, Fs, FsError, FsInner, FsResult};
+use crate::journal::SnapshotInfo;
+use crate::{journal, Fs, FsError, FsInner, FsResult, Timespec};
 
 /// Maintenance of a mounted filesystem, reached through [`Fs::admin`]: a
 /// `Copy` borrow made per call (issue 35). Its async methods take `self`
@@ -30,6 +31,31 @@ impl Admin<'_> {
             return Err(FsError::ReadOnly);
         }
         journal::checkpoint_in_pieces_now(self.inner).await
+    }
+
+    /// Take a snapshot of the whole filesystem named `name`, at `now`: a
+    /// read-only point-in-time image that keeps every block it names
+    /// (docs/FORMAT.md, "Snapshots"). Dirty pages are written back first,
+    /// so every write acknowledged before the call is in it. EEXIST for a
+    /// name in use, ENOSPC past `SNAPSHOTS_MAX`, EINVAL for a bad name,
+    /// EOPNOTSUPP on an image too old to keep one.
+    pub async fn snapshot_create(self, name: &str, now: Timespec) -> FsResult<()> {
+        if self.inner.config.read_only {
+            return Err(FsError::ReadOnly);
+        }
+        crate::DataOps { inner: self.inner }.writeback_all().await?;
+        journal::create_snapshot(self.inner, name, now).await
+    }
+
+    /// Delete the snapshot `name` (ENOENT if there is none), freeing the
+    /// blocks only it held.
+    pub async fn snapshot_delete(self, name: &str) -> FsResult<()> {
+        journal::delete_snapshot(self.inner, name).await
+    }
+
+    /// The snapshots, oldest first.
+    pub fn snapshot_list(self) -> Vec<SnapshotInfo> {
+        journal::list_snapshots(self.inner)
     }
 
     /// Write a checkpoint now (normally triggered by journal usage).

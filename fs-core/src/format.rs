@@ -37,7 +37,14 @@ pub const FEATURE_FREE_COUNT_HOLDS_CHECKPOINT: u64 = 1 << 0;
 /// names instead of refusing the second; writes to a shared block copy
 /// on write. The first clone sets it.
 pub const FEATURE_SHARED_EXTENTS: u64 = 1 << 1;
-pub const FEATURES_KNOWN: u64 = FEATURE_FREE_COUNT_HOLDS_CHECKPOINT | FEATURE_SHARED_EXTENTS;
+/// Feature bit: the superblock names a snapshot table (issue 37,
+/// docs/FORMAT.md "Snapshots"): retained checkpoints whose written
+/// extents keep their blocks. Set, with bit 1, by the checkpoint that
+/// installs the first table.
+pub const FEATURE_SNAPSHOTS: u64 = 1 << 2;
+pub const FEATURES_KNOWN: u64 = FEATURE_FREE_COUNT_HOLDS_CHECKPOINT | FEATURE_SHARED_EXTENTS | FEATURE_SNAPSHOTS;
+/// Snapshot table extents a superblock can name.
+pub const SNAPSHOT_TABLE_EXTENTS_MAX: usize = 16;
 
 pub fn crc(data: &[u8]) -> u32 {
     crc32c::crc32c(data)
@@ -116,6 +123,13 @@ pub struct Superblock {
     pub checkpoint_seq: u64,
     pub checkpoint_bytes: u64,
     pub checkpoint_extents: Vec<BlockRun>,
+    /// The snapshot table's blocks and length (FEATURE_SNAPSHOTS only;
+    /// empty when there are none), written in checkpoint blocks numbered
+    /// `snapshot_table_seq`: the sequence of the checkpoint that
+    /// installed it.
+    pub snapshot_table: Vec<BlockRun>,
+    pub snapshot_table_bytes: u64,
+    pub snapshot_table_seq: u64,
 }
 
 impl Superblock {
@@ -160,6 +174,18 @@ impl Superblock {
             w.u64(run.start);
             w.u64(run.len);
         }
+        if self.features & FEATURE_SNAPSHOTS != 0 {
+            assert!(self.snapshot_table.len() <= SNAPSHOT_TABLE_EXTENTS_MAX, "too many snapshot table extents");
+            w.u64(self.snapshot_table_bytes);
+            w.u64(self.snapshot_table_seq);
+            w.u32(self.snapshot_table.len() as u32);
+            for run in &self.snapshot_table {
+                w.u64(run.start);
+                w.u64(run.len);
+            }
+        } else {
+            assert!(self.snapshot_table.is_empty(), "a snapshot table without its feature bit");
+        }
         let sum = crc(&w.buf);
         w.u32(sum);
         let mut block = w.buf;
@@ -199,6 +225,18 @@ impl Superblock {
         for _ in 0..count {
             checkpoint_extents.push(BlockRun { start: r.u64("checkpoint extent")?, len: r.u64("checkpoint extent")? });
         }
+        let (mut snapshot_table, mut snapshot_table_bytes, mut snapshot_table_seq) = (Vec::new(), 0, 0);
+        if features & FEATURE_SNAPSHOTS != 0 {
+            snapshot_table_bytes = r.u64("snapshot table bytes")?;
+            snapshot_table_seq = r.u64("snapshot table seq")?;
+            let count = r.u32("snapshot table extent count")? as usize;
+            if count > SNAPSHOT_TABLE_EXTENTS_MAX {
+                return Err(SuperblockError::Field("snapshot table extent count"));
+            }
+            for _ in 0..count {
+                snapshot_table.push(BlockRun { start: r.u64("table extent")?, len: r.u64("table extent")? });
+            }
+        }
         let covered = r.pos();
         let stored = r.u32("superblock checksum")?;
         if crc(&block[..covered]) != stored {
@@ -219,6 +257,9 @@ impl Superblock {
             checkpoint_seq,
             checkpoint_bytes,
             checkpoint_extents,
+            snapshot_table,
+            snapshot_table_bytes,
+            snapshot_table_seq,
         };
         sb.check_geometry()?;
         Ok(sb)
@@ -244,6 +285,7 @@ impl Superblock {
             (self.journal_start, "journal start"),
             (self.journal_seq, "journal seq"),
             (self.checkpoint_seq, "checkpoint seq"),
+            (self.snapshot_table_seq, "snapshot table seq"),
         ] {
             if value >= COUNTER_MAX {
                 return Err(Field(name));
@@ -253,6 +295,11 @@ impl Superblock {
             .ok_or(Field("checkpoint extent outside the data area"))?;
         if self.checkpoint_bytes > crate::blocks::block_bytes(cp_blocks) {
             return Err(Field("checkpoint size"));
+        }
+        let table_blocks = runs_in_data_area(&self.snapshot_table, data_start, self.total_blocks)
+            .ok_or(Field("snapshot table extent outside the data area"))?;
+        if self.snapshot_table_bytes > crate::blocks::block_bytes(table_blocks) {
+            return Err(Field("snapshot table size"));
         }
         Ok(())
     }

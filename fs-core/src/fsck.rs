@@ -38,6 +38,8 @@ pub struct FsckReport {
     pub journal_transactions_replayed: u64,
     /// Unlinked inodes still allocated (open at a crash); mount frees them.
     pub orphans: u64,
+    /// Snapshots the image keeps.
+    pub snapshots: u64,
     pub repaired: Vec<String>,
 }
 
@@ -94,12 +96,21 @@ pub async fn fsck(dev: DeviceChannel, mut progress: impl FnMut(&str)) -> FsResul
             return Ok(report);
         }
     };
-    if let Err(why) = rebuilt.check_sharing(&sb) {
+    progress("snapshots");
+    let snapshots = match journal::load_snapshots(&dev, &sb, &mut rebuilt).await {
+        Ok(snapshots) => snapshots,
+        Err(e) => {
+            report.problems.push(problem("snapshots", e.to_string(), false));
+            return Ok(report);
+        }
+    };
+    report.snapshots = snapshots.list.len() as u64;
+    if let Err(why) = rebuilt.check_sharing(&sb, &snapshots) {
         report.problems.push(problem("shared-extents", why, false));
         return Ok(report);
     }
     progress("inodes and directories");
-    check_state(&rebuilt.state, &rebuilt.free, &sb, recorded_free, &mut report);
+    check_state(&rebuilt.state, &rebuilt.free, (&sb, &snapshots), recorded_free, &mut report);
     Ok(report)
 }
 
@@ -140,7 +151,13 @@ impl PerInode {
     }
 }
 
-fn check_state(state: &State, free: &FreeSpace, sb: &Superblock, recorded_free: u64, report: &mut FsckReport) {
+fn check_state(
+    state: &State,
+    free: &FreeSpace,
+    (sb, snapshots): (&Superblock, &journal::Snapshots),
+    recorded_free: u64,
+    report: &mut FsckReport,
+) {
     let alloc = &free.alloc;
     report.inodes = state.inode_count() as u64;
     report.free_blocks = alloc.free_blocks();
@@ -171,17 +188,22 @@ fn check_state(state: &State, free: &FreeSpace, sb: &Superblock, recorded_free: 
             }
         }
     }
-    // A block named by several extents is used once.
+    // Snapshots hold a name on each block of theirs; a block named by
+    // several extents or snapshots is used once.
+    report.data_blocks_used += snapshots.held_runs().map(|r| r.len).sum::<u64>();
     report.data_blocks_used = report.data_blocks_used.saturating_sub(free.shared.saved_blocks());
     check_links(state, &names_of, &subdirs, &parents, report);
     check_connectivity(state, report);
-    let cp_blocks = sb.checkpoint_blocks();
-    let expected_free = alloc.total_blocks() - report.data_blocks_used - cp_blocks;
+    let snapshot_metadata =
+        snapshots.checkpoint_runs_besides(sb.checkpoint_seq).chain(sb.snapshot_table.iter().copied());
+    let cp_blocks = sb.checkpoint_blocks() + snapshot_metadata.map(|r| r.len).sum::<u64>();
+    let expected_free = alloc.total_blocks().saturating_sub(report.data_blocks_used + cp_blocks);
     if alloc.free_blocks() != expected_free {
         let detail = format!("free index has {} blocks, extents leave {expected_free}", alloc.free_blocks());
         report.problems.push(problem("free-space", detail, true));
     }
-    let computed_free = alloc.free_blocks() + sb.free_count_checkpoint_blocks();
+    let kept = snapshots.retains(sb.checkpoint_seq);
+    let computed_free = alloc.free_blocks() + if kept { 0 } else { sb.free_count_checkpoint_blocks() };
     if recorded_free != computed_free {
         let detail = format!("recorded free count {recorded_free}, computed {computed_free}");
         report.problems.push(problem("free-count", detail, true));

@@ -81,6 +81,11 @@ impl Inspect<'_> {
         self.inner.meta.extent_count(ino)
     }
 
+    /// The snapshots, and the space only they hold (linear in their runs).
+    pub fn snapshot_space(self) -> crate::SnapshotSpace {
+        crate::journal::snapshot_space(self.inner)
+    }
+
     /// Whether a checkpoint is being written in pieces now (for tests).
     #[doc(hidden)]
     pub fn checkpointing_in_pieces(self) -> bool {
@@ -98,6 +103,10 @@ impl Inspect<'_> {
         let mut owned = self.extents_agree_with_their_counts()?;
         let sb = self.inner.journal.sb.borrow();
         owned.extend(sb.checkpoint_extents.iter().map(|r| (r.start, r.len, "the checkpoint".to_string())));
+        owned.extend(sb.snapshot_table.iter().map(|r| (r.start, r.len, "the snapshot table".to_string())));
+        let snapshots = self.inner.journal.snapshots.borrow();
+        let kept = snapshots.checkpoint_runs_besides(sb.checkpoint_seq);
+        owned.extend(kept.map(|r| (r.start, r.len, "a snapshot's checkpoint".to_string())));
         let free = self.inner.space.free();
         owned.extend(free.pending_free.iter().map(|r| (r.start, r.len, "a pending free".to_string())));
         let held = self.inner.space.held_runs();
@@ -125,16 +134,20 @@ impl Inspect<'_> {
         // +1 name at an extent's start, -1 at its end; unwritten ones
         // counted apart.
         let mut edges: BTreeMap<u64, (i64, i64)> = BTreeMap::new();
-        for node in self.inner.meta.state().nodes() {
-            for e in node.extents.iter() {
-                let (start, end) = (e.disk_block.get(), e.disk_block.get() + e.len);
-                let step = if e.unwritten { (1, 1) } else { (1, 0) };
-                let at = edges.entry(start).or_default();
-                (at.0, at.1) = (at.0 + step.0, at.1 + step.1);
-                let at = edges.entry(end).or_default();
-                (at.0, at.1) = (at.0 - step.0, at.1 - step.1);
-            }
+        let state = self.inner.meta.state();
+        let snapshots = self.inner.journal.snapshots.borrow();
+        // A snapshot's hold is one written name on each of its blocks.
+        let held = snapshots.held_runs().map(|r| (r.start, r.len, false));
+        let named = state.nodes().flat_map(|n| n.extents.iter()).map(|e| (e.disk_block.get(), e.len, e.unwritten));
+        for (start, len, unwritten) in named.chain(held) {
+            let end = start + len;
+            let step = if unwritten { (1, 1) } else { (1, 0) };
+            let at = edges.entry(start).or_default();
+            (at.0, at.1) = (at.0 + step.0, at.1 + step.1);
+            let at = edges.entry(end).or_default();
+            (at.0, at.1) = (at.0 - step.0, at.1 - step.1);
         }
+        drop((state, snapshots));
         let free = self.inner.space.free();
         let (mut names, mut unwritten, mut saved) = (0i64, 0i64, 0u64);
         let mut runs: Vec<(u64, u64, String)> = Vec::new();

@@ -52,6 +52,7 @@ mod seqlock;
 #[allow(unsafe_code)]
 mod shared;
 mod shared_runs;
+mod snapshot_table;
 mod space;
 mod state;
 mod sync;
@@ -68,11 +69,12 @@ pub use format::{crc, Superblock, Timespec, BLOCK_BYTES, ROOT_INO, XATTR_INODE_B
 pub use fsck::{fsck, repair, FsckReport, Problem};
 pub use ids::{Fh, FileOffset, Ino};
 pub use inspect::Inspect;
-pub use journal::{CHECKPOINT_BLOCK_MAGIC, JOURNAL_TX_MAGIC};
+pub use journal::{SnapshotInfo, SnapshotSpace, CHECKPOINT_BLOCK_MAGIC, JOURNAL_TX_MAGIC};
 pub use mkfs::{mkfs, MkfsError, MkfsOptions};
 pub use ops::{Attr, DirEntry, SeekTo, SetAttr, TimeSet};
 pub use quota::Quota;
 pub use shared::{SharedMiss, SharedReader};
+pub use snapshot_table::{check_snapshot_name, SNAPSHOTS_MAX, SNAPSHOT_NAME_MAX};
 
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeSet;
@@ -106,6 +108,10 @@ pub struct FsConfig {
     /// writeback; every change fails with EROFS. A journal left by a crash
     /// is replayed in memory only.
     pub read_only: bool,
+    /// Mount this snapshot of the image instead of its live state: read
+    /// only (with `read_only` set, or the mount fails with EINVAL), and
+    /// nothing of the journal is replayed.
+    pub snapshot: Option<String>,
     /// When reads move an inode's atime (FUSE leaves atime to the server).
     pub atime: AtimeUpdates,
     /// Whether reading a directory moves its atime (false: nodiratime).
@@ -150,6 +156,7 @@ impl Default for FsConfig {
             inodes_max: None,
             xattr_bytes_per_inode_max: format::XATTR_INODE_BYTES_MAX,
             read_only: false,
+            snapshot: None,
             atime: AtimeUpdates::Relative,
             dir_atime: true,
             checkpoint_piece_nodes: 256,
@@ -325,10 +332,20 @@ impl Fs {
     }
 }
 
+/// What a mount configured by `config` serves: the live state, or the
+/// snapshot it names (read-only only).
+async fn load_for(dev: &DeviceChannel, config: &FsConfig, require_root: bool) -> FsResult<journal::Loaded> {
+    match &config.snapshot {
+        Some(_) if !config.read_only => Err(FsError::Invalid("a snapshot mounts read-only")),
+        Some(name) => journal::load_snapshot(dev, name).await,
+        None => journal::load(dev, require_root).await,
+    }
+}
+
 /// [`Fs::mount`], or mkfs's mount of an image without a root yet
 /// (`require_root` false).
 async fn mount_with(dev: DeviceChannel, config: FsConfig, require_root: bool) -> FsResult<Fs> {
-    let mut loaded = journal::load(&dev, require_root).await?;
+    let mut loaded = load_for(&dev, &config, require_root).await?;
     let stale_headers = std::mem::take(&mut loaded.stale_headers);
     let fs = Fs {
         inner: Rc::new(FsInner {
@@ -357,6 +374,7 @@ async fn mount_with(dev: DeviceChannel, config: FsConfig, require_root: bool) ->
                 replayed_at_mount: loaded.replayed,
                 counters: Cell::default(),
                 features_on: Cell::new(0),
+                snapshots: RefCell::new(std::mem::take(&mut loaded.snapshots)),
             },
             handles: handles::HandleTable::default(),
             pages: pages::Pages::new(cache::PageCache::new(config.cache_bytes)),
@@ -371,6 +389,7 @@ async fn mount_with(dev: DeviceChannel, config: FsConfig, require_root: bool) ->
         replayed = loaded.replayed,
         inodes = fs.inner.meta.inode_count(),
         read_only = config.read_only,
+        snapshot = config.snapshot.as_deref(),
         "mounted"
     );
     if config.read_only {

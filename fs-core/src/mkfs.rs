@@ -96,6 +96,9 @@ pub async fn mkfs(dev: DeviceChannel, options: &MkfsOptions) -> Result<Superbloc
         checkpoint_seq: 0,
         checkpoint_bytes: 0,
         checkpoint_extents: Vec::new(),
+        snapshot_table: Vec::new(),
+        snapshot_table_bytes: 0,
+        snapshot_table_seq: 0,
     };
     if JOURNAL_FIRST_BLOCK + journal_blocks + 16 > total_blocks {
         return Err(MkfsError::TooSmall(capacity));

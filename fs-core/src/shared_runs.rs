@@ -106,6 +106,22 @@ impl SharedRuns {
         }
     }
 
+    /// The blocks of `run`, each named once or more, that have exactly
+    /// `names` names.
+    pub fn blocks_named(&self, run: BlockRun, names: u64) -> u64 {
+        let (mut covered, mut matching) = (0, 0);
+        for (from, to, extra) in self.overlapping(run) {
+            covered += to - from;
+            if extra + 1 == names {
+                matching += to - from;
+            }
+        }
+        if names == 1 {
+            matching += run.len - covered;
+        }
+        matching
+    }
+
     /// The entries that overlap `run`, cut to it: (first block, end,
     /// names past the first), in order.
     fn overlapping(&self, run: BlockRun) -> impl Iterator<Item = (u64, u64, u64)> + '_ {

@@ -314,12 +314,17 @@ impl Space {
 
     /// Allocate room for a checkpoint of `blocks` blocks in at most
     /// CHECKPOINT_EXTENTS_MAX runs.
-    pub fn alloc_checkpoint(&self, mut blocks: u64, preferred_group: usize) -> FsResult<Vec<BlockRun>> {
+    pub fn alloc_checkpoint(&self, blocks: u64, preferred_group: usize) -> FsResult<Vec<BlockRun>> {
+        self.alloc_in_runs(blocks, preferred_group, CHECKPOINT_EXTENTS_MAX)
+    }
+
+    /// `blocks` in at most `runs_max` runs, or none and ENOSPC.
+    pub fn alloc_in_runs(&self, mut blocks: u64, preferred_group: usize, runs_max: usize) -> FsResult<Vec<BlockRun>> {
         let free = &mut *self.free.borrow_mut();
         let mut runs = Vec::new();
         while blocks > 0 {
             let run = match free.alloc.alloc(blocks, None, preferred_group) {
-                Some(run) if runs.len() < CHECKPOINT_EXTENTS_MAX => run,
+                Some(run) if runs.len() < runs_max => run,
                 other => {
                     if let Some(run) = other {
                         free.alloc.free(run);

@@ -119,7 +119,7 @@ pub(crate) fn start_writeback_timer(fs: &Fs) {
 /// `Fs` and a caller may hold several at once.
 #[derive(Clone, Copy)]
 pub struct DataOps<'a> {
-    inner: &'a Rc<FsInner>,
+    pub(crate) inner: &'a Rc<FsInner>,
 }
 
 /// The helpers the data paths share: reading a device block, allocating

@@ -10,6 +10,7 @@ use keelfs_reactor as reactor;
 
 use super::commit::maybe_schedule_after;
 use super::load::parse_checkpoint_block;
+use super::snapshots::{abandon_table, TableChange, TablePlan};
 use super::{CommitCx, Journal, CHECKPOINT_BLOCK_MAGIC, CP_HEADER_BYTES, CP_PAYLOAD_PER_BLOCK};
 use crate::blocks::DevBlock;
 use crate::codec::Writer;
@@ -21,35 +22,42 @@ use crate::{FsInner, FsResult};
 impl Journal {
     /// Write `snapshot`, the state as it was at journal position `start`
     /// (logical block, sequence), and a superblock that points at it with
-    /// replay starting there. Then the old checkpoint's blocks, and any frees
-    /// held for the checkpoint, go back to the allocator.
+    /// replay starting there, installing the snapshot table `change` makes
+    /// if any. Then the old checkpoint's blocks (unless a snapshot keeps
+    /// them), and any frees held for the checkpoint, go back to the
+    /// allocator.
     pub(super) async fn write_checkpoint(
         &self,
         cx: &CommitCx<'_>,
         snapshot: &SnapshotBytes,
         free_at_snapshot: u64,
         start: (u64, u64),
+        change: Option<TableChange>,
     ) -> FsResult<()> {
         let old = self.sb.borrow().clone();
         let total = 8 + snapshot.len();
-        let blocks = total.div_ceil(CP_PAYLOAD_PER_BLOCK).max(1) as u64;
-        let allocated = cx.space.alloc_checkpoint(blocks, cx.config.preferred_group);
-        let runs = match allocated {
-            Ok(runs) => runs,
+        let blocks = total.div_ceil(CP_PAYLOAD_PER_BLOCK) as u64;
+        let seq = old.checkpoint_seq + 1;
+        let (runs, plan) = match self.allocate_checkpoint(cx, blocks.max(1), (seq, total as u64), change.as_ref()) {
+            Ok(allocated) => allocated,
             Err(e) => {
+                if let Some(change) = change {
+                    abandon_table(cx, change);
+                }
                 self.release_held_frees(cx);
                 return Err(e);
             }
         };
-        let recorded_free = if old.features & FEATURE_FREE_COUNT_HOLDS_CHECKPOINT != 0 {
-            free_at_snapshot
-        } else {
-            free_at_snapshot + old.checkpoint_blocks() - blocks
-        };
+        let new_cp = (seq, runs.iter().map(|r| r.len).sum());
+        let recorded_free = self.recorded_free(&old, free_at_snapshot, new_cp, plan.as_ref().zip(change.as_ref()));
         let recorded = recorded_free.to_le_bytes();
         let payload = [&recorded[..], &snapshot.inodes, &snapshot.entries];
-        let seq = old.checkpoint_seq + 1;
-        let result = write_checkpoint_blocks(cx.io, &runs, payload, seq).await;
+        let mut result = write_checkpoint_blocks(cx.io, &runs, payload, seq).await;
+        if let (Ok(()), Some(plan)) = (&result, &plan) {
+            if !plan.runs.is_empty() {
+                result = write_checkpoint_blocks(cx.io, &plan.runs, [&plan.bytes, &[], &[]], seq).await;
+            }
+        }
         let result = match result {
             Ok(()) => {
                 let mut sb = old.clone();
@@ -59,33 +67,81 @@ impl Journal {
                 sb.checkpoint_seq = seq;
                 sb.checkpoint_bytes = total as u64;
                 sb.checkpoint_extents = runs.clone();
+                if let Some(plan) = &plan {
+                    sb.snapshot_table = plan.runs.clone();
+                    sb.snapshot_table_bytes = plan.bytes.len() as u64;
+                    sb.snapshot_table_seq = seq;
+                }
                 write_superblock(cx.io, &sb).await.map(|()| sb)
             }
             Err(e) => Err(e),
         };
-        let mut free = cx.space.free_mut();
-        let result = match result {
-            Ok(sb) => {
-                for r in &old.checkpoint_extents {
+        match result {
+            Ok(sb) => self.checkpoint_installed(cx, &old, sb, plan.zip(change)),
+            Err(e) => {
+                let mut free = cx.space.free_mut();
+                for r in runs.iter().chain(plan.iter().flat_map(|p| p.runs.iter())) {
                     free.alloc.free(*r);
                 }
-                let blocks = sb.checkpoint_blocks();
-                *self.sb.borrow_mut() = sb;
                 drop(free);
-                self.bump(|c| c.checkpoints += 1);
-                tracing::debug!(parent: cx.span, blocks, "checkpoint written");
-                Ok(())
+                if let Some(change) = change {
+                    abandon_table(cx, change);
+                }
+                self.release_held_frees(cx);
+                return Err(e);
             }
+        }
+        self.release_held_frees(cx);
+        Ok(())
+    }
+
+    /// Blocks for a checkpoint of `blocks`, and for the table `change`
+    /// makes (the new checkpoint, numbered and sized `new_cp`, is the
+    /// snapshot a create names), or none and the error.
+    fn allocate_checkpoint(
+        &self,
+        cx: &CommitCx<'_>,
+        blocks: u64,
+        new_cp: (u64, u64),
+        change: Option<&TableChange>,
+    ) -> FsResult<(Vec<BlockRun>, Option<TablePlan>)> {
+        let runs = cx.space.alloc_checkpoint(blocks, cx.config.preferred_group)?;
+        let Some(change) = change else { return Ok((runs, None)) };
+        match self.plan_table(cx, change, (new_cp.0, new_cp.1, &runs)) {
+            Ok(plan) => Ok((runs, Some(plan))),
             Err(e) => {
+                let mut free = cx.space.free_mut();
                 for r in runs {
                     free.alloc.free(r);
                 }
-                drop(free);
                 Err(e)
             }
-        };
-        self.release_held_frees(cx);
-        result
+        }
+    }
+
+    /// The superblock `sb` is on the device: it becomes the mount's, the
+    /// old checkpoint's blocks are free unless a snapshot keeps them, and
+    /// the table it installs takes effect.
+    fn checkpoint_installed(
+        &self,
+        cx: &CommitCx<'_>,
+        old: &Superblock,
+        sb: Superblock,
+        table: Option<(TablePlan, TableChange)>,
+    ) {
+        if let Some((plan, change)) = table {
+            self.install_table(cx, old, plan, change);
+        }
+        if !self.snapshots.borrow().retains(old.checkpoint_seq) {
+            let mut free = cx.space.free_mut();
+            for r in &old.checkpoint_extents {
+                free.alloc.free(*r);
+            }
+        }
+        let blocks = sb.checkpoint_blocks();
+        *self.sb.borrow_mut() = sb;
+        self.bump(|c| c.checkpoints += 1);
+        tracing::debug!(parent: cx.span, blocks, "checkpoint written");
     }
 
     /// Frees held for a checkpoint in pieces go back to the allocator once
@@ -277,5 +333,5 @@ async fn scheduled_checkpoint(fs: &Rc<FsInner>, only_if_half_used: bool) -> FsRe
     }
     let snapshot = fs.meta.state_mut().finish_snapshot();
     fs.journal.ring.borrow_mut().sliced = None;
-    fs.journal.write_checkpoint(&fs.commit_cx(), &snapshot, free_at_start, start).await
+    fs.journal.write_checkpoint(&fs.commit_cx(), &snapshot, free_at_start, start, None).await
 }

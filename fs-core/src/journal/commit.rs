@@ -9,6 +9,7 @@ use keelfs_bdev::AlignedBuf;
 use keelfs_reactor as reactor;
 
 use super::checkpoint::maybe_schedule_checkpoint;
+use super::snapshots::{abandon_table, TableChange};
 use super::{decode_tx_header, encode_tx_header, ring_block, CommitCx, Journal, TxHeader, TX_HEADER_BYTES};
 use crate::blocks::DevBlock;
 use crate::codec::Writer;
@@ -29,6 +30,9 @@ pub(super) struct Taken {
     pub(super) free_after: u64,
     /// The whole state, when this commit is a checkpoint.
     pub(super) snapshot: Option<SnapshotBytes>,
+    /// A change to the snapshot table the checkpoint installs (set by the
+    /// snapshot operations after `take_pending`, in the same step).
+    pub(super) table: Option<TableChange>,
 }
 
 impl Taken {
@@ -75,7 +79,7 @@ impl Journal {
         let frees = cx.space.take_uncommitted_frees();
         let freed: u64 = frees.iter().map(|r| r.len).sum();
         // Runs held for a checkpoint or awaiting a discard are free on disk too.
-        let checkpoint = self.sb.borrow().free_count_checkpoint_blocks();
+        let checkpoint = self.free_count_checkpoint_blocks();
         let free_after = cx.space.free_after_commit(freed, cx.discard.blocks(), checkpoint);
         let tx_blocks = tx_blocks_for(w.buf.len());
         let used = j.head - self.sb.borrow().journal_start;
@@ -98,6 +102,7 @@ impl Journal {
             frees,
             free_after,
             snapshot,
+            table: None,
         }
     }
 
@@ -136,7 +141,8 @@ impl Journal {
     }
 
     /// Write what [`Self::take_pending`] took: a transaction, or a whole checkpoint.
-    pub(super) async fn commit_taken(&self, cx: &CommitCx<'_>, taken: Taken) -> FsResult<()> {
+    pub(super) async fn commit_taken(&self, cx: &CommitCx<'_>, mut taken: Taken) -> FsResult<()> {
+        let table = taken.table.take();
         let data_unflushed = self.ring.borrow().flushed_data_writes < taken.data_writes;
         if taken.is_empty() {
             if data_unflushed {
@@ -150,7 +156,12 @@ impl Journal {
             // that only overwrote blocks already visible needs no such order;
             // the flush after the transaction makes it durable too.
             if data_unflushed && (taken.exposes_data || taken.snapshot.is_some()) {
-                cx.io.flush().await?;
+                if let Err(e) = cx.io.flush().await {
+                    if let Some(change) = table {
+                        abandon_table(cx, change);
+                    }
+                    return Err(e);
+                }
             }
             match &taken.snapshot {
                 Some(snapshot) => {
@@ -158,9 +169,12 @@ impl Journal {
                         let j = self.ring.borrow();
                         (j.head, j.seq)
                     };
-                    self.write_checkpoint(cx, snapshot, taken.free_after, start).await
+                    self.write_checkpoint(cx, snapshot, taken.free_after, start, table).await
                 }
-                None => self.write_transaction(cx, &taken).await,
+                None => {
+                    assert!(table.is_none(), "a snapshot table changes only with a checkpoint");
+                    self.write_transaction(cx, &taken).await
+                }
             }
         }
         .await;

@@ -5,6 +5,7 @@
 use keelfs_bdev::AlignedBuf;
 use keelfs_reactor::DeviceChannel;
 
+use super::snapshots::{load_snapshots, Snapshots};
 use super::{
     corrupt, decode_any_tx_header, decode_tx_header, ring_block, Loaded, CHECKPOINT_BLOCK_MAGIC, CP_HEADER_BYTES,
     CP_PAYLOAD_PER_BLOCK, READ_BLOCKS_MAX, TX_HEADER_BYTES,
@@ -20,7 +21,7 @@ use crate::space::FreeSpace;
 use crate::state::{ApplyError, ApplyMode, State};
 use crate::FsResult;
 
-async fn read_blocks(dev: &DeviceChannel, block: u64, count: usize) -> FsResult<AlignedBuf> {
+pub(super) async fn read_blocks(dev: &DeviceChannel, block: u64, count: usize) -> FsResult<AlignedBuf> {
     let buf = AlignedBuf::zeroed(count * BLOCK_BYTES, BLOCK_BYTES);
     let (buf, result) = dev.read(DevBlock::new(block).offset(), buf).await;
     result?;
@@ -98,13 +99,18 @@ impl Rebuilt {
     /// next one, and writing an unwritten block in place would show in
     /// every file that names it). One pass over the extents, only when
     /// something is shared.
-    pub(crate) fn check_sharing(&self, sb: &Superblock) -> Result<(), String> {
+    pub(crate) fn check_sharing(&self, sb: &Superblock, snapshots: &Snapshots) -> Result<(), String> {
         let shared = &self.free.shared;
         if shared.is_empty() {
             return Ok(());
         }
-        if let Some(run) = sb.checkpoint_extents.iter().find_map(|cp| shared.shared_within(*cp).into_iter().next()) {
-            return Err(format!("blocks [{}, +{}) belong to the checkpoint and to a file", run.start, run.len));
+        let metadata = sb.checkpoint_extents.iter().copied().chain(sb.snapshot_table.iter().copied());
+        let mut metadata = metadata.chain(snapshots.checkpoint_runs_besides(sb.checkpoint_seq));
+        if let Some(run) = metadata.find_map(|cp| shared.shared_within(cp).into_iter().next()) {
+            return Err(format!(
+                "blocks [{}, +{}) belong to a checkpoint or the snapshot table, and to a file",
+                run.start, run.len
+            ));
         }
         for node in self.state.nodes() {
             for extent in node.extents.iter().filter(|e| e.unwritten) {
@@ -361,6 +367,7 @@ pub(crate) async fn load(dev: &DeviceChannel, require_root: bool) -> FsResult<Lo
     let (sb, _other_copy_problems) = choose_superblock(read_superblocks(dev).await?, capacity_blocks)?;
     let (mut rebuilt, recorded_free) = load_checkpoint(dev, &sb).await?;
     let replayed = replay(dev, &sb, &mut rebuilt, recorded_free).await?;
+    let snapshots = load_snapshots(dev, &sb, &mut rebuilt).await?;
     match rebuilt.state.node(crate::format::ROOT_INO) {
         // Mount frees inodes with no links: a crafted root among them
         // would free the whole tree.
@@ -371,8 +378,8 @@ pub(crate) async fn load(dev: &DeviceChannel, require_root: bool) -> FsResult<Lo
         _ if !require_root => {}
         _ => return Err(corrupt("the root directory is missing")),
     }
-    rebuilt.check_sharing(&sb).map_err(corrupt)?;
+    rebuilt.check_sharing(&sb, &snapshots).map_err(corrupt)?;
     let Rebuilt { state, free } = rebuilt;
     let Replayed { head: journal_head, seq: journal_seq, count, stale, .. } = replayed;
-    Ok(Loaded { sb, state, free, journal_head, journal_seq, replayed: count, stale_headers: stale })
+    Ok(Loaded { sb, state, free, journal_head, journal_seq, replayed: count, stale_headers: stale, snapshots })
 }

@@ -30,6 +30,7 @@ mod commit;
 mod load;
 #[cfg(test)]
 mod sharing_tests;
+mod snapshots;
 
 use std::cell::{Cell, RefCell};
 
@@ -47,6 +48,10 @@ use super::{FsConfig, FsCounters, FsError, FsInner};
 pub(crate) use checkpoint::checkpoint_in_pieces_now;
 pub(crate) use commit::{checkpoint, commit_all, start_commit_timer, sync};
 pub(crate) use load::{choose_superblock, load, load_checkpoint, read_superblocks, replay};
+pub(crate) use snapshots::{
+    create_snapshot, delete_snapshot, list_snapshots, load_snapshot, load_snapshots, snapshot_space, Snapshots,
+};
+pub use snapshots::{SnapshotInfo, SnapshotSpace};
 
 pub const JOURNAL_TX_MAGIC: u32 = u32::from_le_bytes(*b"KFTX");
 pub const CHECKPOINT_BLOCK_MAGIC: u32 = u32::from_le_bytes(*b"KFCP");
@@ -79,6 +84,8 @@ pub(crate) struct Journal {
     /// from now on carries them, whatever copy of the superblock a
     /// checkpoint in pieces started from.
     pub(crate) features_on: Cell<u64>,
+    /// The snapshots the superblock's table names, with what they hold.
+    pub(crate) snapshots: RefCell<Snapshots>,
 }
 
 /// What the journal counts, merged into [`FsCounters`] by
@@ -181,6 +188,7 @@ pub(crate) struct Loaded {
     /// Headers past the journal's end a writable mount erases
     /// (`load::Replayed::stale`).
     pub stale_headers: Vec<u64>,
+    pub snapshots: Snapshots,
 }
 
 fn corrupt(msg: impl Into<String>) -> FsError {

@@ -155,7 +155,7 @@ fn a_file_naming_the_checkpoint_is_refused() {
         name_again(&fs, b, BlockRun { start: checkpoint.start, len: 1 }, false);
         fs.sync().await.unwrap();
         drop(fs);
-        assert!(refusal(&dev).await.contains("belong to the checkpoint"));
+        assert!(refusal(&dev).await.contains("belong to a checkpoint"));
         let report = fsck(channel(&dev), |_| {}).await.unwrap();
         assert!(report.problems.iter().any(|p| p.kind == "shared-extents"), "{:?}", report.problems);
     });
