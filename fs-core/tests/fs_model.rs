@@ -1,5 +1,6 @@
-//! Model-based property test: random namespace and data operations run
-//! against keelfs and against a simple in-memory model. Each operation must
+//! Model-based property test: random namespace and data operations,
+//! clones (copy_file_range) and snapshots run against keelfs and against a
+//! simple in-memory model. Each operation must
 //! succeed or fail the same way in both; afterwards the trees are equal,
 //! fsck is clean, and both still hold after a remount.
 
@@ -19,17 +20,64 @@ const NAMES: [&str; 4] = ["a", "b", "c", "d"];
 
 #[derive(Clone, Debug)]
 enum Op {
-    Create { dir: usize, name: usize },
-    Mkdir { dir: usize, name: usize },
-    Unlink { dir: usize, name: usize },
-    Rmdir { dir: usize, name: usize },
-    Rename { dir: usize, name: usize, to_dir: usize, to_name: usize, flags: u32 },
-    Link { dir: usize, name: usize, to_dir: usize, to_name: usize },
-    Write { file: usize, offset: u64, len: usize, seed: u8 },
-    Truncate { file: usize, size: u64 },
+    Create {
+        dir: usize,
+        name: usize,
+    },
+    Mkdir {
+        dir: usize,
+        name: usize,
+    },
+    Unlink {
+        dir: usize,
+        name: usize,
+    },
+    Rmdir {
+        dir: usize,
+        name: usize,
+    },
+    Rename {
+        dir: usize,
+        name: usize,
+        to_dir: usize,
+        to_name: usize,
+        flags: u32,
+    },
+    Link {
+        dir: usize,
+        name: usize,
+        to_dir: usize,
+        to_name: usize,
+    },
+    Write {
+        file: usize,
+        offset: u64,
+        len: usize,
+        seed: u8,
+    },
+    Truncate {
+        file: usize,
+        size: u64,
+    },
+    /// copy_file_range: block-aligned offsets clone (share) whole blocks.
+    Copy {
+        file: usize,
+        to_file: usize,
+        from: u64,
+        to: u64,
+        len: u64,
+    },
+    SnapshotCreate {
+        name: usize,
+    },
+    SnapshotDelete {
+        name: usize,
+    },
     Sync,
     Remount,
 }
+
+const SNAPSHOT_NAMES: [&str; 3] = ["s0", "s1", "s2"];
 
 fn op() -> impl Strategy<Value = Op> {
     let idx = 0usize..8;
@@ -46,9 +94,18 @@ fn op() -> impl Strategy<Value = Op> {
         4 => (idx.clone(), 0u64..300_000, 1usize..70_000, any::<u8>())
             .prop_map(|(file, offset, len, seed)| Op::Write { file, offset, len, seed }),
         1 => (idx.clone(), 0u64..200_000).prop_map(|(file, size)| Op::Truncate { file, size }),
+        2 => (idx.clone(), idx.clone(), offset(), offset(), 1u64..120_000)
+            .prop_map(|(file, to_file, from, to, len)| Op::Copy { file, to_file, from, to, len }),
+        1 => (0usize..SNAPSHOT_NAMES.len()).prop_map(|name| Op::SnapshotCreate { name }),
+        1 => (0usize..SNAPSHOT_NAMES.len()).prop_map(|name| Op::SnapshotDelete { name }),
         1 => Just(Op::Sync),
         1 => Just(Op::Remount),
     ]
+}
+
+/// A file offset: a whole block most of the time, so that copies share.
+fn offset() -> impl Strategy<Value = u64> {
+    prop_oneof![3 => (0u64..40).prop_map(|b| b * 4096), 1 => 0u64..160_000]
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -64,6 +121,8 @@ struct Model {
     tree: BTreeMap<String, Node>,
     data: HashMap<u64, Vec<u8>>,
     next_id: u64,
+    /// Each snapshot's view of the tree when it was taken.
+    snapshots: BTreeMap<&'static str, BTreeMap<String, Option<Vec<u8>>>>,
 }
 
 fn join(dir: &str, name: &str) -> String {
@@ -279,6 +338,67 @@ async fn truncate(fs: &Fs, m: &mut Model, file: usize, size: u64) {
     m.data.get_mut(&id).unwrap().resize(size as usize, 0);
 }
 
+/// copy_file_range from the `file`th file to the `to_file`th, if there
+/// are files, in keelfs and the model (one file with overlapping ranges
+/// is EINVAL in both).
+async fn copy(fs: &Fs, m: &mut Model, (file, to_file): (usize, usize), from: u64, to: u64, len: u64) {
+    let files = m.files();
+    if files.is_empty() {
+        return;
+    }
+    let (src, dst) = (&files[file % files.len()], &files[to_file % files.len()]);
+    let (src_ino, dst_ino) = (resolve(fs, src).await, resolve(fs, dst).await);
+    let got = fs.data().copy_range(src_ino, FileOffset::new(from), dst_ino, FileOffset::new(to), len).await;
+    let (Node::File(src_id), Node::File(dst_id)) = (&m.tree[src], &m.tree[dst]) else { unreachable!() };
+    // As Linux: the length is cut to the source's end first, and only
+    // then are the ranges checked for overlap.
+    let source = &m.data[src_id];
+    let bytes = source.get(from as usize..).unwrap_or(&[]);
+    let bytes = bytes[..bytes.len().min(len as usize)].to_vec();
+    let len = bytes.len() as u64;
+    if src_id == dst_id && from < to + len && to < from + len {
+        assert!(matches!(got, Err(keelfs_fs::FsError::Invalid(_))), "overlapping copy: {got:?}");
+        return;
+    }
+    assert_eq!(got.unwrap(), bytes.len() as u64, "bytes copied");
+    if bytes.is_empty() {
+        return;
+    }
+    let content = m.data.get_mut(dst_id).unwrap();
+    let end = to as usize + bytes.len();
+    if content.len() < end {
+        content.resize(end, 0);
+    }
+    content[to as usize..end].copy_from_slice(&bytes);
+}
+
+async fn snapshot_op(fs: &Fs, m: &mut Model, name: &'static str, create: bool) {
+    let when = keelfs_fs::Timespec { sec: 1_764_000_000, nsec: 0 };
+    if create {
+        let got = errno(fs.admin().snapshot_create(name, when).await);
+        let want = if m.snapshots.contains_key(name) { Err(libc::EEXIST) } else { Ok(()) };
+        assert_eq!(got, want, "snapshot_create {name}");
+        if got.is_ok() {
+            let view = model_view(m);
+            m.snapshots.insert(name, view);
+        }
+    } else {
+        let got = errno(fs.admin().snapshot_delete(name).await);
+        let want = if m.snapshots.remove(name).is_some() { Ok(()) } else { Err(libc::ENOENT) };
+        assert_eq!(got, want, "snapshot_delete {name}");
+    }
+}
+
+/// Every snapshot of the model, mounted read-only, is the tree it took.
+async fn check_snapshots(dev: &std::sync::Arc<dyn keelfs_bdev::BlockDevice>, m: &Model, when: &str) {
+    for (name, view) in &m.snapshots {
+        let config = keelfs_fs::FsConfig { read_only: true, snapshot: Some(name.to_string()), ..Default::default() };
+        let snap = Fs::mount(common::channel(dev), config).await.unwrap();
+        assert_eq!(digest(snapshot(&snap).await), digest(view.clone()), "snapshot {name} differs {when}");
+        snap.unmount().await.unwrap();
+    }
+}
+
 async fn apply(fs: &mut Fs, dev: &std::sync::Arc<dyn keelfs_bdev::BlockDevice>, m: &mut Model, op: &Op) {
     let c = Creds::root();
     let dirs = m.dirs();
@@ -328,6 +448,9 @@ async fn apply(fs: &mut Fs, dev: &std::sync::Arc<dyn keelfs_bdev::BlockDevice>, 
         }
         Op::Write { file, offset, len, seed } => write(fs, m, file, offset, len, seed).await,
         Op::Truncate { file, size } => truncate(fs, m, file, size).await,
+        Op::Copy { file, to_file, from, to, len } => copy(fs, m, (file, to_file), from, to, len).await,
+        Op::SnapshotCreate { name } => snapshot_op(fs, m, SNAPSHOT_NAMES[name], true).await,
+        Op::SnapshotDelete { name } => snapshot_op(fs, m, SNAPSHOT_NAMES[name], false).await,
         Op::Sync => fs.sync().await.unwrap(),
         Op::Remount => {
             fs.unmount().await.unwrap();
@@ -348,8 +471,10 @@ fn matches_the_model(dev: std::sync::Arc<dyn keelfs_bdev::BlockDevice>, ops: &[O
         for op in &ops {
             apply(&mut fs, &dev, &mut m, op).await;
             fs.inspect().assert_invariants();
+            fs.inspect().check_block_ownership().unwrap();
         }
         assert_eq!(digest(snapshot(&fs).await), digest(model_view(&m)), "tree differs from the model");
+        check_snapshots(&dev, &m, "while mounted").await;
         // A crash right after a sync must keep everything.
         fs.sync().await.unwrap();
         drop(fs);
@@ -362,6 +487,7 @@ fn matches_the_model(dev: std::sync::Arc<dyn keelfs_bdev::BlockDevice>, ops: &[O
         assert!(report.is_clean(), "fsck after unmount: {report:?}");
         let fs = mount(&dev).await;
         assert_eq!(digest(snapshot(&fs).await), digest(model_view(&m)), "tree differs after remount");
+        check_snapshots(&dev, &m, "after remount").await;
     });
 }
 
