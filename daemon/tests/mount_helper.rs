@@ -10,10 +10,14 @@ use std::time::{Duration, Instant};
 mod common;
 use common::{fsck, is_mounted, mkfs, Scratch};
 
+/// Once per run: the tests run in parallel, and each needs the link.
 fn install_helper() {
-    let helper = Path::new("/sbin/mount.fuse.keelfs");
-    let _ = std::fs::remove_file(helper);
-    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_keelfsd"), helper).expect("linking /sbin/mount.fuse.keelfs");
+    static INSTALLED: std::sync::Once = std::sync::Once::new();
+    INSTALLED.call_once(|| {
+        let helper = Path::new("/sbin/mount.fuse.keelfs");
+        let _ = std::fs::remove_file(helper);
+        std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_keelfsd"), helper).expect("linking /sbin/mount.fuse.keelfs");
+    });
 }
 
 fn run(cmd: &mut Command) -> (bool, String) {
