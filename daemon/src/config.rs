@@ -125,6 +125,7 @@ struct RawExport {
     requests_in_flight_max: Option<Spanned<u64>>,
     host_dirty_ratio: Option<Spanned<u64>>,
     read_only: Option<bool>,
+    snapshot: Option<Spanned<String>>,
     xattr: Option<bool>,
     atime: Option<AtimeName>,
     fuse_mount: Option<PathBuf>,
@@ -371,6 +372,9 @@ pub struct Export {
     /// Serve without ever writing the device (opened read-only); changes
     /// fail with EROFS.
     pub read_only: bool,
+    /// Serve this snapshot of the image (read-only; issue 37) instead of
+    /// its live state.
+    pub snapshot: Option<String>,
     /// Serve extended attributes (and so POSIX ACLs and security labels).
     /// Off, clients are told xattrs are not implemented (ENOSYS), as by
     /// virtiofsd's default, and stop asking.
@@ -450,6 +454,7 @@ impl Export {
             requests_in_flight_max: None,
             host_dirty_ratio: HOST_DIRTY_RATIO_DEFAULT,
             read_only: false,
+            snapshot: None,
             xattr: true,
             trace_requests: None,
             atime: keelfs_fs::AtimeUpdates::Relative,
@@ -656,6 +661,13 @@ fn parse_export(
     apply_limits(src, e, &mut export)?;
     apply_space(src, e, &mut export)?;
     export.read_only = e.read_only.unwrap_or(false);
+    if let Some(name) = &e.snapshot {
+        keelfs_fs::check_snapshot_name(name.get_ref()).map_err(|why| src.error(name.span(), why))?;
+        if !export.read_only {
+            return Err(src.error(name.span(), "a snapshot is served read-only: set read_only = true"));
+        }
+        export.snapshot = Some(name.get_ref().clone());
+    }
     export.xattr = e.xattr.unwrap_or(true);
     export.fuse_mount = e.fuse_mount.clone();
     export.session_file = e.session_file.clone();

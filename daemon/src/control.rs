@@ -42,6 +42,19 @@ pub struct ExportEntry {
     /// An `export_add` waits for this entry's start and collects its
     /// failure; once it gave up waiting, a failure removes the entry.
     pub awaited: bool,
+    /// The open device, once opened: a snapshot export of the same image
+    /// shares it (and its lock) instead of opening the image again.
+    pub device: Option<SharedDevice>,
+}
+
+/// An export's open device, as the table holds it.
+#[derive(Clone)]
+pub struct SharedDevice(pub Arc<dyn keelfs_bdev::BlockDevice>);
+
+impl std::fmt::Debug for SharedDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("SharedDevice").field(&self.0.name()).finish()
+    }
 }
 
 #[derive(Default)]
@@ -159,6 +172,12 @@ impl ExportTable {
         self.lock().list.clone()
     }
 
+    pub fn set_device(&self, tag: &str, device: SharedDevice) {
+        if let Some(e) = self.lock().list.iter_mut().find(|e| e.export.tag == tag) {
+            e.device = Some(device);
+        }
+    }
+
     pub fn set_brokered_socket(&self, tag: &str, index: Option<usize>) {
         if let Some(e) = self.lock().list.iter_mut().find(|e| e.export.tag == tag) {
             e.brokered_socket = index;
@@ -192,7 +211,9 @@ impl ExportTable {
 fn clash(running: &Export, new: &Export) -> Option<String> {
     if running.tag == new.tag {
         Some(format!("an export is already tagged \"{}\"", running.tag))
-    } else if running.device == new.device {
+    } else if running.device == new.device && new.snapshot.is_none() {
+        // A snapshot export shares the image with the one that serves it
+        // (`Control::add`), or takes a reader's lock on it.
         Some(format!("export \"{}\" already serves {}", running.tag, running.device.display()))
     } else if running.socket.is_some() && running.socket == new.socket {
         Some(format!("export \"{}\" already listens on that socket", running.tag))
@@ -268,10 +289,24 @@ impl Control {
         if export.backend == BackendName::Nvme {
             return Err(ControlError::NotPossible("an NVMe export is opened only at start".into()));
         }
+        let requested = reactor;
         let reactor = match reactor {
             Some(r) if r < self.reactors.len() => r,
             Some(r) => return Err(ControlError::Conflict(format!("there is no reactor {r}"))),
             None => self.least_loaded_reactor(),
+        };
+        // A snapshot of an image served writable here shares its device,
+        // on its reactor.
+        let source = export.snapshot.as_ref().and_then(|_| self.served_writable(&export.device));
+        let reactor = match &source {
+            Some(s) if reactor != s.reactor && Some(reactor) == requested => {
+                return Err(ControlError::Conflict(format!(
+                    "a snapshot of export \"{}\" is served on its reactor, {}",
+                    s.export.tag, s.reactor
+                )))
+            }
+            Some(s) => s.reactor,
+            None => reactor,
         };
         let tag = export.tag.clone();
         // Listed before it is opened, so that a concurrent add of the same
@@ -283,9 +318,14 @@ impl Control {
             runtime: true,
             brokered_socket: None,
             awaited: true,
+            device: None,
         };
         self.table.reserve(entry)?;
-        let (opened, brokered_socket) = match self.open(&export) {
+        let opened = match source.and_then(|s| s.device) {
+            Some(device) => self.open_sharing(&export, device),
+            None => self.open(&export),
+        };
+        let (opened, brokered_socket) = match opened {
             Ok(opened) => opened,
             Err(e) => {
                 self.table.remove(&tag);
@@ -293,6 +333,7 @@ impl Control {
             }
         };
         self.table.set_brokered_socket(&tag, brokered_socket);
+        self.table.set_device(&tag, SharedDevice(Arc::clone(opened.device())));
         let events = self.events.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let timing = (self.commit_interval, false);
         let started =
@@ -323,6 +364,35 @@ impl Control {
             Some(Lifecycle::Ready) => Ok(json!({"tag": tag, "reactor": reactor})),
             _ => Err(ControlError::Failed("the export stopped while starting".into())),
         }
+    }
+
+    /// The running export that serves `device` writable, if any.
+    fn served_writable(&self, device: &std::path::Path) -> Option<ExportEntry> {
+        let entries = self.table.all();
+        entries.into_iter().find(|e| {
+            e.export.device == device
+                && e.export.snapshot.is_none()
+                && !e.export.read_only
+                && e.state == Lifecycle::Ready
+        })
+    }
+
+    /// Open a snapshot export on the device of the export that serves its
+    /// image: its host side only. That export's lock covers both; the
+    /// snapshot's blocks stay put while it is served, since
+    /// `snapshot_delete` refuses a snapshot an export serves.
+    fn open_sharing(&self, export: &Export, device: SharedDevice) -> Result<(Opened, Option<usize>), ControlError> {
+        if self.sandbox != SandboxMode::None {
+            return Err(ControlError::NotPossible(
+                "a sandboxed daemon cannot yet add a snapshot export beside the export that serves its image: its \
+                 supervisor opens an image and a socket together (use sandbox = \"none\", or serve the snapshot \
+                 once the image is not served)"
+                    .into(),
+            ));
+        }
+        crate::serve::open_export_on(export, device.0)
+            .map(|o| (o, None))
+            .map_err(|e| ControlError::Failed(format!("{e:#}")))
     }
 
     /// Open the export here, or have the supervisor open it for a
@@ -366,6 +436,16 @@ impl Control {
         if entry.state != Lifecycle::Ready {
             return Err(ControlError::Busy(tag.into()));
         }
+        if entry.export.snapshot.is_none() && !entry.export.read_only {
+            let all = self.table.all();
+            let sharing = all.iter().find(|e| e.export.device == entry.export.device && e.export.snapshot.is_some());
+            if let Some(user) = sharing {
+                return Err(ControlError::NotPossible(format!(
+                    "export \"{}\" serves a snapshot of this image on its device; remove it first",
+                    user.export.tag
+                )));
+            }
+        }
         self.table.removing(tag);
         let asked = tag.to_string();
         if self.reactors[entry.reactor].send(move || crate::serve::request_export_stop(&asked)).is_err() {
@@ -381,6 +461,17 @@ impl Control {
         }
         self.forget_socket(entry.brokered_socket);
         Ok(json!({"tag": tag, "removed": true}))
+    }
+
+    /// The exports that serve snapshot `name` of export `tag`'s image.
+    pub fn snapshot_users(&self, tag: &str, name: &str) -> Vec<String> {
+        let entries = self.table.all();
+        let Some(source) = entries.iter().find(|e| e.export.tag == tag) else { return Vec::new() };
+        entries
+            .iter()
+            .filter(|e| e.export.device == source.export.device && e.export.snapshot.as_deref() == Some(name))
+            .map(|e| e.export.tag.clone())
+            .collect()
     }
 
     /// Run `job` on the export's reactor (as a task, so that it may await

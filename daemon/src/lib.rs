@@ -24,6 +24,7 @@ mod seccomp;
 mod serve;
 mod settings;
 mod signals;
+mod snapshots;
 mod supervisor;
 mod tools;
 mod top;
@@ -63,6 +64,9 @@ struct Cli {
     command: Command,
 }
 
+// Parsed once, at start: the size of its largest variant (serve's flags)
+// costs nothing worth a box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Create a keelfs filesystem on a file or block device. A missing file
@@ -147,6 +151,11 @@ enum Command {
         /// mount is read-only (see read_only in the config).
         #[arg(long)]
         read_only: bool,
+        /// Serve snapshot NAME of the first export's image instead of its
+        /// live state, read-only (implies --read-only; see snapshot in the
+        /// config, and the snapshot_* RPCs).
+        #[arg(long, value_name = "NAME")]
+        snapshot: Option<String>,
         /// Serve the first export without extended attributes (nor POSIX
         /// ACLs, nor security labels): clients are told ENOSYS and stop
         /// asking, as with virtiofsd's default (see xattr in the config).
@@ -288,6 +297,7 @@ pub fn run() -> ExitCode {
             check,
             sandbox,
             read_only,
+            snapshot,
             no_xattr,
             trace_requests,
             incoming,
@@ -310,6 +320,7 @@ pub fn run() -> ExitCode {
             check,
             sandbox,
             read_only,
+            snapshot,
             no_xattr,
             trace_requests,
             incoming,

@@ -200,6 +200,12 @@ const EXPORT_METRICS: &[ExportMetric] = &[
     gauge("keelfs_fs_free_bytes", "bytes available to files, as statfs reports them", "/space/free_bytes"),
     gauge("keelfs_fs_inodes", "inodes the filesystem may hold", "/space/inodes"),
     gauge("keelfs_fs_inodes_free", "inodes still available", "/space/inodes_free"),
+    gauge("keelfs_snapshots", "snapshots the export's image keeps", "/space/snapshots"),
+    gauge(
+        "keelfs_snapshot_held_bytes",
+        "bytes only snapshots hold: what deleting them all frees",
+        "/space/snapshot_held_bytes",
+    ),
     counter("keelfs_virtio_connections", "vhost-user frontends that connected", "/virtio_fs/connections"),
     counter("keelfs_virtio_dropped", "descriptor chains dropped as malformed", "/virtio_fs/dropped"),
     gauge("keelfs_virtio_in_flight", "virtio-fs requests being served", "/virtio_fs/in_flight"),

@@ -108,6 +108,10 @@ fn parse_options(request: &mut Request, options: &str) -> Result<(), UsageError>
             ("cache" | "locks" | "sandbox" | "reactors" | "rpc" | "socket" | "tag" | "queues" | "config", Some(v)) => {
                 request.serve_flags.extend([format!("--{key}"), v.to_owned()]);
             }
+            ("snapshot", Some(v)) => {
+                request.read_only = true;
+                request.serve_flags.extend(["--snapshot".into(), v.to_owned()]);
+            }
             ("fuse_transport", Some(v)) => request.serve_flags.extend(["--fuse-transport".into(), v.to_owned()]),
             ("log", Some(v)) => request.log = Some(PathBuf::from(v)),
             (k, None) if mount_flags(k).is_ok() => request.mount_options.push(k.to_owned()),
@@ -240,6 +244,13 @@ mod tests {
 
     fn parsed(args: &[&str]) -> Result<Request, UsageError> {
         parse(&args.iter().map(OsString::from).collect::<Vec<_>>())
+    }
+
+    #[test]
+    fn a_snapshot_option_serves_it_read_only() {
+        let r = parsed(&["/img", "/mnt", "-o", "rw,snapshot=nightly"]).unwrap();
+        assert!(r.read_only, "a snapshot is read-only");
+        assert_eq!(r.serve_flags, ["--snapshot", "nightly"]);
     }
 
     #[test]

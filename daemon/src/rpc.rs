@@ -50,7 +50,7 @@ pub mod code {
 }
 
 /// Every method, for `rpc_get_methods`.
-pub const METHODS: [&str; 9] = [
+pub const METHODS: [&str; 12] = [
     "stats",
     "export_list",
     "export_add",
@@ -58,6 +58,9 @@ pub const METHODS: [&str; 9] = [
     "export_set_qos",
     "export_set_quota",
     "export_trim",
+    "snapshot_create",
+    "snapshot_list",
+    "snapshot_delete",
     "rpc_get_methods",
     "framework_uptime",
 ];
@@ -266,6 +269,9 @@ fn call(method: &str, raw: Value, control: &Control) -> Result<Value, RpcError> 
         "export_set_qos" => crate::settings::set_qos(raw, control),
         "export_set_quota" => crate::settings::set_quota(raw, control),
         "export_trim" => crate::settings::trim(raw, control),
+        "snapshot_create" => crate::snapshots::create(raw, control),
+        "snapshot_list" => crate::snapshots::list(raw, control),
+        "snapshot_delete" => crate::snapshots::delete(raw, control),
         "rpc_get_methods" => params::<NoParams>(raw).map(|_| json!(METHODS)),
         "framework_uptime" => params::<NoParams>(raw).map(|_| json!({"uptime_ns": uptime_ns()})),
         other => Err(RpcError::new(code::METHOD_NOT_FOUND, format!("no method {other:?}; see rpc_get_methods"))),

@@ -64,6 +64,7 @@ pub struct ServeArgs {
     pub check: bool,
     pub sandbox: Option<SandboxMode>,
     pub read_only: bool,
+    pub snapshot: Option<String>,
     pub no_xattr: bool,
     pub trace_requests: Option<PathBuf>,
     pub incoming: bool,
@@ -156,6 +157,7 @@ fn resolve(args: ServeArgs) -> anyhow::Result<Config> {
         || args.queues.is_some()
         || args.spread_queues
         || args.read_only
+        || args.snapshot.is_some()
         || args.cache.is_some()
         || args.locks.is_some();
     if config.exports.is_empty() || flags_shape_an_export {
@@ -208,6 +210,11 @@ fn apply_export_flags(args: &ServeArgs, export: &mut Export) -> anyhow::Result<(
         export.spread_queues = true;
     }
     if args.read_only {
+        export.read_only = true;
+    }
+    if let Some(name) = &args.snapshot {
+        keelfs_fs::check_snapshot_name(name).map_err(|why| anyhow::anyhow!("--snapshot {name:?}: {why}"))?;
+        export.snapshot = Some(name.clone());
         export.read_only = true;
     }
     if args.no_xattr {
@@ -476,6 +483,20 @@ pub(crate) fn open_export(
     Prepared { device, host: open_host_side(export, link)?, export: export.clone() }.finish(incoming)
 }
 
+impl Opened {
+    /// The open device.
+    pub(crate) fn device(&self) -> &Arc<dyn BlockDevice> {
+        &self.dev
+    }
+}
+
+/// Open an export's host side on `dev`, a device another export opened
+/// and locked (a snapshot export beside the export that serves its image).
+pub(crate) fn open_export_on(export: &Export, dev: Arc<dyn BlockDevice>) -> anyhow::Result<Opened> {
+    let device = PreparedDevice::Open(dev, None);
+    Prepared { device, host: open_host_side(export, None)?, export: export.clone() }.finish(false)
+}
+
 /// An export with its host side open and its device opened, or, for an
 /// RBD image, prepared: the conf and key read, not yet connected.
 pub(crate) struct Prepared {
@@ -729,6 +750,7 @@ fn start_exports(
                 runtime: false,
                 brokered_socket: None,
                 awaited: false,
+                device: Some(crate::control::SharedDevice(Arc::clone(&opened.dev))),
             };
             table.insert(entry);
             start_export(handles, id, opened, timing, events.clone(), Arc::clone(table))?;
@@ -1317,6 +1339,7 @@ pub async fn mount(
         inodes_max: export.inodes_max,
         xattr_bytes_per_inode_max: export.xattr_bytes_per_inode_max,
         read_only: export.read_only,
+        snapshot: export.snapshot.clone(),
         atime: atime_updates(export.atime, export.fuse_mount_flags),
         dir_atime: export.fuse_mount_flags & libc::MS_NODIRATIME == 0,
         keep_orphans,
@@ -1328,9 +1351,11 @@ pub async fn mount(
         },
         ..FsConfig::default()
     };
-    Fs::mount(DeviceChannel::attach(queue), config)
-        .await
-        .with_context(|| format!("mounting keelfs on {}", export.device.display()))
+    Fs::mount(DeviceChannel::attach(queue), config).await.with_context(|| match &export.snapshot {
+        // ENOENT alone would say nothing of which name was missing.
+        Some(name) => format!("mounting snapshot {name:?} of the keelfs on {}", export.device.display()),
+        None => format!("mounting keelfs on {}", export.device.display()),
+    })
 }
 
 /// Per-opcode counters as a JSON object keyed by opcode name.
@@ -1387,6 +1412,7 @@ async fn fs_json(fs: Option<&Fs>) -> (Value, Value, Value) {
     let cache = json!({"hits": cache.hits, "misses": cache.misses, "evictions": cache.evictions,
                        "pages": cache.pages, "dirty_pages": cache.dirty_pages,
                        "capacity_pages": cache.capacity_pages});
+    let snapshots = fs.map(|fs| fs.inspect().snapshot_space()).unwrap_or_default();
     let space = match fs {
         Some(fs) => match fs.statfs().await {
             Ok(s) => json!({
@@ -1394,6 +1420,8 @@ async fn fs_json(fs: Option<&Fs>) -> (Value, Value, Value) {
                 "free_bytes": s.blocks_free * u64::from(s.block_size),
                 "inodes": s.files, "inodes_free": s.files_free,
                 "quota_bytes": fs.admin().quota().bytes, "quota_inodes": fs.admin().quota().inodes,
+                "snapshots": snapshots.snapshots,
+                "snapshot_held_bytes": (snapshots.metadata_blocks + snapshots.data_blocks) * keelfs_fs::BLOCK_BYTES as u64,
             }),
             Err(_) => Value::Null,
         },

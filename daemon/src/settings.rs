@@ -78,7 +78,7 @@ fn parse<T: for<'de> Deserialize<'de>>(params: Value) -> Result<T, RpcError> {
 }
 
 /// A job on the export's filesystem, which must be mounted on its reactor.
-fn on_fs<F, Fut>(tag: &str, work: F) -> LocalJob
+pub(crate) fn on_fs<F, Fut>(tag: &str, work: F) -> LocalJob
 where
     F: FnOnce(keelfs_fs::Fs) -> Fut + Send + 'static,
     Fut: std::future::Future<Output = anyhow::Result<Value>> + 'static,

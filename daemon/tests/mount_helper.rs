@@ -112,3 +112,40 @@ fn mount_fstab_and_umount_drive_the_daemon() {
     assert!(!ok && out.contains("unknown mount option"), "{out}");
     assert!(std::fs::metadata(&junk).is_ok_and(|m| m.len() == 1 << 20));
 }
+
+/// `mount -o snapshot=NAME` serves a snapshot of the image read-only, for
+/// a backup: the files as they were when it was taken, whatever the live
+/// ones became (issue 37).
+#[test]
+fn a_snapshot_mounts_read_only_for_a_backup() {
+    install_helper();
+    let scratch = Scratch::new("mount-snapshot");
+    let (image, mnt, rpc) = (scratch.path("img"), scratch.path("mnt"), scratch.path("rpc.sock"));
+    mkfs(&image, "256M");
+    std::fs::create_dir(&mnt).unwrap();
+    let rpc_option = format!("cache=none,rpc={}", rpc.display());
+    let (ok, out) =
+        run(Command::new("mount").args(["-t", "fuse.keelfs"]).arg(&image).arg(&mnt).args(["-o", &rpc_option]));
+    assert!(ok, "mount: {out}");
+    std::fs::write(mnt.join("f"), b"as it was").unwrap();
+    let keelfsd = env!("CARGO_BIN_EXE_keelfsd");
+    let params = r#"{"export": "keelfs", "name": "before"}"#;
+    let (ok, out) = run(Command::new(keelfsd).args(["rpc", "snapshot_create", params, "--rpc"]).arg(&rpc));
+    assert!(ok, "snapshot_create: {out}");
+    std::fs::write(mnt.join("f"), b"as it is now").unwrap();
+    umount_and_wait(&mnt, &image);
+
+    let (ok, out) =
+        run(Command::new("mount").args(["-t", "fuse.keelfs"]).arg(&image).arg(&mnt).args(["-o", "snapshot=before"]));
+    assert!(ok, "mount -o snapshot=before: {out}");
+    assert_eq!(std::fs::read(mnt.join("f")).unwrap(), b"as it was");
+    let (_, options) = run(Command::new("findmnt").args(["-rn", "-o", "OPTIONS"]).arg(&mnt));
+    assert!(options.split(',').any(|o| o == "ro"), "a snapshot mounts read-only: {options}");
+    assert_eq!(std::fs::write(mnt.join("x"), b"no").unwrap_err().raw_os_error(), Some(libc::EROFS));
+    umount_and_wait(&mnt, &image);
+    let (ok, out) =
+        run(Command::new("mount").args(["-t", "fuse.keelfs"]).arg(&image).arg(&mnt).args(["-o", "snapshot=nope"]));
+    assert!(!ok && out.contains("nope"), "a missing snapshot: {out}");
+    assert!(!is_mounted(&mnt));
+    assert_eq!(fsck(&image).0, 0);
+}

@@ -471,3 +471,72 @@ fn quota_and_trim_over_rpc() {
     daemon.stop();
     assert_eq!(fsck(&image).0, 0);
 }
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i % 253) as u8 ^ seed.wrapping_mul(41)).collect()
+}
+
+/// Snapshots over the RPC (issue 37): one taken while the export serves,
+/// the live files changed afterwards, the snapshot served as a read-only
+/// export beside it (sharing its device), and the guards: a served
+/// snapshot cannot be deleted, nor the export under it removed.
+#[test]
+fn snapshots_over_rpc_are_served_beside_the_live_export() {
+    let scratch = Scratch::new("snapshots-rpc");
+    let (image, mnt, rpc_path) = (scratch.path("a.img"), scratch.path("mnt"), scratch.path("rpc.sock"));
+    let snap_mnt = scratch.path("snap");
+    std::fs::create_dir_all(&snap_mnt).unwrap();
+    mkfs(&image, "256M");
+    let config = format!(
+        "[daemon]\nrpc_socket = {rpc_path:?}\nsandbox = \"none\"\n[[device]]\nname = \"a\"\npath = {image:?}\n\
+         [[export]]\ntag = \"vol-a\"\ndevice = \"a\"\nfuse_mount = {mnt:?}\ncache = \"none\"\n"
+    );
+    let daemon = Daemon::start(&scratch, &config, &[&mnt]);
+    std::fs::create_dir(mnt.join("d")).unwrap();
+    std::fs::write(mnt.join("f"), pattern(1, 8 << 20)).unwrap();
+    std::fs::write(mnt.join("d/g"), b"kept").unwrap();
+    let made = rpc(&rpc_path, "snapshot_create", json!({"export": "vol-a", "name": "s1"})).unwrap();
+    assert_eq!(made["name"], "s1");
+    assert!(made["data_bytes"].as_u64().unwrap() >= 8 << 20, "{made}");
+    let twice = rpc(&rpc_path, "snapshot_create", json!({"export": "vol-a", "name": "s1"}));
+    assert!(twice.expect_err("a second s1").contains("exists"));
+    let bad = rpc(&rpc_path, "snapshot_create", json!({"export": "vol-a", "name": "../x"}));
+    assert!(bad.expect_err("a bad name").contains("-32602"));
+    let nowhere = rpc(&rpc_path, "snapshot_create", json!({"export": "nope", "name": "s"}));
+    assert!(nowhere.expect_err("no such export").contains("-32001"));
+
+    // The live files change: the snapshot's blocks are copied on write.
+    std::fs::write(mnt.join("f"), pattern(2, 8 << 20)).unwrap();
+    std::fs::remove_file(mnt.join("d/g")).unwrap();
+    std::fs::write(mnt.join("new"), b"after").unwrap();
+    std::fs::File::open(&mnt).unwrap().sync_all().unwrap();
+    let list = rpc(&rpc_path, "snapshot_list", json!({"export": "vol-a"})).unwrap();
+    assert_eq!(list.as_array().unwrap().len(), 1);
+    assert!(list[0]["exclusive_bytes"].as_u64().unwrap() >= 8 << 20, "{list}");
+    let space = &stats(&rpc_path)["exports"][0]["space"];
+    assert_eq!(space["snapshots"], 1);
+    assert!(space["snapshot_held_bytes"].as_u64().unwrap() >= 8 << 20, "{space}");
+
+    // Served read-only beside the live export, on its device.
+    let export = json!({"tag": "vol-a-s1", "device": image, "read_only": true, "snapshot": "s1",
+                        "fuse_mount": snap_mnt, "cache": "none"});
+    rpc(&rpc_path, "export_add", json!({"export": export})).unwrap();
+    assert!(std::fs::read(snap_mnt.join("f")).unwrap() == pattern(1, 8 << 20), "the snapshot's f changed");
+    assert_eq!(std::fs::read(snap_mnt.join("d/g")).unwrap(), b"kept");
+    assert!(!snap_mnt.join("new").exists());
+    let refused = std::fs::write(snap_mnt.join("x"), b"no");
+    assert_eq!(refused.unwrap_err().raw_os_error(), Some(libc::EROFS));
+    assert!(std::fs::read(mnt.join("f")).unwrap() == pattern(2, 8 << 20), "the live f");
+
+    let busy = rpc(&rpc_path, "snapshot_delete", json!({"export": "vol-a", "name": "s1"}));
+    assert!(busy.expect_err("a served snapshot").contains("-32003"));
+    let under = rpc(&rpc_path, "export_remove", json!({"tag": "vol-a"}));
+    assert!(under.expect_err("the export under a snapshot export").contains("vol-a-s1"));
+    rpc(&rpc_path, "export_remove", json!({"tag": "vol-a-s1"})).unwrap();
+    let deleted = rpc(&rpc_path, "snapshot_delete", json!({"export": "vol-a", "name": "s1"})).unwrap();
+    assert_eq!(deleted["deleted"], true);
+    assert_eq!(rpc(&rpc_path, "snapshot_list", json!({"export": "vol-a"})).unwrap(), json!([]));
+    assert_eq!(stats(&rpc_path)["exports"][0]["space"]["snapshot_held_bytes"], 0);
+    daemon.stop();
+    assert_eq!(fsck(&image).0, 0);
+}
