@@ -60,7 +60,7 @@ mod sync;
 pub use access::{Creds, PermissionCheck};
 pub use admin::Admin;
 pub use adopt::{HandleState, Handover};
-pub use data::{DataOps, ReadSink, WriteSource, WriteTimes};
+pub use data::{copy_range_copied_bytes, DataOps, ReadSink, WriteSource, WriteTimes};
 pub use discard::DiscardConfig;
 pub use error::{BlockClaim, DoubleOwner, FsError, FsResult};
 pub use file_clock::{FileClock, ManualClock};

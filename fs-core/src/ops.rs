@@ -18,9 +18,10 @@ use super::{Fs, FsError, FsInner, FsResult};
 /// The ACLs a new inode inherits: xattr names and values.
 pub(crate) type InheritedXattrs = Vec<(&'static [u8], Vec<u8>)>;
 
-/// Most one copy_file_range copies (callers loop on short copies): it
-/// bounds the time one request holds its reactor's attention.
-pub const COPY_RANGE_MAX: u64 = 64 << 20;
+/// Most one copy_file_range copies byte by byte (callers loop on short
+/// copies): as much as one WRITE carries, so that it holds its reactor's
+/// attention no longer, and a QoS limiter can charge it as one.
+pub const COPY_RANGE_MAX: u64 = 1 << 20;
 /// Largest file: 2^52 bytes keeps block arithmetic far from overflow.
 pub const MAX_FILE_BYTES: u64 = 1 << 52;
 pub(crate) const LINK_MAX: u32 = 65_000;

@@ -60,6 +60,19 @@ pub trait ReadSink {
     fn copy_from(&self, at: usize, src: &[u8]);
 }
 
+/// The bytes a copy_file_range of `len` from `from_offset` to `to_offset`
+/// copies at most, rather than shares: at most `COPY_RANGE_MAX` when the
+/// offsets sit at different places in a block, else the partial blocks
+/// at either end. What a QoS limiter charges it as writing; the whole
+/// blocks it shares cost an extent each, not their bytes.
+pub fn copy_range_copied_bytes(from_offset: u64, to_offset: u64, len: u64) -> u64 {
+    if from_offset % BLOCK_SIZE != to_offset % BLOCK_SIZE {
+        return len.min(COPY_RANGE_MAX);
+    }
+    let head = ((BLOCK_SIZE - from_offset % BLOCK_SIZE) % BLOCK_SIZE).min(len);
+    head + (len - head) % BLOCK_SIZE
+}
+
 impl DataOps<'_> {
     /// Read up to `size` bytes at `offset` into `sink`; the bytes read.
     /// Cached pages go straight from the cache into the sink; a read that

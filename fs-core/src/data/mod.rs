@@ -19,7 +19,7 @@ mod direct;
 mod space;
 mod state;
 
-pub use buffered::{ReadSink, WriteSource};
+pub use buffered::{copy_range_copied_bytes, ReadSink, WriteSource};
 pub(crate) use state::DataState;
 use std::cell::RefCell;
 use std::rc::Rc;
