@@ -1,6 +1,7 @@
 //! Quality of service per export: IOPS and bandwidth limits on the data
-//! requests (FUSE READ and WRITE) of every transport serving one
-//! filesystem, enforced on the export's reactor.
+//! requests (FUSE READ and WRITE, and COPY_FILE_RANGE as a write of what
+//! it copies) of every transport serving one filesystem, enforced on the
+//! export's reactor.
 //!
 //! Token buckets in integer arithmetic, one per limit: read, write and
 //! combined operations, read, write and combined bytes. A request is
@@ -29,15 +30,17 @@ use std::time::{Duration, Instant};
 use keelfs_reactor as reactor;
 
 use crate::fuse::abi::{opcode_of, Opcode};
-use crate::fuse::request::{io_size_of, IO_SIZE_AT};
+use crate::fuse::request::{copy_range_of, io_size_of, COPY_RANGE_PREFIX_BYTES, IO_SIZE_AT};
 
 /// The largest READ or WRITE the protocol carries (1 MiB): a bytes
 /// bucket always holds at least this much, so that any request can pass.
 /// A larger one is refused by the request path and charged as this.
 pub const IO_BYTES_MAX: u64 = 1 << 20;
 
-/// Bytes of a request [`Charge::of_request`] looks at.
-pub(crate) const CHARGE_PREFIX_BYTES: usize = IO_SIZE_AT + 4;
+/// Bytes of a request [`Charge::of_request`] looks at: a READ's or
+/// WRITE's size, or a COPY_FILE_RANGE's offsets and length.
+pub(crate) const CHARGE_PREFIX_BYTES: usize =
+    if IO_SIZE_AT + 4 > COPY_RANGE_PREFIX_BYTES { IO_SIZE_AT + 4 } else { COPY_RANGE_PREFIX_BYTES };
 
 const NANOS_PER_SEC: i128 = 1_000_000_000;
 
@@ -142,14 +145,22 @@ impl Charge {
     /// [`CHARGE_PREFIX_BYTES`] of them when there are that many). A READ
     /// or WRITE too short to hold its size is charged as one operation of
     /// no bytes; the request path refuses it.
+    ///
+    /// A COPY_FILE_RANGE is charged as a WRITE of the bytes the
+    /// filesystem copies rather than shares (issue 37): a clone of whole
+    /// blocks costs one operation, an unaligned copy its bytes.
     pub(crate) fn of_request(prefix: &[u8]) -> Self {
         let Some(opcode) = opcode_of(prefix) else { return Self::FREE };
-        let class = match opcode {
-            o if o == Opcode::Read as u32 => Class::Read,
-            o if o == Opcode::Write as u32 => Class::Write,
+        let (class, bytes) = match opcode {
+            o if o == Opcode::Read as u32 => (Class::Read, io_size_of(prefix).map_or(0, u64::from)),
+            o if o == Opcode::Write as u32 => (Class::Write, io_size_of(prefix).map_or(0, u64::from)),
+            o if o == Opcode::CopyFileRange as u32 => {
+                let copied =
+                    copy_range_of(prefix).map(|(from, to, len)| keelfs_fs::copy_range_copied_bytes(from, to, len));
+                (Class::Write, copied.unwrap_or(0))
+            }
             _ => return Self::FREE,
         };
-        let bytes = io_size_of(prefix).map_or(0, u64::from);
         Self { class: Some(class), bytes: bytes.min(IO_BYTES_MAX) }
     }
 }
@@ -631,12 +642,36 @@ mod tests {
         // A guest's claimed size is capped at the protocol's largest.
         let mut read = [0u8; CHARGE_PREFIX_BYTES];
         read[4..8].copy_from_slice(&(Opcode::Read as u32).to_le_bytes());
-        read[IO_SIZE_AT..].copy_from_slice(&u32::MAX.to_le_bytes());
+        read[IO_SIZE_AT..IO_SIZE_AT + 4].copy_from_slice(&u32::MAX.to_le_bytes());
         assert_eq!(Charge::of_request(&read), Charge { class: Some(Class::Read), bytes: IO_BYTES_MAX });
         assert_eq!(Charge::of_request(&read[..20]), Charge { class: Some(Class::Read), bytes: 0 });
         assert_eq!(Charge::of_request(&read[..3]), Charge::FREE, "too short to say: the request path refuses it");
         read[4..8].copy_from_slice(&(Opcode::Getattr as u32).to_le_bytes());
         assert_eq!(Charge::of_request(&read), Charge::FREE, "metadata is never charged");
+    }
+
+    /// copy_file_range: (in offset, out offset, length) at their places.
+    fn copy_request(from: u64, to: u64, len: u64) -> [u8; CHARGE_PREFIX_BYTES] {
+        let mut r = [0u8; CHARGE_PREFIX_BYTES];
+        r[4..8].copy_from_slice(&(Opcode::CopyFileRange as u32).to_le_bytes());
+        r[48..56].copy_from_slice(&from.to_le_bytes());
+        r[72..80].copy_from_slice(&to.to_le_bytes());
+        r[80..88].copy_from_slice(&len.to_le_bytes());
+        r
+    }
+
+    #[test]
+    fn a_copy_is_charged_the_bytes_it_copies_not_those_it_shares() {
+        let write = |bytes| Charge { class: Some(Class::Write), bytes };
+        // 10 GiB over offsets that line up: the whole blocks are shared.
+        assert_eq!(Charge::of_request(&copy_request(0, 8192, 10 << 30)), write(0));
+        assert_eq!(Charge::of_request(&copy_request(100, 4196, 10 << 30)), write(3996 + (((10 << 30) - 3996) % 4096)));
+        // Offsets that do not: copied, as much as one WRITE at most.
+        assert_eq!(Charge::of_request(&copy_request(0, 100, 10 << 30)), write(IO_BYTES_MAX));
+        assert_eq!(Charge::of_request(&copy_request(0, 100, 5000)), write(5000));
+        // Too short to say: one operation, no bytes (the request path
+        // refuses it).
+        assert_eq!(Charge::of_request(&copy_request(0, 100, 5000)[..60]), write(0));
     }
 
     #[test]

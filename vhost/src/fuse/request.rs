@@ -512,6 +512,21 @@ pub fn io_size_of(prefix: &[u8]) -> Option<u32> {
     Some(u32::from_le_bytes(prefix.get(IO_SIZE_AT..IO_SIZE_AT + 4)?.try_into().expect("4 bytes")))
 }
 
+/// Where a COPY_FILE_RANGE's fields sit: fuse_in_header, then fh_in,
+/// off_in, nodeid_out, fh_out, off_out, len and flags, 8 bytes each.
+const COPY_RANGE_OFF_IN_AT: usize = IN_HEADER_BYTES + 8;
+const COPY_RANGE_OFF_OUT_AT: usize = IN_HEADER_BYTES + 32;
+const COPY_RANGE_LEN_AT: usize = IN_HEADER_BYTES + 40;
+/// Bytes of a COPY_FILE_RANGE through its length.
+pub const COPY_RANGE_PREFIX_BYTES: usize = COPY_RANGE_LEN_AT + 8;
+
+/// The (off_in, off_out, len) of the COPY_FILE_RANGE whose first bytes
+/// are `prefix`, unchecked; None when `prefix` ends before them.
+pub fn copy_range_of(prefix: &[u8]) -> Option<(u64, u64, u64)> {
+    let field = |at: usize| Some(u64::from_le_bytes(prefix.get(at..at + 8)?.try_into().expect("8 bytes")));
+    Some((field(COPY_RANGE_OFF_IN_AT)?, field(COPY_RANGE_OFF_OUT_AT)?, field(COPY_RANGE_LEN_AT)?))
+}
+
 /// fuse_read_in and fuse_write_in are both 40 bytes.
 pub const IO_IN_BYTES: usize = 40;
 const _: () = assert!(IO_IN_BYTES == 8 + 8 + 4 + 4 + 8 + 4 + 4);
