@@ -101,10 +101,36 @@ impl Direct<'_> {
         }
         match self.direct_extend(ino, offset, end, buf).await? {
             Some(n) => Ok(n),
-            // Blocks another file shares: copy on write, which goes
-            // through the copying path (read-modify-write, new blocks).
-            None => self.write_copied(ino, offset, buf).await,
+            // Blocks another file shares: copy on write.
+            None => self.write_shared_aligned(ino, offset, end, buf).await,
         }
+    }
+
+    /// An aligned direct write over blocks another file shares: the
+    /// buffer goes as it is to new blocks for the shared ones (in place for
+    /// the file's own), and the remap is logged once the data is on the
+    /// device. No bounce copy and no edge read: every block is whole.
+    async fn write_shared_aligned<B: IoBuffer>(
+        self,
+        ino: Ino,
+        offset: u64,
+        end: u64,
+        buf: &SharedBuffer<B>,
+    ) -> FsResult<u32> {
+        debug_assert!(self.direct_aligned(offset, buf), "whole blocks only");
+        let (first, last) = blocks_of(offset, end - offset);
+        let (_range, old_size) = self.core().lock_for_write(ino, first, last, end).await?;
+        if end > old_size && FileBlock::containing(old_size).get() < first {
+            self.core().zero_past_eof(ino, old_size).await?;
+        }
+        let records = self.core().write_image_from(ino, first, buf, false).await?;
+        let maps_blocks = !records.is_empty();
+        self.core().log_all(records)?;
+        self.inner.change().written(ino, Some(end))?;
+        if maps_blocks || end > old_size {
+            self.inner.meta.set_datasync_needed(ino);
+        }
+        Ok((end - offset) as u32)
     }
 
     /// The copying path for a direct write: unaligned, or over shared

@@ -34,7 +34,7 @@ use crate::ids::Ino;
 use crate::shared::SharedReader;
 use keelfs_bdev::AlignedBuf;
 use keelfs_reactor as reactor;
-use keelfs_reactor::{await_all, SharedBuffer};
+use keelfs_reactor::{await_all, IoBuffer, SharedBuffer};
 
 /// Where blocks of a written image go: (file block, device block, blocks,
 /// whether a record must map them).
@@ -433,11 +433,23 @@ impl DataCore<'_> {
         image: AlignedBuf,
         reserved: bool,
     ) -> FsResult<Vec<Record<'static>>> {
+        // The image goes to the device in slices, without another copy.
+        let image = SharedBuffer::new(image);
+        self.write_image_from(ino, first, &image, reserved).await
+    }
+
+    /// [`Self::write_image`] from any buffer of whole blocks: a direct
+    /// write's own buffer goes to the device as it is.
+    pub(super) async fn write_image_from<B: IoBuffer>(
+        self,
+        ino: Ino,
+        first: u64,
+        image: &SharedBuffer<B>,
+        reserved: bool,
+    ) -> FsResult<Vec<Record<'static>>> {
         let nblocks = whole_blocks(image.len() as u64);
         let image_bytes = image.len() as u64;
         let (targets, fresh) = self.image_targets(ino, first, nblocks, reserved)?;
-        // The image goes to the device in slices, without another copy.
-        let image = SharedBuffer::new(image);
         let mut pending = Vec::new();
         for &(fb, db, len, _) in &targets {
             let mut done = 0;
@@ -450,7 +462,6 @@ impl DataCore<'_> {
             }
         }
         let result = await_all(pending).await;
-        drop(image);
         self.inner.journal.ring.borrow_mut().data_writes += 1;
         self.inner.data.count_written(image_bytes);
         if let Err(e) = result {
