@@ -8,15 +8,19 @@
 # through each mount compared with the source (cmp). One JSON line per
 # round, and a summary with the ratio keelfs/XFS of the medians.
 #
-# usage: bench/run-clone.sh [OUT.jsonl] [--gib N] [--rounds N]
+# --dir puts both images in another directory than /dev/shm (a 10 GiB
+# clone needs two 12 GiB images: more than this machine's RAM).
+#
+# usage: bench/run-clone.sh [OUT.jsonl] [--gib N] [--rounds N] [--dir DIR]
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
-out="" gib=4 rounds=3
+out="" gib=4 rounds=3 dir=/dev/shm
 while (($#)); do
   case $1 in
     --gib) gib=$2; shift 2 ;;
     --rounds) rounds=$2; shift 2 ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    --dir) dir=$2; shift 2 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) out=$1; shift ;;
   esac
 done
@@ -25,7 +29,7 @@ keelfsd=${KEELFSD:-$repo/target/release/keelfsd}
 for tool in mkfs.xfs cp cmp python3; do
   command -v "$tool" >/dev/null || { echo "run-clone.sh: $tool is missing" >&2; exit 2; }
 done
-work=$(mktemp -d /dev/shm/keelfs-clone.XXXXXX)
+work=$(mktemp -d "$dir/keelfs-clone.XXXXXX")
 daemon=""
 cleanup() {
   if [[ -n $daemon ]]; then kill "$daemon" 2>/dev/null || true; wait "$daemon" 2>/dev/null || true; fi

@@ -149,6 +149,16 @@ pub struct VhostArgs {
     /// --workload trace: the recorded trace to replay.
     #[arg(long)]
     pub(crate) trace: Option<PathBuf>,
+    /// Overwrite workloads: clone each file once filled (FUSE_COPY_FILE_RANGE
+    /// to a twin), so that its blocks are shared and a write to one copies
+    /// on write (issue 37). With --once, every write of the first pass is
+    /// one.
+    #[arg(long)]
+    shared: bool,
+    /// Overwrite workloads: write the blocks in a fixed permutation rather
+    /// than at random, so that none is written twice until all have been.
+    #[arg(long)]
+    once: bool,
     #[arg(long)]
     pub(crate) json: bool,
 }
@@ -213,6 +223,32 @@ fn fill(q: &mut QueueDriver, nodeid: u64, fh: u64, bytes: u64) -> anyhow::Result
     Ok(())
 }
 
+/// COPY_FILE_RANGE the first `bytes` of `from` to `to`, looping on short
+/// copies: on keelfs the whole blocks are then shared.
+fn clone_file(q: &mut QueueDriver, from: (u64, u64), to: (u64, u64), bytes: u64) -> anyhow::Result<()> {
+    let mut done = 0;
+    while done < bytes {
+        let mut body = Reply::default();
+        body.u64(from.1).u64(done).u64(to.0).u64(to.1).u64(done).u64(bytes - done).u64(0);
+        let (err, reply) = q.fuse(Opcode::CopyFileRange, from.0, &body.bytes)?;
+        check(err, "copy_file_range to the twin")?;
+        let copied = u64::from(u32::from_le_bytes(reply.get(..4).context("a short copy reply")?.try_into()?));
+        if copied == 0 {
+            bail!("copy_file_range copied nothing at {done} of {bytes}");
+        }
+        done += copied;
+    }
+    Ok(())
+}
+
+/// The `i`th block of a permutation of `blocks`: an odd stride, far from
+/// sequential, visits every block once per pass when `blocks` is a power
+/// of two (else it may revisit some early).
+fn permuted(i: u64, blocks: u64) -> u64 {
+    const STRIDE: u64 = 0x9E37_79B9_7F4A_7C15 | 1;
+    i.wrapping_mul(STRIDE) % blocks
+}
+
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Kind {
     Read,
@@ -246,6 +282,8 @@ struct Worker<'a> {
     in_flight: HashMap<u16, (Kind, Instant)>,
     issued_reads: usize,
     issued_writes: usize,
+    /// Requests submitted so far (--once walks its permutation by it).
+    issued_total: u64,
     deadline: Instant,
     result: WorkerResult,
 }
@@ -270,6 +308,7 @@ fn worker(q: QueueDriver, args: &WorkerArgs, target: Target) -> anyhow::Result<W
         in_flight: HashMap::new(),
         issued_reads: 0,
         issued_writes: 0,
+        issued_total: 0,
         deadline: Instant::now() + Duration::from_secs(args.seconds),
         result: WorkerResult { reads: 0, writes: 0, bytes: 0, latency: Histogram::new() },
     };
@@ -350,6 +389,11 @@ impl Worker<'_> {
                 self.append_at = at + bs as u64;
                 at
             }
+            _ if self.args.once => {
+                let i = self.issued_total;
+                self.issued_total += 1;
+                permuted(i, self.blocks) * bs as u64
+            }
             _ => (splitmix64(&mut self.rng) % self.blocks) * bs as u64,
         };
         let unique = self.q.next_unique();
@@ -401,6 +445,10 @@ fn create_targets(args: &VhostArgs, drivers: &mut [QueueDriver], direct: i32) ->
             && (!shared || t == 0)
         {
             fill(q, nodeid, fh, args.file_size)?;
+            if args.shared {
+                let (twin, twin_fh) = create(q, &format!("{name}-twin"), direct)?;
+                clone_file(q, (nodeid, fh), (twin, twin_fh), args.file_size)?;
+            }
         }
         targets.push(Target { nodeid, fh });
     }
@@ -431,6 +479,7 @@ struct WorkerArgs {
     seconds: u64,
     file_size: u64,
     driver: Driver,
+    once: bool,
 }
 
 pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
@@ -464,6 +513,7 @@ pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
         seconds: args.seconds,
         file_size: args.file_size,
         driver,
+        once: args.once,
     };
     let results = run_workers(drivers, targets, &worker_args);
     let secs = started.elapsed().as_secs_f64().min(args.seconds as f64).max(1e-9);
@@ -474,6 +524,12 @@ pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
     line["read_iops"] = json!((reads as f64 / secs).round());
     line["write_iops"] = json!((writes as f64 / secs).round());
     line["mib_s"] = json!(((bytes as f64 / secs / (1 << 20) as f64) * 100.0).round() / 100.0);
+    line["shared"] = json!(args.shared);
+    line["once"] = json!(args.once);
+    // Writes per block of each file: at most 1 means every write of a
+    // --shared --once run copied on write.
+    let blocks = (args.file_size / 4096).max(1) * args.threads as u64;
+    line["writes_per_block"] = json!((writes as f64 / blocks as f64 * 1000.0).round() / 1000.0);
     cpu.charge(&mut line, ops, secs);
     print_line(args, &line)
 }
@@ -510,6 +566,7 @@ pub(crate) fn result_line(args: &VhostArgs, ops: u64, secs: f64, latency: &Histo
         "lat_us_p50": latency.quantile(0.5) as f64 / 1000.0,
         "lat_us_p99": latency.quantile(0.99) as f64 / 1000.0,
         "lat_us_p999": latency.quantile(0.999) as f64 / 1000.0,
+        "lat_us_max": latency.quantile(1.0) as f64 / 1000.0,
         "lat_us_percentiles": percentiles,
     })
 }
