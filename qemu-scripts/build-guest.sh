@@ -89,11 +89,14 @@ wanted_modules=(virtio_ring virtio virtio_pci_modern_dev virtio_pci_legacy_dev
 guest_bins=(/usr/bin/fio /usr/bin/setfacl /usr/bin/getfacl)
 # Tools the guest tests need, put in the guest's /usr/bin: fsx (cargo
 # install fsx) for guest-tests/fsx.sh, setfattr and getfattr (Debian package
-# attr) for the xattr checks of namespace.sh and persist-*.sh.
+# attr) for the xattr checks of namespace.sh and persist-*.sh, and GNU cp
+# (coreutils 9, whose copy_file_range clones on keelfs) for clones.sh. The
+# guest's PATH finds busybox's applets in /bin first: only a test that
+# names /usr/bin/cp gets GNU's.
 test_bins=()
 fsx_bin=$(PATH="${CARGO_HOME:-$HOME/.cargo}/bin:$PATH" command -v fsx || true)
 [[ -n $fsx_bin ]] || die "fsx is missing on the host (scripts/setup.sh installs it: cargo install fsx)"
-for b in "$fsx_bin" /usr/bin/setfattr /usr/bin/getfattr; do
+for b in "$fsx_bin" /usr/bin/setfattr /usr/bin/getfattr /usr/bin/cp; do
   [[ -x $b ]] || die "$b is missing on the host (scripts/setup.sh installs it)"
   test_bins+=("$b")
 done
