@@ -119,18 +119,40 @@ impl Direct<'_> {
     ) -> FsResult<u32> {
         debug_assert!(self.direct_aligned(offset, buf), "whole blocks only");
         let (first, last) = blocks_of(offset, end - offset);
-        let (_range, old_size) = self.core().lock_for_write(ino, first, last, end).await?;
+        let (_range, old_size) = self.lock_to_write(ino, first, last, end).await?;
+        let records = self.core().write_image_from(ino, first, buf, false).await?;
+        self.image_written(ino, records, end, old_size)?;
+        Ok((end - offset) as u32)
+    }
+
+    /// Lock blocks [first, last] of `ino` for a write ending at `end`, the
+    /// bytes past the old end zeroed first when the write starts beyond
+    /// its block. Returns the guard and the size before the write.
+    async fn lock_to_write(
+        self,
+        ino: Ino,
+        first: u64,
+        last: u64,
+        end: u64,
+    ) -> FsResult<(crate::sync::RangeGuard, u64)> {
+        let (range, old_size) = self.core().lock_for_write(ino, first, last, end).await?;
         if end > old_size && FileBlock::containing(old_size).get() < first {
             self.core().zero_past_eof(ino, old_size).await?;
         }
-        let records = self.core().write_image_from(ino, first, buf, false).await?;
+        Ok((range, old_size))
+    }
+
+    /// After a write of whole blocks through `write_image`: log what maps
+    /// them, move the size to `end` and the times, and mark the file for
+    /// fdatasync when blocks or the size changed.
+    fn image_written(self, ino: Ino, records: Vec<Record<'_>>, end: u64, old_size: u64) -> FsResult<()> {
         let maps_blocks = !records.is_empty();
         self.core().log_all(records)?;
         self.inner.change().written(ino, Some(end))?;
         if maps_blocks || end > old_size {
             self.inner.meta.set_datasync_needed(ino);
         }
-        Ok((end - offset) as u32)
+        Ok(())
     }
 
     /// The copying path for a direct write: unaligned, or over shared
@@ -348,10 +370,7 @@ impl Direct<'_> {
     pub(super) async fn write_uncached_copy(self, ino: Ino, offset: u64, data: &[u8]) -> FsResult<u32> {
         let end = offset + data.len() as u64;
         let (first, last) = blocks_of(offset, data.len() as u64);
-        let (_range, old_size) = self.core().lock_for_write(ino, first, last, end).await?;
-        if end > old_size && FileBlock::containing(old_size).get() < first {
-            self.core().zero_past_eof(ino, old_size).await?;
-        }
+        let (_range, old_size) = self.lock_to_write(ino, first, last, end).await?;
         let nblocks = last - first + 1;
         let mut image = AlignedBuf::zeroed(block_bytes(nblocks) as usize, BLOCK_BYTES);
         let head = offset_in_block(offset) as usize;
@@ -368,12 +387,7 @@ impl Direct<'_> {
         }
         image[head..head + data.len()].copy_from_slice(data);
         let records = self.core().write_image(ino, first, image, false).await?;
-        let maps_blocks = !records.is_empty();
-        self.core().log_all(records)?;
-        self.inner.change().written(ino, Some(end))?;
-        if maps_blocks || end > old_size {
-            self.inner.meta.set_datasync_needed(ino);
-        }
+        self.image_written(ino, records, end, old_size)?;
         Ok(data.len() as u32)
     }
 
