@@ -87,6 +87,53 @@ impl FreeSpace {
     }
 }
 
+/// `blocks` in at most `runs_max` runs, each the first free one (from the
+/// preferred group on), or none.
+fn first_fit(alloc: &mut Allocator, mut blocks: u64, preferred_group: usize, runs_max: usize) -> Option<Vec<BlockRun>> {
+    let mut runs = Vec::new();
+    while blocks > 0 {
+        match alloc.alloc(blocks, None, preferred_group) {
+            Some(run) if runs.len() < runs_max => {
+                blocks -= run.len;
+                runs.push(run);
+            }
+            other => {
+                runs.extend(other);
+                for r in runs {
+                    alloc.free(r);
+                }
+                return None;
+            }
+        }
+    }
+    Some(runs)
+}
+
+/// `blocks` in at most `runs_max` runs, or none: each run at least the
+/// share of what is left that the runs left must hold, so that they
+/// always suffice (found by a snapshot of a million files: a checkpoint
+/// on free space a copy-on-write run had cut up needed more than 128
+/// first-fit runs, and its delete failed with ENOSPC). When no free run
+/// is that long, no choice of the runs left could hold the rest.
+fn long_runs(alloc: &mut Allocator, mut blocks: u64, runs_max: usize) -> Option<Vec<BlockRun>> {
+    let mut runs: Vec<BlockRun> = Vec::new();
+    while blocks > 0 && runs.len() < runs_max {
+        let least = blocks.div_ceil((runs_max - runs.len()) as u64);
+        let Some(found) = alloc.next_free_run(0, least) else { break };
+        let run = BlockRun { start: found.start, len: found.len.min(blocks) };
+        alloc.claim(run).expect("a run the free index just listed is free");
+        blocks -= run.len;
+        runs.push(run);
+    }
+    if blocks > 0 {
+        for r in runs {
+            alloc.free(r);
+        }
+        return None;
+    }
+    Some(runs)
+}
+
 /// The smallest checkpoint reserve: 1 MiB.
 const CHECKPOINT_RESERVE_MIN_BLOCKS: u64 = 256;
 
@@ -318,27 +365,15 @@ impl Space {
         self.alloc_in_runs(blocks, preferred_group, CHECKPOINT_EXTENTS_MAX)
     }
 
-    /// `blocks` in at most `runs_max` runs, or none and ENOSPC.
-    pub fn alloc_in_runs(&self, mut blocks: u64, preferred_group: usize, runs_max: usize) -> FsResult<Vec<BlockRun>> {
+    /// `blocks` in at most `runs_max` runs, or none and ENOSPC. First fit
+    /// in the preferred group first; when free space is so cut up that
+    /// the first runs would need more than `runs_max`, long runs only.
+    pub fn alloc_in_runs(&self, blocks: u64, preferred_group: usize, runs_max: usize) -> FsResult<Vec<BlockRun>> {
         let free = &mut *self.free.borrow_mut();
-        let mut runs = Vec::new();
-        while blocks > 0 {
-            let run = match free.alloc.alloc(blocks, None, preferred_group) {
-                Some(run) if runs.len() < runs_max => run,
-                other => {
-                    if let Some(run) = other {
-                        free.alloc.free(run);
-                    }
-                    for r in runs {
-                        free.alloc.free(r);
-                    }
-                    return Err(FsError::NoSpace);
-                }
-            };
-            blocks -= run.len;
-            runs.push(run);
+        if let Some(runs) = first_fit(&mut free.alloc, blocks, preferred_group, runs_max) {
+            return Ok(runs);
         }
-        Ok(runs)
+        long_runs(&mut free.alloc, blocks, runs_max).ok_or(FsError::NoSpace)
     }
 
     /// The runs freed since the last commit, for the commit that frees
@@ -391,5 +426,43 @@ impl Space {
     /// Every run held for a checkpoint (for ownership checks).
     pub fn held_runs(&self) -> Vec<BlockRun> {
         self.held.borrow().clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Free space cut into 1-block holes before one long free run: first
+    /// fit would need a run per hole.
+    fn cut_up() -> Allocator {
+        let mut alloc = Allocator::new(100, 10_100, 1);
+        for b in (100..2100).step_by(2) {
+            alloc.claim(BlockRun { start: b, len: 1 }).unwrap();
+        }
+        alloc
+    }
+
+    #[test]
+    fn a_checkpoint_fits_cut_up_free_space_in_long_runs() {
+        let space = Space::new(Quota::default(), FreeSpace::new(cut_up()));
+        let free_before = space.free().alloc.free_blocks();
+        let runs = space.alloc_in_runs(3000, 0, 16).expect("room in long runs");
+        assert!(runs.len() <= 16, "{} runs", runs.len());
+        assert_eq!(runs.iter().map(|r| r.len).sum::<u64>(), 3000);
+        assert!(runs.iter().all(|r| r.len >= 3000 / 16), "only long runs: {runs:?}");
+        assert_eq!(space.free().alloc.free_blocks(), free_before - 3000);
+        // More than the long runs hold: nothing is taken.
+        assert!(matches!(space.alloc_in_runs(6000, 0, 4), Err(FsError::NoSpace)));
+        assert_eq!(space.free().alloc.free_blocks(), free_before - 3000);
+        space.free().alloc.check_invariants();
+    }
+
+    #[test]
+    fn first_fit_stays_first_when_it_fits() {
+        let space = Space::new(Quota::default(), FreeSpace::new(cut_up()));
+        // Few enough holes for the runs allowed: the first ones are taken.
+        let runs = space.alloc_in_runs(3, 0, 16).unwrap();
+        assert_eq!(runs, [101, 103, 105].map(|start| BlockRun { start, len: 1 }));
     }
 }
