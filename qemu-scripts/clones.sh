@@ -144,7 +144,7 @@ if ! wait_log "$guest_log" '^KEELFS-SNAP-READY' "$guest"; then
   finish
 fi
 if out=$(rpc_call snapshot_create '{"export": "keelfs", "name": "before-rewrite"}' 2>&1); then
-  pass "snapshot_create while the guest runs: $out"
+  pass "snapshot_create while the guest runs: $(tr -d '\n ' <<<"$out")"
 else
   fail "snapshot_create: $out"
 fi
