@@ -29,6 +29,21 @@ pub struct OpenRequest {
     pub socket_owner: Option<(u32, u32)>,
 }
 
+/// A socket to bind, and who may connect to it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct SocketRequest {
+    pub socket: PathBuf,
+    pub socket_mode: Option<u32>,
+    pub socket_owner: Option<(u32, u32)>,
+}
+
+impl OpenRequest {
+    /// Its socket's part.
+    pub fn socket_request(&self) -> SocketRequest {
+        SocketRequest { socket: self.socket.clone(), socket_mode: self.socket_mode, socket_owner: self.socket_owner }
+    }
+}
+
 /// The geometry the supervisor probed, and the socket's index for a
 /// later "remove_socket".
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -163,7 +178,7 @@ pub fn open_for(request: &OpenRequest, dirs: &[PathBuf]) -> anyhow::Result<(Vec<
     let lock = ImageLock::acquire_on(file.try_clone()?, &request.device, "serve", !request.read_only)?;
     let options = UringOptions { sqpoll_idle_ms: request.sqpoll_idle_ms, read_only: request.read_only };
     let device = UringDevice::from_file(file, request.device.display().to_string(), options)?;
-    let listener = bind_beneath(request, dirs)?;
+    let listener = bind_beneath(&request.socket_request(), dirs)?;
     let g = keelfs_bdev::BlockDevice::geometry(&device);
     let reply = OpenReply {
         capacity_bytes: g.capacity_bytes,
@@ -183,7 +198,7 @@ pub fn open_for(request: &OpenRequest, dirs: &[PathBuf]) -> anyhow::Result<(Vec<
 /// Bind the request's socket in its directory, reached as [`beneath`]
 /// does. Nothing may be at the path yet: probing a stale socket means
 /// connecting to it, which can block on a listener that is not accepting.
-fn bind_beneath(request: &OpenRequest, dirs: &[PathBuf]) -> anyhow::Result<std::os::unix::net::UnixListener> {
+fn bind_beneath(request: &SocketRequest, dirs: &[PathBuf]) -> anyhow::Result<std::os::unix::net::UnixListener> {
     let (dir, name) = beneath(&request.socket, dirs)?;
     // Through the directory's descriptor, whatever its path becomes.
     let path = Path::new("/proc/self/fd").join(dir.as_raw_fd().to_string()).join(&name);
