@@ -195,6 +195,12 @@ pub fn open_for(request: &OpenRequest, dirs: &[PathBuf]) -> anyhow::Result<(Vec<
     Ok((fds, reply))
 }
 
+/// The supervisor's side of a socket alone: bound beneath the listed
+/// directories, as an export's is.
+pub fn bind_for(request: &SocketRequest, dirs: &[PathBuf]) -> anyhow::Result<std::os::unix::net::UnixListener> {
+    bind_beneath(request, dirs)
+}
+
 /// Bind the request's socket in its directory, reached as [`beneath`]
 /// does. Nothing may be at the path yet: probing a stale socket means
 /// connecting to it, which can block on a listener that is not accepting.

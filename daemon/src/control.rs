@@ -382,17 +382,30 @@ impl Control {
     /// snapshot's blocks stay put while it is served, since
     /// `snapshot_delete` refuses a snapshot an export serves.
     fn open_sharing(&self, export: &Export, device: SharedDevice) -> Result<(Opened, Option<usize>), ControlError> {
-        if self.sandbox != SandboxMode::None {
-            return Err(ControlError::NotPossible(
-                "a sandboxed daemon cannot yet add a snapshot export beside the export that serves its image: its \
-                 supervisor opens an image and a socket together (use sandbox = \"none\", or serve the snapshot \
-                 once the image is not served)"
-                    .into(),
-            ));
+        let failed = |e: String| ControlError::Failed(e);
+        if self.sandbox == SandboxMode::None {
+            let opened = crate::serve::open_export_on(export, device.0);
+            return opened.map(|o| (o, None)).map_err(|e| failed(format!("{e:#}")));
         }
-        crate::serve::open_export_on(export, device.0)
-            .map(|o| (o, None))
-            .map_err(|e| ControlError::Failed(format!("{e:#}")))
+        // Sandboxed: the supervisor binds the socket alone; the server
+        // already holds the device.
+        let Some(link) = &self.link else {
+            return Err(ControlError::NotPossible("no supervisor to bind the export's socket".into()));
+        };
+        let socket = match (&export.socket, &export.fuse_mount) {
+            (Some(socket), None) => socket.clone(),
+            _ => {
+                return Err(ControlError::NotPossible(
+                    "a sandboxed daemon adds only vhost-user exports at runtime: a snapshot export needs a socket \
+                     and no fuse_mount (use sandbox = \"none\" for a host mount)"
+                        .into(),
+                ))
+            }
+        };
+        let request =
+            crate::broker::SocketRequest { socket, socket_mode: export.socket_mode, socket_owner: export.socket_owner };
+        let (listener, index) = link.bind_socket(&request).map_err(|e| failed(format!("the supervisor: {e}")))?;
+        Ok((crate::serve::open_export_on_listener(export, device.0, listener), Some(index)))
     }
 
     /// Open the export here, or have the supervisor open it for a

@@ -497,6 +497,17 @@ pub(crate) fn open_export_on(export: &Export, dev: Arc<dyn BlockDevice>) -> anyh
     Prepared { device, host: open_host_side(export, None)?, export: export.clone() }.finish(false)
 }
 
+/// [`open_export_on`] for a sandboxed server: `listener` is the socket its
+/// supervisor bound; no host mount, no session file.
+pub(crate) fn open_export_on_listener(
+    export: &Export,
+    dev: Arc<dyn BlockDevice>,
+    listener: std::os::unix::net::UnixListener,
+) -> Opened {
+    let export = Export { session_file: Some(PathBuf::new()), ..export.clone() };
+    Opened { export, dev, listener: Some(listener), fuse: None, lock: None, session: None }
+}
+
 /// An export with its host side open and its device opened, or, for an
 /// RBD image, prepared: the conf and key read, not yet connected.
 pub(crate) struct Prepared {

@@ -34,7 +34,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 
-use crate::broker::{self, OpenReply, OpenRequest};
+use crate::broker::{self, OpenReply, OpenRequest, SocketRequest};
 use crate::sandbox;
 use crate::signals::Signals;
 
@@ -126,6 +126,31 @@ impl SupervisorLink {
                 broker::Opened::from_fds(request, &reply, fds)
             }
             Some(("E", why)) => Err(io::Error::other(why.to_string())),
+            _ => Err(io::ErrorKind::InvalidData.into()),
+        }
+    }
+
+    /// Have the supervisor bind a socket alone (beneath export_dirs, as
+    /// `open_export` does): for an export on a device the server already
+    /// holds, a snapshot's beside the export that serves its image.
+    /// Returns the listener and its index for `remove_socket`.
+    pub fn bind_socket(&self, request: &SocketRequest) -> io::Result<(std::os::unix::net::UnixListener, usize)> {
+        let line = serde_json::to_string(request).map_err(io::Error::other)?;
+        let mut stream = self.usable()?;
+        send_line(&mut stream, &format!("bind_socket {line}")).map_err(|e| self.broke(e))?;
+        let mut buf = vec![0u8; MESSAGE_BYTES_MAX];
+        let (n, fds) = broker::recv_with_fds(&stream, &mut buf, 1).map_err(|e| self.broke(e))?;
+        let mut reply = buf[..n].to_vec();
+        if !reply.ends_with(b"\n") {
+            reply.extend_from_slice(read_line(&mut stream).map_err(|e| self.broke(e))?.as_bytes());
+        }
+        let reply = String::from_utf8_lossy(&reply).trim_end().to_string();
+        match (reply.split_once(' '), <[OwnedFd; 1]>::try_from(fds)) {
+            (Some(("0", index)), Ok([listener])) => {
+                let index = index.parse().map_err(|_| io::Error::from(io::ErrorKind::InvalidData))?;
+                Ok((std::os::unix::net::UnixListener::from(listener), index))
+            }
+            (Some(("E", why)), _) => Err(io::Error::other(why.to_string())),
             _ => Err(io::ErrorKind::InvalidData.into()),
         }
     }
@@ -303,12 +328,15 @@ fn poll_fd(fd: RawFd) -> libc::pollfd {
 }
 
 /// Serve one request from the child ("mounted INDEX ID", "gone INDEX",
-/// "unmount INDEX", "open_export JSON" or "remove_socket INDEX"); false
-/// once the link is closed.
+/// "unmount INDEX", "open_export JSON", "bind_socket JSON" or
+/// "remove_socket INDEX"); false once the link is closed.
 fn answer(link: &mut UnixStream, cleanup: &Cleanup, made: &mut [Option<u64>], sockets: &mut Vec<PathBuf>) -> bool {
     let Ok(request) = read_line(link) else { return false };
     if let Some(json) = request.strip_prefix("open_export ") {
         return open_export(link, json, cleanup, sockets).is_ok();
+    }
+    if let Some(json) = request.strip_prefix("bind_socket ") {
+        return bind_socket(link, json, cleanup, sockets).is_ok();
     }
     let words: Vec<&str> = request.split(' ').collect();
     let index = words.get(1).and_then(|i| i.parse::<usize>().ok()).filter(|&i| i < made.len());
@@ -355,6 +383,22 @@ fn open_export(link: &mut UnixStream, json: &str, cleanup: &Cleanup, sockets: &m
             let why = format!("{e:#}").replace('\n', " ");
             send_line(link, &format!("E {why}"))
         }
+    }
+}
+
+/// Bind a socket for the child: "0 INDEX" with the listener attached, or
+/// "E WHY".
+fn bind_socket(link: &mut UnixStream, json: &str, cleanup: &Cleanup, sockets: &mut Vec<PathBuf>) -> io::Result<()> {
+    let bound = serde_json::from_str::<SocketRequest>(json)
+        .map_err(anyhow::Error::from)
+        .and_then(|request| broker::bind_for(&request, &cleanup.export_dirs).map(|l| (request, l)));
+    match bound {
+        Ok((request, listener)) => {
+            let line = format!("0 {}\n", sockets.len());
+            sockets.push(request.socket);
+            broker::send_with_fds(link, line.as_bytes(), &[listener.as_raw_fd()])
+        }
+        Err(e) => send_line(link, &format!("E {}", format!("{e:#}").replace('\n', " "))),
     }
 }
 

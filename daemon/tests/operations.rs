@@ -396,6 +396,7 @@ fn a_sandboxed_daemon_adds_exports_through_its_supervisor() {
         assert!(!socket.exists(), "the supervisor removed the socket");
         assert_eq!(fsck(&b).0, 0, "vm-b after export_remove");
     }
+    snapshot_served_through_the_supervisor(&rpc_path, &b, &allowed);
     // The supervisor opens nothing outside export_dirs.
     let socket_c = allowed.join("c.sock");
     let refused =
@@ -418,6 +419,50 @@ fn a_sandboxed_daemon_adds_exports_through_its_supervisor() {
     assert_eq!(list.as_array().unwrap().len(), 1, "only vol-a is left: {list}");
     daemon.stop();
     assert_eq!(fsck(&a).0, 0);
+}
+
+/// Read file `name` of the root through the vhost-user device at
+/// `socket`: its first 4 KiB, or the errno.
+fn read_named(socket: &Path, name: &str) -> Result<Vec<u8>, i32> {
+    use keelfs_vhost::abi::{init_flags as f, Opcode, Reply};
+    let mut fe = common::connect_frontend(socket);
+    fe.init(f::ASYNC_READ | f::MAX_PAGES | f::INIT_EXT).unwrap();
+    let (err, reply) = fe.fuse(1, Opcode::Lookup, 1, &common::named(name)).unwrap();
+    if err != 0 {
+        return Err(err);
+    }
+    let node = u64::from_le_bytes(reply[..8].try_into().unwrap());
+    if node == 0 {
+        return Err(libc::ENOENT); // a negative entry, for the kernel to cache
+    }
+    let mut open = Reply::default();
+    open.u32(libc::O_RDONLY as u32).u32(0);
+    let (err, reply) = fe.fuse(1, Opcode::Open, node, &open.bytes).unwrap();
+    assert_eq!(err, 0, "open {name}");
+    let fh = u64::from_le_bytes(reply[..8].try_into().unwrap());
+    common::read(&mut fe, (node, fh), 4096)
+}
+
+/// In the sandbox: a snapshot of the served image `b`, served beside it
+/// on its device through a socket the supervisor binds alone.
+fn snapshot_served_through_the_supervisor(rpc_path: &Path, b: &Path, allowed: &Path) {
+    let (socket, snap_socket) = (allowed.join("b.sock"), allowed.join("b-snap.sock"));
+    rpc(rpc_path, "export_add", json!({"export": {"tag": "vm-b", "device": b, "socket": socket}})).unwrap();
+    write_and_read_back(&socket, "kept", b"before the snapshot");
+    rpc(rpc_path, "snapshot_create", json!({"export": "vm-b", "name": "s"})).unwrap();
+    write_and_read_back(&socket, "later", b"after it");
+    let export = json!({"tag": "vm-b-s", "device": b, "read_only": true, "snapshot": "s", "socket": snap_socket});
+    let added = rpc(rpc_path, "export_add", json!({"export": export}));
+    assert_eq!(added.expect("a snapshot export through the supervisor")["tag"], "vm-b-s");
+    assert_eq!(read_named(&snap_socket, "kept"), Ok(b"before the snapshot".to_vec()));
+    assert_eq!(read_named(&snap_socket, "later"), Err(libc::ENOENT), "written after the snapshot");
+    let busy = rpc(rpc_path, "snapshot_delete", json!({"export": "vm-b", "name": "s"}));
+    assert!(busy.expect_err("a served snapshot").contains("-32003"));
+    rpc(rpc_path, "export_remove", json!({"tag": "vm-b-s"})).expect("export_remove of the snapshot");
+    assert!(!snap_socket.exists(), "the supervisor removed the snapshot's socket");
+    rpc(rpc_path, "snapshot_delete", json!({"export": "vm-b", "name": "s"})).expect("snapshot_delete");
+    rpc(rpc_path, "export_remove", json!({"tag": "vm-b"})).expect("export_remove");
+    assert_eq!(fsck(b).0, 0, "vm-b after its snapshot came and went");
 }
 
 fn fsck_repair(image: &Path) -> i32 {
