@@ -189,7 +189,7 @@ impl Direct<'_> {
         // is released.
         let segments = self.inner.meta.segments(ino, first, last - first + 1)?;
         let all_written = segments.iter().all(|s| matches!(s, Segment::Mapped(e) if !e.unwritten));
-        if !all_written || !inside()? || self.core().range_shares_blocks(ino, first, last)? {
+        if !all_written || !inside()? || self.core().segments_share_blocks(&segments) {
             return Ok(None);
         }
         self.inner.data.direct_begin();

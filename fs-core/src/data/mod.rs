@@ -335,12 +335,21 @@ impl DataCore<'_> {
             return Ok(false);
         }
         let segments = self.inner.meta.segments(ino, first, last - first + 1)?;
-        Ok(segments.iter().any(|s| match s {
+        Ok(self.segments_share_blocks(&segments))
+    }
+
+    /// Whether a written block of `segments` (a reading of a file's map)
+    /// is shared.
+    pub(super) fn segments_share_blocks(self, segments: &[Segment]) -> bool {
+        if self.inner.space.free().shared.is_empty() {
+            return false;
+        }
+        segments.iter().any(|s| match s {
             Segment::Mapped(e) if !e.unwritten => {
                 !self.shared_parts(BlockRun { start: e.disk_block.get(), len: e.len }).is_empty()
             }
             _ => false,
-        }))
+        })
     }
 
     /// Zero bytes [from, to) of one file block on the device, if it holds
