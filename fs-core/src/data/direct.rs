@@ -54,6 +54,17 @@ impl DataOps<'_> {
     }
 }
 
+/// What the overwrite fast path did.
+pub(super) enum InPlace {
+    /// Wrote these bytes in place.
+    Written(u32),
+    /// Nothing: every block is written and inside the file, but some are
+    /// shared (copy on write).
+    Shared,
+    /// Nothing: a block is a hole or unwritten, or the write passes the end.
+    NotThere,
+}
+
 impl Direct<'_> {
     pub(super) fn direct_aligned<B: IoBuffer>(self, offset: u64, buf: &SharedBuffer<B>) -> bool {
         let align = self.inner.io.geometry().memory_alignment.max(512) as usize;
@@ -96,8 +107,12 @@ impl Direct<'_> {
         if !self.direct_aligned(offset, buf) {
             return self.write_copied(ino, offset, buf).await;
         }
-        if let Some(n) = self.try_direct_overwrite(ino, offset, end, buf).await? {
-            return Ok(n);
+        match self.try_direct_overwrite(ino, offset, end, buf).await? {
+            InPlace::Written(n) => return Ok(n),
+            // Every block written and inside the file, some shared: copy
+            // on write, without asking the extending path first.
+            InPlace::Shared => return self.write_shared_aligned(ino, offset, end, buf).await,
+            InPlace::NotThere => {}
         }
         match self.direct_extend(ino, offset, end, buf).await? {
             Some(n) => Ok(n),
@@ -165,14 +180,14 @@ impl Direct<'_> {
 
     /// The overwrite fast path: every block already written, inside the
     /// file and named by this file only. Shared lock, no allocation, no
-    /// record. None if not applicable.
+    /// record.
     pub(super) async fn try_direct_overwrite<B: IoBuffer>(
         self,
         ino: Ino,
         offset: u64,
         end: u64,
         buf: &SharedBuffer<B>,
-    ) -> FsResult<Option<u32>> {
+    ) -> FsResult<InPlace> {
         let (first, last) = blocks_of(offset, end - offset);
         // Past the size (even inside the last block) is an extending
         // write: it must move the size, which this path never does. The
@@ -180,7 +195,7 @@ impl Direct<'_> {
         // it here.
         let inside = || -> FsResult<bool> { Ok(end <= self.inner.meta.inode(ino)?.size) };
         if !inside()? {
-            return Ok(None);
+            return Ok(InPlace::NotThere);
         }
         let _range =
             self.inner.data.lock(ino, FileBlock::new(first).offset(), FileBlock::new(last + 1).offset(), false).await;
@@ -189,8 +204,11 @@ impl Direct<'_> {
         // is released.
         let segments = self.inner.meta.segments(ino, first, last - first + 1)?;
         let all_written = segments.iter().all(|s| matches!(s, Segment::Mapped(e) if !e.unwritten));
-        if !all_written || !inside()? || self.core().segments_share_blocks(&segments) {
-            return Ok(None);
+        if !all_written || !inside()? {
+            return Ok(InPlace::NotThere);
+        }
+        if self.core().segments_share_blocks(&segments) {
+            return Ok(InPlace::Shared);
         }
         self.inner.data.direct_begin();
         let result = self.submit_segments(buf, first, &segments, true).await;
@@ -199,7 +217,7 @@ impl Direct<'_> {
         self.inner.journal.ring.borrow_mut().data_writes += 1;
         self.inner.change().written(ino, None)?;
         self.inner.data.count_direct_overwrite(end - offset);
-        Ok(Some((end - offset) as u32))
+        Ok(InPlace::Written((end - offset) as u32))
     }
 
     /// Issue device I/O for every segment: reads or writes of the mapped
