@@ -522,7 +522,7 @@ fn pattern(seed: u8, len: usize) -> Vec<u8> {
 }
 
 /// Snapshots over the RPC (issue 37): one taken while the export serves,
-/// the live files changed afterwards, the snapshot served as a read-only
+/// the live files changed afterwards, a restart, the snapshot served as a read-only
 /// export beside it (sharing its device), and the guards: a served
 /// snapshot cannot be deleted, nor the export under it removed.
 #[test]
@@ -555,6 +555,9 @@ fn snapshots_over_rpc_are_served_beside_the_live_export() {
     std::fs::remove_file(mnt.join("d/g")).unwrap();
     std::fs::write(mnt.join("new"), b"after").unwrap();
     std::fs::File::open(&mnt).unwrap().sync_all().unwrap();
+    // A restart keeps the snapshot: it lives on the image.
+    daemon.stop();
+    let daemon = Daemon::start(&scratch, &config, &[&mnt]);
     let list = rpc(&rpc_path, "snapshot_list", json!({"export": "vol-a"})).unwrap();
     assert_eq!(list.as_array().unwrap().len(), 1);
     assert!(list[0]["exclusive_bytes"].as_u64().unwrap() >= 8 << 20, "{list}");
