@@ -446,14 +446,19 @@ fn metadata_fill_then_mount_report_memory_time_and_checkpoint() {
     let fill = run("metadata-fill");
     assert_eq!(fill["files"], 2500, "{fill}");
     assert_eq!(fill["directories"], 3, "{fill}");
-    for key in ["files_created_per_s", "checkpoint_s", "rss_bytes_per_file", "checkpoint_bytes_per_file"] {
-        assert!(fill[key].as_f64().unwrap() > 0.0, "{key} in {fill}");
+    // What the image holds is exact; what the clock and the allocator
+    // show is only reported: at 2,500 files the resident size may not
+    // move past what earlier work left free (it did not once in CI:
+    // 0 bytes per file), and a checkpoint this small may round to 0 s.
+    assert!(fill["checkpoint_bytes_per_file"].as_f64().unwrap() > 0.0, "{fill}");
+    for key in ["files_created_per_s", "checkpoint_s", "rss_bytes_per_file"] {
+        assert!(fill[key].as_f64().is_some_and(|v| v >= 0.0), "{key} in {fill}");
     }
     let mount = run("metadata-mount");
     // The files, their 3 directories and the root.
     assert_eq!(mount["inodes"], 2504, "{mount}");
     assert_eq!(mount["replayed_transactions"], 0, "a clean unmount left nothing to replay: {mount}");
-    assert!(mount["mount_s"].as_f64().unwrap() > 0.0, "{mount}");
+    assert!(mount["mount_s"].as_f64().is_some_and(|v| v >= 0.0), "{mount}");
     let _ = std::fs::remove_file(&path);
 }
 
