@@ -72,7 +72,8 @@ struct TrimParams {
     min_bytes: Option<u64>,
 }
 
-fn parse<T: for<'de> Deserialize<'de>>(params: Value) -> Result<T, RpcError> {
+/// The params as `T`; a mismatch is -32602 with serde's reason.
+pub(crate) fn parse<T: for<'de> Deserialize<'de>>(params: Value) -> Result<T, RpcError> {
     serde_json::from_value(params)
         .map_err(|e| RpcError { code: code::INVALID_PARAMS, message: format!("invalid params: {e}") })
 }

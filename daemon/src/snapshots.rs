@@ -13,7 +13,7 @@ use keelfs_fs::{SnapshotInfo, Timespec};
 
 use crate::control::Control;
 use crate::rpc::{code, RpcError};
-use crate::settings::on_fs;
+use crate::settings::{on_fs, parse};
 
 /// How long a snapshot may take: it writes a whole checkpoint, which on
 /// a million files is some hundreds of megabytes. It goes on if the call
@@ -31,11 +31,6 @@ struct NamedParams {
 #[serde(deny_unknown_fields)]
 struct ListParams {
     export: String,
-}
-
-fn parse<T: for<'de> Deserialize<'de>>(params: Value) -> Result<T, RpcError> {
-    serde_json::from_value(params)
-        .map_err(|e| RpcError { code: code::INVALID_PARAMS, message: format!("invalid params: {e}") })
 }
 
 fn named(params: Value) -> Result<NamedParams, RpcError> {

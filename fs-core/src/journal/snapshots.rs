@@ -372,7 +372,7 @@ async fn read_table(dev: &DeviceChannel, sb: &Superblock) -> FsResult<Vec<Snapsh
 
 /// The superblock as it would be if `entry` were its checkpoint: to load
 /// a snapshot with the checkpoint loader.
-pub(crate) fn superblock_of(sb: &Superblock, entry: &SnapshotEntry) -> Superblock {
+fn superblock_of(sb: &Superblock, entry: &SnapshotEntry) -> Superblock {
     Superblock {
         checkpoint_seq: entry.checkpoint_seq,
         checkpoint_bytes: entry.checkpoint_bytes,
