@@ -60,6 +60,10 @@ Options:
                      with --interactive; 0 = none)
   --stall-after SECS with --script: a guest silent on its heartbeat this
                      long has stalled (default: 60)
+  --boot-within SECS with --script: a guest whose console is still empty
+                     after SECS hung before its script started; it is
+                     booted again (default: 180; a boot prints its first
+                     line in about 6 s under TCG here)
   --accel A          auto, kvm or tcg (default: \$KEELFS_ACCEL, else auto:
                      KVM when it boots the guest kernel to its first console
                      line, else TCG, saying why; the answer is kept for this
@@ -95,13 +99,17 @@ Exit status (with --script): the script's exit status, read from the
 124 when the timeout passed, 125 when QEMU ended without that line,
 126 when the guest stalled (its /init prints a heartbeat every 10 s; none
 for --stall-after seconds, or a kernel stall report and no line from the
-test for that long, stops QEMU and prints the console's tail),
+test for that long, stops QEMU and prints the console's tail), or
+printed nothing for --boot-within seconds on each of three boots,
 2 for usage errors.
 
 Under TCG, QEMU 10 can abort on its own iotlb_to_section assertion while
 the guest kernel sets up its PCI devices on two vCPUs. Such an abort
 before the guest's script starts (nothing has touched the export yet)
 boots the guest again, at most three boots in all, saying so on stderr.
+So does a boot whose console stays empty for --boot-within seconds: QEMU
+under TCG was seen to hang that way, silent, before the guest kernel
+printed a line.
 
 Examples:
   keelfsd serve --device /tmp/k.img --socket /tmp/k.sock --queues 2 &
@@ -133,6 +141,7 @@ script=""
 interactive=0
 timeout=""
 stall_after=60
+boot_within=180
 accel=${KEELFS_ACCEL:-auto}
 logfile=""
 append_extra=""
@@ -159,6 +168,7 @@ while (($#)); do
     --interactive) interactive=1; shift ;;
     --timeout) need_arg "$1" $#; timeout=$2; shift 2 ;;
     --stall-after) need_arg "$1" $#; stall_after=$2; shift 2 ;;
+    --boot-within) need_arg "$1" $#; boot_within=$2; shift 2 ;;
     --accel) need_arg "$1" $#; accel=$2; shift 2 ;;
     --log) need_arg "$1" $#; logfile=$2; shift 2 ;;
     --append) need_arg "$1" $#; append_extra=$2; shift 2 ;;
@@ -205,6 +215,7 @@ if [[ -z $timeout ]]; then
 fi
 [[ $timeout =~ ^[0-9]+$ ]] || die "--timeout '$timeout' is not a number of seconds"
 [[ $stall_after =~ ^[1-9][0-9]*$ ]] || die "--stall-after '$stall_after' is not a positive number of seconds"
+[[ $boot_within =~ ^[1-9][0-9]*$ ]] || die "--boot-within '$boot_within' is not a positive number of seconds"
 case "$accel" in auto|kvm|tcg) ;; *) die "--accel must be auto, kvm or tcg" ;; esac
 [[ -z $qmp || -d $(dirname "$qmp") ]] || die "--qmp $qmp: no such directory $(dirname "$qmp")"
 if [[ -n $incoming || -n $migrated_flag ]]; then
@@ -409,10 +420,20 @@ console=$tmp/console.log
 qemu+=(-chardev "file,id=con,path=$console,append=on" -serial chardev:con)
 start=$SECONDS
 
+# Stops QEMU: SIGTERM, and SIGKILL after 10 s (a hung QEMU may not act on
+# SIGTERM).
+stop_qemu() {
+  kill -TERM "$qpid" 2>/dev/null || true
+  for _ in $(seq 1 50); do kill -0 "$qpid" 2>/dev/null || break; sleep 0.2; done
+  kill -KILL "$qpid" 2>/dev/null || true
+}
+
 # Boots QEMU once and watches it until it exits or is stopped: sets qrc,
-# marker_at, migrated_at, stalled, stall_reason, timed_out and kvm_failed.
+# marker_at, migrated_at, stalled, stall_reason, timed_out, silent and
+# kvm_failed.
 boot_and_watch() {
   : >"$console"
+  local boot_start=$SECONDS
   "${qemu[@]}" </dev/null 2>"$tmp/qemu.err" &
   qpid=$!
   # Stream the console while QEMU runs (tail stops after QEMU exits).
@@ -437,6 +458,7 @@ boot_and_watch() {
   stall_reason=""
   migrated_at=""
   kvm_failed=0
+  silent=0
   while kill -0 "$qpid" 2>/dev/null; do
     # A KVM that stops the kernel leaves QEMU paused and silent: end it now
     # rather than at the stall clock (the probe keeps "auto" from this).
@@ -477,13 +499,17 @@ boot_and_watch() {
         fi
         if [[ -n $stall_reason ]]; then
           stalled=1
-          # A hung QEMU may not act on SIGTERM: SIGKILL after 10 s.
-          kill -TERM "$qpid" 2>/dev/null || true
-          for _ in $(seq 1 50); do kill -0 "$qpid" 2>/dev/null || break; sleep 0.2; done
-          kill -KILL "$qpid" 2>/dev/null || true
+          stop_qemu
           break
         fi
       fi
+    fi
+    # (A guest arriving by migration prints nothing until it arrives.)
+    if [[ -z $incoming ]] && ((SECONDS - boot_start >= boot_within)) &&
+      ! grep -aq '[[:print:]]' "$console"; then
+      silent=1
+      stop_qemu
+      break
     fi
     if [[ -n $marker_at ]] && ((SECONDS - marker_at > 30)); then
       log "the guest reported its exit status but did not power off in 30 s; stopping QEMU"
@@ -520,9 +546,19 @@ boots=0
 while :; do
   boots=$((boots + 1))
   boot_and_watch
-  if ((boots >= 3)) || ! qemu_tcg_race_before_script; then break; fi
-  log "QEMU aborted before the guest's script started (boot $boots, $((SECONDS - start))s): QEMU's TCG race; booting again"
-  sed 's/^/  qemu: /' "$tmp/qemu.err" >&2
+  if ((boots >= 3)); then break; fi
+  if qemu_tcg_race_before_script; then
+    log "QEMU aborted before the guest's script started (boot $boots, $((SECONDS - start))s): QEMU's TCG race; booting again"
+  elif ((silent)); then
+    # An empty console: the guest's /init never ran, so its script has not
+    # touched the export, and booting again tests the same thing. (A hang
+    # the back-end causes at the device's setup still fails, three boots
+    # on.)
+    log "the guest printed nothing in ${boot_within}s (boot $boots, accel=$accel): a hang before its first line; booting again"
+  else
+    break
+  fi
+  [[ ! -s $tmp/qemu.err ]] || sed 's/^/  qemu: /' "$tmp/qemu.err" >&2
 done
 # (The driver may have created the flag and quit QEMU between two looks.)
 [[ -n $migrated_at || -z $migrated_flag || ! -e $migrated_flag ]] || migrated_at=$SECONDS
@@ -550,6 +586,11 @@ if ((stalled)); then
   fi
   log "console tail:"
   tr -d '\r' <"$console" | grep -av '^KEELFS-HEARTBEAT' | tail -n 40 | sed 's/^/  | /' >&2
+  exit 126
+fi
+if ((silent)); then
+  log "error: the guest printed nothing in ${boot_within}s on each of $boots boots (accel=$accel); QEMU stopped"
+  [[ ! -s $tmp/qemu.err ]] || sed 's/^/  qemu: /' "$tmp/qemu.err" >&2
   exit 126
 fi
 if ((timed_out)); then

@@ -189,6 +189,19 @@ fn tcg_aborting(name: &str, aborts: usize, after_start: bool) -> FakeQemuHost {
     })
 }
 
+/// A host whose QEMU hangs silently, before the guest kernel prints a
+/// line, on its first `hangs` starts (every start is counted), as TCG was
+/// seen to in CI.
+fn tcg_hanging(name: &str, hangs: usize) -> FakeQemuHost {
+    FakeQemuHost::new(name, |scratch| {
+        format!(
+            "echo start >>'{count}'\nif [ \"$(wc -l <'{count}')\" -le {hangs} ]; then\n  \
+             exec sleep 3600\nfi\n",
+            count = scratch.path("qemu-starts").display()
+        )
+    })
+}
+
 impl FakeQemuHost {
     fn qemu_starts(&self) -> usize {
         std::fs::read_to_string(self.scratch.path("qemu-starts")).unwrap_or_default().lines().count()
@@ -196,10 +209,16 @@ impl FakeQemuHost {
 
     /// run-guest.sh under TCG with `script_text` as the guest's script.
     fn run_tcg_guest(&self, script_text: &str) -> (Output, String) {
+        self.run_tcg_guest_with(script_text, &[])
+    }
+
+    /// run_tcg_guest with `extra` arguments to run-guest.sh.
+    fn run_tcg_guest_with(&self, script_text: &str, extra: &[&str]) -> (Output, String) {
         let script = self.guest_script(script_text);
         let image = self.nvme_image();
         let args = ["--accel".as_ref(), "tcg".as_ref(), "--timeout".as_ref(), "600".as_ref(), "--nvme".as_ref()];
-        let args = [&args[..], &[image.as_os_str(), "--script".as_ref(), script.as_os_str()]].concat();
+        let extra: Vec<&std::ffi::OsStr> = extra.iter().map(|a| a.as_ref()).collect();
+        let args = [&args[..], &[image.as_os_str(), "--script".as_ref(), script.as_os_str()], &extra].concat();
         self.run("qemu-scripts/run-guest.sh", &args)
     }
 }
@@ -231,4 +250,28 @@ fn a_tcg_abort_after_the_script_started_is_a_failure() {
     assert_eq!(out.status.code(), Some(125), "the test had begun: no second boot:\n{text}");
     assert!(!text.contains("booting again"), "{text}");
     assert_eq!(host.qemu_starts(), 1);
+}
+
+// With --verbose, the guest kernel prints its first line about 1.4 s into
+// a TCG boot here: a 30 s deadline holds the stand-in's hang to it and
+// leaves the real boot twenty times what it needs.
+#[test]
+fn a_guest_silent_past_its_boot_deadline_is_booted_again() {
+    let host = tcg_hanging("tcg-hang-retry", 1);
+    let script = "#!/bin/sh\necho 'guest: the script ran'\nexit 0\n";
+    let (out, text) = host.run_tcg_guest_with(script, &["--verbose", "--boot-within", "30"]);
+    assert!(out.status.success(), "the second boot must pass:\n{text}");
+    assert!(text.contains("the guest printed nothing in 30s (boot 1, accel=tcg)"), "{text}");
+    assert!(text.contains("a hang before its first line; booting again"), "{text}");
+    assert!(text.contains("guest: the script ran"), "{text}");
+    assert_eq!(host.qemu_starts(), 2, "one hang, one boot that ran the script");
+}
+
+#[test]
+fn a_guest_silent_on_every_boot_fails_after_three() {
+    let host = tcg_hanging("tcg-hang-always", 99);
+    let (out, text) = host.run_tcg_guest_with("#!/bin/sh\nexit 0\n", &["--boot-within", "3"]);
+    assert_eq!(out.status.code(), Some(126), "{text}");
+    assert!(text.contains("the guest printed nothing in 3s on each of 3 boots (accel=tcg)"), "{text}");
+    assert_eq!(host.qemu_starts(), 3, "three boots, then the failure");
 }
