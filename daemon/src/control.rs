@@ -45,6 +45,10 @@ pub struct ExportEntry {
     /// The open device, once opened: a snapshot export of the same image
     /// shares it (and its lock) instead of opening the image again.
     pub device: Option<SharedDevice>,
+    /// The image is not here: given up to another process by a
+    /// migration, or (`serve --incoming`) not taken yet. No snapshot of it
+    /// may be served here meanwhile.
+    pub image_away: bool,
 }
 
 /// An export's open device, as the table holds it.
@@ -96,6 +100,16 @@ impl ExportTable {
         }
         if let Some(clash) = entries.list.iter().find_map(|running| clash(&running.export, &entry.export)) {
             return Err(ControlError::Conflict(clash));
+        }
+        if entry.export.snapshot.is_some() {
+            let away = entries.list.iter().find(|e| e.image_away && e.export.device == entry.export.device);
+            if let Some(away) = away {
+                return Err(ControlError::NotPossible(format!(
+                    "export \"{}\" does not hold its image now (it migrated away, or has not arrived yet): no \
+                     snapshot of it can be served here",
+                    away.export.tag
+                )));
+            }
         }
         entries.list.push(entry);
         drop(entries);
@@ -175,6 +189,36 @@ impl ExportTable {
     pub fn set_device(&self, tag: &str, device: SharedDevice) {
         if let Some(e) = self.lock().list.iter_mut().find(|e| e.export.tag == tag) {
             e.device = Some(device);
+        }
+    }
+
+    /// Export `tag` would give its image up (a migration's switch-over):
+    /// refused while an export serves a snapshot of the image here, since
+    /// the image's next holder may delete that snapshot and reuse its
+    /// blocks under the reader. The check and the mark are one step with
+    /// `reserve`'s, so that no snapshot export slips in between.
+    pub fn give_up_image(&self, tag: &str) -> Result<(), String> {
+        let mut entries = self.lock();
+        let Some(device) = entries.list.iter().find(|e| e.export.tag == tag).map(|e| e.export.device.clone()) else {
+            return Ok(());
+        };
+        let reader = entries.list.iter().find(|e| e.export.device == device && e.export.snapshot.is_some());
+        if let Some(reader) = reader {
+            return Err(format!(
+                "export \"{}\" serves a snapshot of this image here: remove it before the image can move",
+                reader.export.tag
+            ));
+        }
+        if let Some(e) = entries.list.iter_mut().find(|e| e.export.tag == tag) {
+            e.image_away = true;
+        }
+        Ok(())
+    }
+
+    /// Export `tag` holds its image (again), or not yet (`away`).
+    pub fn set_image_away(&self, tag: &str, away: bool) {
+        if let Some(e) = self.lock().list.iter_mut().find(|e| e.export.tag == tag) {
+            e.image_away = away;
         }
     }
 
@@ -319,6 +363,7 @@ impl Control {
             brokered_socket: None,
             awaited: true,
             device: None,
+            image_away: false,
         };
         self.table.reserve(entry)?;
         let opened = match source.and_then(|s| s.device) {

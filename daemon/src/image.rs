@@ -15,6 +15,7 @@ use keelfs_reactor as reactor;
 use keelfs_vhost::{ImageAccess, LocalFuture, TransferError};
 
 use crate::config::Export;
+use crate::control::ExportTable;
 use crate::lock::ImageLock;
 
 /// How long taking the image waits for the previous server to let go of
@@ -40,6 +41,9 @@ pub struct ExportImage {
     /// None for NVMe, which VFIO gives to one process at a time anyway.
     lock: Option<ImageLock>,
     locked: Cell<bool>,
+    /// Where the daemon lists its exports: whether the image may go, and
+    /// whether it is here.
+    table: Arc<ExportTable>,
 }
 
 impl ExportImage {
@@ -49,10 +53,11 @@ impl ExportImage {
         dev: Arc<dyn BlockDevice>,
         reactor_id: usize,
         commit_interval: Duration,
-        lock: Option<ImageLock>,
-        locked: bool,
+        (lock, locked): (Option<ImageLock>, bool),
+        table: &Arc<ExportTable>,
     ) -> Self {
-        Self { export, dev, reactor_id, commit_interval, lock, locked: Cell::new(locked) }
+        let table = Arc::clone(table);
+        Self { export, dev, reactor_id, commit_interval, lock, locked: Cell::new(locked), table }
     }
 
     async fn take_lock(&self) -> Result<(), String> {
@@ -170,7 +175,10 @@ impl ImageAccess for ExportImage {
             let mounted =
                 crate::serve::mount(self.reactor_id, &self.export, &self.dev, self.commit_interval, true).await;
             match mounted {
-                Ok(fs) => Ok(fs),
+                Ok(fs) => {
+                    self.table.set_image_away(&self.export.tag, false);
+                    Ok(fs)
+                }
                 Err(e) => {
                     self.let_go().await;
                     Err(TransferError::Image(format!("{e:#}")))
@@ -186,6 +194,10 @@ impl ImageAccess for ExportImage {
             self.let_go().await;
             unmounted
         })
+    }
+
+    fn may_give_up(&self) -> Result<(), TransferError> {
+        self.table.give_up_image(&self.export.tag).map_err(TransferError::Image)
     }
 }
 

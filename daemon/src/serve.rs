@@ -762,6 +762,7 @@ fn start_exports(
                 brokered_socket: None,
                 awaited: false,
                 device: Some(crate::control::SharedDevice(Arc::clone(&opened.dev))),
+                image_away: false,
             };
             table.insert(entry);
             start_export(handles, id, opened, timing, events.clone(), Arc::clone(table))?;
@@ -1131,14 +1132,17 @@ async fn mount_export(
     dev: &Arc<dyn BlockDevice>,
     lock: Option<ImageLock>,
     (commit_interval, incoming): (Duration, bool),
+    table: &Arc<ExportTable>,
 ) -> anyhow::Result<Mounted> {
     if !crate::image::migratable(export) {
         let fs = mount(reactor_id, export, dev, commit_interval, false).await?;
         return Ok(Mounted::Fixed { fs, _lock: lock });
     }
     let locked = !incoming;
-    let image = Rc::new(ExportImage::new(export.clone(), Arc::clone(dev), reactor_id, commit_interval, lock, locked));
+    let held = (lock, locked);
+    let image = Rc::new(ExportImage::new(export.clone(), Arc::clone(dev), reactor_id, commit_interval, held, table));
     if incoming {
+        table.set_image_away(&export.tag, true);
         return Ok(Mounted::Movable(image, None));
     }
     // Orphans a kept session holds stay; the server frees the rest once
@@ -1160,7 +1164,7 @@ async fn run_export(
         None => (None, None),
     };
     let tag = export.tag.clone();
-    let mounted = match mount_export(reactor_id, &export, &dev, lock, timing).await {
+    let mounted = match mount_export(reactor_id, &export, &dev, lock, timing, &table).await {
         Ok(mounted) => mounted,
         Err(e) => {
             table.fail(&tag, format!("{e:#}"));

@@ -397,6 +397,8 @@ fn a_sandboxed_daemon_adds_exports_through_its_supervisor() {
         assert_eq!(fsck(&b).0, 0, "vm-b after export_remove");
     }
     snapshot_served_through_the_supervisor(&rpc_path, &b, &allowed);
+    let log = daemon.log();
+    assert!(log.contains("serves a snapshot of this image here"), "the refusal's reason is logged:\n{log}");
     // The supervisor opens nothing outside export_dirs.
     let socket_c = allowed.join("c.sock");
     let refused =
@@ -458,11 +460,40 @@ fn snapshot_served_through_the_supervisor(rpc_path: &Path, b: &Path, allowed: &P
     assert_eq!(read_named(&snap_socket, "later"), Err(libc::ENOENT), "written after the snapshot");
     let busy = rpc(rpc_path, "snapshot_delete", json!({"export": "vm-b", "name": "s"}));
     assert!(busy.expect_err("a served snapshot").contains("-32003"));
-    rpc(rpc_path, "export_remove", json!({"tag": "vm-b-s"})).expect("export_remove of the snapshot");
-    assert!(!snap_socket.exists(), "the supervisor removed the snapshot's socket");
+    snapshot_pins_the_image_against_a_migration(rpc_path, &socket, &export);
     rpc(rpc_path, "snapshot_delete", json!({"export": "vm-b", "name": "s"})).expect("snapshot_delete");
     rpc(rpc_path, "export_remove", json!({"tag": "vm-b"})).expect("export_remove");
     assert_eq!(fsck(b).0, 0, "vm-b after its snapshot came and went");
+}
+
+/// While export vm-b-s (`snapshot_export`) serves a snapshot of vm-b's
+/// image, vm-b cannot give the image up to a migration's destination,
+/// which could delete the snapshot and reuse its blocks under the reader:
+/// the save is refused and vm-b serves on. Once vm-b-s is gone the image
+/// may move, and while it is away no snapshot of it is served here; a
+/// failed migration takes it back. Leaves vm-b serving, vm-b-s removed.
+fn snapshot_pins_the_image_against_a_migration(rpc_path: &Path, socket: &Path, snapshot_export: &Value) {
+    use keelfs_vhost::abi::{init_flags as f, Opcode};
+    let mut fe = common::connect_frontend(socket);
+    fe.init(f::ASYNC_READ | f::MAX_PAGES | f::INIT_EXT).unwrap();
+    assert!(fe.save_state().is_err(), "a migration while a snapshot of the image is served here");
+    drop(fe);
+    write_and_read_back(socket, "after-refusal", b"still served");
+    rpc(rpc_path, "export_remove", json!({"tag": "vm-b-s"})).expect("export_remove of the snapshot");
+    assert!(!snapshot_export["socket"].as_str().map(Path::new).unwrap().exists(), "the snapshot's socket is gone");
+
+    let mut fe = common::connect_frontend(socket);
+    fe.init(f::ASYNC_READ | f::MAX_PAGES | f::INIT_EXT).unwrap();
+    fe.save_state().expect("the image moves once no snapshot of it is served");
+    let away = rpc(rpc_path, "export_add", json!({"export": snapshot_export}));
+    let message = away.expect_err("a snapshot of an image that is not here");
+    assert!(message.contains("does not hold its image now"), "{message}");
+    // The destination never took it: the source's rings restart and the
+    // next request takes the image back.
+    fe.resume_queues().unwrap();
+    assert_eq!(fe.fuse(1, Opcode::Lookup, 1, &common::named("kept")).unwrap().0, 0);
+    drop(fe);
+    write_and_read_back(socket, "after-return", b"served again");
 }
 
 fn fsck_repair(image: &Path) -> i32 {

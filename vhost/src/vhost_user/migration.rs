@@ -51,6 +51,15 @@ pub trait ImageAccess {
     /// Commit, checkpoint and unlock: the image is another's to take.
     /// The lock is released even when the unmount fails.
     fn detach(&self, fs: Fs) -> LocalFuture<'_, Result<(), TransferError>>;
+    /// Whether the image may be given up now, asked before the session
+    /// is saved, so that a refusal leaves the export attached and
+    /// serving: the daemon refuses while it still reads the image for
+    /// something else (a snapshot served beside it), which the image's
+    /// next holder could change under it. Once this answers yes, the
+    /// image counts as given up until [`ImageAccess::attach`] succeeds.
+    fn may_give_up(&self) -> Result<(), TransferError> {
+        Ok(())
+    }
 }
 
 /// Why a session could not move: its image not taken or given up, its
@@ -290,6 +299,9 @@ impl Attachment {
     /// the encoded state, for the destination.
     pub(super) async fn save_and_detach(&self) -> Result<Vec<u8>, TransferError> {
         let image = self.image.clone().ok_or(TransferError::SharedImage)?;
+        if matches!(*self.state.borrow(), AttachState::Attached { .. }) {
+            image.may_give_up()?;
+        }
         let previous = std::mem::replace(&mut *self.state.borrow_mut(), AttachState::Attaching);
         let (fs, session) = match previous {
             AttachState::Attached { fs, session } => (fs, session),
