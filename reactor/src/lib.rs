@@ -1026,6 +1026,11 @@ impl Reactor {
     }
 
     fn adopt_new_pollers(&mut self) {
+        // Every iteration asks; almost none has any (a spinning reactor
+        // showed the empty collect at 3% of its samples).
+        if self.local.new_pollers.borrow().is_empty() {
+            return;
+        }
         let new: Vec<_> = self.local.new_pollers.borrow_mut().drain(..).collect();
         for (class, poller) in new {
             if let Some(fd) = poller.wake_fd() {
