@@ -73,6 +73,15 @@ impl SharedRuns {
         gaps.into_iter().for_each(&mut freed);
     }
 
+    /// Whether any block of `run` is named more than once: one step in
+    /// the tree. Entries do not overlap, so the last that starts before
+    /// `run` ends is the only one that can reach into it from before, and
+    /// any other that overlaps it starts inside it, after that one.
+    pub fn any_shared(&self, run: BlockRun) -> bool {
+        run.len > 0
+            && self.runs.range(..run.end()).next_back().is_some_and(|(&start, entry)| start + entry.len > run.start)
+    }
+
     /// The parts of `run` named more than once, in order, each as long as
     /// it runs.
     pub fn shared_within(&self, run: BlockRun) -> Vec<BlockRun> {
@@ -281,6 +290,11 @@ mod tests {
                 for (block, &count) in counts.iter().enumerate() {
                     let named_twice = !shared.shared_within(run(block as u64, 1)).is_empty();
                     prop_assert_eq!(named_twice, count > 1, "block {}", block);
+                }
+                for (from, len) in [(start, len), (start.saturating_sub(3), len + 6), (0, BLOCKS as u64)] {
+                    let to = (from + len).min(BLOCKS as u64);
+                    let any = counts[from as usize..to as usize].iter().any(|&c| c > 1);
+                    prop_assert_eq!(shared.any_shared(run(from, to - from)), any, "{}..{}", from, to);
                 }
                 let saved: u64 = counts.iter().map(|&c| c.saturating_sub(1)).sum();
                 prop_assert_eq!(shared.saved_blocks(), saved);

@@ -341,12 +341,13 @@ impl DataCore<'_> {
     /// Whether a written block of `segments` (a reading of a file's map)
     /// is shared.
     pub(super) fn segments_share_blocks(self, segments: &[Segment]) -> bool {
-        if self.inner.space.free().shared.is_empty() {
+        let free = self.inner.space.free();
+        if free.shared.is_empty() {
             return false;
         }
         segments.iter().any(|s| match s {
             Segment::Mapped(e) if !e.unwritten => {
-                !self.shared_parts(BlockRun { start: e.disk_block.get(), len: e.len }).is_empty()
+                free.shared.any_shared(BlockRun { start: e.disk_block.get(), len: e.len })
             }
             _ => false,
         })
