@@ -264,7 +264,27 @@ impl ExtentMap {
         let end = file_block.saturating_add(len);
         let mut out = Segments::new();
         let mut at = file_block;
-        for (k, (db, l, unwritten)) in self.range(self.start_key(file_block)..end) {
+        // The extent holding the first block, if any, in the step that
+        // start_key would take: a range inside one extent (a 4 KiB write)
+        // needs no second walk down the tree. Later extents start at or
+        // past its end.
+        if let Some((k, (db, l, unwritten))) = self.range(..=file_block).next_back() {
+            let e = (k + l).min(end);
+            if e > file_block {
+                let disk_block = DevBlock::new(db + (file_block - k));
+                out.push(Segment::Mapped(Extent {
+                    file_block: FileBlock::new(file_block),
+                    disk_block,
+                    len: e - file_block,
+                    unwritten,
+                }));
+                at = e;
+            }
+        }
+        if at == end {
+            return out;
+        }
+        for (k, (db, l, unwritten)) in self.range(at..end) {
             let s = k.max(at);
             if s > at {
                 out.push(Segment::Hole { file_block: FileBlock::new(at), len: s - at });
@@ -340,8 +360,19 @@ mod tests {
 
     /// Every block of [0, BLOCKS) as the map says: (disk block, unwritten).
     fn blockwise(m: &ExtentMap) -> Vec<Option<(u64, bool)>> {
+        blockwise_range(m, 0, BLOCKS)
+    }
+
+    /// [from, +len) block by block, from `segments`, whose pieces must
+    /// follow each other from `from` without a gap.
+    fn blockwise_range(m: &ExtentMap, from: u64, len: u64) -> Vec<Option<(u64, bool)>> {
         let mut out = Vec::new();
-        for segment in m.segments(FileBlock::new(0), BLOCKS) {
+        for segment in m.segments(FileBlock::new(from), len) {
+            let start = match segment {
+                Segment::Hole { file_block, .. } => file_block,
+                Segment::Mapped(e) => e.file_block,
+            };
+            assert_eq!(start.get(), from + out.len() as u64, "segments follow each other");
             match segment {
                 Segment::Hole { len, .. } => out.extend((0..len).map(|_| None)),
                 Segment::Mapped(e) => out.extend((0..e.len).map(|i| Some((e.disk_block.get() + i, e.unwritten)))),
@@ -390,6 +421,10 @@ mod tests {
                 freed_blocks.sort_unstable();
                 assert_eq!(freed_blocks, before, "the runs a change frees are the blocks it replaced");
                 assert_eq!(blockwise(&m), model);
+                let from = next(BLOCKS);
+                let span = next(BLOCKS - from + 1);
+                let part = &model[from as usize..(from + span) as usize];
+                assert_eq!(blockwise_range(&m, from, span), part, "segments of [{from}, +{span})");
                 let extents: Vec<Extent> = m.iter().collect();
                 assert_eq!(extents.len(), m.len());
                 for pair in extents.windows(2) {
