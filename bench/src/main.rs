@@ -6,6 +6,7 @@ mod bdev_check;
 mod core;
 mod core_io;
 mod core_meta;
+mod crc;
 mod fio;
 mod hist;
 mod hostile;
@@ -42,6 +43,8 @@ enum Command {
     Hostile(hostile::HostileArgs),
     /// Move a session with many lookups and handles between two daemons, as QEMU's migration does.
     Migrate(migrate::MigrateArgs),
+    /// What a crc32c of a 4 KiB block costs one core, against a copy of it and a table crc32c.
+    Crc(crc::CrcArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -54,6 +57,7 @@ fn main() -> std::process::ExitCode {
         Command::Hostile(args) => hostile::run(&args),
         Command::PosixMeta(args) => posix_meta::run(&args),
         Command::Migrate(args) => migrate::run(&args),
+        Command::Crc(args) => crc::run(&args),
     };
     // An expected error (a bad argument, a full device, a daemon that is
     // not there) is one line with its causes, never a backtrace, whatever

@@ -479,3 +479,28 @@ fn results_headline_tables_are_generated_from_raw_results() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// `crc` checks the crate's crc32c against a table crc32c on the blocks it
+/// measures (and fails if they disagree), then prints one JSON line with
+/// the per-block costs and their ratios; absurd sizes are refused.
+#[test]
+fn crc_reports_the_cost_of_a_block_checksum_against_its_peers() {
+    let out = bench().args(["crc", "--mib", "2", "--rounds", "1", "--label", "t", "--json"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let line: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON line");
+    assert_eq!(line["bench"], "crc");
+    assert_eq!(line["label"], "t");
+    assert_eq!(line["block_bytes"], 4096);
+    assert!(line["sse42"].is_boolean(), "{line}");
+    for field in ["crc_ns_per_block", "copy_ns_per_block", "table_crc_ns_per_block", "crc_over_copy", "table_over_crc"]
+    {
+        assert!(line[field].is_number(), "{field}: {line}");
+    }
+    for (args, message) in
+        [(["--mib", "0"], "--mib must be 1 to 4096"), (["--rounds", "0"], "--rounds must be 1 to 100")]
+    {
+        let out = bench().arg("crc").args(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?} was accepted");
+        assert!(String::from_utf8_lossy(&out.stderr).contains(message), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+}
