@@ -111,15 +111,7 @@ impl SupervisorLink {
     /// with the supervisor's reason.
     pub fn open_export(&self, request: &OpenRequest) -> io::Result<broker::Opened> {
         let line = serde_json::to_string(request).map_err(io::Error::other)?;
-        let mut stream = self.usable()?;
-        send_line(&mut stream, &format!("open_export {line}")).map_err(|e| self.broke(e))?;
-        let mut buf = vec![0u8; MESSAGE_BYTES_MAX];
-        let (n, fds) = broker::recv_with_fds(&stream, &mut buf, 3).map_err(|e| self.broke(e))?;
-        let mut reply = buf[..n].to_vec();
-        if !reply.ends_with(b"\n") {
-            reply.extend_from_slice(read_line(&mut stream).map_err(|e| self.broke(e))?.as_bytes());
-        }
-        let reply = String::from_utf8_lossy(&reply).trim_end().to_string();
+        let (reply, fds) = self.request_with_fds(&format!("open_export {line}"), 3)?;
         match reply.split_once(' ') {
             Some(("0", body)) => {
                 let reply: OpenReply = serde_json::from_str(body).map_err(io::Error::other)?;
@@ -136,15 +128,7 @@ impl SupervisorLink {
     /// Returns the listener and its index for `remove_socket`.
     pub fn bind_socket(&self, request: &SocketRequest) -> io::Result<(std::os::unix::net::UnixListener, usize)> {
         let line = serde_json::to_string(request).map_err(io::Error::other)?;
-        let mut stream = self.usable()?;
-        send_line(&mut stream, &format!("bind_socket {line}")).map_err(|e| self.broke(e))?;
-        let mut buf = vec![0u8; MESSAGE_BYTES_MAX];
-        let (n, fds) = broker::recv_with_fds(&stream, &mut buf, 1).map_err(|e| self.broke(e))?;
-        let mut reply = buf[..n].to_vec();
-        if !reply.ends_with(b"\n") {
-            reply.extend_from_slice(read_line(&mut stream).map_err(|e| self.broke(e))?.as_bytes());
-        }
-        let reply = String::from_utf8_lossy(&reply).trim_end().to_string();
+        let (reply, fds) = self.request_with_fds(&format!("bind_socket {line}"), 1)?;
         match (reply.split_once(' '), <[OwnedFd; 1]>::try_from(fds)) {
             (Some(("0", index)), Ok([listener])) => {
                 let index = index.parse().map_err(|_| io::Error::from(io::ErrorKind::InvalidData))?;
@@ -178,6 +162,21 @@ impl SupervisorLink {
     }
 
     /// Send one request and read its answer: 0, or an errno.
+    /// Send `message` and take its one-line answer (trimmed) with the up
+    /// to `fds_max` descriptors that come with it: `open_export` and
+    /// `bind_socket`, which the caller reads the status of.
+    fn request_with_fds(&self, message: &str, fds_max: usize) -> io::Result<(String, Vec<OwnedFd>)> {
+        let mut stream = self.usable()?;
+        send_line(&mut stream, message).map_err(|e| self.broke(e))?;
+        let mut buf = vec![0u8; MESSAGE_BYTES_MAX];
+        let (n, fds) = broker::recv_with_fds(&stream, &mut buf, fds_max).map_err(|e| self.broke(e))?;
+        let mut reply = buf[..n].to_vec();
+        if !reply.ends_with(b"\n") {
+            reply.extend_from_slice(read_line(&mut stream).map_err(|e| self.broke(e))?.as_bytes());
+        }
+        Ok((String::from_utf8_lossy(&reply).trim_end().to_string(), fds))
+    }
+
     fn request(&self, message: &str) -> io::Result<()> {
         let mut stream = self.usable()?;
         send_line(&mut stream, message).map_err(|e| self.broke(e))?;
