@@ -362,7 +362,8 @@ impl DataCore<'_> {
         }
         let mut buf = self.inner.io.read_blocks(e.disk_block, 1).await?;
         buf[from..to].fill(0);
-        if !self.shared_parts(BlockRun { start: e.disk_block.get(), len: 1 }).is_empty() {
+        let shared = self.inner.space.free().shared.any_shared(BlockRun { start: e.disk_block.get(), len: 1 });
+        if shared {
             let records = self.write_image(ino, file_block.get(), buf, false).await?;
             return self.log_all(records);
         }
