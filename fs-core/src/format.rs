@@ -225,18 +225,10 @@ impl Superblock {
         for _ in 0..count {
             checkpoint_extents.push(BlockRun { start: r.u64("checkpoint extent")?, len: r.u64("checkpoint extent")? });
         }
-        let (mut snapshot_table, mut snapshot_table_bytes, mut snapshot_table_seq) = (Vec::new(), 0, 0);
-        if features & FEATURE_SNAPSHOTS != 0 {
-            snapshot_table_bytes = r.u64("snapshot table bytes")?;
-            snapshot_table_seq = r.u64("snapshot table seq")?;
-            let count = r.u32("snapshot table extent count")? as usize;
-            if count > SNAPSHOT_TABLE_EXTENTS_MAX {
-                return Err(SuperblockError::Field("snapshot table extent count"));
-            }
-            for _ in 0..count {
-                snapshot_table.push(BlockRun { start: r.u64("table extent")?, len: r.u64("table extent")? });
-            }
-        }
+        let (snapshot_table, snapshot_table_bytes, snapshot_table_seq) = match features & FEATURE_SNAPSHOTS {
+            0 => (Vec::new(), 0, 0),
+            _ => decode_snapshot_fields(&mut r)?,
+        };
         let covered = r.pos();
         let stored = r.u32("superblock checksum")?;
         if crc(&block[..covered]) != stored {
@@ -303,6 +295,22 @@ impl Superblock {
         }
         Ok(())
     }
+}
+
+/// The snapshot table's superblock fields (FEATURE_SNAPSHOTS): its
+/// extents, bytes and seq.
+fn decode_snapshot_fields(r: &mut Reader<'_>) -> Result<(Vec<BlockRun>, u64, u64), SuperblockError> {
+    let bytes = r.u64("snapshot table bytes")?;
+    let seq = r.u64("snapshot table seq")?;
+    let count = r.u32("snapshot table extent count")? as usize;
+    if count > SNAPSHOT_TABLE_EXTENTS_MAX {
+        return Err(SuperblockError::Field("snapshot table extent count"));
+    }
+    let mut table = Vec::with_capacity(count);
+    for _ in 0..count {
+        table.push(BlockRun { start: r.u64("table extent")?, len: r.u64("table extent")? });
+    }
+    Ok((table, bytes, seq))
 }
 
 /// The blocks of `runs`, if each is non-empty and inside the data area
