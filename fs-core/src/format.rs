@@ -42,9 +42,34 @@ pub const FEATURE_SHARED_EXTENTS: u64 = 1 << 1;
 /// extents keep their blocks. Set, with bit 1, by the checkpoint that
 /// installs the first table.
 pub const FEATURE_SNAPSHOTS: u64 = 1 << 2;
-pub const FEATURES_KNOWN: u64 = FEATURE_FREE_COUNT_HOLDS_CHECKPOINT | FEATURE_SHARED_EXTENTS | FEATURE_SNAPSHOTS;
+/// Feature bit: a crc32c of every data block, kept in the data checksum
+/// table between the journal and the data area (issue 38, docs/FORMAT.md
+/// "Data checksums"). Chosen at mkfs, never set or cleared later: the
+/// table's blocks move the data area.
+pub const FEATURE_DATA_CHECKSUMS: u64 = 1 << 3;
+pub const FEATURES_KNOWN: u64 =
+    FEATURE_FREE_COUNT_HOLDS_CHECKPOINT | FEATURE_SHARED_EXTENTS | FEATURE_SNAPSHOTS | FEATURE_DATA_CHECKSUMS;
 /// Snapshot table extents a superblock can name.
 pub const SNAPSHOT_TABLE_EXTENTS_MAX: usize = 16;
+/// The data checksum table is written in sectors of this size: the unit
+/// every supported device writes whole, so a torn table write leaves each
+/// sector old or new, and each one checks against its own crc.
+pub const CSUM_SECTOR_BYTES: usize = 512;
+/// Entries in one table sector: 127 crcs of 4 bytes, then the sector's
+/// own crc32c over them.
+pub const CSUMS_PER_SECTOR: u64 = 127;
+pub const CSUM_SECTORS_PER_BLOCK: u64 = BLOCK_SIZE / CSUM_SECTOR_BYTES as u64;
+/// Entries in one table block: 1016 device blocks, about 4 MiB of data.
+pub const CSUMS_PER_TABLE_BLOCK: u64 = CSUMS_PER_SECTOR * CSUM_SECTORS_PER_BLOCK;
+
+/// The blocks of a data checksum table for a device of `total_blocks`.
+/// The table has an entry for every device block, the superblocks',
+/// journal's and its own included (about 0.1% of it unused), so that its
+/// size depends on the device alone and an entry's index is the block's
+/// number.
+pub const fn csum_table_blocks_for(total_blocks: u64) -> u64 {
+    total_blocks.div_ceil(CSUMS_PER_TABLE_BLOCK)
+}
 
 pub fn crc(data: &[u8]) -> u32 {
     crc32c::crc32c(data)
@@ -130,11 +155,25 @@ pub struct Superblock {
     pub snapshot_table: Vec<BlockRun>,
     pub snapshot_table_bytes: u64,
     pub snapshot_table_seq: u64,
+    /// The data checksum table's blocks (FEATURE_DATA_CHECKSUMS only; 0
+    /// without it): they follow the journal, and always number
+    /// `csum_table_blocks_for(total_blocks)`.
+    pub csum_table_blocks: u64,
 }
 
 impl Superblock {
+    /// The first block after the journal and the data checksum table.
     pub fn data_start(&self) -> u64 {
+        self.csum_table_start() + self.csum_table_blocks
+    }
+
+    /// Where the data checksum table begins (or would): after the journal.
+    pub fn csum_table_start(&self) -> u64 {
         JOURNAL_FIRST_BLOCK + self.journal_blocks
+    }
+
+    pub fn has_data_checksums(&self) -> bool {
+        self.features & FEATURE_DATA_CHECKSUMS != 0
     }
 
     /// The checkpoint's blocks.
@@ -186,6 +225,11 @@ impl Superblock {
         } else {
             assert!(self.snapshot_table.is_empty(), "a snapshot table without its feature bit");
         }
+        if self.has_data_checksums() {
+            w.u64(self.csum_table_blocks);
+        } else {
+            assert_eq!(self.csum_table_blocks, 0, "a data checksum table without its feature bit");
+        }
         let sum = crc(&w.buf);
         w.u32(sum);
         let mut block = w.buf;
@@ -229,6 +273,8 @@ impl Superblock {
             0 => (Vec::new(), 0, 0),
             _ => decode_snapshot_fields(&mut r)?,
         };
+        let csum_table_blocks =
+            if features & FEATURE_DATA_CHECKSUMS != 0 { r.u64("data checksum table blocks")? } else { 0 };
         let covered = r.pos();
         let stored = r.u32("superblock checksum")?;
         if crc(&block[..covered]) != stored {
@@ -252,6 +298,7 @@ impl Superblock {
             snapshot_table,
             snapshot_table_bytes,
             snapshot_table_seq,
+            csum_table_blocks,
         };
         sb.check_geometry()?;
         Ok(sb)
@@ -262,12 +309,22 @@ impl Superblock {
     /// one. (Against the device size: `journal::choose_superblock`.)
     fn check_geometry(&self) -> Result<(), SuperblockError> {
         use SuperblockError::Field;
-        let data_start = JOURNAL_FIRST_BLOCK.checked_add(self.journal_blocks).ok_or(Field("journal size"))?;
-        if self.journal_blocks < 16 || self.journal_blocks > JOURNAL_BLOCKS_MAX || data_start >= self.total_blocks {
+        let journal_end = JOURNAL_FIRST_BLOCK.checked_add(self.journal_blocks).ok_or(Field("journal size"))?;
+        if self.journal_blocks < 16 || self.journal_blocks > JOURNAL_BLOCKS_MAX || journal_end >= self.total_blocks {
             return Err(Field("journal size"));
         }
         if self.total_blocks > TOTAL_BLOCKS_MAX {
             return Err(Field("total blocks"));
+        }
+        let table_blocks_expected =
+            if self.has_data_checksums() { csum_table_blocks_for(self.total_blocks) } else { 0 };
+        if self.csum_table_blocks != table_blocks_expected {
+            return Err(Field("data checksum table size"));
+        }
+        // No overflow: both terms are at most total_blocks <= 2^52.
+        let data_start = journal_end + self.csum_table_blocks;
+        if data_start >= self.total_blocks {
+            return Err(Field("data checksum table size"));
         }
         if self.allocation_groups == 0 || u64::from(self.allocation_groups) > self.total_blocks {
             return Err(Field("allocation groups"));

@@ -10,6 +10,7 @@ use std::borrow::Cow;
 use std::collections::HashMap;
 
 use super::blocks::{whole_blocks, FileBlock};
+use super::csum_table;
 use super::format::{Superblock, ROOT_INO};
 use super::journal;
 use super::record::Record;
@@ -111,7 +112,33 @@ pub async fn fsck(dev: DeviceChannel, mut progress: impl FnMut(&str)) -> FsResul
     }
     progress("inodes and directories");
     check_state(&rebuilt.state, &rebuilt.free, (&sb, &snapshots), recorded_free, &mut report);
+    if sb.has_data_checksums() {
+        progress("data checksum table");
+        check_csum_table(&dev, &sb, &mut report).await?;
+    }
     Ok(report)
+}
+
+/// Table blocks with bad sectors that fsck names one by one.
+const BAD_TABLE_BLOCKS_LISTED: usize = 16;
+
+/// Every sector of the data checksum table against its own crc. A bad
+/// sector vouches for none of the 127 blocks it covers: reads of them
+/// fail until it is rebuilt from the data.
+async fn check_csum_table(dev: &DeviceChannel, sb: &Superblock, report: &mut FsckReport) -> FsResult<()> {
+    let (listed, count) = csum_table::bad_table_sectors(dev, sb, BAD_TABLE_BLOCKS_LISTED).await?;
+    for (table_block, sectors) in &listed {
+        let detail = format!(
+            "data checksum table block {table_block} (device block {}): sectors {sectors:#010b} fail their crc",
+            sb.csum_table_start() + table_block
+        );
+        report.problems.push(problem("csum-table-sector", detail, false));
+    }
+    if count > listed.len() as u64 {
+        let detail = format!("{} more data checksum table blocks have bad sectors", count - listed.len() as u64);
+        report.problems.push(problem("csum-table-sector", detail, false));
+    }
+    Ok(())
 }
 
 /// A count per inode, for fsck's passes over millions of them: an array

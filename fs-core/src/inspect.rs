@@ -102,6 +102,8 @@ impl Inspect<'_> {
     pub fn check_block_ownership(self) -> Result<(), DoubleOwner> {
         let mut owned = self.extents_agree_with_their_counts()?;
         let sb = self.inner.journal.sb.borrow();
+        // What precedes the data area is never the allocator's to give.
+        owned.push((0, sb.data_start(), "the superblocks, journal and checksum table".to_string()));
         owned.extend(sb.checkpoint_extents.iter().map(|r| (r.start, r.len, "the checkpoint".to_string())));
         owned.extend(sb.snapshot_table.iter().map(|r| (r.start, r.len, "the snapshot table".to_string())));
         let snapshots = self.inner.journal.snapshots.borrow();

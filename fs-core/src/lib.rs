@@ -26,6 +26,7 @@ mod blocks;
 mod cache;
 mod change;
 mod codec;
+mod csum_table;
 mod data;
 mod dir;
 mod discard;
@@ -65,7 +66,10 @@ pub use discard::DiscardConfig;
 pub use error::{BlockClaim, DoubleOwner, FsError, FsResult};
 pub use file_clock::{FileClock, ManualClock};
 pub use flags::{FallocateMode, RenameMode, XattrFlags};
-pub use format::{crc, Superblock, Timespec, BLOCK_BYTES, ROOT_INO, XATTR_INODE_BYTES_MAX};
+pub use format::{
+    crc, Superblock, Timespec, BLOCK_BYTES, CSUMS_PER_TABLE_BLOCK, FEATURE_DATA_CHECKSUMS, ROOT_INO,
+    XATTR_INODE_BYTES_MAX,
+};
 pub use fsck::{fsck, repair, FsckReport, Problem};
 pub use ids::{Fh, FileOffset, Ino};
 pub use inspect::Inspect;

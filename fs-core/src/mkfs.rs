@@ -1,9 +1,10 @@
 //! Making a new filesystem.
 
 use super::blocks::{whole_blocks, DevBlock};
+use super::csum_table::TableBlock;
 use super::format::{
-    Inode, Superblock, BLOCK_BYTES, FEATURE_FREE_COUNT_HOLDS_CHECKPOINT, JOURNAL_BLOCKS_MAX, JOURNAL_FIRST_BLOCK,
-    ROOT_INO, SUPERBLOCK_SLOTS, S_IFDIR, TOTAL_BLOCKS_MAX,
+    csum_table_blocks_for, Inode, Superblock, BLOCK_BYTES, FEATURE_DATA_CHECKSUMS, FEATURE_FREE_COUNT_HOLDS_CHECKPOINT,
+    JOURNAL_BLOCKS_MAX, ROOT_INO, SUPERBLOCK_SLOTS, S_IFDIR, TOTAL_BLOCKS_MAX,
 };
 use super::journal;
 use super::{FileClock, FsConfig, FsError};
@@ -22,6 +23,9 @@ pub struct MkfsOptions {
     pub root_gid: u32,
     /// The clock that stamps the root directory's times.
     pub file_clock: FileClock,
+    /// Keep a crc32c of every data block (FEATURE_DATA_CHECKSUMS): mkfs
+    /// reserves and writes the checksum table after the journal.
+    pub data_checksums: bool,
 }
 
 impl Default for MkfsOptions {
@@ -33,6 +37,7 @@ impl Default for MkfsOptions {
             root_uid: 0,
             root_gid: 0,
             file_clock: FileClock::System,
+            data_checksums: false,
         }
     }
 }
@@ -65,6 +70,30 @@ fn random_uuid() -> Result<[u8; 16], MkfsError> {
     Ok(uuid)
 }
 
+/// Table blocks written at once while mkfs fills the checksum table.
+const CSUM_TABLE_WRITE_BLOCKS: u64 = 256;
+
+/// Write every block of `sb`'s data checksum table (if it has one) with
+/// zero entries and good sector crcs, over whatever a reused device held:
+/// a stale table from an earlier format must not vouch for anything.
+/// Entries are consulted only for written extents, which set them first.
+async fn write_empty_csum_table(dev: &DeviceChannel, sb: &Superblock) -> Result<(), MkfsError> {
+    let mut one = vec![0u8; BLOCK_BYTES];
+    TableBlock::zeroed().encode_into(&mut one);
+    let mut at = 0;
+    while at < sb.csum_table_blocks {
+        let blocks = (sb.csum_table_blocks - at).min(CSUM_TABLE_WRITE_BLOCKS);
+        let mut buf = AlignedBuf::zeroed(blocks as usize * BLOCK_BYTES, BLOCK_BYTES);
+        for chunk in buf.chunks_exact_mut(BLOCK_BYTES) {
+            chunk.copy_from_slice(&one);
+        }
+        let (_, r) = dev.write(DevBlock::new(sb.csum_table_start() + at).offset(), buf).await;
+        r.map_err(FsError::from)?;
+        at += blocks;
+    }
+    Ok(())
+}
+
 /// Format `dev`: two superblocks, an empty journal and a first checkpoint
 /// holding the root directory. Returns the superblock written.
 pub async fn mkfs(dev: DeviceChannel, options: &MkfsOptions) -> Result<Superblock, MkfsError> {
@@ -84,9 +113,13 @@ pub async fn mkfs(dev: DeviceChannel, options: &MkfsOptions) -> Result<Superbloc
     if !(16..=JOURNAL_BLOCKS_MAX).contains(&journal_blocks) {
         return Err(MkfsError::JournalSize(journal_blocks));
     }
+    let (checksum_feature, csum_table_blocks) = match options.data_checksums {
+        true => (FEATURE_DATA_CHECKSUMS, csum_table_blocks_for(total_blocks)),
+        false => (0, 0),
+    };
     let sb = Superblock {
         uuid: random_uuid()?,
-        features: FEATURE_FREE_COUNT_HOLDS_CHECKPOINT,
+        features: FEATURE_FREE_COUNT_HOLDS_CHECKPOINT | checksum_feature,
         generation: 0,
         total_blocks,
         journal_blocks,
@@ -99,10 +132,12 @@ pub async fn mkfs(dev: DeviceChannel, options: &MkfsOptions) -> Result<Superbloc
         snapshot_table: Vec::new(),
         snapshot_table_bytes: 0,
         snapshot_table_seq: 0,
+        csum_table_blocks,
     };
-    if JOURNAL_FIRST_BLOCK + journal_blocks + 16 > total_blocks {
+    if sb.data_start() + 16 > total_blocks {
         return Err(MkfsError::TooSmall(capacity));
     }
+    write_empty_csum_table(&dev, &sb).await?;
     for (generation, slot) in SUPERBLOCK_SLOTS.iter().enumerate() {
         let copy = Superblock { generation: generation as u64, ..sb.clone() };
         let mut buf = AlignedBuf::zeroed(BLOCK_BYTES, BLOCK_BYTES);

@@ -13,7 +13,7 @@ use keelfs_bdev::{BlockDevice, MappedDevice};
 use keelfs_fs::repair;
 use keelfs_fs::XattrFlags;
 use keelfs_fs::{Creds, Fs, FsConfig};
-use keelfs_fs::{Superblock, ROOT_INO};
+use keelfs_fs::{Superblock, FEATURE_DATA_CHECKSUMS, ROOT_INO};
 
 const BYTES: u64 = 16 << 20;
 
@@ -213,6 +213,10 @@ fn crafted_superblocks_with_valid_checksums_never_panic() {
         ("generation", |sb, v| sb.generation = v),
         ("checkpoint extent start", |sb, v| sb.checkpoint_extents[0].start = v),
         ("checkpoint extent len", |sb, v| sb.checkpoint_extents[0].len = v),
+        ("data checksum table blocks", |sb, v| {
+            sb.features |= FEATURE_DATA_CHECKSUMS;
+            sb.csum_table_blocks = v;
+        }),
     ];
     let mut refused = 0;
     for (name, set) in fields {
