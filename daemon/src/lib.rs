@@ -87,6 +87,11 @@ enum Command {
         /// Allocation groups (default 1; one per reactor is the intent).
         #[arg(long, default_value_t = 1)]
         allocation_groups: u32,
+        /// Keep a crc32c of every data block, checked on every read from
+        /// the device (a mismatch fails the read with EIO). Overwrites then
+        /// go to new blocks (docs/FORMAT.md, "Data checksums").
+        #[arg(long)]
+        data_checksums: bool,
     },
     /// Serve keelfs filesystems to QEMU guests over vhost-user-fs, and/or on
     /// the host through /dev/fuse. With no config and no flags: the embedded
@@ -236,6 +241,10 @@ enum Command {
         /// superblock copy, free-space counts). Without it nothing is written.
         #[arg(long)]
         repair: bool,
+        /// Also read every written data block and check it against its
+        /// checksum (an image made with --data-checksums).
+        #[arg(long)]
+        data: bool,
     },
     /// Break the exclusive lock on an RBD image that a keelfsd which died
     /// (or lost its host) still holds, so another can serve the image.
@@ -277,10 +286,11 @@ pub fn run() -> ExitCode {
     }
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Mkfs { path, size, force, journal_size, allocation_groups } => {
-            tools::mkfs(&path, size, force, journal_size, allocation_groups)
+        Command::Mkfs { path, size, force, journal_size, allocation_groups, data_checksums } => {
+            let options = tools::MkfsFlags { force, journal: journal_size, groups: allocation_groups, data_checksums };
+            tools::mkfs(&path, size, options)
         }
-        Command::Fsck { path, json, repair } => tools::fsck(&path, json, repair),
+        Command::Fsck { path, json, repair, data } => tools::fsck(&path, json, repair, data),
         Command::BreakLock { device, fence_live } => tools::break_lock(&device, fence_live),
         Command::Serve {
             config,

@@ -194,6 +194,11 @@ const EXPORT_METRICS: &[ExportMetric] = &[
     counter("keelfs_discard_bytes", "bytes discarded on the device", "/fs/discard_bytes"),
     counter("keelfs_discard_errors", "discards the device failed", "/fs/discard_errors"),
     gauge("keelfs_discard_pending_blocks", "freed blocks waiting for their discard", "/fs/discard_pending_blocks"),
+    counter(
+        "keelfs_checksum_errors",
+        "device reads of data that failed their checksum (EIO)",
+        "/fs/data_checksum_errors",
+    ),
     gauge("keelfs_quota_bytes", "the export's byte quota (absent: none)", "/space/quota_bytes"),
     gauge("keelfs_quota_inodes", "the export's inode quota (absent: none)", "/space/quota_inodes"),
     gauge("keelfs_fs_size_bytes", "the filesystem's size as statfs reports it", "/space/size_bytes"),

@@ -1422,7 +1422,7 @@ async fn fs_json(fs: Option<&Fs>) -> (Value, Value, Value) {
         "data_bytes_written": c.data_bytes_written, "direct_overwrites": c.direct_overwrites,
         "direct_in_flight": c.direct_in_flight, "direct_in_flight_max": c.direct_in_flight_max,
         "discards": c.discards, "discard_bytes": c.discard_bytes, "discard_errors": c.discard_errors,
-        "discard_pending_blocks": c.discard_pending_blocks,
+        "discard_pending_blocks": c.discard_pending_blocks, "data_checksum_errors": c.data_checksum_errors,
     });
     let cache = json!({"hits": cache.hits, "misses": cache.misses, "evictions": cache.evictions,
                        "pages": cache.pages, "dirty_pages": cache.dirty_pages,

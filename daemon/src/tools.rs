@@ -93,27 +93,32 @@ fn prepare_rbd_image(path: &Path, size: Option<u64>) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub fn mkfs(
-    path: &Path,
-    size: Option<u64>,
-    force: bool,
-    journal: Option<u64>,
-    groups: u32,
-) -> anyhow::Result<ExitCode> {
+/// `keelfsd mkfs`'s flags beyond the path and size.
+pub struct MkfsFlags {
+    pub force: bool,
+    pub journal: Option<u64>,
+    pub groups: u32,
+    pub data_checksums: bool,
+}
+
+pub fn mkfs(path: &Path, size: Option<u64>, flags: MkfsFlags) -> anyhow::Result<ExitCode> {
     prepare_file(path, size)?;
     let _lock = ImageLock::exclusive(path, "format")?;
     let dev = device::open(path)?;
     let options = MkfsOptions {
-        journal_blocks: journal.map_or(0, |j| j / 4096),
-        allocation_groups: groups,
-        force,
+        journal_blocks: flags.journal.map_or(0, |j| j / 4096),
+        allocation_groups: flags.groups,
+        force: flags.force,
+        data_checksums: flags.data_checksums,
         ..MkfsOptions::default()
     };
     eprintln!("keelfsd mkfs: formatting {} ({} bytes)", path.display(), dev.geometry().capacity_bytes);
     let sb = run_on_reactor(dev, async move |ch| keelfs_fs::mkfs(ch, &options).await)??;
     let uuid: String = sb.uuid.iter().map(|b| format!("{b:02x}")).collect();
+    let checksums = if sb.has_data_checksums() { ", data checksums" } else { "" };
     println!(
-        "keelfs created on {}: {} blocks of 4096 bytes, journal {} blocks, {} allocation group(s), uuid {uuid}",
+        "keelfs created on {}: {} blocks of 4096 bytes, journal {} blocks, {} allocation group(s){checksums}, uuid \
+         {uuid}",
         path.display(),
         sb.total_blocks,
         sb.journal_blocks,
@@ -122,7 +127,7 @@ pub fn mkfs(
     Ok(ExitCode::SUCCESS)
 }
 
-pub fn fsck(path: &Path, as_json: bool, repair: bool) -> anyhow::Result<ExitCode> {
+pub fn fsck(path: &Path, as_json: bool, repair: bool, data: bool) -> anyhow::Result<ExitCode> {
     // Repair writes: it needs the image to itself. A check only reads, so
     // it may look at a live image, and says so.
     let _lock = if repair { ImageLock::exclusive(path, "repair")? } else { None };
@@ -144,7 +149,7 @@ pub fn fsck(path: &Path, as_json: bool, repair: bool) -> anyhow::Result<ExitCode
         if repair {
             keelfs_fs::repair(ch, progress).await
         } else {
-            keelfs_fs::fsck(ch, progress).await
+            keelfs_fs::fsck_with(ch, keelfs_fs::FsckOptions { data }, progress).await
         }
     })??;
     if as_json {
@@ -200,6 +205,8 @@ fn report_json(r: &FsckReport) -> serde_json::Value {
         "free_blocks": r.free_blocks,
         "journal_transactions_replayed": r.journal_transactions_replayed,
         "orphans": r.orphans,
+        "data_blocks_checked": r.data_blocks_checked,
+        "data_blocks_unverifiable": r.data_blocks_unverifiable,
     })
 }
 

@@ -9,6 +9,9 @@
 //! nothing, so no part stores another. Nothing here awaits, which is what
 //! lets a namespace operation be atomic with respect to other tasks.
 
+use std::cell::RefCell;
+
+use crate::csum_table::TableCache;
 use crate::data::{DataState, WriteTimes};
 use crate::format::{Inode, Timespec, ROOT_INO};
 use crate::ids::Ino;
@@ -27,6 +30,7 @@ pub(crate) struct Change<'a> {
     pages: &'a Pages,
     space: &'a Space,
     data: &'a DataState,
+    csums: Option<&'a RefCell<TableCache>>,
     config: &'a FsConfig,
 }
 
@@ -38,6 +42,7 @@ impl FsInner {
             pages: &self.pages,
             space: &self.space,
             data: &self.data,
+            csums: self.csums.as_ref(),
             config: &self.config,
         }
     }
@@ -49,7 +54,18 @@ impl Change<'_> {
         if self.config.read_only {
             return Err(FsError::ReadOnly);
         }
-        self.meta.apply_live(&record, &mut self.space.free_mut())?;
+        match (&record, self.csums) {
+            (Record::CsumSet { first_block, crcs }, Some(table)) => {
+                // The writer computed these for blocks it allocated: a
+                // refusal is keelfs's bug, not an image's.
+                table
+                    .borrow_mut()
+                    .set(*first_block, crcs)
+                    .map_err(|e| FsError::Corrupt(format!("live change refused: {e}")))?;
+            }
+            (Record::CsumSet { .. }, None) => panic!("a data checksum logged on an image that keeps none"),
+            _ => self.meta.apply_live(&record, &mut self.space.free_mut())?,
+        }
         let mut j = self.journal.ring.borrow_mut();
         record.encode(&mut j.pending);
         j.logged_ops += 1;

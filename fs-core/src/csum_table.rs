@@ -10,9 +10,11 @@ use crate::blocks::DevBlock;
 use crate::format::{
     crc, Superblock, BLOCK_BYTES, CSUMS_PER_SECTOR, CSUMS_PER_TABLE_BLOCK, CSUM_SECTORS_PER_BLOCK, CSUM_SECTOR_BYTES,
 };
+use crate::io::Io;
 use crate::FsResult;
 use keelfs_bdev::AlignedBuf;
 use keelfs_reactor::DeviceChannel;
+use std::cell::RefCell;
 
 const ENTRIES_PER_SECTOR: usize = CSUMS_PER_SECTOR as usize;
 const SECTORS_PER_BLOCK: usize = CSUM_SECTORS_PER_BLOCK as usize;
@@ -61,8 +63,9 @@ impl TableBlock {
         out
     }
 
-    /// The block as written: every sector with its crc, bad ones made good
-    /// with the entries held now.
+    /// The block as written: every sector with its crc. A bad sector
+    /// stays bad (its crc is written inverted): its entries that were
+    /// never set since are still unknown, and must not be vouched for.
     pub(crate) fn encode_into(&self, block: &mut [u8]) {
         assert_eq!(block.len(), BLOCK_BYTES);
         for (sector_index, sector) in block.chunks_exact_mut(CSUM_SECTOR_BYTES).enumerate() {
@@ -73,13 +76,13 @@ impl TableBlock {
                 bytes.copy_from_slice(&entry.to_le_bytes());
             }
             let sum = crc(entry_bytes);
+            let sum = if self.bad_sectors & (1 << sector_index) != 0 { !sum } else { sum };
             stored.copy_from_slice(&sum.to_le_bytes());
         }
     }
 
     /// The entry at `index` (0..1016), or None when its sector failed its
     /// crc.
-    #[cfg_attr(not(test), allow(dead_code))] // the table cache uses it (issue 38, step C3)
     pub(crate) fn get(&self, index: usize) -> Option<u32> {
         assert!(index < ENTRIES_PER_BLOCK, "table entry {index} of {ENTRIES_PER_BLOCK}");
         let sector = index / ENTRIES_PER_SECTOR;
@@ -87,15 +90,226 @@ impl TableBlock {
     }
 
     /// Set the entry at `index`. A bad sector stays bad (its other
-    /// entries are still unknown) until `rebuild_sector` vouches for it.
-    #[cfg_attr(not(test), allow(dead_code))] // the table cache uses it (issue 38, step C3)
+    /// entries are still unknown) until all of its entries are set.
+    #[cfg(test)]
     pub(crate) fn set(&mut self, index: usize, value: u32) {
         assert!(index < ENTRIES_PER_BLOCK, "table entry {index} of {ENTRIES_PER_BLOCK}");
         self.entries[index] = value;
     }
 
+    /// Take the entries `dirty` set. A bad sector all of whose entries
+    /// it sets is good again.
+    fn merge(&mut self, dirty: &DirtyBlock) {
+        for index in dirty.set_indices() {
+            self.entries[index] = dirty.entries[index];
+        }
+        for sector in 0..SECTORS_PER_BLOCK {
+            let first = sector * ENTRIES_PER_SECTOR;
+            if (first..first + ENTRIES_PER_SECTOR).all(|i| dirty.is_set(i)) {
+                self.bad_sectors &= !(1 << sector);
+            }
+        }
+    }
+
     pub(crate) fn bad_sectors(&self) -> u8 {
         self.bad_sectors
+    }
+}
+
+/// Words of a dirty block's bitmap of set entries.
+const SET_WORDS: usize = ENTRIES_PER_BLOCK.div_ceil(64);
+
+/// The entries of one table block set since they were last written back:
+/// an overlay on whatever the device holds, so that setting an entry
+/// never waits for a read.
+#[derive(Clone)]
+struct DirtyBlock {
+    entries: Box<[u32; ENTRIES_PER_BLOCK]>,
+    set: [u64; SET_WORDS],
+    /// Bumped by each change: a write-back cleans the block only if
+    /// nothing changed it while the write was in flight.
+    changes: u64,
+}
+
+impl DirtyBlock {
+    fn new() -> Self {
+        Self { entries: Box::new([0; ENTRIES_PER_BLOCK]), set: [0; SET_WORDS], changes: 0 }
+    }
+
+    fn is_set(&self, index: usize) -> bool {
+        self.set[index / 64] & (1 << (index % 64)) != 0
+    }
+
+    fn put(&mut self, index: usize, value: u32) {
+        self.entries[index] = value;
+        self.set[index / 64] |= 1 << (index % 64);
+    }
+
+    fn set_indices(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..ENTRIES_PER_BLOCK).filter(|&i| self.is_set(i))
+    }
+}
+
+/// Clean table blocks kept in memory: 4 MiB, covering 4 GiB of data.
+pub(crate) const CLEAN_BLOCKS_MAX: usize = 1024;
+/// Dirty table blocks past which a checkpoint is asked for, so that the
+/// overlay's memory stays bounded (16 MiB) whatever the writes' spread.
+pub(crate) const DIRTY_BLOCKS_CHECKPOINT: usize = 4096;
+
+/// The data checksum table of one mounted image: the entries set since
+/// the last checkpoint (journalled by `CsumSet`, written back by the
+/// next checkpoint), over a bounded cache of table blocks read on demand.
+pub(crate) struct TableCache {
+    /// The table's first device block, and its length in blocks.
+    start: u64,
+    blocks: u64,
+    /// Device blocks an entry may be set for: the data area.
+    data_area: std::ops::Range<u64>,
+    dirty: std::collections::BTreeMap<u64, DirtyBlock>,
+    clean: std::collections::HashMap<u64, TableBlock>,
+    /// The clean blocks in the order they came in: the oldest goes first.
+    clean_order: std::collections::VecDeque<u64>,
+    /// Reads that failed their checksum, and the device blocks logged
+    /// (each once, at most MISMATCHES_LOGGED_MAX of them).
+    mismatches: u64,
+    logged: std::collections::BTreeSet<u64>,
+}
+
+/// Device blocks whose checksum mismatch is logged, at most: past it, the
+/// count still grows, and fsck --data and scrub name the rest.
+const MISMATCHES_LOGGED_MAX: usize = 1024;
+
+/// A table block written back: which, and its change count then.
+pub(crate) struct WrittenBack(Vec<(u64, u64)>);
+
+impl TableCache {
+    /// The table of `sb`, or None when it keeps no data checksums.
+    pub(crate) fn for_superblock(sb: &Superblock) -> Option<Self> {
+        sb.has_data_checksums().then(|| Self {
+            start: sb.csum_table_start(),
+            blocks: sb.csum_table_blocks,
+            data_area: sb.data_start()..sb.total_blocks,
+            dirty: Default::default(),
+            clean: Default::default(),
+            clean_order: Default::default(),
+            mismatches: 0,
+            logged: Default::default(),
+        })
+    }
+
+    /// A read of device `block` failed its checksum: counted; whether it
+    /// is the first time for this block (and should be logged).
+    pub(crate) fn note_mismatch(&mut self, block: u64) -> bool {
+        self.mismatches += 1;
+        self.logged.len() < MISMATCHES_LOGGED_MAX && self.logged.insert(block)
+    }
+
+    pub(crate) fn mismatches(&self) -> u64 {
+        self.mismatches
+    }
+
+    /// Set the entries of device blocks [first, +crcs/4) from `crcs`,
+    /// little-endian u32s (a `CsumSet`'s). Refused, changing nothing, for
+    /// blocks outside the data area: replay gets these from the image.
+    pub(crate) fn set(&mut self, first: u64, crcs: &[u8]) -> Result<(), String> {
+        let count = (crcs.len() / 4) as u64;
+        let end = first.checked_add(count).ok_or("a checksum run past 2^64")?;
+        if !crcs.len().is_multiple_of(4) || count == 0 || first < self.data_area.start || end > self.data_area.end {
+            return Err(format!("checksums of blocks [{first}, +{count}) outside the data area {:?}", self.data_area));
+        }
+        for (block, bytes) in (first..end).zip(crcs.chunks_exact(4)) {
+            let (table_block, index) = entry_position(block);
+            debug_assert!(table_block < self.blocks);
+            let dirty = self.dirty.entry(table_block).or_insert_with(DirtyBlock::new);
+            dirty.put(index, u32::from_le_bytes(bytes.try_into().expect("4 bytes")));
+            dirty.changes += 1;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn dirty_blocks(&self) -> usize {
+        self.dirty.len()
+    }
+
+    /// The entry of device `block` if memory holds it: Some(None) when its
+    /// sector is bad, None when the table block must be read first.
+    pub(crate) fn cached_entry(&self, block: u64) -> Option<Option<u32>> {
+        let (table_block, index) = entry_position(block);
+        if let Some(dirty) = self.dirty.get(&table_block).filter(|d| d.is_set(index)) {
+            return Some(Some(dirty.entries[index]));
+        }
+        self.clean.get(&table_block).map(|t| t.get(index))
+    }
+
+    fn insert_clean(&mut self, table_block: u64, block: TableBlock) {
+        if self.clean.insert(table_block, block).is_none() {
+            self.clean_order.push_back(table_block);
+        }
+        while self.clean_order.len() > CLEAN_BLOCKS_MAX {
+            let oldest = self.clean_order.pop_front().expect("longer than the bound");
+            self.clean.remove(&oldest);
+        }
+    }
+
+    fn device_block(&self, table_block: u64) -> DevBlock {
+        assert!(table_block < self.blocks, "table block {table_block} of {}", self.blocks);
+        DevBlock::new(self.start + table_block)
+    }
+}
+
+/// The entry of device `block` (None: its sector fails its crc), reading
+/// its table block if no copy is in memory. The cache is not borrowed
+/// across the read.
+pub(crate) async fn entry(cache: &RefCell<TableCache>, io: &Io, block: u64) -> FsResult<Option<u32>> {
+    if let Some(found) = cache.borrow().cached_entry(block) {
+        return Ok(found);
+    }
+    let (table_block, _) = entry_position(block);
+    let at = cache.borrow().device_block(table_block);
+    let read = TableBlock::decode(&io.read_blocks(at, 1).await?);
+    let mut cache = cache.borrow_mut();
+    cache.insert_clean(table_block, read);
+    Ok(cache.cached_entry(block).expect("just read"))
+}
+
+/// Write every dirty table block, merged over what the device holds, in
+/// place. The caller flushes, and then calls [`written_back`]: a
+/// checkpoint, before its superblock, so that the entries of every record
+/// before its journal start are on the device.
+pub(crate) async fn write_back(cache: &RefCell<TableCache>, io: &Io) -> FsResult<WrittenBack> {
+    let keys: Vec<u64> = cache.borrow().dirty.keys().copied().collect();
+    let mut written = Vec::with_capacity(keys.len());
+    for table_block in keys {
+        let at = cache.borrow().device_block(table_block);
+        let base = cache.borrow().clean.get(&table_block).cloned();
+        let mut merged = match base {
+            Some(base) => base,
+            None => TableBlock::decode(&io.read_blocks(at, 1).await?),
+        };
+        let changes = {
+            let cache = cache.borrow();
+            let dirty = cache.dirty.get(&table_block).expect("only write_back cleans");
+            merged.merge(dirty);
+            dirty.changes
+        };
+        let mut buf = AlignedBuf::zeroed(BLOCK_BYTES, BLOCK_BYTES);
+        merged.encode_into(&mut buf);
+        cache.borrow_mut().insert_clean(table_block, merged);
+        io.write_blocks(at, buf).await?;
+        written.push((table_block, changes));
+    }
+    Ok(WrittenBack(written))
+}
+
+/// The blocks `done` wrote are durable: each is clean unless it changed
+/// since. A block that changed keeps its whole overlay, which the next
+/// write-back writes again.
+pub(crate) fn written_back(cache: &RefCell<TableCache>, done: WrittenBack) {
+    let mut cache = cache.borrow_mut();
+    for (table_block, changes) in done.0 {
+        if cache.dirty.get(&table_block).is_some_and(|d| d.changes == changes) {
+            cache.dirty.remove(&table_block);
+        }
     }
 }
 
@@ -134,7 +348,6 @@ pub(crate) async fn bad_table_sectors(
 
 /// Where the entry of device block `block` lives: the table block (from
 /// the table's start) and the index in it.
-#[cfg_attr(not(test), allow(dead_code))] // the table cache uses it (issue 38, step C3)
 pub(crate) fn entry_position(block: u64) -> (u64, usize) {
     (block / CSUMS_PER_TABLE_BLOCK, (block % CSUMS_PER_TABLE_BLOCK) as usize)
 }

@@ -54,6 +54,10 @@ pub enum FsError {
     Io(#[from] BdevError),
     #[error("filesystem is damaged: {0}")]
     Corrupt(String),
+    /// A data block read from the device does not match its checksum, or
+    /// its checksum is unreadable (issue 38): the read fails, as EIO.
+    #[error("inode {ino} at offset {offset}: device block {block} does not match its data checksum")]
+    ChecksumMismatch { ino: crate::Ino, offset: u64, block: u64 },
 }
 
 /// One owner's claim on a run of device blocks.
@@ -102,7 +106,7 @@ impl FsError {
             FsError::Nxio => libc::ENXIO,
             FsError::Busy => libc::EBUSY,
             FsError::ReadOnly | FsError::Io(BdevError::ReadOnly) => libc::EROFS,
-            FsError::Io(_) | FsError::Corrupt(_) => libc::EIO,
+            FsError::Io(_) | FsError::Corrupt(_) | FsError::ChecksumMismatch { .. } => libc::EIO,
         }
     }
 }

@@ -36,6 +36,7 @@ impl Inspect<'_> {
         self.inner.journal.report(&mut c);
         self.inner.data.report(&mut c);
         self.inner.discard.report(&mut c);
+        c.data_checksum_errors = self.inner.csums.as_ref().map_or(0, |t| t.borrow().mismatches());
         c
     }
 

@@ -70,7 +70,7 @@ pub use format::{
     crc, Superblock, Timespec, BLOCK_BYTES, CSUMS_PER_TABLE_BLOCK, FEATURE_DATA_CHECKSUMS, ROOT_INO,
     XATTR_INODE_BYTES_MAX,
 };
-pub use fsck::{fsck, repair, FsckReport, Problem};
+pub use fsck::{fsck, fsck_with, repair, FsckOptions, FsckReport, Problem};
 pub use ids::{Fh, FileOffset, Ino};
 pub use inspect::Inspect;
 pub use journal::{SnapshotInfo, SnapshotSpace, CHECKPOINT_BLOCK_MAGIC, JOURNAL_TX_MAGIC};
@@ -198,6 +198,8 @@ pub struct FsCounters {
     pub discard_errors: u64,
     /// Blocks freed but held out of the allocator for a discard, now.
     pub discard_pending_blocks: u64,
+    /// Device reads of data that failed their checksum (EIO).
+    pub data_checksum_errors: u64,
 }
 
 /// The journal's position and what is waiting to go into it.
@@ -249,6 +251,8 @@ pub(crate) struct FsInner {
     /// Range locks, file-time stamping and the data paths' counters.
     data: data::DataState,
     pages: pages::Pages,
+    /// The data checksum table, on an image that keeps data checksums.
+    csums: Option<RefCell<csum_table::TableCache>>,
     /// Freed runs out of the allocator until their discard completes,
     /// and the discards' counters.
     discard: discard::Discard,
@@ -382,6 +386,7 @@ async fn mount_with(dev: DeviceChannel, config: FsConfig, require_root: bool) ->
             },
             handles: handles::HandleTable::default(),
             pages: pages::Pages::new(cache::PageCache::new(config.cache_bytes)),
+            csums: loaded.csums.take().map(RefCell::new),
             data: data::DataState::default(),
             discard: discard::Discard::new(config.discard, config.read_only),
             unmounted: Cell::new(false),

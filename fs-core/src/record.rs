@@ -60,7 +60,18 @@ pub enum Record<'a> {
     NextIno {
         next: u64,
     },
+    /// Data checksums (FEATURE_DATA_CHECKSUMS): the crc32c of device
+    /// blocks [first_block, +n), as n little-endian u32s, 1 <= n <=
+    /// CSUM_SET_BLOCKS_MAX. Journal only: the checksum table is not part
+    /// of the state, and a checkpoint writes it back instead.
+    CsumSet {
+        first_block: u64,
+        crcs: Cow<'a, [u8]>,
+    },
 }
+
+/// Blocks one `CsumSet` covers at most: 4 KiB of crcs, 4 MiB of data.
+pub const CSUM_SET_BLOCKS_MAX: usize = 1024;
 
 const TAG_INODE_SET: u8 = 1;
 const TAG_INODE_FREE: u8 = 2;
@@ -72,6 +83,7 @@ const TAG_XATTR_SET: u8 = 7;
 const TAG_XATTR_DELETE: u8 = 8;
 const TAG_SYMLINK: u8 = 9;
 const TAG_NEXT_INO: u8 = 10;
+const TAG_CSUM_SET: u8 = 11;
 
 impl<'a> Record<'a> {
     pub fn encode(&self, w: &mut Writer) {
@@ -130,6 +142,12 @@ impl<'a> Record<'a> {
                 w.u8(TAG_NEXT_INO);
                 w.u64(*next);
             }
+            Record::CsumSet { first_block, crcs } => {
+                assert!(!crcs.is_empty() && crcs.len() % 4 == 0 && crcs.len() <= CSUM_SET_BLOCKS_MAX * 4);
+                w.u8(TAG_CSUM_SET);
+                w.u64(*first_block);
+                w.blob(crcs);
+            }
         }
     }
 
@@ -176,6 +194,14 @@ impl<'a> Record<'a> {
                 Record::Symlink { ino: Ino::new(r.u64("ino")?), target: Cow::Borrowed(r.blob(SYMLINK_MAX, "symlink")?) }
             }
             TAG_NEXT_INO => Record::NextIno { next: r.u64("next ino")? },
+            TAG_CSUM_SET => {
+                let first_block = r.u64("checksum block")?;
+                let crcs = r.blob(CSUM_SET_BLOCKS_MAX * 4, "checksums")?;
+                if crcs.is_empty() || crcs.len() % 4 != 0 {
+                    return Err(DecodeError { what: "checksum count", at });
+                }
+                Record::CsumSet { first_block, crcs: Cow::Borrowed(crcs) }
+            }
             _ => return Err(DecodeError { what: "record tag", at }),
         })
     }
@@ -232,6 +258,7 @@ mod tests {
             Record::XattrDelete { ino: Ino::new(7), name: b"user.x".to_vec().into() },
             Record::Symlink { ino: Ino::new(8), target: b"/etc".to_vec().into() },
             Record::NextIno { next: 99 },
+            Record::CsumSet { first_block: 700, crcs: vec![1, 2, 3, 4, 5, 6, 7, 8].into() },
         ];
         let mut w = Writer::new();
         for r in &records {
@@ -247,5 +274,12 @@ mod tests {
         Record::DirentSet { dir: Ino::new(1), name: b"a/b".to_vec().into(), ino: Ino::new(2), cookie: 3 }
             .encode(&mut bad);
         assert!(decode_all(&bad.buf).is_err(), "a name with '/' is refused");
+        for bytes in [0usize, 3, CSUM_SET_BLOCKS_MAX * 4 + 4] {
+            let mut bad = Writer::new();
+            bad.u8(TAG_CSUM_SET);
+            bad.u64(5);
+            bad.blob(&vec![0; bytes]);
+            assert!(decode_all(&bad.buf).is_err(), "{bytes} bytes of checksums are refused");
+        }
     }
 }

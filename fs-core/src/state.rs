@@ -458,6 +458,9 @@ impl State {
                 self.next_ino = self.next_ino.max(*next);
                 Ok(())
             }
+            // The checksum table is not state: replay gives these to it,
+            // and a checkpoint never holds one.
+            Record::CsumSet { .. } => err("a data checksum record where only state belongs".to_string()),
         }
     }
 

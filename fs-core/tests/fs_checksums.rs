@@ -7,8 +7,10 @@ mod common;
 use std::sync::Arc;
 
 use common::{busy_reactor, channel, check, mount, ram_device};
-use keelfs_bdev::{BlockDevice, MappedDevice};
-use keelfs_fs::{mkfs, Creds, FileOffset, MkfsOptions, CSUMS_PER_TABLE_BLOCK, FEATURE_DATA_CHECKSUMS, ROOT_INO};
+use keelfs_base::testing::splitmix64;
+use keelfs_bdev::{AlignedBuf, BlockDevice, MappedDevice};
+use keelfs_fs::{fsck_with, mkfs, FallocateMode, FsConfig, FsckOptions, SetAttr};
+use keelfs_fs::{Creds, FileOffset, Fs, Ino, MkfsOptions, CSUMS_PER_TABLE_BLOCK, FEATURE_DATA_CHECKSUMS, ROOT_INO};
 
 const BYTES: u64 = 64 << 20;
 
@@ -108,4 +110,301 @@ fn fsck_names_a_table_sector_that_fails_its_crc() {
     let bad: Vec<_> = report.problems.iter().filter(|p| p.kind == "csum-table-sector").collect();
     assert_eq!(bad.len(), 1, "{:?}", report.problems);
     assert!(bad[0].detail.contains("table block 1 ") && bad[0].detail.contains("0b00100000"), "{}", bad[0].detail);
+}
+
+async fn check_data(dev: &Arc<dyn BlockDevice>) -> keelfs_fs::FsckReport {
+    fsck_with(channel(dev), FsckOptions { data: true }, |_| {}).await.expect("fsck ran")
+}
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut s = seed;
+    (0..len).map(|_| splitmix64(&mut s) as u8).collect()
+}
+
+fn aligned(data: &[u8]) -> AlignedBuf {
+    let mut buf = AlignedBuf::zeroed(data.len(), 4096);
+    buf.copy_from_slice(data);
+    buf
+}
+
+/// Every way data reaches blocks: buffered appends and overwrites
+/// (whole and partial blocks), direct writes into holes, over written
+/// blocks and unaligned, writes into fallocated space, truncation of a
+/// block's tail, and a clone overwritten on both sides. After each stage,
+/// and after a remount that replays it and one that checkpoints it, every
+/// written block matches its checksum and the files read back whole.
+#[test]
+fn every_write_path_keeps_the_checksums_of_what_it_wrote() {
+    let mut r = busy_reactor();
+    let dev = ram_device(BYTES);
+    r.block_on(async move {
+        format_with_checksums(&dev).await;
+        let fs = mount(&dev).await;
+        let c = Creds::root();
+        let (a, _) = fs.create(&c, ROOT_INO, b"a", 0o644, 2).await.unwrap();
+        let (b, _) = fs.create(&c, ROOT_INO, b"b", 0o644, 2).await.unwrap();
+        let (a, b) = (a.ino(), b.ino());
+        let mut want_a = pattern(1, 300_000);
+        fs.data().write(a, FileOffset::new(0), &want_a).await.unwrap();
+        fs.data().writeback_all().await.unwrap();
+        // Buffered overwrites: a partial block, and whole ones.
+        for (at, len, seed) in [(5000usize, 100usize, 2u64), (8192, 3 * 4096, 3), (299_000, 1000, 4)] {
+            let data = pattern(seed, len);
+            fs.data().write(a, FileOffset::new(at as u64), &data).await.unwrap();
+            want_a[at..at + len].copy_from_slice(&data);
+        }
+        fs.data().fsync(a, false).await.unwrap();
+        // Direct: into a hole, over written blocks, and unaligned.
+        let mut want_b = vec![0u8; 64 << 10];
+        for (at, len, seed) in [(16384usize, 16384usize, 5u64), (0, 8192, 6), (20480, 8192, 7)] {
+            let data = pattern(seed, len);
+            fs.data().write_direct(b, FileOffset::new(at as u64), aligned(&data)).await.1.unwrap();
+            want_b[at..at + len].copy_from_slice(&data);
+        }
+        let odd = pattern(8, 5000);
+        let mut odd_buf = AlignedBuf::zeroed(odd.len(), 512);
+        odd_buf.copy_from_slice(&odd);
+        fs.data().write_direct(b, FileOffset::new(30_001), odd_buf).await.1.unwrap();
+        want_b[30_001..35_001].copy_from_slice(&odd);
+        // Fallocated space, then a direct write into it.
+        fs.data()
+            .fallocate(b, FallocateMode::Allocate { keep_size: false }, FileOffset::new(0), 128 << 10)
+            .await
+            .unwrap();
+        want_b.resize(128 << 10, 0);
+        let data = pattern(9, 8192);
+        fs.data().write_direct(b, FileOffset::new(65536), aligned(&data)).await.1.unwrap();
+        want_b[65536..65536 + 8192].copy_from_slice(&data);
+        // Truncate inside a block: its tail is zeroed on the device.
+        let set = SetAttr { size: Some(290_001), ..SetAttr::default() };
+        fs.setattr(&c, a, &set, false).await.unwrap();
+        want_a.truncate(290_001);
+        // A clone, then both sides overwritten.
+        let (k, _) = fs.create(&c, ROOT_INO, b"k", 0o644, 2).await.unwrap();
+        let k = k.ino();
+        let len = want_a.len() as u64;
+        fs.data().copy_range(a, FileOffset::new(0), k, FileOffset::new(0), len).await.unwrap();
+        let mut want_k = want_a.clone();
+        let data = pattern(10, 4096);
+        fs.data().write_direct(k, FileOffset::new(4096), aligned(&data)).await.1.unwrap();
+        want_k[4096..8192].copy_from_slice(&data);
+        fs.data().write(a, FileOffset::new(12_000), &data[..50]).await.unwrap();
+        want_a[12_000..12_050].copy_from_slice(&data[..50]);
+        fs.sync().await.unwrap();
+        fs.inspect().check_block_ownership().unwrap();
+        let files = [(a, &want_a), (b, &want_b), (k, &want_k)];
+        for (ino, want) in files {
+            assert_eq!(&read_all(&fs, ino).await, want, "inode {ino} reads back");
+        }
+        assert_clean_with_data(&dev, "after the writes, by replay", 100).await;
+        fs.unmount().await.unwrap();
+        assert_clean_with_data(&dev, "after unmount's checkpoint", 100).await;
+        let fs = mount(&dev).await;
+        for (ino, want) in files {
+            assert_eq!(&read_all(&fs, ino).await, want, "inode {ino} reads back after a remount");
+        }
+        fs.unmount().await.unwrap();
+    });
+}
+
+async fn read_all(fs: &Fs, ino: Ino) -> Vec<u8> {
+    let size = fs.getattr(ino).await.unwrap().inode.size;
+    fs.data().read(ino, FileOffset::new(0), size as u32).await.unwrap()
+}
+
+async fn assert_clean_with_data(dev: &Arc<dyn BlockDevice>, when: &str, at_least: u64) {
+    let report = check_data(dev).await;
+    assert!(report.is_clean(), "{when}: {:?}", report.problems);
+    assert!(report.data_blocks_checked >= at_least, "{when}: only {} blocks checked", report.data_blocks_checked);
+    assert_eq!(report.data_blocks_unverifiable, 0, "{when}");
+}
+
+#[test]
+fn an_overwrite_goes_to_a_new_block_and_frees_the_old() {
+    let mut r = busy_reactor();
+    let ram = Arc::new(MappedDevice::ram(BYTES, 4096).unwrap());
+    let dev: Arc<dyn BlockDevice> = ram.clone();
+    let (old, new) = (pattern(1, 8192), pattern(2, 8192));
+    let (old2, new2) = (old.clone(), new.clone());
+    r.block_on(async move {
+        format_with_checksums(&dev).await;
+        let fs = mount(&dev).await;
+        let (a, _) = fs.create(&Creds::root(), ROOT_INO, b"a", 0o644, 2).await.unwrap();
+        let a = a.ino();
+        fs.data().write_direct(a, FileOffset::new(0), aligned(&old2)).await.1.unwrap();
+        fs.sync().await.unwrap();
+        let before = find_block(&ram, &old2[..4096]).expect("the first write is on the device");
+        let free_before = fs.inspect().free_blocks();
+        fs.data().write_direct(a, FileOffset::new(0), aligned(&new2)).await.1.unwrap();
+        fs.sync().await.unwrap();
+        let after = find_block(&ram, &new2[..4096]).expect("the overwrite is on the device");
+        assert_ne!(after, before, "the overwrite went in place");
+        assert_eq!(fs.inspect().free_blocks(), free_before, "the old blocks were not freed");
+        fs.unmount().await.unwrap();
+        assert_clean_with_data(&dev, "after the overwrite", 2).await;
+    });
+    let _ = (old, new);
+}
+
+/// The first device block that holds `content`.
+fn find_block(ram: &MappedDevice, content: &[u8]) -> Option<usize> {
+    let image = ram.snapshot();
+    (0..image.len() / 4096).find(|&b| &image[b * 4096..(b + 1) * 4096] == content)
+}
+
+#[test]
+fn fsck_data_names_the_inode_and_offset_of_a_corrupted_block() {
+    let mut r = busy_reactor();
+    let ram = Arc::new(MappedDevice::ram(BYTES, 4096).unwrap());
+    let dev: Arc<dyn BlockDevice> = ram.clone();
+    let (ino, image) = r.block_on(async move {
+        format_with_checksums(&dev).await;
+        let fs = mount(&dev).await;
+        let (a, _) = fs.create(&Creds::root(), ROOT_INO, b"a", 0o644, 2).await.unwrap();
+        fs.data().write(a.ino(), FileOffset::new(0), &pattern(3, 40_960)).await.unwrap();
+        fs.unmount().await.unwrap();
+        (a.ino(), ())
+    });
+    let _ = (ino, image);
+    // The file's sixth block: find it by its content.
+    let want = pattern(3, 40_960);
+    let block = find_block(&ram, &want[5 * 4096..6 * 4096]).expect("the block is on the device");
+    let mut image = ram.snapshot();
+    image[block * 4096 + 123] ^= 0x01;
+    ram.restore(&image);
+    let dev: Arc<dyn BlockDevice> = ram;
+    let report = r.block_on(async move { check_data(&dev).await });
+    let bad: Vec<_> = report.problems.iter().filter(|p| p.kind == "data-checksum").collect();
+    assert_eq!(bad.len(), 1, "{:?}", report.problems);
+    let detail = &bad[0].detail;
+    assert!(detail.contains(&format!("inode {ino} at offset 20480 (device block {block})")), "{detail}");
+}
+
+/// What a faulty device did to one block of the file, behind the
+/// filesystem's back.
+#[derive(Clone, Copy, Debug)]
+enum Fault {
+    /// One bit of the block flipped at rest.
+    FlipBit,
+    /// The block's last write never reached the medium: its location
+    /// holds what it held before (zeros: it was free).
+    LostWrite,
+    /// The block's last write went to another block of the file: its own
+    /// location holds zeros, and the other block's location holds its data.
+    Misdirected,
+}
+
+const FILE_BLOCKS: u64 = 48;
+
+/// Block `b` of the test file at `generation`: unique on the device.
+fn block_image(b: u64, generation: u64) -> Vec<u8> {
+    pattern(b * 1000 + generation, 4096)
+}
+
+/// A file of FILE_BLOCKS blocks, half of them overwritten once (so they
+/// live in blocks that were free, as any copy on write does), unmounted.
+fn faulty_image_base() -> (Vec<u8>, Vec<Vec<u8>>) {
+    let mut r = busy_reactor();
+    let ram = Arc::new(MappedDevice::ram(BYTES, 4096).unwrap());
+    let dev: Arc<dyn BlockDevice> = ram.clone();
+    let want = r.block_on(async move {
+        format_with_checksums(&dev).await;
+        let fs = mount(&dev).await;
+        let (f, _) = fs.create(&Creds::root(), ROOT_INO, b"f", 0o644, 2).await.unwrap();
+        let mut want = Vec::new();
+        for b in 0..FILE_BLOCKS {
+            let data = block_image(b, 1);
+            fs.data().write_direct(f.ino(), FileOffset::new(b * 4096), aligned(&data)).await.1.unwrap();
+            want.push(data);
+        }
+        fs.sync().await.unwrap();
+        for b in (0..FILE_BLOCKS).step_by(2) {
+            let data = block_image(b, 2);
+            fs.data().write_direct(f.ino(), FileOffset::new(b * 4096), aligned(&data)).await.1.unwrap();
+            want[b as usize] = data;
+        }
+        fs.unmount().await.unwrap();
+        want
+    });
+    (ram.snapshot(), want)
+}
+
+/// Seeded runs of silent device faults (flipped bits, lost and misdirected
+/// writes) on a checksummed image: every block a fault touched reads as
+/// EIO, buffered and direct, and every other block reads back intact.
+/// `KEELFS_CSUM_SEED` replays a run.
+#[test]
+fn every_silent_device_fault_reads_as_eio() {
+    let (base, want) = faulty_image_base();
+    let locate = |image: &[u8], b: usize| {
+        (0..image.len() / 4096).find(|&d| image[d * 4096..(d + 1) * 4096] == want[b][..]).expect("a block of the file")
+    };
+    let mut seed = keelfs_base::testing::test_seed("KEELFS_CSUM_SEED", "checksum faults");
+    let (mut injected, mut detected) = (0u64, 0u64);
+    for run in 0..12 {
+        let mut image = base.clone();
+        let mut hurt = std::collections::BTreeSet::new();
+        for _ in 0..1 + splitmix64(&mut seed) % 4 {
+            let victim = (splitmix64(&mut seed) % FILE_BLOCKS) as usize;
+            let at = locate(&base, victim) * 4096;
+            let fault = [Fault::FlipBit, Fault::LostWrite, Fault::Misdirected][(splitmix64(&mut seed) % 3) as usize];
+            match fault {
+                Fault::FlipBit => {
+                    image[at + (splitmix64(&mut seed) % 4096) as usize] ^= 1 << (splitmix64(&mut seed) % 8)
+                }
+                Fault::LostWrite => image[at..at + 4096].fill(0),
+                Fault::Misdirected => {
+                    let other =
+                        (victim + 1 + (splitmix64(&mut seed) % (FILE_BLOCKS - 1)) as usize) % FILE_BLOCKS as usize;
+                    let to = locate(&base, other) * 4096;
+                    image[to..to + 4096].copy_from_slice(&want[victim]);
+                    image[at..at + 4096].fill(0);
+                    hurt.insert(other);
+                }
+            }
+            hurt.insert(victim);
+            eprintln!("run {run}: {fault:?} on file block {victim}");
+        }
+        injected += hurt.len() as u64;
+        for direct in [false, true] {
+            detected += read_each_block(&image, &want, &hurt, direct);
+        }
+    }
+    assert_eq!(detected, 2 * injected, "of {injected} damaged blocks read twice each, {detected} reads failed");
+}
+
+/// Mount `image` and read each file block alone (a fresh mount, so no
+/// page is cached): the blocks in `hurt` must fail with EIO, the others
+/// read back as `want`. Returns how many reads failed.
+fn read_each_block(image: &[u8], want: &[Vec<u8>], hurt: &std::collections::BTreeSet<usize>, direct: bool) -> u64 {
+    let mut r = busy_reactor();
+    let ram = Arc::new(MappedDevice::ram(BYTES, 4096).unwrap());
+    ram.restore(image);
+    let dev: Arc<dyn BlockDevice> = ram;
+    let (want, hurt) = (want.to_vec(), hurt.clone());
+    r.block_on(async move {
+        let fs = Fs::mount(channel(&dev), FsConfig { read_only: true, ..FsConfig::default() }).await.unwrap();
+        let f = fs.lookup(&Creds::root(), ROOT_INO, b"f").await.unwrap().ino();
+        let mut failed = 0;
+        for (b, data) in want.iter().enumerate() {
+            let at = FileOffset::new(b as u64 * 4096);
+            let got = match direct {
+                true => {
+                    let (buf, result) = fs.data().read_direct(f, at, AlignedBuf::zeroed(4096, 4096)).await;
+                    result.map(|_| buf.to_vec())
+                }
+                false => fs.data().read(f, at, 4096).await,
+            };
+            match (got, hurt.contains(&b)) {
+                (Err(e), true) => {
+                    assert_eq!(e.errno(), libc::EIO, "block {b}: {e}");
+                    failed += 1;
+                }
+                (Ok(got), false) => assert_eq!(&got, data, "block {b} (direct: {direct}) reads back"),
+                (got, hurt) => panic!("block {b} (direct: {direct}, damaged: {hurt}): {:?}", got.map(|g| g.len())),
+            }
+        }
+        assert_eq!(fs.inspect().counters().data_checksum_errors, failed, "each failure counted");
+        failed
+    })
 }

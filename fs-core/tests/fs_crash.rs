@@ -12,13 +12,13 @@ mod common;
 use keelfs_fs::FileOffset;
 use std::sync::Arc;
 
-use common::{busy_reactor, channel, check, mount};
+use common::{busy_reactor, channel, mount};
 use keelfs_base::testing::splitmix64;
 use keelfs_bdev::{AlignedBuf, BlockDevice, FaultDevice, FaultRule, MappedDevice};
 use keelfs_fs::Ino;
 use keelfs_fs::RenameMode;
 use keelfs_fs::ROOT_INO;
-use keelfs_fs::{mkfs, MkfsOptions};
+use keelfs_fs::{fsck_with, mkfs, FsckOptions, MkfsOptions};
 use keelfs_fs::{Creds, Fs, FsConfig, SetAttr};
 
 const DEVICE_BYTES: u64 = 24 << 20;
@@ -63,7 +63,8 @@ fn record_with_config<P: 'static>(
     let dev: Arc<dyn BlockDevice> = fault.clone();
     let (inner2, fault2) = (inner.clone(), fault.clone());
     let recorded = r.block_on(async move {
-        let options = MkfsOptions { force: true, journal_blocks, ..MkfsOptions::default() };
+        let data_checksums = CHECKSUMS.get();
+        let options = MkfsOptions { force: true, journal_blocks, data_checksums, ..MkfsOptions::default() };
         mkfs(channel(&dev), &options).await.unwrap();
         let fs = mount(&dev).await;
         let c = Creds::root();
@@ -105,6 +106,20 @@ fn on_rbd(test: impl FnOnce()) {
     ON_RBD.set(true);
     test();
     ON_RBD.set(false);
+}
+
+thread_local! {
+    /// Format with data checksums (the `_with_data_checksums` tests), and
+    /// have fsck check every written block against its checksum at each
+    /// crash point.
+    static CHECKSUMS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Run `test` on an image with data checksums.
+fn with_data_checksums(test: impl FnOnce()) {
+    CHECKSUMS.set(true);
+    test();
+    CHECKSUMS.set(false);
 }
 
 thread_local! {
@@ -173,8 +188,9 @@ fn check_crashes_on<P: Clone + 'static>(
         let next = rec.promises.iter().find(|(len, _)| *len > at).map(|(_, p)| p.clone());
         let verify = verify.clone();
         let mut r = busy_reactor();
+        let data = CHECKSUMS.get();
         r.block_on(async move {
-            let report = check(&dev).await;
+            let report = fsck_with(channel(&dev), FsckOptions { data }, |_| {}).await.expect("fsck ran");
             assert!(report.is_clean(), "crash point {at} (#{i}, fate seed {fate_seed}): fsck {report:?}");
             let fs = Fs::mount(channel(&dev), FsConfig::default())
                 .await
@@ -213,6 +229,19 @@ fn storm_with_a_tiny_journal_crosses_wraps_and_checkpoints() {
 #[test]
 fn storm_with_checkpoints_in_small_pieces() {
     storm(24, 40, FsConfig { checkpoint_piece_nodes: 4, ..FsConfig::default() });
+}
+
+/// The tiny-journal storm on an image with data checksums: the table's
+/// dirty blocks are written back by every checkpoint, and every crash
+/// image's written blocks must match their checksums.
+#[test]
+fn storm_with_a_tiny_journal_with_data_checksums() {
+    with_data_checksums(|| storm(16, 24, FsConfig::default()));
+}
+
+#[test]
+fn storm_with_checkpoints_in_small_pieces_with_data_checksums() {
+    with_data_checksums(|| storm(24, 40, FsConfig { checkpoint_piece_nodes: 4, ..FsConfig::default() }));
 }
 
 #[test]
@@ -362,6 +391,11 @@ fn appends_with_fsync_never_show_stale_data_reordered() {
 }
 
 #[test]
+fn appends_with_fsync_never_show_stale_data_with_data_checksums() {
+    with_data_checksums(appends_with_fsync_never_show_stale_data_workload);
+}
+
+#[test]
 fn appends_with_fsync_never_show_stale_data_on_rbd() {
     on_rbd(appends_with_fsync_never_show_stale_data_workload);
 }
@@ -398,6 +432,11 @@ fn direct_appends_with_fsync_never_show_stale_data() {
 #[test]
 fn direct_appends_with_fsync_never_show_stale_data_reordered() {
     reordered(direct_appends_with_fsync_never_show_stale_data_workload);
+}
+
+#[test]
+fn direct_appends_with_fsync_never_show_stale_data_with_data_checksums() {
+    with_data_checksums(direct_appends_with_fsync_never_show_stale_data_workload);
 }
 
 #[test]
@@ -448,6 +487,13 @@ fn direct_overwrites_with_fsync_keep_a_synced_or_newer_version() {
 #[test]
 fn direct_overwrites_with_fsync_keep_a_synced_or_newer_version_reordered() {
     reordered(direct_overwrites_with_fsync_keep_a_synced_or_newer_version_workload);
+}
+
+/// On an image with data checksums, overwrites go to new blocks, each
+/// mapped with its checksum in one transaction.
+#[test]
+fn direct_overwrites_with_fsync_keep_a_synced_or_newer_version_with_data_checksums() {
+    with_data_checksums(direct_overwrites_with_fsync_keep_a_synced_or_newer_version_workload);
 }
 
 #[test]

@@ -409,18 +409,19 @@ impl Buffered<'_> {
                 let buf = AlignedBuf::zeroed(block_bytes(n) as usize, BLOCK_BYTES);
                 self.inner.io.read(d, n, buf)
             });
-            pending.push((page, n, read));
+            pending.push((page, n, disk, read));
         }
         const ZEROS: [u8; PAGE_BYTES] = [0u8; PAGE_BYTES];
-        for (page, n, read) in pending {
-            let data = match read {
-                Some(f) => {
+        for (page, n, disk, read) in pending {
+            let data = match (read, disk) {
+                (Some(f), Some(disk)) => {
                     let (buf, result) = f.await;
                     result?;
+                    self.core().verify_read(ino, page, disk, &buf).await?;
                     self.inner.data.count_read(block_bytes(n));
                     Some(buf)
                 }
-                None => None,
+                _ => None,
             };
             let cacheable = self.inner.meta.direct_epoch(ino) == epoch;
             let mut cache = self.inner.pages.cache_mut();

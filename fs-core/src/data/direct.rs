@@ -307,11 +307,15 @@ impl Direct<'_> {
         }
         let segments = self.inner.meta.segments(ino, first, last - first + 1)?;
         self.inner.data.direct_begin();
-        let result = self.submit_segments(buf, first, &segments, true).await;
+        let result = async {
+            let csums = self.converted_checksums(buf, first, &converted)?;
+            self.submit_segments(buf, first, &segments, true).await.map(|()| csums)
+        }
+        .await;
         self.inner.data.direct_end();
         self.inner.journal.ring.borrow_mut().data_writes += 1;
         let new_size = self.finish_extend(ino, offset, end, result.is_ok());
-        result?;
+        self.core().log_all(result?)?;
         for (fb, db, len) in converted {
             self.inner.change().log(Record::ExtentMap {
                 ino,
@@ -325,6 +329,26 @@ impl Direct<'_> {
         self.inner.meta.set_datasync_needed(ino);
         self.inner.data.count_direct_extend(end - offset);
         Ok(Some((end - offset) as u32))
+    }
+
+    /// The `CsumSet` records of the blocks an extending write converts
+    /// (none without data checksums), from its buffer, taken before the
+    /// writes hold its slices.
+    fn converted_checksums<B: IoBuffer>(
+        self,
+        buf: &SharedBuffer<B>,
+        first: u64,
+        converted: &[(FileBlock, crate::blocks::DevBlock, u64)],
+    ) -> FsResult<Vec<Record<'static>>> {
+        let mut out = Vec::new();
+        if self.inner.csums.is_none() {
+            return Ok(out);
+        }
+        for &(fb, db, len) in converted {
+            let at = block_bytes(fb - FileBlock::new(first)) as usize;
+            out.extend(super::checksum_records(buf, at, db.get(), len)?);
+        }
+        Ok(out)
     }
 
     /// Retire an extending write and return the size the file may now
@@ -373,6 +397,7 @@ impl Direct<'_> {
         let read_last = FileBlock::containing(offset + avail - 1).get();
         let segments = self.inner.meta.segments(ino, first, read_last - first + 1)?;
         self.submit_segments(buf, first, &segments, false).await?;
+        self.core().verify_buffer(ino, buf, first, &segments).await?;
         // Never hand back what lies past the end of file.
         let tail_from = avail as usize;
         let tail_to = block_bytes(read_last - first + 1) as usize;

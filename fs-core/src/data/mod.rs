@@ -26,9 +26,10 @@ use std::rc::Rc;
 
 use super::blocks::{block_bytes, offset_in_block, whole_blocks, DevBlock, FileBlock};
 use super::cache::PAGE_BYTES;
+use super::csum_table;
 use super::extent::Segment;
-use super::format::{BlockRun, BLOCK_BYTES};
-use super::record::Record;
+use super::format::{crc, BlockRun, BLOCK_BYTES};
+use super::record::{Record, CSUM_SET_BLOCKS_MAX};
 use super::{Fs, FsError, FsInner, FsResult};
 use crate::ids::Ino;
 use crate::shared::SharedReader;
@@ -206,12 +207,77 @@ impl DataOps<'_> {
 }
 
 impl DataCore<'_> {
+    /// Check `data`, whole blocks read from device block `disk` on for
+    /// `ino`'s file block `file_block` on, against their checksums (on an
+    /// image that keeps them). The first that fails is counted, logged
+    /// once, and fails the read.
+    pub(super) async fn verify_read(self, ino: Ino, file_block: u64, disk: DevBlock, data: &[u8]) -> FsResult<()> {
+        let Some(table) = &self.inner.csums else { return Ok(()) };
+        for (i, block) in data.chunks_exact(BLOCK_BYTES).enumerate() {
+            let at = disk.get() + i as u64;
+            let want = csum_table::entry(table, &self.inner.io, at).await?;
+            if want != Some(crc(block)) {
+                return Err(self.checksum_mismatch(ino, file_block + i as u64, at, want.is_none()));
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Self::verify_read`] of blocks a direct read placed in `buf` (a
+    /// guest's memory: each block is copied out, by volatile reads, to be
+    /// checked), for `segments` from file block `first`. On a mismatch the
+    /// whole buffer is zeroed before the read fails.
+    pub(super) async fn verify_buffer<B: IoBuffer>(
+        self,
+        ino: Ino,
+        buf: &SharedBuffer<B>,
+        first: u64,
+        segments: &[Segment],
+    ) -> FsResult<()> {
+        if self.inner.csums.is_none() {
+            return Ok(());
+        }
+        let mut block = AlignedBuf::zeroed(BLOCK_BYTES, BLOCK_BYTES);
+        for e in segments.iter().filter_map(|s| match s {
+            Segment::Mapped(e) if !e.unwritten => Some(e),
+            _ => None,
+        }) {
+            for i in 0..e.len {
+                let at = block_bytes(e.file_block - FileBlock::new(first) + i) as usize;
+                buf.copy_out(at, &mut block).map_err(|_| FsError::Invalid("buffer busy"))?;
+                let checked = self.verify_read(ino, (e.file_block + i).get(), e.disk_block + i, &block).await;
+                if let Err(e) = checked {
+                    let _ = buf.zero(0, buf.len());
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn checksum_mismatch(self, ino: Ino, file_block: u64, block: u64, unverifiable: bool) -> FsError {
+        let table = self.inner.csums.as_ref().expect("only an image with checksums verifies");
+        let offset = FileBlock::new(file_block).offset();
+        if table.borrow_mut().note_mismatch(block) {
+            tracing::error!(
+                parent: &self.inner.span,
+                %ino,
+                offset,
+                block,
+                unverifiable,
+                "data checksum mismatch: the read fails with EIO (logged once per block)"
+            );
+        }
+        FsError::ChecksumMismatch { ino, offset, block }
+    }
+
     /// One file block as it is on the device (zeros for holes and
     /// unwritten extents), ignoring the page cache.
     pub(super) async fn read_device_block(self, ino: Ino, file_block: u64, out: &mut [u8]) -> FsResult<()> {
         match self.inner.meta.segments(ino, file_block, 1)?[0] {
             Segment::Mapped(e) if !e.unwritten => {
                 let buf = self.inner.io.read_blocks(e.disk_block, 1).await?;
+                self.verify_read(ino, file_block, e.disk_block, &buf).await?;
                 out.copy_from_slice(&buf);
                 self.inner.data.count_read(block_bytes(1));
             }
@@ -318,9 +384,23 @@ impl DataCore<'_> {
         Ok(mapped)
     }
 
-    /// The parts of device run `run` that another extent names too: a
-    /// write there goes to new blocks (copy on write), never in place.
+    /// Whether no data write goes in place: on an image with data
+    /// checksums, a block's data and its checksum change together only
+    /// when the data goes to a new block, mapped with its `CsumSet` in one
+    /// transaction (docs/plans/data-checksums.md, section 3; in-place
+    /// overwrites with pending checksums are step C5). Every written block
+    /// is then treated as a shared one: copied on write.
+    pub(super) fn writes_out_of_place(self) -> bool {
+        self.inner.csums.is_some()
+    }
+
+    /// The parts of device run `run` that another extent names too, or
+    /// all of it when writes go out of place: a write there goes to new
+    /// blocks (copy on write), never in place.
     pub(super) fn shared_parts(self, run: BlockRun) -> Vec<BlockRun> {
+        if self.writes_out_of_place() {
+            return vec![run];
+        }
         let free = self.inner.space.free();
         if free.shared.is_empty() {
             return Vec::new(); // nothing shared: every image that never cloned
@@ -331,7 +411,7 @@ impl DataCore<'_> {
     /// Whether a written block of file blocks [first, last] of `ino` is
     /// shared. Writers that write in place ask under their range lock.
     pub(super) fn range_shares_blocks(self, ino: Ino, first: u64, last: u64) -> FsResult<bool> {
-        if self.inner.space.free().shared.is_empty() {
+        if self.inner.space.free().shared.is_empty() && !self.writes_out_of_place() {
             return Ok(false);
         }
         let segments = self.inner.meta.segments(ino, first, last - first + 1)?;
@@ -339,8 +419,11 @@ impl DataCore<'_> {
     }
 
     /// Whether a written block of `segments` (a reading of a file's map)
-    /// is shared.
+    /// is shared, or is written at all when writes go out of place.
     pub(super) fn segments_share_blocks(self, segments: &[Segment]) -> bool {
+        if self.writes_out_of_place() {
+            return segments.iter().any(|s| matches!(s, Segment::Mapped(e) if !e.unwritten));
+        }
         let free = self.inner.space.free();
         if free.shared.is_empty() {
             return false;
@@ -361,8 +444,10 @@ impl DataCore<'_> {
             return Ok(());
         }
         let mut buf = self.inner.io.read_blocks(e.disk_block, 1).await?;
+        self.verify_read(ino, file_block.get(), e.disk_block, &buf).await?;
         buf[from..to].fill(0);
-        let shared = self.inner.space.free().shared.any_shared(BlockRun { start: e.disk_block.get(), len: 1 });
+        let shared = self.writes_out_of_place()
+            || self.inner.space.free().shared.any_shared(BlockRun { start: e.disk_block.get(), len: 1 });
         if shared {
             let records = self.write_image(ino, file_block.get(), buf, false).await?;
             return self.log_all(records);
@@ -461,6 +546,15 @@ impl DataCore<'_> {
         let nblocks = whole_blocks(image.len() as u64);
         let image_bytes = image.len() as u64;
         let (targets, fresh) = self.image_targets(ino, first, nblocks, reserved)?;
+        // Taken before the writes, which hold the buffer's slices: a guest
+        // that changes its buffer meanwhile hurts only its own blocks.
+        let csums = match self.image_checksums(image, first, &targets) {
+            Ok(csums) => csums,
+            Err(e) => {
+                self.unreserve(&fresh, true);
+                return Err(e);
+            }
+        };
         let mut pending = Vec::new();
         for &(fb, db, len, _) in &targets {
             let mut done = 0;
@@ -484,17 +578,34 @@ impl DataCore<'_> {
             return Err(FsError::Stale);
         }
         self.unreserve(&fresh, false);
-        Ok(targets
-            .into_iter()
-            .filter(|t| t.3)
-            .map(|(fb, db, len, _)| Record::ExtentMap {
-                ino,
-                file_block: fb.get(),
-                disk_block: db.get(),
-                len,
-                unwritten: false,
-            })
-            .collect())
+        let maps = targets.into_iter().filter(|t| t.3).map(|(fb, db, len, _)| Record::ExtentMap {
+            ino,
+            file_block: fb.get(),
+            disk_block: db.get(),
+            len,
+            unwritten: false,
+        });
+        Ok(maps.chain(csums).collect())
+    }
+
+    /// The `CsumSet` records of the targets a record maps (new blocks and
+    /// unwritten ones), from `image`, which starts at file block `first`;
+    /// none on an image without data checksums.
+    fn image_checksums<B: IoBuffer>(
+        self,
+        image: &SharedBuffer<B>,
+        first: u64,
+        targets: &[ImageTarget],
+    ) -> FsResult<Vec<Record<'static>>> {
+        let mut out = Vec::new();
+        if self.inner.csums.is_none() {
+            return Ok(out);
+        }
+        for &(fb, db, len, _) in targets.iter().filter(|t| t.3) {
+            let at = block_bytes(fb - FileBlock::new(first)) as usize;
+            out.extend(checksum_records(image, at, db.get(), len)?);
+        }
+        Ok(out)
     }
 
     pub(super) fn log_all(self, records: Vec<Record<'_>>) -> FsResult<()> {
@@ -503,4 +614,29 @@ impl DataCore<'_> {
         }
         Ok(())
     }
+}
+
+/// `CsumSet` records for `len` device blocks from `disk_block`, whose data
+/// is `buf` from byte `at`: each block copied out of the buffer (through
+/// volatile reads when it is a guest's) and checksummed.
+pub(super) fn checksum_records<B: IoBuffer>(
+    buf: &SharedBuffer<B>,
+    at: usize,
+    disk_block: u64,
+    len: u64,
+) -> FsResult<Vec<Record<'static>>> {
+    let mut out = Vec::new();
+    let mut block = vec![0u8; BLOCK_BYTES];
+    let mut done = 0;
+    while done < len {
+        let n = (len - done).min(CSUM_SET_BLOCKS_MAX as u64);
+        let mut crcs = Vec::with_capacity(n as usize * 4);
+        for i in done..done + n {
+            buf.copy_out(at + block_bytes(i) as usize, &mut block).map_err(|_| FsError::Invalid("buffer busy"))?;
+            crcs.extend_from_slice(&crc(&block).to_le_bytes());
+        }
+        out.push(Record::CsumSet { first_block: disk_block + done, crcs: crcs.into() });
+        done += n;
+    }
+    Ok(out)
 }

@@ -14,6 +14,7 @@ use super::snapshots::{abandon_table, TableChange, TablePlan};
 use super::{CommitCx, Journal, CHECKPOINT_BLOCK_MAGIC, CP_HEADER_BYTES, CP_PAYLOAD_PER_BLOCK};
 use crate::blocks::DevBlock;
 use crate::codec::Writer;
+use crate::csum_table;
 use crate::format::{crc, BlockRun, Superblock, BLOCK_BYTES, FEATURE_FREE_COUNT_HOLDS_CHECKPOINT, SUPERBLOCK_SLOTS};
 use crate::io::Io;
 use crate::state::SnapshotBytes;
@@ -52,12 +53,8 @@ impl Journal {
         let recorded_free = self.recorded_free(&old, free_at_snapshot, new_cp, plan.as_ref().zip(change.as_ref()));
         let recorded = recorded_free.to_le_bytes();
         let payload = [&recorded[..], &snapshot.inodes, &snapshot.entries];
-        let mut result = write_checkpoint_blocks(cx.io, &runs, payload, seq).await;
-        if let (Ok(()), Some(plan)) = (&result, &plan) {
-            if !plan.runs.is_empty() {
-                result = write_checkpoint_blocks(cx.io, &plan.runs, [&plan.bytes, &[], &[]], seq).await;
-            }
-        }
+        let mut table_written = None;
+        let result = write_before_superblock(cx, (&runs, payload, seq), plan.as_ref(), &mut table_written).await;
         let result = match result {
             Ok(()) => {
                 let mut sb = old.clone();
@@ -77,7 +74,12 @@ impl Journal {
             Err(e) => Err(e),
         };
         match result {
-            Ok(sb) => self.checkpoint_installed(cx, &old, sb, plan.zip(change)),
+            Ok(sb) => {
+                if let (Some(table), Some(done)) = (cx.csums, table_written) {
+                    csum_table::written_back(table, done);
+                }
+                self.checkpoint_installed(cx, &old, sb, plan.zip(change))
+            }
             Err(e) => {
                 let mut free = cx.space.free_mut();
                 for r in runs.iter().chain(plan.iter().flat_map(|p| p.runs.iter())) {
@@ -158,6 +160,12 @@ impl Journal {
         used * 2 >= self.sb.borrow().journal_blocks
     }
 
+    /// Whether a checkpoint is due: the ring is half used, or the checksum
+    /// table holds as many dirty blocks as it may (its overlay's memory).
+    fn checkpoint_due(&self, csums: Option<&std::cell::RefCell<csum_table::TableCache>>) -> bool {
+        self.ring_half_used() || csums.is_some_and(|t| t.borrow().dirty_blocks() >= csum_table::DIRTY_BLOCKS_CHECKPOINT)
+    }
+
     /// Give up the checkpoint being written in pieces, if any, so that the
     /// frees held for it are usable now: for a writer that found no space.
     /// Its first transaction stays committed; the next checkpoint starts over.
@@ -173,6 +181,26 @@ impl Journal {
     pub(crate) fn checkpoint_in_pieces(&self) -> bool {
         self.ring.borrow().sliced.is_some()
     }
+}
+
+/// What a checkpoint writes before its superblock: the checksum table's
+/// dirty blocks (flushed with the checkpoint, since the superblock ends
+/// replay of the records that set them; `table_written` says which), the
+/// checkpoint's blocks, and the snapshot table `plan` makes.
+async fn write_before_superblock(
+    cx: &CommitCx<'_>,
+    (runs, payload, seq): (&[BlockRun], [&[u8]; 3], u64),
+    plan: Option<&TablePlan>,
+    table_written: &mut Option<csum_table::WrittenBack>,
+) -> FsResult<()> {
+    if let Some(table) = cx.csums {
+        *table_written = Some(csum_table::write_back(table, cx.io).await?);
+    }
+    write_checkpoint_blocks(cx.io, runs, payload, seq).await?;
+    if let Some(plan) = plan.filter(|p| !p.runs.is_empty()) {
+        write_checkpoint_blocks(cx.io, &plan.runs, [&plan.bytes, &[], &[]], seq).await?;
+    }
+    Ok(())
 }
 
 /// Blocks of checkpoint written per device request: each is formatted
@@ -252,7 +280,7 @@ async fn write_superblock(io: &Io, sb: &Superblock) -> FsResult<()> {
 
 /// Start a checkpoint in the background once the ring is half used.
 pub(super) fn maybe_schedule_checkpoint(fs: &Rc<FsInner>) {
-    if !fs.journal.ring_half_used() || fs.unmounted.get() {
+    if !fs.journal.checkpoint_due(fs.csums.as_ref()) || fs.unmounted.get() {
         return;
     }
     if fs.journal.ring.borrow().sliced.is_some() {
@@ -296,7 +324,7 @@ async fn scheduled_checkpoint(fs: &Rc<FsInner>, only_if_half_used: bool) -> FsRe
         // under the feet of an fsck).
         if fs.unmounted.get()
             || fs.journal.ring.borrow().sliced.is_some()
-            || (only_if_half_used && !fs.journal.ring_half_used())
+            || (only_if_half_used && !fs.journal.checkpoint_due(fs.csums.as_ref()))
         {
             return Ok(());
         }

@@ -12,6 +12,7 @@ use super::{
 };
 use crate::blocks::{block_bytes, whole_blocks, DevBlock};
 use crate::codec::Reader;
+use crate::csum_table::TableCache;
 use crate::format::{
     crc, BlockRun, Superblock, SuperblockError, BLOCK_BYTES, FEATURE_SHARED_EXTENTS, SUPERBLOCK_SLOTS,
 };
@@ -85,11 +86,24 @@ const _: () = assert!(1 + 8 + 4 + XATTR_NAME_MAX + 4 + XATTR_VALUE_MAX + 64 < RE
 pub(crate) struct Rebuilt {
     pub state: State,
     pub free: FreeSpace,
+    /// The data checksum table, with the entries the journal sets (an
+    /// image with FEATURE_DATA_CHECKSUMS only).
+    pub csums: Option<TableCache>,
 }
 
 impl Rebuilt {
     fn replay(&mut self, record: &Record) -> Result<(), ApplyError> {
         self.state.apply(record, ApplyMode::Replay, &mut self.free)
+    }
+
+    /// A journal record: a checksum record goes to the table, which only
+    /// the journal sets (a checkpoint never holds one).
+    fn replay_journal(&mut self, record: &Record) -> Result<(), String> {
+        match (record, &mut self.csums) {
+            (Record::CsumSet { first_block, crcs }, Some(table)) => table.set(*first_block, crcs),
+            (Record::CsumSet { .. }, None) => Err("a data checksum record on an image that keeps none".into()),
+            _ => self.replay(record).map_err(|e| e.to_string()),
+        }
     }
 
     /// Once everything is loaded: a block with two names is named only by
@@ -140,7 +154,8 @@ pub(crate) async fn load_checkpoint(dev: &DeviceChannel, sb: &Superblock) -> FsR
         alloc.claim(*run).map_err(|e| corrupt(format!("checkpoint extents overlap: {e}")))?;
     }
     let total_data = sb.total_blocks - sb.data_start();
-    let mut rebuilt = Rebuilt { state: State::default(), free: FreeSpace::new(alloc) };
+    let mut rebuilt =
+        Rebuilt { state: State::default(), free: FreeSpace::new(alloc), csums: TableCache::for_superblock(sb) };
     rebuilt.free.sharing_allowed = sb.features & FEATURE_SHARED_EXTENTS != 0;
     if sb.checkpoint_bytes == 0 {
         // A freshly made filesystem before its first checkpoint.
@@ -321,7 +336,7 @@ pub(crate) async fn replay(
         }
         let records = decode_all(payload).map_err(|e| corrupt(format!("journal transaction {seq}: {e}")))?;
         for r in &records {
-            rebuilt.replay(r).map_err(|e| corrupt(format!("journal transaction {seq}: {e}")))?;
+            rebuilt.replay_journal(r).map_err(|e| corrupt(format!("journal transaction {seq}: {e}")))?;
         }
         recorded_free = h.free_blocks;
         pos += u64::from(h.blocks);
@@ -379,7 +394,7 @@ pub(crate) async fn load(dev: &DeviceChannel, require_root: bool) -> FsResult<Lo
         _ => return Err(corrupt("the root directory is missing")),
     }
     rebuilt.check_sharing(&sb, &snapshots).map_err(corrupt)?;
-    let Rebuilt { state, free } = rebuilt;
+    let Rebuilt { state, free, csums } = rebuilt;
     let Replayed { head: journal_head, seq: journal_seq, count, stale, .. } = replayed;
-    Ok(Loaded { sb, state, free, journal_head, journal_seq, replayed: count, stale_headers: stale, snapshots })
+    Ok(Loaded { sb, state, free, csums, journal_head, journal_seq, replayed: count, stale_headers: stale, snapshots })
 }

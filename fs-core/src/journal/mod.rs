@@ -155,6 +155,7 @@ pub(crate) struct CommitCx<'a> {
     pub(crate) space: &'a Space,
     pub(crate) discard: &'a Discard,
     pub(crate) pages: &'a Pages,
+    pub(crate) csums: Option<&'a RefCell<crate::csum_table::TableCache>>,
     pub(crate) config: &'a FsConfig,
     /// A cell, not a bool: a checkpoint in pieces looks again after each
     /// await.
@@ -170,6 +171,7 @@ impl FsInner {
             space: &self.space,
             discard: &self.discard,
             pages: &self.pages,
+            csums: self.csums.as_ref(),
             config: &self.config,
             unmounted: &self.unmounted,
             span: &self.span,
@@ -182,6 +184,7 @@ pub(crate) struct Loaded {
     pub sb: Superblock,
     pub state: State,
     pub free: crate::space::FreeSpace,
+    pub csums: Option<crate::csum_table::TableCache>,
     pub journal_head: u64,
     pub journal_seq: u64,
     pub replayed: u64,

@@ -426,10 +426,11 @@ pub(crate) async fn load_snapshot(dev: &DeviceChannel, name: &str) -> FsResult<L
     if !rebuilt.state.node(ROOT_INO).is_some_and(|root| root.inode.is_dir() && root.inode.nlink > 0) {
         return Err(corrupt(format!("snapshot {name:?} has no root directory")));
     }
-    let Rebuilt { state, free } = rebuilt;
+    let Rebuilt { state, free, csums } = rebuilt;
     let (journal_head, journal_seq) = (view.journal_start, view.journal_seq);
     let snapshots = Snapshots::default();
-    Ok(Loaded { sb: view, state, free, journal_head, journal_seq, replayed: 0, stale_headers: Vec::new(), snapshots })
+    let stale_headers = Vec::new();
+    Ok(Loaded { sb: view, state, free, csums, journal_head, journal_seq, replayed: 0, stale_headers, snapshots })
 }
 
 fn claim_err(what: &'static str) -> impl Fn(crate::alloc::AllocError) -> FsError {
