@@ -20,6 +20,7 @@ mod mount_helper;
 mod mountinfo;
 mod rpc;
 mod sandbox;
+mod scrub;
 mod seccomp;
 mod serve;
 mod settings;

@@ -50,7 +50,7 @@ pub mod code {
 }
 
 /// Every method, for `rpc_get_methods`.
-pub const METHODS: [&str; 12] = [
+pub const METHODS: [&str; 15] = [
     "stats",
     "export_list",
     "export_add",
@@ -61,6 +61,9 @@ pub const METHODS: [&str; 12] = [
     "snapshot_create",
     "snapshot_list",
     "snapshot_delete",
+    "scrub_start",
+    "scrub_status",
+    "scrub_cancel",
     "rpc_get_methods",
     "framework_uptime",
 ];
@@ -272,6 +275,9 @@ fn call(method: &str, raw: Value, control: &Control) -> Result<Value, RpcError> 
         "snapshot_create" => crate::snapshots::create(raw, control),
         "snapshot_list" => crate::snapshots::list(raw, control),
         "snapshot_delete" => crate::snapshots::delete(raw, control),
+        "scrub_start" => crate::scrub::start(raw, control),
+        "scrub_status" => crate::scrub::status(raw, control),
+        "scrub_cancel" => crate::scrub::cancel(raw, control),
         "rpc_get_methods" => params::<NoParams>(raw).map(|_| json!(METHODS)),
         "framework_uptime" => params::<NoParams>(raw).map(|_| json!({"uptime_ns": uptime_ns()})),
         other => Err(RpcError::new(code::METHOD_NOT_FOUND, format!("no method {other:?}; see rpc_get_methods"))),

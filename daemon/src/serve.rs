@@ -1106,6 +1106,11 @@ async fn stop_asked(tag: &str) {
 }
 
 /// On the export's reactor: its filesystem, if it is mounted here.
+/// The QoS limiter of this reactor's export `tag`, if it has one.
+pub(crate) fn local_qos(tag: &str) -> Option<Rc<Qos>> {
+    LOCAL.with(|l| l.borrow().exports.iter().find(|e| e.tag == tag).and_then(|e| e.qos.clone()))
+}
+
 pub(crate) fn local_fs(tag: &str) -> Option<Fs> {
     LOCAL.with(|l| {
         let l = l.borrow();
@@ -1210,6 +1215,7 @@ async fn run_export(
         })
     });
     table.set_state(&tag, Lifecycle::Ready);
+    crate::scrub::resume_if_saved(&tag);
     let _ = events.send(Event::Ready {
         tag: tag.clone(),
         reactor: reactor_id,

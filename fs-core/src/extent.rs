@@ -307,6 +307,21 @@ impl ExtentMap {
 
     /// The pieces of [file_block, +len): mapped extents clipped to the
     /// range, and holes between them.
+    /// The first written extent at or after `file_block`, cut to start
+    /// there: what a scrub reads next.
+    pub fn written_from(&self, file_block: FileBlock) -> Option<Extent> {
+        let fb = file_block.get();
+        let holding = self.range(..=fb).next_back().filter(|&(k, (_, l, unwritten))| k + l > fb && !unwritten);
+        let (k, (db, l, _)) = holding.or_else(|| self.range(fb + 1..).find(|&(_, (_, _, unwritten))| !unwritten))?;
+        let from = k.max(fb);
+        Some(Extent {
+            file_block: FileBlock::new(from),
+            disk_block: DevBlock::new(db + (from - k)),
+            len: k + l - from,
+            unwritten: false,
+        })
+    }
+
     pub fn segments(&self, file_block: FileBlock, len: u64) -> Segments {
         let file_block = file_block.get();
         let end = file_block.saturating_add(len);

@@ -49,6 +49,7 @@ mod ops;
 mod pages;
 mod quota;
 mod record;
+mod scrub;
 mod seqlock;
 #[allow(unsafe_code)]
 mod shared;
@@ -77,6 +78,7 @@ pub use journal::{SnapshotInfo, SnapshotSpace, CHECKPOINT_BLOCK_MAGIC, JOURNAL_T
 pub use mkfs::{mkfs, MkfsError, MkfsOptions};
 pub use ops::{Attr, DirEntry, SeekTo, SetAttr, TimeSet};
 pub use quota::Quota;
+pub use scrub::{BadBlock, ScrubCursor, ScrubStep, SCRUB_STEP_BLOCKS_MAX};
 pub use shared::{SharedMiss, SharedReader};
 pub use snapshot_table::{check_snapshot_name, SNAPSHOTS_MAX, SNAPSHOT_NAME_MAX};
 

@@ -68,6 +68,14 @@ pub enum Record<'a> {
         first_block: u64,
         crcs: Cow<'a, [u8]>,
     },
+    /// Where a scrub stands (an image with data checksums only), so that
+    /// a restarted daemon resumes it: the next inode and file block, and
+    /// its rate. `ino` 0: no scrub.
+    ScrubCursor {
+        ino: u64,
+        file_block: u64,
+        bytes_per_sec: u64,
+    },
 }
 
 /// Blocks one `CsumSet` covers at most: 4 KiB of crcs, 4 MiB of data.
@@ -84,6 +92,7 @@ const TAG_XATTR_DELETE: u8 = 8;
 const TAG_SYMLINK: u8 = 9;
 const TAG_NEXT_INO: u8 = 10;
 const TAG_CSUM_SET: u8 = 11;
+const TAG_SCRUB_CURSOR: u8 = 12;
 
 impl<'a> Record<'a> {
     pub fn encode(&self, w: &mut Writer) {
@@ -148,6 +157,12 @@ impl<'a> Record<'a> {
                 w.u64(*first_block);
                 w.blob(crcs);
             }
+            Record::ScrubCursor { ino, file_block, bytes_per_sec } => {
+                w.u8(TAG_SCRUB_CURSOR);
+                w.u64(*ino);
+                w.u64(*file_block);
+                w.u64(*bytes_per_sec);
+            }
         }
     }
 
@@ -202,6 +217,11 @@ impl<'a> Record<'a> {
                 }
                 Record::CsumSet { first_block, crcs: Cow::Borrowed(crcs) }
             }
+            TAG_SCRUB_CURSOR => Record::ScrubCursor {
+                ino: r.u64("scrub inode")?,
+                file_block: r.u64("scrub file block")?,
+                bytes_per_sec: r.u64("scrub rate")?,
+            },
             _ => return Err(DecodeError { what: "record tag", at }),
         })
     }
@@ -259,6 +279,7 @@ mod tests {
             Record::Symlink { ino: Ino::new(8), target: b"/etc".to_vec().into() },
             Record::NextIno { next: 99 },
             Record::CsumSet { first_block: 700, crcs: vec![1, 2, 3, 4, 5, 6, 7, 8].into() },
+            Record::ScrubCursor { ino: 7, file_block: 3, bytes_per_sec: 1 << 20 },
         ];
         let mut w = Writer::new();
         for r in &records {

@@ -249,6 +249,16 @@ pub struct State {
     /// started (nodes made meanwhile carry it, so it skips them).
     snapshot: Option<Snapshot>,
     epoch: u32,
+    /// The scrub in progress, as its last `ScrubCursor` record left it.
+    pub scrub: Option<ScrubSaved>,
+}
+
+/// Where a scrub stands, kept in the state so that checkpoints carry it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScrubSaved {
+    pub ino: Ino,
+    pub file_block: u64,
+    pub bytes_per_sec: u64,
 }
 
 fn err<T>(msg: String) -> Result<T, ApplyError> {
@@ -258,7 +268,7 @@ fn err<T>(msg: String) -> Result<T, ApplyError> {
 /// No inodes yet; the first one made is 2 (the root is made as 1).
 impl Default for State {
     fn default() -> Self {
-        Self { nodes: NodeTable::default(), next_ino: 2, snapshot: None, epoch: 0 }
+        Self { nodes: NodeTable::default(), next_ino: 2, snapshot: None, epoch: 0, scrub: None }
     }
 }
 
@@ -317,6 +327,10 @@ impl State {
         to_visit.sort_unstable_by(|a, b| b.cmp(a));
         let mut inodes = Writer::new();
         Record::NextIno { next: self.next_ino }.encode(&mut inodes);
+        if let Some(s) = self.scrub {
+            Record::ScrubCursor { ino: s.ino.get(), file_block: s.file_block, bytes_per_sec: s.bytes_per_sec }
+                .encode(&mut inodes);
+        }
         self.snapshot = Some(Snapshot { epoch: self.epoch, to_visit, inodes, entries: Writer::new() });
         self.epoch
     }
@@ -461,6 +475,18 @@ impl State {
             // The checksum table is not state: replay gives these to it,
             // and a checkpoint never holds one.
             Record::CsumSet { .. } => err("a data checksum record where only state belongs".to_string()),
+            Record::ScrubCursor { ino, file_block, bytes_per_sec } => {
+                if *ino >= INO_MAX || *bytes_per_sec == 0 {
+                    return err(format!("a scrub cursor at inode {ino}, {bytes_per_sec} bytes/s"));
+                }
+                let at = Ino::new(*ino);
+                self.scrub = (*ino != 0).then_some(ScrubSaved {
+                    ino: at,
+                    file_block: *file_block,
+                    bytes_per_sec: *bytes_per_sec,
+                });
+                Ok(())
+            }
         }
     }
 

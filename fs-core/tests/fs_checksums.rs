@@ -9,7 +9,7 @@ use std::sync::Arc;
 use common::{busy_reactor, channel, check, mount, ram_device};
 use keelfs_base::testing::splitmix64;
 use keelfs_bdev::{AlignedBuf, BlockDevice, MappedDevice};
-use keelfs_fs::{fsck_with, mkfs, FallocateMode, FsConfig, FsckOptions, SetAttr};
+use keelfs_fs::{fsck_with, mkfs, BadBlock, FallocateMode, FsConfig, FsckOptions, ScrubCursor, SetAttr};
 use keelfs_fs::{Creds, FileOffset, Fs, Ino, MkfsOptions, CSUMS_PER_TABLE_BLOCK, FEATURE_DATA_CHECKSUMS, ROOT_INO};
 
 const BYTES: u64 = 64 << 20;
@@ -407,4 +407,93 @@ fn read_each_block(image: &[u8], want: &[Vec<u8>], hurt: &std::collections::BTre
         assert_eq!(fs.inspect().counters().data_checksum_errors, failed, "each failure counted");
         failed
     })
+}
+
+/// Walk a whole scrub, `max` blocks a step: the blocks checked, and the
+/// bad ones found.
+async fn scrub_all(fs: &Fs, max: u64) -> (u64, Vec<BadBlock>, u64) {
+    let (mut at, mut checked, mut bad, mut steps) = (Some(ScrubCursor::START), 0, Vec::new(), 0);
+    while let Some(cursor) = at {
+        let step = fs.admin().scrub_step(cursor, max).await.unwrap();
+        assert!(step.blocks_checked <= max, "a step reads at most what it is asked");
+        checked += step.blocks_checked;
+        bad.extend(step.bad);
+        at = step.next;
+        steps += 1;
+    }
+    (checked, bad, steps)
+}
+
+#[test]
+fn a_scrub_checks_every_written_block_and_names_the_bad_one() {
+    let mut r = busy_reactor();
+    let ram = Arc::new(MappedDevice::ram(BYTES, 4096).unwrap());
+    let dev: Arc<dyn BlockDevice> = ram.clone();
+    let (ram2, dev2) = (ram.clone(), dev.clone());
+    r.block_on(async move {
+        format_with_checksums(&dev).await;
+        let fs = mount(&dev).await;
+        let c = Creds::root();
+        let mut inos = Vec::new();
+        for (i, blocks) in [3u64, 40, 1, 300].iter().enumerate() {
+            let (f, _) = fs.create(&c, ROOT_INO, format!("f{i}").as_bytes(), 0o644, 2).await.unwrap();
+            let data = pattern(100 + i as u64, (blocks * 4096) as usize);
+            fs.data().write(f.ino(), FileOffset::new(0), &data).await.unwrap();
+            inos.push((f.ino(), data));
+        }
+        // A sparse file: a hole, then one block far out.
+        let (sparse, _) = fs.create(&c, ROOT_INO, b"sparse", 0o644, 2).await.unwrap();
+        fs.data().write(sparse.ino(), FileOffset::new(1 << 30), &pattern(7, 4096)).await.unwrap();
+        fs.sync().await.unwrap();
+        let (checked, bad, _) = scrub_all(&fs, 64).await;
+        assert_eq!((checked, bad.len()), (3 + 40 + 1 + 300 + 1, 0));
+        fs.unmount().await.unwrap();
+        // Damage file f1's block 17.
+        let (ino, data) = inos[1].clone();
+        let block = find_block(&ram2, &data[17 * 4096..18 * 4096]).unwrap();
+        let mut image = ram2.snapshot();
+        image[block * 4096 + 9] ^= 0x80;
+        ram2.restore(&image);
+        let fs = mount(&dev2).await;
+        let (checked, bad, steps) = scrub_all(&fs, 256).await;
+        assert_eq!(checked, 345);
+        assert!(steps >= 5, "one step per extent piece at least");
+        assert_eq!(bad, vec![BadBlock { ino, offset: 17 * 4096, device_block: block as u64, unreadable: false }]);
+        assert_eq!(fs.inspect().counters().data_checksum_errors, 1);
+        fs.unmount().await.unwrap();
+    });
+}
+
+#[test]
+fn a_scrub_cursor_survives_replay_and_checkpoints() {
+    let mut r = busy_reactor();
+    let ram = Arc::new(MappedDevice::ram(BYTES, 4096).unwrap());
+    let dev: Arc<dyn BlockDevice> = ram.clone();
+    r.block_on(async move {
+        format_with_checksums(&dev).await;
+        let fs = mount(&dev).await;
+        assert_eq!(fs.admin().scrub_saved(), None);
+        let at = ScrubCursor { ino: Ino::new(5), file_block: 77 };
+        fs.admin().scrub_save(Some((at, 3 << 20))).unwrap();
+        fs.sync().await.unwrap();
+        // A crash now: the record is replayed.
+        let crashed = ram.snapshot();
+        fs.unmount().await.unwrap();
+        let fs = mount(&dev).await;
+        assert_eq!(fs.admin().scrub_saved(), Some((at, 3 << 20)), "kept by the unmount's checkpoint");
+        fs.admin().scrub_save(None).unwrap();
+        fs.unmount().await.unwrap();
+        assert_eq!(mount(&dev).await.admin().scrub_saved(), None, "a cleared cursor stays cleared");
+        ram.restore(&crashed);
+        assert_eq!(mount(&dev).await.admin().scrub_saved(), Some((at, 3 << 20)), "replayed from the journal");
+    });
+}
+
+#[test]
+fn a_scrub_of_an_image_without_checksums_is_not_supported() {
+    common::with_fs(BYTES, async |fs, _dev| {
+        let e = fs.admin().scrub_step(ScrubCursor::START, 16).await.unwrap_err();
+        assert_eq!(e.errno(), libc::EOPNOTSUPP);
+        assert_eq!(fs.admin().scrub_save(None).unwrap_err().errno(), libc::EOPNOTSUPP);
+    });
 }

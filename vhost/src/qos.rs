@@ -441,6 +441,24 @@ impl Qos {
     fn admit(&self, class: Class, bytes: u64, now: Instant) -> bool {
         self.buckets.borrow_mut().admit(class, bytes, now)
     }
+
+    /// Admit the export's own background reads (a scrub's `bytes`, at
+    /// most `IO_BYTES_MAX`) if the read limits have the tokens now, after
+    /// the guest's: never while a guest read waits. Not queued: Err says
+    /// when to ask again.
+    pub fn admit_background_read(&self, bytes: u64, now: Instant) -> Result<(), Instant> {
+        if self.unlimited.get() {
+            return Ok(());
+        }
+        if self.waiting[Class::Read as usize].get() > 0 {
+            return Err(now + Duration::from_millis(1));
+        }
+        let mut buckets = self.buckets.borrow_mut();
+        match buckets.admit(Class::Read, bytes.min(IO_BYTES_MAX), now) {
+            true => Ok(()),
+            false => Err(buckets.ready_at(Class::Read, bytes.min(IO_BYTES_MAX), now)),
+        }
+    }
 }
 
 /// A transport's requests held by a [`Qos`]: one FIFO per class. It holds
