@@ -215,7 +215,12 @@ impl DataCore<'_> {
         let Some(table) = &self.inner.csums else { return Ok(()) };
         for (i, block) in data.chunks_exact(BLOCK_BYTES).enumerate() {
             let at = disk.get() + i as u64;
-            let want = csum_table::entry(table, &self.inner.io, at).await?;
+            // Most entries are in memory: no future to build for them.
+            let cached = table.borrow().cached_entry(at);
+            let want = match cached {
+                Some(want) => want,
+                None => csum_table::entry(table, &self.inner.io, at).await?,
+            };
             if want != Some(crc(block)) {
                 return Err(self.checksum_mismatch(ino, file_block + i as u64, at, want.is_none()));
             }
@@ -237,7 +242,7 @@ impl DataCore<'_> {
         if self.inner.csums.is_none() {
             return Ok(());
         }
-        let mut block = AlignedBuf::zeroed(BLOCK_BYTES, BLOCK_BYTES);
+        let mut block = [0u8; BLOCK_BYTES];
         for e in segments.iter().filter_map(|s| match s {
             Segment::Mapped(e) if !e.unwritten => Some(e),
             _ => None,
