@@ -460,6 +460,14 @@ impl FsFrontend {
         self.driver(queue).scratch()
     }
 
+    /// Where `submit_split` puts the write data of each slot of `queue`:
+    /// (guest address, bytes), for a test playing a guest that rewrites
+    /// its buffers while the device holds them.
+    pub fn write_data_areas(&self, queue: usize) -> Vec<(u64, u64)> {
+        let d = self.driver(queue);
+        (0..d.slots).map(|slot| (d.slot_addr(slot).0 + 4096, d.slot_bytes - 4096)).collect()
+    }
+
     pub fn submit_raw(&mut self, queue: usize, descs: &[RawDesc]) -> FrontendResult<u16> {
         self.driver_mut(queue).submit_raw(descs)
     }

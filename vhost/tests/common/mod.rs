@@ -46,6 +46,11 @@ pub struct Daemon {
     _dir: TempDir,
 }
 
+thread_local! {
+    /// Set by `Daemon::start_with_checksums` around the start.
+    static DATA_CHECKSUMS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 pub struct TempDir(pub PathBuf);
 
 impl Drop for TempDir {
@@ -94,6 +99,14 @@ impl Daemon {
         Self::start_limited(request_queues, 0, None, Duration::from_millis(50), Some(qos), clock)
     }
 
+    /// On an image made with data checksums (issue 38).
+    pub fn start_with_checksums(request_queues: usize) -> Self {
+        DATA_CHECKSUMS.with(|c| c.set(true));
+        let daemon = Self::start_with_commit_interval(request_queues, 0, None, Duration::from_millis(50));
+        DATA_CHECKSUMS.with(|c| c.set(false));
+        daemon
+    }
+
     fn start_limited(
         request_queues: usize,
         helpers: usize,
@@ -102,6 +115,7 @@ impl Daemon {
         qos: Option<QosLimits>,
         clock: Clock,
     ) -> Self {
+        let data_checksums = DATA_CHECKSUMS.with(|c| c.get());
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let dir = std::env::temp_dir().join(format!(
             "keelfs-vu-{}-{}",
@@ -126,7 +140,7 @@ impl Daemon {
                 let dev: Arc<dyn BlockDevice> = Arc::new(MappedDevice::ram(64 << 20, 4096).unwrap());
                 reactor.block_on(async move {
                     let ch = || DeviceChannel::attach(dev.open_queue(QueueConfig::default()).unwrap());
-                    mkfs(ch(), &MkfsOptions { force: true, ..MkfsOptions::default() }).await.unwrap();
+                    mkfs(ch(), &MkfsOptions { force: true, data_checksums, ..MkfsOptions::default() }).await.unwrap();
                     let config = FsConfig { commit_interval, ..FsConfig::default() };
                     let fs = Fs::mount(ch(), config).await.unwrap();
                     let options = ServeOptions {
