@@ -24,6 +24,9 @@ pub enum Workload {
     DioOverwrite,
     /// Seed 000's 50/50 mix of 4k random reads and writes, O_DIRECT.
     DioRandrw,
+    /// 4k random reads through O_DIRECT handles of preallocated files
+    /// (each read goes to the device: issue 38's verified reads).
+    DioRead,
     /// 4k O_DIRECT writes at the end of a growing file.
     AioAppend,
     /// Seed 004: 8k random reads and writes, buffered, on one file: half
@@ -61,6 +64,7 @@ impl Workload {
             self,
             Workload::DioOverwrite
                 | Workload::DioRandrw
+                | Workload::DioRead
                 | Workload::AioAppend
                 | Workload::BufferedRandrw
                 | Workload::ByteWrites
@@ -372,6 +376,7 @@ impl Worker<'_> {
                     Kind::Write
                 }
             }
+            Workload::DioRead => Kind::Read,
             _ => Kind::Write,
         };
         match kind {
@@ -441,9 +446,8 @@ fn create_targets(args: &VhostArgs, drivers: &mut [QueueDriver], direct: i32) ->
         let shared = args.workload == Workload::BufferedRandrw;
         let name = if shared { "bench-shared".to_string() } else { format!("bench-{t}") };
         let (nodeid, fh) = create(q, &name, direct)?;
-        if matches!(args.workload, Workload::DioOverwrite | Workload::DioRandrw | Workload::BufferedRandrw)
-            && (!shared || t == 0)
-        {
+        let fills = [Workload::DioOverwrite, Workload::DioRandrw, Workload::DioRead, Workload::BufferedRandrw];
+        if fills.contains(&args.workload) && (!shared || t == 0) {
             fill(q, nodeid, fh, args.file_size)?;
             if args.shared {
                 let (twin, twin_fh) = create(q, &format!("{name}-twin"), direct)?;
@@ -499,7 +503,7 @@ pub fn run(args: &VhostArgs) -> anyhow::Result<()> {
     let mut fe = connect(&args.socket, queues, args.iodepth as u16, 128 << 10)?;
     init(&mut fe)?;
     let direct = match args.workload {
-        Workload::DioOverwrite | Workload::DioRandrw | Workload::AioAppend => libc::O_DIRECT,
+        Workload::DioOverwrite | Workload::DioRandrw | Workload::DioRead | Workload::AioAppend => libc::O_DIRECT,
         _ => 0,
     };
     let mut drivers: Vec<QueueDriver> = (1..=args.threads).map(|q| fe.take_queue(q)).collect();

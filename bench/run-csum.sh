@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Data checksums against none (issue 38's goals), through the host-side
+# vhost-user driver: two daemons with the defaults a user gets, one
+# serving an image made with `mkfs --data-checksums` and one without,
+# both in /dev/shm (written whole first). Each round runs every workload
+# on both, alternating which goes first, for both drivers (a halted
+# vCPU's sleep and a running one's spin): 4 KiB direct overwrites and
+# reads at QD32 on a 2 GiB file, and the 8 KiB buffered mix. keelfs-bench
+# reports each daemon's CPU (--daemon-pid): the daemon's CPU is charged
+# to it, the driver's to keelfs-bench. One JSON line per run, then a
+# summary: median ratios checksums/plain of IOPS and of daemon CPU per
+# operation, per workload and driver.
+#
+# --workloads "A B" runs only those (fresh images for each invocation:
+# the overwrites copy on write, and fragment the file the reads then read).
+#
+# usage: bench/run-csum.sh [OUT.jsonl] [--rounds N] [--seconds N] [--workloads LIST]
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+out="" rounds=3 seconds=3 workloads="dio-overwrite dio-read buffered-randrw"
+while (($#)); do
+  case $1 in
+    --rounds) rounds=$2; shift 2 ;;
+    --seconds) seconds=$2; shift 2 ;;
+    --workloads) workloads=$2; shift 2 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    *) out=$1; shift ;;
+  esac
+done
+keelfsd=${KEELFSD:-$repo/target/release/keelfsd}
+bench=${KEELFS_BENCH:-$repo/target/release/keelfs-bench}
+for tool in "$keelfsd" "$bench"; do
+  [[ -x $tool ]] || { echo "run-csum.sh: $tool is missing (cargo build --release)" >&2; exit 2; }
+done
+command -v python3 >/dev/null || { echo "run-csum.sh: python3 is missing" >&2; exit 2; }
+work=$(mktemp -d /dev/shm/keelfs-csum.XXXXXX)
+pids=()
+cleanup() {
+  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+declare -A pid_of
+for mode in plain csum; do
+  dd if=/dev/zero of="$work/$mode.img" bs=1M count=6144 status=none
+  flags=()
+  [[ $mode == csum ]] && flags=(--data-checksums)
+  "$keelfsd" mkfs "$work/$mode.img" --force "${flags[@]}" >/dev/null
+  "$keelfsd" serve --device "$work/$mode.img" --socket "$work/$mode.sock" --tag "$mode" 2>"$work/$mode.log" &
+  pid_of[$mode]=$!
+  pids+=("$!")
+  for _ in $(seq 300); do [[ -S $work/$mode.sock ]] && break; sleep 0.05; done
+  [[ -S $work/$mode.sock ]] || { echo "run-csum.sh: keelfsd ($mode) never listened" >&2; cat "$work/$mode.log" >&2; exit 1; }
+done
+
+for round in $(seq "$rounds"); do
+  order=(plain csum)
+  ((round % 2 == 0)) && order=(csum plain)
+  for workload in $workloads; do
+    for driver in sleep busy; do
+      for mode in "${order[@]}"; do
+        depth=32
+        [[ $workload == buffered-randrw ]] && depth=4
+        line=$("$bench" vhost --socket "$work/$mode.sock" --workload "$workload" --file-size 2G \
+          --seconds "$seconds" --iodepth "$depth" --driver "$driver" --daemon-pid "${pid_of[$mode]}" \
+          --label "keelfs-$mode" --json)
+        line=$(python3 -c 'import json,sys; d=json.loads(sys.argv[1]); d["round"]=int(sys.argv[2]); d["mode"]=sys.argv[3]; print(json.dumps(d))' \
+          "$line" "$round" "$mode")
+        echo "$line"
+        echo "$line" >>"$work/rows.jsonl"
+        if [[ -n $out ]]; then echo "$line" >>"$out"; fi
+      done
+    done
+  done
+done
+summary=$(python3 - "$work/rows.jsonl" <<'KEELFS_SCRIPT_END'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+out = {"bench": "data-checksums", "summary": True}
+def cpu_per_op(r):
+    return r.get("daemon_cpu_us_per_op")
+for workload in sorted({r["workload"] for r in rows}):
+    for driver in ("sleep", "busy"):
+        pick = lambda mode: [r for r in rows if r["workload"] == workload and r["driver"] == driver and r["mode"] == mode]
+        plain, csum = pick("plain"), pick("csum")
+        if not plain or not csum:
+            continue
+        iops = [c["iops"] / p["iops"] for p, c in zip(plain, csum)]
+        entry = {"iops_ratio_median": round(statistics.median(iops), 3), "iops_ratio_per_round": [round(x, 3) for x in iops]}
+        cpu = [cpu_per_op(c) / cpu_per_op(p) for p, c in zip(plain, csum) if cpu_per_op(p) and cpu_per_op(c)]
+        if cpu:
+            entry["daemon_cpu_per_op_ratio_median"] = round(statistics.median(cpu), 3)
+        out[f"{workload}/{driver}"] = entry
+print(json.dumps(out))
+KEELFS_SCRIPT_END
+)
+echo "$summary"
+if [[ -n $out ]]; then echo "$summary" >>"$out"; fi
