@@ -139,14 +139,29 @@ pub async fn fsck_with(
     progress("inodes and directories");
     check_state(&rebuilt.state, &rebuilt.free, (&sb, &snapshots), recorded_free, &mut report);
     if sb.has_data_checksums() {
-        progress("data checksum table");
-        check_csum_table(&dev, &sb, &mut report).await?;
-    }
-    if let (true, Some(table)) = (options.data, rebuilt.csums.take()) {
-        progress("data blocks");
-        check_data(&Io::new(dev), &rebuilt.state, &RefCell::new(table), &mut report).await?;
+        let table = rebuilt.csums.take();
+        check_checksummed(dev, &sb, (&rebuilt.state, table), options, progress, &mut report).await?;
     }
     Ok(report)
+}
+
+/// The checks of an image with data checksums: its table, and with
+/// `--data` every written block.
+async fn check_checksummed(
+    dev: DeviceChannel,
+    sb: &Superblock,
+    (state, table): (&State, Option<TableCache>),
+    options: FsckOptions,
+    mut progress: impl FnMut(&str),
+    report: &mut FsckReport,
+) -> FsResult<()> {
+    progress("data checksum table");
+    check_csum_table(&dev, sb, report).await?;
+    if let (true, Some(table)) = (options.data, table) {
+        progress("data blocks");
+        check_data(&Io::new(dev), state, &RefCell::new(table), report).await?;
+    }
+    Ok(())
 }
 
 /// Data blocks whose mismatch fsck names one by one.

@@ -151,6 +151,13 @@ impl<'a> Record<'a> {
                 w.u8(TAG_NEXT_INO);
                 w.u64(*next);
             }
+            Record::CsumSet { .. } | Record::ScrubCursor { .. } => self.encode_data_checksums(w),
+        }
+    }
+
+    /// The records of an image with data checksums.
+    fn encode_data_checksums(&self, w: &mut Writer) {
+        match self {
             Record::CsumSet { first_block, crcs } => {
                 assert!(!crcs.is_empty() && crcs.len() % 4 == 0 && crcs.len() <= CSUM_SET_BLOCKS_MAX * 4);
                 w.u8(TAG_CSUM_SET);
@@ -163,6 +170,7 @@ impl<'a> Record<'a> {
                 w.u64(*file_block);
                 w.u64(*bytes_per_sec);
             }
+            _ => unreachable!("encode passes only data checksum records"),
         }
     }
 
