@@ -4,7 +4,8 @@
 # one of its blocks in the image, behind keelfs's back, as a device could;
 # the guest's direct read of that block fails with EIO and the others read
 # as written; then a scrub (scrub_start) finds that one block, with the
-# file's inode and the block's offset, and fsck --data names it.
+# file's inode and the block's offset; fsck names it from the daemon's
+# record of it, and fsck --data by reading every block.
 # Exits 0 when every check passed, 1 otherwise, 2 on a usage error.
 set -euo pipefail
 
@@ -22,8 +23,9 @@ Usage: qemu-scripts/$prog [options]
      guest.img (found by its contents)
   4. KEELFS-CSUM-READ: scrub_start, scrub_status until done: one bad
      block, at offset 409600
-  5. the guest's checks pass; SIGTERM to keelfsd (exit 0); fsck --data
-     of guest.img exits 1 naming the block
+  5. the guest's checks pass; SIGTERM to keelfsd (exit 0); fsck of
+     guest.img exits 1 naming the block recorded as bad, and so does
+     fsck --data
 
 Options:
   --keelfsd PATH   keelfsd (default: target/release/keelfsd, else
@@ -202,6 +204,15 @@ if ((st == 0)); then
 else
   fail "keelfsd exited $st"
   tail_of keelfsd "$daemon_log"
+fi
+# Without --data, fsck reads only the blocks the daemon recorded as bad
+# when the guest's read (and the scrub) found them.
+st=0
+out=$("$keelfsd" fsck "$img" 2>&1) || st=$?
+if ((st == 1)) && [[ $out == *"data-checksum-recorded"*"offset 409600"* ]]; then
+  pass "fsck exits 1 and names the block the daemon recorded"
+else
+  fail "fsck (without --data) exited $st: $(tail -n 3 <<<"$out" | paste -sd';' -)"
 fi
 st=0
 out=$("$keelfsd" fsck "$img" --data 2>&1) || st=$?

@@ -207,6 +207,7 @@ fn report_json(r: &FsckReport) -> serde_json::Value {
         "orphans": r.orphans,
         "data_blocks_checked": r.data_blocks_checked,
         "data_blocks_unverifiable": r.data_blocks_unverifiable,
+        "data_errors_recorded": r.data_errors_recorded,
     })
 }
 

@@ -18,7 +18,7 @@ use crate::ids::Ino;
 use crate::journal::Journal;
 use crate::meta::Meta;
 use crate::pages::Pages;
-use crate::record::Record;
+use crate::record::{Record, DATA_ERRORS_MAX};
 use crate::space::Space;
 use crate::{AtimeUpdates, FsConfig, FsError, FsInner, FsResult};
 
@@ -75,6 +75,24 @@ impl Change<'_> {
         drop(j);
         self.journal.bump(|c| c.records_logged += 1);
         Ok(())
+    }
+
+    /// Record that device block `block`, file block `file_block` of `ino`,
+    /// failed its checksum, so that fsck finds it: once per block, up to
+    /// `DATA_ERRORS_MAX` blocks. A read-only mount records nothing (the
+    /// read still fails, and is logged and counted).
+    pub(crate) fn record_data_error(&self, block: u64, ino: Ino, file_block: u64) -> FsResult<()> {
+        let errors_len = {
+            let state = self.meta.state();
+            if self.config.read_only || state.data_errors().contains_key(&block) {
+                return Ok(());
+            }
+            state.data_errors().len()
+        };
+        if errors_len >= DATA_ERRORS_MAX {
+            return Ok(());
+        }
+        self.log(Record::DataError { block, ino: ino.get(), file_block })
     }
 
     /// Add a new inode. Its image reaches the journal with the other dirty

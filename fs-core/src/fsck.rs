@@ -9,7 +9,7 @@
 use std::borrow::Cow;
 use std::collections::HashMap;
 
-use super::blocks::{whole_blocks, FileBlock};
+use super::blocks::{whole_blocks, DevBlock, FileBlock};
 use std::cell::RefCell;
 
 use super::csum_table::{self, TableCache};
@@ -50,6 +50,9 @@ pub struct FsckReport {
     /// Written data blocks `--data` could not check: their table sector
     /// fails its crc.
     pub data_blocks_unverifiable: u64,
+    /// Data blocks the image records as having failed their checksum at
+    /// run time; those that still fail are problems.
+    pub data_errors_recorded: u64,
     pub repaired: Vec<String>,
 }
 
@@ -145,8 +148,8 @@ pub async fn fsck_with(
     Ok(report)
 }
 
-/// The checks of an image with data checksums: its table, and with
-/// `--data` every written block.
+/// The checks of an image with data checksums: its table, the blocks
+/// recorded as bad at run time, and with `--data` every written block.
 async fn check_checksummed(
     dev: DeviceChannel,
     sb: &Superblock,
@@ -157,9 +160,44 @@ async fn check_checksummed(
 ) -> FsResult<()> {
     progress("data checksum table");
     check_csum_table(&dev, sb, report).await?;
-    if let (true, Some(table)) = (options.data, table) {
+    let Some(table) = table else { return Ok(()) };
+    let (io, table) = (Io::new(dev), RefCell::new(table));
+    progress("recorded bad data blocks");
+    check_recorded_errors(&io, state, &table, report).await?;
+    if options.data {
         progress("data blocks");
-        check_data(&Io::new(dev), state, &RefCell::new(table), report).await?;
+        check_data(&io, state, &table, report).await?;
+    }
+    Ok(())
+}
+
+/// The data blocks the image records as having failed their checksum at
+/// run time (`DataError`): each one that its file still names, and that
+/// still fails, is damage. One freed since is forgotten with its free.
+async fn check_recorded_errors(
+    io: &Io,
+    state: &State,
+    table: &RefCell<TableCache>,
+    report: &mut FsckReport,
+) -> FsResult<()> {
+    report.data_errors_recorded = state.data_errors().len() as u64;
+    for (&block, at) in state.data_errors() {
+        let Some(node) = state.node(at.ino) else { continue };
+        let named = node.extents.written_from(FileBlock::new(at.file_block));
+        if named.is_none_or(|e| e.file_block.get() != at.file_block || e.disk_block.get() != block) {
+            continue;
+        }
+        let data = io.read_blocks(DevBlock::new(block), 1).await?;
+        if csum_table::entry(table, io, block).await? == Some(crc(&data)) {
+            continue;
+        }
+        let detail = format!(
+            "inode {} at offset {} (device block {block}): recorded as failing its checksum at run time, \
+             and still does",
+            at.ino,
+            FileBlock::new(at.file_block).offset()
+        );
+        report.problems.push(problem("data-checksum-recorded", detail, false));
     }
     Ok(())
 }

@@ -76,7 +76,20 @@ pub enum Record<'a> {
         file_block: u64,
         bytes_per_sec: u64,
     },
+    /// A data block that failed its checksum at run time (a read or a
+    /// scrub), kept so that fsck finds it: the device block, and the inode
+    /// and file block that named it. Freeing the block forgets it. At
+    /// most [`DATA_ERRORS_MAX`] are kept.
+    DataError {
+        block: u64,
+        ino: u64,
+        file_block: u64,
+    },
 }
+
+/// Data blocks an image records as failing their checksum at most; those
+/// found past it are logged and counted, not recorded.
+pub const DATA_ERRORS_MAX: usize = 1024;
 
 /// Blocks one `CsumSet` covers at most: 4 KiB of crcs, 4 MiB of data.
 pub const CSUM_SET_BLOCKS_MAX: usize = 1024;
@@ -93,6 +106,7 @@ const TAG_SYMLINK: u8 = 9;
 const TAG_NEXT_INO: u8 = 10;
 const TAG_CSUM_SET: u8 = 11;
 const TAG_SCRUB_CURSOR: u8 = 12;
+const TAG_DATA_ERROR: u8 = 13;
 
 impl<'a> Record<'a> {
     pub fn encode(&self, w: &mut Writer) {
@@ -151,7 +165,9 @@ impl<'a> Record<'a> {
                 w.u8(TAG_NEXT_INO);
                 w.u64(*next);
             }
-            Record::CsumSet { .. } | Record::ScrubCursor { .. } => self.encode_data_checksums(w),
+            Record::CsumSet { .. } | Record::ScrubCursor { .. } | Record::DataError { .. } => {
+                self.encode_data_checksums(w)
+            }
         }
     }
 
@@ -169,6 +185,12 @@ impl<'a> Record<'a> {
                 w.u64(*ino);
                 w.u64(*file_block);
                 w.u64(*bytes_per_sec);
+            }
+            Record::DataError { block, ino, file_block } => {
+                w.u8(TAG_DATA_ERROR);
+                w.u64(*block);
+                w.u64(*ino);
+                w.u64(*file_block);
             }
             _ => unreachable!("encode passes only data checksum records"),
         }
@@ -230,6 +252,11 @@ impl<'a> Record<'a> {
                 file_block: r.u64("scrub file block")?,
                 bytes_per_sec: r.u64("scrub rate")?,
             },
+            TAG_DATA_ERROR => Record::DataError {
+                block: r.u64("bad block")?,
+                ino: r.u64("bad block's inode")?,
+                file_block: r.u64("bad block's file block")?,
+            },
             _ => return Err(DecodeError { what: "record tag", at }),
         })
     }
@@ -288,6 +315,7 @@ mod tests {
             Record::NextIno { next: 99 },
             Record::CsumSet { first_block: 700, crcs: vec![1, 2, 3, 4, 5, 6, 7, 8].into() },
             Record::ScrubCursor { ino: 7, file_block: 3, bytes_per_sec: 1 << 20 },
+            Record::DataError { block: 900, ino: 7, file_block: 5 },
         ];
         let mut w = Writer::new();
         for r in &records {

@@ -95,6 +95,7 @@ impl Admin<'_> {
                     tracing::error!(parent: &self.inner.span, ino = %bad.ino, offset = bad.offset, block = at.get(),
                         "scrub: data checksum mismatch (logged once per block)");
                 }
+                self.inner.change().record_data_error(at.get(), bad.ino, piece.file_block.get() + i as u64)?;
                 step.bad.push(bad);
             }
         }

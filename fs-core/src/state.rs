@@ -14,7 +14,7 @@ use super::format::{BlockRun, Inode, COUNTER_MAX};
 use super::ids::Ino;
 use super::node_table::NodeTable;
 use super::ops::MAX_FILE_BYTES;
-use super::record::Record;
+use super::record::{Record, DATA_ERRORS_MAX};
 use super::space::FreeSpace;
 
 /// Inode numbers stay below this (an image naming a larger one is
@@ -251,6 +251,17 @@ pub struct State {
     epoch: u32,
     /// The scrub in progress, as its last `ScrubCursor` record left it.
     pub scrub: Option<ScrubSaved>,
+    /// Data blocks that failed their checksum at run time (`DataError`
+    /// records), by device block; at most `DATA_ERRORS_MAX`.
+    data_errors: BTreeMap<u64, DataErrorAt>,
+}
+
+/// Where a recorded bad data block was found: the inode and file block
+/// that named it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DataErrorAt {
+    pub ino: Ino,
+    pub file_block: u64,
 }
 
 /// Where a scrub stands, kept in the state so that checkpoints carry it.
@@ -268,7 +279,14 @@ fn err<T>(msg: String) -> Result<T, ApplyError> {
 /// No inodes yet; the first one made is 2 (the root is made as 1).
 impl Default for State {
     fn default() -> Self {
-        Self { nodes: NodeTable::default(), next_ino: 2, snapshot: None, epoch: 0, scrub: None }
+        Self {
+            nodes: NodeTable::default(),
+            next_ino: 2,
+            snapshot: None,
+            epoch: 0,
+            scrub: None,
+            data_errors: BTreeMap::new(),
+        }
     }
 }
 
@@ -285,6 +303,12 @@ impl State {
     /// Every inode, in no particular order.
     pub fn nodes(&self) -> impl Iterator<Item = &Node> + '_ {
         self.nodes.values()
+    }
+
+    /// The data blocks recorded as failing their checksum, by device
+    /// block.
+    pub fn data_errors(&self) -> &BTreeMap<u64, DataErrorAt> {
+        &self.data_errors
     }
 
     pub fn node_mut(&mut self, ino: Ino) -> Option<&mut Node> {
@@ -331,6 +355,9 @@ impl State {
             Record::ScrubCursor { ino: s.ino.get(), file_block: s.file_block, bytes_per_sec: s.bytes_per_sec }
                 .encode(&mut inodes);
         }
+        for (&block, at) in &self.data_errors {
+            Record::DataError { block, ino: at.ino.get(), file_block: at.file_block }.encode(&mut inodes);
+        }
         self.snapshot = Some(Snapshot { epoch: self.epoch, to_visit, inodes, entries: Writer::new() });
         self.epoch
     }
@@ -374,12 +401,19 @@ impl State {
 /// Runs a record unmapped: what loses its last name is freed, at the
 /// next commit when live, at once when replayed (the commit that freed it
 /// is on disk).
-fn release(free: &mut FreeSpace, runs: Vec<BlockRun>, mode: ApplyMode) {
+/// A block freed is no longer bad data of anyone's: its `DataError`
+/// record goes with it, the same way live and at replay.
+fn release(free: &mut FreeSpace, errors: &mut BTreeMap<u64, DataErrorAt>, runs: Vec<BlockRun>, mode: ApplyMode) {
     let FreeSpace { alloc, pending_free, shared, .. } = free;
     for run in runs.into_iter().filter(|r| r.len > 0) {
-        shared.release(run, |gone| match mode {
-            ApplyMode::Live => pending_free.push(gone),
-            ApplyMode::Replay => alloc.free(gone),
+        shared.release(run, |gone| {
+            if !errors.is_empty() {
+                errors.retain(|&block, _| !(gone.start..gone.end()).contains(&block));
+            }
+            match mode {
+                ApplyMode::Live => pending_free.push(gone),
+                ApplyMode::Replay => alloc.free(gone),
+            }
         });
     }
 }
@@ -391,7 +425,7 @@ impl State {
             return if mode == ApplyMode::Replay { Ok(()) } else { err(format!("free of missing inode {ino}")) };
         };
         let runs = node.extents.iter().map(|e| BlockRun { start: e.disk_block.get(), len: e.len }).collect();
-        release(free, runs, mode);
+        release(free, &mut self.data_errors, runs, mode);
         Ok(())
     }
 
@@ -440,7 +474,7 @@ impl State {
                 self.before_change(*ino);
                 let Some(node) = self.nodes.get_mut(*ino) else { return err(format!("punch in missing inode {ino}")) };
                 let runs = node.extents.punch(FileBlock::new(*file_block), *len);
-                release(free, runs, mode);
+                release(free, &mut self.data_errors, runs, mode);
                 Ok(())
             }
             Record::XattrSet { ino, name, value } => {
@@ -487,7 +521,19 @@ impl State {
                 });
                 Ok(())
             }
+            Record::DataError { block, ino, file_block } => self.apply_data_error(*block, *ino, *file_block),
         }
+    }
+
+    fn apply_data_error(&mut self, block: u64, ino: u64, file_block: u64) -> Result<(), ApplyError> {
+        if ino == 0 || ino >= INO_MAX {
+            return err(format!("a bad data block {block} named by inode {ino}"));
+        }
+        if self.data_errors.len() >= DATA_ERRORS_MAX && !self.data_errors.contains_key(&block) {
+            return err(format!("more than {DATA_ERRORS_MAX} bad data blocks recorded"));
+        }
+        self.data_errors.insert(block, DataErrorAt { ino: Ino::new(ino), file_block });
+        Ok(())
     }
 
     fn apply_inode_set(&mut self, inode: &Inode) -> Result<(), ApplyError> {
@@ -542,10 +588,10 @@ impl State {
                 // Only runs outside the new mapping change owner; the rest
                 // is the same blocks changing state (unwritten -> written).
                 let outside = replaced.into_iter().flat_map(|r| subtract(r, new)).collect();
-                release(free, outside, mode);
+                release(free, &mut self.data_errors, outside, mode);
             }
             ApplyMode::Replay => {
-                release(free, replaced, mode);
+                release(free, &mut self.data_errors, replaced, mode);
                 if free.claim_for_extent(new, unwritten).is_err() {
                     let start = disk_block.get();
                     return err(format!("extent of inode {ino} claims blocks [{start}, +{len}) already in use"));
@@ -632,6 +678,33 @@ mod tests {
         let entry =
             Record::DirentSet { dir: Ino::new(7), name: b"e".to_vec().into(), ino: Ino::new(7), cookie: FIRST_COOKIE };
         s.apply(&entry, ApplyMode::Replay, free).expect("the first cookie");
+    }
+
+    /// Bad data blocks: a crafted record names no inode, or one more than
+    /// the bound; a snapshot carries those recorded; freeing a block (here
+    /// by a punch) forgets it.
+    #[test]
+    fn data_errors_are_bounded_carried_and_forgotten_when_freed() {
+        let (mut s, free) = (state(), &mut free_space());
+        let bad = |block: u64, ino: u64| Record::DataError { block, ino, file_block: 0 };
+        for (record, why) in [(bad(200, 0), "inode 0"), (bad(200, INO_MAX), "an inode at the limit")] {
+            assert!(s.apply(&record, ApplyMode::Replay, free).is_err(), "accepted {why}");
+        }
+        let file = Record::InodeSet(Inode::new(Ino::new(5), libc::S_IFREG | 0o644, 0, 0, 0, Timespec::default()));
+        s.apply(&file, ApplyMode::Replay, free).unwrap();
+        let extent = Record::ExtentMap { ino: Ino::new(5), file_block: 0, disk_block: 300, len: 4, unwritten: false };
+        s.apply(&extent, ApplyMode::Replay, free).unwrap();
+        for block in 0..DATA_ERRORS_MAX as u64 {
+            s.apply(&bad(298 + block, 5), ApplyMode::Replay, free).unwrap();
+        }
+        s.apply(&bad(300, 5), ApplyMode::Replay, free).expect("a block recorded again takes no room");
+        assert!(s.apply(&bad(5000, 5), ApplyMode::Replay, free).is_err(), "one past the bound");
+        assert_eq!(loaded(&whole_snapshot(&mut s)).data_errors(), s.data_errors(), "a checkpoint carries them");
+        let punch = Record::ExtentPunch { ino: Ino::new(5), file_block: 1, len: 2 };
+        s.apply(&punch, ApplyMode::Replay, free).unwrap();
+        assert_eq!(s.data_errors().len(), DATA_ERRORS_MAX - 2);
+        assert!(!s.data_errors().contains_key(&301) && !s.data_errors().contains_key(&302), "blocks 301, 302 freed");
+        assert!(s.data_errors().contains_key(&300) && s.data_errors().contains_key(&303));
     }
 
     /// Apply every record of `bytes` to a fresh state, as loading does.

@@ -497,3 +497,83 @@ fn a_scrub_of_an_image_without_checksums_is_not_supported() {
         assert_eq!(fs.admin().scrub_save(None).unwrap_err().errno(), libc::EOPNOTSUPP);
     });
 }
+
+fn recorded(report: &keelfs_fs::FsckReport) -> Vec<&str> {
+    report.problems.iter().filter(|p| p.kind == "data-checksum-recorded").map(|p| p.detail.as_str()).collect()
+}
+
+/// Flip one bit of the device block that holds `content`; its index.
+fn corrupt_block_holding(ram: &MappedDevice, content: &[u8]) -> usize {
+    let block = find_block(ram, content).expect("the block is on the device");
+    let mut image = ram.snapshot();
+    image[block * 4096 + 77] ^= 0x04;
+    ram.restore(&image);
+    block
+}
+
+#[test]
+fn a_bad_block_found_at_run_time_is_recorded_for_fsck() {
+    let mut r = busy_reactor();
+    let ram = Arc::new(MappedDevice::ram(BYTES, 4096).unwrap());
+    let dev: Arc<dyn BlockDevice> = ram.clone();
+    let (a_data, b_data) = (pattern(41, 10 * 4096), pattern(42, 2 * 4096));
+    let (a, b) = r.block_on({
+        let (dev, a_data, b_data) = (dev.clone(), a_data.clone(), b_data.clone());
+        async move {
+            format_with_checksums(&dev).await;
+            let fs = mount(&dev).await;
+            let (a, _) = fs.create(&Creds::root(), ROOT_INO, b"a", 0o644, 2).await.unwrap();
+            let (b, _) = fs.create(&Creds::root(), ROOT_INO, b"b", 0o644, 2).await.unwrap();
+            fs.data().write(a.ino(), FileOffset::new(0), &a_data).await.unwrap();
+            fs.data().write(b.ino(), FileOffset::new(0), &b_data).await.unwrap();
+            fs.unmount().await.unwrap();
+            (a.ino(), b.ino())
+        }
+    });
+    // A read finds a's block 5 bad; a scrub finds b's block 1.
+    let a_block = corrupt_block_holding(&ram, &a_data[5 * 4096..6 * 4096]);
+    let b_block = corrupt_block_holding(&ram, &b_data[4096..]);
+    let crashed = r.block_on({
+        let (dev, ram) = (dev.clone(), ram.clone());
+        async move {
+            let fs = mount(&dev).await;
+            assert_eq!(check(&dev).await.data_errors_recorded, 0, "nothing recorded before it is found");
+            let e = fs.data().read(a, FileOffset::new(5 * 4096), 4096).await.unwrap_err();
+            assert_eq!(e.errno(), libc::EIO);
+            let (_, bad, _) = scrub_all(&fs, 64).await;
+            assert_eq!(bad.len(), 2, "the scrub finds both: {bad:?}");
+            fs.sync().await.unwrap();
+            let crashed = ram.snapshot();
+            fs.unmount().await.unwrap();
+            crashed
+        }
+    });
+    // Kept by the unmount's checkpoint, and by the journal before it.
+    for (image, when) in [(ram.snapshot(), "after the unmount"), (crashed, "replayed after a crash")] {
+        ram.restore(&image);
+        let report = r.block_on({
+            let dev = dev.clone();
+            async move { check(&dev).await }
+        });
+        assert_eq!(report.data_errors_recorded, 2, "{when}");
+        let found = recorded(&report);
+        assert_eq!(found.len(), 2, "{when}: {:?}", report.problems);
+        assert!(found.iter().any(|d| d.contains(&format!("inode {a} at offset 20480 (device block {a_block})"))));
+        assert!(found.iter().any(|d| d.contains(&format!("inode {b} at offset 4096 (device block {b_block})"))));
+    }
+    // The rewrite of a's block (to a new block: copy on write) and the
+    // unlink of b free both bad blocks, which forgets them.
+    r.block_on({
+        let (dev, a_data) = (dev.clone(), a_data.clone());
+        async move {
+            let fs = mount(&dev).await;
+            fs.data().write(a, FileOffset::new(5 * 4096), &a_data[5 * 4096..6 * 4096]).await.unwrap();
+            fs.unlink(&Creds::root(), ROOT_INO, b"b").await.unwrap();
+            fs.unmount().await.unwrap();
+            let report = check(&dev).await;
+            assert_eq!(report.data_errors_recorded, 0, "a's old block and b's were freed, and forgotten");
+            assert!(report.is_clean(), "{:?}", report.problems);
+            assert!(check_data(&dev).await.is_clean());
+        }
+    });
+}

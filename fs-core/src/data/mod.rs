@@ -273,6 +273,9 @@ impl DataCore<'_> {
                 "data checksum mismatch: the read fails with EIO (logged once per block)"
             );
         }
+        if let Err(e) = self.inner.change().record_data_error(block, ino, file_block) {
+            tracing::warn!(parent: &self.inner.span, %ino, block, "a bad data block not recorded for fsck: {e}");
+        }
         FsError::ChecksumMismatch { ino, offset, block }
     }
 
