@@ -27,16 +27,39 @@ use super::{register_poller, Poller, PollerClass};
 /// Completions handled per poll; bounds one iteration's work.
 const COMPLETIONS_PER_POLL_MAX: usize = 256;
 
-/// Copy `n` bytes with volatile loads and stores, a word at a time where
-/// both sides are aligned: memory another agent may write concurrently
-/// (guest pages) is never read or written as if the compiler owned it.
+/// Copy `n` bytes with volatile loads and stores, 16 bytes at a time
+/// where both sides are 16-aligned (SSE2 on x86-64, which every x86-64
+/// has), else a word at a time where both are 8-aligned: memory another
+/// agent may write concurrently (guest pages) is never read or written as
+/// if the compiler owned it.
 ///
 /// # Safety
 /// `src` must be valid for `n` bytes of reads and `dst` for `n` bytes of
 /// writes; the ranges must not overlap.
 unsafe fn volatile_copy(src: *const u8, dst: *mut u8, n: usize) {
-    const WORD: usize = std::mem::size_of::<u64>();
     let mut i = 0;
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::__m128i;
+        const WIDE: usize = std::mem::size_of::<__m128i>();
+        if (src as usize).is_multiple_of(WIDE) && (dst as usize).is_multiple_of(WIDE) {
+            while i + WIDE <= n {
+                // SAFETY: i + WIDE <= n, both pointers are 16-aligned at i
+                // (i is a multiple of WIDE), and the caller's ranges cover
+                // [i, i+16). Any 16 bytes are a valid __m128i.
+                unsafe {
+                    std::ptr::write_volatile(
+                        dst.add(i).cast::<__m128i>(),
+                        std::ptr::read_volatile(src.add(i).cast::<__m128i>()),
+                    )
+                };
+                i += WIDE;
+            }
+        }
+    }
+    const WORD: usize = std::mem::size_of::<u64>();
+    // i is 0 or a multiple of 16: both sides are 8-aligned at i exactly
+    // when they are at 0.
     if (src as usize).is_multiple_of(WORD) && (dst as usize).is_multiple_of(WORD) {
         while i + WORD <= n {
             // SAFETY: i + WORD <= n, both pointers are 8-aligned at i (i is
@@ -664,6 +687,27 @@ impl<B: IoBuffer> SharedBuffer<B> {
 #[cfg(test)]
 mod window_tests {
     use super::*;
+
+    /// Every alignment of either side and every length around the wide
+    /// and word steps copies exactly the bytes asked, and nothing past.
+    #[test]
+    fn a_volatile_copy_is_exact_at_every_alignment() {
+        let src: Vec<u8> = (0..200u32).map(|i| (i * 7 + 3) as u8).collect();
+        // Offsets that make each side 16-, 8- or 1-aligned (the source is
+        // malloc's: 16-aligned at 0).
+        for src_at in [0, 1, 8, 9, 16] {
+            for dst_at in [0, 1, 8, 9, 16] {
+                for n in [0, 1, 8, 15, 16, 17, 33, 100] {
+                    let mut dst = AlignedBuf::zeroed(256, 64);
+                    // SAFETY: both ranges are inside their buffers, which
+                    // do not overlap.
+                    unsafe { volatile_copy(src.as_ptr().add(src_at), dst.as_mut_ptr().add(dst_at), n) };
+                    assert_eq!(&dst[dst_at..dst_at + n], &src[src_at..src_at + n], "{src_at} {dst_at} {n}");
+                    assert!(dst[..dst_at].iter().chain(&dst[dst_at + n..]).all(|&b| b == 0), "{src_at} {dst_at} {n}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn an_aligned_window_is_its_part_of_the_buffer_and_nothing_more() {
