@@ -1429,6 +1429,7 @@ async fn fs_json(fs: Option<&Fs>) -> (Value, Value, Value) {
         "direct_in_flight": c.direct_in_flight, "direct_in_flight_max": c.direct_in_flight_max,
         "discards": c.discards, "discard_bytes": c.discard_bytes, "discard_errors": c.discard_errors,
         "discard_pending_blocks": c.discard_pending_blocks, "data_checksum_errors": c.data_checksum_errors,
+        "data_regions_open": c.data_regions_open,
     });
     let cache = json!({"hits": cache.hits, "misses": cache.misses, "evictions": cache.evictions,
                        "pages": cache.pages, "dirty_pages": cache.dirty_pages,

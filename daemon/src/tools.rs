@@ -208,6 +208,7 @@ fn report_json(r: &FsckReport) -> serde_json::Value {
         "data_blocks_checked": r.data_blocks_checked,
         "data_blocks_unverifiable": r.data_blocks_unverifiable,
         "data_errors_recorded": r.data_errors_recorded,
+        "data_regions_open": r.data_regions_open,
     })
 }
 

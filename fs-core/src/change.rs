@@ -95,6 +95,22 @@ impl Change<'_> {
         self.log(Record::DataError { block, ino: ino.get(), file_block })
     }
 
+    /// Device runs `runs` were overwritten in place: forget those of their
+    /// blocks recorded as bad.
+    pub(crate) fn forget_data_errors(&self, runs: &[crate::format::BlockRun]) -> FsResult<()> {
+        let rewritten: Vec<u64> = {
+            let state = self.meta.state();
+            if state.data_errors().is_empty() {
+                return Ok(());
+            }
+            runs.iter().flat_map(|r| state.data_errors().range(r.start..r.end()).map(|(&b, _)| b)).collect()
+        };
+        for block in rewritten {
+            self.log(Record::DataError { block, ino: 0, file_block: 0 })?;
+        }
+        Ok(())
+    }
+
     /// Add a new inode. Its image reaches the journal with the other dirty
     /// inode images, at the start of the next transaction, so that records
     /// after it (its directory entry) find it at replay.

@@ -89,6 +89,13 @@ impl TableBlock {
         (self.bad_sectors & (1 << sector) == 0).then_some(self.entries[index])
     }
 
+    /// Set bits `bits` in the entry at `index` (the dirty-region map's
+    /// blocks are laid out as table blocks of bit words).
+    pub(crate) fn or_entry(&mut self, index: usize, bits: u32) {
+        assert!(index < ENTRIES_PER_BLOCK, "table entry {index} of {ENTRIES_PER_BLOCK}");
+        self.entries[index] |= bits;
+    }
+
     /// Set the entry at `index`. A bad sector stays bad (its other
     /// entries are still unknown) until all of its entries are set.
     #[cfg(test)]
@@ -173,6 +180,9 @@ pub(crate) struct TableCache {
     /// (each once, at most MISMATCHES_LOGGED_MAX of them).
     mismatches: u64,
     logged: std::collections::BTreeSet<u64>,
+    /// The dirty-region map: which regions' entries may be behind their
+    /// data (overwrites in place, written back at checkpoints).
+    pub(crate) map: crate::csum_map::RegionMap,
 }
 
 /// Device blocks whose checksum mismatch is logged, at most: past it, the
@@ -187,14 +197,21 @@ impl TableCache {
     pub(crate) fn for_superblock(sb: &Superblock) -> Option<Self> {
         sb.has_data_checksums().then(|| Self {
             start: sb.csum_table_start(),
-            blocks: sb.csum_table_blocks,
+            blocks: crate::format::csum_entry_blocks_for(sb.total_blocks),
             data_area: sb.data_start()..sb.total_blocks,
             dirty: Default::default(),
             clean: Default::default(),
             clean_order: Default::default(),
             mismatches: 0,
             logged: Default::default(),
+            map: crate::csum_map::RegionMap::for_superblock(sb),
         })
+    }
+
+    /// Whether table block `table_block` has entries set since it was
+    /// last written back.
+    pub(crate) fn is_dirty(&self, table_block: u64) -> bool {
+        self.dirty.contains_key(&table_block)
     }
 
     /// A read of device `block` failed its checksum: counted; whether it

@@ -62,13 +62,26 @@ pub const CSUM_SECTORS_PER_BLOCK: u64 = BLOCK_SIZE / CSUM_SECTOR_BYTES as u64;
 /// Entries in one table block: 1016 device blocks, about 4 MiB of data.
 pub const CSUMS_PER_TABLE_BLOCK: u64 = CSUMS_PER_SECTOR * CSUM_SECTORS_PER_BLOCK;
 
-/// The blocks of a data checksum table for a device of `total_blocks`.
-/// The table has an entry for every device block, the superblocks',
-/// journal's and its own included (about 0.1% of it unused), so that its
-/// size depends on the device alone and an entry's index is the block's
-/// number.
-pub const fn csum_table_blocks_for(total_blocks: u64) -> u64 {
+/// Regions whose bits one block of the dirty-region map holds: a region
+/// is the data one table block covers, and a map block is laid out as a
+/// table block whose 1016 entries are words of 32 bits.
+pub const REGIONS_PER_MAP_BLOCK: u64 = CSUMS_PER_TABLE_BLOCK * 32;
+
+/// The blocks of a data checksum table's entries for a device of
+/// `total_blocks`. The table has an entry for every device block, the
+/// superblocks', journal's and its own included (about 0.1% of it
+/// unused), so that its size depends on the device alone and an entry's
+/// index is the block's number.
+pub const fn csum_entry_blocks_for(total_blocks: u64) -> u64 {
     total_blocks.div_ceil(CSUMS_PER_TABLE_BLOCK)
+}
+
+/// The blocks of the whole data checksum area for a device of
+/// `total_blocks`: the table's entries, then the dirty-region map, a bit
+/// per table block (docs/FORMAT.md "Data checksums").
+pub const fn csum_table_blocks_for(total_blocks: u64) -> u64 {
+    let entries = csum_entry_blocks_for(total_blocks);
+    entries + entries.div_ceil(REGIONS_PER_MAP_BLOCK)
 }
 
 pub fn crc(data: &[u8]) -> u32 {
@@ -155,8 +168,9 @@ pub struct Superblock {
     pub snapshot_table: Vec<BlockRun>,
     pub snapshot_table_bytes: u64,
     pub snapshot_table_seq: u64,
-    /// The data checksum table's blocks (FEATURE_DATA_CHECKSUMS only; 0
-    /// without it): they follow the journal, and always number
+    /// The data checksum area's blocks, the table's entries and then the
+    /// dirty-region map (FEATURE_DATA_CHECKSUMS only; 0 without it): they
+    /// follow the journal, and always number
     /// `csum_table_blocks_for(total_blocks)`.
     pub csum_table_blocks: u64,
 }
@@ -170,6 +184,16 @@ impl Superblock {
     /// Where the data checksum table begins (or would): after the journal.
     pub fn csum_table_start(&self) -> u64 {
         JOURNAL_FIRST_BLOCK + self.journal_blocks
+    }
+
+    /// Where the dirty-region map begins: after the table's entries.
+    pub fn csum_map_start(&self) -> u64 {
+        self.csum_table_start() + csum_entry_blocks_for(self.total_blocks)
+    }
+
+    /// The dirty-region map's blocks (0 without data checksums).
+    pub fn csum_map_blocks(&self) -> u64 {
+        self.csum_table_blocks.saturating_sub(csum_entry_blocks_for(self.total_blocks))
     }
 
     pub fn has_data_checksums(&self) -> bool {

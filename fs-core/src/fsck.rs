@@ -48,11 +48,15 @@ pub struct FsckReport {
     /// Written data blocks `--data` checked (a shared block once per name).
     pub data_blocks_checked: u64,
     /// Written data blocks `--data` could not check: their table sector
-    /// fails its crc.
+    /// fails its crc, or they fail in a region open at a crash.
     pub data_blocks_unverifiable: u64,
     /// Data blocks the image records as having failed their checksum at
     /// run time; those that still fail are problems.
     pub data_errors_recorded: u64,
+    /// Regions of the data checksum table the dirty-region map has open
+    /// (a crash during overwrites in place); their blocks that fail are
+    /// unverifiable, not damage, until a mount sets their entries.
+    pub data_regions_open: u64,
     pub repaired: Vec<String>,
 }
 
@@ -162,24 +166,49 @@ async fn check_checksummed(
     check_csum_table(&dev, sb, report).await?;
     let Some(table) = table else { return Ok(()) };
     let (io, table) = (Io::new(dev), RefCell::new(table));
+    // A crash leaves these regions' entries possibly behind their data
+    // (overwrites in place); mount sets them from the data.
+    let open = crate::csum_map::read_open_regions(&io, sb).await?;
+    report.data_regions_open = open.len() as u64;
+    let checked = Checked { state, table: &table, open: &open };
     progress("recorded bad data blocks");
-    check_recorded_errors(&io, state, &table, report).await?;
+    check_recorded_errors(&io, &checked, report).await?;
     if options.data {
         progress("data blocks");
-        check_data(&io, state, &table, report).await?;
+        check_data(&io, &checked, report).await?;
     }
     Ok(())
+}
+
+/// What the data checks read: the state, the table, and the regions the
+/// dirty-region map has open, sorted.
+struct Checked<'a> {
+    state: &'a State,
+    table: &'a RefCell<TableCache>,
+    open: &'a [u64],
+}
+
+impl Checked<'_> {
+    /// Whether device block `block`'s data `data` fails its entry, where
+    /// that means damage: Some(true) if it fails, Some(false) if it
+    /// checks, None if it cannot be checked (its table sector is bad, or
+    /// its region was open at a crash).
+    async fn fails(&self, io: &Io, block: u64, data: &[u8]) -> FsResult<Option<bool>> {
+        let open = self.open.binary_search(&crate::csum_map::region_of(block)).is_ok();
+        Ok(match csum_table::entry(self.table, io, block).await? {
+            None => None,
+            Some(want) if want == crc(data) => Some(false),
+            Some(_) if open => None,
+            Some(_) => Some(true),
+        })
+    }
 }
 
 /// The data blocks the image records as having failed their checksum at
 /// run time (`DataError`): each one that its file still names, and that
 /// still fails, is damage. One freed since is forgotten with its free.
-async fn check_recorded_errors(
-    io: &Io,
-    state: &State,
-    table: &RefCell<TableCache>,
-    report: &mut FsckReport,
-) -> FsResult<()> {
+async fn check_recorded_errors(io: &Io, checked: &Checked<'_>, report: &mut FsckReport) -> FsResult<()> {
+    let state = checked.state;
     report.data_errors_recorded = state.data_errors().len() as u64;
     for (&block, at) in state.data_errors() {
         let Some(node) = state.node(at.ino) else { continue };
@@ -188,7 +217,7 @@ async fn check_recorded_errors(
             continue;
         }
         let data = io.read_blocks(DevBlock::new(block), 1).await?;
-        if csum_table::entry(table, io, block).await? == Some(crc(&data)) {
+        if checked.fails(io, block, &data).await? != Some(true) {
             continue;
         }
         let detail = format!(
@@ -211,9 +240,9 @@ const DATA_READ_BLOCKS: u64 = 256;
 /// bounded pieces; names the first mismatches with inode and offset, and
 /// counts the rest. A block whose table sector is bad is counted apart
 /// (the table check names the sector).
-async fn check_data(io: &Io, state: &State, table: &RefCell<TableCache>, report: &mut FsckReport) -> FsResult<()> {
+async fn check_data(io: &Io, checked: &Checked<'_>, report: &mut FsckReport) -> FsResult<()> {
     let (mut bad, mut unverifiable) = (0u64, 0u64);
-    for node in state.nodes() {
+    for node in checked.state.nodes() {
         for e in node.extents.iter().filter(|e| !e.unwritten) {
             let mut done = 0;
             while done < e.len {
@@ -222,10 +251,10 @@ async fn check_data(io: &Io, state: &State, table: &RefCell<TableCache>, report:
                 for (i, block) in data.chunks_exact(BLOCK_BYTES).enumerate() {
                     let disk = e.disk_block.get() + done + i as u64;
                     report.data_blocks_checked += 1;
-                    match csum_table::entry(table, io, disk).await? {
+                    match checked.fails(io, disk, block).await? {
                         None => unverifiable += 1,
-                        Some(want) if want == crc(block) => {}
-                        Some(_) => {
+                        Some(false) => {}
+                        Some(true) => {
                             bad += 1;
                             if bad as usize <= BAD_DATA_BLOCKS_LISTED {
                                 let offset = (e.file_block + done + i as u64).offset();

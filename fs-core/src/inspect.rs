@@ -37,6 +37,7 @@ impl Inspect<'_> {
         self.inner.data.report(&mut c);
         self.inner.discard.report(&mut c);
         c.data_checksum_errors = self.inner.csums.as_ref().map_or(0, |t| t.borrow().mismatches());
+        c.data_regions_open = self.inner.csums.as_ref().map_or(0, |t| t.borrow().map.open_regions() as u64);
         c
     }
 

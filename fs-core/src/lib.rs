@@ -26,6 +26,7 @@ mod blocks;
 mod cache;
 mod change;
 mod codec;
+mod csum_map;
 mod csum_table;
 mod data;
 mod dir;
@@ -137,6 +138,10 @@ pub struct FsConfig {
     pub discard: DiscardConfig,
     /// The clock file times are stamped with: the system's, or a test's.
     pub file_clock: FileClock,
+    /// On an image with data checksums: regions (4 MiB each) open for
+    /// overwrites in place at once, at most; half of it asks for a
+    /// checkpoint. What bounds the data a mount reads after a crash.
+    pub csum_open_regions_max: usize,
 }
 
 /// Linux's atime mount modes, which the server applies under FUSE.
@@ -170,6 +175,7 @@ impl Default for FsConfig {
             quota: Quota::default(),
             discard: DiscardConfig::default(),
             file_clock: FileClock::System,
+            csum_open_regions_max: csum_map::OPEN_REGIONS_MAX,
         }
     }
 }
@@ -202,6 +208,9 @@ pub struct FsCounters {
     pub discard_pending_blocks: u64,
     /// Device reads of data that failed their checksum (EIO).
     pub data_checksum_errors: u64,
+    /// Regions of the data checksum table open for overwrites in place
+    /// now (`csum_map`).
+    pub data_regions_open: u64,
 }
 
 /// The journal's position and what is waiting to go into it.
@@ -255,6 +264,8 @@ pub(crate) struct FsInner {
     pages: pages::Pages,
     /// The data checksum table, on an image that keeps data checksums.
     csums: Option<RefCell<csum_table::TableCache>>,
+    /// One write of the dirty-region map at a time (`csum_map`).
+    csum_map_writer: sync::AsyncMutex,
     /// Freed runs out of the allocator until their discard completes,
     /// and the discards' counters.
     discard: discard::Discard,
@@ -352,6 +363,14 @@ async fn load_for(dev: &DeviceChannel, config: &FsConfig, require_root: bool) ->
     }
 }
 
+/// The data checksum table a mount keeps, on an image with data
+/// checksums, bounded as `config` says.
+fn checksum_table(table: Option<csum_table::TableCache>, config: &FsConfig) -> Option<RefCell<csum_table::TableCache>> {
+    let mut table = table?;
+    table.map.set_open_max(config.csum_open_regions_max);
+    Some(RefCell::new(table))
+}
+
 /// [`Fs::mount`], or mkfs's mount of an image without a root yet
 /// (`require_root` false).
 async fn mount_with(dev: DeviceChannel, config: FsConfig, require_root: bool) -> FsResult<Fs> {
@@ -388,7 +407,8 @@ async fn mount_with(dev: DeviceChannel, config: FsConfig, require_root: bool) ->
             },
             handles: handles::HandleTable::default(),
             pages: pages::Pages::new(cache::PageCache::new(config.cache_bytes)),
-            csums: loaded.csums.take().map(RefCell::new),
+            csums: checksum_table(loaded.csums.take(), &config),
+            csum_map_writer: sync::AsyncMutex::default(),
             data: data::DataState::default(),
             discard: discard::Discard::new(config.discard, config.read_only),
             unmounted: Cell::new(false),
@@ -405,7 +425,9 @@ async fn mount_with(dev: DeviceChannel, config: FsConfig, require_root: bool) ->
     );
     if config.read_only {
         // Orphans stay (unreachable, freed by the next writable mount),
-        // and nothing is ever committed or written back.
+        // and nothing is ever committed or written back. Regions a crash
+        // left open are read without their checks failing.
+        csum_map::tolerate_open(&fs.inner).await?;
         return Ok(fs);
     }
     if !stale_headers.is_empty() {
@@ -420,8 +442,14 @@ async fn mount_with(dev: DeviceChannel, config: FsConfig, require_root: bool) ->
     if !config.keep_orphans {
         fs.inner.free_orphans()?;
     }
+    csum_map::settle_open(&fs.inner).await?;
+    start_tasks(&fs);
+    Ok(fs)
+}
+
+/// The tasks a writable mount runs: commits, discards and writeback.
+fn start_tasks(fs: &Fs) {
     journal::start_commit_timer(&fs.inner);
     discard::start_discard_task(&fs.inner);
-    data::start_writeback_timer(&fs);
-    Ok(fs)
+    data::start_writeback_timer(fs);
 }

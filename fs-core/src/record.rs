@@ -78,8 +78,9 @@ pub enum Record<'a> {
     },
     /// A data block that failed its checksum at run time (a read or a
     /// scrub), kept so that fsck finds it: the device block, and the inode
-    /// and file block that named it. Freeing the block forgets it. At
-    /// most [`DATA_ERRORS_MAX`] are kept.
+    /// and file block that named it. Freeing the block forgets it, and so
+    /// does `ino` 0 (logged when it is overwritten in place). At most
+    /// [`DATA_ERRORS_MAX`] are kept.
     DataError {
         block: u64,
         ino: u64,

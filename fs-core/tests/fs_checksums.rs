@@ -27,7 +27,12 @@ fn mkfs_with_data_checksums_reserves_the_table_after_the_journal() {
         let sb = format_with_checksums(&dev).await;
         let total = BYTES / 4096;
         assert_ne!(sb.features & FEATURE_DATA_CHECKSUMS, 0);
-        assert_eq!(sb.csum_table_blocks, total.div_ceil(CSUMS_PER_TABLE_BLOCK));
+        let entries = total.div_ceil(CSUMS_PER_TABLE_BLOCK);
+        assert_eq!(
+            sb.csum_table_blocks,
+            entries + entries.div_ceil(CSUMS_PER_TABLE_BLOCK * 32),
+            "the entries, then the region map"
+        );
         assert_eq!(sb.csum_table_start(), 2 + sb.journal_blocks);
         assert_eq!(sb.data_start(), sb.csum_table_start() + sb.csum_table_blocks);
         // Fill a quarter of the device: no block of it may fall in the
@@ -219,34 +224,56 @@ async fn assert_clean_with_data(dev: &Arc<dyn BlockDevice>, when: &str, at_least
     assert_eq!(report.data_blocks_unverifiable, 0, "{when}");
 }
 
+/// Step C5: a direct overwrite goes in place and logs nothing; its
+/// region is open on the device until a checkpoint writes its entries
+/// back. A crash before that leaves new data under old entries, which
+/// fsck calls unverifiable (not damage) and the next mount sets from the
+/// data; a clean unmount closes the region.
 #[test]
-fn an_overwrite_goes_to_a_new_block_and_frees_the_old() {
+fn an_overwrite_goes_in_place_and_a_crash_is_settled_at_mount() {
     let mut r = busy_reactor();
     let ram = Arc::new(MappedDevice::ram(BYTES, 4096).unwrap());
     let dev: Arc<dyn BlockDevice> = ram.clone();
     let (old, new) = (pattern(1, 8192), pattern(2, 8192));
-    let (old2, new2) = (old.clone(), new.clone());
-    r.block_on(async move {
-        format_with_checksums(&dev).await;
-        let fs = mount(&dev).await;
-        let (a, _) = fs.create(&Creds::root(), ROOT_INO, b"a", 0o644, 2).await.unwrap();
-        let a = a.ino();
-        fs.data().write_direct(a, FileOffset::new(0), aligned(&old2)).await.1.unwrap();
-        fs.sync().await.unwrap();
-        let before = find_block(&ram, &old2[..4096]).expect("the first write is on the device");
-        let free_before = fs.inspect().free_blocks();
-        fs.data().write_direct(a, FileOffset::new(0), aligned(&new2)).await.1.unwrap();
-        fs.sync().await.unwrap();
-        let after = find_block(&ram, &new2[..4096]).expect("the overwrite is on the device");
-        assert_ne!(after, before, "the overwrite went in place");
-        assert_eq!(fs.inspect().free_blocks(), free_before, "the old blocks were not freed");
-        fs.unmount().await.unwrap();
-        assert_clean_with_data(&dev, "after the overwrite", 2).await;
+    let (a, crashed) = r.block_on({
+        let (dev, ram, old, new) = (dev.clone(), ram.clone(), old.clone(), new.clone());
+        async move {
+            format_with_checksums(&dev).await;
+            let fs = mount(&dev).await;
+            let (a, _) = fs.create(&Creds::root(), ROOT_INO, b"a", 0o644, 2).await.unwrap();
+            let a = a.ino();
+            fs.data().write_direct(a, FileOffset::new(0), aligned(&old)).await.1.unwrap();
+            fs.sync().await.unwrap();
+            let before = find_block(&ram, &old[..4096]).expect("the first write is on the device");
+            let (free_before, records_before) = (fs.inspect().free_blocks(), fs.inspect().counters().records_logged);
+            fs.data().write_direct(a, FileOffset::new(0), aligned(&new)).await.1.unwrap();
+            fs.sync().await.unwrap();
+            assert_eq!(find_block(&ram, &new[..4096]), Some(before), "the overwrite went in place");
+            assert_eq!(fs.inspect().free_blocks(), free_before, "no block taken or freed");
+            assert_eq!(fs.inspect().counters().records_logged, records_before, "and no record logged");
+            assert_eq!(read_all(&fs, a).await, new, "it reads back checked");
+            (a, ram.snapshot())
+        }
     });
-    let _ = (old, new);
+    // The crash: the entries on the device are the old data's.
+    ram.restore(&crashed);
+    r.block_on({
+        let (dev, new) = (dev.clone(), new.clone());
+        async move {
+            let report = check_data(&dev).await;
+            assert!(report.is_clean(), "{:?}", report.problems);
+            assert_eq!((report.data_regions_open, report.data_blocks_unverifiable), (1, 2));
+            let fs = mount(&dev).await;
+            assert_eq!(read_all(&fs, a).await, new, "the mount set the entries from the data");
+            fs.unmount().await.unwrap();
+            let report = check_data(&dev).await;
+            assert!(report.is_clean(), "{:?}", report.problems);
+            assert_eq!((report.data_regions_open, report.data_blocks_unverifiable), (0, 0), "closed");
+            assert_clean_with_data(&dev, "after the crash was settled", 2).await;
+        }
+    });
 }
 
-/// The first device block that holds `content`.
 fn find_block(ram: &MappedDevice, content: &[u8]) -> Option<usize> {
     let image = ram.snapshot();
     (0..image.len() / 4096).find(|&b| &image[b * 4096..(b + 1) * 4096] == content)
@@ -561,8 +588,8 @@ fn a_bad_block_found_at_run_time_is_recorded_for_fsck() {
         assert!(found.iter().any(|d| d.contains(&format!("inode {a} at offset 20480 (device block {a_block})"))));
         assert!(found.iter().any(|d| d.contains(&format!("inode {b} at offset 4096 (device block {b_block})"))));
     }
-    // The rewrite of a's block (to a new block: copy on write) and the
-    // unlink of b free both bad blocks, which forgets them.
+    // The rewrite of a's block (in place) forgets it; the unlink of b
+    // frees its bad block, which forgets it too.
     r.block_on({
         let (dev, a_data) = (dev.clone(), a_data.clone());
         async move {
@@ -571,9 +598,57 @@ fn a_bad_block_found_at_run_time_is_recorded_for_fsck() {
             fs.unlink(&Creds::root(), ROOT_INO, b"b").await.unwrap();
             fs.unmount().await.unwrap();
             let report = check(&dev).await;
-            assert_eq!(report.data_errors_recorded, 0, "a's old block and b's were freed, and forgotten");
+            assert_eq!(report.data_errors_recorded, 0, "a's block rewritten, b's freed: both forgotten");
             assert!(report.is_clean(), "{:?}", report.problems);
             assert!(check_data(&dev).await.is_clean());
         }
+    });
+}
+
+/// Regions open for overwrites in place are bounded: past the bound a
+/// direct overwrite copies on write instead; a checkpoint closes the
+/// regions it wrote back, and overwrites there go in place again.
+#[test]
+fn open_regions_are_bounded_and_a_checkpoint_closes_them() {
+    let mut r = busy_reactor();
+    let ram = Arc::new(MappedDevice::ram(BYTES, 4096).unwrap());
+    let dev: Arc<dyn BlockDevice> = ram.clone();
+    r.block_on(async move {
+        format_with_checksums(&dev).await;
+        let config = FsConfig { csum_open_regions_max: 2, ..FsConfig::default() };
+        let fs = Fs::mount(channel(&dev), config).await.unwrap();
+        let (f, _) = fs.create(&Creds::root(), ROOT_INO, b"f", 0o644, 2).await.unwrap();
+        let f = f.ino();
+        let picked = [0u64, 1100, 2200];
+        for first in (0..2300u64).step_by(256) {
+            let body: Vec<u8> = (first..(first + 256).min(2300)).flat_map(|b| block_image(b, 0)).collect();
+            fs.data().write_direct(f, FileOffset::new(first * 4096), aligned(&body)).await.1.unwrap();
+        }
+        fs.sync().await.unwrap();
+        let at = |b: u64, generation: u64| find_block(&ram, &block_image(b, generation)).map(|d| d as u64);
+        let homes: Vec<u64> = picked.iter().map(|&b| at(b, 0).expect("written")).collect();
+        let regions: std::collections::BTreeSet<u64> = homes.iter().map(|d| d / CSUMS_PER_TABLE_BLOCK).collect();
+        assert_eq!(regions.len(), 3, "the picked blocks lie in three regions: {homes:?}");
+        let overwrite = async |b: u64, generation: u64| {
+            let data = block_image(b, generation);
+            fs.data().write_direct(f, FileOffset::new(b * 4096), aligned(&data)).await.1.unwrap();
+        };
+        overwrite(picked[0], 1).await;
+        overwrite(picked[1], 1).await;
+        assert_eq!(fs.inspect().counters().data_regions_open, 2);
+        assert_eq!((at(picked[0], 1), at(picked[1], 1)), (Some(homes[0]), Some(homes[1])), "in place");
+        overwrite(picked[2], 1).await;
+        assert_ne!(at(picked[2], 1), Some(homes[2]), "a third region would pass the bound: copied on write");
+        assert_eq!(fs.inspect().counters().data_regions_open, 2);
+        fs.admin().checkpoint().await.unwrap();
+        assert_eq!(fs.inspect().counters().data_regions_open, 0, "the checkpoint closed both");
+        overwrite(picked[0], 2).await;
+        assert_eq!(at(picked[0], 2), Some(homes[0]), "in place again");
+        for (i, &b) in picked.iter().enumerate() {
+            let want = block_image(b, if i == 0 { 2 } else { 1 });
+            assert_eq!(fs.data().read(f, FileOffset::new(b * 4096), 4096).await.unwrap(), want);
+        }
+        fs.unmount().await.unwrap();
+        assert_clean_with_data(&dev, "after the bound was reached", 2300).await;
     });
 }

@@ -489,8 +489,10 @@ fn direct_overwrites_with_fsync_keep_a_synced_or_newer_version_reordered() {
     reordered(direct_overwrites_with_fsync_keep_a_synced_or_newer_version_workload);
 }
 
-/// On an image with data checksums, overwrites go to new blocks, each
-/// mapped with its checksum in one transaction.
+/// On an image with data checksums, overwrites go in place and log
+/// nothing: their regions are open on the device, checkpoints (one every
+/// 20 writes) write their entries back and close them, and a crash
+/// anywhere is settled by the mount, after which every block checks.
 #[test]
 fn direct_overwrites_with_fsync_keep_a_synced_or_newer_version_with_data_checksums() {
     with_data_checksums(direct_overwrites_with_fsync_keep_a_synced_or_newer_version_workload);
@@ -525,11 +527,33 @@ fn direct_overwrites_with_fsync_keep_a_synced_or_newer_version_workload() {
                 fs.data().fsync(ino, true).await.unwrap();
                 promises.push((f.log_len(), gens.clone()));
             }
+            checkpoint_now_and_then(&fs, i).await;
         }
     });
-    check_crashes(&rec, seed, async move |fs: &Fs, promised: Option<&Vec<u64>>, _next| {
-        verify_overwrites(fs, promised, BLOCKS).await
+    check_crashes_on(&rec, seed, async move |fs: &Fs, dev: &Arc<dyn BlockDevice>, promised: Option<&Vec<u64>>, _| {
+        verify_overwrites(fs, promised, BLOCKS).await;
+        all_blocks_check_after_mount(dev).await;
     });
+}
+
+/// With data checksums: a checkpoint every 20 writes, which writes the
+/// entries of overwrites in place back and closes their regions.
+async fn checkpoint_now_and_then(fs: &Fs, i: u64) {
+    if CHECKSUMS.get() && i % 20 == 10 {
+        fs.admin().checkpoint().await.unwrap();
+    }
+}
+
+/// With data checksums: once mounted, no region is left open, and every
+/// written block matches its entry (the mount set those a crash left
+/// behind their data).
+async fn all_blocks_check_after_mount(dev: &Arc<dyn BlockDevice>) {
+    if !CHECKSUMS.get() {
+        return;
+    }
+    let report = fsck_with(channel(dev), FsckOptions { data: true }, |_| {}).await.expect("fsck ran");
+    assert!(report.is_clean(), "after the mount: {:?}", report.problems);
+    assert_eq!((report.data_regions_open, report.data_blocks_unverifiable), (0, 0), "after the mount: {report:?}");
 }
 
 /// Every sector of the "db" file holds its own block's data at the synced
@@ -567,6 +591,17 @@ fn sector_image(block: u64, generation: u64) -> Vec<u8> {
 
 #[test]
 fn overwrites_with_fsync_keep_a_synced_or_newer_version_of_every_sector() {
+    overwrites_with_fsync_keep_a_synced_or_newer_version_of_every_sector_workload();
+}
+
+/// Buffered overwrites on an image with data checksums: writeback writes
+/// in place, with the crcs of the page cache's pages.
+#[test]
+fn overwrites_with_fsync_keep_a_synced_or_newer_version_of_every_sector_with_data_checksums() {
+    with_data_checksums(overwrites_with_fsync_keep_a_synced_or_newer_version_of_every_sector_workload);
+}
+
+fn overwrites_with_fsync_keep_a_synced_or_newer_version_of_every_sector_workload() {
     const BLOCKS: u64 = 64;
     let seed = test_seed();
     let rec = record(async move |fs: Fs, f, promises: &mut Vec<(usize, Vec<u64>)>| {
@@ -588,10 +623,12 @@ fn overwrites_with_fsync_keep_a_synced_or_newer_version_of_every_sector() {
                 fs.data().fsync(ino, false).await.unwrap();
                 promises.push((f.log_len(), gens.clone()));
             }
+            checkpoint_now_and_then(&fs, i).await;
         }
     });
-    check_crashes(&rec, seed, async move |fs: &Fs, promised: Option<&Vec<u64>>, _next| {
-        verify_overwrites(fs, promised, BLOCKS).await
+    check_crashes_on(&rec, seed, async move |fs: &Fs, dev: &Arc<dyn BlockDevice>, promised: Option<&Vec<u64>>, _| {
+        verify_overwrites(fs, promised, BLOCKS).await;
+        all_blocks_check_after_mount(dev).await;
     });
 }
 

@@ -415,9 +415,9 @@ impl Buffered<'_> {
         for (page, n, disk, read) in pending {
             let data = match (read, disk) {
                 (Some(f), Some(disk)) => {
-                    let (buf, result) = f.await;
+                    let (mut buf, result) = f.await;
                     result?;
-                    self.core().verify_read(ino, page, disk, &buf).await?;
+                    self.core().verify_read(ino, page, disk, &mut buf).await?;
                     self.inner.data.count_read(block_bytes(n));
                     Some(buf)
                 }

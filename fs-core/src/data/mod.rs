@@ -26,7 +26,8 @@ use std::rc::Rc;
 
 use super::blocks::{block_bytes, offset_in_block, whole_blocks, DevBlock, FileBlock};
 use super::cache::PAGE_BYTES;
-use super::csum_table;
+use super::csum_map;
+use super::csum_table::{self, TableCache};
 use super::extent::Segment;
 use super::format::{crc, BlockRun, BLOCK_BYTES};
 use super::record::{Record, CSUM_SET_BLOCKS_MAX};
@@ -209,29 +210,63 @@ impl DataOps<'_> {
 impl DataCore<'_> {
     /// Check `data`, whole blocks read from device block `disk` on for
     /// `ino`'s file block `file_block` on, against their checksums (on an
-    /// image that keeps them). The first that fails is counted, logged
-    /// once, and fails the read.
-    pub(super) async fn verify_read(self, ino: Ino, file_block: u64, disk: DevBlock, data: &[u8]) -> FsResult<()> {
-        let Some(table) = &self.inner.csums else { return Ok(()) };
-        for (i, block) in data.chunks_exact(BLOCK_BYTES).enumerate() {
+    /// image that keeps them). A block in a region open for overwrites in
+    /// place that fails is read again, into `data`, and checked again: the
+    /// first read may have raced an overwrite of it (the new entry, the
+    /// old data). One being overwritten now is let through unchecked, as
+    /// is one a read-only mount could not settle after a crash. The first
+    /// that still fails is counted, logged once, and fails the read.
+    /// Whether a block was read again.
+    pub(super) async fn verify_read(
+        self,
+        ino: Ino,
+        file_block: u64,
+        disk: DevBlock,
+        data: &mut [u8],
+    ) -> FsResult<bool> {
+        let Some(table) = &self.inner.csums else { return Ok(false) };
+        let mut reread = false;
+        for (i, block) in data.chunks_exact_mut(BLOCK_BYTES).enumerate() {
             let at = disk.get() + i as u64;
-            // Most entries are in memory: no future to build for them.
-            let cached = table.borrow().cached_entry(at);
-            let want = match cached {
-                Some(want) => want,
-                None => csum_table::entry(table, &self.inner.io, at).await?,
-            };
-            if want != Some(crc(block)) {
-                return Err(self.checksum_mismatch(ino, file_block + i as u64, at, want.is_none()));
+            let (want, got) = (self.entry(table, at).await?, crc(block));
+            if want == Some(got) {
+                continue;
             }
+            if table.borrow().map.in_open_region(at) {
+                let again = self.inner.io.read_blocks(DevBlock::new(at), 1).await?;
+                block.copy_from_slice(&again);
+                reread = true;
+                if self.entry(table, at).await? == Some(crc(block)) {
+                    continue;
+                }
+            }
+            let let_through = {
+                let table = table.borrow();
+                table.map.overwriting(at) || table.map.tolerates(at)
+            };
+            if let_through {
+                continue;
+            }
+            return Err(self.checksum_mismatch(ino, file_block + i as u64, at, want.is_none()));
         }
-        Ok(())
+        Ok(reread)
+    }
+
+    /// The entry of device block `at`; most are in memory, with no future
+    /// to build for them.
+    async fn entry(self, table: &RefCell<TableCache>, at: u64) -> FsResult<Option<u32>> {
+        let cached = table.borrow().cached_entry(at);
+        match cached {
+            Some(want) => Ok(want),
+            None => csum_table::entry(table, &self.inner.io, at).await,
+        }
     }
 
     /// [`Self::verify_read`] of blocks a direct read placed in `buf` (a
     /// guest's memory: each block is copied out, by volatile reads, to be
-    /// checked), for `segments` from file block `first`. On a mismatch the
-    /// whole buffer is zeroed before the read fails.
+    /// checked, and copied back if it was read again), for `segments` from
+    /// file block `first`. On a mismatch the whole buffer is zeroed before
+    /// the read fails.
     pub(super) async fn verify_buffer<B: IoBuffer>(
         self,
         ino: Ino,
@@ -242,18 +277,23 @@ impl DataCore<'_> {
         if self.inner.csums.is_none() {
             return Ok(());
         }
-        let mut block = [0u8; BLOCK_BYTES];
+        let mut block = BlockBuf::zeroed();
+        let block = &mut block.0;
+        let busy = |_| FsError::Invalid("buffer busy");
         for e in segments.iter().filter_map(|s| match s {
             Segment::Mapped(e) if !e.unwritten => Some(e),
             _ => None,
         }) {
             for i in 0..e.len {
                 let at = block_bytes(e.file_block - FileBlock::new(first) + i) as usize;
-                buf.copy_out(at, &mut block).map_err(|_| FsError::Invalid("buffer busy"))?;
-                let checked = self.verify_read(ino, (e.file_block + i).get(), e.disk_block + i, &block).await;
-                if let Err(e) = checked {
-                    let _ = buf.zero(0, buf.len());
-                    return Err(e);
+                buf.copy_out(at, block).map_err(busy)?;
+                match self.verify_read(ino, (e.file_block + i).get(), e.disk_block + i, block).await {
+                    Ok(false) => {}
+                    Ok(true) => buf.copy_in(at, block).map_err(busy)?,
+                    Err(e) => {
+                        let _ = buf.zero(0, buf.len());
+                        return Err(e);
+                    }
                 }
             }
         }
@@ -284,8 +324,8 @@ impl DataCore<'_> {
     pub(super) async fn read_device_block(self, ino: Ino, file_block: u64, out: &mut [u8]) -> FsResult<()> {
         match self.inner.meta.segments(ino, file_block, 1)?[0] {
             Segment::Mapped(e) if !e.unwritten => {
-                let buf = self.inner.io.read_blocks(e.disk_block, 1).await?;
-                self.verify_read(ino, file_block, e.disk_block, &buf).await?;
+                let mut buf = self.inner.io.read_blocks(e.disk_block, 1).await?;
+                self.verify_read(ino, file_block, e.disk_block, &mut buf).await?;
                 out.copy_from_slice(&buf);
                 self.inner.data.count_read(block_bytes(1));
             }
@@ -392,23 +432,26 @@ impl DataCore<'_> {
         Ok(mapped)
     }
 
-    /// Whether no data write goes in place: on an image with data
-    /// checksums, a block's data and its checksum change together only
-    /// when the data goes to a new block, mapped with its `CsumSet` in one
-    /// transaction (docs/plans/data-checksums.md, section 3; in-place
-    /// overwrites with pending checksums are step C5). Every written block
-    /// is then treated as a shared one: copied on write.
+    /// Whether the writers that have no overwrite-in-place path of their
+    /// own on an image with data checksums (an extending direct write over
+    /// written blocks, the zeroing of a block's tail) copy every written
+    /// block on write: there, a block's data and entry change together
+    /// only when the data goes to a new block, mapped with its `CsumSet`
+    /// in one transaction.
     pub(super) fn writes_out_of_place(self) -> bool {
         self.inner.csums.is_some()
     }
 
-    /// The parts of device run `run` that another extent names too, or
-    /// all of it when writes go out of place: a write there goes to new
-    /// blocks (copy on write), never in place.
+    /// Whether an image with data checksums has as many regions open for
+    /// overwrites in place as it may (`csum_map`): a write that need not
+    /// go in place copies on write instead.
+    pub(super) fn open_regions_full(self) -> bool {
+        self.inner.csums.as_ref().is_some_and(|t| t.borrow().map.full())
+    }
+
+    /// The parts of device run `run` that another extent names too: a
+    /// write there goes to new blocks (copy on write), never in place.
     pub(super) fn shared_parts(self, run: BlockRun) -> Vec<BlockRun> {
-        if self.writes_out_of_place() {
-            return vec![run];
-        }
         let free = self.inner.space.free();
         if free.shared.is_empty() {
             return Vec::new(); // nothing shared: every image that never cloned
@@ -417,21 +460,22 @@ impl DataCore<'_> {
     }
 
     /// Whether a written block of file blocks [first, last] of `ino` is
-    /// shared. Writers that write in place ask under their range lock.
+    /// shared, or written at all when writes go out of place. Writers that
+    /// write in place ask under their range lock.
     pub(super) fn range_shares_blocks(self, ino: Ino, first: u64, last: u64) -> FsResult<bool> {
         if self.inner.space.free().shared.is_empty() && !self.writes_out_of_place() {
             return Ok(false);
         }
         let segments = self.inner.meta.segments(ino, first, last - first + 1)?;
+        if self.writes_out_of_place() {
+            return Ok(segments.iter().any(|s| matches!(s, Segment::Mapped(e) if !e.unwritten)));
+        }
         Ok(self.segments_share_blocks(&segments))
     }
 
     /// Whether a written block of `segments` (a reading of a file's map)
-    /// is shared, or is written at all when writes go out of place.
+    /// is shared.
     pub(super) fn segments_share_blocks(self, segments: &[Segment]) -> bool {
-        if self.writes_out_of_place() {
-            return segments.iter().any(|s| matches!(s, Segment::Mapped(e) if !e.unwritten));
-        }
         let free = self.inner.space.free();
         if free.shared.is_empty() {
             return false;
@@ -452,7 +496,7 @@ impl DataCore<'_> {
             return Ok(());
         }
         let mut buf = self.inner.io.read_blocks(e.disk_block, 1).await?;
-        self.verify_read(ino, file_block.get(), e.disk_block, &buf).await?;
+        self.verify_read(ino, file_block.get(), e.disk_block, &mut buf).await?;
         buf[from..to].fill(0);
         let shared = self.writes_out_of_place()
             || self.inner.space.free().shared.any_shared(BlockRun { start: e.disk_block.get(), len: 1 });
@@ -499,6 +543,9 @@ impl DataCore<'_> {
         for seg in self.inner.meta.segments(ino, first, nblocks)? {
             match seg {
                 Segment::Mapped(e) if e.unwritten => targets.push((e.file_block, e.disk_block, e.len, true)),
+                Segment::Mapped(e) if !reserved && self.open_regions_full() => {
+                    new_blocks(e.file_block, e.len, &mut targets)?
+                }
                 Segment::Mapped(e) => {
                     // The shared parts go to new blocks, the rest in place.
                     let mut at = e.disk_block.get();
@@ -556,9 +603,14 @@ impl DataCore<'_> {
         let (targets, fresh) = self.image_targets(ino, first, nblocks, reserved)?;
         // Taken before the writes, which hold the buffer's slices: a guest
         // that changes its buffer meanwhile hurts only its own blocks.
-        let csums = match self.image_checksums(image, first, &targets) {
-            Ok(csums) => csums,
-            Err(e) => {
+        let checksummed = self.image_checksums(image, first, &targets);
+        let begun = match checksummed {
+            Ok(_) => self.begin_in_place(image, first, &targets).await,
+            Err(_) => Ok(None),
+        };
+        let (csums, in_place) = match (checksummed, begun) {
+            (Ok(csums), Ok(in_place)) => (csums, in_place),
+            (Err(e), _) | (_, Err(e)) => {
                 self.unreserve(&fresh, true);
                 return Err(e);
             }
@@ -575,6 +627,12 @@ impl DataCore<'_> {
             }
         }
         let result = await_all(pending).await;
+        if let (Some(table), Some((ow, crcs))) = (&self.inner.csums, in_place) {
+            let runs = csum_map::end_overwrite(table, ow, result.is_ok().then_some(&crcs[..]));
+            if result.is_ok() {
+                self.inner.change().forget_data_errors(&runs)?;
+            }
+        }
         self.inner.journal.ring.borrow_mut().data_writes += 1;
         self.inner.data.count_written(image_bytes);
         if let Err(e) = result {
@@ -616,11 +674,49 @@ impl DataCore<'_> {
         Ok(out)
     }
 
+    /// On an image with data checksums: the crcs of the targets written
+    /// in place (`image` from file block `first`), taken before the writes
+    /// hold its slices, and their regions made ready for it
+    /// ([`csum_map::begin_overwrite`], past the bound on open regions if
+    /// need be: the targets were chosen when it was not reached, or for
+    /// writeback, whose pages hold no reservation for a copy).
+    async fn begin_in_place<B: IoBuffer>(
+        self,
+        image: &SharedBuffer<B>,
+        first: u64,
+        targets: &[ImageTarget],
+    ) -> FsResult<Option<(csum_map::Overwrite, Vec<Vec<u8>>)>> {
+        let Some(table) = &self.inner.csums else { return Ok(None) };
+        let (mut runs, mut crcs) = (Vec::new(), Vec::new());
+        for &(fb, db, len, _) in targets.iter().filter(|t| !t.3) {
+            let at = block_bytes(fb - FileBlock::new(first)) as usize;
+            runs.push(BlockRun { start: db.get(), len });
+            crcs.push(block_crcs(image, at, len)?);
+        }
+        if runs.is_empty() {
+            return Ok(None);
+        }
+        let ow = csum_map::begin_overwrite(table, &self.inner.csum_map_writer, &self.inner.io, &runs, true).await?;
+        Ok(Some((ow.expect("past the bound if need be"), crcs)))
+    }
+
     pub(super) fn log_all(self, records: Vec<Record<'_>>) -> FsResult<()> {
         for r in records {
             self.inner.change().log(r)?;
         }
         Ok(())
+    }
+}
+
+/// One data block in the daemon's own memory, aligned so that a copy out
+/// of a guest's buffer into it takes the widest volatile loads (a stack
+/// array of bytes may sit at any address, and fall to byte copies).
+#[repr(C, align(64))]
+pub(super) struct BlockBuf(pub(super) [u8; BLOCK_BYTES]);
+
+impl BlockBuf {
+    pub(super) fn zeroed() -> Self {
+        Self([0; BLOCK_BYTES])
     }
 }
 
@@ -634,17 +730,26 @@ pub(super) fn checksum_records<B: IoBuffer>(
     len: u64,
 ) -> FsResult<Vec<Record<'static>>> {
     let mut out = Vec::new();
-    let mut block = vec![0u8; BLOCK_BYTES];
     let mut done = 0;
     while done < len {
         let n = (len - done).min(CSUM_SET_BLOCKS_MAX as u64);
-        let mut crcs = Vec::with_capacity(n as usize * 4);
-        for i in done..done + n {
-            buf.copy_out(at + block_bytes(i) as usize, &mut block).map_err(|_| FsError::Invalid("buffer busy"))?;
-            crcs.extend_from_slice(&crc(&block).to_le_bytes());
-        }
+        let crcs = block_crcs(buf, at + block_bytes(done) as usize, n)?;
         out.push(Record::CsumSet { first_block: disk_block + done, crcs: crcs.into() });
         done += n;
     }
     Ok(out)
+}
+
+/// The crc32c of each of `len` blocks of `buf` from byte `at`, as
+/// little-endian u32s: each block copied out of the buffer (through
+/// volatile reads when it is a guest's) and checksummed.
+pub(super) fn block_crcs<B: IoBuffer>(buf: &SharedBuffer<B>, at: usize, len: u64) -> FsResult<Vec<u8>> {
+    let mut block = BlockBuf::zeroed();
+    let block = &mut block.0;
+    let mut crcs = Vec::with_capacity(len as usize * 4);
+    for i in 0..len {
+        buf.copy_out(at + block_bytes(i) as usize, block).map_err(|_| FsError::Invalid("buffer busy"))?;
+        crcs.extend_from_slice(&crc(block).to_le_bytes());
+    }
+    Ok(crcs)
 }

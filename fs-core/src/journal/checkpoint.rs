@@ -77,6 +77,11 @@ impl Journal {
             Ok(sb) => {
                 if let (Some(table), Some(done)) = (cx.csums, table_written) {
                     csum_table::written_back(table, done);
+                    // The regions written back close. Not fatal if this
+                    // fails: a bit left set costs only work after a crash.
+                    if let Err(e) = crate::csum_map::close_clean(table, cx.csum_map_writer, cx.io).await {
+                        tracing::warn!(parent: cx.span, error = %e, "the dirty-region map was not cleared");
+                    }
                 }
                 self.checkpoint_installed(cx, &old, sb, plan.zip(change))
             }
@@ -161,9 +166,14 @@ impl Journal {
     }
 
     /// Whether a checkpoint is due: the ring is half used, or the checksum
-    /// table holds as many dirty blocks as it may (its overlay's memory).
+    /// table holds as many dirty blocks as it may (its overlay's memory),
+    /// or half the regions that may be open are (a checkpoint closes them).
     fn checkpoint_due(&self, csums: Option<&std::cell::RefCell<csum_table::TableCache>>) -> bool {
-        self.ring_half_used() || csums.is_some_and(|t| t.borrow().dirty_blocks() >= csum_table::DIRTY_BLOCKS_CHECKPOINT)
+        self.ring_half_used()
+            || csums.is_some_and(|t| {
+                let t = t.borrow();
+                t.dirty_blocks() >= csum_table::DIRTY_BLOCKS_CHECKPOINT || t.map.checkpoint_due()
+            })
     }
 
     /// Give up the checkpoint being written in pieces, if any, so that the

@@ -312,6 +312,10 @@ pub(crate) fn start_commit_timer(fs: &Rc<FsInner>) {
                 if let Err(e) = sync(&fs).await {
                     tracing::warn!(parent: &fs.span, error = %e, "background commit failed");
                 }
+            } else {
+                // Overwrites in place log nothing, yet the regions they
+                // open ask for a checkpoint to close them.
+                super::checkpoint::maybe_schedule_checkpoint(&fs);
             }
         }
     });

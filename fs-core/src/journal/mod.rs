@@ -156,6 +156,7 @@ pub(crate) struct CommitCx<'a> {
     pub(crate) discard: &'a Discard,
     pub(crate) pages: &'a Pages,
     pub(crate) csums: Option<&'a RefCell<crate::csum_table::TableCache>>,
+    pub(crate) csum_map_writer: &'a crate::sync::AsyncMutex,
     pub(crate) config: &'a FsConfig,
     /// A cell, not a bool: a checkpoint in pieces looks again after each
     /// await.
@@ -172,6 +173,7 @@ impl FsInner {
             discard: &self.discard,
             pages: &self.pages,
             csums: self.csums.as_ref(),
+            csum_map_writer: &self.csum_map_writer,
             config: &self.config,
             unmounted: &self.unmounted,
             span: &self.span,
