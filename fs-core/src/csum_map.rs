@@ -196,6 +196,11 @@ pub(crate) async fn begin_overwrite(
             if !over_bound && map.wanted.len() + opening > map.open_max {
                 return Ok(None);
             }
+            // Wanted before the wait: the map write of whoever holds the
+            // writer next carries these bits too, so that the overwrites
+            // that find their regions closed (after a checkpoint) share a
+            // map write instead of queueing one each.
+            map.wanted.extend(regions.iter().copied());
         }
         // One map write at a time, so that a later one never lands under
         // an earlier one.
@@ -203,6 +208,7 @@ pub(crate) async fn begin_overwrite(
         let blocks: BTreeSet<u64> = {
             let mut cache = cache.borrow_mut();
             let map = &mut cache.map;
+            // A checkpoint may have closed them meanwhile: wanted again.
             let missing: Vec<u64> = regions.iter().filter(|r| !map.durable.contains(r)).copied().collect();
             map.wanted.extend(missing.iter().copied());
             missing.iter().map(|&r| RegionMap::position(r).0).collect()
