@@ -1,11 +1,9 @@
 //! Direct I/O: the caller's buffer goes to the device without a copy.
 
 use super::{blocks_of, IO_BLOCKS_MAX};
-use super::{DataOps, Direct};
+use super::{DataOps, Direct, InPlaceStart};
 use crate::blocks::{block_bytes, offset_in_block, FileBlock};
-use crate::csum_map;
 use crate::extent::Segment;
-use crate::format::BlockRun;
 use crate::format::{BLOCK_BYTES, BLOCK_SIZE};
 use crate::ids::{FileOffset, Ino};
 use crate::ops::MAX_FILE_BYTES;
@@ -212,47 +210,23 @@ impl Direct<'_> {
         if self.core().segments_share_blocks(&segments) {
             return Ok(InPlace::Shared);
         }
-        let Some(in_place) = self.begin_checksummed_overwrite(buf, first, &segments).await? else {
+        let mapped = segments.iter().map(|s| match s {
+            Segment::Mapped(e) => (e.file_block, e.disk_block, e.len),
+            Segment::Hole { .. } => unreachable!("an overwrite of holes"),
+        });
+        let in_place = self.core().begin_in_place(buf, first, mapped, false).await?;
+        if matches!(in_place, InPlaceStart::RegionsFull) {
             return Ok(InPlace::Shared); // too many regions open: copy on write
-        };
+        }
         self.inner.data.direct_begin();
         let result = self.submit_segments(buf, first, &segments, true).await;
         self.inner.data.direct_end();
-        if let (Some(table), Some((ow, crcs))) = (&self.inner.csums, in_place) {
-            let runs = csum_map::end_overwrite(table, ow, result.is_ok().then_some(&crcs[..]));
-            if result.is_ok() {
-                self.inner.change().forget_data_errors(&runs)?;
-            }
-        }
+        self.core().finish_in_place(in_place, result.is_ok())?;
         result?;
         self.inner.journal.ring.borrow_mut().data_writes += 1;
         self.inner.change().written(ino, None)?;
         self.inner.data.count_direct_overwrite(end - offset);
         Ok(InPlace::Written((end - offset) as u32))
-    }
-
-    /// On an image with data checksums: the crcs of the blocks a direct
-    /// overwrite writes (`segments`, all mapped, from file block `first`),
-    /// taken from its buffer before the writes hold it, and their regions
-    /// made ready for it. Some(None) on an image without; None when that
-    /// would open too many regions.
-    #[allow(clippy::type_complexity)]
-    async fn begin_checksummed_overwrite<B: IoBuffer>(
-        self,
-        buf: &SharedBuffer<B>,
-        first: u64,
-        segments: &[Segment],
-    ) -> FsResult<Option<Option<(csum_map::Overwrite, Vec<Vec<u8>>)>>> {
-        let Some(table) = &self.inner.csums else { return Ok(Some(None)) };
-        let (mut runs, mut crcs) = (Vec::new(), Vec::new());
-        for seg in segments {
-            let Segment::Mapped(e) = seg else { unreachable!("an overwrite of holes") };
-            let at = block_bytes(e.file_block - FileBlock::new(first)) as usize;
-            runs.push(BlockRun { start: e.disk_block.get(), len: e.len });
-            crcs.push(super::block_crcs(buf, at, e.len)?);
-        }
-        let ow = csum_map::begin_overwrite(table, &self.inner.csum_map_writer, &self.inner.io, &runs, false).await?;
-        Ok(ow.map(|ow| Some((ow, crcs))))
     }
 
     /// Issue device I/O for every segment: reads or writes of the mapped

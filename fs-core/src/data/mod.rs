@@ -605,8 +605,11 @@ impl DataCore<'_> {
         // that changes its buffer meanwhile hurts only its own blocks.
         let checksummed = self.image_checksums(image, first, &targets);
         let begun = match checksummed {
-            Ok(_) => self.begin_in_place(image, first, &targets).await,
-            Err(_) => Ok(None),
+            Ok(_) => {
+                let in_place = targets.iter().filter(|t| !t.3).map(|&(fb, db, len, _)| (fb, db, len));
+                self.begin_in_place(image, first, in_place, true).await
+            }
+            Err(_) => Ok(InPlaceStart::Unchecked),
         };
         let (csums, in_place) = match (checksummed, begun) {
             (Ok(csums), Ok(in_place)) => (csums, in_place),
@@ -627,12 +630,7 @@ impl DataCore<'_> {
             }
         }
         let result = await_all(pending).await;
-        if let (Some(table), Some((ow, crcs))) = (&self.inner.csums, in_place) {
-            let runs = csum_map::end_overwrite(table, ow, result.is_ok().then_some(&crcs[..]));
-            if result.is_ok() {
-                self.inner.change().forget_data_errors(&runs)?;
-            }
-        }
+        self.finish_in_place(in_place, result.is_ok())?;
         self.inner.journal.ring.borrow_mut().data_writes += 1;
         self.inner.data.count_written(image_bytes);
         if let Err(e) = result {
@@ -674,30 +672,46 @@ impl DataCore<'_> {
         Ok(out)
     }
 
-    /// On an image with data checksums: the crcs of the targets written
-    /// in place (`image` from file block `first`), taken before the writes
-    /// hold its slices, and their regions made ready for it
-    /// ([`csum_map::begin_overwrite`], past the bound on open regions if
-    /// need be: the targets were chosen when it was not reached, or for
-    /// writeback, whose pages hold no reservation for a copy).
-    async fn begin_in_place<B: IoBuffer>(
+    /// On an image with data checksums, before a write in place of
+    /// `pieces` (file block, device block, blocks) from `image`, which
+    /// starts at file block `first`: their crcs, taken before the writes
+    /// hold the buffer, and their regions made ready for it
+    /// ([`csum_map::begin_overwrite`]; past the bound on open regions only
+    /// if `over_bound`).
+    pub(super) async fn begin_in_place<B: IoBuffer>(
         self,
         image: &SharedBuffer<B>,
         first: u64,
-        targets: &[ImageTarget],
-    ) -> FsResult<Option<(csum_map::Overwrite, Vec<Vec<u8>>)>> {
-        let Some(table) = &self.inner.csums else { return Ok(None) };
+        pieces: impl Iterator<Item = (FileBlock, DevBlock, u64)>,
+        over_bound: bool,
+    ) -> FsResult<InPlaceStart> {
+        let Some(table) = &self.inner.csums else { return Ok(InPlaceStart::Unchecked) };
         let (mut runs, mut crcs) = (Vec::new(), Vec::new());
-        for &(fb, db, len, _) in targets.iter().filter(|t| !t.3) {
+        for (fb, db, len) in pieces {
             let at = block_bytes(fb - FileBlock::new(first)) as usize;
             runs.push(BlockRun { start: db.get(), len });
             crcs.push(block_crcs(image, at, len)?);
         }
         if runs.is_empty() {
-            return Ok(None);
+            return Ok(InPlaceStart::Unchecked);
         }
-        let ow = csum_map::begin_overwrite(table, &self.inner.csum_map_writer, &self.inner.io, &runs, true).await?;
-        Ok(Some((ow.expect("past the bound if need be"), crcs)))
+        let writer = &self.inner.csum_map_writer;
+        Ok(match csum_map::begin_overwrite(table, writer, &self.inner.io, &runs, over_bound).await? {
+            Some(ow) => InPlaceStart::Begun(ow, crcs),
+            None => InPlaceStart::RegionsFull,
+        })
+    }
+
+    /// After the writes [`Self::begin_in_place`] prepared: their entries
+    /// set if they succeeded (`written`), the overwrite ended, and the
+    /// blocks recorded as bad there forgotten.
+    pub(super) fn finish_in_place(self, start: InPlaceStart, written: bool) -> FsResult<()> {
+        let (Some(table), InPlaceStart::Begun(ow, crcs)) = (&self.inner.csums, start) else { return Ok(()) };
+        let runs = csum_map::end_overwrite(table, ow, written.then_some(&crcs[..]));
+        if written {
+            self.inner.change().forget_data_errors(&runs)?;
+        }
+        Ok(())
     }
 
     pub(super) fn log_all(self, records: Vec<Record<'_>>) -> FsResult<()> {
@@ -706,6 +720,16 @@ impl DataCore<'_> {
         }
         Ok(())
     }
+}
+
+/// What [`DataCore::begin_in_place`] made of a write in place.
+pub(super) enum InPlaceStart {
+    /// No checksums to keep: an image without them, or nothing in place.
+    Unchecked,
+    /// Under way: the map's hold on the regions, and the crcs of each run.
+    Begun(csum_map::Overwrite, Vec<Vec<u8>>),
+    /// As many regions are open as may be: the caller copies on write.
+    RegionsFull,
 }
 
 /// One data block in the daemon's own memory, aligned so that a copy out
