@@ -16,7 +16,7 @@
 //! own crc) whose 1016 entries are words of 32 region bits. A sector that
 //! fails its crc stands for all its regions open.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 
 use crate::blocks::DevBlock;
 use crate::csum_table::{TableBlock, TableCache};
@@ -26,7 +26,9 @@ use crate::io::Io;
 use crate::record::Record;
 use crate::sync::AsyncMutex;
 use crate::{FsInner, FsResult};
+use keelfs_base::IdMap;
 use keelfs_bdev::AlignedBuf;
+use smallvec::SmallVec;
 use std::cell::RefCell;
 use std::rc::Rc;
 
@@ -51,6 +53,18 @@ fn regions_of(run: BlockRun) -> std::ops::RangeInclusive<u64> {
     region_of(run.start)..=region_of(run.end() - 1)
 }
 
+/// Regions or runs of one overwrite: a direct write of a few blocks
+/// touches one or two, held without an allocation.
+type Few<T> = SmallVec<[T; 2]>;
+
+/// The regions runs `runs` touch, sorted, each once.
+fn regions_of_runs(runs: &[BlockRun]) -> Few<u64> {
+    let mut regions: Few<u64> = runs.iter().flat_map(|r| regions_of(*r)).collect();
+    regions.sort_unstable();
+    regions.dedup();
+    regions
+}
+
 /// What is open, in memory.
 #[derive(Default)]
 pub(crate) struct RegionMap {
@@ -62,8 +76,8 @@ pub(crate) struct RegionMap {
     /// overwrite there needs no map write. Always within `wanted`.
     durable: BTreeSet<u64>,
     /// Overwrites in place in flight, by region and by device block.
-    regions_in_flight: HashMap<u64, u32>,
-    blocks_in_flight: HashMap<u64, u32>,
+    regions_in_flight: IdMap<u32>,
+    blocks_in_flight: IdMap<u32>,
     /// On a read-only mount: the regions the map had open, sorted.
     tolerated: Vec<u64>,
     /// Regions that may be open at once (see [`OPEN_REGIONS_MAX`]).
@@ -117,7 +131,7 @@ impl RegionMap {
         !self.tolerated.is_empty() && self.tolerated.binary_search(&region_of(block)).is_ok()
     }
 
-    fn begin(&mut self, regions: &BTreeSet<u64>, runs: &[BlockRun]) {
+    fn begin(&mut self, regions: &[u64], runs: &[BlockRun]) {
         for r in regions {
             debug_assert!(self.durable.contains(r));
             *self.regions_in_flight.entry(*r).or_default() += 1;
@@ -129,8 +143,8 @@ impl RegionMap {
         }
     }
 
-    fn end(&mut self, regions: &BTreeSet<u64>, runs: &[BlockRun]) {
-        fn drop_one(map: &mut HashMap<u64, u32>, key: u64) {
+    fn end(&mut self, regions: &[u64], runs: &[BlockRun]) {
+        fn drop_one(map: &mut IdMap<u32>, key: u64) {
             let n = map.get_mut(&key).expect("an overwrite in flight ends once");
             *n -= 1;
             if *n == 0 {
@@ -167,9 +181,12 @@ impl RegionMap {
 
 /// An overwrite in place under way: what [`end_overwrite`] releases.
 pub(crate) struct Overwrite {
-    regions: BTreeSet<u64>,
-    runs: Vec<BlockRun>,
+    regions: Few<u64>,
+    runs: Few<BlockRun>,
 }
+
+/// The device runs of one overwrite in place.
+pub(crate) type OverwriteRuns = Few<BlockRun>;
 
 /// Make device runs `runs` ready to be overwritten in place: their regions
 /// open on the device, and the overwrite counted in flight (reads of its
@@ -180,17 +197,17 @@ pub(crate) async fn begin_overwrite(
     cache: &RefCell<TableCache>,
     lock: &AsyncMutex,
     io: &Io,
-    runs: &[BlockRun],
+    runs: OverwriteRuns,
     over_bound: bool,
 ) -> FsResult<Option<Overwrite>> {
-    let regions: BTreeSet<u64> = runs.iter().flat_map(|r| regions_of(*r)).collect();
+    let regions = regions_of_runs(&runs);
     loop {
         {
             let mut cache = cache.borrow_mut();
             let map = &mut cache.map;
             if regions.iter().all(|r| map.durable.contains(r)) {
-                map.begin(&regions, runs);
-                return Ok(Some(Overwrite { regions, runs: runs.to_vec() }));
+                map.begin(&regions, &runs);
+                return Ok(Some(Overwrite { regions, runs }));
             }
             let opening = regions.iter().filter(|r| !map.wanted.contains(r)).count();
             if !over_bound && map.wanted.len() + opening > map.open_max {
@@ -218,17 +235,20 @@ pub(crate) async fn begin_overwrite(
 }
 
 /// The overwrite `ow` is done: when its data was written, `crcs` are the
-/// entries of its blocks, run by run, set in the table's overlay (no
-/// record: the region's bit stands for them until a checkpoint writes
-/// them back).
+/// entries of its blocks (little-endian, run after run), set in the
+/// table's overlay (no record: the region's bit stands for them until a
+/// checkpoint writes them back).
 /// Returns the runs overwritten.
-pub(crate) fn end_overwrite(cache: &RefCell<TableCache>, ow: Overwrite, crcs: Option<&[Vec<u8>]>) -> Vec<BlockRun> {
+pub(crate) fn end_overwrite(cache: &RefCell<TableCache>, ow: Overwrite, crcs: Option<&[u8]>) -> OverwriteRuns {
     let mut cache = cache.borrow_mut();
     if let Some(crcs) = crcs {
-        assert_eq!(crcs.len(), ow.runs.len(), "a run of crcs per run written");
-        for (run, crcs) in ow.runs.iter().zip(crcs) {
-            assert_eq!(crcs.len() as u64, run.len * 4);
-            cache.set(run.start, crcs).expect("an overwritten block lies in the data area");
+        let blocks: u64 = ow.runs.iter().map(|r| r.len).sum();
+        assert_eq!(crcs.len() as u64, blocks * 4, "an entry per block written");
+        let mut at = 0;
+        for run in &ow.runs {
+            let bytes = run.len as usize * 4;
+            cache.set(run.start, &crcs[at..at + bytes]).expect("an overwritten block lies in the data area");
+            at += bytes;
         }
     }
     cache.map.end(&ow.regions, &ow.runs);

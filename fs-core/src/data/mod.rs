@@ -686,17 +686,17 @@ impl DataCore<'_> {
         over_bound: bool,
     ) -> FsResult<InPlaceStart> {
         let Some(table) = &self.inner.csums else { return Ok(InPlaceStart::Unchecked) };
-        let (mut runs, mut crcs) = (Vec::new(), Vec::new());
+        let (mut runs, mut crcs) = (csum_map::OverwriteRuns::new(), InPlaceCrcs::new());
         for (fb, db, len) in pieces {
             let at = block_bytes(fb - FileBlock::new(first)) as usize;
             runs.push(BlockRun { start: db.get(), len });
-            crcs.push(block_crcs(image, at, len)?);
+            append_block_crcs(image, at, len, &mut crcs)?;
         }
         if runs.is_empty() {
             return Ok(InPlaceStart::Unchecked);
         }
         let writer = &self.inner.csum_map_writer;
-        Ok(match csum_map::begin_overwrite(table, writer, &self.inner.io, &runs, over_bound).await? {
+        Ok(match csum_map::begin_overwrite(table, writer, &self.inner.io, runs, over_bound).await? {
             Some(ow) => InPlaceStart::Begun(ow, crcs),
             None => InPlaceStart::RegionsFull,
         })
@@ -726,8 +726,9 @@ impl DataCore<'_> {
 pub(super) enum InPlaceStart {
     /// No checksums to keep: an image without them, or nothing in place.
     Unchecked,
-    /// Under way: the map's hold on the regions, and the crcs of each run.
-    Begun(csum_map::Overwrite, Vec<Vec<u8>>),
+    /// Under way: the map's hold on the regions, and the crcs of its
+    /// blocks, run after run.
+    Begun(csum_map::Overwrite, InPlaceCrcs),
     /// As many regions are open as may be: the caller copies on write.
     RegionsFull,
 }
@@ -764,16 +765,31 @@ pub(super) fn checksum_records<B: IoBuffer>(
     Ok(out)
 }
 
+/// The crcs of an overwrite in place: held without an allocation for up
+/// to 8 blocks (32 KiB), the most a small direct write covers.
+pub(super) type InPlaceCrcs = smallvec::SmallVec<[u8; 32]>;
+
 /// The crc32c of each of `len` blocks of `buf` from byte `at`, as
 /// little-endian u32s: each block copied out of the buffer (through
 /// volatile reads when it is a guest's) and checksummed.
 pub(super) fn block_crcs<B: IoBuffer>(buf: &SharedBuffer<B>, at: usize, len: u64) -> FsResult<Vec<u8>> {
+    let mut crcs = Vec::with_capacity(len as usize * 4);
+    append_block_crcs(buf, at, len, &mut crcs)?;
+    Ok(crcs)
+}
+
+/// [`block_crcs`], appended to `out`.
+fn append_block_crcs<B: IoBuffer>(
+    buf: &SharedBuffer<B>,
+    at: usize,
+    len: u64,
+    out: &mut impl Extend<u8>,
+) -> FsResult<()> {
     let mut block = BlockBuf::zeroed();
     let block = &mut block.0;
-    let mut crcs = Vec::with_capacity(len as usize * 4);
     for i in 0..len {
         buf.copy_out(at + block_bytes(i) as usize, block).map_err(|_| FsError::Invalid("buffer busy"))?;
-        crcs.extend_from_slice(&crc(block).to_le_bytes());
+        out.extend(crc(block).to_le_bytes());
     }
-    Ok(crcs)
+    Ok(())
 }
