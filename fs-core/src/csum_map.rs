@@ -8,9 +8,12 @@
 //! old entry. The map says where that can be: a bit per *region* (the
 //! data one table block covers, 1016 blocks), set on the device before the
 //! first overwrite in place there, and cleared after a checkpoint has
-//! written the region's table block back with no overwrite in flight. A
-//! mount after a crash sets the entries of every open region's written
-//! blocks from their data before it serves anything.
+//! written the region's table block back with no overwrite in flight and
+//! none begun there since the checkpoint before (a region still being
+//! overwritten stays open: closing it would only cost a map write when the
+//! next overwrite reopens it). A mount after a crash sets the entries of
+//! every open region's written blocks from their data before it serves
+//! anything.
 //!
 //! A map block is laid out as a table block (eight sectors, each with its
 //! own crc) whose 1016 entries are words of 32 region bits. A sector that
@@ -37,8 +40,8 @@ const _: () = assert!(CSUMS_PER_SECTOR * 32 * 8 == REGIONS_PER_MAP_BLOCK, "a map
 /// Regions open at once, at most, unless writeback needs more, by
 /// default (`FsConfig::csum_open_regions_max`): the data that a mount
 /// after a crash reads again (4 GiB). A direct overwrite past it copies
-/// on write instead, and half of it asks for a checkpoint, which closes
-/// them.
+/// on write instead. Three quarters of it ask for a checkpoint, which then
+/// closes every region it can, busy or idle.
 pub(crate) const OPEN_REGIONS_MAX: usize = 1024;
 
 /// The region of device block `block`: the number of the table block
@@ -65,6 +68,14 @@ fn regions_of_runs(runs: &[BlockRun]) -> Few<u64> {
     regions
 }
 
+/// How an open region is being used: overwrites in flight there, and
+/// when the last one began (the count of overwrites begun before it).
+#[derive(Clone, Copy, Debug, Default)]
+struct RegionUse {
+    in_flight: u32,
+    stamp: u64,
+}
+
 /// What is open, in memory.
 #[derive(Default)]
 pub(crate) struct RegionMap {
@@ -75,9 +86,20 @@ pub(crate) struct RegionMap {
     /// Regions whose bit is on the device and not being cleared: an
     /// overwrite there needs no map write. Always within `wanted`.
     durable: BTreeSet<u64>,
-    /// Overwrites in place in flight, by region and by device block.
-    regions_in_flight: IdMap<u32>,
+    /// The use of regions where an overwrite in place began since they
+    /// were opened (an entry lives until its region closes).
+    in_use: IdMap<RegionUse>,
+    /// Overwrites in place in flight, by device block.
     blocks_in_flight: IdMap<u32>,
+    /// Overwrites in place begun so far: the clock of `RegionUse::stamp`.
+    begun: u64,
+    /// `begun` at the last close pass ([`close_clean`]): a region where no
+    /// overwrite has begun since is idle.
+    last_pass: u64,
+    /// Set when opening regions made a checkpoint due: the commit timer
+    /// would ask only at its next tick, seconds away, while overwrites
+    /// past the bound copy on write.
+    checkpoint_asked: bool,
     /// On a read-only mount: the regions the map had open, sorted.
     tolerated: Vec<u64>,
     /// Regions that may be open at once (see [`OPEN_REGIONS_MAX`]).
@@ -103,9 +125,20 @@ impl RegionMap {
         self.wanted.len() >= self.open_max
     }
 
-    /// Whether enough regions are open to ask for a checkpoint.
+    /// Whether so many regions are open that a checkpoint is due: three
+    /// quarters of the bound. It then closes busy regions too, not only
+    /// idle ones ([`RegionMap::to_close`]).
     pub(crate) fn checkpoint_due(&self) -> bool {
-        self.wanted.len() >= self.open_max.div_ceil(2)
+        self.wanted.len() >= self.due_at()
+    }
+
+    fn due_at(&self) -> usize {
+        self.open_max - self.open_max / 4
+    }
+
+    /// Whether opening regions made a checkpoint due since the last call.
+    pub(crate) fn take_checkpoint_asked(&mut self) -> bool {
+        std::mem::take(&mut self.checkpoint_asked)
     }
 
     pub(crate) fn open_regions(&self) -> usize {
@@ -134,8 +167,11 @@ impl RegionMap {
     fn begin(&mut self, regions: &[u64], runs: &[BlockRun]) {
         for r in regions {
             debug_assert!(self.durable.contains(r));
-            *self.regions_in_flight.entry(*r).or_default() += 1;
+            let used = self.in_use.entry(*r).or_default();
+            used.in_flight += 1;
+            used.stamp = self.begun;
         }
+        self.begun += 1;
         for run in runs {
             for b in run.start..run.end() {
                 *self.blocks_in_flight.entry(b).or_default() += 1;
@@ -144,21 +180,52 @@ impl RegionMap {
     }
 
     fn end(&mut self, regions: &[u64], runs: &[BlockRun]) {
-        fn drop_one(map: &mut IdMap<u32>, key: u64) {
-            let n = map.get_mut(&key).expect("an overwrite in flight ends once");
-            *n -= 1;
-            if *n == 0 {
-                map.remove(&key);
-            }
-        }
         for r in regions {
-            drop_one(&mut self.regions_in_flight, *r);
+            let used = self.in_use.get_mut(r).expect("an overwrite in flight ends once");
+            used.in_flight -= 1;
         }
         for run in runs {
             for b in run.start..run.end() {
-                drop_one(&mut self.blocks_in_flight, b);
+                let n = self.blocks_in_flight.get_mut(&b).expect("an overwrite in flight ends once");
+                *n -= 1;
+                if *n == 0 {
+                    self.blocks_in_flight.remove(&b);
+                }
             }
         }
+    }
+
+    /// The open regions a close pass closes, among those whose table
+    /// block is clean (`clean`):
+    /// - those idle since the last pass, with no overwrite begun there;
+    /// - then, if as many would stay open as make a checkpoint due, the
+    ///   least recently overwritten of the others until half the bound
+    ///   is left, so that a region still being overwritten closes last;
+    /// - with `everything` (an unmount), all of them.
+    ///
+    /// Never one with an overwrite in flight.
+    fn to_close(&self, clean: impl Fn(u64) -> bool, everything: bool) -> Vec<u64> {
+        let mut candidates: Vec<(u64, u64)> = self
+            .wanted
+            .iter()
+            .filter(|&&r| clean(r))
+            // Ordered by the last overwrite begun: 0 for none since the
+            // region opened, the overwrite's stamp + 1 otherwise.
+            .filter_map(|&r| match self.in_use.get(&r) {
+                None => Some((0, r)),
+                Some(u) => (u.in_flight == 0).then_some((u.stamp + 1, r)),
+            })
+            .collect();
+        candidates.sort_unstable();
+        let idle = candidates.partition_point(|&(last, _)| last <= self.last_pass);
+        let count = if everything {
+            candidates.len()
+        } else if self.wanted.len() - idle >= self.due_at() {
+            (self.wanted.len() - self.open_max / 2).clamp(idle, candidates.len())
+        } else {
+            idle
+        };
+        candidates[..count].iter().map(|&(_, r)| r).collect()
     }
 
     /// The map block holding region `region`'s bit, and where in it.
@@ -217,7 +284,9 @@ pub(crate) async fn begin_overwrite(
             // writer next carries these bits too, so that the overwrites
             // that find their regions closed (after a checkpoint) share a
             // map write instead of queueing one each.
+            let was_due = map.checkpoint_due();
             map.wanted.extend(regions.iter().copied());
+            map.checkpoint_asked |= !was_due && map.checkpoint_due();
         }
         // One map write at a time, so that a later one never lands under
         // an earlier one.
@@ -286,27 +355,29 @@ async fn write_map_blocks(cache: &RefCell<TableCache>, io: &Io, blocks: &BTreeSe
     Ok(())
 }
 
-/// After a checkpoint wrote the table back: close every open region whose
-/// table block is clean and that no overwrite is in flight in. Their
-/// entries are all on the device now.
-pub(crate) async fn close_clean(cache: &RefCell<TableCache>, lock: &AsyncMutex, io: &Io) -> FsResult<()> {
+/// After a checkpoint wrote the table back: close the open regions
+/// [`RegionMap::to_close`] picks among those whose table block is clean.
+/// Their entries are all on the device now. `everything` at an unmount.
+pub(crate) async fn close_clean(
+    cache: &RefCell<TableCache>,
+    lock: &AsyncMutex,
+    io: &Io,
+    everything: bool,
+) -> FsResult<()> {
     let _writer = lock.lock().await;
     let blocks: BTreeSet<u64> = {
         let mut cache = cache.borrow_mut();
-        let clean: Vec<u64> = cache
-            .map
-            .wanted
-            .iter()
-            .copied()
-            .filter(|r| !cache.is_dirty(*r) && !cache.map.regions_in_flight.contains_key(r))
-            .collect();
-        for r in &clean {
+        let closing = cache.map.to_close(|r| !cache.is_dirty(r), everything);
+        let map = &mut cache.map;
+        for r in &closing {
             // Out of `durable` first: an overwrite from now on waits for
             // the lock and opens the region again.
-            cache.map.durable.remove(r);
-            cache.map.wanted.remove(r);
+            map.durable.remove(r);
+            map.wanted.remove(r);
+            map.in_use.remove(r);
         }
-        clean.iter().map(|&r| RegionMap::position(r).0).collect()
+        map.last_pass = map.begun;
+        closing.iter().map(|&r| RegionMap::position(r).0).collect()
     };
     write_map_blocks(cache, io, &blocks).await
 }

@@ -606,8 +606,9 @@ fn a_bad_block_found_at_run_time_is_recorded_for_fsck() {
 }
 
 /// Regions open for overwrites in place are bounded: past the bound a
-/// direct overwrite copies on write instead; a checkpoint closes the
-/// regions it wrote back, and overwrites there go in place again.
+/// direct overwrite copies on write instead; a checkpoint then closes the
+/// least recently overwritten of the regions it wrote back, down to half
+/// the bound, and overwrites there go in place again.
 #[test]
 fn open_regions_are_bounded_and_a_checkpoint_closes_them() {
     let mut r = busy_reactor();
@@ -638,19 +639,114 @@ fn open_regions_are_bounded_and_a_checkpoint_closes_them() {
         assert_eq!(fs.inspect().counters().data_regions_open, 2);
         assert_eq!((at(picked[0], 1), at(picked[1], 1)), (Some(homes[0]), Some(homes[1])), "in place");
         overwrite(picked[2], 1).await;
-        assert_ne!(at(picked[2], 1), Some(homes[2]), "a third region would pass the bound: copied on write");
+        let moved = at(picked[2], 1);
+        assert_ne!(moved, Some(homes[2]), "a third region would pass the bound: copied on write");
         assert_eq!(fs.inspect().counters().data_regions_open, 2);
         fs.admin().checkpoint().await.unwrap();
-        assert_eq!(fs.inspect().counters().data_regions_open, 0, "the checkpoint closed both");
+        assert_eq!(fs.inspect().counters().data_regions_open, 1, "the checkpoint closed the older one");
+        overwrite(picked[2], 2).await;
+        assert_eq!(at(picked[2], 2), moved, "room for another region: in place");
         overwrite(picked[0], 2).await;
-        assert_eq!(at(picked[0], 2), Some(homes[0]), "in place again");
+        assert_ne!(at(picked[0], 2), Some(homes[0]), "its region closed, and the bound is reached again");
         for (i, &b) in picked.iter().enumerate() {
-            let want = block_image(b, if i == 0 { 2 } else { 1 });
+            let want = block_image(b, if i == 1 { 1 } else { 2 });
             assert_eq!(fs.data().read(f, FileOffset::new(b * 4096), 4096).await.unwrap(), want);
         }
         fs.unmount().await.unwrap();
         assert_clean_with_data(&dev, "after the bound was reached", 2300).await;
     });
+}
+
+/// Below the point where a checkpoint is due, a checkpoint closes only
+/// the regions idle since the one before: a region still being
+/// overwritten stays open (closing it would cost a map write when the
+/// next overwrite reopens it). An unmount closes every one.
+#[test]
+fn a_checkpoint_keeps_regions_still_being_overwritten_open() {
+    let mut r = busy_reactor();
+    let ram = Arc::new(MappedDevice::ram(BYTES, 4096).unwrap());
+    let dev: Arc<dyn BlockDevice> = ram.clone();
+    r.block_on(async move {
+        format_with_checksums(&dev).await;
+        let fs = mount(&dev).await;
+        let f = file_over_three_regions(&fs, &ram).await;
+        let open = || fs.inspect().counters().data_regions_open;
+        let overwrite = async |b: u64, generation: u64| {
+            let data = block_image(b, generation);
+            fs.data().write_direct(f, FileOffset::new(b * 4096), aligned(&data)).await.1.unwrap();
+        };
+        overwrite(0, 1).await;
+        overwrite(1100, 1).await;
+        assert_eq!(open(), 2);
+        fs.admin().checkpoint().await.unwrap();
+        assert_eq!(open(), 2, "both were overwritten since the last pass: open");
+        overwrite(0, 2).await;
+        fs.admin().checkpoint().await.unwrap();
+        assert_eq!(open(), 1, "the idle one closed, the busy one did not");
+        fs.admin().checkpoint().await.unwrap();
+        assert_eq!(open(), 0, "idle for a whole pass: closed");
+        overwrite(1100, 2).await;
+        assert_eq!(open(), 1);
+        fs.unmount().await.unwrap();
+        let report = check_data(&dev).await;
+        assert!(report.is_clean(), "{:?}", report.problems);
+        assert_eq!(report.data_regions_open, 0, "the unmount closed the busy one");
+    });
+}
+
+/// Opening the regions that make a checkpoint due asks for it at once,
+/// not at the commit timer's next tick: overwrites past the bound would
+/// copy on write meanwhile.
+#[test]
+fn opening_regions_up_to_the_due_point_asks_for_a_checkpoint() {
+    let mut r = busy_reactor();
+    let ram = Arc::new(MappedDevice::ram(BYTES, 4096).unwrap());
+    let dev: Arc<dyn BlockDevice> = ram.clone();
+    r.block_on(async move {
+        format_with_checksums(&dev).await;
+        // Due at three regions open of four; the timer never ticks here.
+        let config = FsConfig {
+            csum_open_regions_max: 4,
+            commit_interval: std::time::Duration::from_secs(3600),
+            ..FsConfig::default()
+        };
+        let fs = Fs::mount(channel(&dev), config).await.unwrap();
+        let f = file_over_three_regions(&fs, &ram).await;
+        let checkpoints = || fs.inspect().counters().checkpoints;
+        let before = checkpoints();
+        for (generation, b) in [0u64, 1100, 2200].into_iter().enumerate() {
+            let data = block_image(b, generation as u64 + 1);
+            fs.data().write_direct(f, FileOffset::new(b * 4096), aligned(&data)).await.1.unwrap();
+        }
+        for _ in 0..10_000 {
+            if checkpoints() > before {
+                break;
+            }
+            keelfs_reactor::yield_now().await;
+        }
+        assert_eq!(checkpoints(), before + 1, "the third region asked for a checkpoint");
+        assert_eq!(fs.inspect().counters().data_regions_open, 2, "which closed the oldest, down to half the bound");
+        fs.unmount().await.unwrap();
+        assert_clean_with_data(&dev, "after the asked checkpoint", 2300).await;
+    });
+}
+
+/// A file of 2300 blocks written whole and synced: blocks 0, 1100 and
+/// 2200 lie in three different regions (asserted).
+async fn file_over_three_regions(fs: &Fs, ram: &MappedDevice) -> Ino {
+    let (f, _) = fs.create(&Creds::root(), ROOT_INO, b"f", 0o644, 2).await.unwrap();
+    let f = f.ino();
+    for first in (0..2300u64).step_by(256) {
+        let body: Vec<u8> = (first..(first + 256).min(2300)).flat_map(|b| block_image(b, 0)).collect();
+        fs.data().write_direct(f, FileOffset::new(first * 4096), aligned(&body)).await.1.unwrap();
+    }
+    fs.sync().await.unwrap();
+    let regions: std::collections::BTreeSet<u64> = [0u64, 1100, 2200]
+        .iter()
+        .map(|&b| find_block(ram, &block_image(b, 0)).expect("written") as u64 / CSUMS_PER_TABLE_BLOCK)
+        .collect();
+    assert_eq!(regions.len(), 3, "three regions: {regions:?}");
+    f
 }
 
 /// A read of a block whose overwrite in place is still in flight (its

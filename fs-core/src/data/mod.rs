@@ -696,7 +696,11 @@ impl DataCore<'_> {
             return Ok(InPlaceStart::Unchecked);
         }
         let writer = &self.inner.csum_map_writer;
-        Ok(match csum_map::begin_overwrite(table, writer, &self.inner.io, runs, over_bound).await? {
+        let begun = csum_map::begin_overwrite(table, writer, &self.inner.io, runs, over_bound).await;
+        if table.borrow_mut().map.take_checkpoint_asked() {
+            crate::journal::maybe_schedule_checkpoint(self.inner);
+        }
+        Ok(match begun? {
             Some(ow) => InPlaceStart::Begun(ow, crcs),
             None => InPlaceStart::RegionsFull,
         })

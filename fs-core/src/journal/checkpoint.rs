@@ -77,9 +77,11 @@ impl Journal {
             Ok(sb) => {
                 if let (Some(table), Some(done)) = (cx.csums, table_written) {
                     csum_table::written_back(table, done);
-                    // The regions written back close. Not fatal if this
-                    // fails: a bit left set costs only work after a crash.
-                    if let Err(e) = crate::csum_map::close_clean(table, cx.csum_map_writer, cx.io).await {
+                    // The idle regions written back close (all of them at
+                    // an unmount). Not fatal if this fails: a bit left set
+                    // costs only work after a crash.
+                    let everything = cx.unmounted.get();
+                    if let Err(e) = crate::csum_map::close_clean(table, cx.csum_map_writer, cx.io, everything).await {
                         tracing::warn!(parent: cx.span, error = %e, "the dirty-region map was not cleared");
                     }
                 }
@@ -167,7 +169,8 @@ impl Journal {
 
     /// Whether a checkpoint is due: the ring is half used, or the checksum
     /// table holds as many dirty blocks as it may (its overlay's memory),
-    /// or half the regions that may be open are (a checkpoint closes them).
+    /// or three quarters of the regions that may be open are (a checkpoint
+    /// closes them).
     fn checkpoint_due(&self, csums: Option<&std::cell::RefCell<csum_table::TableCache>>) -> bool {
         self.ring_half_used()
             || csums.is_some_and(|t| {
@@ -288,8 +291,9 @@ async fn write_superblock(io: &Io, sb: &Superblock) -> FsResult<()> {
 // The filesystem's side: these start or run the background checkpoint,
 // a task that holds the filesystem, so they take its `Rc`.
 
-/// Start a checkpoint in the background once the ring is half used.
-pub(super) fn maybe_schedule_checkpoint(fs: &Rc<FsInner>) {
+/// Start a checkpoint in the background once one is due
+/// ([`Journal::checkpoint_due`]).
+pub(crate) fn maybe_schedule_checkpoint(fs: &Rc<FsInner>) {
     if !fs.journal.checkpoint_due(fs.csums.as_ref()) || fs.unmounted.get() {
         return;
     }

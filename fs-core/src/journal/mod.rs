@@ -45,7 +45,7 @@ use super::state::State;
 use super::sync::AsyncMutex;
 use super::{FsConfig, FsCounters, FsError, FsInner};
 
-pub(crate) use checkpoint::checkpoint_in_pieces_now;
+pub(crate) use checkpoint::{checkpoint_in_pieces_now, maybe_schedule_checkpoint};
 pub(crate) use commit::{checkpoint, commit_all, start_commit_timer, sync};
 pub(crate) use load::{choose_superblock, load, load_checkpoint, read_superblocks, replay};
 pub(crate) use snapshots::{
