@@ -172,8 +172,10 @@ pub(crate) struct TableCache {
     blocks: u64,
     /// Device blocks an entry may be set for: the data area.
     data_area: std::ops::Range<u64>,
-    dirty: std::collections::BTreeMap<u64, DirtyBlock>,
-    clean: std::collections::HashMap<u64, TableBlock>,
+    /// Both keyed by table block, a number keelfs derives from device
+    /// blocks it allocates: IdHasher, as every read looks an entry up here.
+    dirty: keelfs_base::IdMap<DirtyBlock>,
+    clean: keelfs_base::IdMap<TableBlock>,
     /// The clean blocks in the order they came in: the oldest goes first.
     clean_order: std::collections::VecDeque<u64>,
     /// Reads that failed their checksum, and the device blocks logged
@@ -294,7 +296,9 @@ pub(crate) async fn entry(cache: &RefCell<TableCache>, io: &Io, block: u64) -> F
 /// checkpoint, before its superblock, so that the entries of every record
 /// before its journal start are on the device.
 pub(crate) async fn write_back(cache: &RefCell<TableCache>, io: &Io) -> FsResult<WrittenBack> {
-    let keys: Vec<u64> = cache.borrow().dirty.keys().copied().collect();
+    // In the table's order: a write-back of neighbours is sequential.
+    let mut keys: Vec<u64> = cache.borrow().dirty.keys().copied().collect();
+    keys.sort_unstable();
     let mut written = Vec::with_capacity(keys.len());
     for table_block in keys {
         let at = cache.borrow().device_block(table_block);
