@@ -27,8 +27,9 @@
 //! that instant. Tests give a [`VirtualClock`] and move it by hand, then
 //! [`ReactorHandle::settle`] to see what each instant brought.
 
-// Unsafe code lives in two modules: `sys` (system calls) and `io` (handing
-// buffers to the device).
+// Unsafe code lives in three modules: `sys` (system calls), `io` (handing
+// buffers to the device) and `volatile_crc` (the crc of a guest's memory,
+// which `io`'s buffers hand it).
 #![deny(unsafe_code)]
 
 mod clock;
@@ -42,6 +43,8 @@ mod shares;
 #[allow(unsafe_code)]
 mod sys;
 mod task;
+#[allow(unsafe_code)]
+mod volatile_crc;
 /// The atomics of [`gate`]: std's here, loom's in `tests/loom.rs`.
 mod sync {
     pub(crate) use std::sync::atomic::{fence, AtomicBool, Ordering};

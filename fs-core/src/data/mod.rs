@@ -263,10 +263,10 @@ impl DataCore<'_> {
     }
 
     /// [`Self::verify_read`] of blocks a direct read placed in `buf` (a
-    /// guest's memory: each block is copied out, by volatile reads, to be
-    /// checked, and copied back if it was read again), for `segments` from
-    /// file block `first`. On a mismatch the whole buffer is zeroed before
-    /// the read fails.
+    /// guest's memory: each block's crc is read in place by volatile
+    /// loads; one that fails is copied out to be checked again, and copied
+    /// back if it was read again), for `segments` from file block `first`.
+    /// On a mismatch the whole buffer is zeroed before the read fails.
     pub(super) async fn verify_buffer<B: IoBuffer>(
         self,
         ino: Ino,
@@ -274,11 +274,7 @@ impl DataCore<'_> {
         first: u64,
         segments: &[Segment],
     ) -> FsResult<()> {
-        if self.inner.csums.is_none() {
-            return Ok(());
-        }
-        let mut block = BlockBuf::zeroed();
-        let block = &mut block.0;
+        let Some(table) = &self.inner.csums else { return Ok(()) };
         let busy = |_| FsError::Invalid("buffer busy");
         for e in segments.iter().filter_map(|s| match s {
             Segment::Mapped(e) if !e.unwritten => Some(e),
@@ -286,6 +282,15 @@ impl DataCore<'_> {
         }) {
             for i in 0..e.len {
                 let at = block_bytes(e.file_block - FileBlock::new(first) + i) as usize;
+                // Most blocks match their entry: checked in place, with no
+                // copy. One that does not takes the copy's path, which may
+                // read it again.
+                let want = self.entry(table, (e.disk_block + i).get()).await?;
+                if want == Some(buf.crc32c(at, BLOCK_BYTES).map_err(busy)?) {
+                    continue;
+                }
+                let mut block = BlockBuf::zeroed();
+                let block = &mut block.0;
                 buf.copy_out(at, block).map_err(busy)?;
                 match self.verify_read(ino, (e.file_block + i).get(), e.disk_block + i, block).await {
                     Ok(false) => {}
@@ -750,8 +755,8 @@ impl BlockBuf {
 }
 
 /// `CsumSet` records for `len` device blocks from `disk_block`, whose data
-/// is `buf` from byte `at`: each block copied out of the buffer (through
-/// volatile reads when it is a guest's) and checksummed.
+/// is `buf` from byte `at`: each block's crc read in place (through
+/// volatile reads: the buffer may be a guest's).
 pub(super) fn checksum_records<B: IoBuffer>(
     buf: &SharedBuffer<B>,
     at: usize,
@@ -774,8 +779,8 @@ pub(super) fn checksum_records<B: IoBuffer>(
 pub(super) type InPlaceCrcs = smallvec::SmallVec<[u8; 32]>;
 
 /// The crc32c of each of `len` blocks of `buf` from byte `at`, as
-/// little-endian u32s: each block copied out of the buffer (through
-/// volatile reads when it is a guest's) and checksummed.
+/// little-endian u32s, read in place (through volatile reads: the buffer
+/// may be a guest's).
 pub(super) fn block_crcs<B: IoBuffer>(buf: &SharedBuffer<B>, at: usize, len: u64) -> FsResult<Vec<u8>> {
     let mut crcs = Vec::with_capacity(len as usize * 4);
     append_block_crcs(buf, at, len, &mut crcs)?;
@@ -789,11 +794,9 @@ fn append_block_crcs<B: IoBuffer>(
     len: u64,
     out: &mut impl Extend<u8>,
 ) -> FsResult<()> {
-    let mut block = BlockBuf::zeroed();
-    let block = &mut block.0;
     for i in 0..len {
-        buf.copy_out(at + block_bytes(i) as usize, block).map_err(|_| FsError::Invalid("buffer busy"))?;
-        out.extend(crc(block).to_le_bytes());
+        let crc = buf.crc32c(at + block_bytes(i) as usize, BLOCK_BYTES).map_err(|_| FsError::Invalid("buffer busy"))?;
+        out.extend(crc.to_le_bytes());
     }
     Ok(())
 }
