@@ -68,11 +68,18 @@ fn mkfs_without_data_checksums_leaves_no_table() {
     });
 }
 
+/// A RAM device, both as itself (to snapshot or search) and as the
+/// device a filesystem mounts.
+fn ram_pair() -> (Arc<MappedDevice>, Arc<dyn BlockDevice>) {
+    let ram = Arc::new(MappedDevice::ram(BYTES, 4096).unwrap());
+    let dev: Arc<dyn BlockDevice> = ram.clone();
+    (ram, dev)
+}
+
 /// A formatted image with a checksum table, as bytes.
 fn checksummed_image() -> (Vec<u8>, keelfs_fs::Superblock) {
     let mut r = busy_reactor();
-    let ram = Arc::new(MappedDevice::ram(BYTES, 4096).unwrap());
-    let dev: Arc<dyn BlockDevice> = ram.clone();
+    let (ram, dev) = ram_pair();
     let sb = r.block_on(async move { format_with_checksums(&dev).await });
     (ram.snapshot(), sb)
 }
@@ -232,8 +239,7 @@ async fn assert_clean_with_data(dev: &Arc<dyn BlockDevice>, when: &str, at_least
 #[test]
 fn an_overwrite_goes_in_place_and_a_crash_is_settled_at_mount() {
     let mut r = busy_reactor();
-    let ram = Arc::new(MappedDevice::ram(BYTES, 4096).unwrap());
-    let dev: Arc<dyn BlockDevice> = ram.clone();
+    let (ram, dev) = ram_pair();
     let (old, new) = (pattern(1, 8192), pattern(2, 8192));
     let (a, crashed) = r.block_on({
         let (dev, ram, old, new) = (dev.clone(), ram.clone(), old.clone(), new.clone());
@@ -282,8 +288,7 @@ fn find_block(ram: &MappedDevice, content: &[u8]) -> Option<usize> {
 #[test]
 fn fsck_data_names_the_inode_and_offset_of_a_corrupted_block() {
     let mut r = busy_reactor();
-    let ram = Arc::new(MappedDevice::ram(BYTES, 4096).unwrap());
-    let dev: Arc<dyn BlockDevice> = ram.clone();
+    let (ram, dev) = ram_pair();
     let (ino, image) = r.block_on(async move {
         format_with_checksums(&dev).await;
         let fs = mount(&dev).await;
@@ -332,8 +337,7 @@ fn block_image(b: u64, generation: u64) -> Vec<u8> {
 /// live in blocks that were free, as any copy on write does), unmounted.
 fn faulty_image_base() -> (Vec<u8>, Vec<Vec<u8>>) {
     let mut r = busy_reactor();
-    let ram = Arc::new(MappedDevice::ram(BYTES, 4096).unwrap());
-    let dev: Arc<dyn BlockDevice> = ram.clone();
+    let (ram, dev) = ram_pair();
     let want = r.block_on(async move {
         format_with_checksums(&dev).await;
         let fs = mount(&dev).await;
@@ -454,8 +458,7 @@ async fn scrub_all(fs: &Fs, max: u64) -> (u64, Vec<BadBlock>, u64) {
 #[test]
 fn a_scrub_checks_every_written_block_and_names_the_bad_one() {
     let mut r = busy_reactor();
-    let ram = Arc::new(MappedDevice::ram(BYTES, 4096).unwrap());
-    let dev: Arc<dyn BlockDevice> = ram.clone();
+    let (ram, dev) = ram_pair();
     let (ram2, dev2) = (ram.clone(), dev.clone());
     r.block_on(async move {
         format_with_checksums(&dev).await;
@@ -494,8 +497,7 @@ fn a_scrub_checks_every_written_block_and_names_the_bad_one() {
 #[test]
 fn a_scrub_cursor_survives_replay_and_checkpoints() {
     let mut r = busy_reactor();
-    let ram = Arc::new(MappedDevice::ram(BYTES, 4096).unwrap());
-    let dev: Arc<dyn BlockDevice> = ram.clone();
+    let (ram, dev) = ram_pair();
     r.block_on(async move {
         format_with_checksums(&dev).await;
         let fs = mount(&dev).await;
@@ -541,8 +543,7 @@ fn corrupt_block_holding(ram: &MappedDevice, content: &[u8]) -> usize {
 #[test]
 fn a_bad_block_found_at_run_time_is_recorded_for_fsck() {
     let mut r = busy_reactor();
-    let ram = Arc::new(MappedDevice::ram(BYTES, 4096).unwrap());
-    let dev: Arc<dyn BlockDevice> = ram.clone();
+    let (ram, dev) = ram_pair();
     let (a_data, b_data) = (pattern(41, 10 * 4096), pattern(42, 2 * 4096));
     let (a, b) = r.block_on({
         let (dev, a_data, b_data) = (dev.clone(), a_data.clone(), b_data.clone());
@@ -612,28 +613,16 @@ fn a_bad_block_found_at_run_time_is_recorded_for_fsck() {
 #[test]
 fn open_regions_are_bounded_and_a_checkpoint_closes_them() {
     let mut r = busy_reactor();
-    let ram = Arc::new(MappedDevice::ram(BYTES, 4096).unwrap());
-    let dev: Arc<dyn BlockDevice> = ram.clone();
+    let (ram, dev) = ram_pair();
     r.block_on(async move {
         format_with_checksums(&dev).await;
         let config = FsConfig { csum_open_regions_max: 2, ..FsConfig::default() };
         let fs = Fs::mount(channel(&dev), config).await.unwrap();
-        let (f, _) = fs.create(&Creds::root(), ROOT_INO, b"f", 0o644, 2).await.unwrap();
-        let f = f.ino();
-        let picked = [0u64, 1100, 2200];
-        for first in (0..2300u64).step_by(256) {
-            let body: Vec<u8> = (first..(first + 256).min(2300)).flat_map(|b| block_image(b, 0)).collect();
-            fs.data().write_direct(f, FileOffset::new(first * 4096), aligned(&body)).await.1.unwrap();
-        }
-        fs.sync().await.unwrap();
+        let f = file_over_three_regions(&fs, &ram).await;
+        let picked = THREE_REGIONS;
         let at = |b: u64, generation: u64| find_block(&ram, &block_image(b, generation)).map(|d| d as u64);
         let homes: Vec<u64> = picked.iter().map(|&b| at(b, 0).expect("written")).collect();
-        let regions: std::collections::BTreeSet<u64> = homes.iter().map(|d| d / CSUMS_PER_TABLE_BLOCK).collect();
-        assert_eq!(regions.len(), 3, "the picked blocks lie in three regions: {homes:?}");
-        let overwrite = async |b: u64, generation: u64| {
-            let data = block_image(b, generation);
-            fs.data().write_direct(f, FileOffset::new(b * 4096), aligned(&data)).await.1.unwrap();
-        };
+        let overwrite = async |b: u64, generation: u64| overwrite_block(&fs, f, b, generation).await;
         overwrite(picked[0], 1).await;
         overwrite(picked[1], 1).await;
         assert_eq!(fs.inspect().counters().data_regions_open, 2);
@@ -664,17 +653,13 @@ fn open_regions_are_bounded_and_a_checkpoint_closes_them() {
 #[test]
 fn a_checkpoint_keeps_regions_still_being_overwritten_open() {
     let mut r = busy_reactor();
-    let ram = Arc::new(MappedDevice::ram(BYTES, 4096).unwrap());
-    let dev: Arc<dyn BlockDevice> = ram.clone();
+    let (ram, dev) = ram_pair();
     r.block_on(async move {
         format_with_checksums(&dev).await;
         let fs = mount(&dev).await;
         let f = file_over_three_regions(&fs, &ram).await;
         let open = || fs.inspect().counters().data_regions_open;
-        let overwrite = async |b: u64, generation: u64| {
-            let data = block_image(b, generation);
-            fs.data().write_direct(f, FileOffset::new(b * 4096), aligned(&data)).await.1.unwrap();
-        };
+        let overwrite = async |b: u64, generation: u64| overwrite_block(&fs, f, b, generation).await;
         overwrite(0, 1).await;
         overwrite(1100, 1).await;
         assert_eq!(open(), 2);
@@ -700,8 +685,7 @@ fn a_checkpoint_keeps_regions_still_being_overwritten_open() {
 #[test]
 fn opening_regions_up_to_the_due_point_asks_for_a_checkpoint() {
     let mut r = busy_reactor();
-    let ram = Arc::new(MappedDevice::ram(BYTES, 4096).unwrap());
-    let dev: Arc<dyn BlockDevice> = ram.clone();
+    let (ram, dev) = ram_pair();
     r.block_on(async move {
         format_with_checksums(&dev).await;
         // Due at three regions open of four; the timer never ticks here.
@@ -714,9 +698,8 @@ fn opening_regions_up_to_the_due_point_asks_for_a_checkpoint() {
         let f = file_over_three_regions(&fs, &ram).await;
         let checkpoints = || fs.inspect().counters().checkpoints;
         let before = checkpoints();
-        for (generation, b) in [0u64, 1100, 2200].into_iter().enumerate() {
-            let data = block_image(b, generation as u64 + 1);
-            fs.data().write_direct(f, FileOffset::new(b * 4096), aligned(&data)).await.1.unwrap();
+        for b in THREE_REGIONS {
+            overwrite_block(&fs, f, b, 1).await;
         }
         for _ in 0..10_000 {
             if checkpoints() > before {
@@ -731,8 +714,11 @@ fn opening_regions_up_to_the_due_point_asks_for_a_checkpoint() {
     });
 }
 
-/// A file of 2300 blocks written whole and synced: blocks 0, 1100 and
-/// 2200 lie in three different regions (asserted).
+/// File blocks of [`file_over_three_regions`] in three regions.
+const THREE_REGIONS: [u64; 3] = [0, 1100, 2200];
+
+/// A file of 2300 blocks written whole and synced: the blocks of
+/// [`THREE_REGIONS`] lie in three different regions (asserted).
 async fn file_over_three_regions(fs: &Fs, ram: &MappedDevice) -> Ino {
     let (f, _) = fs.create(&Creds::root(), ROOT_INO, b"f", 0o644, 2).await.unwrap();
     let f = f.ino();
@@ -741,12 +727,18 @@ async fn file_over_three_regions(fs: &Fs, ram: &MappedDevice) -> Ino {
         fs.data().write_direct(f, FileOffset::new(first * 4096), aligned(&body)).await.1.unwrap();
     }
     fs.sync().await.unwrap();
-    let regions: std::collections::BTreeSet<u64> = [0u64, 1100, 2200]
+    let regions: std::collections::BTreeSet<u64> = THREE_REGIONS
         .iter()
         .map(|&b| find_block(ram, &block_image(b, 0)).expect("written") as u64 / CSUMS_PER_TABLE_BLOCK)
         .collect();
     assert_eq!(regions.len(), 3, "three regions: {regions:?}");
     f
+}
+
+/// Overwrite block `b` of file `f` directly with its image of `generation`.
+async fn overwrite_block(fs: &Fs, f: Ino, b: u64, generation: u64) {
+    let data = block_image(b, generation);
+    fs.data().write_direct(f, FileOffset::new(b * 4096), aligned(&data)).await.1.unwrap();
 }
 
 /// A read of a block whose overwrite in place is still in flight (its
@@ -801,8 +793,7 @@ fn a_read_racing_an_overwrite_of_its_block_is_not_an_error() {
 #[test]
 fn a_read_only_mount_tolerates_regions_a_crash_left_open() {
     let mut r = busy_reactor();
-    let ram = Arc::new(MappedDevice::ram(BYTES, 4096).unwrap());
-    let dev: Arc<dyn BlockDevice> = ram.clone();
+    let (ram, dev) = ram_pair();
     let crashed = r.block_on({
         let (dev, ram) = (dev.clone(), ram.clone());
         async move {
