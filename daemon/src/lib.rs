@@ -46,6 +46,9 @@ mod hooks {
     /// Nothing to do once ready.
     pub fn after_ready() {}
 
+    /// Nothing to wait for as the shutdown begins.
+    pub fn as_shutdown_begins() {}
+
     /// The kernel's switch for FUSE over io_uring.
     pub fn fuse_uring_parameter() -> std::path::PathBuf {
         keelfs_vhost::FUSE_URING_PARAMETER.into()
@@ -99,7 +102,7 @@ enum Command {
     /// default image and socket under ./keelfs-data/. Flags override the
     /// config file; those that describe an export apply to its first one.
     /// SIGTERM or SIGINT drains requests, commits, flushes and exits 0; a
-    /// second signal exits at once with 1.
+    /// second signal, a second or more after the first, exits at once with 1.
     Serve {
         /// TOML config file (see keelfsd.example.toml).
         #[arg(long)]

@@ -943,7 +943,7 @@ fn run(
     // still running is refused at its next step, or stopped with the rest.
     table.close();
     drop(servers);
-    let result = shut_down(&handles, &event_rx, signals, &table);
+    let result = shut_down(&handles, &event_rx, signals, &table, std::time::Instant::now());
     for (handle, thread) in reactors {
         handle.stop();
         let _ = thread.join();
@@ -964,7 +964,7 @@ fn wait_for_shutdown(signals: &Signals, events: &Receiver<Event>, table: &Export
     let mut mounted = mounts;
     loop {
         if signals.wait(Some(Duration::from_millis(100))).is_some() {
-            eprintln!("keelfsd: shutting down (a second signal forces the exit)");
+            eprintln!("keelfsd: shutting down (a second signal, a second from now or later, forces the exit)");
             return;
         }
         // Runtime exports report here too; only an unmount counts.
@@ -990,14 +990,29 @@ fn wait_for_shutdown(signals: &Signals, events: &Receiver<Event>, table: &Export
     }
 }
 
+/// A signal this soon after the shutdown began is taken as the same
+/// request, not as the second signal that forces an exit: timeout(1), for
+/// one, signals the daemon and then its process group, and the sandbox's
+/// supervisor forwards each copy it reads. A person who presses ^C twice
+/// to force it presses again after this.
+const SAME_REQUEST_WITHIN: Duration = Duration::from_secs(1);
+
+/// Whether a signal `since_start` after the shutdown began forces an exit.
+fn forces_exit(since_start: Duration) -> bool {
+    since_start >= SAME_REQUEST_WITHIN
+}
+
 /// Ask every reactor to stop its exports, then wait for them, exiting at
-/// once on a second signal.
+/// once on a second signal ([`forces_exit`]; the shutdown began at
+/// `started`).
 fn shut_down(
     handles: &[ReactorHandle],
     events: &Receiver<Event>,
     signals: &Signals,
     table: &ExportTable,
+    started: std::time::Instant,
 ) -> anyhow::Result<()> {
+    crate::hooks::as_shutdown_begins();
     for handle in handles {
         // A full inbox only delays the message.
         let mut message: Box<dyn FnOnce() + Send> = Box::new(request_local_shutdown);
@@ -1017,8 +1032,11 @@ fn shut_down(
     // runtime included.
     while table.live() > 0 {
         if signals.wait(Some(Duration::from_millis(0))).is_some() {
-            eprintln!("keelfsd: second signal, exiting without a clean shutdown");
-            std::process::exit(1);
+            if forces_exit(started.elapsed()) {
+                eprintln!("keelfsd: second signal, exiting without a clean shutdown");
+                std::process::exit(1);
+            }
+            tracing::info!("a signal within {SAME_REQUEST_WITHIN:?} of the first: the same shutdown");
         }
         match events.recv_timeout(Duration::from_millis(100)) {
             Ok(Event::Stopped { tag, error: Some(e) }) => errors.push(format!("export {tag}: {e}")),

@@ -43,6 +43,18 @@ pub fn fuse_uring_parameter() -> std::path::PathBuf {
 /// that limit before it took file opens away.
 const ALLOCATING_THREADS_ENV: &str = "KEELFS_TEST_ALLOCATING_THREADS";
 
+/// With this variable set to N, `serve` waits N ms as its shutdown begins,
+/// before it asks the reactors to stop: a signal sent meanwhile is read by
+/// the shutdown, as one that races a slow shutdown is.
+const SHUTDOWN_PAUSE_ENV: &str = "KEELFS_TEST_SHUTDOWN_PAUSE_MS";
+
+/// Called as the shutdown begins: waits as [`SHUTDOWN_PAUSE_ENV`] says.
+pub fn as_shutdown_begins() {
+    if let Some(ms) = std::env::var(SHUTDOWN_PAUSE_ENV).ok().and_then(|v| v.parse::<u64>().ok()) {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+    }
+}
+
 /// Called once the daemon is ready: with [`PROBE_ENV`] set, make a call
 /// the sandbox forbids (the filter kills the process; unsandboxed, it
 /// just works or fails). `unix-socket` makes a unix socket, which even an

@@ -337,6 +337,42 @@ fn a_signal_to_the_process_group_shuts_down_cleanly() {
 }
 
 #[test]
+fn a_signal_sent_twice_as_timeout_sends_it_shuts_down_cleanly() {
+    use std::os::unix::process::CommandExt;
+    let dir = Scratch::new("timeout-signal");
+    // As `timeout -s INT` does: the daemon in a group of its own, signalled
+    // directly and then through the group. The supervisor forwards each
+    // copy it reads; a copy that comes while the first is being served is
+    // the same request, not the second signal that forces an exit. The
+    // shutdown pauses 300 ms as it begins, so that the copy always finds
+    // it under way.
+    let child = serve_mounted(&dir, |cmd| cmd.process_group(0).env("KEELFS_TEST_SHUTDOWN_PAUSE_MS", "300"));
+    // SAFETY: kill(2) on our child, alive.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    std::thread::sleep(Duration::from_millis(5));
+    // SAFETY: killpg(2) on the group our child leads.
+    unsafe { libc::killpg(child.id() as i32, libc::SIGINT) };
+    assert_one_clean_shutdown(child);
+}
+
+#[test]
+fn a_second_signal_a_second_later_forces_the_exit() {
+    let dir = Scratch::new("second-signal");
+    // The shutdown pauses 1.5 s as it begins; the second signal comes
+    // 1.2 s after the first.
+    let child = serve_mounted(&dir, |cmd| cmd.env("KEELFS_TEST_SHUTDOWN_PAUSE_MS", "1500"));
+    // SAFETY: kill(2) on our child, alive.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    std::thread::sleep(Duration::from_millis(1200));
+    // SAFETY: as above; the pause keeps it alive.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("second signal, exiting"), "{stderr}");
+}
+
+#[test]
 fn a_signal_to_every_keelfsd_process_shuts_down_cleanly() {
     let dir = Scratch::new("pkill-signal");
     let child = serve_mounted(&dir, |cmd| cmd);
