@@ -36,7 +36,7 @@ const COMPLETIONS_PER_POLL_MAX: usize = 256;
 /// # Safety
 /// `src` must be valid for `n` bytes of reads and `dst` for `n` bytes of
 /// writes; the ranges must not overlap.
-unsafe fn volatile_copy(src: *const u8, dst: *mut u8, n: usize) {
+pub(crate) unsafe fn volatile_copy(src: *const u8, dst: *mut u8, n: usize) {
     let mut i = 0;
     #[cfg(target_arch = "x86_64")]
     {

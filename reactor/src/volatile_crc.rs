@@ -40,8 +40,8 @@ pub(crate) unsafe fn crc32c_append_volatile(crc: u32, p: *const u8, n: usize) ->
     unsafe { by_copy(crc, p, n) }
 }
 
-/// Without SSE4.2: volatile copies of a chunk at a time into a buffer of
-/// ours, and the crate's crc of each.
+/// Without SSE4.2: a chunk at a time copied into a buffer of ours by
+/// `io`'s volatile copy, and the crate's crc of each.
 ///
 /// # Safety
 /// As [`crc32c_append_volatile`].
@@ -50,10 +50,9 @@ unsafe fn by_copy(mut crc: u32, p: *const u8, n: usize) -> u32 {
     let mut done = 0;
     while done < n {
         let len = (n - done).min(chunk.len());
-        for (i, byte) in chunk[..len].iter_mut().enumerate() {
-            // SAFETY: done + i < n, inside the caller's range.
-            *byte = unsafe { std::ptr::read_volatile(p.add(done + i)) };
-        }
+        // SAFETY: [done, done+len) is inside the caller's range, and the
+        // chunk, ours, holds len bytes; they do not overlap.
+        unsafe { crate::io::volatile_copy(p.add(done), chunk.as_mut_ptr(), len) };
         crc = crc32c::crc32c_append(crc, &chunk[..len]);
         done += len;
     }
