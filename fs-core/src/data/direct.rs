@@ -317,7 +317,7 @@ impl Direct<'_> {
         let segments = self.inner.meta.segments(ino, first, last - first + 1)?;
         self.inner.data.direct_begin();
         let result = async {
-            let csums = self.converted_checksums(buf, first, &converted)?;
+            let csums = self.core().new_block_checksums(buf, first, converted.iter().copied())?;
             self.submit_segments(buf, first, &segments, true).await.map(|()| csums)
         }
         .await;
@@ -338,26 +338,6 @@ impl Direct<'_> {
         self.inner.meta.set_datasync_needed(ino);
         self.inner.data.count_direct_extend(end - offset);
         Ok(Some((end - offset) as u32))
-    }
-
-    /// The `CsumSet` records of the blocks an extending write converts
-    /// (none without data checksums), from its buffer, taken before the
-    /// writes hold its slices.
-    fn converted_checksums<B: IoBuffer>(
-        self,
-        buf: &SharedBuffer<B>,
-        first: u64,
-        converted: &[(FileBlock, crate::blocks::DevBlock, u64)],
-    ) -> FsResult<Vec<Record<'static>>> {
-        let mut out = Vec::new();
-        if self.inner.csums.is_none() {
-            return Ok(out);
-        }
-        for &(fb, db, len) in converted {
-            let at = block_bytes(fb - FileBlock::new(first)) as usize;
-            out.extend(super::checksum_records(buf, at, db.get(), len)?);
-        }
-        Ok(out)
     }
 
     /// Retire an extending write and return the size the file may now

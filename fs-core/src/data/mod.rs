@@ -608,7 +608,9 @@ impl DataCore<'_> {
         let (targets, fresh) = self.image_targets(ino, first, nblocks, reserved)?;
         // Taken before the writes, which hold the buffer's slices: a guest
         // that changes its buffer meanwhile hurts only its own blocks.
-        let checksummed = self.image_checksums(image, first, &targets);
+        // The targets a record maps: new blocks and unwritten ones.
+        let mapped = targets.iter().filter(|t| t.3).map(|&(fb, db, len, _)| (fb, db, len));
+        let checksummed = self.new_block_checksums(image, first, mapped);
         let begun = match checksummed {
             Ok(_) => {
                 let in_place = targets.iter().filter(|t| !t.3).map(|&(fb, db, len, _)| (fb, db, len));
@@ -657,22 +659,23 @@ impl DataCore<'_> {
         Ok(maps.chain(csums).collect())
     }
 
-    /// The `CsumSet` records of the targets a record maps (new blocks and
-    /// unwritten ones), from `image`, which starts at file block `first`;
-    /// none on an image without data checksums.
-    fn image_checksums<B: IoBuffer>(
+    /// The `CsumSet` records of `runs` (file block, device block, blocks)
+    /// written from `buf`, which starts at file block `first`, taken
+    /// before the writes hold its slices; none on an image without data
+    /// checksums.
+    pub(super) fn new_block_checksums<B: IoBuffer>(
         self,
-        image: &SharedBuffer<B>,
+        buf: &SharedBuffer<B>,
         first: u64,
-        targets: &[ImageTarget],
+        runs: impl IntoIterator<Item = (FileBlock, DevBlock, u64)>,
     ) -> FsResult<Vec<Record<'static>>> {
         let mut out = Vec::new();
         if self.inner.csums.is_none() {
             return Ok(out);
         }
-        for &(fb, db, len, _) in targets.iter().filter(|t| t.3) {
+        for (fb, db, len) in runs {
             let at = block_bytes(fb - FileBlock::new(first)) as usize;
-            out.extend(checksum_records(image, at, db.get(), len)?);
+            out.extend(checksum_records(buf, at, db.get(), len)?);
         }
         Ok(out)
     }
