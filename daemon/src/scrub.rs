@@ -78,10 +78,37 @@ impl Pacer {
     }
 }
 
+/// Where a scrub is, as `scrub_status` names it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum ScrubState {
+    /// No scrub of the export has run since the daemon started.
+    #[default]
+    None,
+    Running,
+    Done,
+    Cancelled,
+    /// Its export stopped being served before it ended.
+    Stopped,
+    Failed,
+}
+
+impl ScrubState {
+    fn name(self) -> &'static str {
+        match self {
+            ScrubState::None => "none",
+            ScrubState::Running => "running",
+            ScrubState::Done => "done",
+            ScrubState::Cancelled => "cancelled",
+            ScrubState::Stopped => "stopped",
+            ScrubState::Failed => "failed",
+        }
+    }
+}
+
 /// What a scrub has done, for `scrub_status`.
 #[derive(Clone, Debug, Default)]
 struct Progress {
-    state: &'static str,
+    state: ScrubState,
     cursor: Option<ScrubCursor>,
     bytes_per_sec: u64,
     blocks_checked: u64,
@@ -104,14 +131,14 @@ thread_local! {
 }
 
 fn running(tag: &str) -> bool {
-    JOBS.with(|j| j.borrow().get(tag).is_some_and(|job| job.progress.borrow().state == "running"))
+    JOBS.with(|j| j.borrow().get(tag).is_some_and(|job| job.progress.borrow().state == ScrubState::Running))
 }
 
 /// Start a scrub of export `tag` at `from`: a task on this reactor.
 fn spawn(tag: &str, from: ScrubCursor, bytes_per_sec: u64) {
     let now = reactor_time();
     let progress =
-        Progress { state: "running", cursor: Some(from), bytes_per_sec, started_at: Some(now), ..Progress::default() };
+        Progress { state: ScrubState::Running, cursor: Some(from), bytes_per_sec, started_at: Some(now), ..Progress::default() };
     let job = Rc::new(Job { progress: RefCell::new(progress), cancel: Cell::new(false) });
     JOBS.with(|j| j.borrow_mut().insert(tag.to_string(), job.clone()));
     let tag = tag.to_string();
@@ -122,7 +149,7 @@ fn spawn(tag: &str, from: ScrubCursor, bytes_per_sec: u64) {
             Ok(state) => p.state = state,
             Err(e) => {
                 tracing::warn!("export {tag}: scrub stopped: {e:#}");
-                (p.state, p.error) = ("failed", Some(format!("{e:#}")));
+                (p.state, p.error) = (ScrubState::Failed, Some(format!("{e:#}")));
             }
         }
     });
@@ -139,15 +166,15 @@ fn reactor_time() -> Duration {
 
 /// The scrub's loop: pace, pass QoS, step, record. Returns the state it
 /// ended in.
-async fn drive(tag: &str, job: &Job, from: ScrubCursor, bytes_per_sec: u64) -> anyhow::Result<&'static str> {
+async fn drive(tag: &str, job: &Job, from: ScrubCursor, bytes_per_sec: u64) -> anyhow::Result<ScrubState> {
     let mut pacer = Pacer::new(bytes_per_sec, STEP_BYTES, reactor_time());
     let mut cursor = from;
     let (mut steps, mut saved_at) = (0u64, reactor_time());
     loop {
-        let Some(fs) = crate::serve::local_fs(tag) else { return Ok("stopped") };
+        let Some(fs) = crate::serve::local_fs(tag) else { return Ok(ScrubState::Stopped) };
         if job.cancel.get() {
             save(&fs, None)?;
-            return Ok("cancelled");
+            return Ok(ScrubState::Cancelled);
         }
         if let Err(wait) = pacer.take(STEP_BYTES, reactor_time()) {
             reactor::sleep(wait).await;
@@ -164,7 +191,7 @@ async fn drive(tag: &str, job: &Job, from: ScrubCursor, bytes_per_sec: u64) -> a
         match step.next {
             None => {
                 save(&fs, None)?;
-                return Ok("done");
+                return Ok(ScrubState::Done);
             }
             Some(next) => cursor = next,
         }
@@ -230,7 +257,7 @@ fn status_json(p: &Progress) -> Value {
         .collect();
     let elapsed = p.started_at.map(|s| reactor_time().saturating_sub(s).as_nanos() as u64);
     json!({
-        "state": p.state,
+        "state": p.state.name(),
         "cursor": p.cursor.map(|c| json!({"ino": c.ino.get(), "offset": c.file_block * keelfs_fs::BLOCK_BYTES as u64})),
         "mib_per_sec": p.bytes_per_sec as f64 / (1u64 << 20) as f64,
         "blocks_checked": p.blocks_checked,
@@ -275,7 +302,7 @@ pub fn status(params: Value, control: &Control) -> Result<Value, RpcError> {
     let tag = p.export.clone();
     let job = crate::settings::on_fs(&tag, move |_fs| async move {
         let progress = JOBS.with(|j| j.borrow().get(&p.export).map(|job| job.progress.borrow().clone()));
-        Ok(status_json(&progress.unwrap_or(Progress { state: "none", ..Progress::default() })))
+        Ok(status_json(&progress.unwrap_or_default()))
     });
     Ok(control.on_export_reactor(&tag, RPC_TIMEOUT, job)?)
 }
