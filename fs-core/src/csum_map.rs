@@ -324,25 +324,32 @@ pub(crate) fn end_overwrite(cache: &RefCell<TableCache>, ow: Overwrite, crcs: Op
     ow.runs
 }
 
-/// Write map blocks `blocks` as memory wants them, and make them durable;
-/// then their regions' bits are on the device. The caller holds the map's
-/// writer lock.
+/// Write map blocks `blocks` as memory wants them, and make them durable
+/// (one flush after all the writes); then their regions' bits are on the
+/// device. The caller holds the map's writer lock.
 async fn write_map_blocks(cache: &RefCell<TableCache>, io: &Io, blocks: &BTreeSet<u64>) -> FsResult<()> {
+    let mut written = Vec::with_capacity(blocks.len());
     for &block in blocks {
-        let (at, words, written) = {
+        let (at, words, regions) = {
             let cache = cache.borrow();
             let map = &cache.map;
             assert!(block < map.map_blocks, "map block {block} of {}", map.map_blocks);
             let first = block * REGIONS_PER_MAP_BLOCK;
-            let written: Vec<u64> = map.wanted.range(first..first + REGIONS_PER_MAP_BLOCK).copied().collect();
-            (DevBlock::new(map.map_start + block), map.encode(block), written)
+            let regions: Vec<u64> = map.wanted.range(first..first + REGIONS_PER_MAP_BLOCK).copied().collect();
+            (DevBlock::new(map.map_start + block), map.encode(block), regions)
         };
         let mut buf = AlignedBuf::zeroed(BLOCK_BYTES, BLOCK_BYTES);
         words.encode_into(&mut buf);
         io.write_blocks(at, buf).await?;
-        io.flush().await?;
-        let mut cache = cache.borrow_mut();
-        let map = &mut cache.map;
+        written.push((block, regions));
+    }
+    if written.is_empty() {
+        return Ok(());
+    }
+    io.flush().await?;
+    let mut cache = cache.borrow_mut();
+    let map = &mut cache.map;
+    for (block, regions) in written {
         let first = block * REGIONS_PER_MAP_BLOCK;
         let stale: Vec<u64> = map.durable.range(first..first + REGIONS_PER_MAP_BLOCK).copied().collect();
         for r in stale {
@@ -350,7 +357,7 @@ async fn write_map_blocks(cache: &RefCell<TableCache>, io: &Io, blocks: &BTreeSe
         }
         // A region cleared meanwhile stays cleared: only what is still
         // wanted is durable.
-        map.durable.extend(written.into_iter().filter(|r| map.wanted.contains(r)));
+        map.durable.extend(regions.into_iter().filter(|r| map.wanted.contains(r)));
     }
     Ok(())
 }
