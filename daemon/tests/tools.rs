@@ -95,7 +95,7 @@ fn usage_errors_exit_two() {
 }
 
 #[test]
-fn mkfs_data_checksums_makes_a_table_that_fsck_data_checks() {
+fn mkfs_data_checksums_makes_a_table_that_fsck_checks_and_repairs() {
     let img = Image::new("csums");
     let out = keelfsd(&["mkfs", img.path(), "--size", "64M", "--data-checksums"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -115,4 +115,12 @@ fn mkfs_data_checksums_makes_a_table_that_fsck_data_checks() {
     assert_eq!(out.status.code(), Some(1));
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(report["problems"][0]["kind"], "csum-table-sector", "{report}");
+    assert_eq!(report["problems"][0]["repairable"], true, "{report}");
+    // --repair rebuilds the sector from the data it covers.
+    let out = keelfsd(&["fsck", img.path(), "--repair", "--json"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stdout));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(report["repaired"].to_string().contains("rebuilt data checksum table block 0"), "{report}");
+    let out = keelfsd(&["fsck", img.path(), "--data", "--json"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stdout));
 }

@@ -13,7 +13,6 @@ use crate::format::{
 use crate::io::Io;
 use crate::FsResult;
 use keelfs_bdev::AlignedBuf;
-use keelfs_reactor::DeviceChannel;
 use std::cell::RefCell;
 
 const ENTRIES_PER_SECTOR: usize = CSUMS_PER_SECTOR as usize;
@@ -246,6 +245,21 @@ impl TableCache {
         Ok(())
     }
 
+    /// Set all 127 entries of sector `sector` of table block
+    /// `table_block` from `crcs`, so that the sector checks again once
+    /// written back: fsck --repair's rebuild of a sector that fails its
+    /// crc. Unlike [`Self::set`] it reaches the entries of blocks outside
+    /// the data area, which nothing reads.
+    pub(crate) fn rebuild_sector(&mut self, table_block: u64, sector: usize, crcs: &[u32; ENTRIES_PER_SECTOR]) {
+        assert!(table_block < self.blocks, "table block {table_block} of {}", self.blocks);
+        assert!(sector < SECTORS_PER_BLOCK, "sector {sector} of {SECTORS_PER_BLOCK}");
+        let dirty = self.dirty.entry(table_block).or_insert_with(DirtyBlock::new);
+        for (i, &crc) in crcs.iter().enumerate() {
+            dirty.put(sector * ENTRIES_PER_SECTOR + i, crc);
+        }
+        dirty.changes += 1;
+    }
+
     pub(crate) fn dirty_blocks(&self) -> usize {
         self.dirty.len()
     }
@@ -334,35 +348,40 @@ pub(crate) fn written_back(cache: &RefCell<TableCache>, done: WrittenBack) {
     }
 }
 
-/// Table blocks read at once by [`bad_table_sectors`].
+/// Table blocks read at once by [`bad_sectors_from`].
 const SCAN_READ_BLOCKS: u64 = 256;
 
-/// Every table sector of `sb`'s data checksum table that fails its crc,
-/// as (table block from the table's start, sector bitmap): fsck's check.
-/// Reads the table in bounded pieces; returns at most `limit` entries,
-/// and the count of bad blocks.
-pub(crate) async fn bad_table_sectors(
-    dev: &DeviceChannel,
-    sb: &Superblock,
-    limit: usize,
-) -> FsResult<(Vec<(u64, u8)>, u64)> {
+/// The table blocks with sectors that fail their crc among those from
+/// table block `at` (counted from the table's start) up to `end`, at most
+/// [`SCAN_READ_BLOCKS`] of them read at once: (table block, sector
+/// bitmap) each, and the table block the next piece starts at.
+pub(crate) async fn bad_sectors_from(io: &Io, sb: &Superblock, at: u64, end: u64) -> FsResult<(Vec<(u64, u8)>, u64)> {
+    assert!(at < end && end <= sb.csum_table_blocks, "table blocks [{at}, {end}) of {}", sb.csum_table_blocks);
+    let blocks = (end - at).min(SCAN_READ_BLOCKS);
+    let buf = io.read_blocks(DevBlock::new(sb.csum_table_start() + at), blocks as usize).await?;
+    let bad = buf
+        .chunks_exact(BLOCK_BYTES)
+        .enumerate()
+        .map(|(i, block)| (at + i as u64, TableBlock::decode(block).bad_sectors()))
+        .filter(|&(_, sectors)| sectors != 0)
+        .collect();
+    Ok((bad, at + blocks))
+}
+
+/// Every table sector of `sb`'s data checksum table (its entries and its
+/// dirty-region map) that fails its crc, as (table block from the
+/// table's start, sector bitmap): fsck's check. Reads the table in
+/// bounded pieces; returns at most `limit` entries, and the count of bad
+/// blocks.
+pub(crate) async fn bad_table_sectors(io: &Io, sb: &Superblock, limit: usize) -> FsResult<(Vec<(u64, u8)>, u64)> {
     let (mut listed, mut count) = (Vec::new(), 0u64);
     let mut at = 0;
     while at < sb.csum_table_blocks {
-        let blocks = (sb.csum_table_blocks - at).min(SCAN_READ_BLOCKS);
-        let buf = AlignedBuf::zeroed(blocks as usize * BLOCK_BYTES, BLOCK_BYTES);
-        let (buf, result) = dev.read(DevBlock::new(sb.csum_table_start() + at).offset(), buf).await;
-        result?;
-        for (i, block) in buf.chunks_exact(BLOCK_BYTES).enumerate() {
-            let bad = TableBlock::decode(block).bad_sectors();
-            if bad != 0 {
-                count += 1;
-                if listed.len() < limit {
-                    listed.push((at + i as u64, bad));
-                }
-            }
-        }
-        at += blocks;
+        let (bad, next) = bad_sectors_from(io, sb, at, sb.csum_table_blocks).await?;
+        count += bad.len() as u64;
+        let room = limit.saturating_sub(listed.len());
+        listed.extend(bad.into_iter().take(room));
+        at = next;
     }
     Ok((listed, count))
 }

@@ -13,7 +13,7 @@ use super::blocks::{whole_blocks, DevBlock, FileBlock};
 use std::cell::RefCell;
 
 use super::csum_table::{self, TableCache};
-use super::format::{crc, BLOCK_BYTES};
+use super::format::{crc, BLOCK_BYTES, CSUMS_PER_SECTOR, CSUMS_PER_TABLE_BLOCK, CSUM_SECTORS_PER_BLOCK};
 use super::format::{Superblock, ROOT_INO};
 use super::io::Io;
 use super::journal;
@@ -163,9 +163,10 @@ async fn check_checksummed(
     report: &mut FsckReport,
 ) -> FsResult<()> {
     progress("data checksum table");
-    check_csum_table(&dev, sb, report).await?;
+    let io = Io::new(dev);
+    check_csum_table(&io, sb, report).await?;
     let Some(table) = table else { return Ok(()) };
-    let (io, table) = (Io::new(dev), RefCell::new(table));
+    let table = RefCell::new(table);
     // A crash leaves these regions' entries possibly behind their data
     // (overwrites in place); mount sets them from the data.
     let open = crate::csum_map::read_open_regions(&io, sb).await?;
@@ -285,19 +286,21 @@ const BAD_TABLE_BLOCKS_LISTED: usize = 16;
 
 /// Every sector of the data checksum table against its own crc. A bad
 /// sector vouches for none of the 127 blocks it covers: reads of them
-/// fail until it is rebuilt from the data.
-async fn check_csum_table(dev: &DeviceChannel, sb: &Superblock, report: &mut FsckReport) -> FsResult<()> {
-    let (listed, count) = csum_table::bad_table_sectors(dev, sb, BAD_TABLE_BLOCKS_LISTED).await?;
+/// fail until `--repair` rebuilds it from the data (and a bad sector of
+/// the dirty-region map stands for its regions open, which the repair's
+/// mount settles).
+async fn check_csum_table(io: &Io, sb: &Superblock, report: &mut FsckReport) -> FsResult<()> {
+    let (listed, count) = csum_table::bad_table_sectors(io, sb, BAD_TABLE_BLOCKS_LISTED).await?;
     for (table_block, sectors) in &listed {
         let detail = format!(
             "data checksum table block {table_block} (device block {}): sectors {sectors:#010b} fail their crc",
             sb.csum_table_start() + table_block
         );
-        report.problems.push(problem("csum-table-sector", detail, false));
+        report.problems.push(problem("csum-table-sector", detail, true));
     }
     if count > listed.len() as u64 {
         let detail = format!("{} more data checksum table blocks have bad sectors", count - listed.len() as u64);
-        report.problems.push(problem("csum-table-sector", detail, false));
+        report.problems.push(problem("csum-table-sector", detail, true));
     }
     Ok(())
 }
@@ -489,6 +492,7 @@ pub async fn repair(dev: DeviceChannel, mut progress: impl FnMut(&str)) -> FsRes
     let fs = Fs::mount(dev.clone(), FsConfig::default()).await?;
     let mut repaired = Vec::new();
     fix_entries_and_links(&fs, &mut repaired)?;
+    rebuild_table_sectors(&fs, &mut repaired).await?;
     // Two checkpoints write both superblock slots.
     fs.admin().checkpoint().await?;
     fs.unmount().await?;
@@ -496,6 +500,75 @@ pub async fn repair(dev: DeviceChannel, mut progress: impl FnMut(&str)) -> FsRes
     let mut after = fsck(dev, &mut progress).await?;
     after.repaired = repaired;
     Ok(after)
+}
+
+/// Table blocks whose rebuilt sectors `--repair` names one by one.
+const REBUILT_TABLE_BLOCKS_LISTED: u64 = 16;
+
+/// Rebuild every sector of the data checksum table's entries that fails
+/// its crc, from the data of the 127 blocks it covers as the device holds
+/// them now (btrfs's `check --init-csum-tree`, for a sector): every entry,
+/// written block or not, since an entry of a free or unwritten block is
+/// never read. The price, which the report states: a block under such a
+/// sector whose data went bad is vouched for from now on. A bounded piece
+/// of the table at a time, each written back by a checkpoint. (The mount
+/// before this has already rewritten the dirty-region map.)
+async fn rebuild_table_sectors(fs: &Fs, repaired: &mut Vec<String>) -> FsResult<()> {
+    let inner = fs.inner();
+    let Some(table) = &inner.csums else { return Ok(()) };
+    let sb = inner.journal.sb.borrow().clone();
+    let entry_blocks = crate::format::csum_entry_blocks_for(sb.total_blocks);
+    let (mut at, mut rebuilt) = (0, 0u64);
+    while at < entry_blocks {
+        let (bad, next) = csum_table::bad_sectors_from(&inner.io, &sb, at, entry_blocks).await?;
+        for &(table_block, sectors) in &bad {
+            for sector in (0..CSUM_SECTORS_PER_BLOCK as usize).filter(|s| sectors & (1 << s) != 0) {
+                let crcs = sector_crcs_from_data(&inner.io, &sb, table_block, sector).await?;
+                table.borrow_mut().rebuild_sector(table_block, sector, &crcs);
+            }
+            rebuilt += 1;
+            if rebuilt <= REBUILT_TABLE_BLOCKS_LISTED {
+                repaired.push(format!(
+                    "rebuilt data checksum table block {table_block} (sectors {sectors:#010b}) from the data it \
+                     covers: a block there that had gone bad now passes its check"
+                ));
+            }
+        }
+        if !bad.is_empty() {
+            fs.admin().checkpoint().await?;
+        }
+        at = next;
+    }
+    if rebuilt > REBUILT_TABLE_BLOCKS_LISTED {
+        repaired.push(format!(
+            "rebuilt {} more data checksum table blocks the same way",
+            rebuilt - REBUILT_TABLE_BLOCKS_LISTED
+        ));
+    }
+    Ok(())
+}
+
+/// The crc32c of each of the 127 device blocks sector `sector` of table
+/// block `table_block` covers, read from the device; zero for a block
+/// outside the data area (the superblocks, journal and table, and past
+/// the device's end), whose entry nothing reads.
+async fn sector_crcs_from_data(
+    io: &Io,
+    sb: &Superblock,
+    table_block: u64,
+    sector: usize,
+) -> FsResult<[u32; CSUMS_PER_SECTOR as usize]> {
+    let first = table_block * CSUMS_PER_TABLE_BLOCK + sector as u64 * CSUMS_PER_SECTOR;
+    let data = sb.data_start()..sb.total_blocks;
+    let (start, end) = (first.max(data.start), (first + CSUMS_PER_SECTOR).min(data.end));
+    let mut crcs = [0u32; CSUMS_PER_SECTOR as usize];
+    if start < end {
+        let blocks = io.read_blocks(DevBlock::new(start), (end - start) as usize).await?;
+        for (i, block) in blocks.chunks_exact(BLOCK_BYTES).enumerate() {
+            crcs[(start - first) as usize + i] = crc(block);
+        }
+    }
+    Ok(crcs)
 }
 
 fn fix_entries_and_links(fs: &Fs, repaired: &mut Vec<String>) -> FsResult<()> {
