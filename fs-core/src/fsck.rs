@@ -13,7 +13,7 @@ use super::blocks::{whole_blocks, DevBlock, FileBlock};
 use std::cell::RefCell;
 
 use super::csum_table::{self, TableCache};
-use super::format::{crc, BLOCK_BYTES, CSUMS_PER_SECTOR, CSUMS_PER_TABLE_BLOCK, CSUM_SECTORS_PER_BLOCK};
+use super::format::{crc, BlockRun, BLOCK_BYTES, CSUMS_PER_SECTOR, CSUMS_PER_TABLE_BLOCK, CSUM_SECTORS_PER_BLOCK};
 use super::format::{Superblock, ROOT_INO};
 use super::io::Io;
 use super::journal;
@@ -242,42 +242,71 @@ const DATA_READ_BLOCKS: u64 = 256;
 /// counts the rest. A block whose table sector is bad is counted apart
 /// (the table check names the sector).
 async fn check_data(io: &Io, checked: &Checked<'_>, report: &mut FsckReport) -> FsResult<()> {
-    let (mut bad, mut unverifiable) = (0u64, 0u64);
+    let mut tally = DataTally::default();
     for node in checked.state.nodes() {
         for e in node.extents.iter().filter(|e| !e.unwritten) {
-            let mut done = 0;
-            while done < e.len {
-                let n = (e.len - done).min(DATA_READ_BLOCKS);
-                let data = io.read_blocks(e.disk_block + done, n as usize).await?;
-                for (i, block) in data.chunks_exact(BLOCK_BYTES).enumerate() {
-                    let disk = e.disk_block.get() + done + i as u64;
-                    report.data_blocks_checked += 1;
-                    match checked.fails(io, disk, block).await? {
-                        None => unverifiable += 1,
-                        Some(false) => {}
-                        Some(true) => {
-                            bad += 1;
-                            if bad as usize <= BAD_DATA_BLOCKS_LISTED {
-                                let offset = (e.file_block + done + i as u64).offset();
-                                let detail = format!(
-                                    "inode {} at offset {offset} (device block {disk}): the data does not match \
-                                     its checksum",
-                                    node.inode.ino
-                                );
-                                report.problems.push(problem("data-checksum", detail, false));
-                            }
-                        }
-                    }
-                }
-                done += n;
-            }
+            let run = BlockRun { start: e.disk_block.get(), len: e.len };
+            let name = |i: u64| format!("inode {} at offset {}", node.inode.ino, (e.file_block + i).offset());
+            check_run(io, checked, run, name, &mut tally, report).await?;
         }
     }
-    if bad as usize > BAD_DATA_BLOCKS_LISTED {
-        let detail = format!("{} more data blocks do not match their checksums", bad as usize - BAD_DATA_BLOCKS_LISTED);
-        report.problems.push(problem("data-checksum", detail, false));
+    tally.finish(report);
+    Ok(())
+}
+
+/// What the data checks found: blocks that fail, and blocks that could
+/// not be checked.
+#[derive(Default)]
+struct DataTally {
+    bad: u64,
+    unverifiable: u64,
+}
+
+impl DataTally {
+    fn finish(self, report: &mut FsckReport) {
+        if self.bad as usize > BAD_DATA_BLOCKS_LISTED {
+            let more = self.bad as usize - BAD_DATA_BLOCKS_LISTED;
+            let detail = format!("{more} more data blocks do not match their checksums");
+            report.problems.push(problem("data-checksum", detail, false));
+        }
+        report.data_blocks_unverifiable += self.unverifiable;
     }
-    report.data_blocks_unverifiable = unverifiable;
+}
+
+/// Check the blocks of `run`, in reads of at most [`DATA_READ_BLOCKS`];
+/// `name(i)` says whose block `i` of it is, for the first mismatches.
+async fn check_run(
+    io: &Io,
+    checked: &Checked<'_>,
+    run: BlockRun,
+    name: impl Fn(u64) -> String,
+    tally: &mut DataTally,
+    report: &mut FsckReport,
+) -> FsResult<()> {
+    let mut done = 0;
+    while done < run.len {
+        let n = (run.len - done).min(DATA_READ_BLOCKS);
+        let data = io.read_blocks(DevBlock::new(run.start + done), n as usize).await?;
+        for (i, block) in data.chunks_exact(BLOCK_BYTES).enumerate() {
+            let disk = run.start + done + i as u64;
+            report.data_blocks_checked += 1;
+            match checked.fails(io, disk, block).await? {
+                None => tally.unverifiable += 1,
+                Some(false) => {}
+                Some(true) => {
+                    tally.bad += 1;
+                    if tally.bad as usize <= BAD_DATA_BLOCKS_LISTED {
+                        let detail = format!(
+                            "{} (device block {disk}): the data does not match its checksum",
+                            name(done + i as u64)
+                        );
+                        report.problems.push(problem("data-checksum", detail, false));
+                    }
+                }
+            }
+        }
+        done += n;
+    }
     Ok(())
 }
 
