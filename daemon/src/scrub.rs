@@ -137,8 +137,13 @@ fn running(tag: &str) -> bool {
 /// Start a scrub of export `tag` at `from`: a task on this reactor.
 fn spawn(tag: &str, from: ScrubCursor, bytes_per_sec: u64) {
     let now = reactor_time();
-    let progress =
-        Progress { state: ScrubState::Running, cursor: Some(from), bytes_per_sec, started_at: Some(now), ..Progress::default() };
+    let progress = Progress {
+        state: ScrubState::Running,
+        cursor: Some(from),
+        bytes_per_sec,
+        started_at: Some(now),
+        ..Progress::default()
+    };
     let job = Rc::new(Job { progress: RefCell::new(progress), cancel: Cell::new(false) });
     JOBS.with(|j| j.borrow_mut().insert(tag.to_string(), job.clone()));
     let tag = tag.to_string();
@@ -227,11 +232,7 @@ fn record(job: &Job, step: &keelfs_fs::ScrubStep) {
 pub fn resume_if_saved(tag: &str) {
     let Some(fs) = crate::serve::local_fs(tag) else { return };
     if let Some((cursor, bytes_per_sec)) = fs.admin().scrub_saved() {
-        tracing::info!(
-            "export {tag}: resuming the scrub at inode {} block {} ({bytes_per_sec} bytes/s)",
-            cursor.ino,
-            cursor.file_block
-        );
+        tracing::info!("export {tag}: resuming the scrub at {} ({bytes_per_sec} bytes/s)", cursor_json(cursor));
         spawn(tag, cursor, bytes_per_sec);
     }
 }
@@ -249,16 +250,29 @@ struct ExportParams {
     export: String,
 }
 
+/// A bad block as `scrub_status` lists it: with its file's inode and
+/// offset, or as held by a snapshot.
+fn bad_json(b: &BadBlock) -> Value {
+    let (ino, offset) = b.file.map_or((None, None), |(ino, offset)| (Some(ino.get()), Some(offset)));
+    let snapshot = b.file.is_none();
+    json!({"ino": ino, "offset": offset, "snapshot": snapshot, "device_block": b.device_block, "unreadable": b.unreadable})
+}
+
+/// Where a scrub stands, as `scrub_status` shows it: a file's inode and
+/// offset, or in the walk over the snapshots' blocks, a device block.
+fn cursor_json(c: ScrubCursor) -> Value {
+    match c.snapshot_block() {
+        Some(block) => json!({"snapshots": true, "device_block": block}),
+        None => json!({"ino": c.ino.get(), "offset": c.file_block * keelfs_fs::BLOCK_BYTES as u64}),
+    }
+}
+
 fn status_json(p: &Progress) -> Value {
-    let bad: Vec<Value> = p
-        .bad
-        .iter()
-        .map(|b| json!({"ino": b.ino.get(), "offset": b.offset, "device_block": b.device_block, "unreadable": b.unreadable}))
-        .collect();
+    let bad: Vec<Value> = p.bad.iter().map(bad_json).collect();
     let elapsed = p.started_at.map(|s| reactor_time().saturating_sub(s).as_nanos() as u64);
     json!({
         "state": p.state.name(),
-        "cursor": p.cursor.map(|c| json!({"ino": c.ino.get(), "offset": c.file_block * keelfs_fs::BLOCK_BYTES as u64})),
+        "cursor": p.cursor.map(cursor_json),
         "mib_per_sec": p.bytes_per_sec as f64 / (1u64 << 20) as f64,
         "blocks_checked": p.blocks_checked,
         "bytes_checked": p.blocks_checked * keelfs_fs::BLOCK_BYTES as u64,
@@ -325,6 +339,19 @@ pub fn cancel(params: Value, control: &Control) -> Result<Value, RpcError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A block or a cursor in the walk over the snapshots' blocks has no
+    /// file to name: the status says "snapshot" and a device block.
+    #[test]
+    fn the_status_names_a_snapshots_block_by_device_block() {
+        let file =
+            bad_json(&BadBlock { file: Some((keelfs_fs::Ino::new(5), 8192)), device_block: 9, unreadable: false });
+        assert_eq!(file, json!({"ino": 5, "offset": 8192, "snapshot": false, "device_block": 9, "unreadable": false}));
+        let held = bad_json(&BadBlock { file: None, device_block: 9, unreadable: true });
+        assert_eq!(held, json!({"ino": null, "offset": null, "snapshot": true, "device_block": 9, "unreadable": true}));
+        assert_eq!(cursor_json(ScrubCursor::in_snapshots(7)), json!({"snapshots": true, "device_block": 7}));
+        assert_eq!(cursor_json(ScrubCursor::START), json!({"ino": 1, "offset": 0}));
+    }
 
     /// Drive a pacer in virtual time: each granted step takes
     /// `step_time`; a refusal moves the clock by the wait it names.

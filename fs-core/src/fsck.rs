@@ -45,7 +45,8 @@ pub struct FsckReport {
     pub orphans: u64,
     /// Snapshots the image keeps.
     pub snapshots: u64,
-    /// Written data blocks `--data` checked (a shared block once per name).
+    /// Written data blocks `--data` checked (a shared block once per name,
+    /// and once more if a snapshot holds it).
     pub data_blocks_checked: u64,
     /// Written data blocks `--data` could not check: their table sector
     /// fails its crc, or they fail in a region open at a crash.
@@ -147,17 +148,18 @@ pub async fn fsck_with(
     check_state(&rebuilt.state, &rebuilt.free, (&sb, &snapshots), recorded_free, &mut report);
     if sb.has_data_checksums() {
         let table = rebuilt.csums.take();
-        check_checksummed(dev, &sb, (&rebuilt.state, table), options, progress, &mut report).await?;
+        check_checksummed(dev, &sb, (&rebuilt.state, &snapshots, table), options, progress, &mut report).await?;
     }
     Ok(report)
 }
 
 /// The checks of an image with data checksums: its table, the blocks
-/// recorded as bad at run time, and with `--data` every written block.
+/// recorded as bad at run time, and with `--data` every written block
+/// (the files', then the snapshots').
 async fn check_checksummed(
     dev: DeviceChannel,
     sb: &Superblock,
-    (state, table): (&State, Option<TableCache>),
+    (state, snapshots, table): (&State, &journal::Snapshots, Option<TableCache>),
     options: FsckOptions,
     mut progress: impl FnMut(&str),
     report: &mut FsckReport,
@@ -177,6 +179,8 @@ async fn check_checksummed(
     if options.data {
         progress("data blocks");
         check_data(&io, &checked, report).await?;
+        progress("data blocks snapshots hold");
+        check_snapshot_data(&io, &checked, snapshots, report).await?;
     }
     Ok(())
 }
@@ -249,6 +253,26 @@ async fn check_data(io: &Io, checked: &Checked<'_>, report: &mut FsckReport) -> 
             let name = |i: u64| format!("inode {} at offset {}", node.inode.ino, (e.file_block + i).offset());
             check_run(io, checked, run, name, &mut tally, report).await?;
         }
+    }
+    tally.finish(report);
+    Ok(())
+}
+
+/// Every block a snapshot holds, once however many hold it (after
+/// [`check_data`], which read those a file still names too): what a
+/// guest reads of a snapshot, or a clone of it, later.
+async fn check_snapshot_data(
+    io: &Io,
+    checked: &Checked<'_>,
+    snapshots: &journal::Snapshots,
+    report: &mut FsckReport,
+) -> FsResult<()> {
+    let mut tally = DataTally::default();
+    let mut at = 0;
+    while let Some(run) = snapshots.next_held(at) {
+        let name = |_| "a block a snapshot holds".to_string();
+        check_run(io, checked, run, name, &mut tally, report).await?;
+        at = run.end();
     }
     tally.finish(report);
     Ok(())

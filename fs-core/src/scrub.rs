@@ -5,8 +5,9 @@
 //! `scrub_*` RPCs) paces the steps and keeps the cursor, which a
 //! `ScrubCursor` record makes durable so that a restart resumes.
 //!
-//! The walk is by inode, then file block: a block that several files
-//! share is read once per name.
+//! The walk is by inode, then file block, and then over the blocks that
+//! snapshots hold, in device order: a block that several files share is
+//! read once per name, and once more if a snapshot holds it.
 
 use crate::admin::Admin;
 use crate::blocks::{DevBlock, FileBlock};
@@ -15,7 +16,7 @@ use crate::extent::Segment;
 use crate::format::{crc, BLOCK_BYTES};
 use crate::ids::Ino;
 use crate::record::Record;
-use crate::state::ScrubSaved;
+use crate::state::{ScrubSaved, INO_MAX};
 use crate::{FsError, FsResult};
 
 /// Inodes one step looks at while it finds nothing to read: bounds the
@@ -24,7 +25,9 @@ const INODES_PER_STEP: u64 = 4096;
 /// Blocks one step reads at most (one device request).
 pub const SCRUB_STEP_BLOCKS_MAX: u64 = 256;
 
-/// Where a scrub goes on from: an inode, and a file block in it.
+/// Where a scrub goes on from: an inode, and a file block in it; or, in
+/// the walk's second part, the inode number [`INO_MAX`] (which no file
+/// has) and a device block (see [`ScrubCursor::snapshot_block`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ScrubCursor {
     pub ino: Ino,
@@ -34,15 +37,26 @@ pub struct ScrubCursor {
 impl ScrubCursor {
     /// The first inode's first block: a scrub's start.
     pub const START: ScrubCursor = ScrubCursor { ino: Ino::new(1), file_block: 0 };
+
+    /// The second part of the walk, from device block `block`: the
+    /// blocks snapshots hold.
+    pub const fn in_snapshots(block: u64) -> ScrubCursor {
+        ScrubCursor { ino: Ino::new(INO_MAX), file_block: block }
+    }
+
+    /// The device block the walk goes on from, in its second part.
+    pub fn snapshot_block(self) -> Option<u64> {
+        (self.ino.get() == INO_MAX).then_some(self.file_block)
+    }
 }
 
 /// A block a scrub found bad: it does not match its checksum (or its
 /// checksum is unreadable), or the device failed to read it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BadBlock {
-    pub ino: Ino,
-    /// The block's byte offset in the file.
-    pub offset: u64,
+    /// The file that names it, and the block's byte offset there; None
+    /// for a block found in the walk over what snapshots hold.
+    pub file: Option<(Ino, u64)>,
     pub device_block: u64,
     pub unreadable: bool,
 }
@@ -56,10 +70,19 @@ pub struct ScrubStep {
     pub bad: Vec<BadBlock>,
 }
 
-/// The piece a step reads: a written extent's blocks, at most a request.
+/// Whose blocks a piece is.
+#[derive(Clone, Copy)]
+enum Owner {
+    /// A file's, from file block `file_block` on.
+    File { ino: Ino, file_block: FileBlock },
+    /// Held by one snapshot or more.
+    Snapshots,
+}
+
+/// The piece a step reads: a written extent's blocks, or a run a
+/// snapshot holds, at most a request.
 struct Piece {
-    ino: Ino,
-    file_block: FileBlock,
+    owner: Owner,
     disk_block: DevBlock,
     len: u64,
 }
@@ -71,12 +94,15 @@ impl Admin<'_> {
     pub async fn scrub_step(self, from: ScrubCursor, max_blocks: u64) -> FsResult<ScrubStep> {
         let table = self.inner.csums.as_ref().ok_or(FsError::Unsupported)?;
         let max_blocks = max_blocks.clamp(1, SCRUB_STEP_BLOCKS_MAX);
-        let piece = match self.next_piece(from, max_blocks) {
+        let found = match from.snapshot_block() {
+            Some(block) => self.next_held_piece(block, max_blocks),
+            None => self.next_piece(from, max_blocks),
+        };
+        let piece = match found {
             Ok(piece) => piece,
             Err(next) => return Ok(ScrubStep { next, ..ScrubStep::default() }),
         };
-        let next = Some(ScrubCursor { ino: piece.ino, file_block: (piece.file_block + piece.len).get() });
-        let mut step = ScrubStep { next, blocks_checked: piece.len, bad: Vec::new() };
+        let mut step = ScrubStep { next: Some(piece.next()), blocks_checked: piece.len, bad: Vec::new() };
         let data = match self.inner.io.read_blocks(piece.disk_block, piece.len as usize).await {
             Ok(data) => data,
             Err(_) => {
@@ -91,19 +117,36 @@ impl Admin<'_> {
             }
             if self.still_bad(&piece, i as u64).await? {
                 let bad = piece.bad_block(i as u64, false);
-                if table.borrow_mut().note_mismatch(at.get()) {
-                    tracing::error!(parent: &self.inner.span, ino = %bad.ino, offset = bad.offset, block = at.get(),
-                        "scrub: data checksum mismatch (logged once per block)");
-                }
-                self.inner.change().record_data_error(at.get(), bad.ino, piece.file_block.get() + i as u64)?;
+                self.note_bad(&bad)?;
                 step.bad.push(bad);
             }
         }
         Ok(step)
     }
 
+    /// Count and log a block that failed its check (once per block), and
+    /// record a file's for fsck. One only snapshots may hold is not
+    /// recorded: the record names a file's block, and fsck --data walks
+    /// the snapshots' blocks too.
+    fn note_bad(self, bad: &BadBlock) -> FsResult<()> {
+        let table = self.inner.csums.as_ref().expect("scrub runs with checksums");
+        let (ino, offset) = bad.file.map_or((None, None), |(ino, offset)| (Some(ino.get()), Some(offset)));
+        if table.borrow_mut().note_mismatch(bad.device_block) {
+            tracing::error!(parent: &self.inner.span, ino, offset, block = bad.device_block,
+                "scrub: data checksum mismatch (logged once per block)");
+        }
+        match bad.file {
+            Some((ino, offset)) => {
+                self.inner.change().record_data_error(bad.device_block, ino, FileBlock::containing(offset).get())
+            }
+            None => Ok(()),
+        }
+    }
+
     /// The next piece to read from `from`, or where the next step starts
     /// (None: the walk is done) when this one found nothing in its bound.
+    /// Past the last file, the walk goes on over the snapshots' blocks,
+    /// if any snapshot holds one.
     fn next_piece(self, from: ScrubCursor, max_blocks: u64) -> Result<Piece, Option<ScrubCursor>> {
         let state = self.inner.meta.state();
         let window_end = from.ino.get().saturating_add(INODES_PER_STEP).min(state.next_ino);
@@ -113,29 +156,51 @@ impl Admin<'_> {
             let written = state.node(ino).and_then(|n| n.extents.written_from(FileBlock::new(file_block)));
             if let Some(e) = written {
                 let len = e.len.min(max_blocks);
-                return Ok(Piece { ino, file_block: e.file_block, disk_block: e.disk_block, len });
+                let owner = Owner::File { ino, file_block: e.file_block };
+                return Ok(Piece { owner, disk_block: e.disk_block, len });
             }
             file_block = 0;
         }
-        Err((window_end < state.next_ino).then_some(ScrubCursor { ino: Ino::new(window_end), file_block: 0 }))
+        if window_end < state.next_ino {
+            return Err(Some(ScrubCursor { ino: Ino::new(window_end), file_block: 0 }));
+        }
+        let held = self.inner.journal.snapshots.borrow().next_held(0).is_some();
+        Err(held.then_some(ScrubCursor::in_snapshots(0)))
+    }
+
+    /// The next run a snapshot holds from device block `from`, or None
+    /// (the walk is done).
+    fn next_held_piece(self, from: u64, max_blocks: u64) -> Result<Piece, Option<ScrubCursor>> {
+        let run = self.inner.journal.snapshots.borrow().next_held(from).ok_or(None)?;
+        Ok(Piece { owner: Owner::Snapshots, disk_block: DevBlock::new(run.start), len: run.len.min(max_blocks) })
     }
 
     /// A block that failed its check while the step's read was in flight
-    /// may have been remapped meanwhile (a copy on write) and its old
-    /// place reused: bad only if the file still maps it there, written,
-    /// and a second read fails too.
+    /// may have been remapped meanwhile (a copy on write, or a snapshot
+    /// deleted) and its old place reused: bad only if it is still named
+    /// the same way, and a second read fails too.
     async fn still_bad(self, piece: &Piece, i: u64) -> FsResult<bool> {
-        let (file_block, disk) = ((piece.file_block + i).get(), piece.disk_block + i);
-        let maps_it = |segments: &[Segment]| matches!(segments.first(), Some(Segment::Mapped(e)) if !e.unwritten && e.disk_block == disk);
-        match self.inner.meta.segments(piece.ino, file_block, 1) {
-            Ok(segments) if maps_it(&segments) => {}
-            _ => return Ok(false),
+        let disk = piece.disk_block + i;
+        if !self.still_names(piece, i) {
+            return Ok(false);
         }
         let again = self.inner.io.read_blocks(disk, 1).await?;
         let table = self.inner.csums.as_ref().expect("scrub runs with checksums");
         let want = csum_table::entry(table, &self.inner.io, disk.get()).await?;
-        let mapped = self.inner.meta.segments(piece.ino, file_block, 1).is_ok_and(|s| maps_it(&s));
-        Ok(mapped && want != Some(crc(&again)))
+        Ok(self.still_names(piece, i) && want != Some(crc(&again)))
+    }
+
+    /// Whether block `i` of `piece` is still its owner's: the file maps
+    /// it there, written, or a snapshot holds it.
+    fn still_names(self, piece: &Piece, i: u64) -> bool {
+        let disk = piece.disk_block + i;
+        match piece.owner {
+            Owner::File { ino, file_block } => {
+                let segments = self.inner.meta.segments(ino, (file_block + i).get(), 1);
+                matches!(segments.as_deref(), Ok([Segment::Mapped(e), ..]) if !e.unwritten && e.disk_block == disk)
+            }
+            Owner::Snapshots => self.inner.journal.snapshots.borrow().holds(disk.get()),
+        }
     }
 
     /// The scrub the image says is in progress (a `ScrubCursor` record),
@@ -166,12 +231,19 @@ impl Admin<'_> {
 }
 
 impl Piece {
-    fn bad_block(&self, i: u64, unreadable: bool) -> BadBlock {
-        BadBlock {
-            ino: self.ino,
-            offset: (self.file_block + i).offset(),
-            device_block: (self.disk_block + i).get(),
-            unreadable,
+    /// Where the walk goes on after this piece.
+    fn next(&self) -> ScrubCursor {
+        match self.owner {
+            Owner::File { ino, file_block } => ScrubCursor { ino, file_block: (file_block + self.len).get() },
+            Owner::Snapshots => ScrubCursor::in_snapshots((self.disk_block + self.len).get()),
         }
+    }
+
+    fn bad_block(&self, i: u64, unreadable: bool) -> BadBlock {
+        let file = match self.owner {
+            Owner::File { ino, file_block } => Some((ino, (file_block + i).offset())),
+            Owner::Snapshots => None,
+        };
+        BadBlock { file, device_block: (self.disk_block + i).get(), unreadable }
     }
 }

@@ -510,7 +510,8 @@ impl State {
             // and a checkpoint never holds one.
             Record::CsumSet { .. } => err("a data checksum record where only state belongs".to_string()),
             Record::ScrubCursor { ino, file_block, bytes_per_sec } => {
-                if *ino >= INO_MAX || *bytes_per_sec == 0 {
+                // INO_MAX: the walk's second part, over the snapshots' blocks.
+                if *ino > INO_MAX || *bytes_per_sec == 0 {
                     return err(format!("a scrub cursor at inode {ino}, {bytes_per_sec} bytes/s"));
                 }
                 let at = Ino::new(*ino);

@@ -66,6 +66,25 @@ impl Snapshots {
     pub fn held_runs(&self) -> impl Iterator<Item = BlockRun> + '_ {
         self.list.iter().flat_map(|s| s.held.iter().copied())
     }
+
+    /// The first blocks any snapshot holds at or after device block
+    /// `from`: a run of one snapshot's, cut to start at `from` (another
+    /// snapshot may hold more of them). A binary search per snapshot.
+    pub fn next_held(&self, from: u64) -> Option<BlockRun> {
+        self.list
+            .iter()
+            .filter_map(|s| {
+                let run = s.held.get(s.held.partition_point(|r| r.end() <= from))?;
+                let start = run.start.max(from);
+                Some(BlockRun { start, len: run.end() - start })
+            })
+            .min_by_key(|run| run.start)
+    }
+
+    /// Whether any snapshot holds device block `block`.
+    pub fn holds(&self, block: u64) -> bool {
+        self.next_held(block).is_some_and(|run| run.start == block)
+    }
 }
 
 /// The blocks the written extents of `state` name, as sorted runs apart
