@@ -11,19 +11,21 @@
 # summary: median ratios checksums/plain of IOPS and of daemon CPU per
 # operation, per workload and driver.
 #
-# --workloads "A B" runs only those (fresh images for each invocation:
-# the overwrites copy on write, and fragment the file the reads then read).
+# --workloads "A B" runs only those (fresh images for each invocation).
+# The defaults, 4 rounds of 20 s runs (about 25 minutes for all three),
+# are what bench/RESULTS.md reports: each run starts by refilling its
+# file, whose aftermath weighs on short runs, and single rounds swing.
 #
 # usage: bench/run-csum.sh [OUT.jsonl] [--rounds N] [--seconds N] [--workloads LIST]
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
-out="" rounds=3 seconds=3 workloads="dio-overwrite dio-read buffered-randrw"
+out="" rounds=4 seconds=20 workloads="dio-overwrite dio-read buffered-randrw"
 while (($#)); do
   case $1 in
     --rounds) rounds=$2; shift 2 ;;
     --seconds) seconds=$2; shift 2 ;;
     --workloads) workloads=$2; shift 2 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) out=$1; shift ;;
   esac
 done
