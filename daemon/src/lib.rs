@@ -242,11 +242,14 @@ enum Command {
         #[arg(long)]
         json: bool,
         /// Fix the simple cases (link counts, dangling entries, a damaged
-        /// superblock copy, free-space counts). Without it nothing is written.
+        /// superblock copy, free-space counts, and data checksum table
+        /// sectors that fail their crc, rebuilt from the data as it is now).
+        /// Without it nothing is written.
         #[arg(long)]
         repair: bool,
-        /// Also read every written data block and check it against its
-        /// checksum (an image made with --data-checksums).
+        /// Also read every written data block, the files' and then those
+        /// snapshots hold, and check it against its checksum (an image
+        /// made with --data-checksums).
         #[arg(long)]
         data: bool,
     },
