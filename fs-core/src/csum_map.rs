@@ -457,6 +457,15 @@ pub(crate) async fn settle_open(fs: &Rc<FsInner>) -> FsResult<()> {
     write_map_blocks(table, &fs.io, &all).await
 }
 
+/// Write every map block as memory has it, under the map's writer lock:
+/// fsck --repair's mend of map sectors that fail their crc.
+pub(crate) async fn rewrite_map(fs: &FsInner) -> FsResult<()> {
+    let Some(table) = &fs.csums else { return Ok(()) };
+    let _writer = fs.csum_map_writer.lock().await;
+    let all: BTreeSet<u64> = (0..table.borrow().map.map_blocks).collect();
+    write_map_blocks(table, &fs.io, &all).await
+}
+
 /// Every written device run of every file that lies in regions `open`
 /// (sorted), cut to the regions and to reads of at most 256 blocks; a
 /// shared run once per name.

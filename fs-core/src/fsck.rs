@@ -339,9 +339,9 @@ const BAD_TABLE_BLOCKS_LISTED: usize = 16;
 
 /// Every sector of the data checksum table against its own crc. A bad
 /// sector vouches for none of the 127 blocks it covers: reads of them
-/// fail until `--repair` rebuilds it from the data (and a bad sector of
-/// the dirty-region map stands for its regions open, which the repair's
-/// mount settles).
+/// fail until `--repair` rebuilds it from the data. (A bad sector of
+/// the dirty-region map stands for its regions open; `--repair` rewrites
+/// the map.)
 async fn check_csum_table(io: &Io, sb: &Superblock, report: &mut FsckReport) -> FsResult<()> {
     let (listed, count) = csum_table::bad_table_sectors(io, sb, BAD_TABLE_BLOCKS_LISTED).await?;
     for (table_block, sectors) in &listed {
@@ -557,6 +557,9 @@ pub async fn repair(dev: DeviceChannel, mut progress: impl FnMut(&str)) -> FsRes
 
 /// Table blocks whose rebuilt sectors `--repair` names one by one.
 const REBUILT_TABLE_BLOCKS_LISTED: u64 = 16;
+/// Rebuilt table blocks held in memory before a checkpoint writes them
+/// back (4 MiB).
+const REBUILT_DIRTY_MAX: usize = 1024;
 
 /// Rebuild every sector of the data checksum table's entries that fails
 /// its crc, from the data of the 127 blocks it covers as the device holds
@@ -564,8 +567,9 @@ const REBUILT_TABLE_BLOCKS_LISTED: u64 = 16;
 /// written block or not, since an entry of a free or unwritten block is
 /// never read. The price, which the report states: a block under such a
 /// sector whose data went bad is vouched for from now on. A bounded piece
-/// of the table at a time, each written back by a checkpoint. (The mount
-/// before this has already rewritten the dirty-region map.)
+/// of the table at a time; a checkpoint writes them back (the repair's
+/// own, at the end, writes the last). Then the dirty-region map, if any
+/// of its sectors fails.
 async fn rebuild_table_sectors(fs: &Fs, repaired: &mut Vec<String>) -> FsResult<()> {
     let inner = fs.inner();
     let Some(table) = &inner.csums else { return Ok(()) };
@@ -587,7 +591,7 @@ async fn rebuild_table_sectors(fs: &Fs, repaired: &mut Vec<String>) -> FsResult<
                 ));
             }
         }
-        if !bad.is_empty() {
+        if table.borrow().dirty_blocks() >= REBUILT_DIRTY_MAX {
             fs.admin().checkpoint().await?;
         }
         at = next;
@@ -596,6 +600,29 @@ async fn rebuild_table_sectors(fs: &Fs, repaired: &mut Vec<String>) -> FsResult<
         repaired.push(format!(
             "rebuilt {} more data checksum table blocks the same way",
             rebuilt - REBUILT_TABLE_BLOCKS_LISTED
+        ));
+    }
+    rewrite_bad_map(fs, &sb, entry_blocks, repaired).await
+}
+
+/// Rewrite the dirty-region map whole if any of its sectors fails its
+/// crc. The mount took such a sector's regions as open, and set the
+/// entries of their blocks from the data; it rewrites the map itself only
+/// when one of them was a region the table has, which a sector covering
+/// only regions past the table's end never is.
+async fn rewrite_bad_map(fs: &Fs, sb: &Superblock, entry_blocks: u64, repaired: &mut Vec<String>) -> FsResult<()> {
+    let inner = fs.inner();
+    let (mut at, mut bad_blocks) = (entry_blocks, 0u64);
+    while at < sb.csum_table_blocks {
+        let (bad, next) = csum_table::bad_sectors_from(&inner.io, sb, at, sb.csum_table_blocks).await?;
+        bad_blocks += bad.len() as u64;
+        at = next;
+    }
+    if bad_blocks > 0 {
+        crate::csum_map::rewrite_map(inner).await?;
+        repaired.push(format!(
+            "rewrote the data checksum table's dirty-region map ({bad_blocks} of its blocks had sectors that \
+             failed their crc; their regions' entries were set from the data)"
         ));
     }
     Ok(())

@@ -128,7 +128,8 @@ fn fsck_names_a_table_sector_that_fails_its_crc() {
 /// of the blocks it covers: before, the file's block under it reads as
 /// EIO; after, fsck with --data is clean and the file reads back whole. A
 /// sector over no data (table block 0's first: the superblocks and the
-/// journal) is rebuilt too.
+/// journal) is rebuilt too, and a bad sector of the dirty-region map is
+/// rewritten.
 #[test]
 fn repair_rebuilds_table_sectors_from_the_data() {
     let mut r = busy_reactor();
@@ -152,6 +153,10 @@ fn repair_rebuilds_table_sectors_from_the_data() {
     let index = block % CSUMS_PER_TABLE_BLOCK;
     image[sector_byte(block / CSUMS_PER_TABLE_BLOCK, index / 127) + 9] ^= 0x10;
     image[sector_byte(0, 0) + 3] ^= 0x01;
+    // And a sector of the dirty-region map past the table's regions,
+    // which the mount does not rewrite by itself.
+    let entry_blocks = (BYTES / 4096).div_ceil(CSUMS_PER_TABLE_BLOCK);
+    image[sector_byte(entry_blocks, 2) + 5] ^= 0x20;
     ram.restore(&image);
     r.block_on(async move {
         let report = check(&dev).await;
@@ -166,6 +171,7 @@ fn repair_rebuilds_table_sectors_from_the_data() {
         assert!(report.is_clean(), "{:?}", report.problems);
         let rebuilt = report.repaired.iter().filter(|f| f.starts_with("rebuilt data checksum table block")).count();
         assert_eq!(rebuilt, if block < CSUMS_PER_TABLE_BLOCK { 1 } else { 2 }, "{:?}", report.repaired);
+        assert!(report.repaired.iter().any(|f| f.starts_with("rewrote the data checksum table's dirty-region map")));
         assert_clean_with_data(&dev, "after the repair", 256).await;
         let fs = mount(&dev).await;
         assert_eq!(read_all(&fs, a).await, want, "every block checks again");
