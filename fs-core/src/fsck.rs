@@ -18,6 +18,7 @@ use super::format::{Superblock, ROOT_INO};
 use super::io::Io;
 use super::journal;
 use super::record::Record;
+use super::shared_runs::SharedRuns;
 use super::space::FreeSpace;
 use super::state::State;
 use super::{Fs, FsConfig, FsError, FsResult};
@@ -45,8 +46,8 @@ pub struct FsckReport {
     pub orphans: u64,
     /// Snapshots the image keeps.
     pub snapshots: u64,
-    /// Written data blocks `--data` checked (a shared block once per name,
-    /// and once more if a snapshot holds it).
+    /// Written data blocks `--data` checked (a block files share once per
+    /// name; one only snapshots hold, once).
     pub data_blocks_checked: u64,
     /// Written data blocks `--data` could not check: their table sector
     /// fails its crc, or they fail in a region open at a crash.
@@ -148,18 +149,20 @@ pub async fn fsck_with(
     check_state(&rebuilt.state, &rebuilt.free, (&sb, &snapshots), recorded_free, &mut report);
     if sb.has_data_checksums() {
         let table = rebuilt.csums.take();
-        check_checksummed(dev, &sb, (&rebuilt.state, &snapshots, table), options, progress, &mut report).await?;
+        let image = (&rebuilt.state, &snapshots, &rebuilt.free.shared);
+        check_checksummed(dev, &sb, image, table, options, progress, &mut report).await?;
     }
     Ok(report)
 }
 
 /// The checks of an image with data checksums: its table, the blocks
 /// recorded as bad at run time, and with `--data` every written block
-/// (the files', then the snapshots').
+/// (the files', then those only snapshots hold).
 async fn check_checksummed(
     dev: DeviceChannel,
     sb: &Superblock,
-    (state, snapshots, table): (&State, &journal::Snapshots, Option<TableCache>),
+    (state, snapshots, shared): (&State, &journal::Snapshots, &SharedRuns),
+    table: Option<TableCache>,
     options: FsckOptions,
     mut progress: impl FnMut(&str),
     report: &mut FsckReport,
@@ -173,22 +176,23 @@ async fn check_checksummed(
     // (overwrites in place); mount sets them from the data.
     let open = crate::csum_map::read_open_regions(&io, sb).await?;
     report.data_regions_open = open.len() as u64;
-    let checked = Checked { state, table: &table, open: &open };
+    let checked = Checked { state, snapshots, shared, table: &table, open: &open };
     progress("recorded bad data blocks");
     check_recorded_errors(&io, &checked, report).await?;
     if options.data {
         progress("data blocks");
         check_data(&io, &checked, report).await?;
-        progress("data blocks snapshots hold");
-        check_snapshot_data(&io, &checked, snapshots, report).await?;
     }
     Ok(())
 }
 
-/// What the data checks read: the state, the table, and the regions the
-/// dirty-region map has open, sorted.
+/// What the data checks read: the state, the snapshots and the counts of
+/// shared blocks, the table, and the regions the dirty-region map has
+/// open, sorted.
 struct Checked<'a> {
     state: &'a State,
+    snapshots: &'a journal::Snapshots,
+    shared: &'a SharedRuns,
     table: &'a RefCell<TableCache>,
     open: &'a [u64],
 }
@@ -241,10 +245,11 @@ const BAD_DATA_BLOCKS_LISTED: usize = 32;
 /// Data blocks read at once by `check_data`.
 const DATA_READ_BLOCKS: u64 = 256;
 
-/// Every written block of every file against its checksum. Reads in
-/// bounded pieces; names the first mismatches with inode and offset, and
-/// counts the rest. A block whose table sector is bad is counted apart
-/// (the table check names the sector).
+/// Every written block of every file against its checksum, then every
+/// block only snapshots hold. Reads in bounded pieces; names the first
+/// mismatches with inode and offset (or as a snapshot's), and counts the
+/// rest. A block whose table sector is bad is counted apart (the table
+/// check names the sector).
 async fn check_data(io: &Io, checked: &Checked<'_>, report: &mut FsckReport) -> FsResult<()> {
     let mut tally = DataTally::default();
     for node in checked.state.nodes() {
@@ -254,27 +259,28 @@ async fn check_data(io: &Io, checked: &Checked<'_>, report: &mut FsckReport) -> 
             check_run(io, checked, run, name, &mut tally, report).await?;
         }
     }
+    check_snapshot_data(io, checked, &mut tally, report).await?;
     tally.finish(report);
     Ok(())
 }
 
-/// Every block a snapshot holds, once however many hold it (after
-/// [`check_data`], which read those a file still names too): what a
-/// guest reads of a snapshot, or a clone of it, later.
+/// Every block that snapshots hold and no file names, once however many
+/// hold it: what a guest reads later through a snapshot or a clone of
+/// it. (Those a file names were read with the file.)
 async fn check_snapshot_data(
     io: &Io,
     checked: &Checked<'_>,
-    snapshots: &journal::Snapshots,
+    tally: &mut DataTally,
     report: &mut FsckReport,
 ) -> FsResult<()> {
-    let mut tally = DataTally::default();
     let mut at = 0;
-    while let Some(run) = snapshots.next_held(at) {
-        let name = |_| "a block a snapshot holds".to_string();
-        check_run(io, checked, run, name, &mut tally, report).await?;
+    while let Some((run, named)) = checked.snapshots.next_held_piece(checked.shared, at, DATA_READ_BLOCKS) {
+        if !named {
+            let name = |_| "a block only snapshots hold".to_string();
+            check_run(io, checked, run, name, tally, report).await?;
+        }
         at = run.end();
     }
-    tally.finish(report);
     Ok(())
 }
 

@@ -6,8 +6,9 @@
 //! `ScrubCursor` record makes durable so that a restart resumes.
 //!
 //! The walk is by inode, then file block, and then over the blocks that
-//! snapshots hold, in device order: a block that several files share is
-//! read once per name, and once more if a snapshot holds it.
+//! snapshots hold and no file names, in device order: a block that
+//! several files share is read once per name, and one that only
+//! snapshots hold, once however many hold it.
 
 use crate::admin::Admin;
 use crate::blocks::{DevBlock, FileBlock};
@@ -168,11 +169,22 @@ impl Admin<'_> {
         Err(held.then_some(ScrubCursor::in_snapshots(0)))
     }
 
-    /// The next run a snapshot holds from device block `from`, or None
-    /// (the walk is done).
+    /// The next run from device block `from` that snapshots hold and no
+    /// live file names (those the walk over the files read), or where
+    /// the next step starts when this one skips a run that a file names
+    /// (None: the walk is done).
     fn next_held_piece(self, from: u64, max_blocks: u64) -> Result<Piece, Option<ScrubCursor>> {
-        let run = self.inner.journal.snapshots.borrow().next_held(from).ok_or(None)?;
-        Ok(Piece { owner: Owner::Snapshots, disk_block: DevBlock::new(run.start), len: run.len.min(max_blocks) })
+        let found = {
+            let free = self.inner.space.free();
+            self.inner.journal.snapshots.borrow().next_held_piece(&free.shared, from, max_blocks)
+        };
+        match found {
+            None => Err(None),
+            Some((run, true)) => Err(Some(ScrubCursor::in_snapshots(run.end()))),
+            Some((run, false)) => {
+                Ok(Piece { owner: Owner::Snapshots, disk_block: DevBlock::new(run.start), len: run.len })
+            }
+        }
     }
 
     /// A block that failed its check while the step's read was in flight
@@ -191,7 +203,7 @@ impl Admin<'_> {
     }
 
     /// Whether block `i` of `piece` is still its owner's: the file maps
-    /// it there, written, or a snapshot holds it.
+    /// it there, written, or a snapshot holds it (and no file names it).
     fn still_names(self, piece: &Piece, i: u64) -> bool {
         let disk = piece.disk_block + i;
         match piece.owner {
@@ -199,7 +211,10 @@ impl Admin<'_> {
                 let segments = self.inner.meta.segments(ino, (file_block + i).get(), 1);
                 matches!(segments.as_deref(), Ok([Segment::Mapped(e), ..]) if !e.unwritten && e.disk_block == disk)
             }
-            Owner::Snapshots => self.inner.journal.snapshots.borrow().holds(disk.get()),
+            Owner::Snapshots => {
+                let snapshots = self.inner.journal.snapshots.borrow();
+                snapshots.holds(disk.get()) && !snapshots.live_names(&self.inner.space.free().shared, disk.get())
+            }
         }
     }
 

@@ -549,48 +549,62 @@ fn a_scrub_checks_every_written_block_and_names_the_bad_one() {
     });
 }
 
-/// Blocks only a snapshot holds (a file overwritten since) are data a
-/// guest reads later, through the snapshot or a clone of it: the scrub
-/// walks them after the files, once however many snapshots hold them,
-/// and fsck --data checks them. One corrupted is found by both, named as
-/// a snapshot's; a cursor in that part of the walk survives a remount.
+/// Blocks only snapshots hold (a file overwritten since) are data a guest
+/// reads later, through a snapshot or a clone of it: the scrub walks them
+/// after the files, once however many snapshots hold them, and fsck
+/// --data checks them. A block a snapshot holds and a file still names is
+/// read with the file, and only then. One of each corrupted is found by
+/// both once, named as a snapshot's and as the file's; a cursor in the
+/// snapshots' part of the walk survives a remount.
 #[test]
 fn a_scrub_and_fsck_data_check_the_blocks_only_snapshots_hold() {
     const WHEN: keelfs_fs::Timespec = keelfs_fs::Timespec { sec: 1_764_000_000, nsec: 0 };
     let mut r = busy_reactor();
     let (ram, dev) = ram_pair();
-    let (old, new) = (pattern(11, 8 * 4096), pattern(12, 8 * 4096));
-    r.block_on({
-        let (dev, old, new) = (dev.clone(), old.clone(), new.clone());
+    let (old, new, kept) = (pattern(11, 8 * 4096), pattern(12, 8 * 4096), pattern(13, 4 * 4096));
+    let kept_ino = r.block_on({
+        let (dev, old, new, kept) = (dev.clone(), old.clone(), new.clone(), kept.clone());
         async move {
             format_with_checksums(&dev).await;
             let fs = mount(&dev).await;
             let (a, _) = fs.create(&Creds::root(), ROOT_INO, b"a", 0o644, 2).await.unwrap();
+            let (b, _) = fs.create(&Creds::root(), ROOT_INO, b"b", 0o644, 2).await.unwrap();
             fs.data().write(a.ino(), FileOffset::new(0), &old).await.unwrap();
+            fs.data().write(b.ino(), FileOffset::new(0), &kept).await.unwrap();
             fs.admin().snapshot_create("s1", WHEN).await.unwrap();
             fs.admin().snapshot_create("s2", WHEN).await.unwrap();
             fs.data().write(a.ino(), FileOffset::new(0), &new).await.unwrap();
             fs.sync().await.unwrap();
             let (checked, bad, _) = scrub_all(&fs, 64).await;
-            assert_eq!((checked, bad.len()), (8 + 8, 0), "the file's 8 blocks, then the 8 both snapshots hold");
+            assert_eq!((checked, bad.len()), (8 + 4 + 8, 0), "a's 8 and b's 4, then the 8 only snapshots hold");
             fs.unmount().await.unwrap();
+            b.ino()
         }
     });
-    let block = find_block(&ram, &old[3 * 4096..4 * 4096]).expect("the snapshots keep the old data");
+    let old_block = find_block(&ram, &old[3 * 4096..4 * 4096]).expect("the snapshots keep the old data");
+    let kept_block = find_block(&ram, &kept[2 * 4096..3 * 4096]).expect("b is on the device");
     let mut image = ram.snapshot();
-    image[block * 4096 + 77] ^= 0x04;
+    image[old_block * 4096 + 77] ^= 0x04;
+    image[kept_block * 4096 + 78] ^= 0x04;
     ram.restore(&image);
     r.block_on(async move {
         let report = check_data(&dev).await;
-        assert_eq!(report.problems.len(), 1, "{:?}", report.problems);
-        let want = format!("a block a snapshot holds (device block {block})");
-        assert!(report.problems[0].detail.contains(&want), "{:?}", report.problems);
+        let mut details: Vec<&str> = report.problems.iter().map(|p| p.detail.as_str()).collect();
+        details.sort_unstable();
+        assert_eq!(details.len(), 2, "each bad block once: {details:?}");
+        assert!(details[0].starts_with(&format!("a block only snapshots hold (device block {old_block})")));
+        assert!(details[1].starts_with(&format!("inode {kept_ino} at offset 8192 (device block {kept_block})")));
         let fs = mount(&dev).await;
-        let (checked, bad, _) = scrub_all(&fs, 3).await;
-        assert_eq!(checked, 16);
-        assert_eq!(bad, vec![BadBlock { file: None, device_block: block as u64, unreadable: false }]);
-        assert_eq!(fs.inspect().counters().data_checksum_errors, 1);
-        let at = ScrubCursor::in_snapshots(block as u64);
+        let (checked, mut bad, _) = scrub_all(&fs, 3).await;
+        assert_eq!(checked, 20);
+        bad.sort_by_key(|b| b.file.is_some());
+        let want = vec![
+            BadBlock { file: None, device_block: old_block as u64, unreadable: false },
+            BadBlock { file: Some((kept_ino, 8192)), device_block: kept_block as u64, unreadable: false },
+        ];
+        assert_eq!(bad, want);
+        assert_eq!(fs.inspect().counters().data_checksum_errors, 2);
+        let at = ScrubCursor::in_snapshots(old_block as u64);
         fs.admin().scrub_save(Some((at, 1 << 20))).unwrap();
         fs.unmount().await.unwrap();
         let fs = mount(&dev).await;

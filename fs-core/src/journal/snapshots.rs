@@ -85,6 +85,36 @@ impl Snapshots {
     pub fn holds(&self, block: u64) -> bool {
         self.next_held(block).is_some_and(|run| run.start == block)
     }
+
+    /// The snapshots that hold device block `block`.
+    fn holding(&self, block: u64) -> u64 {
+        let holds = |s: &&LiveSnapshot| {
+            let i = s.held.partition_point(|r| r.end() <= block);
+            s.held.get(i).is_some_and(|r| r.start <= block)
+        };
+        self.list.iter().filter(holds).count() as u64
+    }
+
+    /// Whether a live file names device block `block`, which a snapshot
+    /// holds: it has more names (`shared` counts them past the first)
+    /// than snapshots that hold it, each of which names it once.
+    pub fn live_names(&self, shared: &SharedRuns, block: u64) -> bool {
+        let names = 1 + shared.uniform_extra(BlockRun { start: block, len: 1 }).unwrap_or(0);
+        names > self.holding(block)
+    }
+
+    /// The next piece, of at most `max` blocks, of what snapshots hold
+    /// from device block `from`: a run whose blocks a live file names
+    /// (true), or none of them does (false). The walks over the
+    /// snapshots' blocks check only the second kind, as the walk over
+    /// the files has read the first.
+    pub fn next_held_piece(&self, shared: &SharedRuns, from: u64, max: u64) -> Option<(BlockRun, bool)> {
+        let run = self.next_held(from)?;
+        let len = run.len.min(max.max(1));
+        let named = self.live_names(shared, run.start);
+        let same = (1..len).find(|&i| self.live_names(shared, run.start + i) != named).unwrap_or(len);
+        Some((BlockRun { start: run.start, len: same }, named))
+    }
 }
 
 /// The blocks the written extents of `state` name, as sorted runs apart
