@@ -263,7 +263,8 @@ fn bad_json(b: &BadBlock) -> Value {
 fn cursor_json(c: ScrubCursor) -> Value {
     match c.snapshot_block() {
         Some(block) => json!({"snapshots": true, "device_block": block}),
-        None => json!({"ino": c.ino.get(), "offset": c.file_block * keelfs_fs::BLOCK_BYTES as u64}),
+        // Saturating: a crafted image's cursor may name any block.
+        None => json!({"ino": c.ino.get(), "offset": c.file_block.saturating_mul(keelfs_fs::BLOCK_BYTES as u64)}),
     }
 }
 
