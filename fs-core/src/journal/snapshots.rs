@@ -39,6 +39,17 @@ pub(crate) struct LiveSnapshot {
     pub held: Vec<BlockRun>,
 }
 
+impl LiveSnapshot {
+    /// The first of its runs that ends past device block `from`.
+    fn run_from(&self, from: u64) -> Option<&BlockRun> {
+        self.held.get(self.held.partition_point(|r| r.end() <= from))
+    }
+
+    fn holds(&self, block: u64) -> bool {
+        self.run_from(block).is_some_and(|r| r.start <= block)
+    }
+}
+
 /// The snapshots of the mounted image, in the table's order.
 #[derive(Default)]
 pub(crate) struct Snapshots {
@@ -74,7 +85,7 @@ impl Snapshots {
         self.list
             .iter()
             .filter_map(|s| {
-                let run = s.held.get(s.held.partition_point(|r| r.end() <= from))?;
+                let run = s.run_from(from)?;
                 let start = run.start.max(from);
                 Some(BlockRun { start, len: run.end() - start })
             })
@@ -83,16 +94,12 @@ impl Snapshots {
 
     /// Whether any snapshot holds device block `block`.
     pub fn holds(&self, block: u64) -> bool {
-        self.next_held(block).is_some_and(|run| run.start == block)
+        self.list.iter().any(|s| s.holds(block))
     }
 
     /// The snapshots that hold device block `block`.
     fn holding(&self, block: u64) -> u64 {
-        let holds = |s: &&LiveSnapshot| {
-            let i = s.held.partition_point(|r| r.end() <= block);
-            s.held.get(i).is_some_and(|r| r.start <= block)
-        };
-        self.list.iter().filter(holds).count() as u64
+        self.list.iter().filter(|s| s.holds(block)).count() as u64
     }
 
     /// Whether a live file names device block `block`, which a snapshot
