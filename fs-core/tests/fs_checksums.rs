@@ -567,18 +567,15 @@ fn a_scrub_and_fsck_data_check_the_blocks_only_snapshots_hold() {
         async move {
             format_with_checksums(&dev).await;
             let fs = mount(&dev).await;
-            let (a, _) = fs.create(&Creds::root(), ROOT_INO, b"a", 0o644, 2).await.unwrap();
-            let (b, _) = fs.create(&Creds::root(), ROOT_INO, b"b", 0o644, 2).await.unwrap();
-            fs.data().write(a.ino(), FileOffset::new(0), &old).await.unwrap();
-            fs.data().write(b.ino(), FileOffset::new(0), &kept).await.unwrap();
+            let (a, b) = two_files(&fs, &old, &kept).await;
             fs.admin().snapshot_create("s1", WHEN).await.unwrap();
             fs.admin().snapshot_create("s2", WHEN).await.unwrap();
-            fs.data().write(a.ino(), FileOffset::new(0), &new).await.unwrap();
+            fs.data().write(a, FileOffset::new(0), &new).await.unwrap();
             fs.sync().await.unwrap();
             let (checked, bad, _) = scrub_all(&fs, 64).await;
             assert_eq!((checked, bad.len()), (8 + 4 + 8, 0), "a's 8 and b's 4, then the 8 only snapshots hold");
             fs.unmount().await.unwrap();
-            b.ino()
+            b
         }
     });
     let old_block = find_block(&ram, &old[3 * 4096..4 * 4096]).expect("the snapshots keep the old data");
@@ -661,6 +658,17 @@ fn corrupt_block_holding(ram: &MappedDevice, content: &[u8]) -> usize {
     block
 }
 
+/// Files "a" and "b" in the root, holding `a` and `b`.
+async fn two_files(fs: &Fs, a: &[u8], b: &[u8]) -> (Ino, Ino) {
+    let mut inos = [ROOT_INO; 2];
+    for (ino, (name, data)) in inos.iter_mut().zip([(b"a", a), (b"b", b)]) {
+        let (f, _) = fs.create(&Creds::root(), ROOT_INO, name, 0o644, 2).await.unwrap();
+        fs.data().write(f.ino(), FileOffset::new(0), data).await.unwrap();
+        *ino = f.ino();
+    }
+    (inos[0], inos[1])
+}
+
 #[test]
 fn a_bad_block_found_at_run_time_is_recorded_for_fsck() {
     let mut r = busy_reactor();
@@ -671,12 +679,9 @@ fn a_bad_block_found_at_run_time_is_recorded_for_fsck() {
         async move {
             format_with_checksums(&dev).await;
             let fs = mount(&dev).await;
-            let (a, _) = fs.create(&Creds::root(), ROOT_INO, b"a", 0o644, 2).await.unwrap();
-            let (b, _) = fs.create(&Creds::root(), ROOT_INO, b"b", 0o644, 2).await.unwrap();
-            fs.data().write(a.ino(), FileOffset::new(0), &a_data).await.unwrap();
-            fs.data().write(b.ino(), FileOffset::new(0), &b_data).await.unwrap();
+            let files = two_files(&fs, &a_data, &b_data).await;
             fs.unmount().await.unwrap();
-            (a.ino(), b.ino())
+            files
         }
     });
     // A read finds a's block 5 bad; a scrub finds b's block 1.
