@@ -61,6 +61,7 @@ pub use remote::{call, call_and_wait, oneshot, Call, CallError, Completer, Unsen
 pub use shares::ShareCounters;
 use shares::{index_of, FairShares, ShareIndex, ENTERED, NO_SHARE};
 pub use sys::thread_cpu_time;
+pub use volatile_crc::CrcWay;
 
 use std::cell::{Cell, RefCell};
 use std::cmp::Reverse;
