@@ -6,7 +6,12 @@
 //! - a copy of the same block (`memcpy`), the unit the rest of the data
 //!   path is measured in;
 //! - a byte-at-a-time table crc32c, the software answer, which must also
-//!   agree with the crate on every block.
+//!   agree with the crate on every block;
+//! - each way the daemon's own crc of a guest's block (in place, through
+//!   volatile loads: `keelfs_reactor::CrcWay`) has on this CPU: the three
+//!   lanes of `crc32`, and the carry-less folds where the CPU has AVX-512
+//!   and VPCLMULQDQ. The daemon takes the last; `in_place_*` report it,
+//!   and `ways` each.
 //!
 //! Time is the measuring thread's own CPU time (CLOCK_THREAD_CPUTIME_ID,
 //! through keelfs-reactor), so the figures are per core, whatever else
@@ -24,8 +29,8 @@ pub struct CrcArgs {
     /// measures the crc at memory speed, smaller in cache.
     #[arg(long, default_value_t = 64)]
     mib: u64,
-    /// Rounds; each runs the crate's crc, the copy and the table crc in
-    /// turn, and the medians are reported.
+    /// Rounds; each runs the crate's crc, the in-place ways, the copy and
+    /// the table crc in turn, and the medians are reported.
     #[arg(long, default_value_t = 5)]
     rounds: u32,
     #[arg(long, default_value = "")]
@@ -72,13 +77,22 @@ pub fn run(args: &CrcArgs) -> anyhow::Result<()> {
     // Not zeros: a pattern that differs per block.
     let data: Vec<u8> = (0..bytes).map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[3]).collect();
     let table = table();
+    let ways = keelfs_reactor::CrcWay::available();
     for block in data.chunks_exact(BLOCK).step_by(97) {
-        ensure!(crc32c::crc32c(block) == table_crc32c(&table, block), "the crate and the table crc32c disagree");
+        let want = crc32c::crc32c(block);
+        ensure!(want == table_crc32c(&table, block), "the crate and the table crc32c disagree");
+        for way in &ways {
+            ensure!(way.crc32c_append(0, block) == want, "the crate and the in-place crc ({}) disagree", way.name());
+        }
     }
     let mut copy_to = vec![0u8; BLOCK];
     let (mut crate_ns, mut copy_ns, mut table_ns) = (Vec::new(), Vec::new(), Vec::new());
+    let mut way_ns: Vec<Vec<f64>> = vec![Vec::new(); ways.len()];
     for _ in 0..args.rounds {
         crate_ns.push(timed(&data, crc32c::crc32c)?.0);
+        for (way, ns) in ways.iter().zip(&mut way_ns) {
+            ns.push(timed(&data, |block| way.crc32c_append(0, block))?.0);
+        }
         let copy = |block: &[u8]| {
             copy_to.copy_from_slice(block);
             u32::from(std::hint::black_box(&copy_to)[0])
@@ -88,6 +102,10 @@ pub fn run(args: &CrcArgs) -> anyhow::Result<()> {
     }
     let (crc, copy, soft) = (median(crate_ns), median(copy_ns), median(table_ns));
     let blocks = (bytes / BLOCK) as f64;
+    let way_ns: Vec<f64> = way_ns.into_iter().map(median).collect();
+    let in_place = *way_ns.last().expect("copying is always a way");
+    let ways_json: serde_json::Map<String, serde_json::Value> =
+        ways.iter().zip(&way_ns).map(|(w, ns)| (w.name().to_string(), json!(round2(ns / blocks)))).collect();
     let gib_per_cpu_s = |ns: f64| bytes as f64 / ns; // bytes per ns = GB/s
     let line = json!({
         "bench": "crc",
@@ -102,6 +120,11 @@ pub fn run(args: &CrcArgs) -> anyhow::Result<()> {
         "table_crc_ns_per_block": round2(soft / blocks),
         "crc_over_copy": round2(crc / copy),
         "table_over_crc": round2(soft / crc),
+        "in_place_way": ways.last().expect("copying is always a way").name(),
+        "in_place_ns_per_block": round2(in_place / blocks),
+        "in_place_gb_per_cpu_s": round2(gib_per_cpu_s(in_place)),
+        "in_place_over_crate": round2(in_place / crc),
+        "ways_ns_per_block": ways_json,
     });
     if args.json {
         println!("{line}");

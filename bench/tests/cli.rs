@@ -492,10 +492,24 @@ fn crc_reports_the_cost_of_a_block_checksum_against_its_peers() {
     assert_eq!(line["label"], "t");
     assert_eq!(line["block_bytes"], 4096);
     assert!(line["sse42"].is_boolean(), "{line}");
-    for field in ["crc_ns_per_block", "copy_ns_per_block", "table_crc_ns_per_block", "crc_over_copy", "table_over_crc"]
-    {
+    for field in [
+        "crc_ns_per_block",
+        "copy_ns_per_block",
+        "table_crc_ns_per_block",
+        "crc_over_copy",
+        "table_over_crc",
+        "in_place_ns_per_block",
+        "in_place_gb_per_cpu_s",
+        "in_place_over_crate",
+    ] {
         assert!(line[field].is_number(), "{field}: {line}");
     }
+    // Every way this CPU has is timed, the copying one always, and the
+    // daemon's way is one of them.
+    let ways = line["ways_ns_per_block"].as_object().expect("ways_ns_per_block");
+    assert!(ways["by_copy"].is_number(), "{line}");
+    let way = line["in_place_way"].as_str().expect("in_place_way");
+    assert_eq!(ways[way], line["in_place_ns_per_block"], "{line}");
     for (args, message) in
         [(["--mib", "0"], "--mib must be 1 to 4096"), (["--rounds", "0"], "--rounds must be 1 to 100")]
     {
