@@ -305,8 +305,6 @@ impl ExtentMap {
         Some(vec![BlockRun { start: head_end_db, len }])
     }
 
-    /// The pieces of [file_block, +len): mapped extents clipped to the
-    /// range, and holes between them.
     /// The first written extent at or after `file_block`, cut to start
     /// there: what a scrub reads next.
     pub fn written_from(&self, file_block: FileBlock) -> Option<Extent> {
@@ -322,6 +320,8 @@ impl ExtentMap {
         })
     }
 
+    /// The pieces of [file_block, +len): mapped extents clipped to the
+    /// range, and holes between them.
     pub fn segments(&self, file_block: FileBlock, len: u64) -> Segments {
         let file_block = file_block.get();
         let end = file_block.saturating_add(len);
