@@ -175,6 +175,9 @@ async fn drive(tag: &str, job: &Job, from: ScrubCursor, bytes_per_sec: u64) -> a
     let mut pacer = Pacer::new(bytes_per_sec, STEP_BYTES, reactor_time());
     let mut cursor = from;
     let (mut steps, mut saved_at) = (0u64, reactor_time());
+    // This pass's shared blocks read (a restart forgets them, and reads
+    // some again).
+    let mut seen = keelfs_fs::SeenShared::default();
     loop {
         let Some(fs) = crate::serve::local_fs(tag) else { return Ok(ScrubState::Stopped) };
         if job.cancel.get() {
@@ -190,7 +193,7 @@ async fn drive(tag: &str, job: &Job, from: ScrubCursor, bytes_per_sec: u64) -> a
                 reactor::sleep_until(at).await;
             }
         }
-        let step = fs.admin().scrub_step(cursor, SCRUB_STEP_BLOCKS_MAX).await?;
+        let step = fs.admin().scrub_step(cursor, SCRUB_STEP_BLOCKS_MAX, &mut seen).await?;
         record(job, &step);
         steps += 1;
         match step.next {

@@ -18,6 +18,7 @@ use super::format::{Superblock, ROOT_INO};
 use super::io::Io;
 use super::journal;
 use super::record::Record;
+use super::seen_shared::SeenShared;
 use super::shared_runs::SharedRuns;
 use super::space::FreeSpace;
 use super::state::State;
@@ -245,18 +246,28 @@ const BAD_DATA_BLOCKS_LISTED: usize = 32;
 /// Data blocks read at once by `check_data`.
 const DATA_READ_BLOCKS: u64 = 256;
 
-/// Every written block of every file against its checksum, then every
-/// block only snapshots hold. Reads in bounded pieces; names the first
+/// Every written block of every file against its checksum (a block
+/// several files share, once), then every block only snapshots hold. Reads in bounded pieces; names the first
 /// mismatches with inode and offset (or as a snapshot's), and counts the
 /// rest. A block whose table sector is bad is counted apart (the table
 /// check names the sector).
 async fn check_data(io: &Io, checked: &Checked<'_>, report: &mut FsckReport) -> FsResult<()> {
     let mut tally = DataTally::default();
+    // A block several files name is read with the first of them.
+    let mut seen = SeenShared::default();
     for node in checked.state.nodes() {
         for e in node.extents.iter().filter(|e| !e.unwritten) {
-            let run = BlockRun { start: e.disk_block.get(), len: e.len };
-            let name = |i: u64| format!("inode {} at offset {}", node.inode.ino, (e.file_block + i).offset());
-            check_run(io, checked, run, name, &mut tally, report).await?;
+            let mut done = 0;
+            while done < e.len {
+                let rest = BlockRun { start: e.disk_block.get() + done, len: e.len - done };
+                let next = seen.next_read(checked.shared, rest);
+                let from = done + next.skip;
+                let run = BlockRun { start: rest.start + next.skip, len: next.read };
+                let name =
+                    |i: u64| format!("inode {} at offset {}", node.inode.ino, (e.file_block + from + i).offset());
+                check_run(io, checked, run, name, &mut tally, report).await?;
+                done = from + next.read;
+            }
         }
     }
     check_snapshot_data(io, checked, &mut tally, report).await?;

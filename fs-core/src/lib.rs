@@ -51,6 +51,7 @@ mod pages;
 mod quota;
 mod record;
 mod scrub;
+mod seen_shared;
 mod seqlock;
 #[allow(unsafe_code)]
 mod shared;
@@ -80,6 +81,7 @@ pub use mkfs::{mkfs, MkfsError, MkfsOptions};
 pub use ops::{Attr, DirEntry, SeekTo, SetAttr, TimeSet};
 pub use quota::Quota;
 pub use scrub::{BadBlock, ScrubCursor, ScrubStep, SCRUB_STEP_BLOCKS_MAX};
+pub use seen_shared::SeenShared;
 pub use shared::{SharedMiss, SharedReader};
 pub use snapshot_table::{check_snapshot_name, SNAPSHOTS_MAX, SNAPSHOT_NAME_MAX};
 

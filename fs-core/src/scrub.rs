@@ -6,17 +6,20 @@
 //! `ScrubCursor` record makes durable so that a restart resumes.
 //!
 //! The walk is by inode, then file block, and then over the blocks that
-//! snapshots hold and no file names, in device order: a block that
-//! several files share is read once per name, and one that only
-//! snapshots hold, once however many hold it.
+//! snapshots hold and no file names, in device order. A block that
+//! several files share is read with the first of them the walk meets
+//! ([`SeenShared`], which the caller keeps for the pass; after a restart
+//! some are read again), and one that only snapshots hold, once however
+//! many hold it.
 
 use crate::admin::Admin;
 use crate::blocks::{DevBlock, FileBlock};
 use crate::csum_table;
 use crate::extent::Segment;
-use crate::format::{crc, BLOCK_BYTES};
+use crate::format::{crc, BlockRun, BLOCK_BYTES};
 use crate::ids::Ino;
 use crate::record::Record;
+use crate::seen_shared::SeenShared;
 use crate::state::{ScrubSaved, INO_MAX};
 use crate::{FsError, FsResult};
 
@@ -90,14 +93,15 @@ struct Piece {
 
 impl Admin<'_> {
     /// Check the next written blocks from `from`, at most `max_blocks`
-    /// (and one device request). EOPNOTSUPP on an image without data
+    /// (and one device request), stepping over the shared blocks `seen`
+    /// (this pass's) says were read. EOPNOTSUPP on an image without data
     /// checksums.
-    pub async fn scrub_step(self, from: ScrubCursor, max_blocks: u64) -> FsResult<ScrubStep> {
+    pub async fn scrub_step(self, from: ScrubCursor, max_blocks: u64, seen: &mut SeenShared) -> FsResult<ScrubStep> {
         let table = self.inner.csums.as_ref().ok_or(FsError::Unsupported)?;
         let max_blocks = max_blocks.clamp(1, SCRUB_STEP_BLOCKS_MAX);
         let found = match from.snapshot_block() {
             Some(block) => self.next_held_piece(block, max_blocks),
-            None => self.next_piece(from, max_blocks),
+            None => self.next_piece(from, max_blocks, seen),
         };
         let piece = match found {
             Ok(piece) => piece,
@@ -145,20 +149,36 @@ impl Admin<'_> {
     }
 
     /// The next piece to read from `from`, or where the next step starts
-    /// (None: the walk is done) when this one found nothing in its bound.
-    /// Past the last file, the walk goes on over the snapshots' blocks,
-    /// if any snapshot holds one.
-    fn next_piece(self, from: ScrubCursor, max_blocks: u64) -> Result<Piece, Option<ScrubCursor>> {
+    /// (None: the walk is done) when this one found nothing in its bound:
+    /// [`INODES_PER_STEP`] inodes, or as many extents stepped over because
+    /// `seen` says they were read. Past the last file, the walk goes on
+    /// over the snapshots' blocks, if any snapshot holds one.
+    fn next_piece(
+        self,
+        from: ScrubCursor,
+        max_blocks: u64,
+        seen: &mut SeenShared,
+    ) -> Result<Piece, Option<ScrubCursor>> {
         let state = self.inner.meta.state();
+        let free = self.inner.space.free();
         let window_end = from.ino.get().saturating_add(INODES_PER_STEP).min(state.next_ino);
         let mut file_block = from.file_block;
+        let mut looked = 0;
         for ino in from.ino.get()..window_end {
             let ino = Ino::new(ino);
-            let written = state.node(ino).and_then(|n| n.extents.written_from(FileBlock::new(file_block)));
-            if let Some(e) = written {
-                let len = e.len.min(max_blocks);
-                let owner = Owner::File { ino, file_block: e.file_block };
-                return Ok(Piece { owner, disk_block: e.disk_block, len });
+            while let Some(e) = state.node(ino).and_then(|n| n.extents.written_from(FileBlock::new(file_block))) {
+                let run = BlockRun { start: e.disk_block.get(), len: e.len.min(max_blocks) };
+                let next = seen.next_read(&free.shared, run);
+                let file_block_read = e.file_block + next.skip;
+                if next.read > 0 {
+                    let owner = Owner::File { ino, file_block: file_block_read };
+                    return Ok(Piece { owner, disk_block: e.disk_block + next.skip, len: next.read });
+                }
+                file_block = file_block_read.get();
+                looked += 1;
+                if looked >= INODES_PER_STEP {
+                    return Err(Some(ScrubCursor { ino, file_block }));
+                }
             }
             file_block = 0;
         }
