@@ -303,6 +303,19 @@ impl TableCache {
         self.clean.get(&table_block).map(|t| t.get(index))
     }
 
+    /// Bring the lines that hold device `block`'s entry toward this core
+    /// ([`keelfs_base::prefetch`]), ahead of [`Self::cached_entry`] or
+    /// [`Self::set`] once its data's I/O completes.
+    pub(crate) fn prefetch_entry(&self, block: u64) {
+        let (table_block, index) = entry_position(block);
+        if let Some(dirty) = self.dirty.get(&table_block) {
+            keelfs_base::prefetch(&dirty.lines[DirtyBlock::position(index).0]);
+        }
+        if let Some(clean) = self.clean.get(&table_block) {
+            keelfs_base::prefetch(&clean.entries[index]);
+        }
+    }
+
     fn insert_clean(&mut self, table_block: u64, block: TableBlock) {
         if self.clean.insert(table_block, block).is_none() {
             self.clean_order.push_back(table_block);
