@@ -124,6 +124,11 @@ impl Admin<'_> {
                 let bad = piece.bad_block(i as u64, false);
                 self.note_bad(&bad)?;
                 step.bad.push(bad);
+            } else {
+                // Not conclusive (the name it was read under moved, or a
+                // second read matched): another name of it, a clone's,
+                // reads it again.
+                seen.forget(at.get());
             }
         }
         Ok(step)

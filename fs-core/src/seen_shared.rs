@@ -1,13 +1,16 @@
 //! The shared blocks a walk over the files has read already: scrub and
-//! fsck --data read a block that several files name (clones, or a file
-//! and its snapshots) with the first name they meet, and step over it at
-//! the others, so that a hundred clones of an image cost one read of it,
-//! not a hundred (docs/plans/data-checksums.md, section 5).
+//! fsck --data read a block that several files name (clones) with the
+//! first name they meet, and step over it at the others, so that a
+//! hundred clones of an image cost one read of it, not a hundred
+//! (docs/plans/data-checksums.md, section 5).
 //!
 //! Only blocks the shared-run index counts are looked up or kept: a block
-//! with one name is always read. The set is bounded: past
-//! [`SEEN_RUNS_MAX`] runs it is forgotten whole, and the walk then reads
-//! some shared blocks again, which costs reads, never a block unchecked.
+//! with one name is always read. (A file's block that a snapshot also
+//! holds is counted too, and kept, though no other file names it.) The
+//! set is bounded: past [`SEEN_RUNS_MAX`] runs it is forgotten whole, and
+//! the walk then reads some shared blocks again, which costs reads, never
+//! a block unchecked; so does a block whose check was not conclusive
+//! ([`SeenShared::forget`]).
 
 use std::collections::BTreeMap;
 
@@ -60,6 +63,24 @@ impl SeenShared {
         }
         debug_assert!(skip + read.len <= run.len);
         NextRead { skip, read: read.len }
+    }
+
+    /// Device block `block` is to be read again at its next name: a walk
+    /// whose check of it was not conclusive (the name it was read under
+    /// moved while the read was in flight) must not step over it at the
+    /// others.
+    pub(crate) fn forget(&mut self, block: u64) {
+        let Some((&start, &end)) = self.runs.range(..=block).next_back() else { return };
+        if end <= block {
+            return;
+        }
+        self.runs.remove(&start);
+        if start < block {
+            self.runs.insert(start, block);
+        }
+        if block + 1 < end {
+            self.runs.insert(block + 1, end);
+        }
     }
 
     /// The parts of `parts` (sorted, apart) that are seen, sorted; two
@@ -158,6 +179,26 @@ mod tests {
         assert_eq!(seen.next_read(&shared, run(14, 6)), NextRead { skip: 2, read: 4 });
         assert_eq!(seen.next_read(&shared, run(10, 10)), NextRead { skip: 10, read: 0 });
         assert_eq!(seen.runs(), 1, "[10, 20) merged");
+    }
+
+    /// A block forgotten is read at the next name; the rest of its run
+    /// stays stepped over.
+    #[test]
+    fn a_forgotten_block_is_read_again() {
+        let shared = two_shared();
+        let mut seen = SeenShared::default();
+        assert_eq!(seen.next_read(&shared, run(10, 10)), NextRead { skip: 0, read: 10 });
+        seen.forget(14);
+        seen.forget(14);
+        seen.forget(25);
+        assert_eq!(seen.next_read(&shared, run(10, 10)), NextRead { skip: 4, read: 1 });
+        assert_eq!(seen.next_read(&shared, run(15, 5)), NextRead { skip: 5, read: 0 });
+        seen.forget(10);
+        seen.forget(19);
+        assert_eq!(seen.next_read(&shared, run(10, 1)), NextRead { skip: 0, read: 1 });
+        assert_eq!(seen.next_read(&shared, run(19, 1)), NextRead { skip: 0, read: 1 });
+        assert_eq!(seen.next_read(&shared, run(10, 10)), NextRead { skip: 10, read: 0 });
+        assert_eq!(seen.runs(), 1);
     }
 
     #[test]
