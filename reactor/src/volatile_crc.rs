@@ -63,15 +63,21 @@ pub enum CrcWay {
 impl CrcWay {
     /// The ways this CPU has, the one the daemon takes last.
     pub fn available() -> Vec<CrcWay> {
-        let mut ways = vec![CrcWay::ByCopy];
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("sse4.2") {
-            ways.push(CrcWay::ThreeLanes);
-            if x86::can_fold() {
-                ways.push(CrcWay::Folds);
-            }
+        [CrcWay::ByCopy, CrcWay::ThreeLanes, CrcWay::Folds].into_iter().filter(|w| w.is_available()).collect()
+    }
+
+    /// Whether this CPU has this way: no allocation, as a timed loop calls
+    /// it per block.
+    pub fn is_available(self) -> bool {
+        match self {
+            CrcWay::ByCopy => true,
+            #[cfg(target_arch = "x86_64")]
+            CrcWay::ThreeLanes => std::arch::is_x86_feature_detected!("sse4.2"),
+            #[cfg(target_arch = "x86_64")]
+            CrcWay::Folds => std::arch::is_x86_feature_detected!("sse4.2") && x86::can_fold(),
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
         }
-        ways
     }
 
     pub fn name(self) -> &'static str {
@@ -85,7 +91,7 @@ impl CrcWay {
     /// The crc32c of `data` this way, appended to `crc`. Panics on a way
     /// [`CrcWay::available`] does not list.
     pub fn crc32c_append(self, crc: u32, data: &[u8]) -> u32 {
-        assert!(Self::available().contains(&self), "{self:?} is not available on this CPU");
+        assert!(self.is_available(), "{self:?} is not available on this CPU");
         let (p, n) = (data.as_ptr(), data.len());
         match self {
             // SAFETY: `data` is valid for its length, for the whole call.
