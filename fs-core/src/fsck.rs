@@ -247,10 +247,10 @@ const BAD_DATA_BLOCKS_LISTED: usize = 32;
 const DATA_READ_BLOCKS: u64 = 256;
 
 /// Every written block of every file against its checksum (a block
-/// several files share, once), then every block only snapshots hold. Reads in bounded pieces; names the first
-/// mismatches with inode and offset (or as a snapshot's), and counts the
-/// rest. A block whose table sector is bad is counted apart (the table
-/// check names the sector).
+/// several files share, once), then every block only snapshots hold.
+/// Reads in bounded pieces; names the first mismatches with inode and
+/// offset (or as a snapshot's), and counts the rest. A block whose table
+/// sector is bad is counted apart (the table check names the sector).
 async fn check_data(io: &Io, checked: &Checked<'_>, report: &mut FsckReport) -> FsResult<()> {
     let mut tally = DataTally::default();
     // A block several files name is read with the first of them.

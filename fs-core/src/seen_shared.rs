@@ -43,7 +43,8 @@ impl SeenShared {
     /// What to do with the front of `run`, whose blocks `shared` counts:
     /// the shared blocks of the part to read are from now on read.
     pub(crate) fn next_read(&mut self, shared: &SharedRuns, run: BlockRun) -> NextRead {
-        if run.len == 0 || shared.is_empty() || !shared.any_shared(run) {
+        // (None of an empty run, or with nothing shared, is.)
+        if !shared.any_shared(run) {
             return NextRead { skip: 0, read: run.len };
         }
         let parts = shared.shared_within(run);

@@ -385,11 +385,7 @@ impl Direct<'_> {
         }
         let read_last = FileBlock::containing(offset + avail - 1).get();
         let segments = self.inner.meta.segments(ino, first, read_last - first + 1)?;
-        let written = segments.iter().filter_map(|s| match s {
-            Segment::Mapped(e) if !e.unwritten => Some((e.disk_block, e.len)),
-            _ => None,
-        });
-        self.core().prefetch_entries(written);
+        self.core().prefetch_entries(&segments);
         self.submit_segments(buf, first, &segments, false).await?;
         self.core().verify_buffer(ino, buf, first, &segments).await?;
         // Never hand back what lies past the end of file.

@@ -263,16 +263,16 @@ impl DataCore<'_> {
     }
 
     /// Ask for the table lines of the first [`PREFETCHED_ENTRIES_MAX`]
-    /// device blocks of `runs` (device block, blocks) before a direct read
-    /// of them is issued: a random block's entry is a cache miss of
+    /// written blocks `segments` map before a direct read of them is
+    /// issued: a random block's entry is a cache miss of
     /// several hundred cycles, a third of a checked 4 KiB read's extra
     /// CPU, and it then arrives while the device works. (Not before an
     /// overwrite's: there the two lookups cost more than the miss they
     /// hid, in a profile.)
-    pub(super) fn prefetch_entries(self, runs: impl Iterator<Item = (DevBlock, u64)>) {
+    pub(super) fn prefetch_entries(self, segments: &[Segment]) {
         let Some(table) = &self.inner.csums else { return };
         let table = table.borrow();
-        let blocks = runs.flat_map(|(disk, len)| (0..len).map(move |i| (disk + i).get()));
+        let blocks = written_extents(segments).flat_map(|e| (0..e.len).map(move |i| (e.disk_block + i).get()));
         for block in blocks.take(PREFETCHED_ENTRIES_MAX) {
             table.prefetch_entry(block);
         }
@@ -292,10 +292,7 @@ impl DataCore<'_> {
     ) -> FsResult<()> {
         let Some(table) = &self.inner.csums else { return Ok(()) };
         let busy = |_| FsError::Invalid("buffer busy");
-        for e in segments.iter().filter_map(|s| match s {
-            Segment::Mapped(e) if !e.unwritten => Some(e),
-            _ => None,
-        }) {
+        for e in written_extents(segments) {
             for i in 0..e.len {
                 let at = block_bytes(e.file_block - FileBlock::new(first) + i) as usize;
                 // Most blocks match their entry: checked in place, with no
@@ -796,6 +793,14 @@ pub(super) fn checksum_records<B: IoBuffer>(
 /// The crcs of an overwrite in place: held without an allocation for up
 /// to 8 blocks (32 KiB), the most a small direct write covers.
 pub(super) type InPlaceCrcs = smallvec::SmallVec<[u8; 32]>;
+
+/// The written extents among `segments`: the blocks a read checks.
+fn written_extents(segments: &[Segment]) -> impl Iterator<Item = &crate::extent::Extent> {
+    segments.iter().filter_map(|s| match s {
+        Segment::Mapped(e) if !e.unwritten => Some(e),
+        _ => None,
+    })
+}
 
 /// Blocks of a request whose table lines are asked for ahead
 /// ([`DataCore::prefetch_entries`]): a 32 KiB request's.
