@@ -662,6 +662,58 @@ fn a_block_clones_share_is_read_once() {
     });
 }
 
+/// The race `SeenShared::forget` answers. A scrub reads a block that a
+/// file shares with two clones, and while that read is in flight the
+/// file's block is copied on write, so the file names a new one. The old
+/// block fails its check: it is not the file's to report, but both
+/// clones still name it, unchanged and bad. The first clone's turn must
+/// read it again, not step over it as read.
+#[test]
+fn a_shared_block_whose_first_name_moves_mid_read_is_checked_at_the_next() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let gate = Arc::new(common::Gate::default());
+    let mut r = busy_reactor();
+    let (ram, raw) = ram_pair();
+    let dev: Arc<dyn BlockDevice> = Arc::new(common::GateDevice { inner: raw, gate: gate.clone() });
+    let data = pattern(31, 10 * 4096);
+    r.block_on(async move {
+        format_with_checksums(&dev).await;
+        let fs = mount(&dev).await;
+        let (a, _) = two_files(&fs, &data, &[]).await;
+        let mut clones = Vec::new();
+        for name in [b"k1", b"k2"] {
+            let (k, _) = fs.create(&Creds::root(), ROOT_INO, name, 0o644, 2).await.unwrap();
+            let len = data.len() as u64;
+            fs.data().copy_range(a, FileOffset::new(0), k.ino(), FileOffset::new(0), len).await.unwrap();
+            clones.push(k.ino());
+        }
+        fs.sync().await.unwrap();
+        let block = corrupt_block_holding(&ram, &data[7 * 4096..8 * 4096]) as u64;
+        // The scrub's read of a's piece that holds the bad block is held.
+        *gate.hold_reads_at.lock().unwrap() = Some(block * 4096);
+        let pass = std::rc::Rc::new(std::cell::RefCell::new(None));
+        keelfs_reactor::spawn_local({
+            let (fs, pass) = (fs.clone(), pass.clone());
+            async move {
+                *pass.borrow_mut() = Some(scrub_all(&fs, 16).await);
+            }
+        });
+        while gate.reads_held.load(SeqCst) == 0 {
+            keelfs_reactor::yield_now().await;
+        }
+        fs.data().write_direct(a, FileOffset::new(7 * 4096), aligned(&pattern(32, 4096))).await.1.unwrap();
+        *gate.hold_reads_at.lock().unwrap() = None;
+        while pass.borrow().is_none() {
+            keelfs_reactor::yield_now().await;
+        }
+        let (checked, bad, _) = pass.take().unwrap();
+        let k1 = clones[0];
+        assert_eq!(bad, vec![BadBlock { file: Some((k1, 7 * 4096)), device_block: block, unreadable: false }]);
+        assert_eq!(checked, 11, "a's 10 blocks, and the one whose check moved again at k1");
+        fs.unmount().await.unwrap();
+    });
+}
+
 #[test]
 fn a_scrub_cursor_survives_replay_and_checkpoints() {
     let mut r = busy_reactor();

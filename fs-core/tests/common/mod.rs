@@ -78,10 +78,15 @@ pub struct Gate {
     pub hold_discards: AtomicBool,
     /// Discards submitted and not yet completed to the caller.
     pub discards_held: AtomicUsize,
+    /// While set, completions of reads whose range holds this device
+    /// byte are held back (apart from writes), and counted here.
+    pub hold_reads_at: Mutex<Option<u64>>,
+    pub reads_held: AtomicUsize,
 }
 
 /// Wraps a device: when the gate is closed, write completions wait, so a
-/// test can see how many writes the filesystem has in flight at once.
+/// test can see how many writes the filesystem has in flight at once;
+/// discards and reads of one place can be held back apart.
 pub struct GateDevice {
     pub inner: Arc<dyn BlockDevice>,
     pub gate: Arc<Gate>,
@@ -106,6 +111,8 @@ impl BlockDevice for GateDevice {
             writes: Default::default(),
             discards: Default::default(),
             held_discards: Vec::new(),
+            reads: Default::default(),
+            held_reads: Vec::new(),
         }))
     }
 }
@@ -117,6 +124,8 @@ struct GateQueue {
     writes: std::collections::HashSet<u64>,
     discards: std::collections::HashSet<u64>,
     held_discards: Vec<Completion>,
+    reads: std::collections::HashSet<u64>,
+    held_reads: Vec<Completion>,
 }
 
 impl IoQueue for GateQueue {
@@ -136,6 +145,14 @@ impl IoQueue for GateQueue {
             self.discards.insert(req.token);
             self.gate.discards_held.fetch_add(1, Ordering::SeqCst);
         }
+        if req.kind == IoKind::Read {
+            let bytes: u64 = req.iovecs.iter().map(|v| v.len as u64).sum();
+            let held = *self.gate.hold_reads_at.lock().unwrap();
+            if held.is_some_and(|at| (req.offset_bytes..req.offset_bytes + bytes).contains(&at)) {
+                self.reads.insert(req.token);
+                self.gate.reads_held.fetch_add(1, Ordering::SeqCst);
+            }
+        }
         Ok(())
     }
     fn poll(&mut self, out: &mut Vec<Completion>, max: usize) -> usize {
@@ -147,6 +164,8 @@ impl IoQueue for GateQueue {
                 self.held.push(c);
             } else if self.discards.contains(&c.token) {
                 self.held_discards.push(c);
+            } else if self.reads.contains(&c.token) {
+                self.held_reads.push(c);
             } else {
                 out.push(c);
             }
@@ -155,6 +174,13 @@ impl IoQueue for GateQueue {
             for c in self.held_discards.drain(..) {
                 self.discards.remove(&c.token);
                 self.gate.discards_held.fetch_sub(1, Ordering::SeqCst);
+                out.push(c);
+            }
+        }
+        if self.gate.hold_reads_at.lock().unwrap().is_none() {
+            for c in self.held_reads.drain(..) {
+                self.reads.remove(&c.token);
+                self.gate.reads_held.fetch_sub(1, Ordering::SeqCst);
                 out.push(c);
             }
         }
@@ -172,7 +198,7 @@ impl IoQueue for GateQueue {
         out.len() - before
     }
     fn in_flight(&self) -> usize {
-        self.inner.in_flight() + self.held.len() + self.held_discards.len()
+        self.inner.in_flight() + self.held.len() + self.held_discards.len() + self.held_reads.len()
     }
 }
 
