@@ -688,6 +688,9 @@ fn a_shared_block_whose_first_name_moves_mid_read_is_checked_at_the_next() {
             clones.push(k.ino());
         }
         fs.sync().await.unwrap();
+        // a is met first: were a clone first, its own read would find the
+        // block bad with no forget at all.
+        assert!(a < clones[0] && clones[0] < clones[1]);
         let block = corrupt_block_holding(&ram, &data[7 * 4096..8 * 4096]) as u64;
         // The scrub's read of a's piece that holds the bad block is held.
         *gate.hold_reads_at.lock().unwrap() = Some(block * 4096);
@@ -699,6 +702,7 @@ fn a_shared_block_whose_first_name_moves_mid_read_is_checked_at_the_next() {
             }
         });
         while gate.reads_held.load(SeqCst) == 0 {
+            assert!(pass.borrow().is_none(), "the scrub never read the bad block through the gate");
             keelfs_reactor::yield_now().await;
         }
         fs.data().write_direct(a, FileOffset::new(7 * 4096), aligned(&pattern(32, 4096))).await.1.unwrap();

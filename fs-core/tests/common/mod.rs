@@ -78,8 +78,9 @@ pub struct Gate {
     pub hold_discards: AtomicBool,
     /// Discards submitted and not yet completed to the caller.
     pub discards_held: AtomicUsize,
-    /// While set, completions of reads whose range holds this device
-    /// byte are held back (apart from writes), and counted here.
+    /// While Some, completions of reads whose range held this device
+    /// byte when they were submitted are held back (apart from writes),
+    /// and counted here; all are let go once it is None again.
     pub hold_reads_at: Mutex<Option<u64>>,
     pub reads_held: AtomicUsize,
 }
