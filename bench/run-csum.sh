@@ -15,9 +15,11 @@
 # --device loop (the default) serves each image through a loop device,
 # the fair device of issue 18 and of issue 38's goals: the copy into the
 # guest's buffer is then the loop worker's, as a device's DMA would be.
-# --device file serves the image files themselves, as stops 54-59 did:
-# io_uring punts reads of a tmpfs file to its own workers, which are
-# charged to the daemon.
+# --device file serves the image files themselves, as the issue 38
+# sections of bench/RESULTS.md before 2026-12-06 (evening) did: io_uring
+# punts reads of a tmpfs file to its own workers, which are charged to
+# the daemon.
+# Needs: root, for the loop devices (--device loop).
 # The defaults, 4 rounds of 20 s runs (about 25 minutes for all three),
 # are what bench/RESULTS.md reports: each run starts by refilling its
 # file, whose aftermath weighs on short runs, and single rounds swing.
@@ -33,7 +35,7 @@ while (($#)); do
     --seconds) seconds=$2; shift 2 ;;
     --workloads) workloads=$2; shift 2 ;;
     --device) device=$2; shift 2 ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
     *) out=$1; shift ;;
   esac
 done
