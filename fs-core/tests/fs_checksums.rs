@@ -631,13 +631,7 @@ fn a_block_clones_share_is_read_once() {
             format_with_checksums(&dev).await;
             let fs = mount(&dev).await;
             let (a, _) = two_files(&fs, &data, &[]).await;
-            let mut clones = Vec::new();
-            for name in [b"k1", b"k2"] {
-                let (k, _) = fs.create(&Creds::root(), ROOT_INO, name, 0o644, 2).await.unwrap();
-                let len = data.len() as u64;
-                fs.data().copy_range(a, FileOffset::new(0), k.ino(), FileOffset::new(0), len).await.unwrap();
-                clones.push(k.ino());
-            }
+            let clones = two_clones(&fs, a, data.len() as u64).await;
             fs.data().write(clones[0], FileOffset::new(4 * 4096), &pattern(22, 4096)).await.unwrap();
             fs.sync().await.unwrap();
             let (checked, bad, _) = scrub_all(&fs, 4).await;
@@ -680,13 +674,7 @@ fn a_shared_block_whose_first_name_moves_mid_read_is_checked_at_the_next() {
         format_with_checksums(&dev).await;
         let fs = mount(&dev).await;
         let (a, _) = two_files(&fs, &data, &[]).await;
-        let mut clones = Vec::new();
-        for name in [b"k1", b"k2"] {
-            let (k, _) = fs.create(&Creds::root(), ROOT_INO, name, 0o644, 2).await.unwrap();
-            let len = data.len() as u64;
-            fs.data().copy_range(a, FileOffset::new(0), k.ino(), FileOffset::new(0), len).await.unwrap();
-            clones.push(k.ino());
-        }
+        let clones = two_clones(&fs, a, data.len() as u64).await;
         fs.sync().await.unwrap();
         // a is met first: were a clone first, its own read would find the
         // block bad with no forget at all.
@@ -762,6 +750,18 @@ fn corrupt_block_holding(ram: &MappedDevice, content: &[u8]) -> usize {
     image[block * 4096 + 77] ^= 0x04;
     ram.restore(&image);
     block
+}
+
+/// Files "k1" and "k2" in the root, each a clone of `a`'s first `len`
+/// bytes (copy_range: they share its blocks).
+async fn two_clones(fs: &Fs, a: Ino, len: u64) -> [Ino; 2] {
+    let mut clones = [ROOT_INO; 2];
+    for (clone, name) in clones.iter_mut().zip([b"k1", b"k2"]) {
+        let (k, _) = fs.create(&Creds::root(), ROOT_INO, name, 0o644, 2).await.unwrap();
+        fs.data().copy_range(a, FileOffset::new(0), k.ino(), FileOffset::new(0), len).await.unwrap();
+        *clone = k.ino();
+    }
+    clones
 }
 
 /// Files "a" and "b" in the root, holding `a` and `b`.
