@@ -2,8 +2,10 @@
 # Data checksums against none (issue 38's goals), through the host-side
 # vhost-user driver: two daemons with the defaults a user gets, one
 # serving an image made with `mkfs --data-checksums` and one without,
-# both in /dev/shm (written whole first). Each round runs every workload
-# on both, alternating which goes first, for both drivers (a halted
+# both in /dev/shm (written whole first). Each round formats both images
+# afresh and runs every workload on both, alternating which goes first
+# every round and which image each has every other round (so rounds in
+# multiples of 4 balance both), for both drivers (a halted
 # vCPU's sleep and a running one's spin): 4 KiB direct overwrites and
 # reads at QD32 on a 2 GiB file, and the 8 KiB buffered mix. keelfs-bench
 # reports each daemon's CPU (--daemon-pid): the daemon's CPU is charged
@@ -11,7 +13,7 @@
 # summary: median ratios checksums/plain of IOPS, of daemon CPU per
 # operation and of the machine's, per workload and driver.
 #
-# --workloads "A B" runs only those (fresh images for each invocation).
+# --workloads "A B" runs only those.
 # --device loop (the default) serves each image through a loop device,
 # the fair device of issue 18 and of issue 38's goals: the copy into the
 # guest's buffer is then the loop worker's, as a device's DMA would be.
@@ -59,25 +61,48 @@ cleanup() {
 }
 trap cleanup EXIT
 
-declare -A pid_of
-for mode in plain csum; do
-  dd if=/dev/zero of="$work/$mode.img" bs=1M count=6144 status=none
-  dev=$work/$mode.img
+# Two images, a and b, whose roles swap every other round (fresh
+# filesystems each time): an image file and its loop device can carry a
+# bias of their own through a whole invocation (one image was the slower
+# for whichever daemon served it, in two runs of 8 rounds on 2026-12-06),
+# which alternating only the order would leave in the ratio. The order
+# alternates every round, the images every other, so that each mode has
+# each image and each place in the order equally often over 4 rounds.
+declare -A pid_of dev_of image_of
+for image in a b; do
+  dd if=/dev/zero of="$work/$image.img" bs=1M count=6144 status=none
+  dev_of[$image]=$work/$image.img
   if [[ $device == loop ]]; then
-    dev=$(losetup -f --show "$work/$mode.img")
-    loops+=("$dev")
+    dev_of[$image]=$(losetup -f --show "$work/$image.img")
+    loops+=("${dev_of[$image]}")
   fi
-  flags=()
-  [[ $mode == csum ]] && flags=(--data-checksums)
-  "$keelfsd" mkfs "$dev" --force "${flags[@]}" >/dev/null
-  "$keelfsd" serve --device "$dev" --socket "$work/$mode.sock" --tag "$mode" 2>"$work/$mode.log" &
-  pid_of[$mode]=$!
-  pids+=("$!")
-  for _ in $(seq 300); do [[ -S $work/$mode.sock ]] && break; sleep 0.05; done
-  [[ -S $work/$mode.sock ]] || { echo "run-csum.sh: keelfsd ($mode) never listened" >&2; cat "$work/$mode.log" >&2; exit 1; }
 done
 
+stop_daemons() {
+  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; done
+  pids=()
+}
+
+# Format the images for round $1 and serve each with its own daemon.
+start_daemons() {
+  image_of[plain]=a image_of[csum]=b
+  (((($1 - 1) / 2) % 2 == 1)) && image_of[plain]=b image_of[csum]=a
+  for mode in plain csum; do
+    local dev=${dev_of[${image_of[$mode]}]} flags=()
+    [[ $mode == csum ]] && flags=(--data-checksums)
+    "$keelfsd" mkfs "$dev" --force "${flags[@]}" >/dev/null
+    rm -f "$work/$mode.sock"
+    "$keelfsd" serve --device "$dev" --socket "$work/$mode.sock" --tag "$mode" 2>"$work/$mode.log" &
+    pid_of[$mode]=$!
+    pids+=("$!")
+    for _ in $(seq 300); do [[ -S $work/$mode.sock ]] && break; sleep 0.05; done
+    [[ -S $work/$mode.sock ]] || { echo "run-csum.sh: keelfsd ($mode) never listened" >&2; cat "$work/$mode.log" >&2; exit 1; }
+  done
+}
+
 for round in $(seq "$rounds"); do
+  stop_daemons
+  start_daemons "$round"
   order=(plain csum)
   ((round % 2 == 0)) && order=(csum plain)
   for workload in $workloads; do
@@ -88,8 +113,8 @@ for round in $(seq "$rounds"); do
         line=$("$bench" vhost --socket "$work/$mode.sock" --workload "$workload" --file-size 2G \
           --seconds "$seconds" --iodepth "$depth" --driver "$driver" --daemon-pid "${pid_of[$mode]}" \
           --label "keelfs-$mode" --json)
-        line=$(python3 -c 'import json,sys; d=json.loads(sys.argv[1]); d["round"]=int(sys.argv[2]); d["mode"]=sys.argv[3]; d["device"]=sys.argv[4]; print(json.dumps(d))' \
-          "$line" "$round" "$mode" "$device")
+        line=$(python3 -c 'import json,sys; d=json.loads(sys.argv[1]); d["round"]=int(sys.argv[2]); d["mode"]=sys.argv[3]; d["device"]=sys.argv[4]; d["image"]=sys.argv[5]; print(json.dumps(d))' \
+          "$line" "$round" "$mode" "$device" "${image_of[$mode]}")
         echo "$line"
         echo "$line" >>"$work/rows.jsonl"
         if [[ -n $out ]]; then echo "$line" >>"$out"; fi
