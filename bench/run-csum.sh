@@ -64,7 +64,7 @@ trap cleanup EXIT
 # Two images, a and b, whose roles swap every other round (fresh
 # filesystems each time): an image file and its loop device can carry a
 # bias of their own through a whole invocation (one image was the slower
-# for whichever daemon served it, in two runs of 8 rounds on 2026-12-06),
+# for whichever daemon served it, in runs of 6 and 8 rounds on 2026-12-06),
 # which alternating only the order would leave in the ratio. The order
 # alternates every round, the images every other, so that each mode has
 # each image and each place in the order equally often over 4 rounds.
