@@ -54,8 +54,12 @@ case $device in
 esac
 work=$(mktemp -d /dev/shm/keelfs-csum.XXXXXX)
 pids=() loops=()
-cleanup() {
+stop_daemons() {
   for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; done
+  pids=()
+}
+cleanup() {
+  stop_daemons
   for l in "${loops[@]}"; do losetup -d "$l" 2>/dev/null || true; done
   rm -rf "$work"
 }
@@ -77,11 +81,6 @@ for image in a b; do
     loops+=("${dev_of[$image]}")
   fi
 done
-
-stop_daemons() {
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; done
-  pids=()
-}
 
 # Format the images for round $1 and serve each with its own daemon.
 start_daemons() {
